@@ -1,0 +1,120 @@
+"""Multi-head Latent Attention with DeepSeek Sparse Attention's lightning indexer (reference path).
+
+Shape legend: B batch, T new tokens, S cached keys (including the new ones), H heads, Hi indexer heads,
+C kv_lora_rank, R qk_rope_head_dim, P qk_nope_head_dim, V v_head_dim, Dk index_head_dim.
+
+A forward writes the T new tokens into the layer cache first and then attends over the first S slots;
+query t of row b sees key s iff s <= pos[b, t] (causal, per-row lengths) and the indexer selected s.
+Two equivalent MLA paths: 'naive' expands every cached latent through kv_b_proj (prefill), 'absorb' folds
+kv_b_proj into the query and output so attention runs in the C-dim latent space (decode / verify).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import fp8
+from .cache import LayerCache
+from .config import ModelConfig, RuntimeOptions
+from .layers import LayerNorm, Linear, RMSNorm, rope_half, rope_interleaved
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        q8 = cfg.is_fp8
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.topk = cfg.index_topk
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, q8, dtype)
+        self.wk = Linear(cfg.hidden_size, self.head_dim, q8, dtype)
+        self.k_norm = LayerNorm(self.head_dim, eps=1e-6, dtype=torch.float32)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, False, dtype)
+        self.numerics = "fp8"
+
+    def keys(self, x_BTD: torch.Tensor, cos, sin) -> torch.Tensor:
+        """The indexer key of each new token (rotated, Hadamard-transformed), before quantization."""
+        k = self.k_norm(self.wk(x_BTD))
+        k = torch.cat((rope_half(k[..., : self.rope_dim], cos, sin), k[..., self.rope_dim:]), dim=-1)
+        return fp8.rotate_activation(k)
+
+    def select(self, x_BTD, qr_BTQ, cos, sin, cache: LayerCache, S: int, visible_BTS: torch.Tensor) -> torch.Tensor:
+        """Boolean [B, T, S]: the keys each query keeps (top-k of the index score among visible keys)."""
+        B, T, _ = x_BTD.shape
+        q = self.wq_b(qr_BTQ).view(B, T, self.n_heads, self.head_dim)
+        q = torch.cat((rope_half(q[..., : self.rope_dim], cos, sin), q[..., self.rope_dim:]), dim=-1)
+        q = fp8.rotate_activation(q).float()
+        if self.numerics == "fp8":
+            q = fp8.fake_quant(q)  # one ue8m0 scale per (token, head): the reference quantizes q before scoring
+        k_BSD = cache.read_index_k(S)
+        w_BTH = F.linear(x_BTD.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5
+        dots_BTHS = torch.einsum("bthd,bsd->bths", q, k_BSD).relu()
+        score_BTS = torch.einsum("bth,bths->bts", w_BTH * self.head_dim ** -0.5, dots_BTHS)
+        score_BTS = score_BTS.masked_fill(~visible_BTS, float("-inf"))
+        k = min(self.topk, S)
+        if k >= S:
+            return visible_BTS
+        # Stable sort: among equal scores the earlier key wins, whatever the tensor shape (full vs incremental).
+        order = torch.sort(score_BTS, dim=-1, descending=True, stable=True).indices[..., :k]
+        keep = torch.zeros_like(visible_BTS).scatter_(-1, order, True)
+        return keep & visible_BTS
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        q8 = cfg.is_fp8
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        self.H, self.P, self.R, self.V, self.C = H, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.q_a_proj = Linear(D, cfg.q_lora_rank, q8, dtype)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
+        self.q_b_proj = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, q8, dtype)
+        self.kv_a_proj_with_mqa = Linear(D, self.C + self.R, q8, dtype)
+        self.kv_a_layernorm = RMSNorm(self.C, cfg.rms_norm_eps, dtype)
+        self.kv_b_proj = Linear(self.C, H * (self.P + self.V), q8, dtype)
+        self.o_proj = Linear(H * self.V, D, q8, dtype)
+        self.indexer = Indexer(cfg, dtype)
+        self.softmax_scale = cfg.softmax_scale
+
+    def forward(self, x_BTD, pos_BT, cos, sin, cache: LayerCache, S: int, opts: RuntimeOptions) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        dt = x_BTD.dtype
+        qr = self.q_a_layernorm(self.q_a_proj(x_BTD), dt)
+        q = self.q_b_proj(qr).view(B, T, self.H, self.P + self.R)
+        q_nope, q_pe = q[..., : self.P], rope_interleaved(q[..., self.P:], cos, sin)
+        kv = self.kv_a_proj_with_mqa(x_BTD)
+        c = self.kv_a_layernorm(kv[..., : self.C], dt)
+        k_pe = rope_interleaved(kv[..., self.C:], cos, sin)
+        cache.write(pos_BT, c, k_pe, self.indexer.keys(x_BTD, cos, sin))
+
+        visible_BTS = torch.arange(S, device=x_BTD.device).view(1, 1, S) <= pos_BT.unsqueeze(-1)
+        keep_BTS = self.indexer.select(x_BTD, qr, cos, sin, cache, S, visible_BTS)
+        c_BSC, pe_BSR = cache.read_kv(S, torch.float32)
+        bias_B1TS = torch.zeros(keep_BTS.shape, dtype=torch.float32, device=x_BTD.device)
+        bias_B1TS = bias_B1TS.masked_fill(~keep_BTS, float("-inf")).unsqueeze(1)
+
+        naive = opts.attn_impl == "naive" or (opts.attn_impl == "auto" and T > opts.absorb_max_tokens)
+        if naive:
+            o = self._naive(q_nope, q_pe, c_BSC.to(dt), pe_BSR, bias_B1TS)
+        else:
+            o = self._absorbed(q_nope, q_pe, c_BSC, pe_BSR, bias_B1TS)
+        return self.o_proj(o.reshape(B, T, self.H * self.V).to(dt))
+
+    def _naive(self, q_nope, q_pe, c_BSC, pe_BSR, bias):
+        B, S = c_BSC.shape[:2]
+        kv = self.kv_b_proj(c_BSC).view(B, S, self.H, self.P + self.V).float()
+        k_nope, v = kv[..., : self.P], kv[..., self.P:]
+        scores = torch.einsum("bthp,bshp->bhts", q_nope.float(), k_nope)
+        scores = scores + torch.einsum("bthr,bsr->bhts", q_pe.float(), pe_BSR.float())
+        p = (scores * self.softmax_scale + bias).softmax(dim=-1)
+        return torch.einsum("bhts,bshv->bthv", p, v)
+
+    def _absorbed(self, q_nope, q_pe, c_BSC, pe_BSR, bias):
+        w = self.kv_b_proj.dequantized_weight(torch.float32).view(self.H, self.P + self.V, self.C)
+        q_lat = torch.einsum("bthp,hpc->bthc", q_nope.float(), w[:, : self.P])
+        scores = torch.einsum("bthc,bsc->bhts", q_lat, c_BSC.float())
+        scores = scores + torch.einsum("bthr,bsr->bhts", q_pe.float(), pe_BSR.float())
+        p = (scores * self.softmax_scale + bias).softmax(dim=-1)
+        o_lat = torch.einsum("bhts,bsc->bthc", p, c_BSC.float())
+        return torch.einsum("bthc,hvc->bthv", o_lat, w[:, self.P:])

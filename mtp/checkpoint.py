@@ -1,0 +1,254 @@
+"""Load and write DeepSeek-V3.2 checkpoints in the HF layout (safetensors only, never pickle).
+
+Loading validates everything that can be checked from the shard headers before any weight is read:
+the index and its shards, missing / unexpected tensors, shapes, dtypes, and the config against the tensors.
+Then it streams tensor by tensor from the memory-mapped shards straight into a model built on the meta
+device, so host memory holds the model (when loading to CPU) plus one tensor, never a second copy. A model
+is returned only when every parameter was filled: a failure leaves nothing half-initialized behind.
+
+Name mapping: trunk tensors keep their names; MTP layer `model.layers.{num_hidden_layers + j}.X` is
+`mtp.{j}.X` in the module tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ConfigError, ModelConfig, RuntimeOptions
+from .layers import yarn_inv_freq
+from .model import DeepseekV32
+from .spec import checkpoint_spec
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_ST_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16,
+    "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint on disk is incomplete, corrupt or disagrees with its config."""
+
+
+def param_name(ckpt_name: str, cfg: ModelConfig) -> str:
+    m = re.match(r"model\.layers\.(\d+)\.(.*)", ckpt_name)
+    if m and int(m.group(1)) >= cfg.num_hidden_layers:
+        return f"mtp.{int(m.group(1)) - cfg.num_hidden_layers}.{m.group(2)}"
+    return ckpt_name
+
+
+def ckpt_name(param: str, cfg: ModelConfig) -> str:
+    m = re.match(r"mtp\.(\d+)\.(.*)", param)
+    if m:
+        return f"model.layers.{cfg.num_hidden_layers + int(m.group(1))}.{m.group(2)}"
+    return param
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def weight_map(path: Path) -> dict[str, str]:
+    """{tensor name: shard file name}, from the index json or the single-file layout."""
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            raw = json.loads(index.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+        wm = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(wm, dict) or not wm:
+            raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+        for name, f in wm.items():
+            if not isinstance(f, str):
+                raise CheckpointError(f"{index}: weight_map[{name!r}] = {f!r} is not a file name")
+        return dict(wm)
+    single = path / SINGLE_NAME
+    if single.is_file():
+        with _open(single) as f:
+            return {k: SINGLE_NAME for k in f.keys()}
+    raise CheckpointError(f"{path}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for bad headers / short files
+        raise CheckpointError(f"{file}: not a readable safetensors file (truncated or corrupt?): {e}") from None
+
+
+def read_headers(path: Path, wm: dict[str, str]) -> dict[str, tuple[tuple[int, ...], torch.dtype, str]]:
+    """{name: (shape, dtype, file)} read from shard headers only; checks the index against the shards."""
+    by_file: dict[str, list[str]] = {}
+    for name, f in wm.items():
+        by_file.setdefault(f, []).append(name)
+    out = {}
+    for fname, names in sorted(by_file.items()):
+        file = path / fname
+        if not file.is_file():
+            raise CheckpointError(f"{file}: shard named in {INDEX_NAME} for {len(names)} tensors "
+                                  f"(e.g. {names[0]!r}) does not exist")
+        expected_size = None
+        with _open(file) as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise CheckpointError(f"{file}: index says it holds tensor {name!r}, but it does not")
+                sl = f.get_slice(name)
+                dt = _ST_DTYPES.get(sl.get_dtype())
+                if dt is None:
+                    raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {sl.get_dtype()}")
+                out[name] = (tuple(sl.get_shape()), dt, fname)
+            expected_size = _data_end(file)
+        if expected_size is not None and file.stat().st_size < expected_size:
+            raise CheckpointError(f"{file}: truncated: {file.stat().st_size} bytes, header describes {expected_size}")
+    return out
+
+
+def _data_end(file: Path) -> int | None:
+    """Byte length the header promises (8-byte length + header + largest data offset)."""
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{file}: truncated: shorter than the 8-byte safetensors header length")
+        n = int.from_bytes(head, "little")
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{file}: corrupt safetensors header ({e})") from None
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    return 8 + n + max(ends, default=0)
+
+
+def validate(path: Path, cfg: ModelConfig, n_mtp: int) -> dict[str, tuple[tuple[int, ...], torch.dtype, str]]:
+    wm = weight_map(path)
+    headers = read_headers(path, wm)
+    spec = checkpoint_spec(cfg, n_mtp)
+    missing = [n for n in spec if n not in headers]
+    unexpected = [n for n in headers if n not in spec]
+    if missing:
+        raise CheckpointError(f"{path}: {len(missing)} tensors the config requires are missing, e.g. "
+                              f"{missing[:3]} (config: num_hidden_layers={cfg.num_hidden_layers}, "
+                              f"num_nextn_predict_layers={cfg.num_nextn_predict_layers})")
+    if unexpected:
+        raise CheckpointError(f"{path}: {len(unexpected)} tensors not in the DeepSeek-V3.2 layout for this config, "
+                              f"e.g. {unexpected[:3]} in {headers[unexpected[0]][2]}")
+    for name, ts in spec.items():
+        shape, dt, fname = headers[name]
+        if shape != ts.shape:
+            raise CheckpointError(f"{path / fname}: tensor {name!r} has shape {list(shape)}, the config implies "
+                                  f"{list(ts.shape)} -- config.json and the weights disagree")
+        if dt not in ts.dtypes:
+            raise CheckpointError(f"{path / fname}: tensor {name!r} has dtype {dt}, expected "
+                                  f"{' or '.join(str(d) for d in ts.dtypes)}")
+    return headers
+
+
+def iter_tensors(path: Path, headers) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) shard by shard in file order, memory-mapped."""
+    by_file: dict[str, list[str]] = {}
+    for name, (_, _, f) in headers.items():
+        by_file.setdefault(f, []).append(name)
+    for fname in sorted(by_file):
+        with _open(path / fname) as f:
+            for name in by_file[fname]:
+                try:
+                    yield name, f.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"{path / fname}: could not read tensor {name!r}: {e}") from None
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               numerics: str = "fp8", n_mtp: int | None = None, runtime: RuntimeOptions | None = None) -> DeepseekV32:
+    """Load an HF DeepSeek-V3.2 checkpoint directory (FP8 or bf16) into `DeepseekV32` on `device`.
+
+    n_mtp: how many MTP layers to load (default: config's num_nextn_predict_layers; 0 skips them).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    cfg = ModelConfig.from_json(path / "config.json")
+    n_avail = cfg.num_nextn_predict_layers
+    n_mtp = n_avail if n_mtp is None else n_mtp
+    if not 0 <= n_mtp <= n_avail:
+        raise ConfigError(f"n_mtp={n_mtp}: the checkpoint has {n_avail} MTP layers (num_nextn_predict_layers)")
+    headers = validate(path, cfg, n_avail)
+    wanted = {k: v for k, v in headers.items() if _layer_keep(k, cfg, n_mtp)}
+    runtime = runtime or RuntimeOptions(numerics=numerics)
+    with torch.device("meta"):
+        model = DeepseekV32(cfg, dtype=dtype, n_mtp=n_mtp, runtime=runtime)
+    params = dict(model.named_parameters())
+    for name, t in iter_tensors(path, wanted):
+        pname = param_name(name, cfg)
+        p = params.pop(pname)
+        if t.dtype == torch.float32 and name.endswith("weight_scale_inv") and not bool(torch.isfinite(t).all() and (t > 0).all()):
+            raise CheckpointError(f"{path / headers[name][2]}: tensor {name!r} has non-positive or non-finite scales")
+        value = t.to(device=device, dtype=p.dtype)
+        _set_param(model, pname, torch.nn.Parameter(value, requires_grad=False))
+    if params:
+        raise CheckpointError(f"{path}: internal error, parameters left unfilled: {sorted(params)[:3]}")
+    model.rotary.inv_freq = yarn_inv_freq(cfg).to(device)
+    return model.eval()
+
+
+def _layer_keep(name: str, cfg: ModelConfig, n_mtp: int) -> bool:
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return not m or int(m.group(1)) < cfg.num_hidden_layers + n_mtp
+
+
+def _set_param(model: torch.nn.Module, dotted: str, value: torch.nn.Parameter) -> None:
+    mod_path, _, attr = dotted.rpartition(".")
+    setattr(model.get_submodule(mod_path), attr, value)
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def save_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | os.PathLike,
+                    n_shards: int = 2, extra_files: dict[str, Path] | None = None) -> Path:
+    """Write checkpoint-named tensors as `n_shards` safetensors shards + index + config.json, atomically
+    (a temp dir renamed into place, so a crash never leaves a half-written checkpoint)."""
+    out = Path(out_dir)
+    spec = checkpoint_spec(cfg)
+    problems = [n for n in spec if n not in tensors] + [n for n in tensors if n not in spec]
+    if problems:
+        raise CheckpointError(f"save_checkpoint: tensors do not match the layout of the config: {problems[:3]}")
+    names = list(spec)
+    total = sum(tensors[n].numel() * tensors[n].element_size() for n in names)
+    n_shards = max(1, min(n_shards, len(names)))
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=out.parent if out.parent.exists() else None))
+    try:
+        shards: list[list[str]] = [[] for _ in range(n_shards)]
+        acc, target = 0, total / n_shards
+        for n in names:
+            i = min(int(acc // target) if target else 0, n_shards - 1)
+            shards[i].append(n)
+            acc += tensors[n].numel() * tensors[n].element_size()
+        shards = [s for s in shards if s]
+        wm = {}
+        for i, s in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):06d}.safetensors"
+            save_file({n: tensors[n].contiguous() for n in s}, str(tmp / fname), metadata={"format": "pt"})
+            wm.update({n: fname for n in s})
+        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2))
+        (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        for name, src in (extra_files or {}).items():
+            shutil.copy(src, tmp / name)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def state_for_checkpoint(model: DeepseekV32) -> dict[str, torch.Tensor]:
+    """The model's parameters under checkpoint names (for round trips and exports)."""
+    return {ckpt_name(n, model.cfg): p.detach() for n, p in model.named_parameters()}

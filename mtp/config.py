@@ -1,0 +1,321 @@
+"""Typed, validated view of a DeepSeek-V3.2 `config.json`.
+
+`ModelConfig.from_json(path)` reads the file a real checkpoint ships (all fields of the public 671B
+config, see `../shared/docs/dsv32-facts.md` section 1) and refuses values this implementation does not
+support, naming the field, the value and what is supported. Runtime choices that are not part of the
+checkpoint (numerics, attention path) live in `RuntimeOptions`, never in the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BLOCK = 128  # FP8 weight block (128x128) and activation-quant group width
+
+
+class ConfigError(ValueError):
+    """A config.json field is missing, malformed or unsupported."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    type: str = "yarn"
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    quant_method: str = "fp8"
+    fmt: str = "e4m3"
+    scale_fmt: str | None = "ue8m0"
+    activation_scheme: str = "dynamic"
+    weight_block_size: tuple[int, int] = (BLOCK, BLOCK)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    first_k_dense_replace: int = 3
+    num_attention_heads: int = 128
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    n_group: int = 8
+    topk_group: int = 4
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.5
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    num_nextn_predict_layers: int = 1
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 163840
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = field(default_factory=RopeScaling)
+    quantization_config: QuantConfig | None = field(default_factory=QuantConfig)
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    model_type: str = "deepseek_v32"
+    architectures: tuple[str, ...] = ("DeepseekV32ForCausalLM",)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.quantization_config is not None
+
+    @property
+    def softmax_scale(self) -> float:
+        """192^-0.5 * mscale^2, mscale = 0.1 * mscale * ln(factor) + 1 (DeepSeek reference)."""
+        scale = self.qk_head_dim ** -0.5
+        rs = self.rope_scaling
+        if rs is not None and rs.factor > 1.0:
+            m = 0.1 * rs.mscale * math.log(rs.factor) + 1.0
+            scale *= m * m
+        return scale
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """MTP layers (id >= num_hidden_layers) are MoE blocks as well."""
+        return layer_id >= self.first_k_dense_replace
+
+    # ------------------------------------------------------------------ I/O
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":
+        raw = dict(raw)
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for name in known:
+            if name in raw:
+                kwargs[name] = raw[name]
+        if "rope_scaling" in kwargs and kwargs["rope_scaling"] is not None:
+            kwargs["rope_scaling"] = _rope_from_dict(kwargs["rope_scaling"], source)
+        if "quantization_config" in kwargs and kwargs["quantization_config"] is not None:
+            kwargs["quantization_config"] = _quant_from_dict(kwargs["quantization_config"], source)
+        if "architectures" in kwargs:
+            kwargs["architectures"] = tuple(kwargs["architectures"] or ())
+        if isinstance(kwargs.get("eos_token_id"), list):
+            ids = kwargs["eos_token_id"]
+            if not ids:
+                raise ConfigError(f"{source}: field 'eos_token_id' is an empty list")
+            kwargs["eos_token_id"] = int(ids[0])
+        for f in dataclasses.fields(cls):
+            if f.name in kwargs and f.type in ("int", "float", "bool") and kwargs[f.name] is not None:
+                kwargs[f.name] = _coerce(f.name, f.type, kwargs[f.name], source)
+        cfg = cls(**kwargs)
+        cfg.validate(source)
+        return cfg
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: no config.json found")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+        return cls.from_dict(raw, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config.json a real checkpoint carries (HF field names)."""
+        d = dataclasses.asdict(self)
+        d["architectures"] = list(self.architectures)
+        if self.quantization_config is not None:
+            d["quantization_config"]["weight_block_size"] = list(self.quantization_config.weight_block_size)
+        d.update(
+            num_key_value_heads=self.num_attention_heads,
+            attention_bias=False,
+            attention_dropout=0.0,
+            initializer_range=0.02,
+            use_cache=True,
+            torch_dtype="bfloat16",
+            ep_size=1,
+            moe_layer_freq=1,
+        )
+        return d
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, source: str = "config") -> None:
+        def bad(fieldname: str, value: Any, expected: str) -> ConfigError:
+            return ConfigError(f"{source}: field '{fieldname}' = {value!r} is not supported; expected {expected}")
+
+        if self.model_type != "deepseek_v32":
+            raise bad("model_type", self.model_type, "'deepseek_v32'")
+        if self.scoring_func != "sigmoid":
+            raise bad("scoring_func", self.scoring_func, "'sigmoid' (DeepSeek-V3/V3.2 routing)")
+        if self.hidden_act != "silu":
+            raise bad("hidden_act", self.hidden_act, "'silu'")
+        if self.tie_word_embeddings:
+            raise bad("tie_word_embeddings", True, "false (DeepSeek-V3.2 has a separate lm_head)")
+        positive = [
+            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "index_n_heads",
+            "index_head_dim", "index_topk", "max_position_embeddings",
+        ]
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise bad(name, v, "a positive integer")
+        for name in ("n_shared_experts", "num_nextn_predict_layers", "first_k_dense_replace"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise bad(name, v, "a non-negative integer")
+        if self.first_k_dense_replace > self.num_hidden_layers:
+            raise bad("first_k_dense_replace", self.first_k_dense_replace,
+                      f"<= num_hidden_layers ({self.num_hidden_layers})")
+        if self.qk_rope_head_dim % 2:
+            raise bad("qk_rope_head_dim", self.qk_rope_head_dim, "an even number (rotary pairs)")
+        if self.index_head_dim <= self.qk_rope_head_dim:
+            raise bad("index_head_dim", self.index_head_dim, f"> qk_rope_head_dim ({self.qk_rope_head_dim})")
+        if self.index_head_dim & (self.index_head_dim - 1):
+            raise bad("index_head_dim", self.index_head_dim, "a power of two (Walsh-Hadamard transform)")
+        if self.n_routed_experts % self.n_group:
+            raise bad("n_group", self.n_group, f"a divisor of n_routed_experts ({self.n_routed_experts})")
+        if self.n_routed_experts // self.n_group < 2:
+            raise bad("n_group", self.n_group, "groups of at least 2 experts (group score = sum of top-2)")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise bad("topk_group", self.topk_group, f"in [1, n_group={self.n_group}]")
+        if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+            raise bad("num_experts_per_tok", self.num_experts_per_tok,
+                      "at most topk_group * experts per group")
+        if not 0 <= self.bos_token_id < self.vocab_size:
+            raise bad("bos_token_id", self.bos_token_id, f"in [0, vocab_size={self.vocab_size})")
+        if not 0 <= self.eos_token_id < self.vocab_size:
+            raise bad("eos_token_id", self.eos_token_id, f"in [0, vocab_size={self.vocab_size})")
+        if self.rope_scaling is not None and self.rope_scaling.type != "yarn":
+            raise bad("rope_scaling.type", self.rope_scaling.type, "'yarn' or no rope_scaling")
+        if self.quantization_config is not None:
+            self._validate_fp8(bad)
+
+    def _validate_fp8(self, bad) -> None:
+        q = self.quantization_config
+        assert q is not None
+        if q.quant_method != "fp8":
+            raise bad("quantization_config.quant_method", q.quant_method, "'fp8'")
+        if q.fmt != "e4m3":
+            raise bad("quantization_config.fmt", q.fmt, "'e4m3'")
+        if q.scale_fmt not in (None, "ue8m0"):
+            raise bad("quantization_config.scale_fmt", q.scale_fmt, "'ue8m0' or null")
+        if q.activation_scheme != "dynamic":
+            raise bad("quantization_config.activation_scheme", q.activation_scheme, "'dynamic'")
+        if tuple(q.weight_block_size) != (BLOCK, BLOCK):
+            raise bad("quantization_config.weight_block_size", list(q.weight_block_size), f"[{BLOCK}, {BLOCK}]")
+        # Every FP8 GEMM quantizes its input per 128 channels, so each input width must be a multiple.
+        inputs = {
+            "hidden_size": self.hidden_size,
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "index_head_dim": self.index_head_dim,
+            "num_attention_heads*v_head_dim": self.num_attention_heads * self.v_head_dim,
+        }
+        for name, v in inputs.items():
+            if v % BLOCK:
+                raise bad(name, v, f"a multiple of {BLOCK} (input width of an FP8 block-scaled GEMM)")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Choices made at load time, not stored in the checkpoint.
+
+    numerics: 'fp8' follows DeepSeek's reference inference numerics (per-128 activation quant with ue8m0
+    scales, FP8 latent KV and indexer keys); 'dequant' is plain float math on dequantized weights.
+    attn_impl: 'naive' expands the latent KV through kv_b_proj (prefill style), 'absorb' folds kv_b_proj
+    into the query and the output (decode style), 'auto' picks naive for blocks longer than
+    `absorb_max_tokens` new tokens.
+    """
+
+    numerics: str = "fp8"
+    attn_impl: str = "auto"
+    absorb_max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.numerics not in ("fp8", "dequant"):
+            raise ConfigError(f"numerics must be 'fp8' or 'dequant', got {self.numerics!r}")
+        if self.attn_impl not in ("auto", "naive", "absorb"):
+            raise ConfigError(f"attn_impl must be 'auto', 'naive' or 'absorb', got {self.attn_impl!r}")
+        if self.absorb_max_tokens < 1:
+            raise ConfigError(f"absorb_max_tokens must be >= 1, got {self.absorb_max_tokens}")
+
+
+def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
+    if typ == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: field '{name}' = {value!r} must be true or false")
+        return value
+    if typ == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{source}: field '{name}' = {value!r} must be an integer")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{source}: field '{name}' = {value!r} must be a number")
+    return float(value)
+
+
+def _rope_from_dict(raw: Any, source: str) -> RopeScaling:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: field 'rope_scaling' must be an object, got {raw!r}")
+    raw = dict(raw)
+    typ = raw.pop("type", raw.pop("rope_type", None))
+    if typ != "yarn":
+        raise ConfigError(f"{source}: field 'rope_scaling.type' = {typ!r} is not supported; expected 'yarn'")
+    names = {f.name for f in dataclasses.fields(RopeScaling)} - {"type"}
+    kw = {}
+    for k in names:
+        if k in raw:
+            t = "int" if k == "original_max_position_embeddings" else "float"
+            kw[k] = _coerce(f"rope_scaling.{k}", t, raw[k], source)
+    rs = RopeScaling(type="yarn", **kw)
+    if rs.factor < 1.0:
+        raise ConfigError(f"{source}: field 'rope_scaling.factor' = {rs.factor} must be >= 1")
+    return rs
+
+
+def _quant_from_dict(raw: Any, source: str) -> QuantConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: field 'quantization_config' must be an object, got {raw!r}")
+    block = raw.get("weight_block_size", [BLOCK, BLOCK])
+    if not isinstance(block, (list, tuple)) or len(block) != 2:
+        raise ConfigError(
+            f"{source}: field 'quantization_config.weight_block_size' = {block!r} must be a pair like [128, 128]")
+    return QuantConfig(
+        quant_method=raw.get("quant_method", "fp8"),
+        fmt=raw.get("fmt", "e4m3"),
+        scale_fmt=raw.get("scale_fmt"),
+        activation_scheme=raw.get("activation_scheme", "dynamic"),
+        weight_block_size=(int(block[0]), int(block[1])),
+    )

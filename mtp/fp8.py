@@ -1,0 +1,112 @@
+"""FP8 (e4m3) block-scaled arithmetic: the plain-PyTorch reference of DeepSeek's inference numerics.
+
+Shape legend: M rows (tokens), K input channels, N output channels, G = K // 128 channel groups.
+
+- Weights: `w8_NK` float8_e4m3fn with `scale_inv` float32 [ceil(N/128), ceil(K/128)];
+  W[n, k] = w8[n, k] * scale_inv[n // 128, k // 128].
+- Activations: per token, per 128-channel group, amax = max(|x|, 1e-4), s = amax / 448, rounded UP to a
+  power of two when the scale format is ue8m0; x8 = clamp(x / s, +-448) cast to e4m3 (round to nearest even).
+- GEMM: y[m, n] = sum_g (x8[m, g] . w8[n, g]) * s_x[m, g] * s_w[n // 128, g], accumulated in fp32.
+
+These functions are the reference every fast kernel in `mtp/kernels/` is held to.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BLOCK = 128
+FP8_MAX = 448.0
+FP8_DTYPE = torch.float8_e4m3fn
+AMAX_FLOOR = 1e-4
+
+
+def round_scale_ue8m0(s: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= s (exponent-only 'ue8m0' scale), computed exactly in fp32."""
+    return torch.exp2(torch.ceil(torch.log2(s)))
+
+
+def act_quant(x: torch.Tensor, block: int = BLOCK, scale_fmt: str | None = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the last dim of x in groups of `block`. Returns (x8 float8 [..., K], scale fp32 [..., K // block])."""
+    K = x.shape[-1]
+    if K % block:
+        raise ValueError(f"act_quant: last dim {K} is not a multiple of the block {block}")
+    xg = x.float().unflatten(-1, (K // block, block))
+    amax = xg.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
+    s = amax / FP8_MAX
+    if scale_fmt == "ue8m0":
+        s = round_scale_ue8m0(s)
+    x8 = (xg / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x8.flatten(-2), s
+
+
+def act_dequant(x8: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32, block: int = BLOCK) -> torch.Tensor:
+    """Inverse of act_quant: x8 [..., K] float8 and s [..., K // block] -> dtype [..., K]."""
+    K = x8.shape[-1]
+    xg = x8.float().unflatten(-1, (K // block, block)) * s.float().unsqueeze(-1)
+    return xg.flatten(-2).to(dtype)
+
+
+def fake_quant(x: torch.Tensor, block: int = BLOCK, scale_fmt: str | None = "ue8m0") -> torch.Tensor:
+    """act_quant then dequant, in x's dtype: the value an FP8 round trip leaves."""
+    x8, s = act_quant(x, block, scale_fmt)
+    return act_dequant(x8, s, x.dtype, block)
+
+
+def weight_dequant(w8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Expand [ceil(N/128), ceil(K/128)] block scales over w8 [N, K] and multiply."""
+    N, K = w8.shape
+    s = scale_inv.float().repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
+    return (w8.float() * s).to(dtype)
+
+
+def weight_quant(w: torch.Tensor, scale_fmt: str | None = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a float weight [N, K] into FP8 with one scale per 128x128 block (what the checkpoint stores).
+
+    The scale is amax / 448 (rounded up to a power of two for ue8m0), so no element saturates.
+    """
+    N, K = w.shape
+    nb, kb = math.ceil(N / BLOCK), math.ceil(K / BLOCK)
+    wp = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
+    wp[:N, :K] = w.float()
+    blocks = wp.view(nb, BLOCK, kb, BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR)
+    s = amax / FP8_MAX
+    if scale_fmt == "ue8m0":
+        s = round_scale_ue8m0(s)
+    q = (blocks / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(nb * BLOCK, kb * BLOCK)[:N, :K].contiguous(), s.contiguous()
+
+
+def fp8_gemm_ref(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    """Block-scaled GEMM: x8 [M, K] float8, sx [M, G] fp32, w8 [N, K] float8, sw [ceil(N/128), G] -> fp32 [M, N].
+
+    Each 128-wide K group is one fp32 product scaled by s_x * s_w, as DeepSeek's fp8_gemm accumulates.
+    """
+    M, K = x8.shape
+    N = w8.shape[0]
+    G = K // BLOCK
+    xg = x8.float().view(M, G, BLOCK)
+    wg = w8.float().view(N, G, BLOCK)
+    partial = torch.einsum("mgk,ngk->mgn", xg, wg)  # [M, G, N]
+    sw_full = sw.float().repeat_interleave(BLOCK, 0)[:N]  # [N, G]
+    return (partial * sx.float().unsqueeze(-1) * sw_full.t().unsqueeze(0)).sum(dim=1)
+
+
+def hadamard_matrix(n: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Sylvester Hadamard matrix H_n (n a power of two), entries +-1, H = H^T."""
+    if n & (n - 1):
+        raise ValueError(f"hadamard_matrix: n must be a power of two, got {n}")
+    h = torch.ones(1, 1, dtype=dtype, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def rotate_activation(x: torch.Tensor) -> torch.Tensor:
+    """Walsh-Hadamard transform over the last dim scaled by dim^-0.5 (orthonormal, as DeepSeek's indexer)."""
+    n = x.shape[-1]
+    h = hadamard_matrix(n, device=x.device, dtype=torch.float32)
+    return (x.float() @ h * n ** -0.5).to(x.dtype)

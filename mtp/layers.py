@@ -1,0 +1,164 @@
+"""Building blocks of the reference forward: norms, FP8-aware linear, rotary embeddings.
+
+Shape legend: B batch, T new tokens, S cached keys, D model width, R rotary dims.
+Every module reads the numerics ('fp8' | 'dequant') from `self.numerics`, which `DeepseekV32.set_runtime`
+sets on the whole tree; kernels (mtp/kernels) plug in through `Linear.backend`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import fp8
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """w * x * rsqrt(mean(x^2) + eps) in fp32, cast to `out_dtype` (DeepSeek reference)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return y.to(out_dtype or self.weight.dtype)
+
+
+class LayerNorm(nn.Module):
+    """The indexer's key norm: LayerNorm with weight and bias, computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """y = x W^T with W stored either as FP8 + 128x128 block scales (checkpoint layout) or as a float tensor.
+
+    numerics 'fp8': the input is quantized per 128 channels (ue8m0 scales) and the block-scaled product
+    accumulates in fp32 (DeepSeek's fp8_gemm). 'dequant': plain float product with the dequantized weight.
+    A float weight (bf16 tensors such as eh_proj, or a model being trained) is always a plain product.
+    """
+
+    numerics: str = "fp8"
+    backend: str = "reference"
+
+    def __init__(self, in_features: int, out_features: int, fp8_weight: bool, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        if fp8_weight:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=fp8.FP8_DTYPE), requires_grad=False)
+            sh = (math.ceil(out_features / fp8.BLOCK), math.ceil(in_features / fp8.BLOCK))
+            self.weight_scale_inv = nn.Parameter(torch.empty(sh, dtype=torch.float32), requires_grad=False)
+        else:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+            self.weight_scale_inv = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight.dtype == fp8.FP8_DTYPE
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.is_fp8:
+            return fp8.weight_dequant(self.weight, self.weight_scale_inv, dtype)
+        return self.weight.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.is_fp8:
+            return F.linear(x, self.weight.to(x.dtype))
+        if self.backend != "reference":
+            from .kernels import dispatch
+
+            return dispatch.linear(self, x)
+        if self.numerics == "dequant":
+            return F.linear(x, self.dequantized_weight(x.dtype))
+        lead = x.shape[:-1]
+        x8, sx = fp8.act_quant(x.reshape(-1, self.in_features))
+        y = fp8.fp8_gemm_ref(x8, sx, self.weight, self.weight_scale_inv)
+        return y.to(x.dtype).view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fp8={self.is_fp8}"
+
+
+class MLP(nn.Module):
+    """down(silu(gate x) * up x): dense layers, routed experts and the shared expert."""
+
+    def __init__(self, dim: int, inter: int, fp8_weight: bool, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = Linear(dim, inter, fp8_weight, dtype)
+        self.up_proj = Linear(dim, inter, fp8_weight, dtype)
+        self.down_proj = Linear(inter, dim, fp8_weight, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.gate_proj(x).float()) * self.up_proj(x).float()
+        return self.down_proj(h.to(x.dtype))
+
+
+class Rotary(nn.Module):
+    """YaRN-scaled rotary frequencies (DeepSeek's precompute_freqs_cis), applied on the fly from positions.
+
+    No table indexed by position: cos/sin come from `pos * inv_freq`, so one compiled step serves any position.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", yarn_inv_freq(cfg), persistent=False)
+
+    def angles(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [B, T] int -> (cos, sin) [B, T, R/2] fp32."""
+        ang = pos.float().unsqueeze(-1) * self.inv_freq
+        return ang.cos(), ang.sin()
+
+
+def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    rs = cfg.rope_scaling
+    if rs is None or rs.factor <= 1.0:
+        return freqs.float()
+
+    def corr_dim(n_rot: float) -> float:
+        return dim * math.log(rs.original_max_position_embeddings / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(rs.beta_fast)), 0)
+    high = min(math.ceil(corr_dim(rs.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    smooth = 1 - ramp
+    return (freqs / rs.factor * (1 - smooth) + freqs * smooth).float()
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x0, x1), (x2, x3), ... (MLA). x [B, T, ..., R]; cos/sin [B, T, R/2]."""
+    shape = x.shape
+    xf = x.float().unflatten(-1, (-1, 2))
+    while cos.dim() < xf.dim() - 1:
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    a, b = xf[..., 0], xf[..., 1]
+    out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    return out.view(shape).to(x.dtype)
+
+
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[i], x[i + R/2]) (the indexer's non-interleaved layout)."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    while cos.dim() < xf.dim():
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    a, b = xf[..., :half], xf[..., half:]
+    return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1).to(x.dtype)

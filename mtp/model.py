@@ -1,0 +1,156 @@
+"""DeepSeek-V3.2 target model and its MTP modules (reference forward, plain PyTorch).
+
+Shape legend: B batch, T new tokens, D width, V vocabulary, S cache slots.
+
+Parameter names equal the HF checkpoint names (`model.layers.N.self_attn.q_a_proj.weight`, ...); the MTP
+layers (checkpoint layers N >= num_hidden_layers) live in `DeepseekV32.mtp[j]`, see `mtp.checkpoint`.
+The residual stream is fp32; module inputs and outputs are in the model dtype.
+
+Cache-using forward (what decoding uses): `model.forward(ids_BT, cache=kv)` writes the T tokens at positions
+`kv.seq_lens[b] + t`, attends causally per row over the cache, and advances `kv.seq_lens` by T. Roll back
+with `kv.truncate(lens)`. Without a cache the call is a fresh prompt forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attention import MLA
+from .cache import KVCache, LayerCache
+from .config import ModelConfig, RuntimeOptions
+from .layers import MLP, Linear, RMSNorm, Rotary
+from .moe import MoE
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, V] (or [B, n] rows picked by `logits_at`) fp32
+    hidden: torch.Tensor  # [B, T, D] after the final norm (what feeds lm_head)
+    hidden_prenorm: torch.Tensor  # [B, T, D] fp32 residual stream before the final norm
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: h += MLA(norm(h)); h += FFN(norm(h))."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = MLA(cfg, dtype)
+        self.mlp = MoE(cfg, dtype) if cfg.is_moe_layer(layer_id) else MLP(
+            cfg.hidden_size, cfg.intermediate_size, cfg.is_fp8, dtype)
+
+    def forward(self, h_BTD, pos_BT, cos, sin, cache: LayerCache, S: int, opts: RuntimeOptions, dtype) -> torch.Tensor:
+        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD, dtype), pos_BT, cos, sin, cache, S, opts).float()
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD, dtype)).float()
+
+
+class Trunk(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList([Block(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+
+
+class MTPLayer(Block):
+    """One MTP module: u = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]), a full decoder block, its own head."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
+        super().__init__(cfg, layer_id, dtype)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, False, dtype)
+        self.shared_head = SharedHead(cfg, dtype)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+
+
+class DeepseekV32(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, n_mtp: int | None = None,
+                 runtime: RuntimeOptions | None = None):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        n_mtp = cfg.num_nextn_predict_layers if n_mtp is None else n_mtp
+        self.model = Trunk(cfg, dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        self.mtp = nn.ModuleList([MTPLayer(cfg, cfg.num_hidden_layers + j, dtype) for j in range(n_mtp)])
+        self.rotary = Rotary(cfg)
+        self.runtime = RuntimeOptions()
+        self.set_runtime(runtime or RuntimeOptions())
+
+    # ------------------------------------------------------------------ set-up
+    def set_runtime(self, runtime: RuntimeOptions) -> None:
+        """Switch numerics / attention path at run time on the whole module tree."""
+        self.runtime = runtime
+        for m in self.modules():
+            if hasattr(m, "numerics"):
+                m.numerics = runtime.numerics
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def n_mtp(self) -> int:
+        return len(self.mtp)
+
+    def new_cache(self, batch: int, max_len: int, n_layers: int | None = None) -> KVCache:
+        """A cache for the trunk (default) or, with n_layers=1, for one MTP module."""
+        return KVCache(self.cfg, self.cfg.num_hidden_layers if n_layers is None else n_layers, batch, max_len,
+                       device=self.device, dtype=self.dtype, quantized=self.runtime.numerics == "fp8")
+
+    # ------------------------------------------------------------------ forward
+    def _positions(self, cache: KVCache, T: int, kv_len: int | None):
+        pos_BT = cache.seq_lens.unsqueeze(1) + torch.arange(T, device=cache.seq_lens.device)
+        if kv_len is None:
+            kv_len = int(pos_BT.max()) + 1  # host sync: only when the caller gives no bound
+        if kv_len > cache.max_len:
+            raise ValueError(f"cache overflow: need {kv_len} positions, cache holds {cache.max_len}")
+        cos, sin = self.rotary.angles(pos_BT)
+        return pos_BT, cos, sin, kv_len
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, *, kv_len: int | None = None,
+                logits_at: torch.Tensor | None = None) -> ModelOutput:
+        """input_ids [B, T]. `kv_len`: a host-known bound on seq_lens + T (saves a sync).
+        `logits_at` [B, n] positions within the T tokens whose logits to compute (default: all)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if cache is None:
+            cache = self.new_cache(B, T)
+        elif cache.batch != B:
+            raise ValueError(f"input batch {B} != cache batch {cache.batch}")
+        pos_BT, cos, sin, S = self._positions(cache, T, kv_len)
+        h = self.model.embed_tokens(input_ids).float()
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, pos_BT, cos, sin, cache.layer(i), S, self.runtime, self.dtype)
+        cache.seq_lens += T
+        hidden = self.model.norm(h, self.dtype)
+        sel = hidden if logits_at is None else hidden.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        return ModelOutput(self.lm_head(sel).float(), hidden, h)
+
+    @torch.no_grad()
+    def mtp_forward(self, j: int, tokens_BT: torch.Tensor, h_BTD: torch.Tensor, cache: KVCache,
+                    kv_len: int | None = None) -> ModelOutput:
+        """MTP module j at the positions of `cache` (its own one-layer cache): token t_{i+1} and hidden h_i
+        in, logits for t_{i+2} out. Returns the module's normed and pre-norm output hidden states."""
+        layer = self.mtp[j]
+        T = tokens_BT.shape[1]
+        pos_BT, cos, sin, S = self._positions(cache, T, kv_len)
+        e = layer.enorm(layer.embed_tokens(tokens_BT), self.dtype)
+        u = layer.eh_proj(torch.cat((e, layer.hnorm(h_BTD, self.dtype)), dim=-1))
+        h = layer(u.float(), pos_BT, cos, sin, cache.layer(0), S, self.runtime, self.dtype)
+        cache.seq_lens += T
+        normed = layer.shared_head.norm(h, self.dtype)
+        return ModelOutput(layer.shared_head.head(normed).float(), normed, h)

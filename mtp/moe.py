@@ -1,0 +1,73 @@
+"""DeepSeek-V3/V3.2 mixture of experts: sigmoid router with bias, group-limited top-k, shared expert.
+
+Shape legend: N tokens (flattened B*T), D width, E routed experts, G groups, K experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import MLP
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.n_experts, self.n_groups, self.topk_groups, self.topk = (
+            cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok)
+        self.route_scale, self.norm = cfg.routed_scaling_factor, cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (weights [N, K] fp32, expert ids [N, K] int64)."""
+        scores = F.linear(x_ND.float(), self.weight.float()).sigmoid()
+        return route(scores, self.e_score_correction_bias, self.n_groups, self.topk_groups, self.topk,
+                     self.norm, self.route_scale)
+
+
+def route(scores_NE: torch.Tensor, bias_E: torch.Tensor, n_groups: int, topk_groups: int, topk: int,
+          normalize: bool, route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-limited top-k on biased scores; the weights use the unbiased scores of the chosen experts."""
+    N, E = scores_NE.shape
+    biased = scores_NE + bias_E.float()
+    if n_groups > 1:
+        grouped = biased.view(N, n_groups, E // n_groups)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep_groups = group_scores.topk(topk_groups, dim=-1).indices
+        dropped = torch.ones(N, n_groups, dtype=torch.bool, device=scores_NE.device).scatter_(1, keep_groups, False)
+        biased = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(N, E)
+    ids = biased.topk(topk, dim=-1).indices
+    w = scores_NE.gather(1, ids)
+    if normalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w * route_scale, ids
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        q8 = cfg.is_fp8
+        self.gate = Gate(cfg, dtype)
+        self.experts = nn.ModuleList(
+            [MLP(cfg.hidden_size, cfg.moe_intermediate_size, q8, dtype) for _ in range(cfg.n_routed_experts)])
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, q8, dtype)
+                               if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_ND = x.reshape(-1, shape[-1])
+        w_NK, ids_NK = self.gate(x_ND)
+        out = torch.zeros(x_ND.shape, dtype=torch.float32, device=x.device)
+        # Reference path: loop over the experts that some token chose (the GPU path runs only those too).
+        for e in torch.unique(ids_NK).tolist():  # host sync: eager reference only
+            tok, slot = (ids_NK == e).nonzero(as_tuple=True)
+            y = self.experts[e](x_ND[tok]).float() * w_NK[tok, slot].unsqueeze(-1)
+            out.index_add_(0, tok, y)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x_ND).float()
+        return out.to(x.dtype).view(shape)
