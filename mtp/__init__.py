@@ -1,8 +1,15 @@
-"""mtp: speculative decoding with DeepSeek-V3.2's Multi-Token-Prediction heads."""
+"""mtp: speculative decoding with DeepSeek-V3.2's Multi-Token-Prediction heads.
 
-from .config import ConfigError, ModelConfig, RuntimeOptions
+    model = mtp.load_model(path, device="cuda", dtype=torch.bfloat16)
+    out = mtp.generate(model, [prompt_ids], max_new_tokens=128, draft="eagle", k=2, verify="strict")
+    out.tokens, out.metrics.mean_accepted_len
+"""
+
 from .checkpoint import CheckpointError, load_model
+from .config import ConfigError, ModelConfig, RuntimeOptions
+from .engine import Engine, GenerateResult, GenerationConfig, StepEvent, generate
+from .metrics import SpecMetrics
 from .model import DeepseekV32, ModelOutput
 
-__all__ = ["ConfigError", "CheckpointError", "ModelConfig", "RuntimeOptions", "DeepseekV32", "ModelOutput",
-           "load_model"]
+__all__ = ["CheckpointError", "ConfigError", "DeepseekV32", "Engine", "GenerateResult", "GenerationConfig",
+           "ModelConfig", "ModelOutput", "RuntimeOptions", "SpecMetrics", "StepEvent", "generate", "load_model"]

@@ -73,6 +73,7 @@ def weight_map(path: Path) -> dict[str, str]:
         return dict(wm)
     single = path / SINGLE_NAME
     if single.is_file():
+        _check_shard_size(single)
         with _open(single) as f:
             return {k: SINGLE_NAME for k in f.keys()}
     raise CheckpointError(f"{path}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
@@ -96,7 +97,7 @@ def read_headers(path: Path, wm: dict[str, str]) -> dict[str, tuple[tuple[int, .
         if not file.is_file():
             raise CheckpointError(f"{file}: shard named in {INDEX_NAME} for {len(names)} tensors "
                                   f"(e.g. {names[0]!r}) does not exist")
-        expected_size = None
+        _check_shard_size(file)  # before safe_open, whose own error would not name the cut-off tensors
         with _open(file) as f:
             present = set(f.keys())
             for name in names:
@@ -107,25 +108,29 @@ def read_headers(path: Path, wm: dict[str, str]) -> dict[str, tuple[tuple[int, .
                 if dt is None:
                     raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {sl.get_dtype()}")
                 out[name] = (tuple(sl.get_shape()), dt, fname)
-            expected_size = _data_end(file)
-        if expected_size is not None and file.stat().st_size < expected_size:
-            raise CheckpointError(f"{file}: truncated: {file.stat().st_size} bytes, header describes {expected_size}")
     return out
 
 
-def _data_end(file: Path) -> int | None:
-    """Byte length the header promises (8-byte length + header + largest data offset)."""
+def _check_shard_size(file: Path) -> None:
+    """Parse the header by hand and name the tensors whose bytes lie past the end of a truncated file."""
+    size = file.stat().st_size
     with open(file, "rb") as fh:
         head = fh.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{file}: truncated: shorter than the 8-byte safetensors header length")
+            raise CheckpointError(f"{file}: truncated: {size} bytes, shorter than the 8-byte safetensors header length")
         n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise CheckpointError(f"{file}: corrupt or truncated safetensors header: its length field says {n} "
+                                  f"bytes, the file has {size}")
         try:
             header = json.loads(fh.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{file}: corrupt safetensors header ({e})") from None
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-    return 8 + n + max(ends, default=0)
+            ends = {k: int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"}
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise CheckpointError(f"{file}: corrupt safetensors header ({type(e).__name__}: {e})") from None
+    cut = sorted((k for k, end in ends.items() if 8 + n + end > size), key=ends.__getitem__)
+    if cut:
+        raise CheckpointError(f"{file}: truncated: {size} bytes, header describes {8 + n + max(ends.values())}; "
+                              f"tensor {cut[0]!r} and {len(cut) - 1} others lie past the end")
 
 
 def validate(path: Path, cfg: ModelConfig, n_mtp: int) -> dict[str, tuple[tuple[int, ...], torch.dtype, str]]:
@@ -191,7 +196,9 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
         p = params.pop(pname)
         if t.dtype == torch.float32 and name.endswith("weight_scale_inv") and not bool(torch.isfinite(t).all() and (t > 0).all()):
             raise CheckpointError(f"{path / headers[name][2]}: tensor {name!r} has non-positive or non-finite scales")
-        value = t.to(device=device, dtype=p.dtype)
+        # copy=True: safetensors returns views of a private mmap of the shard; a CPU model that kept them would
+        # die of SIGBUS once the file is rewritten or truncated in place (and would page in at first use).
+        value = t.to(device=device, dtype=p.dtype, copy=True)
         _set_param(model, pname, torch.nn.Parameter(value, requires_grad=False))
     if params:
         raise CheckpointError(f"{path}: internal error, parameters left unfilled: {sorted(params)[:3]}")
@@ -222,7 +229,9 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir:
     names = list(spec)
     total = sum(tensors[n].numel() * tensors[n].element_size() for n in names)
     n_shards = max(1, min(n_shards, len(names)))
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=out.parent if out.parent.exists() else None))
+    out.parent.mkdir(parents=True, exist_ok=True)  # the temp dir must sit beside `out` for an atomic rename
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700: the renamed checkpoint would be unreadable for other users
     try:
         shards: list[list[str]] = [[] for _ in range(n_shards)]
         acc, target = 0, total / n_shards
@@ -240,6 +249,8 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir:
         (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         for name, src in (extra_files or {}).items():
             shutil.copy(src, tmp / name)
+        for file in tmp.iterdir():
+            file.chmod(0o644)  # safetensors (and mkstemp) write 0600 files
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -309,7 +309,8 @@ def _quant_from_dict(raw: Any, source: str) -> QuantConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: field 'quantization_config' must be an object, got {raw!r}")
     block = raw.get("weight_block_size", [BLOCK, BLOCK])
-    if not isinstance(block, (list, tuple)) or len(block) != 2:
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) for b in block)):
         raise ConfigError(
             f"{source}: field 'quantization_config.weight_block_size' = {block!r} must be a pair like [128, 128]")
     return QuantConfig(

@@ -8,7 +8,8 @@ The residual stream is fp32; module inputs and outputs are in the model dtype.
 
 Cache-using forward (what decoding uses): `model.forward(ids_BT, cache=kv)` writes the T tokens at positions
 `kv.seq_lens[b] + t`, attends causally per row over the cache, and advances `kv.seq_lens` by T. Roll back
-with `kv.truncate(lens)`. Without a cache the call is a fresh prompt forward.
+with `kv.truncate(lens)`. Without a cache the call is a fresh prompt forward. The forward is differentiable
+(training builds the model with float weights); inference callers wrap it in `torch.no_grad()`.
 """
 
 from __future__ import annotations
@@ -119,7 +120,6 @@ class DeepseekV32(nn.Module):
         cos, sin = self.rotary.angles(pos_BT)
         return pos_BT, cos, sin, kv_len
 
-    @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, *, kv_len: int | None = None,
                 logits_at: torch.Tensor | None = None) -> ModelOutput:
         """input_ids [B, T]. `kv_len`: a host-known bound on seq_lens + T (saves a sync).
@@ -140,7 +140,6 @@ class DeepseekV32(nn.Module):
         sel = hidden if logits_at is None else hidden.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         return ModelOutput(self.lm_head(sel).float(), hidden, h)
 
-    @torch.no_grad()
     def mtp_forward(self, j: int, tokens_BT: torch.Tensor, h_BTD: torch.Tensor, cache: KVCache,
                     kv_len: int | None = None) -> ModelOutput:
         """MTP module j at the positions of `cache` (its own one-layer cache): token t_{i+1} and hidden h_i

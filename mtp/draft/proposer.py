@@ -1,0 +1,120 @@
+"""MTP draft proposers: vanilla (K modules in depth) and eagle (one module chained along the sequence).
+
+Shape legend: B batch, S buffer positions, W window, K drafts, D width, V vocabulary.
+
+Notation (facts section 4): MTP module j at position i takes hidden g^{j-1}_i (g^0 = the target's hidden h_i)
+and the token x_{i+j}, and predicts x_{i+j+1}. A row has n committed tokens x_0..x_{n-1}; the target has
+hidden states for positions <= n-2 (x_{n-1} is fed at the next verify).
+
+Static windows instead of ragged bookkeeping: each step every module recomputes a right-aligned window of W
+positions ending at n-2 (entries before it are final, entries inside are rewritten, so the draft caches
+roll back for free). Why the widths: a row advances by at most K+1 per step, and an entry of module j is
+final once x_{i+j} is committed, so
+- eagle: W = K+1 covers every newly committed position (module 1 only needs committed tokens);
+- vanilla: W = 2K also re-runs the entries of module j that used drafted tokens last step.
+The first step after prefill uses p0 = 0 and W = longest prompt. Eagle then chains K-1 single-token steps
+at positions n-1, n, ..., feeding the module its own output hidden and its previous draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import KVCache
+from ..model import DeepseekV32
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    mode: str = "none"  # none | vanilla | eagle
+    k: int = 0
+    reuse_modules: bool = False  # vanilla: repeat the last module when K > available (TensorRT-LLM style)
+    target_hidden: str = "normed"  # which target hidden feeds module 1: 'normed' (after final norm) | 'prenorm'
+    chain_hidden: str = "normed"  # which module output is chained: 'normed' (shared_head.norm) | 'prenorm'
+    sampling: str = "greedy"  # greedy drafts | 'sample' from the draft distribution (sampling verifier)
+
+    def validate(self, n_mtp: int) -> None:
+        if self.mode not in ("none", "vanilla", "eagle"):
+            raise ValueError(f"draft mode must be 'none', 'vanilla' or 'eagle', got {self.mode!r}")
+        if not isinstance(self.k, int) or self.k < 0:
+            raise ValueError(f"k must be an integer >= 0, got {self.k!r}")
+        if self.mode == "none" and self.k != 0:
+            raise ValueError(f"draft='none' drafts nothing: k must be 0, got {self.k}")
+        if self.mode != "none" and self.k < 1:
+            raise ValueError(f"draft={self.mode!r} needs k >= 1, got {self.k}")
+        for name in ("target_hidden", "chain_hidden"):
+            if getattr(self, name) not in ("normed", "prenorm"):
+                raise ValueError(f"{name} must be 'normed' or 'prenorm', got {getattr(self, name)!r}")
+        if self.sampling not in ("greedy", "sample"):
+            raise ValueError(f"draft sampling must be 'greedy' or 'sample', got {self.sampling!r}")
+        if self.mode != "none" and n_mtp == 0:
+            raise ValueError(f"draft={self.mode!r} needs MTP modules, but the model has none loaded")
+        if self.mode == "vanilla" and self.k > n_mtp and not self.reuse_modules:
+            raise ValueError(f"vanilla k={self.k} needs {self.k} MTP modules, the checkpoint has {n_mtp}; "
+                             "set reuse_modules=true to repeat the last module (TensorRT-LLM style)")
+
+    @property
+    def n_caches(self) -> int:
+        return self.k if self.mode == "vanilla" else (1 if self.mode == "eagle" else 0)
+
+    def module_for(self, j: int, n_mtp: int) -> int:
+        """Module index (0-based) used at depth j (0-based)."""
+        return min(j, n_mtp - 1) if self.mode == "vanilla" else 0
+
+    def window(self) -> int:
+        return 2 * self.k if self.mode == "vanilla" else self.k + 1
+
+
+def pick_hidden(out, which: str) -> torch.Tensor:
+    return out.hidden if which == "normed" else out.hidden_prenorm.to(out.hidden.dtype)
+
+
+class Proposer:
+    """Owns the draft caches; `propose` returns drafts [B, K] (and their distributions when sampled)."""
+
+    def __init__(self, model: DeepseekV32, dcfg: DraftConfig, batch: int, max_len: int):
+        self.model, self.cfg = model, dcfg
+        self.caches: list[KVCache] = [model.new_cache(batch, max_len, n_layers=1) for _ in range(dcfg.n_caches)]
+        self.draft_forwards = 0
+
+    def propose(self, tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor,
+                W: int, draw, max_n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens_BS holds committed tokens (drafts are written at n.. as they are made); hidden_BSD the
+        target hidden per position. `draw(logits_BV) -> (token_B, probs_BV | None)` picks each draft.
+        `max_n`: host-known max of n_B, bounding the cache positions touched (no sync inside)."""
+        K, m = self.cfg.k, self.model
+        B = n_B.shape[0]
+        dev = tokens_BS.device
+        pos_BW = p0_B.unsqueeze(1) + torch.arange(W, device=dev)
+        out_idx_B = (n_B - 2 - p0_B).clamp_min(0)
+        rows = torch.arange(B, device=dev)
+        hid = hidden_BSD.gather(1, pos_BW.unsqueeze(-1).expand(-1, -1, hidden_BSD.shape[-1]))
+        drafts, probs = [], []
+        kv_len = max(max_n - 1, W)  # max over rows of p0 + W
+        for j in range(K if self.cfg.mode == "vanilla" else 1):
+            cache = self.caches[j]
+            cache.truncate(p0_B)
+            tok = tokens_BS.gather(1, (pos_BW + j + 1).clamp_max(tokens_BS.shape[1] - 1))
+            out = m.mtp_forward(self.cfg.module_for(j, m.n_mtp), tok, hid, cache, kv_len=kv_len)
+            self.draft_forwards += 1
+            d, q = draw(out.logits[rows, out_idx_B])
+            tokens_BS[rows, n_B + j] = d
+            drafts.append(d)
+            probs.append(q)
+            hid = pick_hidden(out, self.cfg.chain_hidden)
+        if self.cfg.mode == "eagle":
+            cache = self.caches[0]
+            g = pick_hidden(out, self.cfg.chain_hidden)[rows, out_idx_B].unsqueeze(1)
+            cache.truncate(n_B - 1)  # drop the window's padding past n-2; the chain appends from n-1
+            for j in range(1, K):
+                out = m.mtp_forward(0, drafts[-1].unsqueeze(1), g, cache, kv_len=max_n - 1 + j)
+                self.draft_forwards += 1
+                d, q = draw(out.logits[:, 0])
+                tokens_BS[rows, n_B + j] = d
+                drafts.append(d)
+                probs.append(q)
+                g = pick_hidden(out, self.cfg.chain_hidden)
+        q_BKV = torch.stack(probs, 1) if probs and probs[0] is not None else None
+        return torch.stack(drafts, 1), q_BKV

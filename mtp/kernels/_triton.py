@@ -1,0 +1,61 @@
+"""Optional Triton import: the kernels' modules import `triton` and `tl` from here.
+
+Without Triton (CPU-only machines, CI) the names are stand-ins so that the modules still import and their
+plain-PyTorch references stay usable; calling a kernel then raises. `available()` says whether the fast
+path can run here: Triton importable and a CUDA device present.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only install: keep the module importable
+    HAS_TRITON = False
+
+    class _Missing:
+        """Stands in for triton / triton.language: attribute access works, calling raises."""
+
+        def __getattr__(self, name):
+            return _Missing()
+
+        def __call__(self, *args, **kwargs):
+            if len(args) == 1 and callable(args[0]) and not kwargs:
+                return _Unavailable(args[0].__name__)  # used as a decorator: @triton.jit
+            raise RuntimeError("triton is not installed: use the reference path (mtp.kernels.available() is False)")
+
+    class _Unavailable:
+        def __init__(self, name: str):
+            self.name = name
+
+        def __getitem__(self, grid):
+            raise RuntimeError(f"kernel {self.name} needs triton, which is not installed")
+
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError(f"kernel {self.name} needs triton, which is not installed")
+
+    triton = _Missing()
+    tl = _Missing()
+
+
+def available() -> bool:
+    """True when the Triton kernels can run: triton imports and a CUDA device is visible."""
+    return HAS_TRITON and torch.cuda.is_available()
+
+
+def require(t: torch.Tensor, name: str) -> None:
+    """Raise a clear error when a kernel is called on a tensor it cannot run on."""
+    if not HAS_TRITON:
+        raise RuntimeError(f"{name}: triton is not installed; use the reference function instead")
+    if not t.is_cuda and not _interpreting():
+        raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -1,0 +1,211 @@
+"""Block-scaled FP8 linear layers (Triton): y = x W^T with DeepSeek's FP8 numerics.
+
+Reference: `fp8_linear_ref` (act_quant + `mtp.fp8.fp8_gemm_ref`, plain PyTorch). Shape legend: M rows,
+K input channels (a multiple of 128), N output channels (any), G = K // 128 groups, S split-K slices.
+w8_NK float8_e4m3fn, sw [ceil(N/128), G] fp32.
+
+Two paths:
+- M <= 64 (decode / verify): the weight is streamed once. Each program owns a 128-row slab of W and a
+  slice of the K groups (split-K, so that N = 2048 still fills 132 SMs); per 128-wide group it loads one
+  [128, 128] fp8 tile (16-byte loads, software-pipelined `num_stages` deep), quantizes the matching
+  [M, 128] activation tile in registers (fused act_quant: no separate launch, bit-identical scales) and
+  issues one fp8 tensor-core dot with N in the MMA's M slot ("swap AB": the MMA needs >= 64 rows, M is
+  1..64). The fp32 group product is scaled by s_x * s_w and added in fp32, as DeepSeek promotes every
+  128 K. Split-K partials go to an fp32 workspace summed in a fixed order by a second kernel
+  (deterministic; no atomics).
+- M > 64 (prefill): act_quant kernel, then a 128x128-tiled fp8 tl.dot kernel with the same per-group
+  promotion (the layout of DeepSeek's reference fp8_gemm kernel).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mtp.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
+from mtp.fp8 import act_quant as act_quant_ref
+from mtp.kernels._triton import require, tl, triton
+from mtp.kernels.act_quant import act_quant, quant_e4m3, ue8m0_scale
+
+__all__ = ["fp8_linear", "fp8_gemm", "fp8_linear_ref", "SMALL_M"]
+
+SMALL_M = 64  # rows up to which the weight-streaming path is used
+_NUM_SMS: dict[int, int] = {}
+
+
+def fp8_linear_ref(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch reference: act_quant(x) then the block-scaled GEMM, fp32 math, output in x's dtype."""
+    K = x.shape[-1]
+    x8, sx = act_quant_ref(x.reshape(-1, K))
+    y = fp8_gemm_ref(x8, sx, w8, scale_inv)
+    return y.to(x.dtype).reshape(*x.shape[:-1], w8.shape[0])
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, M, N, G, groups_per_split,
+                 stride_xm, stride_wn, stride_swn, stride_om, stride_os,
+                 QUANT_X: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    offs_k = tl.arange(0, 128)
+    nmask = offs_n < N
+    mmask = offs_m < M
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    sw_row = sw_ptr + ((pid_n * BN) // 128) * stride_swn
+    g0 = pid_s * groups_per_split
+    g1 = tl.minimum(g0 + groups_per_split, G)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for g in range(g0, g1):
+        w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
+        sw = tl.load(sw_row + g)
+        if QUANT_X:
+            xf = tl.load(x_ptrs + g * 128, mask=mmask[:, None], other=0.0).to(tl.float32)
+            sx, inv = ue8m0_scale(tl.max(tl.abs(xf), axis=1))
+            x8 = quant_e4m3(xf, inv[:, None])
+        else:
+            x8 = tl.load(x_ptrs + g * 128, mask=mmask[:, None], other=0.0)
+            sx = tl.load(sx_ptr + offs_m * G + g, mask=mmask, other=0.0)
+        d = tl.dot(w, tl.trans(x8))  # [BN, BM] fp32, one 128-wide group
+        acc += d * (sx * sw)[None, :]
+    out_ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[None, :] & nmask[:, None])
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, y_ptr, MN, S, BLOCK_E: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for s in range(S):  # fixed order: deterministic
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, G, stride_bs,
+                 BM: tl.constexpr, BN: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, 128)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
+    as_ptrs = as_ptr + offs_m * G
+    bs_ptrs = bs_ptr + (offs_n // 128) * stride_bs
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for g in range(G):
+        a = tl.load(a_ptrs + g * 128, mask=mmask[:, None], other=0.0)
+        b = tl.load(b_ptrs + g * 128, mask=nmask[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + g, mask=mmask, other=0.0)
+        b_s = tl.load(bs_ptrs + g, mask=nmask, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter (TRITON_INTERPRET=1) on CPU: pretend an H100
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _check_weight(w8: torch.Tensor, sw: torch.Tensor, K: int, name: str) -> int:
+    if w8.dtype != FP8_DTYPE:
+        raise TypeError(f"{name}: weight must be {FP8_DTYPE}, got {w8.dtype}")
+    N, Kw = w8.shape
+    if Kw != K:
+        raise ValueError(f"{name}: x has {K} input channels, weight has {Kw}")
+    if K % BLOCK:
+        raise ValueError(f"{name}: K = {K} must be a multiple of {BLOCK}")
+    want = (math.ceil(N / BLOCK), K // BLOCK)
+    if tuple(sw.shape) != want:
+        raise ValueError(f"{name}: scale_inv must be {list(want)} for a weight {list(w8.shape)}, got {list(sw.shape)}")
+    return N
+
+
+def default_splits(N: int, G: int, device: torch.device, bn: int = 128) -> int:
+    """Split-K factor: about 4 programs per SM, each with >= 4 K groups."""
+    nb = triton.cdiv(N, bn)
+    target = 4 * _num_sms(device)
+    splits = max(1, min(G // 4, triton.cdiv(target, nb)))
+    gps = triton.cdiv(G, splits)
+    return triton.cdiv(G, gps)
+
+
+def _gemv(x, sx, w8, sw, out_dtype, quant_x, splits=None, num_stages=4, num_warps=4, bn=128):
+    M, K = x.shape
+    N = w8.shape[0]
+    G = K // BLOCK
+    bm = max(16, triton.next_power_of_2(M))
+    if splits is None:
+        splits = default_splits(N, G, x.device, bn)
+    gps = triton.cdiv(G, splits)
+    splits = triton.cdiv(G, gps)
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    part = y if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    sw = sw.contiguous()
+    grid = (triton.cdiv(N, bn), splits)
+    _gemv_kernel[grid](x, sx if sx is not None else x, w8, sw, part, M, N, G, gps,
+                       x.stride(0), w8.stride(0), sw.stride(0), N, M * N,
+                       QUANT_X=quant_x, BM=bm, BN=bn, num_stages=num_stages, num_warps=num_warps)
+    if splits > 1:
+        blk = 1024
+        _splitk_reduce_kernel[(triton.cdiv(M * N, blk),)](part, y, M * N, splits, BLOCK_E=blk, num_warps=4)
+    return y
+
+
+def _gemm(x8, sx, w8, sw, out_dtype, bm=128, bn=128, num_stages=4, num_warps=8):
+    M, K = x8.shape
+    N = w8.shape[0]
+    y = torch.empty(M, N, dtype=out_dtype, device=x8.device)
+    sw = sw.contiguous()
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    _gemm_kernel[grid](x8, sx.contiguous(), w8, sw, y, M, N, K, K // BLOCK, sw.stride(0),
+                       BM=bm, BN=bn, num_stages=num_stages, num_warps=num_warps)
+    return y
+
+
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype | None = None,
+               **tune) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ dequant(w8, scale_inv)^T with per-128 activation quant; y in x's dtype by default.
+
+    `tune` (splits, num_stages, num_warps) overrides the small-M launch, for benchmarks.
+    """
+    require(x, "fp8_linear")
+    K = x.shape[-1]
+    N = _check_weight(w8, scale_inv, K, "fp8_linear")
+    out_dtype = out_dtype or x.dtype
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] <= SMALL_M:
+        y = _gemv(x2, None, w8, scale_inv, out_dtype, quant_x=True, **tune)
+    else:
+        x8, sx = act_quant(x2)
+        y = _gemm(x8, sx, w8, scale_inv, out_dtype)
+    return y.reshape(*x.shape[:-1], N)
+
+
+def fp8_gemm(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor,
+             out_dtype: torch.dtype = torch.float32, **tune) -> torch.Tensor:
+    """Kernel twin of `mtp.fp8.fp8_gemm_ref` on pre-quantized x8 [M, K] / sx [M, G]: returns [M, N] in out_dtype."""
+    require(x8, "fp8_gemm")
+    M, K = x8.shape
+    _check_weight(w8, sw, K, "fp8_gemm")
+    if tuple(sx.shape) != (M, K // BLOCK):
+        raise ValueError(f"fp8_gemm: sx must be [{M}, {K // BLOCK}], got {list(sx.shape)}")
+    x8 = x8.contiguous()
+    sx = sx.contiguous()
+    if M <= SMALL_M:
+        return _gemv(x8, sx, w8, sw, out_dtype, quant_x=False, **tune)
+    return _gemm(x8, sx, w8, sw, out_dtype)

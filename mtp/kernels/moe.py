@@ -1,0 +1,325 @@
+"""MoE routing and routed-expert compute for a few tokens (Triton), with plain-PyTorch references.
+
+Shape legend: T tokens (<= 64 for the expert kernels), D hidden (7168), E experts (256), I expert
+intermediate (2048), J = topk experts per token (8), NG expert groups (8), P = T * J (token, slot) pairs.
+Expert weights are stacked: w_gate / w_up [E, I, D] float8 + [E, I/128, D/128] fp32 scales,
+w_down [E, D, I] float8 + [E, D/128, I/128].
+
+Routing (facts section 3): s = sigmoid(x_f32 . Wg^T); b = s + bias; group score = sum of the top-2 b in
+each group; keep the top `topk_group` groups; top-J experts by b among them; weights = s of those,
+normalized to sum 1, times `route_scale`. Ties go to the lower index (group and expert), as a stable
+descending sort gives.
+Kernels: `_gate_logits_kernel` (the [E, D] gate GEMV in fp32, split over E-blocks x K-slices so that 3.7 MB
+of bf16 weight is read by ~100 programs) and `_route_kernel` (one program per token: sums the K-slices
+in a fixed order, then sigmoid, groups and top-k with iterated arg-max).
+
+Expert compute reads only the selected experts' weights. A program is launched per (token, slot) pair
+and N-block; the first pair that names an expert (the "leader") computes it for every token routed to it
+(so an expert picked by several tokens is read once) and the others do no loop iterations. This keeps
+the grid static (CUDA-graph friendly, no host sync).
+1. `_moe_gate_up_kernel`: x quantized per 128 in registers, gate and up FP8 tiles dotted together,
+   h = silu(g) * u in fp32, then h quantized per 128 in the epilogue (the 128-row N-block is exactly one
+   K-group of the down projection) and stored as fp8 + scale per (token, slot).
+2. `_moe_down_kernel`: down projection of h8, times the routing weight, stored per (token, slot) in fp32.
+3. `_moe_combine_kernel`: y[t] = sum over slots j = 0..J-1 in order (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mtp.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
+from mtp.fp8 import act_quant as act_quant_ref
+from mtp.kernels._triton import require, tl, triton
+from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
+
+__all__ = ["moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts", "moe_experts_ref", "gate_logits"]
+
+MAX_TOKENS = 64
+
+
+# ----------------------------------------------------------------------------- references
+def route_from_logits_ref(logits_TE: torch.Tensor, bias_E: torch.Tensor, n_group: int = 8, topk_group: int = 4,
+                          topk: int = 8, route_scale: float = 2.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing from gate logits [T, E] (fp32): returns (weights [T, J] fp32, idx [T, J] int32)."""
+    s = logits_TE.float().sigmoid()
+    b = s + bias_E.float()
+    T, E = b.shape
+    g = b.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
+    gidx = torch.sort(g, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+    keep = torch.zeros(T, n_group, dtype=torch.bool, device=b.device).scatter_(1, gidx, True)
+    bm = b.masked_fill(~keep.repeat_interleave(E // n_group, 1), float("-inf"))
+    idx = torch.sort(bm, dim=-1, descending=True, stable=True).indices[:, :topk]
+    w = s.gather(1, idx)
+    w = w / w.sum(-1, keepdim=True) * route_scale
+    return w, idx.to(torch.int32)
+
+
+def moe_route_ref(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-PyTorch routing: gate in fp32, then `route_from_logits_ref`."""
+    return route_from_logits_ref(x_TD.float() @ wg_ED.float().t(), bias_E, **kw)
+
+
+def moe_experts_ref(x_TD, idx_TJ, w_TJ, w_gate, s_gate, w_up, s_up, w_down, s_down, out_dtype=None) -> torch.Tensor:
+    """Per-token loop over the selected experts with `fp8_gemm_ref`: y[t] = sum_j w[t,j] * down(silu(gate x) * up x)."""
+    T, D = x_TD.shape
+    y = torch.zeros(T, w_down.shape[1], dtype=torch.float32, device=x_TD.device)
+    for t in range(T):
+        x8, sx = act_quant_ref(x_TD[t:t + 1])
+        for j in range(idx_TJ.shape[1]):
+            e = int(idx_TJ[t, j])
+            g = fp8_gemm_ref(x8, sx, w_gate[e], s_gate[e])
+            u = fp8_gemm_ref(x8, sx, w_up[e], s_up[e])
+            h8, sh = act_quant_ref(F.silu(g) * u)
+            y[t] += w_TJ[t, j].float() * fp8_gemm_ref(h8, sh, w_down[e], s_down[e])[0]
+    return y.to(out_dtype or x_TD.dtype)
+
+
+# ----------------------------------------------------------------------------- routing kernels
+@triton.jit
+def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, D, groups_per_split, stride_xm,
+                        BE: tl.constexpr, BT: tl.constexpr):
+    pid_e = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_e = pid_e * BE + tl.arange(0, BE)
+    offs_t = tl.arange(0, BT)
+    offs_k = tl.arange(0, 128)
+    emask = offs_e < E
+    tmask = offs_t < T
+    w_ptrs = w_ptr + offs_e[:, None] * D + offs_k[None, :]
+    x_ptrs = x_ptr + offs_t[:, None] * stride_xm + offs_k[None, :]
+    G = D // 128
+    g0 = pid_s * groups_per_split
+    g1 = tl.minimum(g0 + groups_per_split, G)
+    acc = tl.zeros((BE, BT), dtype=tl.float32)
+    for g in range(g0, g1):
+        w = tl.load(w_ptrs + g * 128, mask=emask[:, None], other=0.0).to(tl.float32)
+        x = tl.load(x_ptrs + g * 128, mask=tmask[:, None], other=0.0).to(tl.float32)
+        acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+    out = part_ptr + pid_s * T * E + offs_t[None, :] * E + offs_e[:, None]
+    tl.store(out, acc, mask=emask[:, None] & tmask[None, :])
+
+
+@triton.jit
+def _route_kernel(part_ptr, bias_ptr, w_out_ptr, idx_out_ptr, T, n_split, route_scale,
+                  E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
+                  KPAD: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, E)
+    logit = tl.zeros((E,), dtype=tl.float32)
+    for s in range(n_split):  # fixed order: deterministic
+        logit += tl.load(part_ptr + s * T * E + t * E + e)
+    score = tl.sigmoid(logit)
+    b = score + tl.load(bias_ptr + e)
+    EG: tl.constexpr = E // NG
+    grp = e // EG
+    gi = tl.arange(0, NG)
+    gscore = tl.zeros((NG,), dtype=tl.float32)
+    for g in tl.static_range(NG):
+        in_g = grp == g
+        m1 = tl.max(tl.where(in_g, b, float("-inf")), 0)
+        first = tl.min(tl.where(in_g & (b == m1), e, E), 0)
+        m2 = tl.max(tl.where(in_g & (e != first), b, float("-inf")), 0)
+        gscore = tl.where(gi == g, m1 + m2, gscore)
+    keep = e < 0
+    for i in tl.static_range(TOPK_GROUP):
+        mx = tl.max(gscore, 0)
+        sel = tl.min(tl.where(gscore == mx, gi, NG), 0)
+        keep = keep | (grp == sel)
+        gscore = tl.where(gi == sel, float("-inf"), gscore)
+    bm = tl.where(keep, b, float("-inf"))
+    ki = tl.arange(0, KPAD)
+    out_idx = tl.zeros((KPAD,), dtype=tl.int32)
+    out_w = tl.zeros((KPAD,), dtype=tl.float32)
+    for i in tl.static_range(TOPK):
+        mx = tl.max(bm, 0)
+        sel = tl.min(tl.where(bm == mx, e, E), 0)
+        out_idx = tl.where(ki == i, sel, out_idx)
+        out_w = tl.where(ki == i, tl.sum(tl.where(e == sel, score, 0.0), 0), out_w)
+        bm = tl.where(e == sel, float("-inf"), bm)
+    out_w = out_w / tl.sum(out_w, 0) * route_scale
+    kmask = ki < TOPK
+    tl.store(w_out_ptr + t * TOPK + ki, out_w, mask=kmask)
+    tl.store(idx_out_ptr + t * TOPK + ki, out_idx, mask=kmask)
+
+
+def gate_logits(x_TD: torch.Tensor, wg_ED: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """Split-K partial gate logits [S, T, E] fp32 (sum over S = x_f32 . Wg^T)."""
+    T, D = x_TD.shape
+    E = wg_ED.shape[0]
+    if D % BLOCK:
+        raise ValueError(f"gate_logits: D = {D} must be a multiple of {BLOCK}")
+    G = D // BLOCK
+    be, bt = 64, max(16, triton.next_power_of_2(T))
+    nbe = triton.cdiv(E, be)
+    splits = splits or max(1, min(G, triton.cdiv(112, nbe)))
+    gps = triton.cdiv(G, splits)
+    splits = triton.cdiv(G, gps)
+    part = torch.empty(splits, T, E, dtype=torch.float32, device=x_TD.device)
+    x = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
+    _gate_logits_kernel[(nbe, splits)](x, wg_ED.contiguous(), part, T, E, D, gps, x.stride(0), BE=be, BT=bt, num_warps=4)
+    return part
+
+
+def moe_route(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_group: int = 8, topk_group: int = 4,
+              topk: int = 8, route_scale: float = 2.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel twin of `moe_route_ref`: returns (weights [T, J] fp32, idx [T, J] int32). Two launches."""
+    require(x_TD, "moe_route")
+    T, D = x_TD.shape
+    E = wg_ED.shape[0]
+    if wg_ED.shape[1] != D or bias_E.shape != (E,):
+        raise ValueError(f"moe_route: gate weight must be [E, {D}] and bias [E], got {list(wg_ED.shape)}, {list(bias_E.shape)}")
+    if E & (E - 1) or E % n_group or E // n_group < 2 or topk > E:
+        raise ValueError(f"moe_route: E = {E} must be a power of two divisible by n_group = {n_group} (>= 2 per group)")
+    part = gate_logits(x_TD, wg_ED)
+    w = torch.empty(T, topk, dtype=torch.float32, device=x_TD.device)
+    idx = torch.empty(T, topk, dtype=torch.int32, device=x_TD.device)
+    _route_kernel[(T,)](part, bias_E.float().contiguous(), w, idx, T, part.shape[0], float(route_scale),
+                        E=E, NG=n_group, TOPK_GROUP=topk_group, TOPK=topk, KPAD=triton.next_power_of_2(topk),
+                        num_warps=4)
+    return w, idx
+
+
+# ----------------------------------------------------------------------------- expert kernels
+@triton.jit
+def _slot_info(idx_ptr, p, T, TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr, KPAD: tl.constexpr):
+    """For pair p: its expert e, whether p is the first pair naming e, and per token row m whether it is
+    routed to e and at which flat slot m * TOPK + j."""
+    e = tl.load(idx_ptr + p)
+    q = tl.arange(0, PPAD)
+    all_idx = tl.load(idx_ptr + q, mask=q < T * TOPK, other=-1)
+    is_leader = tl.sum(((all_idx == e) & (q < p)).to(tl.int32), 0) == 0
+    m = tl.arange(0, BM)
+    j = tl.arange(0, KPAD)
+    idx2 = tl.load(idx_ptr + m[:, None] * TOPK + j[None, :], mask=(m[:, None] < T) & (j[None, :] < TOPK), other=-1)
+    eq = idx2 == e
+    active = tl.sum(eq.to(tl.int32), 1) > 0
+    slot = m * TOPK + tl.sum(tl.where(eq, j[None, :], 0), 1)
+    return e, is_leader, active, slot
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr,
+                        T, D, I, stride_xm, stride_we, stride_se, stride_sn,
+                        TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr, KPAD: tl.constexpr):
+    p = tl.program_id(0)
+    nb = tl.program_id(1)
+    e, is_leader, active, slot = _slot_info(idx_ptr, p, T, TOPK, BM, PPAD, KPAD)
+    G = D // 128
+    n_iter = tl.where(is_leader, G, 0)
+    offs_n = nb * 128 + tl.arange(0, 128)
+    offs_k = tl.arange(0, 128)
+    m = tl.arange(0, BM)
+    e64 = e.to(tl.int64)
+    w_off = e64 * stride_we + offs_n.to(tl.int64)[:, None] * D + offs_k[None, :]
+    w1_ptrs = w1_ptr + w_off
+    w3_ptrs = w3_ptr + w_off
+    s1_row = s1_ptr + e64 * stride_se + nb * stride_sn
+    s3_row = s3_ptr + e64 * stride_se + nb * stride_sn
+    x_ptrs = x_ptr + m[:, None] * stride_xm + offs_k[None, :]
+    acc1 = tl.zeros((128, BM), dtype=tl.float32)
+    acc3 = tl.zeros((128, BM), dtype=tl.float32)
+    for g in range(0, n_iter):
+        w1 = tl.load(w1_ptrs + g * 128)
+        w3 = tl.load(w3_ptrs + g * 128)
+        xf = tl.load(x_ptrs + g * 128, mask=active[:, None], other=0.0).to(tl.float32)
+        sx, inv = ue8m0_scale(tl.max(tl.abs(xf), axis=1))
+        xt = tl.trans(quant_e4m3(xf, inv[:, None]))
+        acc1 += tl.dot(w1, xt) * (sx * tl.load(s1_row + g))[None, :]
+        acc3 += tl.dot(w3, xt) * (sx * tl.load(s3_row + g))[None, :]
+    h = acc1 / (1.0 + tl.exp(-acc1)) * acc3  # silu(gate) * up, [128, BM]
+    sh, inv_h = ue8m0_scale(tl.max(tl.abs(h), axis=0))
+    h8 = quant_e4m3(h, inv_h[None, :])
+    smask = active & is_leader
+    tl.store(h8_ptr + slot.to(tl.int64)[None, :] * I + offs_n[:, None], h8, mask=smask[None, :])
+    tl.store(hs_ptr + slot * (I // 128) + nb, sh, mask=smask)
+
+
+@triton.jit
+def _moe_down_kernel(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
+                     T, D, I, stride_we, stride_se, stride_sn,
+                     TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr, KPAD: tl.constexpr):
+    p = tl.program_id(0)
+    nb = tl.program_id(1)
+    e, is_leader, active, slot = _slot_info(idx_ptr, p, T, TOPK, BM, PPAD, KPAD)
+    GI = I // 128
+    n_iter = tl.where(is_leader, GI, 0)
+    offs_n = nb * 128 + tl.arange(0, 128)
+    offs_k = tl.arange(0, 128)
+    nmask = offs_n < D
+    e64 = e.to(tl.int64)
+    w_ptrs = w2_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * I + offs_k[None, :]
+    s_row = s2_ptr + e64 * stride_se + nb * stride_sn
+    h_ptrs = h8_ptr + slot.to(tl.int64)[:, None] * I + offs_k[None, :]
+    acc = tl.zeros((128, BM), dtype=tl.float32)
+    for g in range(0, n_iter):
+        w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
+        h = tl.load(h_ptrs + g * 128, mask=active[:, None], other=0.0)
+        hs = tl.load(hs_ptr + slot * GI + g, mask=active, other=0.0)
+        acc += tl.dot(w, tl.trans(h)) * (hs * tl.load(s_row + g))[None, :]
+    rw = tl.load(rw_ptr + slot, mask=active, other=0.0)
+    acc = acc * rw[None, :]
+    smask = active & is_leader
+    tl.store(out_ptr + slot.to(tl.int64)[None, :] * D + offs_n[:, None], acc, mask=smask[None, :] & nmask[:, None])
+
+
+@triton.jit
+def _moe_combine_kernel(part_ptr, y_ptr, D, TOPK: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = offs < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):  # slot order: deterministic
+        acc += tl.load(part_ptr + (t * TOPK + j).to(tl.int64) * D + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + t.to(tl.int64) * D + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_experts(name, w, s, E, N, K):
+    if w.dtype != FP8_DTYPE or tuple(w.shape) != (E, N, K):
+        raise ValueError(f"moe_experts: {name} must be float8 [{E}, {N}, {K}], got {w.dtype} {list(w.shape)}")
+    want = (E, -(-N // BLOCK), K // BLOCK)
+    if tuple(s.shape) != want:
+        raise ValueError(f"moe_experts: {name} scales must be {list(want)}, got {list(s.shape)}")
+    if not (w.is_contiguous() and s.is_contiguous()):
+        raise ValueError(f"moe_experts: {name} weight and scales must be contiguous")
+
+
+def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_gate, s_gate, w_up, s_up, w_down, s_down,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Kernel twin of `moe_experts_ref` for T <= 64 tokens: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
+
+    idx_TJ int32 (valid expert ids, distinct within a token), w_TJ fp32. Three launches; reads each selected
+    expert's weights once.
+    """
+    require(x_TD, "moe_experts")
+    T, D = x_TD.shape
+    J = idx_TJ.shape[1]
+    E, I = w_gate.shape[0], w_gate.shape[1]
+    if T > MAX_TOKENS:
+        raise ValueError(f"moe_experts: at most {MAX_TOKENS} tokens, got {T}")
+    if D % BLOCK or I % BLOCK:
+        raise ValueError(f"moe_experts: D = {D} and I = {I} must be multiples of {BLOCK}")
+    _check_experts("w_gate", w_gate, s_gate, E, I, D)
+    _check_experts("w_up", w_up, s_up, E, I, D)
+    _check_experts("w_down", w_down, s_down, E, D, I)
+    idx = idx_TJ.to(torch.int32).contiguous()
+    rw = w_TJ.float().contiguous()
+    x = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
+    P = T * J
+    bm = max(16, triton.next_power_of_2(T))
+    ppad, kpad = triton.next_power_of_2(P), triton.next_power_of_2(J)
+    dev = x.device
+    h8 = torch.empty(P, I, dtype=FP8_DTYPE, device=dev)
+    hs = torch.empty(P, I // BLOCK, dtype=torch.float32, device=dev)
+    _moe_gate_up_kernel[(P, I // BLOCK)](x, idx, w_gate, s_gate, w_up, s_up, h8, hs, T, D, I, x.stride(0),
+                                         w_gate.stride(0), s_gate.stride(0), s_gate.stride(1),
+                                         TOPK=J, BM=bm, PPAD=ppad, KPAD=kpad, num_warps=4, num_stages=3)
+    part = torch.empty(P, D, dtype=torch.float32, device=dev)
+    _moe_down_kernel[(P, triton.cdiv(D, BLOCK))](h8, hs, idx, rw, w_down, s_down, part, T, D, I,
+                                                 w_down.stride(0), s_down.stride(0), s_down.stride(1),
+                                                 TOPK=J, BM=bm, PPAD=ppad, KPAD=kpad, num_warps=4, num_stages=4)
+    y = torch.empty(T, D, dtype=out_dtype or x_TD.dtype, device=dev)
+    bd = 1024
+    _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, y, D, TOPK=J, BLOCK_D=bd, num_warps=4)
+    return y

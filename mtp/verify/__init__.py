@@ -1,0 +1,15 @@
+"""Verifiers: pure functions over device tensors deciding how many drafted tokens the target accepts.
+
+Shape legend: B batch, K drafted tokens, V vocabulary. Every verifier takes the drafts `draft_BK` and the
+target logits at the K+1 verified positions `logits_BKV` (position j predicts the token after the j-th
+verified input; position 0 checks draft 1) and returns a `Verdict`: accepted count a in [0, K] per row and
+the one token the target adds after them (the correction at the first miss, or the bonus after all K).
+"""
+
+from .common import Verdict
+from .relaxed import relaxed_verify, update_think_state
+from .sampling import SamplingParams, filter_probs, sampling_verify
+from .strict import strict_verify
+
+__all__ = ["Verdict", "strict_verify", "relaxed_verify", "update_think_state", "SamplingParams", "filter_probs",
+           "sampling_verify"]

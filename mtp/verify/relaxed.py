@@ -1,0 +1,49 @@
+"""Relaxed acceptance for reasoning models (TensorRT-LLM's 'relaxed' MTP): inside a thinking span a draft is
+accepted if it is among the target's top-N tokens with probability >= p_top1 - delta; outside (and with
+delta = 0) the rule is exactly strict. The span state is tracked per sequence on the device: it turns on at
+`<think>` and off at `</think>`; `think_B` is the state after the last committed token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import Verdict, prefix_len
+
+
+def update_think_state(think_B: torch.Tensor, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
+                       think_id: int, end_think_id: int) -> torch.Tensor:
+    """State after consuming `tokens_BT` left to right (only where valid). Returns a new tensor."""
+    s = think_B.clone()
+    for t in range(tokens_BT.shape[1]):
+        tok, ok = tokens_BT[:, t], valid_BT[:, t]
+        s = torch.where(ok & (tok == think_id), torch.ones_like(s), s)
+        s = torch.where(ok & (tok == end_think_id), torch.zeros_like(s), s)
+    return s
+
+
+def relaxed_verify(draft_BK: torch.Tensor, logits_BKV: torch.Tensor, think_B: torch.Tensor, top_n: int,
+                   delta: float, think_id: int, end_think_id: int) -> Verdict:
+    B, K = draft_BK.shape
+    probs = logits_BKV.float().softmax(dim=-1)
+    target_BK1 = probs.argmax(dim=-1)
+    # Span state before each draft: after x_{n-1}, then after each earlier draft.
+    states = [think_B]
+    for j in range(K - 1):
+        d = draft_BK[:, j]
+        s = torch.where(d == think_id, torch.ones_like(think_B), states[-1])
+        states.append(torch.where(d == end_think_id, torch.zeros_like(think_B), s))
+    in_span_BK = torch.stack(states, dim=1) if K else torch.zeros(B, 0, dtype=torch.bool, device=draft_BK.device)
+    exact_BK = draft_BK == target_BK1[:, :K]
+    p = probs[:, :K]
+    p_draft = p.gather(2, draft_BK.unsqueeze(-1)).squeeze(-1)
+    n = min(top_n, p.shape[-1])
+    topn_vals = p.topk(n, dim=-1).values
+    in_topn = p_draft >= topn_vals[..., -1]
+    close = p_draft >= topn_vals[..., 0] - delta
+    ok_BK = exact_BK | (in_span_BK & in_topn & close & (delta > 0))
+    a = prefix_len(ok_BK)
+    nxt = target_BK1.gather(1, a.unsqueeze(1)).squeeze(1)
+    pos = torch.arange(K, device=draft_BK.device).unsqueeze(0)
+    relaxed_only = ((pos < a.unsqueeze(1)) & ~exact_BK).long().sum(dim=1)
+    return Verdict(a, nxt, relaxed_only)

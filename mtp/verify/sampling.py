@@ -1,0 +1,84 @@
+"""Speculative rejection sampling (Leviathan et al. / Chen et al.): the output follows the target's
+(temperature / top-k / top-p filtered) distribution exactly, whatever the draft distribution q.
+
+Draft j is accepted with probability min(1, p_j(d) / q_j(d)); at the first rejection the token is drawn from
+norm(max(p_j - q_j, 0)); after K acceptances the bonus is drawn from p_K. Greedy drafts are the q = one-hot
+case. All randomness comes from the caller's torch.Generator, so seeded runs reproduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .common import Verdict, prefix_len
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 for sampling, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def filter_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p (nucleus; the token crossing p is kept)."""
+    x = logits.float() / sp.temperature
+    if sp.top_k and sp.top_k < x.shape[-1]:
+        kth = x.topk(sp.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = x.softmax(dim=-1)
+    if sp.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly before each token
+        drop_sorted = before >= sp.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of probs [..., V] by inverse CDF with a uniform from `gen` (device-side, no sync)."""
+    u = torch.rand(probs.shape[:-1] + (1,), generator=gen, device=probs.device, dtype=torch.float32)
+    cdf = probs.float().cumsum(dim=-1)
+    idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
+    return idx.clamp_max(probs.shape[-1] - 1).squeeze(-1)
+
+
+def sampling_verify(draft_BK: torch.Tensor, q_BKV: torch.Tensor | None, logits_BKV: torch.Tensor,
+                    sp: SamplingParams, gen: torch.Generator | None) -> Verdict:
+    """q_BKV: the draft distributions the drafts were sampled from; None means greedy (one-hot) drafts."""
+    B, K = draft_BK.shape
+    p = filter_probs(logits_BKV, sp)  # [B, K+1, V]
+    if q_BKV is None:
+        q_BKV = torch.zeros_like(p[:, :K]).scatter_(2, draft_BK.unsqueeze(-1), 1.0)
+    p_d = p[:, :K].gather(2, draft_BK.unsqueeze(-1)).squeeze(-1)
+    q_d = q_BKV.gather(2, draft_BK.unsqueeze(-1)).squeeze(-1)
+    u = torch.rand(B, K, generator=gen, device=p.device)
+    ok = u * q_d < p_d  # u < p/q without dividing by a zero q
+    a = prefix_len(ok)
+    # Distribution of the token after the accepted prefix: residual at the first miss, p_K after all K.
+    idx = a.view(B, 1, 1).expand(B, 1, p.shape[-1])
+    p_a = p.gather(1, idx).squeeze(1)
+    if K:
+        q_pad = torch.cat((q_BKV, torch.zeros_like(p[:, :1])), dim=1)
+        resid = (p_a - q_pad.gather(1, idx).squeeze(1)).clamp_min(0.0)
+        mass = resid.sum(dim=-1, keepdim=True)
+        # All K accepted (a == K): q_pad row is zero, so resid == p_K. A zero residual (p == q) cannot be
+        # reached by a rejection; guard anyway by falling back to p.
+        p_a = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p_a)
+    nxt = sample(p_a, gen)
+    exact = draft_BK == p[:, :K].argmax(dim=-1)
+    pos = torch.arange(K, device=p.device).unsqueeze(0)
+    relaxed_only = ((pos < a.unsqueeze(1)) & ~exact).long().sum(dim=1)
+    return Verdict(a, nxt, relaxed_only)

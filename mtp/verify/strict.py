@@ -1,0 +1,15 @@
+"""Greedy verification: lossless, the output equals plain greedy decoding token for token."""
+
+from __future__ import annotations
+
+import torch
+
+from .common import Verdict, prefix_len
+
+
+def strict_verify(draft_BK: torch.Tensor, logits_BKV: torch.Tensor) -> Verdict:
+    target_BK1 = logits_BKV.argmax(dim=-1)
+    K = draft_BK.shape[1]
+    a = prefix_len(draft_BK == target_BK1[:, :K])
+    nxt = target_BK1.gather(1, a.unsqueeze(1)).squeeze(1)
+    return Verdict(a, nxt, torch.zeros_like(a))
