@@ -100,3 +100,16 @@ def main(argv: list[str] | None = None) -> None:
     out = write_tiny_checkpoint(a.out_dir, a.seed, a.layers, a.dense_layers, a.mtp_modules, a.index_topk, a.vocab,
                                 a.shards)
     print(f"wrote {out}")
+
+
+def default_checkpoint() -> Path:
+    """The default model of `mtp-eval` / `mtp-chat`: a tiny random checkpoint written on first use under
+    $MTP_CACHE (default ~/.cache/mtp). Writing goes through a temp dir, so concurrent first uses are safe."""
+    import os
+
+    root = Path(os.environ.get("MTP_CACHE", Path.home() / ".cache" / "mtp"))
+    path = root / "tiny-random-v1"
+    if not (path / "config.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        write_tiny_checkpoint(path, seed=0)
+    return path
