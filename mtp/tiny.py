@@ -94,9 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab", type=int, default=512, help="BPE vocabulary size (incl. special tokens)")
     ap.add_argument("--shards", type=int, default=2)
     a = ap.parse_args(argv)
-    if a.layers < 1 or not 0 <= a.dense_layers <= a.layers or a.mtp_modules < 0 or a.index_topk < 1 or a.vocab < 300:
+    if (a.layers < 1 or not 0 <= a.dense_layers <= a.layers or a.mtp_modules < 0 or a.index_topk < 1 or a.vocab < 300
+            or a.shards < 1):
         ap.error("need --layers >= 1, 0 <= --dense-layers <= --layers, --mtp-modules >= 0, --index-topk >= 1, "
-                 "--vocab >= 300 (256 bytes + special tokens)")
+                 "--vocab >= 300 (256 bytes + special tokens), --shards >= 1")
     out = write_tiny_checkpoint(a.out_dir, a.seed, a.layers, a.dense_layers, a.mtp_modules, a.index_topk, a.vocab,
                                 a.shards)
     print(f"wrote {out}")
@@ -106,10 +107,26 @@ def default_checkpoint() -> Path:
     """The default model of `mtp-eval` / `mtp-chat`: a tiny random checkpoint written on first use under
     $MTP_CACHE (default ~/.cache/mtp). Writing goes through a temp dir, so concurrent first uses are safe."""
     import os
+    import shutil
 
     root = Path(os.environ.get("MTP_CACHE", Path.home() / ".cache" / "mtp"))
     path = root / "tiny-random-v1"
     if not (path / "config.json").is_file():
         root.mkdir(parents=True, exist_ok=True)
-        write_tiny_checkpoint(path, seed=0)
+        # Write beside it, then rename into place only if still absent: save_checkpoint alone would delete a
+        # racing writer's finished copy under its readers (seen: ENOTEMPTY and "shard ... does not exist").
+        tmp = Path(tempfile.mkdtemp(prefix=".tiny-random-", dir=root))
+        try:
+            write_tiny_checkpoint(tmp / "ckpt", seed=0)
+            try:
+                os.rename(tmp / "ckpt", path)
+            except OSError:
+                if not (path / "config.json").is_file():
+                    raise  # not a lost race: a real error
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+if __name__ == "__main__":  # `python -m mtp.tiny OUT_DIR` where the console script is not installed
+    main()

@@ -1,0 +1,220 @@
+"""config.json parsing: the real 671B file parses, derived values are right, bad values are refused by name."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from mtp.config import ConfigError, ModelConfig
+from mtp.layers import yarn_inv_freq
+
+# The public DeepSeek-V3.2 config.json as the HF repo ships it (facts section 1), including the fields this
+# implementation ignores (auto_map, torch_dtype, transformers_version, ...).
+REAL_CONFIG = {
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModel": "modeling_deepseek.DeepseekV3Model",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+    },
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "index_topk": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v32",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.44.2",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
+
+def _write(tmp_path, raw) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw, indent=2) if not isinstance(raw, str) else raw)
+    return str(path)
+
+
+def _edited(**changes):
+    """REAL_CONFIG with top-level or nested ('rope_scaling__type') fields replaced."""
+    raw = copy.deepcopy(REAL_CONFIG)
+    for key, value in changes.items():
+        *parents, leaf = key.split("__")
+        d = raw
+        for p in parents:
+            d = d[p]
+        d[leaf] = value
+    return raw
+
+
+def test_real_config_parses(tmp_path):
+    cfg = ModelConfig.from_json(_write(tmp_path, REAL_CONFIG))
+    assert cfg.model_type == "deepseek_v32" and cfg.architectures == ("DeepseekV32ForCausalLM",)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.first_k_dense_replace) == (7168, 61, 3)
+    assert (cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank) == (128, 1536, 512)
+    assert (cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok) == (256, 8, 4, 8)
+    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (64, 128, 2048)
+    assert cfg.num_nextn_predict_layers == 1 and cfg.vocab_size == 129280
+    assert cfg.routed_scaling_factor == 2.5 and cfg.rms_norm_eps == 1e-6 and cfg.rope_theta == 10000.0
+    rs = cfg.rope_scaling
+    assert (rs.type, rs.factor, rs.original_max_position_embeddings, rs.beta_fast, rs.beta_slow) == (
+        "yarn", 40.0, 4096, 32.0, 1.0)
+    q = cfg.quantization_config
+    assert (q.quant_method, q.fmt, q.scale_fmt, q.activation_scheme, q.weight_block_size) == (
+        "fp8", "e4m3", "ue8m0", "dynamic", (128, 128))
+    assert cfg.is_fp8
+    assert cfg == ModelConfig(), "the dataclass defaults are the real 671B config"
+    assert [cfg.is_moe_layer(i) for i in (0, 2, 3, 60, 61)] == [False, False, True, True, True]
+
+
+def test_derived_values():
+    cfg = ModelConfig.from_dict(REAL_CONFIG)
+    assert cfg.qk_head_dim == 192
+    mscale = 0.1 * math.log(40) + 1
+    assert mscale == pytest.approx(1.368888, abs=1e-6)
+    assert cfg.softmax_scale == pytest.approx(192 ** -0.5 * mscale ** 2, rel=1e-12)
+    no_yarn = ModelConfig.from_dict(_edited(rope_scaling=None))
+    assert no_yarn.softmax_scale == pytest.approx(192 ** -0.5, rel=1e-12)
+
+
+def test_to_dict_round_trip():
+    cfg = ModelConfig.from_dict(REAL_CONFIG)
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_eos_list_takes_the_first_id():
+    assert ModelConfig.from_dict(_edited(eos_token_id=[1, 128803])).eos_token_id == 1
+
+
+BAD_VALUES = [
+    # (changes, field named in the message, value named in the message)
+    ({"model_type": "deepseek_v3"}, "model_type", "deepseek_v3"),
+    ({"scoring_func": "softmax"}, "scoring_func", "softmax"),
+    ({"hidden_size": 7000}, "hidden_size", "7000"),
+    ({"n_routed_experts": 250}, "n_group", "n_routed_experts (250)"),
+    ({"quantization_config__weight_block_size": [64, 64]}, "quantization_config.weight_block_size", "[64, 64]"),
+    ({"quantization_config__weight_block_size": ["a", 128]}, "quantization_config.weight_block_size", "'a'"),
+    ({"quantization_config__scale_fmt": "e5m2"}, "quantization_config.scale_fmt", "e5m2"),
+    ({"quantization_config__quant_method": "int4"}, "quantization_config.quant_method", "int4"),
+    ({"rope_scaling__type": "linear"}, "rope_scaling.type", "linear"),
+    ({"rope_scaling__factor": "40"}, "rope_scaling.factor", "'40'"),
+    ({"num_hidden_layers": "61"}, "num_hidden_layers", "'61'"),
+    ({"hidden_size": 7168.5}, "hidden_size", "7168.5"),
+    ({"vocab_size": True}, "vocab_size", "True"),
+    ({"norm_topk_prob": "true"}, "norm_topk_prob", "'true'"),
+    ({"topk_group": 9}, "topk_group", "9"),
+    ({"first_k_dense_replace": 62}, "first_k_dense_replace", "62"),
+    ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers", "-1"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings", "True"),
+    ({"index_head_dim": 96}, "index_head_dim", "96"),
+]
+
+
+@pytest.mark.parametrize("changes, field, value", BAD_VALUES, ids=[f"{c}" for c, _, _ in BAD_VALUES])
+def test_unsupported_value_names_field_and_value(tmp_path, changes, field, value):
+    path = _write(tmp_path, _edited(**changes))
+    with pytest.raises(ConfigError) as ei:
+        ModelConfig.from_json(path)
+    msg = str(ei.value)
+    assert path in msg and f"'{field}'" in msg and value in msg, msg
+
+
+def test_invalid_json_file(tmp_path):
+    path = _write(tmp_path, json.dumps(REAL_CONFIG)[:-20])
+    with pytest.raises(ConfigError, match="not valid JSON") as ei:
+        ModelConfig.from_json(path)
+    assert path in str(ei.value)
+
+
+def test_json_that_is_not_an_object(tmp_path):
+    with pytest.raises(ConfigError, match="expected a JSON object, got list"):
+        ModelConfig.from_json(_write(tmp_path, "[1, 2]"))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json") as ei:
+        ModelConfig.from_json(tmp_path / "nowhere" / "config.json")
+    assert "nowhere" in str(ei.value)
+    with pytest.raises(ConfigError, match="no config.json"):
+        ModelConfig.from_json(tmp_path)  # a directory without config.json
+
+
+def _yarn_reference(dim=64, base=10000.0, factor=40.0, orig=4096, beta_fast=32.0, beta_slow=1.0):
+    """Facts section 3, written independently in float64 (plain Python math, no torch ops)."""
+    def corr(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = math.floor(corr(beta_fast)), math.ceil(corr(beta_slow))
+    out = []
+    for i in range(dim // 2):
+        f = base ** (-2 * i / dim)
+        smooth = 1 - min(max((i - low) / (high - low), 0.0), 1.0)
+        out.append(f / factor * (1 - smooth) + f * smooth)
+    return (low, high), torch.tensor(out, dtype=torch.float64)
+
+
+def test_yarn_inv_freq_matches_reference():
+    (low, high), ref = _yarn_reference()
+    assert (low, high) == (10, 23)
+    got = yarn_inv_freq(ModelConfig.from_dict(REAL_CONFIG))
+    assert got.shape == (32,)
+    err = ((got.double() - ref).abs() / ref).max().item()
+    assert err < 1e-7, f"max relative error {err:.2e}"
+    # below the correction range: unscaled; above it: divided by the factor
+    assert torch.allclose(got[:10].double(), torch.tensor([1e4 ** (-2 * i / 64) for i in range(10)],
+                                                          dtype=torch.float64), rtol=1e-7)
+    assert torch.allclose(got[23:].double(), torch.tensor([1e4 ** (-2 * i / 64) / 40 for i in range(23, 32)],
+                                                          dtype=torch.float64), rtol=1e-7)
