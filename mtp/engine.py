@@ -42,6 +42,7 @@ class GenerationConfig:
     seed: int = 0
     eos_id: int | None = None  # default: the model's eos_token_id
     stop_ids: tuple[int, ...] = ()
+    mode: str = "eager"  # eager | graph (whole step in one CUDA graph) | overlap (graph + pipelined host)
 
     def validate(self, model: DeepseekV32) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -59,6 +60,11 @@ class GenerationConfig:
                 raise ValueError(f"relaxed delta must be in [0, 1] (probability space), got {self.delta}")
         if self.draft.sampling == "sample" and self.verify != "sample":
             raise ValueError("sampled drafts (draft sampling='sample') need verify='sample' to stay lossless")
+        if self.mode not in ("eager", "graph", "overlap"):
+            raise ValueError(f"mode must be 'eager', 'graph' or 'overlap', got {self.mode!r}")
+        if self.mode != "eager" and model.device.type != "cuda":
+            raise ValueError(f"mode={self.mode!r} captures CUDA graphs and needs the model on a CUDA device "
+                             f"(it is on {model.device}); use mode='eager'")
         V = model.cfg.vocab_size
         for t in tuple(self.stop_ids) + tuple(self.think_ids or ()):
             if not 0 <= t < V:
@@ -86,7 +92,7 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]], max_new_token
     """Speculative generation. Options: top_n, delta, think_ids (relaxed); temperature, top_p, top_k,
     draft_sampling, seed (sampling); reuse_modules, target_hidden, chain_hidden (drafts); eos_id, stop_ids."""
     known = {"top_n", "delta", "think_ids", "temperature", "top_p", "top_k", "draft_sampling", "seed",
-             "reuse_modules", "target_hidden", "chain_hidden", "eos_id", "stop_ids"}
+             "reuse_modules", "target_hidden", "chain_hidden", "eos_id", "stop_ids", "mode"}
     unknown = set(options) - known
     if unknown:
         raise TypeError(f"generate: unknown options {sorted(unknown)}; known: {sorted(known)}")
@@ -102,7 +108,7 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]], max_new_token
                             top_n=options.get("top_n", 10), delta=options.get("delta", 0.6),
                             think_ids=tuple(think) if think is not None else None, sampling=sp,
                             seed=options.get("seed", 0), eos_id=options.get("eos_id"),
-                            stop_ids=tuple(options.get("stop_ids", ())))
+                            stop_ids=tuple(options.get("stop_ids", ())), mode=options.get("mode", "eager"))
     return Engine(model, gcfg).run(prompts, on_step=on_step)
 
 
@@ -154,114 +160,153 @@ class Engine:
             out.append(p)
         return out
 
-    # ------------------------------------------------------------------ loop
-    @torch.no_grad()
-    def run(self, prompts, on_step: Callable[[StepEvent], None] | None = None) -> GenerateResult:
-        m, g, dev = self.model, self.g, self.dev
-        prompts = self._check_prompts(prompts)
-        K, dcfg = g.draft.k, g.draft
+    # ------------------------------------------------------------------ state
+    def _new_state(self, prompts: list[list[int]]) -> "DecodeState":
+        m, g, dev, K = self.model, self.g, self.dev, self.g.draft.k
         B = len(prompts)
-        P_B = torch.tensor([len(p) for p in prompts], device=dev)
         Tp = max(len(p) for p in prompts)
         max_len = Tp + g.max_new_tokens + 3 * K + 2
         if max_len > m.cfg.max_position_embeddings:
             raise ValueError(f"prompt ({Tp}) + max_new_tokens ({g.max_new_tokens}) exceed "
                              f"max_position_embeddings ({m.cfg.max_position_embeddings})")
+        st = DecodeState(
+            tokens=torch.zeros(B, max_len, dtype=torch.long, device=dev),
+            hidden=torch.zeros(B, max_len, m.cfg.hidden_size, dtype=m.dtype, device=dev),
+            cache=m.new_cache(B, max_len),
+            proposer=self.proposer_factory(m, g.draft, B, max_len) if K else None,
+            P_B=torch.tensor([len(p) for p in prompts], device=dev),
+            Tp=Tp, max_len=max_len,
+            n_B=torch.zeros(B, dtype=torch.long, device=dev),
+            gen_B=torch.ones(B, dtype=torch.long, device=dev),
+            p0_B=torch.zeros(B, dtype=torch.long, device=dev),
+            finished_B=torch.zeros(B, dtype=torch.bool, device=dev),
+            think_B=torch.zeros(B, dtype=torch.bool, device=dev),
+            hist_K1=torch.zeros(K + 1, dtype=torch.long, device=dev),
+            relaxed_only=torch.zeros((), dtype=torch.long, device=dev),
+            row_steps=torch.zeros((), dtype=torch.long, device=dev),
+            new_BK1=torch.zeros(B, K + 1, dtype=torch.long, device=dev),
+            keep_B=torch.zeros(B, dtype=torch.long, device=dev),
+            acc_B=torch.zeros(B, dtype=torch.long, device=dev),
+        )
+        for b, p in enumerate(prompts):
+            st.tokens[b, : len(p)] = torch.tensor(p, device=dev)
+        return st
+
+    def _prefill(self, st: "DecodeState") -> None:
+        """Target prefill (right-padded: padding sits after each row's prompt, so it never affects it) and the
+        first token. Leaves n = P + 1 and the target cache at P positions."""
+        m, g, dcfg, dev = self.model, self.g, self.g.draft, self.dev
+        B, Tp, P_B = st.B, st.Tp, st.P_B
+        out = m(st.tokens[:, :Tp], st.cache, kv_len=Tp, logits_at=(P_B - 1).unsqueeze(1))
+        st.hidden[:, :Tp] = pick_hidden(out, dcfg.target_hidden)
+        st.cache.truncate(P_B)
+        if g.think_ids is not None:
+            st.think_B.copy_(update_think_state(st.think_B, st.tokens[:, :Tp],
+                                                torch.arange(Tp, device=dev) < P_B.unsqueeze(1), *g.think_ids))
+        first = self._verify(st.tokens[:, :0], None, out.logits, st.think_B).next_token_B
+        st.tokens[torch.arange(B, device=dev), P_B] = first
+        st.n_B.copy_(P_B + 1)
+        st.finished_B.copy_(torch.isin(first, self.stop_ids) | (st.gen_B >= g.max_new_tokens))
+        if g.think_ids is not None:
+            st.think_B.copy_(update_think_state(st.think_B, first.unsqueeze(1),
+                                                torch.ones(B, 1, dtype=torch.bool, device=dev), *g.think_ids))
+        st.new_BK1[:, 0] = first
+        st.keep_B.fill_(1)
+
+    def _step(self, st: "DecodeState", W: int, max_n: int, marks: list | None = None) -> None:
+        """One speculative step, device ops only, every update in place (so a CUDA graph can replay it).
+        `max_n` bounds the positions touched (host-known max of n, or the buffer length for graphs).
+        `marks`: eager timing only; gets a clock reading between drafting and verification."""
+        m, g, dcfg = self.model, self.g, self.g.draft
+        K, B = dcfg.k, st.B
+        rows = torch.arange(B, device=self.dev)
+        ar = torch.arange(K + 1, device=self.dev)
+        n_B = st.n_B
+        active_B = ~st.finished_B
+        if K:
+            drafts, q = st.proposer.propose(st.tokens, st.hidden, n_B, st.p0_B, W, self._draw, max_n=max_n)
+            # The verify input is read from `tokens`: write the returned drafts there, so what is verified
+            # is exactly what was proposed, whether or not the proposer wrote them itself.
+            st.tokens.scatter_(1, n_B.unsqueeze(1) + ar[:K], drafts)
+        else:
+            drafts, q = st.tokens[:, :0], None
+        if marks is not None:
+            marks.append(self._clock())
+        vin = st.tokens.gather(1, (n_B - 1).unsqueeze(1) + ar)  # [x_{n-1}, d_1..d_K]
+        out = m(vin, st.cache, kv_len=min(max_n + K, st.max_len))
+        st.hidden.scatter_(1, ((n_B - 1).unsqueeze(1) + ar).unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]),
+                           pick_hidden(out, dcfg.target_hidden))
+        v = self._verify(drafts, q, out.logits, st.think_B)
+
+        # ---- accept: drafts d_1..d_a then the target token, cut at a stop token and at max_new_tokens
+        a_B = torch.where(active_B, v.accept_len_B, torch.zeros_like(v.accept_len_B))
+        new_BK1 = torch.cat((drafts, torch.zeros_like(a_B).unsqueeze(1)), 1)
+        new_BK1[rows, a_B] = v.next_token_B
+        valid_BK1 = ar.unsqueeze(0) <= a_B.unsqueeze(1)
+        is_stop = torch.isin(new_BK1, self.stop_ids) & valid_BK1
+        first_stop = torch.where(is_stop.any(1), is_stop.long().argmax(1), torch.full_like(a_B, K + 1))
+        keep_B = torch.minimum(torch.minimum(a_B + 1, first_stop + 1), g.max_new_tokens - st.gen_B)
+        keep_B = torch.where(active_B, keep_B, torch.zeros_like(keep_B))
+        kept_BK1 = ar.unsqueeze(0) < keep_B.unsqueeze(1)
+        # ---- commit + rollback (rolling back is lowering lengths: no copy)
+        pos = (n_B.unsqueeze(1) + ar).clamp_max(st.max_len - 1)
+        st.tokens.scatter_(1, pos, torch.where(kept_BK1, new_BK1, st.tokens.gather(1, pos)))
+        if g.think_ids is not None:
+            st.think_B.copy_(update_think_state(st.think_B, new_BK1, kept_BK1, *g.think_ids))
+        st.n_B.add_(keep_B)
+        st.gen_B.add_(keep_B)
+        st.finished_B.copy_(st.finished_B | (is_stop & kept_BK1).any(1) | (st.gen_B >= g.max_new_tokens))
+        st.cache.truncate(st.n_B - 1)
+        st.p0_B.copy_((st.n_B - 1 - dcfg.window()).clamp_min(0))
+        # ---- metrics, on the device (no sync)
+        st.hist_K1.scatter_add_(0, a_B, active_B.long())
+        st.relaxed_only.add_((v.relaxed_only_B * active_B).sum())
+        st.row_steps.add_(active_B.long().sum())
+        st.new_BK1.copy_(new_BK1)
+        st.keep_B.copy_(keep_B)
+        st.acc_B.copy_(torch.minimum(a_B, keep_B))
+
+    # ------------------------------------------------------------------ loop
+    @torch.no_grad()
+    def run(self, prompts, on_step: Callable[[StepEvent], None] | None = None) -> GenerateResult:
+        g, dcfg = self.g, self.g.draft
+        prompts = self._check_prompts(prompts)
+        K, B = dcfg.k, len(prompts)
         met = SpecMetrics(k=K, draft=dcfg.mode, verify=g.verify, n_rows=B, prompt_tokens=int(sum(map(len, prompts))),
                           hidden_options={"target_hidden": dcfg.target_hidden, "chain_hidden": dcfg.chain_hidden})
-        tokens = torch.zeros(B, max_len, dtype=torch.long, device=dev)
-        for b, p in enumerate(prompts):
-            tokens[b, : len(p)] = torch.tensor(p, device=dev)
-        hidden = torch.zeros(B, max_len, m.cfg.hidden_size, dtype=m.dtype, device=dev)
-        cache = m.new_cache(B, max_len)
-        proposer = self.proposer_factory(m, dcfg, B, max_len) if K else None
-        rows = torch.arange(B, device=dev)
-
-        # ---- prefill (right-padded; padding sits after each row's prompt, so it never affects it)
+        st = self._new_state(prompts)
         t0 = self._clock()
-        out = m(tokens[:, :Tp], cache, kv_len=Tp, logits_at=(P_B - 1).unsqueeze(1))
-        hidden[:, :Tp] = pick_hidden(out, dcfg.target_hidden)
-        cache.truncate(P_B)
-        think_B = torch.zeros(B, dtype=torch.bool, device=dev)
-        if g.think_ids is not None:
-            th, eth = g.think_ids
-            think_B = update_think_state(think_B, tokens[:, :Tp], torch.arange(Tp, device=dev) < P_B.unsqueeze(1),
-                                         th, eth)
-        first = self._verify(tokens[:, :0], None, out.logits, think_B).next_token_B
-        tokens[rows, P_B] = first
-        n_B = P_B + 1
-        gen_B = torch.ones(B, dtype=torch.long, device=dev)
-        finished_B = torch.isin(first, self.stop_ids) | (gen_B >= g.max_new_tokens)
-        if g.think_ids is not None:
-            think_B = update_think_state(think_B, first.unsqueeze(1), torch.ones(B, 1, dtype=torch.bool, device=dev),
-                                         *g.think_ids)
+        self._prefill(st)
         t1 = self._clock()
         met.time_prefill_s = met.ttft_s = t1 - t0
-        if on_step is not None:
-            on_step(StepEvent([[t] for t in first.tolist()], [0] * B))
-        host = torch.stack((n_B, finished_B.long())).cpu()  # sync: loop condition
-        p0_B = torch.zeros(B, dtype=torch.long, device=dev)
-        W = Tp
+        emit = _Emitter(on_step, B)
+        emit(st.new_BK1.tolist(), st.keep_B.tolist(), [0] * B)
+        # First step: the draft window covers the whole prompt (p0 = 0, W = longest prompt); host bounds.
+        W = st.Tp
+        host = torch.stack((st.n_B, st.finished_B.long())).cpu()  # sync: loop condition + cache bounds
+        if self.g.mode == "eager":
+            while not bool(host[1].all()):
+                marks = [self._clock()]
+                self._step(st, W, int(host[0].max()), marks)
+                ta, tm, tb = marks[0], marks[1], self._clock()
+                W = dcfg.window()
+                host = torch.stack((st.n_B, st.finished_B.long())).cpu()  # sync: loop condition + bounds
+                met.target_forwards += 1
+                emit(st.new_BK1.tolist(), st.keep_B.tolist(), st.acc_B.tolist())
+                met.time_draft_s += tm - ta
+                met.time_verify_s += tb - tm
+                met.time_host_s += time.perf_counter() - tb
+        else:
+            from .runner import run_captured
 
-        ar = torch.arange(K + 1, device=dev)
-        while not bool(host[1].all()):
-            max_n = int(host[0].max())
-            active_B = ~finished_B
-            ta = self._clock()
-            if K:
-                drafts, q = proposer.propose(tokens, hidden, n_B, p0_B, W, self._draw, max_n=max_n)
-            else:
-                drafts, q = tokens[:, :0], None
-            tb = self._clock()
-            vin = tokens.gather(1, (n_B - 1).unsqueeze(1) + ar)  # [x_{n-1}, d_1..d_K]
-            out = m(vin, cache, kv_len=max_n + K)
-            hidden.scatter_(1, ((n_B - 1).unsqueeze(1) + ar).unsqueeze(-1).expand(-1, -1, hidden.shape[-1]),
-                            pick_hidden(out, dcfg.target_hidden))
-            v = self._verify(drafts, q, out.logits, think_B)
-            tc = self._clock()
-
-            # ---- accept: drafts d_1..d_a then the target token, cut at a stop token and at max_new_tokens
-            a_B = torch.where(active_B, v.accept_len_B, torch.zeros_like(v.accept_len_B))
-            new_BK1 = torch.cat((drafts, torch.zeros_like(a_B).unsqueeze(1)), 1)
-            new_BK1[rows, a_B] = v.next_token_B
-            valid_BK1 = ar.unsqueeze(0) <= a_B.unsqueeze(1)
-            is_stop = torch.isin(new_BK1, self.stop_ids) & valid_BK1
-            first_stop = torch.where(is_stop.any(1), is_stop.long().argmax(1), torch.full_like(a_B, K + 1))
-            keep_B = torch.minimum(torch.minimum(a_B + 1, first_stop + 1), g.max_new_tokens - gen_B)
-            keep_B = torch.where(active_B, keep_B, torch.zeros_like(keep_B))
-            kept_BK1 = ar.unsqueeze(0) < keep_B.unsqueeze(1)
-            # ---- commit + rollback
-            pos = (n_B.unsqueeze(1) + ar).clamp_max(max_len - 1)
-            tokens.scatter_(1, pos, torch.where(kept_BK1, new_BK1, tokens.gather(1, pos)))
-            if g.think_ids is not None:
-                think_B = update_think_state(think_B, new_BK1, kept_BK1, *g.think_ids)
-            n_B = n_B + keep_B
-            gen_B = gen_B + keep_B
-            finished_B = finished_B | (is_stop & kept_BK1).any(1) | (gen_B >= g.max_new_tokens)
-            cache.truncate(n_B - 1)
-            W = dcfg.window()
-            p0_B = (n_B - 1 - W).clamp_min(0)
-
-            # ---- metrics (host)
-            host = torch.stack((n_B, finished_B.long())).cpu()  # sync: loop condition + cache bounds
-            act = active_B.cpu()
-            hist = torch.bincount(a_B.cpu()[act], minlength=K + 1).tolist()
-            met.accepted_hist = [x + y for x, y in zip(met.accepted_hist, hist)]
-            met.row_steps += int(act.sum())
-            met.relaxed_only_accepts += int(v.relaxed_only_B.cpu()[act].sum())
-            met.target_forwards += 1
-            if on_step is not None:
-                kept, newl = keep_B.tolist(), new_BK1.tolist()
-                on_step(StepEvent([newl[b][: kept[b]] for b in range(B)],
-                                  [min(x, y) for x, y in zip(a_B.tolist(), kept)]))
-            td = time.perf_counter()
-            met.time_draft_s += tb - ta
-            met.time_verify_s += tc - tb
-            met.time_host_s += td - tc
+            run_captured(self, st, met, emit, host, W)
         met.time_decode_s = time.perf_counter() - t1
-        met.draft_forwards = proposer.draft_forwards if proposer else 0
-        n_host, P_host = host[0].tolist(), P_B.tolist()
-        toks = tokens.cpu()
+        met.accepted_hist = st.hist_K1.tolist()
+        met.row_steps = int(st.row_steps)
+        met.relaxed_only_accepts = int(st.relaxed_only)
+        met.draft_forwards = st.proposer.draft_forwards if st.proposer else 0
+        n_host, P_host = st.n_B.tolist(), st.P_B.tolist()
+        toks = st.tokens.cpu()
         result, reasons = [], []
         stop_set = set(self.stop_ids.tolist())
         for b in range(B):
@@ -270,3 +315,42 @@ class Engine:
             reasons.append("stop" if seq and seq[-1] in stop_set else "length")
         met.new_tokens = sum(len(s) for s in result)
         return GenerateResult(result, reasons, met)
+
+
+@dataclass
+class DecodeState:
+    """Every tensor a step reads or writes; allocated once per run, updated in place."""
+
+    tokens: torch.Tensor  # [B, S] committed tokens (drafts scratch past n)
+    hidden: torch.Tensor  # [B, S, D] target hidden per position (valid < n-1)
+    cache: object  # KVCache of the target
+    proposer: object | None
+    P_B: torch.Tensor  # prompt lengths
+    Tp: int
+    max_len: int
+    n_B: torch.Tensor  # committed length
+    gen_B: torch.Tensor  # generated so far
+    p0_B: torch.Tensor  # draft window start
+    finished_B: torch.Tensor
+    think_B: torch.Tensor  # inside a thinking span after the last committed token
+    hist_K1: torch.Tensor  # accepted-count histogram (device)
+    relaxed_only: torch.Tensor
+    row_steps: torch.Tensor
+    new_BK1: torch.Tensor  # last step: candidate tokens; first keep_B of each row were committed
+    keep_B: torch.Tensor
+    acc_B: torch.Tensor  # last step: committed drafts per row
+
+    @property
+    def B(self) -> int:
+        return self.tokens.shape[0]
+
+
+class _Emitter:
+    """Turns a step's committed tokens into a StepEvent for `on_step` (rows with nothing committed get [])."""
+
+    def __init__(self, on_step, B: int):
+        self.on_step, self.B = on_step, B
+
+    def __call__(self, new_rows: list[list[int]], keep: list[int], acc: list[int]) -> None:
+        if self.on_step is not None:
+            self.on_step(StepEvent([new_rows[b][: keep[b]] for b in range(self.B)], acc))

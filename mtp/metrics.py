@@ -32,6 +32,12 @@ class SpecMetrics:
     time_decode_s: float = 0.0
     ttft_s: float = 0.0
     hidden_options: dict = field(default_factory=dict)
+    # graph / overlap modes (GPU): capture cost and how busy the GPU was between replays
+    graph_capture_s: float = 0.0
+    graph_pool_bytes: int = 0
+    graph_replays: int = 0
+    gpu_busy_ms: float = 0.0
+    gpu_idle_ms: float = 0.0
 
     def __post_init__(self):
         if not self.accepted_hist:
@@ -80,7 +86,8 @@ class SpecMetrics:
         out.accepted_hist = [a + b for a, b in zip(self.accepted_hist, other.accepted_hist)]
         for name in ("relaxed_only_accepts", "target_forwards", "row_steps", "draft_forwards", "prompt_tokens",
                      "new_tokens", "time_prefill_s", "time_draft_s", "time_verify_s", "time_host_s",
-                     "time_decode_s", "ttft_s", "n_rows"):
+                     "time_decode_s", "ttft_s", "n_rows", "graph_capture_s", "graph_pool_bytes", "graph_replays",
+                     "gpu_busy_ms", "gpu_idle_ms"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         return out
 
@@ -104,6 +111,13 @@ class SpecMetrics:
             "speed/prefill_tok_s": self.prefill_tok_s,
             "speed/decode_tok_s": self.decode_tok_s,
         }
+        if self.graph_replays:
+            d.update({
+                "graph/capture_s": self.graph_capture_s,
+                "graph/pool_bytes": self.graph_pool_bytes,
+                "graph/replays": self.graph_replays,
+                "graph/gpu_idle_frac": self.gpu_idle_ms / max(self.gpu_busy_ms + self.gpu_idle_ms, 1e-9),
+            })
         for j, (cum, cond) in enumerate(zip(self.accept_cum, self.accept_cond), start=1):
             d[f"accept/pos_{j}"] = cum
             d[f"accept/cond_pos_{j}"] = cond

@@ -63,11 +63,19 @@ class MoE(nn.Module):
         x_ND = x.reshape(-1, shape[-1])
         w_NK, ids_NK = self.gate(x_ND)
         out = torch.zeros(x_ND.shape, dtype=torch.float32, device=x.device)
-        # Reference path: loop over the experts that some token chose (the GPU path runs only those too).
-        for e in torch.unique(ids_NK).tolist():  # host sync: eager reference only
-            tok, slot = (ids_NK == e).nonzero(as_tuple=True)
-            y = self.experts[e](x_ND[tok]).float() * w_NK[tok, slot].unsqueeze(-1)
-            out.index_add_(0, tok, y)
+        if x.is_cuda:
+            # Sync-free (CUDA-graph capturable) reference: every expert on every token, weight 0 where not
+            # routed, added in expert order. Exact, but reads all experts: the Triton path reads only the chosen.
+            w_NE = torch.zeros(x_ND.shape[0], len(self.experts), dtype=torch.float32, device=x.device)
+            w_NE.scatter_(1, ids_NK, w_NK)
+            for e, expert in enumerate(self.experts):
+                out += expert(x_ND).float() * w_NE[:, e:e + 1]
+        else:
+            # CPU reference: loop over the experts some token chose.
+            for e in torch.unique(ids_NK).tolist():  # host sync: fine on CPU
+                tok, slot = (ids_NK == e).nonzero(as_tuple=True)
+                y = self.experts[e](x_ND[tok]).float() * w_NK[tok, slot].unsqueeze(-1)
+                out.index_add_(0, tok, y)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_ND).float()
         return out.to(x.dtype).view(shape)

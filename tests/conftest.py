@@ -8,6 +8,10 @@ import torch
 from mtp.checkpoint import load_model, save_checkpoint
 from mtp.tiny import random_tensors, tiny_config
 
+# One intra-op thread: the tiny models are far too small to gain from more, and on shared 2-core CI machines
+# OpenMP spinning across processes made torch set-up 10-50x slower.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
