@@ -44,11 +44,12 @@ class Indexer(nn.Module):
         B, T, _ = x_BTD.shape
         q = self.wq_b(qr_BTQ).view(B, T, self.n_heads, self.head_dim)
         q = torch.cat((rope_half(q[..., : self.rope_dim], cos, sin), q[..., self.rope_dim:]), dim=-1)
-        q = fp8.rotate_activation(q).float()
+        a = fp8.acc_dtype(x_BTD.dtype)
+        q = fp8.rotate_activation(q).to(a)
         if self.numerics == "fp8":
             q = fp8.fake_quant(q)  # one ue8m0 scale per (token, head): the reference quantizes q before scoring
-        k_BSD = cache.read_index_k(S)
-        w_BTH = F.linear(x_BTD.float(), self.weights_proj.weight.float()) * self.n_heads ** -0.5
+        k_BSD = cache.read_index_k(S, a)
+        w_BTH = F.linear(x_BTD.to(a), self.weights_proj.weight.to(a)) * self.n_heads ** -0.5
         dots_BTHS = torch.einsum("bthd,bsd->bths", q, k_BSD).relu()
         score_BTS = torch.einsum("bth,bths->bts", w_BTH * self.head_dim ** -0.5, dots_BTHS)
         score_BTS = score_BTS.masked_fill(~visible_BTS, float("-inf"))
@@ -62,6 +63,8 @@ class Indexer(nn.Module):
 
 
 class MLA(nn.Module):
+    backend: str = "reference"  # 'triton': mtp/fastpath.py (absorbed blocks over the FP8 cache)
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         q8 = cfg.is_fp8
@@ -87,14 +90,20 @@ class MLA(nn.Module):
         c = self.kv_a_layernorm(kv[..., : self.C], dt)
         k_pe = rope_interleaved(kv[..., self.C:], cos, sin)
         cache.write(pos_BT, c, k_pe, self.indexer.keys(x_BTD, cos, sin))
+        naive = opts.attn_impl == "naive" or (opts.attn_impl == "auto" and T > opts.absorb_max_tokens)
+        if self.backend == "triton" and not naive and cache.quantized:
+            from .fastpath import mla_attend_fast
+
+            o = mla_attend_fast(self, x_BTD, qr, q_nope, q_pe, cos, sin, cache, S)
+            return self.o_proj(o.reshape(B, T, self.H * self.V).to(dt))
 
         visible_BTS = torch.arange(S, device=x_BTD.device).view(1, 1, S) <= pos_BT.unsqueeze(-1)
         keep_BTS = self.indexer.select(x_BTD, qr, cos, sin, cache, S, visible_BTS)
-        c_BSC, pe_BSR = cache.read_kv(S, torch.float32)
-        bias_B1TS = torch.zeros(keep_BTS.shape, dtype=torch.float32, device=x_BTD.device)
+        a = fp8.acc_dtype(dt)
+        c_BSC, pe_BSR = cache.read_kv(S, a)
+        bias_B1TS = torch.zeros(keep_BTS.shape, dtype=a, device=x_BTD.device)
         bias_B1TS = bias_B1TS.masked_fill(~keep_BTS, float("-inf")).unsqueeze(1)
 
-        naive = opts.attn_impl == "naive" or (opts.attn_impl == "auto" and T > opts.absorb_max_tokens)
         if naive:
             o = self._naive(q_nope, q_pe, c_BSC.to(dt), pe_BSR, bias_B1TS)
         else:
@@ -103,18 +112,20 @@ class MLA(nn.Module):
 
     def _naive(self, q_nope, q_pe, c_BSC, pe_BSR, bias):
         B, S = c_BSC.shape[:2]
-        kv = self.kv_b_proj(c_BSC).view(B, S, self.H, self.P + self.V).float()
+        a = bias.dtype
+        kv = self.kv_b_proj(c_BSC).view(B, S, self.H, self.P + self.V).to(a)
         k_nope, v = kv[..., : self.P], kv[..., self.P:]
-        scores = torch.einsum("bthp,bshp->bhts", q_nope.float(), k_nope)
-        scores = scores + torch.einsum("bthr,bsr->bhts", q_pe.float(), pe_BSR.float())
+        scores = torch.einsum("bthp,bshp->bhts", q_nope.to(a), k_nope)
+        scores = scores + torch.einsum("bthr,bsr->bhts", q_pe.to(a), pe_BSR.to(a))
         p = (scores * self.softmax_scale + bias).softmax(dim=-1)
         return torch.einsum("bhts,bshv->bthv", p, v)
 
     def _absorbed(self, q_nope, q_pe, c_BSC, pe_BSR, bias):
-        w = self.kv_b_proj.dequantized_weight(torch.float32).view(self.H, self.P + self.V, self.C)
-        q_lat = torch.einsum("bthp,hpc->bthc", q_nope.float(), w[:, : self.P])
-        scores = torch.einsum("bthc,bsc->bhts", q_lat, c_BSC.float())
-        scores = scores + torch.einsum("bthr,bsr->bhts", q_pe.float(), pe_BSR.float())
+        a = bias.dtype
+        w = self.kv_b_proj.dequantized_weight(a).view(self.H, self.P + self.V, self.C)
+        q_lat = torch.einsum("bthp,hpc->bthc", q_nope.to(a), w[:, : self.P])
+        scores = torch.einsum("bthc,bsc->bhts", q_lat, c_BSC.to(a))
+        scores = scores + torch.einsum("bthr,bsr->bhts", q_pe.to(a), pe_BSR.to(a))
         p = (scores * self.softmax_scale + bias).softmax(dim=-1)
-        o_lat = torch.einsum("bhts,bsc->bthc", p, c_BSC.float())
+        o_lat = torch.einsum("bhts,bsc->bthc", p, c_BSC.to(a))
         return torch.einsum("bthc,hvc->bthv", o_lat, w[:, self.P:])

@@ -54,11 +54,11 @@ class LayerCache:
             kv = fp8.act_dequant(kv, self.kv_scale[:, :S], dtype)
         return kv.to(dtype), self.pe[:, :S].to(dtype)
 
-    def read_index_k(self, S: int) -> torch.Tensor:
-        """Dequantized indexer keys [B, S, Dk] in fp32."""
-        k = self.idx_k[:, :S].float()
+    def read_index_k(self, S: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantized indexer keys [B, S, Dk] in `dtype` (fp32, or fp64 for a float64 model)."""
+        k = self.idx_k[:, :S].to(dtype)
         if self.quantized:
-            k = k * self.idx_k_scale[:, :S].unsqueeze(-1)
+            k = k * self.idx_k_scale[:, :S].unsqueeze(-1).to(dtype)
         return k
 
 

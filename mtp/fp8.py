@@ -23,9 +23,20 @@ FP8_DTYPE = torch.float8_e4m3fn
 AMAX_FLOOR = 1e-4
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 for a float64 model, float32 otherwise. A float64 model computes the same
+    FP8 formulas with ~1e-16 noise, so results stop depending on batch shape / summation order (exact-equality
+    tests of speculative vs plain decoding use it at widths where fp32 noise flips FP8 roundings)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def round_scale_ue8m0(s: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= s (exponent-only 'ue8m0' scale), computed exactly in fp32."""
-    return torch.exp2(torch.ceil(torch.log2(s)))
+    r = torch.exp2(torch.ceil(torch.log2(s)))
+    # fp32 log2 is not exact: for s = 2^k * (1 + 2^-23) it returns exactly k for k >= 4 or k <= -5, so r = 2^k < s
+    # and the group's amax would saturate at 448. Doubling / halving is exact, so correct the off-by-one both ways.
+    r = torch.where(r < s, r * 2, r)
+    return torch.where(r * 0.5 >= s, r * 0.5, r)
 
 
 def act_quant(x: torch.Tensor, block: int = BLOCK, scale_fmt: str | None = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,19 +44,20 @@ def act_quant(x: torch.Tensor, block: int = BLOCK, scale_fmt: str | None = "ue8m
     K = x.shape[-1]
     if K % block:
         raise ValueError(f"act_quant: last dim {K} is not a multiple of the block {block}")
-    xg = x.float().unflatten(-1, (K // block, block))
+    xg = x.to(acc_dtype(x.dtype)).unflatten(-1, (K // block, block))
     amax = xg.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
     s = amax / FP8_MAX
     if scale_fmt == "ue8m0":
         s = round_scale_ue8m0(s)
     x8 = (xg / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return x8.flatten(-2), s
+    return x8.flatten(-2), s.float()
 
 
 def act_dequant(x8: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32, block: int = BLOCK) -> torch.Tensor:
     """Inverse of act_quant: x8 [..., K] float8 and s [..., K // block] -> dtype [..., K]."""
     K = x8.shape[-1]
-    xg = x8.float().unflatten(-1, (K // block, block)) * s.float().unsqueeze(-1)
+    a = acc_dtype(dtype)
+    xg = x8.to(a).unflatten(-1, (K // block, block)) * s.to(a).unsqueeze(-1)
     return xg.flatten(-2).to(dtype)
 
 
@@ -58,8 +70,9 @@ def fake_quant(x: torch.Tensor, block: int = BLOCK, scale_fmt: str | None = "ue8
 def weight_dequant(w8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Expand [ceil(N/128), ceil(K/128)] block scales over w8 [N, K] and multiply."""
     N, K = w8.shape
-    s = scale_inv.float().repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
-    return (w8.float() * s).to(dtype)
+    a = acc_dtype(dtype)
+    s = scale_inv.to(a).repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
+    return (w8.to(a) * s).to(dtype)
 
 
 def weight_quant(w: torch.Tensor, scale_fmt: str | None = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +93,8 @@ def weight_quant(w: torch.Tensor, scale_fmt: str | None = "ue8m0") -> tuple[torc
     return q.view(nb * BLOCK, kb * BLOCK)[:N, :K].contiguous(), s.contiguous()
 
 
-def fp8_gemm_ref(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+def fp8_gemm_ref(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor,
+                 acc: torch.dtype = torch.float32) -> torch.Tensor:
     """Block-scaled GEMM: x8 [M, K] float8, sx [M, G] fp32, w8 [N, K] float8, sw [ceil(N/128), G] -> fp32 [M, N].
 
     Each 128-wide K group is one fp32 product scaled by s_x * s_w, as DeepSeek's fp8_gemm accumulates.
@@ -88,11 +102,11 @@ def fp8_gemm_ref(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch
     M, K = x8.shape
     N = w8.shape[0]
     G = K // BLOCK
-    xg = x8.float().view(M, G, BLOCK)
-    wg = w8.float().view(N, G, BLOCK)
+    xg = x8.to(acc).view(M, G, BLOCK)
+    wg = w8.to(acc).view(N, G, BLOCK)
     partial = torch.einsum("mgk,ngk->mgn", xg, wg)  # [M, G, N]
-    sw_full = sw.float().repeat_interleave(BLOCK, 0)[:N]  # [N, G]
-    return (partial * sx.float().unsqueeze(-1) * sw_full.t().unsqueeze(0)).sum(dim=1)
+    sw_full = sw.to(acc).repeat_interleave(BLOCK, 0)[:N]  # [N, G]
+    return (partial * sx.to(acc).unsqueeze(-1) * sw_full.t().unsqueeze(0)).sum(dim=1)
 
 
 def hadamard_matrix(n: int, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -108,5 +122,6 @@ def hadamard_matrix(n: int, device=None, dtype=torch.float32) -> torch.Tensor:
 def rotate_activation(x: torch.Tensor) -> torch.Tensor:
     """Walsh-Hadamard transform over the last dim scaled by dim^-0.5 (orthonormal, as DeepSeek's indexer)."""
     n = x.shape[-1]
-    h = hadamard_matrix(n, device=x.device, dtype=torch.float32)
-    return (x.float() @ h * n ** -0.5).to(x.dtype)
+    a = acc_dtype(x.dtype)
+    h = hadamard_matrix(n, device=x.device, dtype=a)
+    return (x.to(a) @ h * n ** -0.5).to(x.dtype)

@@ -26,8 +26,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        a = fp8.acc_dtype(x.dtype)
+        xf = x.to(a)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(a)
         return y.to(out_dtype or self.weight.dtype)
 
 
@@ -41,7 +42,8 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
+        a = fp8.acc_dtype(x.dtype)
+        y = F.layer_norm(x.to(a), (x.shape[-1],), self.weight.to(a), self.bias.to(a), self.eps)
         return y.to(x.dtype)
 
 
@@ -79,15 +81,15 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.is_fp8:
             return F.linear(x, self.weight.to(x.dtype))
-        if self.backend != "reference":
-            from .kernels import dispatch
+        if self.backend == "triton":  # see mtp/fastpath.py
+            from .kernels.fp8_gemm import fp8_linear
 
-            return dispatch.linear(self, x)
+            return fp8_linear(x, self.weight, self.weight_scale_inv)
         if self.numerics == "dequant":
             return F.linear(x, self.dequantized_weight(x.dtype))
         lead = x.shape[:-1]
         x8, sx = fp8.act_quant(x.reshape(-1, self.in_features))
-        y = fp8.fp8_gemm_ref(x8, sx, self.weight, self.weight_scale_inv)
+        y = fp8.fp8_gemm_ref(x8, sx, self.weight, self.weight_scale_inv, acc=fp8.acc_dtype(x.dtype))
         return y.to(x.dtype).view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -104,7 +106,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, dim, fp8_weight, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self.gate_proj(x).float()) * self.up_proj(x).float()
+        a = fp8.acc_dtype(x.dtype)
+        h = F.silu(self.gate_proj(x).to(a)) * self.up_proj(x).to(a)
         return self.down_proj(h.to(x.dtype))
 
 
@@ -146,7 +149,7 @@ def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs (x0, x1), (x2, x3), ... (MLA). x [B, T, ..., R]; cos/sin [B, T, R/2]."""
     shape = x.shape
-    xf = x.float().unflatten(-1, (-1, 2))
+    xf = x.to(fp8.acc_dtype(x.dtype)).unflatten(-1, (-1, 2))
     while cos.dim() < xf.dim() - 1:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     a, b = xf[..., 0], xf[..., 1]
@@ -156,7 +159,7 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[i], x[i + R/2]) (the indexer's non-interleaved layout)."""
-    xf = x.float()
+    xf = x.to(fp8.acc_dtype(x.dtype))
     half = x.shape[-1] // 2
     while cos.dim() < xf.dim():
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)

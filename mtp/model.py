@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import fp8
 from .attention import MLA
 from .cache import KVCache, LayerCache
 from .config import ModelConfig, RuntimeOptions
@@ -45,8 +46,8 @@ class Block(nn.Module):
             cfg.hidden_size, cfg.intermediate_size, cfg.is_fp8, dtype)
 
     def forward(self, h_BTD, pos_BT, cos, sin, cache: LayerCache, S: int, opts: RuntimeOptions, dtype) -> torch.Tensor:
-        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD, dtype), pos_BT, cos, sin, cache, S, opts).float()
-        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD, dtype)).float()
+        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD, dtype), pos_BT, cos, sin, cache, S, opts).to(h_BTD.dtype)
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD, dtype)).to(h_BTD.dtype)
 
 
 class Trunk(nn.Module):
@@ -81,6 +82,7 @@ class DeepseekV32(nn.Module):
                  runtime: RuntimeOptions | None = None):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
+        self.acc = fp8.acc_dtype(dtype)  # residual stream and logits: fp32 (fp64 for a float64 model)
         n_mtp = cfg.num_nextn_predict_layers if n_mtp is None else n_mtp
         self.model = Trunk(cfg, dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
@@ -132,13 +134,13 @@ class DeepseekV32(nn.Module):
         elif cache.batch != B:
             raise ValueError(f"input batch {B} != cache batch {cache.batch}")
         pos_BT, cos, sin, S = self._positions(cache, T, kv_len)
-        h = self.model.embed_tokens(input_ids).float()
+        h = self.model.embed_tokens(input_ids).to(self.acc)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, pos_BT, cos, sin, cache.layer(i), S, self.runtime, self.dtype)
         cache.seq_lens += T
         hidden = self.model.norm(h, self.dtype)
         sel = hidden if logits_at is None else hidden.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        return ModelOutput(self.lm_head(sel).float(), hidden, h)
+        return ModelOutput(self.lm_head(sel).to(self.acc), hidden, h)
 
     def mtp_forward(self, j: int, tokens_BT: torch.Tensor, h_BTD: torch.Tensor, cache: KVCache,
                     kv_len: int | None = None) -> ModelOutput:
@@ -149,7 +151,7 @@ class DeepseekV32(nn.Module):
         pos_BT, cos, sin, S = self._positions(cache, T, kv_len)
         e = layer.enorm(layer.embed_tokens(tokens_BT), self.dtype)
         u = layer.eh_proj(torch.cat((e, layer.hnorm(h_BTD, self.dtype)), dim=-1))
-        h = layer(u.float(), pos_BT, cos, sin, cache.layer(0), S, self.runtime, self.dtype)
+        h = layer(u.to(self.acc), pos_BT, cos, sin, cache.layer(0), S, self.runtime, self.dtype)
         cache.seq_lens += T
         normed = layer.shared_head.norm(h, self.dtype)
-        return ModelOutput(layer.shared_head.head(normed).float(), normed, h)
+        return ModelOutput(layer.shared_head.head(normed).to(self.acc), normed, h)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fp8
 from .config import ModelConfig
 from .layers import MLP
 
@@ -25,7 +26,8 @@ class Gate(nn.Module):
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [N, K] fp32, expert ids [N, K] int64)."""
-        scores = F.linear(x_ND.float(), self.weight.float()).sigmoid()
+        a = fp8.acc_dtype(x_ND.dtype)
+        scores = F.linear(x_ND.to(a), self.weight.to(a)).sigmoid()
         return route(scores, self.e_score_correction_bias, self.n_groups, self.topk_groups, self.topk,
                      self.norm, self.route_scale)
 
@@ -34,7 +36,7 @@ def route(scores_NE: torch.Tensor, bias_E: torch.Tensor, n_groups: int, topk_gro
           normalize: bool, route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-limited top-k on biased scores; the weights use the unbiased scores of the chosen experts."""
     N, E = scores_NE.shape
-    biased = scores_NE + bias_E.float()
+    biased = scores_NE + bias_E.to(scores_NE.dtype)
     if n_groups > 1:
         grouped = biased.view(N, n_groups, E // n_groups)
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
@@ -49,6 +51,8 @@ def route(scores_NE: torch.Tensor, bias_E: torch.Tensor, n_groups: int, topk_gro
 
 
 class MoE(nn.Module):
+    backend: str = "reference"  # 'triton': mtp/fastpath.py
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         q8 = cfg.is_fp8
@@ -61,21 +65,29 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x_ND = x.reshape(-1, shape[-1])
+        if self.backend == "triton":
+            from .fastpath import moe_forward_fast
+
+            out = moe_forward_fast(self, x_ND)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(x_ND).float()
+            return out.to(x.dtype).view(shape)
         w_NK, ids_NK = self.gate(x_ND)
-        out = torch.zeros(x_ND.shape, dtype=torch.float32, device=x.device)
+        a = fp8.acc_dtype(x.dtype)
+        out = torch.zeros(x_ND.shape, dtype=a, device=x.device)
         if x.is_cuda:
             # Sync-free (CUDA-graph capturable) reference: every expert on every token, weight 0 where not
             # routed, added in expert order. Exact, but reads all experts: the Triton path reads only the chosen.
-            w_NE = torch.zeros(x_ND.shape[0], len(self.experts), dtype=torch.float32, device=x.device)
+            w_NE = torch.zeros(x_ND.shape[0], len(self.experts), dtype=a, device=x.device)
             w_NE.scatter_(1, ids_NK, w_NK)
             for e, expert in enumerate(self.experts):
-                out += expert(x_ND).float() * w_NE[:, e:e + 1]
+                out += expert(x_ND).to(a) * w_NE[:, e:e + 1]
         else:
             # CPU reference: loop over the experts some token chose.
             for e in torch.unique(ids_NK).tolist():  # host sync: fine on CPU
                 tok, slot = (ids_NK == e).nonzero(as_tuple=True)
-                y = self.experts[e](x_ND[tok]).float() * w_NK[tok, slot].unsqueeze(-1)
+                y = self.experts[e](x_ND[tok]).to(a) * w_NK[tok, slot].unsqueeze(-1)
                 out.index_add_(0, tok, y)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x_ND).float()
+            out = out + self.shared_experts(x_ND).to(a)
         return out.to(x.dtype).view(shape)
