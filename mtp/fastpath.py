@@ -1,0 +1,105 @@
+"""Switch a loaded model between the plain-PyTorch reference and the Triton fast path, at run time.
+
+`enable_fast_path(model)` (CUDA, fp8 numerics) routes
+- every FP8 `Linear` through `kernels.fp8_gemm.fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above);
+- every `MoE` through `kernels.moe.moe_route` + `moe_experts` (reads only the chosen experts). The experts'
+  weights are restacked per projection into [E, N, K] tensors, and each expert's parameters become views of
+  the stack, so memory is not doubled (peak: one projection of one layer);
+- `MLA` blocks of <= absorb_max_tokens new tokens through the indexer kernel + top-k and `mla_decode` over the
+  real-FP8 latent cache; kv_b_proj is dequantized once to bf16 for the absorbed q / output projections
+  (DeepSeek's reference keeps the same dequantized copy). Longer blocks (prefill) stay on the reference path.
+`disable_fast_path(model)` switches back; the stacked expert tensors stay (they are the same weights).
+Both paths compute DeepSeek's FP8 numerics; they differ only in summation order and top-k tie-breaking, and
+tests hold one to the other within tolerance (tests/gpu).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import fp8
+from .attention import MLA
+from .layers import Linear
+from .model import DeepseekV32
+from .moe import MoE
+
+
+def enable_fast_path(model: DeepseekV32) -> DeepseekV32:
+    from .kernels import available
+
+    if not available():
+        raise RuntimeError("the Triton fast path needs triton and a CUDA device; use the reference path")
+    if model.device.type != "cuda":
+        raise ValueError(f"the fast path needs the model on a CUDA device, it is on {model.device}")
+    if model.runtime.numerics != "fp8" or not model.cfg.is_fp8:
+        raise ValueError("the fast path implements DeepSeek's FP8 numerics: load an FP8 checkpoint with numerics='fp8'")
+    for mod in model.modules():
+        if isinstance(mod, Linear) and mod.is_fp8:
+            mod.backend = "triton"
+        elif isinstance(mod, MoE):
+            _stack_experts(mod)
+            mod.backend = "triton"
+        elif isinstance(mod, MLA):
+            w = mod.kv_b_proj.dequantized_weight(torch.bfloat16).view(mod.H, mod.P + mod.V, mod.C)
+            mod.w_kb = w[:, : mod.P].contiguous()  # [H, P, C]
+            mod.w_vb = w[:, mod.P:].contiguous()  # [H, V, C]
+            mod.backend = "triton"
+    return model
+
+
+def disable_fast_path(model: DeepseekV32) -> DeepseekV32:
+    for mod in model.modules():
+        if hasattr(mod, "backend"):
+            mod.backend = "reference"
+    return model
+
+
+def _stack_experts(moe: MoE) -> None:
+    if getattr(moe, "stacked", None) is not None:
+        return
+    stacked = {}
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        for attr in ("weight", "weight_scale_inv"):
+            parts = [getattr(e, proj) for e in moe.experts]
+            big = torch.stack([getattr(p, attr).data for p in parts])
+            for e, p in enumerate(parts):  # re-point each expert at its slice; the old tensor is freed
+                setattr(p, attr, torch.nn.Parameter(big[e], requires_grad=False))
+            stacked[f"{proj}.{attr}"] = big
+    moe.stacked = stacked
+
+
+def moe_forward_fast(moe: MoE, x_ND: torch.Tensor) -> torch.Tensor:
+    from .kernels.moe import moe_experts, moe_route
+
+    g = moe.gate
+    w, idx = moe_route(x_ND, g.weight, g.e_score_correction_bias, n_group=g.n_groups, topk_group=g.topk_groups,
+                       topk=g.topk, route_scale=g.route_scale)
+    s = moe.stacked
+    return moe_experts(x_ND, idx, w, s["gate_proj.weight"], s["gate_proj.weight_scale_inv"], s["up_proj.weight"],
+                       s["up_proj.weight_scale_inv"], s["down_proj.weight"], s["down_proj.weight_scale_inv"],
+                       out_dtype=torch.float32)
+
+
+def mla_attend_fast(mla: MLA, x_BTD, qr_BTQ, q_nope, q_pe, cos, sin, cache, S: int) -> torch.Tensor:
+    """Absorbed MLA over the FP8 cache with the indexer's top-k: returns o [B, T, H, V] fp32."""
+    from .kernels.indexer import indexer_topk
+    from .kernels.mla_decode import mla_decode
+
+    B, T = x_BTD.shape[:2]
+    ix = mla.indexer
+    q = ix.wq_b(qr_BTQ).view(B, T, ix.n_heads, ix.head_dim)
+    from .layers import rope_half
+
+    q = torch.cat((rope_half(q[..., : ix.rope_dim], cos, sin), q[..., ix.rope_dim:]), dim=-1)
+    q8, qs = fp8.act_quant(fp8.rotate_activation(q))  # qs [B, T, Hi, 1]
+    w = torch.nn.functional.linear(x_BTD.float(), ix.weights_proj.weight.float())
+    w = w * (ix.n_heads ** -0.5 * ix.head_dim ** -0.5)
+    lens = cache.seq_lens  # keys before this block; query t sees < lens + t + 1
+    topk_idx = None
+    if ix.topk < S:
+        topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
+                                   topk=ix.topk)
+    q_lat = torch.einsum("bthp,hpc->bthc", q_nope.to(torch.bfloat16), mla.w_kb).contiguous()
+    o_lat = mla_decode(q_lat, q_pe.to(torch.bfloat16).contiguous(), cache.kv[:, :S], cache.kv_scale[:, :S],
+                       cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.float32)
+    return torch.einsum("bthc,hvc->bthv", o_lat.to(torch.bfloat16), mla.w_vb).float()
