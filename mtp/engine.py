@@ -192,6 +192,11 @@ class Engine:
             st.tokens[b, : len(p)] = torch.tensor(p, device=dev)
         return st
 
+    def _bound(self, st: "DecodeState", host: torch.Tensor) -> int:
+        """Bound on the positions a step touches. On CUDA always the buffer length, so eager, graph and overlap
+        run the very same kernels on the same shapes (bitwise-equal outputs); on CPU the host-known max of n."""
+        return st.max_len - self.g.draft.k if self.dev.type == "cuda" else int(host[0].max())
+
     def _prefill(self, st: "DecodeState") -> None:
         """Target prefill (right-padded: padding sits after each row's prompt, so it never affects it) and the
         first token. Leaves n = P + 1 and the target cache at P positions."""
@@ -287,7 +292,7 @@ class Engine:
         if self.g.mode == "eager":
             while not bool(host[1].all()):
                 marks = [self._clock()]
-                self._step(st, W, int(host[0].max()), marks)
+                self._step(st, W, self._bound(st, host), marks)
                 ta, tm, tb = marks[0], marks[1], self._clock()
                 W = dcfg.window()
                 host = torch.stack((st.n_B, st.finished_B.long())).cpu()  # sync: loop condition + bounds

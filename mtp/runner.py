@@ -72,13 +72,13 @@ def run_captured(engine, st, met: SpecMetrics, emit, host: torch.Tensor, W: int)
     K = engine.g.draft.k
     # The first step covers the whole prompt with its draft window, so it has its own shape: run it eagerly.
     if not bool(host[1].all()):
-        engine._step(st, W, int(host[0].max()))
+        engine._step(st, W, engine._bound(st, host))
         met.target_forwards += 1
         emit(st.new_BK1.tolist(), st.keep_B.tolist(), st.acc_B.tolist())
         if bool(st.finished_B.all()):
             return
     W = engine.g.draft.window() if K else 0
-    max_n = st.max_len - K  # static bound: the verify forward may touch every slot
+    max_n = engine._bound(st, host)  # static on CUDA: the verify forward may touch every slot
     graph, met.graph_capture_s, met.graph_pool_bytes = _capture(engine, st, W, max_n)
     starts, ends = [], []
 
