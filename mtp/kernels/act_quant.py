@@ -24,7 +24,9 @@ __all__ = ["act_quant", "act_quant_ref"]
 @triton.jit
 def ue8m0_scale(amax):
     """amax (fp32, > 0) -> (s, 1/s): s the smallest power of two >= amax / 448, both exact."""
-    s = tl.maximum(amax, 1e-4) / 448.0
+    # div_rn: Triton's plain fp32 '/' is the approximate div.full.f32 (2 ulp), which would push an s that is
+    # exactly a power of two (amax = 1.75 * 2^k, common in bf16 data) one ulp up and double the scale.
+    s = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)
     bits = s.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     s_pow2 = (e << 23).to(tl.float32, bitcast=True)

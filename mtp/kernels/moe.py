@@ -9,9 +9,10 @@ Routing (facts section 3): s = sigmoid(x_f32 . Wg^T); b = s + bias; group score 
 each group; keep the top `topk_group` groups; top-J experts by b among them; weights = s of those,
 normalized to sum 1, times `route_scale`. Ties go to the lower index (group and expert), as a stable
 descending sort gives.
-Kernels: `_gate_logits_kernel` (the [E, D] gate GEMV in fp32, split over E-blocks x K-slices so that 3.7 MB
-of bf16 weight is read by ~100 programs) and `_route_kernel` (one program per token: sums the K-slices
-in a fixed order, then sigmoid, groups and top-k with iterated arg-max).
+Kernels: `_gate_logits_kernel` (the [E, D] gate GEMV with fp32 results: bf16 x bf16 on tensor cores, whose
+products are exact, else fp32 FMA; split over E-blocks x K-slices so that 3.7 MB of bf16 weight is read
+by ~100 programs) and `_route_kernel` (one warp per token: sums the K-slices in a fixed order, then
+sigmoid, group scores on an [NG, E/NG] view, top-k by iterated arg-max). 7.9 us for both on an H200.
 
 Expert compute reads only the selected experts' weights. A program is launched per (token, slot) pair
 and N-block; the first pair that names an expert (the "leader") computes it for every token routed to it
@@ -22,6 +23,7 @@ the grid static (CUDA-graph friendly, no host sync).
    K-group of the down projection) and stored as fp8 + scale per (token, slot).
 2. `_moe_down_kernel`: down projection of h8, times the routing weight, stored per (token, slot) in fp32.
 3. `_moe_combine_kernel`: y[t] = sum over slots j = 0..J-1 in order (deterministic, no atomics).
+H200, 256 experts of 7168 x 2048: 105 us for one token (79% of copy bandwidth), 89-94% from two tokens on.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def moe_experts_ref(x_TD, idx_TJ, w_TJ, w_gate, s_gate, w_up, s_up, w_down, s_do
 # ----------------------------------------------------------------------------- routing kernels
 @triton.jit
 def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, D, groups_per_split, stride_xm,
-                        BE: tl.constexpr, BT: tl.constexpr):
+                        BE: tl.constexpr, BT: tl.constexpr, BF16: tl.constexpr):
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_e = pid_e * BE + tl.arange(0, BE)
@@ -94,9 +96,12 @@ def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, D, groups_per_split, strid
     g1 = tl.minimum(g0 + groups_per_split, G)
     acc = tl.zeros((BE, BT), dtype=tl.float32)
     for g in range(g0, g1):
-        w = tl.load(w_ptrs + g * 128, mask=emask[:, None], other=0.0).to(tl.float32)
-        x = tl.load(x_ptrs + g * 128, mask=tmask[:, None], other=0.0).to(tl.float32)
-        acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+        w = tl.load(w_ptrs + g * 128, mask=emask[:, None], other=0.0)
+        x = tl.load(x_ptrs + g * 128, mask=tmask[:, None], other=0.0)
+        if BF16:  # bf16 x bf16 products are exact in fp32: tensor cores give the fp32 result
+            acc += tl.dot(w, tl.trans(x))
+        else:
+            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
     out = part_ptr + pid_s * T * E + offs_t[None, :] * E + offs_e[:, None]
     tl.store(out, acc, mask=emask[:, None] & tmask[None, :])
 
@@ -112,22 +117,22 @@ def _route_kernel(part_ptr, bias_ptr, w_out_ptr, idx_out_ptr, T, n_split, route_
         logit += tl.load(part_ptr + s * T * E + t * E + e)
     score = tl.sigmoid(logit)
     b = score + tl.load(bias_ptr + e)
+    # group scores on the [NG, EG] view: 3 reductions for all groups at once instead of 3 per group
     EG: tl.constexpr = E // NG
-    grp = e // EG
+    b2 = tl.reshape(b, (NG, EG))
+    eg = tl.arange(0, EG)
+    m1 = tl.max(b2, 1)
+    first = tl.min(tl.where(b2 == m1[:, None], eg[None, :], EG), 1)
+    m2 = tl.max(tl.where(eg[None, :] == first[:, None], float("-inf"), b2), 1)
+    gscore = m1 + m2
     gi = tl.arange(0, NG)
-    gscore = tl.zeros((NG,), dtype=tl.float32)
-    for g in tl.static_range(NG):
-        in_g = grp == g
-        m1 = tl.max(tl.where(in_g, b, float("-inf")), 0)
-        first = tl.min(tl.where(in_g & (b == m1), e, E), 0)
-        m2 = tl.max(tl.where(in_g & (e != first), b, float("-inf")), 0)
-        gscore = tl.where(gi == g, m1 + m2, gscore)
-    keep = e < 0
+    keep_g = tl.zeros((NG,), dtype=tl.int32)
     for i in tl.static_range(TOPK_GROUP):
         mx = tl.max(gscore, 0)
         sel = tl.min(tl.where(gscore == mx, gi, NG), 0)
-        keep = keep | (grp == sel)
+        keep_g = tl.where(gi == sel, 1, keep_g)
         gscore = tl.where(gi == sel, float("-inf"), gscore)
+    keep = tl.reshape(tl.broadcast_to(keep_g[:, None], (NG, EG)), (E,)) != 0
     bm = tl.where(keep, b, float("-inf"))
     ki = tl.arange(0, KPAD)
     out_idx = tl.zeros((KPAD,), dtype=tl.int32)
@@ -158,7 +163,9 @@ def gate_logits(x_TD: torch.Tensor, wg_ED: torch.Tensor, splits: int | None = No
     splits = triton.cdiv(G, gps)
     part = torch.empty(splits, T, E, dtype=torch.float32, device=x_TD.device)
     x = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
-    _gate_logits_kernel[(nbe, splits)](x, wg_ED.contiguous(), part, T, E, D, gps, x.stride(0), BE=be, BT=bt, num_warps=4)
+    bf16 = x.dtype == torch.bfloat16 and wg_ED.dtype == torch.bfloat16
+    _gate_logits_kernel[(nbe, splits)](x, wg_ED.contiguous(), part, T, E, D, gps, x.stride(0), BE=be, BT=bt, BF16=bf16,
+                                       num_warps=4)
     return part
 
 
@@ -177,7 +184,7 @@ def moe_route(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_g
     idx = torch.empty(T, topk, dtype=torch.int32, device=x_TD.device)
     _route_kernel[(T,)](part, bias_E.float().contiguous(), w, idx, T, part.shape[0], float(route_scale),
                         E=E, NG=n_group, TOPK_GROUP=topk_group, TOPK=topk, KPAD=triton.next_power_of_2(topk),
-                        num_warps=4)
+                        num_warps=1)  # ~40 dependent reductions over 256 lanes: one warp needs no barriers
     return w, idx
 
 
@@ -275,6 +282,10 @@ def _moe_combine_kernel(part_ptr, y_ptr, D, TOPK: tl.constexpr, BLOCK_D: tl.cons
     tl.store(y_ptr + t.to(tl.int64) * D + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def _check_experts(name, w, s, E, N, K):
     if w.dtype != FP8_DTYPE or tuple(w.shape) != (E, N, K):
         raise ValueError(f"moe_experts: {name} must be float8 [{E}, {N}, {K}], got {w.dtype} {list(w.shape)}")
@@ -286,7 +297,7 @@ def _check_experts(name, w, s, E, N, K):
 
 
 def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_gate, s_gate, w_up, s_up, w_down, s_down,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, gate_up_stages: int | None = None, down_stages: int = 5) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= 64 tokens: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 (valid expert ids, distinct within a token), w_TJ fp32. Three launches; reads each selected
@@ -305,6 +316,10 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     _check_experts("w_down", w_down, s_down, E, D, I)
     idx = idx_TJ.to(torch.int32).contiguous()
     rw = w_TJ.float().contiguous()
+    if gate_up_stages is None:
+        # H200 sweep (T=1 / T=4): 4 stages (145 KB smem, 1 program per SM) won when the leaders' programs fit
+        # in one wave (105 vs 111 us at T=1); with more programs 3 stages (2 per SM) won (331 vs 358 us).
+        gate_up_stages = 4 if T * J * (I // BLOCK) <= _sm_count(x_TD.device) else 3
     x = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
     P = T * J
     bm = max(16, triton.next_power_of_2(T))
@@ -314,11 +329,11 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     hs = torch.empty(P, I // BLOCK, dtype=torch.float32, device=dev)
     _moe_gate_up_kernel[(P, I // BLOCK)](x, idx, w_gate, s_gate, w_up, s_up, h8, hs, T, D, I, x.stride(0),
                                          w_gate.stride(0), s_gate.stride(0), s_gate.stride(1),
-                                         TOPK=J, BM=bm, PPAD=ppad, KPAD=kpad, num_warps=4, num_stages=3)
+                                         TOPK=J, BM=bm, PPAD=ppad, KPAD=kpad, num_warps=4, num_stages=gate_up_stages)
     part = torch.empty(P, D, dtype=torch.float32, device=dev)
     _moe_down_kernel[(P, triton.cdiv(D, BLOCK))](h8, hs, idx, rw, w_down, s_down, part, T, D, I,
                                                  w_down.stride(0), s_down.stride(0), s_down.stride(1),
-                                                 TOPK=J, BM=bm, PPAD=ppad, KPAD=kpad, num_warps=4, num_stages=4)
+                                                 TOPK=J, BM=bm, PPAD=ppad, KPAD=kpad, num_warps=4, num_stages=down_stages)
     y = torch.empty(T, D, dtype=out_dtype or x_TD.dtype, device=dev)
     bd = 1024
     _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, y, D, TOPK=J, BLOCK_D=bd, num_warps=4)

@@ -1,0 +1,99 @@
+"""Lightning-indexer scores over the FP8 key cache (Triton) and top-k selection, with a torch reference.
+
+Shape legend: B batch rows, T queries per row (<= 8), H indexer heads (64), D = 128 head dim, S cache
+capacity, J = topk (2048).
+I[b, t, s] = sum_h w[b, t, h] * relu(q[b, t, h] . k[b, s]) with q = q8 * q_scale (per (t, h)) and
+k = k8 * k_scale (per key), for s < seq_lens[b] + t + 1, else -inf. `w` carries any constant factor
+(DeepSeek's 64^-0.5 * 128^-0.5). Scales are positive, so relu(qs * ks * d) = qs * ks * relu(d): the kernel
+runs the fp8 dot on raw q8/k8 (tensor cores, fp32 accumulate) and applies both scales afterwards.
+
+Kernel: one program per (b, BS-key block) loads the key tile once and loops over the T queries, each a
+[H, D] x [D, BS] fp8 dot, ReLU, weighted sum over heads. Top-k uses torch.topk on the scores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp.fp8 import FP8_DTYPE
+from mtp.kernels._triton import require, tl, triton
+
+__all__ = ["indexer_scores", "indexer_scores_ref", "indexer_topk", "indexer_topk_ref", "topk_from_scores"]
+
+
+def indexer_scores_ref(q8, q_scale, w, k8, k_scale, seq_lens) -> torch.Tensor:
+    """fp32 reference scores [B, T, S] (-inf where masked)."""
+    B, T, H, D = q8.shape
+    S = k8.shape[1]
+    q = q8.float() * q_scale.float().unsqueeze(-1)
+    k = k8.float() * k_scale.float().unsqueeze(-1)
+    d = torch.einsum("bthd,bsd->bths", q, k).relu()
+    score = torch.einsum("bth,bths->bts", w.float(), d)
+    limit = seq_lens.view(B, 1, 1).to(q8.device).long() + torch.arange(T, device=q8.device).view(1, T, 1) + 1
+    return score.masked_fill(torch.arange(S, device=q8.device).view(1, 1, S) >= limit, float("-inf"))
+
+
+def topk_from_scores(scores: torch.Tensor, topk: int, sorted: bool = False) -> torch.Tensor:
+    """Indices [B, T, topk] int32 of the largest scores, in no particular order unless `sorted`; -1 for
+    masked (-inf) picks and past S. Attention only needs the set; skipping the sort is cheaper."""
+    B, T, S = scores.shape
+    k = min(topk, S)
+    vals, idx = torch.topk(scores, k, dim=-1, sorted=sorted)
+    idx = torch.where(vals == float("-inf"), -1, idx).to(torch.int32)
+    if k < topk:
+        idx = torch.cat([idx, idx.new_full((B, T, topk - k), -1)], dim=-1)
+    return idx
+
+
+def indexer_topk_ref(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2048):
+    scores = indexer_scores_ref(q8, q_scale, w, k8, k_scale, seq_lens)
+    return topk_from_scores(scores, topk), scores
+
+
+@triton.jit
+def _indexer_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, lens_ptr, out_ptr, T, S,
+                    H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+    b = tl.program_id(0)
+    offs_s = tl.program_id(1) * BS + tl.arange(0, BS)
+    smask = offs_s < S
+    h = tl.arange(0, H)
+    d = tl.arange(0, D)
+    b64 = b.to(tl.int64)
+    k = tl.load(k_ptr + (b64 * S + offs_s)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+    ks = tl.load(ks_ptr + b64 * S + offs_s, mask=smask, other=0.0)
+    L = tl.load(lens_ptr + b).to(tl.int32)
+    kt = tl.trans(k)
+    for t in range(T):
+        row = b64 * T + t
+        q = tl.load(q_ptr + (row * H + h)[:, None] * D + d[None, :])
+        wq = tl.load(w_ptr + row * H + h) * tl.load(qs_ptr + row * H + h)
+        logits = tl.dot(q, kt)  # [H, BS] fp32
+        sc = tl.sum(tl.maximum(logits, 0.0) * wq[:, None], 0) * ks
+        sc = tl.where(offs_s < L + t + 1, sc, float("-inf"))
+        tl.store(out_ptr + row * S + offs_s, sc, mask=smask)
+
+
+def indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, block_s: int = 64) -> torch.Tensor:
+    """Kernel twin of `indexer_scores_ref`: scores [B, T, S] fp32."""
+    require(q8, "indexer_scores")
+    B, T, H, D = q8.shape
+    S = k8.shape[1]
+    if q8.dtype != FP8_DTYPE or k8.dtype != FP8_DTYPE:
+        raise TypeError(f"indexer_scores: q8 and k8 must be {FP8_DTYPE}, got {q8.dtype}, {k8.dtype}")
+    if k8.shape != (B, S, D) or k_scale.shape != (B, S) or q_scale.shape != (B, T, H) or w.shape != (B, T, H):
+        raise ValueError(f"indexer_scores: want k8 [B, S, {D}], k_scale [B, S], q_scale and w [B, T, H]; got "
+                         f"{list(k8.shape)}, {list(k_scale.shape)}, {list(q_scale.shape)}, {list(w.shape)}")
+    if H & (H - 1) or H < 16 or D & (D - 1) or D < 32:
+        raise ValueError(f"indexer_scores: H (>= 16) and D (>= 32) must be powers of two, got H = {H}, D = {D}")
+    out = torch.empty(B, T, S, dtype=torch.float32, device=q8.device)
+    lens = seq_lens.to(device=q8.device, dtype=torch.int32).contiguous()
+    _indexer_kernel[(B, triton.cdiv(S, block_s))](
+        q8.contiguous(), q_scale.float().contiguous(), w.float().contiguous(), k8.contiguous(),
+        k_scale.float().contiguous(), lens, out, T, S, H=H, D=D, BS=block_s, num_warps=4)
+    return out
+
+
+def indexer_topk(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2048):
+    """(idx [B, T, topk] int32 with -1 padding, scores [B, T, S]) from the kernel's scores."""
+    scores = indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens)
+    return topk_from_scores(scores, topk), scores
