@@ -1,0 +1,21 @@
+"""Multi-GPU DeepSeek-V3.2: tensor-parallel attention, expert-parallel MoE, vocabulary-parallel embedding/head.
+
+    torchrun --nproc-per-node 8 -m mtp.parallel.launch CKPT --prompt "..." --draft eagle --k 2
+
+    comm = Comm()                                   # after dist.init_process_group(...)
+    model = load_parallel(ckpt, comm, device=f"cuda:{local_rank}", dtype=torch.bfloat16)
+    out = mtp.generate(model, prompts, draft="eagle", k=2)   # on every rank; same tokens everywhere
+
+Files: layout (who holds which slice), reblock (exact FP8 scales of a slice), comm (the collectives),
+modules (per-rank modules + `shard_model`), load (sharded loading), launch (torchrun entry). DESIGN.md holds
+the numerics argument and the CUDA-graph note.
+"""
+
+from .comm import Comm
+from .layout import ParallelPlan, RankLayout, Shard
+from .load import load_parallel, param_bytes
+from .modules import shard_model, set_static_moe
+from .reblock import ReblockError, reblock_scale, shard_fp8
+
+__all__ = ["Comm", "ParallelPlan", "RankLayout", "ReblockError", "Shard", "load_parallel", "param_bytes",
+           "reblock_scale", "set_static_moe", "shard_fp8", "shard_model"]

@@ -1,0 +1,45 @@
+"""The two collectives the parallel model needs, over a torch.distributed group (NCCL on GPUs, gloo on CPU).
+
+Both are issued with static shapes, into fresh or caller-given buffers, with no host-side reads of tensor
+values (no .item(), no size exchange): a CUDA-graph capture of a step records them as plain NCCL kernels on
+the capturing stream (see DESIGN.md, "CUDA graphs under NCCL"). Every rank issues the same collectives in the
+same order because every rank runs the same Python path; nothing here depends on data.
+
+World size 1 needs no process group: every call is the identity, so the parallel modules also run in a
+plain single process (and equal the reference model there).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 renames all_gather_into_tensor to all_gather_single (same semantics); keep both working.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Comm:
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        else:
+            self.world, self.rank = 1, 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place (t must be contiguous); returns t. All ranks get bit-identical results."""
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's t [..., n] along the last dim, in rank order -> [..., world * n]."""
+        if self.world == 1:
+            return t
+        t = t.contiguous()
+        out = torch.empty((self.world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        _all_gather(out, t, group=self.group)  # concatenated along dim 0: the form gloo and NCCL both take
+        return out.view(self.world, *t.shape).movedim(0, -2).flatten(-2)
+
+    def __repr__(self) -> str:
+        return f"Comm(rank={self.rank}, world={self.world})"

@@ -1,0 +1,86 @@
+"""torchrun entry: load a checkpoint sharded over all ranks and run speculative generation on every rank.
+
+    torchrun --nproc-per-node 8 -m mtp.parallel.launch CKPT --prompt "Explain MTP." --draft eagle --k 2
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+        -m mtp.parallel.launch CKPT --prompt ...
+
+NCCL on GPUs (one per local rank), gloo on CPU. Rank 0 does the I/O: it tokenizes the prompt and broadcasts
+the ids, and it alone prints. Every rank runs the same `mtp.generate` call; `--check` all-gathers the
+generated ids and fails if any rank disagrees (they must not: every rank sees identical logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ..engine import generate
+from .comm import Comm
+from .layout import MLP_SPLITS, ParallelPlan
+from .load import load_parallel, param_bytes
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def init_distributed() -> tuple[Comm, torch.device]:
+    """Process group from torchrun's environment; NCCL with one GPU per local rank when CUDA is there."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return Comm(), device
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mtp.parallel.launch", description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--draft", choices=("none", "eagle", "vanilla"), default="eagle")
+    ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--verify", choices=("strict", "relaxed", "sample"), default="strict")
+    ap.add_argument("--numerics", choices=("fp8", "dequant"), default="fp8")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
+    ap.add_argument("--mlp-split", choices=MLP_SPLITS, default="blocks")
+    ap.add_argument("--check", action="store_true", help="verify that every rank generated the same ids")
+    a = ap.parse_args(argv)
+    comm, device = init_distributed()
+    try:
+        dtype = DTYPES[a.dtype] if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        ids = [None]
+        if comm.rank == 0:
+            from ..tokenizer import Tokenizer
+
+            tok = Tokenizer.from_dir(a.checkpoint)
+            ids = [[tok.bos_id] + tok.encode(a.prompt)]
+        dist.broadcast_object_list(ids, src=0)
+        model = load_parallel(a.checkpoint, comm, plan=ParallelPlan(comm.world, a.mlp_split), device=device,
+                              dtype=dtype, numerics=a.numerics)
+        k = 0 if a.draft == "none" else a.k
+        out = generate(model, [ids[0]], max_new_tokens=a.max_new_tokens, draft=a.draft, k=k, verify=a.verify)
+        if a.check:
+            every = [None] * comm.world
+            dist.all_gather_object(every, out.tokens)
+            if any(t != every[0] for t in every):
+                bad = [r for r, t in enumerate(every) if t != every[0]]
+                raise RuntimeError(f"ranks {bad} generated different tokens than rank 0")
+        if comm.rank == 0:
+            print(tok.decode(out.tokens[0]))
+            m = out.metrics
+            print(f"[world {comm.world}, {param_bytes(model) / 2**30:.2f} GiB params on rank 0] "
+                  f"{m.new_tokens} tokens, accepted/step {m.mean_accepted_len:.2f}", file=sys.stderr)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Sharded loading: each rank reads only its slices, straight from the memory-mapped safetensors shards.
+
+The checkpoint is validated from the shard headers exactly as `mtp.checkpoint.load_model` does (missing /
+unexpected tensors, shapes, dtypes). Then the per-rank model is built on the meta device
+(`shard_model`), and every one of its parameters is read with `safe_open(...).get_slice(name)[rows]` (or
+`[:, cols]`): the bytes of other ranks' slices and of non-local experts are never touched. FP8 weights get
+their scales re-blocked to the slice (`reblock.reblock_scale`, exact); a scale tensor is at most
+[ceil(N/128), ceil(K/128)] floats, so it is read whole.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..checkpoint import CheckpointError, ckpt_name, validate
+from ..config import BLOCK, ConfigError, ModelConfig, RuntimeOptions
+from ..layers import yarn_inv_freq
+from ..model import DeepseekV32
+from .comm import Comm
+from .layout import ParallelPlan, RankLayout, Shard
+from .modules import shard_model
+from .reblock import reblock_scale
+
+SCALE_SUFFIX = ".weight_scale_inv"
+
+
+def _read(f, name: str, shard: Shard) -> torch.Tensor:
+    sl = f.get_slice(name)
+    if shard.dim is None:
+        return sl[:]
+    if shard.dim == 0:
+        return sl[shard.start: shard.stop]
+    return sl[:, shard.start: shard.stop]
+
+
+def check_fp8_inputs(layout: RankLayout) -> None:
+    """Row-parallel FP8 layers quantize their input slice per 128 channels; a slice that is not a whole
+    number of groups would quantize with other amax values than the single-rank model."""
+    cfg, W = layout.cfg, layout.plan.world
+    cuts = {"o_proj (heads x v_head_dim)": layout.n_heads * cfg.v_head_dim,
+            "dense down_proj (intermediate_size slice)": layout.dense[1] - layout.dense[0],
+            "shared expert down_proj": layout.shared[1] - layout.shared[0]}
+    for what, k in cuts.items():
+        if k % BLOCK:
+            raise ConfigError(f"parallel world {W}, rank {layout.rank}: {what} gets {k} input channels, not a "
+                              f"multiple of {BLOCK}: fp8 numerics quantize activations per {BLOCK} channels. Use "
+                              f"mlp_split='blocks', a world size that divides the heads into groups of "
+                              f"{BLOCK // math.gcd(BLOCK, cfg.v_head_dim)}, or numerics='dequant'")
+
+
+def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: ParallelPlan | None = None,
+                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, numerics: str = "fp8",
+                  n_mtp: int | None = None, runtime: RuntimeOptions | None = None,
+                  static_moe: bool = False) -> DeepseekV32:
+    """This rank's part of an HF DeepSeek-V3.2 checkpoint as a `DeepseekV32` whose forward runs collectively.
+
+    comm: the process group wrapper (default: the default group, or a single process). Every rank of the
+    group must call this with the same arguments, then run the same forwards / `mtp.generate` calls.
+    """
+    comm = comm or Comm()
+    plan = plan or ParallelPlan(world=comm.world)
+    if plan.world != comm.world:
+        raise ConfigError(f"plan.world = {plan.world} but the process group has {comm.world} ranks")
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    cfg = ModelConfig.from_json(path / "config.json")
+    n_avail = cfg.num_nextn_predict_layers
+    n_mtp = n_avail if n_mtp is None else n_mtp
+    if not 0 <= n_mtp <= n_avail:
+        raise ConfigError(f"n_mtp={n_mtp}: the checkpoint has {n_avail} MTP layers (num_nextn_predict_layers)")
+    headers = validate(path, cfg, n_avail)
+    layout = RankLayout(cfg, plan, comm.rank)
+    runtime = runtime or RuntimeOptions(numerics=numerics)
+    if cfg.is_fp8 and runtime.numerics == "fp8":
+        check_fp8_inputs(layout)
+    with torch.device("meta"):
+        model = DeepseekV32(cfg, dtype=dtype, n_mtp=n_mtp, runtime=runtime)
+        shard_model(model, layout, comm, static_moe=static_moe)
+
+    params = dict(model.named_parameters())
+    by_file: dict[str, list[str]] = {}
+    for pname in params:
+        name = ckpt_name(pname, cfg)
+        if name not in headers:
+            raise CheckpointError(f"{path}: internal error, parameter {pname!r} has no checkpoint tensor {name!r}")
+        by_file.setdefault(headers[name][2], []).append(pname)
+    for fname in sorted(by_file):
+        file = path / fname
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for pname in by_file[fname]:
+                name = ckpt_name(pname, cfg)
+                p = params.pop(pname)
+                try:
+                    if name.endswith(SCALE_SUFFIX):
+                        wname = name[: -len(SCALE_SUFFIX)] + ".weight"
+                        t = f.get_tensor(name)
+                        if not bool(torch.isfinite(t).all() and (t > 0).all()):
+                            raise CheckpointError(f"{file}: tensor {name!r} has non-positive or non-finite scales")
+                        t = reblock_scale(t, headers[wname][0], layout.shard(wname), what=f"{file}: {wname}")
+                    else:
+                        t = _read(f, name, layout.shard(name))
+                except CheckpointError:
+                    raise
+                except Exception as e:
+                    raise CheckpointError(f"{file}: could not read rank {comm.rank}'s slice of {name!r}: {e}") from None
+                if tuple(t.shape) != tuple(p.shape):
+                    raise CheckpointError(f"{file}: rank {comm.rank}'s slice of {name!r} has shape {list(t.shape)}, "
+                                          f"the parallel model expects {list(p.shape)}")
+                # copy=True: never keep a view of the shard's private mmap (see mtp.checkpoint.load_model)
+                value = t.to(device=device, dtype=p.dtype, copy=True)
+                mod_path, _, attr = pname.rpartition(".")
+                setattr(model.get_submodule(mod_path), attr, torch.nn.Parameter(value, requires_grad=False))
+    if params:
+        raise CheckpointError(f"{path}: internal error, parameters left unfilled: {sorted(params)[:3]}")
+    model.rotary.inv_freq = yarn_inv_freq(cfg).to(device)
+    return model.eval()
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of all parameters (what the memory planner predicts per rank)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,0 +1,333 @@
+"""Memory planner (`mtp-plan`): will a DeepSeek-V3.2 checkpoint and its caches fit on N GPUs, and how?
+
+    mtp-plan config.json --gpus 8 --gpu-mem-gib 141                  # one node, 8 x H200
+    mtp-plan config.json --gpus 8 --nodes 2 --gpu-mem-gib 80         # two nodes, 16 x H100
+
+Per rank it prints:
+- weights: every tensor of `mtp.spec.checkpoint_spec`, cut by the same `mtp.parallel.layout.RankLayout` the
+  sharded loader uses, in the dtype the loaded model holds it (FP8 1 byte + fp32 re-blocked scales; bf16
+  tensors in the model dtype; router bias and indexer LayerNorm fp32). Equal, byte for byte, to the
+  parameters `mtp.parallel.load_parallel` materializes (tests/test_plan.py checks it on a real load).
+- KV cache: per token and layer (trunk + draft caches: eagle 1, vanilla k) what `mtp.cache.KVCache` stores:
+  latent 512 fp8 + 4 fp32 scales, k_pe 64 in the model dtype, indexer key 128 fp8 + 1 fp32 scale
+  (788 B in bf16). MLA's latent is shared by all heads, so with head-split attention every rank holds the
+  whole cache (as DeepSeek's reference does).
+- engine buffers: the engine's token and hidden-state buffers [B, max_len] and [B, max_len, D].
+- workspace: an ESTIMATE. Decode/verify step (B * (k+1) tokens), all counted as live at once: on the
+  reference attention path the model runs today (each layer dequantizes the cache to fp32 and scores every
+  key with every indexer head), and, for comparison, on the kernel path (indexer scores [B, T, S] fp32 +
+  top-k ids, MLA split-KV partials); plus fp32 activations, MoE (token, slot) partials and logits. A CUDA
+  graph keeps that much in its private pool (one shared pool for all batch buckets). Prefill: one eager forward over the prompt on the reference path (what `Engine.run` does
+  today): indexer head dots [B, P, Hi, P] fp32 dominate, so the planner also prints the longest prompt
+  that fits in one forward (longer prompts need chunked prefill). Plus a fixed reserve (CUDA context,
+  NCCL buffers, allocator slack).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .config import BLOCK, ModelConfig
+from .parallel.layout import MLP_SPLITS, ParallelPlan, RankLayout
+from .spec import checkpoint_spec
+
+GIB = 1024 ** 3
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CATEGORIES = ("embedding + lm_head", "attention (head-split)", "attention (replicated)", "indexer (replicated)",
+              "dense MLP", "routed experts", "shared experts", "router", "norms", "MTP extras")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def category(name: str, cfg: ModelConfig) -> str:
+    """Which line of the report a checkpoint tensor is counted in."""
+    base = name.replace(".weight_scale_inv", ".weight")
+    if base in ("model.embed_tokens.weight", "lm_head.weight"):
+        return "embedding + lm_head"
+    if base == "model.norm.weight":
+        return "norms"
+    rest = base.split(".", 3)[3]  # after model.layers.N.
+    if rest.startswith(("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")):
+        return "MTP extras"
+    if rest.startswith("self_attn.indexer."):
+        return "indexer (replicated)"
+    if rest.startswith(("self_attn.q_b_proj", "self_attn.kv_b_proj", "self_attn.o_proj")):
+        return "attention (head-split)"
+    if rest.startswith("self_attn."):
+        return "attention (replicated)"
+    if rest.startswith("mlp.experts."):
+        return "routed experts"
+    if rest.startswith("mlp.shared_experts."):
+        return "shared experts"
+    if rest.startswith("mlp.gate."):
+        return "router"
+    if rest.startswith("mlp."):
+        return "dense MLP"
+    return "norms"
+
+
+def rank_weight_bytes(cfg: ModelConfig, plan: ParallelPlan, rank: int, dtype: torch.dtype = torch.bfloat16,
+                      n_mtp: int | None = None) -> dict[str, int]:
+    """{category: bytes} of the parameters rank `rank` loads (see the module docstring for dtypes)."""
+    spec = checkpoint_spec(cfg, n_mtp)
+    layout = RankLayout(cfg, plan, rank)
+    model_b = _itemsize(dtype)
+    out: dict[str, int] = defaultdict(int)
+    for name, ts in spec.items():
+        shard = layout.shard(name)
+        if shard is None:
+            continue
+        if ts.kind == "scale":
+            n, k = shard.local_shape(spec[name.replace(".weight_scale_inv", ".weight")].shape)
+            nbytes = math.ceil(n / BLOCK) * math.ceil(k / BLOCK) * 4
+        else:
+            per = {"fp8": 1, "fp32": 4, "norm": 4, "bf16": model_b}[ts.kind]
+            nbytes = math.prod(shard.local_shape(ts.shape)) * per
+        out[category(name, cfg)] += nbytes
+    return dict(out)
+
+
+def weight_bytes_by_rank(cfg: ModelConfig, plan: ParallelPlan, dtype: torch.dtype = torch.bfloat16,
+                         n_mtp: int | None = None) -> list[dict[str, int]]:
+    """`rank_weight_bytes` for every rank. Ranks differ only in their MLP block counts ('blocks' split),
+    so one rank per distinct (dense, shared) width is computed."""
+    memo: dict[tuple[int, int], dict[str, int]] = {}
+    out = []
+    for r in range(plan.world):
+        lay = RankLayout(cfg, plan, r)
+        key = (lay.dense[1] - lay.dense[0], lay.shared[1] - lay.shared[0])
+        if key not in memo:
+            memo[key] = rank_weight_bytes(cfg, plan, r, dtype, n_mtp)
+        out.append(memo[key])
+    return out
+
+
+def kv_bytes_per_token_layer(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, quantized: bool = True) -> int:
+    """Bytes one position of one layer takes in `mtp.cache.KVCache` (fp8 numerics store real FP8)."""
+    C, R, Dk = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+    store = 1 if quantized else _itemsize(dtype)
+    return C * store + max(C // BLOCK, 1) * 4 + R * _itemsize(dtype) + Dk * store + 4
+
+
+def draft_cache_layers(draft: str, k: int) -> int:
+    return {"none": 0, "eagle": 1, "vanilla": k}[draft]
+
+
+@dataclass(frozen=True)
+class Workload:
+    batch: int = 1
+    max_len: int = 32768  # positions per row (prompt + generated + 3k + 2, as Engine.run allocates)
+    prompt_len: int = 4096  # tokens of the one-shot prefill
+    draft: str = "eagle"
+    k: int = 2
+    numerics: str = "fp8"
+    dtype: str = "bf16"
+
+
+@dataclass
+class MemoryPlan:
+    world: int
+    gpus_per_node: int
+    nodes: int
+    gpu_mem_bytes: int
+    weights_by_rank: list[dict[str, int]]
+    kv_per_token_layer: int
+    kv_layers: int
+    kv_bytes: int
+    engine_bytes: int
+    step_workspace: int
+    step_workspace_kernel: int
+    prefill_workspace: int
+    reserve_bytes: int
+    max_prefill_tokens: int
+    max_kv_tokens: int
+    collectives_per_step: int
+    comm_bytes_per_step: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def weights_max(self) -> int:
+        return max(sum(w.values()) for w in self.weights_by_rank)
+
+    @property
+    def resident(self) -> int:
+        return self.weights_max + self.kv_bytes + self.engine_bytes + self.step_workspace + self.reserve_bytes
+
+    @property
+    def peak(self) -> int:
+        return self.resident + self.prefill_workspace
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.gpu_mem_bytes
+
+
+def step_workspace_reference(cfg: ModelConfig, world: int, wl: Workload) -> int:
+    """Transient bytes of one decode/verify step on the reference path `mtp.attention` runs today: each layer
+    dequantizes the whole cache to fp32 and scores every key with every indexer head."""
+    B, T, S = wl.batch, wl.k + 1, wl.max_len
+    Hl = cfg.num_attention_heads // world
+    cache_f32 = B * S * (cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim) * 4
+    indexer = B * T * S * (cfg.index_n_heads * 4 + 4 + 12 + 3)  # head dots, scores, sort, masks
+    attention = B * Hl * T * S * 4 * 2 + B * T * S * 4
+    return cache_f32 + indexer + attention + step_workspace(cfg, world, wl)
+
+
+def step_workspace(cfg: ModelConfig, world: int, wl: Workload) -> int:
+    """Transient bytes of one decode/verify step (B*(k+1) tokens), kernel path, all counted live at once."""
+    B, T, S = wl.batch, wl.k + 1, wl.max_len
+    N, D, V = B * T, cfg.hidden_size, cfg.vocab_size
+    Hl = cfg.num_attention_heads // world
+    dt = _itemsize(DTYPES[wl.dtype])
+    keys = min(S, cfg.index_topk)
+    splits = min(64, max(1, math.ceil(keys / 256)))
+    indexer = N * S * 4 + N * cfg.index_topk * 4 + N * cfg.index_n_heads * cfg.index_head_dim * 4
+    attention = N * Hl * splits * (cfg.kv_lora_rank + 1) * 4 + N * Hl * (cfg.qk_head_dim + 2 * cfg.kv_lora_rank) * 4
+    activations = 8 * N * D * 4 + N * cfg.num_experts_per_tok * D * 4
+    logits = N * V * (dt + 4) + N * (V // world) * dt
+    return indexer + attention + activations + logits
+
+
+def prefill_workspace(cfg: ModelConfig, world: int, wl: Workload, P: int) -> int:
+    """Transient bytes of one eager reference forward over P prompt tokens (S = P keys), peak of one layer."""
+    B, Hl, Hi = wl.batch, cfg.num_attention_heads // world, cfg.index_n_heads
+    pairs = B * P * P
+    indexer = pairs * Hi * 4 + pairs * (4 + 4 + 8)  # head dots, scores, sorted values + indices
+    expanded = B * P * Hl * (cfg.qk_nope_head_dim + cfg.v_head_dim) * 4
+    attention = pairs * Hl * 4 * 2 + pairs * (4 + 3)  # scores + probs; bias + 3 bool masks
+    activations = 8 * B * P * cfg.hidden_size * 4 + B * P * Hl * cfg.qk_head_dim * 4
+    return max(indexer, expanded + attention) + activations
+
+
+def make_plan(cfg: ModelConfig, gpus_per_node: int, gpu_mem_gib: float, nodes: int = 1, wl: Workload = Workload(),
+              mlp_split: str = "blocks", reserve_gib: float = 4.0) -> MemoryPlan:
+    world = gpus_per_node * nodes
+    plan = ParallelPlan(world=world, mlp_split=mlp_split)
+    dtype = DTYPES[wl.dtype]
+    weights = weight_bytes_by_rank(cfg, plan, dtype)
+    kv_tl = kv_bytes_per_token_layer(cfg, dtype, wl.numerics == "fp8")
+    layers = cfg.num_hidden_layers + draft_cache_layers(wl.draft, wl.k)
+    kv = kv_tl * layers * wl.batch * wl.max_len
+    engine = wl.batch * wl.max_len * (8 + cfg.hidden_size * _itemsize(dtype))
+    step = step_workspace_reference(cfg, world, wl)
+    reserve = int(reserve_gib * GIB)
+    mem = int(gpu_mem_gib * GIB)
+    resident = max(sum(w.values()) for w in weights) + kv + engine + step + reserve
+    pre = prefill_workspace(cfg, world, wl, wl.prompt_len)
+    lo, hi = 0, wl.max_len  # longest one-shot prefill that fits next to everything resident
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if resident + prefill_workspace(cfg, world, wl, mid) <= mem else (lo, mid - 1)
+    per_token = kv_tl * layers + cfg.hidden_size * _itemsize(dtype) + 8
+    free = mem - (resident - kv - engine) - pre
+    max_tokens = max(0, free // per_token)
+    # collectives: each forward = 1 embedding all-reduce + 2 per block + 1 lm_head all-gather
+    n_fwd_draft = {"none": 0, "eagle": wl.k, "vanilla": wl.k}[wl.draft]
+    coll = (2 * cfg.num_hidden_layers + 2) + n_fwd_draft * 4
+    N, D, dt = wl.batch * (wl.k + 1), cfg.hidden_size, _itemsize(dtype)
+    per_fwd = lambda n, blocks: n * D * dt + 2 * blocks * n * D * 4 + n * cfg.vocab_size * dt  # noqa: E731
+    comm = per_fwd(N, cfg.num_hidden_layers) + n_fwd_draft * per_fwd(N, 1)
+    notes = []
+    lay = RankLayout(cfg, plan, 0)
+    if any(w != weights[0] for w in weights):
+        notes.append("ranks differ: MLP intermediates are split in whole 128-blocks (mlp_split='blocks')")
+    if nodes > 1:
+        notes.append(f"{coll} collectives per step cross the inter-node network; each carries a few KiB per "
+                     f"token, so they are latency-bound (not measured here)")
+    notes.append(f"per rank: {lay.n_heads} heads, {lay.experts[1] - lay.experts[0]} routed experts, "
+                 f"{lay.vocab[1] - lay.vocab[0]} vocabulary rows, dense MLP {lay.dense[1] - lay.dense[0]} "
+                 f"+ shared expert {lay.shared[1] - lay.shared[0]} channels (rank 0)")
+    return MemoryPlan(world, gpus_per_node, nodes, mem, weights, kv_tl, layers, kv, engine, step,
+                      step_workspace(cfg, world, wl), pre, reserve, lo, int(max_tokens), coll, comm, notes)
+
+
+def _g(n: float) -> str:
+    return f"{n / GIB:9.2f} GiB" if n >= GIB or n == 0 else f"{n / 2**20:9.2f} MiB"
+
+
+def format_plan(cfg: ModelConfig, p: MemoryPlan, wl: Workload, source: str = "config") -> str:
+    lines = [f"mtp-plan: {source}",
+             f"  model: {cfg.num_hidden_layers} layers + {cfg.num_nextn_predict_layers} MTP, "
+             f"{cfg.n_routed_experts} experts, {cfg.num_attention_heads} heads, vocab {cfg.vocab_size}, "
+             f"{'FP8' if cfg.is_fp8 else 'bf16'} weights, model dtype {wl.dtype}",
+             f"  hardware: {p.nodes} node(s) x {p.gpus_per_node} GPUs = world {p.world}, "
+             f"{p.gpu_mem_bytes / GIB:.1f} GiB per GPU",
+             f"  parallel: attention TP{p.world} (heads split), MoE EP{p.world}, vocab-parallel embedding/head, "
+             f"indexer replicated",
+             f"  workload: batch {wl.batch}, max_len {wl.max_len}, prompt {wl.prompt_len}, draft {wl.draft} "
+             f"k={wl.k}, {wl.numerics} numerics", "", "weights per rank:"]
+    w0 = p.weights_by_rank[0]
+    worst = max(p.weights_by_rank, key=lambda w: sum(w.values()))
+    for c in CATEGORIES:
+        if c in worst or c in w0:
+            lines.append(f"  {c:26s} {_g(worst.get(c, 0))}")
+    totals = [sum(w.values()) for w in p.weights_by_rank]
+    spread = "" if min(totals) == max(totals) else f"   (ranks: {_g(min(totals)).strip()} .. {_g(max(totals)).strip()})"
+    lines.append(f"  {'total (largest rank)':26s} {_g(max(totals))}{spread}")
+    lines.append(f"  {'all ranks together':26s} {_g(sum(totals))}")
+    lines += ["", "per rank, resident:",
+              f"  {'weights':26s} {_g(p.weights_max)}",
+              f"  {'KV cache':26s} {_g(p.kv_bytes)}   ({p.kv_per_token_layer} B/token/layer x {p.kv_layers} layers "
+              f"x {wl.batch} x {wl.max_len}, replicated on every rank)",
+              f"  {'engine buffers':26s} {_g(p.engine_bytes)}   (tokens + hidden states [B, max_len, D])",
+              f"  {'decode-step workspace':26s} {_g(p.step_workspace)}   (estimate, reference attention path; "
+              f"kernel path {_g(p.step_workspace_kernel).strip()}; CUDA-graph pool)",
+              f"  {'reserve':26s} {_g(p.reserve_bytes)}   (CUDA context, NCCL buffers, allocator slack)",
+              f"  {'resident total':26s} {_g(p.resident)}",
+              f"  {'prefill workspace':26s} {_g(p.prefill_workspace)}   (estimate; {wl.prompt_len}-token one-shot "
+              f"prefill, reference path)",
+              f"  {'peak':26s} {_g(p.peak)}   of {_g(p.gpu_mem_bytes).strip()} -> "
+              f"{'FITS' if p.fits else 'DOES NOT FIT'} (headroom {(p.gpu_mem_bytes - p.peak) / GIB:.2f} GiB)",
+              "",
+              f"  longest one-shot prefill that fits: {p.max_prefill_tokens} tokens (longer: chunk the prefill)",
+              f"  KV positions that fit (batch x length, all layers): {p.max_kv_tokens}",
+              f"  collectives per speculative step: {p.collectives_per_step} "
+              f"({p.comm_bytes_per_step / 2**20:.2f} MiB of payload: fp32 all-reduces of [tokens, D], logits gather)"]
+    lines += [f"  note: {n}" for n in p.notes]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mtp-plan", description=__doc__.splitlines()[0])
+    ap.add_argument("config", help="config.json (or a checkpoint directory holding one)")
+    ap.add_argument("--gpus", type=int, required=True, help="GPUs per node")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--gpu-mem-gib", type=float, required=True, help="memory per GPU in GiB")
+    ap.add_argument("--batch", type=int, default=Workload.batch)
+    ap.add_argument("--max-len", type=int, default=Workload.max_len, help="positions per row (cache length)")
+    ap.add_argument("--prompt-len", type=int, default=Workload.prompt_len, help="tokens of a one-shot prefill")
+    ap.add_argument("--draft", choices=("none", "eagle", "vanilla"), default=Workload.draft)
+    ap.add_argument("--k", type=int, default=Workload.k, help="drafts per step")
+    ap.add_argument("--numerics", choices=("fp8", "dequant"), default=Workload.numerics)
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default=Workload.dtype)
+    ap.add_argument("--mlp-split", choices=MLP_SPLITS, default="blocks")
+    ap.add_argument("--reserve-gib", type=float, default=4.0)
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    a = ap.parse_args(argv)
+    if a.gpus < 1 or a.nodes < 1 or a.gpu_mem_gib <= 0 or a.batch < 1 or a.max_len < 1 or a.k < 0:
+        ap.error("need --gpus >= 1, --nodes >= 1, --gpu-mem-gib > 0, --batch >= 1, --max-len >= 1, --k >= 0")
+    if not 1 <= a.prompt_len <= a.max_len:
+        ap.error(f"--prompt-len must be in [1, --max-len = {a.max_len}], got {a.prompt_len}")
+    cfg = ModelConfig.from_json(a.config)
+    wl = Workload(a.batch, a.max_len, a.prompt_len, a.draft, a.k if a.draft != "none" else 0, a.numerics, a.dtype)
+    p = make_plan(cfg, a.gpus, a.gpu_mem_gib, a.nodes, wl, a.mlp_split, a.reserve_gib)
+    if a.json:
+        d = asdict(p)
+        d.update(fits=p.fits, peak=p.peak, resident=p.resident, weights_max=p.weights_max)
+        print(json.dumps(d, indent=1))
+    else:
+        print(format_plan(cfg, p, wl, a.config))
+    return 0 if p.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Tensor/expert/vocab-parallel model on 2 CPU ranks (gloo) against the single-process reference model.
+
+One spawn of 2 ranks runs every parallel job (a load costs more than a forward); the parent computes the
+single-rank references and compares. The checkpoint is the tiny random one with 8 heads (4 per rank:
+o_proj gets 128 input channels per rank, a whole fp8 group) and a 512-wide dense MLP, plus one change so
+that speculation is exercised: embeddings x10, the final / MTP norms = 1 and eh_proj = [10 I | 0], so the
+residual stream is dominated by the current token's embedding and the MTP module predicts what the trunk
+predicts one position later. Eagle k=2 then accepts both drafts on some steps and none on others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import mtp
+from mtp.checkpoint import load_model, save_checkpoint
+from mtp.config import RuntimeOptions
+from mtp.parallel import Comm, ParallelPlan, load_parallel, param_bytes, set_static_moe
+from mtp.plan import rank_weight_bytes
+from mtp.tiny import random_tensors, tiny_config
+
+pytestmark = pytest.mark.slow
+WORLD = 2
+LOGIT_ATOL = 2e-5  # |logits| ~ 4; observed <= 1.1e-6 (fp32 reduction order differs from one rank)
+
+
+def parallel_config():
+    cfg = dataclasses.replace(tiny_config(), num_attention_heads=8, intermediate_size=512)
+    cfg.validate("parallel_config")
+    return cfg
+
+
+def speculation_friendly(cfg, tensors, scale: float = 10.0):
+    out = dict(tensors)
+    L, D = cfg.num_hidden_layers, cfg.hidden_size
+    for n in ("model.embed_tokens.weight", f"model.layers.{L}.embed_tokens.weight"):
+        out[n] = (tensors[n].float() * scale).bfloat16()
+    for n in ("model.norm.weight", f"model.layers.{L}.shared_head.norm.weight", f"model.layers.{L}.enorm.weight"):
+        out[n] = torch.ones(D, dtype=torch.bfloat16)
+    eh = torch.zeros(D, 2 * D)
+    eh[:, :D] = scale * torch.eye(D)
+    out[f"model.layers.{L}.eh_proj.weight"] = eh.bfloat16()
+    return out
+
+
+def checks(model, generate: bool = True) -> dict:
+    """Logits of a prefill, a 3-token cached step and the MTP module; an eagle k=2 strict generation."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 20), generator=g)
+    out = {}
+    with torch.no_grad():
+        cache = model.new_cache(2, 40)
+        o = model(ids, cache)  # 20 > index_topk 16: the sparse indexer path is used
+        out["prefill"] = o.logits
+        out["decode"] = model(ids[:, :3], cache).logits
+        mc = model.new_cache(2, 40, n_layers=1)
+        out["mtp"] = model.mtp_forward(0, ids[:, 1:], o.hidden[:, :-1], mc).logits
+    if generate:
+        r = mtp.generate(model, [ids[0, :18].tolist(), ids[1, :7].tolist()], max_new_tokens=12, draft="eagle", k=2)
+        out["tokens"], out["accepted_hist"] = r.tokens, r.metrics.accepted_hist
+    return out
+
+
+def _worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=90))
+    torch.set_num_threads(1)
+    try:
+        comm = Comm()
+        res = {}
+        m = load_parallel(ckpt, comm, plan=ParallelPlan(WORLD), numerics="fp8")
+        res["bytes_blocks"] = param_bytes(m)
+        res["fp8"] = checks(m)
+        set_static_moe(m, True)
+        res["fp8_static"] = checks(m, generate=False)
+        set_static_moe(m, False)
+        m.set_runtime(RuntimeOptions(numerics="dequant"))
+        res["dequant"] = checks(m)
+        # 'even' split: the 128-wide shared expert becomes 64 + 64 channels, cutting its 128x128 blocks
+        m = load_parallel(ckpt, comm, plan=ParallelPlan(WORLD, mlp_split="even"), numerics="dequant")
+        res["bytes_even"] = param_bytes(m)
+        res["even"] = checks(m, generate=False)
+        torch.save(res, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, args, timeout_s: float = 240.0) -> None:
+    ctx = mp.start_processes(fn, args=args, nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()  # our own children only
+            pytest.fail(f"parallel ranks did not finish within {timeout_s} s (collective mismatch?)")
+
+
+@pytest.fixture(scope="module")
+def par_ckpt(tmp_path_factory):
+    cfg = parallel_config()
+    tensors = speculation_friendly(cfg, random_tensors(cfg, seed=0))
+    return save_checkpoint(tensors, cfg, tmp_path_factory.mktemp("par") / "tiny-tp")
+
+
+@pytest.fixture(scope="module")
+def ranks(par_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranks")
+    t0 = time.perf_counter()
+    run_ranks(_worker, (str(par_ckpt), str(out / "rendezvous"), str(out)))
+    print(f"\n2-rank jobs: {time.perf_counter() - t0:.1f} s")
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def reference(par_ckpt):
+    res = {}
+    for numerics in ("fp8", "dequant"):
+        res[numerics] = checks(load_model(par_ckpt, numerics=numerics))
+    return res
+
+
+def _close(name, a, b, atol=LOGIT_ATOL):
+    diff = (a - b).abs()
+    where = [int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)]
+    assert diff.max() <= atol, f"{name}: max |diff| {diff.max():.3g} at {where}: {a[tuple(where)]} vs {b[tuple(where)]}"
+
+
+@pytest.mark.parametrize("job,ref", [("fp8", "fp8"), ("fp8_static", "fp8"), ("dequant", "dequant"),
+                                     ("even", "dequant")])
+def test_tp2_logits_equal_tp1(ranks, reference, job, ref):
+    for key in ("prefill", "decode", "mtp"):
+        for r in range(WORLD):
+            _close(f"{job}/{key} rank {r}", ranks[r][job][key], reference[ref][key])
+        assert torch.equal(ranks[0][job][key], ranks[1][job][key]), f"{job}/{key}: ranks disagree"
+
+
+@pytest.mark.parametrize("numerics", ["fp8", "dequant"])
+def test_tp2_speculative_tokens_equal_tp1(ranks, reference, numerics):
+    ref = reference[numerics]
+    acc = ref["accepted_hist"]
+    assert acc[1] + acc[2] > 0 and acc[0] > 0, f"the test model should both accept and reject drafts: {acc}"
+    for r in range(WORLD):
+        assert ranks[r][numerics]["tokens"] == ref["tokens"], f"rank {r} generated other tokens"
+        assert ranks[r][numerics]["accepted_hist"] == acc
+
+
+def test_param_bytes_equal_planner(ranks, par_ckpt):
+    cfg = mtp.ModelConfig.from_json(par_ckpt / "config.json")
+    for split, key in (("blocks", "bytes_blocks"), ("even", "bytes_even")):
+        for r in range(WORLD):
+            want = sum(rank_weight_bytes(cfg, ParallelPlan(WORLD, split), r, torch.float32).values())
+            assert ranks[r][key] == want, f"{split} rank {r}: loaded {ranks[r][key]} B, planner says {want} B"
+    assert ranks[0]["bytes_blocks"] != ranks[1]["bytes_blocks"]  # the shared expert's one block is on rank 0
+
+
+def test_world1_parallel_model_is_the_reference(par_ckpt, reference):
+    """With one rank the parallel modules reduce to the plain ones: bit-identical logits, no process group."""
+    got = checks(load_parallel(par_ckpt, Comm(), numerics="fp8"), generate=False)
+    for key in ("prefill", "decode", "mtp"):
+        assert torch.equal(got[key], reference["fp8"][key]), key
+
+
+# ----------------------------------------------------------------------------------------- NCCL (GPU)
+GPU_PROMPTS = [list(range(3, 40)), list(range(50, 61))]  # 37 > index_topk 16: sparse rows
+
+
+def _nccl_worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
+    """bf16 on 2 GPUs over NCCL: logits, and eagle k=2 generations in the engine's eager, graph (whole step
+    captured, NCCL collectives inside) and overlap modes, on the reference path and on the Triton fast path."""
+    from mtp.fastpath import enable_fast_path
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"file://{init}", rank=rank, world_size=WORLD, device_id=dev,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        m = load_parallel(ckpt, Comm(), device=dev, dtype=torch.bfloat16, numerics="fp8")
+        res = {"ref": {k: v.cpu() for k, v in checks(m, generate=False).items()}}
+        for mode in ("eager", "graph", "overlap"):
+            res[f"ref/{mode}"] = mtp.generate(m, GPU_PROMPTS, 16, draft="eagle", k=2, mode=mode).tokens
+        enable_fast_path(m)
+        res["fast"] = {k: v.cpu() for k, v in checks(m, generate=False).items()}
+        for mode in ("eager", "graph"):
+            res[f"fast/{mode}"] = mtp.generate(m, GPU_PROMPTS, 16, draft="eagle", k=2, mode=mode).tokens
+        torch.save(res, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs")
+def test_nccl_tp2_eager_graph_overlap(par_ckpt, tmp_path):
+    run_ranks(_nccl_worker, (str(par_ckpt), str(tmp_path / "rendezvous"), str(tmp_path)))
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    tp1 = load_model(par_ckpt, device="cuda:0", dtype=torch.bfloat16, numerics="fp8")
+    ref = {k: v.cpu() for k, v in checks(tp1, generate=False).items()}
+    tp1_tokens = mtp.generate(tp1, GPU_PROMPTS, 16, draft="eagle", k=2).tokens
+    for r in range(WORLD):
+        for key in ("prefill", "decode", "mtp"):
+            for path, bound in (("ref", 2e-2), ("fast", 5e-2)):
+                a, b = got[r][path][key].float(), ref[key].float()
+                rel = ((a - b).norm() / b.norm()).item()
+                print(f"rank {r} {path} {key}: rel L2 vs TP1 reference {rel:.2e}")
+                assert rel < bound, (r, path, key, rel)
+                assert torch.equal(got[r][path][key], got[0][path][key]), f"{path}/{key}: rank {r} != rank 0"
+        for mode in ("graph", "overlap"):
+            assert got[r][f"ref/{mode}"] == got[r]["ref/eager"], f"rank {r}: {mode} != eager (reference path)"
+        assert got[r]["fast/graph"] == got[r]["fast/eager"], f"rank {r}: graph != eager (fast path)"
+        assert all(got[r][k] == got[0][k] for k in got[0] if "/" in k), f"rank {r} generated other tokens"
+    print(f"TP2 reference-path tokens equal TP1 (bf16): {got[0]['ref/eager'] == tp1_tokens}")

@@ -1,0 +1,166 @@
+"""The parallel layout (who holds which slice) and exact FP8 re-blocking; no process group needed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mtp import fp8
+from mtp.config import ConfigError, ModelConfig
+from mtp.layers import Linear
+from mtp.parallel import ParallelPlan, RankLayout, ReblockError, Shard, reblock_scale, shard_fp8
+from mtp.parallel.layout import split_range
+from mtp.parallel.load import check_fp8_inputs
+from mtp.spec import checkpoint_spec
+from mtp.tiny import tiny_config
+
+
+# ----------------------------------------------------------------------------------------- re-blocking
+def blocky_fp8(N: int, K: int, seed: int = 0):
+    """An FP8 weight whose 128x128 blocks all have different scales (a wrong block map cannot go unseen)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g)
+    bi = torch.arange(N).div(128, rounding_mode="floor").unsqueeze(1)
+    bj = torch.arange(K).div(128, rounding_mode="floor").unsqueeze(0)
+    w = w * torch.exp2((bi * 3 + bj).float() - 4)
+    w8, s = fp8.weight_quant(w)
+    assert s.unique().numel() == s.numel()
+    return w8, s
+
+
+@pytest.mark.parametrize("shard", [Shard(0, 0, 64), Shard(0, 64, 128), Shard(0, 96, 128), Shard(0, 128, 320),
+                                   Shard(0, 256, 320), Shard(0, 0, 320), Shard(1, 64, 128), Shard(1, 128, 300),
+                                   Shard(1, 256, 300), Shard(1, 32, 64)])
+def test_reblocked_slice_dequantizes_to_the_same_weight(shard):
+    w8, s = blocky_fp8(320, 300)  # ragged last blocks in both dims
+    full = fp8.weight_dequant(w8, s)
+    lw8, ls = shard_fp8(w8, s, shard)
+    n, k = lw8.shape
+    assert tuple(ls.shape) == (-(-n // 128), -(-k // 128))  # the slice's own 128-blocking, as Linear expects
+    want = full.narrow(shard.dim, shard.start, shard.stop - shard.start)
+    assert torch.equal(fp8.weight_dequant(lw8, ls), want)
+
+
+def test_tp32_64_row_halves_of_a_block():
+    """The brief's case: TP 32 cuts 2048 rows into 64-row slices; odd ranks start mid-block."""
+    scale = torch.arange(16 * 56, dtype=torch.float32).view(16, 56) + 1
+    for rank in range(32):
+        got = reblock_scale(scale, (2048, 7168), Shard(0, 64 * rank, 64 * rank + 64))
+        assert torch.equal(got, scale[rank // 2: rank // 2 + 1])
+
+
+@pytest.mark.parametrize("numerics", ["fp8", "dequant"])
+def test_linear_on_a_reblocked_row_slice_equals_the_full_linear(numerics):
+    """Split a 128-row block into 2 x 64 (and a 3-block weight into 64 | 64 | 256): each rank's Linear
+    returns exactly its columns of the full output, under both numerics."""
+    N, K = 384, 256
+    w8, s = blocky_fp8(N, K, seed=1)
+    full = Linear(K, N, True)
+    full.weight.data, full.weight_scale_inv.data = w8, s
+    full.numerics = numerics
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(2))
+    y = full(x)
+    for a, b in ((0, 64), (64, 128), (128, 384)):
+        lw8, ls = shard_fp8(w8, s, Shard(0, a, b))
+        part = Linear(K, b - a, True)
+        part.weight.data, part.weight_scale_inv.data = lw8, ls
+        part.numerics = numerics
+        assert torch.equal(part(x), y[:, a:b]), (a, b)
+
+
+def test_reblocked_column_halves_sum_to_the_full_product():
+    """Row-parallel use of a cut block (dequant numerics): the two 64-column partials add up to the output."""
+    w8, s = blocky_fp8(256, 128, seed=3)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(4))
+    parts = []
+    for a, b in ((0, 64), (64, 128)):
+        lw8, ls = shard_fp8(w8, s, Shard(1, a, b))
+        parts.append(x[:, a:b] @ fp8.weight_dequant(lw8, ls).T)
+    torch.testing.assert_close(parts[0] + parts[1], x @ fp8.weight_dequant(w8, s).T, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("shard", [Shard(0, 64, 192), Shard(0, 192, 384), Shard(1, 32, 160)])
+def test_straddling_slices_are_refused(shard):
+    w8, s = blocky_fp8(384, 256)
+    with pytest.raises(ReblockError, match="straddles parent blocks"):
+        shard_fp8(w8, s, shard, what="layer.q_b_proj.weight")
+
+
+def test_scale_of_the_wrong_shape_is_refused():
+    with pytest.raises(ReblockError, match=r"expected \[2, 2\]"):
+        reblock_scale(torch.ones(3, 2), (256, 256), Shard(0, 0, 128))
+
+
+# ----------------------------------------------------------------------------------------- layout
+def small_real_config() -> ModelConfig:
+    """Real widths (heads, experts, vocab, MLP widths), 3 dense + 1 MoE layer + 1 MTP: fast to enumerate."""
+    return dataclasses.replace(ModelConfig(), num_hidden_layers=4)
+
+
+@pytest.mark.parametrize("cfg_name,world,split", [("tiny", 2, "blocks"), ("real", 8, "blocks"),
+                                                  ("real", 32, "blocks"), ("real", 32, "even")])
+def test_ranks_partition_every_tensor_exactly(cfg_name, world, split):
+    cfg = small_real_config() if cfg_name == "real" else dataclasses.replace(tiny_config(), num_attention_heads=8)
+    spec = checkpoint_spec(cfg)
+    layouts = [RankLayout(cfg, ParallelPlan(world, split), r) for r in range(world)]
+    for name, ts in spec.items():
+        if ts.kind == "scale":
+            continue  # a scale follows its weight's shard through reblock_scale (tested above)
+        shards = [lay.shard(name) for lay in layouts]
+        held = [s for s in shards if s is not None]
+        if ".mlp.experts." in name:
+            assert len(held) == 1 and held[0].dim is None, name
+        elif all(s.dim is None for s in held):
+            assert len(held) == world, name  # replicated
+        else:
+            dims = {s.dim for s in held}
+            assert len(dims) == 1 and len(held) == world, name
+            d = dims.pop()
+            spans = sorted((s.start, s.stop) for s in held)
+            assert spans[0][0] == 0 and spans[-1][1] == ts.shape[d], (name, spans)
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (name, spans)
+
+
+def test_real_config_ranges():
+    cfg = ModelConfig()
+    lay = RankLayout(cfg, ParallelPlan(8), 3)
+    assert lay.heads == (48, 64) and lay.experts == (96, 128) and lay.vocab == (48480, 64640)
+    assert lay.dense == (3 * 2304, 4 * 2304) and lay.shared == (768, 1024)
+    assert lay.shard("model.layers.5.self_attn.q_b_proj.weight_scale_inv") == Shard(0, 48 * 192, 64 * 192)
+    assert lay.shard("model.layers.5.self_attn.o_proj.weight") == Shard(1, 48 * 128, 64 * 128)
+    assert lay.shard("model.layers.5.mlp.experts.95.up_proj.weight") is None
+    assert lay.shard("model.layers.61.mlp.experts.100.down_proj.weight") == Shard()
+    assert lay.shard("model.layers.61.shared_head.head.weight") == Shard(0, 48480, 64640)
+    assert lay.shard("model.layers.61.eh_proj.weight") == Shard()
+    assert lay.shard("model.layers.0.self_attn.indexer.wq_b.weight") == Shard()
+
+
+def test_block_split_at_world_32():
+    """The real shared expert has 16 blocks: at W = 32 even ranks hold one, odd ranks none; the dense MLP's
+    144 blocks go 4 or 5 per rank. Nothing cuts a 128-block."""
+    widths = [split_range(2048, 32, r, "blocks", "x") for r in range(32)]
+    assert [b - a for a, b in widths] == [0, 128] * 16
+    dense = [b - a for a, b in (split_range(18432, 32, r, "blocks", "x") for r in range(32))]
+    assert sum(dense) == 18432 and set(dense) == {512, 640}
+    assert split_range(2048, 32, 1, "even", "x") == (64, 128)
+
+
+def test_indivisible_counts_name_the_field():
+    with pytest.raises(ConfigError, match="num_attention_heads = 128 is not divisible .* 3"):
+        RankLayout(ModelConfig(), ParallelPlan(3), 0)
+    with pytest.raises(ConfigError, match="intermediate_size = 384 does not split evenly"):
+        split_range(384, 5, 0, "even", "intermediate_size")
+    with pytest.raises(ConfigError, match="mlp_split"):
+        ParallelPlan(2, "rows")
+
+
+def test_fp8_numerics_refuse_cut_activation_groups():
+    tiny4 = tiny_config()  # 4 heads x 32: o_proj gets 64 channels per rank at W = 2
+    with pytest.raises(ConfigError, match="o_proj .* gets 64 input channels"):
+        check_fp8_inputs(RankLayout(tiny4, ParallelPlan(2), 0))
+    tiny8 = dataclasses.replace(tiny4, num_attention_heads=8, intermediate_size=512)
+    check_fp8_inputs(RankLayout(tiny8, ParallelPlan(2), 1))  # whole groups everywhere
+    with pytest.raises(ConfigError, match="shared expert down_proj gets 64"):
+        check_fp8_inputs(RankLayout(tiny8, ParallelPlan(2, "even"), 1))
