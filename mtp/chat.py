@@ -1,0 +1,95 @@
+"""`mtp-chat`: multi-turn chat with the target model and MTP drafting, streamed to a terminal.
+
+    python -m mtp.chat                       # (or `mtp-chat`) tiny random model on CPU: gibberish, every path runs
+    mtp-chat model=dsv32 model.path=/ckpt runtime=cuda draft=eagle draft.k=2 verify=relaxed thinking=true
+    mtp-chat max_new_tokens=64 show_drafts=true runtime.max_model_len=8192
+
+Configuration is `conf/chat.yaml` with the groups of `mtp-eval` (model, draft, verify, runtime), turned into a
+model and `generate` arguments by `eval.common`, so every override works the same in both tools. A chat run
+writes nothing to disk on its own: conf/chat.yaml sets hydra.run.dir=., hydra.output_subdir=null and logs to
+stdout (no outputs/ folder, .hydra or log file).
+
+Who does what: `mtp.chat_session.Session` holds the conversation, the commands and the statistics;
+`mtp.chat_io` reads lines and draws replies; this file wires them and runs `loop`.
+
+Multi-GPU (the parallel model runs every forward on every rank): each rank builds the model and a `Session`
+and runs the same `loop`. Rank 0 wraps its `TerminalInput` in `BroadcastInput` and prints through a
+`TerminalView`; the other ranks wrap a `ScriptedInput([])` (never read) and use a `NullView`; `should_stop`
+becomes `lambda: source.agree(stop.is_set())`, so all ranks leave an interrupted reply at the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .chat_io import StopFlag, TerminalInput, TerminalView
+from .chat_session import Session, Settings
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # the repo's conf/, shared with mtp-eval
+
+
+def loop(session: Session, source, stop: StopFlag) -> None:
+    """Read a line, handle it, until end of input or /exit. Ctrl-C is the reply's business while armed
+    (see `StopFlag`); a second Ctrl-C that lands between steps is caught here, so the session survives."""
+    while True:
+        line = source.read(f"[{session.settings.label()}] > ")
+        if line is None:
+            break
+        try:
+            with stop.armed():
+                if not session.handle(line):
+                    break
+        except KeyboardInterrupt:
+            session.view.notice("interrupted")
+
+
+def run(cfg) -> int:
+    from omegaconf import OmegaConf
+
+    from eval.common import build, generate_kwargs, model_path
+
+    view = TerminalView(color=sys.stdout.isatty() and "NO_COLOR" not in os.environ,
+                        show_drafts=bool(cfg.show_drafts))
+    view.notice(f"loading {cfg.model.name} on {cfg.runtime.device} ...")
+    try:
+        model, tokenizer = build(cfg)
+        settings = Settings.from_generate_kwargs(generate_kwargs(cfg, tokenizer), max_new_tokens=cfg.max_new_tokens,
+                                                 thinking=cfg.thinking, max_model_len=cfg.runtime.max_model_len)
+        stop = StopFlag()
+        session = Session(model, tokenizer, settings, view, should_stop=stop.is_set,
+                          meta={"model_path": str(model_path(cfg.model)),
+                                "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)})
+        if cfg.runtime.warmup:
+            session.warmup()
+    except Exception as e:  # bad path, bad value, no GPU: one line, no traceback
+        view.error(f"cannot start: {type(e).__name__}: {e}")
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        return 130
+    view.notice(f"mtp-chat: {session.meta['model_path']} on {model.device} | {settings.label()} | "
+                f"max_new_tokens {settings.max_new_tokens} | max_model_len {session.context_limit()} | "
+                "/help for commands, Ctrl-D quits")
+    loop(session, TerminalInput(), stop)
+    return 0
+
+
+def main() -> None:
+    import hydra
+
+    import eval.schema  # noqa: F401  (registers the structured configs conf/ files build on)
+
+    code = 0
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="chat", version_base=None)
+    def _main(cfg) -> None:
+        nonlocal code
+        code = run(cfg)
+
+    _main()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""The logic of `mtp-chat`: conversation state, slash commands, streamed generation, statistics.
+
+No terminal, no Hydra, no process group here, so it is testable with a scripted list of lines and usable on
+every rank of a multi-GPU run. A `Session` meets the outside world at three points:
+- lines come in through `Session.handle(line)`, which returns False when the session should end; who reads
+  them (prompt_toolkit, `input()`, a test script, rank 0 broadcasting to the other ranks) is the caller's
+  business (`mtp.chat_io`);
+- what a person should see goes to a `View` (streamed text tagged reasoning / accepted-draft, notices,
+  errors, stats lines); rank 0 prints it, other ranks pass a view that drops everything;
+- `should_stop()` is polled after every committed step; True ends the reply as interrupted. A
+  KeyboardInterrupt raised anywhere inside generation does the same, so Ctrl-C never loses the session.
+
+Context vs transcript: `turns` keeps every reply ever made (saved by `/save`); the model sees only the turns
+from `context_start` on. `/reset` and trimming to `max_model_len` move `context_start` forward; nothing is
+deleted. Earlier assistant turns enter the prompt with their answer only (`mtp.prompt` drops reasoning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .chat_turn import TRANSCRIPT_FORMAT, ReplyStream, StepLog, Turn, View, stats_line, write_json_atomic
+from .draft.proposer import DraftConfig
+from .engine import VERIFIERS, StepEvent
+from .metrics import SpecMetrics
+from .prompt import encode_chat
+from .tokenizer import Tokenizer
+
+DRAFTS = ("none", "vanilla", "eagle")
+MAX_K = 16  # the cap of draft.k in eval/schema.py: far past the point where position k is still accepted
+
+HELP = """\
+commands:
+  /think on|off                thinking mode (reasoning, then </think>, then the answer)
+  /draft none|vanilla|eagle    MTP drafting mode (none = plain autoregressive decoding)
+  /k N                         drafts per step, 1..16 (remembered while /draft none)
+  /verify strict|relaxed|sample
+  /max N                       max new tokens per reply
+  /stats                       session totals, one line per (draft, k, verify) setting
+  /save FILE                   transcript with stats as JSON
+  /reset                       start a new conversation (transcript and stats are kept)
+  /help                        this text
+  /exit                        quit (Ctrl-D too)
+Ctrl-C stops a reply (press twice to stop at once, even mid-prefill). A line starting with // sends a
+message that starts with /."""
+
+
+class CommandError(ValueError):
+    """A bad command or value: shown as one line, the session goes on."""
+
+
+@dataclass
+class Settings:
+    """What slash commands change. `k` is remembered while drafting is off (`/draft none`), so switching
+    back restores it; the k actually used is `effective_k`. `options` are the other `mtp.generate`
+    keyword arguments from the config (top_n, delta, temperature, reuse_modules, ...)."""
+
+    max_new_tokens: int = 256
+    thinking: bool = False
+    draft: str = "eagle"
+    k: int = 1
+    verify: str = "strict"
+    max_model_len: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def effective_k(self) -> int:
+        return 0 if self.draft == "none" else self.k
+
+    def label(self) -> str:
+        spec = "no draft" if self.draft == "none" else f"{self.draft} k={self.k}"
+        return f"{spec} {self.verify}" + (" think" if self.thinking else "")
+
+    @classmethod
+    def from_generate_kwargs(cls, kwargs: Mapping[str, Any], **overrides: Any) -> "Settings":
+        """Split `generate(model, prompts, **kwargs)` arguments into the settings commands change and the
+        rest (passed through untouched)."""
+        kw = dict(kwargs)
+        known = {f.name for f in dataclasses.fields(cls)} - {"options"}
+        picked = {name: kw.pop(name) for name in list(kw) if name in known}
+        picked.update(overrides)
+        if picked.get("k") is None or picked.get("k") == 0:
+            picked["k"] = 1  # k for when drafting is switched on; draft='none' ignores it
+        return cls(**picked, options=kw)
+
+
+class _Stop(Exception):
+    """Raised from the step callback to leave `generate` when `should_stop()` says so."""
+
+
+class Session:
+    def __init__(self, model, tokenizer: Tokenizer, settings: Settings, view: View,
+                 generate: Callable | None = None, should_stop: Callable[[], bool] = lambda: False,
+                 system: str = "", meta: Mapping[str, Any] | None = None):
+        """`generate` defaults to `mtp.generate` (tests pass a fake); `meta` (model path, config) is saved
+        with the transcript."""
+        if generate is None:
+            from .engine import generate
+        self.model, self.tok, self.settings, self.view = model, tokenizer, settings, view
+        self.generate, self.should_stop = generate, should_stop
+        self.system, self.meta = system, dict(meta or {})
+        self.turns: list[Turn] = []
+        self.context_start = 0
+        self.conversation = 0
+        self.check_settings(settings)
+
+    # ------------------------------------------------------------------ input
+    def handle(self, line: str) -> bool:
+        """One line from the person: a command or a message. Returns False when the session should end.
+        Nothing raised by a command or by generation escapes (one line on the view instead)."""
+        line = line.strip()
+        if not line:
+            return True
+        try:
+            if line.startswith("/") and not line.startswith("//"):
+                return self.command(line)
+            self.chat(line[1:] if line.startswith("//") else line)
+        except CommandError as e:
+            self.view.error(str(e))
+        except Exception as e:  # a library error or a bug costs one line, never the conversation
+            self.view.error(f"{type(e).__name__}: {e}")
+        return True
+
+    def command(self, line: str) -> bool:
+        name, _, arg = line[1:].partition(" ")
+        name, arg = name.lower(), arg.strip()
+        if name in ("exit", "quit"):
+            return False
+        handler = getattr(self, f"_cmd_{name}", None)
+        if handler is None:
+            raise CommandError(f"unknown command /{name}; /help lists the commands")
+        handler(arg)
+        return True
+
+    # ------------------------------------------------------------------ commands
+    def _cmd_help(self, arg: str) -> None:
+        self.view.notice(HELP)
+
+    def _cmd_reset(self, arg: str) -> None:
+        self.context_start = len(self.turns)
+        self.conversation += 1
+        self.view.notice("new conversation (transcript and stats kept)")
+
+    def _cmd_think(self, arg: str) -> None:
+        value = _on_off(arg, "/think")
+        if value is not None:
+            self.settings.thinking = value
+        self.view.notice(f"thinking {'on' if self.settings.thinking else 'off'}")
+
+    def _cmd_draft(self, arg: str) -> None:
+        if arg:
+            if arg not in DRAFTS:
+                raise CommandError(f"/draft must be one of {', '.join(DRAFTS)}, got {arg!r}")
+            self._change(draft=arg)
+        self.view.notice(f"now: {self.settings.label()}")
+
+    def _cmd_k(self, arg: str) -> None:
+        if arg:
+            try:
+                k = int(arg)
+            except ValueError:
+                raise CommandError(f"/k needs an integer in [1, {MAX_K}], got {arg!r}") from None
+            if not 1 <= k <= MAX_K:
+                raise CommandError(f"/k needs an integer in [1, {MAX_K}], got {k}"
+                                   + (" (use /draft none to stop drafting)" if k < 1 else ""))
+            self._change(k=k)
+        note = " (applies when drafting is on: /draft vanilla|eagle)" if self.settings.draft == "none" else ""
+        self.view.notice(f"k={self.settings.k}{note}")
+
+    def _cmd_max(self, arg: str) -> None:
+        if arg:
+            try:
+                n = int(arg)
+            except ValueError:
+                n = 0
+            if n < 1:
+                raise CommandError(f"/max needs an integer >= 1 (max new tokens per reply), got {arg!r}")
+            if n >= self.context_limit():
+                raise CommandError(f"/max {n} leaves no room for a prompt in max_model_len {self.context_limit()}")
+            self._change(max_new_tokens=n)
+        self.view.notice(f"max_new_tokens {self.settings.max_new_tokens}")
+
+    def _cmd_verify(self, arg: str) -> None:
+        if arg:
+            if arg not in VERIFIERS:
+                raise CommandError(f"/verify must be one of {', '.join(VERIFIERS)}, got {arg!r}")
+            self._change(verify=arg)
+        self.view.notice(f"now: {self.settings.label()}")
+
+    def _cmd_stats(self, arg: str) -> None:
+        if not self.turns:
+            self.view.notice("no turns yet")
+            return
+        n_int = sum(t.interrupted for t in self.turns)
+        self.view.notice(f"session: {len(self.turns)} turns ({n_int} interrupted)")
+        for line in self.totals():
+            self.view.stats(line)
+
+    def _cmd_save(self, arg: str) -> None:
+        if not arg:
+            raise CommandError("usage: /save FILE")
+        path = Path(arg).expanduser()
+        if not path.parent.is_dir():
+            raise CommandError(f"/save: folder {path.parent} does not exist")
+        if path.is_dir():
+            raise CommandError(f"/save: {path} is a folder; give a file name")
+        try:
+            write_json_atomic(path, self.transcript())
+        except OSError as e:
+            raise CommandError(f"/save: cannot write {path}: {e.strerror or e}") from None
+        self.view.notice(f"saved {len(self.turns)} turns to {path}")
+
+    def _change(self, **changes: Any) -> None:
+        """Apply setting changes only if the result is valid, so a bad value leaves the session as it was."""
+        new = dataclasses.replace(self.settings, **changes)
+        self.check_settings(new)
+        self.settings = new
+
+    def check_settings(self, s: Settings) -> None:
+        try:
+            DraftConfig(mode=s.draft, k=s.effective_k, reuse_modules=bool(s.options.get("reuse_modules", False)),
+                        ).validate(self.model.n_mtp)
+        except ValueError as e:
+            raise CommandError(str(e)) from None
+        if s.verify not in VERIFIERS:
+            raise CommandError(f"verify must be one of {', '.join(VERIFIERS)}, got {s.verify!r}")
+        if s.options.get("draft_sampling") == "sample" and s.verify != "sample":
+            raise CommandError("sampled drafts (draft_sampling=sample) need /verify sample to stay lossless")
+
+    # ------------------------------------------------------------------ statistics and transcript
+    def totals(self) -> list[str]:
+        """One stats line per (draft, k, verify) setting used, all turns of the session summed."""
+        groups: dict[tuple, SpecMetrics] = {}
+        for t in self.turns:
+            key = (t.metrics.draft, t.metrics.k, t.metrics.verify)
+            groups[key] = groups[key].merge(t.metrics) if key in groups else t.metrics
+        return [f"{stats_line(m)} turns={m.n_rows}" for m in groups.values()]
+
+    def transcript(self) -> dict[str, Any]:
+        return {
+            "format": TRANSCRIPT_FORMAT,
+            "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "meta": self.meta,
+            "system": self.system,
+            "settings": dataclasses.asdict(self.settings),
+            "turns": [t.to_dict() for t in self.turns],
+            "totals": self.totals(),
+        }
+
+    # ------------------------------------------------------------------ generation
+    def warmup(self) -> None:
+        """One short untimed generate, so the first turn's TTFT does not include one-time setup (CUDA
+        context, kernel selection, first-touch allocations)."""
+        ids = encode_chat([{"role": "user", "content": "hi"}], self.tok, self.settings.thinking)
+        s = self.settings
+        kwargs = {"think_ids": (self.tok.think_id, self.tok.end_think_id), **s.options}
+        self.generate(self.model, [ids], 2, draft=s.draft, k=s.effective_k, verify=s.verify, **kwargs)
+
+    def context_limit(self) -> int:
+        """Most prompt + max_new_tokens tokens a turn may take: runtime.max_model_len, and the engine's own
+        bound (its buffers hold prompt + max_new_tokens + 3k + 2 positions, within max_position_embeddings)."""
+        engine_limit = self.model.cfg.max_position_embeddings - 3 * self.settings.effective_k - 2
+        s = self.settings.max_model_len
+        return engine_limit if s is None else min(s, engine_limit)
+
+    def messages(self, start: int, user: str) -> list[dict[str, str]]:
+        msgs = [{"role": "system", "content": self.system}] if self.system else []
+        for t in self.turns[start:]:
+            msgs.append({"role": "user", "content": t.user})
+            msgs.append({"role": "assistant", "content": t.content, "reasoning_content": t.reasoning})
+        msgs.append({"role": "user", "content": user})
+        return msgs
+
+    def fit(self, user: str) -> tuple[list[int], int]:
+        """Prompt ids for `user` after the conversation, leaving out the earliest turns until prompt +
+        max_new_tokens fits `context_limit()`. Returns (ids, first turn kept)."""
+        limit, max_new = self.context_limit(), self.settings.max_new_tokens
+        start = self.context_start
+        while True:
+            ids = encode_chat(self.messages(start, user), self.tok, self.settings.thinking)
+            if len(ids) + max_new <= limit:
+                return ids, start
+            if start == len(self.turns):
+                raise CommandError(f"input too long: the prompt is {len(ids)} tokens, + max_new_tokens {max_new} "
+                                   f"exceeds max_model_len {limit}; shorten it or lower /max")
+            start += 1
+
+    def chat(self, user: str) -> Turn:
+        s = self.settings
+        ids, start = self.fit(user)
+        trimmed = start - self.context_start
+        if trimmed:
+            self.view.notice(f"history trimmed: left out the {trimmed} earliest turn(s) to fit max_model_len "
+                             f"{self.context_limit()} (prompt {len(ids)} + max_new_tokens {s.max_new_tokens})")
+        self.context_start = start
+        reply = ReplyStream(self.tok, self.view, reasoning=s.thinking)
+        log = StepLog(s.draft, s.effective_k, s.verify, len(ids))
+
+        def on_step(event: StepEvent) -> None:
+            log.add(event)
+            reply.step(event.new_tokens[0], event.accepted[0])
+            if self.should_stop():
+                raise _Stop
+
+        kwargs = {"think_ids": (self.tok.think_id, self.tok.end_think_id), **s.options}  # relaxed needs them
+        try:
+            result = self.generate(self.model, [ids], s.max_new_tokens, draft=s.draft, k=s.effective_k,
+                                   verify=s.verify, on_step=on_step, **kwargs)
+            metrics, reason = result.metrics, result.finish_reasons[0]
+        except (_Stop, KeyboardInterrupt):
+            metrics, reason = log.metrics(), "interrupted"
+        except Exception:
+            if log.t_first is not None:  # failed mid-reply: end the streamed line before the error shows
+                self.view.end_reply(interrupted=True)
+            raise
+        reply.finish()
+        interrupted = reason == "interrupted"
+        self.view.end_reply(interrupted)
+        turn = Turn(user=user, reasoning=reply.text[True], content=reply.text[False], thinking=s.thinking,
+                    interrupted=interrupted, finish_reason=reason,
+                    settings={"draft": s.draft, "k": s.effective_k, "verify": s.verify,
+                              "max_new_tokens": s.max_new_tokens},
+                    metrics=metrics, conversation=self.conversation, trimmed=trimmed)
+        self.turns.append(turn)
+        self.view.stats(turn.stats_line)
+        return turn
+
+
+def _on_off(arg: str, cmd: str) -> bool | None:
+    if not arg:
+        return None
+    if arg.lower() in ("on", "true", "1", "yes"):
+        return True
+    if arg.lower() in ("off", "false", "0", "no"):
+        return False
+    raise CommandError(f"{cmd} takes on or off, got {arg!r}")
