@@ -1,6 +1,8 @@
 """GPU tests of the engine: graph and overlap modes replay exactly what eager computes, the Triton fast path
 stays close to the reference, and strict speculative decoding is lossless on the GPU (float64 reference)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -51,23 +53,44 @@ def test_strict_lossless_on_gpu_float64(draft, k):
     assert spec.tokens == base.tokens
 
 
-def test_fast_path_close_to_reference(model):
-    """One verify block of 1..4 tokens after a prompt: Triton fast path vs reference, same FP8 numerics."""
+def _as_float32(model):
+    """The same model with its bf16 tensors widened to fp32 (exact) and fp32 activations."""
+    m = copy.deepcopy(model)
+    for mod in m.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if p.dtype == torch.bfloat16:
+                setattr(mod, name, torch.nn.Parameter(p.float(), requires_grad=False))
+    m.dtype, m.acc = torch.float32, torch.float32
+    return m
+
+
+def _verify_logits(model, ids, w):
+    kv = model.new_cache(1, 128)
+    with torch.no_grad():
+        model(ids[:, :-w], kv)
+        return model(ids[:, -w:], kv).logits.double()
+
+
+def test_fast_path_as_close_to_fp32_as_the_bf16_reference(model):
+    """Random FP8 models amplify rounding noise (an FP8 rounding flip moves a value by up to 1/8), so the
+    fast path is held to what the bf16 reference itself achieves: both against an fp32 reference of the same
+    weights, on verify blocks of 1, 2 and 4 tokens after a 86-89 token prompt."""
     ids = torch.tensor([PROMPTS[2]], device="cuda")
+    m32 = _as_float32(model)
     for w in (1, 2, 4):
-        logits = {}
-        for name in ("reference", "fast"):
-            (enable_fast_path if name == "fast" else disable_fast_path)(model)
-            kv = model.new_cache(1, 128)
-            with torch.no_grad():
-                model(ids[:, :-w], kv)
-                logits[name] = model(ids[:, -w:], kv).logits.float()
+        ref32 = _verify_logits(m32, ids, w)
         disable_fast_path(model)
-        ref, fast = logits["reference"], logits["fast"]
-        rel = ((fast - ref).norm() / ref.norm()).item()
-        agree = (fast.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        print(f"verify width {w}: rel L2 {rel:.2e}, argmax agreement {agree:.2f}")
-        assert rel < 5e-2 and agree >= 0.75
+        ref16 = _verify_logits(model, ids, w)
+        enable_fast_path(model)
+        try:
+            fast = _verify_logits(model, ids, w)
+        finally:
+            disable_fast_path(model)
+        err = lambda x: ((x - ref32).norm() / ref32.norm()).item()  # noqa: E731
+        agree = lambda x: (x.argmax(-1) == ref32.argmax(-1)).double().mean().item()  # noqa: E731
+        print(f"w={w}: rel L2 vs fp32 reference: bf16 reference {err(ref16):.3f}, fast {err(fast):.3f}; "
+              f"argmax agreement {agree(ref16):.2f} / {agree(fast):.2f}")
+        assert err(fast) <= 1.5 * err(ref16) + 0.02
 
 
 @pytest.mark.parametrize("draft,k", [("none", 0), ("eagle", 3)])
