@@ -66,7 +66,8 @@ class GenerationConfig:
             raise ValueError(f"mode={self.mode!r} captures CUDA graphs and needs the model on a CUDA device "
                              f"(it is on {model.device}); use mode='eager'")
         V = model.cfg.vocab_size
-        for t in tuple(self.stop_ids) + tuple(self.think_ids or ()):
+        eos = () if self.eos_id is None else (self.eos_id,)
+        for t in tuple(self.stop_ids) + tuple(self.think_ids or ()) + eos:
             if not 0 <= t < V:
                 raise ValueError(f"token id {t} is outside the vocabulary [0, {V})")
 

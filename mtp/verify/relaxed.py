@@ -26,7 +26,9 @@ def relaxed_verify(draft_BK: torch.Tensor, logits_BKV: torch.Tensor, think_B: to
                    delta: float, think_id: int, end_think_id: int) -> Verdict:
     B, K = draft_BK.shape
     probs = logits_BKV.float().softmax(dim=-1)
-    target_BK1 = probs.argmax(dim=-1)
+    # The argmax of the logits, not of the probabilities: softmax can round near-tied logits to equal
+    # probabilities, and outside a span (or with delta = 0) the result must be exactly strict_verify's.
+    target_BK1 = logits_BKV.argmax(dim=-1)
     # Span state before each draft: after x_{n-1}, then after each earlier draft.
     states = [think_B]
     for j in range(K - 1):

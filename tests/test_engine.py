@@ -1,0 +1,461 @@
+"""The speculative decoding engine end to end on tiny checkpoints in the real format (fp8 numerics, CPU).
+
+Shape legend: B batch, S buffer positions, K drafts, V vocabulary.
+
+Two models: the session `tiny_model` (random weights, 1 MTP module that never agrees with the trunk) and
+`mtp_model`, a 2-module checkpoint whose blocks are damped (o_proj / down_proj scales / 16) and whose eh_proj
+mostly passes the token embedding through, so the MTP heads agree with the trunk often enough to accept 0..K
+drafts (real acceptance is what makes losslessness worth testing). Oracle and adversarial proposers plug in
+through `Engine(..., proposer_factory=...)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mtp import generate
+from mtp.checkpoint import load_model, save_checkpoint
+from mtp.draft import DraftConfig
+from mtp.engine import Engine, GenerationConfig
+from mtp.metrics import SpecMetrics
+from mtp.tiny import random_tensors, tiny_config
+from mtp.verify import SamplingParams, filter_probs
+
+N_NEW = 16
+PROMPT_LENS = (5, 14, 23)  # index_topk = 16: rows start dense and grow sparse, one starts sparse
+TH, ETH = 510, 511  # <think>, </think> stand-ins in the 512-token tiny vocabulary
+# Chi-square critical value at alpha = 0.001 for 26 degrees of freedom (27 cells): statistical tables, equal to
+# the root of gammaincc(13, x / 2) = 1e-3. Fixed seeds make the test deterministic.
+CHI2_CRIT_001_DOF26 = 54.052
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    cfg = tiny_config(mtp_modules=2)
+    t = random_tensors(cfg, seed=0)
+    g = torch.Generator().manual_seed(5)
+    D = cfg.hidden_size
+    for name in list(t):
+        if name.endswith(("o_proj.weight_scale_inv", "down_proj.weight_scale_inv")):
+            t[name] = t[name] / 16  # ue8m0 scales stay powers of two
+        if name.endswith("eh_proj.weight"):
+            w = torch.cat((torch.eye(D), 0.25 * torch.randn(D, D, generator=g) / math.sqrt(D)), dim=1)
+            t[name] = w.to(t[name].dtype)
+    path = save_checkpoint(t, cfg, tmp_path_factory.mktemp("ckpt2") / "tiny-2mtp")
+    return load_model(path, dtype=torch.float32, numerics="fp8")
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model, mtp_model):
+    return {"tiny": tiny_model, "mtp2": mtp_model}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    out = [torch.randint(2, 500, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    out[1][-1] = TH  # row 1 ends inside a thinking span (only the relaxed runs care)
+    return out
+
+
+@pytest.fixture(scope="module")
+def greedy(models, prompts):
+    """Per model: plain greedy output (draft='none', N_NEW + 4 tokens so oracles can draft past N_NEW) and the
+    [B, S] right-padded prompt + output."""
+    out = {}
+    for name, m in models.items():
+        r = generate(m, prompts, max_new_tokens=N_NEW + 4)
+        assert r.finish_reasons == ["length"] * 3, f"{name}: pick prompts whose greedy output has no EOS"
+        full = torch.zeros(3, 64, dtype=torch.long)
+        for b, (p, t) in enumerate(zip(prompts, r.tokens)):
+            full[b, : len(p) + len(t)] = torch.tensor(p + t)
+        out[name] = (r.tokens, full)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+class TableProposer:
+    """Drafts read from a precomputed [B, S] sequence (`full[b, n + j]`); `wrong` shifts them all by one token,
+    `miss` (row, step -> index) makes drafts wrong from that index on. Does not touch tokens_BS."""
+
+    def __init__(self, full, k, V, wrong=False, miss=None):
+        self.full, self.k, self.V, self.wrong, self.miss = full, k, V, wrong, miss
+        self.draft_forwards, self.step = 0, 0
+
+    def propose(self, tokens_BS, hidden_BSD, n_B, p0_B, W, draw, max_n):
+        d = self.full.gather(1, n_B.unsqueeze(1) + torch.arange(self.k))
+        bad = torch.full_like(d, self.wrong, dtype=torch.bool)
+        if self.miss is not None:
+            miss_B = torch.tensor([self.miss(b, self.step) for b in range(d.shape[0])])
+            bad = torch.arange(self.k).unsqueeze(0) >= miss_B.unsqueeze(1)
+        self.step += 1
+        return torch.where(bad, (d + 1) % self.V, d), None
+
+
+def run_with(model, prompts, k, make, max_new=N_NEW, **gkw):
+    gcfg = GenerationConfig(max_new_tokens=max_new, draft=DraftConfig("eagle", k), **gkw)
+    events = []
+    out = Engine(model, gcfg, proposer_factory=lambda m, d, b, s: make()).run(prompts, on_step=events.append)
+    return out, events
+
+
+def check_metrics(out, events, K, B, prompts):
+    """Histogram and derived metrics consistent; on_step events concatenate to the result."""
+    met = out.metrics
+    h = met.accepted_hist
+    assert len(h) == K + 1 and sum(h) == met.row_steps and met.n_rows == B
+    assert met.prompt_tokens == sum(map(len, prompts))
+    assert met.new_tokens == sum(map(len, out.tokens))
+    steps = max(met.row_steps, 1)
+    for j in range(K):
+        assert met.accept_cum[j] == pytest.approx(sum(h[j + 1:]) / steps)
+        reached = sum(h[j:])
+        assert met.accept_cond[j] == pytest.approx(sum(h[j + 1:]) / reached if reached else 0.0)
+    if met.row_steps:
+        assert met.mean_accepted_len == pytest.approx(1 + sum(a * c for a, c in enumerate(h)) / met.row_steps)
+    # Each (row, step) commits a + 1 tokens except a row's last block, which a stop token or max_new_tokens may cut
+    # (by at most K tokens).
+    committed, uncut = met.new_tokens - B, sum((a + 1) * c for a, c in enumerate(h))
+    assert uncut - K * B <= committed <= uncut and met.target_forwards == len(events) - 1
+    d = met.to_dict()
+    assert d["accept/mean_len"] == met.mean_accepted_len and d["count/row_steps"] == met.row_steps
+    assert [d[f"accept/hist_{a}"] for a in range(K + 1)] == h
+    assert all(f"accept/pos_{j}" in d and f"accept/cond_pos_{j}" in d for j in range(1, K + 1))
+    # Streaming: events concatenate to the final tokens; a block is the accepted drafts then one target token,
+    # except a row's last block, which a stop token or max_new_tokens may cut.
+    for b in range(B):
+        assert sum((e.new_tokens[b] for e in events), []) == out.tokens[b]
+        blocks = [(e.new_tokens[b], e.accepted[b]) for e in events if e.new_tokens[b]]
+        assert all(len(t) == a + 1 for t, a in blocks[:-1])
+        assert all(0 <= a <= min(K, len(t)) for t, a in blocks)
+        assert all(not e.new_tokens[b] for e in events[len(blocks):])  # a finished row stays finished
+
+
+def expected_output(tokens, stop_set, max_new):
+    """Greedy output cut after the first stop token (inclusive) and at max_new."""
+    out, reasons = [], []
+    for t in tokens:
+        cut = next((i for i, x in enumerate(t[:max_new]) if x in stop_set), None)
+        out.append(t[: cut + 1] if cut is not None else t[:max_new])
+        reasons.append("stop" if cut is not None else "length")
+    return out, reasons
+
+
+# ---------------------------------------------------------------------------------------------- lossless
+LOSSLESS = [
+    ("mtp2", "eagle", 1, {}), ("mtp2", "eagle", 2, {}), ("mtp2", "eagle", 3, {}), ("mtp2", "eagle", 4, {}),
+    ("mtp2", "vanilla", 1, {}), ("mtp2", "vanilla", 2, {}),  # k = 2 uses the checkpoint's two modules
+    ("mtp2", "vanilla", 3, dict(reuse_modules=True)), ("mtp2", "vanilla", 4, dict(reuse_modules=True)),
+    ("mtp2", "eagle", 2, dict(target_hidden="prenorm", chain_hidden="prenorm")),
+    ("mtp2", "vanilla", 2, dict(target_hidden="prenorm", chain_hidden="normed")),
+    ("tiny", "eagle", 3, {}), ("tiny", "vanilla", 2, dict(reuse_modules=True)),
+]
+_runs: dict = {}
+
+
+@pytest.mark.parametrize("model_name,mode,k,opts", LOSSLESS, ids=lambda x: str(x) if not isinstance(x, dict) else
+                         "-".join(f"{a}={b}" for a, b in x.items()) or "default")
+def test_strict_speculation_equals_greedy(models, prompts, greedy, model_name, mode, k, opts):
+    events = []
+    out = generate(models[model_name], prompts, N_NEW, draft=mode, k=k, on_step=events.append, **opts)
+    _runs[(model_name, mode, k, tuple(opts.items()))] = out
+    base = greedy[model_name][0]
+    for b in range(3):
+        assert out.tokens[b] == base[b][:N_NEW], f"row {b} (prompt {PROMPT_LENS[b]} tokens) diverges from greedy"
+    assert out.finish_reasons == ["length"] * 3
+    check_metrics(out, events, k, 3, prompts)
+    assert out.metrics.draft_forwards == k * out.metrics.target_forwards
+    assert out.metrics.hidden_options == {"target_hidden": opts.get("target_hidden", "normed"),
+                                          "chain_hidden": opts.get("chain_hidden", "normed")}
+    if model_name == "mtp2":  # the point of this model: drafts do get accepted, at several lengths
+        assert sum(out.metrics.accepted_hist[1:]) >= 3, out.metrics.accepted_hist
+
+
+@pytest.mark.parametrize("mode,k", [("eagle", 3), ("vanilla", 2)])
+def test_batch_of_one_equals_greedy(models, prompts, greedy, mode, k):
+    out = generate(models["mtp2"], [prompts[1]], N_NEW, draft=mode, k=k)
+    assert out.tokens == [greedy["mtp2"][0][1][:N_NEW]]
+
+
+def test_relaxed_with_zero_delta_equals_strict(models, prompts, greedy):
+    strict = _runs.get(("mtp2", "eagle", 2, ())) or generate(models["mtp2"], prompts, N_NEW, draft="eagle", k=2)
+    relaxed = generate(models["mtp2"], prompts, N_NEW, draft="eagle", k=2, verify="relaxed", delta=0.0,
+                       think_ids=(TH, ETH))
+    assert relaxed.tokens == strict.tokens
+    ds, dr = strict.metrics.to_dict(), relaxed.metrics.to_dict()
+    assert {k: v for k, v in ds.items() if not k.startswith(("time/", "speed/"))} == \
+           {k: v for k, v in dr.items() if not k.startswith(("time/", "speed/"))}
+
+
+# ---------------------------------------------------------------------------------------------- oracles
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_perfect_draft_accepts_k_every_step(tiny_model, prompts, greedy, k):
+    """N = 14: after the prefill token, 13 tokens in blocks of k + 1 (13 is prime: the last block is cut)."""
+    base, full = greedy["tiny"]
+    V = tiny_model.cfg.vocab_size
+    out, events = run_with(tiny_model, prompts, k, lambda: TableProposer(full, k, V), max_new=14)
+    assert out.tokens == [t[:14] for t in base] and out.finish_reasons == ["length"] * 3
+    assert all(len(t) == 14 for t in out.tokens)  # max_new_tokens exactly
+    met = out.metrics
+    assert met.accepted_hist == [0] * k + [met.row_steps]  # every step accepts all k drafts
+    assert met.mean_accepted_len == k + 1
+    assert met.target_forwards == math.ceil(13 / (k + 1))
+    check_metrics(out, events, k, 3, prompts)
+
+
+def test_wrong_draft_accepts_nothing_and_stays_greedy(tiny_model, prompts, greedy):
+    base, full = greedy["tiny"]
+    out, events = run_with(tiny_model, prompts, 2, lambda: TableProposer(full, 2, tiny_model.cfg.vocab_size,
+                                                                        wrong=True), max_new=12)
+    assert out.tokens == [t[:12] for t in base]
+    assert out.metrics.accepted_hist == [out.metrics.row_steps, 0, 0] and out.metrics.row_steps == 3 * 11
+    assert out.metrics.mean_accepted_len == 1.0
+    check_metrics(out, events, 2, 3, prompts)
+
+
+def test_target_logits_after_rollback_equal_a_fresh_recompute(tiny_model, prompts, greedy):
+    """Drafts are right up to a scripted miss, so each step rolls the target cache back by a different amount; the
+    verify logits at every committed position must equal a cache-free forward over the committed tokens."""
+    base, full = greedy["tiny"]
+    K = 3
+    captured = []
+    hook = tiny_model.lm_head.register_forward_hook(lambda mod, inp, out: captured.append(out.detach().clone()))
+    try:
+        out, events = run_with(tiny_model, prompts, K, lambda: TableProposer(
+            full, K, tiny_model.cfg.vocab_size, miss=lambda b, s: (b + s) % (K + 1)), max_new=14)
+    finally:
+        hook.remove()
+    assert out.tokens == [t[:14] for t in base]
+    assert all(c > 0 for c in out.metrics.accepted_hist)
+    verify_logits = captured[1:]  # captured[0] is the prefill
+    assert len(verify_logits) == len(events) - 1
+    with torch.no_grad():
+        fresh = tiny_model(full[:, : max(PROMPT_LENS) + 14]).logits
+    n = [len(p) + 1 for p in prompts]
+    after_rejection, prev_a = 0, [K] * 3
+    for s, (lg, ev) in enumerate(zip(verify_logits, events[1:])):
+        assert lg.shape[1] == K + 1
+        for b in range(3):
+            if not ev.new_tokens[b]:
+                continue
+            # Inputs x_{n-1}, d_1..d_a were committed: their logits are final (j = a is the correction / bonus).
+            for j in range(len(ev.new_tokens[b])):
+                torch.testing.assert_close(lg[b, j], fresh[b, n[b] - 1 + j], atol=1e-4, rtol=0,
+                                           msg=lambda e: f"step {s} row {b} position {n[b] - 1 + j}: {e}")
+            after_rejection += prev_a[b] < K
+            prev_a[b] = ev.accepted[b]
+            n[b] += len(ev.new_tokens[b])
+    assert after_rejection >= 6
+
+
+# ---------------------------------------------------------------------------------------------- stops, lengths
+def test_stop_token_ends_the_row_with_mtp_drafts(tiny_model, prompts, greedy):
+    base = greedy["tiny"][0]
+    stop = base[0][4]  # greedy produces it mid-way in row 0
+    events = []
+    out = generate(tiny_model, prompts, 12, draft="eagle", k=2, stop_ids=(stop,), on_step=events.append)
+    exp, reasons = expected_output(base, {stop, tiny_model.cfg.eos_token_id}, 12)
+    assert out.tokens == exp and out.finish_reasons == reasons
+    assert out.tokens[0][-1] == stop and len(out.tokens[0]) <= 5
+    check_metrics(out, events, 2, 3, prompts)
+
+
+def test_stop_token_inside_an_accepted_block(tiny_model, prompts, greedy):
+    """k = 3, perfect drafts: blocks cover generated tokens 1-4, 5-8, ...; the stop is draft 2 of block 2 (token 6)
+    and comes as the model's eos_id. Nothing after it is emitted, though the step accepted all 3 drafts."""
+    base, full = greedy["tiny"]
+    stop = base[0][6]
+    assert stop not in base[0][:6]
+    out, events = run_with(tiny_model, prompts, 3, lambda: TableProposer(full, 3, tiny_model.cfg.vocab_size),
+                           max_new=14, eos_id=stop)
+    exp, reasons = expected_output(base, {stop}, 14)
+    assert out.tokens == exp and out.finish_reasons == reasons
+    assert out.tokens[0] == base[0][:7] and reasons[0] == "stop"
+    assert events[2].accepted[0] == 2 and events[2].new_tokens[0] == base[0][5:7]
+    check_metrics(out, events, 3, 3, prompts)
+
+
+def test_single_token_budget(tiny_model, prompts, greedy):
+    out = generate(tiny_model, prompts, 1, draft="eagle", k=2)
+    assert out.tokens == [t[:1] for t in greedy["tiny"][0]] and out.finish_reasons == ["length"] * 3
+    assert out.metrics.row_steps == 0 and out.metrics.target_forwards == 0 and out.metrics.mean_accepted_len == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- relaxed
+class SecondBest:
+    """Proposes the target's 2nd most likely token at each draft position (a cache-free forward per draft)."""
+
+    def __init__(self, model, k):
+        self.m, self.k, self.draft_forwards = model, k, 0
+
+    def propose(self, tokens_BS, hidden_BSD, n_B, p0_B, W, draw, max_n):
+        seq, rows = tokens_BS.clone(), torch.arange(n_B.shape[0])
+        for j in range(self.k):  # right padding is causal-safe: each row reads its logits at n + j - 1
+            logits = self.m(seq[:, : max_n + j], logits_at=(n_B + j - 1).unsqueeze(1)).logits[:, 0]
+            seq[rows, n_B + j] = logits.topk(2).indices[:, 1]
+        return seq.gather(1, n_B.unsqueeze(1) + torch.arange(self.k)), None
+
+
+def test_relaxed_accepts_near_misses_only_inside_the_thinking_span(tiny_model):
+    """Three rows: a span that the first draft closes, no span, a span that stays open. The proposer drafts the
+    target's 2nd-best tokens (close to top-1 on this flat model), so every draft inside a span is a relaxed accept
+    and every draft outside one is rejected. `</think>` is chosen as row 0's first draft: after it, within the same
+    verify and in every later step, the rule must be strict again."""
+    m = tiny_model
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(2, 500, (6,), generator=g).tolist() + [TH], torch.randint(2, 500, (9,), generator=g).tolist(),
+            torch.randint(2, 500, (4,), generator=g).tolist() + [TH]]
+    with torch.no_grad():
+        t0 = int(m(torch.tensor([rows[0]])).logits[0, -1].argmax())
+        eth = int(m(torch.tensor([rows[0] + [t0]])).logits[0, -1].topk(2).indices[1])
+    out, events = run_with(m, rows, 2, lambda: SecondBest(m, 2), max_new=8, verify="relaxed", think_ids=(TH, eth),
+                           top_n=10, delta=0.6)
+    check_metrics(out, events, 2, 3, rows)
+    assert out.tokens[0][:2] == [t0, eth]
+    # Replay each row against a cache-free forward: a token that is not the target argmax must sit inside a span.
+    non_argmax = []
+    for b, p in enumerate(rows):
+        with torch.no_grad():
+            argmax = m(torch.tensor([p + out.tokens[b]])).logits[0].argmax(-1)
+        in_span, count = TH in p, 0
+        for i, t in enumerate(out.tokens[b]):
+            if t != argmax[len(p) - 1 + i]:
+                assert in_span, f"row {b}: token {i} ({t}) is not the target argmax and lies outside a thinking span"
+                count += 1
+            in_span = (in_span or t == TH) and t != eth
+        non_argmax.append(count)
+    assert non_argmax[0] == 1 and non_argmax[1] == 0 and non_argmax[2] >= 4, non_argmax
+    # The metric counts accepted drafts before the max_new_tokens cut (at most K = 2 of them are cut per row).
+    assert sum(non_argmax) <= out.metrics.relaxed_only_accepts <= sum(non_argmax) + 2
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def test_seeded_sampling_reproduces(tiny_model, prompts):
+    kw = dict(draft="eagle", k=2, verify="sample", temperature=0.8, top_p=0.95)
+    a = generate(tiny_model, prompts, 6, seed=11, **kw)
+    b = generate(tiny_model, prompts, 6, seed=11, **kw)
+    c = generate(tiny_model, prompts, 6, seed=12, **kw)
+    assert a.tokens == b.tokens and a.metrics.accepted_hist == b.metrics.accepted_hist
+    assert a.tokens != c.tokens
+
+
+class DistortedTable:
+    """Sampled drafts from a q that differs from the target p: the target's top-3 logits in reversed order, looked up
+    by the generated prefix (one shared prompt). Returns q so the verifier applies min(1, p/q)."""
+
+    def __init__(self, P, logits_by_prefix, V):
+        self.P, self.table, self.V, self.draft_forwards = P, logits_by_prefix, V, 0
+
+    def lookup(self, prefix):
+        lg = self.table.get(tuple(prefix))
+        if lg is None:
+            return torch.zeros(self.V)  # a state whose drafts are never emitted (past max_new_tokens)
+        top = lg.topk(3)
+        return torch.full((self.V,), -30.0).index_put_((top.indices,), top.values.flip(0))
+
+    def propose(self, tokens_BS, hidden_BSD, n_B, p0_B, W, draw, max_n):
+        gen = [tokens_BS[b, self.P: n].tolist() for b, n in enumerate(n_B.tolist())]
+        d1, q1 = draw(torch.stack([self.lookup(x) for x in gen]))
+        d2, q2 = draw(torch.stack([self.lookup(x + [d]) for x, d in zip(gen, d1.tolist())]))
+        return torch.stack((d1, d2), 1), torch.stack((q1, q2), 1)
+
+
+def test_speculative_sampling_matches_the_target_distribution(tiny_model):
+    """500 copies of one prompt, top_k = 3, temperature 1, three new tokens: the joint law of (t1, t2, t3) over its
+    27 cells must match the exact target law for plain sampling, MTP eagle k = 2 (greedy drafts) and sampled drafts
+    from a distorted q (t2, t3 come out of speculative steps: accepted drafts, residual samples or bonus tokens)."""
+    m, V, B = tiny_model, tiny_model.cfg.vocab_size, 500
+    prompt = [7, 8, 9, 10]
+    sp = SamplingParams(top_k=3)
+    with torch.no_grad():
+        p1 = filter_probs(m(torch.tensor([prompt])).logits[0, -1], sp)
+        t1s = p1.nonzero().flatten().tolist()
+        lg2 = m(torch.tensor([prompt + [t] for t in t1s])).logits[:, -1]
+        pairs = [(t1, t2) for i, t1 in enumerate(t1s) for t2 in filter_probs(lg2[i], sp).nonzero().flatten().tolist()]
+        lg3 = m(torch.tensor([prompt + list(x) for x in pairs])).logits[:, -1]
+    exact = {}
+    for i, (t1, t2) in enumerate(pairs):
+        p2 = filter_probs(lg2[t1s.index(t1)], sp)
+        p3 = filter_probs(lg3[i], sp)
+        for t3 in p3.nonzero().flatten().tolist():
+            exact[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    cells = sorted(exact)
+    assert len(cells) == 27 and abs(sum(exact.values()) - 1) < 1e-5
+    table = {(t,): lg2[i] for i, t in enumerate(t1s)} | {x: lg3[i] for i, x in enumerate(pairs)}
+
+    runs = {
+        "none": generate(m, [prompt] * B, 3, verify="sample", top_k=3, seed=21),
+        "eagle": generate(m, [prompt] * B, 3, draft="eagle", k=2, verify="sample", top_k=3, seed=22),
+        "sampled q": Engine(m, GenerationConfig(max_new_tokens=3, draft=DraftConfig("eagle", 2, sampling="sample"),
+                                                verify="sample", sampling=sp, seed=23),
+                            proposer_factory=lambda *a: DistortedTable(len(prompt), table, V)).run([prompt] * B),
+    }
+    assert sum(runs["sampled q"].metrics.accepted_hist[1:]) > 100  # the distorted drafts are often accepted
+    for name, r in runs.items():
+        counts = torch.zeros(len(cells), dtype=torch.float64)
+        for t in r.tokens:
+            assert tuple(t) in exact, f"{name}: {t} has zero probability under top_k = 3"
+            counts[cells.index(tuple(t))] += 1
+        e = B * torch.tensor([exact[c] for c in cells], dtype=torch.float64)
+        assert e.min() >= 5
+        stat = float(((counts - e) ** 2 / e).sum())
+        assert stat < CHI2_CRIT_001_DOF26, f"{name}: chi2 = {stat:.1f} over 27 cells (26 dof, alpha 0.001)"
+
+
+# ---------------------------------------------------------------------------------------------- bad arguments
+BAD = [
+    (dict(draft="eagle", k=-1), ValueError, "k must be an integer >= 0"),
+    (dict(draft="medusa", k=1), ValueError, "draft mode must be"),
+    (dict(draft="none", k=2), ValueError, "draft='none' drafts nothing: k must be 0, got 2"),
+    (dict(draft="vanilla", k=2), ValueError, "needs 2 MTP modules, the checkpoint has 1.*reuse_modules"),
+    (dict(draft="eagle", k=2, verify="relaxed"), ValueError, "needs think_ids"),
+    (dict(draft="eagle", k=2, verify="greedy"), ValueError, r"verify must be one of \('strict', 'relaxed', 'sample'\)"),
+    (dict(draft="eagle", k=2, draft_sampling="sample"), ValueError, "need verify='sample'"),
+    (dict(draft="eagle", k=2, verify="sample", temperature=0.0), ValueError, "temperature must be > 0"),
+    (dict(draft="eagle", k=2, temprature=0.5), TypeError, r"unknown options \['temprature'\]"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens must be an integer >= 1"),
+    (dict(stop_ids=(512,)), ValueError, r"token id 512 is outside the vocabulary \[0, 512\)"),
+    (dict(verify="relaxed", think_ids=(TH, 600)), ValueError, "token id 600"),
+    (dict(eos_id=-1), ValueError, r"token id -1 is outside the vocabulary"),
+    (dict(prompts=[]), ValueError, "prompts is empty"),
+    (dict(prompts=[[1, 2], []]), ValueError, r"prompts\[1\] is empty"),
+    (dict(prompts=[[1, 512]]), ValueError, r"prompts\[0\] has token ids outside \[0, 512\): \[512\]"),
+    (dict(prompts=[[-1, 3]]), ValueError, r"outside \[0, 512\): \[-1\]"),
+    (dict(prompts=[[1] * 4096]), ValueError, "exceed max_position_embeddings"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,match", BAD, ids=lambda x: str(x)[:60] if isinstance(x, dict) else None)
+def test_bad_arguments_fail_before_any_work(tiny_model, kw, exc, match):
+    def no_work(*_):
+        raise AssertionError("a forward ran before the argument error")
+
+    kw = dict(kw)
+    p = kw.pop("prompts", [[1, 2, 3]])
+    hooks = [mod.register_forward_pre_hook(no_work) for mod in (tiny_model, *tiny_model.mtp)]
+    try:
+        with pytest.raises(exc, match=match):
+            generate(tiny_model, p, kw.pop("max_new_tokens", 4), **kw)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+def test_spec_metrics_derived_values_and_merge():
+    a = SpecMetrics(k=3, accepted_hist=[2, 3, 1, 4], row_steps=10, n_rows=2, new_tokens=30, time_decode_s=2.0)
+    assert a.accept_cum == pytest.approx([0.8, 0.5, 0.4])
+    assert a.accept_cond == pytest.approx([0.8, 5 / 8, 4 / 5])
+    assert a.mean_accepted_len == pytest.approx(1 + (3 + 2 + 12) / 10)
+    assert a.tpot_s == pytest.approx(2.0 / 28) and a.decode_tok_s == pytest.approx(14.0)
+    b = SpecMetrics(k=3, accepted_hist=[1, 0, 0, 1], row_steps=2, n_rows=1, new_tokens=6)
+    c = a.merge(b)
+    assert c.accepted_hist == [3, 3, 1, 5] and c.row_steps == 12 and c.n_rows == 3 and c.new_tokens == 36
+    assert c.mean_accepted_len == pytest.approx(1 + (3 + 2 + 15) / 12)
+    with pytest.raises(ValueError, match="k=3 and k=2"):
+        a.merge(SpecMetrics(k=2))
+    empty = SpecMetrics(k=2)
+    assert empty.accepted_hist == [0, 0, 0] and empty.mean_accepted_len == 0.0 and empty.accept_cond == [0.0, 0.0]
