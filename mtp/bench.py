@@ -84,7 +84,6 @@ def _count_experts(model, ids) -> tuple[dict, list]:
 def bench_ours(args, bw: float) -> dict:
     from .engine import generate
     from .fastpath import enable_fast_path
-    from .moe import MoE
     from .synthetic import random_model, real_config
 
     cfg = real_config(layers=args.layers, dense_layers=args.dense_layers, mtp_modules=1)

@@ -24,7 +24,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .chat_turn import TRANSCRIPT_FORMAT, ReplyStream, StepLog, Turn, View, stats_line, write_json_atomic
+from .chat_turn import TRANSCRIPT_FORMAT, ReplyStream, StepLog, Turn, View, stats_line
+from .utils import write_json_atomic
 from .draft.proposer import DraftConfig
 from .engine import VERIFIERS, StepEvent
 from .metrics import SpecMetrics

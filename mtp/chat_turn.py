@@ -5,12 +5,8 @@ write behind `/save`."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from .engine import StepEvent
@@ -66,21 +62,6 @@ def stats_line(m: SpecMetrics) -> str:
     return (f"in={m.prompt_tokens} out={m.new_tokens} ttft={m.ttft_s / turns * 1e3:.1f}ms "
             f"tpot={m.tpot_s * 1e3:.1f}ms prefill={m.prefill_tok_s:.1f}tok/s decode={m.decode_tok_s:.1f}tok/s "
             f"AL={m.mean_accepted_len:.2f} acc=[{acc}] ({spec} {m.verify})")
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Temp file in the same folder + os.replace: a reader (or a crash) never sees half a transcript."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, ensure_ascii=False, indent=2, default=str)  # str: enums, paths in meta
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 class StepLog:

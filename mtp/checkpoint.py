@@ -171,12 +171,9 @@ def iter_tensors(path: Path, headers) -> Iterator[tuple[str, torch.Tensor]]:
                     raise CheckpointError(f"{path / fname}: could not read tensor {name!r}: {e}") from None
 
 
-def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               numerics: str = "fp8", n_mtp: int | None = None, runtime: RuntimeOptions | None = None) -> DeepseekV32:
-    """Load an HF DeepSeek-V3.2 checkpoint directory (FP8 or bf16) into `DeepseekV32` on `device`.
-
-    n_mtp: how many MTP layers to load (default: config's num_nextn_predict_layers; 0 skips them).
-    """
+def open_checkpoint(path: str | os.PathLike, n_mtp: int | None) -> tuple[Path, ModelConfig, int, dict]:
+    """Read config.json and validate every shard header against it before any weight is read.
+    Returns (path, config, number of MTP layers to load, headers)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory does not exist")
@@ -185,7 +182,16 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     n_mtp = n_avail if n_mtp is None else n_mtp
     if not 0 <= n_mtp <= n_avail:
         raise ConfigError(f"n_mtp={n_mtp}: the checkpoint has {n_avail} MTP layers (num_nextn_predict_layers)")
-    headers = validate(path, cfg, n_avail)
+    return path, cfg, n_mtp, validate(path, cfg, n_avail)
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               numerics: str = "fp8", n_mtp: int | None = None, runtime: RuntimeOptions | None = None) -> DeepseekV32:
+    """Load an HF DeepSeek-V3.2 checkpoint directory (FP8 or bf16) into `DeepseekV32` on `device`.
+
+    n_mtp: how many MTP layers to load (default: config's num_nextn_predict_layers; 0 skips them).
+    """
+    path, cfg, n_mtp, headers = open_checkpoint(path, n_mtp)
     wanted = {k: v for k, v in headers.items() if _layer_keep(k, cfg, n_mtp)}
     runtime = runtime or RuntimeOptions(numerics=numerics)
     with torch.device("meta"):

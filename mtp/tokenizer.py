@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import os
 import sysconfig
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from .utils import write_atomic
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -91,20 +92,6 @@ def default_corpus(max_files: int = 40, max_chars: int = 400_000) -> list[str]:
     return texts
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder + os.replace, so readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def save_tokenizer(
     tok: tokenizers.Tokenizer, out_dir: str | os.PathLike, model_max_length: int = DEEPSEEK_MODEL_MAX_LENGTH
 ) -> Path:
@@ -127,8 +114,8 @@ def save_tokenizer(
         "legacy": True,
         "clean_up_tokenization_spaces": False,
     }
-    _write_atomic(out / TOKENIZER_FILE, tok.to_str(pretty=True))
-    _write_atomic(out / CONFIG_FILE, json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+    write_atomic(out / TOKENIZER_FILE, tok.to_str(pretty=True))
+    write_atomic(out / CONFIG_FILE, json.dumps(config, ensure_ascii=False, indent=2) + "\n")
     return out
 
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from ..checkpoint import CheckpointError, ckpt_name, validate
-from ..config import BLOCK, ConfigError, ModelConfig, RuntimeOptions
+from ..checkpoint import CheckpointError, ckpt_name, open_checkpoint
+from ..config import BLOCK, ConfigError, RuntimeOptions
 from ..layers import yarn_inv_freq
 from ..model import DeepseekV32
 from .comm import Comm
@@ -66,15 +65,7 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
     plan = plan or ParallelPlan(world=comm.world)
     if plan.world != comm.world:
         raise ConfigError(f"plan.world = {plan.world} but the process group has {comm.world} ranks")
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory does not exist")
-    cfg = ModelConfig.from_json(path / "config.json")
-    n_avail = cfg.num_nextn_predict_layers
-    n_mtp = n_avail if n_mtp is None else n_mtp
-    if not 0 <= n_mtp <= n_avail:
-        raise ConfigError(f"n_mtp={n_mtp}: the checkpoint has {n_avail} MTP layers (num_nextn_predict_layers)")
-    headers = validate(path, cfg, n_avail)
+    path, cfg, n_mtp, headers = open_checkpoint(path, n_mtp)
     layout = RankLayout(cfg, plan, comm.rank)
     runtime = runtime or RuntimeOptions(numerics=numerics)
     if cfg.is_fp8 and runtime.numerics == "fp8":

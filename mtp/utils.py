@@ -1,0 +1,31 @@
+"""Small shared helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def write_atomic(path: str | os.PathLike, text: str, mode: int = 0o644) -> None:
+    """Temp file in the same folder + fsync + os.replace: readers (or a crash) see the old file or the new one,
+    never half of one. `mode`: mkstemp creates 0600; results are meant to be shared."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
+    """JSON (indent 2, UTF-8, str() for anything else such as paths and enums) written atomically."""
+    write_atomic(path, json.dumps(data, ensure_ascii=False, indent=2, default=str) + "\n")
