@@ -1,0 +1,125 @@
+"""Glue shared by `mtp-eval` and the chat CLI: config groups -> a loaded model and `mtp.generate` kwargs.
+
+    cfg = compose("chat")                       # or the cfg given to a @hydra.main function
+    model, tok = build(cfg)                     # model / runtime groups
+    out = mtp.generate(model, [ids], cfg.max_new_tokens, **generate_kwargs(cfg, tok))
+
+Both accept a composed DictConfig (validated against eval/schema.py first) or an already validated object.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from .schema import DraftName, RelaxedVerifySchema, RunMode, SampleVerifySchema, SchemaError, validate, value
+
+
+class NotAvailableError(RuntimeError):
+    """A valid configuration whose implementation does not exist yet (or not on this machine)."""
+
+
+def reachable(url: str, timeout_s: float = 3.0) -> bool:
+    """Whether a TCP connection to the URL's host opens in time (decides online / offline up front, so
+    W&B and the hub never sit in their own retry loops on a machine without network)."""
+    u = urlparse(url)
+    try:
+        socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def model_path(model_cfg: Any) -> Path:
+    """The checkpoint folder: model.path, or the bundled tiny checkpoint when it is null."""
+    if model_cfg.path is None:
+        from mtp.tiny import default_checkpoint
+
+        return default_checkpoint()
+    path = Path(model_cfg.path).expanduser()
+    if not (path / "config.json").is_file():
+        raise SchemaError(f"model.path = {str(path)!r} is invalid: expected a checkpoint folder with config.json")
+    return path
+
+
+def tokenizer_path(model_cfg: Any) -> Path:
+    return Path(model_cfg.tokenizer).expanduser() if model_cfg.tokenizer else model_path(model_cfg)
+
+
+def graph_modes_available() -> bool:
+    """Whether this `mtp` has the CUDA-graph runner behind generate(mode='graph' | 'overlap')."""
+    import dataclasses
+    import importlib.util
+
+    from mtp.engine import GenerationConfig
+
+    return importlib.util.find_spec("mtp.runner") is not None and \
+        "mode" in {f.name for f in dataclasses.fields(GenerationConfig)}
+
+
+def check_runtime(rt: Any) -> None:
+    """Refuse settings that are valid config but cannot run here, before anything is loaded."""
+    mode = value(rt.mode)
+    if mode != RunMode.eager.value:
+        if not graph_modes_available():
+            raise NotAvailableError(
+                f"runtime.mode={mode} is not available yet: the CUDA-graph / overlapped runners are still being "
+                "built; use runtime.mode=eager")
+        if not rt.device.startswith("cuda"):
+            raise NotAvailableError(f"runtime.mode={mode} captures CUDA graphs and needs runtime.device=cuda, "
+                                    f"got {rt.device}; use runtime.mode=eager on the CPU")
+    if rt.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise NotAvailableError(f"runtime.device={rt.device}: no CUDA device here; use runtime=cpu")
+
+
+def build(cfg: Any):
+    """(model, tokenizer) from the `model` and `runtime` groups of an eval or chat config."""
+    import torch
+
+    import mtp
+    from mtp.tokenizer import Tokenizer
+
+    cfg = validate(cfg)
+    rt = cfg.runtime
+    check_runtime(rt)
+    if rt.num_threads:
+        torch.set_num_threads(rt.num_threads)
+    path = model_path(cfg.model)
+    model = mtp.load_model(path, device=rt.device, dtype=getattr(torch, value(rt.dtype)),
+                           numerics=value(cfg.model.numerics), n_mtp=cfg.model.n_mtp)
+    tokenizer = Tokenizer.from_dir(tokenizer_path(cfg.model))
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise SchemaError(f"model.tokenizer: {tokenizer.source} has {tokenizer.vocab_size} ids, more than the "
+                          f"model's vocab_size {model.cfg.vocab_size}: tokenizer and checkpoint do not match")
+    return model, tokenizer
+
+
+def generate_kwargs(cfg: Any, tokenizer: Any = None) -> dict:
+    """`mtp.generate` keyword arguments of the `draft`, `verify` and `runtime.mode` settings (everything but
+    max_new_tokens); runtime.mode is passed only when it is not eager (see check_runtime).
+
+    think_ids (for verify=relaxed) come from `tokenizer`, or from the model's tokenizer file when None."""
+    cfg = validate(cfg)
+    d, v = cfg.draft, cfg.verify
+    kw: dict = {"draft": value(d.name), "k": d.k, "verify": v.name}
+    if d.name != DraftName.none:
+        kw.update(target_hidden=value(d.target_hidden), chain_hidden=value(d.chain_hidden),
+                  reuse_modules=d.reuse_modules)
+    if isinstance(v, RelaxedVerifySchema):
+        if tokenizer is None:
+            from mtp.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_dir(tokenizer_path(cfg.model))
+        kw.update(top_n=v.top_n, delta=v.delta, think_ids=(tokenizer.think_id, tokenizer.end_think_id))
+    elif isinstance(v, SampleVerifySchema):
+        kw.update(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, seed=v.seed,
+                  draft_sampling=value(v.draft_sampling))
+    if value(cfg.runtime.mode) != RunMode.eager.value:
+        check_runtime(cfg.runtime)
+        kw["mode"] = value(cfg.runtime.mode)
+    return kw

@@ -1,0 +1,290 @@
+"""mtp-eval: run a prompt set through speculative decoding and write samples, metrics and plots.
+
+    mtp-eval                                    # = python -m eval.run ; defaults in conf/eval.yaml
+    mtp-eval draft.k=3 verify=relaxed thinking=true
+    mtp-eval -m draft.k=1,2,3                   # multirun + sweep summary
+
+Flow: validate the config -> read the prompts -> open the stores (resume) -> load the model once -> per batch:
+generate (and the draft=none baseline when baseline=true), append to samples.jsonl / baseline.jsonl ->
+metrics.json (atomic), plots, the table on stdout, the logger. Everything lands in the Hydra run dir.
+Setup errors (config, data, checkpoint, resume) exit with status 2 and one line on stderr, before any output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from mtp.utils import write_atomic
+
+from .common import NotAvailableError, build, check_runtime, generate_kwargs
+from .data import DataError, Prompt, load_prompts
+from .schema import DraftName, EvalConfig, SchemaError, StrictVerifySchema, validate, value
+from .store import SampleStore, StoreError
+
+log = logging.getLogger("mtp-eval")
+
+# Settings that do not change the generated tokens; a resume may change them.
+_NOT_HASHED = ("output_dir", "resume", "logger", "plots", "baseline", "task_name")
+_RUNTIME_NOT_HASHED = ("warmup", "num_threads")
+
+
+class SetupError(Exception):
+    """A user-facing problem found before generation started."""
+
+
+# The last model built in this process: the jobs of a multirun (basic launcher: one process) share it instead
+# of reloading the checkpoint per job; a different model / device / dtype replaces it.
+_BUILT: dict = {}
+
+
+def _build_once(cfg: EvalConfig):
+    key = (repr(cfg.model), cfg.runtime.device, value(cfg.runtime.dtype))
+    if _BUILT.get("key") != key:
+        _BUILT.clear()
+        model, tok = build(cfg)
+        _BUILT.update(key=key, model=model, tok=tok)
+    elif cfg.runtime.num_threads:
+        import torch
+
+        torch.set_num_threads(cfg.runtime.num_threads)
+    return _BUILT["model"], _BUILT["tok"]
+
+
+def config_hash(resolved: dict) -> str:
+    d = {k: v for k, v in resolved.items() if k not in _NOT_HASHED}
+    d["runtime"] = {k: v for k, v in d["runtime"].items() if k not in _RUNTIME_NOT_HASHED}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def plan_batches(prompts: list[Prompt], batch_size: int) -> list[tuple[str, list[Prompt]]]:
+    """Batches of one category each (so per-category metrics are exact merges), named by plan position.
+    Deterministic in the prompt list: a resumed run plans the same batches."""
+    by_cat: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    chunks = [ps[i: i + batch_size] for ps in by_cat.values() for i in range(0, len(ps), batch_size)]
+    return [(f"b{n:05d}", c) for n, c in enumerate(chunks)]
+
+
+def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tokens: int, kw: dict,
+              name: str) -> list[dict]:
+    """One generate call; a record per prompt. The engine's histogram covers the batch, so with several
+    rows each row's accepted counts come from the step events."""
+    import mtp
+
+    k = kw["k"]
+    row_hist = [[0] * (k + 1) for _ in batch]
+    events = [0]
+
+    def on_step(ev) -> None:
+        events[0] += 1
+        if events[0] == 1:  # the first event is the prefill's token, not a verify step
+            return
+        for b, (new, a) in enumerate(zip(ev.new_tokens, ev.accepted)):
+            if new:
+                row_hist[b][a] += 1
+
+    t0 = time.perf_counter()
+    res = mtp.generate(model, ids, max_new_tokens, on_step=on_step if len(batch) > 1 else None, **kw)
+    wall = time.perf_counter() - t0
+    m = res.metrics
+    if len(batch) == 1:
+        row_hist = [list(m.accepted_hist)]
+    out = []
+    for p, pid, toks, reason, hist in zip(batch, ids, res.tokens, res.finish_reasons, row_hist):
+        steps_n = sum(hist)
+        out.append({
+            "id": p.id, "category": p.category, "thinking": p.thinking, "batch": name,
+            "prompt_tokens": len(pid), "new_tokens": len(toks), "finish_reason": reason,
+            "row_accepted_hist": hist,
+            "row_mean_accepted_len": 1 + sum(a * c for a, c in enumerate(hist)) / steps_n if steps_n else 0.0,
+            "batch_decode_tok_s": m.decode_tok_s, "batch_wall_s": wall, "batch_metrics": m.raw(),
+            "output": tok.decode(toks), "tokens": toks,
+        })
+    return out
+
+
+def _check_lengths(cfg: EvalConfig, model, prompts: list[Prompt], ids: dict[str, list[int]], k: int) -> None:
+    # The engine's buffer is prompt + max_new_tokens + 3k + 2 long (room for drafts past the last token).
+    limit = model.cfg.max_position_embeddings - 3 * k - 2
+    what = "the model's max_position_embeddings (minus draft room)"
+    if cfg.runtime.max_model_len is not None and cfg.runtime.max_model_len < limit:
+        limit, what = cfg.runtime.max_model_len, "runtime.max_model_len"
+    long = [f"{p.id} ({len(ids[p.id])})" for p in prompts if len(ids[p.id]) + cfg.max_new_tokens > limit]
+    if long:
+        raise SetupError(f"prompt tokens + max_new_tokens ({cfg.max_new_tokens}) exceed {what} = {limit} for: "
+                         f"{', '.join(long[:10])}; lower max_new_tokens or filter the dataset")
+
+
+def _identity(cfg: EvalConfig, out: Path) -> tuple[str, str | None]:
+    """(run name, group): sweeps are grouped by their multirun folder."""
+    hc = HydraConfig.get()
+    base = f"{value(cfg.draft.name)}-k{cfg.draft.k}-{cfg.verify.name}"
+    if hc.mode == RunMode.MULTIRUN:
+        return f"{base}-job{hc.job.num}", Path(hc.sweep.dir).name
+    return f"{base}-{out.name}", None
+
+
+def _setup(cfg: DictConfig):
+    typed = validate(cfg)
+    check_runtime(typed.runtime)
+    out = Path(typed.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    chash = config_hash(resolved)
+    prompts = load_prompts(typed.dataset, typed.thinking, typed.system_prompt)
+    stores = {"spec": SampleStore(out / "samples.jsonl", chash, typed.resume)}
+    if typed.baseline:
+        stores["base"] = SampleStore(out / "baseline.jsonl", chash, typed.resume)
+    model, tok = _build_once(typed)
+    from mtp.prompt import encode_chat
+
+    ids = {p.id: encode_chat(p.messages, tok, p.thinking) for p in prompts}
+    kw = generate_kwargs(typed, tok)
+    if kw["verify"] == "relaxed" and not any(p.thinking for p in prompts):
+        log.warning("verify=relaxed relaxes only inside thinking spans and no prompt is in thinking mode, so "
+                    "it acts like strict here (thinking=true turns thinking on for every prompt)")
+    _check_lengths(typed, model, prompts, ids, kw["k"])
+    return typed, out, resolved, prompts, stores, model, tok, ids, kw
+
+
+def _baseline_kwargs(kw: dict) -> dict:
+    drop = ("target_hidden", "chain_hidden", "reuse_modules")
+    base = {key: v for key, v in kw.items() if key not in drop}
+    base.update(draft=DraftName.none.value, k=0)
+    if "draft_sampling" in base:
+        base["draft_sampling"] = "greedy"
+    return base
+
+
+def _user_errors() -> tuple:
+    errors = (SchemaError, DataError, StoreError, NotAvailableError, SetupError)
+    if "mtp.checkpoint" in sys.modules:  # torch is imported only once the config is valid
+        from mtp.checkpoint import CheckpointError
+        from mtp.config import ConfigError
+
+        errors += (CheckpointError, ConfigError)
+    return errors
+
+
+def evaluate(cfg: DictConfig) -> float:
+    try:
+        typed, out, resolved, prompts, stores, model, tok, ids, kw = _setup(cfg)
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        log.error("%s", e)
+        print(f"mtp-eval: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+    from . import aggregate
+
+    batches = plan_batches(prompts, typed.runtime.batch_size)
+    resumed = len(stores["spec"].records)
+    logger = hydra.utils.instantiate(cfg.logger)
+    logger.start(resolved, *_identity(typed, out), out)
+    _generate_all(typed, model, tok, batches, ids, stores, {"spec": kw, "base": _baseline_kwargs(kw)}, logger)
+
+    order = {p.id: i for i, p in enumerate(prompts)}
+    recs = {w: sorted(s.records, key=lambda r: order.get(r["id"], len(order))) for w, s in stores.items()}
+    # Only strict verification promises the baseline's exact tokens; relaxed / sampled outputs differ by design.
+    metrics = aggregate.metrics_json(_run_info(typed, len(prompts), len(batches), resumed), recs["spec"],
+                                     recs.get("base"), compare_tokens=isinstance(typed.verify, StrictVerifySchema))
+    metrics["config"] = resolved
+    write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+    pngs = _report(typed, out, metrics)
+    logger.finish(metrics, recs["spec"], pngs)
+    return metrics["overall"]["accept/mean_len"]
+
+
+def _generate_all(typed: EvalConfig, model, tok, batches, ids, stores: dict, kws: dict, logger) -> None:
+    """Every batch not yet in its store (both stores with baseline=true, interleaved batch by batch so a
+    drifting machine load hits both alike), appended as soon as it is done."""
+    from . import aggregate, report
+
+    todo = [(n, b) for n, b in batches if any(not s.has([p.id for p in b]) for s in stores.values())]
+    if todo and typed.runtime.warmup:  # first calls pay one-off allocation / dispatch costs; keep them out
+        first = todo[0][1][0]
+        for which in stores:
+            run_batch(model, tok, [first], [ids[first.id]], min(4, typed.max_new_tokens), kws[which], "warmup")
+    total = sum(len(b) for _, b in batches)
+    with report.progress() as bar:
+        task = bar.add_task(_describe(typed), total=total, completed=total - sum(len(b) for _, b in todo), status="")
+        for step, (name, batch) in enumerate(todo):
+            bids = [p.id for p in batch]
+            for which, store in stores.items():
+                if not store.has(bids):
+                    recs = run_batch(model, tok, batch, [ids[i] for i in bids], typed.max_new_tokens, kws[which],
+                                     name)
+                    store.append(recs)
+                    if which == "spec":
+                        logger.log_batch(step, recs)
+            al = aggregate.summarize(stores["spec"].records)["overall"]["accept/mean_len"]
+            bar.update(task, advance=len(batch), status=f"AL {al:.2f}")
+
+
+def _describe(typed: EvalConfig) -> str:
+    return f"{value(typed.draft.name)} k={typed.draft.k} {typed.verify.name}"
+
+
+def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
+    """PNG plots (when plots=true) and the acceptance table on stdout; returns the plots by name."""
+    from . import plots, report
+
+    pngs = {}
+    title = f"{_describe(typed)} ({typed.model.name})"
+    if typed.plots:
+        if metrics["per_position"]:
+            pngs["acceptance_per_position"] = plots.acceptance_per_position(
+                metrics["per_position"], title, out / "acceptance_per_position.png")
+        pngs["accepted_length_hist"] = plots.accepted_length_hist(metrics["accepted_hist"], title,
+                                                                  out / "accepted_length_hist.png")
+    con = report.console()
+    n = metrics["run"]["n_prompts"]
+    con.print(report.acceptance_table(metrics, f"{_describe(typed)} | model={typed.model.name} | {n} prompts, "
+                                               f"max_new_tokens={typed.max_new_tokens}"))
+    mm = metrics["strict_mismatch"]
+    if mm is not None:
+        con.print(f"strict outputs differing from the baseline: {mm['count']}"
+                  + (f" ({', '.join(mm['ids'][:10])})" if mm["ids"] else ""))
+    con.print(f"outputs: {out}")
+    o = metrics["overall"]
+    sp = o.get("speed/speedup_decode")
+    log.info("%d prompts: AL %.3f, decode %.1f tok/s%s; metrics in %s", n, o["accept/mean_len"],
+             o["speed/decode_tok_s"], f", speedup {sp:.2f}x" if sp else "", out / "metrics.json")
+    return pngs
+
+
+def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -> dict:
+    d = typed.draft
+    return {
+        "model": typed.model.name, "draft": value(d.name), "k": d.k, "verify": typed.verify.name,
+        "target_hidden": value(d.target_hidden), "chain_hidden": value(d.chain_hidden),
+        "numerics": value(typed.model.numerics), "runtime_mode": value(typed.runtime.mode),
+        "device": typed.runtime.device, "dataset": typed.dataset.name, "thinking": typed.thinking,
+        "max_new_tokens": typed.max_new_tokens, "n_prompts": n_prompts, "n_batches": n_batches,
+        "resumed_samples": resumed,  # finished prompts found in samples.jsonl at start (resume=true)
+    }
+
+
+# An absolute path: relative ones resolve as Python packages when run as a console script, and conf/ is not one.
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval")
+def main(cfg: DictConfig) -> float:
+    return evaluate(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""Structured-config schemas of every `conf/` group, registered in Hydra's ConfigStore on import.
+
+How the YAML files use them: each group option starts with `defaults: [/schema/<group>/<kind>@_here_, _self_]`,
+so its keys are typed by the dataclass below. Types and choices (enums) are checked by OmegaConf while Hydra
+composes (a bad override fails before anything runs); ranges and cross-field rules live in `__post_init__`,
+which runs in `validate(cfg)` (OmegaConf.to_object builds the dataclasses). Primary configs: `eval_schema`
+(conf/eval.yaml) and `chat_schema` (conf/chat.yaml). A new key in a YAML file needs a field here.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+MAX_K = 16  # drafts per step; far above where acceptance of position k is still useful
+
+
+class SchemaError(ValueError):
+    """A composed config is outside the schema (range, cross-field rule or a required `???` value)."""
+
+
+def _fail(key: str, value: Any, expected: str) -> None:
+    raise SchemaError(f"{key} = {value!r} is invalid: expected {expected}")
+
+
+# ---------------------------------------------------------------------------------------------- choices
+# Member names are the YAML spellings; OmegaConf lists them when a value is not one of them.
+class DraftName(Enum):
+    none = "none"
+    vanilla = "vanilla"
+    eagle = "eagle"
+
+
+class Hidden(Enum):
+    normed = "normed"
+    prenorm = "prenorm"
+
+
+class DraftSampling(Enum):
+    greedy = "greedy"
+    sample = "sample"
+
+
+class Numerics(Enum):
+    fp8 = "fp8"
+    dequant = "dequant"
+
+
+class DType(Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class RunMode(Enum):
+    eager = "eager"
+    graph = "graph"
+    overlap = "overlap"
+
+
+class WandbMode(Enum):
+    auto = "auto"  # online when WANDB_API_KEY is set and the server answers, else offline
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+def value(x: Any) -> Any:
+    """The plain value of a config entry (enum member -> its YAML spelling)."""
+    return x.value if isinstance(x, Enum) else x
+
+
+# ---------------------------------------------------------------------------------------------- groups
+@dataclass
+class ModelSchema:
+    name: str = MISSING
+    path: Optional[str] = MISSING  # null: the bundled tiny checkpoint (mtp.tiny.default_checkpoint())
+    tokenizer: Optional[str] = None  # folder with tokenizer.json; None: the checkpoint folder
+    numerics: Numerics = Numerics.fp8
+    n_mtp: Optional[int] = None  # MTP layers to load; None: all the checkpoint has
+
+    def __post_init__(self):
+        if self.n_mtp is not None and self.n_mtp < 0:
+            _fail("model.n_mtp", self.n_mtp, "null or an integer >= 0")
+
+
+@dataclass
+class DraftSchema:
+    name: DraftName = MISSING
+    k: int = 0
+    target_hidden: Hidden = Hidden.normed  # target hidden that feeds MTP module 1
+    chain_hidden: Hidden = Hidden.normed  # module output chained to the next draft
+    reuse_modules: bool = False  # vanilla only: repeat the last module when k > MTP modules
+
+    def __post_init__(self):
+        if self.name == DraftName.none and self.k != 0:
+            _fail("draft.k", self.k, "0 with draft=none (plain decoding drafts nothing)")
+        if self.name != DraftName.none and not 1 <= self.k <= MAX_K:
+            _fail("draft.k", self.k, f"an integer in [1, {MAX_K}] for draft={self.name.value}")
+
+
+@dataclass
+class VerifySchema:
+    name: str = MISSING
+
+
+@dataclass
+class StrictVerifySchema(VerifySchema):
+    name: str = "strict"
+
+
+@dataclass
+class RelaxedVerifySchema(VerifySchema):
+    name: str = "relaxed"
+    top_n: int = 10  # a draft must be among the target's top-n ...
+    delta: float = 0.6  # ... with probability >= p_top1 - delta (probability space), inside thinking spans
+
+    def __post_init__(self):
+        if self.top_n < 1:
+            _fail("verify.top_n", self.top_n, "an integer >= 1")
+        if not 0.0 <= self.delta <= 1.0:
+            _fail("verify.delta", self.delta, "a probability in [0, 1]")
+
+
+@dataclass
+class SampleVerifySchema(VerifySchema):
+    name: str = "sample"
+    temperature: float = 1.0
+    top_p: float = 1.0  # 1.0 = off
+    top_k: int = 0  # 0 = off
+    draft_sampling: DraftSampling = DraftSampling.greedy
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            _fail("verify.temperature", self.temperature, "> 0 (use verify=strict for greedy decoding)")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("verify.top_p", self.top_p, "a value in (0, 1]")
+        if self.top_k < 0:
+            _fail("verify.top_k", self.top_k, "an integer >= 0 (0 = off)")
+
+
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+@dataclass
+class RuntimeSchema:
+    device: str = "cpu"
+    dtype: DType = DType.float32
+    batch_size: int = 1  # prompts per generate call (mtp-eval); batches never mix categories
+    max_model_len: Optional[int] = None  # prompt + max_new_tokens cap; None: the model's context length
+    mode: RunMode = RunMode.eager  # graph / overlap: CUDA-graph runner (mtp/runner.py), CUDA only
+    num_threads: Optional[int] = None  # torch CPU threads; None: torch's default
+    warmup: bool = True  # one short untimed generate before measuring
+
+    def __post_init__(self):
+        if not _DEVICE.match(self.device):
+            _fail("runtime.device", self.device, "'cpu', 'cuda' or 'cuda:N'")
+        if self.batch_size < 1:
+            _fail("runtime.batch_size", self.batch_size, "an integer >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            _fail("runtime.max_model_len", self.max_model_len, "null or an integer >= 2")
+        if self.num_threads is not None and self.num_threads < 1:
+            _fail("runtime.num_threads", self.num_threads, "null or an integer >= 1")
+
+
+@dataclass
+class FieldMap:
+    """Dataset column names for each prompt field (null: the dataset has no such column)."""
+
+    id: Optional[str] = "id"
+    prompt: Optional[str] = "prompt"  # a single user message
+    messages: Optional[str] = "messages"  # a chat: [{role, content}, ...]; wins over `prompt`
+    category: Optional[str] = "category"
+    thinking: Optional[str] = "thinking"
+
+
+@dataclass
+class DatasetSchema:
+    """Common to every prompt source; the subclass (the schema of the chosen option) says where rows come from."""
+
+    name: str = MISSING
+    fields: FieldMap = field(default_factory=FieldMap)
+    category: Optional[str] = None  # category of rows without one; None: the dataset name
+    thinking: bool = False  # thinking mode of rows without a `thinking` field
+    categories: list[str] = field(default_factory=list)  # keep only these categories ([] = all)
+    per_category: Optional[int] = None  # first N prompts of each category
+    limit: Optional[int] = None  # first N prompts overall
+
+    def __post_init__(self):
+        for key in ("per_category", "limit"):
+            n = getattr(self, key)
+            if n is not None and n < 1:
+                _fail(f"dataset.{key}", n, "null or an integer >= 1")
+
+
+@dataclass
+class BuiltinDatasetSchema(DatasetSchema):
+    suites: list[str] = field(default_factory=list)  # mtp/data/prompts/<suite>.jsonl
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.suites:
+            _fail("dataset.suites", list(self.suites), "at least one built-in suite")
+
+
+@dataclass
+class LocalDatasetSchema(DatasetSchema):
+    path: str = MISSING  # a .jsonl / .json / .parquet file
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.path.endswith((".jsonl", ".json", ".parquet")):
+            _fail("dataset.path", self.path, "a file ending in .jsonl, .json or .parquet")
+
+
+@dataclass
+class HubDatasetSchema(DatasetSchema):
+    hub: str = MISSING  # dataset name on the Hugging Face hub
+    subset: Optional[str] = None  # configuration name
+    split: str = "test"
+
+
+@dataclass
+class LoggerSchema:
+    _target_: str = MISSING
+
+
+@dataclass
+class NullLoggerSchema(LoggerSchema):
+    _target_: str = "eval.loggers.NullLogger"
+
+
+@dataclass
+class WandbLoggerSchema(LoggerSchema):
+    _target_: str = "eval.loggers.WandbLogger"
+    project: str = "mtp-spec"
+    entity: Optional[str] = None
+    mode: WandbMode = WandbMode.auto
+    group: Optional[str] = None  # None: the multirun folder name in sweeps, no group otherwise
+    tags: list[str] = field(default_factory=list)
+    job_type: str = "eval"
+    init_timeout_s: float = 30.0
+    log_samples: bool = True
+    save_dir: Optional[str] = None  # where the local wandb/ folder goes; None: wandb's default
+
+    def __post_init__(self):
+        if not self.init_timeout_s > 0:
+            _fail("logger.init_timeout_s", self.init_timeout_s, "> 0 seconds")
+
+
+# ---------------------------------------------------------------------------------------------- primary
+@dataclass
+class EvalConfig:
+    model: Any = MISSING
+    draft: Any = MISSING
+    verify: Any = MISSING
+    runtime: Any = MISSING
+    dataset: Any = MISSING
+    logger: Any = MISSING
+    task_name: str = "eval"
+    max_new_tokens: int = 32
+    thinking: Optional[bool] = None  # None: each prompt's own `thinking`; true/false forces it
+    system_prompt: Optional[str] = None
+    baseline: bool = False  # also run draft=none on the same prompts: speedup + strict-output check
+    resume: bool = False  # continue samples.jsonl in the run dir, skipping finished prompts
+    plots: bool = True
+    output_dir: str = MISSING
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            _fail("max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        _check_pair(self.draft, self.verify)
+
+
+@dataclass
+class ChatConfig:
+    model: Any = MISSING
+    draft: Any = MISSING
+    verify: Any = MISSING
+    runtime: Any = MISSING
+    max_new_tokens: int = 512
+    thinking: bool = False
+    show_drafts: bool = False  # mark which tokens came from accepted drafts
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            _fail("max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        _check_pair(self.draft, self.verify)
+
+
+def _check_pair(draft: DraftSchema, verify: VerifySchema) -> None:
+    if isinstance(verify, SampleVerifySchema) and verify.draft_sampling == DraftSampling.sample \
+            and draft.name == DraftName.none:
+        _fail("verify.draft_sampling", "sample", "greedy with draft=none (there are no drafts to sample)")
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="eval_schema", node=EvalConfig)
+    cs.store(name="chat_schema", node=ChatConfig)
+    for group, name, node in (
+        ("model", "base", ModelSchema), ("draft", "base", DraftSchema), ("runtime", "base", RuntimeSchema),
+        ("dataset", "builtin", BuiltinDatasetSchema), ("dataset", "local", LocalDatasetSchema),
+        ("dataset", "hub", HubDatasetSchema), ("verify", "strict", StrictVerifySchema),
+        ("verify", "relaxed", RelaxedVerifySchema), ("verify", "sample", SampleVerifySchema),
+        ("logger", "none", NullLoggerSchema), ("logger", "wandb", WandbLoggerSchema),
+    ):
+        cs.store(group=f"schema/{group}", name=name, node=node)
+
+
+register()
+
+
+def validate(cfg: DictConfig | EvalConfig | ChatConfig) -> EvalConfig | ChatConfig:
+    """Typed, range-checked copy of a composed config (its `hydra` node, if any, is left out).
+
+    Raises SchemaError naming the key, the value and what was expected."""
+    if not isinstance(cfg, DictConfig):
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    try:
+        return OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as e:
+        key = e.full_key or "?"
+        hint = {"model.path": " (the folder of the DeepSeek-V3.2 checkpoint)", "dataset.path": " (a .jsonl, .json "
+                "or .parquet file)", "dataset.hub": " (a Hugging Face hub dataset name)"}.get(key, "")
+        raise SchemaError(f"{key} is required{hint}: it is '???' in the config; pass {key}=...") from None
+    except OmegaConfBaseException as e:
+        raise SchemaError(str(e).splitlines()[0]) from None
+

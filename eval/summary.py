@@ -1,0 +1,97 @@
+"""Sweep summary: one row per finished job of a multirun, written next to the jobs' folders.
+
+Runs by itself at the end of every `mtp-eval -m ...` (Hydra callback `SweepSummaryCallback`, configured in
+conf/eval.yaml), or by hand: `python -m eval.summary outputs/eval/multiruns/<date>`. Writes
+sweep_summary.{json,csv,png} (AL and decode tok/s against k, one line per series) and prints a table.
+A series is the combination of the settings that vary across the sweep, k aside (e.g. draft x verify).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+from mtp.utils import write_atomic
+
+log = logging.getLogger(__name__)
+
+SERIES_KEYS = ("draft", "verify", "runtime_mode", "target_hidden", "chain_hidden", "numerics", "model", "dataset",
+               "thinking")
+COLUMNS = {"job": "job", "series": "series", "k": "k", "prompts": "prompts", "accept/mean_len": "AL",
+           "accept/pos_1": "acc@1", "speed/decode_tok_s": "decode tok/s", "speed/e2e_tok_s": "e2e tok/s",
+           "speedup_decode": "speedup", "strict_mismatch": "mismatch"}  # row key -> table header
+
+
+def collect(sweep_dir: Path) -> list[dict]:
+    rows = []
+    for path in sorted(sweep_dir.glob("**/metrics.json")):
+        m = json.loads(path.read_text())
+        o, run = m["overall"], m["run"]
+        sp, mm = m.get("speedup"), m.get("strict_mismatch")
+        rows.append({"job": str(path.parent.relative_to(sweep_dir)), **{k: run.get(k) for k in SERIES_KEYS},
+                     "k": run["k"], "prompts": o["count/prompts"], "accept/mean_len": o["accept/mean_len"],
+                     "accept/pos_1": o.get("accept/pos_1"), "speed/decode_tok_s": o["speed/decode_tok_s"],
+                     "speed/e2e_tok_s": o["speed/e2e_tok_s"],
+                     "speedup_decode": sp["overall"]["decode"] if sp else None,
+                     "strict_mismatch": mm["count"] if mm else None})
+    varying = [k for k in SERIES_KEYS if len({str(r[k]) for r in rows}) > 1]
+    for r in rows:
+        r["series"] = " ".join(f"{k}={r[k]}" for k in varying) if varying else str(r["draft"])
+    return rows
+
+
+def write(sweep_dir: Path, rows: list[dict]) -> dict[str, Path]:
+    from .plots import sweep_summary
+
+    out = {"json": sweep_dir / "sweep_summary.json", "csv": sweep_dir / "sweep_summary.csv",
+           "png": sweep_dir / "sweep_summary.png"}
+    write_atomic(out["json"], json.dumps(rows, indent=2) + "\n")
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+    write_atomic(out["csv"], buf.getvalue())
+    sweep_summary(rows, out["png"])
+    return out
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    from rich.table import Table
+
+    from .report import console
+
+    t = Table(title=title, title_justify="left")
+    for c, header in COLUMNS.items():
+        t.add_column(header, justify="left" if c in ("job", "series") else "right")
+    for r in sorted(rows, key=lambda r: (r["series"], r["k"])):
+        t.add_row(*("-" if r[c] is None else f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c])
+                    for c in COLUMNS))
+    console().print(t)
+
+
+def summarize(sweep_dir: Path) -> list[dict]:
+    rows = collect(sweep_dir)
+    if not rows:
+        log.warning("sweep summary: no metrics.json under %s (did every job fail?)", sweep_dir)
+        return rows
+    paths = write(sweep_dir, rows)
+    print_table(rows, f"sweep {sweep_dir} ({len(rows)} runs)")
+    log.info("sweep summary: %s", ", ".join(str(p) for p in paths.values()))
+    return rows
+
+
+class SweepSummaryCallback(Callback):
+    def on_multirun_end(self, config, **kwargs) -> None:
+        summarize(Path(config.hydra.sweep.dir))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
+        sys.exit("usage: python -m eval.summary SWEEP_DIR")
+    sys.exit(0 if summarize(Path(sys.argv[1])) else 1)

@@ -1,0 +1,155 @@
+"""Every config in conf/ composes with Hydra's compose API and validates against eval/schema.py; every sweep
+point of every experiment preset validates too; bad values are refused with the key in the message."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+import eval.schema as schema
+from eval.common import NotAvailableError, check_runtime, generate_kwargs, graph_modes_available
+from eval.data import builtin_suites, load_prompts
+from eval.loggers import NullLogger, WandbLogger
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("model", "draft", "verify", "runtime", "dataset", "logger")
+# Options whose required `???` values a real run passes on the command line.
+REQUIRED = {"model/dsv32": ["model.path=/ckpt/DeepSeek-V3.2"], "dataset/local": ["dataset.path=prompts.jsonl"],
+            "dataset/hub": ["dataset.hub=owner/name"]}
+FIXED = ["output_dir=/tmp/mtp-eval-compose"]  # ${hydra:runtime.output_dir} exists only inside a Hydra run
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hydra_conf():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield
+
+
+def compose_eval(overrides: list[str], hydra_node: bool = False):
+    return compose("eval", overrides=overrides + FIXED, return_hydra_config=hydra_node)
+
+
+def test_every_group_has_options():
+    for g in GROUPS + ("experiment",):
+        assert options(g), f"conf/{g}/ is empty"
+    assert set(options("draft")) == {"none", "vanilla", "eagle"}
+    assert set(options("verify")) == {"strict", "relaxed", "sample"}
+    assert set(options("logger")) == {"wandb", "none"}
+    assert {"tiny", "dsv32"} <= set(options("model"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_group_option_composes_and_validates(group, option):
+    cfg = compose_eval([f"{group}={option}"] + REQUIRED.get(f"{group}/{option}", []))
+    typed = schema.validate(cfg)
+    assert isinstance(typed, schema.EvalConfig)
+    node = getattr(typed, group)
+    assert not isinstance(node, dict), f"{group}={option} is not typed by a schema"
+    if group == "logger":
+        assert isinstance(instantiate(cfg.logger), (NullLogger, WandbLogger))
+    if group == "dataset" and isinstance(node, schema.BuiltinDatasetSchema):
+        prompts = load_prompts(node)
+        assert prompts and len({p.id for p in prompts}) == len(prompts)
+    if group in ("draft", "verify"):
+        kw = generate_kwargs(cfg)
+        assert kw["draft"] == typed.draft.name.value and kw["verify"] == typed.verify.name
+
+
+def _sweep_points(params) -> list[list[str]]:
+    keys = list(params)
+    values = [str(params[k]).split(",") for k in keys]
+    return [[f"{k}={v.strip()}" for k, v in zip(keys, combo)] for combo in itertools.product(*values)]
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_experiment_composes_and_every_sweep_point_validates(experiment):
+    extra = ["model.path=/ckpt/DeepSeek-V3.2"] if "dsv32" in experiment else []
+    cfg = compose_eval([f"experiment={experiment}"] + extra, hydra_node=True)
+    schema.validate(cfg)
+    instantiate(cfg.logger)
+    params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
+    for point in _sweep_points(params):
+        schema.validate(compose_eval([f"experiment={experiment}"] + extra + point))
+    if params:
+        assert cfg.hydra.mode.name == "MULTIRUN", f"{experiment} sweeps but does not set hydra.mode: MULTIRUN"
+
+
+def test_chat_config_composes_with_shared_groups():
+    cfg = compose("chat")
+    typed = schema.validate(cfg)
+    assert isinstance(typed, schema.ChatConfig)
+    assert (typed.draft.name.value, typed.verify.name, typed.runtime.device) == ("eagle", "strict", "cpu")
+    assert {"max_new_tokens", "thinking", "show_drafts"} <= set(cfg)
+    relaxed = compose("chat", overrides=["verify=relaxed"])
+    assert len(generate_kwargs(relaxed)["think_ids"]) == 2
+
+
+@pytest.mark.parametrize("launcher", ["basic", "joblib"])
+def test_launchers_compose(launcher):
+    cfg = compose_eval([f"hydra/launcher={launcher}"], hydra_node=True)
+    assert launcher in cfg.hydra.launcher._target_.lower()
+
+
+def test_generate_kwargs_are_known_to_mtp_generate():
+    import inspect
+
+    import mtp
+
+    src = inspect.getsource(mtp.engine.generate)
+    for ov in (["draft=vanilla", "verify=relaxed"], ["verify=sample", "verify.draft_sampling=sample"],
+               ["draft=none"]):
+        for key in generate_kwargs(compose_eval(ov)):
+            assert key in ("draft", "k", "verify") or f'"{key}"' in src, f"{key} is not a generate option"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["draft.k=-1"], "draft.k = -1"),
+    (["draft=none", "draft.k=2"], "draft.k = 2"),
+    (["draft.k=99"], "draft.k = 99"),
+    (["verify=relaxed", "verify.delta=1.5"], "verify.delta"),
+    (["verify=sample", "verify.temperature=0"], "verify.temperature"),
+    (["verify=sample", "verify.draft_sampling=sample", "draft=none"], "verify.draft_sampling"),
+    (["runtime.batch_size=0"], "runtime.batch_size"),
+    (["runtime.device=tpu"], "runtime.device"),
+    (["max_new_tokens=0"], "max_new_tokens"),
+    (["model=dsv32"], "model.path is required"),
+    (["dataset=local"], "dataset.path is required"),
+    (["dataset.per_category=0"], "dataset.per_category"),
+    (["dataset.suites=[]"], "dataset.suites"),
+])
+def test_bad_values_are_refused_by_the_schema(overrides, message):
+    with pytest.raises(schema.SchemaError, match=message.replace(".", r"\.")):
+        schema.validate(compose_eval(overrides))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["verify=nonsense"], "verify/nonsense"),
+    (["draft.k=abc"], "draft.k=abc"),
+    (["draft.target_hidden=middle"], "draft.target_hidden"),
+    (["runtime.mode=turbo"], "runtime.mode"),
+    (["verify.temperature=0.5"], "verify.temperature"),  # strict has no temperature
+    (["dataset.path=x.jsonl"], "dataset.path"),  # builtin has no path
+])
+def test_bad_overrides_fail_at_composition(overrides, message):
+    with pytest.raises(ConfigCompositionException, match=message.replace(".", r"\.")):
+        compose_eval(overrides)
+
+
+def test_graph_modes_are_validated_and_refused_until_the_runner_exists():
+    rt = schema.validate(compose_eval(["runtime.mode=graph"])).runtime
+    with pytest.raises(NotAvailableError, match="not available yet" if not graph_modes_available() else "cuda"):
+        check_runtime(rt)
+
+
+def test_builtin_suites_are_shipped():
+    assert {"chat", "code", "math", "reasoning"} <= set(builtin_suites())
