@@ -39,12 +39,19 @@ def enable_fast_path(model: DeepseekV32) -> DeepseekV32:
         elif isinstance(mod, MoE):
             _stack_experts(mod)
             mod.backend = "triton"
-        elif isinstance(mod, MLA):
+        elif isinstance(mod, MLA) and _mla_kernel_fits(mod):
             w = mod.kv_b_proj.dequantized_weight(torch.bfloat16).view(mod.H, mod.P + mod.V, mod.C)
             mod.w_kb = w[:, : mod.P].contiguous()  # [H, P, C]
             mod.w_vb = w[:, mod.P:].contiguous()  # [H, V, C]
             mod.backend = "triton"
     return model
+
+
+def _mla_kernel_fits(mla: MLA) -> bool:
+    """mla_decode is built for DeepSeek's latent 512 + rope 64; the indexer kernel for >= 16 power-of-two heads.
+    Smaller test models keep the reference attention (their linears and MoE still use the kernels)."""
+    hi = mla.indexer.n_heads
+    return mla.C == 512 and mla.R == 64 and hi >= 16 and hi & (hi - 1) == 0
 
 
 def disable_fast_path(model: DeepseekV32) -> DeepseekV32:

@@ -53,7 +53,7 @@ def speculation_friendly(cfg, tensors, scale: float = 10.0):
 def checks(model, generate: bool = True) -> dict:
     """Logits of a prefill, a 3-token cached step and the MTP module; an eagle k=2 strict generation."""
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, model.cfg.vocab_size, (2, 20), generator=g)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 20), generator=g).to(model.device)
     out = {}
     with torch.no_grad():
         cache = model.new_cache(2, 40)
