@@ -103,12 +103,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {out}")
 
 
+# A small DeepSeek-V3.2 trained on the standard library (`mtp-train`, see MODEL_CARD.md), shipped in the repo.
+SHIPPED_CHECKPOINT = Path(__file__).resolve().parent / "assets" / "dsv32_stdlib_mini"
+
+
 def default_checkpoint() -> Path:
-    """The default model of `mtp-eval` / `mtp-chat`: a tiny random checkpoint written on first use under
-    $MTP_CACHE (default ~/.cache/mtp). Writing goes through a temp dir, so concurrent first uses are safe."""
+    """The default model of `mtp-eval` / `mtp-chat`: the trained checkpoint shipped under mtp/assets when it is
+    there, else a tiny random checkpoint written on first use under $MTP_CACHE (default ~/.cache/mtp).
+    Writing goes through a temp dir, so concurrent first uses are safe."""
     import os
     import shutil
 
+    if (SHIPPED_CHECKPOINT / "config.json").is_file():
+        return SHIPPED_CHECKPOINT
     root = Path(os.environ.get("MTP_CACHE", Path.home() / ".cache" / "mtp"))
     path = root / "tiny-random-v1"
     if not (path / "config.json").is_file():

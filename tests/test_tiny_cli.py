@@ -118,6 +118,7 @@ def test_module_entry_point(tmp_path):
 def test_default_checkpoint_keeps_a_racing_writers_copy(cli_ckpt, tmp_path, monkeypatch):
     """Another process finishes first: default_checkpoint must keep that copy (its readers may be loading it)."""
     monkeypatch.setenv("MTP_CACHE", str(tmp_path))
+    monkeypatch.setattr(mtp.tiny, "SHIPPED_CHECKPOINT", tmp_path / "no-shipped-model")  # test the random fallback
     target = tmp_path / "tiny-random-v1"
 
     def other_process_wins(out_dir, **kwargs):
