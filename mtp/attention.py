@@ -18,7 +18,7 @@ from torch import nn
 from . import fp8
 from .cache import LayerCache
 from .config import ModelConfig, RuntimeOptions
-from .layers import LayerNorm, Linear, RMSNorm, rope_half, rope_interleaved
+from .layers import LayerNorm, Linear, RMSNorm, glue
 
 
 class Indexer(nn.Module):
@@ -36,18 +36,18 @@ class Indexer(nn.Module):
     def keys(self, x_BTD: torch.Tensor, cos, sin) -> torch.Tensor:
         """The indexer key of each new token (rotated, Hadamard-transformed), before quantization."""
         k = self.k_norm(self.wk(x_BTD))
-        k = torch.cat((rope_half(k[..., : self.rope_dim], cos, sin), k[..., self.rope_dim:]), dim=-1)
-        return fp8.rotate_activation(k)
+        k = torch.cat((glue.rope_half(k[..., : self.rope_dim], cos, sin), k[..., self.rope_dim:]), dim=-1)
+        return glue.rotate_activation(k)
 
     def select(self, x_BTD, qr_BTQ, cos, sin, cache: LayerCache, S: int, visible_BTS: torch.Tensor) -> torch.Tensor:
         """Boolean [B, T, S]: the keys each query keeps (top-k of the index score among visible keys)."""
         B, T, _ = x_BTD.shape
         q = self.wq_b(qr_BTQ).view(B, T, self.n_heads, self.head_dim)
-        q = torch.cat((rope_half(q[..., : self.rope_dim], cos, sin), q[..., self.rope_dim:]), dim=-1)
+        q = torch.cat((glue.rope_half(q[..., : self.rope_dim], cos, sin), q[..., self.rope_dim:]), dim=-1)
         a = fp8.acc_dtype(x_BTD.dtype)
-        q = fp8.rotate_activation(q).to(a)
+        q = glue.rotate_activation(q).to(a)
         if self.numerics == "fp8":
-            q = fp8.fake_quant(q)  # one ue8m0 scale per (token, head): the reference quantizes q before scoring
+            q = glue.fake_quant(q)  # one ue8m0 scale per (token, head): the reference quantizes q before scoring
         k_BSD = cache.read_index_k(S, a)
         w_BTH = F.linear(x_BTD.to(a), self.weights_proj.weight.to(a)) * self.n_heads ** -0.5
         dots_BTHS = torch.einsum("bthd,bsd->bths", q, k_BSD).relu()
@@ -85,10 +85,10 @@ class MLA(nn.Module):
         dt = x_BTD.dtype
         qr = self.q_a_layernorm(self.q_a_proj(x_BTD), dt)
         q = self.q_b_proj(qr).view(B, T, self.H, self.P + self.R)
-        q_nope, q_pe = q[..., : self.P], rope_interleaved(q[..., self.P:], cos, sin)
+        q_nope, q_pe = q[..., : self.P], glue.rope_interleaved(q[..., self.P:], cos, sin)
         kv = self.kv_a_proj_with_mqa(x_BTD)
         c = self.kv_a_layernorm(kv[..., : self.C], dt)
-        k_pe = rope_interleaved(kv[..., self.C:], cos, sin)
+        k_pe = glue.rope_interleaved(kv[..., self.C:], cos, sin)
         cache.write(pos_BT, c, k_pe, self.indexer.keys(x_BTD, cos, sin))
         naive = opts.attn_impl == "naive" or (opts.attn_impl == "auto" and T > opts.absorb_max_tokens)
         if self.backend == "triton" and not naive and cache.quantized:

@@ -81,9 +81,23 @@ def _count_experts(model, ids) -> tuple[dict, list]:
     return seen, hooks
 
 
+def _capture(fn) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def bench_ours(args, bw: float) -> dict:
     from .engine import generate
     from .fastpath import enable_fast_path
+    from .layers import glue
     from .synthetic import random_model, real_config
 
     cfg = real_config(layers=args.layers, dense_layers=args.dense_layers, mtp_modules=1)
@@ -112,16 +126,10 @@ def bench_ours(args, bw: float) -> dict:
 
         with torch.no_grad():
             eager_ms = _time_ms(fwd)
-            graph = torch.cuda.CUDAGraph()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fwd()
-                fwd()
-            torch.cuda.current_stream().wait_stream(side)
-            with torch.cuda.graph(graph):
-                fwd()
-            graph_ms = _time_ms(graph.replay)
+            graph_ms = _time_ms(_capture(fwd).replay)
+            glue.reset()  # same step with the unfused glue, side by side
+            graph_plain_ms = _time_ms(_capture(fwd).replay)
+            glue.compile()
             seen, hooks = _count_experts(model, blk)
             fwd()
             for h in hooks:
@@ -129,7 +137,8 @@ def bench_ours(args, bw: float) -> dict:
         touched = [len(seen.get(li, ())) for li in range(cfg.num_hidden_layers)]
         by = step_bytes(model, touched, L + w, B)
         roof_ms = by["total"] / bw * 1e3
-        widths[w] = {"eager_ms": eager_ms, "graph_ms": graph_ms, "experts_touched": touched, "bytes": by,
+        widths[w] = {"eager_ms": eager_ms, "graph_ms": graph_ms, "graph_ms_unfused_glue": graph_plain_ms,
+                     "experts_touched": touched, "bytes": by,
                      "roofline_ms": roof_ms, "pct_of_roofline_graph": 100 * roof_ms / graph_ms}
     res["target_step"] = widths
     # whole speculative steps (draft K + verify K+1 + accept + commit) in each mode
@@ -243,6 +252,7 @@ def _table(res: dict) -> None:
         print(f"{'target step w=' + str(w) + ' eager':34s} {r['eager_ms']:9.3f}")
         print(f"{'target step w=' + str(w) + ' graph':34s} {r['graph_ms']:9.3f} {r['roofline_ms']:12.3f} "
               f"{r['pct_of_roofline_graph']:7.1f}")
+        print(f"{'  same, unfused glue':34s} {r['graph_ms_unfused_glue']:9.3f}")
     for name, r in res["ours"]["spec_step"].items():
         idle = r["gpu_idle_frac"]
         extra = f" idle {100 * idle:.1f}%" if idle is not None else ""

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from . import fp8
 from .attention import MLA
-from .layers import Linear
+from .layers import Linear, glue
 from .model import DeepseekV32
 from .moe import MoE
 
 
-def enable_fast_path(model: DeepseekV32) -> DeepseekV32:
+def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV32:
+    """compile_glue: torch.compile the elementwise glue (mtp.layers.Glue) into fused kernels."""
     from .kernels import available
 
     if not available():
@@ -33,6 +33,8 @@ def enable_fast_path(model: DeepseekV32) -> DeepseekV32:
         raise ValueError(f"the fast path needs the model on a CUDA device, it is on {model.device}")
     if model.runtime.numerics != "fp8" or not model.cfg.is_fp8:
         raise ValueError("the fast path implements DeepSeek's FP8 numerics: load an FP8 checkpoint with numerics='fp8'")
+    if compile_glue:
+        glue.compile()
     for mod in model.modules():
         if isinstance(mod, Linear) and mod.is_fp8:
             mod.backend = "triton"
@@ -43,6 +45,8 @@ def enable_fast_path(model: DeepseekV32) -> DeepseekV32:
             w = mod.kv_b_proj.dequantized_weight(torch.bfloat16).view(mod.H, mod.P + mod.V, mod.C)
             mod.w_kb = w[:, : mod.P].contiguous()  # [H, P, C]
             mod.w_vb = w[:, mod.P:].contiguous()  # [H, V, C]
+            ix = mod.indexer
+            mod.w_idx = ix.weights_proj.weight.float() * (ix.n_heads ** -0.5 * ix.head_dim ** -0.5)
             mod.backend = "triton"
     return model
 
@@ -58,6 +62,7 @@ def disable_fast_path(model: DeepseekV32) -> DeepseekV32:
     for mod in model.modules():
         if hasattr(mod, "backend"):
             mod.backend = "reference"
+    glue.reset()
     return model
 
 
@@ -95,12 +100,9 @@ def mla_attend_fast(mla: MLA, x_BTD, qr_BTQ, q_nope, q_pe, cos, sin, cache, S: i
     B, T = x_BTD.shape[:2]
     ix = mla.indexer
     q = ix.wq_b(qr_BTQ).view(B, T, ix.n_heads, ix.head_dim)
-    from .layers import rope_half
-
-    q = torch.cat((rope_half(q[..., : ix.rope_dim], cos, sin), q[..., ix.rope_dim:]), dim=-1)
-    q8, qs = fp8.act_quant(fp8.rotate_activation(q))  # qs [B, T, Hi, 1]
-    w = torch.nn.functional.linear(x_BTD.float(), ix.weights_proj.weight.float())
-    w = w * (ix.n_heads ** -0.5 * ix.head_dim ** -0.5)
+    q = torch.cat((glue.rope_half(q[..., : ix.rope_dim], cos, sin), q[..., ix.rope_dim:]), dim=-1)
+    q8, qs = glue.act_quant(glue.rotate_activation(q))  # qs [B, T, Hi, 1]
+    w = torch.nn.functional.linear(x_BTD.float(), mla.w_idx)  # fp32 copy, scaled by Hi^-0.5 * Dk^-0.5
     lens = cache.seq_lens  # keys before this block; query t sees < lens + t + 1
     topk_idx = None
     if ix.topk < S:

@@ -26,10 +26,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        a = fp8.acc_dtype(x.dtype)
-        xf = x.to(a)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(a)
-        return y.to(out_dtype or self.weight.dtype)
+        return glue.rms_norm(x, self.weight, self.eps, out_dtype or self.weight.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    a = fp8.acc_dtype(x.dtype)
+    xf = x.to(a)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(a)).to(out_dtype)
 
 
 class LayerNorm(nn.Module):
@@ -42,9 +45,12 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = fp8.acc_dtype(x.dtype)
-        y = F.layer_norm(x.to(a), (x.shape[-1],), self.weight.to(a), self.bias.to(a), self.eps)
-        return y.to(x.dtype)
+        return glue.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    a = fp8.acc_dtype(x.dtype)
+    return F.layer_norm(x.to(a), (x.shape[-1],), weight.to(a), bias.to(a), eps).to(x.dtype)
 
 
 class Linear(nn.Module):
@@ -106,9 +112,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, dim, fp8_weight, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = fp8.acc_dtype(x.dtype)
-        h = F.silu(self.gate_proj(x).to(a)) * self.up_proj(x).to(a)
-        return self.down_proj(h.to(x.dtype))
+        return self.down_proj(glue.silu_mul(self.gate_proj(x), self.up_proj(x), x.dtype))
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    a = fp8.acc_dtype(out_dtype)
+    return (F.silu(g.to(a)) * u.to(a)).to(out_dtype)
 
 
 class Rotary(nn.Module):
@@ -165,3 +174,38 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     a, b = xf[..., :half], xf[..., half:]
     return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1).to(x.dtype)
+
+
+class Glue:
+    """The elementwise glue between the GEMMs (norms, rotary, activation quant, Hadamard, SiLU-mul).
+
+    Modules call these through the shared `glue` object, so the Triton fast path can swap in compiled versions
+    (`compile()`: each becomes one or two fused kernels instead of 5-12 small ones; on a CUDA-graph decode
+    step the launch count, not the bytes, is what these cost) and the reference path gets the plain functions
+    back (`reset()`). Same formulas either way; the fused kernels may round in another order.
+    """
+
+    NAMES = ("rms_norm", "layer_norm", "silu_mul", "rope_interleaved", "rope_half", "act_quant", "fake_quant",
+             "rotate_activation")
+
+    def __init__(self) -> None:
+        self.compiled = False
+        self.reset()
+
+    def reset(self) -> None:
+        impl = {"rms_norm": rms_norm, "layer_norm": layer_norm, "silu_mul": silu_mul,
+                "rope_interleaved": rope_interleaved, "rope_half": rope_half, "act_quant": fp8.act_quant,
+                "fake_quant": fp8.fake_quant, "rotate_activation": fp8.rotate_activation}
+        for name in self.NAMES:
+            setattr(self, name, impl[name])
+        self.compiled = False
+
+    def compile(self) -> None:
+        if self.compiled:
+            return
+        for name in self.NAMES:
+            setattr(self, name, torch.compile(getattr(self, name), dynamic=True))
+        self.compiled = True
+
+
+glue = Glue()
