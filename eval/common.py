@@ -92,6 +92,10 @@ def build(cfg: Any):
     path = model_path(cfg.model)
     model = mtp.load_model(path, device=rt.device, dtype=getattr(torch, value(rt.dtype)),
                            numerics=value(cfg.model.numerics), n_mtp=cfg.model.n_mtp)
+    if rt.fast_path:
+        from mtp.fastpath import enable_fast_path
+
+        enable_fast_path(model)
     tokenizer = Tokenizer.from_dir(tokenizer_path(cfg.model))
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise SchemaError(f"model.tokenizer: {tokenizer.source} has {tokenizer.vocab_size} ids, more than the "

@@ -159,8 +159,11 @@ class RuntimeSchema:
     mode: RunMode = RunMode.eager  # graph / overlap: CUDA-graph runner (mtp/runner.py), CUDA only
     num_threads: Optional[int] = None  # torch CPU threads; None: torch's default
     warmup: bool = True  # one short untimed generate before measuring
+    fast_path: bool = False  # Triton kernels + fused glue (mtp.fastpath), CUDA + fp8 numerics only
 
     def __post_init__(self):
+        if self.fast_path and not self.device.startswith("cuda"):
+            _fail("runtime.fast_path", True, "false unless runtime.device is cuda (the Triton kernels need a GPU)")
         if not _DEVICE.match(self.device):
             _fail("runtime.device", self.device, "'cpu', 'cuda' or 'cuda:N'")
         if self.batch_size < 1:
