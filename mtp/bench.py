@@ -163,20 +163,6 @@ def bench_ours(args, bw: float) -> dict:
     return res
 
 
-def bench_head(bw: float) -> dict:
-    """The bf16 lm_head product at decode size: our GEMV vs torch, against the HBM floor."""
-    from .kernels.bf16_gemv import gemv
-
-    w = torch.randn(129280, 7168, device="cuda", dtype=torch.bfloat16)
-    out = {"floor_ms": w.numel() * 2 / bw * 1e3}  # bytes read / measured copy bandwidth, as the step roofline
-    for M in (1, 4):
-        x = torch.randn(M, 7168, device="cuda", dtype=torch.bfloat16)
-        out[f"gemv_ms_M{M}"] = _time_ms(lambda: gemv(x, w))
-        out[f"torch_ms_M{M}"] = _time_ms(lambda: torch.nn.functional.linear(x, w))
-    del w
-    return out
-
-
 def bench_hf(args) -> dict:
     """transformers' DeepseekV32ForCausalLM, bf16, same truncated depth, random weights on the GPU."""
     import transformers
@@ -225,7 +211,6 @@ def main(argv=None) -> None:
            "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
     bw = copy_bandwidth()
     res["copy_TBps"] = bw / 1e12
-    res["lm_head_gemv"] = bench_head(bw)
     res["ours"] = bench_ours(args, bw)
     if args.hf:
         try:
@@ -263,10 +248,6 @@ def _project(res: dict, args) -> None:
 def _table(res: dict) -> None:
     print(f"\n{res['device']}  copy {res['copy_TBps']:.2f} TB/s  torch {res['torch']}")
     print(f"{'what':34s} {'ms':>9s} {'roofline ms':>12s} {'% roof':>7s}")
-    h = res["lm_head_gemv"]
-    for M in (1, 4):
-        print(f"{'lm_head M=' + str(M) + ' ours / torch':34s} {h[f'gemv_ms_M{M}']:9.3f} {h['floor_ms']:12.3f} "
-              f"{100 * h['floor_ms'] / h[f'gemv_ms_M{M}']:7.1f}  torch {h[f'torch_ms_M{M}']:.3f}")
     for w, r in res["ours"]["target_step"].items():
         print(f"{'target step w=' + str(w) + ' eager':34s} {r['eager_ms']:9.3f}")
         print(f"{'target step w=' + str(w) + ' graph':34s} {r['graph_ms']:9.3f} {r['roofline_ms']:12.3f} "

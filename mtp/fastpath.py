@@ -1,8 +1,9 @@
 """Switch a loaded model between the plain-PyTorch reference and the Triton fast path, at run time.
 
 `enable_fast_path(model)` (CUDA, fp8 numerics) routes
-- every FP8 `Linear` through `kernels.fp8_gemm.fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above),
-  and the bf16 ones (lm_head, MTP shared heads, eh_proj) through `kernels.bf16_gemv` for <= 16 rows;
+- every FP8 `Linear` through `kernels.fp8_gemm.fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above);
+  the bf16 ones (lm_head, MTP heads, eh_proj) stay on torch, whose bf16 GEMV reads the 1.85 GB lm_head at the
+  HBM floor on an H200 (0.442 ms vs 0.439 ms; a Triton GEMV we tried was slower: BENCHMARKS.md);
 - every `MoE` through `kernels.moe.moe_route` + `moe_experts` (reads only the chosen experts). The experts'
   weights are restacked per projection into [E, N, K] tensors, and each expert's parameters become views of
   the stack, so memory is not doubled (peak: one projection of one layer);
@@ -37,7 +38,7 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV
     if compile_glue:
         glue.compile()
     for mod in model.modules():
-        if isinstance(mod, Linear) and (mod.is_fp8 or mod.weight.dtype == torch.bfloat16):
+        if isinstance(mod, Linear) and mod.is_fp8:
             mod.backend = "triton"
         elif isinstance(mod, MoE):
             _stack_experts(mod)

@@ -86,10 +86,6 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.is_fp8:
-            if self.backend == "triton" and x.numel() <= 16 * self.in_features and x.dtype == self.weight.dtype:
-                from .kernels.bf16_gemv import gemv  # decode-sized bf16 products (lm_head, MTP head, eh_proj)
-
-                return gemv(x, self.weight)
             return F.linear(x, self.weight.to(x.dtype))
         if self.backend == "triton":  # see mtp/fastpath.py
             from .kernels.fp8_gemm import fp8_linear
