@@ -15,7 +15,9 @@ Host syncs: one per step to read (n, finished) for the loop condition and cache 
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -110,7 +112,25 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]], max_new_token
                             think_ids=tuple(think) if think is not None else None, sampling=sp,
                             seed=options.get("seed", 0), eos_id=options.get("eos_id"),
                             stop_ids=tuple(options.get("stop_ids", ())), mode=options.get("mode", "eager"))
-    return Engine(model, gcfg).run(prompts, on_step=on_step)
+    if gcfg.mode == "eager":
+        return Engine(model, gcfg).run(prompts, on_step=on_step)
+    # graph / overlap: keep the engine (buffers + captured step graphs) for the next call with these settings
+    per_model = _ENGINES.setdefault(model, {})
+    key = dataclasses.replace(gcfg, max_new_tokens=1)
+    engine = per_model.pop(key, None) or Engine(model, gcfg)
+    per_model[key] = engine
+    while len(per_model) > 4:
+        del per_model[next(iter(per_model))]
+    return engine.run(prompts, on_step=on_step, max_new_tokens=max_new_tokens)
+
+
+# model -> {settings: Engine}; weak, so the buffers and graphs go with the model. `release(model)` frees them.
+_ENGINES: "weakref.WeakKeyDictionary[DeepseekV32, dict]" = weakref.WeakKeyDictionary()
+
+
+def release(model: DeepseekV32) -> None:
+    """Drop the engines (decode buffers, captured CUDA graphs) `generate` keeps for `model`."""
+    _ENGINES.pop(model, None)
 
 
 class Engine:
@@ -123,6 +143,8 @@ class Engine:
         self.proposer_factory = proposer_factory or Proposer
         self.dev = model.device
         self.gen = torch.Generator(device=self.dev).manual_seed(gcfg.seed)
+        self._states: dict[tuple[int, int], DecodeState] = {}  # (batch, buffer length) -> buffers, LRU order
+        self.graphs: dict[tuple[int, int], tuple] = {}  # same key -> (CUDA graph, capture s, pool bytes)
         eos = model.cfg.eos_token_id if gcfg.eos_id is None else gcfg.eos_id
         self.stop_ids = torch.tensor(sorted({eos, *gcfg.stop_ids}), device=self.dev)
 
@@ -162,36 +184,60 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------ state
-    def _new_state(self, prompts: list[list[int]]) -> "DecodeState":
+    STATE_ROUND = 512  # buffer lengths are rounded up to this, so calls of similar length share buffers
+    MAX_STATES = 4  # buffer sets (and their captured graphs) kept per engine, least recently used dropped
+
+    def _state_for(self, prompts: list[list[int]], max_new: int) -> "DecodeState":
+        """The buffers for this call: reused when a previous call had the same batch and rounded length (its
+        captured step graph then replays as is), else allocated. Buffer length depends only on this call, so
+        eager, graph and overlap runs of the same call see the same shapes (bitwise-equal outputs)."""
+        m, K = self.model, self.g.draft.k
+        B, Tp = len(prompts), max(len(p) for p in prompts)
+        need = Tp + max_new + 3 * K + 2
+        limit = m.cfg.max_position_embeddings
+        if need > limit:
+            raise ValueError(f"prompt ({Tp}) + max_new_tokens ({max_new}) + draft room ({3 * K + 2}) exceed "
+                             f"max_position_embeddings ({limit})")
+        key = (B, min(-(-need // self.STATE_ROUND) * self.STATE_ROUND, limit))
+        st = self._states.pop(key, None) or self._new_state(*key)
+        self._states[key] = st  # most recently used last
+        while len(self._states) > self.MAX_STATES:
+            old = next(iter(self._states))
+            del self._states[old]
+            self.graphs.pop(old, None)
+        self._reset(st, prompts, max_new)
+        return st
+
+    def _new_state(self, B: int, max_len: int) -> "DecodeState":
         m, g, dev, K = self.model, self.g, self.dev, self.g.draft.k
-        B = len(prompts)
-        Tp = max(len(p) for p in prompts)
-        max_len = Tp + g.max_new_tokens + 3 * K + 2
-        if max_len > m.cfg.max_position_embeddings:
-            raise ValueError(f"prompt ({Tp}) + max_new_tokens ({g.max_new_tokens}) exceed "
-                             f"max_position_embeddings ({m.cfg.max_position_embeddings})")
-        st = DecodeState(
-            tokens=torch.zeros(B, max_len, dtype=torch.long, device=dev),
-            hidden=torch.zeros(B, max_len, m.cfg.hidden_size, dtype=m.dtype, device=dev),
+
+        def z(*shape, dtype=torch.long):
+            return torch.zeros(*shape, dtype=dtype, device=dev)
+
+        return DecodeState(
+            tokens=z(B, max_len), hidden=z(B, max_len, m.cfg.hidden_size, dtype=m.dtype),
             cache=m.new_cache(B, max_len),
             proposer=self.proposer_factory(m, g.draft, B, max_len) if K else None,
-            P_B=torch.tensor([len(p) for p in prompts], device=dev),
-            Tp=Tp, max_len=max_len,
-            n_B=torch.zeros(B, dtype=torch.long, device=dev),
-            gen_B=torch.ones(B, dtype=torch.long, device=dev),
-            p0_B=torch.zeros(B, dtype=torch.long, device=dev),
-            finished_B=torch.zeros(B, dtype=torch.bool, device=dev),
-            think_B=torch.zeros(B, dtype=torch.bool, device=dev),
-            hist_K1=torch.zeros(K + 1, dtype=torch.long, device=dev),
-            relaxed_only=torch.zeros((), dtype=torch.long, device=dev),
-            row_steps=torch.zeros((), dtype=torch.long, device=dev),
-            new_BK1=torch.zeros(B, K + 1, dtype=torch.long, device=dev),
-            keep_B=torch.zeros(B, dtype=torch.long, device=dev),
-            acc_B=torch.zeros(B, dtype=torch.long, device=dev),
+            P_B=z(B), Tp=0, max_len=max_len, n_B=z(B), gen_B=z(B), max_new_B=z(B), p0_B=z(B),
+            finished_B=z(B, dtype=torch.bool), think_B=z(B, dtype=torch.bool), hist_K1=z(K + 1),
+            relaxed_only=z(()), row_steps=z(()), new_BK1=z(B, K + 1), keep_B=z(B), acc_B=z(B),
         )
+
+    def _reset(self, st: "DecodeState", prompts: list[list[int]], max_new: int) -> None:
+        """Load a call's prompts; every counter back to its start (stale buffer contents past a row's length
+        are never read)."""
+        st.Tp = max(len(p) for p in prompts)
         for b, p in enumerate(prompts):
-            st.tokens[b, : len(p)] = torch.tensor(p, device=dev)
-        return st
+            st.tokens[b, : len(p)] = torch.tensor(p, device=self.dev)
+        st.P_B.copy_(torch.tensor([len(p) for p in prompts]))
+        st.max_new_B.fill_(max_new)
+        st.gen_B.fill_(1)
+        for t in (st.n_B, st.p0_B, st.finished_B, st.think_B, st.hist_K1, st.relaxed_only, st.row_steps,
+                  st.new_BK1, st.keep_B, st.acc_B):
+            t.zero_()
+        st.cache.reset()  # the prefill writes from position 0
+        for c in getattr(st.proposer, "caches", ()):
+            c.reset()
 
     def _bound(self, st: "DecodeState", host: torch.Tensor) -> int:
         """Bound on the positions a step touches. On CUDA always the buffer length, so eager, graph and overlap
@@ -212,7 +258,7 @@ class Engine:
         first = self._verify(st.tokens[:, :0], None, out.logits, st.think_B).next_token_B
         st.tokens[torch.arange(B, device=dev), P_B] = first
         st.n_B.copy_(P_B + 1)
-        st.finished_B.copy_(torch.isin(first, self.stop_ids) | (st.gen_B >= g.max_new_tokens))
+        st.finished_B.copy_(torch.isin(first, self.stop_ids) | (st.gen_B >= st.max_new_B))
         if g.think_ids is not None:
             st.think_B.copy_(update_think_state(st.think_B, first.unsqueeze(1),
                                                 torch.ones(B, 1, dtype=torch.bool, device=dev), *g.think_ids))
@@ -251,7 +297,7 @@ class Engine:
         valid_BK1 = ar.unsqueeze(0) <= a_B.unsqueeze(1)
         is_stop = torch.isin(new_BK1, self.stop_ids) & valid_BK1
         first_stop = torch.where(is_stop.any(1), is_stop.long().argmax(1), torch.full_like(a_B, K + 1))
-        keep_B = torch.minimum(torch.minimum(a_B + 1, first_stop + 1), g.max_new_tokens - st.gen_B)
+        keep_B = torch.minimum(torch.minimum(a_B + 1, first_stop + 1), st.max_new_B - st.gen_B)
         keep_B = torch.where(active_B, keep_B, torch.zeros_like(keep_B))
         kept_BK1 = ar.unsqueeze(0) < keep_B.unsqueeze(1)
         # ---- commit + rollback (rolling back is lowering lengths: no copy)
@@ -261,7 +307,7 @@ class Engine:
             st.think_B.copy_(update_think_state(st.think_B, new_BK1, kept_BK1, *g.think_ids))
         st.n_B.add_(keep_B)
         st.gen_B.add_(keep_B)
-        st.finished_B.copy_(st.finished_B | (is_stop & kept_BK1).any(1) | (st.gen_B >= g.max_new_tokens))
+        st.finished_B.copy_(st.finished_B | (is_stop & kept_BK1).any(1) | (st.gen_B >= st.max_new_B))
         st.cache.truncate(st.n_B - 1)
         st.p0_B.copy_((st.n_B - 1 - dcfg.window()).clamp_min(0))
         # ---- metrics, on the device (no sync)
@@ -274,13 +320,19 @@ class Engine:
 
     # ------------------------------------------------------------------ loop
     @torch.no_grad()
-    def run(self, prompts, on_step: Callable[[StepEvent], None] | None = None) -> GenerateResult:
+    def run(self, prompts, on_step: Callable[[StepEvent], None] | None = None,
+            max_new_tokens: int | None = None) -> GenerateResult:
+        """Generate for `prompts`; `max_new_tokens` overrides the config's for this call. An Engine kept across
+        calls reuses its buffers and, in graph / overlap mode, the captured step graph."""
         g, dcfg = self.g, self.g.draft
         prompts = self._check_prompts(prompts)
+        max_new = g.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if not isinstance(max_new, int) or max_new < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
         K, B = dcfg.k, len(prompts)
         met = SpecMetrics(k=K, draft=dcfg.mode, verify=g.verify, n_rows=B, prompt_tokens=int(sum(map(len, prompts))),
                           hidden_options={"target_hidden": dcfg.target_hidden, "chain_hidden": dcfg.chain_hidden})
-        st = self._new_state(prompts)
+        st = self._state_for(prompts, max_new)
         t0 = self._clock()
         self._prefill(st)
         t1 = self._clock()
@@ -332,10 +384,11 @@ class DecodeState:
     cache: object  # KVCache of the target
     proposer: object | None
     P_B: torch.Tensor  # prompt lengths
-    Tp: int
+    Tp: int  # longest prompt of the current call
     max_len: int
     n_B: torch.Tensor  # committed length
     gen_B: torch.Tensor  # generated so far
+    max_new_B: torch.Tensor  # this call's max_new_tokens (a tensor, so a captured step serves any value)
     p0_B: torch.Tensor  # draft window start
     finished_B: torch.Tensor
     think_B: torch.Tensor  # inside a thinking span after the last committed token

@@ -105,3 +105,20 @@ def test_fast_path_graph_overlap_identical(model, draft, k):
     d = outs["overlap"].metrics.to_dict()
     print({k_: v for k_, v in d.items() if k_.startswith("graph/")})
     assert d["graph/replays"] > 0
+
+
+def test_captured_step_is_reused_across_calls():
+    """generate(mode=graph/overlap) keeps the engine: later calls of the same batch and length bucket replay the
+    graph captured by the first, and each call still equals its own eager run."""
+    from mtp.engine import _ENGINES, release
+
+    m = _tiny_on_gpu(torch.bfloat16)
+    calls = [(PROMPTS[:2], 20), (PROMPTS[1:], 12), (PROMPTS[:2], 7)]
+    for mode in ("graph", "overlap"):
+        release(m)
+        for prompts, n in calls:
+            got = generate(m, prompts, n, draft="eagle", k=2, mode=mode)
+            want = generate(m, prompts, n, draft="eagle", k=2, mode="eager")
+            assert got.tokens == want.tokens, (mode, n)
+        (engine,) = _ENGINES[m].values()
+        assert len(engine.graphs) == 1  # one capture served the three calls
