@@ -28,6 +28,7 @@ from .config import ConfigError, ModelConfig, RuntimeOptions
 from .layers import yarn_inv_freq
 from .model import DeepseekV32
 from .spec import checkpoint_spec
+from .utils import publish_dir
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -255,11 +256,7 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir:
         (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         for name, src in (extra_files or {}).items():
             shutil.copy(src, tmp / name)
-        for file in tmp.iterdir():
-            file.chmod(0o644)  # safetensors (and mkstemp) write 0600 files
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

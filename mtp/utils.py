@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -29,3 +30,15 @@ def write_atomic(path: str | os.PathLike, text: str, mode: int = 0o644) -> None:
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
     """JSON (indent 2, UTF-8, str() for anything else such as paths and enums) written atomically."""
     write_atomic(path, json.dumps(data, ensure_ascii=False, indent=2, default=str) + "\n")
+
+
+def publish_dir(tmp: Path, out: Path, made: list[Path] | None = None) -> None:
+    """Make a folder built in `tmp` (beside `out`) the new `out`: the files made there (default: all; pass the
+    list when some are hard links to files elsewhere) readable by all (safetensors and mkstemp write 0600), any
+    old `out` removed, then one rename, so readers never see a half-written folder."""
+    for f in made if made is not None else tmp.iterdir():
+        if f.is_file():
+            f.chmod(0o644)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)

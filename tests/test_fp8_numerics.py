@@ -17,6 +17,8 @@ import math
 import pytest
 import torch
 
+from tests.oracles import yarn_inv_freq64
+
 from mtp import fp8
 from mtp.attention import Indexer
 from mtp.cache import KVCache, LayerCache
@@ -82,18 +84,6 @@ def hadamard64(n: int) -> torch.Tensor:
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return h
-
-
-def yarn_inv_freq64(cfg) -> torch.Tensor:
-    dim, base, rs = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling
-    freqs = base ** (-torch.arange(0, dim, 2, dtype=F64) / dim)
-
-    def corr(rot):
-        return dim * math.log(rs.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = max(math.floor(corr(rs.beta_fast)), 0), min(math.ceil(corr(rs.beta_slow)), dim - 1)
-    smooth = 1 - ((torch.arange(dim // 2, dtype=F64) - low) / (high - low)).clamp(0, 1)
-    return freqs / rs.factor * (1 - smooth) + freqs * smooth
 
 
 def rope_half64(x: torch.Tensor, ang_BTR: torch.Tensor) -> torch.Tensor:
@@ -298,7 +288,7 @@ def test_indexer_ranking_matches_float64_reference(tiny_model, numerics):
              idx.keys(x_BTD, cos, sin))
     visible_BTS = torch.arange(T).view(1, 1, T) <= pos_BT.unsqueeze(-1)
 
-    ang_BTR = pos_BT.to(F64).unsqueeze(-1) * yarn_inv_freq64(cfg)
+    ang_BTR = pos_BT.to(F64).unsqueeze(-1) * yarn_inv_freq64(cfg)[0]
     ref_BTS = indexer_scores64(idx, x_BTD, qr_BTQ, ang_BTR, quantize=numerics == "fp8")
     vals_BTS, order_BTS = torch.sort(ref_BTS, dim=-1, descending=True, stable=True)
     rank_BTS = torch.empty_like(order_BTS).scatter_(-1, order_BTS, torch.arange(T).expand(B, T, T))

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from .. import fp8
 from ..checkpoint import INDEX_NAME, CheckpointError, weight_map
 from ..config import ModelConfig
+from ..utils import publish_dir
 
 MAX_NEW_SHARD_BYTES = 4 * 2 ** 30
 
@@ -132,11 +133,7 @@ def write_mtp_layers(src_dir: str | Path, out_dir: str | Path, new_tensors: dict
         for f in src.iterdir():  # tokenizer files and whatever else the checkpoint carries
             if f.is_file() and f.name not in old_wm.values() and f.name not in (INDEX_NAME, "config.json"):
                 shutil.copy2(f, tmp / f.name)
-        for f in written:
-            f.chmod(0o644)  # safetensors writes 0600
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        publish_dir(tmp, out, written)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
