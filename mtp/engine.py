@@ -135,7 +135,8 @@ def release(model: DeepseekV32) -> None:
 
 class Engine:
     """`proposer_factory(model, draft_cfg, batch, max_len)` replaces the MTP proposer (tests use oracle and
-    adversarial drafters through it); anything with `propose(...)` and `draft_forwards` works."""
+    adversarial drafters through it); anything with `propose(...)` and `draft_forwards` works, and an optional
+    `prefill(tokens, hidden, n, W, max_n)` fills its caches over the prompt."""
 
     def __init__(self, model: DeepseekV32, gcfg: GenerationConfig, proposer_factory: Callable | None = None):
         gcfg.validate(model)
@@ -265,6 +266,17 @@ class Engine:
         st.new_BK1[:, 0] = first
         st.keep_B.fill_(1)
 
+    def _draft_prefill(self, st: "DecodeState", host: torch.Tensor) -> None:
+        """Run the draft modules over the whole prompt (window p0 = 0, W = longest prompt) so their caches hold
+        every committed position; from then on each step, the first included, recomputes only the steady
+        window, so one captured graph serves them all. The drafts made here are scratch (argmax, no random
+        draws); the first step drafts again from its own window."""
+        prefill = getattr(st.proposer, "prefill", None)  # custom proposers without caches need none
+        if prefill is None:
+            return
+        prefill(st.tokens, st.hidden, st.n_B, st.Tp, max_n=self._bound(st, host))
+        st.p0_B.copy_((st.n_B - 1 - self.g.draft.window()).clamp_min(0))
+
     def _step(self, st: "DecodeState", W: int, max_n: int, marks: list | None = None) -> None:
         """One speculative step, device ops only, every update in place (so a CUDA graph can replay it).
         `max_n` bounds the positions touched (host-known max of n, or the buffer length for graphs).
@@ -339,15 +351,14 @@ class Engine:
         met.time_prefill_s = met.ttft_s = t1 - t0
         emit = _Emitter(on_step, B)
         emit(st.new_BK1.tolist(), st.keep_B.tolist(), [0] * B)
-        # First step: the draft window covers the whole prompt (p0 = 0, W = longest prompt); host bounds.
-        W = st.Tp
         host = torch.stack((st.n_B, st.finished_B.long())).cpu()  # sync: loop condition + cache bounds
+        self._draft_prefill(st, host)
+        W = dcfg.window()
         if self.g.mode == "eager":
             while not bool(host[1].all()):
                 marks = [self._clock()]
                 self._step(st, W, self._bound(st, host), marks)
                 ta, tm, tb = marks[0], marks[1], self._clock()
-                W = dcfg.window()
                 host = torch.stack((st.n_B, st.finished_B.long())).cpu()  # sync: loop condition + bounds
                 met.target_forwards += 1
                 emit(st.new_BK1.tolist(), st.keep_B.tolist(), st.acc_B.tolist())

@@ -68,16 +68,10 @@ class _Slot:
 
 
 def run_captured(engine, st, met: SpecMetrics, emit, host: torch.Tensor, W: int) -> None:
+    """Every step after the prefill (the draft caches were filled over the prompt) replays one graph."""
     mode = engine.g.mode
-    K = engine.g.draft.k
-    # The first step covers the whole prompt with its draft window, so it has its own shape: run it eagerly.
-    if not bool(host[1].all()):
-        engine._step(st, W, engine._bound(st, host))
-        met.target_forwards += 1
-        emit(st.new_BK1.tolist(), st.keep_B.tolist(), st.acc_B.tolist())
-        if bool(st.finished_B.all()):
-            return
-    W = engine.g.draft.window() if K else 0
+    if bool(host[1].all()):
+        return
     max_n = engine._bound(st, host)  # static on CUDA: the verify forward may touch every slot
     key = (st.B, st.max_len)
     if key not in engine.graphs:  # captured once per (batch, buffer length); later calls replay it

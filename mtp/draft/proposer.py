@@ -79,11 +79,19 @@ class Proposer:
         self.caches: list[KVCache] = [model.new_cache(batch, max_len, n_layers=1) for _ in range(dcfg.n_caches)]
         self.draft_forwards = 0
 
+    def prefill(self, tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, W: int,
+                max_n: int) -> None:
+        """Fill the draft caches over the prompt (window from 0, W = longest prompt). Its drafts are scratch:
+        argmax (no random draws), and eagle does not chain."""
+        p0 = torch.zeros_like(n_B)
+        self.propose(tokens_BS, hidden_BSD, n_B, p0, W, lambda lg: (lg.argmax(-1), None), max_n, chain=False)
+
     def propose(self, tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor,
-                W: int, draw, max_n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                W: int, draw, max_n: int, chain: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens_BS holds committed tokens (drafts are written at n.. as they are made); hidden_BSD the
         target hidden per position. `draw(logits_BV) -> (token_B, probs_BV | None)` picks each draft.
-        `max_n`: host-known max of n_B, bounding the cache positions touched (no sync inside)."""
+        `max_n`: host-known max of n_B, bounding the cache positions touched (no sync inside).
+        `chain=False` (eagle) stops after the window: the engine's draft prefill only fills the cache."""
         K, m = self.cfg.k, self.model
         B = n_B.shape[0]
         dev = tokens_BS.device
@@ -104,7 +112,7 @@ class Proposer:
             drafts.append(d)
             probs.append(q)
             hid = pick_hidden(out, self.cfg.chain_hidden)
-        if self.cfg.mode == "eagle":
+        if self.cfg.mode == "eagle" and chain:
             cache = self.caches[0]
             g = pick_hidden(out, self.cfg.chain_hidden)[rows, out_idx_B].unsqueeze(1)
             cache.truncate(n_B - 1)  # drop the window's padding past n-2; the chain appends from n-1
