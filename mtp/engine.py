@@ -345,6 +345,7 @@ class Engine:
         met = SpecMetrics(k=K, draft=dcfg.mode, verify=g.verify, n_rows=B, prompt_tokens=int(sum(map(len, prompts))),
                           hidden_options={"target_hidden": dcfg.target_hidden, "chain_hidden": dcfg.chain_hidden})
         st = self._state_for(prompts, max_new)
+        fw0 = getattr(st.proposer, "draft_forwards", 0)
         t0 = self._clock()
         self._prefill(st)
         t1 = self._clock()
@@ -352,7 +353,9 @@ class Engine:
         emit = _Emitter(on_step, B)
         emit(st.new_BK1.tolist(), st.keep_B.tolist(), [0] * B)
         host = torch.stack((st.n_B, st.finished_B.long())).cpu()  # sync: loop condition + cache bounds
-        self._draft_prefill(st, host)
+        drafting = K > 0 and not bool(host[1].all())
+        if drafting:  # nothing to draft for when every row ended at its first token
+            self._draft_prefill(st, host)
         W = dcfg.window()
         if self.g.mode == "eager":
             while not bool(host[1].all()):
@@ -373,7 +376,13 @@ class Engine:
         met.accepted_hist = st.hist_K1.tolist()
         met.row_steps = int(st.row_steps)
         met.relaxed_only_accepts = int(st.relaxed_only)
-        met.draft_forwards = st.proposer.draft_forwards if st.proposer else 0
+        if isinstance(st.proposer, Proposer):
+            # K module forwards per step (vanilla: one per depth; eagle: window + K-1 chained) plus the draft
+            # prefill (each vanilla module once, the eagle module once). Counted, not read from the proposer:
+            # graph replays do not run its Python, and a reused proposer's counter spans earlier calls.
+            met.draft_forwards = K * met.target_forwards + (K if dcfg.mode == "vanilla" else 1) * drafting
+        elif st.proposer is not None:
+            met.draft_forwards = st.proposer.draft_forwards - fw0
         n_host, P_host = st.n_B.tolist(), st.P_B.tolist()
         toks = st.tokens.cpu()
         result, reasons = [], []

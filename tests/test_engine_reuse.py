@@ -24,6 +24,7 @@ def test_reused_engine_matches_fresh_runs(tiny_model, draft, k):
         assert got.tokens == fresh.tokens
         assert got.finish_reasons == fresh.finish_reasons
         assert got.metrics.accepted_hist == fresh.metrics.accepted_hist
+        assert got.metrics.draft_forwards == fresh.metrics.draft_forwards
         assert all(len(t) <= n for t in got.tokens)
         states.update(id(s) for s in eng._states.values())
     assert len(eng._states) == 1 and len(states) == 1  # one (batch 2, length bucket) buffer set served all calls
