@@ -7,8 +7,9 @@
     out = mtp.generate(model, prompts, draft="eagle", k=2)   # on every rank; same tokens everywhere
 
 Files: layout (who holds which slice), reblock (exact FP8 scales of a slice), comm (the collectives),
-modules (per-rank modules + `shard_model`), load (sharded loading), launch (torchrun entry). DESIGN.md holds
-the numerics argument and the CUDA-graph note.
+modules (per-rank modules + `shard_model`), load (sharded loading), launch (torchrun entry), synthetic (the
+random FP8 model built sharded, no checkpoint), bench (TP=N vs TP=1 target-step timing, torchrun entry).
+DESIGN.md holds the numerics argument, the CUDA-graph note and the GPU benchmark command.
 """
 
 from .comm import Comm
@@ -16,6 +17,7 @@ from .layout import ParallelPlan, RankLayout, Shard
 from .load import load_parallel, param_bytes
 from .modules import shard_model, set_static_moe
 from .reblock import ReblockError, reblock_scale, shard_fp8
+from .synthetic import random_parallel_model
 
 __all__ = ["Comm", "ParallelPlan", "RankLayout", "ReblockError", "Shard", "load_parallel", "param_bytes",
-           "reblock_scale", "set_static_moe", "shard_fp8", "shard_model"]
+           "random_parallel_model", "reblock_scale", "set_static_moe", "shard_fp8", "shard_model"]

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from ..checkpoint import CheckpointError, ckpt_name, open_checkpoint
-from ..config import BLOCK, ConfigError, RuntimeOptions
+from ..config import BLOCK, ConfigError, ModelConfig, RuntimeOptions
 from ..layers import yarn_inv_freq
 from ..model import DeepseekV32
 from .comm import Comm
@@ -28,13 +28,31 @@ from .reblock import reblock_scale
 SCALE_SUFFIX = ".weight_scale_inv"
 
 
-def _read(f, name: str, shard: Shard) -> torch.Tensor:
-    sl = f.get_slice(name)
+def take(src, shard: Shard) -> torch.Tensor:
+    """`shard` of `src`: a safetensors slice (read lazily) or an in-memory tensor (a view); both index alike."""
     if shard.dim is None:
-        return sl[:]
+        return src[:]
     if shard.dim == 0:
-        return sl[shard.start: shard.stop]
-    return sl[:, shard.start: shard.stop]
+        return src[shard.start: shard.stop]
+    return src[:, shard.start: shard.stop]
+
+
+def rank_part(layout: RankLayout, name: str, src, weight_shape: tuple[int, ...] | None = None,
+              what: str | None = None) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `name`, given the whole tensor `src` (a safetensors slice or an
+    in-memory tensor): rows / columns of a weight (`layout.shard`), or, for a `.weight_scale_inv`, the whole
+    scale re-blocked to its weight's slice (`weight_shape`: the full weight's shape). The one place the loader
+    (`load_parallel`) and the random sharded model (`mtp.parallel.synthetic`) cut tensors. May return a view
+    of `src`: copy it before freeing the full tensor."""
+    if name.endswith(SCALE_SUFFIX):
+        wname = name[: -len(SCALE_SUFFIX)] + ".weight"
+        if weight_shape is None:
+            raise ValueError(f"rank_part: {name!r} is a block scale; pass the full shape of {wname!r}")
+        return reblock_scale(src[:], tuple(weight_shape), layout.shard(wname), what=what or wname)
+    shard = layout.shard(name)
+    if shard is None:
+        raise ValueError(f"rank_part: rank {layout.rank} holds no part of {name!r}")
+    return take(src, shard)
 
 
 def check_fp8_inputs(layout: RankLayout) -> None:
@@ -52,6 +70,25 @@ def check_fp8_inputs(layout: RankLayout) -> None:
                               f"{BLOCK // math.gcd(BLOCK, cfg.v_head_dim)}, or numerics='dequant'")
 
 
+def parallel_skeleton(cfg: ModelConfig, comm: Comm, *, plan: ParallelPlan | None = None,
+                      dtype: torch.dtype = torch.float32, numerics: str = "fp8", n_mtp: int | None = None,
+                      runtime: RuntimeOptions | None = None,
+                      static_moe: bool = False) -> tuple[DeepseekV32, RankLayout]:
+    """This rank's parallel model on the meta device (parameters still to be filled) and its layout, after
+    the checks every sharded build needs (plan vs group size, whole fp8 activation groups per rank)."""
+    plan = plan or ParallelPlan(world=comm.world)
+    if plan.world != comm.world:
+        raise ConfigError(f"plan.world = {plan.world} but the process group has {comm.world} ranks")
+    layout = RankLayout(cfg, plan, comm.rank)
+    runtime = runtime or RuntimeOptions(numerics=numerics)
+    if cfg.is_fp8 and runtime.numerics == "fp8":
+        check_fp8_inputs(layout)
+    with torch.device("meta"):
+        model = DeepseekV32(cfg, dtype=dtype, n_mtp=n_mtp, runtime=runtime)
+        shard_model(model, layout, comm, static_moe=static_moe)
+    return model, layout
+
+
 def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: ParallelPlan | None = None,
                   device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, numerics: str = "fp8",
                   n_mtp: int | None = None, runtime: RuntimeOptions | None = None,
@@ -62,17 +99,9 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
     group must call this with the same arguments, then run the same forwards / `mtp.generate` calls.
     """
     comm = comm or Comm()
-    plan = plan or ParallelPlan(world=comm.world)
-    if plan.world != comm.world:
-        raise ConfigError(f"plan.world = {plan.world} but the process group has {comm.world} ranks")
     path, cfg, n_mtp, headers = open_checkpoint(path, n_mtp)
-    layout = RankLayout(cfg, plan, comm.rank)
-    runtime = runtime or RuntimeOptions(numerics=numerics)
-    if cfg.is_fp8 and runtime.numerics == "fp8":
-        check_fp8_inputs(layout)
-    with torch.device("meta"):
-        model = DeepseekV32(cfg, dtype=dtype, n_mtp=n_mtp, runtime=runtime)
-        shard_model(model, layout, comm, static_moe=static_moe)
+    model, layout = parallel_skeleton(cfg, comm, plan=plan, dtype=dtype, numerics=numerics, n_mtp=n_mtp,
+                                      runtime=runtime, static_moe=static_moe)
 
     params = dict(model.named_parameters())
     by_file: dict[str, list[str]] = {}
@@ -93,9 +122,9 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
                         t = f.get_tensor(name)
                         if not bool(torch.isfinite(t).all() and (t > 0).all()):
                             raise CheckpointError(f"{file}: tensor {name!r} has non-positive or non-finite scales")
-                        t = reblock_scale(t, headers[wname][0], layout.shard(wname), what=f"{file}: {wname}")
+                        t = rank_part(layout, name, t, headers[wname][0], what=f"{file}: {wname}")
                     else:
-                        t = _read(f, name, layout.shard(name))
+                        t = rank_part(layout, name, f.get_slice(name))
                 except CheckpointError:
                     raise
                 except Exception as e:
