@@ -67,12 +67,7 @@ def full_greedy(model, prompts):
 @pytest.fixture(scope="module")
 def greedy_full(tiny_model, prompts):
     """[B, S] prompt + greedy continuation (N_NEW + 4 tokens, enough for any scripted draft), right-padded."""
-    out = generate(tiny_model, prompts, max_new_tokens=N_NEW + 4)
-    assert out.finish_reasons == ["length"] * len(prompts)
-    full = torch.zeros(len(prompts), 64, dtype=torch.long)
-    for b, (p, t) in enumerate(zip(prompts, out.tokens)):
-        full[b, : len(p) + len(t)] = torch.tensor(p + t)
-    return full
+    return full_greedy(tiny_model, prompts)
 
 
 def reference_drafts(model, dcfg: DraftConfig, tokens_S: torch.Tensor, hidden_SD: torch.Tensor, n: int):
