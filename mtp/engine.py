@@ -9,8 +9,9 @@ the accepted drafts plus one target token are committed and the target cache is 
 lowering its lengths (no copy). Rows advance independently; finished rows stay frozen so every tensor keeps
 its shape. `draft='none'` (K = 0) is plain autoregressive decoding through the same code (the baseline).
 
-Host syncs: one per step to read (n, finished) for the loop condition and cache bounds; plus, when
-`on_step` is given, the committed tokens for streaming. Everything else stays on the device.
+Host syncs (eager mode): one per step to read (n, finished) for the loop condition and cache bounds, plus the
+step's committed tokens for `on_step`. graph / overlap modes (mtp/runner.py) replay the step as one CUDA graph
+and read the same values from pinned buffers, overlap one step late. Design notes: mtp/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -397,7 +398,8 @@ class Engine:
 
 @dataclass
 class DecodeState:
-    """Every tensor a step reads or writes; allocated once per run, updated in place."""
+    """Every tensor a step reads or writes; allocated once per (batch, buffer length), reused by later calls of
+    the same Engine, updated in place."""
 
     tokens: torch.Tensor  # [B, S] committed tokens (drafts scratch past n)
     hidden: torch.Tensor  # [B, S, D] target hidden per position (valid < n-1)
