@@ -126,4 +126,6 @@ def generate_kwargs(cfg: Any, tokenizer: Any = None) -> dict:
     if value(cfg.runtime.mode) != RunMode.eager.value:
         check_runtime(cfg.runtime)
         kw["mode"] = value(cfg.runtime.mode)
+    if cfg.runtime.prefill_chunk is not None:
+        kw["prefill_chunk"] = cfg.runtime.prefill_chunk
     return kw

@@ -160,10 +160,13 @@ class RuntimeSchema:
     num_threads: Optional[int] = None  # torch CPU threads; None: torch's default
     warmup: bool = True  # one short untimed generate before measuring
     fast_path: bool = False  # Triton kernels + fused glue (mtp.fastpath), CUDA + fp8 numerics only
+    prefill_chunk: Optional[int] = None  # prefill in chunks of this many tokens (long prompts); None: one pass
 
     def __post_init__(self):
         if self.fast_path and not self.device.startswith("cuda"):
             _fail("runtime.fast_path", True, "false unless runtime.device is cuda (the Triton kernels need a GPU)")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            _fail("runtime.prefill_chunk", self.prefill_chunk, "null or an integer >= 1")
         if not _DEVICE.match(self.device):
             _fail("runtime.device", self.device, "'cpu', 'cuda' or 'cuda:N'")
         if self.batch_size < 1:

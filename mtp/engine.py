@@ -46,6 +46,7 @@ class GenerationConfig:
     eos_id: int | None = None  # default: the model's eos_token_id
     stop_ids: tuple[int, ...] = ()
     mode: str = "eager"  # eager | graph (whole step in one CUDA graph) | overlap (graph + pipelined host)
+    prefill_chunk: int | None = None  # prefill (target and drafts) in chunks of this many tokens; None: one pass
 
     def validate(self, model: DeepseekV32) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -63,6 +64,8 @@ class GenerationConfig:
                 raise ValueError(f"relaxed delta must be in [0, 1] (probability space), got {self.delta}")
         if self.draft.sampling == "sample" and self.verify != "sample":
             raise ValueError("sampled drafts (draft sampling='sample') need verify='sample' to stay lossless")
+        if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be None or an integer >= 1, got {self.prefill_chunk!r}")
         if self.mode not in ("eager", "graph", "overlap"):
             raise ValueError(f"mode must be 'eager', 'graph' or 'overlap', got {self.mode!r}")
         if self.mode != "eager" and model.device.type != "cuda":
@@ -96,7 +99,7 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]], max_new_token
     """Speculative generation. Options: top_n, delta, think_ids (relaxed); temperature, top_p, top_k,
     draft_sampling, seed (sampling); reuse_modules, target_hidden, chain_hidden (drafts); eos_id, stop_ids."""
     known = {"top_n", "delta", "think_ids", "temperature", "top_p", "top_k", "draft_sampling", "seed",
-             "reuse_modules", "target_hidden", "chain_hidden", "eos_id", "stop_ids", "mode"}
+             "reuse_modules", "target_hidden", "chain_hidden", "eos_id", "stop_ids", "mode", "prefill_chunk"}
     unknown = set(options) - known
     if unknown:
         raise TypeError(f"generate: unknown options {sorted(unknown)}; known: {sorted(known)}")
@@ -112,7 +115,8 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]], max_new_token
                             top_n=options.get("top_n", 10), delta=options.get("delta", 0.6),
                             think_ids=tuple(think) if think is not None else None, sampling=sp,
                             seed=options.get("seed", 0), eos_id=options.get("eos_id"),
-                            stop_ids=tuple(options.get("stop_ids", ())), mode=options.get("mode", "eager"))
+                            stop_ids=tuple(options.get("stop_ids", ())), mode=options.get("mode", "eager"),
+                            prefill_chunk=options.get("prefill_chunk"))
     if gcfg.mode == "eager":
         return Engine(model, gcfg).run(prompts, on_step=on_step)
     # graph / overlap: keep the engine (buffers + captured step graphs) for the next call with these settings
@@ -251,13 +255,20 @@ class Engine:
         first token. Leaves n = P + 1 and the target cache at P positions."""
         m, g, dcfg, dev = self.model, self.g, self.g.draft, self.dev
         B, Tp, P_B = st.B, st.Tp, st.P_B
-        out = m(st.tokens[:, :Tp], st.cache, kv_len=Tp, logits_at=(P_B - 1).unsqueeze(1))
-        st.hidden[:, :Tp] = pick_hidden(out, dcfg.target_hidden)
+        C = g.prefill_chunk or Tp
+        last = None  # logits at each row's last prompt position, taken from the chunk that holds it
+        for s in range(0, Tp, C):  # chunks run through the cache-using forward, as decoding does
+            e = min(Tp, s + C)
+            at = (P_B - 1).clamp(s, e - 1) - s
+            out = m(st.tokens[:, s:e], st.cache, kv_len=e, logits_at=at.unsqueeze(1))
+            st.hidden[:, s:e] = pick_hidden(out, dcfg.target_hidden)
+            here = ((P_B - 1 >= s) & (P_B - 1 < e)).view(B, 1, 1)
+            last = out.logits if last is None else torch.where(here, out.logits, last)
         st.cache.truncate(P_B)
         if g.think_ids is not None:
             st.think_B.copy_(update_think_state(st.think_B, st.tokens[:, :Tp],
                                                 torch.arange(Tp, device=dev) < P_B.unsqueeze(1), *g.think_ids))
-        first = self._verify(st.tokens[:, :0], None, out.logits, st.think_B).next_token_B
+        first = self._verify(st.tokens[:, :0], None, last, st.think_B).next_token_B
         st.tokens[torch.arange(B, device=dev), P_B] = first
         st.n_B.copy_(P_B + 1)
         st.finished_B.copy_(torch.isin(first, self.stop_ids) | (st.gen_B >= st.max_new_B))
@@ -275,7 +286,7 @@ class Engine:
         prefill = getattr(st.proposer, "prefill", None)  # custom proposers without caches need none
         if prefill is None:
             return
-        prefill(st.tokens, st.hidden, st.n_B, st.Tp, max_n=self._bound(st, host))
+        prefill(st.tokens, st.hidden, st.n_B, st.Tp, max_n=self._bound(st, host), chunk=self.g.prefill_chunk)
         st.p0_B.copy_((st.n_B - 1 - self.g.draft.window()).clamp_min(0))
 
     def _step(self, st: "DecodeState", W: int, max_n: int, marks: list | None = None) -> None:
@@ -381,7 +392,8 @@ class Engine:
             # K module forwards per step (vanilla: one per depth; eagle: window + K-1 chained) plus the draft
             # prefill (each vanilla module once, the eagle module once). Counted, not read from the proposer:
             # graph replays do not run its Python, and a reused proposer's counter spans earlier calls.
-            met.draft_forwards = K * met.target_forwards + (K if dcfg.mode == "vanilla" else 1) * drafting
+            chunks = -(-st.Tp // (g.prefill_chunk or st.Tp))
+            met.draft_forwards = K * met.target_forwards + (K if dcfg.mode == "vanilla" else 1) * chunks * drafting
         elif st.proposer is not None:
             met.draft_forwards = st.proposer.draft_forwards - fw0
         n_host, P_host = st.n_B.tolist(), st.P_B.tolist()

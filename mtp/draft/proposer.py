@@ -80,11 +80,15 @@ class Proposer:
         self.draft_forwards = 0
 
     def prefill(self, tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, W: int,
-                max_n: int) -> None:
-        """Fill the draft caches over the prompt (window from 0, W = longest prompt). Its drafts are scratch:
-        argmax (no random draws), and eagle does not chain."""
-        p0 = torch.zeros_like(n_B)
-        self.propose(tokens_BS, hidden_BSD, n_B, p0, W, lambda lg: (lg.argmax(-1), None), max_n, chain=False)
+                max_n: int, chunk: int | None = None) -> None:
+        """Fill the draft caches over the prompt: windows from 0 covering W positions (the longest prompt), in
+        chunks of `chunk` positions if given (each chunk's window appends to the caches). Its drafts are
+        scratch: argmax (no random draws), and eagle does not chain."""
+        C = chunk or W
+        for s in range(0, W, C):
+            p0 = torch.full_like(n_B, s)
+            self.propose(tokens_BS, hidden_BSD, n_B, p0, min(C, W - s), lambda lg: (lg.argmax(-1), None),
+                         max(max_n, s + C + 1), chain=False)
 
     def propose(self, tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor,
                 W: int, draw, max_n: int, chain: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -96,7 +100,7 @@ class Proposer:
         B = n_B.shape[0]
         dev = tokens_BS.device
         pos_BW = p0_B.unsqueeze(1) + torch.arange(W, device=dev)
-        out_idx_B = (n_B - 2 - p0_B).clamp_min(0)
+        out_idx_B = (n_B - 2 - p0_B).clamp(0, W - 1)  # in range for the prefill's chunks too
         rows = torch.arange(B, device=dev)
         hid = hidden_BSD.gather(1, pos_BW.unsqueeze(-1).expand(-1, -1, hidden_BSD.shape[-1]))
         drafts, probs = [], []
