@@ -99,11 +99,8 @@ def mla_attend_fast(mla: MLA, x_BTD, qr_BTQ, q_nope, q_pe, cos, sin, cache, S: i
     from .kernels.indexer import indexer_topk
     from .kernels.mla_decode import mla_decode
 
-    B, T = x_BTD.shape[:2]
     ix = mla.indexer
-    q = ix.wq_b(qr_BTQ).view(B, T, ix.n_heads, ix.head_dim)
-    q = torch.cat((glue.rope_half(q[..., : ix.rope_dim], cos, sin), q[..., ix.rope_dim:]), dim=-1)
-    q8, qs = glue.act_quant(glue.rotate_activation(q))  # qs [B, T, Hi, 1]
+    q8, qs = glue.act_quant(ix.queries(qr_BTQ, cos, sin))  # qs [B, T, Hi, 1]
     w = torch.nn.functional.linear(x_BTD.float(), mla.w_idx)  # fp32 copy, scaled by Hi^-0.5 * Dk^-0.5
     lens = cache.seq_lens  # keys before this block; query t sees < lens + t + 1
     topk_idx = None
