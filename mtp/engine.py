@@ -357,6 +357,7 @@ class Engine:
         met = SpecMetrics(k=K, draft=dcfg.mode, verify=g.verify, n_rows=B, prompt_tokens=int(sum(map(len, prompts))),
                           hidden_options={"target_hidden": dcfg.target_hidden, "chain_hidden": dcfg.chain_hidden})
         st = self._state_for(prompts, max_new)
+        self.gen.manual_seed(g.seed)  # every call draws as a fresh engine would (reused engines included)
         fw0 = getattr(st.proposer, "draft_forwards", 0)
         t0 = self._clock()
         self._prefill(st)

@@ -43,3 +43,10 @@ def test_generate_eager_matches_engine_and_bad_max_new(tiny_model):
     assert eng.run(P1).tokens == generate(tiny_model, P1, 6, draft="eagle", k=1).tokens
     with pytest.raises(ValueError, match="max_new_tokens"):
         eng.run(P1, max_new_tokens=0)
+
+
+def test_reused_engine_sampling_reproduces_per_call(tiny_model):
+    g = GenerationConfig(max_new_tokens=10, draft=DraftConfig(mode="eagle", k=2), verify="sample", seed=3)
+    eng = Engine(tiny_model, g)
+    first = eng.run(P1).tokens
+    assert eng.run(P1).tokens == first == Engine(tiny_model, g).run(P1).tokens
