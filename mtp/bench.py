@@ -94,6 +94,32 @@ def _capture(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def kernel_profile(replay, steps: int = 10, top: int = 30) -> dict:
+    """Kernel time inside `steps` replays (torch.profiler / CUPTI sees the kernels of a replayed graph):
+    per-kernel-name total and count per step, the sum of kernel time per step, and the number of kernels per
+    step. Compared with the graph's event time this splits a step into kernel work and the gaps between
+    kernels (launch latency, tails of under-filled kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = e.cuda_time_total
+        if t <= 0 or e.key.startswith("cuda"):  # runtime API rows, not device work
+            continue
+        rows.append({"name": e.key[:120], "us_per_step": t / steps, "calls_per_step": e.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"kernel_us_per_step": sum(r["us_per_step"] for r in rows),
+            "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:top]}
+
+
 def bench_ours(args, bw: float) -> dict:
     from .engine import generate
     from .fastpath import enable_fast_path
@@ -126,7 +152,10 @@ def bench_ours(args, bw: float) -> dict:
 
         with torch.no_grad():
             eager_ms = _time_ms(fwd)
-            graph_ms = _time_ms(_capture(fwd).replay)
+            graph = _capture(fwd)
+            graph_ms = _time_ms(graph.replay)
+            prof = kernel_profile(graph.replay) if args.profile and w in (1, args.k + 1) else None
+            del graph
             glue.reset()  # same step with the unfused glue, side by side
             graph_plain_ms = _time_ms(_capture(fwd).replay)
             glue.compile()
@@ -140,12 +169,16 @@ def bench_ours(args, bw: float) -> dict:
         widths[w] = {"eager_ms": eager_ms, "graph_ms": graph_ms, "graph_ms_unfused_glue": graph_plain_ms,
                      "experts_touched": touched, "bytes": by,
                      "roofline_ms": roof_ms, "pct_of_roofline_graph": 100 * roof_ms / graph_ms}
+        if prof is not None:
+            widths[w]["profile"] = prof
     res["target_step"] = widths
     # whole speculative steps (draft K + verify K+1 + accept + commit) in each mode
     spec = {}
     prompts = ids[:, :L].tolist()
     for draft, k in (("none", 0), ("eagle", args.k)):
         for mode in ("eager", "graph", "overlap"):
+            # the first call captures (kept by generate for the next call); the second is the one timed
+            generate(model, prompts, 8, draft=draft, k=k, mode=mode)
             out = generate(model, prompts, args.new_tokens, draft=draft, k=k, mode=mode)
             m = out.metrics
             d = m.to_dict()
@@ -203,6 +236,13 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--hf", action="store_true", help="also time transformers' eager implementation")
     ap.add_argument("--hf-layers", type=int, default=3)
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel time of the graph step at w=1 and w=K+1 (torch.profiler), in the JSON and table")
+    ap.add_argument("--accept", type=float, default=0.85,
+                    help="per-position draft acceptance for the full-model projection (DeepSeek reports 85-90%% "
+                         "for the first MTP token)")
+    ap.add_argument("--allreduce-us", type=float, default=10.0,
+                    help="assumed latency of one small all-reduce, for the TP 8 projection")
     ap.add_argument("--out", default="bench.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -227,22 +267,49 @@ def main(argv=None) -> None:
     _table(res)
 
 
+NOMINAL_HBM_TBps = {"H100": 3.35, "H200": 4.8}  # spec sheets: only the ratio is used, to carry one GPU's
+# measured ms/byte to the other
+
+
 def _project(res: dict, args) -> None:
-    """Full-model TPOT from measured per-step time scaled by bytes: (61 layers + MTP) / measured layers."""
+    """Full-model estimates from this run. Bytes: every layer's non-expert weights, 58 MoE layers' touched
+    experts, lm_head and KV, from the measured per-layer bytes. Time: the measured ms/byte at the same width
+    (so our % of roofline carries over). MTP: the measured draft cost of the eagle step (whole spec step minus
+    the target forward at width K+1; it does not grow with depth) and AL = sum_j p^j for a per-position
+    acceptance p (--accept). TP: weight and KV bytes / TP per GPU plus 2 all-reduces per layer at --allreduce-us
+    each (an assumption, not measured here). The other GPU: scaled by the spec-sheet HBM ratio."""
     o = res["ours"]["target_step"]
-    w1 = o[1]
-    per_byte_ms = w1["graph_ms"] / w1["bytes"]["total"]
-    full = {}
+    per_width = {}
     for w, r in o.items():
         b = r["bytes"]
         moe_layers = args.layers - args.dense_layers
         per_moe = b["weights_experts"] / max(moe_layers, 1)
-        dense_per_layer = (b["weights_dense"]) / args.layers
+        dense_per_layer = b["weights_dense"] / args.layers
         full_bytes = 61 * dense_per_layer + 58 * per_moe + b["lm_head"] + b["kv"] / args.layers * 61
-        full[w] = {"bytes": full_bytes, "tpot_ms_1gpu_est": full_bytes * r["graph_ms"] / b["total"]}
-    res["projection_full_61_layers"] = {"note": "measured ms/byte of this run times the full model's bytes; one GPU, "
-                                        "no TP; for TP=8 divide bytes by 8 and add all-reduce latency",
-                                        "per_width": full, "ms_per_byte_w1": per_byte_ms}
+        per_width[int(w)] = {"bytes": full_bytes, "ms_per_byte": r["graph_ms"] / b["total"]}
+    spec = res["ours"]["spec_step"].get(f"eagle_k{args.k}_graph", {})
+    draft_ms = (spec.get("gpu_step_ms") or float("nan")) - o[args.k + 1]["graph_ms"]
+    here = next((g for g in NOMINAL_HBM_TBps if g in res["device"]), None)
+    p = args.accept
+    al = sum(p ** j for j in range(args.k + 1))
+    table = {}
+    for gpu in NOMINAL_HBM_TBps:
+        scale = NOMINAL_HBM_TBps[here] / NOMINAL_HBM_TBps[gpu] if here else float("nan")
+        for tp in (1, 8):
+            comm_ms = 0.0 if tp == 1 else (2 * 61 + 2) * args.allreduce_us * 1e-3
+
+            def t(w, tp=tp, scale=scale, comm_ms=comm_ms):
+                x = per_width[w]
+                return x["bytes"] / tp * x["ms_per_byte"] * scale + comm_ms
+
+            plain = t(1)
+            step = t(args.k + 1) + draft_ms * scale / tp + comm_ms / 61 * args.k  # draft: 1 layer per forward
+            table[f"{gpu}_tp{tp}"] = {"tpot_plain_ms": plain, "spec_step_ms": step, "AL": al,
+                                      "tpot_mtp_ms": step / al, "mtp_speedup": al * plain / step}
+    res["projection_full_61_layers"] = {
+        "note": " ".join(_project.__doc__.split()), "accept_per_position": p, "k": args.k,
+        "draft_ms_measured": draft_ms, "measured_on": here, "allreduce_us_assumed": args.allreduce_us,
+        "bytes_per_width": {w: x["bytes"] for w, x in per_width.items()}, "table": table}
 
 
 def _table(res: dict) -> None:
@@ -253,12 +320,22 @@ def _table(res: dict) -> None:
         print(f"{'target step w=' + str(w) + ' graph':34s} {r['graph_ms']:9.3f} {r['roofline_ms']:12.3f} "
               f"{r['pct_of_roofline_graph']:7.1f}")
         print(f"{'  same, unfused glue':34s} {r['graph_ms_unfused_glue']:9.3f}")
+        if "profile" in r:
+            p = r["profile"]
+            print(f"  kernels/step {p['kernels_per_step']:.0f}, kernel time {p['kernel_us_per_step'] / 1e3:.3f} ms of "
+                  f"{r['graph_ms']:.3f} ms; top:")
+            for k in p["top"][:12]:
+                print(f"    {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  {k['name'][:70]}")
     for name, r in res["ours"]["spec_step"].items():
         idle = r["gpu_idle_frac"]
         extra = f" idle {100 * idle:.1f}%" if idle is not None else ""
         print(f"{'spec ' + name:34s} {r['step_ms_wall']:9.3f}  (wall per step){extra}")
     if "hf_error" in res:
         print("transformers baseline failed:", res["hf_error"])
+    pj = res.get("projection_full_61_layers", {})
+    for name, r in pj.get("table", {}).items():
+        print(f"{'full 61 layers ' + name:34s} TPOT plain {r['tpot_plain_ms']:6.2f} ms, MTP k={pj['k']} "
+              f"{r['tpot_mtp_ms']:6.2f} ms (AL {r['AL']:.2f}, {r['mtp_speedup']:.2f}x)")
     if "hf" in res:
         print(f"{'transformers eager decode':34s} {res['hf']['decode_ms']:9.3f}  ({res['hf']['layers']} layers)"
               f"  ours is {res['speedup_vs_hf_w1']:.1f}x faster (w=1 graph, per layer)")
