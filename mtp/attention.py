@@ -69,6 +69,7 @@ class Indexer(nn.Module):
 
 class MLA(nn.Module):
     backend: str = "reference"  # 'triton': mtp/fastpath.py (absorbed blocks over the FP8 cache)
+    fused_a = fused_qb = None  # set by enable_fast_path: stacked FP8 weights of the projections sharing an input
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -88,6 +89,11 @@ class MLA(nn.Module):
     def forward(self, x_BTD, pos_BT, cos, sin, cache: LayerCache, S: int, opts: RuntimeOptions) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         dt = x_BTD.dtype
+        naive = opts.attn_impl == "naive" or (opts.attn_impl == "auto" and T > opts.absorb_max_tokens)
+        if self.backend == "triton" and not naive and cache.quantized:
+            from .fastpath import mla_forward_fast
+
+            return mla_forward_fast(self, x_BTD, pos_BT, cos, sin, cache, S)
         qr = self.q_a_layernorm(self.q_a_proj(x_BTD), dt)
         q = self.q_b_proj(qr).view(B, T, self.H, self.P + self.R)
         q_nope, q_pe = q[..., : self.P], glue.rope_interleaved(q[..., self.P:], cos, sin)
@@ -95,13 +101,6 @@ class MLA(nn.Module):
         c = self.kv_a_layernorm(kv[..., : self.C], dt)
         k_pe = glue.rope_interleaved(kv[..., self.C:], cos, sin)
         cache.write(pos_BT, c, k_pe, self.indexer.keys(x_BTD, cos, sin))
-        naive = opts.attn_impl == "naive" or (opts.attn_impl == "auto" and T > opts.absorb_max_tokens)
-        if self.backend == "triton" and not naive and cache.quantized:
-            from .fastpath import mla_attend_fast
-
-            o = mla_attend_fast(self, x_BTD, qr, q_nope, q_pe, cos, sin, cache, S)
-            return self.o_proj(o.reshape(B, T, self.H * self.V).to(dt))
-
         visible_BTS = torch.arange(S, device=x_BTD.device).view(1, 1, S) <= pos_BT.unsqueeze(-1)
         keep_BTS = self.indexer.select(x_BTD, qr, cos, sin, cache, S, visible_BTS)
         a = fp8.acc_dtype(dt)

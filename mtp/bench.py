@@ -9,6 +9,7 @@ Projections to the full 61-layer model use the measured per-layer costs. Prints 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -121,7 +122,7 @@ def kernel_profile(replay, steps: int = 10, top: int = 30) -> dict:
 
 
 def bench_ours(args, bw: float) -> dict:
-    from .engine import generate
+    from .engine import generate, release
     from .fastpath import enable_fast_path
     from .layers import glue
     from .synthetic import random_model, real_config
@@ -191,8 +192,11 @@ def bench_ours(args, bw: float) -> dict:
     res["spec_step"] = spec
     # per-layer costs for projections: attention-only share from a dense vs MoE split is not separable here;
     # use bytes: the measured graph time scaled by the byte ratio of the full model
-    del model
+    release(model)  # generate's kept engines hold the model and their graphs' memory pools
+    del model, out, kv, fwd
+    gc.collect()
     torch.cuda.empty_cache()
+    res["gpu_mem_gib_after_release"] = torch.cuda.memory_allocated() / 2**30
     return res
 
 

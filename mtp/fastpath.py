@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .attention import MLA
-from .layers import Linear, glue
+from .layers import MLP, Linear, glue
 from .model import DeepseekV32
 from .moe import MoE
 
@@ -37,6 +37,11 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV
         raise ValueError("the fast path implements DeepSeek's FP8 numerics: load an FP8 checkpoint with numerics='fp8'")
     if compile_glue:
         glue.compile()
+    routed = set()  # routed experts (MoE's list, the expert-parallel MoE's dict) keep their own layout
+    for mod in model.modules():
+        ex = getattr(mod, "experts", None)
+        if isinstance(ex, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            routed.update(id(e) for e in (ex.values() if isinstance(ex, torch.nn.ModuleDict) else ex))
     for mod in model.modules():
         if isinstance(mod, Linear) and mod.is_fp8:
             mod.backend = "triton"
@@ -49,8 +54,35 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV
             mod.w_vb = w[:, mod.P:].contiguous()  # [H, V, C]
             ix = mod.indexer
             mod.w_idx = ix.weights_proj.weight.float() * (ix.n_heads ** -0.5 * ix.head_dim ** -0.5)
+            # the projections that read the same input, as one weight each (one launch instead of 3 and 2)
+            mod.fused_a = fuse_rows([mod.q_a_proj, ix.wk, mod.kv_a_proj_with_mqa])
+            mod.fused_qb = fuse_rows([mod.q_b_proj, ix.wq_b])
             mod.backend = "triton"
+        elif type(mod) is MLP and id(mod) not in routed:  # dense MLPs and shared experts: gate and up as one
+            mod.fused_gate_up = fuse_rows([mod.gate_proj, mod.up_proj])
     return model
+
+
+def fuse_rows(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One FP8 weight (and its block scales) holding the given linears' rows one after the other, for one
+    GEMV/GEMM launch where several projections read the same input. Each linear's parameters are re-pointed at
+    its rows of the stacked tensors, so no memory is added and the reference path reads the same bytes.
+    Exact: output row n of the stacked product is row n of the part it came from (same activation quant,
+    same 128-block scales), provided every part but the last has a multiple of 128 rows, so that no scale
+    block straddles two parts; otherwise (and for non-FP8 or mismatched inputs) returns None."""
+    if not all(lin.is_fp8 for lin in linears) or len({lin.in_features for lin in linears}) != 1:
+        return None
+    if any(lin.out_features % 128 for lin in linears[:-1]):
+        return None
+    w = torch.cat([lin.weight.data for lin in linears])
+    s = torch.cat([lin.weight_scale_inv.data for lin in linears])
+    r, b = 0, 0
+    for lin in linears:
+        n, nb = lin.out_features, lin.weight_scale_inv.shape[0]
+        lin.weight = torch.nn.Parameter(w[r:r + n], requires_grad=False)
+        lin.weight_scale_inv = torch.nn.Parameter(s[b:b + nb], requires_grad=False)
+        r, b = r + n, b + nb
+    return w, s
 
 
 def _mla_kernel_fits(mla: MLA) -> bool:
@@ -94,13 +126,47 @@ def moe_forward_fast(moe: MoE, x_ND: torch.Tensor) -> torch.Tensor:
                        out_dtype=torch.float32)
 
 
-def mla_attend_fast(mla: MLA, x_BTD, qr_BTQ, q_nope, q_pe, cos, sin, cache, S: int) -> torch.Tensor:
-    """Absorbed MLA over the FP8 cache with the indexer's top-k: returns o [B, T, H, V] fp32."""
+def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int) -> torch.Tensor:
+    """The whole MLA block of a decode / verify step on the kernels: the fused input projections
+    (q_a | indexer wk | kv_a, then q_b | indexer wq_b), the FP8 cache write in one launch, the indexer top-k and
+    absorbed attention over the cache, o_proj. Same formulas as `MLA.forward`'s absorbed path."""
+    from .kernels.cache_write import cache_write
+    from .kernels.fp8_gemm import fp8_linear
+
+    B, T, _ = x_BTD.shape
+    dt = x_BTD.dtype
+    ix = mla.indexer
+    Q, Dk, H, P, R = mla.q_a_proj.out_features, ix.head_dim, mla.H, mla.P, mla.R
+    if mla.fused_a is not None:
+        a = fp8_linear(x_BTD, *mla.fused_a)
+        qa, k_idx, kv = a[..., :Q], a[..., Q:Q + Dk], a[..., Q + Dk:]
+    else:
+        qa, k_idx, kv = mla.q_a_proj(x_BTD), ix.wk(x_BTD), mla.kv_a_proj_with_mqa(x_BTD)
+    qr = mla.q_a_layernorm(qa, dt)
+    c = mla.kv_a_layernorm(kv[..., : mla.C], dt)
+    k_pe = glue.rope_interleaved(kv[..., mla.C:], cos, sin)
+    cache_write(cache, pos_BT, c, k_pe, ix._rotate(ix.k_norm(k_idx), cos, sin))
+    if mla.fused_qb is not None:
+        qq = fp8_linear(qr, *mla.fused_qb)
+        q, iq = qq[..., : H * (P + R)], qq[..., H * (P + R):]
+    else:
+        q, iq = mla.q_b_proj(qr), ix.wq_b(qr)
+    q = q.view(B, T, H, P + R)
+    q_nope, q_pe = q[..., :P], glue.rope_interleaved(q[..., P:], cos, sin)
+    iq = ix._rotate(iq.view(B, T, ix.n_heads, Dk), cos, sin)
+    o = mla_attend_fast(mla, x_BTD, iq, q_nope, q_pe, cache, S, out_dtype=dt)
+    return mla.o_proj(o.reshape(B, T, H * mla.V))
+
+
+def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Absorbed MLA over the FP8 cache with the indexer's top-k: returns o [B, T, H, V] in out_dtype.
+    iq_BTHD: the indexer queries, rotated (`Indexer.queries`), before quantization."""
     from .kernels.indexer import indexer_topk
     from .kernels.mla_decode import mla_decode
 
     ix = mla.indexer
-    q8, qs = glue.act_quant(ix.queries(qr_BTQ, cos, sin))  # qs [B, T, Hi, 1]
+    q8, qs = glue.act_quant(iq_BTHD)  # qs [B, T, Hi, 1]
     w = torch.nn.functional.linear(x_BTD.float(), mla.w_idx)  # fp32 copy, scaled by Hi^-0.5 * Dk^-0.5
     lens = cache.seq_lens  # keys before this block; query t sees < lens + t + 1
     topk_idx = None
@@ -109,5 +175,5 @@ def mla_attend_fast(mla: MLA, x_BTD, qr_BTQ, q_nope, q_pe, cos, sin, cache, S: i
                                    topk=ix.topk)
     q_lat = torch.einsum("bthp,hpc->bthc", q_nope.to(torch.bfloat16), mla.w_kb).contiguous()
     o_lat = mla_decode(q_lat, q_pe.to(torch.bfloat16).contiguous(), cache.kv[:, :S], cache.kv_scale[:, :S],
-                       cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.float32)
-    return torch.einsum("bthc,hvc->bthv", o_lat.to(torch.bfloat16), mla.w_vb).float()
+                       cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.bfloat16)
+    return torch.einsum("bthc,hvc->bthv", o_lat, mla.w_vb).to(out_dtype)

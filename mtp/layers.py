@@ -111,7 +111,15 @@ class MLP(nn.Module):
         self.up_proj = Linear(dim, inter, fp8_weight, dtype)
         self.down_proj = Linear(inter, dim, fp8_weight, dtype)
 
+    fused_gate_up = None  # (weight, scales) of gate and up stacked, set by mtp.fastpath.enable_fast_path
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_gate_up is not None and self.gate_proj.backend == "triton":  # one GEMV for both
+            from .kernels.fp8_gemm import fp8_linear
+
+            gu = fp8_linear(x, *self.fused_gate_up)
+            i = self.gate_proj.out_features
+            return self.down_proj(glue.silu_mul(gu[..., :i], gu[..., i:], x.dtype))
         return self.down_proj(glue.silu_mul(self.gate_proj(x), self.up_proj(x), x.dtype))
 
 
