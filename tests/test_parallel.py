@@ -174,8 +174,10 @@ GPU_PROMPTS = [list(range(3, 40)), list(range(50, 61))]  # 37 > index_topk 16: s
 
 def _nccl_worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
     """bf16 on 2 GPUs over NCCL: logits, and eagle k=2 generations in the engine's eager, graph (whole step
-    captured, NCCL collectives inside) and overlap modes, on the reference path and on the Triton fast path."""
+    captured, NCCL collectives inside) and overlap modes, on the reference path and on the Triton fast path
+    (expert-parallel MoE included: `moe_experts` on the local experts, -1 slots for the other rank's)."""
     from mtp.fastpath import enable_fast_path
+    from mtp.parallel.modules import ExpertParallelMoE
 
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
@@ -187,6 +189,8 @@ def _nccl_worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
         for mode in ("eager", "graph", "overlap"):
             res[f"ref/{mode}"] = mtp.generate(m, GPU_PROMPTS, 16, draft="eagle", k=2, mode=mode).tokens
         enable_fast_path(m)
+        res["ep_backends"] = [getattr(mod, "backend", None) for mod in m.modules()
+                              if isinstance(mod, ExpertParallelMoE)]
         res["fast"] = {k: v.cpu() for k, v in checks(m, generate=False).items()}
         for mode in ("eager", "graph"):
             res[f"fast/{mode}"] = mtp.generate(m, GPU_PROMPTS, 16, draft="eagle", k=2, mode=mode).tokens
@@ -204,6 +208,8 @@ def test_nccl_tp2_eager_graph_overlap(par_ckpt, tmp_path):
     ref = {k: v.cpu() for k, v in checks(tp1, generate=False).items()}
     tp1_tokens = mtp.generate(tp1, GPU_PROMPTS, 16, draft="eagle", k=2).tokens
     for r in range(WORLD):
+        eps = got[r]["ep_backends"]
+        assert eps and all(b == "triton" for b in eps), f"rank {r}: the fast path left ExpertParallelMoE on {eps}"
         for key in ("prefill", "decode", "mtp"):
             for path, bound in (("ref", 2e-2), ("fast", 5e-2)):
                 a, b = got[r][path][key].float(), ref[key].float()

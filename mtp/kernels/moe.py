@@ -17,12 +17,15 @@ sigmoid, group scores on an [NG, E/NG] view, top-k by iterated arg-max). 7.9 us 
 Expert compute reads only the selected experts' weights. A program is launched per (token, slot) pair
 and N-block; the first pair that names an expert (the "leader") computes it for every token routed to it
 (so an expert picked by several tokens is read once) and the others do no loop iterations. This keeps
-the grid static (CUDA-graph friendly, no host sync).
+the grid static (CUDA-graph friendly, no host sync). An expert id of -1 marks a slot to skip (expert
+parallelism: the expert lives on another rank): it is never a leader, reads no weights, writes nothing and
+adds exactly 0, so a token may hold any number of -1 slots.
 1. `_moe_gate_up_kernel`: x quantized per 128 in registers, gate and up FP8 tiles dotted together,
    h = silu(g) * u in fp32, then h quantized per 128 in the epilogue (the 128-row N-block is exactly one
    K-group of the down projection) and stored as fp8 + scale per (token, slot).
 2. `_moe_down_kernel`: down projection of h8, times the routing weight, stored per (token, slot) in fp32.
-3. `_moe_combine_kernel`: y[t] = sum over slots j = 0..J-1 in order (deterministic, no atomics).
+3. `_moe_combine_kernel`: y[t] = sum over slots j = 0..J-1 in order (deterministic, no atomics), skipping
+   the -1 slots (their rows of the per-slot buffer are never written).
 H200, 256 experts of 7168 x 2048: 105 us for one token (79% of copy bandwidth), 89-94% from two tokens on.
 """
 
@@ -64,13 +67,16 @@ def moe_route_ref(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor,
 
 
 def moe_experts_ref(x_TD, idx_TJ, w_TJ, w_gate, s_gate, w_up, s_up, w_down, s_down, out_dtype=None) -> torch.Tensor:
-    """Per-token loop over the selected experts with `fp8_gemm_ref`: y[t] = sum_j w[t,j] * down(silu(gate x) * up x)."""
+    """Per-token loop over the selected experts with `fp8_gemm_ref`: y[t] = sum_j w[t,j] * down(silu(gate x) * up x).
+    Slots with expert id -1 (not on this rank) are skipped."""
     T, D = x_TD.shape
     y = torch.zeros(T, w_down.shape[1], dtype=torch.float32, device=x_TD.device)
     for t in range(T):
         x8, sx = act_quant_ref(x_TD[t:t + 1])
         for j in range(idx_TJ.shape[1]):
             e = int(idx_TJ[t, j])
+            if e < 0:
+                continue
             g = fp8_gemm_ref(x8, sx, w_gate[e], s_gate[e])
             u = fp8_gemm_ref(x8, sx, w_up[e], s_up[e])
             h8, sh = act_quant_ref(F.silu(g) * u)
@@ -192,15 +198,18 @@ def moe_route(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_g
 @triton.jit
 def _slot_info(idx_ptr, p, T, TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr, KPAD: tl.constexpr):
     """For pair p: its expert e, whether p is the first pair naming e, and per token row m whether it is
-    routed to e and at which flat slot m * TOPK + j."""
+    routed to e and at which flat slot m * TOPK + j. A pair with e < 0 (skipped slot) is never a leader and
+    has no active rows: a token may hold several -1 slots, which must not count as one shared expert."""
     e = tl.load(idx_ptr + p)
+    valid = e >= 0
     q = tl.arange(0, PPAD)
-    all_idx = tl.load(idx_ptr + q, mask=q < T * TOPK, other=-1)
-    is_leader = tl.sum(((all_idx == e) & (q < p)).to(tl.int32), 0) == 0
+    # padding loads -2: never an expert, nor the -1 of a skipped slot
+    all_idx = tl.load(idx_ptr + q, mask=q < T * TOPK, other=-2)
+    is_leader = valid & (tl.sum(((all_idx == e) & (q < p)).to(tl.int32), 0) == 0)
     m = tl.arange(0, BM)
     j = tl.arange(0, KPAD)
-    idx2 = tl.load(idx_ptr + m[:, None] * TOPK + j[None, :], mask=(m[:, None] < T) & (j[None, :] < TOPK), other=-1)
-    eq = idx2 == e
+    idx2 = tl.load(idx_ptr + m[:, None] * TOPK + j[None, :], mask=(m[:, None] < T) & (j[None, :] < TOPK), other=-2)
+    eq = (idx2 == e) & valid  # e < 0: no row is active, so `slot` is never used to load or store
     active = tl.sum(eq.to(tl.int32), 1) > 0
     slot = m * TOPK + tl.sum(tl.where(eq, j[None, :], 0), 1)
     return e, is_leader, active, slot
@@ -272,13 +281,14 @@ def _moe_down_kernel(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
 
 
 @triton.jit
-def _moe_combine_kernel(part_ptr, y_ptr, D, TOPK: tl.constexpr, BLOCK_D: tl.constexpr):
+def _moe_combine_kernel(part_ptr, idx_ptr, y_ptr, D, TOPK: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for j in tl.static_range(TOPK):  # slot order: deterministic
-        acc += tl.load(part_ptr + (t * TOPK + j).to(tl.int64) * D + offs, mask=mask, other=0.0)
+        used = tl.load(idx_ptr + t * TOPK + j) >= 0  # a -1 slot's row of `part` was never written
+        acc += tl.load(part_ptr + (t * TOPK + j).to(tl.int64) * D + offs, mask=mask & used, other=0.0)
     tl.store(y_ptr + t.to(tl.int64) * D + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -300,8 +310,10 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                 out_dtype: torch.dtype | None = None, gate_up_stages: int | None = None, down_stages: int = 5) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= 64 tokens: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
-    idx_TJ int32 (valid expert ids, distinct within a token), w_TJ fp32. Three launches; reads each selected
-    expert's weights once.
+    idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
+    another rank: reads nothing, adds 0; any number per token). w_TJ fp32. Three launches; reads each
+    selected expert's weights once. Ids are range-checked only when they live on the CPU (interpreter):
+    on CUDA a check would be a host sync, and the call must stay CUDA-graph capturable.
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
@@ -309,6 +321,11 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     E, I = w_gate.shape[0], w_gate.shape[1]
     if T > MAX_TOKENS:
         raise ValueError(f"moe_experts: at most {MAX_TOKENS} tokens, got {T}")
+    if tuple(idx_TJ.shape) != (T, J) or tuple(w_TJ.shape) != (T, J) or idx_TJ.is_floating_point():
+        raise ValueError(f"moe_experts: idx (integer) and weights must be [{T}, J], got {idx_TJ.dtype} "
+                         f"{list(idx_TJ.shape)} and {list(w_TJ.shape)}")
+    if not idx_TJ.is_cuda and idx_TJ.numel() and not (-1 <= int(idx_TJ.min()) and int(idx_TJ.max()) < E):
+        raise ValueError(f"moe_experts: expert ids must be in [0, {E}) or -1, got {idx_TJ.tolist()}")
     if D % BLOCK or I % BLOCK:
         raise ValueError(f"moe_experts: D = {D} and I = {I} must be multiples of {BLOCK}")
     _check_experts("w_gate", w_gate, s_gate, E, I, D)
@@ -336,5 +353,5 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                                                  TOPK=J, BM=bm, PPAD=ppad, KPAD=kpad, num_warps=4, num_stages=down_stages)
     y = torch.empty(T, D, dtype=out_dtype or x_TD.dtype, device=dev)
     bd = 1024
-    _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, y, D, TOPK=J, BLOCK_D=bd, num_warps=4)
+    _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, idx, y, D, TOPK=J, BLOCK_D=bd, num_warps=4)
     return y

@@ -123,9 +123,13 @@ def moe_path(model) -> dict | None:
     for m in model.modules():
         if isinstance(m, ExpertParallelMoE):
             static = m.static or model.device.type == "cuda"
-            return {"class": "ExpertParallelMoE", "backend": getattr(m, "backend", "reference"),
-                    "reads": ("every local expert on every token (static, sync-free)" if static
-                              else "the local experts some token chose (host-synced loop)")}
+            if m.backend == "triton":
+                reads = "the chosen local experts only (Triton, up to 64 tokens)"
+            elif static:
+                reads = "every local expert on every token (static, sync-free)"
+            else:
+                reads = "the local experts some token chose (host-synced loop)"
+            return {"class": "ExpertParallelMoE", "backend": m.backend, "reads": reads}
         if isinstance(m, MoE):
             return {"class": "MoE", "backend": m.backend,
                     "reads": "the chosen experts only" if m.backend == "triton" else "reference path"}

@@ -10,7 +10,8 @@ Collectives per decoder block: one all-reduce after o_proj, one after the FFN (M
 summed into one fp32 buffer first). Per forward: one all-reduce at the embedding, one all-gather at lm_head.
 Partial sums are reduced in the accumulation dtype (fp8.acc_dtype: fp32, or fp64 for a float64 model) and cast
 to the model dtype once, as the single-rank path casts once. `mtp.fastpath.enable_fast_path` works on the
-parallel model for the FP8 linears (kernel output straight in fp32 for the partials) and MLA (per-rank heads).
+parallel model for the FP8 linears (kernel output straight in fp32 for the partials), MLA (per-rank heads) and
+the expert-parallel MoE (`ExpertParallelMoE.enable_fast_path`: the Triton expert kernels on the local experts).
 """
 
 from __future__ import annotations
@@ -81,12 +82,16 @@ class ExpertParallelMoE(nn.Module):
     identical choices), each rank adds its local experts' weighted outputs and its shared-expert share into
     one fp32 buffer, one all-reduce sums the ranks.
 
-    Like `mtp.moe.MoE`'s reference path: on CPU (unless `static`) a loop over the local experts some token
-    chose (a host sync); on CUDA, or with `static=True`, every local expert on every token with its routing
-    weight (0 when not chosen): no host sync, fixed shapes, CUDA-graph capturable, but it reads all local
-    experts. Both give each token the same per-expert terms, added in ascending expert order like `MoE`.
-    (The Triton fast path's `moe_experts` is not used here: it would need to skip slots whose expert is not
-    local, see DESIGN.md.)"""
+    Reference backend, like `mtp.moe.MoE`'s reference path: on CPU (unless `static`) a loop over the local
+    experts some token chose (a host sync); on CUDA, or with `static=True`, every local expert on every token
+    with its routing weight (0 when not chosen): no host sync, fixed shapes, CUDA-graph capturable, but it
+    reads all local experts. Both give each token the same per-expert terms, added in ascending expert order
+    like `MoE`.
+    Triton backend (`enable_fast_path`, for <= 64 tokens as `MoE`'s): `moe_route` as in
+    `fastpath.moe_forward_fast`, ids outside [e0, e1) mapped to -1, and `moe_experts` on the stacked local
+    experts, which skips the -1 slots: reads only the chosen local experts, no host sync, capturable."""
+
+    backend: str = "reference"  # 'triton': enable_fast_path
 
     def __init__(self, cfg: ModelConfig, layout: RankLayout, dtype: torch.dtype, comm: Comm, static: bool = False):
         super().__init__()
@@ -99,10 +104,49 @@ class ExpertParallelMoE(nn.Module):
         self.shared_experts = (ParallelMLP(cfg.hidden_size, hi - lo, q8, dtype, comm)
                                if cfg.n_shared_experts else None)
         self.comm, self.static = comm, static
+        self.stacked: dict[str, torch.Tensor] | None = None
+
+    def enable_fast_path(self) -> None:
+        """Stack the local experts per projection into [E_local, N, K] weights / scales (local index e - e0)
+        for `moe_experts`, re-point each expert's parameters at its slice (memory is not doubled; names and
+        `state_dict` are unchanged), and switch to the Triton backend. Idempotent; FP8 experts only."""
+        if self.stacked is None:
+            experts = [self.experts[str(e)] for e in range(self.e0, self.e1)]
+            if not all(getattr(ex, p).is_fp8 for ex in experts for p in ("gate_proj", "up_proj", "down_proj")):
+                raise ValueError("ExpertParallelMoE.enable_fast_path: the Triton expert kernels need FP8 experts")
+            stacked = {}
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                for attr in ("weight", "weight_scale_inv"):
+                    parts = [getattr(ex, proj) for ex in experts]
+                    big = torch.stack([getattr(p, attr).data for p in parts])
+                    for i, p in enumerate(parts):  # the old tensor is freed: peak is one projection
+                        setattr(p, attr, nn.Parameter(big[i], requires_grad=False))
+                    stacked[f"{proj}.{attr}"] = big
+            self.stacked = stacked
+        self.backend = "triton"
+
+    def _routed_fast(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """This rank's routed-expert partial [N, D] fp32 through the Triton kernels (no host sync)."""
+        from ..kernels.moe import moe_experts, moe_route
+
+        g = self.gate
+        w_NK, ids_NK = moe_route(x_ND, g.weight, g.e_score_correction_bias, n_group=g.n_groups,
+                                 topk_group=g.topk_groups, topk=g.topk, route_scale=g.route_scale)
+        local_NK = ids_NK - self.e0
+        local_NK = torch.where((local_NK >= 0) & (local_NK < self.e1 - self.e0), local_NK, -1)  # -1: skipped
+        s = self.stacked
+        return moe_experts(x_ND, local_NK, w_NK, s["gate_proj.weight"], s["gate_proj.weight_scale_inv"],
+                           s["up_proj.weight"], s["up_proj.weight_scale_inv"], s["down_proj.weight"],
+                           s["down_proj.weight_scale_inv"], out_dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x_ND = x.reshape(-1, shape[-1])
+        if self.backend == "triton" and x_ND.shape[0] <= 64:  # the expert kernels take <= 64 tokens, as in MoE
+            out = self._routed_fast(x_ND)
+            if self.shared_experts is not None:
+                out += self.shared_experts.partial(x_ND).float()
+            return self.comm.all_reduce(out).to(x.dtype).view(shape)
         w_NK, ids_NK = self.gate(x_ND)
         a = fp8.acc_dtype(x.dtype)
         out = torch.zeros(x_ND.shape, dtype=a, device=x.device)

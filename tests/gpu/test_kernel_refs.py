@@ -46,6 +46,23 @@ def test_moe_experts_ref_single_expert_matches_linear():
     assert torch.allclose(y, 2 * fp8_linear_ref(h, d8, ds), rtol=1e-5, atol=1e-6)
 
 
+def test_moe_experts_ref_skips_minus_one_slots():
+    """Expert id -1 (expert on another rank) adds nothing: the same as the slot dropped, or its weight 0."""
+    torch.manual_seed(0)
+    E, D, I = 4, 256, 128
+    g, u, d = ([weight_quant(torch.randn(N, K) * 0.05) for _ in range(E)] for N, K in ((I, D), (I, D), (D, I)))
+    ws = [torch.stack(t) for pair in (g, u, d) for t in zip(*pair)]  # w_gate, s_gate, w_up, s_up, w_down, s_down
+    x = torch.randn(3, D)
+    idx = torch.tensor([[2, -1, 0, -1], [-1, -1, -1, -1], [1, 3, -1, 2]])
+    rw = torch.rand(3, 4)
+    y = moe_experts_ref(x, idx, rw, *ws)
+    assert torch.equal(y[1], torch.zeros(D)), "a token whose slots are all -1 must get exactly 0"
+    keep = idx >= 0
+    y0 = moe_experts_ref(x, idx.clamp(min=0), rw * keep, *ws)  # -1 -> expert 0 with weight 0
+    assert torch.equal(y, y0)
+    y2 = moe_experts_ref(x[2:], idx[2:, [0, 1, 3]], rw[2:, [0, 1, 3]], *ws)  # the -1 slot dropped
+    assert torch.equal(y[2:], y2)
+
 def test_mla_ref_sparse_all_selected_equals_dense():
     torch.manual_seed(0)
     B, T, H, S = 2, 2, 4, 50

@@ -198,6 +198,61 @@ def test_moe_experts(T, E, D, I, J):
     check_close(f"moe_experts T={T} E={E} D={D} I={I}", y, yr, 1e-2)
 
 
+def local_ids(idx_TJ, e0, e1):
+    """Expert-parallel view of global ids: e - e0 for a local expert, -1 for one on another rank."""
+    return torch.where((idx_TJ >= e0) & (idx_TJ < e1), idx_TJ - e0, -1).int()
+
+
+@pytest.mark.parametrize("T,skip_row", [(1, None), (1, 0), (3, 1), (17, 16)])
+def test_moe_experts_skips_minus_one(T, skip_row):
+    """Slots with id -1 (expert on another rank): equal to the reference, bit-equal to the full stack with those
+    slots' weights zeroed, exactly 0 for a token with every slot -1; two 'ranks' sum to the full result.
+    Poisoned buffers: a -1 slot's row of the per-slot buffer is never written, so reading it shows as NaN."""
+    E, D, I, J = 16, 384, 256, 8
+    ranks = [(0, 6), (6, 16)]  # uneven on purpose
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    wgt, sg = stacked(E, I, D)
+    wu, su = stacked(E, I, D)
+    wd, sd = stacked(E, D, I)
+    idx = distinct_topk(T, E, J, share=True)  # with 6 of 16 local on rank 0, most tokens get several -1 slots
+    if skip_row is not None:
+        idx[skip_row] = torch.randperm(E - 6, device=DEV)[:J].int() + 6  # no expert of rank 0
+    rw = torch.rand(T, J, device=DEV)
+    full = moe_experts(x, idx, rw, wgt, sg, wu, su, wd, sd, out_dtype=torch.float32)
+    parts = []
+    for r, (e0, e1) in enumerate(ranks):
+        loc = local_ids(idx, e0, e1)
+        ws = [t[e0:e1].contiguous() for t in (wgt, sg, wu, su, wd, sd)]
+        poison()
+        y = moe_experts(x, loc, rw, *ws, out_dtype=torch.float32)
+        yr = moe_experts_ref(x, loc, rw, *ws, out_dtype=torch.float32)
+        check_close(f"moe_experts -1 slots T={T} rank {r}", y, yr, 1e-2)
+        masked = moe_experts(x, idx, rw * (loc >= 0), wgt, sg, wu, su, wd, sd, out_dtype=torch.float32)
+        assert torch.equal(y, masked), f"rank {r}: not the full-stack result restricted to the local experts"
+        if r == 0 and skip_row is not None:
+            assert torch.equal(y[skip_row], torch.zeros(D, device=DEV)), "an all -1 token must get exactly 0"
+        parts.append(y)
+    check_close(f"moe_experts T={T}: sum over ranks", parts[0] + parts[1], full, 1e-6)
+
+
+def test_moe_experts_minus_one_graph_safe():
+    """-1 slots need no host sync: a captured call replays to the eager result."""
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs")
+    T, E, D, I, J = 4, 8, 384, 256, 8
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    ws = [*stacked(E, I, D), *stacked(E, I, D), *stacked(E, D, I)]
+    loc = local_ids(distinct_topk(T, 2 * E, J, share=True), 0, E)
+    rw = torch.rand(T, J, device=DEV)
+    a = moe_experts(x, loc, rw, *ws, out_dtype=torch.float32)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = moe_experts(x, loc, rw, *ws, out_dtype=torch.float32)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(a, y)
+
+
 # ----------------------------------------------------------------------------- MLA decode
 def mla_inputs(B, T, H, S, lens):
     kv8, kvs = act_quant_ref(torch.randn(B, S, 512, device=DEV))
