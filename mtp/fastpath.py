@@ -4,12 +4,16 @@
 - every FP8 `Linear` through `kernels.fp8_gemm.fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above);
   the bf16 ones (lm_head, MTP heads, eh_proj) stay on torch, whose bf16 GEMV reads the 1.85 GB lm_head at the
   HBM floor on an H200 (0.442 ms vs 0.439 ms; a Triton GEMV we tried was slower: BENCHMARKS.md);
-- every `MoE` through `kernels.moe.moe_route` + `moe_experts` (reads only the chosen experts). The experts'
+- every `MoE` through `kernels.moe.moe_route` + `moe_experts` (reads only the chosen experts; the expert-parallel
+  MoE of `mtp.parallel` likewise over its rank's experts, skipping slots routed to other ranks). The experts'
   weights are restacked per projection into [E, N, K] tensors, and each expert's parameters become views of
   the stack, so memory is not doubled (peak: one projection of one layer);
 - `MLA` blocks of <= absorb_max_tokens new tokens through the indexer kernel + top-k and `mla_decode` over the
   real-FP8 latent cache; kv_b_proj is dequantized once to bf16 for the absorbed q / output projections
   (DeepSeek's reference keeps the same dequantized copy). Longer blocks (prefill) stay on the reference path.
+  The block runs in `mla_forward_fast`: q_a | indexer wk | kv_a and q_b | indexer wq_b as one GEMV each
+  (`fuse_rows`), the cache write in one kernel (`kernels.cache_write`);
+- dense MLPs and shared experts with gate and up stacked into one GEMV (`fuse_rows`).
 `disable_fast_path(model)` switches back; the stacked expert tensors stay (they are the same weights).
 Both paths compute DeepSeek's FP8 numerics; they differ only in summation order and top-k tie-breaking, and
 tests hold one to the other within tolerance (tests/gpu).
@@ -23,6 +27,7 @@ from .attention import MLA
 from .layers import MLP, Linear, glue
 from .model import DeepseekV32
 from .moe import MoE
+from .parallel.modules import ExpertParallelMoE
 
 
 def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV32:
@@ -54,10 +59,14 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV
             mod.w_vb = w[:, mod.P:].contiguous()  # [H, V, C]
             ix = mod.indexer
             mod.w_idx = ix.weights_proj.weight.float() * (ix.n_heads ** -0.5 * ix.head_dim ** -0.5)
+            mod.w_idx_t = (ix.weights_proj.weight.t().contiguous()
+                           if ix.weights_proj.weight.dtype == torch.bfloat16 and _mm_out_fp32() else None)
             # the projections that read the same input, as one weight each (one launch instead of 3 and 2)
             mod.fused_a = fuse_rows([mod.q_a_proj, ix.wk, mod.kv_a_proj_with_mqa])
             mod.fused_qb = fuse_rows([mod.q_b_proj, ix.wq_b])
             mod.backend = "triton"
+        elif isinstance(mod, ExpertParallelMoE):  # the rank's experts stacked; slots of other ranks' experts skipped
+            mod.enable_fast_path()
         elif type(mod) is MLP and id(mod) not in routed:  # dense MLPs and shared experts: gate and up as one
             mod.fused_gate_up = fuse_rows([mod.gate_proj, mod.up_proj])
     return model
@@ -83,6 +92,15 @@ def fuse_rows(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor] | None
         lin.weight_scale_inv = torch.nn.Parameter(s[b:b + nb], requires_grad=False)
         r, b = r + n, b + nb
     return w, s
+
+
+def _mm_out_fp32() -> bool:
+    """torch.mm(bf16, bf16, out_dtype=float32) (cuBLAS, fp32 accumulate and output) exists on this build."""
+    try:
+        a = torch.ones(1, 8, dtype=torch.bfloat16, device="cuda")
+        return torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError):
+        return False
 
 
 def _mla_kernel_fits(mla: MLA) -> bool:
@@ -167,7 +185,12 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
 
     ix = mla.indexer
     q8, qs = glue.act_quant(iq_BTHD)  # qs [B, T, Hi, 1]
-    w = torch.nn.functional.linear(x_BTD.float(), mla.w_idx)  # fp32 copy, scaled by Hi^-0.5 * Dk^-0.5
+    if mla.w_idx_t is not None and x_BTD.dtype == torch.bfloat16:  # bf16 x bf16 products are exact in fp32, summed in fp32: the reference's math
+        x2 = x_BTD.reshape(-1, x_BTD.shape[-1])
+        w = torch.mm(x2, mla.w_idx_t, out_dtype=torch.float32).mul_(ix.n_heads ** -0.5 * ix.head_dim ** -0.5)
+        w = w.view(*x_BTD.shape[:-1], ix.n_heads)
+    else:
+        w = torch.nn.functional.linear(x_BTD.float(), mla.w_idx)  # fp32 copy, scaled by Hi^-0.5 * Dk^-0.5
     lens = cache.seq_lens  # keys before this block; query t sees < lens + t + 1
     topk_idx = None
     if ix.topk < S:

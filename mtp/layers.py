@@ -211,6 +211,10 @@ class Glue:
     def compile(self) -> None:
         if self.compiled:
             return
+        # one compiled function serves many call sites (input dtypes, strides of sliced views): dynamo's default
+        # of 8 variants per function is reached on a full step, after which calls silently run unfused
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, 64)
         for name in self.NAMES:
             setattr(self, name, torch.compile(getattr(self, name), dynamic=True))
         self.compiled = True
