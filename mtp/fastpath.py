@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .attention import MLA
+from .engine import release
 from .layers import MLP, Linear, glue
 from .model import DeepseekV32
 from .moe import MoE
@@ -69,6 +70,7 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV
             mod.enable_fast_path()
         elif type(mod) is MLP and id(mod) not in routed:  # dense MLPs and shared experts: gate and up as one
             mod.fused_gate_up = fuse_rows([mod.gate_proj, mod.up_proj])
+    release(model)  # graphs `generate` kept were captured on the other path, some over re-pointed weights
     return model
 
 
@@ -115,6 +117,7 @@ def disable_fast_path(model: DeepseekV32) -> DeepseekV32:
         if hasattr(mod, "backend"):
             mod.backend = "reference"
     glue.reset()
+    release(model)  # graphs captured on the fast path must not be replayed on the reference path
     return model
 
 

@@ -179,6 +179,9 @@ def _nccl_worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
     from mtp.fastpath import enable_fast_path
     from mtp.parallel.modules import ExpertParallelMoE
 
+    import faulthandler
+
+    faulthandler.dump_traceback_later(100)  # a hung rank prints where it waits (the whole job takes ~30 s)
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", init_method=f"file://{init}", rank=rank, world_size=WORLD, device_id=dev,

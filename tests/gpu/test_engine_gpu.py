@@ -122,3 +122,19 @@ def test_captured_step_is_reused_across_calls():
             assert got.tokens == want.tokens, (mode, n)
         (engine,) = _ENGINES[m].values()
         assert len(engine.graphs) == 1  # one capture served the three calls
+
+
+def test_switching_paths_drops_kept_graphs(model):
+    """A graph captured on one path must never be replayed on the other (the fast path re-points weights)."""
+    from mtp.engine import _ENGINES
+
+    generate(model, PROMPTS[:1], 4, mode="graph")
+    assert model in _ENGINES
+    enable_fast_path(model)
+    try:
+        assert model not in _ENGINES
+        fast = generate(model, PROMPTS[:1], 8, mode="graph").tokens
+        assert fast == generate(model, PROMPTS[:1], 8, mode="eager").tokens
+    finally:
+        disable_fast_path(model)
+    assert model not in _ENGINES
