@@ -133,9 +133,16 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]], max_new_token
 _ENGINES: "weakref.WeakKeyDictionary[DeepseekV32, dict]" = weakref.WeakKeyDictionary()
 
 
-def release(model: DeepseekV32) -> None:
-    """Drop the engines (decode buffers, captured CUDA graphs) `generate` keeps for `model`."""
-    _ENGINES.pop(model, None)
+def release(model: DeepseekV32 | None = None) -> None:
+    """Drop the engines (decode buffers, captured CUDA graphs) `generate` keeps for `model`, or for every model.
+    Call it with no model before `torch.distributed.destroy_process_group()`: NCCL's teardown waits while
+    captured graphs holding its collectives are alive (seen: ranks hung in destroy_process_group)."""
+    if model is None:
+        _ENGINES.clear()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    else:
+        _ENGINES.pop(model, None)
 
 
 class Engine:

@@ -89,6 +89,7 @@ def _worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
         res["even"] = checks(m, generate=False)
         torch.save(res, f"{out_dir}/rank{rank}.pt")
     finally:
+        mtp.engine.release()  # graphs holding NCCL collectives must go first, or destroy_process_group hangs
         dist.destroy_process_group()
 
 
@@ -199,6 +200,7 @@ def _nccl_worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
             res[f"fast/{mode}"] = mtp.generate(m, GPU_PROMPTS, 16, draft="eagle", k=2, mode=mode).tokens
         torch.save(res, f"{out_dir}/rank{rank}.pt")
     finally:
+        mtp.engine.release()  # graphs holding NCCL collectives must go first, or destroy_process_group hangs
         dist.destroy_process_group()
 
 

@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args, comm, device)
     finally:
+        release()
         if own_group:
             dist.destroy_process_group()
     return 0

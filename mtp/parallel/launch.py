@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..engine import generate
+from ..engine import generate, release
 from .comm import Comm
 from .layout import MLP_SPLITS, ParallelPlan
 from .load import load_parallel, param_bytes
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[world {comm.world}, {param_bytes(model) / 2**30:.2f} GiB params on rank 0] "
                   f"{m.new_tokens} tokens, accepted/step {m.mean_accepted_len:.2f}", file=sys.stderr)
     finally:
+        release()  # kept graphs with NCCL collectives in them must go before the process group
         dist.destroy_process_group()
     return 0
 
