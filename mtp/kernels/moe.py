@@ -66,21 +66,23 @@ def moe_route_ref(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor,
     return route_from_logits_ref(x_TD.float() @ wg_ED.float().t(), bias_E, **kw)
 
 
-def moe_experts_ref(x_TD, idx_TJ, w_TJ, w_gate, s_gate, w_up, s_up, w_down, s_down, out_dtype=None) -> torch.Tensor:
+def moe_experts_ref(x_TD, idx_TJ, w_TJ, w_gate, s_gate, w_up, s_up, w_down, s_down, out_dtype=None,
+                    acc: torch.dtype = torch.float32) -> torch.Tensor:
     """Per-token loop over the selected experts with `fp8_gemm_ref`: y[t] = sum_j w[t,j] * down(silu(gate x) * up x).
-    Slots with expert id -1 (not on this rank) are skipped."""
+    Slots with expert id -1 (not on this rank) are skipped. acc: the accumulation dtype (float64 gives the
+    same FP8 formulas without fp32 rounding noise, for tests that need to know how large that noise is)."""
     T, D = x_TD.shape
-    y = torch.zeros(T, w_down.shape[1], dtype=torch.float32, device=x_TD.device)
+    y = torch.zeros(T, w_down.shape[1], dtype=acc, device=x_TD.device)
     for t in range(T):
-        x8, sx = act_quant_ref(x_TD[t:t + 1])
+        x8, sx = act_quant_ref(x_TD[t:t + 1].to(acc))
         for j in range(idx_TJ.shape[1]):
             e = int(idx_TJ[t, j])
             if e < 0:
                 continue
-            g = fp8_gemm_ref(x8, sx, w_gate[e], s_gate[e])
-            u = fp8_gemm_ref(x8, sx, w_up[e], s_up[e])
+            g = fp8_gemm_ref(x8, sx, w_gate[e], s_gate[e], acc=acc)
+            u = fp8_gemm_ref(x8, sx, w_up[e], s_up[e], acc=acc)
             h8, sh = act_quant_ref(F.silu(g) * u)
-            y[t] += w_TJ[t, j].float() * fp8_gemm_ref(h8, sh, w_down[e], s_down[e])[0]
+            y[t] += w_TJ[t, j].to(acc) * fp8_gemm_ref(h8, sh, w_down[e], s_down[e], acc=acc)[0]
     return y.to(out_dtype or x_TD.dtype)
 
 
