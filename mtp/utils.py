@@ -34,11 +34,24 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
 
 def publish_dir(tmp: Path, out: Path, made: list[Path] | None = None) -> None:
     """Make a folder built in `tmp` (beside `out`) the new `out`: the files made there (default: all; pass the
-    list when some are hard links to files elsewhere) readable by all (safetensors and mkstemp write 0600), any
-    old `out` removed, then one rename, so readers never see a half-written folder."""
+    list when some are hard links to files elsewhere) readable by all (safetensors and mkstemp write 0600), then
+    renamed into place, so readers never see a half-written folder. An old `out` is first renamed aside and
+    deleted only once the new one is in place: if that rename fails the old folder is put back, and a crash in
+    between leaves both folders on disk (old as `.old-<name>-<pid>`), so nothing is lost."""
     for f in made if made is not None else tmp.iterdir():
         if f.is_file():
             f.chmod(0o644)
+    old = None
     if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+        old = out.with_name(f".old-{out.name}-{os.getpid()}")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
