@@ -5,7 +5,8 @@
         -m mtp.parallel.launch CKPT --prompt ...
 
 NCCL on GPUs (one per local rank), gloo on CPU. Rank 0 does the I/O: it tokenizes the prompt and broadcasts
-the ids, and it alone prints. Every rank runs the same `mtp.generate` call; `--check` all-gathers the
+the ids, and it alone prints. On GPUs the defaults are the overlap scheduler and the Triton fast path
+(`--mode`, `--no-fast-path`); generation stops at the tokenizer's EOS. Every rank runs the same `mtp.generate` call; `--check` all-gathers the
 generated ids and fails if any rank disagrees (they must not: every rank sees identical logits).
 """
 
@@ -50,22 +51,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--numerics", choices=("fp8", "dequant"), default="fp8")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--mlp-split", choices=MLP_SPLITS, default="blocks")
+    ap.add_argument("--mode", choices=("eager", "graph", "overlap"), default=None,
+                    help="decode loop (default: overlap on GPUs, eager on CPU)")
+    ap.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None,
+                    help="Triton kernels (default: on with CUDA, fp8 numerics and triton)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill long prompts N tokens at a time")
     ap.add_argument("--check", action="store_true", help="verify that every rank generated the same ids")
     a = ap.parse_args(argv)
     comm, device = init_distributed()
     try:
         dtype = DTYPES[a.dtype] if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        ids = [None]
-        if comm.rank == 0:
-            from ..tokenizer import Tokenizer
+        from ..tokenizer import Tokenizer
 
-            tok = Tokenizer.from_dir(a.checkpoint)
-            ids = [[tok.bos_id] + tok.encode(a.prompt)]
+        tok = Tokenizer.from_dir(a.checkpoint)  # every rank: the stop token must be the same everywhere
+        ids = [[tok.bos_id] + tok.encode(a.prompt)] if comm.rank == 0 else [None]
         dist.broadcast_object_list(ids, src=0)
         model = load_parallel(a.checkpoint, comm, plan=ParallelPlan(comm.world, a.mlp_split), device=device,
                               dtype=dtype, numerics=a.numerics)
         k = 0 if a.draft == "none" else a.k
-        out = generate(model, [ids[0]], max_new_tokens=a.max_new_tokens, draft=a.draft, k=k, verify=a.verify)
+        mode = a.mode or ("overlap" if device.type == "cuda" else "eager")
+        if a.fast_path or (a.fast_path is None and device.type == "cuda" and a.numerics == "fp8"):
+            from ..fastpath import enable_fast_path
+            from ..kernels import available
+
+            if available():
+                enable_fast_path(model)
+            elif a.fast_path:
+                raise SystemExit("--fast-path needs triton and a CUDA device")
+        opts = {"prefill_chunk": a.prefill_chunk} if a.prefill_chunk else {}
+        if tok.eos_id is not None:
+            opts["eos_id"] = tok.eos_id
+        out = generate(model, [ids[0]], max_new_tokens=a.max_new_tokens, draft=a.draft, k=k, verify=a.verify,
+                       mode=mode, **opts)
         if a.check:
             every = [None] * comm.world
             dist.all_gather_object(every, out.tokens)
