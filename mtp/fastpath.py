@@ -188,7 +188,8 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
 
     ix = mla.indexer
     q8, qs = glue.act_quant(iq_BTHD)  # qs [B, T, Hi, 1]
-    if mla.w_idx_t is not None and x_BTD.dtype == torch.bfloat16:  # bf16 x bf16 products are exact in fp32, summed in fp32: the reference's math
+    if mla.w_idx_t is not None and x_BTD.dtype == torch.bfloat16:
+        # bf16 x bf16 products are exact in fp32 and cuBLAS sums them in fp32: the reference's fp32 math
         x2 = x_BTD.reshape(-1, x_BTD.shape[-1])
         w = torch.mm(x2, mla.w_idx_t, out_dtype=torch.float32).mul_(ix.n_heads ** -0.5 * ix.head_dim ** -0.5)
         w = w.view(*x_BTD.shape[:-1], ix.n_heads)
