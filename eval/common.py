@@ -114,6 +114,13 @@ def generate_kwargs(cfg: Any, tokenizer: Any = None) -> dict:
     if d.name != DraftName.none:
         kw.update(target_hidden=value(d.target_hidden), chain_hidden=value(d.chain_hidden),
                   reuse_modules=d.reuse_modules)
+        if d.vocab_file is not None:
+            from mtp.draft.vocab import load_ids
+
+            try:
+                kw["draft_vocab"] = load_ids(d.vocab_file, d.vocab_size)
+            except ValueError as e:
+                raise SchemaError(f"draft.vocab_file: {e}") from None
     if isinstance(v, RelaxedVerifySchema):
         if tokenizer is None:
             from mtp.tokenizer import Tokenizer

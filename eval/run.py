@@ -159,7 +159,7 @@ def _setup(cfg: DictConfig):
 
 
 def _baseline_kwargs(kw: dict) -> dict:
-    drop = ("target_hidden", "chain_hidden", "reuse_modules")
+    drop = ("target_hidden", "chain_hidden", "reuse_modules", "draft_vocab")
     base = {key: v for key, v in kw.items() if key not in drop}
     base.update(draft=DraftName.none.value, k=0)
     if "draft_sampling" in base:

@@ -98,10 +98,18 @@ class DraftSchema:
     target_hidden: Hidden = Hidden.normed  # target hidden that feeds MTP module 1
     chain_hidden: Hidden = Hidden.normed  # module output chained to the next draft
     reuse_modules: bool = False  # vanilla only: repeat the last module when k > MTP modules
+    vocab_file: Optional[str] = None  # draft vocabulary (python -m mtp.draft.vocab): the head scores only its
+    # ids (ignored with draft=none)
+    vocab_size: Optional[int] = None  # ... only its first vocab_size ids (null: all of them)
 
     def __post_init__(self):
         if self.name == DraftName.none and self.k != 0:
             _fail("draft.k", self.k, "0 with draft=none (plain decoding drafts nothing)")
+        if self.vocab_size is not None and self.vocab_file is None:
+            _fail("draft.vocab_size", self.vocab_size, "null unless draft.vocab_file is set")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            _fail("draft.vocab_size", self.vocab_size, "null or an integer >= 1")
+
         if self.name != DraftName.none and not 1 <= self.k <= MAX_K:
             _fail("draft.k", self.k, f"an integer in [1, {MAX_K}] for draft={self.name.value}")
 

@@ -17,6 +17,7 @@ and read the same values from pinned buffers, overlap one step late. Design note
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -97,9 +98,11 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]], max_new_token
              k: int | None = None, verify: str = "strict", *, on_step: Callable[[StepEvent], None] | None = None,
              **options) -> GenerateResult:
     """Speculative generation. Options: top_n, delta, think_ids (relaxed); temperature, top_p, top_k,
-    draft_sampling, seed (sampling); reuse_modules, target_hidden, chain_hidden (drafts); eos_id, stop_ids."""
+    draft_sampling, seed (sampling); reuse_modules, target_hidden, chain_hidden, draft_vocab (drafts: token ids
+    or a vocabulary file, `mtp.draft.vocab`; ignored when nothing is drafted); eos_id, stop_ids."""
     known = {"top_n", "delta", "think_ids", "temperature", "top_p", "top_k", "draft_sampling", "seed",
-             "reuse_modules", "target_hidden", "chain_hidden", "eos_id", "stop_ids", "mode", "prefill_chunk"}
+             "reuse_modules", "target_hidden", "chain_hidden", "eos_id", "stop_ids", "mode", "prefill_chunk",
+             "draft_vocab"}
     unknown = set(options) - known
     if unknown:
         raise TypeError(f"generate: unknown options {sorted(unknown)}; known: {sorted(known)}")
@@ -107,7 +110,8 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]], max_new_token
     dcfg = DraftConfig(mode=draft, k=k, reuse_modules=options.get("reuse_modules", False),
                        target_hidden=options.get("target_hidden", "normed"),
                        chain_hidden=options.get("chain_hidden", "normed"),
-                       sampling=options.get("draft_sampling", "greedy"))
+                       sampling=options.get("draft_sampling", "greedy"),
+                       vocab=_draft_vocab(options.get("draft_vocab")) if draft != "none" else None)
     sp = SamplingParams(options.get("temperature", 1.0), options.get("top_k", 0), options.get("top_p", 1.0)) \
         if verify == "sample" else SamplingParams()
     think = options.get("think_ids")
@@ -127,6 +131,17 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]], max_new_token
     while len(per_model) > 4:
         del per_model[next(iter(per_model))]
     return engine.run(prompts, on_step=on_step, max_new_tokens=max_new_tokens)
+
+
+def _draft_vocab(v) -> tuple[int, ...] | None:
+    """`draft_vocab` option: None, token ids, or the path of a vocabulary file (all its ids)."""
+    if v is None:
+        return None
+    if isinstance(v, (str, os.PathLike)):
+        from .draft.vocab import load_ids
+
+        return load_ids(v)
+    return tuple(int(i) for i in v)
 
 
 # model -> {settings: Engine}; weak, so the buffers and graphs go with the model. `release(model)` frees them.

@@ -126,6 +126,8 @@ def test_generate_kwargs_are_known_to_mtp_generate():
     (["dataset=local"], "dataset.path is required"),
     (["dataset.per_category=0"], "dataset.per_category"),
     (["dataset.suites=[]"], "dataset.suites"),
+    (["draft.vocab_size=100"], "draft.vocab_size"),
+    (["draft.vocab_file=v.json", "draft.vocab_size=0"], "draft.vocab_size"),
 ])
 def test_bad_values_are_refused_by_the_schema(overrides, message):
     with pytest.raises(schema.SchemaError, match=message.replace(".", r"\.")):

@@ -364,13 +364,9 @@ class DistortedTable:
         return torch.stack((d1, d2), 1), torch.stack((q1, q2), 1)
 
 
-def test_speculative_sampling_matches_the_target_distribution(tiny_model):
-    """500 copies of one prompt, top_k = 3, temperature 1, three new tokens: the joint law of (t1, t2, t3) over its
-    27 cells must match the exact target law for plain sampling, MTP eagle k = 2 (greedy drafts) and sampled drafts
-    from a distorted q (t2, t3 come out of speculative steps: accepted drafts, residual samples or bonus tokens)."""
-    m, V, B = tiny_model, tiny_model.cfg.vocab_size, 500
-    prompt = [7, 8, 9, 10]
-    sp = SamplingParams(top_k=3)
+def _joint_law(m, prompt, sp):
+    """Exact law of (t1, t2, t3) under plain sampling with `sp` (27 cells for top_k = 3), and the logits table
+    the distorted proposer reads."""
     with torch.no_grad():
         p1 = filter_probs(m(torch.tensor([prompt])).logits[0, -1], sp)
         t1s = p1.nonzero().flatten().tolist()
@@ -383,10 +379,31 @@ def test_speculative_sampling_matches_the_target_distribution(tiny_model):
         p3 = filter_probs(lg3[i], sp)
         for t3 in p3.nonzero().flatten().tolist():
             exact[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
-    cells = sorted(exact)
-    assert len(cells) == 27 and abs(sum(exact.values()) - 1) < 1e-5
     table = {(t,): lg2[i] for i, t in enumerate(t1s)} | {x: lg3[i] for i, x in enumerate(pairs)}
+    return exact, table
 
+
+def _assert_law(name, r, exact, B):
+    cells = sorted(exact)
+    counts = torch.zeros(len(cells), dtype=torch.float64)
+    for t in r.tokens:
+        assert tuple(t) in exact, f"{name}: {t} has zero probability under top_k = 3"
+        counts[cells.index(tuple(t))] += 1
+    e = B * torch.tensor([exact[c] for c in cells], dtype=torch.float64)
+    assert e.min() >= 5
+    stat = float(((counts - e) ** 2 / e).sum())
+    assert stat < CHI2_CRIT_001_DOF26, f"{name}: chi2 = {stat:.1f} over 27 cells (26 dof, alpha 0.001)"
+
+
+def test_speculative_sampling_matches_the_target_distribution(tiny_model):
+    """500 copies of one prompt, top_k = 3, temperature 1, three new tokens: the joint law of (t1, t2, t3) over its
+    27 cells must match the exact target law for plain sampling, MTP eagle k = 2 (greedy drafts) and sampled drafts
+    from a distorted q (t2, t3 come out of speculative steps: accepted drafts, residual samples or bonus tokens)."""
+    m, V, B = tiny_model, tiny_model.cfg.vocab_size, 500
+    prompt = [7, 8, 9, 10]
+    sp = SamplingParams(top_k=3)
+    exact, table = _joint_law(m, prompt, sp)
+    assert len(exact) == 27 and abs(sum(exact.values()) - 1) < 1e-5
     runs = {
         "none": generate(m, [prompt] * B, 3, verify="sample", top_k=3, seed=21),
         "eagle": generate(m, [prompt] * B, 3, draft="eagle", k=2, verify="sample", top_k=3, seed=22),
@@ -396,14 +413,44 @@ def test_speculative_sampling_matches_the_target_distribution(tiny_model):
     }
     assert sum(runs["sampled q"].metrics.accepted_hist[1:]) > 100  # the distorted drafts are often accepted
     for name, r in runs.items():
-        counts = torch.zeros(len(cells), dtype=torch.float64)
-        for t in r.tokens:
-            assert tuple(t) in exact, f"{name}: {t} has zero probability under top_k = 3"
-            counts[cells.index(tuple(t))] += 1
-        e = B * torch.tensor([exact[c] for c in cells], dtype=torch.float64)
-        assert e.min() >= 5
-        stat = float(((counts - e) ** 2 / e).sum())
-        assert stat < CHI2_CRIT_001_DOF26, f"{name}: chi2 = {stat:.1f} over 27 cells (26 dof, alpha 0.001)"
+        _assert_law(name, r, exact, B)
+
+
+# ---------------------------------------------------------------------------------------------- draft vocabulary
+@pytest.mark.parametrize("draft,k", [("eagle", 1), ("eagle", 3), ("vanilla", 2)])
+def test_draft_vocabulary_strict_is_lossless(mtp_model, prompts, draft, k):
+    """Drafts scored over a subset of the vocabulary: strict outputs stay those of greedy decoding; the whole
+    vocabulary in id order is the plain head (same drafts, same acceptance); a subset that misses every token
+    the target emits is never accepted (so the subset is really what the head scores)."""
+    V = mtp_model.cfg.vocab_size
+    base = generate(mtp_model, prompts, N_NEW)
+    plain = generate(mtp_model, prompts, N_NEW, draft=draft, k=k)
+    assert sum(plain.metrics.accepted_hist[1:]) > 0  # the drafts do get accepted: the comparison means something
+    emitted = sorted({t for row in base.tokens for t in row})
+    half = emitted[::2] + [i for i in range(V) if i not in set(emitted)][::3]
+    for vocab in (half, emitted[1::2]):
+        out = generate(mtp_model, prompts, N_NEW, draft=draft, k=k, draft_vocab=vocab)
+        assert out.tokens == base.tokens
+    whole = generate(mtp_model, prompts, N_NEW, draft=draft, k=k, draft_vocab=range(V))
+    assert whole.tokens == base.tokens and whole.metrics.accepted_hist == plain.metrics.accepted_hist
+    none = generate(mtp_model, prompts, N_NEW, draft=draft, k=k,
+                    draft_vocab=[i for i in range(V) if i not in set(emitted)])
+    assert none.tokens == base.tokens and sum(none.metrics.accepted_hist[1:]) == 0
+
+
+def test_draft_vocabulary_keeps_sampling_exact(mtp_model):
+    """Drafts sampled from the softmax over a draft vocabulary (zero elsewhere): speculative sampling still
+    reproduces the target's joint law of three tokens (chi-square over the 27 cells of top_k = 3)."""
+    m, B = mtp_model, 500
+    prompt = [7, 8, 9, 10]
+    sp = SamplingParams(top_k=3)
+    exact, _ = _joint_law(m, prompt, sp)
+    tokens = sorted({t for c in exact for t in c})
+    vocab = tokens[::2] + [3, 4, 5]  # half of the tokens the law can emit, and a few it cannot
+    r = generate(m, [prompt] * B, 3, draft="eagle", k=2, verify="sample", top_k=3, draft_sampling="sample",
+                 draft_vocab=vocab, seed=25)
+    assert sum(r.metrics.accepted_hist[1:]) > 50  # drafts from the subset are accepted often
+    _assert_law("eagle, sampled drafts over a draft vocabulary", r, exact, B)
 
 
 # ---------------------------------------------------------------------------------------------- bad arguments

@@ -24,6 +24,7 @@ import torch
 
 from ..cache import KVCache
 from ..model import DeepseekV32
+from .vocab import check_ids, sub_head
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class DraftConfig:
     target_hidden: str = "normed"  # which target hidden feeds module 1: 'normed' (after final norm) | 'prenorm'
     chain_hidden: str = "normed"  # which module output is chained: 'normed' (shared_head.norm) | 'prenorm'
     sampling: str = "greedy"  # greedy drafts | 'sample' from the draft distribution (sampling verifier)
+    vocab: tuple[int, ...] | None = None  # draft vocabulary (mtp.draft.vocab): the head scores only these ids
 
     def validate(self, n_mtp: int) -> None:
         if self.mode not in ("none", "vanilla", "eagle"):
@@ -78,6 +80,30 @@ class Proposer:
         self.model, self.cfg = model, dcfg
         self.caches: list[KVCache] = [model.new_cache(batch, max_len, n_layers=1) for _ in range(dcfg.n_caches)]
         self.draft_forwards = 0
+        self.vocab_ids, self.heads = None, {}
+        if dcfg.vocab is not None:  # the head rows of the draft vocabulary, per module used
+            V = model.cfg.vocab_size
+            check_ids(dcfg.vocab, V)
+            self.vocab_ids = torch.tensor(dcfg.vocab, dtype=torch.long, device=model.device)
+            for j in {dcfg.module_for(i, model.n_mtp) for i in range(dcfg.k)}:
+                w = model.mtp[j].shared_head.head.weight
+                if w.shape[0] != V:
+                    raise ValueError(f"a draft vocabulary needs MTP module {j}'s whole head on this rank (it holds "
+                                     f"{w.shape[0]} of {V} rows: vocabulary-parallel); run without one")
+                self.heads[j] = sub_head(w, self.vocab_ids)
+        self.V = model.cfg.vocab_size
+
+    def _draw(self, draw, logits_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`draw` over the module's logits; with a draft vocabulary, back to model ids and a full-vocabulary
+        distribution (zero outside the draft vocabulary: what the drafts were actually drawn from)."""
+        d, q = draw(logits_BN)
+        if self.vocab_ids is None:
+            return d, q
+        d = self.vocab_ids[d]
+        if q is not None:
+            full = q.new_zeros(q.shape[0], self.V)
+            q = full.scatter_(1, self.vocab_ids.unsqueeze(0).expand(q.shape[0], -1), q)
+        return d, q
 
     def prefill(self, tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, W: int,
                 max_n: int, chunk: int | None = None) -> None:
@@ -109,9 +135,10 @@ class Proposer:
             cache = self.caches[j]
             cache.truncate(p0_B)
             tok = tokens_BS.gather(1, (pos_BW + j + 1).clamp_max(tokens_BS.shape[1] - 1))
-            out = m.mtp_forward(self.cfg.module_for(j, m.n_mtp), tok, hid, cache, kv_len=kv_len)
+            mod = self.cfg.module_for(j, m.n_mtp)
+            out = m.mtp_forward(mod, tok, hid, cache, kv_len=kv_len, head_weight=self.heads.get(mod))
             self.draft_forwards += 1
-            d, q = draw(out.logits[rows, out_idx_B])
+            d, q = self._draw(draw, out.logits[rows, out_idx_B])
             tokens_BS[rows, n_B + j] = d
             drafts.append(d)
             probs.append(q)
@@ -121,9 +148,10 @@ class Proposer:
             g = pick_hidden(out, self.cfg.chain_hidden)[rows, out_idx_B].unsqueeze(1)
             cache.truncate(n_B - 1)  # drop the window's padding past n-2; the chain appends from n-1
             for j in range(1, K):
-                out = m.mtp_forward(0, drafts[-1].unsqueeze(1), g, cache, kv_len=max_n - 1 + j)
+                out = m.mtp_forward(0, drafts[-1].unsqueeze(1), g, cache, kv_len=max_n - 1 + j,
+                                    head_weight=self.heads.get(0))
                 self.draft_forwards += 1
-                d, q = draw(out.logits[:, 0])
+                d, q = self._draw(draw, out.logits[:, 0])
                 tokens_BS[rows, n_B + j] = d
                 drafts.append(d)
                 probs.append(q)

@@ -1,0 +1,116 @@
+"""Draft vocabularies: let the MTP draft head score only the N most frequent tokens (FR-Spec style).
+
+Each draft forward of the real model reads the 1.85 GB bf16 shared head (129,280 rows) to pick one token;
+on an H100 that is ~0.65 ms of a ~1.4 ms MTP forward (BENCHMARKS.md). Scoring only the N most frequent
+tokens reads N / 129,280 of it. Verification is untouched: the target model still scores the full vocabulary,
+so strict decoding stays lossless and the sampling verifier stays exact (the draft distribution is the
+softmax over the N tokens, zero elsewhere, and rejection sampling corrects any proposal distribution);
+only acceptance can drop, when the target's token lies outside the N.
+
+A vocabulary file is JSON: {"ids": [most frequent first, ...], "counts": [...], "tokenizer": ..., "tokens": ...}.
+`mtp-draft-vocab --checkpoint CKPT --data FILES... --out vocab.json` counts tokens over text files
+(.txt: one document per file line; .json / .jsonl: a text field) with the checkpoint's tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from ..utils import write_json_atomic
+
+
+def load_ids(path: str | Path, size: int | None = None) -> tuple[int, ...]:
+    """The first `size` ids (all when None) of a vocabulary file, most frequent first."""
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"draft vocabulary {p}: cannot read it as JSON ({e})") from None
+    ids = raw.get("ids") if isinstance(raw, dict) else raw
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"draft vocabulary {p}: want a JSON list of token ids or {{\"ids\": [...]}}")
+    if size is not None:
+        if size < 1:
+            raise ValueError(f"draft vocabulary size must be >= 1, got {size}")
+        if size > len(ids):
+            raise ValueError(f"draft vocabulary {p} holds {len(ids)} ids, {size} were asked for")
+        ids = ids[:size]
+    return tuple(ids)
+
+
+def check_ids(ids: Sequence[int], vocab_size: int) -> None:
+    if not ids:
+        raise ValueError("draft vocabulary is empty")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"draft vocabulary: ids outside the model's vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(set(ids)) != len(ids):
+        raise ValueError("draft vocabulary: ids must be distinct")
+
+
+def sub_head(weight_VD: torch.Tensor, ids_N: torch.Tensor) -> torch.Tensor:
+    """The head rows of the draft vocabulary, [N, D], contiguous (one copy per module used)."""
+    return weight_VD.index_select(0, ids_N).contiguous()
+
+
+def count_tokens(encode, texts: Iterable[str]) -> Counter:
+    c: Counter = Counter()
+    for t in texts:
+        c.update(encode(t))
+    return c
+
+
+def top_ids(counts: Counter, size: int, always: Iterable[int] = ()) -> list[int]:
+    """`always` (special tokens such as EOS and the think markers) first, then the most frequent ids; ties
+    toward the lower id, so the list is reproducible."""
+    head = list(dict.fromkeys(always))
+    rest = sorted((i for i in counts if i not in set(head)), key=lambda i: (-counts[i], i))
+    return (head + rest)[:size]
+
+
+def _texts(files: Sequence[str], field: str) -> Iterable[str]:
+    """Documents of local files through `datasets` (json/jsonl: `field`; anything else: one per line)."""
+    from datasets import load_dataset
+
+    for f in files:
+        if not Path(f).is_file():
+            raise SystemExit(f"--data: no such file {f}")
+        kind = "json" if f.endswith((".json", ".jsonl")) else "text"
+        ds = load_dataset(kind, data_files=f, split="train")
+        col = field if kind == "json" else "text"
+        if col not in ds.column_names:
+            raise SystemExit(f"{f}: no field {col!r} (fields: {ds.column_names}); pick one with --field")
+        yield from (t for t in ds[col] if t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..tokenizer import Tokenizer
+
+    ap = argparse.ArgumentParser(prog="mtp-draft-vocab", description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", required=True, help="checkpoint folder with the tokenizer")
+    ap.add_argument("--data", nargs="+", required=True, help=".txt / .json / .jsonl files")
+    ap.add_argument("--field", default="text", help="text field of json/jsonl records")
+    ap.add_argument("--size", type=int, default=32768, help="ids kept (the file keeps them all, ranked)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    tok = Tokenizer.from_dir(a.checkpoint)
+    counts = count_tokens(tok.encode, _texts(a.data, a.field))
+    specials = [i for i in (tok.eos_id, tok.think_id, tok.end_think_id, tok.bos_id) if i is not None]
+    ids = top_ids(counts, a.size, always=specials)
+    total = sum(counts.values())
+    covered = sum(counts[i] for i in ids)
+    write_json_atomic(a.out, {"ids": ids, "counts": [counts[i] for i in ids], "tokenizer": str(a.checkpoint),
+                              "data": list(a.data), "tokens_counted": total,
+                              "coverage": covered / total if total else 0.0})
+    print(f"{len(ids)} ids cover {100 * covered / max(total, 1):.2f}% of {total} tokens -> {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
