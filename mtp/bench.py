@@ -176,15 +176,19 @@ def bench_ours(args, bw: float) -> dict:
     # whole speculative steps (draft K + verify K+1 + accept + commit) in each mode
     spec = {}
     prompts = ids[:, :L].tolist()
-    for draft, k in (("none", 0), ("eagle", args.k)):
-        for mode in ("eager", "graph", "overlap"):
+    runs = [("none", 0, None), ("eagle", args.k, None)]
+    if args.draft_vocab:  # the draft head over the first N ids only (cost; random weights accept nothing)
+        runs.append(("eagle", args.k, args.draft_vocab))
+    for draft, k, nv in runs:
+        for mode in ("eager", "graph", "overlap") if nv is None else ("graph", "overlap"):
+            opts = {"draft_vocab": range(nv)} if nv else {}
             # the first call captures (kept by generate for the next call); the second is the one timed
-            generate(model, prompts, 8, draft=draft, k=k, mode=mode)
-            out = generate(model, prompts, args.new_tokens, draft=draft, k=k, mode=mode)
+            generate(model, prompts, 8, draft=draft, k=k, mode=mode, **opts)
+            out = generate(model, prompts, args.new_tokens, draft=draft, k=k, mode=mode, **opts)
             m = out.metrics
             d = m.to_dict()
             per_step = m.time_decode_s / max(m.target_forwards, 1) * 1e3
-            spec[f"{draft}_k{k}_{mode}"] = {
+            spec[f"{draft}_k{k}{f'_vocab{nv}' if nv else ''}_{mode}"] = {
                 "step_ms_wall": per_step, "decode_tok_s": m.decode_tok_s, "AL": m.mean_accepted_len,
                 "gpu_idle_frac": d.get("graph/gpu_idle_frac"), "capture_s": d.get("graph/capture_s"),
                 "graph_pool_bytes": d.get("graph/pool_bytes"),
@@ -240,6 +244,8 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--hf", action="store_true", help="also time transformers' eager implementation")
     ap.add_argument("--hf-layers", type=int, default=3)
+    ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                    help="also time the eagle step with a draft vocabulary of N ids (mtp.draft.vocab)")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel time of the graph step at w=1 and w=K+1 (torch.profiler), in the JSON and table")
     ap.add_argument("--accept", type=float, default=0.85,
