@@ -242,13 +242,20 @@ class Session:
             groups[key] = groups[key].merge(t.metrics) if key in groups else t.metrics
         return [f"{stats_line(m)} turns={m.n_rows}" for m in groups.values()]
 
+    def _settings_record(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self.settings)
+        vocab = d["options"].get("draft_vocab")
+        if vocab is not None:  # tens of thousands of ids: the transcript keeps how many
+            d["options"]["draft_vocab"] = {"size": len(vocab)}
+        return d
+
     def transcript(self) -> dict[str, Any]:
         return {
             "format": TRANSCRIPT_FORMAT,
             "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "meta": self.meta,
             "system": self.system,
-            "settings": dataclasses.asdict(self.settings),
+            "settings": self._settings_record(),
             "turns": [t.to_dict() for t in self.turns],
             "totals": self.totals(),
         }
