@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import fp8
@@ -144,11 +143,11 @@ class DeepseekV32(nn.Module):
         return ModelOutput(self.lm_head(sel).to(self.acc), hidden, h)
 
     def mtp_forward(self, j: int, tokens_BT: torch.Tensor, h_BTD: torch.Tensor, cache: KVCache,
-                    kv_len: int | None = None, head_weight: torch.Tensor | None = None) -> ModelOutput:
+                    kv_len: int | None = None, head=None) -> ModelOutput:
         """MTP module j at the positions of `cache` (its own one-layer cache): token t_{i+1} and hidden h_i
         in, logits for t_{i+2} out. Returns the module's normed and pre-norm output hidden states.
-        `head_weight` [N, D]: score only those rows of the shared head (a draft vocabulary, mtp.draft.vocab);
-        the logits are then over the N entries."""
+        `head`: a callable that replaces the shared head (a draft vocabulary's `mtp.draft.vocab.SubHead`); the
+        logits are then over its entries."""
         layer = self.mtp[j]
         T = tokens_BT.shape[1]
         pos_BT, cos, sin, S = self._positions(cache, T, kv_len)
@@ -157,5 +156,5 @@ class DeepseekV32(nn.Module):
         h = layer(u.to(self.acc), pos_BT, cos, sin, cache.layer(0), S, self.runtime, self.dtype)
         cache.seq_lens += T
         normed = layer.shared_head.norm(h, self.dtype)
-        logits = layer.shared_head.head(normed) if head_weight is None else F.linear(normed, head_weight.to(normed.dtype))
+        logits = (head or layer.shared_head.head)(normed)
         return ModelOutput(logits.to(self.acc), normed, h)

@@ -63,8 +63,13 @@ def checks(model, generate: bool = True) -> dict:
         mc = model.new_cache(2, 40, n_layers=1)
         out["mtp"] = model.mtp_forward(0, ids[:, 1:], o.hidden[:, :-1], mc).logits
     if generate:
-        r = mtp.generate(model, [ids[0, :18].tolist(), ids[1, :7].tolist()], max_new_tokens=12, draft="eagle", k=2)
+        prompts = [ids[0, :18].tolist(), ids[1, :7].tolist()]
+        r = mtp.generate(model, prompts, max_new_tokens=12, draft="eagle", k=2)
         out["tokens"], out["accepted_hist"] = r.tokens, r.metrics.accepted_hist
+        V = model.cfg.vocab_size  # a draft vocabulary split unevenly over the two vocabulary halves
+        vocab = list(range(0, V // 2, 2)) + list(range(V // 2, V, 5))
+        r = mtp.generate(model, prompts, max_new_tokens=12, draft="eagle", k=2, draft_vocab=vocab)
+        out["vocab_tokens"], out["vocab_hist"] = r.tokens, r.metrics.accepted_hist
     return out
 
 
@@ -151,6 +156,10 @@ def test_tp2_speculative_tokens_equal_tp1(ranks, reference, numerics):
     for r in range(WORLD):
         assert ranks[r][numerics]["tokens"] == ref["tokens"], f"rank {r} generated other tokens"
         assert ranks[r][numerics]["accepted_hist"] == acc
+        # draft vocabulary over a vocabulary-parallel head: per-rank rows, padded, all-gathered
+        assert ranks[r][numerics]["vocab_tokens"] == ref["tokens"]  # strict: still the greedy tokens
+        assert ranks[r][numerics]["vocab_hist"] == ref["vocab_hist"]  # the same drafts as one process makes
+    assert ref["vocab_hist"] != acc  # the vocabulary changed which drafts were made
 
 
 def test_param_bytes_equal_planner(ranks, par_ckpt):

@@ -24,7 +24,7 @@ import torch
 
 from ..cache import KVCache
 from ..model import DeepseekV32
-from .vocab import check_ids, sub_head
+from .vocab import SubHead, check_ids
 
 
 @dataclass(frozen=True)
@@ -81,17 +81,12 @@ class Proposer:
         self.caches: list[KVCache] = [model.new_cache(batch, max_len, n_layers=1) for _ in range(dcfg.n_caches)]
         self.draft_forwards = 0
         self.vocab_ids, self.heads = None, {}
-        if dcfg.vocab is not None:  # the head rows of the draft vocabulary, per module used
-            V = model.cfg.vocab_size
-            check_ids(dcfg.vocab, V)
-            self.vocab_ids = torch.tensor(dcfg.vocab, dtype=torch.long, device=model.device)
-            for j in {dcfg.module_for(i, model.n_mtp) for i in range(dcfg.k)}:
-                w = model.mtp[j].shared_head.head.weight
-                if w.shape[0] != V:
-                    raise ValueError(f"a draft vocabulary needs MTP module {j}'s whole head on this rank (it holds "
-                                     f"{w.shape[0]} of {V} rows: vocabulary-parallel); run without one")
-                self.heads[j] = sub_head(w, self.vocab_ids)
         self.V = model.cfg.vocab_size
+        if dcfg.vocab is not None:  # the head rows of the draft vocabulary, per module used
+            check_ids(dcfg.vocab, self.V)
+            for j in sorted({dcfg.module_for(i, model.n_mtp) for i in range(dcfg.k)}):
+                self.heads[j] = SubHead(model.mtp[j].shared_head.head, dcfg.vocab, self.V, model.device)
+            self.vocab_ids = self.heads[min(self.heads)].ids_M  # entry -> model id (-1: padding, never drawn)
 
     def _draw(self, draw, logits_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`draw` over the module's logits; with a draft vocabulary, back to model ids and a full-vocabulary
@@ -100,9 +95,10 @@ class Proposer:
         if self.vocab_ids is None:
             return d, q
         d = self.vocab_ids[d]
-        if q is not None:
-            full = q.new_zeros(q.shape[0], self.V)
-            q = full.scatter_(1, self.vocab_ids.unsqueeze(0).expand(q.shape[0], -1), q)
+        if q is not None:  # padding entries (-1) have probability 0: sent to an extra column, dropped
+            cols = torch.where(self.vocab_ids < 0, self.V, self.vocab_ids)
+            full = q.new_zeros(q.shape[0], self.V + 1)
+            q = full.scatter_(1, cols.unsqueeze(0).expand(q.shape[0], -1), q)[:, : self.V]
         return d, q
 
     def prefill(self, tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, W: int,
@@ -136,7 +132,7 @@ class Proposer:
             cache.truncate(p0_B)
             tok = tokens_BS.gather(1, (pos_BW + j + 1).clamp_max(tokens_BS.shape[1] - 1))
             mod = self.cfg.module_for(j, m.n_mtp)
-            out = m.mtp_forward(mod, tok, hid, cache, kv_len=kv_len, head_weight=self.heads.get(mod))
+            out = m.mtp_forward(mod, tok, hid, cache, kv_len=kv_len, head=self.heads.get(mod))
             self.draft_forwards += 1
             d, q = self._draw(draw, out.logits[rows, out_idx_B])
             tokens_BS[rows, n_B + j] = d
@@ -149,7 +145,7 @@ class Proposer:
             cache.truncate(n_B - 1)  # drop the window's padding past n-2; the chain appends from n-1
             for j in range(1, K):
                 out = m.mtp_forward(0, drafts[-1].unsqueeze(1), g, cache, kv_len=max_n - 1 + j,
-                                    head_weight=self.heads.get(0))
+                                    head=self.heads.get(0))
                 self.draft_forwards += 1
                 d, q = self._draw(draw, out.logits[:, 0])
                 tokens_BS[rows, n_B + j] = d

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ..utils import write_json_atomic
 
@@ -54,9 +55,42 @@ def check_ids(ids: Sequence[int], vocab_size: int) -> None:
         raise ValueError("draft vocabulary: ids must be distinct")
 
 
-def sub_head(weight_VD: torch.Tensor, ids_N: torch.Tensor) -> torch.Tensor:
-    """The head rows of the draft vocabulary, [N, D], contiguous (one copy per module used)."""
-    return weight_VD.index_select(0, ids_N).contiguous()
+class SubHead:
+    """Logits over a draft vocabulary from an MTP module's head: `self(x [..., D]) -> [..., M]`, where entry m
+    stands for model id `ids_M[m]`, or for nothing when `ids_M[m]` is -1 (padding, logit -inf).
+
+    One rank: the head's rows of the N ids, copied once ([N, D]). Vocabulary-parallel head (rank r of W holds
+    rows [r V/W, (r+1) V/W)): each rank keeps the rows of the ids in its slice, zero-padded to the largest
+    slice's count n, and the ranks' [.., n] logits are all-gathered in rank order, the same layout the full
+    head uses; `ids_M` ([W * n]) is the same on every rank (computed from the ids, no communication)."""
+
+    def __init__(self, head, ids: Sequence[int], vocab_size: int, device):
+        w = head.weight
+        ids_t = torch.tensor(ids, dtype=torch.long, device=device)
+        comm = getattr(head, "comm", None)
+        if w.shape[0] == vocab_size:
+            self.weight, self.comm, self.ids_M = w.index_select(0, ids_t).contiguous(), None, ids_t
+            return
+        world = comm.world if comm is not None else 0
+        if world < 2 or vocab_size % world or w.shape[0] != vocab_size // world:
+            raise ValueError(f"draft vocabulary: the head holds {w.shape[0]} of {vocab_size} rows and is not a "
+                             "vocabulary-parallel head")
+        Vl = vocab_size // world
+        per_rank = [ids_t[(ids_t >= r * Vl) & (ids_t < (r + 1) * Vl)] for r in range(world)]
+        n = max(1, max(len(p) for p in per_rank))
+        ids_M = torch.full((world, n), -1, dtype=torch.long, device=device)
+        for r, p in enumerate(per_rank):
+            ids_M[r, : len(p)] = p
+        mine = per_rank[comm.rank] - comm.rank * Vl
+        self.weight = w.new_zeros(n, w.shape[1])
+        self.weight[: len(mine)] = w.index_select(0, mine)
+        self.comm, self.ids_M = comm, ids_M.flatten()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight.to(x.dtype))
+        if self.comm is not None:
+            y = self.comm.all_gather_last(y)
+        return y if self.comm is None else y.masked_fill(self.ids_M < 0, float("-inf"))
 
 
 def count_tokens(encode, texts: Iterable[str]) -> Counter:
