@@ -87,3 +87,15 @@ def test_experiment_config_passes_the_vocabulary(tmp_path):
             generate_kwargs(cfg)
         cfg = compose("eval", overrides=["draft=none"] + FIXED)
         assert "draft_vocab" not in generate_kwargs(cfg)
+
+
+def test_proposers_share_one_sub_head(tiny_model):
+    """An engine keeps a proposer per buffer bucket: they must not each copy the head's rows."""
+    from mtp.draft import DraftConfig
+    from mtp.draft.proposer import Proposer
+
+    dcfg = DraftConfig("eagle", 2, vocab=(1, 5, 9))
+    a, b = Proposer(tiny_model, dcfg, 1, 64), Proposer(tiny_model, dcfg, 3, 512)
+    assert a.heads[0] is b.heads[0]
+    other = Proposer(tiny_model, DraftConfig("eagle", 2, vocab=(1, 5)), 1, 64)
+    assert other.heads[0] is not a.heads[0] and other.heads[0].weight.shape[0] == 2

@@ -24,7 +24,7 @@ import torch
 
 from ..cache import KVCache
 from ..model import DeepseekV32
-from .vocab import SubHead, check_ids
+from .vocab import check_ids, shared_sub_head
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class Proposer:
         if dcfg.vocab is not None:  # the head rows of the draft vocabulary, per module used
             check_ids(dcfg.vocab, self.V)
             for j in sorted({dcfg.module_for(i, model.n_mtp) for i in range(dcfg.k)}):
-                self.heads[j] = SubHead(model.mtp[j].shared_head.head, dcfg.vocab, self.V, model.device)
+                self.heads[j] = shared_sub_head(model.mtp[j].shared_head.head, dcfg.vocab, self.V, model.device)
             self.vocab_ids = self.heads[min(self.heads)].ids_M  # entry -> model id (-1: padding, never drawn)
 
     def _draw(self, draw, logits_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

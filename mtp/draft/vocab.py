@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -91,6 +92,22 @@ class SubHead:
         if self.comm is not None:
             y = self.comm.all_gather_last(y)
         return y if self.comm is None else y.masked_fill(self.ids_M < 0, float("-inf"))
+
+
+_SUBHEADS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, SubHead]]" = weakref.WeakKeyDictionary()
+
+
+def shared_sub_head(head, ids: tuple[int, ...], vocab_size: int, device) -> SubHead:
+    """One `SubHead` per (head, ids), shared by every proposer that asks (an engine keeps one proposer per
+    buffer bucket; the real model's rows for 32k ids are 470 MB per copy). The last two vocabularies per head
+    are kept, for as long as the head lives; they are copies, so weights changed in place afterwards (training)
+    are not seen: `_SUBHEADS.clear()` drops them."""
+    per_head = _SUBHEADS.setdefault(head, {})
+    sub = per_head.pop(ids, None) or SubHead(head, ids, vocab_size, device)
+    per_head[ids] = sub
+    while len(per_head) > 2:
+        del per_head[next(iter(per_head))]
+    return sub
 
 
 def count_tokens(encode, texts: Iterable[str]) -> Counter:
