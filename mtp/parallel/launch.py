@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=("eager", "graph", "overlap"), default=None,
                     help="decode loop (default: overlap on GPUs, eager on CPU)")
     ap.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None,
-                    help="Triton kernels (default: on with CUDA, fp8 numerics and triton)")
+                    help="Triton kernels (default: on with CUDA, an FP8 checkpoint, fp8 numerics and triton)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill long prompts N tokens at a time")
     ap.add_argument("--check", action="store_true", help="verify that every rank generated the same ids")
     a = ap.parse_args(argv)
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                               dtype=dtype, numerics=a.numerics)
         k = 0 if a.draft == "none" else a.k
         mode = a.mode or ("overlap" if device.type == "cuda" else "eager")
-        if a.fast_path or (a.fast_path is None and device.type == "cuda" and a.numerics == "fp8"):
+        if a.fast_path or (a.fast_path is None and device.type == "cuda" and a.numerics == "fp8"
+                           and model.cfg.is_fp8):
             from ..fastpath import enable_fast_path
             from ..kernels import available
 
