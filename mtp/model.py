@@ -143,11 +143,13 @@ class DeepseekV32(nn.Module):
         return ModelOutput(self.lm_head(sel).to(self.acc), hidden, h)
 
     def mtp_forward(self, j: int, tokens_BT: torch.Tensor, h_BTD: torch.Tensor, cache: KVCache,
-                    kv_len: int | None = None, head=None) -> ModelOutput:
+                    kv_len: int | None = None, head=None, logits_at: torch.Tensor | None = None) -> ModelOutput:
         """MTP module j at the positions of `cache` (its own one-layer cache): token t_{i+1} and hidden h_i
         in, logits for t_{i+2} out. Returns the module's normed and pre-norm output hidden states.
         `head`: a callable that replaces the shared head (a draft vocabulary's `mtp.draft.vocab.SubHead`); the
-        logits are then over its entries."""
+        logits are then over its entries. `logits_at` [B, n]: positions within the T tokens whose logits to
+        compute (default: all; a draft needs one per row, and a window over a long prompt would otherwise make
+        [B, T, V] fp32 logits)."""
         layer = self.mtp[j]
         T = tokens_BT.shape[1]
         pos_BT, cos, sin, S = self._positions(cache, T, kv_len)
@@ -156,5 +158,8 @@ class DeepseekV32(nn.Module):
         h = layer(u.to(self.acc), pos_BT, cos, sin, cache.layer(0), S, self.runtime, self.dtype)
         cache.seq_lens += T
         normed = layer.shared_head.norm(h, self.dtype)
-        logits = (head or layer.shared_head.head)(normed)
+        sel = normed
+        if logits_at is not None:
+            sel = normed.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, normed.shape[-1]))
+        logits = (head or layer.shared_head.head)(sel)
         return ModelOutput(logits.to(self.acc), normed, h)

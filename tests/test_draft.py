@@ -226,3 +226,17 @@ def test_draft_config_layout():
     assert [e.module_for(j, 2) for j in range(4)] == [0, 0, 0, 0]
     assert e.window() == 5 and e.n_caches == 1
     assert DraftConfig().n_caches == 0
+
+
+def test_mtp_forward_logits_at_picks_rows_of_the_full_logits(tiny_model):
+    """The proposer asks for one position per row: the same values as the full [B, T, V] logits there."""
+    m = tiny_model
+    g = torch.Generator().manual_seed(3)
+    tok = torch.randint(0, m.cfg.vocab_size, (2, 9), generator=g)
+    hid = torch.randn(2, 9, m.cfg.hidden_size, generator=g)
+    at = torch.tensor([[8], [4]])
+    with torch.no_grad():
+        full = m.mtp_forward(0, tok, hid, m.new_cache(2, 16, n_layers=1)).logits
+        picked = m.mtp_forward(0, tok, hid, m.new_cache(2, 16, n_layers=1), logits_at=at).logits
+    assert picked.shape == (2, 1, m.cfg.vocab_size)
+    torch.testing.assert_close(picked[:, 0], full[torch.arange(2), at[:, 0]], rtol=1e-6, atol=1e-6)

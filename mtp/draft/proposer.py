@@ -132,9 +132,10 @@ class Proposer:
             cache.truncate(p0_B)
             tok = tokens_BS.gather(1, (pos_BW + j + 1).clamp_max(tokens_BS.shape[1] - 1))
             mod = self.cfg.module_for(j, m.n_mtp)
-            out = m.mtp_forward(mod, tok, hid, cache, kv_len=kv_len, head=self.heads.get(mod))
+            out = m.mtp_forward(mod, tok, hid, cache, kv_len=kv_len, head=self.heads.get(mod),
+                                logits_at=out_idx_B.unsqueeze(1))
             self.draft_forwards += 1
-            d, q = self._draw(draw, out.logits[rows, out_idx_B])
+            d, q = self._draw(draw, out.logits[:, 0])
             tokens_BS[rows, n_B + j] = d
             drafts.append(d)
             probs.append(q)
