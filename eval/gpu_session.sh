@@ -2,22 +2,31 @@
 # One device call that checks and times everything GPU-side, writing logs and JSON under $OUT (or ./gpu_out):
 # the GPU test suite, mtp-bench (profile + draft vocabulary, vs transformers), and with >= 2 GPUs the NCCL test
 # and the TP=2 benchmark against TP=1. Each part has its own time limit, so one hang cannot eat the call.
-#   bash eval/gpu_session.sh            # e.g. through the device tool: run(command="bash eval/gpu_session.sh")
+#   bash eval/gpu_session.sh                  # e.g. through the device tool: run(command="bash eval/gpu_session.sh")
+#   PARTS="nccl tp" bash eval/gpu_session.sh  # a subset: tests, nccl, tp, bench (all four exceed one 10-minute call)
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+PARTS=${PARTS:-tests nccl tp bench}
+want() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
 echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $ngpu, commit $(git rev-parse --short HEAD 2>/dev/null)"
-echo "== GPU tests"
-timeout "${TESTS_S:-300}" python3 -m pytest -q -m gpu tests/gpu 2>&1 | tee "$OUT/pytest_gpu.log" | tail -4
-if [ "$ngpu" -ge 2 ]; then
+if want tests; then
+  echo "== GPU tests"
+  timeout "${TESTS_S:-300}" python3 -m pytest -q -m gpu tests/gpu 2>&1 | tee "$OUT/pytest_gpu.log" | tail -4
+fi
+if [ "$ngpu" -ge 2 ] && want nccl; then
   echo "== NCCL tests (2 ranks)"
   timeout "${NCCL_S:-200}" python3 -m pytest -q -m gpu tests/test_parallel.py -s 2>&1 | tee "$OUT/pytest_tp2.log" | tail -4
+fi
+if [ "$ngpu" -ge 2 ] && want tp; then
   echo "== TP=2 vs TP=1"
   timeout "${TP_S:-300}" python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m mtp.parallel.bench \
     --out "$OUT/tp2.json" --compare-tp1 2>&1 | tee "$OUT/tp2.log" | grep -v -i warn | tail -12
 fi
-echo "== mtp-bench"
-timeout "${BENCH_S:-360}" python3 -m mtp.bench --hf --profile --draft-vocab "${DRAFT_VOCAB:-32768}" \
-  --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -45
+if want bench; then
+  echo "== mtp-bench"
+  timeout "${BENCH_S:-360}" python3 -m mtp.bench --hf --profile --draft-vocab "${DRAFT_VOCAB:-32768}" \
+    --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -45
+fi
