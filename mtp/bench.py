@@ -194,8 +194,6 @@ def bench_ours(args, bw: float) -> dict:
                 "graph_pool_bytes": d.get("graph/pool_bytes"),
                 "gpu_step_ms": m.gpu_busy_ms / m.graph_replays if m.graph_replays else None}
     res["spec_step"] = spec
-    # per-layer costs for projections: attention-only share from a dense vs MoE split is not separable here;
-    # use bytes: the measured graph time scaled by the byte ratio of the full model
     release(model)  # generate's kept engines hold the model and their graphs' memory pools
     del model, out, kv, fwd
     gc.collect()

@@ -43,6 +43,7 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV
         raise ValueError("the fast path implements DeepSeek's FP8 numerics: load an FP8 checkpoint with numerics='fp8'")
     if compile_glue:
         glue.compile()
+    mm_fp32 = _mm_out_fp32()
     routed = set()  # routed experts (MoE's list, the expert-parallel MoE's dict) keep their own layout
     for mod in model.modules():
         ex = getattr(mod, "experts", None)
@@ -61,7 +62,7 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV
             ix = mod.indexer
             mod.w_idx = ix.weights_proj.weight.float() * (ix.n_heads ** -0.5 * ix.head_dim ** -0.5)
             mod.w_idx_t = (ix.weights_proj.weight.t().contiguous()
-                           if ix.weights_proj.weight.dtype == torch.bfloat16 and _mm_out_fp32() else None)
+                           if ix.weights_proj.weight.dtype == torch.bfloat16 and mm_fp32 else None)
             # the projections that read the same input, as one weight each (one launch instead of 3 and 2)
             mod.fused_a = fuse_rows([mod.q_a_proj, ix.wk, mod.kv_a_proj_with_mqa])
             mod.fused_qb = fuse_rows([mod.q_b_proj, ix.wq_b])

@@ -89,9 +89,9 @@ class SubHead:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight.to(x.dtype))
-        if self.comm is not None:
-            y = self.comm.all_gather_last(y)
-        return y if self.comm is None else y.masked_fill(self.ids_M < 0, float("-inf"))
+        if self.comm is None:
+            return y
+        return self.comm.all_gather_last(y).masked_fill(self.ids_M < 0, float("-inf"))
 
 
 _SUBHEADS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, SubHead]]" = weakref.WeakKeyDictionary()
