@@ -304,8 +304,9 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from mtp.chat_io import BroadcastInput
+    from mtp.parallel.comm import init_process_group
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         tok = Tokenizer(train_bpe_tokenizer([REPLY * 3, "hello world, thinking about it " * 3], vocab_size=320))
         lines = ["hello", "/k 2", "stop me", "/think on", "bye", "/exit", "never"] if rank == 0 else []

@@ -23,6 +23,7 @@ import mtp
 from mtp.checkpoint import load_model, save_checkpoint
 from mtp.config import RuntimeOptions
 from mtp.parallel import Comm, ParallelPlan, load_parallel, param_bytes, set_static_moe
+from mtp.parallel.comm import init_process_group
 from mtp.plan import rank_weight_bytes
 from mtp.tiny import random_tensors, tiny_config
 
@@ -74,7 +75,7 @@ def checks(model, generate: bool = True) -> dict:
 
 
 def _worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD,
+    init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=90))
     torch.set_num_threads(1)
     try:
@@ -194,7 +195,7 @@ def _nccl_worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
     faulthandler.dump_traceback_later(100)  # a hung rank prints where it waits (the whole job takes ~30 s)
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", init_method=f"file://{init}", rank=rank, world_size=WORLD, device_id=dev,
+    init_process_group("nccl", init_method=f"file://{init}", rank=rank, world_size=WORLD, device_id=dev,
                             timeout=datetime.timedelta(seconds=120))
     try:
         m = load_parallel(ckpt, Comm(), device=dev, dtype=torch.bfloat16, numerics="fp8")

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from mtp.checkpoint import load_model, save_checkpoint
 from mtp.parallel import Comm, load_parallel
+from mtp.parallel.comm import init_process_group
 from mtp.parallel.synthetic import random_parallel_model, tiny_parallel_config
 from mtp.synthetic import random_model, random_state
 
@@ -48,7 +49,7 @@ def _params_mismatch(a, b) -> list[str]:
 
 
 def _worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD,
+    init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=90))
     torch.set_num_threads(1)
     try:

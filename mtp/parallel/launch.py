@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine import generate, release
-from .comm import Comm
+from .comm import Comm, init_process_group
 from .layout import MLP_SPLITS, ParallelPlan
 from .load import load_parallel, param_bytes
 
@@ -33,10 +33,10 @@ def init_distributed() -> tuple[Comm, torch.device]:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
+        init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        init_process_group("gloo")
     return Comm(), device
 
 
