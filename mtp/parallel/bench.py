@@ -36,7 +36,7 @@ from ..engine import generate, release
 from ..moe import MoE
 from ..spec import checkpoint_spec
 from ..synthetic import gpu_test_config, random_model, real_config
-from .comm import Comm
+from .comm import CountingComm
 from .layout import MLP_SPLITS, ParallelPlan
 from .load import param_bytes
 from .modules import ExpertParallelMoE
@@ -45,27 +45,6 @@ from .synthetic import random_parallel_model, tiny_parallel_config
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CONFIGS = ("real", "gpu-test", "tiny")
 GIB = 2 ** 30
-
-
-class CountingComm(Comm):
-    """`Comm` that counts the collectives it issues and their payload bytes (host-side, eager calls only)."""
-
-    def __init__(self, group=None):
-        super().__init__(group)
-        self.reset()
-
-    def reset(self) -> None:
-        self.counts = {"all_reduce": 0, "all_gather": 0, "all_reduce_bytes": 0, "all_gather_bytes": 0}
-
-    def all_reduce(self, t):
-        self.counts["all_reduce"] += 1
-        self.counts["all_reduce_bytes"] += t.numel() * t.element_size()
-        return super().all_reduce(t)
-
-    def all_gather_last(self, t):
-        self.counts["all_gather"] += 1
-        self.counts["all_gather_bytes"] += t.numel() * t.element_size()
-        return super().all_gather_last(t)
 
 
 def bench_config(args, world: int, cuda: bool) -> tuple[str, ModelConfig]:
