@@ -6,6 +6,7 @@
 #   PARTS="nccl tp" bash eval/gpu_session.sh  # a subset: tests, nccl, tp, bench (all four exceed one 10-minute call)
 #   PARTS=tp8 bash eval/gpu_session.sh        # one rank of TP=8 at full depth (needs ~96 GiB: an H200), alone in
 #                                             # one call: ~82 GiB of random weights, 1k/8k/32k contexts, spec steps
+#   PARTS="coll tp8" ...                      # with 2+ GPUs: NCCL latencies first, used by tp8's projection
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -31,6 +32,12 @@ if want bench; then
   echo "== mtp-bench"
   timeout "${BENCH_S:-360}" python3 -m mtp.bench --hf --profile --draft-vocab "${DRAFT_VOCAB:-32768}" \
     --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -45
+fi
+if [ "$ngpu" -ge 2 ] && want coll; then
+  echo "== collective latency, $ngpu GPUs (NCCL, graph-captured)"
+  timeout "${COLL_S:-180}" python3 -m torch.distributed.run --standalone --nproc-per-node "$ngpu" \
+    -m mtp.parallel.collbench --json "$OUT/coll.json" 2>&1 | tee "$OUT/coll.log" | grep -v -i warn | tail -30
+  [ -s "$OUT/coll.json" ] && COLL_JSON=${COLL_JSON:-$OUT/coll.json}
 fi
 if want tp8; then
   echo "== mtp-bench --tp 8 (simulated rank, 61 layers) $(date -u +%H:%M:%S)"

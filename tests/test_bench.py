@@ -63,7 +63,7 @@ def test_accept_len():
 
 
 def test_collective_latency_assumed_and_measured(tmp_path):
-    ns = argparse.Namespace(collective_json=None, allreduce_us=10.0)
+    ns = argparse.Namespace(collective_json=None, allreduce_us=10.0, tp=8)
     lat = rb.collective_latency(ns)
     assert lat["assumed"] and "ASSUMED 10.0 us" in lat["source"]
     counts = {"all_reduce": 123, "all_reduce_bytes": 123 * 28672, "all_gather": 1, "all_gather_bytes": 64640}
@@ -71,8 +71,10 @@ def test_collective_latency_assumed_and_measured(tmp_path):
     f = tmp_path / "coll.json"
     f.write_text('{"device": "H200", "world": 8, "ops": {"all_reduce": [{"bytes": 16384, "us": 8.0}, '
                  '{"bytes": 65536, "us": 11.0}], "all_gather": [{"bytes": 65536, "us": 9.0}]}}')
-    lat = rb.collective_latency(argparse.Namespace(collective_json=str(f), allreduce_us=10.0))
-    assert not lat["assumed"] and "measured" in lat["source"]
+    lat = rb.collective_latency(argparse.Namespace(collective_json=str(f), allreduce_us=10.0, tp=8))
+    assert not lat["assumed"] and "measured" in lat["source"] and "not the" not in lat["source"]
+    assert "measured on 8 GPUs, not the 16" in rb.collective_latency(
+        argparse.Namespace(collective_json=str(f), allreduce_us=10.0, tp=16))["source"]
     assert rb.latency_us(lat, "all_reduce", 28672) == 11.0  # the next measured size up
     assert rb.latency_us(lat, "all_reduce", 16384) == 8.0
     assert rb.latency_us(lat, "all_gather", 131072) == pytest.approx(18.0)  # past the table: scaled by bytes
@@ -132,7 +134,7 @@ def _tp_result(device="NVIDIA H200"):
 
 def test_projection_adds_collectives_draft_and_divides_by_al(capsys):
     res = _tp_result()
-    args = argparse.Namespace(collective_json=None, allreduce_us=10.0, accept=[0.8], al=None, k=2)
+    args = argparse.Namespace(collective_json=None, allreduce_us=10.0, accept=[0.8], al=None, k=2, tp=8)
     pj = rb.project(res, args)
     c = 124 * 10e-3  # 123 all-reduces + 1 all-gather at the assumed 10 us
     p = pj["contexts"][1024]
@@ -152,3 +154,13 @@ def test_projection_adds_collectives_draft_and_divides_by_al(capsys):
     rb.print_table(res)
     out = capsys.readouterr().out
     assert "ASSUMED 10.0 us" in out and "158 tok/s per user" in out and "32768" in out
+
+
+def test_collbench_sizes_and_skip_on_one_gpu(monkeypatch, capsys):
+    from mtp.parallel import collbench
+
+    shapes = collbench.message_shapes(real_config(layers=4, dense_layers=3), 8, widths=(1, 4))
+    assert ("all_reduce", (1, 4, 7168), torch.float32) in shapes and ("all_gather", (1, 1, 16160), torch.float32) in shapes
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert collbench.main(["--json", "unused.json"]) == 0
+    assert "skipped, needs 2+ GPUs" in capsys.readouterr().out

@@ -318,8 +318,10 @@ def collective_latency(args) -> dict:
     """us per all-reduce / all-gather: measured on N GPUs (`--collective-json`) or the assumption."""
     if args.collective_json:
         data = json.loads(Path(args.collective_json).read_text())
-        return {"source": f"measured ({args.collective_json}: {data.get('device')}, world {data.get('world')})",
-                "assumed": False, "world": data.get("world"), "table": data["ops"]}
+        world = data.get("world")
+        other = f"; measured on {world} GPUs, not the {args.tp} of this TP" if world != args.tp else ""
+        return {"source": f"measured ({args.collective_json}: {data.get('device')} x {world}{other})",
+                "assumed": False, "world": world, "table": data["ops"]}
     return {"source": f"ASSUMED {args.allreduce_us} us per collective (no multi-GPU measurement given)",
             "assumed": True, "us": args.allreduce_us}
 
