@@ -23,7 +23,6 @@ import gc
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from ..engine import generate, release
 from ..moe import MoE
 from ..spec import checkpoint_spec
 from ..synthetic import gpu_test_config, random_model, real_config
+from ..timing import capture, timer
 from .comm import CountingComm
 from .layout import MLP_SPLITS, ParallelPlan
 from .load import param_bytes
@@ -58,25 +58,6 @@ def bench_config(args, world: int, cuda: bool) -> tuple[str, ModelConfig]:
         cfg = tiny_parallel_config(world, args.layers, args.dense_layers, args.mtp_modules)
     cfg.validate(f"mtp.parallel.bench --config {name}")
     return name, cfg
-
-
-def _timer(device: torch.device, iters: int, warmup: int):
-    if device.type == "cuda":
-        from ..bench import _time_ms  # CUDA events, median of iters
-
-        return lambda fn: _time_ms(fn, iters=iters, warmup=warmup)
-
-    def cpu_ms(fn) -> float:
-        for _ in range(warmup):
-            fn()
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(ts)
-
-    return cpu_ms
 
 
 def _fast_path(model, args, device) -> str | None:
@@ -118,10 +99,8 @@ def moe_path(model) -> dict | None:
 @torch.no_grad()
 def measure(model, args, device: torch.device, ids: torch.Tensor, comm: CountingComm | None) -> dict:
     """Prefill, then one target forward per verify width 1..K+1: eager and graph times, logits, collectives."""
-    time_ms = _timer(device, args.iters, args.warmup)
+    time_ms = timer(device.type == "cuda", args.iters, args.warmup)
     graph = "graph" in args.modes and device.type == "cuda"
-    if graph:
-        from ..bench import _capture
     B, L = ids.shape[0], args.prompt_len
     res: dict = {"target_step": {}, "logits": {}}
     for w in range(1, args.k + 2):
@@ -147,7 +126,7 @@ def measure(model, args, device: torch.device, ids: torch.Tensor, comm: Counting
         res["logits"][w] = out.pop("o").logits.float().cpu()
         r = {"eager_ms": time_ms(fwd) if "eager" in args.modes else None, "graph_ms": None}
         if graph:
-            g = _capture(fwd)
+            g = capture(fwd)
             r["graph_ms"] = time_ms(g.replay)
             del g
         out.clear()

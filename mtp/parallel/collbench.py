@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ModelConfig
+from ..timing import time_ms
 from .comm import Comm
 
 
@@ -39,8 +40,6 @@ def message_shapes(cfg: ModelConfig, world: int, widths=range(1, 9)) -> list[tup
 
 def time_collective(comm: Comm, op: str, t: torch.Tensor, inner: int, iters: int) -> float:
     """us per collective: a graph of `inner` of them, replayed."""
-    from ..bench import _time_ms
-
     fn = (lambda: comm.all_reduce(t)) if op == "all_reduce" else (lambda: comm.all_gather_last(t))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -53,7 +52,7 @@ def time_collective(comm: Comm, op: str, t: torch.Tensor, inner: int, iters: int
         for _ in range(inner):
             fn()
     dist.barrier()
-    ms = _time_ms(graph.replay, iters=iters, warmup=3)
+    ms = time_ms(graph.replay, iters=iters, warmup=3)
     del graph
     return ms * 1e3 / inner
 

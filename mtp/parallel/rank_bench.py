@@ -36,6 +36,7 @@ import torch
 
 from ..config import ModelConfig
 from ..spec import checkpoint_spec
+from ..timing import capture, copy_bandwidth, kernel_profile, timer
 from .layout import ParallelPlan
 
 GIB = 2 ** 30
@@ -140,27 +141,8 @@ def expected_local_experts(cfg: ModelConfig, world: int, tokens: int) -> float:
     return cfg.n_routed_experts / world * (1 - (1 - p) ** tokens)
 
 
-def make_timer(cuda: bool, iters: int, warmup: int):
-    if cuda:
-        from ..bench import _time_ms
-
-        return lambda fn: _time_ms(fn, iters=iters, warmup=warmup)
-
-    def cpu_ms(fn) -> float:
-        for _ in range(warmup):
-            fn()
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(ts)
-
-    return cpu_ms
-
-
 @torch.no_grad()
-def indexer_alone(model, cache, L: int, w: int, timer, cuda: bool) -> dict:
+def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
     """One layer's lightning indexer at context L for w queries, alone: scores over the L + w keys, then
     top-k (the kernels the fast path runs; their references on CPU). Per layer, and x layers per step."""
     from .. import fp8
@@ -190,23 +172,20 @@ def indexer_alone(model, cache, L: int, w: int, timer, cuda: bool) -> dict:
     for name, fn in (("scores", scores), ("topk", topk)):
         fn()
         if cuda:
-            from ..bench import _capture
-
-            graph = _capture(fn)
-            res[f"{name}_us_per_layer"] = timer(graph.replay) * 1e3
+            graph = capture(fn)
+            res[f"{name}_us_per_layer"] = time_fn(graph.replay) * 1e3
             del graph
         else:
-            res[f"{name}_us_per_layer"] = timer(fn) * 1e3
+            res[f"{name}_us_per_layer"] = time_fn(fn) * 1e3
     res["layers"] = cfg.num_hidden_layers
     res["ms_per_step"] = (res["scores_us_per_layer"] + res["topk_us_per_layer"]) * cfg.num_hidden_layers / 1e3
     return res
 
 
 @torch.no_grad()
-def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, timer, world: int) -> dict:
+def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_fn, world: int) -> dict:
     """One context length: cache filled to L, then per width w = 1..K+1 the counted eager step, the graph
     time, floor, kernels, and the indexer alone."""
-    from ..bench import _capture, kernel_profile
     from ..synthetic import fill_cache_random
 
     cfg, B, K = model.cfg, args.batch, args.k
@@ -235,10 +214,10 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, timer,
                                              "mean": statistics.mean(touched.values()) if touched else 0.0,
                                              "expected_uniform_routing": expected_local_experts(cfg, world, B * w)}}
         if args.eager or not cuda:
-            r["eager_ms"] = timer(fwd)
+            r["eager_ms"] = time_fn(fwd)
         if cuda:
-            graph = _capture(fwd)
-            r["graph_ms"] = timer(graph.replay)
+            graph = capture(fwd)
+            r["graph_ms"] = time_fn(graph.replay)
             prof = kernel_profile(graph.replay, steps=3, top=40)
             del graph
             r["kernels_per_step"] = prof["kernels_per_step"]
@@ -253,7 +232,7 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, timer,
             r["floor_ms"] = by["total"] / bw * 1e3
             r["pct_of_floor"] = 100 * r["floor_ms"] / step_ms
         widths[w] = r
-        indexer[w] = indexer_alone(model, cache, L, w, timer, cuda)
+        indexer[w] = indexer_alone(model, cache, L, w, time_fn, cuda)
         log(f"  L={L} w={w}: {'graph' if cuda else 'eager'} {step_ms:.3f} ms, "
             f"{r['collectives']['all_reduce']} all-reduce + {r['collectives']['all_gather']} all-gather, "
             f"floor {by['total'] / 1e9:.2f} GB" + (f" ({r['pct_of_floor']:.1f}% of it)" if bw else "")
@@ -438,13 +417,11 @@ def run(args) -> dict:
                 f"~{need['need_gib']:.1f} GiB, {free / GIB:.1f} GiB free. Measure fewer layers (--layers {max(fit, 4)} "
                 f"or less) at two depths and extrapolate per layer (label the result as extrapolated), or use a "
                 f"larger GPU (H200: 141 GB)")
-        from ..bench import copy_bandwidth
-
         bw = copy_bandwidth()
         res["copy_TBps"] = bw / 1e12
     else:
         bw = None
-    timer = make_timer(cuda, args.iters, 3)
+    time_fn = timer(cuda, args.iters, 3)
     with simulated_rank(world, rank) as comm:
         log(f"building rank {rank} of TP={world} ({cfg.num_hidden_layers} layers, random FP8 weights on "
             f"{'cuda' if cuda else 'cpu'})")
@@ -465,12 +442,12 @@ def run(args) -> dict:
         res["contexts"] = {}
         try:
             for L in args.prompt_len:
-                res["contexts"][L] = target_steps(model, comm, args, L, cuda, bw, timer, world)
+                res["contexts"][L] = target_steps(model, comm, args, L, cuda, bw, time_fn, world)
                 save(res, args.out)
             if not args.no_spec:
                 L0 = args.spec_prompt_len or min(args.prompt_len)
                 if L0 not in res["contexts"]:
-                    res["contexts"][L0] = target_steps(model, comm, args, L0, cuda, bw, timer, world)
+                    res["contexts"][L0] = target_steps(model, comm, args, L0, cuda, bw, time_fn, world)
                 try:
                     res["spec_step"] = spec_steps(model, args, L0, cuda)
                 except Exception as e:  # keep the target-step numbers; the error is in the JSON and printed
