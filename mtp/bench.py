@@ -168,6 +168,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel time of the graph step (torch.profiler), in the JSON and table")
     ap.add_argument("--iters", type=int, default=20, help="--tp N: timed replays per measurement")
+    ap.add_argument("--extrapolate", type=int, nargs=2, default=None, metavar=("A", "B"),
+                    help="--tp N when the rank does not fit at --layers: measure A and B layers (A < B, both with "
+                         "the dense layers) and extrapolate per layer to --layers, labelled as extrapolated")
     ap.add_argument("--eager", action="store_true", help="--tp N on a GPU: also time the eager step")
     ap.add_argument("--no-spec", action="store_true", help="--tp N: skip the whole speculative steps")
     ap.add_argument("--spec-prompt-len", type=int, default=None,
@@ -197,14 +200,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.out is None:
         args.out = f"bench_tp{args.tp}.json" if tp else "bench.json"
     if not tp:
-        if args.rank is not None:
-            ap.error("--rank needs --tp N with N > 1")
+        if args.rank is not None or args.extrapolate is not None:
+            ap.error("--rank and --extrapolate need --tp N with N > 1")
         if args.prompt_len is not None and len(args.prompt_len) > 1:
             ap.error("several --prompt-len values need --tp N (the single-GPU benchmark takes one)")
         args.prompt_len = (args.prompt_len or [1024])[0]
         return args
     if args.prompt_len is None:
         args.prompt_len = [1024, 8192, 32768] if torch.cuda.is_available() else [24, 40]
+    if args.extrapolate is not None:
+        a, b = args.extrapolate
+        if not args.dense_layers < a < b < args.layers:
+            ap.error(f"--extrapolate A B needs {args.dense_layers} (dense layers) < A < B < {args.layers} (--layers), "
+                     f"got {a} {b}")
     args.spec_modes = tuple(m.strip() for m in args.spec_modes.split(",") if m.strip())
     if not args.spec_modes or not set(args.spec_modes) <= {"graph", "overlap"}:
         ap.error(f"--spec-modes: comma list of graph, overlap; got {args.spec_modes}")

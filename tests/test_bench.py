@@ -128,8 +128,8 @@ def _tp_result(device="NVIDIA H200"):
             "draft_collectives_per_forward": {"all_reduce": 3, "all_reduce_bytes": 3 * 28672, "all_gather": 1,
                                               "all_gather_bytes": 64640},
             "spec_step": {"prompt_len": 1024, "modes": ("overlap",), "runs": {
-                "eagle_k1_overlap": {"gpu_step_ms": 15.0, "step_ms_wall": 15.5},
-                "eagle_k2_overlap": {"gpu_step_ms": None, "step_ms_wall": 17.0}}}}
+                "eagle_k1_overlap": {"k": 1, "gpu_step_ms": 15.0, "step_ms_wall": 15.5, "verify_ms": 11.5},
+                "eagle_k2_overlap": {"k": 2, "gpu_step_ms": None, "step_ms_wall": 17.0, "verify_ms": 13.0}}}}
 
 
 def test_projection_adds_collectives_draft_and_divides_by_al(capsys):
@@ -140,12 +140,12 @@ def test_projection_adds_collectives_draft_and_divides_by_al(capsys):
     p = pj["contexts"][1024]
     assert p["plain"]["tpot_ms"] == pytest.approx(11.0 + c)
     e1 = p["eagle_k1"]
-    assert e1["draft_ms"] == pytest.approx(15.0 - 12.0)  # spec step - verify at w = 2
-    assert e1["step_ms"] == pytest.approx(12.0 + 3.0 + c + 4 * 10e-3)  # + one draft forward's 3 AR + 1 AG
+    assert e1["draft_ms"] == pytest.approx(15.0 - 11.5)  # spec step - the verify (w = 2) measured with it
+    assert e1["step_ms"] == pytest.approx(12.0 + 3.5 + c + 4 * 10e-3)  # + one draft forward's 3 AR + 1 AG
     assert e1["tpot_ms"] == pytest.approx(e1["step_ms"] / 1.8)
     assert p["eagle_k2"]["draft_ms"] == pytest.approx(17.0 - 13.0)  # no GPU time: the wall time
     # at 32k the draft's one layer pays the longer indexer (k forwards x 100 us more per layer)
-    assert pj["contexts"][32768]["eagle_k1"]["draft_ms"] == pytest.approx(3.0 + 0.1)
+    assert pj["contexts"][32768]["eagle_k1"]["draft_ms"] == pytest.approx(3.5 + 0.1)
     assert pj["other_deployments"]["8 x H200"] == "this run"
     assert "not measured" in pj["other_deployments"]["16 x H100"]
     args.al = 2.5
@@ -164,3 +164,32 @@ def test_collbench_sizes_and_skip_on_one_gpu(monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert collbench.main(["--json", "unused.json"]) == 0
     assert "skipped, needs 2+ GPUs" in capsys.readouterr().out
+
+
+def test_extrapolate_is_linear_in_depth_and_labelled():
+    def part(ms, n_ar, kernels):
+        coll = {"all_reduce": n_ar, "all_gather": 1, "all_reduce_bytes": 100 * n_ar, "all_gather_bytes": 7}
+        w = {"graph_ms": ms, "kernels_per_step": kernels, "kernel_us_per_step": 900 * ms, "floor_ms": ms / 10,
+             "collectives": coll, "floor_bytes": {"total": 1e9 * ms}, "local_experts_touched": {"mean": 1.0}}
+        return {"contexts": {1024: {"cache": "random", "widths": {1: w},
+                                    "indexer": {1: {"scores_us_per_layer": 40.0, "topk_us_per_layer": 10.0,
+                                                    "layers": 5, "ms_per_step": 0.25}}}}}
+
+    got = rb.extrapolate(part(4.0, 11, 500), part(5.0, 13, 575), 5, 6, 61)[1024]
+    r = got["widths"][1]
+    assert got["extrapolated"] and "from 5 and 6 layers to 61" in r["extrapolated"]
+    assert r["graph_ms"] == pytest.approx(5.0 + 55 * 1.0) and r["measured_ms"] == {5: 4.0, 6: 5.0}
+    assert r["collectives"]["all_reduce"] == 1 + 2 * 61 and r["collectives"]["all_gather"] == 1
+    assert r["kernels_per_step"] == pytest.approx(575 + 55 * 75) and r["kernels_per_layer"] == pytest.approx(
+        r["kernels_per_step"] / 61)
+    assert r["pct_of_floor"] == pytest.approx(10.0)
+    assert got["indexer"][1]["ms_per_step"] == pytest.approx(0.05 * 61) and got["indexer"][1]["layers"] == 61
+
+
+def test_extrapolate_arguments():
+    a = bench.parse_args(["--tp", "8", "--extrapolate", "5", "9"])
+    assert a.extrapolate == [5, 9] and a.layers == 61
+    for bad in (["--tp", "8", "--extrapolate", "3", "9"], ["--tp", "8", "--extrapolate", "9", "5"],
+                ["--tp", "8", "--extrapolate", "5", "61"], ["--extrapolate", "5", "9"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)

@@ -192,3 +192,20 @@ def test_bench_tp_on_cpu(tmp_path):
     assert pj["collective_latency"]["assumed"] is True and "ASSUMED" in p.stdout
     assert {"plain", "eagle_k1"} <= set(pj["contexts"]["24"])
     assert "158 tok/s per user" in p.stdout and "not measured" in p.stdout
+
+
+def test_bench_tp_extrapolated_on_cpu(tmp_path):
+    """Two depths measured, the full depth extrapolated and labelled; collectives are exactly linear in depth."""
+    out = tmp_path / "ex.json"
+    cmd = [sys.executable, "-m", "mtp.bench", "--tp", "2", "--layers", "4", "--dense-layers", "1", "--extrapolate",
+           "2", "3", "--prompt-len", "24", "--k", "1", "--new-tokens", "4", "--iters", "1", "--json", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert "EXTRAPOLATED to 4 layers" in res["extrapolated"] and "EXTRAPOLATED" in p.stdout
+    assert set(res["depths"]) == {"2", "3"} and "spec_step" in res["depths"]["3"] and "spec_step" not in res["depths"]["2"]
+    for w, r in res["contexts"]["24"]["widths"].items():
+        assert r["collectives"]["all_reduce"] == 1 + 2 * 4  # measured 5 and 7 at 2 and 3 layers
+        assert res["depths"]["3"]["contexts"]["24"]["widths"][w]["collectives"]["all_reduce"] == 1 + 2 * 3
+    assert "EXTRAPOLATED" in res["projection"]["deployment"]

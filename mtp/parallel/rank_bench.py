@@ -64,13 +64,14 @@ def default_rank(cfg: ModelConfig, world: int, dtype: torch.dtype) -> int:
     return max(range(world), key=lambda r: (totals[r], -r))
 
 
-def rank_config(args, world: int, cuda: bool) -> ModelConfig:
+def rank_config(args, world: int, cuda: bool, layers: int) -> ModelConfig:
+    """The real config on a GPU, a tiny one that splits over `world` on CPU; `layers` trunk layers."""
     from ..synthetic import real_config
     from .synthetic import tiny_parallel_config
 
     if cuda:
-        return real_config(layers=args.layers, dense_layers=args.dense_layers, mtp_modules=1)
-    return tiny_parallel_config(world, args.layers, args.dense_layers, 1)
+        return real_config(layers=layers, dense_layers=args.dense_layers, mtp_modules=1)
+    return tiny_parallel_config(world, layers, args.dense_layers, 1)
 
 
 def cache_bytes_per_position(cfg: ModelConfig, quantized: bool = True, dtype_bytes: int = 2) -> dict:
@@ -328,8 +329,9 @@ def comm_ms(lat: dict, counts: dict, times: int = 1) -> float:
 
 def project(res: dict, args) -> dict:
     """Per context: plain TPOT = step(w=1) + its collectives; MTP k: (step(w=k+1) + draft + collectives of the
-    verify and the k draft forwards) / AL(k). draft = measured eagle-k spec step - target step at w = k+1, at
-    the spec context; at longer contexts plus k x (indexer per layer there - at the spec context)."""
+    verify and the k draft forwards) / AL(k). draft = measured eagle-k spec step - the target step at w = k+1
+    measured with it (same depth, spec context); at longer contexts plus k x (indexer per layer there - at the
+    spec context)."""
     lat = collective_latency(args)
     spec = res.get("spec_step", {})
     L0 = spec.get("prompt_len")
@@ -354,7 +356,7 @@ def project(res: dict, args) -> dict:
             if not t_step or L0 not in res["contexts"]:
                 continue
             ctx0 = res["contexts"][L0]
-            draft = t_step - ctx0["widths"][k + 1][key] + k * (ix_ms(ctx, k + 1) - ix_ms(ctx0, k + 1))
+            draft = t_step - run["verify_ms"] + k * (ix_ms(ctx, k + 1) - ix_ms(ctx0, k + 1))
             cm = comm_ms(lat, widths[k + 1]["collectives"]) + comm_ms(lat, dc, times=k)
             step = widths[k + 1][key] + draft + cm
             al = args.al if (args.al and k == args.k) else accept_len(args.accept, k)
@@ -364,7 +366,8 @@ def project(res: dict, args) -> dict:
         out["contexts"][L] = row
     here = [f"{n} x {g}" for g, n in TARGETS if g in dev and n == res["tp"]]
     out["deployment"] = (f"{res['tp']} x {dev}" + (f" (= {here[0]})" if here else "")
-                         + ": one rank's measured compute; ranks assumed equal (the slowest rank sets the pace)")
+                         + ": one rank's measured compute; ranks assumed equal (the slowest rank sets the pace)"
+                         + (f"; {res['extrapolated']}" if res.get("extrapolated") else ""))
     out["other_deployments"] = {f"{n} x {g}": ("this run" if here and here[0] == f"{n} x {g}"
                                                else f"not measured: run `mtp-bench --tp {n}` on an {g}")
                                 for g, n in TARGETS}
@@ -380,88 +383,161 @@ def save(res: dict, path: str) -> None:
     os.replace(tmp, out)
 
 
-def run(args) -> dict:
-    """The whole --tp N run; returns the result dict (also written to args.out)."""
+def check_memory(cfg: ModelConfig, args, world: int, rank: int, dtype: torch.dtype) -> dict:
+    """Say up front whether the rank fits this GPU at cfg's depth; if not, exit naming the depths that fit."""
+    need = memory_need(cfg, world, rank, dtype, max(args.prompt_len) + args.k + 1, args.batch)
+    free, total = torch.cuda.mem_get_info()
+    need.update(free_gib=free / GIB, total_gib=total / GIB)
+    log(f"rank {rank} of TP={world}, {cfg.num_hidden_layers} layers: needs ~{need['need_gib']:.1f} GiB "
+        f"(weights {need['weights_gib']:.1f}), {free / GIB:.1f} GiB free on {torch.cuda.get_device_name()}")
+    if need["need_gib"] * GIB > free:
+        per_layer = need["weights_gib"] / cfg.num_hidden_layers * 1.04
+        fit = int((free / GIB - (need["need_gib"] - need["weights_gib"] * 1.04)) / per_layer)
+        lo = cfg.first_k_dense_replace + 1
+        hint = (f"measure two depths that fit and extrapolate per layer: --extrapolate {max(lo, fit // 2)} {fit}"
+                if fit > lo else "no depth with a MoE layer fits")
+        raise SystemExit(f"rank {rank} of TP={world} at {cfg.num_hidden_layers} layers does not fit this GPU: needs "
+                         f"~{need['need_gib']:.1f} GiB, {free / GIB:.1f} GiB free. {hint} (the result is labelled "
+                         f"extrapolated), or use a larger GPU (H200: 141 GB)")
+    return need
+
+
+def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw: float | None, spec: bool,
+                  part: dict, res: dict) -> None:
+    """Rank `rank` at cfg's depth: build it in a simulated group, then per context the target steps and, when
+    `spec`, the speculative steps. Fills `part` (a piece of `res`, which is saved after each part)."""
     from ..engine import release
+    from .load import param_bytes
     from .simulate import simulated_rank
     from .synthetic import random_parallel_model
 
-    cuda = torch.cuda.is_available()
-    world = args.tp
-    cfg = rank_config(args, world, cuda)
     dtype = torch.bfloat16 if cuda else torch.float32
-    rank = default_rank(cfg, world, dtype) if args.rank is None else args.rank
-    if not 0 <= rank < world:
-        raise SystemExit(f"--rank must be in [0, {world}), got {rank}")
-    res: dict = {"mode": f"simulated rank {rank} of TP={world} / EP={world} (torch fake process group: collectives "
-                         "counted, not run)", "tp": world, "rank": rank,
-                 "rank_choice": "given (--rank)" if args.rank is not None else "default: most weight bytes",
-                 "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                 "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args),
-                 "config": {f: getattr(cfg, f) for f in (
-                     "num_hidden_layers", "first_k_dense_replace", "hidden_size", "vocab_size", "num_attention_heads",
-                     "n_routed_experts", "index_topk")}}
-    max_len = max(args.prompt_len) + args.k + 1
-    if cuda:
-        need = memory_need(cfg, world, rank, dtype, max_len, args.batch)
-        free, total = torch.cuda.mem_get_info()
-        need.update(free_gib=free / GIB, total_gib=total / GIB)
-        res["memory"] = need
-        log(f"rank {rank} of TP={world}, {cfg.num_hidden_layers} layers: needs ~{need['need_gib']:.1f} GiB "
-            f"(weights {need['weights_gib']:.1f}), {free / GIB:.1f} GiB free on {res['device']}")
-        if need["need_gib"] * GIB > free:
-            per_layer = need["weights_gib"] / cfg.num_hidden_layers
-            fit = int((free / GIB - (need["need_gib"] - need["weights_gib"])) / (per_layer * 1.04))
-            raise SystemExit(
-                f"rank {rank} of TP={world} at {cfg.num_hidden_layers} layers does not fit this GPU: needs "
-                f"~{need['need_gib']:.1f} GiB, {free / GIB:.1f} GiB free. Measure fewer layers (--layers {max(fit, 4)} "
-                f"or less) at two depths and extrapolate per layer (label the result as extrapolated), or use a "
-                f"larger GPU (H200: 141 GB)")
-        bw = copy_bandwidth()
-        res["copy_TBps"] = bw / 1e12
-    else:
-        bw = None
     time_fn = timer(cuda, args.iters, 3)
     with simulated_rank(world, rank) as comm:
         log(f"building rank {rank} of TP={world} ({cfg.num_hidden_layers} layers, random FP8 weights on "
             f"{'cuda' if cuda else 'cpu'})")
         t0 = time.perf_counter()
         model = random_parallel_model(cfg, comm, device="cuda" if cuda else "cpu", dtype=dtype, seed=args.seed)
-        res["build_s"] = time.perf_counter() - t0
-        from .load import param_bytes
-
-        res["param_gib"] = param_bytes(model) / GIB
+        part["build_s"] = time.perf_counter() - t0
+        part["param_gib"] = param_bytes(model) / GIB
         if cuda:
             from ..fastpath import enable_fast_path
 
             enable_fast_path(model)
-            res["gpu_mem_gib_after_build"] = torch.cuda.memory_allocated() / GIB
-        res["fast_path"] = cuda
-        log(f"built in {res['build_s']:.1f} s: {res['param_gib']:.2f} GiB of parameters")
-        res["draft_collectives_per_forward"] = draft_collectives(model, comm)
-        res["contexts"] = {}
+            part["gpu_mem_gib_after_build"] = torch.cuda.memory_allocated() / GIB
+        log(f"built in {part['build_s']:.1f} s: {part['param_gib']:.2f} GiB of parameters")
+        part["draft_collectives_per_forward"] = draft_collectives(model, comm)
+        part["contexts"] = {}
         try:
             for L in args.prompt_len:
-                res["contexts"][L] = target_steps(model, comm, args, L, cuda, bw, time_fn, world)
+                part["contexts"][L] = target_steps(model, comm, args, L, cuda, bw, time_fn, world)
                 save(res, args.out)
-            if not args.no_spec:
+            if spec:
                 L0 = args.spec_prompt_len or min(args.prompt_len)
-                if L0 not in res["contexts"]:
-                    res["contexts"][L0] = target_steps(model, comm, args, L0, cuda, bw, time_fn, world)
+                if L0 not in part["contexts"]:
+                    part["contexts"][L0] = target_steps(model, comm, args, L0, cuda, bw, time_fn, world)
                 try:
-                    res["spec_step"] = spec_steps(model, args, L0, cuda)
+                    sp = spec_steps(model, args, L0, cuda)
+                    key = "graph_ms" if cuda else "eager_ms"
+                    for r in sp["runs"].values():  # the verify forward of the same depth, to split off the draft
+                        r["verify_ms"] = part["contexts"][L0]["widths"][r["k"] + 1][key]
+                    part["spec_step"] = sp
                 except Exception as e:  # keep the target-step numbers; the error is in the JSON and printed
-                    res["spec_step_error"] = repr(e)[:1000]
-                    log(f"speculative steps failed: {res['spec_step_error']}")
+                    part["spec_step_error"] = repr(e)[:1000]
+                    log(f"speculative steps failed: {part['spec_step_error']}")
                 save(res, args.out)
-            res["projection"] = project(res, args)
         finally:
             release(model)
             del model
             gc.collect()
             if cuda:
-                res["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+                part["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
                 torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+
+
+def extrapolate(a: dict, b: dict, da: int, db: int, full: int) -> dict:
+    """Contexts at `full` layers from the same contexts measured at `da` < `db` layers (same dense layers):
+    every per-step number is taken as linear in depth, slope = (b - a) / (db - da) per (MoE) layer."""
+    def lin(x, y):
+        return y + (full - db) * (y - x) / (db - da)
+
+    out = {}
+    for L, cb in b["contexts"].items():
+        ca = a["contexts"][L]
+        widths = {}
+        for w, rb_ in cb["widths"].items():
+            ra = ca["widths"][w]
+            r: dict = {"extrapolated": f"from {da} and {db} layers to {full}",
+                       "measured_ms": {da: ra.get("graph_ms", ra.get("eager_ms")),
+                                       db: rb_.get("graph_ms", rb_.get("eager_ms"))}}
+            for key in ("graph_ms", "eager_ms", "kernels_per_step", "kernel_us_per_step", "floor_ms"):
+                if key in rb_:
+                    r[key] = lin(ra[key], rb_[key])
+            r["collectives"] = {k: round(lin(ra["collectives"][k], v)) for k, v in rb_["collectives"].items()}
+            r["floor_bytes"] = {k: lin(ra["floor_bytes"][k], v) for k, v in rb_["floor_bytes"].items()}
+            r["local_experts_touched"] = rb_["local_experts_touched"]
+            if "kernels_per_step" in r:
+                r["kernels_per_layer"] = r["kernels_per_step"] / full
+            if "floor_ms" in r:
+                r["pct_of_floor"] = 100 * r["floor_ms"] / r.get("graph_ms", r.get("eager_ms"))
+            widths[w] = r
+        indexer = {}
+        for w, ix in cb["indexer"].items():
+            ix = dict(ix)
+            if "ms_per_step" in ix:
+                ix["ms_per_step"] = ix["ms_per_step"] / ix["layers"] * full
+                ix["layers"] = full
+            indexer[w] = ix
+        out[L] = {"cache": cb["cache"], "extrapolated": True, "widths": widths, "indexer": indexer}
+    return out
+
+
+def run(args) -> dict:
+    """The whole --tp N run; returns the result dict (also written to args.out)."""
+    cuda = torch.cuda.is_available()
+    world = args.tp
+    cfg = rank_config(args, world, cuda, args.layers)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rank = default_rank(cfg, world, dtype) if args.rank is None else args.rank
+    if not 0 <= rank < world:
+        raise SystemExit(f"--rank must be in [0, {world}), got {rank}")
+    depths = tuple(args.extrapolate or ())
+    res: dict = {"mode": f"simulated rank {rank} of TP={world} / EP={world} (torch fake process group: collectives "
+                         "counted, not run)", "tp": world, "rank": rank,
+                 "rank_choice": "given (--rank)" if args.rank is not None else "default: most weight bytes",
+                 "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                 "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "fast_path": cuda,
+                 "config": {f: getattr(cfg, f) for f in (
+                     "num_hidden_layers", "first_k_dense_replace", "hidden_size", "vocab_size", "num_attention_heads",
+                     "n_routed_experts", "index_topk")}}
+    if depths:
+        res["extrapolated"] = (f"EXTRAPOLATED to {cfg.num_hidden_layers} layers from measurements at {depths[0]} and "
+                               f"{depths[1]} layers (per-layer slope; speculative steps measured at {depths[1]})")
+    bw = None
+    if cuda:
+        res["memory"] = check_memory(rank_config(args, world, cuda, depths[-1]) if depths else cfg, args, world,
+                                     rank, dtype)
+        bw = copy_bandwidth()
+        res["copy_TBps"] = bw / 1e12
+    if not depths:
+        measure_depth(args, cfg, world, rank, cuda, bw, not args.no_spec, res, res)
+    else:
+        res["depths"] = {}
+        for i, d in enumerate(depths):
+            part = res["depths"].setdefault(d, {})
+            measure_depth(args, rank_config(args, world, cuda, d), world, rank, cuda, bw,
+                          i == 1 and not args.no_spec, part, res)
+        a, b = res["depths"][depths[0]], res["depths"][depths[1]]
+        res["contexts"] = extrapolate(a, b, depths[0], depths[1], cfg.num_hidden_layers)
+        res["draft_collectives_per_forward"] = b["draft_collectives_per_forward"]
+        res["build_s"] = a["build_s"] + b["build_s"]
+        res["param_gib"] = b["param_gib"]
+        res["param_gib_full_depth"] = memory_need(cfg, world, rank, dtype, 1, 1)["weights_gib"]
+        for key in ("spec_step", "spec_step_error"):
+            if key in b:
+                res[key] = b[key]
+    res["projection"] = project(res, args)
     save(res, args.out)
     print_table(res)
     return res
@@ -478,6 +554,8 @@ def print_table(res: dict) -> None:
                 for k in top[:12]:
                     print(f"  {k['us_per_step']:9.1f} us  x{k['calls_per_step']:6.1f}  {k['name'][:90]}")
     cfgd = res["config"]
+    if res.get("extrapolated"):
+        print(f"\n*** {res['extrapolated']} ***")
     print(f"\n{res['mode']}\n{res['device']}, torch {res['torch']}, {cfgd['num_hidden_layers']} layers "
           f"({cfgd['first_k_dense_replace']} dense), params {res['param_gib']:.2f} GiB/rank, built in "
           f"{res['build_s']:.0f} s" + (f", copy {res['copy_TBps']:.2f} TB/s" if "copy_TBps" in res else ""))
