@@ -119,7 +119,7 @@ def _tp_result(device="NVIDIA H200"):
                                                   "pct_of_floor": 10.0, "kernels_per_step": 4000.0,
                                                   "kernels_per_layer": 65.0,
                                                   "local_experts_touched": {"mean": 1.0}} for w in (1, 2, 3)},
-                "indexer": {w: ({"scores_us_per_layer": ix_us, "topk_us_per_layer": ix_us, "ms_per_step": 1.0}
+                "indexer": {w: ({"scores_us_per_layer": ix_us, "topk_us_per_layer": ix_us, "ms_per_step": 1.0, "layers": 61}
                                 if ix_us else {"skipped": "short"}) for w in (1, 2, 3)}}
 
     return {"mode": "simulated rank 0 of TP=8", "tp": 8, "device": device, "torch": "x", "param_gib": 82.0,
