@@ -4,12 +4,15 @@
 # and the TP=2 benchmark against TP=1. Each part has its own time limit, so one hang cannot eat the call.
 #   bash eval/gpu_session.sh                  # e.g. through the device tool: run(command="bash eval/gpu_session.sh")
 #   PARTS="nccl tp" bash eval/gpu_session.sh  # a subset: tests, nccl, tp, bench (all four exceed one 10-minute call)
+#   PARTS=tp8 bash eval/gpu_session.sh        # one rank of TP=8 at full depth (needs ~96 GiB: an H200), alone in
+#                                             # one call: ~82 GiB of random weights, 1k/8k/32k contexts, spec steps
+#   PARTS="coll tp8" ...                      # with 2+ GPUs: NCCL latencies first, used by tp8's projection
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
-PARTS=${PARTS:-tests nccl tp bench}
+PARTS=${PARTS:-tests nccl tp bench}  # tp8 only when named
 want() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
 echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $ngpu, commit $(git rev-parse --short HEAD 2>/dev/null)"
 if want tests; then
@@ -29,4 +32,17 @@ if want bench; then
   echo "== mtp-bench"
   timeout "${BENCH_S:-360}" python3 -m mtp.bench --hf --profile --draft-vocab "${DRAFT_VOCAB:-32768}" \
     --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -45
+fi
+if [ "$ngpu" -ge 2 ] && want coll; then
+  echo "== collective latency, $ngpu GPUs (NCCL, graph-captured)"
+  timeout "${COLL_S:-180}" python3 -m torch.distributed.run --standalone --nproc-per-node "$ngpu" \
+    -m mtp.parallel.collbench --json "$OUT/coll.json" 2>&1 | tee "$OUT/coll.log" | grep -v -i warn | tail -30
+  [ -s "$OUT/coll.json" ] && COLL_JSON=${COLL_JSON:-$OUT/coll.json}
+fi
+if want tp8; then
+  echo "== mtp-bench --tp 8 (simulated rank, 61 layers) $(date -u +%H:%M:%S)"
+  timeout "${TP8_S:-560}" python3 -m mtp.bench --tp 8 --layers 61 --prompt-len 1024 8192 32768 --profile \
+    ${COLL_JSON:+--collective-json "$COLL_JSON"} --json "$OUT/bench_tp8.json" 2>&1 | tee "$OUT/bench_tp8.log" \
+    | grep -v -i warn | tail -80
+  echo "== done $(date -u +%H:%M:%S)"
 fi

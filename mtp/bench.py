@@ -3,7 +3,8 @@ measured copy bandwidth (the roofline's ceiling), our target step for verify wid
 whole speculative steps in eager / graph / overlap mode with GPU idle time, the same truncated model through
 transformers' eager implementation, and an analytic byte count per step (weights touched, including the union
 of routed experts the K+1 tokens pick, plus KV reads) giving the HBM roofline and our percentage of it.
-Projections to the full 61-layer model use the measured per-layer costs. Prints a table; writes JSON.
+Prints a table; writes JSON. `--tp N` instead times one rank of a TP=N group at full depth on this one device
+(`mtp.parallel.rank_bench`): the full model is measured per rank, not projected from these few layers.
 """
 
 from __future__ import annotations
@@ -12,58 +13,11 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import time
 
 import torch
 
-
-
-def _time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    x = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    ms = _time_ms(lambda: y.copy_(x), iters=10)
-    del x, y
-    return 2 * (1 << 29) * 2 / (ms * 1e-3)
-
-
-def step_bytes(model, n_experts_touched: list[int], S: int, B: int) -> dict:
-    """Bytes one target forward must read: every non-expert weight once, the routed experts actually picked,
-    the lm_head, and the KV cache of S positions per row (FP8 latent + scales + bf16 rope key + indexer key)."""
-    from .moe import MoE
-
-    dense_bytes, expert_bytes = 0, 0
-    for li, layer in enumerate(model.model.layers):
-        for name, p in layer.named_parameters():
-            if ".experts." in f".{name}":
-                continue
-            dense_bytes += p.numel() * p.element_size()
-        if isinstance(layer.mlp, MoE):
-            e0 = layer.mlp.experts[0]
-            per_expert = sum(p.numel() * p.element_size() for p in e0.parameters())
-            expert_bytes += per_expert * n_experts_touched[li]
-    head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
-    cfg = model.cfg
-    kv_per_pos = cfg.kv_lora_rank + 4 * (cfg.kv_lora_rank // 128) + 2 * cfg.qk_rope_head_dim + cfg.index_head_dim + 4
-    kv = kv_per_pos * S * B * cfg.num_hidden_layers
-    return {"weights_dense": dense_bytes, "weights_experts": expert_bytes, "lm_head": head, "kv": kv,
-            "total": dense_bytes + expert_bytes + head + kv}
+from .timing import capture, copy_bandwidth, kernel_profile, time_ms
 
 
 def _count_experts(model, ids) -> tuple[dict, list]:
@@ -80,45 +34,6 @@ def _count_experts(model, ids) -> tuple[dict, list]:
                 seen.setdefault(li, set()).update(mod.gate(x)[1].flatten().tolist())
             hooks.append(layer.mlp.register_forward_pre_hook(hook))
     return seen, hooks
-
-
-def _capture(fn) -> torch.cuda.CUDAGraph:
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def kernel_profile(replay, steps: int = 10, top: int = 30) -> dict:
-    """Kernel time inside `steps` replays (torch.profiler / CUPTI sees the kernels of a replayed graph):
-    per-kernel-name total and count per step, the sum of kernel time per step, and the number of kernels per
-    step. Compared with the graph's event time this splits a step into kernel work and the gaps between
-    kernels (launch latency, tails of under-filled kernels)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            replay()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None)
-        if t is None:
-            t = e.cuda_time_total
-        if t <= 0 or e.key.startswith("cuda"):  # runtime API rows, not device work
-            continue
-        rows.append({"name": e.key[:120], "us_per_step": t / steps, "calls_per_step": e.count / steps})
-    rows.sort(key=lambda r: -r["us_per_step"])
-    return {"kernel_us_per_step": sum(r["us_per_step"] for r in rows),
-            "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:top]}
 
 
 def bench_ours(args, bw: float) -> dict:
@@ -152,13 +67,13 @@ def bench_ours(args, bw: float) -> dict:
             model(blk, kv, kv_len=S)
 
         with torch.no_grad():
-            eager_ms = _time_ms(fwd)
-            graph = _capture(fwd)
-            graph_ms = _time_ms(graph.replay)
+            eager_ms = time_ms(fwd)
+            graph = capture(fwd)
+            graph_ms = time_ms(graph.replay)
             prof = kernel_profile(graph.replay) if args.profile and w in (1, args.k + 1) else None
             del graph
             glue.reset()  # same step with the unfused glue, side by side
-            graph_plain_ms = _time_ms(_capture(fwd).replay)
+            graph_plain_ms = time_ms(capture(fwd).replay)
             glue.compile()
             seen, hooks = _count_experts(model, blk)
             fwd()
@@ -225,36 +140,96 @@ def bench_hf(args) -> dict:
         out = model(ids[:, :L], use_cache=True)
         pkv = out.past_key_values
         nxt = ids[:, L:L + 1]
-        ms = _time_ms(lambda: model(nxt, past_key_values=pkv, use_cache=True), iters=5, warmup=1)
+        ms = time_ms(lambda: model(nxt, past_key_values=pkv, use_cache=True), iters=5, warmup=1)
     res = {"layers": layers, "decode_ms": ms, "transformers": transformers.__version__}
     del model
     torch.cuda.empty_cache()
     return res
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--dense-layers", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="time one rank of a TP=N / EP=N group (simulated: collectives counted, not run; "
+                         "mtp.parallel.rank_bench). 1: the single-GPU benchmark")
+    ap.add_argument("--rank", type=int, default=None, help="with --tp N: the rank (default: most weight bytes)")
+    ap.add_argument("--layers", type=int, default=None, help="trunk layers (default 3; with --tp N: 61, full depth)")
+    ap.add_argument("--dense-layers", type=int, default=None,
+                    help="dense layers among them (default 1; with --tp N: min(3, layers - 1), as the real model)")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--prompt-len", type=int, nargs="+", default=None,
+                    help="context length(s) (default 1024; with --tp N: 1024 8192 32768 on a GPU, 24 40 on CPU)")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--hf", action="store_true", help="also time transformers' eager implementation")
     ap.add_argument("--hf-layers", type=int, default=3)
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="also time the eagle step with a draft vocabulary of N ids (mtp.draft.vocab)")
     ap.add_argument("--profile", action="store_true",
-                    help="per-kernel time of the graph step at w=1 and w=K+1 (torch.profiler), in the JSON and table")
-    ap.add_argument("--accept", type=float, default=0.85,
-                    help="per-position draft acceptance for the full-model projection (DeepSeek reports 85-90%% "
-                         "for the first MTP token)")
+                    help="per-kernel time of the graph step (torch.profiler), in the JSON and table")
+    ap.add_argument("--iters", type=int, default=20, help="--tp N: timed replays per measurement")
+    ap.add_argument("--extrapolate", type=int, nargs=2, default=None, metavar=("A", "B"),
+                    help="--tp N when the rank does not fit at --layers: measure A and B layers (A < B, both with "
+                         "the dense layers) and extrapolate per layer to --layers, labelled as extrapolated")
+    ap.add_argument("--eager", action="store_true", help="--tp N on a GPU: also time the eager step")
+    ap.add_argument("--no-spec", action="store_true", help="--tp N: skip the whole speculative steps")
+    ap.add_argument("--spec-prompt-len", type=int, default=None,
+                    help="--tp N: context of the speculative steps (a real prefill runs; default: the shortest)")
+    ap.add_argument("--spec-modes", default="overlap", help="--tp N: comma list of graph, overlap (GPU)")
+    ap.add_argument("--accept", type=float, nargs="+", default=[0.85],
+                    help="--tp N projection: per-position draft acceptance p_1 [p_2 ...] (the last repeats); "
+                         "AL(k) = 1 + p_1 + p_1 p_2 + ...")
+    ap.add_argument("--al", type=float, default=None, help="--tp N projection: the acceptance length at k = --k")
     ap.add_argument("--allreduce-us", type=float, default=10.0,
-                    help="assumed latency of one small all-reduce, for the TP 8 projection")
-    ap.add_argument("--out", default="bench.json")
+                    help="--tp N projection: ASSUMED latency of one collective when no measurement is given")
+    ap.add_argument("--collective-json", default=None,
+                    help="--tp N projection: measured collective latencies (python -m mtp.parallel.collbench)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", "--json", dest="out", default=None,
+                    help="JSON result (default bench.json; with --tp N: bench_tp<N>.json)")
     args = ap.parse_args(argv)
+    tp = args.tp > 1
+    if args.tp < 1:
+        ap.error(f"--tp must be >= 1, got {args.tp}")
+    if args.layers is None:
+        args.layers = 61 if tp else 3
+    if args.dense_layers is None:
+        args.dense_layers = min(3, args.layers - 1) if tp else 1
+    if not 0 <= args.dense_layers < args.layers:
+        ap.error(f"--dense-layers must be in [0, --layers), got {args.dense_layers} with {args.layers} layers")
+    if args.out is None:
+        args.out = f"bench_tp{args.tp}.json" if tp else "bench.json"
+    if not tp:
+        if args.rank is not None or args.extrapolate is not None:
+            ap.error("--rank and --extrapolate need --tp N with N > 1")
+        if args.prompt_len is not None and len(args.prompt_len) > 1:
+            ap.error("several --prompt-len values need --tp N (the single-GPU benchmark takes one)")
+        args.prompt_len = (args.prompt_len or [1024])[0]
+        return args
+    if args.prompt_len is None:
+        args.prompt_len = [1024, 8192, 32768] if torch.cuda.is_available() else [24, 40]
+    if args.extrapolate is not None:
+        a, b = args.extrapolate
+        if not args.dense_layers < a < b < args.layers:
+            ap.error(f"--extrapolate A B needs {args.dense_layers} (dense layers) < A < B < {args.layers} (--layers), "
+                     f"got {a} {b}")
+    args.spec_modes = tuple(m.strip() for m in args.spec_modes.split(",") if m.strip())
+    if not args.spec_modes or not set(args.spec_modes) <= {"graph", "overlap"}:
+        ap.error(f"--spec-modes: comma list of graph, overlap; got {args.spec_modes}")
+    if any(not 0 <= p <= 1 for p in args.accept):
+        ap.error(f"--accept rates must be in [0, 1], got {args.accept}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.tp > 1:
+        from .parallel.rank_bench import run
+
+        run(args)
+        return
     if not torch.cuda.is_available():
-        raise SystemExit("mtp-bench needs a CUDA GPU")
+        raise SystemExit("mtp-bench needs a CUDA GPU (on CPU: --tp N runs a simulated rank of a tiny model)")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
     bw = copy_bandwidth()
@@ -270,57 +245,11 @@ def main(argv=None) -> None:
             res["speedup_bound_vs_hf_w1"] = res["hf"]["decode_ms"] / roof1 * (args.layers / res["hf"]["layers"])
         except Exception as e:  # keep our numbers even if this transformers version differs
             res["hf_error"] = repr(e)[:500]
-    _project(res, args)
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(res, f, indent=1, default=float)
     os.replace(tmp, args.out)
     _table(res)
-
-
-NOMINAL_HBM_TBps = {"H100": 3.35, "H200": 4.8}  # spec sheets: only the ratio is used, to carry one GPU's
-# measured ms/byte to the other
-
-
-def _project(res: dict, args) -> None:
-    """Full-model estimates from this run. Bytes: every layer's non-expert weights, 58 MoE layers' touched
-    experts, lm_head and KV, from the measured per-layer bytes. Time: the measured ms/byte at the same width
-    (so our % of roofline carries over). MTP: the measured draft cost of the eagle step (whole spec step minus
-    the target forward at width K+1; it does not grow with depth) and AL = sum_j p^j for a per-position
-    acceptance p (--accept). TP: weight and KV bytes / TP per GPU plus 2 all-reduces per layer at --allreduce-us
-    each (an assumption, not measured here). The other GPU: scaled by the spec-sheet HBM ratio."""
-    o = res["ours"]["target_step"]
-    per_width = {}
-    for w, r in o.items():
-        b = r["bytes"]
-        moe_layers = args.layers - args.dense_layers
-        per_moe = b["weights_experts"] / max(moe_layers, 1)
-        dense_per_layer = b["weights_dense"] / args.layers
-        full_bytes = 61 * dense_per_layer + 58 * per_moe + b["lm_head"] + b["kv"] / args.layers * 61
-        per_width[int(w)] = {"bytes": full_bytes, "ms_per_byte": r["graph_ms"] / b["total"]}
-    spec = res["ours"]["spec_step"].get(f"eagle_k{args.k}_graph", {})
-    draft_ms = (spec.get("gpu_step_ms") or float("nan")) - o[args.k + 1]["graph_ms"]
-    here = next((g for g in NOMINAL_HBM_TBps if g in res["device"]), None)
-    p = args.accept
-    al = sum(p ** j for j in range(args.k + 1))
-    table = {}
-    for gpu in NOMINAL_HBM_TBps:
-        scale = NOMINAL_HBM_TBps[here] / NOMINAL_HBM_TBps[gpu] if here else float("nan")
-        for tp in (1, 8):
-            comm_ms = 0.0 if tp == 1 else (2 * 61 + 2) * args.allreduce_us * 1e-3
-
-            def t(w, tp=tp, scale=scale, comm_ms=comm_ms):
-                x = per_width[w]
-                return x["bytes"] / tp * x["ms_per_byte"] * scale + comm_ms
-
-            plain = t(1)
-            step = t(args.k + 1) + draft_ms * scale / tp + comm_ms / 61 * args.k  # draft: 1 layer per forward
-            table[f"{gpu}_tp{tp}"] = {"tpot_plain_ms": plain, "spec_step_ms": step, "AL": al,
-                                      "tpot_mtp_ms": step / al, "mtp_speedup": al * plain / step}
-    res["projection_full_61_layers"] = {
-        "note": " ".join(_project.__doc__.split()), "accept_per_position": p, "k": args.k,
-        "draft_ms_measured": draft_ms, "measured_on": here, "allreduce_us_assumed": args.allreduce_us,
-        "bytes_per_width": {w: x["bytes"] for w, x in per_width.items()}, "table": table}
 
 
 def _table(res: dict) -> None:
@@ -343,10 +272,7 @@ def _table(res: dict) -> None:
         print(f"{'spec ' + name:34s} {r['step_ms_wall']:9.3f}  (wall per step){extra}")
     if "hf_error" in res:
         print("transformers baseline failed:", res["hf_error"])
-    pj = res.get("projection_full_61_layers", {})
-    for name, r in pj.get("table", {}).items():
-        print(f"{'full 61 layers ' + name:34s} TPOT plain {r['tpot_plain_ms']:6.2f} ms, MTP k={pj['k']} "
-              f"{r['tpot_mtp_ms']:6.2f} ms (AL {r['AL']:.2f}, {r['mtp_speedup']:.2f}x)")
+    print("full model at TP=8 / 16: measure one rank with `mtp-bench --tp 8` (no projection from these layers)")
     if "hf" in res:
         print(f"{'transformers eager decode':34s} {res['hf']['decode_ms']:9.3f}  ({res['hf']['layers']} layers)"
               f"  ours is {res['speedup_vs_hf_w1']:.1f}x faster (w=1 graph, per layer; at the HBM roofline "

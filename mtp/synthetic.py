@@ -15,6 +15,7 @@ import math
 import torch
 
 from . import fp8
+from .cache import KVCache
 from .checkpoint import ckpt_name
 from .config import ModelConfig, RuntimeOptions
 from .layers import yarn_inv_freq
@@ -113,3 +114,35 @@ def random_model(cfg: ModelConfig, device="cuda", dtype=torch.bfloat16, seed: in
     with torch.device("meta"):
         model = DeepseekV32(cfg, dtype=dtype, runtime=runtime or RuntimeOptions(numerics="fp8"))
     return fill_random(model, seed, device)
+
+
+@torch.no_grad()
+def fill_cache_random(cache: KVCache, length: int, seed: int = 0) -> KVCache:
+    """Positions [0, length) of every layer and row of `cache` hold random valid entries, as if a prefill of
+    `length` tokens had run (without running it: a 32k-token prefill at full depth takes minutes): latents and
+    indexer keys N(0, 1) quantized as `LayerCache.write` quantizes them (per-128 / per-key ue8m0 scales), rotary
+    keys N(0, 1); then seq_lens = length. For timing decode at a context length: the values mean nothing, the
+    bytes and shapes are a real cache's."""
+    if not isinstance(length, int) or not 0 < length <= cache.max_len:
+        raise ValueError(f"fill_cache_random: length must be in [1, {cache.max_len}] (the cache's max_len), "
+                         f"got {length!r}")
+    dev = cache.kv.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    B, C, Dk = cache.batch, cache.kv.shape[-1], cache.idx_k.shape[-1]
+    for i in range(cache.n_layers):  # one layer at a time: at most a [B, length, C] fp32 draw is live
+        c = torch.randn(B, length, C, generator=g, device=dev)
+        k = torch.randn(B, length, Dk, generator=g, device=dev)
+        if cache.quantized:
+            c8, cs = fp8.act_quant(c)
+            k8, ks = fp8.act_quant(k, block=Dk)
+            cache.kv[i, :, :length] = c8
+            cache.kv_scale[i, :, :length] = cs
+            cache.idx_k[i, :, :length] = k8
+            cache.idx_k_scale[i, :, :length] = ks.squeeze(-1)
+        else:
+            cache.kv[i, :, :length] = c.to(cache.kv.dtype)
+            cache.idx_k[i, :, :length] = k.to(cache.idx_k.dtype)
+        cache.pe[i, :, :length] = torch.randn(B, length, cache.pe.shape[-1], generator=g, device=dev).to(cache.pe.dtype)
+        del c, k
+    cache.seq_lens.fill_(length)
+    return cache

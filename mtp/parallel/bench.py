@@ -23,7 +23,6 @@ import gc
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,8 @@ from ..engine import generate, release
 from ..moe import MoE
 from ..spec import checkpoint_spec
 from ..synthetic import gpu_test_config, random_model, real_config
-from .comm import Comm
+from ..timing import capture, timer
+from .comm import CountingComm
 from .layout import MLP_SPLITS, ParallelPlan
 from .load import param_bytes
 from .modules import ExpertParallelMoE
@@ -45,27 +45,6 @@ from .synthetic import random_parallel_model, tiny_parallel_config
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CONFIGS = ("real", "gpu-test", "tiny")
 GIB = 2 ** 30
-
-
-class CountingComm(Comm):
-    """`Comm` that counts the collectives it issues and their payload bytes (host-side, eager calls only)."""
-
-    def __init__(self, group=None):
-        super().__init__(group)
-        self.reset()
-
-    def reset(self) -> None:
-        self.counts = {"all_reduce": 0, "all_gather": 0, "all_reduce_bytes": 0, "all_gather_bytes": 0}
-
-    def all_reduce(self, t):
-        self.counts["all_reduce"] += 1
-        self.counts["all_reduce_bytes"] += t.numel() * t.element_size()
-        return super().all_reduce(t)
-
-    def all_gather_last(self, t):
-        self.counts["all_gather"] += 1
-        self.counts["all_gather_bytes"] += t.numel() * t.element_size()
-        return super().all_gather_last(t)
 
 
 def bench_config(args, world: int, cuda: bool) -> tuple[str, ModelConfig]:
@@ -79,25 +58,6 @@ def bench_config(args, world: int, cuda: bool) -> tuple[str, ModelConfig]:
         cfg = tiny_parallel_config(world, args.layers, args.dense_layers, args.mtp_modules)
     cfg.validate(f"mtp.parallel.bench --config {name}")
     return name, cfg
-
-
-def _timer(device: torch.device, iters: int, warmup: int):
-    if device.type == "cuda":
-        from ..bench import _time_ms  # CUDA events, median of iters
-
-        return lambda fn: _time_ms(fn, iters=iters, warmup=warmup)
-
-    def cpu_ms(fn) -> float:
-        for _ in range(warmup):
-            fn()
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(ts)
-
-    return cpu_ms
 
 
 def _fast_path(model, args, device) -> str | None:
@@ -139,10 +99,8 @@ def moe_path(model) -> dict | None:
 @torch.no_grad()
 def measure(model, args, device: torch.device, ids: torch.Tensor, comm: CountingComm | None) -> dict:
     """Prefill, then one target forward per verify width 1..K+1: eager and graph times, logits, collectives."""
-    time_ms = _timer(device, args.iters, args.warmup)
+    time_ms = timer(device.type == "cuda", args.iters, args.warmup)
     graph = "graph" in args.modes and device.type == "cuda"
-    if graph:
-        from ..bench import _capture
     B, L = ids.shape[0], args.prompt_len
     res: dict = {"target_step": {}, "logits": {}}
     for w in range(1, args.k + 2):
@@ -168,7 +126,7 @@ def measure(model, args, device: torch.device, ids: torch.Tensor, comm: Counting
         res["logits"][w] = out.pop("o").logits.float().cpu()
         r = {"eager_ms": time_ms(fwd) if "eager" in args.modes else None, "graph_ms": None}
         if graph:
-            g = _capture(fwd)
+            g = capture(fwd)
             r["graph_ms"] = time_ms(g.replay)
             del g
         out.clear()

@@ -58,4 +58,31 @@ class Comm:
         return out.view(self.world, *t.shape).movedim(0, -2).flatten(-2)
 
     def __repr__(self) -> str:
-        return f"Comm(rank={self.rank}, world={self.world})"
+        return f"{type(self).__name__}(rank={self.rank}, world={self.world})"
+
+
+class CountingComm(Comm):
+    """`Comm` that counts the collectives it issues and their payload bytes (input bytes per rank), and logs
+    each call's (kind, shape, dtype). Host-side: it sees eager calls only (a CUDA-graph replay runs no Python),
+    so count one eager step, then capture. `reset()` before the step to count."""
+
+    def __init__(self, group=None):
+        super().__init__(group)
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts = {"all_reduce": 0, "all_gather": 0, "all_reduce_bytes": 0, "all_gather_bytes": 0}
+        self.calls: list[tuple[str, tuple[int, ...], str]] = []
+
+    def _note(self, kind: str, t: torch.Tensor) -> None:
+        self.counts[kind] += 1
+        self.counts[f"{kind}_bytes"] += t.numel() * t.element_size()
+        self.calls.append((kind, tuple(t.shape), str(t.dtype).replace("torch.", "")))
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self._note("all_reduce", t)
+        return super().all_reduce(t)
+
+    def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
+        self._note("all_gather", t)
+        return super().all_gather_last(t)
