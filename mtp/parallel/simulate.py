@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from .comm import CountingComm
+from .comm import CountingComm, init_process_group
 
 
 @contextmanager
@@ -41,7 +41,7 @@ def simulated_rank(world: int, rank: int) -> Iterator[CountingComm]:
                            "group must be the default group (run the simulation in its own process)")
     from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers backend "fake"
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield CountingComm()
     finally:
