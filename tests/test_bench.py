@@ -119,7 +119,7 @@ def _tp_result(device="NVIDIA H200"):
                                                   "pct_of_floor": 10.0, "kernels_per_step": 4000.0,
                                                   "kernels_per_layer": 65.0,
                                                   "local_experts_touched": {"mean": 1.0}} for w in (1, 2, 3)},
-                "indexer": {w: ({"scores_us_per_layer": ix_us, "topk_us_per_layer": ix_us, "ms_per_step": 1.0}
+                "indexer": {w: ({"scores_us_per_layer": ix_us, "topk_us_per_layer": ix_us, "ms_per_step": 1.0, "layers": 61}
                                 if ix_us else {"skipped": "short"}) for w in (1, 2, 3)}}
 
     return {"mode": "simulated rank 0 of TP=8", "tp": 8, "device": device, "torch": "x", "param_gib": 82.0,
@@ -154,6 +154,8 @@ def test_projection_adds_collectives_draft_and_divides_by_al(capsys):
     rb.print_table(res)
     out = capsys.readouterr().out
     assert "ASSUMED 10.0 us" in out and "158 tok/s per user" in out and "32768" in out
+    best = max(pj["contexts"][1024]["eagle_k1"]["tok_s_per_user"], pj["contexts"][1024]["eagle_k2"]["tok_s_per_user"])
+    assert f"8 x H200: this run, context 1024: plain {1e3 / (11.0 + c):.0f} tok/s per user, with MTP {best:.0f}" in out
 
 
 def test_collbench_sizes_and_skip_on_one_gpu(monkeypatch, capsys):

@@ -570,12 +570,21 @@ def print_table(res: dict) -> None:
                   f"{f('pct_of_floor', '8.1f'):>8s} {f('kernels_per_step', '8.0f'):>8s} {f('kernels_per_layer', '8.1f'):>8s} "
                   f"{c['all_reduce']:>3}+{c['all_gather']:<3} {r['local_experts_touched']['mean']:8.2f} "
                   f"{format(ix['ms_per_step'], '16.3f') if 'ms_per_step' in ix else 'no indexer':>16s}")
+    print("caches: random valid FP8 entries at each context (fill_cache_random), no prefill run; experts: distinct "
+          "local experts the step's tokens chose (measured), mean per MoE layer; AR+AG: collectives per step (not run)")
+    for L, ctx in res["contexts"].items():
+        for w, ix in ctx["indexer"].items():
+            if "ms_per_step" in ix:
+                print(f"indexer alone, context {L}, w={w}: scores {ix['scores_us_per_layer']:.1f} us + top-k "
+                      f"{ix['topk_us_per_layer']:.1f} us per layer = {ix['ms_per_step']:.3f} ms per step ({ix['layers']} layers)")
     spec = res.get("spec_step")
     if spec:
         print(f"speculative steps at context {spec['prompt_len']} (generate, real prefill):")
         for name, r in spec["runs"].items():
             gpu = f", GPU {r['gpu_step_ms']:.3f} ms" if r["gpu_step_ms"] else ""
             print(f"  {name:24s} {r['step_ms_wall']:8.3f} ms/step wall{gpu}")
+    if "spec_step_error" in res:
+        print(f"speculative steps failed: {res['spec_step_error']}")
     pj = res.get("projection")
     if pj:
         print(f"projection ({pj['deployment']}); collectives: {pj['collective_latency']['source']}; "
@@ -585,7 +594,13 @@ def print_table(res: dict) -> None:
             parts += [f"eagle k={n[len('eagle_k'):]} {r['tpot_ms']:.2f} ms ({r['tok_s_per_user']:.0f} tok/s, AL {r['AL']:.2f})"
                       for n, r in row.items() if n.startswith("eagle_k")]
             print(f"  context {L}: " + "; ".join(parts))
+        first = next(iter(pj["contexts"].values()), None)
         for name, v in pj["other_deployments"].items():
+            if v == "this run" and first:
+                best = max((r for n, r in first.items() if n.startswith("eagle_k")),
+                           key=lambda r: r["tok_s_per_user"], default=None)
+                v = (f"this run, context {next(iter(pj['contexts']))}: plain {first['plain']['tok_s_per_user']:.0f} "
+                     f"tok/s per user" + (f", with MTP {best['tok_s_per_user']:.0f} (AL {best['AL']:.2f})" if best else ""))
             print(f"  {name}: {v}")
         for name, v in pj["references_tok_s_per_user"].items():
             print(f"  reference: {name}: {v:.0f} tok/s per user")
