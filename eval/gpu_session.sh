@@ -17,7 +17,7 @@ want() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
 echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $ngpu, commit $(git rev-parse --short HEAD 2>/dev/null)"
 if want tests; then
   echo "== GPU tests"
-  timeout "${TESTS_S:-300}" python3 -m pytest -q -m gpu tests/gpu 2>&1 | tee "$OUT/pytest_gpu.log" | tail -4
+  timeout "${TESTS_S:-420}" python3 -m pytest -q -m gpu tests/gpu 2>&1 | tee "$OUT/pytest_gpu.log" | tail -4
 fi
 if [ "$ngpu" -ge 2 ] && want nccl; then
   echo "== NCCL tests (2 ranks)"

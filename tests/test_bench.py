@@ -154,6 +154,8 @@ def test_projection_adds_collectives_draft_and_divides_by_al(capsys):
     rb.print_table(res)
     out = capsys.readouterr().out
     assert "ASSUMED 10.0 us" in out and "158 tok/s per user" in out and "32768" in out
+    best = max(pj["contexts"][1024]["eagle_k1"]["tok_s_per_user"], pj["contexts"][1024]["eagle_k2"]["tok_s_per_user"])
+    assert f"8 x H200: this run, context 1024: plain {1e3 / (11.0 + c):.0f} tok/s per user, with MTP {best:.0f}" in out
 
 
 def test_collbench_sizes_and_skip_on_one_gpu(monkeypatch, capsys):

@@ -38,6 +38,11 @@ def message_shapes(cfg: ModelConfig, world: int, widths=range(1, 9)) -> list[tup
     return out
 
 
+def nccl_version() -> str:
+    v = torch.cuda.nccl.version()  # an int in older torch, a (major, minor, patch) tuple in newer
+    return str(v) if isinstance(v, int) else ".".join(map(str, v))
+
+
 def time_collective(comm: Comm, op: str, t: torch.Tensor, inner: int, iters: int) -> float:
     """us per collective: a graph of `inner` of them, replayed."""
     fn = (lambda: comm.all_reduce(t)) if op == "all_reduce" else (lambda: comm.all_gather_last(t))
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                             "dtype": str(dtype).replace("torch.", ""), "us": us.item()})
         if comm.rank == 0:
             res = {"device": torch.cuda.get_device_name(dev), "world": comm.world, "torch": torch.__version__,
-                   "nccl": ".".join(map(str, torch.cuda.nccl.version())), "date": time.strftime("%Y-%m-%d %H:%M"),
+                   "nccl": nccl_version(), "date": time.strftime("%Y-%m-%d %H:%M"),
                    "inner": args.inner, "ops": ops}
             tmp = args.json + ".tmp"
             with open(tmp, "w") as f:

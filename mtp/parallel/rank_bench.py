@@ -594,7 +594,13 @@ def print_table(res: dict) -> None:
             parts += [f"eagle k={n[len('eagle_k'):]} {r['tpot_ms']:.2f} ms ({r['tok_s_per_user']:.0f} tok/s, AL {r['AL']:.2f})"
                       for n, r in row.items() if n.startswith("eagle_k")]
             print(f"  context {L}: " + "; ".join(parts))
+        first = next(iter(pj["contexts"].values()), None)
         for name, v in pj["other_deployments"].items():
+            if v == "this run" and first:
+                best = max((r for n, r in first.items() if n.startswith("eagle_k")),
+                           key=lambda r: r["tok_s_per_user"], default=None)
+                v = (f"this run, context {next(iter(pj['contexts']))}: plain {first['plain']['tok_s_per_user']:.0f} "
+                     f"tok/s per user" + (f", with MTP {best['tok_s_per_user']:.0f} (AL {best['AL']:.2f})" if best else ""))
             print(f"  {name}: {v}")
         for name, v in pj["references_tok_s_per_user"].items():
             print(f"  reference: {name}: {v:.0f} tok/s per user")
