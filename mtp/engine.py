@@ -28,7 +28,8 @@ import torch
 from .draft.proposer import DraftConfig, Proposer, pick_hidden
 from .metrics import SpecMetrics
 from .model import DeepseekV32
-from .verify import SamplingParams, Verdict, relaxed_verify, sampling_verify, strict_verify, update_think_state
+from .verify import (SPAN_RULES, SamplingParams, Verdict, prompt_think_state, relaxed_verify, sampling_verify,
+                     strict_verify, update_think_state)
 from .verify.sampling import filter_probs, sample
 
 VERIFIERS = ("strict", "relaxed", "sample")
@@ -42,6 +43,7 @@ class GenerationConfig:
     top_n: int = 10  # relaxed
     delta: float = 0.6  # relaxed, probability space
     think_ids: tuple[int, int] | None = None  # (<think>, </think>) ids, relaxed
+    span_rule: str = "tracked"  # relaxed: where thinking spans are, 'tracked' | 'trtllm' (mtp/verify/relaxed.py)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
     eos_id: int | None = None  # default: the model's eos_token_id
@@ -63,6 +65,8 @@ class GenerationConfig:
                 raise ValueError(f"relaxed top_n must be >= 1, got {self.top_n}")
             if not 0 <= self.delta <= 1:
                 raise ValueError(f"relaxed delta must be in [0, 1] (probability space), got {self.delta}")
+        if self.span_rule not in SPAN_RULES:
+            raise ValueError(f"span_rule must be one of {SPAN_RULES}, got {self.span_rule!r}")
         if self.draft.sampling == "sample" and self.verify != "sample":
             raise ValueError("sampled drafts (draft sampling='sample') need verify='sample' to stay lossless")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
@@ -97,10 +101,10 @@ class StepEvent:
 def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, draft: str = "none",
              k: int | None = None, verify: str = "strict", *, on_step: Callable[[StepEvent], None] | None = None,
              **options) -> GenerateResult:
-    """Speculative generation. Options: top_n, delta, think_ids (relaxed); temperature, top_p, top_k,
+    """Speculative generation. Options: top_n, delta, think_ids, span_rule (relaxed); temperature, top_p, top_k,
     draft_sampling, seed (sampling); reuse_modules, target_hidden, chain_hidden, draft_vocab (drafts: token ids
     or a vocabulary file, `mtp.draft.vocab`; ignored when nothing is drafted); eos_id, stop_ids."""
-    known = {"top_n", "delta", "think_ids", "temperature", "top_p", "top_k", "draft_sampling", "seed",
+    known = {"top_n", "delta", "think_ids", "span_rule", "temperature", "top_p", "top_k", "draft_sampling", "seed",
              "reuse_modules", "target_hidden", "chain_hidden", "eos_id", "stop_ids", "mode", "prefill_chunk",
              "draft_vocab"}
     unknown = set(options) - known
@@ -117,8 +121,8 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]], max_new_token
     think = options.get("think_ids")
     gcfg = GenerationConfig(max_new_tokens=max_new_tokens, draft=dcfg, verify=verify,
                             top_n=options.get("top_n", 10), delta=options.get("delta", 0.6),
-                            think_ids=tuple(think) if think is not None else None, sampling=sp,
-                            seed=options.get("seed", 0), eos_id=options.get("eos_id"),
+                            think_ids=tuple(think) if think is not None else None,
+                            span_rule=options.get("span_rule", "tracked"), sampling=sp, seed=options.get("seed", 0), eos_id=options.get("eos_id"),
                             stop_ids=tuple(options.get("stop_ids", ())), mode=options.get("mode", "eager"),
                             prefill_chunk=options.get("prefill_chunk"))
     if gcfg.mode == "eager":
@@ -193,7 +197,7 @@ class Engine:
         if g.verify == "strict":
             return strict_verify(drafts_BK, logits_BKV)
         if g.verify == "relaxed":
-            return relaxed_verify(drafts_BK, logits_BKV, think_B, g.top_n, g.delta, *g.think_ids)
+            return relaxed_verify(drafts_BK, logits_BKV, think_B, g.top_n, g.delta, *g.think_ids, g.span_rule)
         return sampling_verify(drafts_BK, q_BKV, logits_BKV, g.sampling, self.gen)
 
     def _check_prompts(self, prompts) -> list[list[int]]:
@@ -288,8 +292,8 @@ class Engine:
             last = out.logits if last is None else torch.where(here, out.logits, last)
         st.cache.truncate(P_B)
         if g.think_ids is not None:
-            st.think_B.copy_(update_think_state(st.think_B, st.tokens[:, :Tp],
-                                                torch.arange(Tp, device=dev) < P_B.unsqueeze(1), *g.think_ids))
+            st.think_B.copy_(prompt_think_state(st.tokens[:, :Tp], torch.arange(Tp, device=dev) < P_B.unsqueeze(1),
+                                                *g.think_ids, g.span_rule))
         first = self._verify(st.tokens[:, :0], None, last, st.think_B).next_token_B
         st.tokens[torch.arange(B, device=dev), P_B] = first
         st.n_B.copy_(P_B + 1)

@@ -141,10 +141,19 @@ def test_bad_values_are_refused_by_the_schema(overrides, message):
     (["runtime.mode=turbo"], "runtime.mode"),
     (["verify.temperature=0.5"], "verify.temperature"),  # strict has no temperature
     (["dataset.path=x.jsonl"], "dataset.path"),  # builtin has no path
+    (["verify=relaxed", "verify.span_rule=last"], "verify.span_rule"),
 ])
 def test_bad_overrides_fail_at_composition(overrides, message):
     with pytest.raises(ConfigCompositionException, match=message.replace(".", r"\.")):
         compose_eval(overrides)
+
+
+def test_span_rule_option_reaches_generate():
+    from mtp.verify import SPAN_RULES
+
+    assert [r.value for r in schema.SpanRule] == list(SPAN_RULES)
+    assert generate_kwargs(compose_eval(["verify=relaxed"]))["span_rule"] == "tracked"
+    assert generate_kwargs(compose_eval(["verify=relaxed", "verify.span_rule=trtllm"]))["span_rule"] == "trtllm"
 
 
 def test_graph_modes_are_validated_and_refused_until_the_runner_exists():

@@ -333,6 +333,19 @@ def test_relaxed_accepts_near_misses_only_inside_the_thinking_span(tiny_model):
     assert sum(non_argmax) <= out.metrics.relaxed_only_accepts <= sum(non_argmax) + 2
 
 
+def test_span_rule_reaches_the_verifier(tiny_model, greedy, prompts):
+    """A prompt holding <think> and then </think>: the tracked rule sees no open span (every 2nd-best draft is
+    rejected, the output is greedy's), TensorRT-LLM's rule ('trtllm') sees one (the drafts pass)."""
+    m = tiny_model
+    rows = [prompts[0][:3] + [TH, 7, ETH, 9]]
+    plain = generate(m, rows, 6).tokens
+    out = {rule: run_with(m, rows, 2, lambda: SecondBest(m, 2), max_new=6, verify="relaxed", think_ids=(TH, ETH),
+                          top_n=10, delta=0.6, span_rule=rule)[0] for rule in ("tracked", "trtllm")}
+    assert out["tracked"].tokens == plain and out["tracked"].metrics.relaxed_only_accepts == 0
+    assert out["trtllm"].metrics.relaxed_only_accepts >= 2
+    assert out["trtllm"].tokens[0][0] == plain[0][0]  # the prefill's token is the argmax under either rule
+
+
 # ---------------------------------------------------------------------------------------------- sampling
 def test_seeded_sampling_reproduces(tiny_model, prompts):
     kw = dict(draft="eagle", k=2, verify="sample", temperature=0.8, top_p=0.95)
@@ -467,6 +480,7 @@ BAD = [
     (dict(max_new_tokens=0), ValueError, "max_new_tokens must be an integer >= 1"),
     (dict(stop_ids=(512,)), ValueError, r"token id 512 is outside the vocabulary \[0, 512\)"),
     (dict(verify="relaxed", think_ids=(TH, 600)), ValueError, "token id 600"),
+    (dict(verify="relaxed", think_ids=(TH, ETH), span_rule="last"), ValueError, "span_rule must be one of"),
     (dict(eos_id=-1), ValueError, r"token id -1 is outside the vocabulary"),
     (dict(prompts=[]), ValueError, "prompts is empty"),
     (dict(prompts=[[1, 2], []]), ValueError, r"prompts\[1\] is empty"),

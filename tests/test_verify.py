@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtp.verify import (SamplingParams, filter_probs, relaxed_verify, sampling_verify, strict_verify,
-                        update_think_state)
+from mtp.verify import (SamplingParams, filter_probs, prompt_think_state, relaxed_verify, sampling_verify,
+                        strict_verify, update_think_state)
 from mtp.verify.sampling import sample
 
 # Chi-square critical values at alpha = 0.001 by degrees of freedom (statistical tables; cross-checked against
@@ -152,6 +152,57 @@ def test_relaxed_breaks_near_ties_like_strict():
     s = strict_verify(empty, logits)
     r = relaxed_verify(empty, logits, torch.zeros(1, dtype=torch.bool), 10, 0.0, TH, ETH)
     assert r.next_token_B.tolist() == s.next_token_B.tolist() == [1]
+
+
+# TensorRT-LLM's rule (span_rule='trtllm'), written from its statement: the span state at the start of the step
+# holds for all K drafts, and after the prompt the span is on if the prompt holds any <think>.
+def test_trtllm_rule_keeps_the_step_start_state_for_all_drafts():
+    opens = [[0.1, 0.1, 0.05, 0.05, 0.05, 0.05, 0.55, 0.05], P_ROW, P_ROW, P_ROW]  # argmax at position 0: <think>
+    closes = [[0.1, 0.1, 0.05, 0.05, 0.05, 0.05, 0.05, 0.55], P_ROW, P_ROW, P_ROW]  # argmax at 0: </think>
+    logits = crafted([opens, closes])
+    drafts = torch.tensor([[TH, 1, 1], [ETH, 1, 1]])  # the marker (exact), then 2nd-best tokens (relaxed only)
+    think = torch.tensor([False, True])
+    tracked = relaxed_verify(drafts, logits, think, 10, 0.6, TH, ETH, span_rule="tracked")
+    trt = relaxed_verify(drafts, logits, think, 10, 0.6, TH, ETH, span_rule="trtllm")
+    # row 0: a drafted <think> opens the span for the drafts after it (tracked) / does not (trtllm: still off).
+    # row 1: a drafted </think> closes it (tracked) / does not (trtllm: still on, both 2nd-best drafts pass).
+    assert tracked.accept_len_B.tolist() == [3, 1] and tracked.relaxed_only_B.tolist() == [2, 0]
+    assert trt.accept_len_B.tolist() == [1, 3] and trt.relaxed_only_B.tolist() == [0, 2]
+    assert trt.next_token_B.tolist() == [0, 0]
+
+
+def test_trtllm_rule_with_zero_delta_equals_strict():
+    g = torch.Generator().manual_seed(1)
+    B, K, V = 2000, 3, 8
+    logits = torch.randn(B, K + 1, V, generator=g) * 0.5
+    drafts = torch.where(torch.rand(B, K, generator=g) < 0.6, logits.argmax(-1)[:, :K],
+                         torch.randint(0, V, (B, K), generator=g))
+    r = relaxed_verify(drafts, logits, torch.ones(B, dtype=torch.bool), 10, 0.0, TH, ETH, span_rule="trtllm")
+    s = strict_verify(drafts, logits)
+    assert torch.equal(r.accept_len_B, s.accept_len_B) and torch.equal(r.next_token_B, s.next_token_B)
+
+
+def test_prompt_think_state_by_rule():
+    prompts = torch.tensor([[1, TH, 2, ETH, 3], [ETH, 2, TH, 3, 4], [1, 2, 3, 4, 5], [1, 2, 3, ETH, TH]])
+    valid = torch.ones_like(prompts, dtype=torch.bool)
+    valid[3, 4] = False  # row 3's <think> is padding past the prompt
+    assert prompt_think_state(prompts, valid, TH, ETH, "tracked").tolist() == [False, True, False, False]
+    assert prompt_think_state(prompts, valid, TH, ETH, "trtllm").tolist() == [True, True, False, False]
+
+
+def test_top_n_membership_is_by_value():
+    # Tokens 1, 2, 3 tie at the 2nd-largest probability: with top_n = 2 each of them is "in the top 2".
+    logits = crafted([[[0.40, 0.15, 0.15, 0.15, 0.05, 0.04, 0.03, 0.03]] * 2] * 3)
+    drafts = torch.tensor([[1], [3], [4]])
+    v = relaxed_verify(drafts, logits, torch.ones(3, dtype=torch.bool), top_n=2, delta=0.6, think_id=TH,
+                       end_think_id=ETH)
+    assert v.accept_len_B.tolist() == [1, 1, 0]
+
+
+def test_unknown_span_rule_is_refused():
+    logits = crafted([[P_ROW, P_ROW]])
+    with pytest.raises(ValueError, match=r"span_rule must be one of \('tracked', 'trtllm'\), got 'vllm'"):
+        relaxed_verify(torch.tensor([[1]]), logits, torch.ones(1, dtype=torch.bool), 10, 0.6, TH, ETH, "vllm")
 
 
 # ---------------------------------------------------------------------------------------------- sampling
