@@ -17,6 +17,7 @@ import json
 import logging
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import hydra
@@ -76,6 +77,11 @@ def plan_batches(prompts: list[Prompt], batch_size: int) -> list[tuple[str, list
     return [(f"b{n:05d}", c) for n, c in enumerate(chunks)]
 
 
+def prompt_seed(seed: int, prompt_id: str) -> int:
+    """The sampling seed of one prompt: the run's seed and the prompt's id (not its place in a batch)."""
+    return seed * 2**32 + zlib.crc32(prompt_id.encode("utf-8"))
+
+
 def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tokens: int, kw: dict,
               name: str) -> list[dict]:
     """One generate call; a record per prompt. The engine's histogram covers the batch, so with several
@@ -94,6 +100,8 @@ def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tok
             if new:
                 row_hist[b][a] += 1
 
+    if "seed" in kw:  # verify=sample: each prompt its own seed, so its output does not depend on the batching
+        kw = {**kw, "seed": [prompt_seed(kw["seed"], p.id) for p in batch]}
     t0 = time.perf_counter()
     res = mtp.generate(model, ids, max_new_tokens, on_step=on_step if len(batch) > 1 else None, **kw)
     wall = time.perf_counter() - t0
