@@ -163,4 +163,20 @@ def test_graph_modes_are_validated_and_refused_until_the_runner_exists():
 
 
 def test_builtin_suites_are_shipped():
-    assert {"chat", "code", "math", "reasoning"} <= set(builtin_suites())
+    assert {"chat", "code", "math", "reasoning", "tools"} <= set(builtin_suites())
+
+
+def test_tools_suite_is_one_override_away():
+    """`dataset.suites=[tools]`: a dozen or more tool-use conversations of several turns with tool results, in
+    their own category; every one renders in DeepSeek-V3.2's format and ends where the model writes next."""
+    from mtp.prompt import render_chat
+
+    ds = schema.validate(compose_eval(["dataset.suites=[tools]", "dataset.per_category=null"])).dataset
+    prompts = load_prompts(ds)
+    assert len(prompts) >= 12 and {p.category for p in prompts} == {"tools"}
+    assert any(p.thinking for p in prompts) and not all(p.thinking for p in prompts)
+    for p in prompts:
+        roles = [m["role"] for m in p.messages]
+        assert roles.count("tool") >= 1 and sum(bool(m.get("tool_calls")) for m in p.messages) >= 1, p.id
+        assert len(roles) >= 4 and roles[-1] in ("tool", "user"), p.id
+        assert render_chat(p.messages, p.thinking).endswith(("<think>", "</think>")), p.id
