@@ -117,9 +117,21 @@ def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tok
             "row_accepted_hist": hist,
             "row_mean_accepted_len": 1 + sum(a * c for a, c in enumerate(hist)) / steps_n if steps_n else 0.0,
             "batch_decode_tok_s": m.decode_tok_s, "batch_wall_s": wall, "batch_metrics": m.raw(),
-            "output": tok.decode(toks), "tokens": toks,
+            "output": tok.decode(toks), "tokens": toks, "tool_calls": _tool_calls(tok.decode(toks), p.thinking),
         })
     return out
+
+
+def _tool_calls(output: str, thinking: bool) -> list | None:
+    """The DSML tool calls in an output as OpenAI-style calls ([] when it makes none); None when they are
+    malformed (or cut off by max_new_tokens)."""
+    from mtp.dsml import CompletionFormatError, find_tool_calls
+
+    try:
+        found = find_tool_calls(output, thinking)
+    except CompletionFormatError:
+        return None
+    return found[1] if found else []
 
 
 def _check_lengths(cfg: EvalConfig, model, prompts: list[Prompt], ids: dict[str, list[int]], k: int) -> None:

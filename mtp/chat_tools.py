@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .dsml import DSML, parse_completion, tools_block
-from .tokenizer import END_THINK, Tokenizer
+from .dsml import find_tool_calls, tools_block
+from .tokenizer import Tokenizer
 
 TOOLS_HELP = """\
   /tools FILE                  load tool schemas (JSON list of OpenAI-style tools); /tools off drops them
@@ -47,18 +47,8 @@ def tool_names(tools: Sequence[dict[str, Any]]) -> str:
 
 
 def read_tool_calls(tok: Tokenizer, reply_ids: Sequence[int], thinking: bool) -> tuple[str, list[dict]] | None:
-    """(answer text before the calls, OpenAI-style tool calls) when the reply holds DSML tool calls, else None.
-    Decoded with special tokens, so a vocabulary where the DSML marker is one special token still parses.
-    Raises CompletionFormatError when the DSML is malformed (the model's output is not repaired)."""
-    text = tok.decode(reply_ids, skip_special_tokens=False)
-    if thinking:
-        _, found, text = text.partition(END_THINK)
-        if not found:
-            return None
-    if DSML not in text:
-        return None
-    msg = parse_completion(text, thinking=False)
-    return (msg["content"], msg["tool_calls"]) if msg["tool_calls"] else None
+    """`mtp.dsml.find_tool_calls` of a reply's ids, decoded with their special tokens."""
+    return find_tool_calls(tok.decode(reply_ids, skip_special_tokens=False), thinking)
 
 
 def describe_calls(calls: Sequence[dict[str, Any]]) -> str:

@@ -177,6 +177,21 @@ def parse_completion(text: str, thinking: bool) -> dict[str, Any]:
     return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls}
 
 
+def find_tool_calls(completion: str, thinking: bool) -> tuple[str, list[dict[str, Any]]] | None:
+    """(answer text before the calls, OpenAI-style tool calls) when a completion (decoded with its special
+    tokens, so a DSML marker that is one special token is still there) holds DSML tool calls after its
+    reasoning; None when it holds none (or, in thinking mode, never ended its reasoning). Malformed calls raise
+    CompletionFormatError."""
+    if thinking:
+        _, found, completion = completion.partition(END_THINK)
+        if not found:
+            return None
+    if DSML not in completion:
+        return None
+    msg = parse_completion(completion, thinking=False)
+    return (msg["content"], msg["tool_calls"]) if msg["tool_calls"] else None
+
+
 def _expect(text: str, pos: int, token: str) -> int:
     if not text.startswith(token, pos):
         raise CompletionFormatError(f"expected {token!r} at offset {pos}, found {text[pos:pos + 40]!r}")

@@ -244,3 +244,16 @@ def test_parse_refuses_what_breaks_the_format(text, thinking, match):
     with pytest.raises(CompletionFormatError, match=match):
         parse_completion(text, thinking)
 
+
+
+def test_find_tool_calls():
+    from mtp.dsml import find_tool_calls, tool_calls_text
+
+    calls = [call("lookup", word="cat")]
+    block = tool_calls_text(calls, "t")
+    assert find_tool_calls(f"Sure.{block}{E}", thinking=False) == ("Sure.", calls)
+    assert find_tool_calls(f"why{ET}{block}", thinking=True) == ("", calls)
+    assert find_tool_calls(f"reasoning that mentions {D} but never ends", thinking=True) is None
+    assert find_tool_calls(f"plain answer{E}", thinking=False) is None
+    with pytest.raises(CompletionFormatError):
+        find_tool_calls(block[:-5], thinking=False)  # cut off before the closing tag

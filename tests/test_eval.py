@@ -201,3 +201,13 @@ def test_sampled_prompts_do_not_depend_on_their_batch(tiny_model):
     alone = [run_batch(tiny_model, tok, [p], [i], 6, kw, "b1")[0] for p, i in zip(batch, ids)]
     assert [r["tokens"] for r in together] == [r["tokens"] for r in alone]
     assert prompt_seed(3, "p0") != prompt_seed(3, "p1") and prompt_seed(3, "p0") != prompt_seed(4, "p0")
+
+
+def test_sample_records_parse_tool_calls():
+    from eval.run import _tool_calls
+    from mtp.dsml import tool_calls_text
+
+    calls = [{"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]
+    assert _tool_calls("ok" + tool_calls_text(calls, "t"), thinking=False) == calls
+    assert _tool_calls("r</think>a" + tool_calls_text(calls, "t")[:-4], thinking=True) is None  # cut off
+    assert _tool_calls("just text", thinking=False) == []
