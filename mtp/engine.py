@@ -104,8 +104,9 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]], max_new_token
              **options) -> GenerateResult:
     """Speculative generation. Options: top_n, delta, think_ids, span_rule (relaxed); temperature, top_p, top_k,
     draft_sampling, seed (sampling: an int, row b then seeded seed + b, or one int per prompt; a row's output
-    depends only on its prompt and its seed, mtp/verify/rng.py); reuse_modules, target_hidden, chain_hidden, draft_vocab (drafts: token ids
-    or a vocabulary file, `mtp.draft.vocab`; ignored when nothing is drafted); eos_id, stop_ids."""
+    depends only on its prompt and its seed, mtp/verify/rng.py); reuse_modules, target_hidden, chain_hidden,
+    draft_vocab (drafts: token ids or a vocabulary file, `mtp.draft.vocab`; ignored when nothing is drafted);
+    eos_id, stop_ids."""
     known = {"top_n", "delta", "think_ids", "span_rule", "temperature", "top_p", "top_k", "draft_sampling", "seed",
              "reuse_modules", "target_hidden", "chain_hidden", "eos_id", "stop_ids", "mode", "prefill_chunk",
              "draft_vocab"}

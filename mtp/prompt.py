@@ -5,7 +5,8 @@
     system      content, then "\\n\\n" + tools block if it has `tools`, "\\n\\n" + response format if it has
                 `response_format` (mtp.dsml); no role marker, so a system message mid-conversation is text in place
     user        <｜User｜>content<｜Assistant｜>M
-    developer   <｜User｜>[\\n\\n tools][\\n\\n response format]\\n\\n# The user's message is: content<｜Assistant｜>M
+    developer   <｜User｜>[\\n\\n tools][\\n\\n response format]\\n\\n# The user's message is: content
+                (no line break), then <｜Assistant｜>M as after a user message
     assistant   [reasoning</think>]content[\\n\\n DSML tool calls]<｜end▁of▁sentence｜>
     tool        its result inside a <function_results> block; the block closes after as many results as the
                 assistant before made calls, followed by "\\n\\n" + M

@@ -13,7 +13,8 @@ from mtp.dsml import CompletionFormatError, parse_completion, tools_block
 from mtp.prompt import encode_chat, render_chat
 from mtp.tokenizer import Tokenizer, default_corpus, train_bpe_tokenizer
 
-B, E, U, A, T, ET = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"
+B, E, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+T, ET = "<think>", "</think>"
 D = "｜DSML｜"
 
 LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "Find a word in the dictionary",
@@ -50,7 +51,8 @@ def test_tools_block_is_the_trained_text():
     assert block.endswith(f"<functions>\n{LOOKUP_SCHEMA}\n</functions>\n")
     assert f"{T}...thinking about results{ET}\n" in block
     # The whole instruction text, byte for byte (hash checked against DeepSeek's reference encoder).
-    assert hashlib.sha256(block.encode()).hexdigest() == "a293e97f1944482eb964e917ca2ff83a9a3d91db4d0d5b5ea611ab7e9b015a5e"
+    digest = hashlib.sha256(block.encode()).hexdigest()
+    assert digest == "a293e97f1944482eb964e917ca2ff83a9a3d91db4d0d5b5ea611ab7e9b015a5e"
 
 
 def test_tool_conversation_thinking():
@@ -139,7 +141,8 @@ def test_developer_before_the_last_user_in_thinking_mode_renders_in_place():
         ([{"role": "tool", "content": "r"}], r"messages\[0\] \(tool\): a tool result cannot be the first message"),
         ([user("q"), {"role": "tool", "content": "r"}], r"messages\[1\] \(tool\): a tool result must follow an "),
         ([user("q"), {"role": "assistant", "content": "", "tool_calls": [call("f")]}, {"role": "tool", "content": "r"},
-          {"role": "tool", "content": "r2"}], r"messages\[3\] \(tool\): result 2 after messages\[1\], which made only 1"),
+          {"role": "tool", "content": "r2"}],
+         r"messages\[3\] \(tool\): result 2 after messages\[1\], which made only 1"),
         ([user("q"), {"role": "assistant", "content": "x"}], r"messages\[1\] \(assistant\): in thinking mode .* needs "
                                                              "reasoning_content or tool_calls"),
         ([user("q"), {"role": "tool", "content": None}], r"messages\[1\] \(tool\): content must be a str"),

@@ -350,8 +350,9 @@ def test_ranks_follow_rank_0(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- tools
-LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "Find a word",
-                                           "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "description": "Find a word",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}
 
 
 def _call(name, **args):
@@ -426,6 +427,7 @@ def test_tool_calls_in_thinking_mode_and_malformed_ones(tok):
 def test_bad_tools_file_is_one_line(tok, tmp_path):
     sess, view, _ = make(tok)
     (tmp_path / "bad.json").write_text('[{"name": "f"}]', encoding="utf-8")
-    for arg, match in ((tmp_path / "none.json", "cannot read"), (tmp_path / "bad.json", "must be a dict with a 'function'")):
+    cases = ((tmp_path / "none.json", "cannot read"), (tmp_path / "bad.json", "must be a dict with a 'function'"))
+    for arg, match in cases:
         sess.handle(f"/tools {arg}")
         assert match in view.errors[-1] and "\n" not in view.errors[-1] and sess.tools is None

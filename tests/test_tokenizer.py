@@ -204,5 +204,6 @@ def test_deepseek_v32_special_ids(tmp_path):
 def test_full_size_tokenizer_with_wrong_special_ids_is_refused(tmp_path):
     ids = deepseek_v32_special_ids()
     ids[USER], ids[THINK] = ids[THINK], ids[USER]
-    with pytest.raises(ValueError, match=r"tokenizer.json: '<think>' has id 128803, but DeepSeek-V3.2's tokenizer has it at 128798"):
+    with pytest.raises(ValueError, match=r"tokenizer\.json: '<think>' has id 128803, but DeepSeek-V3\.2's tokenizer has "
+                                         r"it at 128798"):
         Tokenizer.from_dir(_full_size_tokenizer(tmp_path, ids))

@@ -11,5 +11,6 @@ from .relaxed import SPAN_RULES, prompt_think_state, relaxed_verify, update_thin
 from .sampling import SamplingParams, filter_probs, sampling_verify
 from .strict import strict_verify
 
-__all__ = ["Verdict", "strict_verify", "relaxed_verify", "update_think_state", "prompt_think_state", "SPAN_RULES", "SamplingParams", "filter_probs",
+__all__ = ["Verdict", "strict_verify", "relaxed_verify", "update_think_state", "prompt_think_state", "SPAN_RULES",
+           "SamplingParams", "filter_probs",
            "sampling_verify"]
