@@ -126,7 +126,8 @@ def generate_kwargs(cfg: Any, tokenizer: Any = None) -> dict:
             from mtp.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_dir(tokenizer_path(cfg.model))
-        kw.update(top_n=v.top_n, delta=v.delta, think_ids=(tokenizer.think_id, tokenizer.end_think_id))
+        kw.update(top_n=v.top_n, delta=v.delta, span_rule=value(v.span_rule),
+                  think_ids=(tokenizer.think_id, tokenizer.end_think_id))
     elif isinstance(v, SampleVerifySchema):
         kw.update(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, seed=v.seed,
                   draft_sampling=value(v.draft_sampling))

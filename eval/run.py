@@ -17,6 +17,7 @@ import json
 import logging
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import hydra
@@ -76,6 +77,11 @@ def plan_batches(prompts: list[Prompt], batch_size: int) -> list[tuple[str, list
     return [(f"b{n:05d}", c) for n, c in enumerate(chunks)]
 
 
+def prompt_seed(seed: int, prompt_id: str) -> int:
+    """The sampling seed of one prompt: the run's seed and the prompt's id (not its place in a batch)."""
+    return seed * 2**32 + zlib.crc32(prompt_id.encode("utf-8"))
+
+
 def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tokens: int, kw: dict,
               name: str) -> list[dict]:
     """One generate call; a record per prompt. The engine's histogram covers the batch, so with several
@@ -94,6 +100,8 @@ def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tok
             if new:
                 row_hist[b][a] += 1
 
+    if "seed" in kw:  # verify=sample: each prompt its own seed, so its output does not depend on the batching
+        kw = {**kw, "seed": [prompt_seed(kw["seed"], p.id) for p in batch]}
     t0 = time.perf_counter()
     res = mtp.generate(model, ids, max_new_tokens, on_step=on_step if len(batch) > 1 else None, **kw)
     wall = time.perf_counter() - t0
@@ -109,9 +117,21 @@ def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tok
             "row_accepted_hist": hist,
             "row_mean_accepted_len": 1 + sum(a * c for a, c in enumerate(hist)) / steps_n if steps_n else 0.0,
             "batch_decode_tok_s": m.decode_tok_s, "batch_wall_s": wall, "batch_metrics": m.raw(),
-            "output": tok.decode(toks), "tokens": toks,
+            "output": tok.decode(toks), "tokens": toks, "tool_calls": _tool_calls(tok.decode(toks), p.thinking),
         })
     return out
+
+
+def _tool_calls(output: str, thinking: bool) -> list | None:
+    """The DSML tool calls in an output as OpenAI-style calls ([] when it makes none); None when they are
+    malformed (or cut off by max_new_tokens)."""
+    from mtp.dsml import CompletionFormatError, find_tool_calls
+
+    try:
+        found = find_tool_calls(output, thinking)
+    except CompletionFormatError:
+        return None
+    return found[1] if found else []
 
 
 def _check_lengths(cfg: EvalConfig, model, prompts: list[Prompt], ids: dict[str, list[int]], k: int) -> None:

@@ -48,6 +48,11 @@ class DraftSampling(Enum):
     sample = "sample"
 
 
+class SpanRule(Enum):  # mtp.verify.SPAN_RULES (a test holds them equal)
+    tracked = "tracked"
+    trtllm = "trtllm"
+
+
 class Numerics(Enum):
     fp8 = "fp8"
     dequant = "dequant"
@@ -129,6 +134,7 @@ class RelaxedVerifySchema(VerifySchema):
     name: str = "relaxed"
     top_n: int = 10  # a draft must be among the target's top-n ...
     delta: float = 0.6  # ... with probability >= p_top1 - delta (probability space), inside thinking spans
+    span_rule: SpanRule = SpanRule.tracked  # where spans are: tracked (ours) | trtllm (TensorRT-LLM's rule)
 
     def __post_init__(self):
         if self.top_n < 1:

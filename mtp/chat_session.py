@@ -13,6 +13,10 @@ every rank of a multi-GPU run. A `Session` meets the outside world at three poin
 Context vs transcript: `turns` keeps every reply ever made (saved by `/save`); the model sees only the turns
 from `context_start` on. `/reset` and trimming to `max_model_len` move `context_start` forward; nothing is
 deleted. Earlier assistant turns enter the prompt with their answer only (`mtp.prompt` drops reasoning).
+
+Tools (`mtp.chat_tools`): `/tools FILE` puts tool schemas into every prompt; a reply with DSML tool calls
+leaves them pending, `/result TEXT` answers them one by one, and after the last one the model continues in a
+turn of its own (`Turn.user` None). A message typed while calls are pending is refused (/reset drops them).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from .chat_tools import TOOLS_HELP, describe_calls, load_tools, read_tool_calls, tool_names
 from .chat_turn import TRANSCRIPT_FORMAT, ReplyStream, StepLog, Turn, View, stats_line
+from .dsml import CompletionFormatError
 from .utils import write_json_atomic
 from .draft.proposer import DraftConfig
 from .engine import VERIFIERS, StepEvent
@@ -45,10 +51,11 @@ commands:
   /stats                       session totals, one line per (draft, k, verify) setting
   /save FILE                   transcript with stats as JSON
   /reset                       start a new conversation (transcript and stats are kept)
+{tools}
   /help                        this text
   /exit                        quit (Ctrl-D too)
 Ctrl-C stops a reply (press twice to stop at once, even mid-prefill). A line starting with // sends a
-message that starts with /."""
+message that starts with /.""".format(tools=TOOLS_HELP)
 
 
 class CommandError(ValueError):
@@ -108,6 +115,8 @@ class Session:
         self.turns: list[Turn] = []
         self.context_start = 0
         self.conversation = 0
+        self.tools: list | None = None  # OpenAI-style tool schemas from /tools
+        self.pending = 0  # tool calls of the last reply still waiting for /result
         self.check_settings(settings)
 
     # ------------------------------------------------------------------ input
@@ -145,7 +154,29 @@ class Session:
     def _cmd_reset(self, arg: str) -> None:
         self.context_start = len(self.turns)
         self.conversation += 1
+        self.pending = 0
         self.view.notice("new conversation (transcript and stats kept)")
+
+    def _cmd_tools(self, arg: str) -> None:
+        if arg.lower() == "off":
+            self.tools, self.pending = None, 0
+        elif arg:
+            try:
+                self.tools = load_tools(arg)
+            except ValueError as e:
+                raise CommandError(f"/tools: {e}") from None
+        self.view.notice(f"tools: {tool_names(self.tools)}" if self.tools else "no tools")
+
+    def _cmd_result(self, arg: str) -> None:
+        if not self.pending:
+            raise CommandError("/result: no tool call is waiting for a result")
+        turn = self.turns[-1]
+        turn.tool_results.append(arg)
+        self.pending -= 1
+        if self.pending:
+            self.view.notice(f"{self.pending} more result(s) to go")
+        else:
+            self.chat(None)
 
     def _cmd_think(self, arg: str) -> None:
         value = _on_off(arg, "/think")
@@ -255,6 +286,7 @@ class Session:
             "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "meta": self.meta,
             "system": self.system,
+            "tools": self.tools,
             "settings": self._settings_record(),
             "turns": [t.to_dict() for t in self.turns],
             "totals": self.totals(),
@@ -276,30 +308,38 @@ class Session:
         s = self.settings.max_model_len
         return engine_limit if s is None else min(s, engine_limit)
 
-    def messages(self, start: int, user: str) -> list[dict[str, str]]:
-        msgs = [{"role": "system", "content": self.system}] if self.system else []
+    def messages(self, start: int, user: str | None) -> list[dict[str, Any]]:
+        """The conversation from turn `start` on, then `user` (None: the model continues after tool results)."""
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": self.system}] if self.system else []
         for t in self.turns[start:]:
-            msgs.append({"role": "user", "content": t.user})
-            msgs.append({"role": "assistant", "content": t.content, "reasoning_content": t.reasoning})
-        msgs.append({"role": "user", "content": user})
+            if t.user is not None:
+                msgs.append({"role": "user", "content": t.user})
+            msgs.append({"role": "assistant", "content": t.content, "reasoning_content": t.reasoning,
+                         "tool_calls": t.tool_calls})
+            msgs += [{"role": "tool", "content": r} for r in t.tool_results]
+        if user is not None:
+            msgs.append({"role": "user", "content": user})
         return msgs
 
-    def fit(self, user: str) -> tuple[list[int], int]:
+    def fit(self, user: str | None) -> tuple[list[int], int]:
         """Prompt ids for `user` after the conversation, leaving out the earliest turns until prompt +
         max_new_tokens fits `context_limit()`. Returns (ids, first turn kept)."""
         limit, max_new = self.context_limit(), self.settings.max_new_tokens
         start = self.context_start
         while True:
-            ids = encode_chat(self.messages(start, user), self.tok, self.settings.thinking)
+            ids = encode_chat(self.messages(start, user), self.tok, self.settings.thinking, tools=self.tools)
             if len(ids) + max_new <= limit:
                 return ids, start
-            if start == len(self.turns):
+            if start == len(self.turns) - (user is None):  # a continuation keeps the turn with the calls
                 raise CommandError(f"input too long: the prompt is {len(ids)} tokens, + max_new_tokens {max_new} "
                                    f"exceeds max_model_len {limit}; shorten it or lower /max")
             start += 1
 
-    def chat(self, user: str) -> Turn:
+    def chat(self, user: str | None) -> Turn:
+        """A reply to `user`, or (None) the reply that continues after the results of its tool calls."""
         s = self.settings
+        if user is not None and self.pending:
+            raise CommandError(f"{self.pending} tool call(s) wait for /result (or /reset to drop them)")
         ids, start = self.fit(user)
         trimmed = start - self.context_start
         if trimmed:
@@ -336,7 +376,23 @@ class Session:
                     metrics=metrics, conversation=self.conversation, trimmed=trimmed)
         self.turns.append(turn)
         self.view.stats(turn.stats_line)
+        self._take_tool_calls(turn, reply.ids)
         return turn
+
+    def _take_tool_calls(self, turn: Turn, reply_ids: list[int]) -> None:
+        """Tool calls in a finished reply become pending; the turn keeps the text before them as its answer
+        (the prompt builder writes the calls again from `tool_calls`)."""
+        if turn.interrupted:
+            return
+        try:
+            found = read_tool_calls(self.tok, reply_ids, turn.thinking)
+        except CompletionFormatError as e:
+            self.view.notice(f"the reply's tool calls could not be read, kept as text: {e}")
+            return
+        if found is not None:
+            turn.content, turn.tool_calls = found
+            self.pending = len(turn.tool_calls)
+            self.view.notice(describe_calls(turn.tool_calls))
 
 
 def _on_off(arg: str, cmd: str) -> bool | None:

@@ -30,9 +30,9 @@ class View(Protocol):
 
 @dataclass
 class Turn:
-    user: str
+    user: str | None  # None: the reply that continues after tool results (mtp.chat_tools)
     reasoning: str  # text before </think> (thinking mode), exactly as streamed
-    content: str  # the answer, exactly as streamed
+    content: str  # the answer, exactly as streamed (with tool calls: the text before them)
     thinking: bool
     interrupted: bool
     finish_reason: str  # 'stop' | 'length' | 'interrupted'
@@ -40,6 +40,8 @@ class Turn:
     metrics: SpecMetrics
     conversation: int  # bumped by /reset
     trimmed: int  # earlier turns left out of this prompt to fit max_model_len
+    tool_calls: list = dataclasses.field(default_factory=list)  # OpenAI-style calls the reply made
+    tool_results: list = dataclasses.field(default_factory=list)  # their results as typed, in order
 
     @property
     def stats_line(self) -> str:
@@ -101,6 +103,7 @@ class ReplyStream:
         self.tok, self.view, self.reasoning = tok, view, reasoning
         self.decoder = StreamDecoder(tok, skip_special_tokens=True)
         self.text = {True: "", False: ""}
+        self.ids: list[int] = []  # every token of the reply (tool calls are parsed from them)
 
     def _show(self, chunk: str, drafted: bool) -> None:
         if chunk:
@@ -108,6 +111,7 @@ class ReplyStream:
             self.view.stream(chunk, self.reasoning, drafted)
 
     def step(self, new_tokens: list[int], accepted: int) -> None:
+        self.ids += new_tokens
         for i, t in enumerate(new_tokens):
             if t == self.tok.end_think_id and self.reasoning:
                 self._show(self.decoder.flush(), drafted=False)

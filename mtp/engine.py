@@ -28,7 +28,9 @@ import torch
 from .draft.proposer import DraftConfig, Proposer, pick_hidden
 from .metrics import SpecMetrics
 from .model import DeepseekV32
-from .verify import SamplingParams, Verdict, relaxed_verify, sampling_verify, strict_verify, update_think_state
+from .verify import (SPAN_RULES, SamplingParams, Verdict, prompt_think_state, relaxed_verify, sampling_verify,
+                     strict_verify, update_think_state)
+from .verify.rng import ACCEPT, DRAFT, RowDraws, seed_tensor
 from .verify.sampling import filter_probs, sample
 
 VERIFIERS = ("strict", "relaxed", "sample")
@@ -42,8 +44,9 @@ class GenerationConfig:
     top_n: int = 10  # relaxed
     delta: float = 0.6  # relaxed, probability space
     think_ids: tuple[int, int] | None = None  # (<think>, </think>) ids, relaxed
+    span_rule: str = "tracked"  # relaxed: where thinking spans are, 'tracked' | 'trtllm' (mtp/verify/relaxed.py)
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    seed: int = 0
+    seed: int = 0  # sampling: row b of a call draws from seed + b unless the call gives per-row seeds
     eos_id: int | None = None  # default: the model's eos_token_id
     stop_ids: tuple[int, ...] = ()
     mode: str = "eager"  # eager | graph (whole step in one CUDA graph) | overlap (graph + pipelined host)
@@ -63,6 +66,8 @@ class GenerationConfig:
                 raise ValueError(f"relaxed top_n must be >= 1, got {self.top_n}")
             if not 0 <= self.delta <= 1:
                 raise ValueError(f"relaxed delta must be in [0, 1] (probability space), got {self.delta}")
+        if self.span_rule not in SPAN_RULES:
+            raise ValueError(f"span_rule must be one of {SPAN_RULES}, got {self.span_rule!r}")
         if self.draft.sampling == "sample" and self.verify != "sample":
             raise ValueError("sampled drafts (draft sampling='sample') need verify='sample' to stay lossless")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
@@ -97,10 +102,12 @@ class StepEvent:
 def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, draft: str = "none",
              k: int | None = None, verify: str = "strict", *, on_step: Callable[[StepEvent], None] | None = None,
              **options) -> GenerateResult:
-    """Speculative generation. Options: top_n, delta, think_ids (relaxed); temperature, top_p, top_k,
-    draft_sampling, seed (sampling); reuse_modules, target_hidden, chain_hidden, draft_vocab (drafts: token ids
-    or a vocabulary file, `mtp.draft.vocab`; ignored when nothing is drafted); eos_id, stop_ids."""
-    known = {"top_n", "delta", "think_ids", "temperature", "top_p", "top_k", "draft_sampling", "seed",
+    """Speculative generation. Options: top_n, delta, think_ids, span_rule (relaxed); temperature, top_p, top_k,
+    draft_sampling, seed (sampling: an int, row b then seeded seed + b, or one int per prompt; a row's output
+    depends only on its prompt and its seed, mtp/verify/rng.py); reuse_modules, target_hidden, chain_hidden,
+    draft_vocab (drafts: token ids or a vocabulary file, `mtp.draft.vocab`; ignored when nothing is drafted);
+    eos_id, stop_ids."""
+    known = {"top_n", "delta", "think_ids", "span_rule", "temperature", "top_p", "top_k", "draft_sampling", "seed",
              "reuse_modules", "target_hidden", "chain_hidden", "eos_id", "stop_ids", "mode", "prefill_chunk",
              "draft_vocab"}
     unknown = set(options) - known
@@ -115,22 +122,37 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]], max_new_token
     sp = SamplingParams(options.get("temperature", 1.0), options.get("top_k", 0), options.get("top_p", 1.0)) \
         if verify == "sample" else SamplingParams()
     think = options.get("think_ids")
+    seed = options.get("seed", 0)
+    seeds = row_seeds(seed, len(prompts))
     gcfg = GenerationConfig(max_new_tokens=max_new_tokens, draft=dcfg, verify=verify,
                             top_n=options.get("top_n", 10), delta=options.get("delta", 0.6),
-                            think_ids=tuple(think) if think is not None else None, sampling=sp,
-                            seed=options.get("seed", 0), eos_id=options.get("eos_id"),
+                            think_ids=tuple(think) if think is not None else None,
+                            span_rule=options.get("span_rule", "tracked"), sampling=sp,
+                            seed=seed if isinstance(seed, int) else 0, eos_id=options.get("eos_id"),
                             stop_ids=tuple(options.get("stop_ids", ())), mode=options.get("mode", "eager"),
                             prefill_chunk=options.get("prefill_chunk"))
     if gcfg.mode == "eager":
-        return Engine(model, gcfg).run(prompts, on_step=on_step)
+        return Engine(model, gcfg).run(prompts, on_step=on_step, seeds=seeds)
     # graph / overlap: keep the engine (buffers + captured step graphs) for the next call with these settings
+    # (seeds are per call: they live in a buffer the captured step reads)
     per_model = _ENGINES.setdefault(model, {})
-    key = dataclasses.replace(gcfg, max_new_tokens=1)
+    key = dataclasses.replace(gcfg, max_new_tokens=1, seed=0)
     engine = per_model.pop(key, None) or Engine(model, gcfg)
     per_model[key] = engine
     while len(per_model) > 4:
         del per_model[next(iter(per_model))]
-    return engine.run(prompts, on_step=on_step, max_new_tokens=max_new_tokens)
+    return engine.run(prompts, on_step=on_step, max_new_tokens=max_new_tokens, seeds=seeds)
+
+
+def row_seeds(seed, B: int) -> list[int]:
+    """Per-row sampling seeds: `seed` + row index for an int, else one int per prompt."""
+    if isinstance(seed, bool) or not isinstance(seed, int) and not isinstance(seed, Sequence):
+        raise ValueError(f"seed must be an int or one int per prompt, got {seed!r}")
+    if isinstance(seed, int):
+        return [seed + b for b in range(B)]
+    if len(seed) != B or not all(isinstance(s, int) and not isinstance(s, bool) for s in seed):
+        raise ValueError(f"seed as a list needs one int per prompt ({B}), got {list(seed)!r:.80}")
+    return list(seed)
 
 
 def _draft_vocab(v) -> tuple[int, ...] | None:
@@ -170,7 +192,6 @@ class Engine:
         self.model, self.g = model, gcfg
         self.proposer_factory = proposer_factory or Proposer
         self.dev = model.device
-        self.gen = torch.Generator(device=self.dev).manual_seed(gcfg.seed)
         self._states: dict[tuple[int, int], DecodeState] = {}  # (batch, buffer length) -> buffers, LRU order
         self.graphs: dict[tuple[int, int], tuple] = {}  # same key -> (CUDA graph, capture s, pool bytes)
         eos = model.cfg.eos_token_id if gcfg.eos_id is None else gcfg.eos_id
@@ -182,19 +203,26 @@ class Engine:
             torch.cuda.synchronize(self.dev)  # timing split only; the graph path measures with events
         return time.perf_counter()
 
-    def _draw(self, logits_BV: torch.Tensor):
-        if self.g.draft.sampling == "sample":
-            q = filter_probs(logits_BV, self.g.sampling)
-            return sample(q, self.gen), q
-        return logits_BV.argmax(dim=-1), None
+    def _drawer(self, draws: RowDraws) -> Callable:
+        """The proposer's `draw(logits_BV)` for one step: draft j (the j-th call) uses stream DRAFT + j."""
+        j = iter(range(DRAFT, ACCEPT))
 
-    def _verify(self, drafts_BK, q_BKV, logits_BKV, think_B) -> Verdict:
+        def draw(logits_BV: torch.Tensor):
+            if self.g.draft.sampling == "sample":
+                q = filter_probs(logits_BV, self.g.sampling)
+                return sample(q, draws, next(j)), q
+            return logits_BV.argmax(dim=-1), None
+
+        return draw
+
+    def _verify(self, drafts_BK, q_BKV, logits_BKV, think_B, draws: RowDraws) -> Verdict:
         g = self.g
         if g.verify == "strict":
             return strict_verify(drafts_BK, logits_BKV)
         if g.verify == "relaxed":
-            return relaxed_verify(drafts_BK, logits_BKV, think_B, g.top_n, g.delta, *g.think_ids)
-        return sampling_verify(drafts_BK, q_BKV, logits_BKV, g.sampling, self.gen)
+            return relaxed_verify(drafts_BK, logits_BKV, think_B, g.top_n, g.delta, *g.think_ids, g.span_rule)
+        # Draft ids are checked on the CPU only: on CUDA the check would add a host sync to every step.
+        return sampling_verify(drafts_BK, q_BKV, logits_BKV, g.sampling, draws, check_ids=self.dev.type == "cpu")
 
     def _check_prompts(self, prompts) -> list[list[int]]:
         V = self.model.cfg.vocab_size
@@ -215,7 +243,7 @@ class Engine:
     STATE_ROUND = 512  # buffer lengths are rounded up to this, so calls of similar length share buffers
     MAX_STATES = 4  # buffer sets (and their captured graphs) kept per engine, least recently used dropped
 
-    def _state_for(self, prompts: list[list[int]], max_new: int) -> "DecodeState":
+    def _state_for(self, prompts: list[list[int]], max_new: int, seeds: list[int]) -> "DecodeState":
         """The buffers for this call: reused when a previous call had the same batch and rounded length (its
         captured step graph then replays as is), else allocated. Buffer length depends only on this call, so
         eager, graph and overlap runs of the same call see the same shapes (bitwise-equal outputs)."""
@@ -233,7 +261,7 @@ class Engine:
             old = next(iter(self._states))
             del self._states[old]
             self.graphs.pop(old, None)
-        self._reset(st, prompts, max_new)
+        self._reset(st, prompts, max_new, seeds)
         return st
 
     def _new_state(self, B: int, max_len: int) -> "DecodeState":
@@ -247,11 +275,11 @@ class Engine:
             cache=m.new_cache(B, max_len),
             proposer=self.proposer_factory(m, g.draft, B, max_len) if K else None,
             P_B=z(B), Tp=0, max_len=max_len, n_B=z(B), gen_B=z(B), max_new_B=z(B), p0_B=z(B),
-            finished_B=z(B, dtype=torch.bool), think_B=z(B, dtype=torch.bool), hist_K1=z(K + 1),
+            finished_B=z(B, dtype=torch.bool), think_B=z(B, dtype=torch.bool), seed_B=z(B), hist_K1=z(K + 1),
             relaxed_only=z(()), row_steps=z(()), new_BK1=z(B, K + 1), keep_B=z(B), acc_B=z(B),
         )
 
-    def _reset(self, st: "DecodeState", prompts: list[list[int]], max_new: int) -> None:
+    def _reset(self, st: "DecodeState", prompts: list[list[int]], max_new: int, seeds: list[int]) -> None:
         """Load a call's prompts; every counter back to its start (stale buffer contents past a row's length
         are never read)."""
         st.Tp = max(len(p) for p in prompts)
@@ -259,6 +287,7 @@ class Engine:
             st.tokens[b, : len(p)] = torch.tensor(p, device=self.dev)
         st.P_B.copy_(torch.tensor([len(p) for p in prompts]))
         st.max_new_B.fill_(max_new)
+        st.seed_B.copy_(seed_tensor(seeds, self.dev))
         st.gen_B.fill_(1)
         for t in (st.n_B, st.p0_B, st.finished_B, st.think_B, st.hist_K1, st.relaxed_only, st.row_steps,
                   st.new_BK1, st.keep_B, st.acc_B):
@@ -288,9 +317,10 @@ class Engine:
             last = out.logits if last is None else torch.where(here, out.logits, last)
         st.cache.truncate(P_B)
         if g.think_ids is not None:
-            st.think_B.copy_(update_think_state(st.think_B, st.tokens[:, :Tp],
-                                                torch.arange(Tp, device=dev) < P_B.unsqueeze(1), *g.think_ids))
-        first = self._verify(st.tokens[:, :0], None, last, st.think_B).next_token_B
+            st.think_B.copy_(prompt_think_state(st.tokens[:, :Tp], torch.arange(Tp, device=dev) < P_B.unsqueeze(1),
+                                                *g.think_ids, g.span_rule))
+        draws = RowDraws(st.seed_B, st.P_B)  # the first token's draws sit at position P
+        first = self._verify(st.tokens[:, :0], None, last, st.think_B, draws).next_token_B
         st.tokens[torch.arange(B, device=dev), P_B] = first
         st.n_B.copy_(P_B + 1)
         st.finished_B.copy_(torch.isin(first, self.stop_ids) | (st.gen_B >= st.max_new_B))
@@ -321,8 +351,9 @@ class Engine:
         ar = torch.arange(K + 1, device=self.dev)
         n_B = st.n_B
         active_B = ~st.finished_B
+        draws = RowDraws(st.seed_B, n_B)  # read before the commit below moves n_B: this step's position
         if K:
-            drafts, q = st.proposer.propose(st.tokens, st.hidden, n_B, st.p0_B, W, self._draw, max_n=max_n)
+            drafts, q = st.proposer.propose(st.tokens, st.hidden, n_B, st.p0_B, W, self._drawer(draws), max_n=max_n)
             # The verify input is read from `tokens`: write the returned drafts there, so what is verified
             # is exactly what was proposed, whether or not the proposer wrote them itself.
             st.tokens.scatter_(1, n_B.unsqueeze(1) + ar[:K], drafts)
@@ -334,7 +365,7 @@ class Engine:
         out = m(vin, st.cache, kv_len=min(max_n + K, st.max_len))
         st.hidden.scatter_(1, ((n_B - 1).unsqueeze(1) + ar).unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]),
                            pick_hidden(out, dcfg.target_hidden))
-        v = self._verify(drafts, q, out.logits, st.think_B)
+        v = self._verify(drafts, q, out.logits, st.think_B, draws)
 
         # ---- accept: drafts d_1..d_a then the target token, cut at a stop token and at max_new_tokens
         a_B = torch.where(active_B, v.accept_len_B, torch.zeros_like(v.accept_len_B))
@@ -367,19 +398,20 @@ class Engine:
     # ------------------------------------------------------------------ loop
     @torch.no_grad()
     def run(self, prompts, on_step: Callable[[StepEvent], None] | None = None,
-            max_new_tokens: int | None = None) -> GenerateResult:
-        """Generate for `prompts`; `max_new_tokens` overrides the config's for this call. An Engine kept across
-        calls reuses its buffers and, in graph / overlap mode, the captured step graph."""
+            max_new_tokens: int | None = None, seeds: Sequence[int] | None = None) -> GenerateResult:
+        """Generate for `prompts`; `max_new_tokens` overrides the config's for this call, `seeds` (one per prompt)
+        the sampling seeds (default: the config's seed + row index). An Engine kept across calls reuses its buffers
+        and, in graph / overlap mode, the captured step graph."""
         g, dcfg = self.g, self.g.draft
         prompts = self._check_prompts(prompts)
+        seeds = row_seeds(g.seed if seeds is None else seeds, len(prompts))
         max_new = g.max_new_tokens if max_new_tokens is None else max_new_tokens
         if not isinstance(max_new, int) or max_new < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
         K, B = dcfg.k, len(prompts)
         met = SpecMetrics(k=K, draft=dcfg.mode, verify=g.verify, n_rows=B, prompt_tokens=int(sum(map(len, prompts))),
                           hidden_options={"target_hidden": dcfg.target_hidden, "chain_hidden": dcfg.chain_hidden})
-        st = self._state_for(prompts, max_new)
-        self.gen.manual_seed(g.seed)  # every call draws as a fresh engine would (reused engines included)
+        st = self._state_for(prompts, max_new, seeds)
         fw0 = getattr(st.proposer, "draft_forwards", 0)
         t0 = self._clock()
         self._prefill(st)
@@ -449,6 +481,7 @@ class DecodeState:
     p0_B: torch.Tensor  # draft window start
     finished_B: torch.Tensor
     think_B: torch.Tensor  # inside a thinking span after the last committed token
+    seed_B: torch.Tensor  # int64 sampling seed per row (mtp/verify/rng.py)
     hist_K1: torch.Tensor  # accepted-count histogram (device)
     relaxed_only: torch.Tensor
     row_steps: torch.Tensor

@@ -36,9 +36,7 @@ def _capture(engine, st, W: int, max_n: int) -> tuple[torch.cuda.CUDAGraph, floa
         for _ in range(2):  # warm-up: lazy inits, allocator, Triton autotune, outside the capture
             engine._step(st, W, max_n)
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    if engine.gen is not None and hasattr(graph, "register_generator_state"):
-        graph.register_generator_state(engine.gen)  # sampling draws advance correctly on every replay
+    graph = torch.cuda.CUDAGraph()  # sampling draws need no generator: they hash (seed, position) (verify/rng.py)
     with torch.cuda.graph(graph):
         engine._step(st, W, max_n)
     torch.cuda.synchronize()

@@ -32,6 +32,10 @@ END_THINK = "</think>"
 # Order fixes the ids of a trained tokenizer: BOS=0 and EOS=1 match the real model.
 SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, PAD, USER, ASSISTANT, THINK, END_THINK)
 
+# The ids these tokens have in the real DeepSeek-V3.2 tokenizer.json; `Tokenizer.from_dir` holds a full-size
+# vocabulary to them, so a wrong tokenizer file for the real checkpoint fails at load instead of in the prompts.
+DEEPSEEK_V32_SPECIAL_IDS_FILE = Path(__file__).resolve().parent / "data" / "deepseek_v32_special_tokens.json"
+
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 DEEPSEEK_MODEL_MAX_LENGTH = 131072  # value in the published DeepSeek-V3.x tokenizer_config.json
@@ -147,7 +151,9 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(file))
         except Exception as e:  # the Rust side raises a bare Exception for bad JSON / schema
             raise ValueError(f"{file}: not a readable tokenizers {TOKENIZER_FILE}: {e}") from e
-        return cls(backend, source=str(file))
+        tok = cls(backend, source=str(file))
+        check_deepseek_v32_ids(tok)
+        return tok
 
     def _special_id(self, token: str, name: str) -> int:
         token_id = self.backend.token_to_id(token)
@@ -165,6 +171,23 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         # `tokenizers` defaults to skipping special tokens; this project wants them visible by default.
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def deepseek_v32_special_ids() -> dict[str, int]:
+    return json.loads(DEEPSEEK_V32_SPECIAL_IDS_FILE.read_text(encoding="utf-8"))["ids"]
+
+
+def check_deepseek_v32_ids(tok: Tokenizer) -> None:
+    """A vocabulary large enough to hold DeepSeek-V3.2's special ids must hold them there; smaller ones are
+    stand-ins (the tiny trained tokenizer) and are not checked."""
+    expected = deepseek_v32_special_ids()
+    if tok.vocab_size <= max(expected.values()):
+        return
+    for token, want in expected.items():
+        got = tok.backend.token_to_id(token)
+        if got != want:
+            raise ValueError(f"{tok.source}: {token!r} has id {got}, but DeepSeek-V3.2's tokenizer has it at {want} "
+                             f"({DEEPSEEK_V32_SPECIAL_IDS_FILE.name}); this is not DeepSeek-V3.2's tokenizer")
 
 
 class StreamDecoder:

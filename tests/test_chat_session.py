@@ -348,3 +348,87 @@ def test_ranks_follow_rank_0(tmp_path):
     assert [t["user"] for t in r0] == ["hello", "stop me", "bye"]
     assert [t["interrupted"] for t in r0] == [False, True, False] and r0[2]["thinking"]
     assert 0 < len(r0[1]["content"]) < len(REPLY) and r0[1]["settings"]["k"] == 2
+
+
+# ---------------------------------------------------------------------------------------------- tools
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "description": "Find a word",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}
+
+
+def _call(name, **args):
+    return {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+def _replies(gen, tok, texts):
+    """The fake model answers with these texts in turn (each followed by EOS)."""
+    queue = list(texts)
+    gen.reply_ids = lambda: tok.encode(queue.pop(0)) + [tok.eos_id]
+
+
+def test_tool_calls_results_and_continuation(tok, tmp_path):
+    from mtp.dsml import tool_calls_text
+    from mtp.prompt import encode_chat
+
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps({"tools": [LOOKUP]}), encoding="utf-8")
+    sess, view, gen = make(tok, max_new_tokens=1024)
+    sess.handle(f"/tools {path}")
+    assert view.notices[-1] == "tools: lookup" and sess.tools == [LOOKUP]
+    calls = [_call("lookup", word="cat"), _call("lookup", word="dog")]
+    _replies(gen, tok, ["Checking." + tool_calls_text(calls, "test"), "Cats purr, dogs bark."])
+    sess.handle("Define cat and dog")
+    first = sess.turns[0]
+    assert (first.content, first.tool_calls, sess.pending) == ("Checking.", calls, 2)
+    assert 'lookup({"word": "cat"})' in view.notices[-1] and "/result" in view.notices[-1]
+    sess.handle("something else")  # refused while results are pending
+    assert "2 tool call(s) wait for /result" in view.errors[-1] and len(gen.calls) == 1
+    sess.handle("/result a small feline")
+    assert view.notices[-1] == "1 more result(s) to go" and len(gen.calls) == 1
+    sess.handle("/result a canine")  # the last result: the model goes on by itself
+    assert len(gen.calls) == 2 and sess.pending == 0
+    cont = sess.turns[1]
+    assert cont.user is None and cont.content == "Cats purr, dogs bark." and cont.tool_calls == []
+    expected = [{"role": "user", "content": "Define cat and dog"},
+                {"role": "assistant", "content": "Checking.", "tool_calls": calls},
+                {"role": "tool", "content": "a small feline"}, {"role": "tool", "content": "a canine"}]
+    assert gen.calls[1]["prompt"] == encode_chat(expected, tok, thinking=False, tools=[LOOKUP])
+    assert tok.decode(gen.calls[1]["prompt"]).endswith("<result>a canine</result>\n</function_results>\n\n</think>")
+    sess.handle("/result late")
+    assert "no tool call is waiting" in view.errors[-1]
+    saved = tmp_path / "t.json"
+    sess.handle(f"/save {saved}")
+    data = json.loads(saved.read_text(encoding="utf-8"))
+    assert data["tools"] == [LOOKUP] and data["turns"][0]["tool_results"] == ["a small feline", "a canine"]
+    sess.handle("/tools off")
+    assert sess.tools is None and view.notices[-1] == "no tools"
+
+
+def test_tool_calls_in_thinking_mode_and_malformed_ones(tok):
+    from mtp.dsml import tool_calls_text
+
+    sess, view, gen = make(tok, thinking=True, max_new_tokens=1024)
+    sess.tools = [LOOKUP]
+    call = _call("lookup", word="owl")
+    queue = [tok.encode("I should look it up") + [tok.end_think_id] + tok.encode(tool_calls_text([call], "t")),
+             tok.encode("ok") + [tok.end_think_id] + tok.encode("Owls hoot."),
+             tok.encode("hm") + [tok.end_think_id] + tok.encode("\n\n<｜DSML｜function_calls>\nbroken")]
+    gen.reply_ids = lambda: queue.pop(0) + [tok.eos_id]
+    sess.handle("What is an owl?")
+    assert sess.turns[0].reasoning == "I should look it up" and sess.turns[0].tool_calls == [call]
+    sess.handle("/result a bird")
+    # Thinking mode: the tool call turn keeps its reasoning (it is part of the reply being written).
+    prompt = tok.decode(gen.calls[1]["prompt"])
+    assert "I should look it up</think>" in prompt and prompt.endswith("</function_results>\n\n<think>")
+    sess.handle("And a bat?")
+    assert sess.pending == 0 and "could not be read, kept as text" in view.notices[-1]
+    assert "DSML" in sess.turns[-1].content
+
+
+def test_bad_tools_file_is_one_line(tok, tmp_path):
+    sess, view, _ = make(tok)
+    (tmp_path / "bad.json").write_text('[{"name": "f"}]', encoding="utf-8")
+    cases = ((tmp_path / "none.json", "cannot read"), (tmp_path / "bad.json", "must be a dict with a 'function'"))
+    for arg, match in cases:
+        sess.handle(f"/tools {arg}")
+        assert match in view.errors[-1] and "\n" not in view.errors[-1] and sess.tools is None

@@ -141,10 +141,19 @@ def test_bad_values_are_refused_by_the_schema(overrides, message):
     (["runtime.mode=turbo"], "runtime.mode"),
     (["verify.temperature=0.5"], "verify.temperature"),  # strict has no temperature
     (["dataset.path=x.jsonl"], "dataset.path"),  # builtin has no path
+    (["verify=relaxed", "verify.span_rule=last"], "verify.span_rule"),
 ])
 def test_bad_overrides_fail_at_composition(overrides, message):
     with pytest.raises(ConfigCompositionException, match=message.replace(".", r"\.")):
         compose_eval(overrides)
+
+
+def test_span_rule_option_reaches_generate():
+    from mtp.verify import SPAN_RULES
+
+    assert [r.value for r in schema.SpanRule] == list(SPAN_RULES)
+    assert generate_kwargs(compose_eval(["verify=relaxed"]))["span_rule"] == "tracked"
+    assert generate_kwargs(compose_eval(["verify=relaxed", "verify.span_rule=trtllm"]))["span_rule"] == "trtllm"
 
 
 def test_graph_modes_are_validated_and_refused_until_the_runner_exists():
@@ -154,4 +163,20 @@ def test_graph_modes_are_validated_and_refused_until_the_runner_exists():
 
 
 def test_builtin_suites_are_shipped():
-    assert {"chat", "code", "math", "reasoning"} <= set(builtin_suites())
+    assert {"chat", "code", "math", "reasoning", "tools"} <= set(builtin_suites())
+
+
+def test_tools_suite_is_one_override_away():
+    """`dataset.suites=[tools]`: a dozen or more tool-use conversations of several turns with tool results, in
+    their own category; every one renders in DeepSeek-V3.2's format and ends where the model writes next."""
+    from mtp.prompt import render_chat
+
+    ds = schema.validate(compose_eval(["dataset.suites=[tools]", "dataset.per_category=null"])).dataset
+    prompts = load_prompts(ds)
+    assert len(prompts) >= 12 and {p.category for p in prompts} == {"tools"}
+    assert any(p.thinking for p in prompts) and not all(p.thinking for p in prompts)
+    for p in prompts:
+        roles = [m["role"] for m in p.messages]
+        assert roles.count("tool") >= 1 and sum(bool(m.get("tool_calls")) for m in p.messages) >= 1, p.id
+        assert len(roles) >= 4 and roles[-1] in ("tool", "user"), p.id
+        assert render_chat(p.messages, p.thinking).endswith(("<think>", "</think>")), p.id

@@ -333,6 +333,19 @@ def test_relaxed_accepts_near_misses_only_inside_the_thinking_span(tiny_model):
     assert sum(non_argmax) <= out.metrics.relaxed_only_accepts <= sum(non_argmax) + 2
 
 
+def test_span_rule_reaches_the_verifier(tiny_model, greedy, prompts):
+    """A prompt holding <think> and then </think>: the tracked rule sees no open span (every 2nd-best draft is
+    rejected, the output is greedy's), TensorRT-LLM's rule ('trtllm') sees one (the drafts pass)."""
+    m = tiny_model
+    rows = [prompts[0][:3] + [TH, 7, ETH, 9]]
+    plain = generate(m, rows, 6).tokens
+    out = {rule: run_with(m, rows, 2, lambda: SecondBest(m, 2), max_new=6, verify="relaxed", think_ids=(TH, ETH),
+                          top_n=10, delta=0.6, span_rule=rule)[0] for rule in ("tracked", "trtllm")}
+    assert out["tracked"].tokens == plain and out["tracked"].metrics.relaxed_only_accepts == 0
+    assert out["trtllm"].metrics.relaxed_only_accepts >= 2
+    assert out["trtllm"].tokens[0][0] == plain[0][0]  # the prefill's token is the argmax under either rule
+
+
 # ---------------------------------------------------------------------------------------------- sampling
 def test_seeded_sampling_reproduces(tiny_model, prompts):
     kw = dict(draft="eagle", k=2, verify="sample", temperature=0.8, top_p=0.95)
@@ -341,6 +354,28 @@ def test_seeded_sampling_reproduces(tiny_model, prompts):
     c = generate(tiny_model, prompts, 6, seed=12, **kw)
     assert a.tokens == b.tokens and a.metrics.accepted_hist == b.metrics.accepted_hist
     assert a.tokens != c.tokens
+
+
+@pytest.mark.parametrize("draft,k,draft_sampling", [("none", 0, "greedy"), ("eagle", 2, "greedy"),
+                                                     ("vanilla", 2, "sample")])
+def test_seeded_rows_do_not_depend_on_their_batch(mtp_model, draft, k, draft_sampling):
+    """verify='sample' with per-row seeds: each row of a batch of 8 (prompts of different lengths, a repeated
+    prompt among them) equals the same prompt and seed run alone, and a reversed batch gives the same rows."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (5, 9, 14, 3, 20, 7, 11, 5)]
+    prompts[7] = prompts[0]
+    seeds = [901, 17, 2**40 + 3, 0, 5, 77, 1234567, 902]
+    kw = dict(draft=draft, k=k, verify="sample", temperature=1.5, draft_sampling=draft_sampling)
+    batch = generate(mtp_model, prompts, 10, seed=seeds, **kw)
+    alone = [generate(mtp_model, [p], 10, seed=[s], **kw).tokens[0] for p, s in zip(prompts, seeds)]
+    assert batch.tokens == alone
+    assert generate(mtp_model, prompts[::-1], 10, seed=seeds[::-1], **kw).tokens == alone[::-1]
+    assert alone[0] != alone[7]  # same prompt, different seeds: the seed matters
+    if k:
+        assert sum(batch.metrics.accepted_hist[1:]) > 0  # drafts were accepted: the speculative path ran
+    # An int seed gives row b the seed `seed + b`.
+    assert generate(mtp_model, prompts[:3], 10, seed=40, **kw).tokens == \
+        [generate(mtp_model, [p], 10, seed=40 + b, **kw).tokens[0] for b, p in enumerate(prompts[:3])]
 
 
 class DistortedTable:
@@ -467,7 +502,10 @@ BAD = [
     (dict(max_new_tokens=0), ValueError, "max_new_tokens must be an integer >= 1"),
     (dict(stop_ids=(512,)), ValueError, r"token id 512 is outside the vocabulary \[0, 512\)"),
     (dict(verify="relaxed", think_ids=(TH, 600)), ValueError, "token id 600"),
+    (dict(verify="relaxed", think_ids=(TH, ETH), span_rule="last"), ValueError, "span_rule must be one of"),
     (dict(eos_id=-1), ValueError, r"token id -1 is outside the vocabulary"),
+    (dict(verify="sample", seed=[1, 2]), ValueError, r"seed as a list needs one int per prompt \(1\)"),
+    (dict(verify="sample", seed=1.5), ValueError, "seed must be an int or one int per prompt"),
     (dict(prompts=[]), ValueError, "prompts is empty"),
     (dict(prompts=[[1, 2], []]), ValueError, r"prompts\[1\] is empty"),
     (dict(prompts=[[1, 512]]), ValueError, r"prompts\[0\] has token ids outside \[0, 512\): \[512\]"),

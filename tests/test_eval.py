@@ -186,3 +186,28 @@ def test_batches_never_mix_categories_and_are_deterministic():
     assert all(len({p.category for p in b}) == 1 for _, b in batches)
     assert sorted(p.id for _, b in batches for p in b) == sorted(p.id for p in ps)
     assert [n for n, _ in batches] == [n for n, _ in plan_batches(ps, 2)]
+
+
+def test_sampled_prompts_do_not_depend_on_their_batch(tiny_model):
+    """verify=sample: each prompt is seeded from the run's seed and its id, so batching does not change it."""
+    from eval.run import prompt_seed, run_batch
+    from mtp.tokenizer import Tokenizer, default_corpus, train_bpe_tokenizer
+
+    tok = Tokenizer(train_bpe_tokenizer(default_corpus(max_files=2, max_chars=20_000), 300))
+    batch = [Prompt(f"p{i}", "chat", [], False) for i in range(3)]
+    ids = [[5, 9, 30], [7, 7, 7, 7, 12], [40, 41]]
+    kw = dict(draft="none", k=0, verify="sample", temperature=1.0, top_p=1.0, top_k=0, seed=3)
+    together = run_batch(tiny_model, tok, batch, ids, 6, kw, "b0")
+    alone = [run_batch(tiny_model, tok, [p], [i], 6, kw, "b1")[0] for p, i in zip(batch, ids)]
+    assert [r["tokens"] for r in together] == [r["tokens"] for r in alone]
+    assert prompt_seed(3, "p0") != prompt_seed(3, "p1") and prompt_seed(3, "p0") != prompt_seed(4, "p0")
+
+
+def test_sample_records_parse_tool_calls():
+    from eval.run import _tool_calls
+    from mtp.dsml import tool_calls_text
+
+    calls = [{"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]
+    assert _tool_calls("ok" + tool_calls_text(calls, "t"), thinking=False) == calls
+    assert _tool_calls("r</think>a" + tool_calls_text(calls, "t")[:-4], thinking=True) is None  # cut off
+    assert _tool_calls("just text", thinking=False) == []

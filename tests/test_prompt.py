@@ -102,12 +102,13 @@ def test_piecewise_ids_equal_encoding_the_rendered_string(tok):
     "messages, match",
     [
         ([], "messages is empty"),
-        ([user("Hi"), {"role": "tool", "content": "x"}], r"messages\[1\]: unknown role 'tool'"),
+        ([user("Hi"), {"role": "robot", "content": "x"}], r"messages\[1\]: unknown role 'robot'"),
         ([{"role": "user", "content": None}], r"messages\[0\] \(user\): content must be a str, got NoneType"),
         ([{"role": "user", "content": ["Hi"]}], r"messages\[0\] \(user\): content must be a str, got list"),
+        ([{"role": "developer", "content": ""}], r"messages\[0\] \(developer\): content must be a non-empty str"),
         ([user("Hi"), assistant("a", reasoning=3)], r"messages\[1\] \(assistant\): reasoning_content must be a"),
-        ([SYSTEM, user("Hi"), SYSTEM], r"messages\[2\]: system message after the conversation started at .*\[1\]"),
         (["Hi"], r"messages\[0\] must be a dict"),
+        ("Hi", "messages must be a list of dicts, got str"),
     ],
 )
 def test_bad_messages_raise(tok, messages, match):

@@ -18,6 +18,7 @@ from mtp.tokenizer import (
     USER,
     StreamDecoder,
     Tokenizer,
+    deepseek_v32_special_ids,
     default_corpus,
     save_tokenizer,
     train_bpe_tokenizer,
@@ -174,3 +175,35 @@ def test_stream_decoder_flushes_incomplete_character(tok):
     assert stream.push(first_byte) == ""
     assert stream.flush() == "\ufffd"
     assert stream.push(tok.encode("a")[0]) == "a"  # usable again after a flush
+
+
+def _full_size_tokenizer(tmp_path, ids: dict[str, int]) -> Path:
+    """A word-level stand-in as large as DeepSeek-V3.2's vocabulary, its special tokens at `ids`."""
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(max(ids.values()) + 2) if i not in ids.values()}
+    vocab.update(ids)
+    backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="w3"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(list(ids) + [s for s in SPECIAL_TOKENS if s not in ids])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path
+
+
+def test_deepseek_v32_special_ids(tmp_path):
+    ids = deepseek_v32_special_ids()
+    # The published model config agrees on BOS / EOS; the strings are the ones this package uses.
+    cfg = json.loads((REPO / "mtp" / "data" / "deepseek_v32_671b_config.json").read_text(encoding="utf-8"))
+    assert (ids[SPECIAL_TOKENS[0]], ids[SPECIAL_TOKENS[1]]) == (cfg["bos_token_id"], cfg["eos_token_id"])
+    assert set(ids) == set(SPECIAL_TOKENS) - {SPECIAL_TOKENS[2]}
+    tok = Tokenizer.from_dir(_full_size_tokenizer(tmp_path, ids))
+    assert (tok.user_id, tok.assistant_id, tok.think_id, tok.end_think_id) == (128803, 128804, 128798, 128799)
+    assert tok.encode(f"{USER}w5{THINK}") == [128803, 5, 128798]
+
+
+def test_full_size_tokenizer_with_wrong_special_ids_is_refused(tmp_path):
+    ids = deepseek_v32_special_ids()
+    ids[USER], ids[THINK] = ids[THINK], ids[USER]
+    with pytest.raises(ValueError, match=r"tokenizer\.json: '<think>' has id 128803, but DeepSeek-V3\.2's tokenizer has "
+                                         r"it at 128798"):
+        Tokenizer.from_dir(_full_size_tokenizer(tmp_path, ids))

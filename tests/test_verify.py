@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtp.verify import (SamplingParams, filter_probs, relaxed_verify, sampling_verify, strict_verify,
-                        update_think_state)
+from mtp.verify import (SamplingParams, filter_probs, prompt_think_state, relaxed_verify, sampling_verify,
+                        strict_verify, update_think_state)
+from mtp.verify.rng import RowDraws, seed_tensor, splitmix64, splitmix64_ref
 from mtp.verify.sampling import sample
 
 # Chi-square critical values at alpha = 0.001 by degrees of freedom (statistical tables; cross-checked against
@@ -154,6 +155,57 @@ def test_relaxed_breaks_near_ties_like_strict():
     assert r.next_token_B.tolist() == s.next_token_B.tolist() == [1]
 
 
+# TensorRT-LLM's rule (span_rule='trtllm'), written from its statement: the span state at the start of the step
+# holds for all K drafts, and after the prompt the span is on if the prompt holds any <think>.
+def test_trtllm_rule_keeps_the_step_start_state_for_all_drafts():
+    opens = [[0.1, 0.1, 0.05, 0.05, 0.05, 0.05, 0.55, 0.05], P_ROW, P_ROW, P_ROW]  # argmax at position 0: <think>
+    closes = [[0.1, 0.1, 0.05, 0.05, 0.05, 0.05, 0.05, 0.55], P_ROW, P_ROW, P_ROW]  # argmax at 0: </think>
+    logits = crafted([opens, closes])
+    drafts = torch.tensor([[TH, 1, 1], [ETH, 1, 1]])  # the marker (exact), then 2nd-best tokens (relaxed only)
+    think = torch.tensor([False, True])
+    tracked = relaxed_verify(drafts, logits, think, 10, 0.6, TH, ETH, span_rule="tracked")
+    trt = relaxed_verify(drafts, logits, think, 10, 0.6, TH, ETH, span_rule="trtllm")
+    # row 0: a drafted <think> opens the span for the drafts after it (tracked) / does not (trtllm: still off).
+    # row 1: a drafted </think> closes it (tracked) / does not (trtllm: still on, both 2nd-best drafts pass).
+    assert tracked.accept_len_B.tolist() == [3, 1] and tracked.relaxed_only_B.tolist() == [2, 0]
+    assert trt.accept_len_B.tolist() == [1, 3] and trt.relaxed_only_B.tolist() == [0, 2]
+    assert trt.next_token_B.tolist() == [0, 0]
+
+
+def test_trtllm_rule_with_zero_delta_equals_strict():
+    g = torch.Generator().manual_seed(1)
+    B, K, V = 2000, 3, 8
+    logits = torch.randn(B, K + 1, V, generator=g) * 0.5
+    drafts = torch.where(torch.rand(B, K, generator=g) < 0.6, logits.argmax(-1)[:, :K],
+                         torch.randint(0, V, (B, K), generator=g))
+    r = relaxed_verify(drafts, logits, torch.ones(B, dtype=torch.bool), 10, 0.0, TH, ETH, span_rule="trtllm")
+    s = strict_verify(drafts, logits)
+    assert torch.equal(r.accept_len_B, s.accept_len_B) and torch.equal(r.next_token_B, s.next_token_B)
+
+
+def test_prompt_think_state_by_rule():
+    prompts = torch.tensor([[1, TH, 2, ETH, 3], [ETH, 2, TH, 3, 4], [1, 2, 3, 4, 5], [1, 2, 3, ETH, TH]])
+    valid = torch.ones_like(prompts, dtype=torch.bool)
+    valid[3, 4] = False  # row 3's <think> is padding past the prompt
+    assert prompt_think_state(prompts, valid, TH, ETH, "tracked").tolist() == [False, True, False, False]
+    assert prompt_think_state(prompts, valid, TH, ETH, "trtllm").tolist() == [True, True, False, False]
+
+
+def test_top_n_membership_is_by_value():
+    # Tokens 1, 2, 3 tie at the 2nd-largest probability: with top_n = 2 each of them is "in the top 2".
+    logits = crafted([[[0.40, 0.15, 0.15, 0.15, 0.05, 0.04, 0.03, 0.03]] * 2] * 3)
+    drafts = torch.tensor([[1], [3], [4]])
+    v = relaxed_verify(drafts, logits, torch.ones(3, dtype=torch.bool), top_n=2, delta=0.6, think_id=TH,
+                       end_think_id=ETH)
+    assert v.accept_len_B.tolist() == [1, 1, 0]
+
+
+def test_unknown_span_rule_is_refused():
+    logits = crafted([[P_ROW, P_ROW]])
+    with pytest.raises(ValueError, match=r"span_rule must be one of \('tracked', 'trtllm'\), got 'vllm'"):
+        relaxed_verify(torch.tensor([[1]]), logits, torch.ones(1, dtype=torch.bool), 10, 0.6, TH, ETH, "vllm")
+
+
 # ---------------------------------------------------------------------------------------------- sampling
 def test_filter_probs_top_k_top_p_temperature():
     p = torch.tensor([[0.05, 0.4, 0.1, 0.25, 0.2]])
@@ -207,8 +259,17 @@ def emitted_tokens(drafts_BK: torch.Tensor, a_B: torch.Tensor, next_B: torch.Ten
     return tok[rows]
 
 
+def verify_rng(kind: str, seed: int, B: int):
+    """The verifier's randomness: a torch.Generator, or the engine's per-row counter-based draws (row b seeded
+    seed * B + b, all rows at the same position)."""
+    if kind == "generator":
+        return torch.Generator().manual_seed(seed)
+    return RowDraws(seed_tensor(range(seed * B, seed * B + B), "cpu"), torch.full((B,), 17))
+
+
+@pytest.mark.parametrize("rng", ["generator", "rows"])
 @pytest.mark.parametrize("draws", ["greedy", "sampled"])
-def test_speculative_sampling_keeps_the_target_distribution(draws):
+def test_speculative_sampling_keeps_the_target_distribution(draws, rng):
     """K = 2, V = 6, 20k trials: token 1 (draft 1 if accepted, else the residual sample) follows p_0; given
     draft 1 was accepted, token 2 follows p_1; given both were, the bonus follows p_2."""
     B, K = 20000, 2
@@ -221,7 +282,7 @@ def test_speculative_sampling_keeps_the_target_distribution(draws):
         # Point-mass drafts (q = one-hot at each row's draft). The drafts vary over rows with a skewed mix, not
         # uniformly: with uniform point masses, sampling p instead of the residual would also give p (symmetry).
         q = None
-    v = sampling_verify(drafts, q, logits, SamplingParams(), g)
+    v = sampling_verify(drafts, q, logits, SamplingParams(), verify_rng(rng, 7, B) if rng == "rows" else g)
     a = v.accept_len_B
     for j in range(K + 1):
         assert_follows(emitted_tokens(drafts, a, v.next_token_B, j), p[j], f"{draws} drafts, emitted token {j + 1}")
@@ -232,7 +293,8 @@ def test_speculative_sampling_keeps_the_target_distribution(draws):
     assert torch.equal(v.relaxed_only_B, ((torch.arange(K) < a.unsqueeze(1)) & (drafts != p[:K].argmax(-1))).sum(1))
 
 
-def test_speculative_sampling_with_top_k_never_leaves_the_filtered_support():
+@pytest.mark.parametrize("rng", ["generator", "rows"])
+def test_speculative_sampling_with_top_k_never_leaves_the_filtered_support(rng):
     B, K = 20000, 2
     g = torch.Generator().manual_seed(9)
     sp = SamplingParams(temperature=0.8, top_k=4)
@@ -241,14 +303,15 @@ def test_speculative_sampling_with_top_k_never_leaves_the_filtered_support():
     assert (p > 0).sum(-1).tolist() == [4, 5, 4]  # position 1 ties at the 4th value (0.10): both are kept
     q = filter_probs(torch.tensor(Q_DRAFT).log(), SamplingParams(top_k=3)).expand(B, -1, -1)  # a narrower draft
     drafts = sample(q, g)
-    v = sampling_verify(drafts, q, logits, sp, g)
+    v = sampling_verify(drafts, q, logits, sp, verify_rng(rng, 9, B) if rng == "rows" else g)
     for j in range(K + 1):
         assert_follows(emitted_tokens(drafts, v.accept_len_B, v.next_token_B, j), p[j], f"top-k, token {j + 1}")
 
 
-def test_sampling_with_no_drafts_samples_the_target():
+@pytest.mark.parametrize("rng", ["generator", "rows"])
+def test_sampling_with_no_drafts_samples_the_target(rng):
     B = 20000
-    g = torch.Generator().manual_seed(10)
+    g = verify_rng(rng, 10, B)
     p = torch.tensor(P_TARGET[0])
     v = sampling_verify(torch.zeros(B, 0, dtype=torch.long), None, p.log().expand(B, 1, -1), SamplingParams(), g)
     assert v.accept_len_B.eq(0).all()
@@ -262,3 +325,52 @@ def test_sampling_verify_is_reproducible_from_the_generator():
     runs = [sampling_verify(drafts, None, logits, SamplingParams(), torch.Generator().manual_seed(3)) for _ in range(2)]
     assert torch.equal(runs[0].accept_len_B, runs[1].accept_len_B)
     assert torch.equal(runs[0].next_token_B, runs[1].next_token_B)
+
+
+def test_sampling_verify_refuses_draft_ids_outside_the_vocabulary():
+    logits = torch.randn(2, 3, 6)
+    for bad in (-1, 6):
+        drafts = torch.tensor([[0, 1], [2, bad]])
+        with pytest.raises(ValueError, match=rf"draft_BK holds ids outside the vocabulary \[0, 6\): \[{bad}\]"):
+            sampling_verify(drafts, None, logits, SamplingParams(), torch.Generator().manual_seed(0))
+    # check_ids=False leaves the check to the caller (the engine on CUDA); torch then fails on its own.
+    with pytest.raises(RuntimeError):
+        sampling_verify(torch.tensor([[0, 1], [2, 60]]), None, logits, SamplingParams(), None, check_ids=False)
+
+
+# ---------------------------------------------------------------------------------------------- per-row draws
+def test_splitmix64_on_tensors_equals_the_integer_reference():
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat((torch.randint(-2**63, 2**63 - 1, (5000,), generator=g), torch.tensor([0, 1, -1, -2**63])))
+    got = [v & (2**64 - 1) for v in splitmix64(x).tolist()]
+    assert got == [splitmix64_ref(v & (2**64 - 1)) for v in x.tolist()]
+
+
+def test_row_draws_depend_only_on_the_rows_seed_position_and_stream():
+    a = RowDraws(seed_tensor([5, 6, 7], "cpu"), torch.tensor([10, 11, 12])).uniform(3, 4)
+    b = RowDraws(seed_tensor([7, 1, 5], "cpu"), torch.tensor([12, 99, 10])).uniform(3, 4)
+    assert torch.equal(a[0], b[2]) and torch.equal(a[2], b[0])  # the same (seed, position): the same numbers
+    assert torch.equal(a[:, 1:], RowDraws(seed_tensor([5, 6, 7], "cpu"), torch.tensor([10, 11, 12])).uniform(4, 3))
+    moved = RowDraws(seed_tensor([5, 6, 7], "cpu"), torch.tensor([11, 12, 13])).uniform(3, 4)
+    assert not torch.isclose(moved, a).any()
+    assert torch.equal(seed_tensor([2**64 + 5, -1], "cpu"), seed_tensor([5, 2**64 - 1], "cpu"))  # modulo 2^64
+
+
+def test_row_draws_are_uniform():
+    """40k draws over seeds x positions x streams in 40 equal bins: chi-square at alpha 0.001 (39 dof: 72.05)."""
+    seeds = seed_tensor([s // 100 for s in range(10000)], "cpu")
+    u = RowDraws(seeds, torch.arange(10000) % 100).uniform(0, 4).flatten()
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    counts = torch.bincount((u * 40).long(), minlength=40).double()
+    e = u.numel() / 40
+    assert float(((counts - e) ** 2 / e).sum()) < 72.05
+    # Neighbouring seeds, positions and streams are not correlated.
+    cols = torch.stack((u[0::4], u[1::4], u[2::4]))
+    assert torch.corrcoef(cols).sub(torch.eye(3)).abs().max() < 0.03
+
+
+def test_sample_with_row_draws_follows_probs():
+    p = torch.tensor([0.0, 0.3, 0.0, 0.5, 0.2, 0.0])
+    B = 20000
+    toks = sample(p.expand(B, -1), RowDraws(seed_tensor(range(B), "cpu"), torch.zeros(B, dtype=torch.long)))
+    assert_follows(toks, p, "sample() with per-row draws")

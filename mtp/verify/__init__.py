@@ -7,9 +7,10 @@ the one token the target adds after them (the correction at the first miss, or t
 """
 
 from .common import Verdict
-from .relaxed import relaxed_verify, update_think_state
+from .relaxed import SPAN_RULES, prompt_think_state, relaxed_verify, update_think_state
 from .sampling import SamplingParams, filter_probs, sampling_verify
 from .strict import strict_verify
 
-__all__ = ["Verdict", "strict_verify", "relaxed_verify", "update_think_state", "SamplingParams", "filter_probs",
+__all__ = ["Verdict", "strict_verify", "relaxed_verify", "update_think_state", "prompt_think_state", "SPAN_RULES",
+           "SamplingParams", "filter_probs",
            "sampling_verify"]

@@ -45,6 +45,23 @@ def test_graph_and_overlap_replay_eager_reference(draft, k):
     assert outs["overlap"].metrics.graph_capture_s > 0
 
 
+@pytest.mark.parametrize("draft,k,draft_sampling", [("none", 0, "greedy"), ("eagle", 2, "sample")])
+def test_seeded_sampling_is_the_same_in_every_mode(draft, k, draft_sampling):
+    """Per-row counter-based draws (mtp/verify/rng.py): eager, graph and overlap sample the same tokens, a
+    reused captured graph draws fresh numbers for new seeds, and a batch's rows reversed (with their seeds) give
+    the same rows reversed. (A row alone vs in a batch also depends on whether the GPU's GEMMs round the same
+    for both batch sizes; the CPU test in tests/test_engine.py holds that case.)"""
+    m = _tiny_on_gpu(torch.bfloat16)
+    kw = dict(draft=draft, k=k, verify="sample", temperature=1.3, draft_sampling=draft_sampling, reuse_modules=True)
+    seeds = [11, 12, 13]
+    outs = {mode: generate(m, PROMPTS, 16, mode=mode, seed=seeds, **kw) for mode in ("eager", "graph", "overlap")}
+    assert outs["graph"].tokens == outs["eager"].tokens == outs["overlap"].tokens
+    other = generate(m, PROMPTS, 16, mode="graph", seed=[21, 22, 23], **kw)
+    assert other.tokens == generate(m, PROMPTS, 16, seed=[21, 22, 23], **kw).tokens != outs["eager"].tokens
+    flipped = generate(m, PROMPTS[::-1], 16, mode="overlap", seed=seeds[::-1], **kw)
+    assert flipped.tokens == outs["eager"].tokens[::-1]
+
+
 @pytest.mark.parametrize("draft,k", [("eagle", 1), ("vanilla", 2)])
 def test_strict_lossless_on_gpu_float64(draft, k):
     m = _tiny_on_gpu(torch.float64)
