@@ -23,11 +23,30 @@ def _f(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def spread_text(m: dict | None, key: str, digits: int, unit: str = "") -> str:
+    """`median (min-max)` of a metric with `_min` / `_max` companions; the bare median for one repeat."""
+    if not m or m.get(key) is None:
+        return "-"
+    lo, hi = m.get(f"{key}_min"), m.get(f"{key}_max")
+    text = _f(m[key], digits) + unit
+    return text if lo is None or lo == hi else f"{text} ({_f(lo, digits)}-{_f(hi, digits)})"
+
+
+def timing_note(metrics: dict) -> str:
+    """How to read the speed columns: repeats, and whether the device's speed means anything."""
+    n = metrics["overall"].get("timing/repeats", 1)
+    order = ", baseline and speculative interleaved" if metrics.get("baseline") else ""
+    text = f"tok/s, speedup: median (min-max) of {n} repeats{order}" if n > 1 else "tok/s, speedup: one run"
+    note = metrics["run"].get("device_note")
+    return f"{text}; {note}" if note else text
+
+
 def acceptance_table(metrics: dict, title: str) -> Table:
-    """One row per category plus `all`: prompts, tokens, AL, acceptance per position, speed, speedup."""
+    """One row per category plus `all`: prompts, tokens, AL, acceptance per position, speed, speedup; the
+    title's second line says how the speed was measured."""
     k = len(metrics["per_position"])
     base = metrics.get("baseline")
-    t = Table(title=title, title_justify="left")
+    t = Table(title=f"{title}\n{timing_note(metrics)}", title_justify="left")
     for col in ("category", "prompts", "new tok", "AL"):
         t.add_column(col, justify="left" if col == "category" else "right")
     for j in range(1, k + 1):
@@ -40,10 +59,10 @@ def acceptance_table(metrics: dict, title: str) -> Table:
     for i, (name, m) in enumerate(rows):
         cells = [name, str(m["count/prompts"]), str(m["count/new_tokens"]), _f(m["accept/mean_len"])]
         cells += [_f(m[f"accept/pos_{j}"]) for j in range(1, k + 1)]
-        cells.append(_f(m["speed/decode_tok_s"], 1))
+        cells.append(spread_text(m, "speed/decode_tok_s", 1))
         if base:
             b = base["overall"] if name == "all" else base["per_category"].get(name)
             sp = metrics["speedup"]["overall"] if name == "all" else metrics["speedup"]["per_category"].get(name)
-            cells += [_f(b and b["speed/decode_tok_s"], 1), _f(sp and sp["decode"]) + "x"]
+            cells += [spread_text(b, "speed/decode_tok_s", 1), spread_text(sp, "decode", 2, "x")]
         t.add_row(*cells, end_section=i == len(rows) - 2)
     return t

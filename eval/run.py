@@ -34,7 +34,7 @@ from .store import SampleStore, StoreError
 log = logging.getLogger("mtp-eval")
 
 # Settings that do not change the generated tokens; a resume may change them.
-_NOT_HASHED = ("output_dir", "resume", "logger", "plots", "baseline", "task_name")
+_NOT_HASHED = ("output_dir", "resume", "logger", "plots", "baseline", "timing", "task_name")
 _RUNTIME_NOT_HASHED = ("warmup", "num_threads")
 
 
@@ -76,14 +76,12 @@ def plan_batches(prompts: list[Prompt], batch_size: int) -> list[tuple[str, list
     return [(f"b{n:05d}", c) for n, c in enumerate(chunks)]
 
 
-def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tokens: int, kw: dict,
-              name: str) -> list[dict]:
-    """One generate call; a record per prompt. The engine's histogram covers the batch, so with several
-    rows each row's accepted counts come from the step events."""
+def _call(model, ids: list[list[int]], max_new_tokens: int, kw: dict):
+    """One generate call: (result, accepted-count histogram per row, wall seconds). The engine's histogram
+    covers the batch, so with several rows each row's accepted counts come from the step events."""
     import mtp
 
-    k = kw["k"]
-    row_hist = [[0] * (k + 1) for _ in batch]
+    row_hist = [[0] * (kw["k"] + 1) for _ in ids]
     events = [0]
 
     def on_step(ev) -> None:
@@ -95,11 +93,21 @@ def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tok
                 row_hist[b][a] += 1
 
     t0 = time.perf_counter()
-    res = mtp.generate(model, ids, max_new_tokens, on_step=on_step if len(batch) > 1 else None, **kw)
+    res = mtp.generate(model, ids, max_new_tokens, on_step=on_step if len(ids) > 1 else None, **kw)
     wall = time.perf_counter() - t0
+    if len(ids) == 1:
+        row_hist = [list(res.metrics.accepted_hist)]
+    return res, row_hist, wall
+
+
+def _records(tok, batch: list[Prompt], ids: list[list[int]], name: str, calls: list) -> list[dict]:
+    """A record per prompt: the tokens and acceptance of the first call, the timings of every call."""
+    res, row_hist, wall = calls[0]
     m = res.metrics
-    if len(batch) == 1:
-        row_hist = [list(m.accepted_hist)]
+    differ = any(c[0].tokens != res.tokens for c in calls[1:])
+    if differ:  # greedy and seeded sampling are deterministic: a repeat that differs is a finding in itself
+        log.warning("batch %s: a timing repeat produced other tokens than the first run; kept the first", name)
+    timings = [[c[0].metrics.raw(), c[2]] for c in calls]
     out = []
     for p, pid, toks, reason, hist in zip(batch, ids, res.tokens, res.finish_reasons, row_hist):
         steps_n = sum(hist)
@@ -109,9 +117,22 @@ def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tok
             "row_accepted_hist": hist,
             "row_mean_accepted_len": 1 + sum(a * c for a, c in enumerate(hist)) / steps_n if steps_n else 0.0,
             "batch_decode_tok_s": m.decode_tok_s, "batch_wall_s": wall, "batch_metrics": m.raw(),
+            "repeats": timings, "repeats_differ": differ,
             "output": tok.decode(toks), "tokens": toks,
         })
     return out
+
+
+def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tokens: int, kws: dict[str, dict],
+              name: str, repeats: int = 1) -> dict[str, list[dict]]:
+    """Every setting of `kws` (name -> generate kwargs) on one batch, `repeats` times, interleaved in the
+    order of `kws` (for baseline and speculative: b, s, b, s, ...), so a drifting machine load hits both
+    alike and repeat r of the two forms a pair. Records per name."""
+    calls: dict[str, list] = {which: [] for which in kws}
+    for _ in range(repeats):
+        for which, kw in kws.items():
+            calls[which].append(_call(model, ids, max_new_tokens, kw))
+    return {which: _records(tok, batch, ids, name, c) for which, c in calls.items()}
 
 
 def _check_lengths(cfg: EvalConfig, model, prompts: list[Prompt], ids: dict[str, list[int]], k: int) -> None:
@@ -208,25 +229,27 @@ def evaluate(cfg: DictConfig) -> float:
 
 
 def _generate_all(typed: EvalConfig, model, tok, batches, ids, stores: dict, kws: dict, logger) -> None:
-    """Every batch not yet in its store (both stores with baseline=true, interleaved batch by batch so a
-    drifting machine load hits both alike), appended as soon as it is done."""
+    """Every batch not yet in its store, appended as soon as it is done. The timed stores (baseline and
+    speculative) run `timing.repeats` times per batch, interleaved; the strict reference once."""
     from . import aggregate, report
 
     todo = [(n, b) for n, b in batches if any(not s.has([p.id for p in b]) for s in stores.values())]
+    timed = [w for w in ("base", "spec") if w in stores]
     if todo and typed.runtime.warmup:  # first calls pay one-off allocation / dispatch costs; keep them out
         first = todo[0][1][0]
-        for which in stores:
-            run_batch(model, tok, [first], [ids[first.id]], min(4, typed.max_new_tokens), kws[which], "warmup")
+        run_batch(model, tok, [first], [ids[first.id]], min(4, typed.max_new_tokens), {w: kws[w] for w in stores},
+                  "warmup")
     total = sum(len(b) for _, b in batches)
     with report.progress() as bar:
         task = bar.add_task(_describe(typed), total=total, completed=total - sum(len(b) for _, b in todo), status="")
         for step, (name, batch) in enumerate(todo):
             bids = [p.id for p in batch]
-            for which, store in stores.items():
-                if not store.has(bids):
-                    recs = run_batch(model, tok, batch, [ids[i] for i in bids], typed.max_new_tokens, kws[which],
-                                     name)
-                    store.append(recs)
+            bid_tokens = [ids[i] for i in bids]
+            for group, repeats in ((timed, typed.timing.repeats), ([w for w in stores if w not in timed], 1)):
+                todo_kws = {w: kws[w] for w in group if not stores[w].has(bids)}
+                done = run_batch(model, tok, batch, bid_tokens, typed.max_new_tokens, todo_kws, name, repeats)
+                for which, recs in done.items():
+                    stores[which].append(recs)
                     if which == "spec":
                         logger.log_batch(step, recs)
             al = aggregate.summarize(stores["spec"].records)["overall"]["accept/mean_len"]
@@ -259,10 +282,18 @@ def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
                   + (f" ({', '.join(mm['ids'][:10])})" if mm["ids"] else ""))
     con.print(f"outputs: {out}")
     o = metrics["overall"]
-    sp = o.get("speed/speedup_decode")
-    log.info("%d prompts: AL %.3f, decode %.1f tok/s%s; metrics in %s", n, o["accept/mean_len"],
-             o["speed/decode_tok_s"], f", speedup {sp:.2f}x" if sp else "", out / "metrics.json")
+    sp = report.spread_text(o, "speed/speedup_decode", 2, "x")
+    log.info("%d prompts: AL %.3f, decode %s tok/s%s; metrics in %s", n, o["accept/mean_len"],
+             report.spread_text(o, "speed/decode_tok_s", 1), f", speedup {sp}" if sp != "-" else "",
+             out / "metrics.json")
     return pngs
+
+
+def device_note(device: str) -> str | None:
+    if device == "cpu":
+        return ("CPU timing: the reference path on a shared CPU; tok/s and speedups here are not indicative "
+                "of GPU speed")
+    return None
 
 
 def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -> dict:
@@ -271,7 +302,7 @@ def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -
         "model": typed.model.name, "draft": value(d.name), "k": d.k, "verify": typed.verify.name,
         "target_hidden": value(d.target_hidden), "chain_hidden": value(d.chain_hidden),
         "numerics": value(typed.model.numerics), "runtime_mode": value(typed.runtime.mode),
-        "device": typed.runtime.device, "dataset": typed.dataset.name, "thinking": typed.thinking,
+        "device": typed.runtime.device, "device_note": device_note(typed.runtime.device), "dataset": typed.dataset.name, "thinking": typed.thinking,
         "max_new_tokens": typed.max_new_tokens, "n_prompts": n_prompts, "n_batches": n_batches,
         "resumed_samples": resumed,  # finished prompts found in samples.jsonl at start (resume=true)
     }

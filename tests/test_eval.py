@@ -18,14 +18,16 @@ from pathlib import Path
 import pytest
 
 from eval.data import Prompt
+from eval.loggers import NullLogger
 from eval.run import plan_batches
 from eval.store import SampleStore, StoreError
 from eval.wandb_offline import find_run_file, read_run
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = ["model.numerics=dequant", "max_new_tokens=6", "runtime.warmup=false"]
-# The uninterrupted reference and the killed/resumed run share these (4 prompts, baseline on).
-RESUME_ARGS = FAST + ["dataset.suites=[chat]", "dataset.per_category=null", "dataset.limit=4", "baseline=true"]
+FAST = ["model.numerics=dequant", "max_new_tokens=6", "runtime.warmup=false", "timing.repeats=1"]
+# The uninterrupted reference and the killed/resumed run share these (4 prompts, baseline on, 2 timing repeats).
+RESUME_ARGS = FAST + ["dataset.suites=[chat]", "dataset.per_category=null", "dataset.limit=4", "baseline=true",
+                      "timing.repeats=2"]
 DETERMINISTIC = ("accept/", "count/", "quality/")  # metric families that must not depend on timing
 
 
@@ -88,8 +90,26 @@ def test_reference_run_metrics_and_baseline(reference_run):
     m = json.loads((run / "metrics.json").read_text())
     assert m["overall"]["count/prompts"] == 4 and m["baseline"]["overall"]["count/draft_forwards"] == 0
     assert m["speedup"]["overall"]["decode"] > 0
-    assert m["strict_mismatch"]["count"] == len(m["strict_mismatch"]["ids"])
+    assert m["strict_mismatch"] == {"count": 0, "ids": []}  # strict speculation == plain greedy, token for token
     assert "acc@1" in r.stdout and "speedup" in r.stdout
+
+
+def test_reference_run_reports_speed_with_its_spread(reference_run):
+    run, r = reference_run
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["timing"]["repeats"] == 2 and m["timing"]["interleaved_with_baseline"]
+    for o in (m["overall"], m["baseline"]["overall"], *m["per_category"].values()):
+        assert o["timing/repeats"] == 2
+        assert 0 < o["speed/decode_tok_s_min"] <= o["speed/decode_tok_s"] <= o["speed/decode_tok_s_max"]
+    assert len(m["per_repeat"]["overall"]) == len(m["baseline"]["per_repeat"]["overall"]) == 2
+    sp = m["speedup"]["overall"]
+    assert sp["pairs"] == 2 and 0 < sp["decode_min"] <= sp["decode"] <= sp["decode_max"]
+    ratios = [s["speed/decode_tok_s"] / b["speed/decode_tok_s"]
+              for s, b in zip(m["per_repeat"]["overall"], m["baseline"]["per_repeat"]["overall"])]
+    assert (sp["decode_min"], sp["decode_max"]) == pytest.approx((min(ratios), max(ratios)))
+    assert m["overall"]["speed/speedup_decode_max"] == sp["decode_max"]
+    assert "not indicative" in m["run"]["device_note"]
+    assert "median (min-max) of 2 repeats" in r.stdout and "not indicative" in r.stdout
 
 
 def test_wandb_offline_run_holds_the_logged_metrics(reference_run):
@@ -97,8 +117,11 @@ def test_wandb_offline_run_holds_the_logged_metrics(reference_run):
     m = json.loads((run / "metrics.json").read_text())
     logged = read_run(find_run_file(run / "wandb"))
     s = logged["summary"]
-    for key in ("accept/mean_len", "accept/pos_1", "accept/pos_2", "count/new_tokens", "speed/speedup_decode"):
+    for key in ("accept/mean_len", "accept/pos_1", "accept/pos_2", "count/new_tokens", "speed/speedup_decode",
+                "speed/speedup_decode_min", "speed/speedup_decode_max", "speed/decode_tok_s_min",
+                "speed/decode_tok_s_max", "timing/repeats"):
         assert s[key] == pytest.approx(m["overall"][key]), key
+    assert s["baseline/speed/decode_tok_s_max"] == pytest.approx(m["baseline"]["overall"]["speed/decode_tok_s_max"])
     assert s["speed/decode_tok_s"] > 0
     assert s["category/chat/count/prompts"] == 4
     for chart in ("charts/accept_per_position", "charts/accepted_len_hist", "samples/"):  # bar charts, table
@@ -178,6 +201,101 @@ def test_store_refuses_existing_file_without_resume_and_other_settings(tmp_path)
         SampleStore(path, "h", resume=False)
     with pytest.raises(StoreError, match="other settings"):
         SampleStore(path, "other", resume=True)
+
+
+def _fake_generate(calls: list):
+    """Stands in for mtp.generate: records which setting ran, returns a fixed result (4 tokens per row)."""
+    import mtp
+
+    def generate(model, ids, max_new_tokens, on_step=None, **kw):
+        calls.append(kw["draft"])
+        m = mtp.SpecMetrics(k=kw["k"], draft=kw["draft"], new_tokens=4 * len(ids), n_rows=len(ids), row_steps=3,
+                            time_decode_s=0.1 * len(calls))
+        m.accepted_hist[0] = 3
+        return mtp.GenerateResult([[1, 2, 3, 4] for _ in ids], ["length"] * len(ids), m)
+
+    return generate
+
+
+class _Tok:
+    def decode(self, toks):
+        return " ".join(map(str, toks))
+
+
+def test_timing_repeats_interleave_baseline_and_speculative(monkeypatch, tmp_path):
+    import types
+
+    import mtp
+
+    from eval import run
+
+    calls: list[str] = []
+    monkeypatch.setattr(mtp, "generate", _fake_generate(calls))
+    typed = types.SimpleNamespace(runtime=types.SimpleNamespace(warmup=False), timing=types.SimpleNamespace(repeats=3),
+                                  max_new_tokens=4, draft=types.SimpleNamespace(name="eagle", k=2),
+                                  verify=types.SimpleNamespace(name="strict"))
+    prompts = [Prompt(f"p{i}", "c", [], False) for i in range(2)]
+    stores = {"spec": SampleStore(tmp_path / "s.jsonl", "h", False), "base": SampleStore(tmp_path / "b.jsonl", "h", False)}
+    kws = {"spec": {"draft": "eagle", "k": 2}, "base": {"draft": "none", "k": 0}}
+    run._generate_all(typed, None, _Tok(), plan_batches(prompts, 1), {p.id: [5] for p in prompts}, stores, kws,
+                      NullLogger())
+    assert calls == ["none", "eagle"] * 6  # per batch: b, s, b, s, b, s
+    for store in stores.values():
+        assert [len(r["repeats"]) for r in store.records] == [3, 3]
+    # the kept metrics are the first repeat's; every repeat's time is stored
+    assert [t[0]["time_decode_s"] for t in stores["spec"].records[0]["repeats"]] == pytest.approx([0.2, 0.4, 0.6])
+
+
+def _timed_record(pid: str, batch: str, category: str, tok_s: list[float], k: int) -> dict:
+    """A record whose batch ran once per tok/s value: 11 new tokens in one row (10 decode tokens)."""
+    import mtp
+
+    def raw(t):
+        m = mtp.SpecMetrics(k=k, new_tokens=11, n_rows=1, row_steps=5, time_decode_s=10 / t)
+        m.accepted_hist[-1] = 5
+        return m.raw()
+
+    reps = [[raw(t), 10 / t + 0.5] for t in tok_s]
+    return {"id": pid, "batch": batch, "category": category, "finish_reason": "length", "tokens": [1] * 11,
+            "batch_metrics": reps[0][0], "batch_wall_s": reps[0][1], "repeats": reps}
+
+
+def test_speedup_is_the_median_of_paired_ratios():
+    from eval.aggregate import metrics_json
+
+    spec = [_timed_record("a", "b0", "x", [30.0, 20.0, 33.0], 2)]
+    base = [_timed_record("a", "b0", "x", [10.0, 20.0, 30.0], 0)]
+    m = metrics_json({}, spec, base, compare_tokens=True)
+    o = m["overall"]
+    assert (o["speed/decode_tok_s"], o["speed/decode_tok_s_min"], o["speed/decode_tok_s_max"]) == \
+        pytest.approx((30.0, 20.0, 33.0))
+    assert m["baseline"]["overall"]["speed/decode_tok_s"] == pytest.approx(20.0)
+    # pairs: 30/10, 20/20, 33/30 -> median 1.1 (the ratio of the medians would say 1.5)
+    sp = m["speedup"]["overall"]
+    assert (sp["decode"], sp["decode_min"], sp["decode_max"], sp["pairs"]) == pytest.approx((1.1, 1.0, 3.0, 3))
+    assert m["speedup"]["per_category"]["x"]["decode"] == pytest.approx(1.1)
+    assert o["speed/speedup_decode"] == pytest.approx(1.1) and o["timing/repeats"] == 3
+    assert m["strict_mismatch"]["count"] == 0
+
+
+def test_sweep_plot_has_the_baseline_and_error_bars():
+    from matplotlib.container import ErrorbarContainer
+
+    from eval.plots import sweep_figure
+
+    def row(k, tok_s):
+        return {"series": "eagle", "k": k, "accept/mean_len": 1.5, "speed/decode_tok_s": tok_s,
+                "speed/decode_tok_s_min": tok_s - 1, "speed/decode_tok_s_max": tok_s + 2,
+                "base/decode_tok_s": 10.0, "base/decode_tok_s_min": 9.0, "base/decode_tok_s_max": 11.0,
+                "speedup_decode": tok_s / 10, "speedup_decode_min": 0.9, "speedup_decode_max": 1.6,
+                "device_note": "CPU timing: not indicative"}
+
+    fig = sweep_figure([row(1, 12.0), row(2, 14.0)])
+    _, speed, speedup = fig.axes
+    bars = [c for c in speed.containers if isinstance(c, ErrorbarContainer)]
+    assert len(bars) == 2 and any("baseline" in c.get_label() for c in bars)
+    assert [c for c in speedup.containers if isinstance(c, ErrorbarContainer)]
+    assert "not indicative" in fig._suptitle.get_text()
 
 
 def test_batches_never_mix_categories_and_are_deterministic():
