@@ -19,6 +19,8 @@ from statistics import median
 
 from mtp.metrics import SpecMetrics
 
+from . import quality
+
 SPREAD = ("speed/decode_tok_s", "speed/e2e_tok_s")  # reported with _min / _max next to the median
 
 
@@ -52,6 +54,11 @@ def flat(m: SpecMetrics, wall_s: float, n_prompts: int) -> dict:
     d["count/prompts"] = n_prompts
     d["time/wall_s"] = wall_s
     d["speed/e2e_tok_s"] = m.new_tokens / wall_s if wall_s > 0 else 0.0
+    # Accepted drafts that were not the target's argmax (relaxed rule, or a sampled accept): their share
+    # of all accepted drafts is what the lossy verifier added to the acceptance.
+    drafts = sum(a * c for a, c in enumerate(m.accepted_hist))
+    d["count/accepted_drafts"] = drafts
+    d["accept/relaxed_only_share"] = m.relaxed_only_accepts / drafts if drafts else 0.0
     return d
 
 
@@ -76,6 +83,13 @@ def _timed(batch_recs: Sequence[dict], n_prompts: int) -> tuple[dict, list[dict]
     return out, [{key: run[key] for key in (*SPREAD, "time/wall_s")} for run in runs]
 
 
+def _by_category(records: Sequence[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in records:
+        out.setdefault(r["category"], []).append(r)
+    return out
+
+
 def summarize(records: Sequence[dict]) -> dict:
     """overall / per_category / per_position / accepted_hist / finish_reasons / per_repeat (the speed of each
     timing repeat, overall and per category) of one set of records."""
@@ -85,10 +99,12 @@ def summarize(records: Sequence[dict]) -> dict:
     cats: dict[str, list[dict]] = {}
     for r in batches.values():
         cats.setdefault(r["category"], []).append(r)
-    n_by_cat = Counter(r["category"] for r in records)
+    by_cat = _by_category(records)
     per_cat, cat_runs = {}, {}
     for c, recs in cats.items():
-        per_cat[c], cat_runs[c] = _timed(recs, n_by_cat[c])
+        per_cat[c], cat_runs[c] = _timed(recs, len(by_cat[c]))
+        per_cat[c].update(quality.accuracy(by_cat[c]))
+    overall.update(quality.accuracy(records))
     return {
         "overall": overall,
         "per_category": per_cat,
@@ -128,11 +144,20 @@ def mismatches(spec_records: Sequence[dict], base_records: Sequence[dict]) -> li
 
 
 def metrics_json(run: dict, spec_records: Sequence[dict], base_records: Sequence[dict] | None,
-                 compare_tokens: bool) -> dict:
+                 compare_tokens: bool, strict_records: Sequence[dict] | None = None,
+                 strict_source: str | None = None) -> dict:
     """The content of metrics.json (without the config): run info, the spec run's summary, and with a
-    baseline its summary, the speedups and (when `compare_tokens`) the ids whose outputs differ."""
+    baseline its summary, the speedups and (when `compare_tokens`) the ids whose outputs differ. With
+    `strict_records` (plain greedy outputs of the same prompts, read from `strict_source`) the spec run's
+    agreement with them, overall and per category (`quality/strict_*`)."""
     spec = summarize(spec_records)
-    out = {"run": run, **spec, "baseline": None, "speedup": None, "strict_mismatch": None}
+    out = {"run": run, **spec, "baseline": None, "speedup": None, "strict_mismatch": None,
+           "strict_reference": strict_source if strict_records is not None else None}
+    if strict_records is not None:
+        out["overall"].update(quality.agreement(spec_records, strict_records))
+        strict_by_cat = _by_category(strict_records)
+        for c, recs in _by_category(spec_records).items():
+            out["per_category"][c].update(quality.agreement(recs, strict_by_cat.get(c, [])))
     out["timing"] = {
         "repeats": spec["overall"]["timing/repeats"], "interleaved_with_baseline": base_records is not None,
         "batches_with_differing_repeats": sorted({r["batch"] for r in [*spec_records, *(base_records or [])]

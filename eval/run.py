@@ -34,7 +34,7 @@ from .store import SampleStore, StoreError
 log = logging.getLogger("mtp-eval")
 
 # Settings that do not change the generated tokens; a resume may change them.
-_NOT_HASHED = ("output_dir", "resume", "logger", "plots", "baseline", "timing", "task_name")
+_NOT_HASHED = ("output_dir", "resume", "logger", "plots", "baseline", "compare_strict", "timing", "task_name")
 _RUNTIME_NOT_HASHED = ("warmup", "num_threads")
 
 
@@ -118,7 +118,7 @@ def _records(tok, batch: list[Prompt], ids: list[list[int]], name: str, calls: l
             "row_mean_accepted_len": 1 + sum(a * c for a, c in enumerate(hist)) / steps_n if steps_n else 0.0,
             "batch_decode_tok_s": m.decode_tok_s, "batch_wall_s": wall, "batch_metrics": m.raw(),
             "repeats": timings, "repeats_differ": differ,
-            "output": tok.decode(toks), "tokens": toks,
+            "output": tok.decode(toks), "tokens": toks, "answer": p.answer,
         })
     return out
 
@@ -167,6 +167,8 @@ def _setup(cfg: DictConfig):
     stores = {"spec": SampleStore(out / "samples.jsonl", chash, typed.resume)}
     if typed.baseline:
         stores["base"] = SampleStore(out / "baseline.jsonl", chash, typed.resume)
+    if strict_source(typed) == "ref":
+        stores["ref"] = SampleStore(out / STRICT_REFERENCE_FILE, chash, typed.resume)
     model, tok = _build_once(typed)
     from mtp.prompt import encode_chat
 
@@ -179,13 +181,35 @@ def _setup(cfg: DictConfig):
     return typed, out, resolved, prompts, stores, model, tok, ids, kw
 
 
+STRICT_REFERENCE_FILE = "strict_reference.jsonl"
+
+
+def strict_source(typed: EvalConfig) -> str | None:
+    """Which store holds plain greedy outputs of the prompts to compare the run with: the baseline when it is
+    greedy (strict, and relaxed: relaxed without drafts has nothing to relax), else with compare_strict a
+    greedy run of its own ("ref"; sampling's baseline samples)."""
+    verify = typed.verify.name
+    if typed.baseline and verify in ("strict", "relaxed"):
+        return "base"
+    return "ref" if typed.compare_strict and verify != "strict" else None
+
+
 def _baseline_kwargs(kw: dict) -> dict:
-    drop = ("target_hidden", "chain_hidden", "reuse_modules", "draft_vocab")
+    """draft=none with the run's verifier: plain sampling for verify=sample, plain greedy otherwise."""
+    drop = ("target_hidden", "chain_hidden", "reuse_modules", "draft_vocab", "top_n", "delta", "think_ids")
     base = {key: v for key, v in kw.items() if key not in drop}
     base.update(draft=DraftName.none.value, k=0)
+    if base["verify"] == "relaxed":
+        base["verify"] = "strict"
     if "draft_sampling" in base:
         base["draft_sampling"] = "greedy"
     return base
+
+
+def _strict_kwargs(kw: dict) -> dict:
+    """Plain greedy decoding (the strict reference), with the run's runtime options."""
+    return {"draft": DraftName.none.value, "k": 0, "verify": "strict",
+            **{key: kw[key] for key in ("mode", "prefill_chunk") if key in kw}}
 
 
 def _user_errors() -> tuple:
@@ -214,13 +238,18 @@ def evaluate(cfg: DictConfig) -> float:
     resumed = len(stores["spec"].records)
     logger = hydra.utils.instantiate(cfg.logger)
     logger.start(resolved, *_identity(typed, out), out)
-    _generate_all(typed, model, tok, batches, ids, stores, {"spec": kw, "base": _baseline_kwargs(kw)}, logger)
+    kws = {"spec": kw, "base": _baseline_kwargs(kw), "ref": _strict_kwargs(kw)}
+    _generate_all(typed, model, tok, batches, ids, stores, kws, logger)
 
     order = {p.id: i for i, p in enumerate(prompts)}
     recs = {w: sorted(s.records, key=lambda r: order.get(r["id"], len(order))) for w, s in stores.items()}
-    # Only strict verification promises the baseline's exact tokens; relaxed / sampled outputs differ by design.
+    # Only strict verification promises the baseline's exact tokens; relaxed / sampled outputs differ by design
+    # and are measured against plain greedy outputs instead (agreement, accuracy).
+    source = strict_source(typed)
     metrics = aggregate.metrics_json(_run_info(typed, len(prompts), len(batches), resumed), recs["spec"],
-                                     recs.get("base"), compare_tokens=isinstance(typed.verify, StrictVerifySchema))
+                                     recs.get("base"), compare_tokens=isinstance(typed.verify, StrictVerifySchema),
+                                     strict_records=recs.get(source), strict_source=stores[source].path.name
+                                     if source else None)
     metrics["config"] = resolved
     write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     pngs = _report(typed, out, metrics)
@@ -280,6 +309,8 @@ def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
     if mm is not None:
         con.print(f"strict outputs differing from the baseline: {mm['count']}"
                   + (f" ({', '.join(mm['ids'][:10])})" if mm["ids"] else ""))
+    for line in report.quality_lines(metrics):
+        con.print(line)
     con.print(f"outputs: {out}")
     o = metrics["overall"]
     sp = report.spread_text(o, "speed/speedup_decode", 2, "x")
@@ -303,7 +334,7 @@ def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -
         "target_hidden": value(d.target_hidden), "chain_hidden": value(d.chain_hidden),
         "numerics": value(typed.model.numerics), "runtime_mode": value(typed.runtime.mode),
         "device": typed.runtime.device, "device_note": device_note(typed.runtime.device), "dataset": typed.dataset.name, "thinking": typed.thinking,
-        "max_new_tokens": typed.max_new_tokens, "n_prompts": n_prompts, "n_batches": n_batches,
+        "max_new_tokens": typed.max_new_tokens, "compare_strict": typed.compare_strict, "n_prompts": n_prompts, "n_batches": n_batches,
         "resumed_samples": resumed,  # finished prompts found in samples.jsonl at start (resume=true)
     }
 

@@ -194,6 +194,7 @@ class FieldMap:
     messages: Optional[str] = "messages"  # a chat: [{role, content}, ...]; wins over `prompt`
     category: Optional[str] = "category"
     thinking: Optional[str] = "thinking"
+    answer: Optional[str] = "answer"  # reference answer: task accuracy (last number of the output vs of this)
 
 
 @dataclass
@@ -296,6 +297,7 @@ class EvalConfig:
     thinking: Optional[bool] = None  # None: each prompt's own `thinking`; true/false forces it
     system_prompt: Optional[str] = None
     baseline: bool = False  # also run draft=none on the same prompts: speedup + strict-output check
+    compare_strict: bool = True  # relaxed / sample: compare the outputs with strict greedy decoding's
     timing: TimingSchema = field(default_factory=TimingSchema)
     resume: bool = False  # continue samples.jsonl in the run dir, skipping finished prompts
     plots: bool = True

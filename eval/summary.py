@@ -27,7 +27,9 @@ SERIES_KEYS = ("draft", "verify", "runtime_mode", "target_hidden", "chain_hidden
 # row key -> table header; keys with `_min` / `_max` companions print as `median (min-max)`
 COLUMNS = {"job": "job", "series": "series", "k": "k", "prompts": "prompts", "accept/mean_len": "AL",
            "accept/pos_1": "acc@1", "speed/decode_tok_s": "decode tok/s", "base/decode_tok_s": "base tok/s",
-           "speedup_decode": "speedup", "speed/e2e_tok_s": "e2e tok/s", "strict_mismatch": "mismatch"}
+           "speedup_decode": "speedup", "speed/e2e_tok_s": "e2e tok/s", "strict_mismatch": "mismatch",
+           "relaxed_only_share": "relaxed-only", "strict_token_agreement": "= strict", "accuracy": "accuracy",
+           "base_accuracy": "base acc.", "strict_accuracy": "strict acc."}
 SPREAD_COLUMNS = ("speed/decode_tok_s", "base/decode_tok_s", "speedup_decode")
 
 
@@ -49,7 +51,14 @@ def collect(sweep_dir: Path) -> list[dict]:
                      **_with_spread("base/decode_tok_s", base and base["overall"], "speed/decode_tok_s"),
                      **_with_spread("speedup_decode", sp and sp["overall"], "decode"),
                      "speed/e2e_tok_s": o["speed/e2e_tok_s"], "repeats": o.get("timing/repeats", 1),
-                     "strict_mismatch": mm["count"] if mm else None, "device_note": run.get("device_note")})
+                     "strict_mismatch": mm["count"] if mm else None,
+                     # what relaxed / sampled verification cost: accepts strict would reject, agreement with
+                     # strict greedy outputs, task accuracy (prompts with answers)
+                     "relaxed_only_share": o.get("accept/relaxed_only_share") if run["verify"] != "strict" else None,
+                     "strict_token_agreement": o.get("quality/strict_token_agreement"),
+                     "strict_identical": o.get("quality/strict_identical"), "accuracy": o.get("quality/accuracy"),
+                     "base_accuracy": base["overall"].get("quality/accuracy") if base else None,
+                     "strict_accuracy": o.get("quality/strict_accuracy"), "device_note": run.get("device_note")})
     varying = [k for k in SERIES_KEYS if len({str(r[k]) for r in rows}) > 1]
     for r in rows:
         r["series"] = " ".join(f"{k}={r[k]}" for k in varying) if varying else str(r["draft"])
@@ -80,12 +89,13 @@ def print_table(rows: list[dict], title: str) -> None:
     repeats = sorted({r["repeats"] for r in rows})
     title += f"\ntok/s, speedup: median (min-max) of {'/'.join(map(str, repeats))} repeats"
     t = Table(title="; ".join([title, *notes]), title_justify="left")
-    for c, header in COLUMNS.items():
-        t.add_column(header, justify="left" if c in ("job", "series") else "right")
+    columns = [c for c in COLUMNS if any(r[c] is not None for r in rows)]  # a strict sweep has no accuracy...
+    for c in columns:
+        t.add_column(COLUMNS[c], justify="left" if c in ("job", "series") else "right")
     for r in sorted(rows, key=lambda r: (r["series"], r["k"])):
         t.add_row(*(spread_text(r, c, 1 if "tok_s" in c else 2, "x" if c == "speedup_decode" else "")
                     if c in SPREAD_COLUMNS else "-" if r[c] is None else f"{r[c]:.2f}" if isinstance(r[c], float)
-                    else str(r[c]) for c in COLUMNS))
+                    else str(r[c]) for c in columns))
     console().print(t)
 
 

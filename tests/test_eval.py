@@ -304,3 +304,125 @@ def test_batches_never_mix_categories_and_are_deterministic():
     assert all(len({p.category for p in b}) == 1 for _, b in batches)
     assert sorted(p.id for _, b in batches for p in b) == sorted(p.id for p in ps)
     assert [n for n, _ in batches] == [n for n, _ in plan_batches(ps, 2)]
+
+
+# ---------------------------------------------------------------------------------------------- verifier cost
+def test_sweep_over_verifiers_measures_their_cost_against_strict(tmp_path):
+    """strict, relaxed and sample on the arithmetic suite (answers): relaxed-only accepts, agreement with
+    the strict greedy outputs (relaxed: the greedy baseline; sample: a strict reference run), accuracy,
+    and in the sweep summary the speed spread next to them."""
+    sweep = tmp_path / "sweep"
+    r = mtp_eval(["-m", "verify=strict,relaxed,sample", "dataset.suites=[arithmetic]", "dataset.limit=2",
+                  "thinking=true", "baseline=true", *FAST, "max_new_tokens=8", "timing.repeats=2",
+                  f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    jobs = {json.loads((d / "metrics.json").read_text())["run"]["verify"]: d for d in sweep.iterdir() if d.is_dir()}
+    m = {v: json.loads((d / "metrics.json").read_text()) for v, d in jobs.items()}
+    tokens = {v: {s["id"]: s["tokens"] for s in _samples(d / "samples.jsonl")} for v, d in jobs.items()}
+    base_tokens = {v: {s["id"]: s["tokens"] for s in _samples(d / "baseline.jsonl")} for v, d in jobs.items()}
+    ref = _samples(jobs["sample"] / "strict_reference.jsonl")
+
+    # strict speculation == plain greedy == the relaxed run's baseline == the sample run's strict reference
+    assert tokens["strict"] == base_tokens["strict"] == base_tokens["relaxed"]
+    assert {s["id"]: s["tokens"] for s in ref} == tokens["strict"]
+    assert {s["batch_metrics"]["verify"] for s in ref} == {"strict"} and {s["batch_metrics"]["draft"] for s in ref} \
+        == {"none"}
+    assert m["strict"]["strict_mismatch"]["count"] == 0 and m["strict"]["overall"]["quality/strict_identical"] == 2
+    assert not (jobs["relaxed"] / "strict_reference.jsonl").exists()  # its greedy baseline serves
+    assert (m["relaxed"]["strict_reference"], m["sample"]["strict_reference"]) == \
+        ("baseline.jsonl", "strict_reference.jsonl")
+
+    for v in ("relaxed", "sample"):
+        o = m[v]["overall"]
+        recs = _samples(jobs[v] / "samples.jsonl")
+        assert o["accept/relaxed_only"] == sum(s["batch_metrics"]["relaxed_only_accepts"] for s in recs)
+        assert o["accept/relaxed_only_share"] == pytest.approx(o["accept/relaxed_only"] / o["count/accepted_drafts"])
+        same = sum(tokens[v][i] == tokens["strict"][i] for i in tokens[v])
+        assert (o["quality/strict_compared"], o["quality/strict_identical"]) == (2, same)
+        assert 0 <= o["quality/strict_token_agreement"] <= 1
+        assert o["quality/answered"] == 2 and 0 <= o["quality/accuracy"] <= 1
+        assert m[v]["baseline"]["overall"]["quality/answered"] == 2
+        assert o["quality/strict_accuracy"] == m["strict"]["overall"]["quality/accuracy"]
+    assert "relaxed-only" in r.stdout and "not argmax" in r.stdout and "= strict" in r.stdout
+    assert "strict acc." in r.stdout and "task accuracy" in r.stdout
+
+    rows = {row["verify"]: row for row in json.loads((sweep / "sweep_summary.json").read_text())}
+    for v, row in rows.items():
+        assert row["repeats"] == 2 and row["speedup_decode_min"] <= row["speedup_decode"] <= row["speedup_decode_max"]
+        assert row["base/decode_tok_s"] == m[v]["baseline"]["overall"]["speed/decode_tok_s"]
+        assert row["accuracy"] == m[v]["overall"]["quality/accuracy"]
+    assert rows["relaxed"]["strict_token_agreement"] == m["relaxed"]["overall"]["quality/strict_token_agreement"]
+    assert rows["strict"]["relaxed_only_share"] is None
+
+
+def test_answer_extraction_gsm8k_style():
+    from eval.quality import is_correct, last_number, predicted_answer
+
+    assert last_number("She pays 3 * 4 = 12, then 12 + 2 = 14 dollars.") == 14
+    assert last_number("#### 1,234") == 1234 and last_number("-3.5 degrees") == -3.5 and last_number("none") is None
+    assert predicted_answer("<think>maybe 12 or 13</think> The answer is 14.") == 14
+    assert predicted_answer("thinking about 12 and 14</think> no digits after") == 14  # fall back to all text
+    assert is_correct("so the total is 1,234.", "First 1000, then 234 more.\n#### 1234")
+    assert is_correct("The answer is 14.0", "14") and not is_correct("The answer is 15", "14")
+    assert not is_correct("no number here", "14")
+    with pytest.raises(ValueError, match="no number"):
+        is_correct("14", "fourteen")
+
+
+def test_agreement_and_accuracy_per_category():
+    from eval.aggregate import metrics_json
+
+    def rec(pid, cat, toks, output, answer):
+        r = _timed_record(pid, f"b{pid}", cat, [10.0], 2)
+        r.update(tokens=toks, output=output, answer=answer)
+        r["batch_metrics"]["relaxed_only_accepts"] = 2  # of 10 accepted drafts (hist: 5 steps accepting 2)
+        return r
+
+    spec = [rec("a", "x", [1, 2, 3, 4], "is 14", "14"), rec("b", "x", [1, 9, 9, 9], "is 5", "6"),
+            rec("c", "y", [7, 7], "7", None)]
+    strict = [rec("a", "x", [1, 2, 3, 4], "is 14", "14"), rec("b", "x", [1, 2, 3, 4, 5], "is 6", "6"),
+              rec("c", "y", [7, 7], "7", None)]
+    m = metrics_json({"verify": "relaxed"}, spec, strict, compare_tokens=False, strict_records=strict,
+                     strict_source="baseline.jsonl")
+    o, x = m["overall"], m["per_category"]["x"]
+    assert (o["quality/strict_compared"], o["quality/strict_identical"]) == (3, 2)
+    assert o["quality/strict_token_agreement"] == pytest.approx((4 + 1 + 2) / (4 + 5 + 2))
+    assert x["quality/strict_token_agreement"] == pytest.approx((4 + 1) / (4 + 5))
+    assert (o["quality/answered"], o["quality/correct"], o["quality/accuracy"]) == (2, 1, 0.5)
+    assert o["quality/strict_accuracy"] == 1.0 and m["baseline"]["overall"]["quality/accuracy"] == 1.0
+    assert "quality/accuracy" not in m["per_category"]["y"]  # no answers there
+    assert (o["accept/relaxed_only"], o["count/accepted_drafts"], o["accept/relaxed_only_share"]) == (6, 30, 0.2)
+    assert m["strict_reference"] == "baseline.jsonl"
+
+
+def test_strict_reference_is_plain_greedy_and_relaxed_baseline_is_greedy():
+    import types
+
+    from eval import run
+
+    relaxed = {"draft": "eagle", "k": 2, "verify": "relaxed", "top_n": 10, "delta": 0.6, "think_ids": (1, 2),
+               "target_hidden": "normed", "chain_hidden": "normed", "reuse_modules": False}
+    assert run._baseline_kwargs(relaxed) == {"draft": "none", "k": 0, "verify": "strict"}
+    sample = {"draft": "eagle", "k": 2, "verify": "sample", "temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 1,
+              "draft_sampling": "sample", "prefill_chunk": 64}
+    assert run._baseline_kwargs(sample)["verify"] == "sample"  # the speed baseline samples too
+    assert run._strict_kwargs(sample) == {"draft": "none", "k": 0, "verify": "strict", "prefill_chunk": 64}
+
+    def cfg(verify, baseline, compare=True):
+        return types.SimpleNamespace(verify=types.SimpleNamespace(name=verify), baseline=baseline,
+                                     compare_strict=compare)
+
+    assert [run.strict_source(cfg(v, b)) for v in ("strict", "relaxed", "sample") for b in (True, False)] == \
+        ["base", None, "base", "ref", "ref", "ref"]
+    assert run.strict_source(cfg("sample", True, compare=False)) is None
+
+
+def test_prompts_carry_their_reference_answer(tmp_path):
+    from eval.data import load_prompts, to_prompt
+    from eval.schema import BuiltinDatasetSchema, LocalDatasetSchema
+
+    arith = load_prompts(BuiltinDatasetSchema(name="builtin", suites=["arithmetic"]))
+    assert len(arith) == 12 and all(p.answer is not None and float(p.answer) for p in arith)
+    assert all(p.answer is None for p in load_prompts(BuiltinDatasetSchema(name="builtin", suites=["chat"])))
+    ds = LocalDatasetSchema(name="local", path="x.jsonl")
+    assert to_prompt({"prompt": "2+2?", "answer": 4}, 0, ds, None, None).answer == "4"
