@@ -96,9 +96,7 @@ def summarize(records: Sequence[dict]) -> dict:
     batches = _batches(records)
     overall, runs = _timed(list(batches.values()), len(records))
     hist = _merge(list(batches.values()))[0]
-    cats: dict[str, list[dict]] = {}
-    for r in batches.values():
-        cats.setdefault(r["category"], []).append(r)
+    cats = _by_category(list(batches.values()))
     by_cat = _by_category(records)
     per_cat, cat_runs = {}, {}
     for c, recs in cats.items():

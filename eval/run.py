@@ -36,6 +36,7 @@ log = logging.getLogger("mtp-eval")
 # Settings that do not change the generated tokens; a resume may change them.
 _NOT_HASHED = ("output_dir", "resume", "logger", "plots", "baseline", "compare_strict", "timing", "task_name")
 _RUNTIME_NOT_HASHED = ("warmup", "num_threads")
+STRICT_REFERENCE_FILE = "strict_reference.jsonl"  # plain greedy outputs, when no baseline provides them
 
 
 class SetupError(Exception):
@@ -179,9 +180,6 @@ def _setup(cfg: DictConfig):
                     "it acts like strict here (thinking=true turns thinking on for every prompt)")
     _check_lengths(typed, model, prompts, ids, kw["k"])
     return typed, out, resolved, prompts, stores, model, tok, ids, kw
-
-
-STRICT_REFERENCE_FILE = "strict_reference.jsonl"
 
 
 def strict_source(typed: EvalConfig) -> str | None:
