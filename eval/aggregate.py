@@ -3,14 +3,25 @@
 Acceptance and speed are exact merges of the engine's own `SpecMetrics` per batch (each record carries its
 batch's metrics; batches never mix categories, so per-category merges are exact too). Row-level numbers in
 the records (accepted lengths per prompt) are for browsing samples, not for these aggregates.
+
+Speed has a spread: every batch ran `timing.repeats` times (each record keeps the metrics and wall time of
+every repeat), and repeat r of a run is the merge of repeat r of its batches. Every `speed/*` and `time/*`
+number is the median over repeats; tok/s also gets `_min` / `_max`. A speedup is the median (min, max) of
+the per-repeat ratios spec_r / base_r: the two halves of a pair ran back to back, so a load change between
+repeats cancels in the ratio instead of widening it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from statistics import median
 
 from mtp.metrics import SpecMetrics
+
+from . import quality
+
+SPREAD = ("speed/decode_tok_s", "speed/e2e_tok_s")  # reported with _min / _max next to the median
 
 
 def _batches(records: Sequence[dict]) -> dict[str, dict]:
@@ -21,12 +32,19 @@ def _batches(records: Sequence[dict]) -> dict[str, dict]:
     return out
 
 
-def _merge(batch_recs: Sequence[dict]) -> tuple[SpecMetrics, float]:
+def _repeats(r: dict) -> list:
+    """[metrics, wall_s] of every timed repeat of the record's batch (the first is the run whose tokens were
+    kept); records written before repeats existed have one."""
+    return r.get("repeats") or [[r["batch_metrics"], r["batch_wall_s"]]]
+
+
+def _merge(batch_recs: Sequence[dict], repeat: int = 0) -> tuple[SpecMetrics, float]:
     m, wall = None, 0.0
     for r in batch_recs:
-        bm = SpecMetrics(**r["batch_metrics"])
+        raw, w = _repeats(r)[repeat]
+        bm = SpecMetrics(**raw)
         m = bm if m is None else m.merge(bm)
-        wall += r["batch_wall_s"]
+        wall += w
     return m, wall
 
 
@@ -36,44 +54,85 @@ def flat(m: SpecMetrics, wall_s: float, n_prompts: int) -> dict:
     d["count/prompts"] = n_prompts
     d["time/wall_s"] = wall_s
     d["speed/e2e_tok_s"] = m.new_tokens / wall_s if wall_s > 0 else 0.0
+    # Accepted drafts that were not the target's argmax (relaxed rule, or a sampled accept): their share
+    # of all accepted drafts is what the lossy verifier added to the acceptance.
+    drafts = sum(a * c for a, c in enumerate(m.accepted_hist))
+    d["count/accepted_drafts"] = drafts
+    d["accept/relaxed_only_share"] = m.relaxed_only_accepts / drafts if drafts else 0.0
     return d
 
 
+def spread(values: Sequence[float]) -> dict:
+    return {"median": median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _timed(batch_recs: Sequence[dict], n_prompts: int) -> tuple[dict, list[dict]]:
+    """Flat metrics of a set of batches (speed and time: medians over repeats, tok/s with min / max) and the
+    speed of each repeat. Counts and acceptance are those of the first repeat (every repeat makes the same
+    tokens). A resumed run whose batches ran different numbers of repeats uses the repeats all of them have."""
+    n = min(len(_repeats(r)) for r in batch_recs)
+    runs = [flat(*_merge(batch_recs, i), n_prompts) for i in range(n)]
+    out = dict(runs[0])
+    for key in out:
+        if key.startswith(("speed/", "time/")):
+            out[key] = median(run[key] for run in runs)
+    for key in SPREAD:
+        out[f"{key}_min"] = min(run[key] for run in runs)
+        out[f"{key}_max"] = max(run[key] for run in runs)
+    out["timing/repeats"] = n
+    return out, [{key: run[key] for key in (*SPREAD, "time/wall_s")} for run in runs]
+
+
+def _by_category(records: Sequence[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in records:
+        out.setdefault(r["category"], []).append(r)
+    return out
+
+
 def summarize(records: Sequence[dict]) -> dict:
-    """overall / per_category / per_position / accepted_hist / finish_reasons of one set of records."""
+    """overall / per_category / per_position / accepted_hist / finish_reasons / per_repeat (the speed of each
+    timing repeat, overall and per category) of one set of records."""
     batches = _batches(records)
-    overall, wall = _merge(list(batches.values()))
-    cats: dict[str, list[dict]] = {}
-    for r in batches.values():
-        cats.setdefault(r["category"], []).append(r)
-    n_by_cat = Counter(r["category"] for r in records)
-    per_cat = {}
+    overall, runs = _timed(list(batches.values()), len(records))
+    hist = _merge(list(batches.values()))[0]
+    cats = _by_category(list(batches.values()))
+    by_cat = _by_category(records)
+    per_cat, cat_runs = {}, {}
     for c, recs in cats.items():
-        m, w = _merge(recs)
-        per_cat[c] = flat(m, w, n_by_cat[c])
+        per_cat[c], cat_runs[c] = _timed(recs, len(by_cat[c]))
+        per_cat[c].update(quality.accuracy(by_cat[c]))
+    overall.update(quality.accuracy(records))
     return {
-        "overall": flat(overall, wall, len(records)),
+        "overall": overall,
         "per_category": per_cat,
+        "per_repeat": {"overall": runs, "per_category": cat_runs},
         "per_position": [{"pos": j, "accept": cum, "accept_cond": cond}
-                         for j, (cum, cond) in enumerate(zip(overall.accept_cum, overall.accept_cond), start=1)],
-        "accepted_hist": list(overall.accepted_hist),
+                         for j, (cum, cond) in enumerate(zip(hist.accept_cum, hist.accept_cond), start=1)],
+        "accepted_hist": list(hist.accepted_hist),
         "finish_reasons": dict(Counter(r["finish_reason"] for r in records)),
     }
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b else None
+def _paired(spec_runs: Sequence[dict], base_runs: Sequence[dict]) -> dict:
+    """Speedups of the pairs (repeat r of the spec run, repeat r of the baseline): median, min, max."""
+    pairs = list(zip(spec_runs, base_runs))
+    dec = [s["speed/decode_tok_s"] / b["speed/decode_tok_s"] for s, b in pairs if b["speed/decode_tok_s"]]
+    e2e = [b["time/wall_s"] / s["time/wall_s"] for s, b in pairs if s["time/wall_s"]]
+    out: dict = {"pairs": len(pairs)}
+    for name, vals in (("decode", dec), ("e2e", e2e)):
+        sp = spread(vals) if vals else {"median": None, "min": None, "max": None}
+        out.update({name: sp["median"], f"{name}_min": sp["min"], f"{name}_max": sp["max"]})
+    return out
 
 
 def speedup(spec: dict, base: dict) -> dict:
-    """Spec over baseline: decode tokens/s ratio and end-to-end wall-time ratio, overall and per category."""
-    def one(s: dict, b: dict) -> dict:
-        return {"decode": _ratio(s["speed/decode_tok_s"], b["speed/decode_tok_s"]),
-                "e2e": _ratio(b["time/wall_s"], s["time/wall_s"])}
-
-    return {"overall": one(spec["overall"], base["overall"]),
-            "per_category": {c: one(m, base["per_category"][c]) for c, m in spec["per_category"].items()
-                             if c in base["per_category"]}}
+    """Spec over baseline, overall and per category: decode tokens/s ratio and end-to-end wall-time ratio,
+    each the median of the paired repeats with their min and max."""
+    s, b = spec["per_repeat"], base["per_repeat"]
+    return {"overall": _paired(s["overall"], b["overall"]),
+            "per_category": {c: _paired(runs, b["per_category"][c]) for c, runs in s["per_category"].items()
+                             if c in b["per_category"]}}
 
 
 def mismatches(spec_records: Sequence[dict], base_records: Sequence[dict]) -> list[str]:
@@ -83,17 +142,32 @@ def mismatches(spec_records: Sequence[dict], base_records: Sequence[dict]) -> li
 
 
 def metrics_json(run: dict, spec_records: Sequence[dict], base_records: Sequence[dict] | None,
-                 compare_tokens: bool) -> dict:
+                 compare_tokens: bool, strict_records: Sequence[dict] | None = None,
+                 strict_source: str | None = None) -> dict:
     """The content of metrics.json (without the config): run info, the spec run's summary, and with a
-    baseline its summary, the speedups and (when `compare_tokens`) the ids whose outputs differ."""
+    baseline its summary, the speedups and (when `compare_tokens`) the ids whose outputs differ. With
+    `strict_records` (plain greedy outputs of the same prompts, read from `strict_source`) the spec run's
+    agreement with them, overall and per category (`quality/strict_*`)."""
     spec = summarize(spec_records)
-    out = {"run": run, **spec, "baseline": None, "speedup": None, "strict_mismatch": None}
+    out = {"run": run, **spec, "baseline": None, "speedup": None, "strict_mismatch": None,
+           "strict_reference": strict_source if strict_records is not None else None}
+    if strict_records is not None:
+        out["overall"].update(quality.agreement(spec_records, strict_records))
+        strict_by_cat = _by_category(strict_records)
+        for c, recs in _by_category(spec_records).items():
+            out["per_category"][c].update(quality.agreement(recs, strict_by_cat.get(c, [])))
+    out["timing"] = {
+        "repeats": spec["overall"]["timing/repeats"], "interleaved_with_baseline": base_records is not None,
+        "batches_with_differing_repeats": sorted({r["batch"] for r in [*spec_records, *(base_records or [])]
+                                                  if r.get("repeats_differ")}),
+    }
     if base_records is not None:
         base = summarize(base_records)
         sp = speedup(spec, base)
-        out.update(baseline={"overall": base["overall"], "per_category": base["per_category"]}, speedup=sp)
-        out["overall"]["speed/speedup_decode"] = sp["overall"]["decode"]
-        out["overall"]["speed/speedup_e2e"] = sp["overall"]["e2e"]
+        out.update(baseline={key: base[key] for key in ("overall", "per_category", "per_repeat")}, speedup=sp)
+        for name in ("decode", "e2e"):
+            for tail in ("", "_min", "_max"):
+                out["overall"][f"speed/speedup_{name}{tail}"] = sp["overall"][name + tail]
         if compare_tokens:
             ids = mismatches(spec_records, base_records)
             out["strict_mismatch"] = {"count": len(ids), "ids": ids}

@@ -1,8 +1,8 @@
 """Prompt sets: the built-in suites, local JSONL/JSON/Parquet files and hub datasets -> `Prompt`s.
 
 Every source yields rows (dicts); `dataset.fields` names the columns holding id, messages or prompt,
-category and thinking. Built-in suites are read with `json` (they are ours and tiny; importing `datasets`
-costs ~2 s per process); everything else goes through `datasets.load_dataset`.
+category, thinking and the reference answer (optional). Built-in suites are read with `json` (they are ours
+and tiny; importing `datasets` costs ~2 s per process); everything else goes through `datasets.load_dataset`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class Prompt:
     category: str
     messages: list  # [{"role", "content"}, ...]
     thinking: bool
+    answer: str | None = None  # reference answer (task accuracy: its last number vs the output's)
 
 
 def builtin_suites() -> list[str]:
@@ -93,11 +94,13 @@ def to_prompt(row: dict, index: int, ds: DatasetSchema, thinking: bool | None, s
         messages = [{"role": "system", "content": system_prompt}] + messages
     rid = _get(row, f.id)
     row_thinking = _get(row, f.thinking)
+    answer = _get(row, f.answer)
     return Prompt(
         id=str(rid) if rid is not None else f"{ds.name}-{index:05d}",
         category=str(_get(row, f.category) or ds.category or ds.name),
         messages=messages,
         thinking=bool(thinking if thinking is not None else (ds.thinking if row_thinking is None else row_thinking)),
+        answer=None if answer is None else str(answer),
     )
 
 

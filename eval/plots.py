@@ -41,22 +41,49 @@ def accepted_length_hist(hist: Sequence[int], title: str, path: Path) -> Path:
     return _save(fig, path)
 
 
-def sweep_summary(rows: Sequence[dict], path: Path) -> Path:
-    """AL and decode tok/s against k, one line per series (draft mode, verifier, runtime mode...)."""
+def _errorbar(ax, ks, rows, key: str, **kw) -> None:
+    """Medians at k with min-max error bars (rows without the metric are left out)."""
+    pts = [(k, r[key], r.get(f"{key}_min"), r.get(f"{key}_max")) for k, r in zip(ks, rows) if r.get(key) is not None]
+    if not pts:
+        return
+    mid = [p[1] for p in pts]
+    lo = [m - (p[2] if p[2] is not None else m) for m, p in zip(mid, pts)]
+    hi = [(p[3] if p[3] is not None else m) - m for m, p in zip(mid, pts)]
+    ax.errorbar([p[0] for p in pts], mid, yerr=[lo, hi], capsize=3, **kw)
+
+
+def sweep_figure(rows: Sequence[dict]):
+    """AL, decode tok/s (with each series' baseline, dashed) and speedup against k, one line per series
+    (draft mode, verifier, runtime mode...); speed points are medians over repeats with min-max bars."""
     series: dict[str, list[dict]] = {}
     for r in rows:
         series.setdefault(r["series"], []).append(r)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name, rs in sorted(series.items()):
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 3.8))
+    for i, (name, rs) in enumerate(sorted(series.items())):
         rs = sorted(rs, key=lambda r: r["k"])
         ks = [r["k"] for r in rs]
-        a1.plot(ks, [r["accept/mean_len"] for r in rs], marker="o", label=name)
-        a2.plot(ks, [r["speed/decode_tok_s"] for r in rs], marker="o", label=name)
+        color = f"C{i % 10}"
+        a1.plot(ks, [r["accept/mean_len"] for r in rs], marker="o", color=color, label=name)
+        _errorbar(a2, ks, rs, "speed/decode_tok_s", marker="o", color=color, label=name)
+        _errorbar(a2, ks, rs, "base/decode_tok_s", marker="x", linestyle="--", color=color,
+                  label=f"{name}: baseline (draft=none)")
+        _errorbar(a3, ks, rs, "speedup_decode", marker="o", color=color, label=name)
     ks = sorted({r["k"] for r in rows})
     top = max(max(ks) + 1, max(r["accept/mean_len"] for r in rows)) * 1.05  # AL lies in [1, k + 1]
     a1.set(xlabel="k (drafts per step)", ylabel="mean accepted length (AL)", xticks=ks, ylim=(0.95, top),
            title="AL vs k")
     a2.set(xlabel="k (drafts per step)", ylabel="decode tokens / s", xticks=ks, title="decode speed vs k")
     a2.set_ylim(bottom=0)
+    a3.axhline(1.0, color="grey", linewidth=0.8)
+    a3.set(xlabel="k (drafts per step)", ylabel="speedup over the baseline (decode)", xticks=ks,
+           title="speedup vs k")
     a1.legend(fontsize=8)
-    return _save(fig, path)
+    a2.legend(fontsize=7)
+    notes = sorted({r["device_note"] for r in rows if r.get("device_note")})
+    if notes:
+        fig.suptitle("; ".join(notes), fontsize=8)
+    return fig
+
+
+def sweep_summary(rows: Sequence[dict], path: Path) -> Path:
+    return _save(sweep_figure(rows), path)

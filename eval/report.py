@@ -10,7 +10,7 @@ from rich.table import Table
 def console(stderr: bool = False) -> Console:
     # Pipes and log files get a fixed width instead of rich's 80-column default, so tables do not wrap.
     c = Console(stderr=stderr)
-    return c if c.is_terminal else Console(stderr=stderr, width=140)
+    return c if c.is_terminal else Console(stderr=stderr, width=200)
 
 
 def progress() -> Progress:
@@ -23,27 +23,96 @@ def _f(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def spread_text(m: dict | None, key: str, digits: int, unit: str = "") -> str:
+    """`median (min-max)` of a metric with `_min` / `_max` companions; the bare median for one repeat."""
+    if not m or m.get(key) is None:
+        return "-"
+    lo, hi = m.get(f"{key}_min"), m.get(f"{key}_max")
+    text = _f(m[key], digits) + unit
+    return text if lo is None or lo == hi else f"{text} ({_f(lo, digits)}-{_f(hi, digits)})"
+
+
+def timing_note(metrics: dict) -> str:
+    """How to read the speed columns: repeats, and whether the device's speed means anything."""
+    n = metrics["overall"].get("timing/repeats", 1)
+    order = ", baseline and speculative interleaved" if metrics.get("baseline") else ""
+    text = f"tok/s, speedup: median (min-max) of {n} repeats{order}" if n > 1 else "tok/s, speedup: one run"
+    note = metrics["run"].get("device_note")
+    return f"{text}; {note}" if note else text
+
+
 def acceptance_table(metrics: dict, title: str) -> Table:
-    """One row per category plus `all`: prompts, tokens, AL, acceptance per position, speed, speedup."""
+    """One row per category plus `all`: prompts, tokens, AL, acceptance per position, speed, speedup; for
+    relaxed / sampled verification the accepts the strict rule would have rejected and the agreement with
+    strict greedy outputs (`token agreement (identical/compared)`); task accuracy when prompts have answers.
+    The title's second line says how the speed was measured."""
     k = len(metrics["per_position"])
     base = metrics.get("baseline")
-    t = Table(title=title, title_justify="left")
+    t = Table(title=f"{title}\n{timing_note(metrics)}", title_justify="left")
     for col in ("category", "prompts", "new tok", "AL"):
         t.add_column(col, justify="left" if col == "category" else "right")
     for j in range(1, k + 1):
         t.add_column(f"acc@{j}", justify="right")
+    lossy = metrics["run"].get("verify", "strict") != "strict"
+    if lossy:
+        t.add_column("relaxed-only" if metrics["run"]["verify"] == "relaxed" else "not argmax", justify="right")
     t.add_column("decode tok/s", justify="right")
     if base:
         t.add_column("base tok/s", justify="right")
         t.add_column("speedup", justify="right")
-    rows = list(metrics["per_category"].items()) + [("all", metrics["overall"])]
+    o = metrics["overall"]
+    agree = lossy and "quality/strict_compared" in o
+    if agree:
+        t.add_column("= strict", justify="right")
+    # (header, (category metrics, its baseline metrics) -> value); the baseline, when it is the strict
+    # run, stands for strict accuracy too
+    acc = []
+    if "quality/accuracy" in o:
+        acc.append(("accuracy", lambda m, b: m.get("quality/accuracy")))
+    if base and "quality/accuracy" in base["overall"]:
+        acc.append(("base acc.", lambda m, b: b and b.get("quality/accuracy")))
+    if "quality/strict_accuracy" in o and metrics.get("strict_reference") != "baseline.jsonl":
+        acc.append(("strict acc.", lambda m, b: m.get("quality/strict_accuracy")))
+    for header, _ in acc:
+        t.add_column(header, justify="right")
+    rows = list(metrics["per_category"].items()) + [("all", o)]
     for i, (name, m) in enumerate(rows):
         cells = [name, str(m["count/prompts"]), str(m["count/new_tokens"]), _f(m["accept/mean_len"])]
         cells += [_f(m[f"accept/pos_{j}"]) for j in range(1, k + 1)]
-        cells.append(_f(m["speed/decode_tok_s"], 1))
+        if lossy:
+            cells.append(f"{m['accept/relaxed_only']} ({m['accept/relaxed_only_share']:.0%})")
+        cells.append(spread_text(m, "speed/decode_tok_s", 1))
+        b = base and (base["overall"] if name == "all" else base["per_category"].get(name))
         if base:
-            b = base["overall"] if name == "all" else base["per_category"].get(name)
             sp = metrics["speedup"]["overall"] if name == "all" else metrics["speedup"]["per_category"].get(name)
-            cells += [_f(b and b["speed/decode_tok_s"], 1), _f(sp and sp["decode"]) + "x"]
+            cells += [spread_text(b, "speed/decode_tok_s", 1), spread_text(sp, "decode", 2, "x")]
+        if agree:
+            cells.append(f"{_f(m.get('quality/strict_token_agreement'))} "
+                         f"({m.get('quality/strict_identical', 0)}/{m.get('quality/strict_compared', 0)})")
+        cells += [_f(get(m, b)) for _, get in acc]
         t.add_row(*cells, end_section=i == len(rows) - 2)
     return t
+
+
+def quality_lines(metrics: dict) -> list[str]:
+    """What a lossy verifier cost, in words: agreement with strict greedy outputs, and task accuracy."""
+    o, run = metrics["overall"], metrics["run"]
+    lines = []
+    if run.get("verify", "strict") != "strict":
+        lines.append(f"accepted drafts the strict rule would have rejected (not the target's argmax): "
+                     f"{o['accept/relaxed_only']} of {o['count/accepted_drafts']} "
+                     f"({o['accept/relaxed_only_share']:.0%})")
+        if "quality/strict_compared" in o:
+            lines.append(f"{run['verify']} vs strict greedy outputs ({metrics['strict_reference']}): "
+                         f"{o['quality/strict_identical']}/{o['quality/strict_compared']} identical, token "
+                         f"agreement {o['quality/strict_token_agreement']:.2f} (tokens before the first difference)")
+    if "quality/accuracy" in o:
+        parts = [f"{run.get('verify', 'spec')} {o['quality/accuracy']:.2f} ({o['quality/correct']}/"
+                 f"{o['quality/answered']})"]
+        b = (metrics.get("baseline") or {}).get("overall", {})
+        if "quality/accuracy" in b:
+            parts.append(f"baseline {b['quality/accuracy']:.2f}")
+        if "quality/strict_accuracy" in o and metrics.get("strict_reference") != "baseline.jsonl":
+            parts.append(f"strict {o['quality/strict_accuracy']:.2f}")
+        lines.append("task accuracy (last number of the output vs the answer): " + ", ".join(parts))
+    return lines

@@ -35,8 +35,9 @@ from .store import SampleStore, StoreError
 log = logging.getLogger("mtp-eval")
 
 # Settings that do not change the generated tokens; a resume may change them.
-_NOT_HASHED = ("output_dir", "resume", "logger", "plots", "baseline", "task_name")
+_NOT_HASHED = ("output_dir", "resume", "logger", "plots", "baseline", "compare_strict", "timing", "task_name")
 _RUNTIME_NOT_HASHED = ("warmup", "num_threads")
+STRICT_REFERENCE_FILE = "strict_reference.jsonl"  # plain greedy outputs, when no baseline provides them
 
 
 class SetupError(Exception):
@@ -82,14 +83,12 @@ def prompt_seed(seed: int, prompt_id: str) -> int:
     return seed * 2**32 + zlib.crc32(prompt_id.encode("utf-8"))
 
 
-def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tokens: int, kw: dict,
-              name: str) -> list[dict]:
-    """One generate call; a record per prompt. The engine's histogram covers the batch, so with several
-    rows each row's accepted counts come from the step events."""
+def _call(model, batch: list[Prompt], ids: list[list[int]], max_new_tokens: int, kw: dict):
+    """One generate call: (result, accepted-count histogram per row, wall seconds). The engine's histogram
+    covers the batch, so with several rows each row's accepted counts come from the step events."""
     import mtp
 
-    k = kw["k"]
-    row_hist = [[0] * (k + 1) for _ in batch]
+    row_hist = [[0] * (kw["k"] + 1) for _ in ids]
     events = [0]
 
     def on_step(ev) -> None:
@@ -103,11 +102,21 @@ def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tok
     if "seed" in kw:  # verify=sample: each prompt its own seed, so its output does not depend on the batching
         kw = {**kw, "seed": [prompt_seed(kw["seed"], p.id) for p in batch]}
     t0 = time.perf_counter()
-    res = mtp.generate(model, ids, max_new_tokens, on_step=on_step if len(batch) > 1 else None, **kw)
+    res = mtp.generate(model, ids, max_new_tokens, on_step=on_step if len(ids) > 1 else None, **kw)
     wall = time.perf_counter() - t0
+    if len(ids) == 1:
+        row_hist = [list(res.metrics.accepted_hist)]
+    return res, row_hist, wall
+
+
+def _records(tok, batch: list[Prompt], ids: list[list[int]], name: str, calls: list) -> list[dict]:
+    """A record per prompt: the tokens and acceptance of the first call, the timings of every call."""
+    res, row_hist, wall = calls[0]
     m = res.metrics
-    if len(batch) == 1:
-        row_hist = [list(m.accepted_hist)]
+    differ = any(c[0].tokens != res.tokens for c in calls[1:])
+    if differ:  # greedy and seeded sampling are deterministic: a repeat that differs is a finding in itself
+        log.warning("batch %s: a timing repeat produced other tokens than the first run; kept the first", name)
+    timings = [[c[0].metrics.raw(), c[2]] for c in calls]
     out = []
     for p, pid, toks, reason, hist in zip(batch, ids, res.tokens, res.finish_reasons, row_hist):
         steps_n = sum(hist)
@@ -117,7 +126,8 @@ def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tok
             "row_accepted_hist": hist,
             "row_mean_accepted_len": 1 + sum(a * c for a, c in enumerate(hist)) / steps_n if steps_n else 0.0,
             "batch_decode_tok_s": m.decode_tok_s, "batch_wall_s": wall, "batch_metrics": m.raw(),
-            "output": tok.decode(toks), "tokens": toks, "tool_calls": _tool_calls(tok.decode(toks), p.thinking),
+            "repeats": timings, "repeats_differ": differ, "output": tok.decode(toks), "tokens": toks,
+            "answer": p.answer, "tool_calls": _tool_calls(tok.decode(toks), p.thinking),
         })
     return out
 
@@ -132,6 +142,18 @@ def _tool_calls(output: str, thinking: bool) -> list | None:
     except CompletionFormatError:
         return None
     return found[1] if found else []
+
+
+def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tokens: int, kws: dict[str, dict],
+              name: str, repeats: int = 1) -> dict[str, list[dict]]:
+    """Every setting of `kws` (name -> generate kwargs) on one batch, `repeats` times, interleaved in the
+    order of `kws` (for baseline and speculative: b, s, b, s, ...), so a drifting machine load hits both
+    alike and repeat r of the two forms a pair. Records per name."""
+    calls: dict[str, list] = {which: [] for which in kws}
+    for _ in range(repeats):
+        for which, kw in kws.items():
+            calls[which].append(_call(model, batch, ids, max_new_tokens, kw))
+    return {which: _records(tok, batch, ids, name, c) for which, c in calls.items()}
 
 
 def _check_lengths(cfg: EvalConfig, model, prompts: list[Prompt], ids: dict[str, list[int]], k: int) -> None:
@@ -166,6 +188,8 @@ def _setup(cfg: DictConfig):
     stores = {"spec": SampleStore(out / "samples.jsonl", chash, typed.resume)}
     if typed.baseline:
         stores["base"] = SampleStore(out / "baseline.jsonl", chash, typed.resume)
+    if strict_source(typed) == "ref":
+        stores["ref"] = SampleStore(out / STRICT_REFERENCE_FILE, chash, typed.resume)
     model, tok = _build_once(typed)
     from mtp.prompt import encode_chat
 
@@ -178,13 +202,32 @@ def _setup(cfg: DictConfig):
     return typed, out, resolved, prompts, stores, model, tok, ids, kw
 
 
+def strict_source(typed: EvalConfig) -> str | None:
+    """Which store holds plain greedy outputs of the prompts to compare the run with: the baseline when it is
+    greedy (strict, and relaxed: relaxed without drafts has nothing to relax), else with compare_strict a
+    greedy run of its own ("ref"; sampling's baseline samples)."""
+    verify = typed.verify.name
+    if typed.baseline and verify in ("strict", "relaxed"):
+        return "base"
+    return "ref" if typed.compare_strict and verify != "strict" else None
+
+
 def _baseline_kwargs(kw: dict) -> dict:
-    drop = ("target_hidden", "chain_hidden", "reuse_modules", "draft_vocab")
+    """draft=none with the run's verifier: plain sampling for verify=sample, plain greedy otherwise."""
+    drop = ("target_hidden", "chain_hidden", "reuse_modules", "draft_vocab", "top_n", "delta", "think_ids")
     base = {key: v for key, v in kw.items() if key not in drop}
     base.update(draft=DraftName.none.value, k=0)
+    if base["verify"] == "relaxed":
+        base["verify"] = "strict"
     if "draft_sampling" in base:
         base["draft_sampling"] = "greedy"
     return base
+
+
+def _strict_kwargs(kw: dict) -> dict:
+    """Plain greedy decoding (the strict reference), with the run's runtime options."""
+    return {"draft": DraftName.none.value, "k": 0, "verify": "strict",
+            **{key: kw[key] for key in ("mode", "prefill_chunk") if key in kw}}
 
 
 def _user_errors() -> tuple:
@@ -213,13 +256,18 @@ def evaluate(cfg: DictConfig) -> float:
     resumed = len(stores["spec"].records)
     logger = hydra.utils.instantiate(cfg.logger)
     logger.start(resolved, *_identity(typed, out), out)
-    _generate_all(typed, model, tok, batches, ids, stores, {"spec": kw, "base": _baseline_kwargs(kw)}, logger)
+    kws = {"spec": kw, "base": _baseline_kwargs(kw), "ref": _strict_kwargs(kw)}
+    _generate_all(typed, model, tok, batches, ids, stores, kws, logger)
 
     order = {p.id: i for i, p in enumerate(prompts)}
     recs = {w: sorted(s.records, key=lambda r: order.get(r["id"], len(order))) for w, s in stores.items()}
-    # Only strict verification promises the baseline's exact tokens; relaxed / sampled outputs differ by design.
+    # Only strict verification promises the baseline's exact tokens; relaxed / sampled outputs differ by design
+    # and are measured against plain greedy outputs instead (agreement, accuracy).
+    source = strict_source(typed)
     metrics = aggregate.metrics_json(_run_info(typed, len(prompts), len(batches), resumed), recs["spec"],
-                                     recs.get("base"), compare_tokens=isinstance(typed.verify, StrictVerifySchema))
+                                     recs.get("base"), compare_tokens=isinstance(typed.verify, StrictVerifySchema),
+                                     strict_records=recs.get(source), strict_source=stores[source].path.name
+                                     if source else None)
     metrics["config"] = resolved
     write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     pngs = _report(typed, out, metrics)
@@ -228,25 +276,27 @@ def evaluate(cfg: DictConfig) -> float:
 
 
 def _generate_all(typed: EvalConfig, model, tok, batches, ids, stores: dict, kws: dict, logger) -> None:
-    """Every batch not yet in its store (both stores with baseline=true, interleaved batch by batch so a
-    drifting machine load hits both alike), appended as soon as it is done."""
+    """Every batch not yet in its store, appended as soon as it is done. The timed stores (baseline and
+    speculative) run `timing.repeats` times per batch, interleaved; the strict reference once."""
     from . import aggregate, report
 
     todo = [(n, b) for n, b in batches if any(not s.has([p.id for p in b]) for s in stores.values())]
+    timed = [w for w in ("base", "spec") if w in stores]
     if todo and typed.runtime.warmup:  # first calls pay one-off allocation / dispatch costs; keep them out
         first = todo[0][1][0]
-        for which in stores:
-            run_batch(model, tok, [first], [ids[first.id]], min(4, typed.max_new_tokens), kws[which], "warmup")
+        run_batch(model, tok, [first], [ids[first.id]], min(4, typed.max_new_tokens), {w: kws[w] for w in stores},
+                  "warmup")
     total = sum(len(b) for _, b in batches)
     with report.progress() as bar:
         task = bar.add_task(_describe(typed), total=total, completed=total - sum(len(b) for _, b in todo), status="")
         for step, (name, batch) in enumerate(todo):
             bids = [p.id for p in batch]
-            for which, store in stores.items():
-                if not store.has(bids):
-                    recs = run_batch(model, tok, batch, [ids[i] for i in bids], typed.max_new_tokens, kws[which],
-                                     name)
-                    store.append(recs)
+            bid_tokens = [ids[i] for i in bids]
+            for group, repeats in ((timed, typed.timing.repeats), ([w for w in stores if w not in timed], 1)):
+                todo_kws = {w: kws[w] for w in group if not stores[w].has(bids)}
+                done = run_batch(model, tok, batch, bid_tokens, typed.max_new_tokens, todo_kws, name, repeats)
+                for which, recs in done.items():
+                    stores[which].append(recs)
                     if which == "spec":
                         logger.log_batch(step, recs)
             al = aggregate.summarize(stores["spec"].records)["overall"]["accept/mean_len"]
@@ -277,12 +327,22 @@ def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
     if mm is not None:
         con.print(f"strict outputs differing from the baseline: {mm['count']}"
                   + (f" ({', '.join(mm['ids'][:10])})" if mm["ids"] else ""))
+    for line in report.quality_lines(metrics):
+        con.print(line)
     con.print(f"outputs: {out}")
     o = metrics["overall"]
-    sp = o.get("speed/speedup_decode")
-    log.info("%d prompts: AL %.3f, decode %.1f tok/s%s; metrics in %s", n, o["accept/mean_len"],
-             o["speed/decode_tok_s"], f", speedup {sp:.2f}x" if sp else "", out / "metrics.json")
+    sp = report.spread_text(o, "speed/speedup_decode", 2, "x")
+    log.info("%d prompts: AL %.3f, decode %s tok/s%s; metrics in %s", n, o["accept/mean_len"],
+             report.spread_text(o, "speed/decode_tok_s", 1), f", speedup {sp}" if sp != "-" else "",
+             out / "metrics.json")
     return pngs
+
+
+def device_note(device: str) -> str | None:
+    if device == "cpu":
+        return ("CPU timing: the reference path on a shared CPU; tok/s and speedups here are not indicative "
+                "of GPU speed")
+    return None
 
 
 def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -> dict:
@@ -291,8 +351,8 @@ def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -
         "model": typed.model.name, "draft": value(d.name), "k": d.k, "verify": typed.verify.name,
         "target_hidden": value(d.target_hidden), "chain_hidden": value(d.chain_hidden),
         "numerics": value(typed.model.numerics), "runtime_mode": value(typed.runtime.mode),
-        "device": typed.runtime.device, "dataset": typed.dataset.name, "thinking": typed.thinking,
-        "max_new_tokens": typed.max_new_tokens, "n_prompts": n_prompts, "n_batches": n_batches,
+        "device": typed.runtime.device, "device_note": device_note(typed.runtime.device), "dataset": typed.dataset.name, "thinking": typed.thinking,
+        "max_new_tokens": typed.max_new_tokens, "compare_strict": typed.compare_strict, "n_prompts": n_prompts, "n_batches": n_batches,
         "resumed_samples": resumed,  # finished prompts found in samples.jsonl at start (resume=true)
     }
 

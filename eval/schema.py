@@ -200,6 +200,7 @@ class FieldMap:
     messages: Optional[str] = "messages"  # a chat: [{role, content}, ...]; wins over `prompt`
     category: Optional[str] = "category"
     thinking: Optional[str] = "thinking"
+    answer: Optional[str] = "answer"  # reference answer: task accuracy (last number of the output vs of this)
 
 
 @dataclass
@@ -276,6 +277,18 @@ class WandbLoggerSchema(LoggerSchema):
             _fail("logger.init_timeout_s", self.init_timeout_s, "> 0 seconds")
 
 
+@dataclass
+class TimingSchema:
+    """How speed is measured: every batch runs `repeats` times, baseline and speculative interleaved
+    (b, s, b, s, ...), and tok/s and speedup are reported as the median with the min-max over repeats."""
+
+    repeats: int = 3
+
+    def __post_init__(self):
+        if self.repeats < 1:
+            _fail("timing.repeats", self.repeats, "an integer >= 1")
+
+
 # ---------------------------------------------------------------------------------------------- primary
 @dataclass
 class EvalConfig:
@@ -290,6 +303,8 @@ class EvalConfig:
     thinking: Optional[bool] = None  # None: each prompt's own `thinking`; true/false forces it
     system_prompt: Optional[str] = None
     baseline: bool = False  # also run draft=none on the same prompts: speedup + strict-output check
+    compare_strict: bool = True  # relaxed / sample: compare the outputs with strict greedy decoding's
+    timing: TimingSchema = field(default_factory=TimingSchema)
     resume: bool = False  # continue samples.jsonl in the run dir, skipping finished prompts
     plots: bool = True
     output_dir: str = MISSING

@@ -2,8 +2,9 @@
 
 Runs by itself at the end of every `mtp-eval -m ...` (Hydra callback `SweepSummaryCallback`, configured in
 conf/eval.yaml), or by hand: `python -m eval.summary outputs/eval/multiruns/<date>`. Writes
-sweep_summary.{json,csv,png} (AL and decode tok/s against k, one line per series) and prints a table.
-A series is the combination of the settings that vary across the sweep, k aside (e.g. draft x verify).
+sweep_summary.{json,csv,png} (AL, decode tok/s and speedup against k, one line per series, tok/s and
+speedup with min-max error bars and the baseline's tok/s beside them) and prints a table. A series is the
+combination of the settings that vary across the sweep, k aside (e.g. draft x verify).
 """
 
 from __future__ import annotations
@@ -23,9 +24,18 @@ log = logging.getLogger(__name__)
 
 SERIES_KEYS = ("draft", "verify", "runtime_mode", "target_hidden", "chain_hidden", "numerics", "model", "dataset",
                "thinking")
+# row key -> table header; keys with `_min` / `_max` companions print as `median (min-max)`
 COLUMNS = {"job": "job", "series": "series", "k": "k", "prompts": "prompts", "accept/mean_len": "AL",
-           "accept/pos_1": "acc@1", "speed/decode_tok_s": "decode tok/s", "speed/e2e_tok_s": "e2e tok/s",
-           "speedup_decode": "speedup", "strict_mismatch": "mismatch"}  # row key -> table header
+           "accept/pos_1": "acc@1", "speed/decode_tok_s": "decode tok/s", "base/decode_tok_s": "base tok/s",
+           "speedup_decode": "speedup", "speed/e2e_tok_s": "e2e tok/s", "strict_mismatch": "mismatch",
+           "relaxed_only_share": "relaxed-only", "strict_token_agreement": "= strict", "accuracy": "accuracy",
+           "base_accuracy": "base acc.", "strict_accuracy": "strict acc."}
+SPREAD_COLUMNS = ("speed/decode_tok_s", "base/decode_tok_s", "speedup_decode")
+
+
+def _with_spread(name: str, m: dict | None, key: str) -> dict:
+    """{name, name_min, name_max} from a metrics dict holding key, key_min, key_max (None without it)."""
+    return {f"{name}{tail}": m.get(f"{key}{tail}") if m else None for tail in ("", "_min", "_max")}
 
 
 def collect(sweep_dir: Path) -> list[dict]:
@@ -33,13 +43,22 @@ def collect(sweep_dir: Path) -> list[dict]:
     for path in sorted(sweep_dir.glob("**/metrics.json")):
         m = json.loads(path.read_text())
         o, run = m["overall"], m["run"]
-        sp, mm = m.get("speedup"), m.get("strict_mismatch")
+        sp, mm, base = m.get("speedup"), m.get("strict_mismatch"), m.get("baseline")
         rows.append({"job": str(path.parent.relative_to(sweep_dir)), **{k: run.get(k) for k in SERIES_KEYS},
                      "k": run["k"], "prompts": o["count/prompts"], "accept/mean_len": o["accept/mean_len"],
-                     "accept/pos_1": o.get("accept/pos_1"), "speed/decode_tok_s": o["speed/decode_tok_s"],
-                     "speed/e2e_tok_s": o["speed/e2e_tok_s"],
-                     "speedup_decode": sp["overall"]["decode"] if sp else None,
-                     "strict_mismatch": mm["count"] if mm else None})
+                     "accept/pos_1": o.get("accept/pos_1"),
+                     **_with_spread("speed/decode_tok_s", o, "speed/decode_tok_s"),
+                     **_with_spread("base/decode_tok_s", base and base["overall"], "speed/decode_tok_s"),
+                     **_with_spread("speedup_decode", sp and sp["overall"], "decode"),
+                     "speed/e2e_tok_s": o["speed/e2e_tok_s"], "repeats": o.get("timing/repeats", 1),
+                     "strict_mismatch": mm["count"] if mm else None,
+                     # what relaxed / sampled verification cost: accepts strict would reject, agreement with
+                     # strict greedy outputs, task accuracy (prompts with answers)
+                     "relaxed_only_share": o.get("accept/relaxed_only_share") if run["verify"] != "strict" else None,
+                     "strict_token_agreement": o.get("quality/strict_token_agreement"),
+                     "strict_identical": o.get("quality/strict_identical"), "accuracy": o.get("quality/accuracy"),
+                     "base_accuracy": base["overall"].get("quality/accuracy") if base else None,
+                     "strict_accuracy": o.get("quality/strict_accuracy"), "device_note": run.get("device_note")})
     varying = [k for k in SERIES_KEYS if len({str(r[k]) for r in rows}) > 1]
     for r in rows:
         r["series"] = " ".join(f"{k}={r[k]}" for k in varying) if varying else str(r["draft"])
@@ -64,14 +83,19 @@ def write(sweep_dir: Path, rows: list[dict]) -> dict[str, Path]:
 def print_table(rows: list[dict], title: str) -> None:
     from rich.table import Table
 
-    from .report import console
+    from .report import console, spread_text
 
-    t = Table(title=title, title_justify="left")
-    for c, header in COLUMNS.items():
-        t.add_column(header, justify="left" if c in ("job", "series") else "right")
+    notes = sorted({r["device_note"] for r in rows if r.get("device_note")})
+    repeats = sorted({r["repeats"] for r in rows})
+    title += f"\ntok/s, speedup: median (min-max) of {'/'.join(map(str, repeats))} repeats"
+    t = Table(title="; ".join([title, *notes]), title_justify="left")
+    columns = [c for c in COLUMNS if any(r[c] is not None for r in rows)]  # a strict sweep has no accuracy...
+    for c in columns:
+        t.add_column(COLUMNS[c], justify="left" if c in ("job", "series") else "right")
     for r in sorted(rows, key=lambda r: (r["series"], r["k"])):
-        t.add_row(*("-" if r[c] is None else f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c])
-                    for c in COLUMNS))
+        t.add_row(*(spread_text(r, c, 1 if "tok_s" in c else 2, "x" if c == "speedup_decode" else "")
+                    if c in SPREAD_COLUMNS else "-" if r[c] is None else f"{r[c]:.2f}" if isinstance(r[c], float)
+                    else str(r[c]) for c in columns))
     console().print(t)
 
 

@@ -122,6 +122,7 @@ def test_generate_kwargs_are_known_to_mtp_generate():
     (["runtime.batch_size=0"], "runtime.batch_size"),
     (["runtime.device=tpu"], "runtime.device"),
     (["max_new_tokens=0"], "max_new_tokens"),
+    (["timing.repeats=0"], "timing.repeats"),
     (["model=dsv32"], "model.path is required"),
     (["dataset=local"], "dataset.path is required"),
     (["dataset.per_category=0"], "dataset.per_category"),
