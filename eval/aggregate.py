@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from mtp.metrics import SpecMetrics
+from mtp.decode.metrics import SpecMetrics
 
 
 def _batches(records: Sequence[dict]) -> dict[str, dict]:

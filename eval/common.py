@@ -35,7 +35,7 @@ def reachable(url: str, timeout_s: float = 3.0) -> bool:
 def model_path(model_cfg: Any) -> Path:
     """The checkpoint folder: model.path, or the bundled tiny checkpoint when it is null."""
     if model_cfg.path is None:
-        from mtp.tiny import default_checkpoint
+        from mtp.checkpoint.tiny import default_checkpoint
 
         return default_checkpoint()
     path = Path(model_cfg.path).expanduser()
@@ -53,9 +53,9 @@ def graph_modes_available() -> bool:
     import dataclasses
     import importlib.util
 
-    from mtp.engine import GenerationConfig
+    from mtp.decode.engine import GenerationConfig
 
-    return importlib.util.find_spec("mtp.runner") is not None and \
+    return importlib.util.find_spec("mtp.decode.graphs") is not None and \
         "mode" in {f.name for f in dataclasses.fields(GenerationConfig)}
 
 
@@ -93,7 +93,7 @@ def build(cfg: Any):
     model = mtp.load_model(path, device=rt.device, dtype=getattr(torch, value(rt.dtype)),
                            numerics=value(cfg.model.numerics), n_mtp=cfg.model.n_mtp)
     if rt.fast_path:
-        from mtp.fastpath import enable_fast_path
+        from mtp.backends.fast_path import enable_fast_path
 
         enable_fast_path(model)
     tokenizer = Tokenizer.from_dir(tokenizer_path(cfg.model))

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from mtp.fp8 import fp8_gemm_ref, weight_quant
-from mtp.fp8 import act_quant as act_quant_ref
+from mtp.model.fp8 import fp8_gemm_ref, weight_quant
+from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.kernels import available
 from mtp.kernels.act_quant import act_quant
 from mtp.kernels.fp8_gemm import default_plan, default_splits, fp8_linear

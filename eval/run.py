@@ -169,9 +169,9 @@ def _baseline_kwargs(kw: dict) -> dict:
 
 def _user_errors() -> tuple:
     errors = (SchemaError, DataError, StoreError, NotAvailableError, SetupError)
-    if "mtp.checkpoint" in sys.modules:  # torch is imported only once the config is valid
-        from mtp.checkpoint import CheckpointError
-        from mtp.config import ConfigError
+    if "mtp.checkpoint.files" in sys.modules:  # torch is imported only once the config is valid
+        from mtp.checkpoint.files import CheckpointError
+        from mtp.model.config import ConfigError
 
         errors += (CheckpointError, ConfigError)
     return errors

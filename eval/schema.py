@@ -81,7 +81,7 @@ def value(x: Any) -> Any:
 @dataclass
 class ModelSchema:
     name: str = MISSING
-    path: Optional[str] = MISSING  # null: the bundled tiny checkpoint (mtp.tiny.default_checkpoint())
+    path: Optional[str] = MISSING  # null: the bundled tiny checkpoint (mtp.checkpoint.tiny.default_checkpoint())
     tokenizer: Optional[str] = None  # folder with tokenizer.json; None: the checkpoint folder
     numerics: Numerics = Numerics.fp8
     n_mtp: Optional[int] = None  # MTP layers to load; None: all the checkpoint has
@@ -164,10 +164,10 @@ class RuntimeSchema:
     dtype: DType = DType.float32
     batch_size: int = 1  # prompts per generate call (mtp-eval); batches never mix categories
     max_model_len: Optional[int] = None  # prompt + max_new_tokens cap; None: the model's context length
-    mode: RunMode = RunMode.eager  # graph / overlap: CUDA-graph runner (mtp/runner.py), CUDA only
+    mode: RunMode = RunMode.eager  # graph / overlap: CUDA-graph runner (mtp/decode/graphs.py), CUDA only
     num_threads: Optional[int] = None  # torch CPU threads; None: torch's default
     warmup: bool = True  # one short untimed generate before measuring
-    fast_path: bool = False  # Triton kernels + fused glue (mtp.fastpath), CUDA + fp8 numerics only
+    fast_path: bool = False  # Triton kernels + fused glue (mtp.backends.fast_path), CUDA + fp8 numerics only
     prefill_chunk: Optional[int] = None  # prefill in chunks of this many tokens (long prompts); None: one pass
 
     def __post_init__(self):

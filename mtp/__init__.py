@@ -5,11 +5,11 @@
     out.tokens, out.metrics.mean_accepted_len
 """
 
-from .checkpoint import CheckpointError, load_model
-from .config import ConfigError, ModelConfig, RuntimeOptions
-from .engine import Engine, GenerateResult, GenerationConfig, StepEvent, generate
-from .metrics import SpecMetrics
-from .model import DeepseekV32, ModelOutput
+from .checkpoint.files import CheckpointError, load_model
+from .model.config import ConfigError, ModelConfig, RuntimeOptions
+from .decode.engine import Engine, GenerateResult, GenerationConfig, StepEvent, generate
+from .decode.metrics import SpecMetrics
+from .model.deepseek import DeepseekV32, ModelOutput
 
 __all__ = ["CheckpointError", "ConfigError", "DeepseekV32", "Engine", "GenerateResult", "GenerationConfig",
            "ModelConfig", "ModelOutput", "RuntimeOptions", "SpecMetrics", "StepEvent", "generate", "load_model"]

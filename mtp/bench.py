@@ -46,7 +46,7 @@ def copy_bandwidth() -> float:
 def step_bytes(model, n_experts_touched: list[int], S: int, B: int) -> dict:
     """Bytes one target forward must read: every non-expert weight once, the routed experts actually picked,
     the lm_head, and the KV cache of S positions per row (FP8 latent + scales + bf16 rope key + indexer key)."""
-    from .moe import MoE
+    from .model.moe import MoE
 
     dense_bytes, expert_bytes = 0, 0
     for li, layer in enumerate(model.model.layers):
@@ -69,7 +69,7 @@ def step_bytes(model, n_experts_touched: list[int], S: int, B: int) -> dict:
 def _count_experts(model, ids) -> tuple[dict, list]:
     """Distinct routed experts per layer for the tokens of one forward: a pre-hook re-runs the (cheap)
     reference router on each MoE input, whichever path computes the experts."""
-    from .moe import MoE
+    from .model.moe import MoE
 
     seen: dict[int, set] = {}
     hooks = []
@@ -122,9 +122,9 @@ def kernel_profile(replay, steps: int = 10, top: int = 30) -> dict:
 
 
 def bench_ours(args, bw: float) -> dict:
-    from .engine import generate, release
-    from .fastpath import enable_fast_path
-    from .layers import glue
+    from .decode.engine import generate, release
+    from .backends.fast_path import enable_fast_path
+    from .model.layers import glue
     from .synthetic import random_model, real_config
 
     cfg = real_config(layers=args.layers, dense_layers=args.dense_layers, mtp_modules=1)

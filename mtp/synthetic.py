@@ -14,12 +14,12 @@ import math
 
 import torch
 
-from . import fp8
-from .checkpoint import ckpt_name
-from .config import ModelConfig, RuntimeOptions
-from .layers import yarn_inv_freq
-from .model import DeepseekV32
-from .spec import TensorSpec, checkpoint_spec
+from .model import fp8
+from .checkpoint.files import ckpt_name
+from .model.config import ModelConfig, RuntimeOptions
+from .model.layers import yarn_inv_freq
+from .model.deepseek import DeepseekV32
+from .checkpoint.inventory import TensorSpec, checkpoint_spec
 
 
 def real_config(layers: int = 4, dense_layers: int = 1, mtp_modules: int = 1, **overrides) -> ModelConfig:

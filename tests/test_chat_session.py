@@ -1,4 +1,4 @@
-"""Fast tests of the chat logic (`mtp.chat_session`, `mtp.chat_turn`, `mtp.chat_io`) with a fake generate:
+"""Fast tests of the chat logic (`mtp.chat.session`, `mtp.chat.turn`, `mtp.chat.terminal`) with a fake generate:
 commands, bad values, streaming/transcript agreement, thinking split, trimming, interrupts, /save, /stats, and
 two processes following rank 0's input."""
 
@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from mtp.chat import loop
-from mtp.chat_io import ScriptedInput, StopFlag, TerminalView, printable
-from mtp.chat_session import Session, Settings
-from mtp.chat_turn import stats_line
-from mtp.engine import GenerateResult, StepEvent
-from mtp.metrics import SpecMetrics
+from mtp.chat.cli import loop
+from mtp.chat.terminal import ScriptedInput, StopFlag, TerminalView, printable
+from mtp.chat.session import Session, Settings
+from mtp.chat.turn import stats_line
+from mtp.decode.engine import GenerateResult, StepEvent
+from mtp.decode.metrics import SpecMetrics
 from mtp.tokenizer import Tokenizer, train_bpe_tokenizer
 
 REPLY = "The quick brown fox jumps over the lazy dog."
@@ -303,7 +303,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
     """One rank of a 2-process gloo group: rank 0 reads a script, rank 1 reads nothing and follows."""
     import torch.distributed as dist
 
-    from mtp.chat_io import BroadcastInput
+    from mtp.chat.terminal import BroadcastInput
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:

@@ -105,7 +105,7 @@ def test_generate_kwargs_are_known_to_mtp_generate():
 
     import mtp
 
-    src = inspect.getsource(mtp.engine.generate)
+    src = inspect.getsource(mtp.decode.engine.generate)
     for ov in (["draft=vanilla", "verify=relaxed"], ["verify=sample", "verify.draft_sampling=sample"],
                ["draft=none"]):
         for key in generate_kwargs(compose_eval(ov)):

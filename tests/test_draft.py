@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from mtp import generate
-from mtp.checkpoint import load_model, save_checkpoint
+from mtp.checkpoint.files import load_model, save_checkpoint
 from mtp.draft import DraftConfig, Proposer
 from mtp.draft.proposer import pick_hidden
-from mtp.engine import Engine, GenerationConfig
-from mtp.tiny import random_tensors, tiny_config
+from mtp.decode.engine import Engine, GenerationConfig
+from mtp.checkpoint.tiny import random_tensors, tiny_config
 
 N_NEW = 12
 PROMPT_LENS = (5, 14, 23)  # index_topk = 16: rows start dense and grow sparse, one starts sparse

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from mtp import generate
-from mtp.checkpoint import load_model, save_checkpoint
+from mtp.checkpoint.files import load_model, save_checkpoint
 from mtp.draft import DraftConfig
-from mtp.engine import Engine, GenerationConfig
-from mtp.metrics import SpecMetrics
-from mtp.tiny import random_tensors, tiny_config
+from mtp.decode.engine import Engine, GenerationConfig
+from mtp.decode.metrics import SpecMetrics
+from mtp.checkpoint.tiny import random_tensors, tiny_config
 from mtp.verify import SamplingParams, filter_probs
 
 N_NEW = 16

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from mtp.draft.proposer import DraftConfig
-from mtp.engine import Engine, GenerationConfig, generate
+from mtp.decode.engine import Engine, GenerationConfig, generate
 
 P1 = [list(range(5, 25)), list(range(40, 47))]
 P2 = [list(range(100, 111)), list(range(200, 230))]

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtp.fastpath import _stack_experts, disable_fast_path
-from mtp.fp8 import weight_quant
-from mtp.layers import Linear
-from mtp.moe import MoE
+from mtp.backends.fast_path import _stack_experts, disable_fast_path
+from mtp.model.fp8 import weight_quant
+from mtp.model.layers import Linear
+from mtp.model.moe import MoE
 from mtp.parallel import Comm, ParallelPlan, RankLayout
 from mtp.parallel.modules import ExpertParallelMoE
-from mtp.tiny import tiny_config
+from mtp.checkpoint.tiny import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,11 +20,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import mtp
-from mtp.checkpoint import load_model, save_checkpoint
-from mtp.config import RuntimeOptions
+from mtp.checkpoint.files import load_model, save_checkpoint
+from mtp.model.config import RuntimeOptions
 from mtp.parallel import Comm, ParallelPlan, load_parallel, param_bytes, set_static_moe
-from mtp.plan import rank_weight_bytes
-from mtp.tiny import random_tensors, tiny_config
+from mtp.parallel.memory import rank_weight_bytes
+from mtp.checkpoint.tiny import random_tensors, tiny_config
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -94,7 +94,7 @@ def _worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
         res["even"] = checks(m, generate=False)
         torch.save(res, f"{out_dir}/rank{rank}.pt")
     finally:
-        mtp.engine.release()  # graphs holding NCCL collectives must go first, or destroy_process_group hangs
+        mtp.decode.engine.release()  # graphs holding NCCL collectives must go first, or destroy_process_group hangs
         dist.destroy_process_group()
 
 
@@ -186,7 +186,7 @@ def _nccl_worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
     """bf16 on 2 GPUs over NCCL: logits, and eagle k=2 generations in the engine's eager, graph (whole step
     captured, NCCL collectives inside) and overlap modes, on the reference path and on the Triton fast path
     (expert-parallel MoE included: `moe_experts` on the local experts, -1 slots for the other rank's)."""
-    from mtp.fastpath import enable_fast_path
+    from mtp.backends.fast_path import enable_fast_path
     from mtp.parallel.modules import ExpertParallelMoE
 
     import faulthandler
@@ -209,7 +209,7 @@ def _nccl_worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
             res[f"fast/{mode}"] = mtp.generate(m, GPU_PROMPTS, 16, draft="eagle", k=2, mode=mode).tokens
         torch.save(res, f"{out_dir}/rank{rank}.pt")
     finally:
-        mtp.engine.release()  # graphs holding NCCL collectives must go first, or destroy_process_group hangs
+        mtp.decode.engine.release()  # graphs holding NCCL collectives must go first, or destroy_process_group hangs
         dist.destroy_process_group()
 
 

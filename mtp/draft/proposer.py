@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVCache
-from ..model import DeepseekV32
+from ..model.cache import KVCache
+from ..model.deepseek import DeepseekV32
 from .vocab import check_ids, shared_sub_head
 
 

@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import ModelConfig, RuntimeOptions
-from ..engine import generate, release
-from ..moe import MoE
-from ..spec import checkpoint_spec
+from ..model.config import ModelConfig, RuntimeOptions
+from ..decode.engine import generate, release
+from ..model.moe import MoE
+from ..checkpoint.inventory import checkpoint_spec
 from ..synthetic import gpu_test_config, random_model, real_config
 from .comm import Comm
 from .layout import MLP_SPLITS, ParallelPlan
@@ -112,7 +112,7 @@ def _fast_path(model, args, device) -> str | None:
         return "triton kernels not available"
     if args.numerics != "fp8":
         return "numerics != fp8"
-    from ..fastpath import enable_fast_path
+    from ..backends.fast_path import enable_fast_path
 
     enable_fast_path(model)
     return None
@@ -199,7 +199,7 @@ def compare(a: dict, b: dict) -> dict:
 
 def tp1_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> tuple[bool, dict]:
     """Whole-model weights + one full tensor drawn in fp32 (and its cast) + 4 GiB of workspace vs free memory."""
-    from ..plan import rank_weight_bytes
+    from .memory import rank_weight_bytes
 
     need = sum(rank_weight_bytes(cfg, ParallelPlan(1), 0, dtype).values())
     biggest = max(math.prod(ts.shape) for ts in checkpoint_spec(cfg).values()) * 6

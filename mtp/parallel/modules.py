@@ -9,7 +9,7 @@ names (local experts keep their global index), so loading, `state_dict` and `nam
 Collectives per decoder block: one all-reduce after o_proj, one after the FFN (MoE: routed + shared partials
 summed into one fp32 buffer first). Per forward: one all-reduce at the embedding, one all-gather at lm_head.
 Partial sums are reduced in the accumulation dtype (fp8.acc_dtype: fp32, or fp64 for a float64 model) and cast
-to the model dtype once, as the single-rank path casts once. `mtp.fastpath.enable_fast_path` works on the
+to the model dtype once, as the single-rank path casts once. `mtp.backends.fast_path.enable_fast_path` works on the
 parallel model for the FP8 linears (kernel output straight in fp32 for the partials), MLA (per-rank heads) and
 the expert-parallel MoE (`ExpertParallelMoE.enable_fast_path`: the Triton expert kernels on the local experts).
 """
@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import fp8
-from ..attention import MLA
-from ..config import ModelConfig
-from ..layers import MLP, Linear
-from ..model import DeepseekV32
-from ..moe import Gate
+from ..model import fp8
+from ..model.attention import MLA
+from ..model.config import ModelConfig
+from ..model.layers import MLP, Linear
+from ..model.deepseek import DeepseekV32
+from ..model.moe import Gate
 from .comm import Comm
 from .layout import RankLayout
 
@@ -82,7 +82,7 @@ class ExpertParallelMoE(nn.Module):
     identical choices), each rank adds its local experts' weighted outputs and its shared-expert share into
     one fp32 buffer, one all-reduce sums the ranks.
 
-    Reference backend, like `mtp.moe.MoE`'s reference path: on CPU (unless `static`) a loop over the local
+    Reference backend, like `mtp.model.moe.MoE`'s reference path: on CPU (unless `static`) a loop over the local
     experts some token chose (a host sync); on CUDA, or with `static=True`, every local expert on every token
     with its routing weight (0 when not chosen): no host sync, fixed shapes, CUDA-graph capturable, but it
     reads all local experts. Both give each token the same per-expert terms, added in ascending expert order

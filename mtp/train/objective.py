@@ -4,7 +4,7 @@ Shape legend: B batch, T positions, H attention heads, Hi indexer heads, S keys,
 
 MTP loss (DeepSeek-V3 report, section 2.2): L = L_main + (lambda / D) * sum_k L_mtp_k. Module k (1-based) at
 position i takes h^{k-1}_i and embed(t_{i+k}) and predicts t_{i+k+1}; h^0 is the trunk's hidden after the
-final norm and h^k is module k's output after its shared_head.norm (what `mtp.engine` feeds by default,
+final norm and h^k is module k's output after its shared_head.norm (what `mtp.decode.engine` feeds by default,
 `target_hidden = chain_hidden = 'normed'`).
 
 Indexer (DeepSeek-V3.2 report, section 2.1): for query t the target is the main attention distribution summed
@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import fp8
-from ..attention import MLA, Indexer
-from ..cache import KVCache, LayerCache
-from ..layers import rope_half, rope_interleaved
-from ..model import DeepseekV32
-from ..moe import Gate
+from ..model import fp8
+from ..model.attention import MLA, Indexer
+from ..model.cache import KVCache, LayerCache
+from ..model.layers import rope_half, rope_interleaved
+from ..model.deepseek import DeepseekV32
+from ..model.moe import Gate
 
 DENSE_TOPK = 1 << 30  # an index_topk no context reaches: the indexer keeps every visible key
 

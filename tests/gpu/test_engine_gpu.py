@@ -6,10 +6,10 @@ import copy
 import pytest
 import torch
 
-from mtp.engine import generate
-from mtp.fastpath import disable_fast_path, enable_fast_path
+from mtp.decode.engine import generate
+from mtp.backends.fast_path import disable_fast_path, enable_fast_path
 from mtp.synthetic import gpu_test_config, random_model
-from mtp.tiny import random_tensors, tiny_config
+from mtp.checkpoint.tiny import random_tensors, tiny_config
 
 pytestmark = [pytest.mark.gpu]
 if not torch.cuda.is_available():
@@ -24,7 +24,7 @@ def model():
 
 
 def _tiny_on_gpu(dtype):
-    from mtp.checkpoint import load_model, save_checkpoint
+    from mtp.checkpoint.files import load_model, save_checkpoint
     import tempfile
 
     cfg = tiny_config()
@@ -110,7 +110,7 @@ def test_fast_path_graph_overlap_identical(model, draft, k):
 def test_captured_step_is_reused_across_calls():
     """generate(mode=graph/overlap) keeps the engine: later calls of the same batch and length bucket replay the
     graph captured by the first, and each call still equals its own eager run."""
-    from mtp.engine import _ENGINES, release
+    from mtp.decode.engine import _ENGINES, release
 
     m = _tiny_on_gpu(torch.bfloat16)
     calls = [(PROMPTS[:2], 20), (PROMPTS[1:], 12), (PROMPTS[:2], 7)]
@@ -126,7 +126,7 @@ def test_captured_step_is_reused_across_calls():
 
 def test_switching_paths_drops_kept_graphs(model):
     """A graph captured on one path must never be replayed on the other (the fast path re-points weights)."""
-    from mtp.engine import _ENGINES
+    from mtp.decode.engine import _ENGINES
 
     generate(model, PROMPTS[:1], 4, mode="graph")
     assert model in _ENGINES

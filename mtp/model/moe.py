@@ -51,7 +51,7 @@ def route(scores_NE: torch.Tensor, bias_E: torch.Tensor, n_groups: int, topk_gro
 
 
 class MoE(nn.Module):
-    backend: str = "reference"  # 'triton': mtp/fastpath.py
+    backend: str = "reference"  # 'triton': mtp/backends/fast_path.py
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -66,7 +66,7 @@ class MoE(nn.Module):
         shape = x.shape
         x_ND = x.reshape(-1, shape[-1])
         if self.backend == "triton" and x_ND.shape[0] <= 64:  # the expert kernels take <= 64 tokens (decode)
-            from .fastpath import moe_forward_fast
+            from ..backends.fast_path import moe_forward_fast
 
             out = moe_forward_fast(self, x_ND)
             if self.shared_experts is not None:

@@ -68,7 +68,7 @@ class Indexer(nn.Module):
 
 
 class MLA(nn.Module):
-    backend: str = "reference"  # 'triton': mtp/fastpath.py (absorbed blocks over the FP8 cache)
+    backend: str = "reference"  # 'triton': mtp/backends/fast_path.py (absorbed blocks over the FP8 cache)
     fused_a = fused_qb = None  # set by enable_fast_path: stacked FP8 weights of the projections sharing an input
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
@@ -91,7 +91,7 @@ class MLA(nn.Module):
         dt = x_BTD.dtype
         naive = opts.attn_impl == "naive" or (opts.attn_impl == "auto" and T > opts.absorb_max_tokens)
         if self.backend == "triton" and not naive and cache.quantized:
-            from .fastpath import mla_forward_fast
+            from ..backends.fast_path import mla_forward_fast
 
             return mla_forward_fast(self, x_BTD, pos_BT, cos, sin, cache, S)
         qr = self.q_a_layernorm(self.q_a_proj(x_BTD), dt)

@@ -4,7 +4,7 @@ No terminal, no Hydra, no process group here, so it is testable with a scripted 
 every rank of a multi-GPU run. A `Session` meets the outside world at three points:
 - lines come in through `Session.handle(line)`, which returns False when the session should end; who reads
   them (prompt_toolkit, `input()`, a test script, rank 0 broadcasting to the other ranks) is the caller's
-  business (`mtp.chat_io`);
+  business (`mtp.chat.terminal`);
 - what a person should see goes to a `View` (streamed text tagged reasoning / accepted-draft, notices,
   errors, stats lines); rank 0 prints it, other ranks pass a view that drops everything;
 - `should_stop()` is polled after every committed step; True ends the reply as interrupted. A
@@ -24,13 +24,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .chat_turn import TRANSCRIPT_FORMAT, ReplyStream, StepLog, Turn, View, stats_line
-from .utils import write_json_atomic
-from .draft.proposer import DraftConfig
-from .engine import VERIFIERS, StepEvent
-from .metrics import SpecMetrics
-from .prompt import encode_chat
-from .tokenizer import Tokenizer
+from .turn import TRANSCRIPT_FORMAT, ReplyStream, StepLog, Turn, View, stats_line
+from ..utils import write_json_atomic
+from ..draft.proposer import DraftConfig
+from ..decode.engine import VERIFIERS, StepEvent
+from ..decode.metrics import SpecMetrics
+from ..prompt import encode_chat
+from ..tokenizer import Tokenizer
 
 DRAFTS = ("none", "vanilla", "eagle")
 MAX_K = 16  # the cap of draft.k in eval/schema.py: far past the point where position k is still accepted
@@ -101,7 +101,7 @@ class Session:
         """`generate` defaults to `mtp.generate` (tests pass a fake); `meta` (model path, config) is saved
         with the transcript."""
         if generate is None:
-            from .engine import generate
+            from ..decode.engine import generate
         self.model, self.tok, self.settings, self.view = model, tokenizer, settings, view
         self.generate, self.should_stop = generate, should_stop
         self.system, self.meta = system, dict(meta or {})

@@ -3,7 +3,7 @@
 Shape legend: B batch, T new tokens, D width, V vocabulary, S cache slots.
 
 Parameter names equal the HF checkpoint names (`model.layers.N.self_attn.q_a_proj.weight`, ...); the MTP
-layers (checkpoint layers N >= num_hidden_layers) live in `DeepseekV32.mtp[j]`, see `mtp.checkpoint`.
+layers (checkpoint layers N >= num_hidden_layers) live in `DeepseekV32.mtp[j]`, see `mtp.checkpoint.files`.
 The residual stream is fp32; module inputs and outputs are in the model dtype.
 
 Cache-using forward (what decoding uses): `model.forward(ids_BT, cache=kv)` writes the T tokens at positions

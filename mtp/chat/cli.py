@@ -1,6 +1,6 @@
 """`mtp-chat`: multi-turn chat with the target model and MTP drafting, streamed to a terminal.
 
-    python -m mtp.chat                       # (or `mtp-chat`) tiny random model on CPU: gibberish, every path runs
+    python -m mtp.chat.cli                       # (or `mtp-chat`) tiny random model on CPU: gibberish, every path runs
     mtp-chat model=dsv32 model.path=/ckpt runtime=cuda draft=eagle draft.k=2 verify=relaxed thinking=true
     mtp-chat max_new_tokens=64 show_drafts=true runtime.max_model_len=8192
 
@@ -9,8 +9,8 @@ model and `generate` arguments by `eval.common`, so every override works the sam
 writes nothing to disk on its own: conf/chat.yaml sets hydra.run.dir=., hydra.output_subdir=null and logs to
 stdout (no outputs/ folder, .hydra or log file).
 
-Who does what: `mtp.chat_session.Session` holds the conversation, the commands and the statistics;
-`mtp.chat_io` reads lines and draws replies; this file wires them and runs `loop`.
+Who does what: `mtp.chat.session.Session` holds the conversation, the commands and the statistics;
+`mtp.chat.terminal` reads lines and draws replies; this file wires them and runs `loop`.
 
 Multi-GPU (the parallel model runs every forward on every rank): each rank builds the model and a `Session`
 and runs the same `loop`. Rank 0 wraps its `TerminalInput` in `BroadcastInput` and prints through a
@@ -24,10 +24,10 @@ import os
 import sys
 from pathlib import Path
 
-from .chat_io import StopFlag, TerminalInput, TerminalView
-from .chat_session import Session, Settings
+from .terminal import StopFlag, TerminalInput, TerminalView
+from .session import Session, Settings
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # the repo's conf/, shared with mtp-eval
+CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"  # the repo's conf/, shared with mtp-eval
 
 
 def loop(session: Session, source, stop: StopFlag) -> None:

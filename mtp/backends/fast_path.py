@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import torch
 
-from .attention import MLA
-from .engine import release
-from .layers import MLP, Linear, glue
-from .model import DeepseekV32
-from .moe import MoE
-from .parallel.modules import ExpertParallelMoE
+from ..model.attention import MLA
+from ..decode.engine import release
+from ..model.layers import MLP, Linear, glue
+from ..model.deepseek import DeepseekV32
+from ..model.moe import MoE
+from ..parallel.modules import ExpertParallelMoE
 
 
 def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV32:
-    """compile_glue: torch.compile the elementwise glue (mtp.layers.Glue) into fused kernels."""
-    from .kernels import available
+    """compile_glue: torch.compile the elementwise glue (mtp.model.layers.Glue) into fused kernels."""
+    from ..kernels import available
 
     if not available():
         raise RuntimeError("the Triton fast path needs triton and a CUDA device; use the reference path")
@@ -137,7 +137,7 @@ def _stack_experts(moe: MoE) -> None:
 
 
 def moe_forward_fast(moe: MoE, x_ND: torch.Tensor) -> torch.Tensor:
-    from .kernels.moe import moe_experts, moe_route
+    from ..kernels.moe import moe_experts, moe_route
 
     g = moe.gate
     w, idx = moe_route(x_ND, g.weight, g.e_score_correction_bias, n_group=g.n_groups, topk_group=g.topk_groups,
@@ -152,8 +152,8 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int) -> torch.
     """The whole MLA block of a decode / verify step on the kernels: the fused input projections
     (q_a | indexer wk | kv_a, then q_b | indexer wq_b), the FP8 cache write in one launch, the indexer top-k and
     absorbed attention over the cache, o_proj. Same formulas as `MLA.forward`'s absorbed path."""
-    from .kernels.cache_write import cache_write
-    from .kernels.fp8_gemm import fp8_linear
+    from ..kernels.cache_write import cache_write
+    from ..kernels.fp8_gemm import fp8_linear
 
     B, T, _ = x_BTD.shape
     dt = x_BTD.dtype
@@ -184,8 +184,8 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Absorbed MLA over the FP8 cache with the indexer's top-k: returns o [B, T, H, V] in out_dtype.
     iq_BTHD: the indexer queries, rotated (`Indexer.queries`), before quantization."""
-    from .kernels.indexer import indexer_topk
-    from .kernels.mla_decode import mla_decode
+    from ..kernels.indexer import indexer_topk
+    from ..kernels.mla_decode import mla_decode
 
     ix = mla.indexer
     q8, qs = glue.act_quant(iq_BTHD)  # qs [B, T, Hi, 1]

@@ -10,7 +10,7 @@ lowering its lengths (no copy). Rows advance independently; finished rows stay f
 its shape. `draft='none'` (K = 0) is plain autoregressive decoding through the same code (the baseline).
 
 Host syncs (eager mode): one per step to read (n, finished) for the loop condition and cache bounds, plus the
-step's committed tokens for `on_step`. graph / overlap modes (mtp/runner.py) replay the step as one CUDA graph
+step's committed tokens for `on_step`. graph / overlap modes (mtp/decode/graphs.py) replay the step as one CUDA graph
 and read the same values from pinned buffers, overlap one step late. Design notes: mtp/DESIGN.md.
 """
 
@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .draft.proposer import DraftConfig, Proposer, pick_hidden
+from ..draft.proposer import DraftConfig, Proposer, pick_hidden
 from .metrics import SpecMetrics
-from .model import DeepseekV32
-from .verify import SamplingParams, Verdict, relaxed_verify, sampling_verify, strict_verify, update_think_state
-from .verify.sampling import filter_probs, sample
+from ..model.deepseek import DeepseekV32
+from ..verify import SamplingParams, Verdict, relaxed_verify, sampling_verify, strict_verify, update_think_state
+from ..verify.sampling import filter_probs, sample
 
 VERIFIERS = ("strict", "relaxed", "sample")
 
@@ -138,7 +138,7 @@ def _draft_vocab(v) -> tuple[int, ...] | None:
     if v is None:
         return None
     if isinstance(v, (str, os.PathLike)):
-        from .draft.vocab import load_ids
+        from ..draft.vocab import load_ids
 
         return load_ids(v)
     return tuple(int(i) for i in v)
@@ -404,7 +404,7 @@ class Engine:
                 met.time_verify_s += tb - tm
                 met.time_host_s += time.perf_counter() - tb
         else:
-            from .runner import run_captured
+            from .graphs import run_captured
 
             run_captured(self, st, met, emit, host, W)
         met.time_decode_s = time.perf_counter() - t1

@@ -87,8 +87,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.is_fp8:
             return F.linear(x, self.weight.to(x.dtype))
-        if self.backend == "triton":  # see mtp/fastpath.py
-            from .kernels.fp8_gemm import fp8_linear
+        if self.backend == "triton":  # see mtp/backends/fast_path.py
+            from ..kernels.fp8_gemm import fp8_linear
 
             return fp8_linear(x, self.weight, self.weight_scale_inv)
         if self.numerics == "dequant":
@@ -111,11 +111,11 @@ class MLP(nn.Module):
         self.up_proj = Linear(dim, inter, fp8_weight, dtype)
         self.down_proj = Linear(inter, dim, fp8_weight, dtype)
 
-    fused_gate_up = None  # (weight, scales) of gate and up stacked, set by mtp.fastpath.enable_fast_path
+    fused_gate_up = None  # (weight, scales) of gate and up stacked, set by mtp.backends.fast_path.enable_fast_path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up is not None and self.gate_proj.backend == "triton":  # one GEMV for both
-            from .kernels.fp8_gemm import fp8_linear
+            from ..kernels.fp8_gemm import fp8_linear
 
             gu = fp8_linear(x, *self.fused_gate_up)
             i = self.gate_proj.out_features
