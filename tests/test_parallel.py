@@ -186,8 +186,8 @@ def _nccl_worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
     """bf16 on 2 GPUs over NCCL: logits, and eagle k=2 generations in the engine's eager, graph (whole step
     captured, NCCL collectives inside) and overlap modes, on the reference path and on the Triton fast path
     (expert-parallel MoE included: `moe_experts` on the local experts, -1 slots for the other rank's)."""
-    from mtp.backends.fast_path import enable_fast_path
-    from mtp.parallel.modules import ExpertParallelMoE
+    from mtp.backends.fast_path import FastLinear, FastMoE, enable_fast_path
+    from mtp.parallel.modules import ExpertParallelMoE, RowParallelLinear
 
     import faulthandler
 
@@ -202,8 +202,8 @@ def _nccl_worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
         for mode in ("eager", "graph", "overlap"):
             res[f"ref/{mode}"] = mtp.generate(m, GPU_PROMPTS, 16, draft="eagle", k=2, mode=mode).tokens
         enable_fast_path(m)
-        res["ep_backends"] = [getattr(mod, "backend", None) for mod in m.modules()
-                              if isinstance(mod, ExpertParallelMoE)]
+        res["ep_fast"] = [isinstance(mod, FastMoE) for mod in m.modules() if isinstance(mod, ExpertParallelMoE)]
+        res["row_fast"] = [isinstance(mod, FastLinear) for mod in m.modules() if isinstance(mod, RowParallelLinear)]
         res["fast"] = {k: v.cpu() for k, v in checks(m, generate=False).items()}
         for mode in ("eager", "graph"):
             res[f"fast/{mode}"] = mtp.generate(m, GPU_PROMPTS, 16, draft="eagle", k=2, mode=mode).tokens
@@ -222,8 +222,8 @@ def test_nccl_tp2_eager_graph_overlap(par_ckpt, tmp_path):
     ref = {k: v.cpu() for k, v in checks(tp1, generate=False).items()}
     tp1_tokens = mtp.generate(tp1, GPU_PROMPTS, 16, draft="eagle", k=2).tokens
     for r in range(WORLD):
-        eps = got[r]["ep_backends"]
-        assert eps and all(b == "triton" for b in eps), f"rank {r}: the fast path left ExpertParallelMoE on {eps}"
+        for kind in ("ep_fast", "row_fast"):  # the swap reached the tensor-parallel modules
+            assert got[r][kind] and all(got[r][kind]), f"rank {r}: {kind} {got[r][kind]}"
         for key in ("prefill", "decode", "mtp"):
             for path, bound in (("ref", 2e-2), ("fast", 5e-2)):
                 a, b = got[r][path][key].float(), ref[key].float()

@@ -5,7 +5,7 @@
   the bf16 ones (lm_head, MTP heads, eh_proj) stay on torch, whose bf16 GEMV reads the 1.85 GB lm_head at the
   HBM floor on an H200 (0.442 ms vs 0.439 ms; a Triton GEMV we tried was slower: BENCHMARKS.md);
 - every `MoE` through `kernels.moe.moe_route` + `moe_experts` (reads only the chosen experts; the expert-parallel
-  MoE of `mtp.parallel` likewise over its rank's experts, skipping slots routed to other ranks). The experts'
+  MoE of `mtp.parallel` likewise over its rank's experts [e0, e1), skipping slots routed to other ranks). The experts'
   weights are restacked per projection into [E, N, K] tensors, and each expert's parameters become views of
   the stack, so memory is not doubled (peak: one projection of one layer);
 - `MLA` blocks of <= absorb_max_tokens new tokens through the indexer kernel + top-k and `mla_decode` over the
@@ -14,7 +14,12 @@
   The block runs in `mla_forward_fast`: q_a | indexer wk | kv_a and q_b | indexer wq_b as one GEMV each
   (`fuse_rows`), the cache write in one kernel (`kernels.cache_write`);
 - dense MLPs and shared experts with gate and up stacked into one GEMV (`fuse_rows`).
-`disable_fast_path(model)` switches back; the stacked expert tensors stay (they are the same weights).
+A module swap, as `mtp.parallel.modules.shard_model` swaps in the per-rank modules: each module's class becomes
+a fast subclass of its own class (`FastLinear`, `FastMLP`, `FastMoE`, `FastMLA` over `Linear`, `MLP`, `MoE`,
+`MLA`, and over their tensor-parallel subclasses, so a sharded model gets the kernels too), holding the same
+parameters; the reference modules know nothing of it. `disable_fast_path(model)` swaps the reference classes
+back; the stacked expert tensors stay (they are the same weights). Both bump `model.version`, so CUDA graphs
+captured on the other path are never replayed.
 Both paths compute DeepSeek's FP8 numerics; they differ only in summation order and top-k tie-breaking, and
 tests hold one to the other within tolerance (tests/gpu).
 """
@@ -24,11 +29,132 @@ from __future__ import annotations
 import torch
 
 from ..model.attention import MLA
-from ..decode.engine import release
-from ..model.layers import MLP, Linear, glue
 from ..model.deepseek import DeepseekV32
+from ..model.layers import MLP, Linear, glue
 from ..model.moe import MoE
-from ..parallel.modules import ExpertParallelMoE
+
+MOE_KERNEL_MAX_TOKENS = 64  # the expert kernels take <= 64 tokens (decode / verify); longer blocks: reference
+
+
+class FastLinear(Linear):
+    """FP8 weights through `fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above)."""
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels.fp8_gemm import fp8_linear
+
+        return fp8_linear(x, self.weight, self.weight_scale_inv)
+
+    def matmul_acc(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels.fp8_gemm import fp8_linear
+        from ..model.fp8 import acc_dtype
+
+        if self.in_features == 0:
+            return super().matmul_acc(x)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, out_dtype=acc_dtype(x.dtype))
+
+
+class FastMLP(MLP):
+    """Dense MLP / shared expert with gate and up as one GEMV (`fused_gate_up`, when `fuse_rows` could stack them)."""
+
+    fused_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_gate_up is None:
+            return super().forward(x)
+        from ..kernels.fp8_gemm import fp8_linear
+
+        gu = fp8_linear(x, *self.fused_gate_up)
+        i = self.gate_proj.out_features
+        return self.down_proj(glue.silu_mul(gu[..., :i], gu[..., i:], x.dtype))
+
+
+class FastMoE(MoE):
+    """Routed experts [e0, e1) through `moe_route` + `moe_experts` on the stacked experts (`stack_experts`):
+    reads only the chosen experts, no host sync, capturable; ids outside [e0, e1) (other ranks' experts) are
+    -1 slots, which the kernel skips."""
+
+    stacked: dict[str, torch.Tensor] | None = None
+
+    def routed(self, x_ND: torch.Tensor) -> torch.Tensor:
+        if x_ND.shape[0] > MOE_KERNEL_MAX_TOKENS:
+            return super().routed(x_ND)
+        from ..kernels.moe import moe_experts, moe_route
+
+        g = self.gate
+        w_NK, ids_NK = moe_route(x_ND, g.weight, g.e_score_correction_bias, n_group=g.n_groups,
+                                 topk_group=g.topk_groups, topk=g.topk, route_scale=g.route_scale)
+        if (self.e0, self.e1) != (0, g.n_experts):
+            local_NK = ids_NK - self.e0
+            ids_NK = torch.where((local_NK >= 0) & (local_NK < self.e1 - self.e0), local_NK, -1)  # -1: skipped
+        s = self.stacked
+        return moe_experts(x_ND, ids_NK, w_NK, s["gate_proj.weight"], s["gate_proj.weight_scale_inv"],
+                           s["up_proj.weight"], s["up_proj.weight_scale_inv"], s["down_proj.weight"],
+                           s["down_proj.weight_scale_inv"], out_dtype=torch.float32)
+
+
+class FastMLA(MLA):
+    """Absorbed blocks (decode / verify) over the FP8 cache on the kernels (`mla_forward_fast`); the naive path
+    (prefill) and an unquantized cache keep the reference forward."""
+
+    fused_a = fused_qb = None  # stacked FP8 weights of the projections that read one input (`fuse_rows`)
+
+    def forward(self, x_BTD, pos_BT, cos, sin, cache, S: int, opts) -> torch.Tensor:
+        if self.naive(x_BTD.shape[1], opts) or not cache.quantized:
+            return super().forward(x_BTD, pos_BT, cos, sin, cache, S, opts)
+        return mla_forward_fast(self, x_BTD, pos_BT, cos, sin, cache, S)
+
+
+FAST_CLASSES = (FastLinear, FastMLP, FastMoE, FastMLA)
+_combined: dict[tuple[type, type], type] = {}
+
+
+def _swap(mod: torch.nn.Module, fast: type) -> None:
+    """Make `mod` an instance of `fast` over its own class (a subclass such as RowParallelLinear keeps its
+    forward and gets the fast `matmul`). Parameters, buffers and names are untouched."""
+    cls = type(mod)
+    if isinstance(mod, fast):
+        return
+    if cls is fast.__base__:
+        mod.__class__ = fast
+        return
+    if (fast, cls) not in _combined:
+        _combined[(fast, cls)] = type(f"{fast.__name__[:4]}{cls.__name__}", (fast, cls), {})
+    mod.__class__ = _combined[(fast, cls)]
+
+
+def reference_class(cls: type) -> type:
+    """The class a fast module swaps back to (its class without the fast mix-in)."""
+    if cls in FAST_CLASSES:
+        return cls.__base__
+    for fast in FAST_CLASSES:
+        if issubclass(cls, fast):
+            return next(b for b in cls.__bases__ if b is not fast)
+    return cls
+
+
+def fast_module(mod: torch.nn.Module, mm_fp32: bool = False) -> None:
+    """Swap one module to its fast class and prepare what the kernels read (stacked experts, fused projections,
+    dequantized attention weights). Modules without a fast version are left alone."""
+    if isinstance(mod, Linear) and mod.is_fp8:
+        _swap(mod, FastLinear)
+    elif isinstance(mod, MoE):
+        stack_experts(mod)
+        _swap(mod, FastMoE)
+    elif isinstance(mod, MLA) and _mla_kernel_fits(mod):
+        w = mod.kv_b_proj.dequantized_weight(torch.bfloat16).view(mod.H, mod.P + mod.V, mod.C)
+        mod.w_kb = w[:, : mod.P].contiguous()  # [H, P, C]
+        mod.w_vb = w[:, mod.P:].contiguous()  # [H, V, C]
+        ix = mod.indexer
+        mod.w_idx = ix.weights_proj.weight.float() * (ix.n_heads ** -0.5 * ix.head_dim ** -0.5)
+        mod.w_idx_t = (ix.weights_proj.weight.t().contiguous()
+                       if ix.weights_proj.weight.dtype == torch.bfloat16 and mm_fp32 else None)
+        _swap(mod, FastMLA)
+        # the projections that read the same input, as one weight each (one launch instead of 3 and 2)
+        mod.fused_a = fuse_rows([mod.q_a_proj, ix.wk, mod.kv_a_proj_with_mqa])
+        mod.fused_qb = fuse_rows([mod.q_b_proj, ix.wq_b])
+    elif type(mod) is MLP:  # dense MLPs and shared experts (callers skip routed experts): gate and up as one
+        _swap(mod, FastMLP)
+        mod.fused_gate_up = fuse_rows([mod.gate_proj, mod.up_proj])
 
 
 def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV32:
@@ -44,34 +170,21 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV
     if compile_glue:
         glue.compile()
     mm_fp32 = _mm_out_fp32()
-    routed = set()  # routed experts (MoE's list, the expert-parallel MoE's dict) keep their own layout
+    routed = {id(mod.expert(e)) for mod in model.modules() if isinstance(mod, MoE) for e in range(mod.e0, mod.e1)}
+    for mod in list(model.modules()):
+        if id(mod) not in routed:  # routed experts are read through their MoE's stack
+            fast_module(mod, mm_fp32)
+    model.version += 1  # graphs captured on the reference path must not be replayed
+    return model
+
+
+def disable_fast_path(model: torch.nn.Module) -> torch.nn.Module:
+    """Swap the reference classes back on `model` (a whole model or one module) and reset the glue."""
     for mod in model.modules():
-        ex = getattr(mod, "experts", None)
-        if isinstance(ex, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            routed.update(id(e) for e in (ex.values() if isinstance(ex, torch.nn.ModuleDict) else ex))
-    for mod in model.modules():
-        if isinstance(mod, Linear) and mod.is_fp8:
-            mod.backend = "triton"
-        elif isinstance(mod, MoE):
-            _stack_experts(mod)
-            mod.backend = "triton"
-        elif isinstance(mod, MLA) and _mla_kernel_fits(mod):
-            w = mod.kv_b_proj.dequantized_weight(torch.bfloat16).view(mod.H, mod.P + mod.V, mod.C)
-            mod.w_kb = w[:, : mod.P].contiguous()  # [H, P, C]
-            mod.w_vb = w[:, mod.P:].contiguous()  # [H, V, C]
-            ix = mod.indexer
-            mod.w_idx = ix.weights_proj.weight.float() * (ix.n_heads ** -0.5 * ix.head_dim ** -0.5)
-            mod.w_idx_t = (ix.weights_proj.weight.t().contiguous()
-                           if ix.weights_proj.weight.dtype == torch.bfloat16 and mm_fp32 else None)
-            # the projections that read the same input, as one weight each (one launch instead of 3 and 2)
-            mod.fused_a = fuse_rows([mod.q_a_proj, ix.wk, mod.kv_a_proj_with_mqa])
-            mod.fused_qb = fuse_rows([mod.q_b_proj, ix.wq_b])
-            mod.backend = "triton"
-        elif isinstance(mod, ExpertParallelMoE):  # the rank's experts stacked; slots of other ranks' experts skipped
-            mod.enable_fast_path()
-        elif type(mod) is MLP and id(mod) not in routed:  # dense MLPs and shared experts: gate and up as one
-            mod.fused_gate_up = fuse_rows([mod.gate_proj, mod.up_proj])
-    release(model)  # graphs `generate` kept were captured on the other path, some over re-pointed weights
+        mod.__class__ = reference_class(type(mod))
+    glue.reset()
+    if isinstance(model, DeepseekV32):
+        model.version += 1  # graphs captured on the fast path must not be replayed
     return model
 
 
@@ -113,39 +226,24 @@ def _mla_kernel_fits(mla: MLA) -> bool:
     return mla.C == 512 and mla.R == 64 and hi >= 16 and hi & (hi - 1) == 0
 
 
-def disable_fast_path(model: DeepseekV32) -> DeepseekV32:
-    for mod in model.modules():
-        if hasattr(mod, "backend"):
-            mod.backend = "reference"
-    glue.reset()
-    release(model)  # graphs captured on the fast path must not be replayed on the reference path
-    return model
-
-
-def _stack_experts(moe: MoE) -> None:
+def stack_experts(moe: MoE) -> None:
+    """Stack experts [e0, e1) per projection into [E_local, N, K] weights / scales (local index e - e0) for
+    `moe_experts`, and re-point each expert's parameters at its slice: memory is not doubled (peak: one
+    projection of one layer), names and `state_dict` are unchanged. Idempotent; FP8 experts only."""
     if getattr(moe, "stacked", None) is not None:
         return
+    experts = [moe.expert(e) for e in range(moe.e0, moe.e1)]
+    if not all(getattr(ex, p).is_fp8 for ex in experts for p in ("gate_proj", "up_proj", "down_proj")):
+        raise ValueError("stack_experts: the Triton expert kernels need FP8 experts")
     stacked = {}
     for proj in ("gate_proj", "up_proj", "down_proj"):
         for attr in ("weight", "weight_scale_inv"):
-            parts = [getattr(e, proj) for e in moe.experts]
+            parts = [getattr(ex, proj) for ex in experts]
             big = torch.stack([getattr(p, attr).data for p in parts])
-            for e, p in enumerate(parts):  # re-point each expert at its slice; the old tensor is freed
-                setattr(p, attr, torch.nn.Parameter(big[e], requires_grad=False))
+            for i, p in enumerate(parts):  # re-point each expert at its slice; the old tensor is freed
+                setattr(p, attr, torch.nn.Parameter(big[i], requires_grad=False))
             stacked[f"{proj}.{attr}"] = big
     moe.stacked = stacked
-
-
-def moe_forward_fast(moe: MoE, x_ND: torch.Tensor) -> torch.Tensor:
-    from ..kernels.moe import moe_experts, moe_route
-
-    g = moe.gate
-    w, idx = moe_route(x_ND, g.weight, g.e_score_correction_bias, n_group=g.n_groups, topk_group=g.topk_groups,
-                       topk=g.topk, route_scale=g.route_scale)
-    s = moe.stacked
-    return moe_experts(x_ND, idx, w, s["gate_proj.weight"], s["gate_proj.weight_scale_inv"], s["up_proj.weight"],
-                       s["up_proj.weight_scale_inv"], s["down_proj.weight"], s["down_proj.weight_scale_inv"],
-                       out_dtype=torch.float32)
 
 
 def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int) -> torch.Tensor:

@@ -173,6 +173,7 @@ class Engine:
         self.gen = torch.Generator(device=self.dev).manual_seed(gcfg.seed)
         self._states: dict[tuple[int, int], DecodeState] = {}  # (batch, buffer length) -> buffers, LRU order
         self.graphs: dict[tuple[int, int], tuple] = {}  # same key -> (CUDA graph, capture s, pool bytes)
+        self.graphs_version = model.version  # the model's version the graphs were captured at
         eos = model.cfg.eos_token_id if gcfg.eos_id is None else gcfg.eos_id
         self.stop_ids = torch.tensor(sorted({eos, *gcfg.stop_ids}), device=self.dev)
 

@@ -73,6 +73,9 @@ def run_captured(engine, st, met: SpecMetrics, emit, host: torch.Tensor, W: int)
     if bool(host[1].all()):
         return
     max_n = engine._bound(st, host)  # static on CUDA: the verify forward may touch every slot
+    if engine.graphs_version != engine.model.version:  # modules swapped since capture (fast path on/off, ...)
+        engine.graphs.clear()
+        engine.graphs_version = engine.model.version
     key = (st.B, st.max_len)
     if key not in engine.graphs:  # captured once per (batch, buffer length); later calls replay it
         engine.graphs[key] = _capture(engine, st, W, max_n)

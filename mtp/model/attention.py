@@ -68,9 +68,6 @@ class Indexer(nn.Module):
 
 
 class MLA(nn.Module):
-    backend: str = "reference"  # 'triton': mtp/backends/fast_path.py (absorbed blocks over the FP8 cache)
-    fused_a = fused_qb = None  # set by enable_fast_path: stacked FP8 weights of the projections sharing an input
-
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         q8 = cfg.is_fp8
@@ -89,11 +86,7 @@ class MLA(nn.Module):
     def forward(self, x_BTD, pos_BT, cos, sin, cache: LayerCache, S: int, opts: RuntimeOptions) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         dt = x_BTD.dtype
-        naive = opts.attn_impl == "naive" or (opts.attn_impl == "auto" and T > opts.absorb_max_tokens)
-        if self.backend == "triton" and not naive and cache.quantized:
-            from ..backends.fast_path import mla_forward_fast
-
-            return mla_forward_fast(self, x_BTD, pos_BT, cos, sin, cache, S)
+        naive = self.naive(T, opts)
         qr = self.q_a_layernorm(self.q_a_proj(x_BTD), dt)
         q = self.q_b_proj(qr).view(B, T, self.H, self.P + self.R)
         q_nope, q_pe = q[..., : self.P], glue.rope_interleaved(q[..., self.P:], cos, sin)
@@ -113,6 +106,11 @@ class MLA(nn.Module):
         else:
             o = self._absorbed(q_nope, q_pe, c_BSC, pe_BSR, bias_B1TS)
         return self.o_proj(o.reshape(B, T, self.H * self.V).to(dt))
+
+    @staticmethod
+    def naive(T: int, opts: RuntimeOptions) -> bool:
+        """Whether a block of T new tokens takes the naive path (expanded keys) rather than the absorbed one."""
+        return opts.attn_impl == "naive" or (opts.attn_impl == "auto" and T > opts.absorb_max_tokens)
 
     def _naive(self, q_nope, q_pe, c_BSC, pe_BSR, bias):
         B, S = c_BSC.shape[:2]

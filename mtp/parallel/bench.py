@@ -120,19 +120,22 @@ def _fast_path(model, args, device) -> str | None:
 
 def moe_path(model) -> dict | None:
     """How the model's MoE layers compute the routed experts (the main cost difference TP=1 vs TP=N)."""
+    from ..backends.fast_path import FastMoE
+
     for m in model.modules():
+        backend = "triton" if isinstance(m, FastMoE) else "reference"
         if isinstance(m, ExpertParallelMoE):
             static = m.static or model.device.type == "cuda"
-            if m.backend == "triton":
+            if backend == "triton":
                 reads = "the chosen local experts only (Triton, up to 64 tokens)"
             elif static:
                 reads = "every local expert on every token (static, sync-free)"
             else:
                 reads = "the local experts some token chose (host-synced loop)"
-            return {"class": "ExpertParallelMoE", "backend": m.backend, "reads": reads}
+            return {"class": "ExpertParallelMoE", "backend": backend, "reads": reads}
         if isinstance(m, MoE):
-            return {"class": "MoE", "backend": m.backend,
-                    "reads": "the chosen experts only" if m.backend == "triton" else "reference path"}
+            return {"class": "MoE", "backend": backend,
+                    "reads": "the chosen experts only" if backend == "triton" else "reference path"}
     return None
 
 

@@ -125,16 +125,25 @@ def test_captured_step_is_reused_across_calls():
 
 
 def test_switching_paths_drops_kept_graphs(model):
-    """A graph captured on one path must never be replayed on the other (the fast path re-points weights)."""
+    """A graph captured on one path must never be replayed on the other (the fast path re-points weights): the
+    swap bumps model.version and the kept engine captures again."""
     from mtp.decode.engine import _ENGINES
 
+    def kept_graph():
+        (engine,) = _ENGINES[model].values()
+        (entry,) = engine.graphs.values()
+        return entry[0]
+
+    _ENGINES.pop(model, None)
     generate(model, PROMPTS[:1], 4, mode="graph")
-    assert model in _ENGINES
+    ref_graph = kept_graph()
     enable_fast_path(model)
     try:
-        assert model not in _ENGINES
         fast = generate(model, PROMPTS[:1], 8, mode="graph").tokens
+        fast_graph = kept_graph()
+        assert fast_graph is not ref_graph
         assert fast == generate(model, PROMPTS[:1], 8, mode="eager").tokens
     finally:
         disable_fast_path(model)
-    assert model not in _ENGINES
+    generate(model, PROMPTS[:1], 4, mode="graph")
+    assert kept_graph() is not fast_graph
