@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtp.utils import write_atomic
 
+from . import conf_dir
 from .common import NotAvailableError, build, check_runtime, generate_kwargs
 from .data import DataError, Prompt, load_prompts
 from .schema import DraftName, EvalConfig, SchemaError, StrictVerifySchema, validate, value
@@ -277,11 +278,7 @@ def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -
     }
 
 
-# An absolute path: relative ones resolve as Python packages when run as a console script, and conf/ is not one.
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-
-
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval")
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="eval")
 def main(cfg: DictConfig) -> float:
     return evaluate(cfg)
 

@@ -249,12 +249,12 @@ class LoggerSchema:
 
 @dataclass
 class NullLoggerSchema(LoggerSchema):
-    _target_: str = "eval.loggers.NullLogger"
+    _target_: str = f"{__package__}.loggers.NullLogger"
 
 
 @dataclass
 class WandbLoggerSchema(LoggerSchema):
-    _target_: str = "eval.loggers.WandbLogger"
+    _target_: str = f"{__package__}.loggers.WandbLogger"
     project: str = "mtp-spec"
     entity: Optional[str] = None
     mode: WandbMode = WandbMode.auto
@@ -317,6 +317,9 @@ def _check_pair(draft: DraftSchema, verify: VerifySchema) -> None:
 
 
 def register() -> None:
+    # `_target_`s name this package as it is imported: `eval` in the repository, `mtp_eval` once installed
+    if not OmegaConf.has_resolver("eval_pkg"):
+        OmegaConf.register_new_resolver("eval_pkg", lambda: __package__)
     cs = ConfigStore.instance()
     cs.store(name="eval_schema", node=EvalConfig)
     cs.store(name="chat_schema", node=ChatConfig)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mtp.chat.cli import loop
+from mtp.chat.session import loop
 from mtp.chat.terminal import ScriptedInput, StopFlag, TerminalView, printable
 from mtp.chat.session import Session, Settings
 from mtp.chat.turn import stats_line

@@ -31,6 +31,7 @@ from ..decode.engine import VERIFIERS, StepEvent
 from ..decode.metrics import SpecMetrics
 from ..prompt import encode_chat
 from ..tokenizer import Tokenizer
+from .terminal import StopFlag
 
 DRAFTS = ("none", "vanilla", "eagle")
 MAX_K = 16  # the cap of draft.k in eval/schema.py: far past the point where position k is still accepted
@@ -347,3 +348,18 @@ def _on_off(arg: str, cmd: str) -> bool | None:
     if arg.lower() in ("off", "false", "0", "no"):
         return False
     raise CommandError(f"{cmd} takes on or off, got {arg!r}")
+
+
+def loop(session: Session, source, stop: StopFlag) -> None:
+    """Read a line, handle it, until end of input or /exit. Ctrl-C is the reply's business while armed
+    (see `StopFlag`); a second Ctrl-C that lands between steps is caught here, so the session survives."""
+    while True:
+        line = source.read(f"[{session.settings.label()}] > ")
+        if line is None:
+            break
+        try:
+            with stop.armed():
+                if not session.handle(line):
+                    break
+        except KeyboardInterrupt:
+            session.view.notice("interrupted")
