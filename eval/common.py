@@ -53,7 +53,7 @@ def graph_modes_available() -> bool:
     import dataclasses
     import importlib.util
 
-    from mtp.decode.engine import GenerationConfig
+    from mtp.decode.config import GenerationConfig
 
     return importlib.util.find_spec("mtp.decode.graphs") is not None and \
         "mode" in {f.name for f in dataclasses.fields(GenerationConfig)}

@@ -116,8 +116,9 @@ def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tok
 
 
 def _check_lengths(cfg: EvalConfig, model, prompts: list[Prompt], ids: dict[str, list[int]], k: int) -> None:
-    # The engine's buffer is prompt + max_new_tokens + 3k + 2 long (room for drafts past the last token).
-    limit = model.cfg.max_position_embeddings - 3 * k - 2
+    from mtp.decode.options import draft_room  # the engine's buffer: prompt + max_new_tokens + draft room
+
+    limit = model.cfg.max_position_embeddings - draft_room(k)
     what = "the model's max_position_embeddings (minus draft room)"
     if cfg.runtime.max_model_len is not None and cfg.runtime.max_model_len < limit:
         limit, what = cfg.runtime.max_model_len, "runtime.max_model_len"

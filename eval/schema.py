@@ -19,7 +19,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-MAX_K = 16  # drafts per step; far above where acceptance of position k is still useful
+from mtp.decode.options import MAX_K
+
 
 
 class SchemaError(ValueError):

@@ -100,16 +100,14 @@ def test_launchers_compose(launcher):
     assert launcher in cfg.hydra.launcher._target_.lower()
 
 
-def test_generate_kwargs_are_known_to_mtp_generate():
-    import inspect
+def test_generate_kwargs_build_a_generation_config():
+    from mtp.decode.config import GenerationConfig
 
-    import mtp
-
-    src = inspect.getsource(mtp.decode.engine.generate)
     for ov in (["draft=vanilla", "verify=relaxed"], ["verify=sample", "verify.draft_sampling=sample"],
-               ["draft=none"]):
-        for key in generate_kwargs(compose_eval(ov)):
-            assert key in ("draft", "k", "verify") or f'"{key}"' in src, f"{key} is not a generate option"
+               ["draft=none"], ["draft=eagle", "draft.k=3", "runtime.prefill_chunk=4"]):
+        kw = generate_kwargs(compose_eval(ov))
+        g = GenerationConfig.from_options(8, **kw)  # an unknown option would raise TypeError
+        assert (g.draft.mode, g.draft.k, g.verify) == (kw["draft"], kw["k"], kw["verify"])
 
 
 @pytest.mark.parametrize("overrides,message", [

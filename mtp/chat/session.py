@@ -27,14 +27,13 @@ from typing import Any
 from .turn import TRANSCRIPT_FORMAT, ReplyStream, StepLog, Turn, View, stats_line
 from ..utils import write_json_atomic
 from ..draft.proposer import DraftConfig
-from ..decode.engine import VERIFIERS, StepEvent
+from ..decode.engine import StepEvent
+from ..decode.options import DRAFTS, MAX_K, VERIFIERS, draft_room
 from ..decode.metrics import SpecMetrics
 from ..prompt import encode_chat
 from ..tokenizer import Tokenizer
 from .terminal import StopFlag
 
-DRAFTS = ("none", "vanilla", "eagle")
-MAX_K = 16  # the cap of draft.k in eval/schema.py: far past the point where position k is still accepted
 
 HELP = """\
 commands:
@@ -272,8 +271,8 @@ class Session:
 
     def context_limit(self) -> int:
         """Most prompt + max_new_tokens tokens a turn may take: runtime.max_model_len, and the engine's own
-        bound (its buffers hold prompt + max_new_tokens + 3k + 2 positions, within max_position_embeddings)."""
-        engine_limit = self.model.cfg.max_position_embeddings - 3 * self.settings.effective_k - 2
+        bound (its buffers hold prompt + max_new_tokens + draft room, within max_position_embeddings)."""
+        engine_limit = self.model.cfg.max_position_embeddings - draft_room(self.settings.effective_k)
         s = self.settings.max_model_len
         return engine_limit if s is None else min(s, engine_limit)
 

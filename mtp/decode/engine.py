@@ -1,82 +1,42 @@
-"""The speculative decoding loop: prefill -> [propose -> verify -> accept -> commit/rollback] until done.
+"""The speculative decoding loop: prefill -> [propose -> verify -> accept -> commit] until every row is done.
 
 Shape legend: B batch, S buffer positions, K drafts, D width, V vocabulary.
 
+The stages and their homes: propose `mtp/draft/` (the MTP proposer, `DraftSampler` for sampled drafts);
+verify `mtp/verify/` (pure functions of tensors); accept / commit (with the cache rollback) `accept.py`; the
+decode state and its buffers `state.py`; options and their validation `config.py`; one step as a CUDA graph
+and the overlap scheduler `graphs.py`. This file holds `Engine.step` (one step, device work only) and the
+eager loop around it, and `generate`.
+
 Per row the engine keeps n committed tokens in `tokens_BS` and the target's hidden state of every position
 in `hidden_BSD` (valid up to n-2). The target cache holds n-1 positions: the last committed token is fed at
-the next verify together with the K drafts, so one target forward scores K+1 positions. After verification
-the accepted drafts plus one target token are committed and the target cache is rolled back to n-1 by
-lowering its lengths (no copy). Rows advance independently; finished rows stay frozen so every tensor keeps
-its shape. `draft='none'` (K = 0) is plain autoregressive decoding through the same code (the baseline).
+the next verify together with the K drafts, so one target forward scores K+1 positions. Rows advance
+independently; finished rows stay frozen so every tensor keeps its shape. `draft='none'` (K = 0) is plain
+autoregressive decoding through the same code (the baseline).
 
 Host syncs (eager mode): one per step to read (n, finished) for the loop condition and cache bounds, plus the
-step's committed tokens for `on_step`. graph / overlap modes (mtp/decode/graphs.py) replay the step as one CUDA graph
-and read the same values from pinned buffers, overlap one step late. Design notes: mtp/DESIGN.md.
+step's committed tokens for `on_step`. graph / overlap modes replay the step as one CUDA graph and read the
+same values from pinned buffers, overlap one step late. Design notes: mtp/DESIGN.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..draft.proposer import DraftConfig, Proposer, pick_hidden
-from .metrics import SpecMetrics
+from ..draft.policy import DraftSampler
+from ..draft.proposer import Proposer, pick_hidden
 from ..model.deepseek import DeepseekV32
-from ..verify import SamplingParams, Verdict, relaxed_verify, sampling_verify, strict_verify, update_think_state
-from ..verify.sampling import filter_probs, sample
-
-VERIFIERS = ("strict", "relaxed", "sample")
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 64
-    draft: DraftConfig = field(default_factory=DraftConfig)
-    verify: str = "strict"
-    top_n: int = 10  # relaxed
-    delta: float = 0.6  # relaxed, probability space
-    think_ids: tuple[int, int] | None = None  # (<think>, </think>) ids, relaxed
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    seed: int = 0
-    eos_id: int | None = None  # default: the model's eos_token_id
-    stop_ids: tuple[int, ...] = ()
-    mode: str = "eager"  # eager | graph (whole step in one CUDA graph) | overlap (graph + pipelined host)
-    prefill_chunk: int | None = None  # prefill (target and drafts) in chunks of this many tokens; None: one pass
-
-    def validate(self, model: DeepseekV32) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.verify not in VERIFIERS:
-            raise ValueError(f"verify must be one of {VERIFIERS}, got {self.verify!r}")
-        self.draft.validate(model.n_mtp)
-        if self.verify == "relaxed":
-            if self.think_ids is None:
-                raise ValueError("verify='relaxed' needs think_ids=(<think> id, </think> id): the relaxed rule "
-                                 "only applies inside thinking spans")
-            if self.top_n < 1:
-                raise ValueError(f"relaxed top_n must be >= 1, got {self.top_n}")
-            if not 0 <= self.delta <= 1:
-                raise ValueError(f"relaxed delta must be in [0, 1] (probability space), got {self.delta}")
-        if self.draft.sampling == "sample" and self.verify != "sample":
-            raise ValueError("sampled drafts (draft sampling='sample') need verify='sample' to stay lossless")
-        if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
-            raise ValueError(f"prefill_chunk must be None or an integer >= 1, got {self.prefill_chunk!r}")
-        if self.mode not in ("eager", "graph", "overlap"):
-            raise ValueError(f"mode must be 'eager', 'graph' or 'overlap', got {self.mode!r}")
-        if self.mode != "eager" and model.device.type != "cuda":
-            raise ValueError(f"mode={self.mode!r} captures CUDA graphs and needs the model on a CUDA device "
-                             f"(it is on {model.device}); use mode='eager'")
-        V = model.cfg.vocab_size
-        eos = () if self.eos_id is None else (self.eos_id,)
-        for t in tuple(self.stop_ids) + tuple(self.think_ids or ()) + eos:
-            if not 0 <= t < V:
-                raise ValueError(f"token id {t} is outside the vocabulary [0, {V})")
+from ..verify import Verdict, relaxed_verify, sampling_verify, strict_verify, update_think_state
+from .accept import accept, commit
+from .config import GenerationConfig
+from .metrics import SpecMetrics
+from .state import DecodeState, StatePool
 
 
 @dataclass
@@ -94,54 +54,31 @@ class StepEvent:
     accepted: list[int]  # drafts accepted per row (the rest of new_tokens is the target's own token)
 
 
-def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, draft: str = "none",
-             k: int | None = None, verify: str = "strict", *, on_step: Callable[[StepEvent], None] | None = None,
-             **options) -> GenerateResult:
-    """Speculative generation. Options: top_n, delta, think_ids (relaxed); temperature, top_p, top_k,
-    draft_sampling, seed (sampling); reuse_modules, target_hidden, chain_hidden, draft_vocab (drafts: token ids
-    or a vocabulary file, `mtp.draft.vocab`; ignored when nothing is drafted); eos_id, stop_ids."""
-    known = {"top_n", "delta", "think_ids", "temperature", "top_p", "top_k", "draft_sampling", "seed",
-             "reuse_modules", "target_hidden", "chain_hidden", "eos_id", "stop_ids", "mode", "prefill_chunk",
-             "draft_vocab"}
-    unknown = set(options) - known
-    if unknown:
-        raise TypeError(f"generate: unknown options {sorted(unknown)}; known: {sorted(known)}")
-    k = (0 if draft == "none" else 1) if k is None else k
-    dcfg = DraftConfig(mode=draft, k=k, reuse_modules=options.get("reuse_modules", False),
-                       target_hidden=options.get("target_hidden", "normed"),
-                       chain_hidden=options.get("chain_hidden", "normed"),
-                       sampling=options.get("draft_sampling", "greedy"),
-                       vocab=_draft_vocab(options.get("draft_vocab")) if draft != "none" else None)
-    sp = SamplingParams(options.get("temperature", 1.0), options.get("top_k", 0), options.get("top_p", 1.0)) \
-        if verify == "sample" else SamplingParams()
-    think = options.get("think_ids")
-    gcfg = GenerationConfig(max_new_tokens=max_new_tokens, draft=dcfg, verify=verify,
-                            top_n=options.get("top_n", 10), delta=options.get("delta", 0.6),
-                            think_ids=tuple(think) if think is not None else None, sampling=sp,
-                            seed=options.get("seed", 0), eos_id=options.get("eos_id"),
-                            stop_ids=tuple(options.get("stop_ids", ())), mode=options.get("mode", "eager"),
-                            prefill_chunk=options.get("prefill_chunk"))
+def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]],
+             max_new_tokens: int | GenerationConfig = 64, draft: str = "none", k: int | None = None,
+             verify: str = "strict", *, config: GenerationConfig | None = None,
+             on_step: Callable[[StepEvent], None] | None = None, **options) -> GenerateResult:
+    """Speculative generation with `config` (a `GenerationConfig`, also accepted in place of max_new_tokens),
+    or with keywords that build one (`GenerationConfig.from_options`: max_new_tokens, draft, k, verify and the
+    options listed there). graph / overlap modes keep the engine (buffers + captured step graphs) per model
+    and settings, so later calls replay its graphs."""
+    if isinstance(max_new_tokens, GenerationConfig):
+        config, max_new_tokens = max_new_tokens, 64
+    if config is not None:
+        if (max_new_tokens, draft, k, verify) != (64, "none", None, "strict") or options:
+            raise TypeError("generate: pass either a GenerationConfig or keyword options, not both")
+        gcfg = config
+    else:
+        gcfg = GenerationConfig.from_options(max_new_tokens, draft, k, verify, **options)
     if gcfg.mode == "eager":
         return Engine(model, gcfg).run(prompts, on_step=on_step)
-    # graph / overlap: keep the engine (buffers + captured step graphs) for the next call with these settings
     per_model = _ENGINES.setdefault(model, {})
     key = dataclasses.replace(gcfg, max_new_tokens=1)
     engine = per_model.pop(key, None) or Engine(model, gcfg)
     per_model[key] = engine
     while len(per_model) > 4:
         del per_model[next(iter(per_model))]
-    return engine.run(prompts, on_step=on_step, max_new_tokens=max_new_tokens)
-
-
-def _draft_vocab(v) -> tuple[int, ...] | None:
-    """`draft_vocab` option: None, token ids, or the path of a vocabulary file (all its ids)."""
-    if v is None:
-        return None
-    if isinstance(v, (str, os.PathLike)):
-        from ..draft.vocab import load_ids
-
-        return load_ids(v)
-    return tuple(int(i) for i in v)
+    return engine.run(prompts, on_step=on_step, max_new_tokens=gcfg.max_new_tokens)
 
 
 # model -> {settings: Engine}; weak, so the buffers and graphs go with the model. `release(model)` frees them.
@@ -162,18 +99,23 @@ def release(model: DeepseekV32 | None = None) -> None:
 
 class Engine:
     """`proposer_factory(model, draft_cfg, batch, max_len)` replaces the MTP proposer (tests use oracle and
-    adversarial drafters through it); anything with `propose(...)` and `draft_forwards` works, and an optional
+    adversarial drafters through it); anything with `propose(...)` (which writes its drafts into the token
+    buffer at n.., as `Proposer.propose` does, and returns them) and `draft_forwards` works, and an optional
     `prefill(tokens, hidden, n, W, max_n)` fills its caches over the prompt."""
 
     def __init__(self, model: DeepseekV32, gcfg: GenerationConfig, proposer_factory: Callable | None = None):
         gcfg.validate(model)
         self.model, self.g = model, gcfg
-        self.proposer_factory = proposer_factory or Proposer
         self.dev = model.device
         self.gen = torch.Generator(device=self.dev).manual_seed(gcfg.seed)
-        self._states: dict[tuple[int, int], DecodeState] = {}  # (batch, buffer length) -> buffers, LRU order
-        self.graphs: dict[tuple[int, int], tuple] = {}  # same key -> (CUDA graph, capture s, pool bytes)
-        self.graphs_version = model.version  # the model's version the graphs were captured at
+        self.draw = DraftSampler(gcfg.draft.sampling, gcfg.sampling, self.gen)
+        self.runner = None
+        if gcfg.mode != "eager":
+            from .graphs import GraphRunner
+
+            self.runner = GraphRunner(model, self.step, self.gen)
+        self.pool = StatePool(model, gcfg, proposer_factory or Proposer,
+                              on_drop=self.runner.drop if self.runner else lambda key: None)
         eos = model.cfg.eos_token_id if gcfg.eos_id is None else gcfg.eos_id
         self.stop_ids = torch.tensor(sorted({eos, *gcfg.stop_ids}), device=self.dev)
 
@@ -183,13 +125,7 @@ class Engine:
             torch.cuda.synchronize(self.dev)  # timing split only; the graph path measures with events
         return time.perf_counter()
 
-    def _draw(self, logits_BV: torch.Tensor):
-        if self.g.draft.sampling == "sample":
-            q = filter_probs(logits_BV, self.g.sampling)
-            return sample(q, self.gen), q
-        return logits_BV.argmax(dim=-1), None
-
-    def _verify(self, drafts_BK, q_BKV, logits_BKV, think_B) -> Verdict:
+    def verify(self, drafts_BK, q_BKV, logits_BKV, think_B) -> Verdict:
         g = self.g
         if g.verify == "strict":
             return strict_verify(drafts_BK, logits_BKV)
@@ -212,68 +148,12 @@ class Engine:
             out.append(p)
         return out
 
-    # ------------------------------------------------------------------ state
-    STATE_ROUND = 512  # buffer lengths are rounded up to this, so calls of similar length share buffers
-    MAX_STATES = 4  # buffer sets (and their captured graphs) kept per engine, least recently used dropped
-
-    def _state_for(self, prompts: list[list[int]], max_new: int) -> "DecodeState":
-        """The buffers for this call: reused when a previous call had the same batch and rounded length (its
-        captured step graph then replays as is), else allocated. Buffer length depends only on this call, so
-        eager, graph and overlap runs of the same call see the same shapes (bitwise-equal outputs)."""
-        m, K = self.model, self.g.draft.k
-        B, Tp = len(prompts), max(len(p) for p in prompts)
-        need = Tp + max_new + 3 * K + 2
-        limit = m.cfg.max_position_embeddings
-        if need > limit:
-            raise ValueError(f"prompt ({Tp}) + max_new_tokens ({max_new}) + draft room ({3 * K + 2}) exceed "
-                             f"max_position_embeddings ({limit})")
-        key = (B, min(-(-need // self.STATE_ROUND) * self.STATE_ROUND, limit))
-        st = self._states.pop(key, None) or self._new_state(*key)
-        self._states[key] = st  # most recently used last
-        while len(self._states) > self.MAX_STATES:
-            old = next(iter(self._states))
-            del self._states[old]
-            self.graphs.pop(old, None)
-        self._reset(st, prompts, max_new)
-        return st
-
-    def _new_state(self, B: int, max_len: int) -> "DecodeState":
-        m, g, dev, K = self.model, self.g, self.dev, self.g.draft.k
-
-        def z(*shape, dtype=torch.long):
-            return torch.zeros(*shape, dtype=dtype, device=dev)
-
-        return DecodeState(
-            tokens=z(B, max_len), hidden=z(B, max_len, m.cfg.hidden_size, dtype=m.dtype),
-            cache=m.new_cache(B, max_len),
-            proposer=self.proposer_factory(m, g.draft, B, max_len) if K else None,
-            P_B=z(B), Tp=0, max_len=max_len, n_B=z(B), gen_B=z(B), max_new_B=z(B), p0_B=z(B),
-            finished_B=z(B, dtype=torch.bool), think_B=z(B, dtype=torch.bool), hist_K1=z(K + 1),
-            relaxed_only=z(()), row_steps=z(()), new_BK1=z(B, K + 1), keep_B=z(B), acc_B=z(B),
-        )
-
-    def _reset(self, st: "DecodeState", prompts: list[list[int]], max_new: int) -> None:
-        """Load a call's prompts; every counter back to its start (stale buffer contents past a row's length
-        are never read)."""
-        st.Tp = max(len(p) for p in prompts)
-        for b, p in enumerate(prompts):
-            st.tokens[b, : len(p)] = torch.tensor(p, device=self.dev)
-        st.P_B.copy_(torch.tensor([len(p) for p in prompts]))
-        st.max_new_B.fill_(max_new)
-        st.gen_B.fill_(1)
-        for t in (st.n_B, st.p0_B, st.finished_B, st.think_B, st.hist_K1, st.relaxed_only, st.row_steps,
-                  st.new_BK1, st.keep_B, st.acc_B):
-            t.zero_()
-        st.cache.reset()  # the prefill writes from position 0
-        for c in getattr(st.proposer, "caches", ()):
-            c.reset()
-
-    def _bound(self, st: "DecodeState", host: torch.Tensor) -> int:
+    def bound(self, st: DecodeState, host: torch.Tensor) -> int:
         """Bound on the positions a step touches. On CUDA always the buffer length, so eager, graph and overlap
         run the very same kernels on the same shapes (bitwise-equal outputs); on CPU the host-known max of n."""
         return st.max_len - self.g.draft.k if self.dev.type == "cuda" else int(host[0].max())
 
-    def _prefill(self, st: "DecodeState") -> None:
+    def _prefill(self, st: DecodeState) -> None:
         """Target prefill (right-padded: padding sits after each row's prompt, so it never affects it) and the
         first token. Leaves n = P + 1 and the target cache at P positions."""
         m, g, dcfg, dev = self.model, self.g, self.g.draft, self.dev
@@ -291,7 +171,7 @@ class Engine:
         if g.think_ids is not None:
             st.think_B.copy_(update_think_state(st.think_B, st.tokens[:, :Tp],
                                                 torch.arange(Tp, device=dev) < P_B.unsqueeze(1), *g.think_ids))
-        first = self._verify(st.tokens[:, :0], None, last, st.think_B).next_token_B
+        first = self.verify(st.tokens[:, :0], None, last, st.think_B).next_token_B
         st.tokens[torch.arange(B, device=dev), P_B] = first
         st.n_B.copy_(P_B + 1)
         st.finished_B.copy_(torch.isin(first, self.stop_ids) | (st.gen_B >= st.max_new_B))
@@ -301,7 +181,7 @@ class Engine:
         st.new_BK1[:, 0] = first
         st.keep_B.fill_(1)
 
-    def _draft_prefill(self, st: "DecodeState", host: torch.Tensor) -> None:
+    def _draft_prefill(self, st: DecodeState, host: torch.Tensor) -> None:
         """Run the draft modules over the whole prompt (window p0 = 0, W = longest prompt) so their caches hold
         every committed position; from then on each step, the first included, recomputes only the steady
         window, so one captured graph serves them all. The drafts made here are scratch (argmax, no random
@@ -309,61 +189,40 @@ class Engine:
         prefill = getattr(st.proposer, "prefill", None)  # custom proposers without caches need none
         if prefill is None:
             return
-        prefill(st.tokens, st.hidden, st.n_B, st.Tp, max_n=self._bound(st, host), chunk=self.g.prefill_chunk)
+        prefill(st.tokens, st.hidden, st.n_B, st.Tp, max_n=self.bound(st, host), chunk=self.g.prefill_chunk)
         st.p0_B.copy_((st.n_B - 1 - self.g.draft.window()).clamp_min(0))
 
-    def _step(self, st: "DecodeState", W: int, max_n: int, marks: list | None = None) -> None:
+    def step(self, st: DecodeState, W: int, max_n: int, marks: list | None = None) -> None:
         """One speculative step, device ops only, every update in place (so a CUDA graph can replay it).
         `max_n` bounds the positions touched (host-known max of n, or the buffer length for graphs).
         `marks`: eager timing only; gets a clock reading between drafting and verification."""
         m, g, dcfg = self.model, self.g, self.g.draft
-        K, B = dcfg.k, st.B
-        rows = torch.arange(B, device=self.dev)
+        K = dcfg.k
         ar = torch.arange(K + 1, device=self.dev)
         n_B = st.n_B
         active_B = ~st.finished_B
-        if K:
-            drafts, q = st.proposer.propose(st.tokens, st.hidden, n_B, st.p0_B, W, self._draw, max_n=max_n)
-            # The verify input is read from `tokens`: write the returned drafts there, so what is verified
-            # is exactly what was proposed, whether or not the proposer wrote them itself.
-            st.tokens.scatter_(1, n_B.unsqueeze(1) + ar[:K], drafts)
+        if K:  # propose: the proposer writes the drafts at n.. of `tokens` (where verify reads them)
+            drafts, q = st.proposer.propose(st.tokens, st.hidden, n_B, st.p0_B, W, self.draw, max_n=max_n)
         else:
             drafts, q = st.tokens[:, :0], None
         if marks is not None:
             marks.append(self._clock())
-        vin = st.tokens.gather(1, (n_B - 1).unsqueeze(1) + ar)  # [x_{n-1}, d_1..d_K]
+        # verify: one target forward over [x_{n-1}, d_1..d_K]
+        vin = st.tokens.gather(1, (n_B - 1).unsqueeze(1) + ar)
         out = m(vin, st.cache, kv_len=min(max_n + K, st.max_len))
         st.hidden.scatter_(1, ((n_B - 1).unsqueeze(1) + ar).unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]),
                            pick_hidden(out, dcfg.target_hidden))
-        v = self._verify(drafts, q, out.logits, st.think_B)
-
-        # ---- accept: drafts d_1..d_a then the target token, cut at a stop token and at max_new_tokens
-        a_B = torch.where(active_B, v.accept_len_B, torch.zeros_like(v.accept_len_B))
-        new_BK1 = torch.cat((drafts, torch.zeros_like(a_B).unsqueeze(1)), 1)
-        new_BK1[rows, a_B] = v.next_token_B
-        valid_BK1 = ar.unsqueeze(0) <= a_B.unsqueeze(1)
-        is_stop = torch.isin(new_BK1, self.stop_ids) & valid_BK1
-        first_stop = torch.where(is_stop.any(1), is_stop.long().argmax(1), torch.full_like(a_B, K + 1))
-        keep_B = torch.minimum(torch.minimum(a_B + 1, first_stop + 1), st.max_new_B - st.gen_B)
-        keep_B = torch.where(active_B, keep_B, torch.zeros_like(keep_B))
-        kept_BK1 = ar.unsqueeze(0) < keep_B.unsqueeze(1)
-        # ---- commit + rollback (rolling back is lowering lengths: no copy)
-        pos = (n_B.unsqueeze(1) + ar).clamp_max(st.max_len - 1)
-        st.tokens.scatter_(1, pos, torch.where(kept_BK1, new_BK1, st.tokens.gather(1, pos)))
-        if g.think_ids is not None:
-            st.think_B.copy_(update_think_state(st.think_B, new_BK1, kept_BK1, *g.think_ids))
-        st.n_B.add_(keep_B)
-        st.gen_B.add_(keep_B)
-        st.finished_B.copy_(st.finished_B | (is_stop & kept_BK1).any(1) | (st.gen_B >= st.max_new_B))
-        st.cache.truncate(st.n_B - 1)
-        st.p0_B.copy_((st.n_B - 1 - dcfg.window()).clamp_min(0))
-        # ---- metrics, on the device (no sync)
-        st.hist_K1.scatter_add_(0, a_B, active_B.long())
+        v = self.verify(drafts, q, out.logits, st.think_B)
+        # accept + commit (rolling back is lowering lengths: no copy)
+        acc = accept(drafts, v, active_B, self.stop_ids, st.max_new_B - st.gen_B)
+        commit(st, acc, g.think_ids, dcfg.window())
+        # metrics, on the device (no sync)
+        st.hist_K1.scatter_add_(0, acc.accepted_B, active_B.long())
         st.relaxed_only.add_((v.relaxed_only_B * active_B).sum())
         st.row_steps.add_(active_B.long().sum())
-        st.new_BK1.copy_(new_BK1)
-        st.keep_B.copy_(keep_B)
-        st.acc_B.copy_(torch.minimum(a_B, keep_B))
+        st.new_BK1.copy_(acc.new_BK1)
+        st.keep_B.copy_(acc.keep_B)
+        st.acc_B.copy_(torch.minimum(acc.accepted_B, acc.keep_B))
 
     # ------------------------------------------------------------------ loop
     @torch.no_grad()
@@ -379,7 +238,7 @@ class Engine:
         K, B = dcfg.k, len(prompts)
         met = SpecMetrics(k=K, draft=dcfg.mode, verify=g.verify, n_rows=B, prompt_tokens=int(sum(map(len, prompts))),
                           hidden_options={"target_hidden": dcfg.target_hidden, "chain_hidden": dcfg.chain_hidden})
-        st = self._state_for(prompts, max_new)
+        st = self.pool.get(prompts, max_new)
         self.gen.manual_seed(g.seed)  # every call draws as a fresh engine would (reused engines included)
         fw0 = getattr(st.proposer, "draft_forwards", 0)
         t0 = self._clock()
@@ -396,7 +255,7 @@ class Engine:
         if self.g.mode == "eager":
             while not bool(host[1].all()):
                 marks = [self._clock()]
-                self._step(st, W, self._bound(st, host), marks)
+                self.step(st, W, self.bound(st, host), marks)
                 ta, tm, tb = marks[0], marks[1], self._clock()
                 host = torch.stack((st.n_B, st.finished_B.long())).cpu()  # sync: loop condition + bounds
                 met.target_forwards += 1
@@ -404,10 +263,8 @@ class Engine:
                 met.time_draft_s += tm - ta
                 met.time_verify_s += tb - tm
                 met.time_host_s += time.perf_counter() - tb
-        else:
-            from .graphs import run_captured
-
-            run_captured(self, st, met, emit, host, W)
+        elif not bool(host[1].all()):
+            self.runner.run(st, met, emit, W, self.bound(st, host), overlap=self.g.mode == "overlap")
         met.time_decode_s = time.perf_counter() - t1
         met.accepted_hist = st.hist_K1.tolist()
         met.row_steps = int(st.row_steps)
@@ -430,36 +287,6 @@ class Engine:
             reasons.append("stop" if seq and seq[-1] in stop_set else "length")
         met.new_tokens = sum(len(s) for s in result)
         return GenerateResult(result, reasons, met)
-
-
-@dataclass
-class DecodeState:
-    """Every tensor a step reads or writes; allocated once per (batch, buffer length), reused by later calls of
-    the same Engine, updated in place."""
-
-    tokens: torch.Tensor  # [B, S] committed tokens (drafts scratch past n)
-    hidden: torch.Tensor  # [B, S, D] target hidden per position (valid < n-1)
-    cache: object  # KVCache of the target
-    proposer: object | None
-    P_B: torch.Tensor  # prompt lengths
-    Tp: int  # longest prompt of the current call
-    max_len: int
-    n_B: torch.Tensor  # committed length
-    gen_B: torch.Tensor  # generated so far
-    max_new_B: torch.Tensor  # this call's max_new_tokens (a tensor, so a captured step serves any value)
-    p0_B: torch.Tensor  # draft window start
-    finished_B: torch.Tensor
-    think_B: torch.Tensor  # inside a thinking span after the last committed token
-    hist_K1: torch.Tensor  # accepted-count histogram (device)
-    relaxed_only: torch.Tensor
-    row_steps: torch.Tensor
-    new_BK1: torch.Tensor  # last step: candidate tokens; first keep_B of each row were committed
-    keep_B: torch.Tensor
-    acc_B: torch.Tensor  # last step: committed drafts per row
-
-    @property
-    def B(self) -> int:
-        return self.tokens.shape[0]
 
 
 class _Emitter:

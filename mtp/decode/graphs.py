@@ -1,6 +1,6 @@
-"""Whole-step CUDA graph and the overlap scheduler.
+"""The graph runner: the whole speculative step as one CUDA graph, replayed, optionally overlapped with the host.
 
-`Engine._step` is device work only, on buffers allocated once (`DecodeState`), with every update done in place
+The engine's `step` is device work only, on buffers allocated once (`DecodeState`), with every update done in place
 and a static bound on the cache positions it touches. So one speculative step -- K drafts, the target verify
 forward over K+1 tokens, verification, commit and cache rollback -- is captured as ONE CUDA graph and replayed.
 
@@ -18,34 +18,31 @@ overlap: replay step n+1 BEFORE the host reads step n (outputs staged in two pin
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
+from ..model.deepseek import DeepseekV32
 from .metrics import SpecMetrics
+from .state import DecodeState
 
 
-def _capture(engine, st, W: int, max_n: int) -> tuple[torch.cuda.CUDAGraph, float, int]:
-    saved = st.finished_B.clone()
-    st.finished_B.fill_(True)
-    torch.cuda.synchronize()
-    free0 = torch.cuda.mem_get_info()[0]
-    t0 = time.perf_counter()
+def capture_graph(fn: Callable[[], None], generator: torch.Generator | None = None,
+                  warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """`fn` captured as one CUDA graph, after `warmup` runs on a side stream (lazy inits, allocator, Triton
+    autotune happen outside the capture). `generator`: its draws advance on every replay."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):  # warm-up: lazy inits, allocator, Triton autotune, outside the capture
-            engine._step(st, W, max_n)
+        for _ in range(warmup):
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    if engine.gen is not None and hasattr(graph, "register_generator_state"):
-        graph.register_generator_state(engine.gen)  # sampling draws advance correctly on every replay
+    if generator is not None and hasattr(graph, "register_generator_state"):
+        graph.register_generator_state(generator)
     with torch.cuda.graph(graph):
-        engine._step(st, W, max_n)
-    torch.cuda.synchronize()
-    capture_s = time.perf_counter() - t0
-    graph_bytes = max(free0 - torch.cuda.mem_get_info()[0], 0)
-    st.finished_B.copy_(saved)
-    return graph, capture_s, graph_bytes
+        fn()
+    return graph
 
 
 class _Slot:
@@ -67,53 +64,81 @@ class _Slot:
         self.ready.record()
 
 
-def run_captured(engine, st, met: SpecMetrics, emit, host: torch.Tensor, W: int) -> None:
-    """Every step after the prefill (the draft caches were filled over the prompt) replays one graph."""
-    mode = engine.g.mode
-    if bool(host[1].all()):
-        return
-    max_n = engine._bound(st, host)  # static on CUDA: the verify forward may touch every slot
-    if engine.graphs_version != engine.model.version:  # modules swapped since capture (fast path on/off, ...)
-        engine.graphs.clear()
-        engine.graphs_version = engine.model.version
-    key = (st.B, st.max_len)
-    if key not in engine.graphs:  # captured once per (batch, buffer length); later calls replay it
-        engine.graphs[key] = _capture(engine, st, W, max_n)
-    graph, met.graph_capture_s, met.graph_pool_bytes = engine.graphs[key]
-    starts, ends = [], []
+class GraphRunner:
+    """Owns one engine's captured steps: one graph per (batch, buffer length), captured on first use, dropped
+    with its buffers (`drop`) or when the model's modules were swapped since (`model.version`).
 
-    def launch(slot: _Slot) -> None:
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        starts.append(s)
-        ends.append(e)
-        slot.stage(st)
+    `step(st, W, max_n)` is the engine's device-only step; `run` replays it until every row is finished,
+    reading each step's outputs from pinned host slots (graph), or one step late (overlap)."""
 
-    def consume(slot: _Slot) -> bool:
-        slot.ready.synchronize()
-        met.target_forwards += 1
-        emit(slot.new.tolist(), slot.keep.tolist(), slot.acc.tolist())
-        return bool(slot.finished.all())
+    def __init__(self, model: DeepseekV32, step: Callable[[DecodeState, int, int], None],
+                 generator: torch.Generator | None):
+        self.model, self.step, self.generator = model, step, generator
+        self.graphs: dict[tuple[int, int], tuple] = {}  # (batch, buffer length) -> (graph, capture s, pool bytes)
+        self.version = model.version
 
-    slots = [_Slot(st), _Slot(st)]
-    if mode == "graph":
-        while True:
+    def drop(self, key: tuple[int, int]) -> None:
+        self.graphs.pop(key, None)
+
+    def capture(self, st: DecodeState, W: int, max_n: int) -> tuple[torch.cuda.CUDAGraph, float, int]:
+        """Capture needs a step that changes nothing: every row is marked finished for the warm-up and capture
+        runs, then the flags are restored."""
+        saved = st.finished_B.clone()
+        st.finished_B.fill_(True)
+        torch.cuda.synchronize()
+        free0 = torch.cuda.mem_get_info()[0]
+        t0 = time.perf_counter()
+        graph = capture_graph(lambda: self.step(st, W, max_n), self.generator)
+        torch.cuda.synchronize()
+        capture_s = time.perf_counter() - t0
+        graph_bytes = max(free0 - torch.cuda.mem_get_info()[0], 0)
+        st.finished_B.copy_(saved)
+        return graph, capture_s, graph_bytes
+
+    def run(self, st: DecodeState, met: SpecMetrics, emit, W: int, max_n: int, overlap: bool) -> None:
+        """Every step after the prefill (the draft caches were filled over the prompt) replays one graph.
+        `max_n`: the static bound on the cache positions a step touches; `emit(new, keep, acc)` per step."""
+        if self.version != self.model.version:  # modules swapped since capture (fast path on/off, ...)
+            self.graphs.clear()
+            self.version = self.model.version
+        key = (st.B, st.max_len)
+        if key not in self.graphs:  # captured once per (batch, buffer length); later calls replay it
+            self.graphs[key] = self.capture(st, W, max_n)
+        graph, met.graph_capture_s, met.graph_pool_bytes = self.graphs[key]
+        starts, ends = [], []
+
+        def launch(slot: _Slot) -> None:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            graph.replay()
+            e.record()
+            starts.append(s)
+            ends.append(e)
+            slot.stage(st)
+
+        def consume(slot: _Slot) -> bool:
+            slot.ready.synchronize()
+            met.target_forwards += 1
+            emit(slot.new.tolist(), slot.keep.tolist(), slot.acc.tolist())
+            return bool(slot.finished.all())
+
+        slots = [_Slot(st), _Slot(st)]
+        if not overlap:
+            while True:
+                launch(slots[0])
+                if consume(slots[0]):
+                    break
+        else:
             launch(slots[0])
-            if consume(slots[0]):
-                break
-    else:  # overlap
-        launch(slots[0])
-        i = 0
-        while True:
-            launch(slots[1 - i])  # step n+1 goes to the GPU before the host looks at step n
-            if consume(slots[i]):
-                break
-            i = 1 - i
-    torch.cuda.synchronize()
-    step_ms = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-    gaps = [max(ends[j].elapsed_time(starts[j + 1]), 0.0) for j in range(len(starts) - 1)]
-    met.gpu_busy_ms = sum(step_ms)
-    met.gpu_idle_ms = sum(gaps)
-    met.graph_replays = len(starts)
+            i = 0
+            while True:
+                launch(slots[1 - i])  # step n+1 goes to the GPU before the host looks at step n
+                if consume(slots[i]):
+                    break
+                i = 1 - i
+        torch.cuda.synchronize()
+        step_ms = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        gaps = [max(ends[j].elapsed_time(starts[j + 1]), 0.0) for j in range(len(starts) - 1)]
+        met.gpu_busy_ms = sum(step_ms)
+        met.gpu_idle_ms = sum(gaps)
+        met.graph_replays = len(starts)

@@ -121,7 +121,7 @@ def test_captured_step_is_reused_across_calls():
             want = generate(m, prompts, n, draft="eagle", k=2, mode="eager")
             assert got.tokens == want.tokens, (mode, n)
         (engine,) = _ENGINES[m].values()
-        assert len(engine.graphs) == 1  # one capture served the three calls
+        assert len(engine.runner.graphs) == 1  # one capture served the three calls
 
 
 def test_switching_paths_drops_kept_graphs(model):
@@ -131,7 +131,7 @@ def test_switching_paths_drops_kept_graphs(model):
 
     def kept_graph():
         (engine,) = _ENGINES[model].values()
-        (entry,) = engine.graphs.values()
+        (entry,) = engine.runner.graphs.values()
         return entry[0]
 
     _ENGINES.pop(model, None)
