@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..model.cache import KVCache
 from ..model.config import BLOCK, ModelConfig
 from .layout import MLP_SPLITS, ParallelPlan, RankLayout
 from ..checkpoint.inventory import checkpoint_spec
@@ -113,9 +114,7 @@ def weight_bytes_by_rank(cfg: ModelConfig, plan: ParallelPlan, dtype: torch.dtyp
 
 def kv_bytes_per_token_layer(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, quantized: bool = True) -> int:
     """Bytes one position of one layer takes in `mtp.model.cache.KVCache` (fp8 numerics store real FP8)."""
-    C, R, Dk = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
-    store = 1 if quantized else _itemsize(dtype)
-    return C * store + max(C // BLOCK, 1) * 4 + R * _itemsize(dtype) + Dk * store + 4
+    return KVCache.bytes_per_position(cfg, dtype, quantized)
 
 
 def draft_cache_layers(draft: str, k: int) -> int:
