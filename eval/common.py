@@ -48,25 +48,10 @@ def tokenizer_path(model_cfg: Any) -> Path:
     return Path(model_cfg.tokenizer).expanduser() if model_cfg.tokenizer else model_path(model_cfg)
 
 
-def graph_modes_available() -> bool:
-    """Whether this `mtp` has the CUDA-graph runner behind generate(mode='graph' | 'overlap')."""
-    import dataclasses
-    import importlib.util
-
-    from mtp.decode.config import GenerationConfig
-
-    return importlib.util.find_spec("mtp.decode.graphs") is not None and \
-        "mode" in {f.name for f in dataclasses.fields(GenerationConfig)}
-
-
 def check_runtime(rt: Any) -> None:
     """Refuse settings that are valid config but cannot run here, before anything is loaded."""
     mode = value(rt.mode)
     if mode != RunMode.eager.value:
-        if not graph_modes_available():
-            raise NotAvailableError(
-                f"runtime.mode={mode} is not available yet: the CUDA-graph / overlapped runners are still being "
-                "built; use runtime.mode=eager")
         if not rt.device.startswith("cuda"):
             raise NotAvailableError(f"runtime.mode={mode} captures CUDA graphs and needs runtime.device=cuda, "
                                     f"got {rt.device}; use runtime.mode=eager on the CPU")

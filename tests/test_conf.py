@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import eval.schema as schema
-from eval.common import NotAvailableError, check_runtime, generate_kwargs, graph_modes_available
+from eval.common import NotAvailableError, check_runtime, generate_kwargs
 from eval.data import builtin_suites, load_prompts
 from eval.loggers import NullLogger, WandbLogger
 
@@ -145,9 +145,9 @@ def test_bad_overrides_fail_at_composition(overrides, message):
         compose_eval(overrides)
 
 
-def test_graph_modes_are_validated_and_refused_until_the_runner_exists():
+def test_graph_modes_need_cuda():
     rt = schema.validate(compose_eval(["runtime.mode=graph"])).runtime
-    with pytest.raises(NotAvailableError, match="not available yet" if not graph_modes_available() else "cuda"):
+    with pytest.raises(NotAvailableError, match="cuda"):
         check_runtime(rt)
 
 
