@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from mtp.chat.session import loop
 from mtp.chat.terminal import ScriptedInput, StopFlag, TerminalView, printable
@@ -83,7 +84,8 @@ class FakeGenerate:
 
 
 def make(tok, n_mtp=1, max_pos=4096, **settings):
-    model = SimpleNamespace(n_mtp=n_mtp, cfg=SimpleNamespace(max_position_embeddings=max_pos))
+    model = SimpleNamespace(n_mtp=n_mtp, device=torch.device("cpu"),
+                            cfg=SimpleNamespace(max_position_embeddings=max_pos, vocab_size=tok.vocab_size))
     view, gen = RecordingView(), FakeGenerate(tok)
     s = Settings(**{"max_new_tokens": 32, "draft": "eagle", "k": 1, **settings})
     return Session(model, tok, s, view, generate=gen), view, gen

@@ -26,7 +26,7 @@ from typing import Any
 
 from .turn import TRANSCRIPT_FORMAT, ReplyStream, StepLog, Turn, View, stats_line
 from ..utils import write_json_atomic
-from ..draft.proposer import DraftConfig
+from ..decode.config import GenerationConfig
 from ..decode.engine import StepEvent
 from ..decode.options import DRAFTS, MAX_K, VERIFIERS, draft_room
 from ..decode.metrics import SpecMetrics
@@ -222,16 +222,17 @@ class Session:
         self.check_settings(new)
         self.settings = new
 
+    def generation_config(self, s: Settings) -> GenerationConfig:
+        """The settings as the engine's options (think ids from the tokenizer: relaxed needs them)."""
+        kwargs = {"think_ids": (self.tok.think_id, self.tok.end_think_id), **s.options}
+        return GenerationConfig.from_options(s.max_new_tokens, s.draft, s.effective_k, s.verify, **kwargs)
+
     def check_settings(self, s: Settings) -> None:
+        """The engine's own validation (`GenerationConfig.validate`), its message shown as a command error."""
         try:
-            DraftConfig(mode=s.draft, k=s.effective_k, reuse_modules=bool(s.options.get("reuse_modules", False)),
-                        ).validate(self.model.n_mtp)
-        except ValueError as e:
+            self.generation_config(s).validate(self.model)
+        except (ValueError, TypeError) as e:
             raise CommandError(str(e)) from None
-        if s.verify not in VERIFIERS:
-            raise CommandError(f"verify must be one of {', '.join(VERIFIERS)}, got {s.verify!r}")
-        if s.options.get("draft_sampling") == "sample" and s.verify != "sample":
-            raise CommandError("sampled drafts (draft_sampling=sample) need /verify sample to stay lossless")
 
     # ------------------------------------------------------------------ statistics and transcript
     def totals(self) -> list[str]:
