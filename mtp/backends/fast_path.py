@@ -28,26 +28,27 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import available
+from ..kernels.cache_write import cache_write
+from ..kernels.fp8_gemm import fp8_linear
+from ..kernels.indexer import indexer_topk
+from ..kernels.mla_decode import mla_decode
+from ..kernels.moe import MAX_TOKENS as MOE_KERNEL_MAX_TOKENS
+from ..kernels.moe import moe_experts, moe_route
 from ..model.attention import MLA
 from ..model.deepseek import DeepseekV32
+from ..model.fp8 import acc_dtype
 from ..model.layers import MLP, Linear, glue
 from ..model.moe import MoE
-
-MOE_KERNEL_MAX_TOKENS = 64  # the expert kernels take <= 64 tokens (decode / verify); longer blocks: reference
 
 
 class FastLinear(Linear):
     """FP8 weights through `fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above)."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.fp8_gemm import fp8_linear
-
         return fp8_linear(x, self.weight, self.weight_scale_inv)
 
     def matmul_acc(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.fp8_gemm import fp8_linear
-        from ..model.fp8 import acc_dtype
-
         if self.in_features == 0:
             return super().matmul_acc(x)
         return fp8_linear(x, self.weight, self.weight_scale_inv, out_dtype=acc_dtype(x.dtype))
@@ -61,8 +62,6 @@ class FastMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up is None:
             return super().forward(x)
-        from ..kernels.fp8_gemm import fp8_linear
-
         gu = fp8_linear(x, *self.fused_gate_up)
         i = self.gate_proj.out_features
         return self.down_proj(glue.silu_mul(gu[..., :i], gu[..., i:], x.dtype))
@@ -78,8 +77,6 @@ class FastMoE(MoE):
     def routed(self, x_ND: torch.Tensor) -> torch.Tensor:
         if x_ND.shape[0] > MOE_KERNEL_MAX_TOKENS:
             return super().routed(x_ND)
-        from ..kernels.moe import moe_experts, moe_route
-
         g = self.gate
         w_NK, ids_NK = moe_route(x_ND, g.weight, g.e_score_correction_bias, n_group=g.n_groups,
                                  topk_group=g.topk_groups, topk=g.topk, route_scale=g.route_scale)
@@ -159,8 +156,6 @@ def fast_module(mod: torch.nn.Module, mm_fp32: bool = False) -> None:
 
 def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV32:
     """compile_glue: torch.compile the elementwise glue (mtp.model.layers.Glue) into fused kernels."""
-    from ..kernels import available
-
     if not available():
         raise RuntimeError("the Triton fast path needs triton and a CUDA device; use the reference path")
     if model.device.type != "cuda":
@@ -250,9 +245,6 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int) -> torch.
     """The whole MLA block of a decode / verify step on the kernels: the fused input projections
     (q_a | indexer wk | kv_a, then q_b | indexer wq_b), the FP8 cache write in one launch, the indexer top-k and
     absorbed attention over the cache, o_proj. Same formulas as `MLA.forward`'s absorbed path."""
-    from ..kernels.cache_write import cache_write
-    from ..kernels.fp8_gemm import fp8_linear
-
     B, T, _ = x_BTD.shape
     dt = x_BTD.dtype
     ix = mla.indexer
@@ -282,9 +274,6 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Absorbed MLA over the FP8 cache with the indexer's top-k: returns o [B, T, H, V] in out_dtype.
     iq_BTHD: the indexer queries, rotated (`Indexer.queries`), before quantization."""
-    from ..kernels.indexer import indexer_topk
-    from ..kernels.mla_decode import mla_decode
-
     ix = mla.indexer
     q8, qs = glue.act_quant(iq_BTHD)  # qs [B, T, Hi, 1]
     if mla.w_idx_t is not None and x_BTD.dtype == torch.bfloat16:
