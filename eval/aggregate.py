@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from statistics import median
 
-from mtp.metrics import SpecMetrics
+from mtp.decode.metrics import SpecMetrics
 
 from . import quality
 

@@ -35,7 +35,7 @@ def reachable(url: str, timeout_s: float = 3.0) -> bool:
 def model_path(model_cfg: Any) -> Path:
     """The checkpoint folder: model.path, or the bundled tiny checkpoint when it is null."""
     if model_cfg.path is None:
-        from mtp.tiny import default_checkpoint
+        from mtp.checkpoint.tiny import default_checkpoint
 
         return default_checkpoint()
     path = Path(model_cfg.path).expanduser()
@@ -48,25 +48,10 @@ def tokenizer_path(model_cfg: Any) -> Path:
     return Path(model_cfg.tokenizer).expanduser() if model_cfg.tokenizer else model_path(model_cfg)
 
 
-def graph_modes_available() -> bool:
-    """Whether this `mtp` has the CUDA-graph runner behind generate(mode='graph' | 'overlap')."""
-    import dataclasses
-    import importlib.util
-
-    from mtp.engine import GenerationConfig
-
-    return importlib.util.find_spec("mtp.runner") is not None and \
-        "mode" in {f.name for f in dataclasses.fields(GenerationConfig)}
-
-
 def check_runtime(rt: Any) -> None:
     """Refuse settings that are valid config but cannot run here, before anything is loaded."""
     mode = value(rt.mode)
     if mode != RunMode.eager.value:
-        if not graph_modes_available():
-            raise NotAvailableError(
-                f"runtime.mode={mode} is not available yet: the CUDA-graph / overlapped runners are still being "
-                "built; use runtime.mode=eager")
         if not rt.device.startswith("cuda"):
             raise NotAvailableError(f"runtime.mode={mode} captures CUDA graphs and needs runtime.device=cuda, "
                                     f"got {rt.device}; use runtime.mode=eager on the CPU")
@@ -93,7 +78,7 @@ def build(cfg: Any):
     model = mtp.load_model(path, device=rt.device, dtype=getattr(torch, value(rt.dtype)),
                            numerics=value(cfg.model.numerics), n_mtp=cfg.model.n_mtp)
     if rt.fast_path:
-        from mtp.fastpath import enable_fast_path
+        from mtp.backends.fast_path import enable_fast_path
 
         enable_fast_path(model)
     tokenizer = Tokenizer.from_dir(tokenizer_path(cfg.model))

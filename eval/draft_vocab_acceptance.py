@@ -15,7 +15,7 @@ import torch
 
 import mtp
 from mtp.draft.vocab import top_ids
-from mtp.tiny import default_checkpoint
+from mtp.checkpoint.tiny import default_checkpoint
 from mtp.train.data import Dataset
 from mtp.train.evaluate import eval_prompts
 from mtp.utils import write_json_atomic

@@ -21,8 +21,9 @@ import time
 
 import torch
 
-from mtp.fp8 import fp8_gemm_ref, weight_quant
-from mtp.fp8 import act_quant as act_quant_ref
+from mtp.model.fp8 import fp8_gemm_ref, weight_quant
+from mtp.model.fp8 import act_quant as act_quant_ref
+from mtp.decode.graphs import capture_graph
 from mtp.kernels import available
 from mtp.kernels.act_quant import act_quant
 from mtp.kernels.fp8_gemm import default_plan, default_splits, fp8_linear
@@ -63,16 +64,11 @@ def graph_us(fns, reps: int = 15) -> float:
     for f in fns:
         f()
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+    def run_all() -> None:
         for f in calls:
             f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in calls:
-            f()
+
+    g = capture_graph(run_all, warmup=1)
     g.replay()
     torch.cuda.synchronize()
     ts = []

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtp.utils import write_atomic
 
+from . import conf_dir
 from .common import NotAvailableError, build, check_runtime, generate_kwargs
 from .data import DataError, Prompt, load_prompts
 from .schema import DraftName, EvalConfig, SchemaError, StrictVerifySchema, validate, value
@@ -157,8 +158,9 @@ def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tok
 
 
 def _check_lengths(cfg: EvalConfig, model, prompts: list[Prompt], ids: dict[str, list[int]], k: int) -> None:
-    # The engine's buffer is prompt + max_new_tokens + 3k + 2 long (room for drafts past the last token).
-    limit = model.cfg.max_position_embeddings - 3 * k - 2
+    from mtp.decode.options import draft_room  # the engine's buffer: prompt + max_new_tokens + draft room
+
+    limit = model.cfg.max_position_embeddings - draft_room(k)
     what = "the model's max_position_embeddings (minus draft room)"
     if cfg.runtime.max_model_len is not None and cfg.runtime.max_model_len < limit:
         limit, what = cfg.runtime.max_model_len, "runtime.max_model_len"
@@ -232,9 +234,9 @@ def _strict_kwargs(kw: dict) -> dict:
 
 def _user_errors() -> tuple:
     errors = (SchemaError, DataError, StoreError, NotAvailableError, SetupError)
-    if "mtp.checkpoint" in sys.modules:  # torch is imported only once the config is valid
-        from mtp.checkpoint import CheckpointError
-        from mtp.config import ConfigError
+    if "mtp.checkpoint.files" in sys.modules:  # torch is imported only once the config is valid
+        from mtp.checkpoint.files import CheckpointError
+        from mtp.model.config import ConfigError
 
         errors += (CheckpointError, ConfigError)
     return errors
@@ -357,11 +359,7 @@ def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -
     }
 
 
-# An absolute path: relative ones resolve as Python packages when run as a console script, and conf/ is not one.
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-
-
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval")
+@hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="eval")
 def main(cfg: DictConfig) -> float:
     return evaluate(cfg)
 

@@ -19,7 +19,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-MAX_K = 16  # drafts per step; far above where acceptance of position k is still useful
+from mtp.decode.options import MAX_K
+
 
 
 class SchemaError(ValueError):
@@ -86,7 +87,7 @@ def value(x: Any) -> Any:
 @dataclass
 class ModelSchema:
     name: str = MISSING
-    path: Optional[str] = MISSING  # null: the bundled tiny checkpoint (mtp.tiny.default_checkpoint())
+    path: Optional[str] = MISSING  # null: the bundled tiny checkpoint (mtp.checkpoint.tiny.default_checkpoint())
     tokenizer: Optional[str] = None  # folder with tokenizer.json; None: the checkpoint folder
     numerics: Numerics = Numerics.fp8
     n_mtp: Optional[int] = None  # MTP layers to load; None: all the checkpoint has
@@ -170,10 +171,10 @@ class RuntimeSchema:
     dtype: DType = DType.float32
     batch_size: int = 1  # prompts per generate call (mtp-eval); batches never mix categories
     max_model_len: Optional[int] = None  # prompt + max_new_tokens cap; None: the model's context length
-    mode: RunMode = RunMode.eager  # graph / overlap: CUDA-graph runner (mtp/runner.py), CUDA only
+    mode: RunMode = RunMode.eager  # graph / overlap: CUDA-graph runner (mtp/decode/graphs.py), CUDA only
     num_threads: Optional[int] = None  # torch CPU threads; None: torch's default
     warmup: bool = True  # one short untimed generate before measuring
-    fast_path: bool = False  # Triton kernels + fused glue (mtp.fastpath), CUDA + fp8 numerics only
+    fast_path: bool = False  # Triton kernels + fused glue (mtp.backends.fast_path), CUDA + fp8 numerics only
     prefill_chunk: Optional[int] = None  # prefill in chunks of this many tokens (long prompts); None: one pass
 
     def __post_init__(self):
@@ -256,12 +257,12 @@ class LoggerSchema:
 
 @dataclass
 class NullLoggerSchema(LoggerSchema):
-    _target_: str = "eval.loggers.NullLogger"
+    _target_: str = f"{__package__}.loggers.NullLogger"
 
 
 @dataclass
 class WandbLoggerSchema(LoggerSchema):
-    _target_: str = "eval.loggers.WandbLogger"
+    _target_: str = f"{__package__}.loggers.WandbLogger"
     project: str = "mtp-spec"
     entity: Optional[str] = None
     mode: WandbMode = WandbMode.auto
@@ -338,6 +339,9 @@ def _check_pair(draft: DraftSchema, verify: VerifySchema) -> None:
 
 
 def register() -> None:
+    # `_target_`s name this package as it is imported: `eval` in the repository, `mtp_eval` once installed
+    if not OmegaConf.has_resolver("eval_pkg"):
+        OmegaConf.register_new_resolver("eval_pkg", lambda: __package__)
     cs = ConfigStore.instance()
     cs.store(name="eval_schema", node=EvalConfig)
     cs.store(name="chat_schema", node=ChatConfig)

@@ -23,7 +23,7 @@ from .timing import capture, copy_bandwidth, kernel_profile, time_ms
 def _count_experts(model, ids) -> tuple[dict, list]:
     """Distinct routed experts per layer for the tokens of one forward: a pre-hook re-runs the (cheap)
     reference router on each MoE input, whichever path computes the experts."""
-    from .moe import MoE
+    from .model.moe import MoE
 
     seen: dict[int, set] = {}
     hooks = []
@@ -37,9 +37,9 @@ def _count_experts(model, ids) -> tuple[dict, list]:
 
 
 def bench_ours(args, bw: float) -> dict:
-    from .engine import generate, release
-    from .fastpath import enable_fast_path
-    from .layers import glue
+    from .decode.engine import generate, release
+    from .backends.fast_path import enable_fast_path
+    from .model.layers import glue
     from .synthetic import random_model, real_config
 
     cfg = real_config(layers=args.layers, dense_layers=args.dense_layers, mtp_modules=1)

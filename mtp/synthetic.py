@@ -14,13 +14,13 @@ import math
 
 import torch
 
-from . import fp8
-from .cache import KVCache
-from .checkpoint import ckpt_name
-from .config import ModelConfig, RuntimeOptions
-from .layers import yarn_inv_freq
-from .model import DeepseekV32
-from .spec import TensorSpec, checkpoint_spec
+from .checkpoint.files import ckpt_name
+from .checkpoint.inventory import TensorSpec, checkpoint_spec
+from .model import fp8
+from .model.cache import KVCache
+from .model.config import ModelConfig, RuntimeOptions
+from .model.deepseek import DeepseekV32
+from .model.layers import yarn_inv_freq
 
 
 def real_config(layers: int = 4, dense_layers: int = 1, mtp_modules: int = 1, **overrides) -> ModelConfig:

@@ -38,7 +38,7 @@ def copy_bandwidth() -> float:
 def step_bytes(model, n_experts_touched: list[int], S: int, B: int) -> dict:
     """Bytes one target forward must read: every non-expert weight once, the routed experts actually picked,
     the lm_head, and the KV cache of S positions per row (FP8 latent + scales + bf16 rope key + indexer key)."""
-    from .moe import MoE
+    from .model.moe import MoE
 
     dense_bytes, expert_bytes = 0, 0
     for li, layer in enumerate(model.model.layers):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtp.checkpoint import load_model, save_checkpoint
-from mtp.tiny import random_tensors, tiny_config
+from mtp.checkpoint.files import load_model, save_checkpoint
+from mtp.checkpoint.tiny import random_tensors, tiny_config
 
 # One intra-op thread: the tiny models are far too small to gain from more, and on shared 2-core CI machines
 # OpenMP spinning across processes made torch set-up 10-50x slower.

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from mtp.config import RuntimeOptions
+from mtp.model.config import RuntimeOptions
 
 TOL = {"dequant": 1e-5, "fp8": 1e-4}
 FP8_OUTLIER_TOL = 3e-2

@@ -1,4 +1,4 @@
-"""`python -m mtp.chat` driven in a pseudo-terminal as a person would use it (tiny random model, CPU):
+"""`python -m eval.chat` (`mtp-chat`) driven in a pseudo-terminal as a person would use it (tiny random model, CPU):
 prompt -> streamed reply + stats line, /k 2, /think on, Ctrl-C on a long reply, another prompt, /save, /exit.
 The saved transcript must be what the terminal showed."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mtp.chat_io import printable
+from mtp.chat.terminal import printable
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -36,7 +36,7 @@ def test_chat_session_in_a_terminal(tmp_path):
     pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": pythonpath, "TERM": "xterm-256color", "PROMPT_TOOLKIT_NO_CPR": "1"}
     env.pop("NO_COLOR", None)
-    args = ["-m", "mtp.chat", f"runtime={RUNTIME}", "max_new_tokens=8", "show_drafts=true"]
+    args = ["-m", "eval.chat", f"runtime={RUNTIME}", "max_new_tokens=8", "show_drafts=true"]
     child = pexpect.spawn(sys.executable, args, cwd=tmp_path, env=env, encoding="utf-8", codec_errors="replace",
                           timeout=60, dimensions=(50, 200))
     child.logfile_read = log = io.StringIO()  # everything the terminal received

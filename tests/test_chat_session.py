@@ -1,4 +1,4 @@
-"""Fast tests of the chat logic (`mtp.chat_session`, `mtp.chat_turn`, `mtp.chat_io`) with a fake generate:
+"""Fast tests of the chat logic (`mtp.chat.session`, `mtp.chat.turn`, `mtp.chat.terminal`) with a fake generate:
 commands, bad values, streaming/transcript agreement, thinking split, trimming, interrupts, /save, /stats, and
 two processes following rank 0's input."""
 
@@ -11,13 +11,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from mtp.chat import loop
-from mtp.chat_io import ScriptedInput, StopFlag, TerminalView, printable
-from mtp.chat_session import Session, Settings
-from mtp.chat_turn import stats_line
-from mtp.engine import GenerateResult, StepEvent
-from mtp.metrics import SpecMetrics
+from mtp.chat.session import loop
+from mtp.chat.terminal import ScriptedInput, StopFlag, TerminalView, printable
+from mtp.chat.session import Session, Settings
+from mtp.chat.turn import stats_line
+from mtp.decode.engine import GenerateResult, StepEvent
+from mtp.decode.metrics import SpecMetrics
 from mtp.tokenizer import Tokenizer, train_bpe_tokenizer
 
 REPLY = "The quick brown fox jumps over the lazy dog."
@@ -83,7 +84,8 @@ class FakeGenerate:
 
 
 def make(tok, n_mtp=1, max_pos=4096, **settings):
-    model = SimpleNamespace(n_mtp=n_mtp, cfg=SimpleNamespace(max_position_embeddings=max_pos))
+    model = SimpleNamespace(n_mtp=n_mtp, device=torch.device("cpu"),
+                            cfg=SimpleNamespace(max_position_embeddings=max_pos, vocab_size=tok.vocab_size))
     view, gen = RecordingView(), FakeGenerate(tok)
     s = Settings(**{"max_new_tokens": 32, "draft": "eagle", "k": 1, **settings})
     return Session(model, tok, s, view, generate=gen), view, gen
@@ -303,7 +305,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
     """One rank of a 2-process gloo group: rank 0 reads a script, rank 1 reads nothing and follows."""
     import torch.distributed as dist
 
-    from mtp.chat_io import BroadcastInput
+    from mtp.chat.terminal import BroadcastInput
     from mtp.parallel.comm import init_process_group
 
     init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)

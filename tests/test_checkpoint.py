@@ -17,10 +17,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from mtp.checkpoint import INDEX_NAME, CheckpointError, load_model, save_checkpoint, state_for_checkpoint
-from mtp.config import ConfigError
-from mtp.spec import checkpoint_spec
-from mtp.tiny import random_tensors, tiny_config
+from mtp.checkpoint.files import INDEX_NAME, CheckpointError, load_model, save_checkpoint, state_for_checkpoint
+from mtp.model.config import ConfigError
+from mtp.checkpoint.inventory import checkpoint_spec
+from mtp.checkpoint.tiny import random_tensors, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 FP8 = torch.float8_e4m3fn
@@ -401,9 +401,9 @@ def test_n_mtp_out_of_range(written, n):
 _MEASURE = textwrap.dedent("""
     import gc, json, sys, time
     import torch
-    from mtp.checkpoint import load_model
-    from mtp.config import ModelConfig
-    from mtp.model import DeepseekV32
+    from mtp.checkpoint.files import load_model
+    from mtp.model.config import ModelConfig
+    from mtp.model.deepseek import DeepseekV32
 
     def status(key):
         with open("/proc/self/status") as f:

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from mtp.config import ConfigError, ModelConfig
-from mtp.layers import yarn_inv_freq
+from mtp.model.config import ConfigError, ModelConfig
+from mtp.model.layers import yarn_inv_freq
 
 # The public DeepSeek-V3.2 config.json as the HF repo ships it (facts section 1), including the fields this
 # implementation ignores (auto_map, torch_dtype, transformers_version, ...).

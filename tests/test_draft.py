@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from mtp import generate
-from mtp.checkpoint import load_model, save_checkpoint
+from mtp.checkpoint.files import load_model, save_checkpoint
 from mtp.draft import DraftConfig, Proposer
 from mtp.draft.proposer import pick_hidden
-from mtp.engine import Engine, GenerationConfig
-from mtp.tiny import random_tensors, tiny_config
+from mtp.decode.config import GenerationConfig
+from mtp.decode.engine import Engine
+from mtp.checkpoint.tiny import random_tensors, tiny_config
 
 N_NEW = 12
 PROMPT_LENS = (5, 14, 23)  # index_topk = 16: rows start dense and grow sparse, one starts sparse
@@ -128,7 +129,9 @@ class Recorder:
         scripted = self.full.gather(1, n_B.unsqueeze(1) + torch.arange(self.k))
         miss_B = (torch.arange(B) + s) % (self.k + 1)
         wrong = torch.arange(self.k).unsqueeze(0) >= miss_B.unsqueeze(1)
-        return torch.where(wrong, (scripted + 1) % self.V, scripted), None
+        d = torch.where(wrong, (scripted + 1) % self.V, scripted)
+        tokens_BS.scatter_(1, n_B.unsqueeze(1) + torch.arange(self.k), d)  # where the verify step reads drafts
+        return d, None
 
 
 def run_recorded(model, prompts, dcfg, full=None):

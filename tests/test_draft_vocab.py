@@ -13,7 +13,7 @@ import mtp
 from eval.common import generate_kwargs
 from eval.schema import SchemaError
 from mtp.draft.vocab import check_ids, count_tokens, load_ids, main, top_ids
-from mtp.tiny import default_checkpoint
+from mtp.checkpoint.tiny import default_checkpoint
 from mtp.tokenizer import Tokenizer
 from tests.test_conf import CONF, FIXED
 

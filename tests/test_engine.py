@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from mtp import generate
-from mtp.checkpoint import load_model, save_checkpoint
+from mtp.checkpoint.files import load_model, save_checkpoint
 from mtp.draft import DraftConfig
-from mtp.engine import Engine, GenerationConfig
-from mtp.metrics import SpecMetrics
-from mtp.tiny import random_tensors, tiny_config
+from mtp.decode.config import GenerationConfig
+from mtp.decode.engine import Engine
+from mtp.decode.metrics import SpecMetrics
+from mtp.checkpoint.tiny import random_tensors, tiny_config
 from mtp.verify import SamplingParams, filter_probs
 
 N_NEW = 16
@@ -77,9 +78,15 @@ def greedy(models, prompts):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def written(tokens_BS, n_B, drafts_BK):
+    """A proposer writes its drafts at n.. of the token buffer (where the verify step reads them)."""
+    tokens_BS.scatter_(1, n_B.unsqueeze(1) + torch.arange(drafts_BK.shape[1]), drafts_BK)
+    return drafts_BK
+
+
 class TableProposer:
     """Drafts read from a precomputed [B, S] sequence (`full[b, n + j]`); `wrong` shifts them all by one token,
-    `miss` (row, step -> index) makes drafts wrong from that index on. Does not touch tokens_BS."""
+    `miss` (row, step -> index) makes drafts wrong from that index on."""
 
     def __init__(self, full, k, V, wrong=False, miss=None):
         self.full, self.k, self.V, self.wrong, self.miss = full, k, V, wrong, miss
@@ -92,7 +99,7 @@ class TableProposer:
             miss_B = torch.tensor([self.miss(b, self.step) for b in range(d.shape[0])])
             bad = torch.arange(self.k).unsqueeze(0) >= miss_B.unsqueeze(1)
         self.step += 1
-        return torch.where(bad, (d + 1) % self.V, d), None
+        return written(tokens_BS, n_B, torch.where(bad, (d + 1) % self.V, d)), None
 
 
 def run_with(model, prompts, k, make, max_new=N_NEW, **gkw):
@@ -297,7 +304,7 @@ class SecondBest:
         for j in range(self.k):  # right padding is causal-safe: each row reads its logits at n + j - 1
             logits = self.m(seq[:, : max_n + j], logits_at=(n_B + j - 1).unsqueeze(1)).logits[:, 0]
             seq[rows, n_B + j] = logits.topk(2).indices[:, 1]
-        return seq.gather(1, n_B.unsqueeze(1) + torch.arange(self.k)), None
+        return written(tokens_BS, n_B, seq.gather(1, n_B.unsqueeze(1) + torch.arange(self.k))), None
 
 
 def test_relaxed_accepts_near_misses_only_inside_the_thinking_span(tiny_model):
@@ -396,7 +403,7 @@ class DistortedTable:
         gen = [tokens_BS[b, self.P: n].tolist() for b, n in enumerate(n_B.tolist())]
         d1, q1 = draw(torch.stack([self.lookup(x) for x in gen]))
         d2, q2 = draw(torch.stack([self.lookup(x + [d]) for x, d in zip(gen, d1.tolist())]))
-        return torch.stack((d1, d2), 1), torch.stack((q1, q2), 1)
+        return written(tokens_BS, n_B, torch.stack((d1, d2), 1)), torch.stack((q1, q2), 1)
 
 
 def _joint_law(m, prompt, sp):

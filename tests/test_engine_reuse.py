@@ -6,7 +6,9 @@ import dataclasses
 import pytest
 
 from mtp.draft.proposer import DraftConfig
-from mtp.engine import Engine, GenerationConfig, generate
+from mtp.decode.config import GenerationConfig
+from mtp.decode.engine import Engine, generate
+from mtp.decode.state import StatePool
 
 P1 = [list(range(5, 25)), list(range(40, 47))]
 P2 = [list(range(100, 111)), list(range(200, 230))]
@@ -26,16 +28,16 @@ def test_reused_engine_matches_fresh_runs(tiny_model, draft, k):
         assert got.metrics.accepted_hist == fresh.metrics.accepted_hist
         assert got.metrics.draft_forwards == fresh.metrics.draft_forwards
         assert all(len(t) <= n for t in got.tokens)
-        states.update(id(s) for s in eng._states.values())
-    assert len(eng._states) == 1 and len(states) == 1  # one (batch 2, length bucket) buffer set served all calls
+        states.update(id(s) for s in eng.pool.states.values())
+    assert len(eng.pool.states) == 1 and len(states) == 1  # one (batch 2, length bucket) buffer set served all calls
 
 
 def test_state_pool_is_bounded_and_keyed_by_batch(tiny_model):
     eng = Engine(tiny_model, GenerationConfig(max_new_tokens=4))
-    for b in range(1, Engine.MAX_STATES + 3):
+    for b in range(1, StatePool.MAX_STATES + 3):
         eng.run([[5, 6, 7]] * b)
-    assert len(eng._states) == Engine.MAX_STATES
-    assert sorted(k[0] for k in eng._states) == list(range(3, Engine.MAX_STATES + 3))
+    assert len(eng.pool.states) == StatePool.MAX_STATES
+    assert sorted(k[0] for k in eng.pool.states) == list(range(3, StatePool.MAX_STATES + 3))
 
 
 def test_generate_eager_matches_engine_and_bad_max_new(tiny_model):

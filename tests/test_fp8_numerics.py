@@ -19,11 +19,11 @@ import torch
 
 from tests.oracles import yarn_inv_freq64
 
-from mtp import fp8
-from mtp.attention import Indexer
-from mtp.cache import KVCache, LayerCache
-from mtp.layers import Linear
-from mtp.moe import route
+from mtp.model.deepseek import fp8
+from mtp.model.attention import Indexer
+from mtp.model.cache import KVCache, LayerCache
+from mtp.model.layers import Linear
+from mtp.model.moe import route
 
 FP8 = torch.float8_e4m3fn
 F64 = torch.float64

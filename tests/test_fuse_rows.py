@@ -1,12 +1,12 @@
-"""`mtp.fastpath.fuse_rows`: projections that read one input stacked into one FP8 weight (CPU, reference GEMM)."""
+"""`mtp.backends.fast_path.fuse_rows`: projections that read one input stacked into one FP8 weight (CPU, reference GEMM)."""
 
 from __future__ import annotations
 
 import torch
 
-from mtp.fastpath import fuse_rows
-from mtp.fp8 import weight_quant
-from mtp.layers import Linear
+from mtp.backends.fast_path import fuse_rows
+from mtp.model.fp8 import weight_quant
+from mtp.model.layers import Linear
 
 
 def _lin(n, k, seed, fp8=True):

@@ -1,7 +1,7 @@
 """The reference forward in 'dequant' numerics against transformers' DeepseekV32ForCausalLM (the oracle).
 
 Both models get the same weights: the tiny checkpoint's tensors read straight from its safetensors shards (not
-through mtp's loader), FP8 ones dequantized with `mtp.fp8.weight_dequant`, in float32, eager attention.
+through mtp's loader), FP8 ones dequantized with `mtp.model.fp8.weight_dequant`, in float32, eager attention.
 Prompts: batch 2, T=8 (< index_topk=16, DSA is dense causal attention) and T=40 (sparse: later queries keep
 16 of up to 40 keys).
 
@@ -29,10 +29,10 @@ import torch
 from tests.oracles import yarn_inv_freq64
 from safetensors import safe_open
 
-from mtp import fp8
-from mtp.attention import Indexer
-from mtp.checkpoint import INDEX_NAME
-from mtp.config import ModelConfig
+from mtp.model.deepseek import fp8
+from mtp.model.attention import Indexer
+from mtp.checkpoint.files import INDEX_NAME
+from mtp.model.config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM  # noqa: E402

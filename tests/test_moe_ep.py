@@ -1,4 +1,4 @@
-"""Expert-parallel MoE on the Triton path, on the CPU: `ExpertParallelMoE.enable_fast_path` (stacking), and
+"""Expert-parallel MoE on the Triton path, on the CPU: the fast path's swap of `ExpertParallelMoE` (stacking), and
 `moe_experts` with -1 slots plus the module's Triton forward under the Triton interpreter.
 
 The interpreter is chosen when a kernel is decorated (at import), so those checks run in a subprocess started
@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtp.fastpath import _stack_experts, disable_fast_path
-from mtp.fp8 import weight_quant
-from mtp.layers import Linear
-from mtp.moe import MoE
+from mtp.backends.fast_path import FastMoE, disable_fast_path, fast_module
+from mtp.model.fp8 import weight_quant
+from mtp.model.layers import Linear
+from mtp.model.moe import MoE
 from mtp.parallel import Comm, ParallelPlan, RankLayout
 from mtp.parallel.modules import ExpertParallelMoE
-from mtp.tiny import tiny_config
+from mtp.checkpoint.tiny import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,9 +91,9 @@ def test_enable_fast_path_stacks_local_experts():
     x = torch.randn(5, cfg.hidden_size)
     before = {k: v.clone() for k, v in ep.state_dict().items()}
     y_before = ep(x)
-    assert ep.backend == "reference"
-    ep.enable_fast_path()
-    assert ep.backend == "triton"
+    assert not isinstance(ep, FastMoE)
+    fast_module(ep)
+    assert isinstance(ep, FastMoE) and isinstance(ep, ExpertParallelMoE)
     E_loc = ep.e1 - ep.e0
     I, D = cfg.moe_intermediate_size, cfg.hidden_size
     s = ep.stacked
@@ -106,14 +106,14 @@ def test_enable_fast_path_stacks_local_experts():
                 assert p.data_ptr() == s[f"{proj}.{attr}"][i].data_ptr(), (e, proj, attr)
     after = ep.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
-    ep.enable_fast_path()  # idempotent: the same stack
+    fast_module(ep)  # idempotent: the same stack
     assert ep.stacked is s
     disable_fast_path(ep)
-    assert ep.backend == "reference"
+    assert type(ep) is ExpertParallelMoE
     assert torch.equal(ep(x), y_before)
     dense = ep_modules(random_moe(tiny_config(fp8_weights=False)), tiny_config(fp8_weights=False), world=2)[0]
     with pytest.raises(ValueError, match="FP8"):
-        dense.enable_fast_path()
+        fast_module(dense)
 
 
 @pytest.mark.slow
@@ -181,12 +181,11 @@ def _interpreted_checks() -> None:
     # the module: 2 and 4 ranks of ExpertParallelMoE on the Triton backend sum to MoE's Triton path
     cfg = tiny_config()
     moe = random_moe(cfg)
-    _stack_experts(moe)
-    moe.backend = "triton"
+    fast_module(moe)
     for world, shape in ((2, (1, 1)), (2, (2, 3)), (4, (2, 3))):
         eps = ep_modules(moe, cfg, world)
         for ep in eps:
-            ep.enable_fast_path()
+            fast_module(ep)
         x = torch.randn(*shape, cfg.hidden_size)
         want = moe(x)
         got = sum(ep(x) for ep in eps)

@@ -13,8 +13,8 @@ import sys
 import torch
 
 import mtp
-from mtp.checkpoint import save_checkpoint
-from mtp.tiny import random_tensors, tiny_config
+from mtp.checkpoint.files import save_checkpoint
+from mtp.checkpoint.tiny import random_tensors, tiny_config
 from mtp.tokenizer import Tokenizer, default_corpus, save_tokenizer, train_bpe_tokenizer
 
 PROMPT = "def parse_args(argv):\n    "

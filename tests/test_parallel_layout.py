@@ -7,14 +7,14 @@ import dataclasses
 import pytest
 import torch
 
-from mtp import fp8
-from mtp.config import ConfigError, ModelConfig
-from mtp.layers import Linear
+from mtp.model.deepseek import fp8
+from mtp.model.config import ConfigError, ModelConfig
+from mtp.model.layers import Linear
 from mtp.parallel import ParallelPlan, RankLayout, ReblockError, Shard, reblock_scale, shard_fp8
 from mtp.parallel.layout import split_range
 from mtp.parallel.load import check_fp8_inputs
-from mtp.spec import checkpoint_spec
-from mtp.tiny import tiny_config
+from mtp.checkpoint.inventory import checkpoint_spec
+from mtp.checkpoint.tiny import tiny_config
 
 
 # ----------------------------------------------------------------------------------------- re-blocking

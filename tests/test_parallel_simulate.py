@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 import mtp
-from mtp.parallel.comm import CountingComm
+from mtp.decode.engine import release
+from mtp.parallel.comm import CountingComm, init_process_group
 from mtp.parallel.simulate import simulated_rank
 from mtp.parallel.synthetic import random_parallel_model, tiny_parallel_config
 from tests.test_parallel import run_ranks
@@ -90,14 +91,14 @@ def checks(model) -> dict:
 def _worker(rank: int, init: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     cfg = tiny_parallel_config(WORLD)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=90))
+    init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD,
+                       timeout=datetime.timedelta(seconds=90))
     try:
         comm = RecordingComm()
         real = checks(random_parallel_model(cfg, comm, device="cpu", dtype=torch.float32, seed=SEED))
         real_calls, results = comm.calls, comm.results
     finally:
-        mtp.engine.release()
+        release()
         dist.destroy_process_group()
     with simulated_rank(WORLD, rank) as counting:
         sim_world = (dist.get_world_size(), dist.get_rank(), dist.get_backend())

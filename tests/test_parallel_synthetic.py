@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mtp.checkpoint import load_model, save_checkpoint
+from mtp.checkpoint.files import load_model, save_checkpoint
 from mtp.parallel import Comm, load_parallel
 from mtp.parallel.comm import init_process_group
 from mtp.parallel.synthetic import random_parallel_model, tiny_parallel_config

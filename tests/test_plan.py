@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 
-from mtp.cache import KVCache
-from mtp.config import ModelConfig
+from mtp.model.cache import KVCache
+from mtp.model.config import ModelConfig
 from mtp.parallel import ParallelPlan, param_bytes
-from mtp.plan import (Workload, kv_bytes_per_token_layer, main, make_plan, rank_weight_bytes,
+from mtp.parallel.memory import (Workload, kv_bytes_per_token_layer, main, make_plan, rank_weight_bytes,
                       weight_bytes_by_rank)
-from mtp.spec import checkpoint_spec
-from mtp.tiny import tiny_config
+from mtp.checkpoint.inventory import checkpoint_spec
+from mtp.checkpoint.tiny import tiny_config
 
 SPLIT = ("embedding + lm_head", "attention (head-split)", "routed experts", "shared experts", "dense MLP")
 REPLICATED = ("attention (replicated)", "indexer (replicated)", "router", "norms")

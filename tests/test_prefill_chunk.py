@@ -5,8 +5,8 @@ in fp32 that noise can flip an FP8 rounding (see mtp/DESIGN.md)."""
 import pytest
 import torch
 
-from mtp.checkpoint import load_model
-from mtp.engine import generate
+from mtp.checkpoint.files import load_model
+from mtp.decode.engine import generate
 
 PROMPTS = [list(range(5, 28)), list(range(40, 47)), list(range(100, 119))]  # 23 / 7 / 19 tokens; index_topk 16
 

@@ -13,9 +13,9 @@ import pytest
 import tokenizers
 import torch
 
-import mtp.tiny
-from mtp.checkpoint import INDEX_NAME, load_model
-from mtp.config import ModelConfig
+import mtp.checkpoint.tiny
+from mtp.checkpoint.files import INDEX_NAME, load_model
+from mtp.model.config import ModelConfig
 from mtp.tokenizer import BOS, EOS, THINK
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ def _one_torch_thread():
 @pytest.fixture(scope="module")
 def cli_ckpt(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "nested" / "tiny"  # parent folders do not exist yet
-    mtp.tiny.main([str(out), *ARGS])
+    mtp.checkpoint.tiny.main([str(out), *ARGS])
     return out
 
 
@@ -94,7 +94,7 @@ BAD_FLAGS = [
 def test_bad_flags_exit_with_usage_error(tmp_path, capsys, flags):
     out = tmp_path / "ckpt"
     with pytest.raises(SystemExit) as ei:
-        mtp.tiny.main([str(out), *flags])
+        mtp.checkpoint.tiny.main([str(out), *flags])
     assert ei.value.code not in (0, None)
     assert "usage:" in capsys.readouterr().err
     assert not out.exists()
@@ -102,15 +102,15 @@ def test_bad_flags_exit_with_usage_error(tmp_path, capsys, flags):
 
 def test_missing_out_dir_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as ei:
-        mtp.tiny.main([])
+        mtp.checkpoint.tiny.main([])
     assert ei.value.code not in (0, None) and "out_dir" in capsys.readouterr().err
 
 
 def test_module_entry_point(tmp_path):
-    """`python -m mtp.tiny` runs main (the console script may not be installed)."""
+    """`python -m mtp.checkpoint.tiny` runs main (the console script may not be installed)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    r = subprocess.run([sys.executable, "-m", "mtp.tiny", str(tmp_path / "x"), "--layers", "0"],
+    r = subprocess.run([sys.executable, "-m", "mtp.checkpoint.tiny", str(tmp_path / "x"), "--layers", "0"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "usage:" in r.stderr, r.stderr[-2000:]
 
@@ -118,7 +118,7 @@ def test_module_entry_point(tmp_path):
 def test_default_checkpoint_keeps_a_racing_writers_copy(cli_ckpt, tmp_path, monkeypatch):
     """Another process finishes first: default_checkpoint must keep that copy (its readers may be loading it)."""
     monkeypatch.setenv("MTP_CACHE", str(tmp_path))
-    monkeypatch.setattr(mtp.tiny, "SHIPPED_CHECKPOINT", tmp_path / "no-shipped-model")  # test the random fallback
+    monkeypatch.setattr(mtp.checkpoint.tiny, "SHIPPED_CHECKPOINT", tmp_path / "no-shipped-model")  # test the random fallback
     target = tmp_path / "tiny-random-v1"
 
     def other_process_wins(out_dir, **kwargs):
@@ -127,8 +127,8 @@ def test_default_checkpoint_keeps_a_racing_writers_copy(cli_ckpt, tmp_path, monk
         Path(out_dir).mkdir(parents=True)
         (Path(out_dir) / "config.json").write_text("{}")  # our own (unused) copy
 
-    monkeypatch.setattr(mtp.tiny, "write_tiny_checkpoint", other_process_wins)
-    assert mtp.tiny.default_checkpoint() == target
+    monkeypatch.setattr(mtp.checkpoint.tiny, "write_tiny_checkpoint", other_process_wins)
+    assert mtp.checkpoint.tiny.default_checkpoint() == target
     assert (target / "marker").read_text() == "first writer"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-random-v1"]  # no temp dir left
     assert load_model(target).n_mtp == 2

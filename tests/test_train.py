@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from mtp.checkpoint import load_model
-from mtp.engine import generate
-from mtp.model import MTPLayer
-from mtp.spec import block_spec, mtp_extra_spec
+from mtp.checkpoint.files import load_model
+from mtp.decode.engine import generate
+from mtp.model.deepseek import MTPLayer
+from mtp.checkpoint.inventory import block_spec, mtp_extra_spec
 from mtp.train.append import write_mtp_layers
 from mtp.train.config import HeadsConfig, ModelShape, TrainConfig
 from mtp.train.data import Dataset, encode_prompt, prepare
@@ -214,7 +214,7 @@ def test_heads_only_appends_a_module(exported, data, tmp_path):
 
 def test_shipped_model_is_the_default_and_drafts_well():
     from mtp.prompt import encode_chat
-    from mtp.tiny import SHIPPED_CHECKPOINT, default_checkpoint
+    from mtp.checkpoint.tiny import SHIPPED_CHECKPOINT, default_checkpoint
     from mtp.tokenizer import Tokenizer
 
     if not (SHIPPED_CHECKPOINT / "config.json").is_file():

@@ -22,14 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVCache
-from ..model import DeepseekV32
+from ..model.cache import KVCache
+from ..decode.options import DRAFTS
+from ..model.deepseek import DeepseekV32
 from .vocab import check_ids, shared_sub_head
 
 
 @dataclass(frozen=True)
 class DraftConfig:
-    mode: str = "none"  # none | vanilla | eagle
+    mode: str = "none"  # one of DRAFTS
     k: int = 0
     reuse_modules: bool = False  # vanilla: repeat the last module when K > available (TensorRT-LLM style)
     target_hidden: str = "normed"  # which target hidden feeds module 1: 'normed' (after final norm) | 'prenorm'
@@ -38,8 +39,8 @@ class DraftConfig:
     vocab: tuple[int, ...] | None = None  # draft vocabulary (mtp.draft.vocab): the head scores only these ids
 
     def validate(self, n_mtp: int) -> None:
-        if self.mode not in ("none", "vanilla", "eagle"):
-            raise ValueError(f"draft mode must be 'none', 'vanilla' or 'eagle', got {self.mode!r}")
+        if self.mode not in DRAFTS:
+            raise ValueError(f"draft mode must be one of {DRAFTS}, got {self.mode!r}")
         if not isinstance(self.k, int) or self.k < 0:
             raise ValueError(f"k must be an integer >= 0, got {self.k!r}")
         if self.mode == "none" and self.k != 0:
@@ -74,7 +75,8 @@ def pick_hidden(out, which: str) -> torch.Tensor:
 
 
 class Proposer:
-    """Owns the draft caches; `propose` returns drafts [B, K] (and their distributions when sampled)."""
+    """Owns the draft caches; `propose` writes drafts [B, K] into the token buffer at n.. (the only write of
+    them: the verify stage reads them there) and returns them (and their distributions when sampled)."""
 
     def __init__(self, model: DeepseekV32, dcfg: DraftConfig, batch: int, max_len: int):
         self.model, self.cfg = model, dcfg

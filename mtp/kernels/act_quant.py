@@ -1,6 +1,6 @@
-"""Per-token, per-128-channel FP8 activation quantization (Triton), bit-exact with `mtp.fp8.act_quant`.
+"""Per-token, per-128-channel FP8 activation quantization (Triton), bit-exact with `mtp.model.fp8.act_quant`.
 
-Reference: `act_quant_ref` = `mtp.fp8.act_quant` (plain PyTorch). Shapes: x [..., K] with K % 128 == 0 ->
+Reference: `act_quant_ref` = `mtp.model.fp8.act_quant` (plain PyTorch). Shapes: x [..., K] with K % 128 == 0 ->
 x8 [..., K] float8_e4m3fn, s [..., K // 128] float32.
 
 The ue8m0 scale is computed from the fp32 bits (the smallest power of two >= amax / 448) instead of
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from mtp.fp8 import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
-from mtp.fp8 import act_quant as act_quant_ref
+from mtp.model.fp8 import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
+from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.kernels._triton import require, tl, triton
 
 __all__ = ["act_quant", "act_quant_ref"]
@@ -58,7 +58,7 @@ def _act_quant_kernel(x_ptr, y_ptr, s_ptr, n_groups, ROWS: tl.constexpr):
 
 
 def act_quant(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `mtp.fp8.act_quant(x, 128, 'ue8m0')`: returns (x8 float8 [..., K], s fp32 [..., K // 128])."""
+    """Triton version of `mtp.model.fp8.act_quant(x, 128, 'ue8m0')`: returns (x8 float8 [..., K], s fp32 [..., K // 128])."""
     require(x, "act_quant")
     K = x.shape[-1]
     if block != BLOCK:

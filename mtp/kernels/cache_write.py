@@ -1,6 +1,6 @@
 """Write a block's new tokens into one layer's FP8 KV cache in one launch (Triton).
 
-Reference: `mtp.cache.LayerCache.write` (two act_quant calls and five index_put kernels, plus the index
+Reference: `mtp.model.cache.LayerCache.write` (two act_quant calls and five index_put kernels, plus the index
 tensors: ~8 launches per layer on a decode step, each a few microseconds of a ~1.5 ms step). Here one program
 per token quantizes its latent c [C] per 128 channels and its indexer key [Dk] with one scale (ue8m0, the same
 bit-exact helpers as `act_quant`), and stores them with the rotary key at (row b, position pos[b, t]).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp.fp8 import BLOCK, FP8_DTYPE
+from mtp.model.fp8 import BLOCK, FP8_DTYPE
 from mtp.kernels._triton import require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 

@@ -1,6 +1,6 @@
 """Block-scaled FP8 linear layers (Triton): y = x W^T with DeepSeek's FP8 numerics.
 
-Reference: `fp8_linear_ref` (act_quant + `mtp.fp8.fp8_gemm_ref`, plain PyTorch). Shape legend: M rows,
+Reference: `fp8_linear_ref` (act_quant + `mtp.model.fp8.fp8_gemm_ref`, plain PyTorch). Shape legend: M rows,
 K input channels (a multiple of 128), N output channels (any), G = K // 128 groups, S split-K slices.
 w8_NK float8_e4m3fn, sw [ceil(N/128), G] fp32.
 
@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from mtp.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
-from mtp.fp8 import act_quant as act_quant_ref
+from mtp.model.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
+from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.kernels._triton import require, tl, triton
 from mtp.kernels.act_quant import act_quant, quant_e4m3, ue8m0_scale
 
@@ -244,7 +244,7 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor, out_d
 
 def fp8_gemm(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor,
              out_dtype: torch.dtype = torch.float32, **tune) -> torch.Tensor:
-    """Kernel twin of `mtp.fp8.fp8_gemm_ref` on pre-quantized x8 [M, K] / sx [M, G]: returns [M, N] in out_dtype."""
+    """Kernel twin of `mtp.model.fp8.fp8_gemm_ref` on pre-quantized x8 [M, K] / sx [M, G]: returns [M, N] in out_dtype."""
     require(x8, "fp8_gemm")
     M, K = x8.shape
     _check_weight(w8, sw, K, "fp8_gemm")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp.fp8 import FP8_DTYPE
+from mtp.model.fp8 import FP8_DTYPE
 from mtp.kernels._triton import require, tl, triton
 
 __all__ = ["indexer_scores", "indexer_scores_ref", "indexer_topk", "indexer_topk_ref", "topk_from_scores"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp.fp8 import BLOCK, FP8_DTYPE
+from mtp.model.fp8 import BLOCK, FP8_DTYPE
 from mtp.kernels._triton import require, tl, triton
 
 __all__ = ["mla_decode", "mla_decode_ref"]

@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtp.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
-from mtp.fp8 import act_quant as act_quant_ref
+from mtp.model.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
+from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.kernels._triton import require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 

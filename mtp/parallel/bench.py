@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import ModelConfig, RuntimeOptions
-from ..engine import generate, release
-from ..moe import MoE
-from ..spec import checkpoint_spec
+from ..model.config import ModelConfig, RuntimeOptions
+from ..decode.engine import generate, release
+from ..model.moe import MoE
+from ..checkpoint.inventory import checkpoint_spec
 from ..synthetic import gpu_test_config, random_model, real_config
 from ..timing import capture, timer
 from .comm import CountingComm
@@ -72,7 +72,7 @@ def _fast_path(model, args, device) -> str | None:
         return "triton kernels not available"
     if args.numerics != "fp8":
         return "numerics != fp8"
-    from ..fastpath import enable_fast_path
+    from ..backends.fast_path import enable_fast_path
 
     enable_fast_path(model)
     return None
@@ -80,19 +80,22 @@ def _fast_path(model, args, device) -> str | None:
 
 def moe_path(model) -> dict | None:
     """How the model's MoE layers compute the routed experts (the main cost difference TP=1 vs TP=N)."""
+    from ..backends.fast_path import FastMoE
+
     for m in model.modules():
+        backend = "triton" if isinstance(m, FastMoE) else "reference"
         if isinstance(m, ExpertParallelMoE):
             static = m.static or model.device.type == "cuda"
-            if m.backend == "triton":
+            if backend == "triton":
                 reads = "the chosen local experts only (Triton, up to 64 tokens)"
             elif static:
                 reads = "every local expert on every token (static, sync-free)"
             else:
                 reads = "the local experts some token chose (host-synced loop)"
-            return {"class": "ExpertParallelMoE", "backend": m.backend, "reads": reads}
+            return {"class": "ExpertParallelMoE", "backend": backend, "reads": reads}
         if isinstance(m, MoE):
-            return {"class": "MoE", "backend": m.backend,
-                    "reads": "the chosen experts only" if m.backend == "triton" else "reference path"}
+            return {"class": "MoE", "backend": backend,
+                    "reads": "the chosen experts only" if backend == "triton" else "reference path"}
     return None
 
 
@@ -157,7 +160,7 @@ def compare(a: dict, b: dict) -> dict:
 
 def tp1_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> tuple[bool, dict]:
     """Whole-model weights + one full tensor drawn in fp32 (and its cast) + 4 GiB of workspace vs free memory."""
-    from ..plan import rank_weight_bytes
+    from .memory import rank_weight_bytes
 
     need = sum(rank_weight_bytes(cfg, ParallelPlan(1), 0, dtype).values())
     biggest = max(math.prod(ts.shape) for ts in checkpoint_spec(cfg).values()) * 6

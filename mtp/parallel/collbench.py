@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..config import ModelConfig
+from ..model.config import ModelConfig
 from ..timing import time_ms
 from .comm import Comm
 

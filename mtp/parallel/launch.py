@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..engine import generate, release
+from ..decode.engine import generate, release
 from .comm import Comm, init_process_group
 from .layout import MLP_SPLITS, ParallelPlan
 from .load import load_parallel, param_bytes
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         mode = a.mode or ("overlap" if device.type == "cuda" else "eager")
         if a.fast_path or (a.fast_path is None and device.type == "cuda" and a.numerics == "fp8"
                            and model.cfg.is_fp8):
-            from ..fastpath import enable_fast_path
+            from ..backends.fast_path import enable_fast_path
             from ..kernels import available
 
             if available():

@@ -28,7 +28,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..config import BLOCK, ConfigError, ModelConfig
+from ..model.config import BLOCK, ConfigError, ModelConfig
 
 MLP_SPLITS = ("blocks", "even")
 

@@ -1,6 +1,6 @@
 """Sharded loading: each rank reads only its slices, straight from the memory-mapped safetensors shards.
 
-The checkpoint is validated from the shard headers exactly as `mtp.checkpoint.load_model` does (missing /
+The checkpoint is validated from the shard headers exactly as `mtp.checkpoint.files.load_model` does (missing /
 unexpected tensors, shapes, dtypes). Then the per-rank model is built on the meta device
 (`shard_model`), and every one of its parameters is read with `safe_open(...).get_slice(name)[rows]` (or
 `[:, cols]`): the bytes of other ranks' slices and of non-local experts are never touched. FP8 weights get
@@ -16,10 +16,10 @@ import os
 import torch
 from safetensors import safe_open
 
-from ..checkpoint import CheckpointError, ckpt_name, open_checkpoint
-from ..config import BLOCK, ConfigError, ModelConfig, RuntimeOptions
-from ..layers import yarn_inv_freq
-from ..model import DeepseekV32
+from ..checkpoint.files import CheckpointError, ckpt_name, open_checkpoint
+from ..model.config import BLOCK, ConfigError, ModelConfig, RuntimeOptions
+from ..model.layers import yarn_inv_freq
+from ..model.deepseek import DeepseekV32
 from .comm import Comm
 from .layout import ParallelPlan, RankLayout, Shard
 from .modules import shard_model
@@ -132,7 +132,7 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
                 if tuple(t.shape) != tuple(p.shape):
                     raise CheckpointError(f"{file}: rank {comm.rank}'s slice of {name!r} has shape {list(t.shape)}, "
                                           f"the parallel model expects {list(p.shape)}")
-                # copy=True: never keep a view of the shard's private mmap (see mtp.checkpoint.load_model)
+                # copy=True: never keep a view of the shard's private mmap (see mtp.checkpoint.files.load_model)
                 value = t.to(device=device, dtype=p.dtype, copy=True)
                 mod_path, _, attr = pname.rpartition(".")
                 setattr(model.get_submodule(mod_path), attr, torch.nn.Parameter(value, requires_grad=False))

@@ -9,9 +9,9 @@ names (local experts keep their global index), so loading, `state_dict` and `nam
 Collectives per decoder block: one all-reduce after o_proj, one after the FFN (MoE: routed + shared partials
 summed into one fp32 buffer first). Per forward: one all-reduce at the embedding, one all-gather at lm_head.
 Partial sums are reduced in the accumulation dtype (fp8.acc_dtype: fp32, or fp64 for a float64 model) and cast
-to the model dtype once, as the single-rank path casts once. `mtp.fastpath.enable_fast_path` works on the
-parallel model for the FP8 linears (kernel output straight in fp32 for the partials), MLA (per-rank heads) and
-the expert-parallel MoE (`ExpertParallelMoE.enable_fast_path`: the Triton expert kernels on the local experts).
+to the model dtype once, as the single-rank path casts once. These classes only build on the reference
+modules' hooks (`Linear.matmul` / `matmul_acc`, `MoE.routed` / `shared` / `reduce`), so the fast path's swap
+(`mtp.backends.fast_path`) applies to them as to the single-process model: fast subclasses of these classes.
 """
 
 from __future__ import annotations
@@ -22,29 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import fp8
-from ..attention import MLA
-from ..config import ModelConfig
-from ..layers import MLP, Linear
-from ..model import DeepseekV32
-from ..moe import Gate
+from ..model import fp8
+from ..model.attention import MLA
+from ..model.config import ModelConfig
+from ..model.layers import MLP, Linear
+from ..model.deepseek import DeepseekV32
+from ..model.moe import Gate, MoE
 from .comm import Comm
 from .layout import RankLayout
-
-
-def linear_acc(lin: Linear, x: torch.Tensor) -> torch.Tensor:
-    """`Linear.forward` in the accumulation dtype a = fp8.acc_dtype(x.dtype) (fp32; fp64 for a float64 model):
-    the value before the cast to x.dtype a plain Linear ends with, so a partial sum keeps its bits until the
-    reduction. Reference path: x.to(a) quantizes exactly as x does (act_quant widens to a first). Triton path:
-    the GEMV/GEMM kernel writes its output in a directly."""
-    a = fp8.acc_dtype(x.dtype)
-    if lin.in_features == 0:
-        return x.new_zeros((*x.shape[:-1], lin.out_features), dtype=a)
-    if lin.backend == "triton" and lin.is_fp8:
-        from ..kernels.fp8_gemm import fp8_linear
-
-        return fp8_linear(x, lin.weight, lin.weight_scale_inv, out_dtype=a)
-    return Linear.forward(lin, x.to(a)).to(a)  # unbound: subclasses that reduce in forward use it too
 
 
 class RowParallelLinear(Linear):
@@ -55,7 +40,7 @@ class RowParallelLinear(Linear):
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(linear_acc(self, x)).to(x.dtype)
+        return self.comm.all_reduce(self.matmul_acc(x)).to(x.dtype)
 
 
 class ParallelMLP(MLP):
@@ -71,30 +56,20 @@ class ParallelMLP(MLP):
         if self.gate_proj.out_features == 0:  # a rank without a block of this MLP ('blocks' split)
             return x.new_zeros((*x.shape[:-1], self.down_proj.out_features), dtype=a)
         h = F.silu(self.gate_proj(x).to(a)) * self.up_proj(x).to(a)
-        return linear_acc(self.down_proj, h.to(x.dtype))
+        return self.down_proj.matmul_acc(h.to(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(self.partial(x)).to(x.dtype)
 
 
-class ExpertParallelMoE(nn.Module):
-    """The MoE with only this rank's experts: routing on every rank (replicated gate, identical inputs, so
-    identical choices), each rank adds its local experts' weighted outputs and its shared-expert share into
-    one fp32 buffer, one all-reduce sums the ranks.
-
-    Reference backend, like `mtp.moe.MoE`'s reference path: on CPU (unless `static`) a loop over the local
-    experts some token chose (a host sync); on CUDA, or with `static=True`, every local expert on every token
-    with its routing weight (0 when not chosen): no host sync, fixed shapes, CUDA-graph capturable, but it
-    reads all local experts. Both give each token the same per-expert terms, added in ascending expert order
-    like `MoE`.
-    Triton backend (`enable_fast_path`, for <= 64 tokens as `MoE`'s): `moe_route` as in
-    `fastpath.moe_forward_fast`, ids outside [e0, e1) mapped to -1, and `moe_experts` on the stacked local
-    experts, which skips the -1 slots: reads only the chosen local experts, no host sync, capturable."""
-
-    backend: str = "reference"  # 'triton': enable_fast_path
+class ExpertParallelMoE(MoE):
+    """The MoE with only this rank's experts [e0, e1) (`MoE.routed` over that range): routing on every rank
+    (replicated gate, identical inputs, so identical choices), each rank adds its local experts' weighted
+    outputs and its shared-expert share into one buffer in the accumulation dtype, one all-reduce sums the
+    ranks. Local experts keep their global index as name (`experts.{e}`)."""
 
     def __init__(self, cfg: ModelConfig, layout: RankLayout, dtype: torch.dtype, comm: Comm, static: bool = False):
-        super().__init__()
+        nn.Module.__init__(self)
         q8 = cfg.is_fp8
         self.gate = Gate(cfg, dtype)
         self.e0, self.e1 = layout.experts
@@ -104,66 +79,15 @@ class ExpertParallelMoE(nn.Module):
         self.shared_experts = (ParallelMLP(cfg.hidden_size, hi - lo, q8, dtype, comm)
                                if cfg.n_shared_experts else None)
         self.comm, self.static = comm, static
-        self.stacked: dict[str, torch.Tensor] | None = None
 
-    def enable_fast_path(self) -> None:
-        """Stack the local experts per projection into [E_local, N, K] weights / scales (local index e - e0)
-        for `moe_experts`, re-point each expert's parameters at its slice (memory is not doubled; names and
-        `state_dict` are unchanged), and switch to the Triton backend. Idempotent; FP8 experts only."""
-        if self.stacked is None:
-            experts = [self.experts[str(e)] for e in range(self.e0, self.e1)]
-            if not all(getattr(ex, p).is_fp8 for ex in experts for p in ("gate_proj", "up_proj", "down_proj")):
-                raise ValueError("ExpertParallelMoE.enable_fast_path: the Triton expert kernels need FP8 experts")
-            stacked = {}
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                for attr in ("weight", "weight_scale_inv"):
-                    parts = [getattr(ex, proj) for ex in experts]
-                    big = torch.stack([getattr(p, attr).data for p in parts])
-                    for i, p in enumerate(parts):  # the old tensor is freed: peak is one projection
-                        setattr(p, attr, nn.Parameter(big[i], requires_grad=False))
-                    stacked[f"{proj}.{attr}"] = big
-            self.stacked = stacked
-        self.backend = "triton"
+    def expert(self, e: int) -> MLP:
+        return self.experts[str(e)]
 
-    def _routed_fast(self, x_ND: torch.Tensor) -> torch.Tensor:
-        """This rank's routed-expert partial [N, D] fp32 through the Triton kernels (no host sync)."""
-        from ..kernels.moe import moe_experts, moe_route
+    def shared(self, x_ND: torch.Tensor) -> torch.Tensor:
+        return self.shared_experts.partial(x_ND)
 
-        g = self.gate
-        w_NK, ids_NK = moe_route(x_ND, g.weight, g.e_score_correction_bias, n_group=g.n_groups,
-                                 topk_group=g.topk_groups, topk=g.topk, route_scale=g.route_scale)
-        local_NK = ids_NK - self.e0
-        local_NK = torch.where((local_NK >= 0) & (local_NK < self.e1 - self.e0), local_NK, -1)  # -1: skipped
-        s = self.stacked
-        return moe_experts(x_ND, local_NK, w_NK, s["gate_proj.weight"], s["gate_proj.weight_scale_inv"],
-                           s["up_proj.weight"], s["up_proj.weight_scale_inv"], s["down_proj.weight"],
-                           s["down_proj.weight_scale_inv"], out_dtype=torch.float32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x_ND = x.reshape(-1, shape[-1])
-        if self.backend == "triton" and x_ND.shape[0] <= 64:  # the expert kernels take <= 64 tokens, as in MoE
-            out = self._routed_fast(x_ND)
-            if self.shared_experts is not None:
-                out += self.shared_experts.partial(x_ND).float()
-            return self.comm.all_reduce(out).to(x.dtype).view(shape)
-        w_NK, ids_NK = self.gate(x_ND)
-        a = fp8.acc_dtype(x.dtype)
-        out = torch.zeros(x_ND.shape, dtype=a, device=x.device)
-        if self.static or x.is_cuda:
-            w_NE = torch.zeros(x_ND.shape[0], self.gate.n_experts, dtype=a, device=x.device)
-            w_NE.scatter_(1, ids_NK, w_NK.to(a))  # one chosen slot per expert at most: its weight, else 0
-            for e in range(self.e0, self.e1):
-                out += self.experts[str(e)](x_ND).to(a) * w_NE[:, e:e + 1]
-        else:
-            local_NK = (ids_NK >= self.e0) & (ids_NK < self.e1)
-            for e in torch.unique(ids_NK[local_NK]).tolist():  # host sync: CPU eager path only
-                tok, slot = (ids_NK == e).nonzero(as_tuple=True)
-                y = self.experts[str(e)](x_ND[tok]).to(a) * w_NK[tok, slot].unsqueeze(-1)
-                out.index_add_(0, tok, y)
-        if self.shared_experts is not None:
-            out += self.shared_experts.partial(x_ND)
-        return self.comm.all_reduce(out).to(x.dtype).view(shape)
+    def reduce(self, out_ND: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(out_ND)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -189,7 +113,7 @@ class VocabParallelHead(Linear):
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_gather_last(super().forward(x))
+        return self.comm.all_gather_last(self.matmul(x))
 
 
 def shard_model(model: DeepseekV32, layout: RankLayout, comm: Comm, static_moe: bool = False) -> DeepseekV32:
@@ -221,7 +145,7 @@ def shard_model(model: DeepseekV32, layout: RankLayout, comm: Comm, static_moe: 
         for layer in model.mtp:
             layer.embed_tokens = VocabParallelEmbedding(v1 - v0, D, v0, dt, comm)
             layer.shared_head.head = VocabParallelHead(D, v1 - v0, dt, comm)
-    model.set_runtime(model.runtime)
+    model.set_runtime(model.runtime)  # also bumps model.version: graphs of the unsharded model are stale
     return model
 
 

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
-from ..spec import checkpoint_spec
+from ..model.config import ModelConfig
+from ..checkpoint.inventory import checkpoint_spec
 from ..timing import capture, copy_bandwidth, kernel_profile, timer
 from .layout import ParallelPlan
 
@@ -58,7 +58,7 @@ def default_rank(cfg: ModelConfig, world: int, dtype: torch.dtype) -> int:
     """The rank holding the most weight bytes (lowest on ties). Heads, experts and vocabulary split evenly;
     only the 128-block MLP split can make ranks differ (at TP 8 and 16 all ranks hold the same bytes, so rank
     0). Routed-expert work depends on the routing of each step and cannot be chosen up front."""
-    from ..plan import weight_bytes_by_rank
+    from .memory import weight_bytes_by_rank
 
     totals = [sum(b.values()) for b in weight_bytes_by_rank(cfg, ParallelPlan(world), dtype)]
     return max(range(world), key=lambda r: (totals[r], -r))
@@ -86,7 +86,7 @@ def cache_bytes_per_position(cfg: ModelConfig, quantized: bool = True, dtype_byt
 def memory_need(cfg: ModelConfig, world: int, rank: int, dtype: torch.dtype, max_len: int, batch: int) -> dict:
     """What the rank needs on the device: its weights (the planner's count), ~4% for the fast path's fused
     copies, one full tensor drawn in fp32 while building (+ its cast), its cache, and 4 GiB of workspace."""
-    from ..plan import rank_weight_bytes
+    from .memory import rank_weight_bytes
 
     weights = sum(rank_weight_bytes(cfg, ParallelPlan(world), rank, dtype).values())
     biggest = max(math.prod(ts.shape) for ts in checkpoint_spec(cfg).values()) * 6
@@ -146,7 +146,7 @@ def expected_local_experts(cfg: ModelConfig, world: int, tokens: int) -> float:
 def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
     """One layer's lightning indexer at context L for w queries, alone: scores over the L + w keys, then
     top-k (the kernels the fast path runs; their references on CPU). Per layer, and x layers per step."""
-    from .. import fp8
+    from ..model import fp8
     from ..kernels import indexer as ix
 
     cfg = model.cfg
@@ -247,7 +247,7 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
 def spec_steps(model, args, L: int, cuda: bool) -> dict:
     """Whole speculative steps (draft K + verify K+1 + accept + commit) through `mtp.generate` at context L:
     plain, eagle and vanilla k = 1..K (vanilla past the checkpoint's MTP modules repeats the last one)."""
-    from ..engine import generate, release
+    from ..decode.engine import generate, release
 
     g = torch.Generator().manual_seed(args.seed + 2)
     prompts = torch.randint(0, model.cfg.vocab_size, (args.batch, L), generator=g).tolist()
@@ -409,7 +409,7 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
                   part: dict, res: dict) -> None:
     """Rank `rank` at cfg's depth: build it in a simulated group, then per context the target steps and, when
     `spec`, the speculative steps. Fills `part` (a piece of `res`, which is saved after each part)."""
-    from ..engine import release
+    from ..decode.engine import release
     from .load import param_bytes
     from .simulate import simulated_rank
     from .synthetic import random_parallel_model
@@ -424,7 +424,7 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
         part["build_s"] = time.perf_counter() - t0
         part["param_gib"] = param_bytes(model) / GIB
         if cuda:
-            from ..fastpath import enable_fast_path
+            from ..backends.fast_path import enable_fast_path
 
             enable_fast_path(model)
             part["gpu_mem_gib_after_build"] = torch.cuda.memory_allocated() / GIB

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from ..config import BLOCK
+from ..model.config import BLOCK
 from .layout import Shard
 
 

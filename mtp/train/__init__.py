@@ -8,7 +8,7 @@ and heads-only MTP training on a frozen target. Entry point: `mtp-train` (`mtp/t
 | `model_init.py` | build + initialize the library's `DeepseekV32` with float weights; shared embedding/head |
 | `objective.py` | MTP loss, indexer KL, router load hooks and the balance update |
 | `trainer.py` | the loop (time budget, dense -> sparse stage, eval, logging) |
-| `export.py` | FP8 checkpoint through `mtp.checkpoint.save_checkpoint` |
+| `export.py` | FP8 checkpoint through `mtp.checkpoint.files.save_checkpoint` |
 | `heads.py`, `append.py` | heads-only: hidden-state shards, distillation, appending MTP layers to a checkpoint |
 | `evaluate.py` | held-out loss and acceptance (through `mtp.generate`) |
 | `log.py` | JSON-lines + optional W&B (offline unless configured) |
@@ -27,6 +27,6 @@ Design notes: where this departs from the DeepSeek-V3 / V3.2 reports, and why.
 - Balance: only the bias update (gamma = 1e-3 per step, counted over the whole step); the report's tiny
   sequence-wise auxiliary loss is left out.
 - Precision: fp32 master weights with bf16 autocast on CUDA (the report trains in FP8; the export is FP8).
-- KV cache during training: `objective.TrainCache`, one tensor per layer. `mtp.cache.KVCache` keeps all layers
+- KV cache during training: `objective.TrainCache`, one tensor per layer. `mtp.model.cache.KVCache` keeps all layers
   in one tensor, and the write into layer i then invalidates the saved reads of earlier layers for autograd.
 """

@@ -5,7 +5,7 @@ a module from a 690 GB checkpoint reads a few GB. `write_mtp_layers` produces a 
 the source shards are hard-linked (copied where links are impossible) and renumbered, a shard holding a
 replaced layer is rewritten without it, the new layers go into new shards, and `config.json` changes only
 in `num_nextn_predict_layers` (every other field of the source file is kept as is). The folder appears
-atomically (temp dir + rename), as with `mtp.checkpoint.save_checkpoint`.
+atomically (temp dir + rename), as with `mtp.checkpoint.files.save_checkpoint`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .. import fp8
-from ..checkpoint import INDEX_NAME, CheckpointError, weight_map
-from ..config import ModelConfig
+from ..model import fp8
+from ..checkpoint.files import INDEX_NAME, CheckpointError, weight_map
+from ..model.config import ModelConfig
 from ..utils import publish_dir
 
 MAX_NEW_SHARD_BYTES = 4 * 2 ** 30

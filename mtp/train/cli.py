@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_model
+from ..checkpoint.files import load_model
 from .config import HeadsConfig, ModelShape, TrainConfig
 
 

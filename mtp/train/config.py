@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..config import ModelConfig, RopeScaling
+from ..model.config import ModelConfig, RopeScaling
 
 
 class TrainConfigError(ValueError):
@@ -66,7 +66,7 @@ class ModelShape:
 
 
 def _fp8():
-    from ..config import QuantConfig
+    from ..model.config import QuantConfig
 
     return QuantConfig()
 

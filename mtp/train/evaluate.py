@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..engine import generate
-from ..model import DeepseekV32
+from ..decode.engine import generate
+from ..model.deepseek import DeepseekV32
 from ..tokenizer import Tokenizer
 from .data import encode_prompt
 from .objective import ce, mtp_chain

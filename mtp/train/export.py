@@ -1,6 +1,6 @@
-"""Export a trained model as a real HF DeepSeek-V3.2 FP8 checkpoint through `mtp.checkpoint.save_checkpoint`.
+"""Export a trained model as a real HF DeepSeek-V3.2 FP8 checkpoint through `mtp.checkpoint.files.save_checkpoint`.
 
-Every tensor the spec marks FP8 is quantized with `mtp.fp8.weight_quant` (e4m3, one ue8m0 scale per
+Every tensor the spec marks FP8 is quantized with `mtp.model.fp8.weight_quant` (e4m3, one ue8m0 scale per
 128x128 block); embeddings, norms, the router, eh_proj and the heads are stored bf16, the router bias fp32.
 MTP layers get their own copies of the (training-time shared) embedding and output head, as in the real file.
 """
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from .. import fp8
-from ..checkpoint import ckpt_name, save_checkpoint
-from ..config import ModelConfig, QuantConfig
-from ..model import DeepseekV32
-from ..spec import TensorSpec, checkpoint_spec
+from ..model import fp8
+from ..checkpoint.files import ckpt_name, save_checkpoint
+from ..model.config import ModelConfig, QuantConfig
+from ..model.deepseek import DeepseekV32
+from ..checkpoint.inventory import TensorSpec, checkpoint_spec
 from ..tokenizer import Tokenizer, save_tokenizer
 
 MAX_SHARD_BYTES = 12 * 2 ** 20  # keeps every shard of a small model well under 16 MB

@@ -30,11 +30,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..checkpoint import load_model
-from ..config import ModelConfig
-from ..layers import yarn_inv_freq
-from ..model import DeepseekV32, MTPLayer
-from ..spec import block_spec, mtp_extra_spec
+from ..checkpoint.files import load_model
+from ..model.config import ModelConfig
+from ..model.layers import yarn_inv_freq
+from ..model.deepseek import DeepseekV32, MTPLayer
+from ..checkpoint.inventory import block_spec, mtp_extra_spec
 from .append import read_layer, write_mtp_layers
 from .config import HeadsConfig
 from .data import random_windows

@@ -1,6 +1,6 @@
 """Build a trainable `DeepseekV32`: float weights, initialization, shared embedding/head, optimizer groups.
 
-The model is the library's own module tree (`mtp.model.DeepseekV32`), run with dequant numerics and the naive
+The model is the library's own module tree (`mtp.model.deepseek.DeepseekV32`), run with dequant numerics and the naive
 (expanded) attention path. As in DeepSeek-V3, the MTP modules share the main model's embedding and output
 head during training: their `embed_tokens` / `shared_head.head` are the same Parameter objects, and the
 export writes the copies the checkpoint format carries.
@@ -13,8 +13,8 @@ import math
 import torch
 from torch import nn
 
-from ..config import ModelConfig, RuntimeOptions
-from ..model import DeepseekV32
+from ..model.config import ModelConfig, RuntimeOptions
+from ..model.deepseek import DeepseekV32
 
 TRAIN_RUNTIME = RuntimeOptions(numerics="dequant", attn_impl="naive")
 # Output projections write into the residual stream; scaled down by sqrt(2 * blocks) (GPT-2 style) so the

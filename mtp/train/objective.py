@@ -4,7 +4,7 @@ Shape legend: B batch, T positions, H attention heads, Hi indexer heads, S keys,
 
 MTP loss (DeepSeek-V3 report, section 2.2): L = L_main + (lambda / D) * sum_k L_mtp_k. Module k (1-based) at
 position i takes h^{k-1}_i and embed(t_{i+k}) and predicts t_{i+k+1}; h^0 is the trunk's hidden after the
-final norm and h^k is module k's output after its shared_head.norm (what `mtp.engine` feeds by default,
+final norm and h^k is module k's output after its shared_head.norm (what `mtp.decode.engine` feeds by default,
 `target_hidden = chain_hidden = 'normed'`).
 
 Indexer (DeepSeek-V3.2 report, section 2.1): for query t the target is the main attention distribution summed
@@ -25,12 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import fp8
-from ..attention import MLA, Indexer
-from ..cache import KVCache, LayerCache
-from ..layers import rope_half, rope_interleaved
-from ..model import DeepseekV32
-from ..moe import Gate
+from ..model import fp8
+from ..model.attention import MLA, Indexer
+from ..model.cache import KVCache, LayerCache
+from ..model.deepseek import DeepseekV32
+from ..model.moe import Gate
 
 DENSE_TOPK = 1 << 30  # an index_topk no context reaches: the indexer keeps every visible key
 
@@ -118,13 +117,7 @@ def attention_probs(mla: MLA, x_BTD: torch.Tensor, cos, sin, keep_BTS: torch.Ten
     """MLA's attention distribution [B, H, T, S] (keys = the same T tokens), as MLA._naive computes it with
     dequant numerics; keys outside `keep_BTS` get probability 0."""
     B, T, _ = x_BTD.shape
-    dt = x_BTD.dtype
-    qr = mla.q_a_layernorm(mla.q_a_proj(x_BTD), dt)
-    q = mla.q_b_proj(qr).view(B, T, mla.H, mla.P + mla.R)
-    q_nope, q_pe = q[..., : mla.P], rope_interleaved(q[..., mla.P:], cos, sin)
-    kv = mla.kv_a_proj_with_mqa(x_BTD)
-    c = mla.kv_a_layernorm(kv[..., : mla.C], dt)
-    k_pe = rope_interleaved(kv[..., mla.C:], cos, sin)
+    _, q_nope, q_pe, c, k_pe = mla.project(x_BTD, cos, sin)
     k_nope = mla.kv_b_proj(c).view(B, T, mla.H, mla.P + mla.V)[..., : mla.P]
     scores = torch.einsum("bthp,bshp->bhts", q_nope.float(), k_nope.float())
     scores = scores + torch.einsum("bthr,bsr->bhts", q_pe.float(), k_pe.float())
@@ -135,10 +128,7 @@ def attention_probs(mla: MLA, x_BTD: torch.Tensor, cos, sin, keep_BTS: torch.Ten
 def index_scores(idx: Indexer, x_BTD: torch.Tensor, qr_BTQ: torch.Tensor, cos, sin) -> torch.Tensor:
     """The lightning indexer's score I[b, t, s] over the same T tokens (before masking), differentiable in the
     indexer's weights; the same math as `Indexer.select` with dequant numerics."""
-    B, T, _ = x_BTD.shape
-    q = idx.wq_b(qr_BTQ).view(B, T, idx.n_heads, idx.head_dim)
-    q = torch.cat((rope_half(q[..., : idx.rope_dim], cos, sin), q[..., idx.rope_dim:]), dim=-1)
-    q = fp8.rotate_activation(q).float()
+    q = idx.queries(qr_BTQ, cos, sin).float()
     k = idx.keys(x_BTD, cos, sin).float()
     w = F.linear(x_BTD.float(), idx.weights_proj.weight.float()) * idx.n_heads ** -0.5
     dots = torch.einsum("bthd,bsd->bths", q, k).relu()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..model import DeepseekV32
+from ..model.deepseek import DeepseekV32
 from .config import TrainConfig
 from .data import Dataset, fixed_windows, random_windows
 from .evaluate import autocast, heldout_loss

@@ -6,10 +6,10 @@ import copy
 import pytest
 import torch
 
-from mtp.engine import generate
-from mtp.fastpath import disable_fast_path, enable_fast_path
+from mtp.decode.engine import generate
+from mtp.backends.fast_path import disable_fast_path, enable_fast_path
 from mtp.synthetic import gpu_test_config, random_model
-from mtp.tiny import random_tensors, tiny_config
+from mtp.checkpoint.tiny import random_tensors, tiny_config
 
 pytestmark = [pytest.mark.gpu]
 if not torch.cuda.is_available():
@@ -24,7 +24,7 @@ def model():
 
 
 def _tiny_on_gpu(dtype):
-    from mtp.checkpoint import load_model, save_checkpoint
+    from mtp.checkpoint.files import load_model, save_checkpoint
     import tempfile
 
     cfg = tiny_config()
@@ -127,7 +127,7 @@ def test_fast_path_graph_overlap_identical(model, draft, k):
 def test_captured_step_is_reused_across_calls():
     """generate(mode=graph/overlap) keeps the engine: later calls of the same batch and length bucket replay the
     graph captured by the first, and each call still equals its own eager run."""
-    from mtp.engine import _ENGINES, release
+    from mtp.decode.engine import _ENGINES, release
 
     m = _tiny_on_gpu(torch.bfloat16)
     calls = [(PROMPTS[:2], 20), (PROMPTS[1:], 12), (PROMPTS[:2], 7)]
@@ -138,20 +138,29 @@ def test_captured_step_is_reused_across_calls():
             want = generate(m, prompts, n, draft="eagle", k=2, mode="eager")
             assert got.tokens == want.tokens, (mode, n)
         (engine,) = _ENGINES[m].values()
-        assert len(engine.graphs) == 1  # one capture served the three calls
+        assert len(engine.runner.graphs) == 1  # one capture served the three calls
 
 
 def test_switching_paths_drops_kept_graphs(model):
-    """A graph captured on one path must never be replayed on the other (the fast path re-points weights)."""
-    from mtp.engine import _ENGINES
+    """A graph captured on one path must never be replayed on the other (the fast path re-points weights): the
+    swap bumps model.version and the kept engine captures again."""
+    from mtp.decode.engine import _ENGINES
 
+    def kept_graph():
+        (engine,) = _ENGINES[model].values()
+        (entry,) = engine.runner.graphs.values()
+        return entry[0]
+
+    _ENGINES.pop(model, None)
     generate(model, PROMPTS[:1], 4, mode="graph")
-    assert model in _ENGINES
+    ref_graph = kept_graph()
     enable_fast_path(model)
     try:
-        assert model not in _ENGINES
         fast = generate(model, PROMPTS[:1], 8, mode="graph").tokens
+        fast_graph = kept_graph()
+        assert fast_graph is not ref_graph
         assert fast == generate(model, PROMPTS[:1], 8, mode="eager").tokens
     finally:
         disable_fast_path(model)
-    assert model not in _ENGINES
+    generate(model, PROMPTS[:1], 4, mode="graph")
+    assert kept_graph() is not fast_graph

@@ -20,12 +20,12 @@ DEV = os.environ.get("MTP_TEST_DEVICE", "cuda")
 if not (available() or (DEV == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")):
     pytest.skip("needs triton and a CUDA device", allow_module_level=True)
 
-from mtp.cache import KVCache  # noqa: E402
-from mtp.fastpath import fuse_rows  # noqa: E402
-from mtp.fp8 import weight_quant  # noqa: E402
+from mtp.model.cache import KVCache  # noqa: E402
+from mtp.backends.fast_path import fuse_rows  # noqa: E402
+from mtp.model.fp8 import weight_quant  # noqa: E402
 from mtp.kernels.cache_write import cache_write  # noqa: E402
 from mtp.kernels.fp8_gemm import fp8_linear  # noqa: E402
-from mtp.layers import Linear  # noqa: E402
+from mtp.model.layers import Linear  # noqa: E402
 from mtp.synthetic import real_config  # noqa: E402
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import mtp.kernels
-from mtp.fp8 import act_quant, weight_dequant, weight_quant
+from mtp.model.fp8 import act_quant, weight_dequant, weight_quant
 from mtp.kernels.fp8_gemm import fp8_linear_ref
 from mtp.kernels.indexer import indexer_topk_ref, topk_from_scores
 from mtp.kernels.mla_decode import mla_decode_ref

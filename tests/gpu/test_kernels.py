@@ -19,8 +19,8 @@ DEV = os.environ.get("MTP_TEST_DEVICE", "cuda")
 if not (available() or (DEV == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")):
     pytest.skip("needs triton and a CUDA device", allow_module_level=True)
 
-from mtp.fp8 import fp8_gemm_ref, weight_quant  # noqa: E402
-from mtp.fp8 import act_quant as act_quant_ref  # noqa: E402
+from mtp.model.fp8 import fp8_gemm_ref, weight_quant  # noqa: E402
+from mtp.model.fp8 import act_quant as act_quant_ref  # noqa: E402
 from mtp.kernels.act_quant import act_quant  # noqa: E402
 from mtp.kernels.fp8_gemm import fp8_gemm, fp8_linear, fp8_linear_ref  # noqa: E402
 from mtp.kernels.indexer import indexer_topk, indexer_topk_ref  # noqa: E402
@@ -215,8 +215,8 @@ def moe_flip_bound(x, idx, rw, wg, sg, wu, su, wd, sd, delta: float = 2e-3):
     elements flip independently: 4 * sqrt(sum_i (w_tj * dh_i * W_down[:, i])^2) (dequantized); dh_i is 0
     unless h_i lies within delta of a rounding boundary. Every element flipping the same way at once (the
     worst case, a linear sum) would make the bound too loose to catch a 10% error in one routing weight."""
-    from mtp.fp8 import FP8_DTYPE, FP8_MAX, act_dequant, fp8_gemm_ref, weight_dequant
-    from mtp.fp8 import act_quant as aq
+    from mtp.model.fp8 import FP8_DTYPE, FP8_MAX, act_dequant, fp8_gemm_ref, weight_dequant
+    from mtp.model.fp8 import act_quant as aq
 
     a = torch.float64
     T = x.shape[0]

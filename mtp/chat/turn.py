@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .engine import StepEvent
-from .metrics import SpecMetrics
-from .tokenizer import StreamDecoder, Tokenizer
+from ..decode.engine import StepEvent
+from ..decode.metrics import SpecMetrics
+from ..tokenizer import StreamDecoder, Tokenizer
 
 TRANSCRIPT_FORMAT = "mtp-chat-transcript/1"
 

@@ -4,11 +4,11 @@
     mtp-plan config.json --gpus 8 --nodes 2 --gpu-mem-gib 80         # two nodes, 16 x H100
 
 Per rank it prints:
-- weights: every tensor of `mtp.spec.checkpoint_spec`, cut by the same `mtp.parallel.layout.RankLayout` the
+- weights: every tensor of `mtp.checkpoint.inventory.checkpoint_spec`, cut by the same `mtp.parallel.layout.RankLayout` the
   sharded loader uses, in the dtype the loaded model holds it (FP8 1 byte + fp32 re-blocked scales; bf16
   tensors in the model dtype; router bias and indexer LayerNorm fp32). Equal, byte for byte, to the
   parameters `mtp.parallel.load_parallel` materializes (tests/test_plan.py checks it on a real load).
-- KV cache: per token and layer (trunk + draft caches: eagle 1, vanilla k) what `mtp.cache.KVCache` stores:
+- KV cache: per token and layer (trunk + draft caches: eagle 1, vanilla k) what `mtp.model.cache.KVCache` stores:
   latent 512 fp8 + 4 fp32 scales, k_pe 64 in the model dtype, indexer key 128 fp8 + 1 fp32 scale
   (788 B in bf16). MLA's latent is shared by all heads, so with head-split attention every rank holds the
   whole cache (as DeepSeek's reference does).
@@ -34,9 +34,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .config import BLOCK, ModelConfig
-from .parallel.layout import MLP_SPLITS, ParallelPlan, RankLayout
-from .spec import checkpoint_spec
+from ..model.cache import KVCache
+from ..model.config import BLOCK, ModelConfig
+from .layout import MLP_SPLITS, ParallelPlan, RankLayout
+from ..checkpoint.inventory import checkpoint_spec
 
 GIB = 1024 ** 3
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -112,10 +113,8 @@ def weight_bytes_by_rank(cfg: ModelConfig, plan: ParallelPlan, dtype: torch.dtyp
 
 
 def kv_bytes_per_token_layer(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, quantized: bool = True) -> int:
-    """Bytes one position of one layer takes in `mtp.cache.KVCache` (fp8 numerics store real FP8)."""
-    C, R, Dk = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
-    store = 1 if quantized else _itemsize(dtype)
-    return C * store + max(C // BLOCK, 1) * 4 + R * _itemsize(dtype) + Dk * store + 4
+    """Bytes one position of one layer takes in `mtp.model.cache.KVCache` (fp8 numerics store real FP8)."""
+    return KVCache.bytes_per_position(cfg, dtype, quantized)
 
 
 def draft_cache_layers(draft: str, k: int) -> int:
@@ -172,7 +171,7 @@ class MemoryPlan:
 
 
 def step_workspace_reference(cfg: ModelConfig, world: int, wl: Workload) -> int:
-    """Transient bytes of one decode/verify step on the reference path `mtp.attention` runs today: each layer
+    """Transient bytes of one decode/verify step on the reference path `mtp.model.attention` runs today: each layer
     dequantizes the whole cache to fp32 and scores every key with every indexer head."""
     B, T, S = wl.batch, wl.k + 1, wl.max_len
     Hl = cfg.num_attention_heads // world

@@ -3,7 +3,7 @@
 Shape legend: B batch, T new tokens, D width, V vocabulary, S cache slots.
 
 Parameter names equal the HF checkpoint names (`model.layers.N.self_attn.q_a_proj.weight`, ...); the MTP
-layers (checkpoint layers N >= num_hidden_layers) live in `DeepseekV32.mtp[j]`, see `mtp.checkpoint`.
+layers (checkpoint layers N >= num_hidden_layers) live in `DeepseekV32.mtp[j]`, see `mtp.checkpoint.files`.
 The residual stream is fp32; module inputs and outputs are in the model dtype.
 
 Cache-using forward (what decoding uses): `model.forward(ids_BT, cache=kv)` writes the T tokens at positions
@@ -88,6 +88,9 @@ class DeepseekV32(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         self.mtp = nn.ModuleList([MTPLayer(cfg, cfg.num_hidden_layers + j, dtype) for j in range(n_mtp)])
         self.rotary = Rotary(cfg)
+        # Bumped by whatever changes what a forward runs (a module swap such as the fast path or sharding, new
+        # run-time options): CUDA graphs captured at an older version hold stale kernels and weight pointers.
+        self.version = 0
         self.runtime = RuntimeOptions()
         self.set_runtime(runtime or RuntimeOptions())
 
@@ -95,6 +98,7 @@ class DeepseekV32(nn.Module):
     def set_runtime(self, runtime: RuntimeOptions) -> None:
         """Switch numerics / attention path at run time on the whole module tree."""
         self.runtime = runtime
+        self.version += 1
         for m in self.modules():
             if hasattr(m, "numerics"):
                 m.numerics = runtime.numerics

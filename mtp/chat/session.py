@@ -4,7 +4,7 @@ No terminal, no Hydra, no process group here, so it is testable with a scripted 
 every rank of a multi-GPU run. A `Session` meets the outside world at three points:
 - lines come in through `Session.handle(line)`, which returns False when the session should end; who reads
   them (prompt_toolkit, `input()`, a test script, rank 0 broadcasting to the other ranks) is the caller's
-  business (`mtp.chat_io`);
+  business (`mtp.chat.terminal`);
 - what a person should see goes to a `View` (streamed text tagged reasoning / accepted-draft, notices,
   errors, stats lines); rank 0 prints it, other ranks pass a view that drops everything;
 - `should_stop()` is polled after every committed step; True ends the reply as interrupted. A
@@ -28,18 +28,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .chat_tools import TOOLS_HELP, describe_calls, load_tools, read_tool_calls, tool_names
-from .chat_turn import TRANSCRIPT_FORMAT, ReplyStream, StepLog, Turn, View, stats_line
-from .dsml import CompletionFormatError
-from .utils import write_json_atomic
-from .draft.proposer import DraftConfig
-from .engine import VERIFIERS, StepEvent
-from .metrics import SpecMetrics
-from .prompt import encode_chat
-from .tokenizer import Tokenizer
+from ..chat_tools import TOOLS_HELP, describe_calls, load_tools, read_tool_calls, tool_names
+from ..decode.config import GenerationConfig
+from ..decode.engine import StepEvent
+from ..decode.metrics import SpecMetrics
+from ..decode.options import DRAFTS, MAX_K, VERIFIERS, draft_room
+from ..dsml import CompletionFormatError
+from ..prompt import encode_chat
+from ..tokenizer import Tokenizer
+from ..utils import write_json_atomic
+from .terminal import StopFlag
+from .turn import TRANSCRIPT_FORMAT, ReplyStream, StepLog, Turn, View, stats_line
 
-DRAFTS = ("none", "vanilla", "eagle")
-MAX_K = 16  # the cap of draft.k in eval/schema.py: far past the point where position k is still accepted
 
 HELP = """\
 commands:
@@ -108,7 +108,7 @@ class Session:
         """`generate` defaults to `mtp.generate` (tests pass a fake); `meta` (model path, config) is saved
         with the transcript."""
         if generate is None:
-            from .engine import generate
+            from ..decode.engine import generate
         self.model, self.tok, self.settings, self.view = model, tokenizer, settings, view
         self.generate, self.should_stop = generate, should_stop
         self.system, self.meta = system, dict(meta or {})
@@ -253,16 +253,17 @@ class Session:
         self.check_settings(new)
         self.settings = new
 
+    def generation_config(self, s: Settings) -> GenerationConfig:
+        """The settings as the engine's options (think ids from the tokenizer: relaxed needs them)."""
+        kwargs = {"think_ids": (self.tok.think_id, self.tok.end_think_id), **s.options}
+        return GenerationConfig.from_options(s.max_new_tokens, s.draft, s.effective_k, s.verify, **kwargs)
+
     def check_settings(self, s: Settings) -> None:
+        """The engine's own validation (`GenerationConfig.validate`), its message shown as a command error."""
         try:
-            DraftConfig(mode=s.draft, k=s.effective_k, reuse_modules=bool(s.options.get("reuse_modules", False)),
-                        ).validate(self.model.n_mtp)
-        except ValueError as e:
+            self.generation_config(s).validate(self.model)
+        except (ValueError, TypeError) as e:
             raise CommandError(str(e)) from None
-        if s.verify not in VERIFIERS:
-            raise CommandError(f"verify must be one of {', '.join(VERIFIERS)}, got {s.verify!r}")
-        if s.options.get("draft_sampling") == "sample" and s.verify != "sample":
-            raise CommandError("sampled drafts (draft_sampling=sample) need /verify sample to stay lossless")
 
     # ------------------------------------------------------------------ statistics and transcript
     def totals(self) -> list[str]:
@@ -303,8 +304,8 @@ class Session:
 
     def context_limit(self) -> int:
         """Most prompt + max_new_tokens tokens a turn may take: runtime.max_model_len, and the engine's own
-        bound (its buffers hold prompt + max_new_tokens + 3k + 2 positions, within max_position_embeddings)."""
-        engine_limit = self.model.cfg.max_position_embeddings - 3 * self.settings.effective_k - 2
+        bound (its buffers hold prompt + max_new_tokens + draft room, within max_position_embeddings)."""
+        engine_limit = self.model.cfg.max_position_embeddings - draft_room(self.settings.effective_k)
         s = self.settings.max_model_len
         return engine_limit if s is None else min(s, engine_limit)
 
@@ -403,3 +404,18 @@ def _on_off(arg: str, cmd: str) -> bool | None:
     if arg.lower() in ("off", "false", "0", "no"):
         return False
     raise CommandError(f"{cmd} takes on or off, got {arg!r}")
+
+
+def loop(session: Session, source, stop: StopFlag) -> None:
+    """Read a line, handle it, until end of input or /exit. Ctrl-C is the reply's business while armed
+    (see `StopFlag`); a second Ctrl-C that lands between steps is caught here, so the session survives."""
+    while True:
+        line = source.read(f"[{session.settings.label()}] > ")
+        if line is None:
+            break
+        try:
+            with stop.armed():
+                if not session.handle(line):
+                    break
+        except KeyboardInterrupt:
+            session.view.notice("interrupted")

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from . import fp8
-from .checkpoint import save_checkpoint
-from .config import ModelConfig, QuantConfig, RopeScaling
-from .spec import checkpoint_spec
+from ..model import fp8
+from .files import save_checkpoint
+from ..model.config import ModelConfig, QuantConfig, RopeScaling
+from .inventory import checkpoint_spec
 
 
 def tiny_config(layers: int = 3, dense_layers: int = 1, mtp_modules: int = 1, index_topk: int = 16,
@@ -73,7 +73,7 @@ def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0, layers: int = 3, dense_layers: int = 1,
                           mtp_modules: int = 1, index_topk: int = 16, vocab: int = 512, n_shards: int = 2) -> Path:
-    from .tokenizer import default_corpus, save_tokenizer, train_bpe_tokenizer
+    from ..tokenizer import default_corpus, save_tokenizer, train_bpe_tokenizer
 
     tok = train_bpe_tokenizer(default_corpus(), vocab_size=vocab)
     cfg = tiny_config(layers, dense_layers, mtp_modules, index_topk, tok.get_vocab_size())
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 # A small DeepSeek-V3.2 trained on the standard library (`mtp-train`, see MODEL_CARD.md), shipped in the repo.
-SHIPPED_CHECKPOINT = Path(__file__).resolve().parent / "assets" / "dsv32_stdlib_mini"
+SHIPPED_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "dsv32_stdlib_mini"
 
 
 def default_checkpoint() -> Path:
@@ -135,5 +135,5 @@ def default_checkpoint() -> Path:
     return path
 
 
-if __name__ == "__main__":  # `python -m mtp.tiny OUT_DIR` where the console script is not installed
+if __name__ == "__main__":  # `python -m mtp.checkpoint.tiny OUT_DIR` where the console script is not installed
     main()

@@ -92,5 +92,12 @@ class KVCache:
     def reset(self) -> None:
         self.seq_lens.zero_()
 
+    @staticmethod
+    def bytes_per_position(cfg: ModelConfig, dtype: torch.dtype, quantized: bool) -> int:
+        """Bytes one position of one layer takes: latent + its scales, rope key, indexer key + its scale."""
+        C, R, Dk = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+        store = 1 if quantized else torch.empty((), dtype=dtype).element_size()
+        return C * store + max(C // fp8.BLOCK, 1) * 4 + R * torch.empty((), dtype=dtype).element_size() + Dk * store + 4
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.kv, self.kv_scale, self.pe, self.idx_k, self.idx_k_scale))

@@ -68,9 +68,6 @@ class Indexer(nn.Module):
 
 
 class MLA(nn.Module):
-    backend: str = "reference"  # 'triton': mtp/fastpath.py (absorbed blocks over the FP8 cache)
-    fused_a = fused_qb = None  # set by enable_fast_path: stacked FP8 weights of the projections sharing an input
-
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         q8 = cfg.is_fp8
@@ -89,17 +86,8 @@ class MLA(nn.Module):
     def forward(self, x_BTD, pos_BT, cos, sin, cache: LayerCache, S: int, opts: RuntimeOptions) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         dt = x_BTD.dtype
-        naive = opts.attn_impl == "naive" or (opts.attn_impl == "auto" and T > opts.absorb_max_tokens)
-        if self.backend == "triton" and not naive and cache.quantized:
-            from .fastpath import mla_forward_fast
-
-            return mla_forward_fast(self, x_BTD, pos_BT, cos, sin, cache, S)
-        qr = self.q_a_layernorm(self.q_a_proj(x_BTD), dt)
-        q = self.q_b_proj(qr).view(B, T, self.H, self.P + self.R)
-        q_nope, q_pe = q[..., : self.P], glue.rope_interleaved(q[..., self.P:], cos, sin)
-        kv = self.kv_a_proj_with_mqa(x_BTD)
-        c = self.kv_a_layernorm(kv[..., : self.C], dt)
-        k_pe = glue.rope_interleaved(kv[..., self.C:], cos, sin)
+        naive = self.naive(T, opts)
+        qr, q_nope, q_pe, c, k_pe = self.project(x_BTD, cos, sin)
         cache.write(pos_BT, c, k_pe, self.indexer.keys(x_BTD, cos, sin))
         visible_BTS = torch.arange(S, device=x_BTD.device).view(1, 1, S) <= pos_BT.unsqueeze(-1)
         keep_BTS = self.indexer.select(x_BTD, qr, cos, sin, cache, S, visible_BTS)
@@ -113,6 +101,25 @@ class MLA(nn.Module):
         else:
             o = self._absorbed(q_nope, q_pe, c_BSC, pe_BSR, bias_B1TS)
         return self.o_proj(o.reshape(B, T, self.H * self.V).to(dt))
+
+    def project(self, x_BTD: torch.Tensor, cos, sin):
+        """The input projections: qr [B, T, q_lora_rank] (the query's low rank, also the indexer's input),
+        q_nope [B, T, H, P], q_pe [B, T, H, R] (rotated), the normalized latent c [B, T, C] and the rotated rope
+        key k_pe [B, T, R]. (The fast path computes the same with its fused projections.)"""
+        B, T, _ = x_BTD.shape
+        dt = x_BTD.dtype
+        qr = self.q_a_layernorm(self.q_a_proj(x_BTD), dt)
+        q = self.q_b_proj(qr).view(B, T, self.H, self.P + self.R)
+        q_nope, q_pe = q[..., : self.P], glue.rope_interleaved(q[..., self.P:], cos, sin)
+        kv = self.kv_a_proj_with_mqa(x_BTD)
+        c = self.kv_a_layernorm(kv[..., : self.C], dt)
+        k_pe = glue.rope_interleaved(kv[..., self.C:], cos, sin)
+        return qr, q_nope, q_pe, c, k_pe
+
+    @staticmethod
+    def naive(T: int, opts: RuntimeOptions) -> bool:
+        """Whether a block of T new tokens takes the naive path (expanded keys) rather than the absorbed one."""
+        return opts.attn_impl == "naive" or (opts.attn_impl == "auto" and T > opts.absorb_max_tokens)
 
     def _naive(self, q_nope, q_pe, c_BSC, pe_BSR, bias):
         B, S = c_BSC.shape[:2]

@@ -24,6 +24,8 @@ import unicodedata
 from collections.abc import Iterable, Iterator
 from typing import TextIO
 
+from .turn import View
+
 DIM, GREEN, CYAN, RED, YELLOW, RESET = "\x1b[2m", "\x1b[32m", "\x1b[36m", "\x1b[31m", "\x1b[33m", "\x1b[0m"
 
 
@@ -74,13 +76,8 @@ class TerminalView:
         self._write(f"error: {text}\n", RED)
 
 
-class NullView:
-    def stream(self, text: str, reasoning: bool, drafted: bool) -> None: ...
-    def end_reasoning(self) -> None: ...
-    def end_reply(self, interrupted: bool) -> None: ...
-    def stats(self, line: str) -> None: ...
-    def notice(self, text: str) -> None: ...
-    def error(self, text: str) -> None: ...
+class NullView(View):
+    """Shows nothing (the other ranks of a multi-GPU chat): every `View` method is a no-op."""
 
 
 class ScriptedInput:

@@ -51,43 +51,61 @@ def route(scores_NE: torch.Tensor, bias_E: torch.Tensor, n_groups: int, topk_gro
 
 
 class MoE(nn.Module):
-    backend: str = "reference"  # 'triton': mtp/fastpath.py
+    """Routed experts [e0, e1) of E (all of them here; `mtp.parallel.modules.ExpertParallelMoE` holds one rank's
+    range) plus the shared expert. forward = reduce(routed + shared): the hooks are what the expert-parallel
+    module (a share per rank, then an all-reduce) and the fast path (`routed` on the Triton kernels) replace.
+
+    `routed`, reference: on CPU (unless `static`) a loop over the experts some token chose (a host sync); on
+    CUDA, or with `static=True`, every expert on every token with its routing weight (0 when not chosen): no
+    host sync, fixed shapes, CUDA-graph capturable, but it reads every expert. Either way each token gets the
+    same per-expert terms, added in ascending expert order."""
+
+    static: bool = False
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         q8 = cfg.is_fp8
         self.gate = Gate(cfg, dtype)
+        self.e0, self.e1 = 0, cfg.n_routed_experts
         self.experts = nn.ModuleList(
             [MLP(cfg.hidden_size, cfg.moe_intermediate_size, q8, dtype) for _ in range(cfg.n_routed_experts)])
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, q8, dtype)
                                if cfg.n_shared_experts else None)
 
+    def expert(self, e: int) -> MLP:
+        """Routed expert e (global index)."""
+        return self.experts[e]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x_ND = x.reshape(-1, shape[-1])
-        if self.backend == "triton" and x_ND.shape[0] <= 64:  # the expert kernels take <= 64 tokens (decode)
-            from .fastpath import moe_forward_fast
-
-            out = moe_forward_fast(self, x_ND)
-            if self.shared_experts is not None:
-                out = out + self.shared_experts(x_ND).float()
-            return out.to(x.dtype).view(shape)
-        w_NK, ids_NK = self.gate(x_ND)
-        a = fp8.acc_dtype(x.dtype)
-        out = torch.zeros(x_ND.shape, dtype=a, device=x.device)
-        if x.is_cuda:
-            # Sync-free (CUDA-graph capturable) reference: every expert on every token, weight 0 where not
-            # routed, added in expert order. Exact, but reads all experts: the Triton path reads only the chosen.
-            w_NE = torch.zeros(x_ND.shape[0], len(self.experts), dtype=a, device=x.device)
-            w_NE.scatter_(1, ids_NK, w_NK)
-            for e, expert in enumerate(self.experts):
-                out += expert(x_ND).to(a) * w_NE[:, e:e + 1]
-        else:
-            # CPU reference: loop over the experts some token chose.
-            for e in torch.unique(ids_NK).tolist():  # host sync: fine on CPU
-                tok, slot = (ids_NK == e).nonzero(as_tuple=True)
-                y = self.experts[e](x_ND[tok]).to(a) * w_NK[tok, slot].unsqueeze(-1)
-                out.index_add_(0, tok, y)
+        out = self.routed(x_ND)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x_ND).to(a)
-        return out.to(x.dtype).view(shape)
+            out = out + self.shared(x_ND)
+        return self.reduce(out).to(x.dtype).view(shape)
+
+    def routed(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """The weighted sum of experts [e0, e1) per token, [N, D] in the accumulation dtype."""
+        w_NK, ids_NK = self.gate(x_ND)
+        a = fp8.acc_dtype(x_ND.dtype)
+        out = torch.zeros(x_ND.shape, dtype=a, device=x_ND.device)
+        if self.static or x_ND.is_cuda:
+            w_NE = torch.zeros(x_ND.shape[0], self.gate.n_experts, dtype=a, device=x_ND.device)
+            w_NE.scatter_(1, ids_NK, w_NK.to(a))  # one chosen slot per expert at most: its weight, else 0
+            for e in range(self.e0, self.e1):
+                out += self.expert(e)(x_ND).to(a) * w_NE[:, e:e + 1]
+        else:
+            local_NK = (ids_NK >= self.e0) & (ids_NK < self.e1)
+            for e in torch.unique(ids_NK[local_NK]).tolist():  # host sync: CPU eager path only
+                tok, slot = (ids_NK == e).nonzero(as_tuple=True)
+                y = self.expert(e)(x_ND[tok]).to(a) * w_NK[tok, slot].unsqueeze(-1)
+                out.index_add_(0, tok, y)
+        return out
+
+    def shared(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output, in the accumulation dtype."""
+        return self.shared_experts(x_ND).to(fp8.acc_dtype(x_ND.dtype))
+
+    def reduce(self, out_ND: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks holding other experts (none on one process)."""
+        return out_ND

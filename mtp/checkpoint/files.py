@@ -24,11 +24,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import ConfigError, ModelConfig, RuntimeOptions
-from .layers import yarn_inv_freq
-from .model import DeepseekV32
-from .spec import checkpoint_spec
-from .utils import publish_dir
+from ..model.config import ConfigError, ModelConfig, RuntimeOptions
+from ..model.layers import yarn_inv_freq
+from ..model.deepseek import DeepseekV32
+from .inventory import checkpoint_spec
+from ..utils import publish_dir
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -1,6 +1,6 @@
 """`mtp-chat`: multi-turn chat with the target model and MTP drafting, streamed to a terminal.
 
-    python -m mtp.chat                       # (or `mtp-chat`) tiny random model on CPU: gibberish, every path runs
+    python -m eval.chat                      # (or `mtp-chat`) tiny random model on CPU: gibberish, every path runs
     mtp-chat model=dsv32 model.path=/ckpt runtime=cuda draft=eagle draft.k=2 verify=relaxed thinking=true
     mtp-chat max_new_tokens=64 show_drafts=true runtime.max_model_len=8192
 
@@ -9,8 +9,9 @@ model and `generate` arguments by `eval.common`, so every override works the sam
 writes nothing to disk on its own: conf/chat.yaml sets hydra.run.dir=., hydra.output_subdir=null and logs to
 stdout (no outputs/ folder, .hydra or log file).
 
-Who does what: `mtp.chat_session.Session` holds the conversation, the commands and the statistics;
-`mtp.chat_io` reads lines and draws replies; this file wires them and runs `loop`.
+Who does what: the application is `mtp/chat/` (no Hydra there): `session.Session` holds the conversation, the
+commands and the statistics and `session.loop` reads and handles lines; `turn` streams one reply; `terminal`
+reads lines and draws replies. This file (the experiment layer, beside `mtp-eval`) builds them from the config.
 
 Multi-GPU (the parallel model runs every forward on every rank): each rank builds the model and a `Session`
 and runs the same `loop`. Rank 0 wraps its `TerminalInput` in `BroadcastInput` and prints through a
@@ -22,33 +23,17 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-from .chat_io import StopFlag, TerminalInput, TerminalView
-from .chat_session import Session, Settings
+from mtp.chat.session import Session, Settings, loop
+from mtp.chat.terminal import StopFlag, TerminalInput, TerminalView
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # the repo's conf/, shared with mtp-eval
-
-
-def loop(session: Session, source, stop: StopFlag) -> None:
-    """Read a line, handle it, until end of input or /exit. Ctrl-C is the reply's business while armed
-    (see `StopFlag`); a second Ctrl-C that lands between steps is caught here, so the session survives."""
-    while True:
-        line = source.read(f"[{session.settings.label()}] > ")
-        if line is None:
-            break
-        try:
-            with stop.armed():
-                if not session.handle(line):
-                    break
-        except KeyboardInterrupt:
-            session.view.notice("interrupted")
+from . import conf_dir
 
 
 def run(cfg) -> int:
     from omegaconf import OmegaConf
 
-    from eval.common import build, generate_kwargs, model_path
+    from .common import build, generate_kwargs, model_path
 
     view = TerminalView(color=sys.stdout.isatty() and "NO_COLOR" not in os.environ,
                         show_drafts=bool(cfg.show_drafts))
@@ -78,11 +63,11 @@ def run(cfg) -> int:
 def main() -> None:
     import hydra
 
-    import eval.schema  # noqa: F401  (registers the structured configs conf/ files build on)
+    from . import schema  # noqa: F401  (registers the structured configs conf/ files build on)
 
     code = 0
 
-    @hydra.main(config_path=str(CONF_DIR), config_name="chat", version_base=None)
+    @hydra.main(config_path=str(conf_dir()), config_name="chat", version_base=None)
     def _main(cfg) -> None:
         nonlocal code
         code = run(cfg)

@@ -2,7 +2,7 @@
 
 `checkpoint_spec(cfg)` lists every tensor name the real checkpoint carries, with its shape and storage kind.
 It is the single source of truth for the checkpoint writer, the loader's validation and the module tree of
-`mtp.model` (whose parameter names equal these names, the MTP layers re-rooted, see `mtp.checkpoint`).
+`mtp.model.deepseek` (whose parameter names equal these names, the MTP layers re-rooted, see `mtp.checkpoint.files`).
 
 Kinds:
   fp8   float8_e4m3fn weight; a `<name>_scale_inv` float32 tensor [ceil(out/128), ceil(in/128)] goes with it
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import BLOCK, ModelConfig
+from ..model.config import BLOCK, ModelConfig
 
 KIND_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
     "fp8": (torch.float8_e4m3fn,),

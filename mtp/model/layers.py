@@ -2,7 +2,8 @@
 
 Shape legend: B batch, T new tokens, S cached keys, D model width, R rotary dims.
 Every module reads the numerics ('fp8' | 'dequant') from `self.numerics`, which `DeepseekV32.set_runtime`
-sets on the whole tree; kernels (mtp/kernels) plug in through `Linear.backend`.
+sets on the whole tree. Nothing here knows about kernels: the Triton fast path (mtp/backends/fast_path.py)
+swaps fast subclasses in on a loaded model.
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ class Linear(nn.Module):
     """
 
     numerics: str = "fp8"
-    backend: str = "reference"
 
     def __init__(self, in_features: int, out_features: int, fp8_weight: bool, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -85,18 +85,28 @@ class Linear(nn.Module):
         return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T in x.dtype, over this module's own rows and columns (subclasses that reduce across ranks build
+        their forward on it; the fast path overrides it)."""
         if not self.is_fp8:
             return F.linear(x, self.weight.to(x.dtype))
-        if self.backend == "triton":  # see mtp/fastpath.py
-            from .kernels.fp8_gemm import fp8_linear
-
-            return fp8_linear(x, self.weight, self.weight_scale_inv)
         if self.numerics == "dequant":
             return F.linear(x, self.dequantized_weight(x.dtype))
         lead = x.shape[:-1]
         x8, sx = fp8.act_quant(x.reshape(-1, self.in_features))
         y = fp8.fp8_gemm_ref(x8, sx, self.weight, self.weight_scale_inv, acc=fp8.acc_dtype(x.dtype))
         return y.to(x.dtype).view(*lead, self.out_features)
+
+    def matmul_acc(self, x: torch.Tensor) -> torch.Tensor:
+        """`matmul` in the accumulation dtype a = fp8.acc_dtype(x.dtype) (fp32; fp64 for a float64 model): the
+        value before the final cast, so a partial sum keeps its bits until a reduction. x.to(a) quantizes
+        exactly as x does (act_quant widens to a first). Zero input columns (a rank without a share): zeros."""
+        a = fp8.acc_dtype(x.dtype)
+        if self.in_features == 0:
+            return x.new_zeros((*x.shape[:-1], self.out_features), dtype=a)
+        return self.matmul(x.to(a)).to(a)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fp8={self.is_fp8}"
@@ -111,15 +121,7 @@ class MLP(nn.Module):
         self.up_proj = Linear(dim, inter, fp8_weight, dtype)
         self.down_proj = Linear(inter, dim, fp8_weight, dtype)
 
-    fused_gate_up = None  # (weight, scales) of gate and up stacked, set by mtp.fastpath.enable_fast_path
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_gate_up is not None and self.gate_proj.backend == "triton":  # one GEMV for both
-            from .kernels.fp8_gemm import fp8_linear
-
-            gu = fp8_linear(x, *self.fused_gate_up)
-            i = self.gate_proj.out_features
-            return self.down_proj(glue.silu_mul(gu[..., :i], gu[..., i:], x.dtype))
         return self.down_proj(glue.silu_mul(self.gate_proj(x), self.up_proj(x), x.dtype))
 
 

@@ -1,0 +1,59 @@
+"""Accept and commit: what a verified step keeps, and writing it into the decode state (with the rollback).
+
+Shape legend: B batch, K drafts, K1 = K + 1 candidate tokens per row.
+
+`accept` is a pure function of tensors: the verdict's accepted prefix plus the target's token, cut at the
+first stop token and at the row's remaining budget, nothing for finished rows. `commit` writes that into the
+`DecodeState` in place (tokens, lengths, finished flags, thinking state, the draft window start) and rolls
+the target cache back to n - 1 positions by lowering its lengths: no copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..verify import Verdict, update_think_state
+from .state import DecodeState
+
+
+@dataclass
+class Accepted:
+    new_BK1: torch.Tensor  # candidates: d_1..d_a, then the target's token at a (entries past it unused)
+    accepted_B: torch.Tensor  # drafts accepted (0 for finished rows)
+    keep_B: torch.Tensor  # tokens committed: the first keep_B of new_BK1
+    kept_BK1: torch.Tensor  # bool, the committed entries
+    stopped_B: torch.Tensor  # bool, a stop token was committed
+
+
+def accept(drafts_BK: torch.Tensor, verdict: Verdict, active_B: torch.Tensor, stop_ids: torch.Tensor,
+           room_B: torch.Tensor) -> Accepted:
+    """room_B: tokens a row may still generate (max_new_tokens - generated)."""
+    K = drafts_BK.shape[1]
+    ar = torch.arange(K + 1, device=drafts_BK.device)
+    rows = torch.arange(drafts_BK.shape[0], device=drafts_BK.device)
+    a_B = torch.where(active_B, verdict.accept_len_B, torch.zeros_like(verdict.accept_len_B))
+    new_BK1 = torch.cat((drafts_BK, torch.zeros_like(a_B).unsqueeze(1)), 1)
+    new_BK1[rows, a_B] = verdict.next_token_B
+    valid_BK1 = ar.unsqueeze(0) <= a_B.unsqueeze(1)
+    is_stop = torch.isin(new_BK1, stop_ids) & valid_BK1
+    first_stop = torch.where(is_stop.any(1), is_stop.long().argmax(1), torch.full_like(a_B, K + 1))
+    keep_B = torch.minimum(torch.minimum(a_B + 1, first_stop + 1), room_B)
+    keep_B = torch.where(active_B, keep_B, torch.zeros_like(keep_B))
+    kept_BK1 = ar.unsqueeze(0) < keep_B.unsqueeze(1)
+    return Accepted(new_BK1, a_B, keep_B, kept_BK1, (is_stop & kept_BK1).any(1))
+
+
+def commit(st: DecodeState, acc: Accepted, think_ids: tuple[int, int] | None, window: int) -> None:
+    """Write the kept tokens after each row's n, advance n, update finished / thinking, roll the cache back."""
+    ar = torch.arange(acc.new_BK1.shape[1], device=st.n_B.device)
+    pos = (st.n_B.unsqueeze(1) + ar).clamp_max(st.max_len - 1)
+    st.tokens.scatter_(1, pos, torch.where(acc.kept_BK1, acc.new_BK1, st.tokens.gather(1, pos)))
+    if think_ids is not None:
+        st.think_B.copy_(update_think_state(st.think_B, acc.new_BK1, acc.kept_BK1, *think_ids))
+    st.n_B.add_(acc.keep_B)
+    st.gen_B.add_(acc.keep_B)
+    st.finished_B.copy_(st.finished_B | acc.stopped_B | (st.gen_B >= st.max_new_B))
+    st.cache.truncate(st.n_B - 1)
+    st.p0_B.copy_((st.n_B - 1 - window).clamp_min(0))

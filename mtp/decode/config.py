@@ -1,0 +1,122 @@
+"""Generation options: `GenerationConfig`, the one place they are validated, and the limits they imply.
+
+The keyword form of `mtp.generate` (`GenerationConfig.from_options`), `mtp-eval`'s schema and `mtp-chat`'s
+settings all build a `GenerationConfig`; option names and limits are in options.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..draft.proposer import DraftConfig
+from ..model.deepseek import DeepseekV32
+from ..verify import SPAN_RULES, SamplingParams
+from .options import MODES, VERIFIERS
+
+OPTIONS = frozenset({"top_n", "delta", "think_ids", "span_rule", "temperature", "top_p", "top_k", "draft_sampling", "seed",
+                     "reuse_modules", "target_hidden", "chain_hidden", "eos_id", "stop_ids", "mode",
+                     "prefill_chunk", "draft_vocab"})  # generate()'s keyword options
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    verify: str = "strict"
+    top_n: int = 10  # relaxed
+    delta: float = 0.6  # relaxed, probability space
+    think_ids: tuple[int, int] | None = None  # (<think>, </think>) ids, relaxed
+    span_rule: str = "tracked"  # relaxed: where thinking spans are, 'tracked' | 'trtllm' (mtp/verify/relaxed.py)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0  # sampling: row b of a call draws from seed + b unless the call gives per-row seeds
+    eos_id: int | None = None  # default: the model's eos_token_id
+    stop_ids: tuple[int, ...] = ()
+    mode: str = "eager"  # one of MODES
+    prefill_chunk: int | None = None  # prefill (target and drafts) in chunks of this many tokens; None: one pass
+
+    def validate(self, model: DeepseekV32) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.verify not in VERIFIERS:
+            raise ValueError(f"verify must be one of {VERIFIERS}, got {self.verify!r}")
+        self.draft.validate(model.n_mtp)
+        if self.verify == "relaxed":
+            if self.think_ids is None:
+                raise ValueError("verify='relaxed' needs think_ids=(<think> id, </think> id): the relaxed rule "
+                                 "only applies inside thinking spans")
+            if self.top_n < 1:
+                raise ValueError(f"relaxed top_n must be >= 1, got {self.top_n}")
+            if not 0 <= self.delta <= 1:
+                raise ValueError(f"relaxed delta must be in [0, 1] (probability space), got {self.delta}")
+        if self.span_rule not in SPAN_RULES:
+            raise ValueError(f"span_rule must be one of {SPAN_RULES}, got {self.span_rule!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int (per-row seeds go to the call), got {self.seed!r}")
+        if self.draft.sampling == "sample" and self.verify != "sample":
+            raise ValueError("sampled drafts (draft sampling='sample') need verify='sample' to stay lossless")
+        if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be None or an integer >= 1, got {self.prefill_chunk!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode != "eager" and model.device.type != "cuda":
+            raise ValueError(f"mode={self.mode!r} captures CUDA graphs and needs the model on a CUDA device "
+                             f"(it is on {model.device}); use mode='eager'")
+        V = model.cfg.vocab_size
+        eos = () if self.eos_id is None else (self.eos_id,)
+        for t in tuple(self.stop_ids) + tuple(self.think_ids or ()) + eos:
+            if not 0 <= t < V:
+                raise ValueError(f"token id {t} is outside the vocabulary [0, {V})")
+
+
+    @classmethod
+    def from_options(cls, max_new_tokens: int = 64, draft: str = "none", k: int | None = None,
+                     verify: str = "strict", **options) -> "GenerationConfig":
+        """The keyword form of `mtp.generate`. Options: top_n, delta, think_ids, span_rule (relaxed); temperature,
+        top_p, top_k, draft_sampling, seed (sampling: an int; a list of per-prompt seeds is taken by `generate`,
+        which passes it to the call); reuse_modules, target_hidden, chain_hidden, draft_vocab (drafts:
+        token ids or a vocabulary file, `mtp.draft.vocab`; ignored when nothing is drafted); eos_id, stop_ids;
+        mode, prefill_chunk."""
+        unknown = set(options) - OPTIONS
+        if unknown:
+            raise TypeError(f"generate: unknown options {sorted(unknown)}; known: {sorted(OPTIONS)}")
+        k = (0 if draft == "none" else 1) if k is None else k
+        dcfg = DraftConfig(mode=draft, k=k, reuse_modules=options.get("reuse_modules", False),
+                           target_hidden=options.get("target_hidden", "normed"),
+                           chain_hidden=options.get("chain_hidden", "normed"),
+                           sampling=options.get("draft_sampling", "greedy"),
+                           vocab=_draft_vocab(options.get("draft_vocab")) if draft != "none" else None)
+        sp = SamplingParams(options.get("temperature", 1.0), options.get("top_k", 0), options.get("top_p", 1.0)) \
+            if verify == "sample" else SamplingParams()
+        think = options.get("think_ids")
+        return cls(max_new_tokens=max_new_tokens, draft=dcfg, verify=verify,
+                   top_n=options.get("top_n", 10), delta=options.get("delta", 0.6),
+                   think_ids=tuple(think) if think is not None else None,
+                   span_rule=options.get("span_rule", "tracked"), sampling=sp,
+                   seed=options.get("seed", 0), eos_id=options.get("eos_id"),
+                   stop_ids=tuple(options.get("stop_ids", ())), mode=options.get("mode", "eager"),
+                   prefill_chunk=options.get("prefill_chunk"))
+
+
+def _draft_vocab(v) -> tuple[int, ...] | None:
+    """`draft_vocab` option: None, token ids, or the path of a vocabulary file (all its ids)."""
+    if v is None:
+        return None
+    if isinstance(v, (str, os.PathLike)):
+        from ..draft.vocab import load_ids
+
+        return load_ids(v)
+    return tuple(int(i) for i in v)
+
+
+def row_seeds(seed, B: int) -> list[int]:
+    """Per-row sampling seeds: `seed` + row index for an int, else one int per prompt (a row's output then
+    depends only on its prompt and its seed: mtp/verify/rng.py)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) and not isinstance(seed, Sequence):
+        raise ValueError(f"seed must be an int or one int per prompt, got {seed!r}")
+    if isinstance(seed, int):
+        return [seed + b for b in range(B)]
+    if len(seed) != B or not all(isinstance(s, int) and not isinstance(s, bool) for s in seed):
+        raise ValueError(f"seed as a list needs one int per prompt ({B}), got {list(seed)!r:.80}")
+    return list(seed)

@@ -1,0 +1,310 @@
+"""The speculative decoding loop: prefill -> [propose -> verify -> accept -> commit] until every row is done.
+
+Shape legend: B batch, S buffer positions, K drafts, D width, V vocabulary.
+
+The stages and their homes: propose `mtp/draft/` (the MTP proposer, `DraftSampler` for sampled drafts);
+verify `mtp/verify/` (pure functions of tensors); accept / commit (with the cache rollback) `accept.py`; the
+decode state and its buffers `state.py`; options and their validation `config.py`; one step as a CUDA graph
+and the overlap scheduler `graphs.py`. This file holds `Engine.step` (one step, device work only) and the
+eager loop around it, and `generate`.
+
+Per row the engine keeps n committed tokens in `tokens_BS` and the target's hidden state of every position
+in `hidden_BSD` (valid up to n-2). The target cache holds n-1 positions: the last committed token is fed at
+the next verify together with the K drafts, so one target forward scores K+1 positions. Rows advance
+independently; finished rows stay frozen so every tensor keeps its shape. `draft='none'` (K = 0) is plain
+autoregressive decoding through the same code (the baseline).
+
+Host syncs (eager mode): one per step to read (n, finished) for the loop condition and cache bounds, plus the
+step's committed tokens for `on_step`. graph / overlap modes replay the step as one CUDA graph and read the
+same values from pinned buffers, overlap one step late. Design notes: mtp/DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..draft.policy import DraftSampler
+from ..draft.proposer import Proposer, pick_hidden
+from ..model.deepseek import DeepseekV32
+from ..verify import Verdict, prompt_think_state, relaxed_verify, sampling_verify, strict_verify, update_think_state
+from ..verify.rng import RowDraws
+from .accept import accept, commit
+from .config import GenerationConfig, row_seeds
+from .metrics import SpecMetrics
+from .state import DecodeState, StatePool
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[list[int]]  # new tokens per prompt (stop token included when it ended the row)
+    finish_reasons: list[str]  # 'stop' | 'length'
+    metrics: SpecMetrics
+
+
+@dataclass
+class StepEvent:
+    """What one step committed, for streaming front ends (rows that were already finished get [])."""
+
+    new_tokens: list[list[int]]
+    accepted: list[int]  # drafts accepted per row (the rest of new_tokens is the target's own token)
+
+
+def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]],
+             max_new_tokens: int | GenerationConfig = 64, draft: str = "none", k: int | None = None,
+             verify: str = "strict", *, config: GenerationConfig | None = None,
+             on_step: Callable[[StepEvent], None] | None = None, **options) -> GenerateResult:
+    """Speculative generation with `config` (a `GenerationConfig`, also accepted in place of max_new_tokens),
+    or with keywords that build one (`GenerationConfig.from_options`: max_new_tokens, draft, k, verify and the
+    options listed there; `seed` may be one int per prompt). graph / overlap modes keep the engine (buffers +
+    captured step graphs) per model and settings, so later calls replay its graphs; seeds are per call (they
+    live in a buffer the captured step reads)."""
+    if isinstance(max_new_tokens, GenerationConfig):
+        config, max_new_tokens = max_new_tokens, 64
+    if config is not None:
+        if (max_new_tokens, draft, k, verify) != (64, "none", None, "strict") or options:
+            raise TypeError("generate: pass either a GenerationConfig or keyword options, not both")
+        gcfg = config
+        seeds = row_seeds(gcfg.seed, len(prompts))
+    else:
+        seed = options.pop("seed", 0)
+        seeds = row_seeds(seed, len(prompts))
+        gcfg = GenerationConfig.from_options(max_new_tokens, draft, k, verify, seed=seed if isinstance(seed, int) else 0,
+                                             **options)
+    if gcfg.mode == "eager":
+        return Engine(model, gcfg).run(prompts, on_step=on_step, seeds=seeds)
+    per_model = _ENGINES.setdefault(model, {})
+    key = dataclasses.replace(gcfg, max_new_tokens=1, seed=0)
+    engine = per_model.pop(key, None) or Engine(model, gcfg)
+    per_model[key] = engine
+    while len(per_model) > 4:
+        del per_model[next(iter(per_model))]
+    return engine.run(prompts, on_step=on_step, max_new_tokens=gcfg.max_new_tokens, seeds=seeds)
+
+
+# model -> {settings: Engine}; weak, so the buffers and graphs go with the model. `release(model)` frees them.
+_ENGINES: "weakref.WeakKeyDictionary[DeepseekV32, dict]" = weakref.WeakKeyDictionary()
+
+
+def release(model: DeepseekV32 | None = None) -> None:
+    """Drop the engines (decode buffers, captured CUDA graphs) `generate` keeps for `model`, or for every model.
+    Call it with no model before `torch.distributed.destroy_process_group()`: NCCL's teardown waits while
+    captured graphs holding its collectives are alive (seen: ranks hung in destroy_process_group)."""
+    if model is None:
+        _ENGINES.clear()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    else:
+        _ENGINES.pop(model, None)
+
+
+class Engine:
+    """`proposer_factory(model, draft_cfg, batch, max_len)` replaces the MTP proposer (tests use oracle and
+    adversarial drafters through it); anything with `propose(...)` (which writes its drafts into the token
+    buffer at n.., as `Proposer.propose` does, and returns them) and `draft_forwards` works, and an optional
+    `prefill(tokens, hidden, n, W, max_n)` fills its caches over the prompt."""
+
+    def __init__(self, model: DeepseekV32, gcfg: GenerationConfig, proposer_factory: Callable | None = None):
+        gcfg.validate(model)
+        self.model, self.g = model, gcfg
+        self.dev = model.device
+        self.draw = DraftSampler(gcfg.draft.sampling, gcfg.sampling)
+        self.runner = None
+        if gcfg.mode != "eager":
+            from .graphs import GraphRunner
+
+            self.runner = GraphRunner(model, self.step)
+        self.pool = StatePool(model, gcfg, proposer_factory or Proposer,
+                              on_drop=self.runner.drop if self.runner else lambda key: None)
+        eos = model.cfg.eos_token_id if gcfg.eos_id is None else gcfg.eos_id
+        self.stop_ids = torch.tensor(sorted({eos, *gcfg.stop_ids}), device=self.dev)
+
+    # ------------------------------------------------------------------ pieces
+    def _clock(self) -> float:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)  # timing split only; the graph path measures with events
+        return time.perf_counter()
+
+    def verify(self, drafts_BK, q_BKV, logits_BKV, think_B, draws: RowDraws) -> Verdict:
+        g = self.g
+        if g.verify == "strict":
+            return strict_verify(drafts_BK, logits_BKV)
+        if g.verify == "relaxed":
+            return relaxed_verify(drafts_BK, logits_BKV, think_B, g.top_n, g.delta, *g.think_ids, g.span_rule)
+        # Draft ids are checked on the CPU only: on CUDA the check would add a host sync to every step.
+        return sampling_verify(drafts_BK, q_BKV, logits_BKV, g.sampling, draws, check_ids=self.dev.type == "cpu")
+
+    def _check_prompts(self, prompts) -> list[list[int]]:
+        V = self.model.cfg.vocab_size
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty")
+        out = []
+        for i, p in enumerate(prompts):
+            p = [int(t) for t in p]
+            if not p:
+                raise ValueError(f"prompts[{i}] is empty")
+            bad = [t for t in p if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"prompts[{i}] has token ids outside [0, {V}): {bad[:5]}")
+            out.append(p)
+        return out
+
+    def bound(self, st: DecodeState, host: torch.Tensor) -> int:
+        """Bound on the positions a step touches. On CUDA always the buffer length, so eager, graph and overlap
+        run the very same kernels on the same shapes (bitwise-equal outputs); on CPU the host-known max of n."""
+        return st.max_len - self.g.draft.k if self.dev.type == "cuda" else int(host[0].max())
+
+    def _prefill(self, st: DecodeState) -> None:
+        """Target prefill (right-padded: padding sits after each row's prompt, so it never affects it) and the
+        first token. Leaves n = P + 1 and the target cache at P positions."""
+        m, g, dcfg, dev = self.model, self.g, self.g.draft, self.dev
+        B, Tp, P_B = st.B, st.Tp, st.P_B
+        C = g.prefill_chunk or Tp
+        last = None  # logits at each row's last prompt position, taken from the chunk that holds it
+        for s in range(0, Tp, C):  # chunks run through the cache-using forward, as decoding does
+            e = min(Tp, s + C)
+            at = (P_B - 1).clamp(s, e - 1) - s
+            out = m(st.tokens[:, s:e], st.cache, kv_len=e, logits_at=at.unsqueeze(1))
+            st.hidden[:, s:e] = pick_hidden(out, dcfg.target_hidden)
+            here = ((P_B - 1 >= s) & (P_B - 1 < e)).view(B, 1, 1)
+            last = out.logits if last is None else torch.where(here, out.logits, last)
+        st.cache.truncate(P_B)
+        if g.think_ids is not None:
+            st.think_B.copy_(prompt_think_state(st.tokens[:, :Tp], torch.arange(Tp, device=dev) < P_B.unsqueeze(1),
+                                                *g.think_ids, g.span_rule))
+        draws = RowDraws(st.seed_B, st.P_B)  # the first token's draws sit at position P
+        first = self.verify(st.tokens[:, :0], None, last, st.think_B, draws).next_token_B
+        st.tokens[torch.arange(B, device=dev), P_B] = first
+        st.n_B.copy_(P_B + 1)
+        st.finished_B.copy_(torch.isin(first, self.stop_ids) | (st.gen_B >= st.max_new_B))
+        if g.think_ids is not None:
+            st.think_B.copy_(update_think_state(st.think_B, first.unsqueeze(1),
+                                                torch.ones(B, 1, dtype=torch.bool, device=dev), *g.think_ids))
+        st.new_BK1[:, 0] = first
+        st.keep_B.fill_(1)
+
+    def _draft_prefill(self, st: DecodeState, host: torch.Tensor) -> None:
+        """Run the draft modules over the whole prompt (window p0 = 0, W = longest prompt) so their caches hold
+        every committed position; from then on each step, the first included, recomputes only the steady
+        window, so one captured graph serves them all. The drafts made here are scratch (argmax, no random
+        draws); the first step drafts again from its own window."""
+        prefill = getattr(st.proposer, "prefill", None)  # custom proposers without caches need none
+        if prefill is None:
+            return
+        prefill(st.tokens, st.hidden, st.n_B, st.Tp, max_n=self.bound(st, host), chunk=self.g.prefill_chunk)
+        st.p0_B.copy_((st.n_B - 1 - self.g.draft.window()).clamp_min(0))
+
+    def step(self, st: DecodeState, W: int, max_n: int, marks: list | None = None) -> None:
+        """One speculative step, device ops only, every update in place (so a CUDA graph can replay it).
+        `max_n` bounds the positions touched (host-known max of n, or the buffer length for graphs).
+        `marks`: eager timing only; gets a clock reading between drafting and verification."""
+        m, g, dcfg = self.model, self.g, self.g.draft
+        K = dcfg.k
+        ar = torch.arange(K + 1, device=self.dev)
+        n_B = st.n_B
+        active_B = ~st.finished_B
+        draws = RowDraws(st.seed_B, n_B)  # read before the commit below moves n_B: this step's position
+        if K:  # propose: the proposer writes the drafts at n.. of `tokens` (where verify reads them)
+            drafts, q = st.proposer.propose(st.tokens, st.hidden, n_B, st.p0_B, W, self.draw.bind(draws),
+                                            max_n=max_n)
+        else:
+            drafts, q = st.tokens[:, :0], None
+        if marks is not None:
+            marks.append(self._clock())
+        # verify: one target forward over [x_{n-1}, d_1..d_K]
+        vin = st.tokens.gather(1, (n_B - 1).unsqueeze(1) + ar)
+        out = m(vin, st.cache, kv_len=min(max_n + K, st.max_len))
+        st.hidden.scatter_(1, ((n_B - 1).unsqueeze(1) + ar).unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]),
+                           pick_hidden(out, dcfg.target_hidden))
+        v = self.verify(drafts, q, out.logits, st.think_B, draws)
+        # accept + commit (rolling back is lowering lengths: no copy)
+        acc = accept(drafts, v, active_B, self.stop_ids, st.max_new_B - st.gen_B)
+        commit(st, acc, g.think_ids, dcfg.window())
+        # metrics, on the device (no sync)
+        st.hist_K1.scatter_add_(0, acc.accepted_B, active_B.long())
+        st.relaxed_only.add_((v.relaxed_only_B * active_B).sum())
+        st.row_steps.add_(active_B.long().sum())
+        st.new_BK1.copy_(acc.new_BK1)
+        st.keep_B.copy_(acc.keep_B)
+        st.acc_B.copy_(torch.minimum(acc.accepted_B, acc.keep_B))
+
+    # ------------------------------------------------------------------ loop
+    @torch.no_grad()
+    def run(self, prompts, on_step: Callable[[StepEvent], None] | None = None,
+            max_new_tokens: int | None = None, seeds: Sequence[int] | None = None) -> GenerateResult:
+        """Generate for `prompts`; `max_new_tokens` overrides the config's for this call, `seeds` (one per prompt)
+        the sampling seeds (default: the config's seed + row index). An Engine kept across calls reuses its
+        buffers and, in graph / overlap mode, the captured step graph."""
+        g, dcfg = self.g, self.g.draft
+        prompts = self._check_prompts(prompts)
+        seeds = row_seeds(g.seed if seeds is None else seeds, len(prompts))
+        max_new = g.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if not isinstance(max_new, int) or max_new < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new!r}")
+        K, B = dcfg.k, len(prompts)
+        met = SpecMetrics(k=K, draft=dcfg.mode, verify=g.verify, n_rows=B, prompt_tokens=int(sum(map(len, prompts))),
+                          hidden_options={"target_hidden": dcfg.target_hidden, "chain_hidden": dcfg.chain_hidden})
+        st = self.pool.get(prompts, max_new, seeds)
+        fw0 = getattr(st.proposer, "draft_forwards", 0)
+        t0 = self._clock()
+        self._prefill(st)
+        t1 = self._clock()
+        met.time_prefill_s = met.ttft_s = t1 - t0
+        emit = _Emitter(on_step, B)
+        emit(st.new_BK1.tolist(), st.keep_B.tolist(), [0] * B)
+        host = torch.stack((st.n_B, st.finished_B.long())).cpu()  # sync: loop condition + cache bounds
+        drafting = K > 0 and not bool(host[1].all())
+        if drafting:  # nothing to draft for when every row ended at its first token
+            self._draft_prefill(st, host)
+        W = dcfg.window()
+        if self.g.mode == "eager":
+            while not bool(host[1].all()):
+                marks = [self._clock()]
+                self.step(st, W, self.bound(st, host), marks)
+                ta, tm, tb = marks[0], marks[1], self._clock()
+                host = torch.stack((st.n_B, st.finished_B.long())).cpu()  # sync: loop condition + bounds
+                met.target_forwards += 1
+                emit(st.new_BK1.tolist(), st.keep_B.tolist(), st.acc_B.tolist())
+                met.time_draft_s += tm - ta
+                met.time_verify_s += tb - tm
+                met.time_host_s += time.perf_counter() - tb
+        elif not bool(host[1].all()):
+            self.runner.run(st, met, emit, W, self.bound(st, host), overlap=self.g.mode == "overlap")
+        met.time_decode_s = time.perf_counter() - t1
+        met.accepted_hist = st.hist_K1.tolist()
+        met.row_steps = int(st.row_steps)
+        met.relaxed_only_accepts = int(st.relaxed_only)
+        if isinstance(st.proposer, Proposer):
+            # K module forwards per step (vanilla: one per depth; eagle: window + K-1 chained) plus the draft
+            # prefill (each vanilla module once, the eagle module once). Counted, not read from the proposer:
+            # graph replays do not run its Python, and a reused proposer's counter spans earlier calls.
+            chunks = -(-st.Tp // (g.prefill_chunk or st.Tp))
+            met.draft_forwards = K * met.target_forwards + (K if dcfg.mode == "vanilla" else 1) * chunks * drafting
+        elif st.proposer is not None:
+            met.draft_forwards = st.proposer.draft_forwards - fw0
+        n_host, P_host = st.n_B.tolist(), st.P_B.tolist()
+        toks = st.tokens.cpu()
+        result, reasons = [], []
+        stop_set = set(self.stop_ids.tolist())
+        for b in range(B):
+            seq = toks[b, P_host[b]: n_host[b]].tolist()
+            result.append(seq)
+            reasons.append("stop" if seq and seq[-1] in stop_set else "length")
+        met.new_tokens = sum(len(s) for s in result)
+        return GenerateResult(result, reasons, met)
+
+
+class _Emitter:
+    """Turns a step's committed tokens into a StepEvent for `on_step` (rows with nothing committed get [])."""
+
+    def __init__(self, on_step, B: int):
+        self.on_step, self.B = on_step, B
+
+    def __call__(self, new_rows: list[list[int]], keep: list[int], acc: list[int]) -> None:
+        if self.on_step is not None:
+            self.on_step(StepEvent([new_rows[b][: keep[b]] for b in range(self.B)], acc))

@@ -1,0 +1,113 @@
+"""The import graph: no cycle among mtp's modules (function-level imports included), the reference model imports
+nothing above it, and `import mtp` stays light (no experiment-layer dependency)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "mtp"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the mtp modules it imports anywhere in its source (top level or inside functions). `from P import
+    x` depends on P and, when P.x is a module, on P.x. Parents a dotted import implies are not counted: they
+    are packages whose __init__ only re-exports."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        package = name if is_pkg else name.rsplit(".", 1)[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                deps.add(target)
+                deps.update(f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in mods)
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, comps = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return comps
+
+
+def test_find_cycles_sees_a_cycle():
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_import_graph_reads_lazy_and_relative_imports():
+    g = import_graph()
+    assert "mtp.model.fp8" in g["mtp.model.layers"]  # `from . import fp8`
+    assert "mtp.decode.graphs" in g["mtp.decode.engine"]  # imported inside Engine.__init__
+
+
+def test_no_import_cycle():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles among mtp modules:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_reference_model_imports_nothing_above_it():
+    g = import_graph()
+    bad = {m: sorted(d for d in deps if not d.startswith("mtp.model"))
+           for m, deps in g.items() if m.startswith("mtp.model")}
+    bad = {m: d for m, d in bad.items() if d}
+    assert not bad, f"the reference model imports outside mtp.model: {bad}"
+
+
+def test_import_mtp_is_light():
+    heavy = ("hydra", "omegaconf", "wandb", "matplotlib", "datasets", "triton")
+    code = f"import sys, mtp; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", f"`import mtp` loaded {r.stdout.strip()}"
