@@ -89,7 +89,7 @@ def test_bad_branching_is_rejected():
 def tree_forward(model, ctx_BL, lens, tokens_BN, tree: TreeShape):
     """Prefill the contexts (row b keeps lens[b] tokens), then score every node in one tree verify."""
     B, N = tokens_BN.shape
-    kv = model.new_cache(B, ctx_BL.shape[1] + N)
+    kv = model.new_cache(B, ctx_BL.shape[1] + 2 * N)  # room for a second verify
     model(ctx_BL, cache=kv)
     kv.truncate(torch.tensor(lens))
     out = model(tokens_BN, cache=kv, tree_depth=tree.depth_tensor(), tree_mask=tree.ancestor_mask())
@@ -155,3 +155,36 @@ def test_tree_arguments_are_checked(model64):
         model64(ids, cache=kv, tree_depth=torch.arange(3))
     with pytest.raises(ValueError, match="T = 3"):
         model64(ids, cache=kv, tree_depth=torch.arange(4), tree_mask=torch.ones(4, 4, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------------------------- commit / rollback
+@pytest.mark.parametrize("lens", [(5, 3), (27, 20)], ids=["dense", "sparse"])
+def test_compacted_path_reads_like_a_plain_decode(model64, lens):
+    """Verify a tree, keep a different path prefix per row (root only, and root + 2 drafts), compact; the next
+    tree verify then scores exactly as a causal forward over context + kept tokens + its own path."""
+    tree = SHAPES["b221"]
+    g = torch.Generator().manual_seed(11 + sum(lens))
+    ctx = torch.randint(0, 512, (2, max(lens)), generator=g)
+    tokens = torch.randint(0, 512, (2, tree.n_nodes), generator=g)
+    nxt = torch.randint(0, 512, (2, tree.n_nodes), generator=g)
+    keep = torch.tensor([1, 3])
+    nodes = torch.stack([tree.path_table()[8], tree.path_table()[10]])  # paths 0-1-4-8 and 0-2-6-10
+    with torch.no_grad():
+        _, kv = tree_forward(model64, ctx, lens, tokens, tree)
+        kv.compact(torch.tensor(lens), nodes, keep)
+        assert kv.seq_lens.tolist() == [lens[0] + 1, lens[1] + 3]
+        got = model64(nxt, cache=kv, tree_depth=tree.depth_tensor(), tree_mask=tree.ancestor_mask()).logits
+        scale = got.abs().max()
+        for b, n in enumerate(lens):
+            committed = torch.cat((ctx[b, :n], tokens[b, nodes[b, : keep[b]]]))
+            for leaf in tree.leaves:
+                path = list(tree.path(leaf))
+                ref = path_logits(model64, committed, nxt[b, path])
+                err = float((got[b, path] - ref).abs().max() / scale)
+                assert err < TOL, f"row {b}, path {path} after compaction: max rel diff {err:.2e}"
+
+
+def test_compact_checks_shapes(model64):
+    kv = model64.new_cache(2, 8)
+    with pytest.raises(ValueError, match="compact needs"):
+        kv.compact(torch.zeros(1, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, dtype=torch.long))
