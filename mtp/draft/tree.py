@@ -123,6 +123,12 @@ class TreeShape:
         return tuple(i for i, c in enumerate(self.children) if not c)
 
     # ------------------------------------------------------------------ device tensors
+    def tensors(self, device=None) -> TreeTensors:
+        """Everything the verify forward and the verifiers read, on `device` (build once per shape)."""
+        return TreeTensors(self, torch.tensor(self.parents, dtype=torch.long, device=device),
+                           self.depth_tensor(device), torch.tensor(self.rank, dtype=torch.long, device=device),
+                           self.ancestor_mask(device), self.path_table(device), self.child_table(device))
+
     def ancestor_mask(self, device=None) -> torch.Tensor:
         """Bool [N, N]: entry (i, j) is True iff node j is on the root-to-i path (i itself included)."""
         m = torch.zeros(self.n_nodes, self.n_nodes, dtype=torch.bool)
@@ -144,3 +150,16 @@ class TreeShape:
         C = self.max_children
         t = [list(c) + [-1] * (C - len(c)) for c in self.children]
         return torch.tensor(t, dtype=torch.long, device=device)
+
+
+@dataclass(frozen=True)
+class TreeTensors:
+    """A TreeShape's tables as device tensors (built once, then read inside captured steps)."""
+
+    shape: TreeShape
+    parent_N: torch.Tensor  # long [N], -1 for the root
+    depth_N: torch.Tensor  # long [N]
+    rank_N: torch.Tensor  # long [N]
+    ancestor_NN: torch.Tensor  # bool [N, N]
+    path_NA: torch.Tensor  # long [N, A]
+    child_NC: torch.Tensor  # long [N, C], -1 padded
