@@ -80,6 +80,11 @@ def test_bad_parents_are_rejected(parents, match):
         TreeShape(parents)
 
 
+def test_nodes_must_come_level_by_level():
+    with pytest.raises(ValueError, match="level by level"):
+        TreeShape((-1, 0, 1, 0))
+
+
 def test_bad_branching_is_rejected():
     with pytest.raises(ValueError, match="branching"):
         TreeShape.from_branching((2, 0))
@@ -148,12 +153,33 @@ def test_chain_tree_equals_the_plain_verify(model64):
     assert torch.allclose(got, ref, rtol=0, atol=1e-12)
 
 
+def test_tree_written_depth_by_depth_equals_one_pass(model64):
+    """A tree forward over part of a tree whose earlier levels are already cached (U > T, as a drafter writes
+    it one depth per forward) equals the one-pass tree verify."""
+    tree = SHAPES["b221"]
+    g = torch.Generator().manual_seed(5)
+    ctx = torch.randint(0, 512, (2, 27), generator=g)
+    tokens = torch.randint(0, 512, (2, tree.n_nodes), generator=g)
+    mask, depth = tree.ancestor_mask(), tree.depth_tensor()
+    with torch.no_grad():
+        ref, _ = tree_forward(model64, ctx, (27, 20), tokens, tree)
+        kv = model64.new_cache(2, 27 + tree.n_nodes)
+        model64(ctx, cache=kv)
+        kv.truncate(torch.tensor((27, 20)))
+        parts, s = [], 0
+        for d in range(tree.max_depth + 1):
+            e = s + tree.depth.count(d)
+            parts.append(model64(tokens[:, s:e], cache=kv, tree_depth=depth[s:e], tree_mask=mask[s:e, :e]).logits)
+            s = e
+    assert torch.allclose(torch.cat(parts, 1), ref, rtol=0, atol=1e-9 * float(ref.abs().max()))
+
+
 def test_tree_arguments_are_checked(model64):
     kv = model64.new_cache(1, 8)
     ids = torch.zeros(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="both tree_depth"):
         model64(ids, cache=kv, tree_depth=torch.arange(3))
-    with pytest.raises(ValueError, match="T = 3"):
+    with pytest.raises(ValueError, match="T = 3 <= U"):
         model64(ids, cache=kv, tree_depth=torch.arange(4), tree_mask=torch.ones(4, 4, dtype=torch.bool))
 
 

@@ -4,7 +4,7 @@ Shape legend: N nodes (root included), C most children of a node, A = max_depth 
 
 Node 0 is the root: the last committed token x_{n-1}, which the verify feeds anyway (a chain of K drafts is
 the tree (1,) * K: N = K + 1). Every other node is a drafted token whose parent is the token before it. Nodes
-are numbered parents first (parent index < node index), siblings by rank: rank r is the drafter's r-th best
+are numbered level by level (parent index < node index, depth non-decreasing), siblings by rank: rank r is the drafter's r-th best
 (or r-th drawn) token at the parent, so the sampling verifier tries siblings in rank order.
 
 The verify forward writes node i at cache slot seq_len + i, places it at rotary position seq_len + depth[i],
@@ -31,6 +31,9 @@ class TreeShape:
         for i, q in enumerate(p[1:], 1):
             if not isinstance(q, int) or not 0 <= q < i:
                 raise ValueError(f"tree parents[{i}] must be a node before it (in [0, {i - 1}]), got {q!r}")
+        if any(b < a for a, b in zip(self.depth, self.depth[1:])):
+            raise ValueError(f"tree nodes must be numbered level by level (depths {self.depth}): a drafter "
+                             "writes one depth per forward, as one block of slots")
 
     # ------------------------------------------------------------------ builders
     @classmethod

@@ -9,9 +9,12 @@ The residual stream is fp32; module inputs and outputs are in the model dtype.
 Cache-using forward (what decoding uses): `model.forward(ids_BT, cache=kv)` writes the T tokens at positions
 `kv.seq_lens[b] + t`, attends causally per row over the cache, and advances `kv.seq_lens` by T. Roll back
 with `kv.truncate(lens)`. Without a cache the call is a fresh prompt forward.
-Tree verify (`tree_depth`, `tree_mask`, see `mtp.draft.tree`): the T tokens are the nodes of a draft tree; node t is
-still written at slot seq_lens[b] + t, but sits at rotary position seq_lens[b] + tree_depth[t] and attends to the
-committed cache plus the nodes u with tree_mask[t, u]. A chain (depth t, lower-triangular mask) is the default. The forward is differentiable
+Tree forward (`tree_depth`, `tree_mask`, see `mtp.draft.tree`): the T tokens are nodes of a draft tree whose
+nodes occupy the last U >= T slots up to and including them, from slot f = seq_lens[b] + T - U (U = T for a
+target verify; a drafter writing a tree depth by depth has earlier depths already in the cache). Token t is still
+written at slot seq_lens[b] + t, sits at rotary position f + tree_depth[t], and attends to every slot before f
+plus the tree slots f + u with tree_mask[t, u]. A chain (depth t, lower-triangular [T, T] mask) is the default.
+The forward is differentiable
 (training builds the model with float weights); inference callers wrap it in `torch.no_grad()`.
 """
 
@@ -130,22 +133,23 @@ class DeepseekV32(nn.Module):
         if kv_len > cache.max_len:
             raise ValueError(f"cache overflow: need {kv_len} positions, cache holds {cache.max_len}")
         if (tree_depth is None) != (tree_mask is None):
-            raise ValueError("a tree verify needs both tree_depth [T] and tree_mask [T, T] (or neither)")
+            raise ValueError("a tree forward needs both tree_depth [T] and tree_mask [T, U] (or neither)")
         if tree_depth is None:
             cos, sin = self.rotary.angles(pos_BT)
             return pos_BT, cos, sin, kv_len, None
-        if tree_depth.shape[-1:] != (T,) or tree_mask.shape[-2:] != (T, T):
-            raise ValueError(f"tree_depth must be [T] or [B, T] and tree_mask [T, T] or [B, T, T] with T = {T}, got "
-                             f"{tuple(tree_depth.shape)} and {tuple(tree_mask.shape)}")
-        cos, sin = self.rotary.angles((cache.seq_lens.unsqueeze(1) + tree_depth).expand_as(pos_BT))
-        return pos_BT, cos, sin, kv_len, tree_visibility(cache.seq_lens, tree_mask, kv_len)
+        if tree_depth.shape[-1:] != (T,) or tree_mask.shape[-2] != T or tree_mask.shape[-1] < T:
+            raise ValueError(f"tree_depth must be [T] or [B, T] and tree_mask [T, U] or [B, T, U] with T = {T} <= U, "
+                             f"got {tuple(tree_depth.shape)} and {tuple(tree_mask.shape)}")
+        first_B = cache.seq_lens + T - tree_mask.shape[-1]
+        cos, sin = self.rotary.angles((first_B.unsqueeze(1) + tree_depth).expand_as(pos_BT))
+        return pos_BT, cos, sin, kv_len, tree_visibility(first_B, tree_mask, kv_len)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, *, kv_len: int | None = None,
                 logits_at: torch.Tensor | None = None, tree_depth: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None) -> ModelOutput:
         """input_ids [B, T]. `kv_len`: a host-known bound on seq_lens + T (saves a sync).
         `logits_at` [B, n] positions within the T tokens whose logits to compute (default: all).
-        `tree_depth` [T] / `tree_mask` [T, T] (or per row, [B, T] / [B, T, T]): a tree verify (module docstring)."""
+        `tree_depth` [T] / `tree_mask` [T, U] (or per row, [B, T] / [B, T, U]): tree nodes (module docstring)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -186,12 +190,12 @@ class DeepseekV32(nn.Module):
         return ModelOutput(logits.to(self.acc), normed, h)
 
 
-def tree_visibility(seq_lens_B: torch.Tensor, mask_TT: torch.Tensor, S: int) -> torch.Tensor:
-    """Bool [B, T, S]: query t of row b sees every committed key (s < seq_lens[b]) and the new key at slot
-    seq_lens[b] + u iff mask[t, u] (mask [T, T] or [B, T, T])."""
-    T = mask_TT.shape[-1]
-    u_BS = torch.arange(S, device=seq_lens_B.device).unsqueeze(0) - seq_lens_B.unsqueeze(1)
-    new_BS = (u_BS >= 0) & (u_BS < T)
-    mask_BTT = mask_TT.to(torch.bool).expand(seq_lens_B.shape[0], T, T)
-    seen_BTS = mask_BTT.gather(2, u_BS.clamp(0, T - 1).unsqueeze(1).expand(-1, T, -1))
-    return (u_BS < 0).unsqueeze(1) | (new_BS.unsqueeze(1) & seen_BTS)
+def tree_visibility(first_B: torch.Tensor, mask_TU: torch.Tensor, S: int) -> torch.Tensor:
+    """Bool [B, T, S]: query t of row b sees every slot before the tree (s < first[b]) and the tree slot
+    first[b] + u iff mask[t, u] (mask [T, U] or [B, T, U]). Slots past the tree are never visible."""
+    T, U = mask_TU.shape[-2:]
+    u_BS = torch.arange(S, device=first_B.device).unsqueeze(0) - first_B.unsqueeze(1)
+    in_tree_BS = (u_BS >= 0) & (u_BS < U)
+    mask_BTU = mask_TU.to(torch.bool).expand(first_B.shape[0], T, U)
+    seen_BTS = mask_BTU.gather(2, u_BS.clamp(0, U - 1).unsqueeze(1).expand(-1, T, -1))
+    return (u_BS < 0).unsqueeze(1) | (in_tree_BS.unsqueeze(1) & seen_BTS)
