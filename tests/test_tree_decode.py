@@ -156,3 +156,19 @@ def test_bad_arguments_are_rejected(model, prompts, kw, match):
     ps = kw.pop("prompts", prompts)
     with pytest.raises(ValueError, match=match):
         generate_tree(model, ps, SHAPES["b221"], kw.pop("max_new_tokens", 4), reuse_modules=True, **kw)
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
+def test_tree_sampling_matches_the_target_distribution(model, draft_sampling):
+    """500 copies of one prompt, top_k = 3, three new tokens: the joint law of (t1, t2, t3) over its 27 cells
+    matches the exact law of plain sampling (tests/test_engine.py), through tree steps whose tokens are accepted
+    nodes of any rank, residual samples or bonus tokens."""
+    from tests.test_engine import _assert_law, _joint_law
+
+    B, prompt, sp = 500, [7, 8, 9, 10], SamplingParams(top_k=3)
+    exact, _ = _joint_law(model, prompt, sp)
+    assert len(exact) == 27
+    r = generate_tree(model, [prompt] * B, SHAPES["b31"], 3, draft="eagle", verify="sample", sampling=sp,
+                      draft_sampling=draft_sampling, seed=31)
+    assert sum(r.metrics.accepted_hist[1:]) > 100 and sum(r.metrics.accepted_rank[0][1:]) > 10, r.metrics
+    _assert_law(f"tree b31, {draft_sampling} drafts", r, exact, B)
