@@ -29,6 +29,7 @@ PROMPT_LENS = (5, 23)  # index_topk = 16: one row starts dense, one sparse
 SHAPES = {"b221": TreeShape.from_branching((2, 2, 1)), "b31": TreeShape.from_branching((3, 1)),
           "chain3": TreeShape.chain(3), "paths": TreeShape.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])}
 TOL = 1e-9
+TH, ETH = 510, 511  # <think>, </think> stand-ins in the 512-token tiny vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +135,20 @@ def test_trees_accept_beyond_the_top_rank(model, prompts):
     assert sum(out.metrics.accepted_rank[0][1:]) >= 1, out.metrics.accepted_rank
 
 
+def test_relaxed_accepts_near_misses_only_inside_the_thinking_span(model, prompts, greedy):
+    """Row 0 never enters a span: it stays greedy. Row 1's prompt opens one: near misses get accepted there.
+    With delta = 0 the relaxed rule is strict everywhere."""
+    assert not {TH, ETH} & set(greedy[0])
+    kw = dict(draft="eagle", verify="relaxed", think_ids=(TH, ETH), top_n=10)
+    zero = generate_tree(model, prompts, SHAPES["b221"], N_NEW, delta=0.0, **kw)
+    assert zero.tokens == greedy and zero.metrics.relaxed_only_accepts == 0
+    spans = [prompts[0], prompts[1] + [TH]]
+    out = generate_tree(model, spans, SHAPES["b221"], N_NEW, delta=0.6, **kw)
+    assert out.tokens[0] == greedy[0]
+    assert out.metrics.relaxed_only_accepts > 0
+    assert generate(model, [spans[1]], N_NEW).tokens[0] != out.tokens[1]  # near misses changed row 1
+
+
 @pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
 def test_tree_sampling_runs_and_reproduces(model, prompts, draft_sampling):
     kw = dict(draft="eagle", verify="sample", sampling=SamplingParams(temperature=0.8), draft_sampling=draft_sampling,
@@ -145,7 +160,8 @@ def test_tree_sampling_runs_and_reproduces(model, prompts, draft_sampling):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(verify="relaxed"), "tree verify must be"),
+    (dict(verify="lenient"), "tree verify must be"),
+    (dict(verify="relaxed"), "needs think_ids"),
     (dict(draft_sampling="sample"), "draft_sampling"),
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(draft="vanilla", prompts=[[3]]), "prompts of at least 2 tokens"),

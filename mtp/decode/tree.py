@@ -22,7 +22,8 @@ from ..draft.proposer import DraftConfig, pick_hidden
 from ..draft.tree import TreeShape
 from ..draft.tree_proposer import TreeProposer, sampled_children, topk_children
 from ..model.deepseek import DeepseekV32
-from ..verify import SamplingParams, tree_sampling_verify, tree_strict_verify
+from ..verify import (SamplingParams, tree_relaxed_verify, tree_sampling_verify, tree_strict_verify,
+                      update_think_state)
 from ..verify.sampling import filter_probs, sample
 
 
@@ -37,6 +38,7 @@ class TreeMetrics:
     accepted_hist: list[int] = field(default_factory=list)
     accepted_rank: list[list[int]] = field(default_factory=list)
     row_steps: int = 0
+    relaxed_only_accepts: int = 0  # accepted drafts that were not the target argmax (relaxed, sampling)
     target_forwards: int = 0
     draft_forwards: int = 0
     new_tokens: int = 0
@@ -61,6 +63,7 @@ class TreeMetrics:
     def to_dict(self) -> dict:
         d = {"accept/mean_len": self.mean_accepted_len, "tree/tokens_per_node": self.tokens_per_node,
              "tree/nodes": self.n_nodes, "count/row_steps": self.row_steps,
+             "count/relaxed_only_accepts": self.relaxed_only_accepts,
              "count/target_forwards": self.target_forwards, "count/draft_forwards": self.draft_forwards}
         n = max(self.row_steps, 1)
         for t, p in enumerate(self.accept_depth, 1):
@@ -80,16 +83,21 @@ class TreeResult:
 @torch.no_grad()
 def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: TreeShape, max_new_tokens: int = 64,
                   draft: str = "eagle", verify: str = "strict", *, sampling: SamplingParams | None = None,
-                  draft_sampling: str = "greedy", seed: int = 0, eos_id: int | None = None,
+                  draft_sampling: str = "greedy", top_n: int = 10, delta: float = 0.6,
+                  think_ids: tuple[int, int] | None = None, seed: int = 0, eos_id: int | None = None,
                   stop_ids: Sequence[int] = (), reuse_modules: bool = False, target_hidden: str = "normed",
                   chain_hidden: str = "normed") -> TreeResult:
-    """Tree speculative decoding, eager. verify: 'strict' (greedy, lossless) | 'sample' (recursive rejection
-    sampling with `sampling`; draft_sampling 'greedy' = top-k children, 'sample' = children drawn without
-    replacement from the draft distribution)."""
+    """Tree speculative decoding, eager. verify: 'strict' (greedy, lossless) | 'relaxed' (top_n / delta inside
+    thinking spans delimited by think_ids, as the chain engine) | 'sample' (recursive rejection sampling with
+    `sampling`; draft_sampling 'greedy' = top-k children, 'sample' = children drawn without replacement from the
+    draft distribution)."""
     if draft not in ("eagle", "vanilla"):
         raise ValueError(f"tree drafting needs draft='eagle' or 'vanilla', got {draft!r}")
-    if verify not in ("strict", "sample"):
-        raise ValueError(f"tree verify must be 'strict' or 'sample', got {verify!r}")
+    if verify not in ("strict", "relaxed", "sample"):
+        raise ValueError(f"tree verify must be 'strict', 'relaxed' or 'sample', got {verify!r}")
+    if verify == "relaxed" and (think_ids is None or top_n < 1 or not 0 <= delta <= 1):
+        raise ValueError(f"verify='relaxed' needs think_ids=(<think>, </think>), top_n >= 1 and delta in [0, 1]; "
+                         f"got think_ids={think_ids}, top_n={top_n}, delta={delta}")
     if draft_sampling not in ("greedy", "sample") or (draft_sampling == "sample" and verify != "sample"):
         raise ValueError(f"draft_sampling must be 'greedy', or 'sample' with verify='sample'; got {draft_sampling!r}"
                          f" with verify={verify!r}")
@@ -123,7 +131,7 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
     cache = m.new_cache(B, S)
 
     def pick(logits_BV):
-        return logits_BV.argmax(-1) if verify == "strict" else sample(filter_probs(logits_BV, sp), gen)
+        return sample(filter_probs(logits_BV, sp), gen) if verify == "sample" else logits_BV.argmax(-1)
 
     # ---- prefill and the first token
     out = m(tokens[:, :Tp], cache, kv_len=Tp, logits_at=(P_B - 1).unsqueeze(1))
@@ -133,6 +141,10 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
     tokens[rows, P_B] = first
     n_B, gen_B = P_B + 1, torch.ones_like(P_B)
     finished_B = torch.isin(first, stops) | (gen_B >= max_new_tokens)
+    think_B = torch.zeros(B, dtype=torch.long, device=dev)
+    if think_ids is not None:
+        seen_BT = torch.arange(Tp + 1, device=dev) <= P_B.unsqueeze(1)  # the prompt and the first token
+        think_B = update_think_state(think_B, tokens[:, : Tp + 1], seen_BT, *think_ids)
     met = TreeMetrics(N, D, [0] * A, [[0] * max(tree.max_children, 1) for _ in range(D)])
     host = torch.stack((n_B, finished_B.long())).cpu()  # sync: loop condition + cache bound
     if not bool(host[1].all()):
@@ -146,6 +158,8 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
         out = m(dr.tokens_BN, cache, kv_len=max_n - 1 + N, tree_depth=depth_N, tree_mask=mask_NN)
         if verify == "strict":
             v = tree_strict_verify(tt, dr.tokens_BN, out.logits)
+        elif verify == "relaxed":
+            v = tree_relaxed_verify(tt, dr.tokens_BN, out.logits, think_B, top_n, delta, *think_ids)
         else:
             v = tree_sampling_verify(tt, dr.tokens_BN, dr.q_BNV, out.logits, sp, gen)
         # ---- accept: the path's drafts then the target token, cut at a stop token and at max_new_tokens
@@ -160,6 +174,8 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
         # ---- commit: tokens, the target hidden of the kept path (positions n-1..), the cache path
         pos_BA = (n_B.unsqueeze(1) + arA).clamp_max(S - 1)
         tokens.scatter_(1, pos_BA, torch.where(kept_BA, new_BA, tokens.gather(1, pos_BA)))
+        if think_ids is not None:
+            think_B = update_think_state(think_B, new_BA, kept_BA, *think_ids)
         h_BAD = pick_hidden(out, target_hidden).gather(1, v.path_BA.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         hpos_BA = pos_BA - 1
         old = hidden.gather(1, hpos_BA.unsqueeze(-1).expand_as(h_BAD))
@@ -169,6 +185,7 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
         finished_B = finished_B | (is_stop & kept_BA).any(1) | (gen_B >= max_new_tokens)
         # ---- metrics (host copies once per step: this loop is the reference, not the fast path)
         met.target_forwards += 1
+        met.relaxed_only_accepts += int((v.relaxed_only_B * active_B).sum())
         for b in active_B.nonzero().flatten().tolist():
             a = int(a_B[b])
             met.accepted_hist[a] += 1
