@@ -129,6 +129,20 @@ def test_strict_tree_decoding_equals_greedy(model, prompts, greedy, mode, shape,
     assert d["accept/mean_len"] == met.mean_accepted_len and "accept/depth_1_rank_0" in d
 
 
+@pytest.mark.parametrize("mode,shape", [("eagle", "b221"), ("vanilla", "chain3")])
+def test_adaptive_length_stays_greedy_and_prunes(model, prompts, greedy, mode, shape):
+    """min_draft_prob prunes low-probability nodes (per row, static shapes): still exactly greedy, fewer live nodes."""
+    tree = SHAPES[shape]
+    out = generate_tree(model, prompts, tree, N_NEW, draft=mode, reuse_modules=True, min_draft_prob=0.3)
+    assert out.tokens == greedy
+    met = out.metrics
+    assert 0 < met.live_nodes < tree.n_nodes * met.row_steps
+    assert met.live_nodes >= met.mean_accepted_len * met.row_steps  # the root and every accepted node are live
+    assert met.tokens_per_live_node > met.tokens_per_node
+    full = generate_tree(model, prompts, tree, N_NEW, draft=mode, reuse_modules=True)
+    assert full.metrics.live_nodes == tree.n_nodes * full.metrics.row_steps
+
+
 def test_trees_accept_beyond_the_top_rank(model, prompts):
     """What a tree buys over a chain: some accepted nodes are not the drafter's top-1."""
     out = generate_tree(model, prompts, SHAPES["b31"], N_NEW, draft="eagle")
@@ -164,6 +178,8 @@ def test_tree_sampling_runs_and_reproduces(model, prompts, draft_sampling):
     (dict(verify="relaxed"), "needs think_ids"),
     (dict(draft_sampling="sample"), "draft_sampling"),
     (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(min_draft_prob=1.0), r"min_draft_prob must be in \[0, 1\)"),
+    (dict(min_draft_prob=0.2, verify="sample", draft_sampling="sample"), "lossy"),
     (dict(draft="vanilla", prompts=[[3]]), "prompts of at least 2 tokens"),
     (dict(draft="none"), "draft='eagle' or 'vanilla'"),
 ])

@@ -34,13 +34,24 @@ def crafted(tree: TreeShape, B: int, V: int, seed: int):
     return tokens, logits
 
 
-def brute_force(tree: TreeShape, tokens, logits):
-    """Per row: every node whose path matches the argmax chain; the deepest, lowest index first."""
+def random_live(tree: TreeShape, B: int, seed: int) -> torch.Tensor:
+    """A per-row pruning (each node kept with probability 3/4, and only under a kept parent)."""
+    g = torch.Generator().manual_seed(seed)
+    live = torch.rand(B, tree.n_nodes, generator=g) < 0.75
+    live[:, 0] = True
+    for i, q in enumerate(tree.parents[1:], 1):
+        live[:, i] &= live[:, q]
+    return live
+
+
+def brute_force(tree: TreeShape, tokens, logits, live=None):
+    """Per row: every (live) node whose path matches the argmax chain; the deepest, lowest index first."""
     target = logits.argmax(-1)
     out = []
     for b in range(tokens.shape[0]):
         good = [i for i in range(tree.n_nodes)
-                if all(tokens[b, n] == target[b, tree.parents[n]] for n in tree.path(i)[1:])]
+                if all(tokens[b, n] == target[b, tree.parents[n]] and (live is None or live[b, n])
+                       for n in tree.path(i)[1:])]
         last = min(good, key=lambda i: (-tree.depth[i], i))
         out.append((tree.depth[last], int(target[b, last]), tree.path(last)))
     return out
@@ -55,6 +66,17 @@ def test_strict_takes_the_longest_argmax_path(tree):
         assert v.path_BA[b].tolist() == list(path) + [path[-1]] * (tree.max_depth - a), f"row {b}"
     assert set(v.accept_len_B.tolist()) == set(range(tree.max_depth + 1))  # every depth exercised
     assert v.relaxed_only_B.eq(0).all()
+
+
+@pytest.mark.parametrize("tree", SHAPES[:2], ids=lambda t: f"N{t.n_nodes}")
+def test_strict_never_accepts_a_pruned_node(tree):
+    tokens, logits = crafted(tree, 256, 5, seed=7)
+    live = random_live(tree, 256, seed=8)
+    v = tree_strict_verify(tree.tensors(), tokens, logits, live)
+    for b, (a, nxt, path) in enumerate(brute_force(tree, tokens, logits, live)):
+        assert (int(v.accept_len_B[b]), int(v.next_token_B[b])) == (a, nxt), f"row {b}"
+        assert v.path_BA[b, : a + 1].tolist() == list(path), f"row {b}"
+    assert not torch.equal(v.accept_len_B, tree_strict_verify(tree.tensors(), tokens, logits).accept_len_B)
 
 
 def test_strict_on_a_chain_equals_the_chain_verifier():
@@ -126,13 +148,14 @@ def draw_siblings(q_BV: torch.Tensor, k: int, g) -> tuple[torch.Tensor, torch.Te
     return torch.stack(toks, 1), torch.stack(qs, 1)
 
 
-@pytest.mark.parametrize("draws", ["topk", "sampled"])
+@pytest.mark.parametrize("draws", ["topk", "sampled", "topk-pruned"])
 def test_tree_sampling_keeps_the_target_distribution(draws):
     """Tree (3, 2), V = 6, 20k trials. Token 1 follows p_root; given depth-1 node x accepted, token 2 follows
-    p(. | x); given a depth-2 node accepted, the bonus follows p at that node."""
+    p(. | x); given a depth-2 node accepted, the bonus follows p at that node. 'pruned': a per-row live mask
+    (adaptive length) removes nodes."""
     B, V = 20000, 6
     tree = TreeShape.from_branching((3, 2))
-    g = torch.Generator().manual_seed(21 if draws == "topk" else 22)
+    g = torch.Generator().manual_seed({"topk": 21, "sampled": 22, "topk-pruned": 24}[draws])
     tokens = torch.zeros(B, tree.n_nodes, dtype=torch.long)
     q = torch.zeros(B, tree.n_nodes, V)
     d1, q1 = draw_siblings(torch.tensor(Q_ROOT).expand(B, V), 3, g)
@@ -146,8 +169,12 @@ def test_tree_sampling_keeps_the_target_distribution(draws):
     table = torch.tensor([conditional(x, V) for x in range(V)])
     for n in range(1, tree.n_nodes):
         p[:, n] = table[tokens[:, n]]
-    v = tree_sampling_verify(tree.tensors(), tokens, q if draws == "sampled" else None, p.log(), SamplingParams(), g)
+    live = random_live(tree, B, seed=25) if draws == "topk-pruned" else None
+    v = tree_sampling_verify(tree.tensors(), tokens, q if draws == "sampled" else None, p.log(), SamplingParams(), g,
+                             live)
     a, path = v.accept_len_B, v.path_BA
+    if live is not None:
+        assert live.gather(1, path).all()  # only kept nodes are accepted
     emitted = [torch.where(a > j, tokens.gather(1, path[:, min(j + 1, 2)].unsqueeze(1)).squeeze(1), v.next_token_B)
                for j in range(3)]
     assert_follows(emitted[0], torch.tensor(P_ROOT), f"{draws}: token 1")

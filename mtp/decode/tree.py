@@ -38,6 +38,7 @@ class TreeMetrics:
     accepted_hist: list[int] = field(default_factory=list)
     accepted_rank: list[list[int]] = field(default_factory=list)
     row_steps: int = 0
+    live_nodes: int = 0  # nodes the adaptive length kept, summed over (row, step) pairs (N each without it)
     relaxed_only_accepts: int = 0  # accepted drafts that were not the target argmax (relaxed, sampling)
     target_forwards: int = 0
     draft_forwards: int = 0
@@ -60,10 +61,17 @@ class TreeMetrics:
         """Committed tokens per verified node: what a verify slot buys (1 / N for a tree that never hits)."""
         return self.mean_accepted_len / self.n_nodes
 
+    @property
+    def tokens_per_live_node(self) -> float:
+        """Committed tokens per node the adaptive length kept (what a kernel skipping dead nodes would pay for)."""
+        return self.mean_accepted_len * self.row_steps / max(self.live_nodes, 1)
+
     def to_dict(self) -> dict:
         d = {"accept/mean_len": self.mean_accepted_len, "tree/tokens_per_node": self.tokens_per_node,
              "tree/nodes": self.n_nodes, "count/row_steps": self.row_steps,
              "count/relaxed_only_accepts": self.relaxed_only_accepts,
+             "tree/tokens_per_live_node": self.tokens_per_live_node,
+             "tree/live_nodes_per_step": self.live_nodes / max(self.row_steps, 1),
              "count/target_forwards": self.target_forwards, "count/draft_forwards": self.draft_forwards}
         n = max(self.row_steps, 1)
         for t, p in enumerate(self.accept_depth, 1):
@@ -84,13 +92,13 @@ class TreeResult:
 def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: TreeShape, max_new_tokens: int = 64,
                   draft: str = "eagle", verify: str = "strict", *, sampling: SamplingParams | None = None,
                   draft_sampling: str = "greedy", top_n: int = 10, delta: float = 0.6,
-                  think_ids: tuple[int, int] | None = None, seed: int = 0, eos_id: int | None = None,
+                  think_ids: tuple[int, int] | None = None, min_draft_prob: float = 0.0, seed: int = 0, eos_id: int | None = None,
                   stop_ids: Sequence[int] = (), reuse_modules: bool = False, target_hidden: str = "normed",
                   chain_hidden: str = "normed") -> TreeResult:
     """Tree speculative decoding, eager. verify: 'strict' (greedy, lossless) | 'relaxed' (top_n / delta inside
     thinking spans delimited by think_ids, as the chain engine) | 'sample' (recursive rejection sampling with
     `sampling`; draft_sampling 'greedy' = top-k children, 'sample' = children drawn without replacement from the
-    draft distribution)."""
+    draft distribution). `min_draft_prob`: adaptive draft length (mtp.draft.tree_proposer); top-k children only."""
     if draft not in ("eagle", "vanilla"):
         raise ValueError(f"tree drafting needs draft='eagle' or 'vanilla', got {draft!r}")
     if verify not in ("strict", "relaxed", "sample"):
@@ -101,6 +109,13 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
     if draft_sampling not in ("greedy", "sample") or (draft_sampling == "sample" and verify != "sample"):
         raise ValueError(f"draft_sampling must be 'greedy', or 'sample' with verify='sample'; got {draft_sampling!r}"
                          f" with verify={verify!r}")
+    if not 0 <= min_draft_prob < 1:
+        raise ValueError(f"min_draft_prob must be in [0, 1), got {min_draft_prob}")
+    if min_draft_prob > 0 and draft_sampling == "sample":
+        # Pruning a drawn child by its own probability changes the law it was drawn from (q_i restricted to
+        # likely tokens), and the sampler's min(1, p / q_i) would no longer be exact.
+        raise ValueError("min_draft_prob needs top-k children (draft_sampling='greedy'): pruning drawn children "
+                         "by their own probability would make tree sampling lossy")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     prompts = [[int(t) for t in p] for p in prompts]
@@ -154,14 +169,15 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
     while not bool(host[1].all()):
         max_n = int(host[0].max())
         active_B = ~finished_B
-        dr = proposer.propose(tokens, hidden, n_B, draw, max_n)
+        dr = proposer.propose(tokens, hidden, n_B, draw, max_n, min_draft_prob)
+        live = dr.live_BN if min_draft_prob > 0 else None
         out = m(dr.tokens_BN, cache, kv_len=max_n - 1 + N, tree_depth=depth_N, tree_mask=mask_NN)
         if verify == "strict":
-            v = tree_strict_verify(tt, dr.tokens_BN, out.logits)
+            v = tree_strict_verify(tt, dr.tokens_BN, out.logits, live)
         elif verify == "relaxed":
-            v = tree_relaxed_verify(tt, dr.tokens_BN, out.logits, think_B, top_n, delta, *think_ids)
+            v = tree_relaxed_verify(tt, dr.tokens_BN, out.logits, think_B, top_n, delta, *think_ids, live)
         else:
-            v = tree_sampling_verify(tt, dr.tokens_BN, dr.q_BNV, out.logits, sp, gen)
+            v = tree_sampling_verify(tt, dr.tokens_BN, dr.q_BNV, out.logits, sp, gen, live)
         # ---- accept: the path's drafts then the target token, cut at a stop token and at max_new_tokens
         a_B = torch.where(active_B, v.accept_len_B, 0)
         new_BA = dr.tokens_BN.gather(1, torch.cat((v.path_BA[:, 1:], v.path_BA[:, -1:]), 1))
@@ -186,6 +202,7 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
         # ---- metrics (host copies once per step: this loop is the reference, not the fast path)
         met.target_forwards += 1
         met.relaxed_only_accepts += int((v.relaxed_only_B * active_B).sum())
+        met.live_nodes += int((dr.live_BN & active_B.unsqueeze(1)).sum())
         for b in active_B.nonzero().flatten().tolist():
             a = int(a_B[b])
             met.accepted_hist[a] += 1

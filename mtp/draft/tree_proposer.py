@@ -14,6 +14,9 @@ and a node at depth t is a candidate for x_{n-1+t}.
   <= n-1-m use committed tokens only: a window ending there. Its entries at positions n-m..n-2 depend on the
   path: one per tree node c of depth t in 1..m-1 (position n-2-m+1+t, token of c, hidden = module m-1's
   output for c's parent), all in one tree forward. The depth-(m-1) nodes' logits give their children.
+Adaptive draft length (`min_prob`): a node whose probability under the draft at its parent is below the threshold,
+and everything under it, is marked dead in `live_BN`; the shapes stay static (the nodes are still drafted and
+verified) and the verifiers never accept a dead node.
 Windows: each module keeps the hidden states of its committed entries in a buffer; a row advances by at most
 D+1 per step, so a window of W = D+1 positions ending at the module's last committed position covers every
 entry that became final since the last step, and the tree entries past it are rewritten every step.
@@ -35,6 +38,7 @@ class TreeDraft:
     tokens_BN: torch.Tensor  # long [B, N], node 0 = x_{n-1}
     q_BNV: torch.Tensor | None  # per node, the distribution its token was drawn from (None: top-k drafts)
     logits_BNV: torch.Tensor  # draft logits at each node (predicting its children; zero at leaves)
+    live_BN: torch.Tensor  # bool [B, N]: nodes the row keeps (adaptive length; all True without a threshold)
 
 
 class TreeProposer:
@@ -88,9 +92,10 @@ class TreeProposer:
             self._window(j, tokens_BS, hidden_BSD, n_B, W, max_n)
 
     # ------------------------------------------------------------------ the tree
-    def propose(self, tokens_BS, hidden_BSD, n_B, draw_children, max_n: int) -> TreeDraft:
+    def propose(self, tokens_BS, hidden_BSD, n_B, draw_children, max_n: int, min_prob: float = 0.0) -> TreeDraft:
         """tokens_BS: committed tokens (n per row); hidden_BSD: the target hidden per position (valid <= n-2).
-        `max_n`: host-known max of n_B (bounds the cache positions touched, no sync)."""
+        `max_n`: host-known max of n_B (bounds the cache positions touched, no sync). `min_prob`: adaptive
+        length threshold on each node's draft probability (softmax of the draft logits at its parent)."""
         tree, tt, lv, m = self.tree, self.tt, self.level, self.model
         B, N, V = n_B.shape[0], tree.n_nodes, m.cfg.vocab_size
         rows = torch.arange(B, device=n_B.device)
@@ -124,7 +129,20 @@ class TreeProposer:
             self.draft_forwards += 1
             out_BND[:, s:e] = pick_hidden(out, self.cfg.chain_hidden)
             logits_all[:, lv[t]:e] = out.logits[:, -(e - lv[t]):]
-        return TreeDraft(nodes, q_all, logits_all)
+        return TreeDraft(nodes, q_all, logits_all, self._live(logits_all, nodes, min_prob))
+
+    def _live(self, logits_BNV, nodes_BN, min_prob: float) -> torch.Tensor:
+        tt = self.tt
+        live_BN = torch.ones_like(nodes_BN, dtype=torch.bool)
+        if min_prob <= 0:
+            return live_BN
+        par = tt.parent_N[1:]
+        p_BN = logits_BNV[:, par].softmax(-1).gather(2, nodes_BN[:, 1:].unsqueeze(-1)).squeeze(-1)
+        live_BN[:, 1:] = p_BN >= min_prob
+        for t in range(2, self.tree.max_depth + 1):  # a dead node's subtree is dead
+            kids = slice(self.level[t], self.level[t + 1])
+            live_BN[:, kids] &= live_BN[:, tt.parent_N[kids]]
+        return live_BN
 
     def _children(self, t: int, logits_all, nodes, q_all, draw_children):
         """Draw the children of the depth-t nodes (rank r child <- the r-th pick at its parent)."""

@@ -19,6 +19,10 @@ token the target adds after the path.
   The output follows p exactly provided x_i ~ q_i given the earlier siblings: for top-k (deterministic) drafts
   q_i is the point mass at x_i (pass q=None), for drafts drawn without replacement q_i is the draft
   distribution with the earlier siblings' tokens removed and renormalized.
+Adaptive draft length: every verifier takes an optional per-row node mask `live_BN` (a drafter's pruning, e.g.
+nodes whose draft probability fell below a threshold, and their subtrees): masked nodes keep the static shape
+but are never accepted, as if the row's tree were the live subtree. For the sampler this stays lossless when the
+mask is fixed before the target is read and, for drawn drafts, does not depend on a node's own drawn token.
 """
 
 from __future__ import annotations
@@ -68,15 +72,21 @@ def _exact(tt: TreeTensors, tokens_BN: torch.Tensor, target_BN: torch.Tensor) ->
     return exact | (tt.parent_N < 0)
 
 
-def tree_strict_verify(tt: TreeTensors, tokens_BN: torch.Tensor, logits_BNV: torch.Tensor) -> TreeVerdict:
+def _live(ok_BN: torch.Tensor, live_BN: torch.Tensor | None) -> torch.Tensor:
+    return ok_BN if live_BN is None else ok_BN & live_BN
+
+
+def tree_strict_verify(tt: TreeTensors, tokens_BN: torch.Tensor, logits_BNV: torch.Tensor,
+                       live_BN: torch.Tensor | None = None) -> TreeVerdict:
     _check(tt, tokens_BN, logits_BNV)
     target_BN = logits_BNV.argmax(dim=-1)
     exact_BN = _exact(tt, tokens_BN, target_BN)
-    return _verdict(_deepest(exact_BN, tt), target_BN, exact_BN, tt)
+    return _verdict(_deepest(_live(exact_BN, live_BN), tt), target_BN, exact_BN, tt)
 
 
 def tree_relaxed_verify(tt: TreeTensors, tokens_BN: torch.Tensor, logits_BNV: torch.Tensor, think_B: torch.Tensor,
-                        top_n: int, delta: float, think_id: int, end_think_id: int) -> TreeVerdict:
+                        top_n: int, delta: float, think_id: int, end_think_id: int,
+                        live_BN: torch.Tensor | None = None) -> TreeVerdict:
     """think_B: the span state after the root (the last committed token)."""
     _check(tt, tokens_BN, logits_BNV)
     target_BN = logits_BNV.argmax(dim=-1)  # of the logits, as in relaxed_verify: delta = 0 must be exactly strict
@@ -95,11 +105,12 @@ def tree_relaxed_verify(tt: TreeTensors, tokens_BN: torch.Tensor, logits_BNV: to
     topn = p_BNV.topk(min(top_n, p_BNV.shape[-1]), dim=-1).values
     close_BN = (p_draft >= topn[..., -1]) & (p_draft >= topn[..., 0] - delta)
     ok_BN = exact_BN | (in_span_BN & close_BN & (delta > 0))
-    return _verdict(_deepest(ok_BN, tt), target_BN, exact_BN, tt)
+    return _verdict(_deepest(_live(ok_BN, live_BN), tt), target_BN, exact_BN, tt)
 
 
 def tree_sampling_verify(tt: TreeTensors, tokens_BN: torch.Tensor, q_BNV: torch.Tensor | None,
-                         logits_BNV: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> TreeVerdict:
+                         logits_BNV: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None,
+                         live_BN: torch.Tensor | None = None) -> TreeVerdict:
     """q_BNV: per node, the distribution its token was drawn from given its earlier siblings (row 0 unused);
     None means top-k / greedy drafts (point masses)."""
     _check(tt, tokens_BN, logits_BNV)
@@ -116,8 +127,10 @@ def tree_sampling_verify(tt: TreeTensors, tokens_BN: torch.Tensor, q_BNV: torch.
         moved_B = torch.zeros_like(walking_B)
         for c in range(tt.shape.max_children):
             child_B = tt.child_NC[cur_B, c]
-            try_B = walking_B & ~moved_B & (child_B >= 0)
             ch_B = child_B.clamp_min(0)
+            try_B = walking_B & ~moved_B & (child_B >= 0)
+            if live_BN is not None:
+                try_B &= live_BN[rows, ch_B]
             x_B1 = tokens_BN[rows, ch_B].unsqueeze(1)
             q_BV = q_BNV[rows, ch_B]
             u_B = torch.rand(B, generator=gen, device=dev)
