@@ -27,7 +27,7 @@ from mtp.verify import SamplingParams
 N_NEW = 14
 PROMPT_LENS = (5, 23)  # index_topk = 16: one row starts dense, one sparse
 SHAPES = {"b221": TreeShape.from_branching((2, 2, 1)), "b31": TreeShape.from_branching((3, 1)),
-          "chain3": TreeShape.chain(3), "paths": TreeShape.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])}
+          "chain3": TreeShape.chain(3), "b4": TreeShape.from_branching((4,)), "paths": TreeShape.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])}
 TOL = 1e-9
 TH, ETH = 510, 511  # <think>, </think> stand-ins in the 512-token tiny vocabulary
 
@@ -131,12 +131,13 @@ def test_strict_tree_decoding_equals_greedy(model, prompts, greedy, mode, shape,
 
 @pytest.mark.parametrize("mode,shape", [("eagle", "b221"), ("vanilla", "chain3")])
 def test_adaptive_length_stays_greedy_and_prunes(model, prompts, greedy, mode, shape):
-    """min_draft_prob prunes low-probability nodes (per row, static shapes): still exactly greedy, fewer live nodes."""
+    """min_draft_prob prunes low-probability nodes (per row, static shapes): still exactly greedy, fewer live nodes.
+    This checkpoint's drafts are flat over 512 tokens: 0.02 keeps about a third of the nodes of (2, 2, 1)."""
     tree = SHAPES[shape]
-    out = generate_tree(model, prompts, tree, N_NEW, draft=mode, reuse_modules=True, min_draft_prob=0.3)
+    out = generate_tree(model, prompts, tree, N_NEW, draft=mode, reuse_modules=True, min_draft_prob=0.02)
     assert out.tokens == greedy
     met = out.metrics
-    assert 0 < met.live_nodes < tree.n_nodes * met.row_steps
+    assert met.row_steps < met.live_nodes < tree.n_nodes * met.row_steps and sum(met.accepted_hist[1:]) >= 1
     assert met.live_nodes >= met.mean_accepted_len * met.row_steps  # the root and every accepted node are live
     assert met.tokens_per_live_node > met.tokens_per_node
     full = generate_tree(model, prompts, tree, N_NEW, draft=mode, reuse_modules=True)
