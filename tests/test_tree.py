@@ -213,4 +213,5 @@ def test_compacted_path_reads_like_a_plain_decode(model64, lens):
 def test_compact_checks_shapes(model64):
     kv = model64.new_cache(2, 8)
     with pytest.raises(ValueError, match="compact needs"):
-        kv.compact(torch.zeros(1, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, dtype=torch.long))
+        kv.compact(torch.zeros(1, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long),
+                   torch.ones(2, dtype=torch.long))

@@ -27,7 +27,8 @@ from mtp.verify import SamplingParams
 N_NEW = 14
 PROMPT_LENS = (5, 23)  # index_topk = 16: one row starts dense, one sparse
 SHAPES = {"b221": TreeShape.from_branching((2, 2, 1)), "b31": TreeShape.from_branching((3, 1)),
-          "chain3": TreeShape.chain(3), "b4": TreeShape.from_branching((4,)), "paths": TreeShape.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])}
+          "chain3": TreeShape.chain(3), "b4": TreeShape.from_branching((4,)),
+          "paths": TreeShape.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])}
 TOL = 1e-9
 TH, ETH = 510, 511  # <think>, </think> stand-ins in the 512-token tiny vocabulary
 

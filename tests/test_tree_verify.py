@@ -213,6 +213,6 @@ def test_tree_sampling_with_top_k_stays_in_the_filtered_support():
 def test_tree_sampling_is_reproducible_from_the_generator():
     tree = SHAPES[0]
     tokens, logits = crafted(tree, 64, 6, seed=4)
-    runs = [tree_sampling_verify(tree.tensors(), tokens, None, logits, SamplingParams(), torch.Generator().manual_seed(3))
-            for _ in range(2)]
+    runs = [tree_sampling_verify(tree.tensors(), tokens, None, logits, SamplingParams(),
+                                 torch.Generator().manual_seed(3)) for _ in range(2)]
     assert torch.equal(runs[0].path_BA, runs[1].path_BA) and torch.equal(runs[0].next_token_B, runs[1].next_token_B)

@@ -92,7 +92,8 @@ class TreeResult:
 def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: TreeShape, max_new_tokens: int = 64,
                   draft: str = "eagle", verify: str = "strict", *, sampling: SamplingParams | None = None,
                   draft_sampling: str = "greedy", top_n: int = 10, delta: float = 0.6,
-                  think_ids: tuple[int, int] | None = None, min_draft_prob: float = 0.0, seed: int = 0, eos_id: int | None = None,
+                  think_ids: tuple[int, int] | None = None, min_draft_prob: float = 0.0, seed: int = 0,
+                  eos_id: int | None = None,
                   stop_ids: Sequence[int] = (), reuse_modules: bool = False, target_hidden: str = "normed",
                   chain_hidden: str = "normed") -> TreeResult:
     """Tree speculative decoding, eager. verify: 'strict' (greedy, lossless) | 'relaxed' (top_n / delta inside

@@ -4,8 +4,8 @@ Shape legend: N nodes (root included), C most children of a node, A = max_depth 
 
 Node 0 is the root: the last committed token x_{n-1}, which the verify feeds anyway (a chain of K drafts is
 the tree (1,) * K: N = K + 1). Every other node is a drafted token whose parent is the token before it. Nodes
-are numbered level by level (parent index < node index, depth non-decreasing), siblings by rank: rank r is the drafter's r-th best
-(or r-th drawn) token at the parent, so the sampling verifier tries siblings in rank order.
+are numbered level by level (parent index < node index, depth non-decreasing), siblings by rank: rank r is the
+drafter's r-th best (or r-th drawn) token at the parent, so the sampling verifier tries siblings in rank order.
 
 The verify forward writes node i at cache slot seq_len + i, places it at rotary position seq_len + depth[i],
 and lets it attend to the committed cache plus its own ancestors (`ancestor_mask`, self included).

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.deepseek import DeepseekV32
+from ..verify.sampling import sample
 from .proposer import DraftConfig, pick_hidden
 from .tree import TreeShape
 
@@ -58,6 +59,7 @@ class TreeProposer:
         self.tt = tree.tensors(model.device)
         n_mod = tree.max_depth if dcfg.mode == "vanilla" else 1
         self.caches = [model.new_cache(batch, max_len, n_layers=1) for _ in range(n_mod)]
+        # g^{j+1} per position: module j's output hidden at its committed entries (module j+1's window input)
         self.g = [torch.zeros(batch, max_len, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
                   for _ in range(n_mod)]
         self.W = tree.max_depth + 1
@@ -66,9 +68,10 @@ class TreeProposer:
         self.level = [tree.depth.index(t) for t in range(tree.max_depth + 1)] + [tree.n_nodes]
 
     # ------------------------------------------------------------------ windows (committed entries)
-    def _window(self, j: int, tokens_BS, hidden_BSD, n_B, W: int, max_n: int) -> torch.Tensor:
+    def _window(self, j: int, tokens_BS, hidden_BSD, n_B, W: int, max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Module j (0-based) over W positions ending at its last committed one, e = n-2-j (from 0 while
-        e < W - 1; the entries past e are scratch and dropped). Returns the module's output hidden at e."""
+        e < W - 1; the entries past e are scratch and dropped). Returns its output hidden [B, D] and logits
+        [B, V] at e."""
         m, cache = self.model, self.caches[j]
         e_B = n_B - 2 - j
         p0_B = (e_B - W + 1).clamp_min(0)
@@ -99,16 +102,16 @@ class TreeProposer:
         tree, tt, lv, m = self.tree, self.tt, self.level, self.model
         B, N, V = n_B.shape[0], tree.n_nodes, m.cfg.vocab_size
         rows = torch.arange(B, device=n_B.device)
-        nodes = torch.zeros(B, N, dtype=torch.long, device=n_B.device)
-        nodes[:, 0] = tokens_BS[rows, n_B - 1]
-        logits_all = torch.zeros(B, N, V, dtype=m.acc, device=n_B.device)
-        q_all = None
+        nodes_BN = torch.zeros(B, N, dtype=torch.long, device=n_B.device)
+        nodes_BN[:, 0] = tokens_BS[rows, n_B - 1]
+        logits_BNV = torch.zeros(B, N, V, dtype=m.acc, device=n_B.device)
+        q_BNV = None
         # out_BND: the current module's output hidden per node (root: its window entry at e)
         out_BND = torch.zeros(B, N, m.cfg.hidden_size, dtype=m.dtype, device=n_B.device)
         out_BND[:, 0], logits_root = self._window(0, tokens_BS, hidden_BSD, n_B, self.W, max_n)
-        logits_all[:, 0] = logits_root
+        logits_BNV[:, 0] = logits_root
         for t in range(1, tree.max_depth + 1):
-            q_all = self._children(t - 1, logits_all, nodes, q_all, draw_children)
+            q_BNV = self._children(t - 1, logits_BNV, nodes_BN, q_BNV, draw_children)
             if t == tree.max_depth:
                 break
             if self.cfg.mode == "eagle":
@@ -122,16 +125,16 @@ class TreeProposer:
                 cache, mod = self.caches[t], self.cfg.module_for(t, m.n_mtp)
                 mask, depth = tt.ancestor_NN[s:e, s:e], tt.depth_N[s:e] - 1
                 logits_at = torch.arange(lv[t] - s, e - s, device=n_B.device).expand(B, -1)
-                out_BND = out_BND.clone()
-                out_BND[:, 0] = root_h
-            out = m.mtp_forward(mod, nodes[:, s:e], hid, cache, kv_len=max_n - 1 + e, tree_depth=depth,
+                out_BND[:, 0] = root_h  # after `hid` was read: module t's own entry for the root
+            out = m.mtp_forward(mod, nodes_BN[:, s:e], hid, cache, kv_len=max_n - 1 + e, tree_depth=depth,
                                 tree_mask=mask, logits_at=logits_at)
             self.draft_forwards += 1
             out_BND[:, s:e] = pick_hidden(out, self.cfg.chain_hidden)
-            logits_all[:, lv[t]:e] = out.logits[:, -(e - lv[t]):]
-        return TreeDraft(nodes, q_all, logits_all, self._live(logits_all, nodes, min_prob))
+            logits_BNV[:, lv[t]:e] = out.logits[:, -(e - lv[t]):]
+        return TreeDraft(nodes_BN, q_BNV, logits_BNV, self._live(logits_BNV, nodes_BN, min_prob))
 
     def _live(self, logits_BNV, nodes_BN, min_prob: float) -> torch.Tensor:
+        """Bool [B, N]: nodes whose draft probability and every ancestor's are >= min_prob (the root always)."""
         tt = self.tt
         live_BN = torch.ones_like(nodes_BN, dtype=torch.bool)
         if min_prob <= 0:
@@ -144,21 +147,21 @@ class TreeProposer:
             live_BN[:, kids] &= live_BN[:, tt.parent_N[kids]]
         return live_BN
 
-    def _children(self, t: int, logits_all, nodes, q_all, draw_children):
+    def _children(self, t: int, logits_BNV, nodes_BN, q_BNV, draw_children):
         """Draw the children of the depth-t nodes (rank r child <- the r-th pick at its parent)."""
         tree, tt, lv = self.tree, self.tt, self.level
         s, e = lv[t], lv[t + 1]
         c = max(len(tree.children[i]) for i in range(s, e))
         kids = slice(lv[t + 1], lv[t + 2])
-        toks_BMc, q_BMcV = draw_children(logits_all[:, s:e], c)
+        toks_BMc, q_BMcV = draw_children(logits_BNV[:, s:e], c)
         par = tt.parent_N[kids] - s
-        nodes[:, kids] = toks_BMc[:, par, tt.rank_N[kids]]
+        nodes_BN[:, kids] = toks_BMc[:, par, tt.rank_N[kids]]
         if q_BMcV is None:
-            return q_all
-        if q_all is None:
-            q_all = torch.zeros_like(logits_all, dtype=q_BMcV.dtype)
-        q_all[:, kids] = q_BMcV[:, par, tt.rank_N[kids]]
-        return q_all
+            return q_BNV
+        if q_BNV is None:
+            q_BNV = torch.zeros_like(logits_BNV, dtype=q_BMcV.dtype)
+        q_BNV[:, kids] = q_BMcV[:, par, tt.rank_N[kids]]
+        return q_BNV
 
 
 def topk_children(logits_BMV: torch.Tensor, c: int):
@@ -169,8 +172,6 @@ def topk_children(logits_BMV: torch.Tensor, c: int):
 def sampled_children(probs_fn, gen: torch.Generator | None):
     """c tokens per node drawn without replacement from probs_fn(logits); each child's q is the draft
     distribution with its earlier siblings removed and renormalized (what the tree sampler needs)."""
-    from ..verify.sampling import sample
-
     def draw(logits_BMV: torch.Tensor, c: int):
         q = probs_fn(logits_BMV)
         toks, qs = [], []

@@ -14,8 +14,8 @@ nodes occupy the last U >= T slots up to and including them, from slot f = seq_l
 target verify; a drafter writing a tree depth by depth has earlier depths already in the cache). Token t is still
 written at slot seq_lens[b] + t, sits at rotary position f + tree_depth[t], and attends to every slot before f
 plus the tree slots f + u with tree_mask[t, u]. A chain (depth t, lower-triangular [T, T] mask) is the default.
-The forward is differentiable
-(training builds the model with float weights); inference callers wrap it in `torch.no_grad()`.
+The forward is differentiable (training builds the model with float weights); inference callers wrap it in
+`torch.no_grad()`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class Block(nn.Module):
 
     def forward(self, h_BTD, pos_BT, cos, sin, cache: LayerCache, S: int, opts: RuntimeOptions, dtype,
                 visible_BTS: torch.Tensor | None = None) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(h_BTD, dtype), pos_BT, cos, sin, cache, S, opts, visible_BTS=visible_BTS)
+        x_BTD = self.input_layernorm(h_BTD, dtype)
+        a = self.self_attn(x_BTD, pos_BT, cos, sin, cache, S, opts, visible_BTS=visible_BTS)
         h_BTD = h_BTD + a.to(h_BTD.dtype)
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD, dtype)).to(h_BTD.dtype)
 
