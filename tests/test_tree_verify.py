@@ -210,6 +210,24 @@ def test_tree_sampling_with_top_k_stays_in_the_filtered_support():
     assert_follows(first, filter_probs(logits[0, 0], sp), "top-k 3, temperature 0.7")
 
 
+def test_tree_sampling_skips_children_past_the_draft_support():
+    """Four children drawn without replacement from a draft with support 2: children 3 and 4 have q = 0 and are
+    never accepted; the emitted token still follows p."""
+    B, V = 20000, 6
+    tree = TreeShape.from_branching((4,))
+    g = torch.Generator().manual_seed(26)
+    q_draft = torch.tensor([0.0, 0.0, 0.6, 0.4, 0.0, 0.0])
+    d, q = draw_siblings(q_draft.expand(B, V), 4, g)
+    q = torch.nan_to_num(q)  # the 3rd and 4th draws renormalize zero mass
+    tokens = torch.cat((torch.zeros(B, 1, dtype=torch.long), d), 1)
+    qs = torch.cat((torch.zeros(B, 1, V), q), 1)
+    logits = torch.tensor(P_ROOT).log().expand(B, tree.n_nodes, V)
+    v = tree_sampling_verify(tree.tensors(), tokens, qs, logits, SamplingParams(), g)
+    assert v.path_BA[:, 1].le(2).all()  # nodes 3 and 4 never accepted
+    first = torch.where(v.accept_len_B > 0, tokens.gather(1, v.path_BA[:, 1:2]).squeeze(1), v.next_token_B)
+    assert_follows(first, torch.tensor(P_ROOT), "support used up")
+
+
 def test_tree_sampling_is_reproducible_from_the_generator():
     tree = SHAPES[0]
     tokens, logits = crafted(tree, 64, 6, seed=4)

@@ -18,7 +18,8 @@ token the target adds after the path.
   rejected the token is drawn from what is left of p, and after an accepted leaf from the target at the leaf.
   The output follows p exactly provided x_i ~ q_i given the earlier siblings: for top-k (deterministic) drafts
   q_i is the point mass at x_i (pass q=None), for drafts drawn without replacement q_i is the draft
-  distribution with the earlier siblings' tokens removed and renormalized.
+  distribution with the earlier siblings' tokens removed and renormalized (all zero once they used up its
+  support: such a child is skipped).
 Adaptive draft length: every verifier takes an optional per-row node mask `live_BN` (a drafter's pruning, e.g.
 nodes whose draft probability fell below a threshold, and their subtrees): masked nodes keep the static shape
 but are never accepted, as if the row's tree were the live subtree. For the sampler this stays lossless when the
@@ -133,6 +134,9 @@ def tree_sampling_verify(tt: TreeTensors, tokens_BN: torch.Tensor, q_BNV: torch.
                 try_B &= live_BN[rows, ch_B]
             x_B1 = tokens_BN[rows, ch_B].unsqueeze(1)
             q_BV = q_BNV[rows, ch_B]
+            # A child drawn after its siblings used up the draft's support has q = 0: it is no draw, skip it
+            # (u * q < p would accept it whenever p > 0).
+            try_B &= q_BV.sum(dim=-1) > 0
             u_B = torch.rand(B, generator=gen, device=dev)
             acc_B = try_B & (u_B * q_BV.gather(1, x_B1).squeeze(1) < p_BV.gather(1, x_B1).squeeze(1))
             resid_BV = (p_BV - q_BV).clamp_min(0.0)
