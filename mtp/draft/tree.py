@@ -155,7 +155,7 @@ class TreeShape:
         return torch.tensor(t, dtype=torch.long, device=device)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: identity, not elementwise comparison
 class TreeTensors:
     """A TreeShape's tables as device tensors (built once, then read inside captured steps)."""
 
