@@ -91,13 +91,13 @@ class FastMoE(MoE):
 
 class FastMLA(MLA):
     """Absorbed blocks (decode / verify) over the FP8 cache on the kernels (`mla_forward_fast`); the naive path
-    (prefill) and an unquantized cache keep the reference forward."""
+    (prefill), an unquantized cache and a tree verify's mask (no kernel takes one yet) keep the reference forward."""
 
     fused_a = fused_qb = None  # stacked FP8 weights of the projections that read one input (`fuse_rows`)
 
-    def forward(self, x_BTD, pos_BT, cos, sin, cache, S: int, opts) -> torch.Tensor:
-        if self.naive(x_BTD.shape[1], opts) or not cache.quantized:
-            return super().forward(x_BTD, pos_BT, cos, sin, cache, S, opts)
+    def forward(self, x_BTD, pos_BT, cos, sin, cache, S: int, opts, visible_BTS=None) -> torch.Tensor:
+        if self.naive(x_BTD.shape[1], opts) or not cache.quantized or visible_BTS is not None:
+            return super().forward(x_BTD, pos_BT, cos, sin, cache, S, opts, visible_BTS)
         return mla_forward_fast(self, x_BTD, pos_BT, cos, sin, cache, S)
 
 

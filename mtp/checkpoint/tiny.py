@@ -71,6 +71,23 @@ def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return {n: out[n] for n in spec}
 
 
+def agreeing_mtp(tensors: dict[str, torch.Tensor], cfg: ModelConfig, seed: int = 5) -> dict[str, torch.Tensor]:
+    """`random_tensors` changed so that the MTP heads often agree with the trunk (random ones never do, and
+    losslessness is only worth testing where drafts get accepted): every block's output projections are damped
+    (o_proj / down_proj block scales / 16, still powers of two) and each eh_proj passes the token embedding
+    through plus a small random mix of the hidden state. Returns a new dict."""
+    out = dict(tensors)
+    D = cfg.hidden_size
+    g = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if name.endswith(("o_proj.weight_scale_inv", "down_proj.weight_scale_inv")):
+            out[name] = t / 16
+        elif name.endswith("eh_proj.weight"):
+            mix = 0.25 * torch.randn(D, D, generator=g) / math.sqrt(D)
+            out[name] = torch.cat((torch.eye(D), mix), dim=1).to(t.dtype)
+    return out
+
+
 def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0, layers: int = 3, dense_layers: int = 1,
                           mtp_modules: int = 1, index_topk: int = 16, vocab: int = 512, n_shards: int = 2) -> Path:
     from ..tokenizer import default_corpus, save_tokenizer, train_bpe_tokenizer

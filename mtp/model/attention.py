@@ -4,7 +4,9 @@ Shape legend: B batch, T new tokens, S cached keys (including the new ones), H h
 C kv_lora_rank, R qk_rope_head_dim, P qk_nope_head_dim, V v_head_dim, Dk index_head_dim.
 
 A forward writes the T new tokens into the layer cache first and then attends over the first S slots;
-query t of row b sees key s iff s <= pos[b, t] (causal, per-row lengths) and the indexer selected s.
+query t of row b sees key s iff s <= pos[b, t] (causal, per-row lengths) and the indexer selected s; a draft
+tree's verify passes its own `visible_BTS` instead (the committed keys plus the node's ancestors), and the
+indexer's top-k is then taken per node over what that node sees.
 Two equivalent MLA paths: 'naive' expands every cached latent through kv_b_proj (prefill), 'absorb' folds
 kv_b_proj into the query and output so attention runs in the C-dim latent space (decode / verify).
 """
@@ -83,13 +85,17 @@ class MLA(nn.Module):
         self.indexer = Indexer(cfg, dtype)
         self.softmax_scale = cfg.softmax_scale
 
-    def forward(self, x_BTD, pos_BT, cos, sin, cache: LayerCache, S: int, opts: RuntimeOptions) -> torch.Tensor:
+    def forward(self, x_BTD, pos_BT, cos, sin, cache: LayerCache, S: int, opts: RuntimeOptions,
+                visible_BTS: torch.Tensor | None = None) -> torch.Tensor:
+        """pos_BT: the cache slots the new tokens are written to; cos/sin: their rotary angles.
+        visible_BTS: the keys each query may see (default: causal, s <= pos[b, t])."""
         B, T, _ = x_BTD.shape
         dt = x_BTD.dtype
         naive = self.naive(T, opts)
         qr, q_nope, q_pe, c, k_pe = self.project(x_BTD, cos, sin)
         cache.write(pos_BT, c, k_pe, self.indexer.keys(x_BTD, cos, sin))
-        visible_BTS = torch.arange(S, device=x_BTD.device).view(1, 1, S) <= pos_BT.unsqueeze(-1)
+        if visible_BTS is None:
+            visible_BTS = torch.arange(S, device=x_BTD.device).view(1, 1, S) <= pos_BT.unsqueeze(-1)
         keep_BTS = self.indexer.select(x_BTD, qr, cos, sin, cache, S, visible_BTS)
         a = fp8.acc_dtype(dt)
         c_BSC, pe_BSR = cache.read_kv(S, a)

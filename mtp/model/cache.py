@@ -9,6 +9,8 @@ the scales are 1. Reading dequantizes, so both layouts serve one attention code 
 All buffers are allocated once. `seq_lens_B` is a device tensor updated in place: a forward writes its T
 tokens at positions seq_lens[b] + t and advances seq_lens by T; `truncate` rolls back by lowering
 seq_lens (stale entries past a row's length are masked, never read). Nothing is reallocated while decoding.
+A draft tree's verify writes its N nodes at seq_lens[b] + i in node order; `compact` then moves the accepted
+path's entries to consecutive slots and rolls the rest back, so the cache reads as if only the path was fed.
 """
 
 from __future__ import annotations
@@ -98,6 +100,22 @@ class KVCache:
         C, R, Dk = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
         store = 1 if quantized else torch.empty((), dtype=dtype).element_size()
         return C * store + max(C // fp8.BLOCK, 1) * 4 + R * torch.empty((), dtype=dtype).element_size() + Dk * store + 4
+
+    def compact(self, base_B: torch.Tensor, nodes_BA: torch.Tensor, keep_B: torch.Tensor) -> None:
+        """Commit a tree path: in every layer, move slot base[b] + nodes[b, i] to base[b] + i (i < A), then set
+        seq_lens = base + keep. nodes_BA [B, A] lists the kept nodes in path order; entries at i >= keep[b]
+        may be anything in range (they are copied past the new length, where nothing reads them). Static
+        shapes, no sync: every row moves A slots. All sources are read before any slot is written."""
+        B, A = nodes_BA.shape
+        if base_B.shape != (B,) or keep_B.shape != (B,) or B != self.batch:
+            raise ValueError(f"compact needs base [{self.batch}], nodes [{self.batch}, A], keep [{self.batch}]; got "
+                             f"{tuple(base_B.shape)}, {tuple(nodes_BA.shape)}, {tuple(keep_B.shape)}")
+        b_BA = torch.arange(B, device=nodes_BA.device).unsqueeze(1).expand(B, A)
+        src_BA = base_B.unsqueeze(1) + nodes_BA
+        dst_BA = base_B.unsqueeze(1) + torch.arange(A, device=nodes_BA.device)
+        for buf in (self.kv, self.kv_scale, self.pe, self.idx_k, self.idx_k_scale):
+            buf[:, b_BA, dst_BA] = buf[:, b_BA, src_BA]
+        self.seq_lens.copy_(base_B + keep_B)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.kv, self.kv_scale, self.pe, self.idx_k, self.idx_k_scale))

@@ -8,8 +8,14 @@ The residual stream is fp32; module inputs and outputs are in the model dtype.
 
 Cache-using forward (what decoding uses): `model.forward(ids_BT, cache=kv)` writes the T tokens at positions
 `kv.seq_lens[b] + t`, attends causally per row over the cache, and advances `kv.seq_lens` by T. Roll back
-with `kv.truncate(lens)`. Without a cache the call is a fresh prompt forward. The forward is differentiable
-(training builds the model with float weights); inference callers wrap it in `torch.no_grad()`.
+with `kv.truncate(lens)`. Without a cache the call is a fresh prompt forward.
+Tree forward (`tree_depth`, `tree_mask`, see `mtp.draft.tree`): the T tokens are nodes of a draft tree whose
+nodes occupy the last U >= T slots up to and including them, from slot f = seq_lens[b] + T - U (U = T for a
+target verify; a drafter writing a tree depth by depth has earlier depths already in the cache). Token t is still
+written at slot seq_lens[b] + t, sits at rotary position f + tree_depth[t], and attends to every slot before f
+plus the tree slots f + u with tree_mask[t, u]. A chain (depth t, lower-triangular [T, T] mask) is the default.
+The forward is differentiable (training builds the model with float weights); inference callers wrap it in
+`torch.no_grad()`.
 """
 
 from __future__ import annotations
@@ -45,8 +51,11 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, dtype) if cfg.is_moe_layer(layer_id) else MLP(
             cfg.hidden_size, cfg.intermediate_size, cfg.is_fp8, dtype)
 
-    def forward(self, h_BTD, pos_BT, cos, sin, cache: LayerCache, S: int, opts: RuntimeOptions, dtype) -> torch.Tensor:
-        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD, dtype), pos_BT, cos, sin, cache, S, opts).to(h_BTD.dtype)
+    def forward(self, h_BTD, pos_BT, cos, sin, cache: LayerCache, S: int, opts: RuntimeOptions, dtype,
+                visible_BTS: torch.Tensor | None = None) -> torch.Tensor:
+        x_BTD = self.input_layernorm(h_BTD, dtype)
+        a = self.self_attn(x_BTD, pos_BT, cos, sin, cache, S, opts, visible_BTS=visible_BTS)
+        h_BTD = h_BTD + a.to(h_BTD.dtype)
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD, dtype)).to(h_BTD.dtype)
 
 
@@ -117,19 +126,31 @@ class DeepseekV32(nn.Module):
                        device=self.device, dtype=self.dtype, quantized=self.runtime.numerics == "fp8")
 
     # ------------------------------------------------------------------ forward
-    def _positions(self, cache: KVCache, T: int, kv_len: int | None):
+    def _positions(self, cache: KVCache, T: int, kv_len: int | None, tree_depth=None, tree_mask=None):
+        """Cache slots [B, T], rotary angles, the key bound S and the tree's visibility [B, T, S] (None: causal)."""
         pos_BT = cache.seq_lens.unsqueeze(1) + torch.arange(T, device=cache.seq_lens.device)
         if kv_len is None:
             kv_len = int(pos_BT.max()) + 1  # host sync: only when the caller gives no bound
         if kv_len > cache.max_len:
             raise ValueError(f"cache overflow: need {kv_len} positions, cache holds {cache.max_len}")
-        cos, sin = self.rotary.angles(pos_BT)
-        return pos_BT, cos, sin, kv_len
+        if (tree_depth is None) != (tree_mask is None):
+            raise ValueError("a tree forward needs both tree_depth [T] and tree_mask [T, U] (or neither)")
+        if tree_depth is None:
+            cos, sin = self.rotary.angles(pos_BT)
+            return pos_BT, cos, sin, kv_len, None
+        if tree_depth.shape[-1:] != (T,) or tree_mask.shape[-2] != T or tree_mask.shape[-1] < T:
+            raise ValueError(f"tree_depth must be [T] or [B, T] and tree_mask [T, U] or [B, T, U] with T = {T} <= U, "
+                             f"got {tuple(tree_depth.shape)} and {tuple(tree_mask.shape)}")
+        first_B = cache.seq_lens + T - tree_mask.shape[-1]
+        cos, sin = self.rotary.angles((first_B.unsqueeze(1) + tree_depth).expand_as(pos_BT))
+        return pos_BT, cos, sin, kv_len, tree_visibility(first_B, tree_mask, kv_len)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, *, kv_len: int | None = None,
-                logits_at: torch.Tensor | None = None) -> ModelOutput:
+                logits_at: torch.Tensor | None = None, tree_depth: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None) -> ModelOutput:
         """input_ids [B, T]. `kv_len`: a host-known bound on seq_lens + T (saves a sync).
-        `logits_at` [B, n] positions within the T tokens whose logits to compute (default: all)."""
+        `logits_at` [B, n] positions within the T tokens whose logits to compute (default: all).
+        `tree_depth` [T] / `tree_mask` [T, U] (or per row, [B, T] / [B, T, U]): tree nodes (module docstring)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -137,29 +158,30 @@ class DeepseekV32(nn.Module):
             cache = self.new_cache(B, T)
         elif cache.batch != B:
             raise ValueError(f"input batch {B} != cache batch {cache.batch}")
-        pos_BT, cos, sin, S = self._positions(cache, T, kv_len)
+        pos_BT, cos, sin, S, vis = self._positions(cache, T, kv_len, tree_depth, tree_mask)
         h = self.model.embed_tokens(input_ids).to(self.acc)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, pos_BT, cos, sin, cache.layer(i), S, self.runtime, self.dtype)
+            h = layer(h, pos_BT, cos, sin, cache.layer(i), S, self.runtime, self.dtype, vis)
         cache.seq_lens += T
         hidden = self.model.norm(h, self.dtype)
         sel = hidden if logits_at is None else hidden.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         return ModelOutput(self.lm_head(sel).to(self.acc), hidden, h)
 
     def mtp_forward(self, j: int, tokens_BT: torch.Tensor, h_BTD: torch.Tensor, cache: KVCache,
-                    kv_len: int | None = None, head=None, logits_at: torch.Tensor | None = None) -> ModelOutput:
+                    kv_len: int | None = None, head=None, logits_at: torch.Tensor | None = None,
+                    tree_depth: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> ModelOutput:
         """MTP module j at the positions of `cache` (its own one-layer cache): token t_{i+1} and hidden h_i
         in, logits for t_{i+2} out. Returns the module's normed and pre-norm output hidden states.
         `head`: a callable that replaces the shared head (a draft vocabulary's `mtp.draft.vocab.SubHead`); the
         logits are then over its entries. `logits_at` [B, n]: positions within the T tokens whose logits to
         compute (default: all; a draft needs one per row, and a window over a long prompt would otherwise make
-        [B, T, V] fp32 logits)."""
+        [B, T, V] fp32 logits). `tree_depth` / `tree_mask`: the T tokens are tree nodes, as in `forward`."""
         layer = self.mtp[j]
         T = tokens_BT.shape[1]
-        pos_BT, cos, sin, S = self._positions(cache, T, kv_len)
+        pos_BT, cos, sin, S, vis = self._positions(cache, T, kv_len, tree_depth, tree_mask)
         e = layer.enorm(layer.embed_tokens(tokens_BT), self.dtype)
         u = layer.eh_proj(torch.cat((e, layer.hnorm(h_BTD, self.dtype)), dim=-1))
-        h = layer(u.to(self.acc), pos_BT, cos, sin, cache.layer(0), S, self.runtime, self.dtype)
+        h = layer(u.to(self.acc), pos_BT, cos, sin, cache.layer(0), S, self.runtime, self.dtype, vis)
         cache.seq_lens += T
         normed = layer.shared_head.norm(h, self.dtype)
         sel = normed
@@ -167,3 +189,14 @@ class DeepseekV32(nn.Module):
             sel = normed.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, normed.shape[-1]))
         logits = (head or layer.shared_head.head)(sel)
         return ModelOutput(logits.to(self.acc), normed, h)
+
+
+def tree_visibility(first_B: torch.Tensor, mask_TU: torch.Tensor, S: int) -> torch.Tensor:
+    """Bool [B, T, S]: query t of row b sees every slot before the tree (s < first[b]) and the tree slot
+    first[b] + u iff mask[t, u] (mask [T, U] or [B, T, U]). Slots past the tree are never visible."""
+    T, U = mask_TU.shape[-2:]
+    u_BS = torch.arange(S, device=first_B.device).unsqueeze(0) - first_B.unsqueeze(1)
+    in_tree_BS = (u_BS >= 0) & (u_BS < U)
+    mask_BTU = mask_TU.to(torch.bool).expand(first_B.shape[0], T, U)
+    seen_BTS = mask_BTU.gather(2, u_BS.clamp(0, U - 1).unsqueeze(1).expand(-1, T, -1))
+    return (u_BS < 0).unsqueeze(1) | (in_tree_BS.unsqueeze(1) & seen_BTS)

@@ -1,0 +1,168 @@
+"""Static draft trees: the shape one verify scores in one forward (one CUDA graph per shape).
+
+Shape legend: N nodes (root included), C most children of a node, A = max_depth + 1 nodes on a longest path.
+
+Node 0 is the root: the last committed token x_{n-1}, which the verify feeds anyway (a chain of K drafts is
+the tree (1,) * K: N = K + 1). Every other node is a drafted token whose parent is the token before it. Nodes
+are numbered level by level (parent index < node index, depth non-decreasing), siblings by rank: rank r is the
+drafter's r-th best (or r-th drawn) token at the parent, so the sampling verifier tries siblings in rank order.
+
+The verify forward writes node i at cache slot seq_len + i, places it at rotary position seq_len + depth[i],
+and lets it attend to the committed cache plus its own ancestors (`ancestor_mask`, self included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    parents: tuple[int, ...]  # parent node of each node; -1 for the root (node 0)
+
+    def __post_init__(self):
+        p = tuple(self.parents)
+        object.__setattr__(self, "parents", p)
+        if not p or p[0] != -1:
+            raise ValueError(f"tree parents must start with the root's -1, got {p[:4]}")
+        for i, q in enumerate(p[1:], 1):
+            if not isinstance(q, int) or not 0 <= q < i:
+                raise ValueError(f"tree parents[{i}] must be a node before it (in [0, {i - 1}]), got {q!r}")
+        if any(b < a for a, b in zip(self.depth, self.depth[1:])):
+            raise ValueError(f"tree nodes must be numbered level by level (depths {self.depth}): a drafter "
+                             "writes one depth per forward, as one block of slots")
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def chain(cls, k: int) -> TreeShape:
+        """The chain of k drafts (what the engine verifies today) as a tree."""
+        return cls.from_branching((1,) * k)
+
+    @classmethod
+    def from_branching(cls, branching: tuple[int, ...]) -> TreeShape:
+        """Top-k per depth: every node at depth d - 1 gets branching[d - 1] children, e.g. (2, 2, 1) has
+        2 + 4 + 4 drafts."""
+        if any(not isinstance(b, int) or b < 1 for b in branching):
+            raise ValueError(f"tree branching must be integers >= 1 per depth, got {tuple(branching)}")
+        parents, level = [-1], [0]
+        for b in branching:
+            nxt = []
+            for node in level:
+                for _ in range(b):
+                    nxt.append(len(parents))
+                    parents.append(node)
+            level = nxt
+        return cls(tuple(parents))
+
+    @classmethod
+    def from_paths(cls, paths) -> TreeShape:
+        """An explicit tree as its drafted nodes, each written as the ranks on its path from the root:
+        (0,) is the top-1 child of the root, (0, 1) the second child of that. Every prefix of a path must be
+        listed too, and sibling ranks must be 0, 1, ... without gaps (a drafter's top-k are its best k)."""
+        paths = [tuple(p) if isinstance(p, (tuple, list)) else p for p in paths]
+        nodes = set(paths)
+        if len(nodes) != len(paths):
+            raise ValueError("tree paths list a node twice")
+        for p in nodes:
+            if not isinstance(p, tuple) or not p or any(not isinstance(r, int) or r < 0 for r in p):
+                raise ValueError(f"a tree path must be a non-empty tuple of ranks >= 0, got {p!r}")
+            if len(p) > 1 and p[:-1] not in nodes:
+                raise ValueError(f"tree path {p} needs its parent {p[:-1]} listed too")
+            if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in nodes:
+                raise ValueError(f"tree path {p} skips rank {p[-1] - 1} among its siblings")
+        order = sorted(nodes, key=lambda p: (len(p), p))  # parents first, siblings by rank
+        index = {(): 0} | {p: i + 1 for i, p in enumerate(order)}
+        return cls((-1,) + tuple(index[p[:-1]] for p in order))
+
+    # ------------------------------------------------------------------ derived (host-side, computed once)
+    @property
+    def n_nodes(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depth(self) -> tuple[int, ...]:
+        d = [0]
+        for q in self.parents[1:]:
+            d.append(d[q] + 1)
+        return tuple(d)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth)
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """Children of each node in rank order."""
+        out = [[] for _ in self.parents]
+        for i, q in enumerate(self.parents[1:], 1):
+            out[q].append(i)
+        return tuple(tuple(c) for c in out)
+
+    @cached_property
+    def rank(self) -> tuple[int, ...]:
+        """Rank of each node among its siblings (0 for the root)."""
+        r = [0] * self.n_nodes
+        for kids in self.children:
+            for j, c in enumerate(kids):
+                r[c] = j
+        return tuple(r)
+
+    @property
+    def max_children(self) -> int:
+        return max(len(c) for c in self.children)
+
+    def path(self, node: int) -> tuple[int, ...]:
+        """The nodes from the root to `node`, both included."""
+        out = [node]
+        while self.parents[out[-1]] >= 0:
+            out.append(self.parents[out[-1]])
+        return tuple(reversed(out))
+
+    @property
+    def leaves(self) -> tuple[int, ...]:
+        return tuple(i for i, c in enumerate(self.children) if not c)
+
+    # ------------------------------------------------------------------ device tensors
+    def tensors(self, device=None) -> TreeTensors:
+        """Everything the verify forward and the verifiers read, on `device` (build once per shape)."""
+        return TreeTensors(self, torch.tensor(self.parents, dtype=torch.long, device=device),
+                           self.depth_tensor(device), torch.tensor(self.rank, dtype=torch.long, device=device),
+                           self.ancestor_mask(device), self.path_table(device), self.child_table(device))
+
+    def ancestor_mask(self, device=None) -> torch.Tensor:
+        """Bool [N, N]: entry (i, j) is True iff node j is on the root-to-i path (i itself included)."""
+        m = torch.zeros(self.n_nodes, self.n_nodes, dtype=torch.bool)
+        for i in range(self.n_nodes):
+            m[i, list(self.path(i))] = True
+        return m.to(device)
+
+    def depth_tensor(self, device=None) -> torch.Tensor:
+        return torch.tensor(self.depth, dtype=torch.long, device=device)
+
+    def path_table(self, device=None) -> torch.Tensor:
+        """Long [N, A]: row i lists the path to node i, padded with i itself past its depth."""
+        A = self.max_depth + 1
+        t = [list(self.path(i)) + [i] * (A - 1 - self.depth[i]) for i in range(self.n_nodes)]
+        return torch.tensor(t, dtype=torch.long, device=device)
+
+    def child_table(self, device=None) -> torch.Tensor:
+        """Long [N, C]: children of each node in rank order, padded with -1."""
+        C = self.max_children
+        t = [list(c) + [-1] * (C - len(c)) for c in self.children]
+        return torch.tensor(t, dtype=torch.long, device=device)
+
+
+@dataclass(frozen=True, eq=False)  # tensors: identity, not elementwise comparison
+class TreeTensors:
+    """A TreeShape's tables as device tensors (built once, then read inside captured steps)."""
+
+    shape: TreeShape
+    parent_N: torch.Tensor  # long [N], -1 for the root
+    depth_N: torch.Tensor  # long [N]
+    rank_N: torch.Tensor  # long [N]
+    ancestor_NN: torch.Tensor  # bool [N, N]
+    path_NA: torch.Tensor  # long [N, A]
+    child_NC: torch.Tensor  # long [N, C], -1 padded
