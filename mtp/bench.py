@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .timing import capture, copy_bandwidth, kernel_profile, time_ms
+from .timing import capture, copy_bandwidth, kernel_profile, step_bytes, time_ms
 
 
 def _count_experts(model, ids) -> tuple[dict, list]:
