@@ -13,7 +13,10 @@
   (DeepSeek's reference keeps the same dequantized copy). Longer blocks (prefill) stay on the reference path.
   The block runs in `mla_forward_fast`: q_a | indexer wk | kv_a and q_b | indexer wq_b as one GEMV each
   (`fuse_rows`), the cache write in one kernel (`kernels.cache_write`);
-- dense MLPs and shared experts with gate and up stacked into one GEMV (`fuse_rows`).
+- dense MLPs and shared experts with gate and up stacked into one GEMV (`fuse_rows`);
+- every decoder `Block` through `block_forward_fast` (an instance-level forward; the class's stays the
+  reference): residual add + RMSNorm + FP8 quant in one kernel (`kernels.norm_quant`) whose quantized output
+  feeds the next GEMV directly. The new kernels are switchable at run time (`kernels.dispatch.SWITCHES`).
 `disable_fast_path(model)` switches back; the stacked expert tensors stay (they are the same weights).
 Both paths compute DeepSeek's FP8 numerics; they differ only in summation order and top-k tie-breaking, and
 tests hold one to the other within tolerance (tests/gpu).
@@ -21,14 +24,16 @@ tests hold one to the other within tolerance (tests/gpu).
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from .attention import MLA
 from .engine import release
 from .layers import MLP, Linear, glue
-from .model import DeepseekV32
+from .model import Block, DeepseekV32
 from .moe import MoE
-from .parallel.modules import ExpertParallelMoE
+from .parallel.modules import ExpertParallelMoE, ParallelMLP
 
 
 def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV32:
@@ -43,7 +48,14 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV
         raise ValueError("the fast path implements DeepSeek's FP8 numerics: load an FP8 checkpoint with numerics='fp8'")
     if compile_glue:
         glue.compile()
-    mm_fp32 = _mm_out_fp32()
+    install_fast_modules(model, _mm_out_fp32())
+    release(model)  # graphs `generate` kept were captured on the other path, some over re-pointed weights
+    return model
+
+
+def install_fast_modules(model: torch.nn.Module, mm_fp32: bool = False) -> None:
+    """The module changes of `enable_fast_path` without its device checks (tests run them under the Triton
+    interpreter on the CPU). mm_fp32: cuBLAS has bf16 x bf16 -> fp32 (`_mm_out_fp32`)."""
     routed = set()  # routed experts (MoE's list, the expert-parallel MoE's dict) keep their own layout
     for mod in model.modules():
         ex = getattr(mod, "experts", None)
@@ -69,10 +81,10 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV
             mod.backend = "triton"
         elif isinstance(mod, ExpertParallelMoE):  # the rank's experts stacked; slots of other ranks' experts skipped
             mod.enable_fast_path()
-        elif type(mod) is MLP and id(mod) not in routed:  # dense MLPs and shared experts: gate and up as one
+        elif isinstance(mod, MLP) and id(mod) not in routed:  # dense MLPs and shared experts: gate and up as one
             mod.fused_gate_up = fuse_rows([mod.gate_proj, mod.up_proj])
-    release(model)  # graphs `generate` kept were captured on the other path, some over re-pointed weights
-    return model
+        if isinstance(mod, Block):  # an instance attribute: Block.forward stays the reference
+            mod.forward = types.MethodType(block_forward_fast, mod)
 
 
 def fuse_rows(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -117,6 +129,8 @@ def disable_fast_path(model: DeepseekV32) -> DeepseekV32:
     for mod in model.modules():
         if hasattr(mod, "backend"):
             mod.backend = "reference"
+        if isinstance(mod, Block):
+            mod.__dict__.pop("forward", None)
     glue.reset()
     release(model)  # graphs captured on the fast path must not be replayed on the reference path
     return model
@@ -137,41 +151,47 @@ def _stack_experts(moe: MoE) -> None:
 
 
 def moe_forward_fast(moe: MoE, x_ND: torch.Tensor) -> torch.Tensor:
-    from .kernels.moe import moe_experts, moe_route
+    from .kernels.dispatch import route
+    from .kernels.moe import moe_experts
 
-    g = moe.gate
-    w, idx = moe_route(x_ND, g.weight, g.e_score_correction_bias, n_group=g.n_groups, topk_group=g.topk_groups,
-                       topk=g.topk, route_scale=g.route_scale)
+    w, idx = route(x_ND, moe.gate)
     s = moe.stacked
     return moe_experts(x_ND, idx, w, s["gate_proj.weight"], s["gate_proj.weight_scale_inv"], s["up_proj.weight"],
                        s["up_proj.weight_scale_inv"], s["down_proj.weight"], s["down_proj.weight_scale_inv"],
                        out_dtype=torch.float32)
 
 
-def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int) -> torch.Tensor:
+def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None) -> torch.Tensor:
     """The whole MLA block of a decode / verify step on the kernels: the fused input projections
     (q_a | indexer wk | kv_a, then q_b | indexer wq_b), the FP8 cache write in one launch, the indexer top-k and
-    absorbed attention over the cache, o_proj. Same formulas as `MLA.forward`'s absorbed path."""
+    absorbed attention over the cache, o_proj. Same formulas as `MLA.forward`'s absorbed path.
+    xq = (x8, sx): x_BTD already quantized per 128 (by the block's fused norm), fed to the first GEMV."""
     from .kernels.cache_write import cache_write
-    from .kernels.fp8_gemm import fp8_linear
+    from .kernels.dispatch import SWITCHES, linear
+    from .kernels.norm_quant import add_rms_norm_quant
 
     B, T, _ = x_BTD.shape
     dt = x_BTD.dtype
     ix = mla.indexer
     Q, Dk, H, P, R = mla.q_a_proj.out_features, ix.head_dim, mla.H, mla.P, mla.R
     if mla.fused_a is not None:
-        a = fp8_linear(x_BTD, *mla.fused_a)
+        a = linear(x_BTD, *mla.fused_a, xq=xq)
         qa, k_idx, kv = a[..., :Q], a[..., Q:Q + Dk], a[..., Q + Dk:]
     else:
         qa, k_idx, kv = mla.q_a_proj(x_BTD), ix.wk(x_BTD), mla.kv_a_proj_with_mqa(x_BTD)
-    qr = mla.q_a_layernorm(qa, dt)
     c = mla.kv_a_layernorm(kv[..., : mla.C], dt)
     k_pe = glue.rope_interleaved(kv[..., mla.C:], cos, sin)
     cache_write(cache, pos_BT, c, k_pe, ix._rotate(ix.k_norm(k_idx), cos, sin))
-    if mla.fused_qb is not None:
-        qq = fp8_linear(qr, *mla.fused_qb)
+    if mla.fused_qb is not None and SWITCHES.norm_quant:  # the q_a norm + quant in one launch, y not stored
+        n = mla.q_a_layernorm
+        _, _, q8, qs = add_rms_norm_quant(qa, None, n.weight, n.eps, dt, store_y=False)
+        qq = linear(None, *mla.fused_qb, out_dtype=dt, xq=(q8, qs))
+        q, iq = qq[..., : H * (P + R)], qq[..., H * (P + R):]
+    elif mla.fused_qb is not None:
+        qq = linear(mla.q_a_layernorm(qa, dt), *mla.fused_qb)
         q, iq = qq[..., : H * (P + R)], qq[..., H * (P + R):]
     else:
+        qr = mla.q_a_layernorm(qa, dt)
         q, iq = mla.q_b_proj(qr), ix.wq_b(qr)
     q = q.view(B, T, H, P + R)
     q_nope, q_pe = q[..., :P], glue.rope_interleaved(q[..., P:], cos, sin)
@@ -205,3 +225,70 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
     o_lat = mla_decode(q_lat, q_pe.to(torch.bfloat16).contiguous(), cache.kv[:, :S], cache.kv_scale[:, :S],
                        cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.bfloat16)
     return torch.einsum("bthc,hvc->bthv", o_lat, mla.w_vb).to(out_dtype)
+
+
+def _absorbed_fast(mla: MLA, T: int, cache, opts) -> bool:
+    """Whether `MLA.forward` would take `mla_forward_fast` for a block of T tokens (its condition, kept equal)."""
+    naive = opts.attn_impl == "naive" or (opts.attn_impl == "auto" and T > opts.absorb_max_tokens)
+    return mla.backend == "triton" and not naive and cache.quantized
+
+
+def block_forward_fast(block: Block, h_BTD, pos_BT, cos, sin, cache, S: int, opts, dtype) -> torch.Tensor:
+    """`Block.forward` with the norms fused (switch `norm_quant`): input norm + quant in one kernel, then the
+    attention's residual add + post-attention norm + quant in one, each quantized output fed to the next FP8
+    GEMV (q_a | wk | kv_a; the shared expert's gate | up). Same formulas as `Block.forward`."""
+    from .kernels.dispatch import SWITCHES
+    from .kernels.fp8_gemm import SMALL_M
+    from .kernels.norm_quant import add_rms_norm_quant
+
+    if not SWITCHES.norm_quant or h_BTD.dtype not in (torch.float32, torch.bfloat16):
+        return Block.forward(block, h_BTD, pos_BT, cos, sin, cache, S, opts, dtype)
+    B, T, D = h_BTD.shape
+    quant = B * T <= SMALL_M and D % 128 == 0
+    n1, n2 = block.input_layernorm, block.post_attention_layernorm
+    _, x, x8, sx = add_rms_norm_quant(h_BTD, None, n1.weight, n1.eps, dtype, quant=quant)
+    attn = block.self_attn
+    if _absorbed_fast(attn, T, cache, opts):
+        a = mla_forward_fast(attn, x, pos_BT, cos, sin, cache, S, xq=(x8, sx) if quant else None)
+    else:
+        a = attn(x, pos_BT, cos, sin, cache, S, opts)
+    h_BTD, x, x8, sx = add_rms_norm_quant(h_BTD, a, n2.weight, n2.eps, dtype, quant=quant)
+    return h_BTD + ffn_forward_fast(block.mlp, x, (x8, sx) if quant else None).to(h_BTD.dtype)
+
+
+def ffn_forward_fast(mlp, x: torch.Tensor, xq=None) -> torch.Tensor:
+    """`mlp(x)` (dense MLP, MoE, or their per-rank versions) with x's quantized form xq = (x8, sx) fed to the
+    gate | up GEMV of the dense MLP / shared expert. Same formulas as each module's forward."""
+    shape = x.shape
+    D = shape[-1]
+    x_ND = x.reshape(-1, D)
+    xq_ND = None if xq is None else (xq[0].reshape(-1, D), xq[1].reshape(-1, D // 128))
+    N = x_ND.shape[0]
+    if isinstance(mlp, ExpertParallelMoE) and mlp.backend == "triton" and N <= 64:  # as its forward
+        out = mlp._routed_fast(x_ND)
+        if mlp.shared_experts is not None:
+            out += _mlp_fast(mlp.shared_experts, x_ND, xq_ND, torch.float32)
+        return mlp.comm.all_reduce(out).to(x.dtype).view(shape)
+    if isinstance(mlp, MoE) and mlp.backend == "triton" and N <= 64:  # as MoE.forward
+        out = moe_forward_fast(mlp, x_ND)
+        if mlp.shared_experts is not None:
+            out = out + _mlp_fast(mlp.shared_experts, x_ND, xq_ND, x.dtype).float()
+        return out.to(x.dtype).view(shape)
+    if type(mlp) is ParallelMLP and mlp.fused_gate_up is not None and mlp.gate_proj.out_features:
+        return mlp.comm.all_reduce(_mlp_fast(mlp, x_ND, xq_ND, torch.float32)).to(x.dtype).view(shape)
+    if type(mlp) is MLP and mlp.fused_gate_up is not None and mlp.gate_proj.backend == "triton":
+        return _mlp_fast(mlp, x_ND, xq_ND, x.dtype).view(shape)
+    return mlp(x)
+
+
+def _mlp_fast(mlp: MLP, x_ND, xq_ND, out_dtype: torch.dtype) -> torch.Tensor:
+    """down(silu(gate x) * up x) with gate | up as one GEMV on the quantized x, the output in out_dtype
+    (x's dtype as `MLP.forward`; fp32 as `ParallelMLP.partial`)."""
+    from .kernels.dispatch import linear
+
+    if mlp.gate_proj.out_features == 0:  # a rank without a block of this MLP ('blocks' split)
+        return x_ND.new_zeros((x_ND.shape[0], mlp.down_proj.out_features), dtype=out_dtype)
+    gu = linear(x_ND, *mlp.fused_gate_up, xq=xq_ND)
+    i = mlp.gate_proj.out_features
+    h = glue.silu_mul(gu[..., :i], gu[..., i:], x_ND.dtype)
+    return linear(h, mlp.down_proj.weight, mlp.down_proj.weight_scale_inv, out_dtype=out_dtype)

@@ -88,9 +88,9 @@ class Linear(nn.Module):
         if not self.is_fp8:
             return F.linear(x, self.weight.to(x.dtype))
         if self.backend == "triton":  # see mtp/fastpath.py
-            from .kernels.fp8_gemm import fp8_linear
+            from .kernels.dispatch import linear
 
-            return fp8_linear(x, self.weight, self.weight_scale_inv)
+            return linear(x, self.weight, self.weight_scale_inv)
         if self.numerics == "dequant":
             return F.linear(x, self.dequantized_weight(x.dtype))
         lead = x.shape[:-1]
@@ -115,9 +115,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up is not None and self.gate_proj.backend == "triton":  # one GEMV for both
-            from .kernels.fp8_gemm import fp8_linear
+            from .kernels.dispatch import linear
 
-            gu = fp8_linear(x, *self.fused_gate_up)
+            gu = linear(x, *self.fused_gate_up)
             i = self.gate_proj.out_features
             return self.down_proj(glue.silu_mul(gu[..., :i], gu[..., i:], x.dtype))
         return self.down_proj(glue.silu_mul(self.gate_proj(x), self.up_proj(x), x.dtype))

@@ -41,9 +41,9 @@ def linear_acc(lin: Linear, x: torch.Tensor) -> torch.Tensor:
     if lin.in_features == 0:
         return x.new_zeros((*x.shape[:-1], lin.out_features), dtype=a)
     if lin.backend == "triton" and lin.is_fp8:
-        from ..kernels.fp8_gemm import fp8_linear
+        from ..kernels.dispatch import linear
 
-        return fp8_linear(x, lin.weight, lin.weight_scale_inv, out_dtype=a)
+        return linear(x, lin.weight, lin.weight_scale_inv, out_dtype=a)
     return Linear.forward(lin, x.to(a)).to(a)  # unbound: subclasses that reduce in forward use it too
 
 
@@ -127,11 +127,10 @@ class ExpertParallelMoE(nn.Module):
 
     def _routed_fast(self, x_ND: torch.Tensor) -> torch.Tensor:
         """This rank's routed-expert partial [N, D] fp32 through the Triton kernels (no host sync)."""
-        from ..kernels.moe import moe_experts, moe_route
+        from ..kernels.dispatch import route
+        from ..kernels.moe import moe_experts
 
-        g = self.gate
-        w_NK, ids_NK = moe_route(x_ND, g.weight, g.e_score_correction_bias, n_group=g.n_groups,
-                                 topk_group=g.topk_groups, topk=g.topk, route_scale=g.route_scale)
+        w_NK, ids_NK = route(x_ND, self.gate)
         local_NK = ids_NK - self.e0
         local_NK = torch.where((local_NK >= 0) & (local_NK < self.e1 - self.e0), local_NK, -1)  # -1: skipped
         s = self.stacked

@@ -1,0 +1,74 @@
+"""Which FP8 linear kernel the fast path runs, and the switches that pick the new fused kernels.
+
+`SWITCHES` is read at call time, so old and new kernels can be timed side by side in one process (graphs
+captured before a switch keep what they captured: `mtp.engine.release` the model after flipping one).
+- gemv: `gemv_splitk.fp8_gemv` (CUDA-core split-K GEMV, all of a program's weight tile in one load) for
+  1..MAX_M rows; off: the tensor-core `fp8_gemm.fp8_linear`.
+- norm_quant: the decoder block's residual add + RMSNorm + FP8 quant in one kernel (`norm_quant`), its
+  quantized output fed to the next GEMV (`fastpath.block_forward_fast`); also the q_a norm + quant.
+- router: the MoE router in one kernel (`router.moe_route_fused`); off: `moe.moe_route` (2 launches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = ["FastKernels", "SWITCHES", "set_fast_kernels", "linear", "route"]
+
+
+@dataclass
+class FastKernels:
+    gemv: bool = True
+    norm_quant: bool = True
+    router: bool = True
+
+
+SWITCHES = FastKernels()
+
+
+def set_fast_kernels(**flags: bool) -> FastKernels:
+    """Set some switches (names of `FastKernels`); returns the previous values, to restore with
+    `set_fast_kernels(**vars(old))`."""
+    names = {f.name for f in fields(FastKernels)}
+    bad = set(flags) - names
+    if bad:
+        raise ValueError(f"set_fast_kernels: unknown switch {sorted(bad)}; known: {sorted(names)}")
+    old = FastKernels(**vars(SWITCHES))
+    for k, v in flags.items():
+        setattr(SWITCHES, k, bool(v))
+    return old
+
+
+def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, out_dtype: torch.dtype | None = None,
+           xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """y = x @ dequant(w8, sw)^T on the kernels; xq = (x8, sx): x already quantized per 128 (x may be None,
+    the output is then fp32 unless out_dtype says otherwise)."""
+    from mtp.kernels.fp8_gemm import fp8_gemm, fp8_linear
+    from mtp.kernels.gemv_splitk import MAX_M, fp8_gemv
+
+    src = x if x is not None else xq[0]
+    K = src.shape[-1]
+    M = src.numel() // K if K else 0
+    if SWITCHES.gemv and 1 <= M <= MAX_M and w8.shape[0] > 0:
+        return fp8_gemv(x, w8, sw, xq=xq, out_dtype=out_dtype)
+    if xq is not None:
+        x8, sx = xq
+        y = fp8_gemm(x8.reshape(-1, K), sx.reshape(-1, K // 128), w8, sw,
+                     out_dtype=out_dtype or (x.dtype if x is not None else torch.float32))
+        return y.reshape(*src.shape[:-1], w8.shape[0])
+    return fp8_linear(x, w8, sw, out_dtype=out_dtype)
+
+
+def route(x_ND: torch.Tensor, gate) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE router on the kernels for `gate` (an `mtp.moe.Gate`): (weights [N, K] fp32, ids [N, K] int32).
+    Switch `router`: one launch (`router.moe_route_fused`); off: `moe.moe_route` (gate GEMV + top-k)."""
+    kw = dict(n_group=gate.n_groups, topk_group=gate.topk_groups, topk=gate.topk, route_scale=gate.route_scale)
+    if SWITCHES.router:
+        from mtp.kernels.router import moe_route_fused
+
+        return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, **kw)
+    from mtp.kernels.moe import moe_route
+
+    return moe_route(x_ND, gate.weight, gate.e_score_correction_bias, **kw)
