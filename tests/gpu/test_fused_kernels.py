@@ -1,0 +1,229 @@
+"""The fused decode kernels vs their plain-PyTorch references on the GPU (pytest -m gpu tests/gpu):
+`gemv_splitk.fp8_gemv`, `norm_quant.add_rms_norm_quant`, `router.moe_route_fused`, and the fast path with the
+new kernels switched on vs off (`kernels.dispatch.SWITCHES`). Shapes: the TP=8 per-rank weights of
+DeepSeek-V3.2 and odd ones; rows 1..5 (verify widths 1..K+1 for K = 4) and 8.
+MTP_TEST_DEVICE=cpu with TRITON_INTERPRET=1 dry-runs the kernel tests on the CPU (slow).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mtp.kernels import available
+
+pytestmark = pytest.mark.gpu
+DEV = os.environ.get("MTP_TEST_DEVICE", "cuda")
+if not (available() or (DEV == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")):
+    pytest.skip("needs triton and a CUDA device", allow_module_level=True)
+
+from mtp.fp8 import act_quant as act_quant_ref  # noqa: E402
+from mtp.fp8 import weight_quant  # noqa: E402
+from mtp.kernels.dispatch import linear, set_fast_kernels  # noqa: E402
+from mtp.kernels.gemv_splitk import fp8_gemv, fp8_gemv_ref  # noqa: E402
+from mtp.kernels.moe import moe_route  # noqa: E402
+from mtp.kernels.norm_quant import add_rms_norm_quant, add_rms_norm_quant_ref  # noqa: E402
+from mtp.kernels.router import moe_route_fused, moe_route_ref, route_from_logits_ref  # noqa: E402
+
+from .test_kernels import check_close, poison, rand_weight  # noqa: E402
+
+# (N, K): q_a | wk | kv_a, q_b | wq_b (16 heads), o_proj (16 heads), shared gate | up and down (2 blocks),
+# dense gate | up and down (18 blocks), kv_a alone, and odd ones (ragged scale block, K of 3 / 5 groups)
+RANK_SHAPES = [(2240, 7168), (11264, 1536), (7168, 2048), (512, 7168), (7168, 256), (4608, 7168), (7168, 2304),
+               (576, 7168)]
+ODD_SHAPES = [(200, 384), (1000, 640), (130, 7168)]
+WIDTHS = [1, 2, 3, 4, 5, 8]
+
+
+@pytest.mark.parametrize("M", WIDTHS)
+@pytest.mark.parametrize("NK", RANK_SHAPES + ODD_SHAPES)
+def test_fp8_gemv(M, NK):
+    N, K = NK
+    w8, sw = rand_weight(N, K)
+    x = (torch.randn(M, K, device=DEV) * torch.logspace(-3, 1, K, device=DEV)).bfloat16()
+    xq = act_quant_ref(x)
+    poison()
+    y = fp8_gemv(None, w8, sw, xq=xq)
+    check_close(f"fp8_gemv M={M} N={N} K={K}", y, fp8_gemv_ref(None, w8, sw, xq=xq), 1e-4)
+    # in-register quantization is bit-identical to act_quant, so the two inputs give the same bits
+    assert torch.equal(fp8_gemv(x, w8, sw, out_dtype=torch.float32), y)
+    yb = fp8_gemv(x, w8, sw)
+    assert yb.dtype == torch.bfloat16
+    check_close(f"fp8_gemv bf16 M={M} N={N} K={K}", yb.float(), fp8_gemv_ref(x, w8, sw).float(), 1e-2)
+
+
+@pytest.mark.parametrize("tune", [dict(bn=8, gps=1), dict(bn=64, gps=2), dict(bn=16, gps=8, num_warps=4),
+                                  dict(bn=128, gps=8)])
+def test_fp8_gemv_tiles(tune):
+    M, N, K = 3, 2240, 7168
+    w8, sw = rand_weight(N, K)
+    xq = act_quant_ref(torch.randn(M, K, device=DEV))
+    poison()
+    y = fp8_gemv(None, w8, sw, xq=xq, **tune)
+    check_close(f"fp8_gemv {tune}", y, fp8_gemv_ref(None, w8, sw, xq=xq), 1e-4)
+
+
+def _needs_cuda():
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs")
+
+
+def test_fp8_gemv_deterministic_and_graph_safe():
+    _needs_cuda()
+    w8, sw = rand_weight(2240, 7168)
+    x = torch.randn(4, 7168, device=DEV).bfloat16()
+    a = fp8_gemv(x, w8, sw, out_dtype=torch.float32)
+    for _ in range(3):  # the split-K counters re-arm themselves: repeated launches agree bit for bit
+        assert torch.equal(a, fp8_gemv(x, w8, sw, out_dtype=torch.float32))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = fp8_gemv(x, w8, sw, out_dtype=torch.float32)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(a, y)
+
+
+@pytest.mark.parametrize("M", [1, 4, 9, 40])
+def test_dispatch_linear_switch(M):
+    """`linear` takes the new GEMV for <= 8 rows when switched on, the old kernels otherwise; both agree."""
+    w8, sw = rand_weight(1000, 1536)
+    x = torch.randn(M, 1536, device=DEV).bfloat16()
+    xq = act_quant_ref(x)
+    ref = fp8_gemv_ref(x, w8, sw, out_dtype=torch.float32)
+    outs = []
+    for on in (True, False):
+        old = set_fast_kernels(gemv=on)
+        try:
+            outs += [linear(x, w8, sw, out_dtype=torch.float32), linear(None, w8, sw, xq=xq),
+                     linear(x, w8, sw, out_dtype=torch.float32, xq=xq)]
+        finally:
+            set_fast_kernels(**vars(old))
+    for i, y in enumerate(outs):
+        check_close(f"linear #{i} M={M}", y, ref, 1e-3)
+
+
+# ----------------------------------------------------------------------------- add + RMSNorm + quant
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 33])
+@pytest.mark.parametrize("D", [7168, 1536, 640])
+def test_add_rms_norm_quant(M, D):
+    h = torch.randn(M, D, device=DEV) * torch.logspace(-2, 2, D, device=DEV)
+    d = torch.randn(M, D, device=DEV).bfloat16()
+    w = (torch.rand(D, device=DEV) + 0.5).bfloat16()
+    poison()
+    hn, y, x8, sx = add_rms_norm_quant(h, d, w, 1e-6)
+    rh, ry, _, _ = add_rms_norm_quant_ref(h, d, w, 1e-6)
+    assert torch.equal(hn, rh), "the residual add must be bit-identical to the reference's"
+    diff = (y.float() - ry.float()).abs()
+    ulp = ry.float().abs() * 2 ** -7
+    assert bool((diff <= ulp).all()), f"y off by more than a bf16 ulp: {diff.max().item():.3e}"
+    assert (diff > 0).float().mean() < 0.01, "more than 1% of y differs from the reference's rounding"
+    k8, ks = act_quant_ref(y)  # bit-exact quantization of what it stored
+    assert torch.equal(sx, ks) and torch.equal(x8.view(torch.uint8), k8.view(torch.uint8))
+    qa = (torch.randn(M, D, device=DEV) * 0.3).bfloat16()  # the q_a norm: bf16 in, only the quantized y out
+    _, none, q8, qs = add_rms_norm_quant(qa, None, w, 1e-6, store_y=False)
+    _, ry2, _, _ = add_rms_norm_quant_ref(qa, None, w, 1e-6)
+    r8, rs = act_quant_ref(ry2)
+    assert none is None
+    assert (q8.view(torch.uint8) != r8.view(torch.uint8)).float().mean() < 0.01 and (qs == rs).float().mean() > 0.99
+
+
+def test_add_rms_norm_quant_graph_safe():
+    _needs_cuda()
+    h = torch.randn(3, 7168, device=DEV)
+    d = torch.randn(3, 7168, device=DEV).bfloat16()
+    w = torch.ones(7168, device=DEV).bfloat16()
+    a = add_rms_norm_quant(h, d, w, 1e-6)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        b = add_rms_norm_quant(h, d, w, 1e-6)
+    g.replay()
+    torch.cuda.synchronize()
+    for u, v in zip(a, b):
+        assert torch.equal(u.view(torch.uint8) if u.dtype.itemsize == 1 else u,
+                           v.view(torch.uint8) if v.dtype.itemsize == 1 else v)
+
+
+# ----------------------------------------------------------------------------- router
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 33, 64])
+def test_moe_route_fused(T):
+    E, D = 256, 7168
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    wg = (torch.randn(E, D, device=DEV) * 0.02).bfloat16()
+    bias = torch.randn(E, device=DEV) * 0.05
+    poison()
+    w, idx, lg = moe_route_fused(x, wg, bias, return_logits=True)
+    check_close("gate logits", lg, x.float() @ wg.float().t(), 1e-5)
+    wr, ir = route_from_logits_ref(lg, bias)  # same logits: the choice must agree exactly
+    assert torch.equal(idx, ir), f"experts differ in tokens {torch.nonzero((idx != ir).any(1)).flatten().tolist()}"
+    check_close("route weights", w, wr, 1e-6)
+    w2, i2 = moe_route(x, wg, bias)  # the two-launch router (other summation order of the logits)
+    assert (i2 == idx).float().mean() > 0.99
+    check_close("vs moe_route", w, w2, 1e-3)
+
+
+def test_moe_route_fused_ties_lower_index():
+    E, D, T = 256, 256, 4
+    x = torch.zeros(T, D, device=DEV)
+    wg = torch.randn(E, D, device=DEV)
+    bias = (torch.randint(0, 3, (E,), device=DEV) * 0.25).float()  # many exact ties
+    w, idx = moe_route_fused(x, wg, bias)
+    wr, ir = moe_route_ref(x, wg, bias)
+    assert torch.equal(idx, ir), f"{idx.tolist()} != {ir.tolist()}"
+    check_close("route weights ties", w, wr, 1e-6)
+
+
+def test_moe_route_fused_graph_safe():
+    _needs_cuda()
+    x = torch.randn(2, 7168, device=DEV).bfloat16()
+    wg = (torch.randn(256, 7168, device=DEV) * 0.02).bfloat16()
+    bias = torch.randn(256, device=DEV) * 0.05
+    a = moe_route_fused(x, wg, bias)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        b = moe_route_fused(x, wg, bias)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# ----------------------------------------------------------------------------- the fast path, old vs new kernels
+def test_fast_path_new_kernels_match_old():
+    """A random gpu_test_config model on the fast path, new kernels (all switches on) vs old (all off), both held
+    to an fp32 reference of the same weights at verify widths 1..5 after a 65-69 token prompt (random FP8 models
+    amplify rounding noise: an FP8 re-rounding flip moves a value by up to 1/8, so the new kernels must be as
+    close to it as the old ones, not bit-equal to them); greedy tokens in graph mode equal eager."""
+    _needs_cuda()
+    from mtp.engine import generate
+    from mtp.fastpath import disable_fast_path, enable_fast_path
+    from mtp.synthetic import gpu_test_config, random_model
+
+    from .test_engine_gpu import _as_float32, _verify_logits
+
+    model = random_model(gpu_test_config(layers=3, mtp_modules=1), device=DEV, dtype=torch.bfloat16, seed=3)
+    ids = torch.randint(0, 2048, (1, 70), device=DEV, generator=torch.Generator(device=DEV).manual_seed(0))
+    m32 = _as_float32(model)
+    ref32 = {w: _verify_logits(m32, ids, w) for w in range(1, 6)}
+    del m32
+    enable_fast_path(model)
+    try:
+        for w in range(1, 6):
+            out = {}
+            for on in (False, True):
+                set_fast_kernels(gemv=on, norm_quant=on, router=on)
+                out[on] = _verify_logits(model, ids, w)
+            err = lambda x: ((x - ref32[w]).norm() / ref32[w].norm()).item()  # noqa: E731
+            rel = ((out[True] - out[False]).norm() / out[False].norm()).item()
+            print(f"w={w}: rel L2 vs fp32: old kernels {err(out[False]):.3f}, new {err(out[True]):.3f}; "
+                  f"new vs old {rel:.2e}")
+            assert err(out[True]) <= 1.5 * err(out[False]) + 0.02
+        set_fast_kernels(gemv=True, norm_quant=True, router=True)
+        prompts = [list(range(3, 40)), list(range(50, 61))]
+        eager = generate(model, prompts, 12, mode="eager").tokens
+        assert generate(model, prompts, 12, mode="graph").tokens == eager
+    finally:
+        set_fast_kernels(gemv=True, norm_quant=True, router=True)
+        disable_fast_path(model)
