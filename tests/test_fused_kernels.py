@@ -189,6 +189,27 @@ def _model_checks() -> None:
         assert _rel(out[True, "mtp"], out[False, "mtp"]) < 1e-5
         disable_fast_path(model)
         assert all("forward" not in m.__dict__ for m in model.modules()), "disable must restore Block.forward"
+    # one rank of a TP=2 model (collectives the identity): the per-rank MLP / expert-parallel MoE paths
+    from test_moe_ep import SumLaterComm
+
+    from mtp.parallel import ParallelPlan
+    from mtp.parallel.synthetic import random_parallel_model, tiny_parallel_config
+
+    cfg = tiny_parallel_config(world=2)
+    comm = SumLaterComm(1, 2)
+    comm.all_gather_last = lambda t: t  # the local vocabulary's logits
+    rank = random_parallel_model(cfg, comm, ParallelPlan(world=2), device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        install_fast_modules(rank)
+        from mtp.parallel.modules import ParallelMLP
+
+        assert any(type(m) is ParallelMLP and m.fused_gate_up is not None for m in rank.modules())
+        out = {}
+        for on in (False, True):
+            set_fast_kernels(gemv=on, norm_quant=on, router=on)
+            out[on] = rank(ids, rank.new_cache(2, 16)).logits
+        assert _rel(out[True], out[False]) < 1e-5, _rel(out[True], out[False])
+    set_fast_kernels(gemv=True, norm_quant=True, router=True)
 
 
 if __name__ == "__main__":
