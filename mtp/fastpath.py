@@ -184,7 +184,7 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None) 
     cache_write(cache, pos_BT, c, k_pe, ix._rotate(ix.k_norm(k_idx), cos, sin))
     if mla.fused_qb is not None and SWITCHES.norm_quant:  # the q_a norm + quant in one launch, y not stored
         n = mla.q_a_layernorm
-        _, _, q8, qs = add_rms_norm_quant(qa, None, n.weight, n.eps, dt, store_y=False)
+        _, _, q8, qs = add_rms_norm_quant(qa, None, n.weight, n.eps, dt, store_y=False, pdl=SWITCHES.pdl)
         qq = linear(None, *mla.fused_qb, out_dtype=dt, xq=(q8, qs))
         q, iq = qq[..., : H * (P + R)], qq[..., H * (P + R):]
     elif mla.fused_qb is not None:
@@ -246,13 +246,14 @@ def block_forward_fast(block: Block, h_BTD, pos_BT, cos, sin, cache, S: int, opt
     B, T, D = h_BTD.shape
     quant = B * T <= SMALL_M and D % 128 == 0
     n1, n2 = block.input_layernorm, block.post_attention_layernorm
-    _, x, x8, sx = add_rms_norm_quant(h_BTD, None, n1.weight, n1.eps, dtype, quant=quant)
+    pdl = SWITCHES.pdl
+    _, x, x8, sx = add_rms_norm_quant(h_BTD, None, n1.weight, n1.eps, dtype, quant=quant, pdl=pdl)
     attn = block.self_attn
     if _absorbed_fast(attn, T, cache, opts):
         a = mla_forward_fast(attn, x, pos_BT, cos, sin, cache, S, xq=(x8, sx) if quant else None)
     else:
         a = attn(x, pos_BT, cos, sin, cache, S, opts)
-    h_BTD, x, x8, sx = add_rms_norm_quant(h_BTD, a, n2.weight, n2.eps, dtype, quant=quant)
+    h_BTD, x, x8, sx = add_rms_norm_quant(h_BTD, a, n2.weight, n2.eps, dtype, quant=quant, pdl=pdl)
     return h_BTD + ffn_forward_fast(block.mlp, x, (x8, sx) if quant else None).to(h_BTD.dtype)
 
 

@@ -7,6 +7,9 @@ captured before a switch keep what they captured: `mtp.engine.release` the model
 - norm_quant: the decoder block's residual add + RMSNorm + FP8 quant in one kernel (`norm_quant`), its
   quantized output fed to the next GEMV (`fastpath.block_forward_fast`); also the q_a norm + quant.
 - router: the MoE router in one kernel (`router.moe_route_fused`); off: `moe.moe_route` (2 launches).
+- pdl (off by default: not yet measured): launch the new kernels with programmatic dependent launch (Hopper),
+  so that each may start while the previous kernel finishes (the GEMV requests its weights before waiting).
+  torch.compile'd glue joins in only when TORCHINDUCTOR_ENABLE_PDL=1 is set before it compiles.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class FastKernels:
     gemv: bool = True
     norm_quant: bool = True
     router: bool = True
+    pdl: bool = False
 
 
 SWITCHES = FastKernels()
@@ -52,7 +56,7 @@ def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, out_dtype
     K = src.shape[-1]
     M = src.numel() // K if K else 0
     if SWITCHES.gemv and 1 <= M <= MAX_M and w8.shape[0] > 0:
-        return fp8_gemv(x, w8, sw, xq=xq, out_dtype=out_dtype)
+        return fp8_gemv(x, w8, sw, xq=xq, out_dtype=out_dtype, pdl=SWITCHES.pdl)
     if xq is not None:
         x8, sx = xq
         y = fp8_gemm(x8.reshape(-1, K), sx.reshape(-1, K // 128), w8, sw,
@@ -68,7 +72,7 @@ def route(x_ND: torch.Tensor, gate) -> tuple[torch.Tensor, torch.Tensor]:
     if SWITCHES.router:
         from mtp.kernels.router import moe_route_fused
 
-        return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, **kw)
+        return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, pdl=SWITCHES.pdl, **kw)
     from mtp.kernels.moe import moe_route
 
     return moe_route(x_ND, gate.weight, gate.e_score_correction_bias, **kw)

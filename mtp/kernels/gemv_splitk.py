@@ -33,7 +33,7 @@ import torch
 
 from mtp.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
 from mtp.fp8 import act_quant as act_quant_ref
-from mtp.kernels._triton import require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _check_weight, _counters, _num_sms
 
@@ -57,7 +57,9 @@ def fp8_gemv_ref(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=
 def _gemv_fma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, G, n_splits,
                      stride_xm, stride_sxm, stride_wn, stride_swn,
                      M: tl.constexpr, PREQUANT: tl.constexpr, SPLIT: tl.constexpr,
-                     BN: tl.constexpr, GPS: tl.constexpr, SPAD: tl.constexpr):
+                     BN: tl.constexpr, GPS: tl.constexpr, SPAD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: let the next kernel start its own weight loads
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -71,6 +73,8 @@ def _gemv_fma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, 
     w = tl.load(w_ptr + w_offs, mask=nmask[:, None, None] & gmask[None, :, None], other=0.0)
     sw = tl.load(sw_ptr + (offs_n // 128)[:, None] * stride_swn + offs_g[None, :],
                  mask=nmask[:, None] & gmask[None, :], other=0.0)  # [BN, GPS]
+    if PDL:  # the weights are constant: their loads overlap the previous kernel; x and every store wait for it
+        tl.extra.cuda.gdc_wait()
     wf = w.to(tl.float32)
     x_offs = offs_g[:, None] * 128 + offs_k[None, :]  # [GPS, 128]
     for m in tl.static_range(M):
@@ -118,12 +122,13 @@ def gemv_plan(N: int, G: int, device: torch.device) -> dict:
 
 def fp8_gemv(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=None,
              out_dtype: torch.dtype | None = None, bn: int | None = None, gps: int | None = None,
-             num_warps: int | None = None) -> torch.Tensor:
+             num_warps: int | None = None, pdl: bool = False) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequant(w8, sw)^T with DeepSeek's FP8 numerics, for <= MAX_M rows.
 
     xq = (x8 [..., K] float8, sx [..., G] fp32): the activations already quantized (x may then be None);
     else x is quantized per 128 in the kernel. out_dtype: default x's dtype (fp32 when only xq is given).
-    bn / gps / num_warps override `gemv_plan`."""
+    bn / gps / num_warps override `gemv_plan`. pdl: launch with programmatic dependent launch (Hopper; see
+    `_triton.pdl_kwargs`): the weight tile is requested while the previous kernel finishes."""
     src = x if xq is None else xq[0]
     if src is None:
         raise ValueError("fp8_gemv: give x or xq = (x8, sx)")
@@ -163,9 +168,10 @@ def fp8_gemv(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=None
     part = torch.empty(splits, M, N, dtype=torch.float32, device=a.device) if splits > 1 else y
     cnt = _counters(a.device, nb) if splits > 1 else y
     sw = sw if sw.stride(-1) == 1 else sw.contiguous()
+    launch = pdl_kwargs(pdl, a)
     _gemv_fma_kernel[(nb, splits)](a, s, w8, sw, part, y, cnt, N, G, splits,
                                    a.stride(0), s.stride(0), w8.stride(0), sw.stride(0),
                                    M=M, PREQUANT=xq is not None, SPLIT=splits > 1, BN=bn, GPS=gps,
-                                   SPAD=triton.next_power_of_2(splits),
-                                   num_warps=num_warps or plan["num_warps"])
+                                   SPAD=triton.next_power_of_2(splits), PDL=bool(launch),
+                                   num_warps=num_warps or plan["num_warps"], **launch)
     return y.reshape(*lead, N)

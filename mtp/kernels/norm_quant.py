@@ -23,7 +23,7 @@ import torch
 
 from mtp.fp8 import BLOCK, FP8_DTYPE
 from mtp.fp8 import act_quant as act_quant_ref
-from mtp.kernels._triton import require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 
 __all__ = ["add_rms_norm_quant", "add_rms_norm_quant_ref"]
@@ -45,7 +45,10 @@ def add_rms_norm_quant_ref(h: torch.Tensor, delta: torch.Tensor | None, weight: 
 def _add_norm_quant_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, x8_ptr, sx_ptr, D, eps,
                            stride_h, stride_d, stride_ho, stride_y, stride_x8, stride_sx,
                            ADD: tl.constexpr, STORE_H: tl.constexpr, STORE_Y: tl.constexpr,
-                           QUANT: tl.constexpr, BG: tl.constexpr):
+                           QUANT: tl.constexpr, BG: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # every input may come from the previous kernel: only the launch overlaps it
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BG)
     k = tl.arange(0, 128)
@@ -77,9 +80,10 @@ def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
 
 def add_rms_norm_quant(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                        out_dtype: torch.dtype = torch.bfloat16, quant: bool = True, store_y: bool = True,
-                       store_h: bool = True):
+                       store_h: bool = True, pdl: bool = False):
     """Kernel twin of `add_rms_norm_quant_ref`: returns (h_new, y, x8, sx) with None for what is not asked
-    (h_new is h when delta is None; y when store_y is False; x8, sx when quant is False)."""
+    (h_new is h when delta is None; y when store_y is False; x8, sx when quant is False). pdl: programmatic
+    dependent launch (`_triton.pdl_kwargs`)."""
     require(h, "add_rms_norm_quant")
     D = h.shape[-1]
     lead = h.shape[:-1]
@@ -105,11 +109,12 @@ def add_rms_norm_quant(h: torch.Tensor, delta: torch.Tensor | None, weight: torc
         bg = triton.next_power_of_2(triton.cdiv(D, BLOCK))
         # a y buffer is needed for its dtype even when it is not stored: point at a 1-element stand-in
         y_arg = y if y is not None else torch.empty(1, 1, dtype=out_dtype, device=dev)
+        launch = pdl_kwargs(pdl, h2)
         _add_norm_quant_kernel[(M,)](h2, d2, weight, hout, y_arg, x8 if quant else h2, sx if quant else h2, D, eps,
                                      h2.stride(0), d2.stride(0), hout.stride(0), y_arg.stride(0),
                                      x8.stride(0) if quant else 0, sx.stride(0) if quant else 0,
                                      ADD=add, STORE_H=add and store_h, STORE_Y=store_y, QUANT=quant, BG=bg,
-                                     num_warps=8 if bg >= 32 else 4)
+                                     PDL=bool(launch), num_warps=8 if bg >= 32 else 4, **launch)
     G = D // BLOCK
     return (hout.view(*lead, D) if add and store_h else (h if not add else None),
             y.view(*lead, D) if y is not None else None,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from mtp.fp8 import BLOCK
-from mtp.kernels._triton import require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, require, tl, triton
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe import moe_route_ref, route_from_logits_ref
 
@@ -39,7 +39,9 @@ def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, id
                         E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
                         KPAD: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BTR: tl.constexpr,
                         GPS: tl.constexpr, SPLITS: tl.constexpr,
-                        BF16: tl.constexpr, STORE_LOGITS: tl.constexpr):
+                        BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
     # ---- the gate GEMV: this program's [BE, K-slice] of Wg against all T tokens, fp32 partial logits
@@ -51,6 +53,8 @@ def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, id
     x_ptrs = x_ptr + offs_t[:, None] * stride_xm + offs_k[None, :]
     G = D // 128
     acc = tl.zeros((BE, BT), dtype=tl.float32)
+    if PDL:  # x comes from the previous kernel; only the launch overlaps it
+        tl.extra.cuda.gdc_wait()
     for i in tl.static_range(GPS):  # unrolled: every tile of the slice requested at once
         g = pid_s * GPS + i
         gok = g < G
@@ -111,10 +115,10 @@ def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, id
 
 def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_group: int = 8,
                     topk_group: int = 4, topk: int = 8, route_scale: float = 2.5, return_logits: bool = False,
-                    block_e: int = 32, splits: int | None = None):
+                    block_e: int = 32, splits: int | None = None, pdl: bool = False):
     """Kernel twin of `moe_route_ref` in one launch: (weights [T, J] fp32, idx [T, J] int32), plus the fp32
     gate logits [T, E] the choice was made on when return_logits (for tests: `route_from_logits_ref` on them
-    must choose the same experts exactly)."""
+    must choose the same experts exactly). pdl: programmatic dependent launch (`_triton.pdl_kwargs`)."""
     require(x_TD, "moe_route_fused")
     T, D = x_TD.shape
     E = wg_ED.shape[0]
@@ -144,10 +148,12 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
     logits = torch.empty(T, E, dtype=torch.float32, device=dev) if return_logits else w
     x = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
     bf16 = x.dtype == torch.bfloat16 and wg_ED.dtype == torch.bfloat16
+    launch = pdl_kwargs(pdl, x)
     _route_fused_kernel[(nbe, splits)](x, wg_ED.contiguous(), bias_E.float().contiguous(), part, _counters(dev, 1),
                                        w, idx, logits, T, D, x.stride(0), float(route_scale),
                                        E=E, NG=n_group, TOPK_GROUP=topk_group, TOPK=topk,
                                        KPAD=triton.next_power_of_2(topk), BE=block_e, BT=bt,
                                        BTR=triton.next_power_of_2(T), GPS=gps, SPLITS=splits,
-                                       BF16=bf16, STORE_LOGITS=return_logits, num_warps=4)
+                                       BF16=bf16, STORE_LOGITS=return_logits, PDL=bool(launch),
+                                       num_warps=4, **launch)
     return (w, idx, logits) if return_logits else (w, idx)

@@ -227,3 +227,39 @@ def test_fast_path_new_kernels_match_old():
     finally:
         set_fast_kernels(gemv=True, norm_quant=True, router=True)
         disable_fast_path(model)
+
+
+def test_pdl_chain_equals_plain():
+    """Programmatic dependent launch (switch `pdl`): a captured chain norm -> GEMV -> GEMV -> router, each
+    launched with PDL, gives the plain launches' bits (the kernels wait before touching the previous one's
+    outputs), eagerly and on replay."""
+    _needs_cuda()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs Hopper")
+    D = 7168
+    h = torch.randn(2, D, device=DEV)
+    d = torch.randn(2, D, device=DEV).bfloat16()
+    wn = (torch.rand(D, device=DEV) + 0.5).bfloat16()
+    w1, s1 = rand_weight(2240, D)
+    w2, s2 = rand_weight(D, 2240 - 64)
+    wg = (torch.randn(256, D, device=DEV) * 0.02).bfloat16()
+    bias = torch.randn(256, device=DEV) * 0.05
+
+    def chain(pdl):
+        hn, y, x8, sx = add_rms_norm_quant(h, d, wn, 1e-6, pdl=pdl)
+        a = fp8_gemv(None, w1, s1, xq=(x8, sx), out_dtype=torch.bfloat16, pdl=pdl)
+        b = fp8_gemv(a[:, :2240 - 64], w2, s2, out_dtype=torch.float32, pdl=pdl)
+        return (hn, b, *moe_route_fused(y, wg, bias, pdl=pdl))
+
+    want = chain(False)
+    got = chain(True)
+    for u, v in zip(want, got):
+        assert torch.equal(u, v)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cap = chain(True)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        for u, v in zip(want, cap):
+            assert torch.equal(u, v)
