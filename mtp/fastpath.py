@@ -241,7 +241,7 @@ def block_forward_fast(block: Block, h_BTD, pos_BT, cos, sin, cache, S: int, opt
     from .kernels.fp8_gemm import SMALL_M
     from .kernels.norm_quant import add_rms_norm_quant
 
-    if not SWITCHES.norm_quant or h_BTD.dtype not in (torch.float32, torch.bfloat16):
+    if not SWITCHES.norm_quant or h_BTD.dtype != torch.float32:
         return Block.forward(block, h_BTD, pos_BT, cos, sin, cache, S, opts, dtype)
     B, T, D = h_BTD.shape
     quant = B * T <= SMALL_M and D % 128 == 0

@@ -149,6 +149,9 @@ def _router_checks() -> None:
         wm, im = route(lg.sigmoid(), bias, ng, tg, k, True, 2.5)  # the model's router, on the same logits
         assert torch.equal(idx.long(), im) and _rel(w, wm) < 1e-6
         assert torch.equal(moe_route_fused(x, wg, bias, n_group=ng, topk_group=tg, topk=k)[1], idx)
+        e0, e1 = E // 4, E // 2  # an expert-parallel rank's view
+        wl, il = moe_route_fused(x, wg, bias, n_group=ng, topk_group=tg, topk=k, local=(e0, e1))
+        assert torch.equal(wl, w) and torch.equal(il, torch.where((idx >= e0) & (idx < e1), idx - e0, -1))
     # exact ties everywhere (x = 0: every sigmoid is 0.5; bias in steps of 0.25): lower index first
     x = torch.zeros(4, 256)
     wg = torch.randn(64, 256)

@@ -65,14 +65,21 @@ def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, out_dtype
     return fp8_linear(x, w8, sw, out_dtype=out_dtype)
 
 
-def route(x_ND: torch.Tensor, gate) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x_ND: torch.Tensor, gate, local: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE router on the kernels for `gate` (an `mtp.moe.Gate`): (weights [N, K] fp32, ids [N, K] int32).
-    Switch `router`: one launch (`router.moe_route_fused`); off: `moe.moe_route` (gate GEMV + top-k)."""
+    local = (e0, e1): ids as this rank sees them, e - e0 for an expert in [e0, e1) and -1 for one on another
+    rank (what `moe_experts` takes). Switch `router`: one launch (`router.moe_route_fused`, the mapping inside);
+    off: `moe.moe_route` (gate GEMV + top-k) and the mapping in torch."""
     kw = dict(n_group=gate.n_groups, topk_group=gate.topk_groups, topk=gate.topk, route_scale=gate.route_scale)
     if SWITCHES.router:
         from mtp.kernels.router import moe_route_fused
 
-        return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, pdl=SWITCHES.pdl, **kw)
+        return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, local=local, pdl=SWITCHES.pdl, **kw)
     from mtp.kernels.moe import moe_route
 
-    return moe_route(x_ND, gate.weight, gate.e_score_correction_bias, **kw)
+    w, ids = moe_route(x_ND, gate.weight, gate.e_score_correction_bias, **kw)
+    if local is not None:
+        e0, e1 = local
+        ids = ids - e0
+        ids = torch.where((ids >= 0) & (ids < e1 - e0), ids, -1)
+    return w, ids

@@ -35,7 +35,7 @@ MAX_TOKENS = 64
 
 @triton.jit
 def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, idx_out_ptr, logits_ptr,
-                        T, D, stride_xm, route_scale,
+                        T, D, stride_xm, route_scale, e0, e1,
                         E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
                         KPAD: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BTR: tl.constexpr,
                         GPS: tl.constexpr, SPLITS: tl.constexpr,
@@ -108,6 +108,7 @@ def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, id
             out_w = tl.where(ki[None, :] == i, tl.sum(tl.where(hit, score, 0.0), 1)[:, None], out_w)
             bm = tl.where(hit, float("-inf"), bm)
         out_w = out_w / tl.sum(out_w, 1)[:, None] * route_scale
+        out_idx = tl.where((out_idx >= e0) & (out_idx < e1), out_idx - e0, -1)  # this rank's view
         omask = (t2 < T)[:, None] & (ki < TOPK)[None, :]
         tl.store(w_out_ptr + t2[:, None] * TOPK + ki[None, :], out_w, mask=omask)
         tl.store(idx_out_ptr + t2[:, None] * TOPK + ki[None, :], out_idx, mask=omask)
@@ -115,10 +116,12 @@ def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, id
 
 def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_group: int = 8,
                     topk_group: int = 4, topk: int = 8, route_scale: float = 2.5, return_logits: bool = False,
-                    block_e: int = 32, splits: int | None = None, pdl: bool = False):
+                    block_e: int = 32, splits: int | None = None, local: tuple[int, int] | None = None,
+                    pdl: bool = False):
     """Kernel twin of `moe_route_ref` in one launch: (weights [T, J] fp32, idx [T, J] int32), plus the fp32
     gate logits [T, E] the choice was made on when return_logits (for tests: `route_from_logits_ref` on them
-    must choose the same experts exactly). pdl: programmatic dependent launch (`_triton.pdl_kwargs`)."""
+    must choose the same experts exactly). local = (e0, e1): return ids as an expert-parallel rank holding
+    experts [e0, e1) sees them: e - e0, or -1 for an expert on another rank (no separate mapping launches). pdl: programmatic dependent launch (`_triton.pdl_kwargs`)."""
     require(x_TD, "moe_route_fused")
     T, D = x_TD.shape
     E = wg_ED.shape[0]
@@ -149,8 +152,11 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
     x = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
     bf16 = x.dtype == torch.bfloat16 and wg_ED.dtype == torch.bfloat16
     launch = pdl_kwargs(pdl, x)
+    e0, e1 = local if local is not None else (0, E)
+    if not 0 <= e0 <= e1 <= E:
+        raise ValueError(f"moe_route_fused: local expert range must lie in [0, {E}], got {local}")
     _route_fused_kernel[(nbe, splits)](x, wg_ED.contiguous(), bias_E.float().contiguous(), part, _counters(dev, 1),
-                                       w, idx, logits, T, D, x.stride(0), float(route_scale),
+                                       w, idx, logits, T, D, x.stride(0), float(route_scale), e0, e1,
                                        E=E, NG=n_group, TOPK_GROUP=topk_group, TOPK=topk,
                                        KPAD=triton.next_power_of_2(topk), BE=block_e, BT=bt,
                                        BTR=triton.next_power_of_2(T), GPS=gps, SPLITS=splits,

@@ -130,9 +130,7 @@ class ExpertParallelMoE(nn.Module):
         from ..kernels.dispatch import route
         from ..kernels.moe import moe_experts
 
-        w_NK, ids_NK = route(x_ND, self.gate)
-        local_NK = ids_NK - self.e0
-        local_NK = torch.where((local_NK >= 0) & (local_NK < self.e1 - self.e0), local_NK, -1)  # -1: skipped
+        w_NK, local_NK = route(x_ND, self.gate, local=(self.e0, self.e1))  # id - e0, or -1: on another rank
         s = self.stacked
         return moe_experts(x_ND, local_NK, w_NK, s["gate_proj.weight"], s["gate_proj.weight_scale_inv"],
                            s["up_proj.weight"], s["up_proj.weight_scale_inv"], s["down_proj.weight"],

@@ -159,6 +159,8 @@ def test_moe_route_fused(T):
     wr, ir = route_from_logits_ref(lg, bias)  # same logits: the choice must agree exactly
     assert torch.equal(idx, ir), f"experts differ in tokens {torch.nonzero((idx != ir).any(1)).flatten().tolist()}"
     check_close("route weights", w, wr, 1e-6)
+    wl, il = moe_route_fused(x, wg, bias, local=(64, 96))  # an expert-parallel rank's view
+    assert torch.equal(wl, w) and torch.equal(il, torch.where((idx >= 64) & (idx < 96), idx - 64, -1))
     w2, i2 = moe_route(x, wg, bias)  # the two-launch router (other summation order of the logits)
     assert (i2 == idx).float().mean() > 0.99
     check_close("vs moe_route", w, w2, 1e-3)
