@@ -7,6 +7,7 @@ Sections (each new kernel next to what the fast path ran before it, same process
   `fp8_gemm.fp8_linear` (old default plan) on the rank-sized weights, rows 1..5 and 8; a tile sweep at M = 1, 4;
 - norm: residual add + RMSNorm + quant in one kernel vs the old step (cast + add, compiled RMSNorm, act_quant);
 - router: `router.moe_route_fused` vs `moe.moe_route`, E = 256, D = 7168;
+- prologue: `mla_prologue` (2 kernels) vs the unfused MLA prologue steps, one rank's 16 heads;
 - step: one rank of TP=8 (rank 0 of a one-process "world" of 8 whose collectives are the identity, so they are
   excluded as in the issue's measurement), 1 dense + 2 MoE layers at real width, FP8 random weights, 1024-token
   prompt; the captured target forward at widths 1..4 with each switch of `kernels.dispatch.SWITCHES` alone,
@@ -153,6 +154,41 @@ def router_section() -> dict:
     return out
 
 
+def prologue_section() -> dict:
+    """The MLA prologue of one TP=8 rank (16 heads): two kernels vs the unfused steps they replace."""
+    import dataclasses
+
+    from mtp.attention import MLA
+    from mtp.cache import KVCache
+    from mtp.kernels.mla_prologue import mla_kv_prologue, mla_kv_prologue_ref, mla_q_prologue, mla_q_prologue_ref
+    from mtp.layers import Rotary, glue
+    from mtp.synthetic import real_config
+
+    glue.compile()
+    cfg = dataclasses.replace(real_config(layers=1, dense_layers=1, mtp_modules=0), num_attention_heads=16)
+    with torch.device(DEV):
+        mla = MLA(cfg, torch.bfloat16)
+    mla.indexer.k_norm.weight.data.fill_(1.0)
+    mla.indexer.k_norm.bias.data.zero_()
+    mla.kv_a_layernorm.weight.data.fill_(1.0)
+    out = {}
+    for T in (1, 4):
+        Q, C, R = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        a = torch.randn(1, T, Q + 128 + C + R, device=DEV).bfloat16()
+        qq = torch.randn(1, T, 16 * 192 + 64 * 128, device=DEV).bfloat16()
+        pos = torch.arange(T, device=DEV)[None] + 100
+        cos, sin = Rotary(cfg).to(DEV).angles(pos)
+        cache = KVCache(cfg, 1, 1, 256, device=DEV, dtype=torch.bfloat16, quantized=True).layer(0)
+        t = {"kv old": gk.graph_us([lambda: mla_kv_prologue_ref(mla, cache, pos, a, cos, sin)]),
+             "kv new": gk.graph_us([lambda: mla_kv_prologue(mla, cache, pos, a, cos, sin)]),
+             "q old": gk.graph_us([lambda: mla_q_prologue_ref(mla, qq, cos, sin)]),
+             "q new": gk.graph_us([lambda: mla_q_prologue(mla, qq, cos, sin)])}
+        for k_, v in t.items():
+            gk.row(f"mla prologue {k_}", f"T={T} H=16 Hi=64", v, 1)
+        out[f"T={T}"] = t
+    return out
+
+
 class _LocalComm(Comm):
     """Rank 0 of a world of `world` without a process group: collectives are the identity (excluded from the
     measurement, as in the issue's TP=8 rank numbers); all_gather_last returns the local part."""
@@ -186,10 +222,11 @@ def step_section(quick: bool) -> dict:
     with torch.no_grad():
         model(ids[:, :L], kv)
     base = kv.seq_lens.clone()
-    off = dict(gemv=False, norm_quant=False, router=False)
+    off = dict(gemv=False, norm_quant=False, router=False, prologue=False)
+    on = dict(gemv=True, norm_quant=True, router=True, prologue=True)
     variants = [("old (all off)", off), ("gemv", dict(off, gemv=True)), ("norm_quant", dict(off, norm_quant=True)),
-                ("router", dict(off, router=True)), ("new (all on)", dict(gemv=True, norm_quant=True, router=True))]
-    variants.append(("new + pdl", dict(gemv=True, norm_quant=True, router=True, pdl=True)))
+                ("router", dict(off, router=True)), ("prologue", dict(off, prologue=True)), ("new (all on)", on),
+                ("new + pdl", dict(on, pdl=True))]
     if quick:
         variants = [variants[0], variants[-2], variants[-1]]
     out = {}
@@ -226,7 +263,7 @@ def step_section(quick: bool) -> dict:
             d = gk.rel_err(logits[name], ref)
             gk.check(f"step w={w} {name} vs old logits", d < 5e-2, f"rel L2 {d:.2e}")
         out[f"w={w}"] = res
-    set_fast_kernels(gemv=True, norm_quant=True, router=True, pdl=False)
+    set_fast_kernels(**on, pdl=False)
     release(model)
     del model, kv
     torch.cuda.empty_cache()
@@ -237,7 +274,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT") or "eval/results")
     ap.add_argument("--quick", action="store_true", help="fewer widths, no tile sweep, only old vs all-new steps")
-    ap.add_argument("--only", default="", help="comma list of sections: gemv,norm,router,step")
+    ap.add_argument("--only", default="", help="comma list of sections: gemv,norm,router,prologue,step")
     args = ap.parse_args()
     if not available():
         sys.exit("gpu_fused: needs triton and a CUDA device")
@@ -249,12 +286,12 @@ def main():
                 date=time.strftime("%Y-%m-%d %H:%M"))
     gk.log(f"[env] {meta}")
     torch.manual_seed(0)
-    only = set(args.only.split(",")) if args.only else {"gemv", "norm", "router", "step"}
+    only = set(args.only.split(",")) if args.only else {"gemv", "norm", "router", "prologue", "step"}
     out = dict(meta=meta)
     t0 = time.time()
     out["bandwidth"] = gk.copy_bandwidth()
     for name, fn in (("gemv", lambda: gemv_section(args.quick)), ("norm", norm_section), ("router", router_section),
-                     ("step", lambda: step_section(args.quick))):
+                     ("prologue", prologue_section), ("step", lambda: step_section(args.quick))):
         if name not in only:
             continue
         t = time.time()

@@ -168,6 +168,7 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None) 
     xq = (x8, sx): x_BTD already quantized per 128 (by the block's fused norm), fed to the first GEMV."""
     from .kernels.cache_write import cache_write
     from .kernels.dispatch import SWITCHES, linear
+    from .kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
     from .kernels.norm_quant import add_rms_norm_quant
 
     B, T, _ = x_BTD.shape
@@ -179,9 +180,13 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None) 
         qa, k_idx, kv = a[..., :Q], a[..., Q:Q + Dk], a[..., Q + Dk:]
     else:
         qa, k_idx, kv = mla.q_a_proj(x_BTD), ix.wk(x_BTD), mla.kv_a_proj_with_mqa(x_BTD)
-    c = mla.kv_a_layernorm(kv[..., : mla.C], dt)
-    k_pe = glue.rope_interleaved(kv[..., mla.C:], cos, sin)
-    cache_write(cache, pos_BT, c, k_pe, ix._rotate(ix.k_norm(k_idx), cos, sin))
+    prologue = SWITCHES.prologue and mla.fused_a is not None and mla.fused_qb is not None
+    if prologue:  # kv_a norm, rotary, indexer key and the cache write in one launch
+        mla_kv_prologue(mla, cache, pos_BT, a, cos, sin)
+    else:
+        c = mla.kv_a_layernorm(kv[..., : mla.C], dt)
+        k_pe = glue.rope_interleaved(kv[..., mla.C:], cos, sin)
+        cache_write(cache, pos_BT, c, k_pe, ix._rotate(ix.k_norm(k_idx), cos, sin))
     if mla.fused_qb is not None and SWITCHES.norm_quant:  # the q_a norm + quant in one launch, y not stored
         n = mla.q_a_layernorm
         _, _, q8, qs = add_rms_norm_quant(qa, None, n.weight, n.eps, dt, store_y=False, pdl=SWITCHES.pdl)
@@ -194,6 +199,10 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None) 
         qr = mla.q_a_layernorm(qa, dt)
         q, iq = mla.q_b_proj(qr), ix.wq_b(qr)
     q = q.view(B, T, H, P + R)
+    if prologue:  # q_pe rotary and the indexer queries' rotary, Hadamard and quant in one launch
+        q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin)
+        o = mla_attend_fast(mla, x_BTD, None, q[..., :P], q_pe, cache, S, out_dtype=dt, iq_quant=(iq8, iqs))
+        return mla.o_proj(o.reshape(B, T, H * mla.V))
     q_nope, q_pe = q[..., :P], glue.rope_interleaved(q[..., P:], cos, sin)
     iq = ix._rotate(iq.view(B, T, ix.n_heads, Dk), cos, sin)
     o = mla_attend_fast(mla, x_BTD, iq, q_nope, q_pe, cache, S, out_dtype=dt)
@@ -201,14 +210,15 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None) 
 
 
 def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
-                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    out_dtype: torch.dtype = torch.float32, iq_quant=None) -> torch.Tensor:
     """Absorbed MLA over the FP8 cache with the indexer's top-k: returns o [B, T, H, V] in out_dtype.
-    iq_BTHD: the indexer queries, rotated (`Indexer.queries`), before quantization."""
+    iq_BTHD: the indexer queries, rotated (`Indexer.queries`), before quantization; or iq_quant = (iq8, iqs
+    [B, T, Hi, 1]) already quantized (`mla_prologue.mla_q_prologue`)."""
     from .kernels.indexer import indexer_topk
     from .kernels.mla_decode import mla_decode
 
     ix = mla.indexer
-    q8, qs = glue.act_quant(iq_BTHD)  # qs [B, T, Hi, 1]
+    q8, qs = glue.act_quant(iq_BTHD) if iq_quant is None else iq_quant  # qs [B, T, Hi, 1]
     if mla.w_idx_t is not None and x_BTD.dtype == torch.bfloat16:
         # bf16 x bf16 products are exact in fp32 and cuBLAS sums them in fp32: the reference's fp32 math
         x2 = x_BTD.reshape(-1, x_BTD.shape[-1])

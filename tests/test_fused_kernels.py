@@ -162,6 +162,42 @@ def _router_checks() -> None:
     assert _rel(w, wr) < 1e-6
 
 
+def _prologue_checks() -> None:
+    """The MLA prologue kernels on a tiny fp32 MLA: every FP8 code and scale they write equals the interpreter's
+    act_quant of the reference chain's values (the rotary keys and q_pe exactly)."""
+    from mtp.attention import MLA
+    from mtp.cache import KVCache
+    from mtp.kernels.act_quant import act_quant
+    from mtp.kernels.mla_prologue import mla_kv_prologue, mla_q_prologue, mla_q_prologue_ref
+    from mtp.layers import Rotary, rope_interleaved
+    from mtp.tiny import tiny_config
+
+    cfg = tiny_config()
+    mla = MLA(cfg, torch.float32)
+    ix = mla.indexer
+    mla.kv_a_layernorm.weight.data = torch.rand(cfg.kv_lora_rank) + 0.5
+    ix.k_norm.weight.data, ix.k_norm.bias.data = torch.rand(128) + 0.5, torch.randn(128) * 0.1
+    B, T, Q, C, R = 2, 3, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    a = torch.randn(B, T, Q + 128 + C + R)
+    pos = torch.tensor([[3, 4, 5], [7, 8, 9]])
+    cos, sin = Rotary(cfg).angles(pos)
+    cache = KVCache(cfg, 1, B, 16, device="cpu", dtype=torch.float32, quantized=True).layer(0)
+    mla_kv_prologue(mla, cache, pos, a, cos, sin)
+    b = torch.arange(B)[:, None].expand(B, T)
+    c8, cs = act_quant(mla.kv_a_layernorm(a[..., Q + 128:Q + 128 + C], torch.float32))
+    k8, ks = act_quant(ix._rotate(ix.k_norm(a[..., Q:Q + 128]), cos, sin))
+    pe = rope_interleaved(a[..., Q + 128 + C:], cos, sin)
+    assert torch.equal(cache.kv[b, pos].view(torch.uint8), c8.view(torch.uint8)) and torch.equal(cache.kv_scale[b, pos], cs)
+    assert torch.equal(cache.idx_k[b, pos].view(torch.uint8), k8.view(torch.uint8))
+    assert torch.equal(cache.idx_k_scale[b, pos], ks[..., 0]) and torch.equal(cache.pe[b, pos], pe)
+    qq = torch.randn(B, T, mla.H * (mla.P + R) + ix.n_heads * 128)
+    q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin)
+    rp, _, _ = mla_q_prologue_ref(mla, qq, cos, sin)
+    r8, rs = act_quant(ix._rotate(qq[..., mla.H * (mla.P + R):].view(B, T, ix.n_heads, 128), cos, sin))
+    assert torch.equal(q_pe, rp) and q_pe.is_contiguous()
+    assert torch.equal(iq8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(iqs, rs)
+
+
 def _model_checks() -> None:
     """A tiny fp32 model with every fast-path module installed: the new kernels (switches on) give the old
     kernels' logits (switches off) within fp32 summation order, both under the interpreter."""
@@ -182,7 +218,7 @@ def _model_checks() -> None:
         install_fast_modules(model)
         out = {}
         for on in (False, True):
-            set_fast_kernels(gemv=on, norm_quant=on, router=on)
+            set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on)
             cache = model.new_cache(2, 16)
             out[on] = model(ids, cache).logits
             out[on, "mtp"] = model.mtp_forward(0, ids, torch.randn(2, 3, cfg.hidden_size,
@@ -209,10 +245,10 @@ def _model_checks() -> None:
         assert any(type(m) is ParallelMLP and m.fused_gate_up is not None for m in rank.modules())
         out = {}
         for on in (False, True):
-            set_fast_kernels(gemv=on, norm_quant=on, router=on)
+            set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on)
             out[on] = rank(ids, rank.new_cache(2, 16)).logits
         assert _rel(out[True], out[False]) < 1e-5, _rel(out[True], out[False])
-    set_fast_kernels(gemv=True, norm_quant=True, router=True)
+    set_fast_kernels(gemv=True, norm_quant=True, router=True, prologue=True)
 
 
 if __name__ == "__main__":
@@ -222,6 +258,7 @@ if __name__ == "__main__":
         _gemv_checks()
         _norm_checks()
         _router_checks()
+        _prologue_checks()
     else:
         _model_checks()
     print(f"{sys.argv[1]} ok")

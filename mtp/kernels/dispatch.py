@@ -7,6 +7,8 @@ captured before a switch keep what they captured: `mtp.engine.release` the model
 - norm_quant: the decoder block's residual add + RMSNorm + FP8 quant in one kernel (`norm_quant`), its
   quantized output fed to the next GEMV (`fastpath.block_forward_fast`); also the q_a norm + quant.
 - router: the MoE router in one kernel (`router.moe_route_fused`); off: `moe.moe_route` (2 launches).
+- prologue: the MLA prologue in two kernels (`mla_prologue`: kv_a norm, rotary, indexer key + cache write;
+  q_pe rotary, indexer queries' rotary + Hadamard + quant); off: ~12 torch / compiled-glue launches.
 - pdl (off by default: not yet measured): launch the new kernels with programmatic dependent launch (Hopper),
   so that each may start while the previous kernel finishes (the GEMV requests its weights before waiting).
   torch.compile'd glue joins in only when TORCHINDUCTOR_ENABLE_PDL=1 is set before it compiles.
@@ -26,6 +28,7 @@ class FastKernels:
     gemv: bool = True
     norm_quant: bool = True
     router: bool = True
+    prologue: bool = True
     pdl: bool = False
 
 

@@ -192,6 +192,56 @@ def test_moe_route_fused_graph_safe():
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+# ----------------------------------------------------------------------------- MLA prologue
+def _rank_mla(seed: int):
+    """One TP=8 rank's MLA of the real config (16 heads), bf16, random norm parameters."""
+    import dataclasses
+
+    from mtp.attention import MLA
+    from mtp.synthetic import real_config
+
+    cfg = dataclasses.replace(real_config(layers=1, dense_layers=1, mtp_modules=0), num_attention_heads=16)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    with torch.device(DEV):
+        mla = MLA(cfg, torch.bfloat16)
+    mla.kv_a_layernorm.weight.data = (torch.rand(cfg.kv_lora_rank, device=DEV, generator=g) + 0.5).bfloat16()
+    k = mla.indexer.k_norm
+    k.weight.data = torch.rand(128, device=DEV, generator=g) + 0.5
+    k.bias.data = torch.randn(128, device=DEV, generator=g) * 0.1
+    return cfg, mla, g
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (3, 2)])
+def test_mla_prologue(B, T):
+    from mtp.cache import KVCache
+    from mtp.kernels.mla_prologue import mla_kv_prologue, mla_kv_prologue_ref, mla_q_prologue, mla_q_prologue_ref
+    from mtp.layers import Rotary
+
+    cfg, mla, g = _rank_mla(B * 10 + T)
+    ix = mla.indexer
+    Q, C, R = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    a = (torch.randn(B, T, Q + 128 + C + R, device=DEV, generator=g) * 2).bfloat16()
+    pos = torch.randint(0, 60, (B, 1), device=DEV, generator=g) + torch.arange(T, device=DEV)
+    cos, sin = Rotary(cfg).to(DEV).angles(pos)
+    caches = [KVCache(cfg, 1, B, 72, device=DEV, dtype=torch.bfloat16, quantized=True) for _ in range(2)]
+    mla_kv_prologue_ref(mla, caches[0].layer(0), pos, a, cos, sin)
+    mla_kv_prologue(mla, caches[1].layer(0), pos, a, cos, sin)
+    for name in ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale"):
+        r, k = getattr(caches[0], name), getattr(caches[1], name)
+        same = (r.view(torch.uint8) == k.view(torch.uint8)) if r.element_size() == 1 else (r == k)
+        # a value on a bf16 / fp8 rounding boundary may land on the neighbour (fp32 order, FMA contraction)
+        assert same.float().mean() > 0.99, f"{name}: {int((~same).sum())} of {same.numel()} differ"
+    rk, kk = caches[0].pe.float(), caches[1].pe.float()
+    assert bool(((rk - kk).abs() <= rk.abs() * 2 ** -7).all()), "rotary keys off by more than a bf16 ulp"
+    H, P = mla.H, mla.P
+    qq = torch.randn(B, T, H * (P + R) + ix.n_heads * 128, device=DEV, generator=g).bfloat16()
+    q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin)
+    rp, r8, rs = mla_q_prologue_ref(mla, qq, cos, sin)
+    assert q_pe.is_contiguous() and q_pe.dtype == torch.bfloat16
+    assert bool(((q_pe.float() - rp.float()).abs() <= rp.float().abs() * 2 ** -7).all())
+    assert (iq8.view(torch.uint8) == r8.view(torch.uint8)).float().mean() > 0.99 and (iqs == rs).float().mean() > 0.99
+
+
 # ----------------------------------------------------------------------------- the fast path, old vs new kernels
 def test_fast_path_new_kernels_match_old():
     """A random gpu_test_config model on the fast path, new kernels (all switches on) vs old (all off), both held
@@ -215,19 +265,19 @@ def test_fast_path_new_kernels_match_old():
         for w in range(1, 6):
             out = {}
             for on in (False, True):
-                set_fast_kernels(gemv=on, norm_quant=on, router=on)
+                set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on)
                 out[on] = _verify_logits(model, ids, w)
             err = lambda x: ((x - ref32[w]).norm() / ref32[w].norm()).item()  # noqa: E731
             rel = ((out[True] - out[False]).norm() / out[False].norm()).item()
             print(f"w={w}: rel L2 vs fp32: old kernels {err(out[False]):.3f}, new {err(out[True]):.3f}; "
                   f"new vs old {rel:.2e}")
             assert err(out[True]) <= 1.5 * err(out[False]) + 0.02
-        set_fast_kernels(gemv=True, norm_quant=True, router=True)
+        set_fast_kernels(gemv=True, norm_quant=True, router=True, prologue=True)
         prompts = [list(range(3, 40)), list(range(50, 61))]
         eager = generate(model, prompts, 12, mode="eager").tokens
         assert generate(model, prompts, 12, mode="graph").tokens == eager
     finally:
-        set_fast_kernels(gemv=True, norm_quant=True, router=True)
+        set_fast_kernels(gemv=True, norm_quant=True, router=True, prologue=True)
         disable_fast_path(model)
 
 
