@@ -264,7 +264,8 @@ def block_forward_fast(block: Block, h_BTD, pos_BT, cos, sin, cache, S: int, opt
     else:
         a = attn(x, pos_BT, cos, sin, cache, S, opts)
     h_BTD, x, x8, sx = add_rms_norm_quant(h_BTD, a, n2.weight, n2.eps, dtype, quant=quant, pdl=pdl)
-    return h_BTD + ffn_forward_fast(block.mlp, x, (x8, sx) if quant else None).to(h_BTD.dtype)
+    # one kernel: the add promotes the model-dtype FFN output to fp32 exactly (no separate cast launch)
+    return h_BTD + ffn_forward_fast(block.mlp, x, (x8, sx) if quant else None)
 
 
 def ffn_forward_fast(mlp, x: torch.Tensor, xq=None) -> torch.Tensor:
