@@ -20,7 +20,6 @@ per measurement and a table last; writes DIR/gpu_fused.json (DIR: $OUT, else eva
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -290,32 +289,9 @@ def main():
     out = dict(meta=meta)
     t0 = time.time()
     out["bandwidth"] = gk.copy_bandwidth()
-    for name, fn in (("gemv", lambda: gemv_section(args.quick)), ("norm", norm_section), ("router", router_section),
-                     ("prologue", prologue_section), ("step", lambda: step_section(args.quick))):
-        if name not in only:
-            continue
-        t = time.time()
-        try:
-            out[name] = fn()
-        except Exception as e:  # keep the other sections' numbers
-            import traceback
-
-            traceback.print_exc()
-            out[name] = dict(error=f"{type(e).__name__}: {e}")
-            gk.check(f"section {name}", False, f"{type(e).__name__}: {str(e)[:300]}")
-        gk.log(f"[section] {name} took {time.time() - t:.1f} s")
-        torch.cuda.empty_cache()
-    out["rows"], out["checks"] = gk.ROWS, gk.CHECKS
-    out["wall_s"] = round(time.time() - t0, 1)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_fused.json"), "w") as f:
-        json.dump(out, f, indent=1, default=str)
-    n_fail = sum(not c["ok"] for c in gk.CHECKS)
-    gk.log(f"\nchecks: {len(gk.CHECKS) - n_fail} passed, {n_fail} failed; wall {out['wall_s']} s")
-    for c in gk.CHECKS:
-        if not c["ok"]:
-            gk.log(f"  FAIL {c['name']}: {c['detail']}")
-    gk.log(gk.table())
+    gk.run_sections([("gemv", lambda: gemv_section(args.quick)), ("norm", norm_section), ("router", router_section),
+                     ("prologue", prologue_section), ("step", lambda: step_section(args.quick))], only, out)
+    gk.finish(out, t0, os.path.join(args.out, "gpu_fused.json"))
     if "step" in out and "error" not in out["step"]:
         gk.log("\nTP=8 rank step (3 layers: 1 dense + 2 MoE), ms per step:")
         for wk, res in out["step"].items():

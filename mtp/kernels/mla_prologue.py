@@ -146,6 +146,14 @@ def _check_mla(mla, cache=None):
         raise ValueError("mla_kv_prologue: the kernel writes the FP8 cache layout; this cache is not quantized")
 
 
+def _token_rows(x_BTX: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """x as [B*T, X] rows with unit last stride, cos / sin as contiguous [B*T, R/2]."""
+    n = x_BTX.shape[0] * x_BTX.shape[1]
+    x = x_BTX.reshape(n, x_BTX.shape[-1])
+    return (x if x.stride(-1) == 1 else x.contiguous(), cos.reshape(n, -1).contiguous(),
+            sin.reshape(n, -1).contiguous())
+
+
 def mla_kv_prologue(mla, cache, pos_BT: torch.Tensor, a_BTX: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor) -> None:
     """Kernel twin of `mla_kv_prologue_ref`: a_BTX [B, T, Q + Dk + C + R] the q_a | wk | kv_a output (model
@@ -158,10 +166,7 @@ def mla_kv_prologue(mla, cache, pos_BT: torch.Tensor, a_BTX: torch.Tensor, cos: 
     if X != Q + DK + C + R or tuple(pos_BT.shape) != (B, T) or tuple(cos.shape) != (B, T, R // 2):
         raise ValueError(f"mla_kv_prologue: a must be [B, T, {Q + DK + C + R}], pos [B, T], cos [B, T, {R // 2}]; "
                          f"got {list(a_BTX.shape)}, {list(pos_BT.shape)}, {list(cos.shape)}")
-    a = a_BTX.reshape(B * T, X)
-    if a.stride(-1) != 1:
-        a = a.contiguous()
-    cs, sn = cos.reshape(B * T, R // 2).contiguous(), sin.reshape(B * T, R // 2).contiguous()
+    a, cs, sn = _token_rows(a_BTX, cos, sin)
     kv, kvs, pec, ik, iks = cache.kv, cache.kv_scale, cache.pe, cache.idx_k, cache.idx_k_scale
     if kv.dtype != FP8_DTYPE or ik.dtype != FP8_DTYPE:
         raise ValueError(f"mla_kv_prologue: cache buffers must be {FP8_DTYPE}, got {kv.dtype} / {ik.dtype}")
@@ -222,10 +227,7 @@ def mla_q_prologue(mla, qq_BTX: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     if X != H * (P + R) + HI * DK or tuple(cos.shape) != (B, T, R // 2):
         raise ValueError(f"mla_q_prologue: qq must be [B, T, {H * (P + R) + HI * DK}] and cos [B, T, {R // 2}], "
                          f"got {list(qq_BTX.shape)}, {list(cos.shape)}")
-    q = qq_BTX.reshape(B * T, X)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    cs, sn = cos.reshape(B * T, R // 2).contiguous(), sin.reshape(B * T, R // 2).contiguous()
+    q, cs, sn = _token_rows(qq_BTX, cos, sin)
     dev = q.device
     q_pe = torch.empty(B, T, H, R, dtype=q.dtype, device=dev)
     iq8 = torch.empty(B, T, HI, DK, dtype=FP8_DTYPE, device=dev)
