@@ -8,7 +8,8 @@ Sections (each new kernel next to what the fast path ran before it, same process
   sweep at M = 1 on the MoE layer's GEMVs;
 - norm: residual add + RMSNorm + quant in one kernel vs the old step (cast + add, compiled RMSNorm, act_quant);
 - router: `router.moe_route_fused` vs `moe.moe_route`, E = 256, D = 7168;
-- prologue: `mla_prologue` (2 kernels) vs the unfused MLA prologue steps, one rank's 16 heads;
+- prologue: `mla_prologue` (2 kernels) vs the unfused MLA prologue steps, and `absorb` vs the two einsums, one
+  rank's 16 heads;
 - step: one rank of TP=8 (rank 0 of a one-process "world" of 8 whose collectives are the identity, so they are
   excluded as in the issue's measurement), 1 dense + 2 MoE layers at real width, FP8 random weights, 1024-token
   prompt; the captured target forward at widths 1..4 with each switch of `kernels.dispatch.SWITCHES` alone,
@@ -163,6 +164,7 @@ def prologue_section() -> dict:
 
     from mtp.attention import MLA
     from mtp.cache import KVCache
+    from mtp.kernels.absorb import absorb_out, absorb_out_ref, absorb_q, absorb_q_ref
     from mtp.kernels.mla_prologue import mla_kv_prologue, mla_kv_prologue_ref, mla_q_prologue, mla_q_prologue_ref
     from mtp.layers import Rotary, glue
     from mtp.synthetic import real_config
@@ -182,12 +184,19 @@ def prologue_section() -> dict:
         pos = torch.arange(T, device=DEV)[None] + 100
         cos, sin = Rotary(cfg).to(DEV).angles(pos)
         cache = KVCache(cfg, 1, 1, 256, device=DEV, dtype=torch.bfloat16, quantized=True).layer(0)
-        t = {"kv old": gk.graph_us([lambda: mla_kv_prologue_ref(mla, cache, pos, a, cos, sin)]),
+        q_nope = qq[..., :16 * 192].view(1, T, 16, 192)[..., :128]
+        o_lat = torch.randn(1, T, 16, 512, device=DEV).bfloat16()
+        wkb = (torch.randn(16, 128, 512, device=DEV) * 0.05).bfloat16()
+        t = {"absorb q old": gk.graph_us([lambda: absorb_q_ref(q_nope, wkb)]),
+             "absorb q new": gk.graph_us([lambda: absorb_q(q_nope, wkb)]),
+             "absorb out old": gk.graph_us([lambda: absorb_out_ref(o_lat, wkb)]),
+             "absorb out new": gk.graph_us([lambda: absorb_out(o_lat, wkb)]),
+             "kv old": gk.graph_us([lambda: mla_kv_prologue_ref(mla, cache, pos, a, cos, sin)]),
              "kv new": gk.graph_us([lambda: mla_kv_prologue(mla, cache, pos, a, cos, sin)]),
              "q old": gk.graph_us([lambda: mla_q_prologue_ref(mla, qq, cos, sin)]),
              "q new": gk.graph_us([lambda: mla_q_prologue(mla, qq, cos, sin)])}
         for k_, v in t.items():
-            gk.row(f"mla prologue {k_}", f"T={T} H=16 Hi=64", v, 1)
+            gk.row(f"mla {k_}", f"T={T} H=16 Hi=64", v, 1)
         out[f"T={T}"] = t
     return out
 
@@ -225,11 +234,11 @@ def step_section(quick: bool) -> dict:
     with torch.no_grad():
         model(ids[:, :L], kv)
     base = kv.seq_lens.clone()
-    off = dict(gemv=False, norm_quant=False, router=False, prologue=False)
-    on = dict(gemv=True, norm_quant=True, router=True, prologue=True)
+    off = dict(gemv=False, norm_quant=False, router=False, prologue=False, absorb=False)
+    on = dict(gemv=True, norm_quant=True, router=True, prologue=True, absorb=True)
     variants = [("old (all off)", off), ("gemv", dict(off, gemv=True)), ("norm_quant", dict(off, norm_quant=True)),
-                ("router", dict(off, router=True)), ("prologue", dict(off, prologue=True)), ("new (all on)", on),
-                ("new + pdl", dict(on, pdl=True))]
+                ("router", dict(off, router=True)), ("prologue", dict(off, prologue=True)),
+                ("absorb", dict(off, absorb=True)), ("new (all on)", on), ("new + pdl", dict(on, pdl=True))]
     if quick:
         variants = [variants[0], variants[-2], variants[-1]]
     out = {}

@@ -214,6 +214,9 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
     """Absorbed MLA over the FP8 cache with the indexer's top-k: returns o [B, T, H, V] in out_dtype.
     iq_BTHD: the indexer queries, rotated (`Indexer.queries`), before quantization; or iq_quant = (iq8, iqs
     [B, T, Hi, 1]) already quantized (`mla_prologue.mla_q_prologue`)."""
+    from .kernels.absorb import MAX_TOKENS as ABSORB_MAX_TOKENS
+    from .kernels.absorb import absorb_out, absorb_q
+    from .kernels.dispatch import SWITCHES
     from .kernels.indexer import indexer_topk
     from .kernels.mla_decode import mla_decode
 
@@ -231,9 +234,15 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
     if ix.topk < S:
         topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
                                    topk=ix.topk)
-    q_lat = torch.einsum("bthp,hpc->bthc", q_nope.to(torch.bfloat16), mla.w_kb).contiguous()
+    absorb = SWITCHES.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS
+    if absorb:  # one launch each instead of copy + batched GEMM + copy
+        q_lat = absorb_q(q_nope, mla.w_kb)
+    else:
+        q_lat = torch.einsum("bthp,hpc->bthc", q_nope.to(torch.bfloat16), mla.w_kb).contiguous()
     o_lat = mla_decode(q_lat, q_pe.to(torch.bfloat16).contiguous(), cache.kv[:, :S], cache.kv_scale[:, :S],
                        cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.bfloat16)
+    if absorb:
+        return absorb_out(o_lat, mla.w_vb).to(out_dtype)
     return torch.einsum("bthc,hvc->bthv", o_lat, mla.w_vb).to(out_dtype)
 
 

@@ -198,6 +198,20 @@ def _prologue_checks() -> None:
     assert torch.equal(iq8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(iqs, rs)
 
 
+def _absorb_checks() -> None:
+    """The absorbed kv_b projections (fp32: the interpreter's bf16 tl.dot is wrong) on a strided q_nope."""
+    from mtp.kernels.absorb import absorb_out, absorb_out_ref, absorb_q, absorb_q_ref
+
+    for B, T, H in ((1, 1, 4), (2, 3, 3)):
+        qq = torch.randn(B, T, H * 192 + 50)
+        q_nope = qq[..., :H * 192].view(B, T, H, 192)[..., :128]  # the q_b output's nope channels
+        wkb, wvb = torch.randn(H, 128, 512) * 0.05, torch.randn(H, 128, 512) * 0.05
+        q_lat = absorb_q(q_nope, wkb)
+        assert q_lat.is_contiguous() and _rel(q_lat, absorb_q_ref(q_nope, wkb)) < 1e-6
+        o_lat = torch.randn(B, T, H, 512)
+        assert _rel(absorb_out(o_lat, wvb), absorb_out_ref(o_lat, wvb)) < 1e-6
+
+
 def _model_checks() -> None:
     """A tiny fp32 model with every fast-path module installed: the new kernels (switches on) give the old
     kernels' logits (switches off) within fp32 summation order, both under the interpreter."""
@@ -218,7 +232,7 @@ def _model_checks() -> None:
         install_fast_modules(model)
         out = {}
         for on in (False, True):
-            set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on)
+            set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
             cache = model.new_cache(2, 16)
             out[on] = model(ids, cache).logits
             out[on, "mtp"] = model.mtp_forward(0, ids, torch.randn(2, 3, cfg.hidden_size,
@@ -245,10 +259,10 @@ def _model_checks() -> None:
         assert any(type(m) is ParallelMLP and m.fused_gate_up is not None for m in rank.modules())
         out = {}
         for on in (False, True):
-            set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on)
+            set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
             out[on] = rank(ids, rank.new_cache(2, 16)).logits
         assert _rel(out[True], out[False]) < 1e-5, _rel(out[True], out[False])
-    set_fast_kernels(gemv=True, norm_quant=True, router=True, prologue=True)
+    set_fast_kernels(gemv=True, norm_quant=True, router=True, prologue=True, absorb=True)
 
 
 if __name__ == "__main__":
@@ -259,6 +273,7 @@ if __name__ == "__main__":
         _norm_checks()
         _router_checks()
         _prologue_checks()
+        _absorb_checks()
     else:
         _model_checks()
     print(f"{sys.argv[1]} ok")

@@ -9,6 +9,8 @@ captured before a switch keep what they captured: `mtp.engine.release` the model
 - router: the MoE router in one kernel (`router.moe_route_fused`); off: `moe.moe_route` (2 launches).
 - prologue: the MLA prologue in two kernels (`mla_prologue`: kv_a norm, rotary, indexer key + cache write;
   q_pe rotary, indexer queries' rotary + Hadamard + quant); off: ~12 torch / compiled-glue launches.
+- absorb: MLA's absorbed kv_b projections (q_nope -> latent, latent -> v) in one launch each (`absorb`);
+  off: two torch einsums (~3 launches each).
 - pdl (off by default: not yet measured): launch the new kernels with programmatic dependent launch (Hopper),
   so that each may start while the previous kernel finishes (the GEMV requests its weights before waiting).
   torch.compile'd glue joins in only when TORCHINDUCTOR_ENABLE_PDL=1 is set before it compiles.
@@ -29,6 +31,7 @@ class FastKernels:
     norm_quant: bool = True
     router: bool = True
     prologue: bool = True
+    absorb: bool = True
     pdl: bool = False
 
 

@@ -237,6 +237,23 @@ def test_mla_prologue(B, T):
     assert (iq8.view(torch.uint8) == r8.view(torch.uint8)).float().mean() > 0.99 and (iqs == rs).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (3, 3)])
+def test_absorb(B, T):
+    from mtp.kernels.absorb import absorb_out, absorb_out_ref, absorb_q, absorb_q_ref
+
+    H = 16  # one TP=8 rank
+    qq = torch.randn(B, T, H * 192 + 64 * 128, device=DEV).bfloat16()
+    q_nope = qq[..., :H * 192].view(B, T, H, 192)[..., :128]  # strided, as mla_forward_fast hands it over
+    wkb = (torch.randn(H, 128, 512, device=DEV) * 0.05).bfloat16()
+    wvb = (torch.randn(H, 128, 512, device=DEV) * 0.05).bfloat16()
+    poison()
+    q_lat = absorb_q(q_nope, wkb)
+    assert q_lat.is_contiguous() and q_lat.dtype == torch.bfloat16
+    check_close(f"absorb_q B={B} T={T}", q_lat.float(), absorb_q_ref(q_nope, wkb).float(), 1e-2)
+    o_lat = torch.randn(B, T, H, 512, device=DEV).bfloat16()
+    check_close(f"absorb_out B={B} T={T}", absorb_out(o_lat, wvb).float(), absorb_out_ref(o_lat, wvb).float(), 1e-2)
+
+
 # ----------------------------------------------------------------------------- the fast path, old vs new kernels
 def test_fast_path_new_kernels_match_old():
     """A random gpu_test_config model on the fast path, new kernels (all switches on) vs old (all off), both held
@@ -260,19 +277,19 @@ def test_fast_path_new_kernels_match_old():
         for w in range(1, 6):
             out = {}
             for on in (False, True):
-                set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on)
+                set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
                 out[on] = _verify_logits(model, ids, w)
             err = lambda x: ((x - ref32[w]).norm() / ref32[w].norm()).item()  # noqa: E731
             rel = ((out[True] - out[False]).norm() / out[False].norm()).item()
             print(f"w={w}: rel L2 vs fp32: old kernels {err(out[False]):.3f}, new {err(out[True]):.3f}; "
                   f"new vs old {rel:.2e}")
             assert err(out[True]) <= 1.5 * err(out[False]) + 0.02
-        set_fast_kernels(gemv=True, norm_quant=True, router=True, prologue=True)
+        set_fast_kernels(gemv=True, norm_quant=True, router=True, prologue=True, absorb=True)
         prompts = [list(range(3, 40)), list(range(50, 61))]
         eager = generate(model, prompts, 12, mode="eager").tokens
         assert generate(model, prompts, 12, mode="graph").tokens == eager
     finally:
-        set_fast_kernels(gemv=True, norm_quant=True, router=True, prologue=True)
+        set_fast_kernels(gemv=True, norm_quant=True, router=True, prologue=True, absorb=True)
         disable_fast_path(model)
 
 
