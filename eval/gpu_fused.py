@@ -1,6 +1,6 @@
 """Time the fused decode kernels against the current path at TP=8 per-rank shapes, in one device call.
 
-    PYTHONPATH=. python eval/gpu_fused.py [--out DIR] [--only gemv,norm,router,step] [--quick]
+    python3 eval/gpu_fused.py [--out DIR] [--only gemv,norm,router,step] [--quick]
 
 Sections (each new kernel next to what the fast path ran before it, same process, same inputs):
 - gemv: `gemv_splitk.fp8_gemv` (x quantized in-kernel, and pre-quantized as the fused norm hands it over, and
@@ -30,6 +30,9 @@ import sys
 import time
 
 import torch
+
+if not __package__:  # run as a script (python3 eval/gpu_fused.py): the repository root for `eval` and `mtp`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eval import gpu_kernels as gk  # copy bandwidth, graph timing, rows and checks
 from mtp.model.fp8 import act_quant as act_quant_ref
