@@ -381,6 +381,13 @@ def main():
     out["bandwidth"] = copy_bandwidth()  # always: every % below is relative to it
     sections = [("act", act_quant_section), ("gemv", lambda: gemv_section(args.quick)), ("gemm", gemm_large_section),
                 ("moe", moe_section), ("mla", lambda: mla_section(args.quick)), ("indexer", indexer_section)]
+    run_sections(sections, only, out)
+    out["resources"] = kernel_resources()
+    finish(out, t0, os.path.join(args.out, "gpu_kernels.json"))
+
+
+def run_sections(sections, only: set, out: dict) -> None:
+    """Run each (name, fn) named in `only` into out[name]; a failing section is recorded, the others still run."""
     for name, fn in sections:
         if name not in only:
             continue
@@ -395,11 +402,14 @@ def main():
             check(f"section {name}", False, f"{type(e).__name__}: {str(e)[:300]}")
         log(f"[section] {name} took {time.time() - t:.1f} s")
         torch.cuda.empty_cache()
-    out["resources"] = kernel_resources()
+
+
+def finish(out: dict, t0: float, path: str) -> None:
+    """Write rows, checks and wall time as JSON to `path`; print the checks' summary and the table."""
     out["rows"], out["checks"] = ROWS, CHECKS
     out["wall_s"] = round(time.time() - t0, 1)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_kernels.json"), "w") as f:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
         json.dump(out, f, indent=1, default=str)
     n_fail = sum(not c["ok"] for c in CHECKS)
     log(f"\nchecks: {len(CHECKS) - n_fail} passed, {n_fail} failed; wall {out['wall_s']} s")

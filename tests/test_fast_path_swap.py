@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp.backends.fast_path import FastLinear, FastMLP, FastMoE, disable_fast_path, fast_module, reference_class
+from mtp.backends.fast_path import FastLinear, FastMLP, FastMoE, FastParallelMLP, disable_fast_path, fast_module, reference_class
 from mtp.checkpoint.tiny import tiny_config
 from mtp.model.fp8 import weight_quant
 from mtp.model.layers import MLP, Linear
@@ -42,13 +42,16 @@ def test_tensor_parallel_linear_keeps_its_forward_and_gets_the_fast_product():
     assert reference_class(RowParallelLinear) is RowParallelLinear
 
 
-def test_float_linears_and_parallel_mlps_keep_the_reference():
+def test_float_linears_keep_the_reference_and_parallel_mlps_fuse_gate_up():
     lin = Linear(64, 32, False, torch.float32)
     fast_module(lin)
     assert type(lin) is Linear  # bf16 heads stay on torch
     pm = ParallelMLP(256, 128, True, torch.float32, IdentityComm())
     fast_module(pm)
-    assert type(pm) is ParallelMLP  # its linears get the kernels, the MLP has no fused gate | up
+    assert isinstance(pm, FastParallelMLP) and pm.fused_gate_up is not None  # this rank's gate | up as one
+    assert type(pm).forward is FastParallelMLP.forward and type(pm).partial is FastParallelMLP.partial
+    disable_fast_path(pm)
+    assert type(pm) is ParallelMLP
 
 
 def test_swap_back_restores_reference_outputs():

@@ -1,10 +1,12 @@
 """Switch a loaded model between the plain-PyTorch reference and the Triton fast path, at run time.
 
 `enable_fast_path(model)` (CUDA, fp8 numerics) routes
-- every FP8 `Linear` through `kernels.fp8_gemm.fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above);
+- every FP8 `Linear` through `kernels.dispatch.linear`: the CUDA-core split-K GEMV (`gemv_splitk`) for <= 8 rows,
+  else `kernels.fp8_gemm.fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above);
   the bf16 ones (lm_head, MTP heads, eh_proj) stay on torch, whose bf16 GEMV reads the 1.85 GB lm_head at the
   HBM floor on an H200 (0.442 ms vs 0.439 ms; a Triton GEMV we tried was slower: BENCHMARKS.md);
-- every `MoE` through `kernels.moe.moe_route` + `moe_experts` (reads only the chosen experts; the expert-parallel
+- every `MoE` through the router (`kernels.dispatch.route`: `router.moe_route_fused`, one launch that also maps
+  ids to an expert-parallel rank's local ids) + `kernels.moe.moe_experts` (reads only the chosen experts; the expert-parallel
   MoE of `mtp.parallel` likewise over its rank's experts [e0, e1), skipping slots routed to other ranks). The experts'
   weights are restacked per projection into [E, N, K] tensors, and each expert's parameters become views of
   the stack, so memory is not doubled (peak: one projection of one layer);
@@ -12,12 +14,20 @@
   real-FP8 latent cache; kv_b_proj is dequantized once to bf16 for the absorbed q / output projections
   (DeepSeek's reference keeps the same dequantized copy). Longer blocks (prefill) stay on the reference path.
   The block runs in `mla_forward_fast`: q_a | indexer wk | kv_a and q_b | indexer wq_b as one GEMV each
-  (`fuse_rows`), the cache write in one kernel (`kernels.cache_write`);
-- dense MLPs and shared experts with gate and up stacked into one GEMV (`fuse_rows`).
+  (`fuse_rows`), the kv_a norm + rotary + indexer key + FP8 cache write and the q_pe rotary + indexer queries'
+  rotary, Hadamard and quant in one kernel each (`kernels.mla_prologue`), the absorbed kv_b projections in one
+  launch each (`kernels.absorb`);
+- dense MLPs and shared experts (also tensor-parallel ones: `FastParallelMLP`) with gate and up stacked into one
+  GEMV (`fuse_rows`);
+- every decoder `Block` (`FastBlock`): residual add + RMSNorm + FP8 quant in one kernel (`kernels.norm_quant`)
+  whose quantized output feeds the next GEMV directly (q_a | wk | kv_a; gate | up).
+The new fused kernels have run-time switches (`kernels.dispatch.SWITCHES`; `set_kernels(model, ...)` flips them
+and bumps `model.version`), so old and new kernels can be timed side by side in one process (eval/gpu_fused.py).
 A module swap, as `mtp.parallel.modules.shard_model` swaps in the per-rank modules: each module's class becomes
-a fast subclass of its own class (`FastLinear`, `FastMLP`, `FastMoE`, `FastMLA` over `Linear`, `MLP`, `MoE`,
-`MLA`, and over their tensor-parallel subclasses, so a sharded model gets the kernels too), holding the same
-parameters; the reference modules know nothing of it. `disable_fast_path(model)` swaps the reference classes
+a fast subclass of its own class (`FastLinear`, `FastMLP`, `FastParallelMLP`, `FastMoE`, `FastMLA`, `FastBlock`
+over `Linear`, `MLP`, `ParallelMLP`, `MoE`, `MLA`, `Block`, and over their tensor-parallel / MTP subclasses, so
+a sharded model and the MTP modules get the kernels too), holding the same parameters; the reference modules
+know nothing of it. `disable_fast_path(model)` swaps the reference classes
 back; the stacked expert tensors stay (they are the same weights). Both bump `model.version`, so CUDA graphs
 captured on the other path are never replayed.
 Both paths compute DeepSeek's FP8 numerics; they differ only in summation order and top-k tie-breaking, and
@@ -29,60 +39,106 @@ from __future__ import annotations
 import torch
 
 from ..kernels import available
+from ..kernels.absorb import MAX_TOKENS as ABSORB_MAX_TOKENS
+from ..kernels.absorb import absorb_out, absorb_q
 from ..kernels.cache_write import cache_write
-from ..kernels.fp8_gemm import fp8_linear
+from ..kernels.dispatch import SWITCHES, linear, route, set_fast_kernels
+from ..kernels.fp8_gemm import SMALL_M
 from ..kernels.indexer import indexer_topk
 from ..kernels.mla_decode import mla_decode
+from ..kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
 from ..kernels.moe import MAX_TOKENS as MOE_KERNEL_MAX_TOKENS
-from ..kernels.moe import moe_experts, moe_route
+from ..kernels.moe import moe_experts
+from ..kernels.norm_quant import add_rms_norm_quant
 from ..model.attention import MLA
-from ..model.deepseek import DeepseekV32
+from ..model.deepseek import Block, DeepseekV32
 from ..model.fp8 import acc_dtype
 from ..model.layers import MLP, Linear, glue
 from ..model.moe import MoE
+from ..parallel.modules import ParallelMLP
 
 
 class FastLinear(Linear):
-    """FP8 weights through `fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above)."""
+    """FP8 weights through `kernels.dispatch.linear`: the split-K GEMV for <= 8 rows (switch `gemv`), else
+    `fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above)."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale_inv)
+        return linear(x, self.weight, self.weight_scale_inv)
 
     def matmul_acc(self, x: torch.Tensor) -> torch.Tensor:
         if self.in_features == 0:
             return super().matmul_acc(x)
-        return fp8_linear(x, self.weight, self.weight_scale_inv, out_dtype=acc_dtype(x.dtype))
+        return linear(x, self.weight, self.weight_scale_inv, out_dtype=acc_dtype(x.dtype))
+
+
+def _gate_up(mlp: MLP, x: torch.Tensor, xq=None) -> torch.Tensor:
+    """silu(gate x) * up x in x.dtype, gate | up as one GEMV; xq = (x8, sx): x already quantized per 128."""
+    gu = linear(x, *mlp.fused_gate_up, xq=xq)
+    i = mlp.gate_proj.out_features
+    return glue.silu_mul(gu[..., :i], gu[..., i:], x.dtype)
 
 
 class FastMLP(MLP):
-    """Dense MLP / shared expert with gate and up as one GEMV (`fused_gate_up`, when `fuse_rows` could stack them)."""
+    """Dense MLP / shared expert with gate and up as one GEMV (`fused_gate_up`, when `fuse_rows` could stack them).
+    xq = (x8, sx): x already quantized per 128 (by `FastBlock`'s fused norm), fed to that GEMV."""
 
     fused_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
         if self.fused_gate_up is None:
             return super().forward(x)
-        gu = fp8_linear(x, *self.fused_gate_up)
-        i = self.gate_proj.out_features
-        return self.down_proj(glue.silu_mul(gu[..., :i], gu[..., i:], x.dtype))
+        return self.down_proj(_gate_up(self, x, xq))
+
+
+class FastParallelMLP(ParallelMLP):
+    """The tensor-parallel MLP (dense layers, shared expert) with this rank's gate | up rows as one GEMV; its
+    all-reduce stays. Same formulas as `ParallelMLP.partial`."""
+
+    fused_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def partial(self, x: torch.Tensor, xq=None) -> torch.Tensor:
+        if self.fused_gate_up is None or self.gate_proj.out_features == 0:
+            return super().partial(x)
+        return self.down_proj.matmul_acc(_gate_up(self, x, xq))
+
+    def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
+        return self.comm.all_reduce(self.partial(x, xq)).to(x.dtype)
 
 
 class FastMoE(MoE):
-    """Routed experts [e0, e1) through `moe_route` + `moe_experts` on the stacked experts (`stack_experts`):
-    reads only the chosen experts, no host sync, capturable; ids outside [e0, e1) (other ranks' experts) are
-    -1 slots, which the kernel skips."""
+    """Routed experts [e0, e1) through the router (`kernels.dispatch.route`: one fused launch with switch
+    `router`, which also maps ids to this rank's local ids) + `moe_experts` on the stacked experts
+    (`stack_experts`): reads only the chosen experts, no host sync, capturable; ids outside [e0, e1) (other
+    ranks' experts) are -1 slots, which the kernel skips. `forward(x, xq)` feeds x's quantized form to the
+    shared expert's gate | up GEMV."""
 
     stacked: dict[str, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
+        if xq is None:
+            return super().forward(x)
+        shape = x.shape
+        D = shape[-1]
+        x_ND = x.reshape(-1, D)
+        out = self.routed(x_ND)
+        if self.shared_experts is not None:
+            out = out + self._shared_q(x_ND, (xq[0].reshape(-1, D), xq[1].reshape(-1, D // 128)))
+        return self.reduce(out).to(x.dtype).view(shape)
+
+    def _shared_q(self, x_ND: torch.Tensor, xq_ND) -> torch.Tensor:
+        """`shared(x_ND)` with the quantized x fed to the fused gate | up GEMV where the shared expert has one."""
+        se = self.shared_experts
+        if isinstance(se, FastParallelMLP) and se.fused_gate_up is not None:
+            return se.partial(x_ND, xq_ND)  # as ExpertParallelMoE.shared
+        if isinstance(se, FastMLP) and se.fused_gate_up is not None and not isinstance(se, ParallelMLP):
+            return se(x_ND, xq_ND).to(acc_dtype(x_ND.dtype))  # as MoE.shared
+        return self.shared(x_ND)
 
     def routed(self, x_ND: torch.Tensor) -> torch.Tensor:
         if x_ND.shape[0] > MOE_KERNEL_MAX_TOKENS:
             return super().routed(x_ND)
-        g = self.gate
-        w_NK, ids_NK = moe_route(x_ND, g.weight, g.e_score_correction_bias, n_group=g.n_groups,
-                                 topk_group=g.topk_groups, topk=g.topk, route_scale=g.route_scale)
-        if (self.e0, self.e1) != (0, g.n_experts):
-            local_NK = ids_NK - self.e0
-            ids_NK = torch.where((local_NK >= 0) & (local_NK < self.e1 - self.e0), local_NK, -1)  # -1: skipped
+        local = None if (self.e0, self.e1) == (0, self.gate.n_experts) else (self.e0, self.e1)
+        w_NK, ids_NK = route(x_ND, self.gate, local=local)  # local: id - e0, or -1 for another rank's expert
         s = self.stacked
         return moe_experts(x_ND, ids_NK, w_NK, s["gate_proj.weight"], s["gate_proj.weight_scale_inv"],
                            s["up_proj.weight"], s["up_proj.weight_scale_inv"], s["down_proj.weight"],
@@ -95,13 +151,49 @@ class FastMLA(MLA):
 
     fused_a = fused_qb = None  # stacked FP8 weights of the projections that read one input (`fuse_rows`)
 
-    def forward(self, x_BTD, pos_BT, cos, sin, cache, S: int, opts, visible_BTS=None) -> torch.Tensor:
-        if self.naive(x_BTD.shape[1], opts) or not cache.quantized or visible_BTS is not None:
+    def absorbed_fast(self, T: int, cache, opts, visible_BTS=None) -> bool:
+        """Whether `forward` takes `mla_forward_fast` for a block of T tokens (a tree's visibility mask keeps the
+        reference attention: the kernels see causal rows only)."""
+        return not self.naive(T, opts) and cache.quantized and visible_BTS is None
+
+    def forward(self, x_BTD, pos_BT, cos, sin, cache, S: int, opts, visible_BTS=None, xq=None) -> torch.Tensor:
+        if not self.absorbed_fast(x_BTD.shape[1], cache, opts, visible_BTS):
             return super().forward(x_BTD, pos_BT, cos, sin, cache, S, opts, visible_BTS)
-        return mla_forward_fast(self, x_BTD, pos_BT, cos, sin, cache, S)
+        return mla_forward_fast(self, x_BTD, pos_BT, cos, sin, cache, S, xq=xq)
 
 
-FAST_CLASSES = (FastLinear, FastMLP, FastMoE, FastMLA)
+class FastBlock(Block):
+    """`Block.forward` with the norms fused (switch `norm_quant`, fp32 residual): input norm + FP8 quant in one
+    kernel (`kernels.norm_quant`), then the attention's residual add + post-attention norm + quant in one, each
+    quantized output fed to the next FP8 GEMV (q_a | wk | kv_a; the dense MLP's / shared expert's gate | up).
+    Same formulas as `Block.forward`; otherwise it is `Block.forward`."""
+
+    def forward(self, h_BTD, pos_BT, cos, sin, cache, S: int, opts, dtype, visible_BTS=None) -> torch.Tensor:
+        if not SWITCHES.norm_quant or h_BTD.dtype != torch.float32 or visible_BTS is not None:
+            return super().forward(h_BTD, pos_BT, cos, sin, cache, S, opts, dtype, visible_BTS)
+        B, T, D = h_BTD.shape
+        quant = B * T <= SMALL_M and D % 128 == 0
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        pdl = SWITCHES.pdl
+        _, x, x8, sx = add_rms_norm_quant(h_BTD, None, n1.weight, n1.eps, dtype, quant=quant, pdl=pdl)
+        xq = (x8, sx) if quant else None
+        attn = self.self_attn
+        if isinstance(attn, FastMLA) and attn.absorbed_fast(T, cache, opts):
+            a = attn(x, pos_BT, cos, sin, cache, S, opts, xq=xq)
+        else:
+            a = attn(x, pos_BT, cos, sin, cache, S, opts)
+        h_BTD, x, x8, sx = add_rms_norm_quant(h_BTD, a, n2.weight, n2.eps, dtype, quant=quant, pdl=pdl)
+        xq = (x8, sx) if quant else None
+        mlp = self.mlp
+        if xq is not None and (isinstance(mlp, FastMoE) or getattr(mlp, "fused_gate_up", None) is not None):
+            y = mlp(x, xq)
+        else:
+            y = mlp(x)
+        # one kernel: the add promotes the model-dtype FFN output to fp32 exactly (no separate cast launch)
+        return h_BTD + y
+
+
+FAST_CLASSES = (FastLinear, FastMLP, FastParallelMLP, FastMoE, FastMLA, FastBlock)
 _combined: dict[tuple[type, type], type] = {}
 
 
@@ -149,9 +241,15 @@ def fast_module(mod: torch.nn.Module, mm_fp32: bool = False) -> None:
         # the projections that read the same input, as one weight each (one launch instead of 3 and 2)
         mod.fused_a = fuse_rows([mod.q_a_proj, ix.wk, mod.kv_a_proj_with_mqa])
         mod.fused_qb = fuse_rows([mod.q_b_proj, ix.wq_b])
+    elif type(mod) is ParallelMLP:  # this rank's gate and up rows as one
+        _swap(mod, FastParallelMLP)
+        if mod.gate_proj.out_features:
+            mod.fused_gate_up = fuse_rows([mod.gate_proj, mod.up_proj])
     elif type(mod) is MLP:  # dense MLPs and shared experts (callers skip routed experts): gate and up as one
         _swap(mod, FastMLP)
         mod.fused_gate_up = fuse_rows([mod.gate_proj, mod.up_proj])
+    elif isinstance(mod, Block):
+        _swap(mod, FastBlock)
 
 
 def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV32:
@@ -164,13 +262,29 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV
         raise ValueError("the fast path implements DeepSeek's FP8 numerics: load an FP8 checkpoint with numerics='fp8'")
     if compile_glue:
         glue.compile()
-    mm_fp32 = _mm_out_fp32()
+    install_fast_modules(model, _mm_out_fp32())
+    return model
+
+
+def install_fast_modules(model: torch.nn.Module, mm_fp32: bool = False) -> None:
+    """The module swaps of `enable_fast_path` without its device checks (tests run them under the Triton
+    interpreter on the CPU). mm_fp32: cuBLAS has bf16 x bf16 -> fp32 (`_mm_out_fp32`)."""
     routed = {id(mod.expert(e)) for mod in model.modules() if isinstance(mod, MoE) for e in range(mod.e0, mod.e1)}
     for mod in list(model.modules()):
         if id(mod) not in routed:  # routed experts are read through their MoE's stack
             fast_module(mod, mm_fp32)
-    model.version += 1  # graphs captured on the reference path must not be replayed
-    return model
+    if isinstance(model, DeepseekV32):
+        model.version += 1  # graphs captured on the reference path must not be replayed
+
+
+def set_kernels(model: torch.nn.Module | None = None, **flags: bool):
+    """`kernels.dispatch.set_fast_kernels(**flags)` (the new fused kernels on / off, read at call time) and, for
+    a model, a bump of `model.version`, so CUDA graphs the engine kept (captured with the old switches) are
+    captured again. Returns the previous switches."""
+    old = set_fast_kernels(**flags)
+    if isinstance(model, DeepseekV32):
+        model.version += 1
+    return old
 
 
 def disable_fast_path(model: torch.nn.Module) -> torch.nn.Module:
@@ -241,29 +355,44 @@ def stack_experts(moe: MoE) -> None:
     moe.stacked = stacked
 
 
-def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int) -> torch.Tensor:
+def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None) -> torch.Tensor:
     """The whole MLA block of a decode / verify step on the kernels: the fused input projections
-    (q_a | indexer wk | kv_a, then q_b | indexer wq_b), the FP8 cache write in one launch, the indexer top-k and
-    absorbed attention over the cache, o_proj. Same formulas as `MLA.forward`'s absorbed path."""
+    (q_a | indexer wk | kv_a, then q_b | indexer wq_b), the FP8 cache write in one launch (switch `prologue`:
+    with the kv_a norm, rotary and indexer key), the indexer top-k and absorbed attention over the cache, o_proj.
+    Same formulas as `MLA.forward`'s absorbed path.
+    xq = (x8, sx): x_BTD already quantized per 128 (by the block's fused norm), fed to the first GEMV."""
     B, T, _ = x_BTD.shape
     dt = x_BTD.dtype
     ix = mla.indexer
     Q, Dk, H, P, R = mla.q_a_proj.out_features, ix.head_dim, mla.H, mla.P, mla.R
     if mla.fused_a is not None:
-        a = fp8_linear(x_BTD, *mla.fused_a)
+        a = linear(x_BTD, *mla.fused_a, xq=xq)
         qa, k_idx, kv = a[..., :Q], a[..., Q:Q + Dk], a[..., Q + Dk:]
     else:
         qa, k_idx, kv = mla.q_a_proj(x_BTD), ix.wk(x_BTD), mla.kv_a_proj_with_mqa(x_BTD)
-    qr = mla.q_a_layernorm(qa, dt)
-    c = mla.kv_a_layernorm(kv[..., : mla.C], dt)
-    k_pe = glue.rope_interleaved(kv[..., mla.C:], cos, sin)
-    cache_write(cache, pos_BT, c, k_pe, ix._rotate(ix.k_norm(k_idx), cos, sin))
-    if mla.fused_qb is not None:
-        qq = fp8_linear(qr, *mla.fused_qb)
+    prologue = SWITCHES.prologue and mla.fused_a is not None and mla.fused_qb is not None
+    if prologue:  # kv_a norm, rotary, indexer key and the cache write in one launch
+        mla_kv_prologue(mla, cache, pos_BT, a, cos, sin)
+    else:
+        c = mla.kv_a_layernorm(kv[..., : mla.C], dt)
+        k_pe = glue.rope_interleaved(kv[..., mla.C:], cos, sin)
+        cache_write(cache, pos_BT, c, k_pe, ix._rotate(ix.k_norm(k_idx), cos, sin))
+    if mla.fused_qb is not None and SWITCHES.norm_quant:  # the q_a norm + quant in one launch, y not stored
+        n = mla.q_a_layernorm
+        _, _, q8, qs = add_rms_norm_quant(qa, None, n.weight, n.eps, dt, store_y=False, pdl=SWITCHES.pdl)
+        qq = linear(None, *mla.fused_qb, out_dtype=dt, xq=(q8, qs))
+        q, iq = qq[..., : H * (P + R)], qq[..., H * (P + R):]
+    elif mla.fused_qb is not None:
+        qq = linear(mla.q_a_layernorm(qa, dt), *mla.fused_qb)
         q, iq = qq[..., : H * (P + R)], qq[..., H * (P + R):]
     else:
+        qr = mla.q_a_layernorm(qa, dt)
         q, iq = mla.q_b_proj(qr), ix.wq_b(qr)
     q = q.view(B, T, H, P + R)
+    if prologue:  # q_pe rotary and the indexer queries' rotary, Hadamard and quant in one launch
+        q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin)
+        o = mla_attend_fast(mla, x_BTD, None, q[..., :P], q_pe, cache, S, out_dtype=dt, iq_quant=(iq8, iqs))
+        return mla.o_proj(o.reshape(B, T, H * mla.V))
     q_nope, q_pe = q[..., :P], glue.rope_interleaved(q[..., P:], cos, sin)
     iq = ix._rotate(iq.view(B, T, ix.n_heads, Dk), cos, sin)
     o = mla_attend_fast(mla, x_BTD, iq, q_nope, q_pe, cache, S, out_dtype=dt)
@@ -271,11 +400,12 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int) -> torch.
 
 
 def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
-                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    out_dtype: torch.dtype = torch.float32, iq_quant=None) -> torch.Tensor:
     """Absorbed MLA over the FP8 cache with the indexer's top-k: returns o [B, T, H, V] in out_dtype.
-    iq_BTHD: the indexer queries, rotated (`Indexer.queries`), before quantization."""
+    iq_BTHD: the indexer queries, rotated (`Indexer.queries`), before quantization; or iq_quant = (iq8, iqs
+    [B, T, Hi, 1]) already quantized (`mla_prologue.mla_q_prologue`)."""
     ix = mla.indexer
-    q8, qs = glue.act_quant(iq_BTHD)  # qs [B, T, Hi, 1]
+    q8, qs = glue.act_quant(iq_BTHD) if iq_quant is None else iq_quant  # qs [B, T, Hi, 1]
     if mla.w_idx_t is not None and x_BTD.dtype == torch.bfloat16:
         # bf16 x bf16 products are exact in fp32 and cuBLAS sums them in fp32: the reference's fp32 math
         x2 = x_BTD.reshape(-1, x_BTD.shape[-1])
@@ -288,7 +418,13 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
     if ix.topk < S:
         topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
                                    topk=ix.topk)
-    q_lat = torch.einsum("bthp,hpc->bthc", q_nope.to(torch.bfloat16), mla.w_kb).contiguous()
+    absorb = SWITCHES.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS
+    if absorb:  # one launch each instead of copy + batched GEMM + copy
+        q_lat = absorb_q(q_nope, mla.w_kb)
+    else:
+        q_lat = torch.einsum("bthp,hpc->bthc", q_nope.to(torch.bfloat16), mla.w_kb).contiguous()
     o_lat = mla_decode(q_lat, q_pe.to(torch.bfloat16).contiguous(), cache.kv[:, :S], cache.kv_scale[:, :S],
                        cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.bfloat16)
+    if absorb:
+        return absorb_out(o_lat, mla.w_vb).to(out_dtype)
     return torch.einsum("bthc,hvc->bthv", o_lat, mla.w_vb).to(out_dtype)

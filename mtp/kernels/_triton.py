@@ -59,3 +59,13 @@ def _interpreting() -> bool:
     import os
 
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def pdl_kwargs(pdl: bool, t: torch.Tensor) -> dict:
+    """Launch options for programmatic dependent launch (Hopper+): the kernel may start while the previous one
+    in the stream finishes, and must `gdc_wait` before touching anything that kernel writes (the fused kernels
+    load only constant weights before it, and store nothing). Empty unless asked for and on a CUDA device of
+    compute capability >= 9 (the interpreter and older GPUs run the kernel without it: its PDL branch is off)."""
+    if not pdl or not t.is_cuda or torch.cuda.get_device_capability(t.device)[0] < 9:
+        return {}
+    return {"launch_pdl": True}

@@ -158,12 +158,15 @@ def test_moe_route(T):
     assert (idx == ir2).float().mean() > 0.99
 
 
-def test_moe_route_ties_lower_index():
+@pytest.mark.parametrize("router", ["moe_route", "moe_route_fused"])
+def test_moe_route_ties_lower_index(router):
+    from mtp.kernels.router import moe_route_fused
+
     E, D, T = 256, 256, 4
     x = torch.zeros(T, D, device=DEV)
     wg = torch.randn(E, D, device=DEV)
     bias = (torch.randint(0, 3, (E,), device=DEV) * 0.25).float()  # many exact ties
-    w, idx = moe_route(x, wg, bias)
+    w, idx = (moe_route if router == "moe_route" else moe_route_fused)(x, wg, bias)
     wr, ir = moe_route_ref(x, wg, bias)
     assert torch.equal(idx, ir), f"{idx.tolist()} != {ir.tolist()}"
     check_close("route weights ties", w, wr, 1e-6)

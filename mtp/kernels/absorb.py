@@ -1,0 +1,92 @@
+"""MLA's absorbed kv_b projections for a few tokens, one launch each (Triton): q_lat = q_nope . W_kb per head
+into the latent space, and o = o_lat . W_vb^T per head out of it.
+
+Reference: `absorb_q_ref` / `absorb_out_ref` (the two `torch.einsum`s of `fast_path.mla_attend_fast`). Shape
+legend: n = B*T tokens (<= 64), H heads, P nope dims, C latent dims, V value dims; W_kb [H, P, C] and
+W_vb [H, V, C] (kv_b_proj dequantized once to bf16).
+
+Each einsum is 3 launches on a decode step today (a copy of the strided q_nope / o_lat into head-major order,
+the batched GEMM, a copy back to token-major order). Here one program per (head, 128-wide output block) loads
+its weight tile and every token's row of that head straight from the strided input, multiplies on tensor
+cores (bf16 products are exact in fp32; fp32 accumulation, as cuBLAS's bf16 GEMM) and writes token-major
+output in the model dtype. At one TP=8 rank (16 heads) each weight is 2 MB: 64 programs of 32 KB.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp.kernels._triton import require, tl, triton
+
+__all__ = ["absorb_q", "absorb_q_ref", "absorb_out", "absorb_out_ref", "MAX_TOKENS"]
+
+MAX_TOKENS = 64
+
+
+def absorb_q_ref(q_nope_BTHP: torch.Tensor, w_kb_HPC: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("bthp,hpc->bthc", q_nope_BTHP.to(w_kb_HPC.dtype), w_kb_HPC).contiguous()
+
+
+def absorb_out_ref(o_lat_BTHC: torch.Tensor, w_vb_HVC: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("bthc,hvc->bthv", o_lat_BTHC, w_vb_HVC)
+
+
+@triton.jit
+def _absorb_kernel(x_ptr, w_ptr, y_ptr, n_tok, stride_xn, stride_xh, stride_wh, stride_wk, stride_wo,
+                   H: tl.constexpr, KD: tl.constexpr, OD: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr,
+                   BT: tl.constexpr, IEEE: tl.constexpr):
+    """y[n, h, o] = sum_k x[n, h, k] * w[h, k, o] (strides say how w is laid out), o in this program's block."""
+    h = tl.program_id(0)
+    ob = tl.program_id(1)
+    t = tl.arange(0, BT)
+    o = ob * BO + tl.arange(0, BO)
+    tmask = t < n_tok
+    acc = tl.zeros((BT, BO), dtype=tl.float32)
+    for k0 in tl.static_range(0, KD, BK):  # unrolled: every tile of the head requested at once
+        k = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + t[:, None] * stride_xn + h * stride_xh + k[None, :], mask=tmask[:, None], other=0.0)
+        w = tl.load(w_ptr + h * stride_wh + k[:, None] * stride_wk + o[None, :] * stride_wo)
+        if IEEE:
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x.to(w.dtype), w)
+    y = y_ptr + (t[:, None] * H + h) * OD + o[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=tmask[:, None])
+
+
+def _launch(x_BTHK, w, stride_wk, stride_wo, OD, out_dtype):
+    require(x_BTHK, "absorb")
+    B, T, H, KD = x_BTHK.shape
+    n = B * T
+    if not 1 <= n <= MAX_TOKENS:
+        raise ValueError(f"absorb: 1..{MAX_TOKENS} tokens, got {n}")
+    if x_BTHK.stride(-1) != 1 or x_BTHK.stride(0) != T * x_BTHK.stride(1):
+        x_BTHK = x_BTHK.contiguous()  # the kernel walks tokens with one stride
+    y = torch.empty(B, T, H, OD, dtype=out_dtype, device=x_BTHK.device)
+    bo = min(128, OD)
+    bk = min(128, KD)
+    if OD % bo or KD % bk:
+        raise ValueError(f"absorb: dims {KD} -> {OD} must be multiples of {bk} / {bo}")
+    ieee = w.dtype == torch.float32
+    _absorb_kernel[(H, OD // bo)](x_BTHK, w, y, n, x_BTHK.stride(1), x_BTHK.stride(2), w.stride(0), stride_wk,
+                                  stride_wo, H=H, KD=KD, OD=OD, BO=bo, BK=bk, BT=max(16, triton.next_power_of_2(n)),
+                                  IEEE=ieee, num_warps=4)
+    return y
+
+
+def absorb_q(q_nope_BTHP: torch.Tensor, w_kb_HPC: torch.Tensor) -> torch.Tensor:
+    """Kernel twin of `absorb_q_ref`: q_lat [B, T, H, C] contiguous in w_kb's dtype; q_nope may be a strided
+    view (the q_b output's nope channels)."""
+    H, P, C = w_kb_HPC.shape
+    if q_nope_BTHP.shape[2:] != (H, P):
+        raise ValueError(f"absorb_q: q_nope must be [B, T, {H}, {P}], got {list(q_nope_BTHP.shape)}")
+    return _launch(q_nope_BTHP, w_kb_HPC, w_kb_HPC.stride(1), w_kb_HPC.stride(2), C, w_kb_HPC.dtype)
+
+
+def absorb_out(o_lat_BTHC: torch.Tensor, w_vb_HVC: torch.Tensor) -> torch.Tensor:
+    """Kernel twin of `absorb_out_ref`: o [B, T, H, V] contiguous in the einsum's dtype (o_lat's / W_vb's)."""
+    H, V, C = w_vb_HVC.shape
+    if o_lat_BTHC.shape[2:] != (H, C) or o_lat_BTHC.dtype != w_vb_HVC.dtype:
+        raise ValueError(f"absorb_out: o_lat must be [B, T, {H}, {C}] in {w_vb_HVC.dtype}, got "
+                         f"{list(o_lat_BTHC.shape)} {o_lat_BTHC.dtype}")
+    return _launch(o_lat_BTHC, w_vb_HVC, w_vb_HVC.stride(2), w_vb_HVC.stride(1), V, w_vb_HVC.dtype)

@@ -1,0 +1,92 @@
+"""Which FP8 linear kernel the fast path runs, and the switches that pick the new fused kernels.
+
+`SWITCHES` is read at call time, so old and new kernels can be timed side by side in one process (graphs
+captured before a switch keep what they captured: flip them with `mtp.backends.fast_path.set_kernels(model, ...)`,
+which also bumps `model.version`, so the engine captures its kept graphs again).
+- gemv: `gemv_splitk.fp8_gemv` (CUDA-core split-K GEMV, all of a program's weight tile in one load) for
+  1..MAX_M rows; off: the tensor-core `fp8_gemm.fp8_linear`.
+- norm_quant: the decoder block's residual add + RMSNorm + FP8 quant in one kernel (`norm_quant`), its
+  quantized output fed to the next GEMV (`fast_path.FastBlock`); also the q_a norm + quant.
+- router: the MoE router in one kernel (`router.moe_route_fused`); off: `moe.moe_route` (2 launches).
+- prologue: the MLA prologue in two kernels (`mla_prologue`: kv_a norm, rotary, indexer key + cache write;
+  q_pe rotary, indexer queries' rotary + Hadamard + quant); off: ~12 torch / compiled-glue launches.
+- absorb: MLA's absorbed kv_b projections (q_nope -> latent, latent -> v) in one launch each (`absorb`);
+  off: two torch einsums (~3 launches each).
+- pdl (off by default: not yet measured): launch the new kernels with programmatic dependent launch (Hopper),
+  so that each may start while the previous kernel finishes (the GEMV requests its weights before waiting).
+  torch.compile'd glue joins in only when TORCHINDUCTOR_ENABLE_PDL=1 is set before it compiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = ["FastKernels", "SWITCHES", "set_fast_kernels", "linear", "route"]
+
+
+@dataclass
+class FastKernels:
+    gemv: bool = True
+    norm_quant: bool = True
+    router: bool = True
+    prologue: bool = True
+    absorb: bool = True
+    pdl: bool = False
+
+
+SWITCHES = FastKernels()
+
+
+def set_fast_kernels(**flags: bool) -> FastKernels:
+    """Set some switches (names of `FastKernels`); returns the previous values, to restore with
+    `set_fast_kernels(**vars(old))`."""
+    names = {f.name for f in fields(FastKernels)}
+    bad = set(flags) - names
+    if bad:
+        raise ValueError(f"set_fast_kernels: unknown switch {sorted(bad)}; known: {sorted(names)}")
+    old = FastKernels(**vars(SWITCHES))
+    for k, v in flags.items():
+        setattr(SWITCHES, k, bool(v))
+    return old
+
+
+def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, out_dtype: torch.dtype | None = None,
+           xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """y = x @ dequant(w8, sw)^T on the kernels; xq = (x8, sx): x already quantized per 128 (x may be None,
+    the output is then fp32 unless out_dtype says otherwise)."""
+    from mtp.kernels.fp8_gemm import fp8_gemm, fp8_linear
+    from mtp.kernels.gemv_splitk import MAX_M, fp8_gemv
+
+    src = x if x is not None else xq[0]
+    K = src.shape[-1]
+    M = src.numel() // K if K else 0
+    if SWITCHES.gemv and 1 <= M <= MAX_M and w8.shape[0] > 0:
+        return fp8_gemv(x, w8, sw, xq=xq, out_dtype=out_dtype, pdl=SWITCHES.pdl)
+    if xq is not None:
+        x8, sx = xq
+        y = fp8_gemm(x8.reshape(-1, K), sx.reshape(-1, K // 128), w8, sw,
+                     out_dtype=out_dtype or (x.dtype if x is not None else torch.float32))
+        return y.reshape(*src.shape[:-1], w8.shape[0])
+    return fp8_linear(x, w8, sw, out_dtype=out_dtype)
+
+
+def route(x_ND: torch.Tensor, gate, local: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE router on the kernels for `gate` (an `mtp.model.moe.Gate`): (weights [N, K] fp32, ids [N, K] int32).
+    local = (e0, e1): ids as this rank sees them, e - e0 for an expert in [e0, e1) and -1 for one on another
+    rank (what `moe_experts` takes). Switch `router`: one launch (`router.moe_route_fused`, the mapping inside);
+    off: `moe.moe_route` (gate GEMV + top-k) and the mapping in torch."""
+    kw = dict(n_group=gate.n_groups, topk_group=gate.topk_groups, topk=gate.topk, route_scale=gate.route_scale)
+    if SWITCHES.router:
+        from mtp.kernels.router import moe_route_fused
+
+        return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, local=local, pdl=SWITCHES.pdl, **kw)
+    from mtp.kernels.moe import moe_route
+
+    w, ids = moe_route(x_ND, gate.weight, gate.e_score_correction_bias, **kw)
+    if local is not None:
+        e0, e1 = local
+        ids = ids - e0
+        ids = torch.where((ids >= 0) & (ids < e1 - e0), ids, -1)
+    return w, ids

@@ -1,0 +1,177 @@
+"""FP8 block-scaled GEMV for a few rows and small weights (Triton, CUDA cores, split-K, one launch).
+
+Reference: `fp8_gemv_ref` (act_quant + `mtp.model.fp8.fp8_gemm_ref`, plain PyTorch). Shape legend: M rows (1..8:
+decode / verify widths), K input channels (a multiple of 128), N output rows, G = K // 128 groups,
+S split-K slices, GPS groups per slice. w8_NK float8_e4m3fn, sw [ceil(N/128), G] fp32.
+
+Why another GEMV (the tensor-core one in `fp8_gemm` stays for M > 8 and as the switchable old path): at
+TP=8 rank shapes the weights are 2-17 MB (q_a | wk | kv_a 2240 x 7168, q_b | wq_b 11264 x 1536, o_proj
+7168 x 2048, the shared expert 512 x 7168 / 7168 x 256), 0.5-4 us of HBM time each, and the old kernel
+takes 6.7-10 us on them (H200: N=576 K=7168 at 14.7% of copy bandwidth, BENCHMARKS_kernels.md). What it
+does that costs latency rather than bytes:
+- each program walks its K groups in a software pipeline 3 stages deep, so only 2-3 of its 8 KB tiles are
+  in flight; a small weight needs the whole weight in flight at once (4.2 TB/s x ~0.8 us of DRAM latency
+  = ~3.4 MB) to reach the floor;
+- the split-K fix-up sums the S partials in a serial loop of dependent L2 loads (S = 14 for K = 7168);
+- wgmma needs >= 16 (swap-AB: the MMA's N) rows, so M = 1 pads 16x and stages tiles through shared memory.
+Here a program owns a [BN, GPS * 128] weight tile (16 KB by default: BN = 16 rows x 8 groups for
+K = 7168) and issues all of it as one load, so every program's bytes are requested at once; it multiplies
+on CUDA cores in fp32 (an e4m3 x e4m3 product is exact in fp32, so each group's dot is the fp32 sum the
+reference takes, in another order), scales each group's dot by s_x * s_w and sums the groups in fp32, as
+DeepSeek's FP8 GEMM promotes every 128 K. Activations come pre-quantized (x8, sx: from the fused
+norm + quant kernel, `norm_quant`) or are quantized per 128 in registers (bit-identical to act_quant).
+Split-K partials go to an fp32 workspace [S, M, N]; the last slice of an N-block to arrive (an atomic
+counter, re-armed by that slice: CUDA-graph safe) loads all S partials of a row in one [S, BN] load (one L2
+round trip, not S) and sums them: one launch, deterministic (a fixed reduction tree).
+Predicted (H200, from bytes and round trips; to be measured by eval/gpu_fused.py): ~3-4 us where the
+old kernel takes 6.7-10 us on the rank-sized weights above.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp.model.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
+from mtp.model.fp8 import act_quant as act_quant_ref
+from mtp.kernels._triton import pdl_kwargs, require, tl, triton
+from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
+from mtp.kernels.fp8_gemm import _check_weight, _counters, _num_sms
+
+__all__ = ["fp8_gemv", "fp8_gemv_ref", "gemv_plan", "MAX_M"]
+
+MAX_M = 8  # rows this kernel takes (CUDA-core FMAs: at M = 8 the math is ~the HBM time of a 16 KB tile)
+TILE_BYTES = 16384  # weight bytes per program by default
+
+
+def fp8_gemv_ref(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Plain-PyTorch reference: y [M, N] = act_quant(x) (or the given xq = (x8, sx)) times the block-scaled
+    weight, fp32 math, in out_dtype (default x's dtype, fp32 when only xq is given)."""
+    x8, sx = xq if xq is not None else act_quant_ref(x)
+    K = x8.shape[-1]
+    y = fp8_gemm_ref(x8.reshape(-1, K), sx.reshape(-1, K // BLOCK), w8, sw)
+    return y.to(out_dtype or (x.dtype if x is not None else torch.float32)).reshape(*x8.shape[:-1], w8.shape[0])
+
+
+@triton.jit
+def _gemv_fma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, G, n_splits,
+                     stride_xm, stride_sxm, stride_wn, stride_swn,
+                     M: tl.constexpr, PREQUANT: tl.constexpr, SPLIT: tl.constexpr,
+                     BN: tl.constexpr, GPS: tl.constexpr, SPAD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # programmatic dependent launch: let the next kernel start its own weight loads
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_g = pid_s * GPS + tl.arange(0, GPS)
+    offs_k = tl.arange(0, 128)
+    nmask = offs_n < N
+    gmask = offs_g < G
+    # the whole [BN, GPS, 128] tile in one load: every byte of this program in flight at once
+    w_offs = (offs_n.to(tl.int64)[:, None, None] * stride_wn + offs_g[None, :, None] * 128
+              + offs_k[None, None, :])
+    w = tl.load(w_ptr + w_offs, mask=nmask[:, None, None] & gmask[None, :, None], other=0.0)
+    sw = tl.load(sw_ptr + (offs_n // 128)[:, None] * stride_swn + offs_g[None, :],
+                 mask=nmask[:, None] & gmask[None, :], other=0.0)  # [BN, GPS]
+    if PDL:  # the weights are constant: their loads overlap the previous kernel; x and every store wait for it
+        tl.extra.cuda.gdc_wait()
+    wf = w.to(tl.float32)
+    x_offs = offs_g[:, None] * 128 + offs_k[None, :]  # [GPS, 128]
+    for m in tl.static_range(M):
+        if PREQUANT:
+            x8 = tl.load(x_ptr + m * stride_xm + x_offs, mask=gmask[:, None], other=0.0).to(tl.float32)
+            sx = tl.load(sx_ptr + m * stride_sxm + offs_g, mask=gmask, other=0.0)
+        else:
+            xf = tl.load(x_ptr + m * stride_xm + x_offs, mask=gmask[:, None], other=0.0).to(tl.float32)
+            sx, inv = ue8m0_scale(tl.max(tl.abs(xf), axis=1))
+            x8 = quant_e4m3(xf, inv[:, None]).to(tl.float32)
+        d = tl.sum(wf * x8[None, :, :], axis=2)  # [BN, GPS]: one fp32 dot per 128-group
+        acc = tl.sum(d * sw * sx[None, :], axis=1)  # [BN]
+        if SPLIT:
+            tl.store(part_ptr + (pid_s * M + m) * N + offs_n, acc, mask=nmask)
+        else:
+            tl.store(y_ptr + m * N + offs_n, acc.to(y_ptr.dtype.element_ty), mask=nmask)
+    if SPLIT:
+        # the last slice of this N-block to arrive sums the partials; it re-arms the counter at 0
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_splits - 1:
+            offs_s = tl.arange(0, SPAD)
+            pmask = (offs_s < n_splits)[:, None] & nmask[None, :]
+            for m in tl.static_range(M):
+                p = tl.load(part_ptr + (offs_s[:, None] * M + m) * N + offs_n[None, :], mask=pmask, other=0.0,
+                            cache_modifier=".cg")
+                tl.store(y_ptr + m * N + offs_n, tl.sum(p, axis=0).to(y_ptr.dtype.element_ty), mask=nmask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+def gemv_plan(N: int, G: int, device: torch.device) -> dict:
+    """Tile of the CUDA-core GEMV: GPS = the largest power of two <= 8 dividing G (no masked groups, so
+    K = 7168 -> 8 groups per slice, 7 slices; K = 1536 -> 4, 3 slices; K = 2048 -> 8, 2 slices), BN rows so
+    that a tile holds ~16 KB, halved (down to 8) while the grid has fewer programs than SMs."""
+    gps = 1
+    while gps < 8 and G % (2 * gps) == 0:
+        gps *= 2
+    bn = max(8, min(128, TILE_BYTES // (gps * BLOCK)))
+    splits = triton.cdiv(G, gps)
+    sms = _num_sms(device) if device.type == "cuda" else 1  # the interpreter: fewest programs (speed)
+    while bn > 8 and triton.cdiv(N, bn) * splits < sms:
+        bn //= 2
+    return dict(bn=bn, gps=gps, num_warps=8 if bn * gps * BLOCK >= 8192 else 4)
+
+
+def fp8_gemv(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=None,
+             out_dtype: torch.dtype | None = None, bn: int | None = None, gps: int | None = None,
+             num_warps: int | None = None, pdl: bool = False) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ dequant(w8, sw)^T with DeepSeek's FP8 numerics, for <= MAX_M rows.
+
+    xq = (x8 [..., K] float8, sx [..., G] fp32): the activations already quantized (x may then be None);
+    else x is quantized per 128 in the kernel. out_dtype: default x's dtype (fp32 when only xq is given).
+    bn / gps / num_warps override `gemv_plan`. pdl: launch with programmatic dependent launch (Hopper; see
+    `_triton.pdl_kwargs`): the weight tile is requested while the previous kernel finishes."""
+    src = x if xq is None else xq[0]
+    if src is None:
+        raise ValueError("fp8_gemv: give x or xq = (x8, sx)")
+    require(src, "fp8_gemv")
+    K = src.shape[-1]
+    N = _check_weight(w8, sw, K, "fp8_gemv")
+    if N and w8.stride(-1) != 1:
+        raise ValueError(f"fp8_gemv: weight rows must be contiguous, got strides {w8.stride()}")
+    G = K // BLOCK
+    lead = src.shape[:-1]
+    if xq is not None:
+        x8, sx = xq
+        if x8.dtype != FP8_DTYPE or not isinstance(sx, torch.Tensor) or tuple(sx.shape) != (*lead, G):
+            got = f"{list(sx.shape)}" if isinstance(sx, torch.Tensor) else type(sx).__name__
+            raise ValueError(f"fp8_gemv: xq must be (float8 [..., {K}], fp32 [..., {G}]), got {x8.dtype} "
+                             f"{list(x8.shape)} and {got}")
+        a = x8.reshape(-1, K)
+        s = sx.reshape(-1, G)
+        if a.stride(-1) != 1:
+            a = a.contiguous()
+        if s.stride(-1) != 1:
+            s = s.contiguous()
+    else:
+        a = x.reshape(-1, K)
+        if a.stride(-1) != 1:
+            a = a.contiguous()
+        s = a
+    M = a.shape[0]
+    if not 1 <= M <= MAX_M:
+        raise ValueError(f"fp8_gemv: takes 1..{MAX_M} rows, got {M} (use kernels.fp8_gemm.fp8_linear)")
+    out_dtype = out_dtype or (x.dtype if x is not None else torch.float32)
+    plan = gemv_plan(N, G, a.device)
+    bn, gps = bn or plan["bn"], gps or plan["gps"]
+    splits = triton.cdiv(G, gps)
+    nb = triton.cdiv(N, bn)
+    y = torch.empty(M, N, dtype=out_dtype, device=a.device)
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=a.device) if splits > 1 else y
+    cnt = _counters(a.device, nb) if splits > 1 else y
+    sw = sw if sw.stride(-1) == 1 else sw.contiguous()
+    launch = pdl_kwargs(pdl, a)
+    _gemv_fma_kernel[(nb, splits)](a, s, w8, sw, part, y, cnt, N, G, splits,
+                                   a.stride(0), s.stride(0), w8.stride(0), sw.stride(0),
+                                   M=M, PREQUANT=xq is not None, SPLIT=splits > 1, BN=bn, GPS=gps,
+                                   SPAD=triton.next_power_of_2(splits), PDL=bool(launch),
+                                   num_warps=num_warps or plan["num_warps"], **launch)
+    return y.reshape(*lead, N)

@@ -1,0 +1,122 @@
+"""Residual add + RMSNorm + FP8 activation quant in one launch (Triton), for the decode step's norms.
+
+Reference: `add_rms_norm_quant_ref` (plain PyTorch: `h + delta.to(h.dtype)`, `mtp.model.layers.rms_norm`,
+`mtp.model.fp8.act_quant`). Shape legend: M rows (tokens), D channels (a multiple of 128 when quantizing),
+G = D // 128.
+
+A decoder block today spends 3-4 launches per norm site on a CUDA-graph step: the cast of the sublayer's
+output to the residual dtype, the add, the (compiled) norm, and the act_quant in front of the next FP8 GEMV
+(or inside it, per program, redone by every split-K slice). Here one program per row
+- adds delta to the residual in the residual's dtype (the reference's `h + delta.to(h.dtype)`, the same
+  fp32 add, so h_new is bit-identical) and stores h_new,
+- normalizes in fp32 (`w * x * rsqrt(mean(x^2) + eps)`; the sum of squares is a tree sum, not torch's order,
+  so y can differ from the reference in its last bit, as the compiled glue's norm already may),
+- stores y in out_dtype (bf16: the gate, the indexer weights and the MoE read it), and
+- quantizes y (as stored, i.e. after the out_dtype rounding: what `act_quant(y)` would see) per 128 channels
+  with ue8m0 scales, bit-identical to `act_quant` on that y, for the next GEMV (`gemv_splitk.fp8_gemv(xq=..)`).
+Every output is optional (the q_a / kv_a norms need only the quantized y, or only y).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp.model.fp8 import BLOCK, FP8_DTYPE
+from mtp.model.fp8 import act_quant as act_quant_ref
+from mtp.kernels._triton import pdl_kwargs, require, tl, triton
+from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
+
+__all__ = ["add_rms_norm_quant", "add_rms_norm_quant_ref"]
+
+
+def add_rms_norm_quant_ref(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                           out_dtype: torch.dtype = torch.bfloat16, quant: bool = True):
+    """(h_new, y, x8, sx): h_new = h + delta.to(h.dtype) (h itself when delta is None), y = RMSNorm(h_new) in
+    out_dtype, (x8, sx) = act_quant(y) (None when quant is False)."""
+    from mtp.model.layers import rms_norm
+
+    hn = h if delta is None else h + delta.to(h.dtype)
+    y = rms_norm(hn, weight, eps, out_dtype)
+    x8, sx = act_quant_ref(y) if quant else (None, None)
+    return hn, y, x8, sx
+
+
+@triton.jit
+def _add_norm_quant_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, x8_ptr, sx_ptr, D, eps,
+                           stride_h, stride_d, stride_ho, stride_y, stride_x8, stride_sx,
+                           ADD: tl.constexpr, STORE_H: tl.constexpr, STORE_Y: tl.constexpr,
+                           QUANT: tl.constexpr, BG: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # every input may come from the previous kernel: only the launch overlaps it
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BG)
+    k = tl.arange(0, 128)
+    offs = g[:, None] * 128 + k[None, :]  # [BG, 128]: the row viewed as its 128-groups
+    mask = offs < D
+    h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0)
+    if ADD:
+        h = h + tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0).to(h.dtype)
+        if STORE_H:
+            tl.store(hout_ptr + row * stride_ho + offs, h, mask=mask)
+    xf = h.to(tl.float32)
+    ms = tl.sum(tl.sum(xf * xf, axis=1), axis=0) / D
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (xf * tl.math.rsqrt(ms + eps) * w).to(y_ptr.dtype.element_ty)
+    if STORE_Y:
+        tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
+    if QUANT:
+        yf = y.to(tl.float32)
+        s, inv = ue8m0_scale(tl.max(tl.abs(yf), axis=1))
+        gmask = g * 128 < D
+        tl.store(x8_ptr + row * stride_x8 + offs, quant_e4m3(yf, inv[:, None]), mask=mask)
+        tl.store(sx_ptr + row * stride_sx + g, s, mask=gmask)
+
+
+def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
+    t2 = t.reshape(-1, D)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def add_rms_norm_quant(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       out_dtype: torch.dtype = torch.bfloat16, quant: bool = True, store_y: bool = True,
+                       store_h: bool = True, pdl: bool = False):
+    """Kernel twin of `add_rms_norm_quant_ref`: returns (h_new, y, x8, sx) with None for what is not asked
+    (h_new is h when delta is None; y when store_y is False; x8, sx when quant is False). pdl: programmatic
+    dependent launch (`_triton.pdl_kwargs`)."""
+    require(h, "add_rms_norm_quant")
+    D = h.shape[-1]
+    lead = h.shape[:-1]
+    if weight.shape != (D,):
+        raise ValueError(f"add_rms_norm_quant: weight must be [{D}], got {list(weight.shape)}")
+    if delta is not None and delta.shape != h.shape:
+        raise ValueError(f"add_rms_norm_quant: delta {list(delta.shape)} must match h {list(h.shape)}")
+    if quant and D % BLOCK:
+        raise ValueError(f"add_rms_norm_quant: D = {D} must be a multiple of {BLOCK} to quantize")
+    if h.dtype != torch.float32 and (delta is not None or h.dtype not in (torch.bfloat16, torch.float16)):
+        raise TypeError(f"add_rms_norm_quant: h must be fp32 (the residual stream), or bf16 / fp16 without a "
+                        f"delta; got {h.dtype}" + (" with a delta" if delta is not None else ""))
+    h2 = _rows(h, D)
+    M = h2.shape[0]
+    dev = h.device
+    d2 = _rows(delta, D) if delta is not None else h2
+    add = delta is not None
+    hout = torch.empty_like(h2) if add and store_h else h2
+    y = torch.empty(M, D, dtype=out_dtype, device=dev) if store_y else None
+    x8 = torch.empty(M, D, dtype=FP8_DTYPE, device=dev) if quant else None
+    sx = torch.empty(M, D // BLOCK, dtype=torch.float32, device=dev) if quant else None
+    if M:
+        bg = triton.next_power_of_2(triton.cdiv(D, BLOCK))
+        # a y buffer is needed for its dtype even when it is not stored: point at a 1-element stand-in
+        y_arg = y if y is not None else torch.empty(1, 1, dtype=out_dtype, device=dev)
+        launch = pdl_kwargs(pdl, h2)
+        _add_norm_quant_kernel[(M,)](h2, d2, weight, hout, y_arg, x8 if quant else h2, sx if quant else h2, D, eps,
+                                     h2.stride(0), d2.stride(0), hout.stride(0), y_arg.stride(0),
+                                     x8.stride(0) if quant else 0, sx.stride(0) if quant else 0,
+                                     ADD=add, STORE_H=add and store_h, STORE_Y=store_y, QUANT=quant, BG=bg,
+                                     PDL=bool(launch), num_warps=8 if bg >= 32 else 4, **launch)
+    G = D // BLOCK
+    return (hout.view(*lead, D) if add and store_h else (h if not add else None),
+            y.view(*lead, D) if y is not None else None,
+            x8.view(*lead, D) if quant else None,
+            sx.view(*lead, G) if quant else None)
