@@ -70,6 +70,7 @@ class Indexer(nn.Module):
 class MLA(nn.Module):
     backend: str = "reference"  # 'triton': mtp/fastpath.py (absorbed blocks over the FP8 cache)
     fused_a = fused_qb = None  # set by enable_fast_path: stacked FP8 weights of the projections sharing an input
+    topk_impl = "radix"  # the fast path's indexer top-k (mtp.kernels.indexer.TOPK_IMPLS); set by enable_fast_path
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()

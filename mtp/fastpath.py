@@ -8,7 +8,8 @@
   MoE of `mtp.parallel` likewise over its rank's experts, skipping slots routed to other ranks). The experts'
   weights are restacked per projection into [E, N, K] tensors, and each expert's parameters become views of
   the stack, so memory is not doubled (peak: one projection of one layer);
-- `MLA` blocks of <= absorb_max_tokens new tokens through the indexer kernel + top-k and `mla_decode` over the
+- `MLA` blocks of <= absorb_max_tokens new tokens through the indexer kernel + top-k (`kernels.topk` radix
+  select, or torch.topk: `set_indexer_topk`) and `mla_decode` over the
   real-FP8 latent cache; kv_b_proj is dequantized once to bf16 for the absorbed q / output projections
   (DeepSeek's reference keeps the same dequantized copy). Longer blocks (prefill) stay on the reference path.
   The block runs in `mla_forward_fast`: q_a | indexer wk | kv_a and q_b | indexer wq_b as one GEMV each
@@ -31,9 +32,12 @@ from .moe import MoE
 from .parallel.modules import ExpertParallelMoE
 
 
-def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV32:
-    """compile_glue: torch.compile the elementwise glue (mtp.layers.Glue) into fused kernels."""
+def enable_fast_path(model: DeepseekV32, compile_glue: bool = True, indexer_topk: str = "radix") -> DeepseekV32:
+    """compile_glue: torch.compile the elementwise glue (mtp.layers.Glue) into fused kernels.
+    indexer_topk: the indexer's top-k, 'radix' (Triton radix select, the reference's tie rule) or 'torch'
+    (torch.topk); switch later with `set_indexer_topk`."""
     from .kernels import available
+    from .kernels.indexer import TOPK_IMPLS
 
     if not available():
         raise RuntimeError("the Triton fast path needs triton and a CUDA device; use the reference path")
@@ -41,6 +45,8 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV
         raise ValueError(f"the fast path needs the model on a CUDA device, it is on {model.device}")
     if model.runtime.numerics != "fp8" or not model.cfg.is_fp8:
         raise ValueError("the fast path implements DeepSeek's FP8 numerics: load an FP8 checkpoint with numerics='fp8'")
+    if indexer_topk not in TOPK_IMPLS:
+        raise ValueError(f"enable_fast_path: indexer_topk must be one of {TOPK_IMPLS}, got {indexer_topk!r}")
     if compile_glue:
         glue.compile()
     mm_fp32 = _mm_out_fp32()
@@ -66,6 +72,7 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV
             # the projections that read the same input, as one weight each (one launch instead of 3 and 2)
             mod.fused_a = fuse_rows([mod.q_a_proj, ix.wk, mod.kv_a_proj_with_mqa])
             mod.fused_qb = fuse_rows([mod.q_b_proj, ix.wq_b])
+            mod.topk_impl = indexer_topk
             mod.backend = "triton"
         elif isinstance(mod, ExpertParallelMoE):  # the rank's experts stacked; slots of other ranks' experts skipped
             mod.enable_fast_path()
@@ -73,6 +80,19 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV
             mod.fused_gate_up = fuse_rows([mod.gate_proj, mod.up_proj])
     release(model)  # graphs `generate` kept were captured on the other path, some over re-pointed weights
     return model
+
+
+def set_indexer_topk(model: torch.nn.Module, impl: str) -> None:
+    """Switch every fast-path MLA's indexer top-k between 'radix' and 'torch' (graphs captured before are released)."""
+    from .kernels.indexer import TOPK_IMPLS
+
+    if impl not in TOPK_IMPLS:
+        raise ValueError(f"set_indexer_topk: impl must be one of {TOPK_IMPLS}, got {impl!r}")
+    for mod in model.modules():
+        if isinstance(mod, MLA):
+            mod.topk_impl = impl
+    if isinstance(model, DeepseekV32):
+        release(model)
 
 
 def fuse_rows(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -200,7 +220,7 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
     topk_idx = None
     if ix.topk < S:
         topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
-                                   topk=ix.topk)
+                                   topk=ix.topk, impl=mla.topk_impl)
     q_lat = torch.einsum("bthp,hpc->bthc", q_nope.to(torch.bfloat16), mla.w_kb).contiguous()
     o_lat = mla_decode(q_lat, q_pe.to(torch.bfloat16).contiguous(), cache.kv[:, :S], cache.kv_scale[:, :S],
                        cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.bfloat16)

@@ -24,6 +24,7 @@ from mtp.fp8 import act_quant as act_quant_ref  # noqa: E402
 from mtp.kernels.act_quant import act_quant  # noqa: E402
 from mtp.kernels.fp8_gemm import fp8_gemm, fp8_linear, fp8_linear_ref  # noqa: E402
 from mtp.kernels.indexer import indexer_topk, indexer_topk_ref  # noqa: E402
+from mtp.kernels.topk import radix_topk, topk_select_ref  # noqa: E402
 from mtp.kernels.mla_decode import mla_decode, mla_decode_ref  # noqa: E402
 from mtp.kernels.moe import gate_logits, moe_experts, moe_experts_ref, moe_route, moe_route_ref, route_from_logits_ref  # noqa: E402
 
@@ -331,14 +332,17 @@ def test_mla_decode_sparse(B, T, H, S, lens, J, variant):
 
 # ----------------------------------------------------------------------------- indexer
 @pytest.mark.parametrize("B,T,S,lens", [(1, 1, 100, [99]), (3, 4, 3000, [10, 2500, 2996]), (2, 2, 5000, [4998, 3000])])
-def test_indexer(B, T, S, lens):
+@pytest.mark.parametrize("impl", ["radix", "torch"])
+def test_indexer(B, T, S, lens, impl):
     H, D, topk = 64, 128, 2048
     q8, qs = act_quant_ref(torch.randn(B, T, H, D, device=DEV))
     k8, ks = act_quant_ref(torch.randn(B, S, D, device=DEV))
     w = torch.randn(B, T, H, device=DEV) * H ** -0.5 * D ** -0.5
     L = torch.tensor(lens, device=DEV, dtype=torch.int32)
     poison()
-    idx, sc = indexer_topk(q8, qs[..., 0], w, k8, ks[..., 0], L, topk)
+    idx, sc = indexer_topk(q8, qs[..., 0], w, k8, ks[..., 0], L, topk, impl=impl)
+    if impl == "radix":  # exactly the reference's rule on the kernel's own scores
+        assert torch.equal(idx, topk_select_ref(sc, L, topk))
     ridx, rsc = indexer_topk_ref(q8, qs[..., 0], w, k8, ks[..., 0], L, topk)
     assert torch.equal(torch.isinf(sc), torch.isinf(rsc)), "masks differ"
     fin = torch.isfinite(rsc)
@@ -352,3 +356,50 @@ def test_indexer(B, T, S, lens):
             if got.numel():  # a differing pick must be a near tie at the top-k boundary
                 kth = rsc[b, t][r[r >= 0].long()].min()
                 assert (rsc[b, t][got] >= kth - 1e-3 * rsc[b, t][fin[b, t]].abs().max()).all()
+
+
+# ----------------------------------------------------------------------------- radix top-k
+def topk_scores(B, T, S, kind):
+    if kind == "randn":
+        return torch.randn(B, T, S, device=DEV)
+    if kind == "ties":  # 7 values, -0.0 beside +0.0: the k-th key ties across many chunks
+        sc = torch.randint(0, 7, (B, T, S), device=DEV).float() * 0.25 - 0.5
+        return torch.where((sc == 0) & (torch.arange(S, device=DEV) % 2 == 1), -0.0, sc)
+    if kind == "narrow":  # every score shares its 16-bit prefix: all are candidates of the last stage
+        return 1.0 + torch.randint(0, 5000, (B, T, S), device=DEV).float() * 1e-7
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("B,T,S,lens,k", [(1, 1, 32768, [32767], 2048), (1, 4, 8192 + 3, [8192 - 1], 2048),
+                                          (2, 3, 131072, [131000, 4000], 2048), (3, 2, 3001, [2999, 50, 1500], 1000),
+                                          (1, 2, 777, [775], 2048)])
+@pytest.mark.parametrize("kind", ["randn", "ties", "narrow"])
+def test_radix_topk(B, T, S, lens, k, kind):
+    """The exact set (and order: positions ascending, then -1) of the stable-sort reference, ties included."""
+    sc = topk_scores(B, T, S, kind)
+    sc[..., 1] = float("-inf")
+    L = torch.tensor(lens, device=DEV, dtype=torch.int32)
+    poison()
+    got = radix_topk(sc, L, k)
+    want = topk_select_ref(sc, L, k)
+    bad = (got != want).any(-1)
+    assert not bad.any(), f"rows {torch.nonzero(bad).tolist()[:4]} differ ({kind})"
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 128])
+def test_radix_topk_chunks_graph(chunks):
+    """Any chunk count gives the same result; a captured call replays to it (no host sync, fresh workspace)."""
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs")
+    sc = topk_scores(1, 4, 32768, "ties")
+    L = torch.tensor([32760], device=DEV)
+    want = topk_select_ref(sc, L, 2048)
+    assert torch.equal(radix_topk(sc, L, 2048, chunks=chunks), want)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = radix_topk(sc, L, 2048, chunks=chunks)
+    for _ in range(3):
+        out.fill_(-7)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)

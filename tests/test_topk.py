@@ -1,0 +1,81 @@
+"""The indexer's radix top-k (`mtp.kernels.topk`) on the CPU: its reference against the stable-sort rule of
+`Indexer.select`, and the kernels under the Triton interpreter (a subprocess started with TRITON_INTERPRET=1,
+this file as a script: the interpreter is chosen when the kernels are decorated). tests/gpu/test_kernels.py
+holds the kernels to the reference on a GPU at full sizes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtp.kernels.topk import topk_select_ref
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tie_scores(B, T, S, g):
+    """Scores with many exact ties (5 values, -0.0 beside +0.0), a -inf and some negatives."""
+    sc = torch.randint(0, 5, (B, T, S), generator=g).float() * 0.5 - 1.0
+    sc[..., ::3] = torch.where(sc[..., ::3] == 0, -0.0, sc[..., ::3])
+    sc[..., 5] = float("-inf")
+    return sc
+
+
+def brute(sc_S: torch.Tensor, limit: int, k: int) -> list[int]:
+    """Kept positions by the rule written out: sort candidates by (score desc, position asc), keep k."""
+    cand = [s for s in range(min(limit, sc_S.numel())) if sc_S[s] != float("-inf")]
+    return sorted(sorted(cand, key=lambda s: (-float(sc_S[s]), s))[:k])
+
+
+def test_topk_select_ref_is_the_stable_sort_rule():
+    g = torch.Generator().manual_seed(0)
+    B, T, S, k = 2, 3, 200, 37
+    lens = torch.tensor([150, 20])
+    sc = tie_scores(B, T, S, g)
+    out = topk_select_ref(sc, lens, k)
+    assert out.shape == (B, T, k) and out.dtype == torch.int32
+    for b in range(B):
+        for t in range(T):
+            want = brute(sc[b, t], int(lens[b]) + t + 1, k)
+            assert out[b, t].tolist() == want + [-1] * (k - len(want)), (b, t)
+
+
+def test_radix_topk_interpreted():
+    pytest.importorskip("triton")
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    r = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"interpreted checks failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    assert "interpreted checks ok" in r.stdout
+
+
+def _interpreted_checks() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_moe_ep import _patch_interpreter_loop_bounds
+
+    _patch_interpreter_loop_bounds()
+    from mtp.kernels.topk import radix_topk
+
+    g = torch.Generator().manual_seed(1)
+    cases = [  # (scores, lens, k, chunks): ties across chunks, the candidate list over several blocks, k > S
+        (tie_scores(2, 2, 3000, g), [2999, 100], 256, 5),
+        (1.0 + torch.randint(0, 3000, (1, 2, 4000), generator=g).float() * 1e-7, [3998], 512, 4),
+        (torch.randn(1, 3, 2001, generator=g), [1500], 300, None),
+        (torch.randn(1, 4, 300, generator=g), [0], 512, None),
+        (torch.full((1, 1, 500), float("-inf")), [499], 64, 2),
+    ]
+    for sc, lens, k, chunks in cases:
+        L = torch.tensor(lens)
+        got, want = radix_topk(sc, L, k, chunks=chunks), topk_select_ref(sc, L, k)
+        assert torch.equal(got, want), f"S={sc.shape[-1]} k={k} chunks={chunks}: {(got != want).sum()} entries differ"
+    print("interpreted checks ok")
+
+
+if __name__ == "__main__":
+    _interpreted_checks()
