@@ -9,7 +9,7 @@
   weights are restacked per projection into [E, N, K] tensors, and each expert's parameters become views of
   the stack, so memory is not doubled (peak: one projection of one layer);
 - `MLA` blocks of <= absorb_max_tokens new tokens through the indexer kernel + top-k (`kernels.topk` radix
-  select, or torch.topk: `set_indexer_topk`) and `mla_decode` over the
+  select, or torch.topk: `set_kernel_options`) and `mla_decode` over the
   real-FP8 latent cache; kv_b_proj is dequantized once to bf16 for the absorbed q / output projections
   (DeepSeek's reference keeps the same dequantized copy). Longer blocks (prefill) stay on the reference path.
   The block runs in `mla_forward_fast`: q_a | indexer wk | kv_a and q_b | indexer wq_b as one GEMV each
@@ -35,7 +35,7 @@ from .parallel.modules import ExpertParallelMoE
 def enable_fast_path(model: DeepseekV32, compile_glue: bool = True, indexer_topk: str = "radix") -> DeepseekV32:
     """compile_glue: torch.compile the elementwise glue (mtp.layers.Glue) into fused kernels.
     indexer_topk: the indexer's top-k, 'radix' (Triton radix select, the reference's tie rule) or 'torch'
-    (torch.topk); switch later with `set_indexer_topk`."""
+    (torch.topk); switch it and the MoE expert layout later with `set_kernel_options`."""
     from .kernels import available
     from .kernels.indexer import TOPK_IMPLS
 
@@ -82,15 +82,23 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True, indexer_topk
     return model
 
 
-def set_indexer_topk(model: torch.nn.Module, impl: str) -> None:
-    """Switch every fast-path MLA's indexer top-k between 'radix' and 'torch' (graphs captured before are released)."""
+def set_kernel_options(model: torch.nn.Module, indexer_topk: str | None = None,
+                       moe_layout: str | None = "keep") -> None:
+    """Switch kernel variants of a fast-path model, so that old and new can be timed side by side:
+    indexer_topk 'radix' | 'torch' (every MLA); moe_layout for every MoE's expert kernels: 'pairs' (the pair
+    grid at every size) or None (by size: persistent for T * J <= 64); 'keep' leaves it. Graphs captured before
+    are released."""
     from .kernels.indexer import TOPK_IMPLS
 
-    if impl not in TOPK_IMPLS:
-        raise ValueError(f"set_indexer_topk: impl must be one of {TOPK_IMPLS}, got {impl!r}")
+    if indexer_topk is not None and indexer_topk not in TOPK_IMPLS:
+        raise ValueError(f"set_kernel_options: indexer_topk must be one of {TOPK_IMPLS}, got {indexer_topk!r}")
+    if moe_layout not in ("pairs", None, "keep"):
+        raise ValueError(f"set_kernel_options: moe_layout must be 'pairs' or None, got {moe_layout!r}")
     for mod in model.modules():
-        if isinstance(mod, MLA):
-            mod.topk_impl = impl
+        if isinstance(mod, MLA) and indexer_topk is not None:
+            mod.topk_impl = indexer_topk
+        elif isinstance(mod, (MoE, ExpertParallelMoE)) and moe_layout != "keep":
+            mod.expert_layout = moe_layout
     if isinstance(model, DeepseekV32):
         release(model)
 
@@ -165,7 +173,7 @@ def moe_forward_fast(moe: MoE, x_ND: torch.Tensor) -> torch.Tensor:
     s = moe.stacked
     return moe_experts(x_ND, idx, w, s["gate_proj.weight"], s["gate_proj.weight_scale_inv"], s["up_proj.weight"],
                        s["up_proj.weight_scale_inv"], s["down_proj.weight"], s["down_proj.weight_scale_inv"],
-                       out_dtype=torch.float32)
+                       out_dtype=torch.float32, layout=moe.expert_layout)
 
 
 def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int) -> torch.Tensor:

@@ -52,6 +52,7 @@ def route(scores_NE: torch.Tensor, bias_E: torch.Tensor, n_groups: int, topk_gro
 
 class MoE(nn.Module):
     backend: str = "reference"  # 'triton': mtp/fastpath.py
+    expert_layout: str | None = None  # Triton expert kernels: None (layout by size) or 'pairs' (kernels.moe)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()

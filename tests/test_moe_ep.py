@@ -172,6 +172,16 @@ def _interpreted_checks() -> None:
             masked = moe_experts(x, idx, rw * (loc >= 0), *ws, out_dtype=torch.float32)
             assert torch.equal(y, masked), f"T={T} experts [{e0}, {e1}): not the full result restricted to them"
             assert torch.equal((y != 0).any(1), (loc >= 0).any(1)), f"T={T}: only tokens without local experts get 0"
+    # the persistent layout (default for T * J <= 64) against the pairs layout, widths 1..4, -1 slots,
+    # several K-slice / grid choices (summation order differs: fp32-close, not bit-equal)
+    for w in (1, 2, 3, 4):
+        xw = torch.randn(w, D).bfloat16()
+        loc = torch.where(idx[:w] < 5, idx[:w], -1).int()  # "rank" of experts 0..4
+        ref = moe_experts(xw, loc, rw[:w], *ws, out_dtype=torch.float32, layout="pairs")
+        for kw in (dict(), dict(splits=(2, 1), programs=(3, 2)), dict(splits=(1, 1), programs=(1, 1))):
+            got = moe_experts(xw, loc, rw[:w], *ws, out_dtype=torch.float32, layout="persistent", **kw)
+            assert _rel(got, ref) < 1e-5, (w, kw, _rel(got, ref))
+            assert torch.equal((got != 0).any(1), (loc >= 0).any(1)), f"w={w} {kw}: a token without experts gets 0"
     try:
         moe_experts(x, idx.clamp(max=E), rw, *[w[:3].contiguous() for w in ws])
     except ValueError as e:

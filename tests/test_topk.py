@@ -54,6 +54,25 @@ def test_radix_topk_interpreted():
     assert "interpreted checks ok" in r.stdout
 
 
+def test_set_kernel_options_switches_and_refuses_unknown():
+    from mtp.attention import MLA
+    from mtp.fastpath import set_kernel_options
+    from mtp.moe import MoE
+    from mtp.tiny import tiny_config
+
+    cfg = tiny_config()
+    model = torch.nn.ModuleList([MLA(cfg, torch.float32), MoE(cfg, torch.float32)])
+    assert model[0].topk_impl == "radix" and model[1].expert_layout is None
+    set_kernel_options(model, indexer_topk="torch", moe_layout="pairs")
+    assert model[0].topk_impl == "torch" and model[1].expert_layout == "pairs"
+    set_kernel_options(model, indexer_topk="radix")  # the layout is kept
+    assert model[0].topk_impl == "radix" and model[1].expert_layout == "pairs"
+    with pytest.raises(ValueError, match="indexer_topk"):
+        set_kernel_options(model, indexer_topk="bitonic")
+    with pytest.raises(ValueError, match="moe_layout"):
+        set_kernel_options(model, moe_layout="grouped")
+
+
 def _interpreted_checks() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     sys.path.insert(0, str(ROOT / "tests"))

@@ -92,6 +92,7 @@ class ExpertParallelMoE(nn.Module):
     experts, which skips the -1 slots: reads only the chosen local experts, no host sync, capturable."""
 
     backend: str = "reference"  # 'triton': enable_fast_path
+    expert_layout: str | None = None  # Triton expert kernels: None (layout by size) or 'pairs' (kernels.moe)
 
     def __init__(self, cfg: ModelConfig, layout: RankLayout, dtype: torch.dtype, comm: Comm, static: bool = False):
         super().__init__()
@@ -137,7 +138,7 @@ class ExpertParallelMoE(nn.Module):
         s = self.stacked
         return moe_experts(x_ND, local_NK, w_NK, s["gate_proj.weight"], s["gate_proj.weight_scale_inv"],
                            s["up_proj.weight"], s["up_proj.weight_scale_inv"], s["down_proj.weight"],
-                           s["down_proj.weight_scale_inv"], out_dtype=torch.float32)
+                           s["down_proj.weight_scale_inv"], out_dtype=torch.float32, layout=self.expert_layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
