@@ -16,13 +16,12 @@ DIR/gpu_topk_moe.json (DIR: $OUT, else eval/results).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import torch
 
-from eval.gpu_kernels import graph_us
+from eval.gpu_kernels import graph_us, report
 from mtp.fp8 import act_quant as act_quant_ref
 from mtp.kernels.indexer import indexer_scores, topk_from_scores
 from mtp.kernels.topk import radix_topk, topk_select_ref
@@ -205,17 +204,7 @@ def main():
             check(f"section {name}", False, f"{type(e).__name__}: {str(e)[:300]}")
         log(f"[section] {name} took {time.time() - t:.1f} s")
         torch.cuda.empty_cache()
-    out["rows"], out["checks"] = ROWS, CHECKS
-    out["wall_s"] = round(time.time() - t0, 1)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_topk_moe.json"), "w") as f:
-        json.dump(out, f, indent=1, default=str)
-    n_fail = sum(not c["ok"] for c in CHECKS)
-    log(f"\nchecks: {len(CHECKS) - n_fail} passed, {n_fail} failed; wall {out['wall_s']} s")
-    for c in CHECKS:
-        if not c["ok"]:
-            log(f"  FAIL {c['name']}: {c['detail']}")
-    log(table())
+    report(out, ROWS, CHECKS, t0, os.path.join(args.out, "gpu_topk_moe.json"), table())
 
 
 if __name__ == "__main__":

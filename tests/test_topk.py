@@ -6,7 +6,6 @@ holds the kernels to the reference on a GPU at full sizes."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +14,8 @@ import torch
 
 from mtp.kernels.topk import topk_select_ref
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interp import patch_interpreter_loop_bounds, run_interpreted  # noqa: E402
 
 
 def tie_scores(B, T, S, g):
@@ -46,12 +46,7 @@ def test_topk_select_ref_is_the_stable_sort_rule():
 
 
 def test_radix_topk_interpreted():
-    pytest.importorskip("triton")
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    r = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"interpreted checks failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    assert "interpreted checks ok" in r.stdout
+    run_interpreted(__file__)
 
 
 def test_set_kernel_options_switches_and_refuses_unknown():
@@ -75,10 +70,7 @@ def test_set_kernel_options_switches_and_refuses_unknown():
 
 def _interpreted_checks() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_moe_ep import _patch_interpreter_loop_bounds
-
-    _patch_interpreter_loop_bounds()
+    patch_interpreter_loop_bounds()
     from mtp.kernels.topk import radix_topk
 
     g = torch.Generator().manual_seed(1)

@@ -333,6 +333,21 @@ def _leader_pairs(idx_ptr, P, PPAD: tl.constexpr):
 
 
 @triton.jit
+def _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, G, TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
+               KPAD: tl.constexpr):
+    """Work item w = (a, nb, ks): the a-th distinct expert e (its routed token rows and their slots), N-block
+    nb, and the K groups [g0, g1) of slice ks of G groups."""
+    a = w // (NB * KS)
+    nb = (w // KS) % NB
+    ks = w % KS
+    p = tl.sum(tl.where(lead & (rank == a), q, 0), 0)  # the pair that leads expert a
+    e, _, active, slot = _slot_info(idx_ptr, p, T, TOPK, BM, PPAD, KPAD)
+    gps = tl.cdiv(G, KS)
+    g0 = ks * gps
+    return a, nb, ks, e, active, slot, g0, tl.minimum(g0 + gps, G)
+
+
+@triton.jit
 def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr, part_ptr, cnt_ptr,
                             T, D, I, stride_xm, stride_we, stride_se, stride_sn, KS,
                             TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr, KPAD: tl.constexpr):
@@ -342,17 +357,10 @@ def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_p
     writes h; it re-arms the counter."""
     q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, PPAD)
     NB = I // 128
-    G = D // 128
-    gps = tl.cdiv(G, KS)
-    n_items = n_act * NB * KS
-    for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
-        a = w // (NB * KS)
-        nb = (w // KS) % NB
-        ks = w % KS
-        p = tl.sum(tl.where(lead & (rank == a), q, 0), 0)
-        e, _, active, slot = _slot_info(idx_ptr, p, T, TOPK, BM, PPAD, KPAD)
-        g0 = ks * gps
-        acc1, acc3 = _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, tl.minimum(g0 + gps, G),
+    for w in range(tl.program_id(0), n_act * NB * KS, tl.num_programs(0)):
+        a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, D // 128,
+                                                        TOPK, BM, PPAD, KPAD)
+        acc1, acc3 = _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
                                    D, stride_xm, stride_we, stride_se, stride_sn, BM)
         # fp32 partials [2, 128, T] per (a, nb, ks): the T token columns only
         m = tl.arange(0, BM)
@@ -381,18 +389,11 @@ def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_pt
     out[ks, slot], which the combine kernel sums in a fixed order."""
     q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, PPAD)
     NB = tl.cdiv(D, 128)
-    GI = I // 128
-    gps = tl.cdiv(GI, KS)
-    n_items = n_act * NB * KS
     P = T * TOPK
-    for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
-        a = w // (NB * KS)
-        nb = (w // KS) % NB
-        ks = w % KS
-        p = tl.sum(tl.where(lead & (rank == a), q, 0), 0)
-        e, _, active, slot = _slot_info(idx_ptr, p, T, TOPK, BM, PPAD, KPAD)
-        g0 = ks * gps
-        acc = _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, tl.minimum(g0 + gps, GI), D, I,
+    for w in range(tl.program_id(0), n_act * NB * KS, tl.num_programs(0)):
+        a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, I // 128,
+                                                        TOPK, BM, PPAD, KPAD)
+        acc = _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I,
                          stride_we, stride_se, stride_sn, BM)
         acc = acc * tl.load(rw_ptr + slot, mask=active, other=0.0)[None, :]
         offs_n = nb * 128 + tl.arange(0, 128)
