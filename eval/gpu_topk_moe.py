@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python eval/gpu_topk_moe.py [--out DIR] [--only topk,moe] [--quick]
 
-topk: torch.topk (`topk_from_scores`, sorted=False: the old fast path) vs `radix_topk`, and the indexer scores
-kernel alone, at S = 8192 / 32768 / 131072 and T = 1..4 score rows (B = 1), plus a sweep of the radix select's
+topk: torch.topk (`topk_from_scores`, sorted=False: the old fast path) vs `radix_topk`, the indexer scores
+kernel alone, the whole `indexer_topk` per impl (torch / radix / radix_fused: histograms in the scores
+kernel), at S = 8192 / 32768 / 131072 and T = 1..4 score rows (B = 1), plus a sweep of the radix select's
 chunks per row. Each result is first checked against `topk_select_ref` (exact set; ties included).
 Timing as in eval/gpu_kernels.py: CUDA-graph replays timed with CUDA events, median of 15. The scores a top-k
 reads were just written by the scores kernel, so they sit in L2 here as in the decode step.
@@ -23,7 +24,7 @@ import torch
 
 from eval.gpu_kernels import graph_us, report
 from mtp.fp8 import act_quant as act_quant_ref
-from mtp.kernels.indexer import indexer_scores, topk_from_scores
+from mtp.kernels.indexer import indexer_scores, indexer_topk, topk_from_scores
 from mtp.kernels.topk import radix_topk, topk_select_ref
 
 DEV = "cuda"
@@ -69,7 +70,17 @@ def topk_section(quick: bool):
             row("topk", shape, "scores kernel", t_scores)
             row("topk", shape, "torch.topk (old)", t_old)
             row("topk", shape, "radix_topk (new)", t_new, speedup=round(t_old / t_new, 2))
+            row("topk", shape, "scores + torch.topk", t_scores + t_old)
             row("topk", shape, "scores + radix_topk", t_scores + t_new)
+            args = (q8, qs[..., 0], w, k8, ks[..., 0], lens, k)
+            for impl in ("torch", "radix", "radix_fused"):  # the whole indexer_topk call, one graph
+                try:
+                    idx, sc2 = indexer_topk(*args, impl=impl)
+                    if impl != "torch":
+                        check(f"indexer_topk {impl} {shape}", torch.equal(idx, topk_select_ref(sc2, lens, k)))
+                    row("topk", shape, f"indexer_topk impl={impl}", graph_us([lambda: indexer_topk(*args, impl=impl)]))
+                except Exception as e:  # the fused epilogue may not compile: keep the other numbers
+                    check(f"indexer_topk {impl} {shape}", False, f"{type(e).__name__}: {str(e)[:300]}")
             if not quick and T in (1, 4):
                 for chunks in (16, 32, 64, 128, 256):
                     for blk in (512, 1024, 2048):

@@ -34,8 +34,9 @@ from .parallel.modules import ExpertParallelMoE
 
 def enable_fast_path(model: DeepseekV32, compile_glue: bool = True, indexer_topk: str = "radix") -> DeepseekV32:
     """compile_glue: torch.compile the elementwise glue (mtp.layers.Glue) into fused kernels.
-    indexer_topk: the indexer's top-k, 'radix' (Triton radix select, the reference's tie rule) or 'torch'
-    (torch.topk); switch it and the MoE expert layout later with `set_kernel_options`."""
+    indexer_topk: the indexer's top-k, 'radix' (Triton radix select, the reference's tie rule), 'radix_fused'
+    (its histogram pass in the scores kernel) or 'torch' (torch.topk); switch it and the MoE expert layout
+    later with `set_kernel_options`."""
     from .kernels import available
     from .kernels.indexer import TOPK_IMPLS
 
@@ -85,7 +86,7 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True, indexer_topk
 def set_kernel_options(model: torch.nn.Module, indexer_topk: str | None = None,
                        moe_layout: str | None = "keep") -> None:
     """Switch kernel variants of a fast-path model, so that old and new can be timed side by side:
-    indexer_topk 'radix' | 'torch' (every MLA); moe_layout for every MoE's expert kernels: 'pairs' (the pair
+    indexer_topk 'radix' | 'radix_fused' | 'torch' (every MLA); moe_layout for every MoE's expert kernels: 'pairs' (the pair
     grid at every size) or None (by size: persistent for T * J <= 64); 'keep' leaves it. Graphs captured before
     are released."""
     from .kernels.indexer import TOPK_IMPLS

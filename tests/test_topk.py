@@ -85,6 +85,16 @@ def _interpreted_checks() -> None:
         L = torch.tensor(lens)
         got, want = radix_topk(sc, L, k, chunks=chunks), topk_select_ref(sc, L, k)
         assert torch.equal(got, want), f"S={sc.shape[-1]} k={k} chunks={chunks}: {(got != want).sum()} entries differ"
+    # the histogram pass in the indexer scores kernel's epilogue instead of its own launch
+    from mtp.fp8 import act_quant
+    from mtp.kernels.indexer import indexer_topk
+
+    q8, qs = act_quant(torch.randn(2, 3, 16, 128, generator=g))
+    k8, ks = act_quant(torch.randn(2, 300, 128, generator=g))
+    L = torch.tensor([100, 297], dtype=torch.int32)
+    w = torch.randn(2, 3, 16, generator=g)
+    idx, sc = indexer_topk(q8, qs[..., 0], w, k8, ks[..., 0], L, 64, impl="radix_fused")
+    assert torch.equal(idx, topk_select_ref(sc, L, 64)), "radix_fused"
     print("interpreted checks ok")
 
 

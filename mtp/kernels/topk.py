@@ -32,7 +32,7 @@ import torch
 
 from mtp.kernels._triton import require, tl, triton
 
-__all__ = ["radix_topk", "topk_select_ref"]
+__all__ = ["add_to_histograms", "histograms", "radix_topk", "score_keys", "topk_select_ref", "topk_workspace"]
 
 HIST = 65536  # bins of the 16-bit key prefix
 
@@ -53,16 +53,27 @@ def topk_select_ref(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int) 
 
 
 @triton.jit
-def _row_keys(sc_ptr, lens_ptr, r, pos, S, T):
-    """Order-preserving int32 keys of row r at positions pos, and which of them are candidates."""
-    limit = tl.minimum(tl.load(lens_ptr + r // T).to(tl.int32) + r % T + 1, S)
-    inb = pos < limit
-    x = tl.load(sc_ptr + r.to(tl.int64) * S + pos, mask=inb, other=float("-inf"))
+def score_keys(x, inb):
+    """Order-preserving int32 keys of scores x, and which are candidates: inb, not -inf, not NaN."""
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 -> +0.0: equal scores, equal keys
     b = x.to(tl.int32, bitcast=True)
-    key = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
-    valid = inb & (x != float("-inf")) & (x == x)
-    return key, valid
+    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF), inb & (x != float("-inf")) & (x == x)
+
+
+@triton.jit
+def add_to_histograms(h16_row, key, valid):
+    """Count the candidates' 16-bit key prefixes into the row's 65536-bin histogram (atomics, spread over
+    many bins); return their top bytes' 256-bin histogram, for one atomic per non-empty bin later."""
+    pre = (key >> 16) + 32768  # [0, 65536), monotone in key
+    tl.atomic_add(h16_row + pre, 1, mask=valid, sem="relaxed")
+    return tl.histogram(pre >> 8, 256, mask=valid)
+
+
+@triton.jit
+def _row_keys(sc_ptr, lens_ptr, r, pos, S, T):
+    """Keys of row r at positions pos, and which of them are candidates."""
+    inb = pos < tl.minimum(tl.load(lens_ptr + r // T).to(tl.int32) + r % T + 1, S)
+    return score_keys(tl.load(sc_ptr + r.to(tl.int64) * S + pos, mask=inb, other=float("-inf")), inb)
 
 
 @triton.jit
@@ -81,14 +92,11 @@ def _pick(h, need):
 def _topk_hist_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, S, T, CH, BLK: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1)
-    h16 = h16_ptr + r.to(tl.int64) * 65536
     h8 = tl.zeros((256,), dtype=tl.int32)
     for p0 in range(c * CH, tl.minimum(c * CH + CH, S), BLK):
         pos = p0 + tl.arange(0, BLK)
         key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T)
-        pre = (key >> 16) + 32768  # [0, 65536), monotone in key
-        tl.atomic_add(h16 + pre, 1, mask=valid, sem="relaxed")
-        h8 += tl.histogram(pre >> 8, 256, mask=valid)
+        h8 += add_to_histograms(h16_ptr + r.to(tl.int64) * 65536, key, valid)
     bins = tl.arange(0, 256)
     tl.atomic_add(h8_ptr + r * 256 + bins, h8, mask=h8 > 0, sem="relaxed")
 
@@ -216,11 +224,24 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+def topk_workspace(rows: int, device) -> torch.Tensor:
+    """The zeroed workspace of `radix_topk` for `rows` score rows (one memset), cut flat: 16-bit and 8-bit
+    histograms, candidate and arrival counters per row."""
+    return torch.zeros(rows * (HIST + 256 + 2), dtype=torch.int32, device=device)
+
+
+def histograms(ws: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (16-bit, 8-bit) histogram views of a `topk_workspace`, for a scores kernel that fills them."""
+    return ws[:rows * HIST], ws[rows * HIST:rows * (HIST + 256)]
+
+
 def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunks: int | None = None,
-               block: int = 1024) -> torch.Tensor:
+               block: int = 1024, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Kernel twin of `topk_select_ref`: [B, T, k] int32 kept positions (ascending, then -1).
 
-    chunks: programs per score row (default: about two per SM over all rows, at least one block each)."""
+    chunks: programs per score row (default: about two per SM over all rows, at least one block each).
+    workspace: a `topk_workspace` whose histograms the scores kernel already filled (`indexer_scores(hist=)`):
+    the histogram launch is skipped."""
     require(scores_BTS, "radix_topk")
     if scores_BTS.dim() != 3 or scores_BTS.dtype != torch.float32:
         raise ValueError(f"radix_topk: scores must be float32 [B, T, S], got {scores_BTS.dtype} "
@@ -241,9 +262,8 @@ def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunk
     lens = seq_lens_B  # int32 or int64 (the cache's): read as is, no conversion launch
     if lens.dtype not in (torch.int32, torch.int64) or lens.device != dev or not lens.is_contiguous():
         lens = lens.to(device=dev, dtype=torch.int32).contiguous()
-    # one zeroed buffer (one memset), cut flat: 16-bit and 8-bit histograms, candidate and arrival counters
-    ws = torch.zeros(R * (HIST + 256 + 2), dtype=torch.int32, device=dev)
-    h16, h8 = ws[:R * HIST], ws[R * HIST:R * (HIST + 256)]
+    ws = topk_workspace(R, dev) if workspace is None else workspace
+    h16, h8 = histograms(ws, R)
     ncand, arrive = ws[R * (HIST + 256):R * (HIST + 257)], ws[R * (HIST + 257):]
     ck = torch.empty(R, S, dtype=torch.int32, device=dev)  # candidates: keys and positions
     ci = torch.empty(R, S, dtype=torch.int32, device=dev)
@@ -251,7 +271,8 @@ def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunk
     gt, off, thr = small[:R * C], small[R * C:2 * R * C], small[2 * R * C:]  # per chunk: n above P, offset; (Tk, Ts)
     out = torch.empty(B, T, k, dtype=torch.int32, device=dev)
     grid = (R, C)
-    _topk_hist_kernel[grid](sc, lens, h16, h8, S, T, ch, BLK=blk, num_warps=4)
+    if workspace is None:
+        _topk_hist_kernel[grid](sc, lens, h16, h8, S, T, ch, BLK=blk, num_warps=4)
     _topk_split_kernel[grid](sc, lens, h16, h8, ncand, arrive, ck, ci, gt, off, thr, out, S, T, ch, C, k,
                              BLK=blk, NB=1024, CPAD=max(32, triton.next_power_of_2(C)), KB=1024, num_warps=4)
     _topk_write_kernel[grid](sc, lens, off, thr, out, S, T, ch, C, k, BLK=blk, num_warps=4)

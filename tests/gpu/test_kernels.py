@@ -370,7 +370,7 @@ def test_mla_decode_sparse(B, T, H, S, lens, J, variant):
 
 # ----------------------------------------------------------------------------- indexer
 @pytest.mark.parametrize("B,T,S,lens", [(1, 1, 100, [99]), (3, 4, 3000, [10, 2500, 2996]), (2, 2, 5000, [4998, 3000])])
-@pytest.mark.parametrize("impl", ["radix", "torch"])
+@pytest.mark.parametrize("impl", ["radix", "radix_fused", "torch"])
 def test_indexer(B, T, S, lens, impl):
     H, D, topk = 64, 128, 2048
     q8, qs = act_quant_ref(torch.randn(B, T, H, D, device=DEV))
@@ -379,7 +379,7 @@ def test_indexer(B, T, S, lens, impl):
     L = torch.tensor(lens, device=DEV, dtype=torch.int32)
     poison()
     idx, sc = indexer_topk(q8, qs[..., 0], w, k8, ks[..., 0], L, topk, impl=impl)
-    if impl == "radix":  # exactly the reference's rule on the kernel's own scores
+    if impl != "torch":  # exactly the reference's rule on the kernel's own scores
         assert torch.equal(idx, topk_select_ref(sc, L, topk))
     ridx, rsc = indexer_topk_ref(q8, qs[..., 0], w, k8, ks[..., 0], L, topk)
     assert torch.equal(torch.isinf(sc), torch.isinf(rsc)), "masks differ"
