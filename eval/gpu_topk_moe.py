@@ -47,9 +47,9 @@ def row(section: str, shape: str, variant: str, us: float, **extra):
     log(f"[time] {section:<6} {shape:<28} {variant:<28} {us:9.2f} us {extra if extra else ''}")
 
 
-def topk_section(quick: bool):
-    H, D, k = 64, 128, 2048
-    sizes = [8192, 32768] if quick else [8192, 32768, 131072]
+def topk_section(quick: bool, sizes: tuple[int, ...] | None = None, H: int = 64, k: int = 2048):
+    D = 128
+    sizes = sizes or ((8192, 32768) if quick else (8192, 32768, 131072))
     for S in sizes:
         k8, ks = act_quant_ref(torch.randn(1, S, D, device=DEV))
         for T in (1, 2, 3, 4):
@@ -120,7 +120,7 @@ def routing_sets(T: int, E: int, e_loc: int, n: int, g: torch.Generator) -> list
     return sets
 
 
-def moe_section(quick: bool):
+def moe_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, ranks=((32, "TP=8"), (256, "TP=1"))):
     """moe_experts at one rank of TP=8 (32 local experts of 256) and at TP=1 (256), T = 1..4: the pairs layout
     (old) vs the persistent one (new), and a sweep of the new one's K slices and grid. Bytes: the distinct
     experts' gate + up + down FP8 weights and scales, over the measured copy bandwidth (% of the HBM floor).
@@ -130,11 +130,10 @@ def moe_section(quick: bool):
 
     bw = copy_bandwidth()
     log(f"[bw] copy {bw / 1e9:.0f} GB/s")
-    D, I, E = 7168, 2048, 256
     g = torch.Generator().manual_seed(0)
     expert_bytes = 3 * I * D + 3 * (I // 128) * (D // 128) * 4
-    for e_loc, tag in ((32, "TP=8"), (256, "TP=1")):
-        if quick and e_loc == 256:
+    for e_loc, tag in ranks:
+        if quick and e_loc == E:
             continue
         ws = []
         for N, K in ((I, D), (I, D), (D, I)):
@@ -159,7 +158,7 @@ def moe_section(quick: bool):
                         if (sg, sd) != dflt:
                             variants.append((f"persistent splits=({sg},{sd})",
                                              dict(layout="persistent", splits=(sg, sd))))
-                sm = torch.cuda.get_device_properties(0).multi_processor_count
+                sm = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 4
                 variants += [("persistent 2/SM gu, 3 stages", dict(layout="persistent", programs=(2 * sm, 2 * sm),
                                                                    gate_up_stages=3)),
                              ("persistent 1/SM down", dict(layout="persistent", programs=(sm, sm)))]
