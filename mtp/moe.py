@@ -52,7 +52,10 @@ def route(scores_NE: torch.Tensor, bias_E: torch.Tensor, n_groups: int, topk_gro
 
 class MoE(nn.Module):
     backend: str = "reference"  # 'triton': mtp/fastpath.py
-    expert_layout: str | None = None  # Triton expert kernels: None (layout by size) or 'pairs' (kernels.moe)
+    # Triton expert kernels (kernels.moe): 'pairs' or None (by size). One rank picks 8 of its own experts per
+    # token, which the pair grid already spreads over the GPU (79-94% of copy bandwidth); the persistent layout
+    # is for the few local experts of an expert-parallel rank (ExpertParallelMoE) until measured here too.
+    expert_layout: str | None = "pairs"
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()

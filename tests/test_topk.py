@@ -57,11 +57,11 @@ def test_set_kernel_options_switches_and_refuses_unknown():
 
     cfg = tiny_config()
     model = torch.nn.ModuleList([MLA(cfg, torch.float32), MoE(cfg, torch.float32)])
-    assert model[0].topk_impl == "radix" and model[1].expert_layout is None
-    set_kernel_options(model, indexer_topk="torch", moe_layout="pairs")
-    assert model[0].topk_impl == "torch" and model[1].expert_layout == "pairs"
-    set_kernel_options(model, indexer_topk="radix")  # the layout is kept
     assert model[0].topk_impl == "radix" and model[1].expert_layout == "pairs"
+    set_kernel_options(model, indexer_topk="torch", moe_layout=None)
+    assert model[0].topk_impl == "torch" and model[1].expert_layout is None
+    set_kernel_options(model, indexer_topk="radix")  # the layout is kept
+    assert model[0].topk_impl == "radix" and model[1].expert_layout is None
     with pytest.raises(ValueError, match="indexer_topk"):
         set_kernel_options(model, indexer_topk="bitonic")
     with pytest.raises(ValueError, match="moe_layout"):

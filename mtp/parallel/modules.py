@@ -92,7 +92,7 @@ class ExpertParallelMoE(nn.Module):
     experts, which skips the -1 slots: reads only the chosen local experts, no host sync, capturable."""
 
     backend: str = "reference"  # 'triton': enable_fast_path
-    expert_layout: str | None = None  # Triton expert kernels: None (layout by size) or 'pairs' (kernels.moe)
+    expert_layout: str | None = None  # Triton expert kernels: None (by size: persistent for T * J <= 64) or 'pairs'
 
     def __init__(self, cfg: ModelConfig, layout: RankLayout, dtype: torch.dtype, comm: Comm, static: bool = False):
         super().__init__()
