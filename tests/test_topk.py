@@ -74,7 +74,11 @@ def _interpreted_checks() -> None:
     from mtp.kernels.topk import radix_topk
 
     g = torch.Generator().manual_seed(1)
-    cases = [  # (scores, lens, k, chunks): ties across chunks, the candidate list over several blocks, k > S
+    few = torch.randn(1, 1, 4000, generator=g)
+    few[..., :100] = 1.0 + torch.randint(0, 4, (1, 1, 100), generator=g).float() * 1e-7  # one prefix bin, ties
+    few[..., 100:] = few[..., 100:].clamp(max=0.9)
+    cases = [  # (scores, lens, k, chunks): ties across chunks, the candidate list over several blocks, k > S,
+        (few, [3999], 60, 5),  # <= 128 candidates with ties at the boundary (the pairwise-rank path)
         (tie_scores(2, 2, 3000, g), [2999, 100], 256, 5),
         (1.0 + torch.randint(0, 3000, (1, 2, 4000), generator=g).float() * 1e-7, [3998], 512, 4),
         (torch.randn(1, 3, 2001, generator=g), [1500], 300, None),

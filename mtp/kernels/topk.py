@@ -18,9 +18,10 @@ Kernels (a zeroed workspace, then three launches over R x C programs; no host sy
    one (tl.histogram per block, then one atomic per non-empty bin).
 2. `_topk_split_kernel`: every program finds, from the two histograms, the prefix P holding the k-th key
    (two 256-bin scans), counts its chunk's keys above P and appends those with prefix P ("candidates",
-   typically tens) to a list of the row. The last program of the row to arrive (atomic counter) finishes the
-   radix select on the candidates alone (key bits 15..8 and 7..0, then position bytes only when keys tie at
-   the boundary), and turns per-chunk counts into each chunk's output offset.
+   typically tens) to a list of the row. The last program of the row to arrive (atomic counter) finds the
+   k-th key among the candidates alone (<= 128: ranked by one pairwise compare; more: radix select on key
+   bits 15..8 and 7..0, then position bytes only when keys tie at the boundary), and turns per-chunk counts
+   into each chunk's output offset.
 3. `_topk_write_kernel`: each program writes its chunk's kept positions at its offset, in ascending order.
 One program per row would re-read the row for every pass on one SM; a single SM histograms ~32k keys per
 ~10 us (tl.histogram costs ~3 warp instructions per element): hence the spread over R x C programs.
@@ -35,6 +36,7 @@ from mtp.kernels._triton import require, tl, triton
 __all__ = ["add_to_histograms", "histograms", "radix_topk", "score_keys", "topk_select_ref", "topk_workspace"]
 
 HIST = 65536  # bins of the 16-bit key prefix
+SMALL = 128  # up to this many candidates, the last stage ranks them in one pairwise compare
 
 
 def topk_select_ref(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int) -> torch.Tensor:
@@ -122,9 +124,52 @@ def _cand_hist(ck_ptr, ci_ptr, n, key_sh, key_pref, pos_sh, pos_pref, dig_sh, FR
 
 
 @triton.jit
+def _threshold_rank(ck_ptr, ci_ptr, n, need, SMALL: tl.constexpr):
+    """(key, position) of the need-th kept candidate, for n <= SMALL candidates: each one's rank is the
+    number of candidates ahead of it (higher key, or equal key and lower position), in one [SMALL, SMALL]
+    compare instead of the byte passes of `_threshold_radix`."""
+    i = tl.arange(0, SMALL)
+    m = i < n
+    key = tl.load(ck_ptr + i, mask=m, other=0, cache_modifier=".cg")
+    pos = tl.load(ci_ptr + i, mask=m, other=0, cache_modifier=".cg")
+    ahead = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (pos[None, :] < pos[:, None]))
+    rank = tl.sum((ahead & m[None, :]).to(tl.int32), 1)
+    sel = m & (rank == need - 1)
+    return tl.sum(tl.where(sel, key, 0), 0), tl.sum(tl.where(sel, pos, 0), 0)
+
+
+@triton.jit
+def _threshold_radix(ck, ci, n_c, kp, need, NB: tl.constexpr):
+    """(key, position) of the need-th kept candidate by radix select over the candidates, all of whose keys
+    share the top 16 bits kp: key bits 15..8, 7..0, then (only if keys tie at the boundary) position bytes."""
+    ts = 2147483647  # every candidate with the threshold key is kept
+    hA = _cand_hist(ck, ci, n_c, 16, kp, 31, 0, 8, False, NB)
+    dA, aboveA, _ = _pick(hA, need)
+    need -= aboveA
+    hB = _cand_hist(ck, ci, n_c, 8, kp * 256 + dA, 31, 0, 0, False, NB)
+    dB, aboveB, atB = _pick(hB, need)
+    need -= aboveB
+    tk = (kp * 256 + dA) * 256 + dB
+    if atB > need:  # keys tie at the boundary: keep the `need` lowest positions among them
+        hI = _cand_hist(ck, ci, n_c, 0, tk, 24, 0, 16, True, NB)
+        e1, a1, _ = _pick(hI, need)
+        need -= a1
+        p1 = 255 - e1
+        hI = _cand_hist(ck, ci, n_c, 0, tk, 16, p1, 8, True, NB)
+        e2, a2, _ = _pick(hI, need)
+        need -= a2
+        p2 = p1 * 256 + 255 - e2
+        hI = _cand_hist(ck, ci, n_c, 0, tk, 8, p2, 0, True, NB)
+        e3, _, _ = _pick(hI, need)
+        ts = p2 * 256 + 255 - e3
+    return tk, ts
+
+
+@triton.jit
 def _topk_split_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive_ptr, ck_ptr, ci_ptr, gt_ptr,
                        off_ptr, thr_ptr, out_ptr, S, T, CH, C, K,
-                       BLK: tl.constexpr, NB: tl.constexpr, CPAD: tl.constexpr, KB: tl.constexpr):
+                       BLK: tl.constexpr, NB: tl.constexpr, CPAD: tl.constexpr, KB: tl.constexpr,
+                       SMALL: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1)
     r64 = r.to(tl.int64)
@@ -163,26 +208,10 @@ def _topk_split_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive_ptr,
         n_c = tl.atomic_add(ncand_ptr + r, 0, sem="acq_rel", scope="gpu")
         if n_valid > K:
             need = K - above  # keys to keep among the candidates, >= 1
-            kp = P - 32768  # key >> 16 of every candidate
-            hA = _cand_hist(ck, ci, n_c, 16, kp, 31, 0, 8, False, NB)
-            dA, aboveA, _ = _pick(hA, need)
-            need -= aboveA
-            hB = _cand_hist(ck, ci, n_c, 8, kp * 256 + dA, 31, 0, 0, False, NB)
-            dB, aboveB, atB = _pick(hB, need)
-            need -= aboveB
-            tk = (kp * 256 + dA) * 256 + dB
-            if atB > need:  # keys tie at the boundary: keep the `need` lowest positions among them
-                hI = _cand_hist(ck, ci, n_c, 0, tk, 24, 0, 16, True, NB)
-                e1, a1, _ = _pick(hI, need)
-                need -= a1
-                p1 = 255 - e1
-                hI = _cand_hist(ck, ci, n_c, 0, tk, 16, p1, 8, True, NB)
-                e2, a2, _ = _pick(hI, need)
-                need -= a2
-                p2 = p1 * 256 + 255 - e2
-                hI = _cand_hist(ck, ci, n_c, 0, tk, 8, p2, 0, True, NB)
-                e3, _, _ = _pick(hI, need)
-                ts = p2 * 256 + 255 - e3
+            if n_c <= SMALL:
+                tk, ts = _threshold_rank(ck, ci, n_c, need, SMALL)
+            else:
+                tk, ts = _threshold_radix(ck, ci, n_c, P - 32768, need, NB)
         # kept candidates per chunk, then each chunk's offset in the output
         kept = tl.zeros((CPAD,), dtype=tl.int32)
         for i0 in range(0, n_c, NB):
@@ -274,6 +303,7 @@ def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunk
     if workspace is None:
         _topk_hist_kernel[grid](sc, lens, h16, h8, S, T, ch, BLK=blk, num_warps=4)
     _topk_split_kernel[grid](sc, lens, h16, h8, ncand, arrive, ck, ci, gt, off, thr, out, S, T, ch, C, k,
-                             BLK=blk, NB=1024, CPAD=max(32, triton.next_power_of_2(C)), KB=1024, num_warps=4)
+                             BLK=blk, NB=1024, CPAD=max(32, triton.next_power_of_2(C)), KB=1024, SMALL=SMALL,
+                             num_warps=4)
     _topk_write_kernel[grid](sc, lens, off, thr, out, S, T, ch, C, k, BLK=blk, num_warps=4)
     return out

@@ -403,6 +403,8 @@ def topk_scores(B, T, S, kind):
     if kind == "ties":  # 7 values, -0.0 beside +0.0: the k-th key ties across many chunks
         sc = torch.randint(0, 7, (B, T, S), device=DEV).float() * 0.25 - 0.5
         return torch.where((sc == 0) & (torch.arange(S, device=DEV) % 2 == 1), -0.0, sc)
+    if kind == "rounded":  # tens of exact ties near the k-th score: the pairwise-rank path with ties
+        return torch.randn(B, T, S, device=DEV).mul(100).round().div(100)
     if kind == "narrow":  # every score shares its 16-bit prefix: all are candidates of the last stage
         return 1.0 + torch.randint(0, 5000, (B, T, S), device=DEV).float() * 1e-7
     raise ValueError(kind)
@@ -411,7 +413,7 @@ def topk_scores(B, T, S, kind):
 @pytest.mark.parametrize("B,T,S,lens,k", [(1, 1, 32768, [32767], 2048), (1, 4, 8192 + 3, [8192 - 1], 2048),
                                           (2, 3, 131072, [131000, 4000], 2048), (3, 2, 3001, [2999, 50, 1500], 1000),
                                           (1, 2, 777, [775], 2048)])
-@pytest.mark.parametrize("kind", ["randn", "ties", "narrow"])
+@pytest.mark.parametrize("kind", ["randn", "rounded", "ties", "narrow"])
 def test_radix_topk(B, T, S, lens, k, kind):
     """The exact set (and order: positions ascending, then -1) of the stable-sort reference, ties included."""
     sc = topk_scores(B, T, S, kind)
