@@ -145,8 +145,8 @@ def fast_module(mod: torch.nn.Module, mm_fp32: bool = False) -> None:
     elif isinstance(mod, MoE):
         stack_experts(mod)
         _swap(mod, FastMoE)
-        if (mod.e0, mod.e1) != (0, mod.gate.n_experts) and "expert_layout" not in vars(mod):
-            mod.expert_layout = None  # one rank's few active experts: the persistent layout (by size)
+        # the default on every enable: one rank's few active experts take the persistent layout (by size)
+        mod.expert_layout = "pairs" if (mod.e0, mod.e1) == (0, mod.gate.n_experts) else None
     elif isinstance(mod, MLA) and _mla_kernel_fits(mod):
         w = mod.kv_b_proj.dequantized_weight(torch.bfloat16).view(mod.H, mod.P + mod.V, mod.C)
         mod.w_kb = w[:, : mod.P].contiguous()  # [H, P, C]
