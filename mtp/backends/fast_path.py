@@ -184,8 +184,9 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True, indexer_topk
     for mod in list(model.modules()):
         if id(mod) not in routed:  # routed experts are read through their MoE's stack
             fast_module(mod, mm_fp32)
-    set_kernel_options(model, indexer_topk=indexer_topk)  # also bumps model.version: graphs captured on the
-    return model  # reference path must not be replayed
+    # the options, and model.version bumped: graphs captured on the reference path must not be replayed
+    set_kernel_options(model, indexer_topk=indexer_topk)
+    return model
 
 
 def set_kernel_options(model: torch.nn.Module, indexer_topk: str | None = None,
