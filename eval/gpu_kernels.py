@@ -405,18 +405,23 @@ def run_sections(sections, only: set, out: dict) -> None:
 
 
 def finish(out: dict, t0: float, path: str) -> None:
-    """Write rows, checks and wall time as JSON to `path`; print the checks' summary and the table."""
-    out["rows"], out["checks"] = ROWS, CHECKS
+    """`report` with this module's rows, checks and table."""
+    report(out, ROWS, CHECKS, t0, path, table())
+
+
+def report(out: dict, rows: list, checks: list, t0: float, path: str, table_text: str) -> None:
+    """Write the run's JSON (out + rows + checks + wall time) to path, then print the failed checks and the table."""
+    out["rows"], out["checks"] = rows, checks
     out["wall_s"] = round(time.time() - t0, 1)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=1, default=str)
-    n_fail = sum(not c["ok"] for c in CHECKS)
-    log(f"\nchecks: {len(CHECKS) - n_fail} passed, {n_fail} failed; wall {out['wall_s']} s")
-    for c in CHECKS:
+    n_fail = sum(not c["ok"] for c in checks)
+    log(f"\nchecks: {len(checks) - n_fail} passed, {n_fail} failed; wall {out['wall_s']} s")
+    for c in checks:
         if not c["ok"]:
             log(f"  FAIL {c['name']}: {c['detail']}")
-    log(table())
+    log(table_text)
 
 
 if __name__ == "__main__":

@@ -234,13 +234,13 @@ def _model_checks() -> None:
     kernels' logits (switches off) within fp32 summation order, both under the interpreter."""
     import tempfile
 
-    from test_moe_ep import _patch_interpreter_loop_bounds
+    from interp import patch_interpreter_loop_bounds
 
     from mtp.checkpoint.files import load_model, save_checkpoint
     from mtp.backends.fast_path import FAST_CLASSES, FastBlock, disable_fast_path, install_fast_modules
     from mtp.checkpoint.tiny import random_tensors, tiny_config
 
-    _patch_interpreter_loop_bounds()
+    patch_interpreter_loop_bounds()
     cfg = tiny_config()
     path = save_checkpoint(random_tensors(cfg, seed=0), cfg, Path(tempfile.mkdtemp()) / "tiny")
     model = load_model(path, dtype=torch.float32, numerics="fp8")

@@ -12,7 +12,6 @@ references on a GPU.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +26,9 @@ from mtp.parallel import Comm, ParallelPlan, RankLayout
 from mtp.parallel.modules import ExpertParallelMoE
 from mtp.checkpoint.tiny import tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interp import patch_interpreter_loop_bounds, run_interpreted  # noqa: E402
+
 
 
 class SumLaterComm(Comm):
@@ -94,6 +95,7 @@ def test_enable_fast_path_stacks_local_experts():
     assert not isinstance(ep, FastMoE)
     fast_module(ep)
     assert isinstance(ep, FastMoE) and isinstance(ep, ExpertParallelMoE)
+    assert ep.expert_layout is None  # one rank's range: the persistent layout for few active experts (by size)
     E_loc = ep.e1 - ep.e0
     I, D = cfg.moe_intermediate_size, cfg.hidden_size
     s = ep.stacked
@@ -118,32 +120,10 @@ def test_enable_fast_path_stacks_local_experts():
 
 @pytest.mark.slow
 def test_minus_one_slots_and_ep_forward_interpreted():
-    pytest.importorskip("triton")
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    r = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"interpreted checks failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    assert "interpreted checks ok" in r.stdout
+    run_interpreted(__file__)
 
 
 # ----------------------------------------------------------------------------- run under TRITON_INTERPRET=1
-def _patch_interpreter_loop_bounds() -> None:
-    """The kernels loop over a runtime bound (`range(0, n_iter)`); triton 3.6's interpreter turns that tensor
-    into an int with int() of a 1-element array, which numpy 2.x refuses. Take the element instead."""
-    import numpy as np
-    import triton.runtime.interpreter as ti
-
-    orig = getattr(ti, "_patch_lang_tensor", None)
-    if orig is None:  # another triton: leave it alone
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    ti._patch_lang_tensor = patched
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -152,7 +132,7 @@ def _interpreted_checks() -> None:
     from mtp.kernels.moe import moe_experts
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    _patch_interpreter_loop_bounds()
+    patch_interpreter_loop_bounds()
     torch.manual_seed(0)
     # the kernel: 8 experts, "rank 0" holds 0..2, "rank 1" 3..7
     E, D, I, J = 8, 256, 128, 4
@@ -172,6 +152,16 @@ def _interpreted_checks() -> None:
             masked = moe_experts(x, idx, rw * (loc >= 0), *ws, out_dtype=torch.float32)
             assert torch.equal(y, masked), f"T={T} experts [{e0}, {e1}): not the full result restricted to them"
             assert torch.equal((y != 0).any(1), (loc >= 0).any(1)), f"T={T}: only tokens without local experts get 0"
+    # the persistent layout (default for T * J <= 64) against the pairs layout, widths 1..4, -1 slots,
+    # several K-slice / grid choices (summation order differs: fp32-close, not bit-equal)
+    for w in (1, 2, 3, 4):
+        xw = torch.randn(w, D).bfloat16()
+        loc = torch.where(idx[:w] < 5, idx[:w], -1).int()  # "rank" of experts 0..4
+        ref = moe_experts(xw, loc, rw[:w], *ws, out_dtype=torch.float32, layout="pairs")
+        for kw in (dict(), dict(splits=(2, 1), programs=(3, 2)), dict(splits=(1, 1), programs=(1, 1))):
+            got = moe_experts(xw, loc, rw[:w], *ws, out_dtype=torch.float32, layout="persistent", **kw)
+            assert _rel(got, ref) < 1e-5, (w, kw, _rel(got, ref))
+            assert torch.equal((got != 0).any(1), (loc >= 0).any(1)), f"w={w} {kw}: a token without experts gets 0"
     try:
         moe_experts(x, idx.clamp(max=E), rw, *[w[:3].contiguous() for w in ws])
     except ValueError as e:

@@ -10,7 +10,8 @@
   MoE of `mtp.parallel` likewise over its rank's experts [e0, e1), skipping slots routed to other ranks). The experts'
   weights are restacked per projection into [E, N, K] tensors, and each expert's parameters become views of
   the stack, so memory is not doubled (peak: one projection of one layer);
-- `MLA` blocks of <= absorb_max_tokens new tokens through the indexer kernel + top-k and `mla_decode` over the
+- `MLA` blocks of <= absorb_max_tokens new tokens through the indexer kernel + top-k (`kernels.topk` radix
+  select, or torch.topk: `FastMLA.topk_impl`, `set_kernel_options`) and `mla_decode` over the
   real-FP8 latent cache; kv_b_proj is dequantized once to bf16 for the absorbed q / output projections
   (DeepSeek's reference keeps the same dequantized copy). Longer blocks (prefill) stay on the reference path.
   The block runs in `mla_forward_fast`: q_a | indexer wk | kv_a and q_b | indexer wq_b as one GEMV each
@@ -44,7 +45,7 @@ from ..kernels.absorb import absorb_out, absorb_q
 from ..kernels.cache_write import cache_write
 from ..kernels.dispatch import SWITCHES, linear, route, set_fast_kernels
 from ..kernels.fp8_gemm import SMALL_M
-from ..kernels.indexer import indexer_topk
+from ..kernels.indexer import TOPK_IMPLS, indexer_topk
 from ..kernels.mla_decode import mla_decode
 from ..kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
 from ..kernels.moe import MAX_TOKENS as MOE_KERNEL_MAX_TOKENS
@@ -110,9 +111,15 @@ class FastMoE(MoE):
     `router`, which also maps ids to this rank's local ids) + `moe_experts` on the stacked experts
     (`stack_experts`): reads only the chosen experts, no host sync, capturable; ids outside [e0, e1) (other
     ranks' experts) are -1 slots, which the kernel skips. `forward(x, xq)` feeds x's quantized form to the
-    shared expert's gate | up GEMV."""
+    shared expert's gate | up GEMV.
+
+    expert_layout (`kernels.moe.moe_experts`' layout): 'pairs' or None (by size: persistent for T * J <= 64).
+    A whole MoE picks 8 of its own experts per token, which the pair grid already spreads over the GPU (79-94%
+    of copy bandwidth), so it keeps 'pairs'; one rank's range of an expert-parallel MoE gets None from
+    `fast_module` (its few active experts are what the persistent layout is for). `set_kernel_options` switches."""
 
     stacked: dict[str, torch.Tensor] | None = None
+    expert_layout: str | None = "pairs"
 
     def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
         if xq is None:
@@ -142,7 +149,7 @@ class FastMoE(MoE):
         s = self.stacked
         return moe_experts(x_ND, ids_NK, w_NK, s["gate_proj.weight"], s["gate_proj.weight_scale_inv"],
                            s["up_proj.weight"], s["up_proj.weight_scale_inv"], s["down_proj.weight"],
-                           s["down_proj.weight_scale_inv"], out_dtype=torch.float32)
+                           s["down_proj.weight_scale_inv"], out_dtype=torch.float32, layout=self.expert_layout)
 
 
 class FastMLA(MLA):
@@ -150,6 +157,7 @@ class FastMLA(MLA):
     (prefill), an unquantized cache and a tree verify's mask (no kernel takes one yet) keep the reference forward."""
 
     fused_a = fused_qb = None  # stacked FP8 weights of the projections that read one input (`fuse_rows`)
+    topk_impl = "radix"  # the indexer's top-k (`kernels.indexer.TOPK_IMPLS`): enable_fast_path / set_kernel_options
 
     def absorbed_fast(self, T: int, cache, opts, visible_BTS=None) -> bool:
         """Whether `forward` takes `mla_forward_fast` for a block of T tokens (a tree's visibility mask keeps the
@@ -229,6 +237,8 @@ def fast_module(mod: torch.nn.Module, mm_fp32: bool = False) -> None:
     elif isinstance(mod, MoE):
         stack_experts(mod)
         _swap(mod, FastMoE)
+        # the default on every enable: one rank's few active experts take the persistent layout (by size)
+        mod.expert_layout = "pairs" if (mod.e0, mod.e1) == (0, mod.gate.n_experts) else None
     elif isinstance(mod, MLA) and _mla_kernel_fits(mod):
         w = mod.kv_b_proj.dequantized_weight(torch.bfloat16).view(mod.H, mod.P + mod.V, mod.C)
         mod.w_kb = w[:, : mod.P].contiguous()  # [H, P, C]
@@ -252,17 +262,23 @@ def fast_module(mod: torch.nn.Module, mm_fp32: bool = False) -> None:
         _swap(mod, FastBlock)
 
 
-def enable_fast_path(model: DeepseekV32, compile_glue: bool = True) -> DeepseekV32:
-    """compile_glue: torch.compile the elementwise glue (mtp.model.layers.Glue) into fused kernels."""
+def enable_fast_path(model: DeepseekV32, compile_glue: bool = True, indexer_topk: str = "radix") -> DeepseekV32:
+    """compile_glue: torch.compile the elementwise glue (mtp.model.layers.Glue) into fused kernels.
+    indexer_topk: the indexer's top-k, 'radix' (Triton radix select, the reference's tie rule), 'radix_fused'
+    (its histogram pass in the scores kernel) or 'torch' (torch.topk); switch it and the MoE expert layout
+    later with `set_kernel_options`."""
     if not available():
         raise RuntimeError("the Triton fast path needs triton and a CUDA device; use the reference path")
     if model.device.type != "cuda":
         raise ValueError(f"the fast path needs the model on a CUDA device, it is on {model.device}")
     if model.runtime.numerics != "fp8" or not model.cfg.is_fp8:
         raise ValueError("the fast path implements DeepSeek's FP8 numerics: load an FP8 checkpoint with numerics='fp8'")
+    if indexer_topk not in TOPK_IMPLS:
+        raise ValueError(f"enable_fast_path: indexer_topk must be one of {TOPK_IMPLS}, got {indexer_topk!r}")
     if compile_glue:
         glue.compile()
     install_fast_modules(model, _mm_out_fp32())
+    set_kernel_options(model, indexer_topk=indexer_topk)
     return model
 
 
@@ -285,6 +301,26 @@ def set_kernels(model: torch.nn.Module | None = None, **flags: bool):
     if isinstance(model, DeepseekV32):
         model.version += 1
     return old
+
+
+def set_kernel_options(model: torch.nn.Module, indexer_topk: str | None = None,
+                       moe_layout: str | None = "keep") -> None:
+    """Switch kernel variants of a fast-path model, so that old and new can be timed side by side:
+    indexer_topk 'radix' | 'radix_fused' | 'torch' (every FastMLA; None keeps it); moe_layout for every
+    FastMoE's expert kernels: 'pairs' (the pair grid at every size) or None (by size: persistent for
+    T * J <= 64); 'keep' leaves it. Modules on the reference path are left alone. Bumps `model.version`, so
+    CUDA graphs captured before are not replayed."""
+    if indexer_topk is not None and indexer_topk not in TOPK_IMPLS:
+        raise ValueError(f"set_kernel_options: indexer_topk must be one of {TOPK_IMPLS}, got {indexer_topk!r}")
+    if moe_layout not in ("pairs", None, "keep"):
+        raise ValueError(f"set_kernel_options: moe_layout must be 'pairs' or None, got {moe_layout!r}")
+    for mod in model.modules():
+        if isinstance(mod, FastMLA) and indexer_topk is not None:
+            mod.topk_impl = indexer_topk
+        elif isinstance(mod, FastMoE) and moe_layout != "keep":
+            mod.expert_layout = moe_layout
+    if isinstance(model, DeepseekV32):
+        model.version += 1
 
 
 def disable_fast_path(model: torch.nn.Module) -> torch.nn.Module:
@@ -417,7 +453,7 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
     topk_idx = None
     if ix.topk < S:
         topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
-                                   topk=ix.topk)
+                                   topk=ix.topk, impl=mla.topk_impl)
     absorb = SWITCHES.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS
     if absorb:  # one launch each instead of copy + batched GEMM + copy
         q_lat = absorb_q(q_nope, mla.w_kb)

@@ -27,6 +27,15 @@ adds exactly 0, so a token may hold any number of -1 slots.
 3. `_moe_combine_kernel`: y[t] = sum over slots j = 0..J-1 in order (deterministic, no atomics), skipping
    the -1 slots (their rows of the per-slot buffer are never written).
 H200, 256 experts of 7168 x 2048: 105 us for one token (79% of copy bandwidth), 89-94% from two tokens on.
+
+Persistent layout (default for T * J <= 64, `layout=`): at TP=8 a rank computes ~1 (T=1) to ~3.5 (T=4) of its
+32 experts, and the pair grid above gives them only 16 gate/up (56 down) working programs of 132 SMs (gate/up
+25 us at T=1, 62 us at T=4 on an H200, ~30% of the HBM floor). Here ~one program per SM loops over work items
+(a-th distinct expert, N-block, K slice), the experts found on the device in each program (`_leader_pairs`,
+a [P, P] compare) so the grid stays static; gate/up slices meet in an fp32 workspace where the last slice of
+an (expert, N-block) to arrive (atomic counter, re-armed) sums them in slice order and writes h; down slices
+write separate partials that the combine kernel sums slot by slot, slice by slice. Deterministic; the slice
+counts depend on the shapes only (`default_splits`).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from mtp.model.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
 from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.kernels._triton import require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
+from mtp.kernels.fp8_gemm import _counters
 
 __all__ = ["moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts", "moe_experts_ref", "gate_logits"]
 
@@ -218,14 +228,10 @@ def _slot_info(idx_ptr, p, T, TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.con
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr,
-                        T, D, I, stride_xm, stride_we, stride_se, stride_sn,
-                        TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr, KPAD: tl.constexpr):
-    p = tl.program_id(0)
-    nb = tl.program_id(1)
-    e, is_leader, active, slot = _slot_info(idx_ptr, p, T, TOPK, BM, PPAD, KPAD)
-    G = D // 128
-    n_iter = tl.where(is_leader, G, 0)
+def _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1, D, stride_xm, stride_we, stride_se,
+                  stride_sn, BM: tl.constexpr):
+    """gate and up of expert e, N-block nb, over K groups [g0, g1): fp32 accumulators [128, BM] (x quantized
+    per 128 in registers; rows of tokens not routed to e read as 0)."""
     offs_n = nb * 128 + tl.arange(0, 128)
     offs_k = tl.arange(0, 128)
     m = tl.arange(0, BM)
@@ -238,7 +244,7 @@ def _moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, 
     x_ptrs = x_ptr + m[:, None] * stride_xm + offs_k[None, :]
     acc1 = tl.zeros((128, BM), dtype=tl.float32)
     acc3 = tl.zeros((128, BM), dtype=tl.float32)
-    for g in range(0, n_iter):
+    for g in range(g0, g1):
         w1 = tl.load(w1_ptrs + g * 128)
         w3 = tl.load(w3_ptrs + g * 128)
         xf = tl.load(x_ptrs + g * 128, mask=active[:, None], other=0.0).to(tl.float32)
@@ -246,12 +252,53 @@ def _moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, 
         xt = tl.trans(quant_e4m3(xf, inv[:, None]))
         acc1 += tl.dot(w1, xt) * (sx * tl.load(s1_row + g))[None, :]
         acc3 += tl.dot(w3, xt) * (sx * tl.load(s3_row + g))[None, :]
-    h = acc1 / (1.0 + tl.exp(-acc1)) * acc3  # silu(gate) * up, [128, BM]
+    return acc1, acc3
+
+
+@triton.jit
+def _gate_up_store(acc1, acc3, nb, slot, smask, h8_ptr, hs_ptr, I):
+    """h = silu(gate) * up, quantized per 128 (the N-block is one K group of the down projection), stored
+    as fp8 + scale at each routed token's (token, slot) row."""
+    offs_n = nb * 128 + tl.arange(0, 128)
+    h = acc1 / (1.0 + tl.exp(-acc1)) * acc3  # [128, BM]
     sh, inv_h = ue8m0_scale(tl.max(tl.abs(h), axis=0))
     h8 = quant_e4m3(h, inv_h[None, :])
-    smask = active & is_leader
     tl.store(h8_ptr + slot.to(tl.int64)[None, :] * I + offs_n[:, None], h8, mask=smask[None, :])
     tl.store(hs_ptr + slot * (I // 128) + nb, sh, mask=smask)
+
+
+@triton.jit
+def _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I, stride_we, stride_se, stride_sn,
+               BM: tl.constexpr):
+    """Down projection of expert e, output block nb, over K groups [g0, g1): fp32 [128, BM]."""
+    GI = I // 128
+    offs_n = nb * 128 + tl.arange(0, 128)
+    offs_k = tl.arange(0, 128)
+    nmask = offs_n < D
+    e64 = e.to(tl.int64)
+    w_ptrs = w2_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * I + offs_k[None, :]
+    s_row = s2_ptr + e64 * stride_se + nb * stride_sn
+    h_ptrs = h8_ptr + slot.to(tl.int64)[:, None] * I + offs_k[None, :]
+    acc = tl.zeros((128, BM), dtype=tl.float32)
+    for g in range(g0, g1):
+        w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
+        h = tl.load(h_ptrs + g * 128, mask=active[:, None], other=0.0)
+        hs = tl.load(hs_ptr + slot * GI + g, mask=active, other=0.0)
+        acc += tl.dot(w, tl.trans(h)) * (hs * tl.load(s_row + g))[None, :]
+    return acc
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr,
+                        T, D, I, stride_xm, stride_we, stride_se, stride_sn,
+                        TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr, KPAD: tl.constexpr):
+    p = tl.program_id(0)
+    nb = tl.program_id(1)
+    e, is_leader, active, slot = _slot_info(idx_ptr, p, T, TOPK, BM, PPAD, KPAD)
+    n_iter = tl.where(is_leader, D // 128, 0)
+    acc1, acc3 = _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, 0, n_iter, D, stride_xm,
+                               stride_we, stride_se, stride_sn, BM)
+    _gate_up_store(acc1, acc3, nb, slot, active & is_leader, h8_ptr, hs_ptr, I)
 
 
 @triton.jit
@@ -261,36 +308,109 @@ def _moe_down_kernel(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
     p = tl.program_id(0)
     nb = tl.program_id(1)
     e, is_leader, active, slot = _slot_info(idx_ptr, p, T, TOPK, BM, PPAD, KPAD)
-    GI = I // 128
-    n_iter = tl.where(is_leader, GI, 0)
-    offs_n = nb * 128 + tl.arange(0, 128)
-    offs_k = tl.arange(0, 128)
-    nmask = offs_n < D
-    e64 = e.to(tl.int64)
-    w_ptrs = w2_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * I + offs_k[None, :]
-    s_row = s2_ptr + e64 * stride_se + nb * stride_sn
-    h_ptrs = h8_ptr + slot.to(tl.int64)[:, None] * I + offs_k[None, :]
-    acc = tl.zeros((128, BM), dtype=tl.float32)
-    for g in range(0, n_iter):
-        w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
-        h = tl.load(h_ptrs + g * 128, mask=active[:, None], other=0.0)
-        hs = tl.load(hs_ptr + slot * GI + g, mask=active, other=0.0)
-        acc += tl.dot(w, tl.trans(h)) * (hs * tl.load(s_row + g))[None, :]
+    n_iter = tl.where(is_leader, I // 128, 0)
+    acc = _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, 0, n_iter, D, I, stride_we, stride_se,
+                     stride_sn, BM)
     rw = tl.load(rw_ptr + slot, mask=active, other=0.0)
     acc = acc * rw[None, :]
+    offs_n = nb * 128 + tl.arange(0, 128)
     smask = active & is_leader
-    tl.store(out_ptr + slot.to(tl.int64)[None, :] * D + offs_n[:, None], acc, mask=smask[None, :] & nmask[:, None])
+    tl.store(out_ptr + slot.to(tl.int64)[None, :] * D + offs_n[:, None], acc,
+             mask=smask[None, :] & (offs_n < D)[:, None])
+
+
+# ----------------------------------------------------------------------------- persistent expert kernels
+@triton.jit
+def _leader_pairs(idx_ptr, P, PPAD: tl.constexpr):
+    """Pairs q in [0, PPAD), which of them lead (a valid expert no earlier pair names), each leader's rank
+    among the leaders, and the number of leaders (distinct experts to compute). [PPAD, PPAD] compares: small P."""
+    q = tl.arange(0, PPAD)
+    iq = tl.load(idx_ptr + q, mask=q < P, other=-2)
+    earlier = (iq[:, None] == iq[None, :]) & (q[None, :] < q[:, None])
+    lead = (iq >= 0) & (tl.sum(earlier.to(tl.int32), 1) == 0)
+    rank = tl.cumsum(lead.to(tl.int32), 0) - 1
+    return q, lead, rank, tl.sum(lead.to(tl.int32), 0)
 
 
 @triton.jit
-def _moe_combine_kernel(part_ptr, idx_ptr, y_ptr, D, TOPK: tl.constexpr, BLOCK_D: tl.constexpr):
+def _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, G, TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
+               KPAD: tl.constexpr):
+    """Work item w = (a, nb, ks): the a-th distinct expert e (its routed token rows and their slots), N-block
+    nb, and the K groups [g0, g1) of slice ks of G groups."""
+    a = w // (NB * KS)
+    nb = (w // KS) % NB
+    ks = w % KS
+    p = tl.sum(tl.where(lead & (rank == a), q, 0), 0)  # the pair that leads expert a
+    e, _, active, slot = _slot_info(idx_ptr, p, T, TOPK, BM, PPAD, KPAD)
+    gps = tl.cdiv(G, KS)
+    g0 = ks * gps
+    return a, nb, ks, e, active, slot, g0, tl.minimum(g0 + gps, G)
+
+
+@triton.jit
+def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr, part_ptr, cnt_ptr,
+                            T, D, I, stride_xm, stride_we, stride_se, stride_sn, KS,
+                            TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr, KPAD: tl.constexpr):
+    """Work item (a, nb, ks): the a-th distinct expert, N-block nb, K slice ks, handed out round-robin over a
+    grid of ~one program per SM, so the few experts a rank computes at decode still fill every SM. The last
+    slice of (a, nb) to finish (atomic counter) sums the fp32 partials in slice order (deterministic) and
+    writes h; it re-arms the counter."""
+    q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, PPAD)
+    NB = I // 128
+    for w in range(tl.program_id(0), n_act * NB * KS, tl.num_programs(0)):
+        a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, D // 128,
+                                                        TOPK, BM, PPAD, KPAD)
+        acc1, acc3 = _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
+                                   D, stride_xm, stride_we, stride_se, stride_sn, BM)
+        # fp32 partials [2, 128, T] per (a, nb, ks): the T token columns only
+        m = tl.arange(0, BM)
+        tile = tl.arange(0, 128)[:, None] * T + m[None, :]
+        tmask = (m < T)[None, :]
+        base = part_ptr + ((a * NB + nb) * KS).to(tl.int64) * (2 * 128 * T)
+        tl.store(base + ks * (2 * 128 * T) + tile, acc1, mask=tmask)
+        tl.store(base + ks * (2 * 128 * T) + 128 * T + tile, acc3, mask=tmask)
+        tl.debug_barrier()
+        if tl.atomic_add(cnt_ptr + a * NB + nb, 1, sem="acq_rel", scope="gpu") == KS - 1:
+            acc1 = tl.zeros((128, BM), dtype=tl.float32)
+            acc3 = tl.zeros((128, BM), dtype=tl.float32)
+            for s in range(KS):
+                acc1 += tl.load(base + s * (2 * 128 * T) + tile, mask=tmask, other=0.0, cache_modifier=".cg")
+                acc3 += tl.load(base + s * (2 * 128 * T) + 128 * T + tile, mask=tmask, other=0.0,
+                                cache_modifier=".cg")
+            _gate_up_store(acc1, acc3, nb, slot, active, h8_ptr, hs_ptr, I)
+            tl.atomic_xchg(cnt_ptr + a * NB + nb, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
+                         T, D, I, stride_we, stride_se, stride_sn, KS,
+                         TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr, KPAD: tl.constexpr):
+    """Work item (a, nb, ks) as in `_moe_gate_up_persistent`; slice ks writes its weighted partial to
+    out[ks, slot], which the combine kernel sums in a fixed order."""
+    q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, PPAD)
+    NB = tl.cdiv(D, 128)
+    P = T * TOPK
+    for w in range(tl.program_id(0), n_act * NB * KS, tl.num_programs(0)):
+        a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, I // 128,
+                                                        TOPK, BM, PPAD, KPAD)
+        acc = _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I,
+                         stride_we, stride_se, stride_sn, BM)
+        acc = acc * tl.load(rw_ptr + slot, mask=active, other=0.0)[None, :]
+        offs_n = nb * 128 + tl.arange(0, 128)
+        dst = out_ptr + (ks * P + slot).to(tl.int64)[None, :] * D + offs_n[:, None]
+        tl.store(dst, acc, mask=active[None, :] & (offs_n < D)[:, None])
+
+
+@triton.jit
+def _moe_combine_kernel(part_ptr, idx_ptr, y_ptr, D, P, TOPK: tl.constexpr, KS: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):  # slot order: deterministic
-        used = tl.load(idx_ptr + t * TOPK + j) >= 0  # a -1 slot's row of `part` was never written
-        acc += tl.load(part_ptr + (t * TOPK + j).to(tl.int64) * D + offs, mask=mask & used, other=0.0)
+    for j in tl.static_range(TOPK):  # slot order, then K-slice order: deterministic
+        used = tl.load(idx_ptr + t * TOPK + j) >= 0  # a -1 slot's rows of `part` were never written
+        for s in tl.static_range(KS):
+            acc += tl.load(part_ptr + (s * P + t * TOPK + j).to(tl.int64) * D + offs, mask=mask & used, other=0.0)
     tl.store(y_ptr + t.to(tl.int64) * D + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -308,14 +428,33 @@ def _check_experts(name, w, s, E, N, K):
         raise ValueError(f"moe_experts: {name} weight and scales must be contiguous")
 
 
+PERSISTENT_MAX_PAIRS = 64  # the persistent kernels compare all (token, slot) pairs pairwise: small P only
+LAYOUTS = ("pairs", "persistent")
+
+
+def default_splits(T: int, G: int, GI: int) -> tuple[int, int]:
+    """K slices of the persistent gate/up and down kernels. A function of the shapes only (never of which
+    experts were picked), so a rank's result is bit-equal to the full stack with the other ranks' slots zeroed.
+    At TP=8 a decode token has ~1 local expert (16 gate/up and 56 down blocks): 8 and 4 slices give ~130 and
+    ~220 work items, about one wave on 132 SMs; from 2 tokens on, 4 and 2."""
+    return min(G, 8 if T == 1 else 4), min(GI, 4 if T == 1 else 2)
+
+
 def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_gate, s_gate, w_up, s_up, w_down, s_down,
-                out_dtype: torch.dtype | None = None, gate_up_stages: int | None = None, down_stages: int = 5) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, gate_up_stages: int | None = None, down_stages: int = 5,
+                layout: str | None = None, splits: tuple[int, int] | None = None,
+                programs: tuple[int, int] | None = None) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= 64 tokens: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
     another rank: reads nothing, adds 0; any number per token). w_TJ fp32. Three launches; reads each
     selected expert's weights once. Ids are range-checked only when they live on the CPU (interpreter):
     on CUDA a check would be a host sync, and the call must stay CUDA-graph capturable.
+    layout: 'pairs' (a program per (token, slot) pair and N-block; the leader pair computes the expert) or
+    'persistent' (~one program per SM looping over (distinct expert, N-block, K-slice) work items, so that a
+    few experts still fill the GPU; T * J <= 64); default: 'persistent' when T * J <= 64.
+    splits: (gate/up, down) K slices of the persistent layout (default `default_splits`); programs: its grid
+    sizes (default one and two programs per SM).
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
@@ -333,27 +472,48 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     _check_experts("w_gate", w_gate, s_gate, E, I, D)
     _check_experts("w_up", w_up, s_up, E, I, D)
     _check_experts("w_down", w_down, s_down, E, D, I)
+    P = T * J
+    layout = layout or ("persistent" if P <= PERSISTENT_MAX_PAIRS else "pairs")
+    if layout not in LAYOUTS or (layout == "persistent" and P > PERSISTENT_MAX_PAIRS):
+        raise ValueError(f"moe_experts: layout must be one of {LAYOUTS} ('persistent' for T * J <= "
+                         f"{PERSISTENT_MAX_PAIRS}), got {layout!r} with T * J = {P}")
     idx = idx_TJ.to(torch.int32).contiguous()
     rw = w_TJ.float().contiguous()
-    if gate_up_stages is None:
-        # H200 sweep (T=1 / T=4): 4 stages (145 KB smem, 1 program per SM) won when the leaders' programs fit
-        # in one wave (105 vs 111 us at T=1); with more programs 3 stages (2 per SM) won (331 vs 358 us).
-        gate_up_stages = 4 if T * J * (I // BLOCK) <= _sm_count(x_TD.device) else 3
     x = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
-    P = T * J
     bm = max(16, triton.next_power_of_2(T))
     ppad, kpad = triton.next_power_of_2(P), triton.next_power_of_2(J)
     dev = x.device
     h8 = torch.empty(P, I, dtype=FP8_DTYPE, device=dev)
     hs = torch.empty(P, I // BLOCK, dtype=torch.float32, device=dev)
-    _moe_gate_up_kernel[(P, I // BLOCK)](x, idx, w_gate, s_gate, w_up, s_up, h8, hs, T, D, I, x.stride(0),
-                                         w_gate.stride(0), s_gate.stride(0), s_gate.stride(1),
-                                         TOPK=J, BM=bm, PPAD=ppad, KPAD=kpad, num_warps=4, num_stages=gate_up_stages)
-    part = torch.empty(P, D, dtype=torch.float32, device=dev)
-    _moe_down_kernel[(P, triton.cdiv(D, BLOCK))](h8, hs, idx, rw, w_down, s_down, part, T, D, I,
-                                                 w_down.stride(0), s_down.stride(0), s_down.stride(1),
-                                                 TOPK=J, BM=bm, PPAD=ppad, KPAD=kpad, num_warps=4, num_stages=down_stages)
+    wargs = (w_gate, s_gate, w_up, s_up)
+    kw = dict(TOPK=J, BM=bm, PPAD=ppad, KPAD=kpad, num_warps=4)
+    if layout == "pairs":
+        if gate_up_stages is None:
+            # H200 sweep (T=1 / T=4): 4 stages (145 KB smem, 1 program per SM) won when the leaders' programs
+            # fit in one wave (105 vs 111 us at T=1); with more programs 3 stages (2 per SM) won (331 vs 358 us).
+            gate_up_stages = 4 if P * (I // BLOCK) <= _sm_count(dev) else 3
+        _moe_gate_up_kernel[(P, I // BLOCK)](x, idx, *wargs, h8, hs, T, D, I, x.stride(0), w_gate.stride(0),
+                                             s_gate.stride(0), s_gate.stride(1), num_stages=gate_up_stages, **kw)
+        ks_down = 1
+        part = torch.empty(P, D, dtype=torch.float32, device=dev)
+        _moe_down_kernel[(P, triton.cdiv(D, BLOCK))](h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0),
+                                                     s_down.stride(0), s_down.stride(1), num_stages=down_stages, **kw)
+    else:
+        ks_gu, ks_down = splits or default_splits(T, D // BLOCK, I // BLOCK)
+        sm = _sm_count(dev)
+        g_gu, g_down = programs or (sm, 2 * sm)
+        n_act = min(P, E)  # distinct experts, at most
+        nb = I // BLOCK
+        gu_part = torch.empty(n_act * nb * ks_gu * 2 * BLOCK * T, dtype=torch.float32, device=dev)
+        cnt = _counters(dev, n_act * nb)
+        _moe_gate_up_persistent[(min(g_gu, n_act * nb * ks_gu),)](
+            x, idx, *wargs, h8, hs, gu_part, cnt, T, D, I, x.stride(0), w_gate.stride(0), s_gate.stride(0),
+            s_gate.stride(1), ks_gu, num_stages=gate_up_stages or 4, **kw)
+        part = torch.empty(ks_down, P, D, dtype=torch.float32, device=dev)
+        _moe_down_persistent[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
+            h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0), s_down.stride(0), s_down.stride(1),
+            ks_down, num_stages=down_stages, **kw)
     y = torch.empty(T, D, dtype=out_dtype or x_TD.dtype, device=dev)
     bd = 1024
-    _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, idx, y, D, TOPK=J, BLOCK_D=bd, num_warps=4)
+    _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, idx, y, D, P, TOPK=J, KS=ks_down, BLOCK_D=bd, num_warps=4)
     return y

@@ -24,6 +24,7 @@ from mtp.model.fp8 import act_quant as act_quant_ref  # noqa: E402
 from mtp.kernels.act_quant import act_quant  # noqa: E402
 from mtp.kernels.fp8_gemm import fp8_gemm, fp8_linear, fp8_linear_ref  # noqa: E402
 from mtp.kernels.indexer import indexer_topk, indexer_topk_ref  # noqa: E402
+from mtp.kernels.topk import radix_topk, topk_select_ref  # noqa: E402
 from mtp.kernels.mla_decode import mla_decode, mla_decode_ref  # noqa: E402
 from mtp.kernels.moe import gate_logits, moe_experts, moe_experts_ref, moe_route, moe_route_ref, route_from_logits_ref  # noqa: E402
 
@@ -185,8 +186,12 @@ def distinct_topk(T, E, J, share: bool):
     return torch.stack(rows).int()
 
 
-@pytest.mark.parametrize("T,E,D,I,J", [(1, 8, 384, 256, 4), (3, 8, 384, 256, 4), (7, 16, 640, 384, 8), (2, 12, 7168, 2048, 8)])
-def test_moe_experts(T, E, D, I, J):
+@pytest.mark.parametrize("T,E,D,I,J", [(1, 8, 384, 256, 4), (3, 8, 384, 256, 4), (7, 16, 640, 384, 8), (2, 12, 7168, 2048, 8),
+                                       (9, 16, 640, 384, 8)])
+@pytest.mark.parametrize("layout", ["pairs", "persistent"])
+def test_moe_experts(T, E, D, I, J, layout):
+    if layout == "persistent" and T * J > 64:
+        pytest.skip("the persistent layout takes T * J <= 64")
     torch.manual_seed(T * 1000 + E)
     x = torch.randn(T, D, device=DEV).bfloat16()
     wgt, sg = stacked(E, I, D)
@@ -195,7 +200,7 @@ def test_moe_experts(T, E, D, I, J):
     idx = distinct_topk(T, E, J, share=True)
     rw = torch.rand(T, J, device=DEV)
     poison()
-    y = moe_experts(x, idx, rw, wgt, sg, wu, su, wd, sd, out_dtype=torch.float32)
+    y = moe_experts(x, idx, rw, wgt, sg, wu, su, wd, sd, out_dtype=torch.float32, layout=layout)
     yr = moe_experts_ref(x, idx, rw, wgt, sg, wu, su, wd, sd, out_dtype=torch.float32)
     # h is re-quantized to fp8 per 128 channels; the FP8 wgmma accumulates gate/up with a reduced-precision
     # accumulator (DeepSeek-V3 report: ~14 mantissa bits within each 128-wide group), so an h element near an
@@ -249,7 +254,8 @@ def local_ids(idx_TJ, e0, e1):
 
 
 @pytest.mark.parametrize("T,skip_row", [(1, None), (1, 0), (3, 1), (17, 16)])
-def test_moe_experts_skips_minus_one(T, skip_row):
+@pytest.mark.parametrize("layout", [None, "pairs"])
+def test_moe_experts_skips_minus_one(T, skip_row, layout):
     """Slots with id -1 (expert on another rank): equal to the reference, bit-equal to the full stack with those
     slots' weights zeroed, exactly 0 for a token with every slot -1; two 'ranks' sum to the full result.
     Poisoned buffers: a -1 slot's row of the per-slot buffer is never written, so reading it shows as NaN."""
@@ -263,16 +269,17 @@ def test_moe_experts_skips_minus_one(T, skip_row):
     if skip_row is not None:
         idx[skip_row] = torch.randperm(E - 6, device=DEV)[:J].int() + 6  # no expert of rank 0
     rw = torch.rand(T, J, device=DEV)
-    full = moe_experts(x, idx, rw, wgt, sg, wu, su, wd, sd, out_dtype=torch.float32)
+    kw = dict(out_dtype=torch.float32, layout=layout)
+    full = moe_experts(x, idx, rw, wgt, sg, wu, su, wd, sd, **kw)
     parts = []
     for r, (e0, e1) in enumerate(ranks):
         loc = local_ids(idx, e0, e1)
         ws = [t[e0:e1].contiguous() for t in (wgt, sg, wu, su, wd, sd)]
         poison()
-        y = moe_experts(x, loc, rw, *ws, out_dtype=torch.float32)
+        y = moe_experts(x, loc, rw, *ws, **kw)
         yr = moe_experts_ref(x, loc, rw, *ws, out_dtype=torch.float32)
         check_close(f"moe_experts -1 slots T={T} rank {r}", y, yr, 1e-2)
-        masked = moe_experts(x, idx, rw * (loc >= 0), wgt, sg, wu, su, wd, sd, out_dtype=torch.float32)
+        masked = moe_experts(x, idx, rw * (loc >= 0), wgt, sg, wu, su, wd, sd, **kw)
         assert torch.equal(y, masked), f"rank {r}: not the full-stack result restricted to the local experts"
         if r == 0 and skip_row is not None:
             assert torch.equal(y[skip_row], torch.zeros(D, device=DEV)), "an all -1 token must get exactly 0"
@@ -280,8 +287,10 @@ def test_moe_experts_skips_minus_one(T, skip_row):
     check_close(f"moe_experts T={T}: sum over ranks", parts[0] + parts[1], full, 1e-6)
 
 
-def test_moe_experts_minus_one_graph_safe():
-    """-1 slots need no host sync: a captured call replays to the eager result."""
+@pytest.mark.parametrize("layout", ["pairs", "persistent"])
+def test_moe_experts_minus_one_graph_safe(layout):
+    """-1 slots need no host sync: a captured call replays to the eager result, also after the routing
+    changed in place (the persistent layout finds its experts on the device at every replay)."""
     if DEV != "cuda":
         pytest.skip("CUDA graphs")
     T, E, D, I, J = 4, 8, 384, 256, 8
@@ -289,13 +298,43 @@ def test_moe_experts_minus_one_graph_safe():
     ws = [*stacked(E, I, D), *stacked(E, I, D), *stacked(E, D, I)]
     loc = local_ids(distinct_topk(T, 2 * E, J, share=True), 0, E)
     rw = torch.rand(T, J, device=DEV)
-    a = moe_experts(x, loc, rw, *ws, out_dtype=torch.float32)
+    a = moe_experts(x, loc, rw, *ws, out_dtype=torch.float32, layout=layout)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = moe_experts(x, loc, rw, *ws, out_dtype=torch.float32)
+        y = moe_experts(x, loc, rw, *ws, out_dtype=torch.float32, layout=layout)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(a, y)
+    for _ in range(3):  # new routings through the same graph
+        loc.copy_(local_ids(distinct_topk(T, 2 * E, J, share=False), 0, E))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, moe_experts(x, loc, rw, *ws, out_dtype=torch.float32, layout=layout))
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4])
+def test_moe_experts_tp8_rank_widths(T):
+    """One rank of TP=8 at decode / verify widths 1..4: 32 local experts of 256 (DeepSeek's D and I), ~1-4 of
+    them active; the persistent layout against the reference and against the pairs layout."""
+    E_loc, E, D, I, J = 32, 256, 7168, 2048, 8
+    torch.manual_seed(T)
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    ws = [*stacked(E_loc, I, D), *stacked(E_loc, I, D), *stacked(E_loc, D, I)]
+    idx = distinct_topk(T, E, J, share=True)
+    if not (idx[0] < E_loc).any():
+        idx[0, 0] = 5  # at least one local expert
+    loc = local_ids(idx, 0, E_loc)
+    rw = torch.rand(T, J, device=DEV)
+    poison()
+    y = moe_experts(x, loc, rw, *ws, out_dtype=torch.float32, layout="persistent")
+    y64, bound = moe_flip_bound(x, loc, rw, *ws)
+    err = (y.double() - y64).abs()
+    slack = bound + 2e-3 * y64.abs().max()
+    assert bool((err <= slack).all()), f"T={T}: {int((err > slack).sum())} outputs beyond the fp8-flip bound"
+    check_close(f"moe_experts tp8 T={T} vs reference", y, moe_experts_ref(x, loc, rw, *ws, out_dtype=torch.float32),
+                0.05)
+    check_close(f"moe_experts tp8 T={T} vs pairs", y,
+                moe_experts(x, loc, rw, *ws, out_dtype=torch.float32, layout="pairs"), 2e-2)
 
 
 # ----------------------------------------------------------------------------- MLA decode
@@ -334,14 +373,17 @@ def test_mla_decode_sparse(B, T, H, S, lens, J, variant):
 
 # ----------------------------------------------------------------------------- indexer
 @pytest.mark.parametrize("B,T,S,lens", [(1, 1, 100, [99]), (3, 4, 3000, [10, 2500, 2996]), (2, 2, 5000, [4998, 3000])])
-def test_indexer(B, T, S, lens):
+@pytest.mark.parametrize("impl", ["radix", "radix_fused", "torch"])
+def test_indexer(B, T, S, lens, impl):
     H, D, topk = 64, 128, 2048
     q8, qs = act_quant_ref(torch.randn(B, T, H, D, device=DEV))
     k8, ks = act_quant_ref(torch.randn(B, S, D, device=DEV))
     w = torch.randn(B, T, H, device=DEV) * H ** -0.5 * D ** -0.5
     L = torch.tensor(lens, device=DEV, dtype=torch.int32)
     poison()
-    idx, sc = indexer_topk(q8, qs[..., 0], w, k8, ks[..., 0], L, topk)
+    idx, sc = indexer_topk(q8, qs[..., 0], w, k8, ks[..., 0], L, topk, impl=impl)
+    if impl != "torch":  # exactly the reference's rule on the kernel's own scores
+        assert torch.equal(idx, topk_select_ref(sc, L, topk))
     ridx, rsc = indexer_topk_ref(q8, qs[..., 0], w, k8, ks[..., 0], L, topk)
     assert torch.equal(torch.isinf(sc), torch.isinf(rsc)), "masks differ"
     fin = torch.isfinite(rsc)
@@ -355,3 +397,52 @@ def test_indexer(B, T, S, lens):
             if got.numel():  # a differing pick must be a near tie at the top-k boundary
                 kth = rsc[b, t][r[r >= 0].long()].min()
                 assert (rsc[b, t][got] >= kth - 1e-3 * rsc[b, t][fin[b, t]].abs().max()).all()
+
+
+# ----------------------------------------------------------------------------- radix top-k
+def topk_scores(B, T, S, kind):
+    if kind == "randn":
+        return torch.randn(B, T, S, device=DEV)
+    if kind == "ties":  # 7 values, -0.0 beside +0.0: the k-th key ties across many chunks
+        sc = torch.randint(0, 7, (B, T, S), device=DEV).float() * 0.25 - 0.5
+        return torch.where((sc == 0) & (torch.arange(S, device=DEV) % 2 == 1), -0.0, sc)
+    if kind == "rounded":  # tens of exact ties near the k-th score: the pairwise-rank path with ties
+        return torch.randn(B, T, S, device=DEV).mul(100).round().div(100)
+    if kind == "narrow":  # every score shares its 16-bit prefix: all are candidates of the last stage
+        return 1.0 + torch.randint(0, 5000, (B, T, S), device=DEV).float() * 1e-7
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("B,T,S,lens,k", [(1, 1, 32768, [32767], 2048), (1, 4, 8192 + 3, [8192 - 1], 2048),
+                                          (2, 3, 131072, [131000, 4000], 2048), (3, 2, 3001, [2999, 50, 1500], 1000),
+                                          (1, 2, 777, [775], 2048)])
+@pytest.mark.parametrize("kind", ["randn", "rounded", "ties", "narrow"])
+def test_radix_topk(B, T, S, lens, k, kind):
+    """The exact set (and order: positions ascending, then -1) of the stable-sort reference, ties included."""
+    sc = topk_scores(B, T, S, kind)
+    sc[..., 1] = float("-inf")
+    L = torch.tensor(lens, device=DEV, dtype=torch.int32)
+    poison()
+    got = radix_topk(sc, L, k)
+    want = topk_select_ref(sc, L, k)
+    bad = (got != want).any(-1)
+    assert not bad.any(), f"rows {torch.nonzero(bad).tolist()[:4]} differ ({kind})"
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 128])
+def test_radix_topk_chunks_graph(chunks):
+    """Any chunk count gives the same result; a captured call replays to it (no host sync, fresh workspace)."""
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs")
+    sc = topk_scores(1, 4, 32768, "ties")
+    L = torch.tensor([32760], device=DEV)
+    want = topk_select_ref(sc, L, 2048)
+    assert torch.equal(radix_topk(sc, L, 2048, chunks=chunks), want)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = radix_topk(sc, L, 2048, chunks=chunks)
+    for _ in range(3):
+        out.fill_(-7)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)

@@ -1,0 +1,309 @@
+"""Top-k positions of the indexer scores (Triton radix select over many SMs), with its plain-PyTorch reference.
+
+Shape legend: B batch rows, T queries per row, S scored positions, R = B * T score rows, C chunks of a row
+(one program each), k the number kept (2048).
+
+Which positions a row keeps (`topk_select_ref`, the rule `Indexer.select` applies): the k largest scores
+among its candidates, ties going to the lower position, as a stable descending sort gives. Candidates of
+row (b, t): positions s < seq_lens[b] + t + 1 whose score is not -inf (and not NaN); -0.0 counts as +0.0.
+With fewer than k candidates all are kept. The selection is one threshold on the pair (key, -position), where
+key is the score's order-preserving int32 key: keep s iff key > Tk, or key == Tk and s <= Ts, with (Tk, Ts) the
+pair of the k-th kept position. Output: [B, T, k] int32, the kept positions in ascending order, then -1.
+mla_decode attends over the index set in any order; ascending order is deterministic (the attention sums in
+that order) and walks the cache forward.
+
+Kernels (a zeroed workspace, then three launches over R x C programs; no host sync, CUDA-graph capturable):
+1. `_topk_hist_kernel`: per candidate, its 16-bit key prefix (sign, exponent, 7 mantissa bits) into a
+   65536-bin histogram of the row (global atomics, spread over many bins) and its top byte into a 256-bin
+   one (tl.histogram per block, then one atomic per non-empty bin).
+2. `_topk_split_kernel`: every program finds, from the two histograms, the prefix P holding the k-th key
+   (two 256-bin scans), counts its chunk's keys above P and appends those with prefix P ("candidates",
+   typically tens) to a list of the row. The last program of the row to arrive (atomic counter) finds the
+   k-th key among the candidates alone (<= 128: ranked by one pairwise compare; more: radix select on key
+   bits 15..8 and 7..0, then position bytes only when keys tie at the boundary), and turns per-chunk counts
+   into each chunk's output offset.
+3. `_topk_write_kernel`: each program writes its chunk's kept positions at its offset, in ascending order.
+One program per row would re-read the row for every pass on one SM; a single SM histograms ~32k keys per
+~10 us (tl.histogram costs ~3 warp instructions per element): hence the spread over R x C programs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp.kernels._triton import require, tl, triton
+
+__all__ = ["add_to_histograms", "histograms", "radix_topk", "score_keys", "topk_select_ref", "topk_workspace"]
+
+HIST = 65536  # bins of the 16-bit key prefix
+SMALL = 128  # up to this many candidates, the last stage ranks them in one pairwise compare
+
+
+def topk_select_ref(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int) -> torch.Tensor:
+    """Reference of `radix_topk`: [B, T, k] int32, the kept positions ascending, -1 after them."""
+    B, T, S = scores_BTS.shape
+    s = scores_BTS.float()
+    limit = seq_lens_B.to(s.device).long().view(B, 1, 1) + torch.arange(T, device=s.device).view(1, T, 1) + 1
+    cand = (torch.arange(S, device=s.device).view(1, 1, S) < limit) & (s != float("-inf")) & ~s.isnan()
+    order = torch.sort(s.masked_fill(~cand, float("-inf")), dim=-1, descending=True, stable=True).indices
+    n = cand.sum(-1, keepdim=True).clamp(max=k)
+    j = min(k, S)
+    top = torch.where(torch.arange(j, device=s.device) < n, order[..., :j], S)  # S sorts after every position
+    out = torch.sort(top, dim=-1).values
+    out = torch.where(out == S, -1, out).to(torch.int32)
+    return torch.cat([out, out.new_full((B, T, k - j), -1)], -1) if j < k else out
+
+
+@triton.jit
+def score_keys(x, inb):
+    """Order-preserving int32 keys of scores x, and which are candidates: inb, not -inf, not NaN."""
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 -> +0.0: equal scores, equal keys
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF), inb & (x != float("-inf")) & (x == x)
+
+
+@triton.jit
+def add_to_histograms(h16_row, key, valid):
+    """Count the candidates' 16-bit key prefixes into the row's 65536-bin histogram (atomics, spread over
+    many bins); return their top bytes' 256-bin histogram, for one atomic per non-empty bin later."""
+    pre = (key >> 16) + 32768  # [0, 65536), monotone in key
+    tl.atomic_add(h16_row + pre, 1, mask=valid, sem="relaxed")
+    return tl.histogram(pre >> 8, 256, mask=valid)
+
+
+@triton.jit
+def _row_keys(sc_ptr, lens_ptr, r, pos, S, T):
+    """Keys of row r at positions pos, and which of them are candidates."""
+    inb = pos < tl.minimum(tl.load(lens_ptr + r // T).to(tl.int32) + r % T + 1, S)
+    return score_keys(tl.load(sc_ptr + r.to(tl.int64) * S + pos, mask=inb, other=float("-inf")), inb)
+
+
+@triton.jit
+def _pick(h, need):
+    """For a 256-bin histogram of digits: the largest digit d whose bins d..255 hold >= need, the count in
+    the bins above d, and the count in bin d."""
+    d = tl.arange(0, 256)
+    suffix = tl.cumsum(h, 0, reverse=True)  # keys with digit >= d
+    dig = tl.max(tl.where(suffix >= need, d, -1), 0)
+    at = tl.sum(tl.where(d == dig, h, 0), 0)
+    above = tl.sum(tl.where(d > dig, h, 0), 0)
+    return dig, above, at
+
+
+@triton.jit
+def _topk_hist_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, S, T, CH, BLK: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    h8 = tl.zeros((256,), dtype=tl.int32)
+    for p0 in range(c * CH, tl.minimum(c * CH + CH, S), BLK):
+        pos = p0 + tl.arange(0, BLK)
+        key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T)
+        h8 += add_to_histograms(h16_ptr + r.to(tl.int64) * 65536, key, valid)
+    bins = tl.arange(0, 256)
+    tl.atomic_add(h8_ptr + r * 256 + bins, h8, mask=h8 > 0, sem="relaxed")
+
+
+@triton.jit
+def _cand_hist(ck_ptr, ci_ptr, n, key_sh, key_pref, pos_sh, pos_pref, dig_sh, FROM_POS: tl.constexpr,
+               NB: tl.constexpr):
+    """Histogram of one key or position byte over the candidates that match the prefixes found so far.
+    Position bytes count as 255 - byte, so that the lower position ranks higher."""
+    h = tl.zeros((256,), dtype=tl.int32)
+    for i0 in range(0, n, NB):
+        i = i0 + tl.arange(0, NB)
+        m = i < n
+        key = tl.load(ck_ptr + i, mask=m, other=0, cache_modifier=".cg")
+        pos = tl.load(ci_ptr + i, mask=m, other=0, cache_modifier=".cg")
+        m = m & ((key >> key_sh) == key_pref) & ((pos >> pos_sh) == pos_pref)
+        if FROM_POS:
+            dig = 255 - ((pos >> dig_sh) & 255)
+        else:
+            dig = (key >> dig_sh) & 255
+        h += tl.histogram(dig, 256, mask=m)
+    return h
+
+
+@triton.jit
+def _threshold_rank(ck_ptr, ci_ptr, n, need, SMALL: tl.constexpr):
+    """(key, position) of the need-th kept candidate, for n <= SMALL candidates: each one's rank is the
+    number of candidates ahead of it (higher key, or equal key and lower position), in one [SMALL, SMALL]
+    compare instead of the byte passes of `_threshold_radix`."""
+    i = tl.arange(0, SMALL)
+    m = i < n
+    key = tl.load(ck_ptr + i, mask=m, other=0, cache_modifier=".cg")
+    pos = tl.load(ci_ptr + i, mask=m, other=0, cache_modifier=".cg")
+    ahead = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (pos[None, :] < pos[:, None]))
+    rank = tl.sum((ahead & m[None, :]).to(tl.int32), 1)
+    sel = m & (rank == need - 1)
+    return tl.sum(tl.where(sel, key, 0), 0), tl.sum(tl.where(sel, pos, 0), 0)
+
+
+@triton.jit
+def _threshold_radix(ck, ci, n_c, kp, need, NB: tl.constexpr):
+    """(key, position) of the need-th kept candidate by radix select over the candidates, all of whose keys
+    share the top 16 bits kp: key bits 15..8, 7..0, then (only if keys tie at the boundary) position bytes."""
+    ts = 2147483647  # every candidate with the threshold key is kept
+    hA = _cand_hist(ck, ci, n_c, 16, kp, 31, 0, 8, False, NB)
+    dA, aboveA, _ = _pick(hA, need)
+    need -= aboveA
+    hB = _cand_hist(ck, ci, n_c, 8, kp * 256 + dA, 31, 0, 0, False, NB)
+    dB, aboveB, atB = _pick(hB, need)
+    need -= aboveB
+    tk = (kp * 256 + dA) * 256 + dB
+    if atB > need:  # keys tie at the boundary: keep the `need` lowest positions among them
+        hI = _cand_hist(ck, ci, n_c, 0, tk, 24, 0, 16, True, NB)
+        e1, a1, _ = _pick(hI, need)
+        need -= a1
+        p1 = 255 - e1
+        hI = _cand_hist(ck, ci, n_c, 0, tk, 16, p1, 8, True, NB)
+        e2, a2, _ = _pick(hI, need)
+        need -= a2
+        p2 = p1 * 256 + 255 - e2
+        hI = _cand_hist(ck, ci, n_c, 0, tk, 8, p2, 0, True, NB)
+        e3, _, _ = _pick(hI, need)
+        ts = p2 * 256 + 255 - e3
+    return tk, ts
+
+
+@triton.jit
+def _topk_split_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive_ptr, ck_ptr, ci_ptr, gt_ptr,
+                       off_ptr, thr_ptr, out_ptr, S, T, CH, C, K,
+                       BLK: tl.constexpr, NB: tl.constexpr, CPAD: tl.constexpr, KB: tl.constexpr,
+                       SMALL: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    r64 = r.to(tl.int64)
+    bins = tl.arange(0, 256)
+    h8 = tl.load(h8_ptr + r * 256 + bins)
+    n_valid = tl.sum(h8, 0)
+    P = -1  # 16-bit prefix holding the k-th key; -1: every candidate is kept
+    above = n_valid
+    if n_valid > K:
+        d1, above1, _ = _pick(h8, K)
+        hsub = tl.load(h16_ptr + r64 * 65536 + d1 * 256 + bins)
+        d2, above2, _ = _pick(hsub, K - above1)
+        P = d1 * 256 + d2
+        above = above1 + above2
+    ck = ck_ptr + r64 * S
+    ci = ci_ptr + r64 * S
+    n_gt = 0
+    for p0 in range(c * CH, tl.minimum(c * CH + CH, S), BLK):
+        pos = p0 + tl.arange(0, BLK)
+        key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T)
+        pre = (key >> 16) + 32768
+        n_gt += tl.sum((valid & (pre > P)).to(tl.int32), 0)
+        eq = valid & (pre == P)
+        n_eq = tl.sum(eq.to(tl.int32), 0)
+        if n_eq > 0:
+            base = tl.atomic_add(ncand_ptr + r, n_eq, sem="relaxed")
+            slot = base + tl.cumsum(eq.to(tl.int32), 0) - 1
+            tl.store(ck + slot, key, mask=eq)
+            tl.store(ci + slot, pos, mask=eq)
+    tl.store(gt_ptr + r * C + c, n_gt)
+    tl.debug_barrier()
+    if tl.atomic_add(arrive_ptr + r, 1, sem="acq_rel", scope="gpu") == C - 1:
+        # last program of the row: every chunk's count and candidate is visible (read past L1)
+        tk = -2147483648  # keep every candidate (fewer than k)
+        ts = 2147483647
+        n_c = tl.atomic_add(ncand_ptr + r, 0, sem="acq_rel", scope="gpu")
+        if n_valid > K:
+            need = K - above  # keys to keep among the candidates, >= 1
+            if n_c <= SMALL:
+                tk, ts = _threshold_rank(ck, ci, n_c, need, SMALL)
+            else:
+                tk, ts = _threshold_radix(ck, ci, n_c, P - 32768, need, NB)
+        # kept candidates per chunk, then each chunk's offset in the output
+        kept = tl.zeros((CPAD,), dtype=tl.int32)
+        for i0 in range(0, n_c, NB):
+            i = i0 + tl.arange(0, NB)
+            m = i < n_c
+            key = tl.load(ck + i, mask=m, other=0, cache_modifier=".cg")
+            pos = tl.load(ci + i, mask=m, other=0, cache_modifier=".cg")
+            m = m & ((key > tk) | ((key == tk) & (pos <= ts)))
+            kept += tl.histogram(pos // CH, CPAD, mask=m)
+        cc = tl.arange(0, CPAD)
+        tot = tl.load(gt_ptr + r * C + cc, mask=cc < C, other=0, cache_modifier=".cg") + kept
+        tl.store(off_ptr + r * C + cc, tl.cumsum(tot, 0) - tot, mask=cc < C)
+        tl.store(thr_ptr + r * 2, tk)
+        tl.store(thr_ptr + r * 2 + 1, ts)
+        n_keep = tl.sum(tot, 0)
+        for j0 in range(0, K, KB):  # -1 after the kept positions
+            j = j0 + tl.arange(0, KB)
+            tl.store(out_ptr + r64 * K + j, -1, mask=(j >= n_keep) & (j < K))
+
+
+@triton.jit
+def _topk_write_kernel(sc_ptr, lens_ptr, off_ptr, thr_ptr, out_ptr, S, T, CH, C, K, BLK: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    tk = tl.load(thr_ptr + r * 2)
+    ts = tl.load(thr_ptr + r * 2 + 1)
+    o = tl.load(off_ptr + r * C + c)
+    dst = out_ptr + r.to(tl.int64) * K
+    for p0 in range(c * CH, tl.minimum(c * CH + CH, S), BLK):
+        pos = p0 + tl.arange(0, BLK)
+        key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T)
+        keep = valid & ((key > tk) | ((key == tk) & (pos <= ts)))
+        k32 = keep.to(tl.int32)
+        tl.store(dst + o + tl.cumsum(k32, 0) - 1, pos, mask=keep)
+        o += tl.sum(k32, 0)
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def topk_workspace(rows: int, device) -> torch.Tensor:
+    """The zeroed workspace of `radix_topk` for `rows` score rows (one memset), cut flat: 16-bit and 8-bit
+    histograms, candidate and arrival counters per row."""
+    return torch.zeros(rows * (HIST + 256 + 2), dtype=torch.int32, device=device)
+
+
+def histograms(ws: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (16-bit, 8-bit) histogram views of a `topk_workspace`, for a scores kernel that fills them."""
+    return ws[:rows * HIST], ws[rows * HIST:rows * (HIST + 256)]
+
+
+def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunks: int | None = None,
+               block: int = 1024, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """Kernel twin of `topk_select_ref`: [B, T, k] int32 kept positions (ascending, then -1).
+
+    chunks: programs per score row (default: about two per SM over all rows, at least one block each).
+    workspace: a `topk_workspace` whose histograms the scores kernel already filled (`indexer_scores(hist=)`):
+    the histogram launch is skipped."""
+    require(scores_BTS, "radix_topk")
+    if scores_BTS.dim() != 3 or scores_BTS.dtype != torch.float32:
+        raise ValueError(f"radix_topk: scores must be float32 [B, T, S], got {scores_BTS.dtype} "
+                         f"{list(scores_BTS.shape)}")
+    B, T, S = scores_BTS.shape
+    if tuple(seq_lens_B.shape) != (B,):
+        raise ValueError(f"radix_topk: seq_lens must be [B] = [{B}], got {list(seq_lens_B.shape)}")
+    if not 0 < k < 2 ** 24 or S >= 2 ** 24:
+        raise ValueError(f"radix_topk: want 0 < k < 2^24 and S < 2^24 (position bytes), got k = {k}, S = {S}")
+    dev = scores_BTS.device
+    R = B * T
+    blk = max(64, min(block, triton.next_power_of_2(S)))
+    if chunks is None:
+        chunks = max(1, min(triton.cdiv(S, blk), 2 * _sm_count(dev) // max(1, R)))
+    ch = triton.cdiv(triton.cdiv(S, chunks), blk) * blk  # positions per program, whole blocks
+    C = triton.cdiv(S, ch)
+    sc = scores_BTS.contiguous()
+    lens = seq_lens_B  # int32 or int64 (the cache's): read as is, no conversion launch
+    if lens.dtype not in (torch.int32, torch.int64) or lens.device != dev or not lens.is_contiguous():
+        lens = lens.to(device=dev, dtype=torch.int32).contiguous()
+    ws = topk_workspace(R, dev) if workspace is None else workspace
+    h16, h8 = histograms(ws, R)
+    ncand, arrive = ws[R * (HIST + 256):R * (HIST + 257)], ws[R * (HIST + 257):]
+    ck = torch.empty(R, S, dtype=torch.int32, device=dev)  # candidates: keys and positions
+    ci = torch.empty(R, S, dtype=torch.int32, device=dev)
+    small = torch.empty(R * (2 * C + 2), dtype=torch.int32, device=dev)
+    gt, off, thr = small[:R * C], small[R * C:2 * R * C], small[2 * R * C:]  # per chunk: n above P, offset; (Tk, Ts)
+    out = torch.empty(B, T, k, dtype=torch.int32, device=dev)
+    grid = (R, C)
+    if workspace is None:
+        _topk_hist_kernel[grid](sc, lens, h16, h8, S, T, ch, BLK=blk, num_warps=4)
+    _topk_split_kernel[grid](sc, lens, h16, h8, ncand, arrive, ck, ci, gt, off, thr, out, S, T, ch, C, k,
+                             BLK=blk, NB=1024, CPAD=max(32, triton.next_power_of_2(C)), KB=1024, SMALL=SMALL,
+                             num_warps=4)
+    _topk_write_kernel[grid](sc, lens, off, thr, out, S, T, ch, C, k, BLK=blk, num_warps=4)
+    return out
