@@ -30,10 +30,29 @@ def _merge(batch_recs: Sequence[dict]) -> tuple[SpecMetrics, float]:
     return m, wall
 
 
-def flat(m: SpecMetrics, wall_s: float, n_prompts: int) -> dict:
+# An output this long made of one token id is flagged: NaN logits (every argmax 0) look like this, with every
+# draft "accepted". Shorter outputs (a lone EOS, "ok") say too little to flag.
+DEGENERATE_MIN_TOKENS = 4
+
+
+def is_degenerate(tokens: Sequence[int]) -> bool:
+    """One token repeated for the whole output."""
+    return len(tokens) >= DEGENERATE_MIN_TOKENS and len(set(tokens)) == 1
+
+
+def degenerate(records: Sequence[dict]) -> dict:
+    """Outputs that report a broken model rather than acceptance: ids of those that are one token repeated, and
+    whether every row (two or more) produced the very same output. Flagged, never a failure."""
+    ids = [r["id"] for r in records if is_degenerate(r["tokens"])]
+    same = len(records) >= 2 and len({tuple(r["tokens"]) for r in records}) == 1
+    return {"count": len(ids), "ids": ids, "all_rows_identical": same}
+
+
+def flat(m: SpecMetrics, wall_s: float, n_prompts: int, degenerate_rows: int = 0) -> dict:
     """The engine's namespaced metrics plus end-to-end wall time (prefill + decode + host work)."""
     d = m.to_dict()
     d["count/prompts"] = n_prompts
+    d["quality/degenerate_rows"] = degenerate_rows
     d["time/wall_s"] = wall_s
     d["speed/e2e_tok_s"] = m.new_tokens / wall_s if wall_s > 0 else 0.0
     return d
@@ -47,12 +66,13 @@ def summarize(records: Sequence[dict]) -> dict:
     for r in batches.values():
         cats.setdefault(r["category"], []).append(r)
     n_by_cat = Counter(r["category"] for r in records)
+    degen_by_cat = Counter(r["category"] for r in records if is_degenerate(r["tokens"]))
     per_cat = {}
     for c, recs in cats.items():
         m, w = _merge(recs)
-        per_cat[c] = flat(m, w, n_by_cat[c])
+        per_cat[c] = flat(m, w, n_by_cat[c], degen_by_cat[c])
     return {
-        "overall": flat(overall, wall, len(records)),
+        "overall": flat(overall, wall, len(records), sum(degen_by_cat.values())),
         "per_category": per_cat,
         "per_position": [{"pos": j, "accept": cum, "accept_cond": cond}
                          for j, (cum, cond) in enumerate(zip(overall.accept_cum, overall.accept_cond), start=1)],
@@ -87,7 +107,8 @@ def metrics_json(run: dict, spec_records: Sequence[dict], base_records: Sequence
     """The content of metrics.json (without the config): run info, the spec run's summary, and with a
     baseline its summary, the speedups and (when `compare_tokens`) the ids whose outputs differ."""
     spec = summarize(spec_records)
-    out = {"run": run, **spec, "baseline": None, "speedup": None, "strict_mismatch": None}
+    out = {"run": run, **spec, "baseline": None, "speedup": None, "strict_mismatch": None,
+           "degenerate": degenerate(spec_records)}
     if base_records is not None:
         base = summarize(base_records)
         sp = speedup(spec, base)

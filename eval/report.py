@@ -36,6 +36,9 @@ def acceptance_table(metrics: dict, title: str) -> Table:
     if base:
         t.add_column("base tok/s", justify="right")
         t.add_column("speedup", justify="right")
+    degen = metrics["overall"].get("quality/degenerate_rows", 0)
+    if degen:  # outputs that are one token repeated: their acceptance says nothing about the drafts
+        t.add_column("degenerate", justify="right", style="bold red")
     rows = list(metrics["per_category"].items()) + [("all", metrics["overall"])]
     for i, (name, m) in enumerate(rows):
         cells = [name, str(m["count/prompts"]), str(m["count/new_tokens"]), _f(m["accept/mean_len"])]
@@ -45,5 +48,7 @@ def acceptance_table(metrics: dict, title: str) -> Table:
             b = base["overall"] if name == "all" else base["per_category"].get(name)
             sp = metrics["speedup"]["overall"] if name == "all" else metrics["speedup"]["per_category"].get(name)
             cells += [_f(b and b["speed/decode_tok_s"], 1), _f(sp and sp["decode"]) + "x"]
+        if degen:
+            cells.append(str(m.get("quality/degenerate_rows", 0)))
         t.add_row(*cells, end_section=i == len(rows) - 2)
     return t

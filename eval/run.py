@@ -7,7 +7,8 @@
 Flow: validate the config -> read the prompts -> open the stores (resume) -> load the model once -> per batch:
 generate (and the draft=none baseline when baseline=true), append to samples.jsonl / baseline.jsonl ->
 metrics.json (atomic), plots, the table on stdout, the logger. Everything lands in the Hydra run dir.
-Setup errors (config, data, checkpoint, resume) exit with status 2 and one line on stderr, before any output.
+Setup errors (config, data, checkpoint, resume) exit with status 2 and one line on stderr, before any output;
+logits that go NaN / inf during generation (mtp.health) exit with status 1 and one line, without metrics.json.
 """
 
 from __future__ import annotations
@@ -172,8 +173,9 @@ def _user_errors() -> tuple:
     if "mtp.checkpoint" in sys.modules:  # torch is imported only once the config is valid
         from mtp.checkpoint import CheckpointError
         from mtp.config import ConfigError
+        from mtp.preflight import PreflightError
 
-        errors += (CheckpointError, ConfigError)
+        errors += (CheckpointError, ConfigError, PreflightError)
     return errors
 
 
@@ -193,7 +195,14 @@ def evaluate(cfg: DictConfig) -> float:
     resumed = len(stores["spec"].records)
     logger = hydra.utils.instantiate(cfg.logger)
     logger.start(resolved, *_identity(typed, out), out)
-    _generate_all(typed, model, tok, batches, ids, stores, {"spec": kw, "base": _baseline_kwargs(kw)}, logger)
+    from mtp.health import NonFiniteError
+
+    try:
+        _generate_all(typed, model, tok, batches, ids, stores, {"spec": kw, "base": _baseline_kwargs(kw)}, logger)
+    except NonFiniteError as e:  # no metrics.json: there is nothing meaningful to report
+        log.error("%s", e)
+        print(f"mtp-eval: error: {e}", file=sys.stderr)
+        sys.exit(1)
 
     order = {p.id: i for i, p in enumerate(prompts)}
     recs = {w: sorted(s.records, key=lambda r: order.get(r["id"], len(order))) for w, s in stores.items()}
@@ -257,6 +266,13 @@ def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
     if mm is not None:
         con.print(f"strict outputs differing from the baseline: {mm['count']}"
                   + (f" ({', '.join(mm['ids'][:10])})" if mm["ids"] else ""))
+    dg = metrics["degenerate"]
+    if dg["count"] or dg["all_rows_identical"]:
+        what = (f"{dg['count']} of {n} outputs are one token repeated ({', '.join(dg['ids'][:10])})" if dg["count"]
+                else "every prompt produced the same output")
+        warning = f"degenerate outputs: {what}; their acceptance says nothing about the drafts (broken model?)"
+        con.print(f"[bold red]warning:[/] {warning}")
+        log.warning("%s", warning)
     con.print(f"outputs: {out}")
     o = metrics["overall"]
     sp = o.get("speed/speedup_decode")

@@ -209,11 +209,18 @@ def open_checkpoint(path: str | os.PathLike, n_mtp: int | None) -> tuple[Path, M
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory does not exist")
     cfg = ModelConfig.from_json(path / "config.json")
+    n_mtp = resolve_n_mtp(cfg, n_mtp, path / "config.json")
+    return path, cfg, n_mtp, validate(path, cfg, cfg.num_nextn_predict_layers)
+
+
+def resolve_n_mtp(cfg: ModelConfig, n_mtp: int | None, source: str | os.PathLike = "config") -> int:
+    """MTP layers to load: `n_mtp`, or all the config has (None); more than it has is an error."""
     n_avail = cfg.num_nextn_predict_layers
     n_mtp = n_avail if n_mtp is None else n_mtp
     if not 0 <= n_mtp <= n_avail:
-        raise ConfigError(f"n_mtp={n_mtp}: the checkpoint has {n_avail} MTP layers (num_nextn_predict_layers)")
-    return path, cfg, n_mtp, validate(path, cfg, n_avail)
+        raise ConfigError(f"n_mtp={n_mtp}: the checkpoint has {n_avail} MTP layers "
+                          f"({source}: num_nextn_predict_layers)")
+    return n_mtp
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .draft.proposer import DraftConfig, Proposer, pick_hidden
+from .health import logits_nonfinite, raise_nonfinite
 from .metrics import SpecMetrics
 from .model import DeepseekV32
 from .verify import SamplingParams, Verdict, relaxed_verify, sampling_verify, strict_verify, update_think_state
@@ -249,6 +250,7 @@ class Engine:
             P_B=z(B), Tp=0, max_len=max_len, n_B=z(B), gen_B=z(B), max_new_B=z(B), p0_B=z(B),
             finished_B=z(B, dtype=torch.bool), think_B=z(B, dtype=torch.bool), hist_K1=z(K + 1),
             relaxed_only=z(()), row_steps=z(()), new_BK1=z(B, K + 1), keep_B=z(B), acc_B=z(B),
+            nonfinite=z((), dtype=torch.bool),
         )
 
     def _reset(self, st: "DecodeState", prompts: list[list[int]], max_new: int) -> None:
@@ -261,11 +263,19 @@ class Engine:
         st.max_new_B.fill_(max_new)
         st.gen_B.fill_(1)
         for t in (st.n_B, st.p0_B, st.finished_B, st.think_B, st.hist_K1, st.relaxed_only, st.row_steps,
-                  st.new_BK1, st.keep_B, st.acc_B):
+                  st.new_BK1, st.keep_B, st.acc_B, st.nonfinite):
             t.zero_()
         st.cache.reset()  # the prefill writes from position 0
         for c in getattr(st.proposer, "caches", ()):
             c.reset()
+
+    def _sync(self, st: "DecodeState", where: str) -> torch.Tensor:
+        """The step's one host sync: [n_B, finished_B] for the loop condition and cache bounds; stops the run when
+        the logits went non-finite (`where` names the prefill or the step in the error)."""
+        host = torch.cat((torch.stack((st.n_B, st.finished_B.long())), st.nonfinite.long().expand(1, st.B))).cpu()
+        if host[2, 0]:
+            raise_nonfinite(self.model, st.tokens, st.n_B, where)
+        return host[:2]
 
     def _bound(self, st: "DecodeState", host: torch.Tensor) -> int:
         """Bound on the positions a step touches. On CUDA always the buffer length, so eager, graph and overlap
@@ -287,6 +297,7 @@ class Engine:
             here = ((P_B - 1 >= s) & (P_B - 1 < e)).view(B, 1, 1)
             last = out.logits if last is None else torch.where(here, out.logits, last)
         st.cache.truncate(P_B)
+        logits_nonfinite(st.nonfinite, last)
         if g.think_ids is not None:
             st.think_B.copy_(update_think_state(st.think_B, st.tokens[:, :Tp],
                                                 torch.arange(Tp, device=dev) < P_B.unsqueeze(1), *g.think_ids))
@@ -334,6 +345,7 @@ class Engine:
         out = m(vin, st.cache, kv_len=min(max_n + K, st.max_len))
         st.hidden.scatter_(1, ((n_B - 1).unsqueeze(1) + ar).unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]),
                            pick_hidden(out, dcfg.target_hidden))
+        logits_nonfinite(st.nonfinite, out.logits)
         v = self._verify(drafts, q, out.logits, st.think_B)
 
         # ---- accept: drafts d_1..d_a then the target token, cut at a stop token and at max_new_tokens
@@ -386,8 +398,8 @@ class Engine:
         t1 = self._clock()
         met.time_prefill_s = met.ttft_s = t1 - t0
         emit = _Emitter(on_step, B)
+        host = self._sync(st, "the prefill")
         emit(st.new_BK1.tolist(), st.keep_B.tolist(), [0] * B)
-        host = torch.stack((st.n_B, st.finished_B.long())).cpu()  # sync: loop condition + cache bounds
         drafting = K > 0 and not bool(host[1].all())
         if drafting:  # nothing to draft for when every row ended at its first token
             self._draft_prefill(st, host)
@@ -397,7 +409,7 @@ class Engine:
                 marks = [self._clock()]
                 self._step(st, W, self._bound(st, host), marks)
                 ta, tm, tb = marks[0], marks[1], self._clock()
-                host = torch.stack((st.n_B, st.finished_B.long())).cpu()  # sync: loop condition + bounds
+                host = self._sync(st, f"step {met.target_forwards + 1}")
                 met.target_forwards += 1
                 emit(st.new_BK1.tolist(), st.keep_B.tolist(), st.acc_B.tolist())
                 met.time_draft_s += tm - ta
@@ -455,6 +467,7 @@ class DecodeState:
     new_BK1: torch.Tensor  # last step: candidate tokens; first keep_B of each row were committed
     keep_B: torch.Tensor
     acc_B: torch.Tensor  # last step: committed drafts per row
+    nonfinite: torch.Tensor  # [] bool: some target logits of this call were NaN / inf (mtp.health)
 
     @property
     def B(self) -> int:

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from .health import raise_nonfinite
 from .metrics import SpecMetrics
 
 
@@ -57,6 +58,7 @@ class _Slot:
         self.new = torch.empty(B, K1, dtype=torch.long, pin_memory=True)
         self.keep = torch.empty(B, dtype=torch.long, pin_memory=True)
         self.acc = torch.empty(B, dtype=torch.long, pin_memory=True)
+        self.nonfinite = torch.empty((), dtype=torch.bool, pin_memory=True)
         self.ready = torch.cuda.Event()
 
     def stage(self, st) -> None:
@@ -64,6 +66,7 @@ class _Slot:
         self.new.copy_(st.new_BK1, non_blocking=True)
         self.keep.copy_(st.keep_B, non_blocking=True)
         self.acc.copy_(st.acc_B, non_blocking=True)
+        self.nonfinite.copy_(st.nonfinite, non_blocking=True)
         self.ready.record()
 
 
@@ -91,6 +94,8 @@ def run_captured(engine, st, met: SpecMetrics, emit, host: torch.Tensor, W: int)
     def consume(slot: _Slot) -> bool:
         slot.ready.synchronize()
         met.target_forwards += 1
+        if bool(slot.nonfinite):
+            raise_nonfinite(engine.model, st.tokens, st.n_B, f"step {met.target_forwards}")
         emit(slot.new.tolist(), slot.keep.tolist(), slot.acc.tolist())
         return bool(slot.finished.all())
 

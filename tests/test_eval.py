@@ -186,3 +186,51 @@ def test_batches_never_mix_categories_and_are_deterministic():
     assert all(len({p.category for p in b}) == 1 for _, b in batches)
     assert sorted(p.id for _, b in batches for p in b) == sorted(p.id for p in ps)
     assert [n for n, _ in batches] == [n for n, _ in plan_batches(ps, 2)]
+
+
+# ---------------------------------------------------------------------------------------------- degenerate outputs
+def _spec_rec(pid: str, cat: str, tokens: list[int], batch: str) -> dict:
+    from mtp.metrics import SpecMetrics
+
+    m = SpecMetrics(k=2, draft="eagle", verify="strict", n_rows=1, new_tokens=len(tokens),
+                    accepted_hist=[0, 0, len(tokens) // 3], target_forwards=len(tokens) // 3, row_steps=len(tokens) // 3)
+    return {"id": pid, "category": cat, "batch": batch, "tokens": tokens, "finish_reason": "length",
+            "batch_metrics": m.raw(), "batch_wall_s": 1.0}
+
+
+def _table_text(metrics: dict) -> str:
+    from rich.console import Console
+
+    from eval.report import acceptance_table
+
+    con = Console(width=200, record=True, file=open(os.devnull, "w"))
+    con.print(acceptance_table(metrics, "t"))
+    return con.export_text()
+
+
+def test_degenerate_outputs_are_flagged_in_metrics_and_table():
+    """Every output token 0 is what NaN logits gave: AL 3.00 with nothing meaningful. The run is not failed,
+    but metrics.json and the table say which outputs are one token repeated."""
+    from eval.aggregate import metrics_json
+
+    recs = [_spec_rec("a", "chat", [0] * 6, "b0"), _spec_rec("b", "chat", [5, 9, 5, 2, 7, 1], "b1"),
+            _spec_rec("c", "code", [0] * 6, "b2")]
+    m = metrics_json({}, recs, None, compare_tokens=False)
+    assert m["degenerate"] == {"count": 2, "ids": ["a", "c"], "all_rows_identical": False}
+    assert m["overall"]["quality/degenerate_rows"] == 2
+    assert m["per_category"]["chat"]["quality/degenerate_rows"] == 1
+    assert "degenerate" in _table_text(m)
+
+    same = metrics_json({}, [_spec_rec("a", "chat", [4, 8, 4], "b0"), _spec_rec("b", "chat", [4, 8, 4], "b1")],
+                        None, compare_tokens=False)
+    assert same["degenerate"] == {"count": 0, "ids": [], "all_rows_identical": True}
+
+
+def test_healthy_outputs_are_not_flagged():
+    from eval.aggregate import metrics_json
+
+    recs = [_spec_rec("a", "chat", [5, 9, 5, 2, 7, 1], "b0"), _spec_rec("b", "chat", [3], "b1"),
+            _spec_rec("c", "chat", [3, 4, 5], "b2")]
+    m = metrics_json({}, recs, None, compare_tokens=False)
+    assert m["degenerate"] == {"count": 0, "ids": [], "all_rows_identical": False}
+    assert "degenerate" not in _table_text(m)
