@@ -29,6 +29,7 @@ from mtp.utils import write_atomic
 
 from .common import NotAvailableError, build, check_runtime, generate_kwargs
 from .data import DataError, Prompt, load_prompts
+from .rundir import SETTINGS_NAME, RunDirError, locked
 from .schema import DraftName, EvalConfig, SchemaError, StrictVerifySchema, validate, value
 from .store import SampleStore, StoreError
 
@@ -61,10 +62,15 @@ def _build_once(cfg: EvalConfig):
     return _BUILT["model"], _BUILT["tok"]
 
 
-def config_hash(resolved: dict) -> str:
+def output_settings(resolved: dict) -> dict:
+    """The settings that shape the outputs: what a resume must keep (recorded in settings.json)."""
     d = {k: v for k, v in resolved.items() if k not in _NOT_HASHED}
     d["runtime"] = {k: v for k, v in d["runtime"].items() if k not in _RUNTIME_NOT_HASHED}
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    return d
+
+
+def config_hash(resolved: dict) -> str:
+    return hashlib.sha256(json.dumps(output_settings(resolved), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def plan_batches(prompts: list[Prompt], batch_size: int) -> list[tuple[str, list[Prompt]]]:
@@ -144,9 +150,10 @@ def _setup(cfg: DictConfig):
     resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     chash = config_hash(resolved)
     prompts = load_prompts(typed.dataset, typed.thinking, typed.system_prompt)
-    stores = {"spec": SampleStore(out / "samples.jsonl", chash, typed.resume)}
+    settings = output_settings(resolved)
+    stores = {"spec": SampleStore(out / "samples.jsonl", chash, typed.resume, settings)}
     if typed.baseline:
-        stores["base"] = SampleStore(out / "baseline.jsonl", chash, typed.resume)
+        stores["base"] = SampleStore(out / "baseline.jsonl", chash, typed.resume, settings)
     model, tok = _build_once(typed)
     from mtp.prompt import encode_chat
 
@@ -169,7 +176,7 @@ def _baseline_kwargs(kw: dict) -> dict:
 
 
 def _user_errors() -> tuple:
-    errors = (SchemaError, DataError, StoreError, NotAvailableError, SetupError)
+    errors = (SchemaError, DataError, StoreError, NotAvailableError, SetupError, RunDirError)
     if "mtp.checkpoint" in sys.modules:  # torch is imported only once the config is valid
         from mtp.checkpoint import CheckpointError
         from mtp.config import ConfigError
@@ -180,14 +187,34 @@ def _user_errors() -> tuple:
 
 
 def evaluate(cfg: DictConfig) -> float:
+    """One run, holding its folder's lock throughout. A refused run (bad settings, busy folder, missing
+    resume=true) leaves the folder as it was; Ctrl-C ends with exit 130, an unwritable folder or a full disk
+    with exit 2, each with one line."""
+    try:
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        with locked(out):
+            return _evaluate(cfg)
+    except KeyboardInterrupt:
+        print("mtp-eval: interrupted; finished batches are kept (resume=true continues the run)", file=sys.stderr)
+        sys.exit(130)
+    except RunDirError as e:
+        print(f"mtp-eval: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # read-only folder, full disk
+        print(f"mtp-eval: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _evaluate(cfg: DictConfig) -> float:
     try:
         typed, out, resolved, prompts, stores, model, tok, ids, kw = _setup(cfg)
     except Exception as e:
         if not isinstance(e, _user_errors()):
             raise
-        log.error("%s", e)
-        print(f"mtp-eval: error: {e}", file=sys.stderr)
+        print(f"mtp-eval: error: {e}", file=sys.stderr)  # not logged: run.log of a refused run stays untouched
         sys.exit(2)
+    _record(out, cfg, resolved)
 
     from . import aggregate
 
@@ -214,6 +241,19 @@ def evaluate(cfg: DictConfig) -> float:
     pngs = _report(typed, out, metrics)
     logger.finish(metrics, recs["spec"], pngs)
     return metrics["overall"]["accept/mean_len"]
+
+
+def _record(out: Path, cfg: DictConfig, resolved: dict) -> None:
+    """Once the run is accepted: settings.json (first run of the folder only: a resume keeps the original) and
+    Hydra's record of the config and overrides in .hydra/ (conf/eval.yaml turns Hydra's own writing off, which
+    happens before any check and rewrote the record of a run that was then refused)."""
+    if not (out / SETTINGS_NAME).exists():
+        write_atomic(out / SETTINGS_NAME, json.dumps(output_settings(resolved), indent=2, sort_keys=True) + "\n")
+    rec = out / ".hydra"
+    rec.mkdir(exist_ok=True)
+    hc = HydraConfig.get()
+    write_atomic(rec / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_atomic(rec / "overrides.yaml", OmegaConf.to_yaml(list(hc.overrides.task)))
 
 
 def _generate_all(typed: EvalConfig, model, tok, batches, ids, stores: dict, kws: dict, logger) -> None:
