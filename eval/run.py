@@ -193,8 +193,8 @@ def evaluate(cfg: DictConfig) -> float:
     try:
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        with locked(out):
-            return _evaluate(cfg)
+        with locked(out) as claim:
+            return _evaluate(cfg, claim)
     except KeyboardInterrupt:
         print("mtp-eval: interrupted; finished batches are kept (resume=true continues the run)", file=sys.stderr)
         sys.exit(130)
@@ -206,7 +206,7 @@ def evaluate(cfg: DictConfig) -> float:
         sys.exit(2)
 
 
-def _evaluate(cfg: DictConfig) -> float:
+def _evaluate(cfg: DictConfig, claim) -> float:
     try:
         typed, out, resolved, prompts, stores, model, tok, ids, kw = _setup(cfg)
     except Exception as e:
@@ -214,6 +214,7 @@ def _evaluate(cfg: DictConfig) -> float:
             raise
         print(f"mtp-eval: error: {e}", file=sys.stderr)  # not logged: run.log of a refused run stays untouched
         sys.exit(2)
+    claim()
     _record(out, cfg, resolved)
 
     from . import aggregate

@@ -12,7 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,10 +26,11 @@ class RunDirError(ValueError):
 
 
 @contextmanager
-def locked(out: Path) -> Iterator[None]:
-    """Hold `out`'s run lock for the block; a second holder gets a RunDirError naming the first one's pid. A lock
-    file this call created is removed again when the block raises, so a refused run leaves the folder as it was
-    (a finished or killed run keeps it: it is empty but for the pid of its last holder)."""
+def locked(out: Path) -> Iterator[Callable[[], None]]:
+    """Hold `out`'s run lock for the block; a second holder gets a RunDirError. The block gets `claim()`, to
+    call once the run is accepted: it writes this pid into the lock file (named to a second run). A lock file
+    this call created is removed again when the block raises, so a refused run leaves the folder as it was (a
+    finished or killed run keeps it: it holds only the pid of its last run)."""
     lock = out / LOCK_NAME
     created = not lock.exists()
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
@@ -38,12 +39,14 @@ def locked(out: Path) -> Iterator[None]:
     except BlockingIOError:
         pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
-        raise RunDirError(f"{out}: another mtp-eval run (pid {pid}) is writing to this folder; wait for it to end "
+        raise RunDirError(f"{out}: another mtp-eval run (pid {pid}, or one still starting) is writing to this folder; wait for it to end "
                          "or choose another hydra.run.dir") from None
-    try:
+    def claim() -> None:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
+
+    try:
+        yield claim
     except BaseException:
         if created:
             lock.unlink(missing_ok=True)

@@ -32,8 +32,9 @@ def _snapshot(folder: Path) -> dict:
 
 
 def test_a_busy_folder_is_refused(tmp_path):
-    with locked(tmp_path):
-        with pytest.raises(RunDirError, match=f"another mtp-eval run \\(pid {os.getpid()}\\) is writing to"):
+    with locked(tmp_path) as claim:
+        claim()
+        with pytest.raises(RunDirError, match=f"another mtp-eval run \\(pid {os.getpid()}, .*\\) is writing to"):
             with locked(tmp_path):
                 pass
     with locked(tmp_path):  # released at the end of the first run
@@ -85,6 +86,7 @@ def test_a_refused_run_leaves_the_folder_untouched(tmp_path):
     (run / ".hydra" / "config.yaml").write_text("draft:\n  k: 2\n")
     (run / "samples.jsonl").write_text('{"id": "x"}\n')
     (run / "run.log").write_text("old log\n")
+    (run / ".mtp-eval.lock").write_text("12345")
     before = _snapshot(run)
     time.sleep(0.01)
     r = subprocess.run([sys.executable, "-m", "eval.run", f"hydra.run.dir={run}", "draft.k=3"], cwd=ROOT,
