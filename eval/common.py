@@ -44,6 +44,12 @@ def model_path(model_cfg: Any) -> Path:
     return path
 
 
+def model_label(model_cfg: Any) -> str:
+    """How tables, plots and banners name the model: the bundled checkpoint by its folder's name (the `tiny`
+    option is a placeholder for whichever model ships), any other by its config option's name."""
+    return model_path(model_cfg).name if model_cfg.path is None else model_cfg.name
+
+
 def tokenizer_path(model_cfg: Any) -> Path:
     return Path(model_cfg.tokenizer).expanduser() if model_cfg.tokenizer else model_path(model_cfg)
 

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtp.utils import write_atomic
 
-from .common import NotAvailableError, build, check_runtime, generate_kwargs
+from .common import NotAvailableError, build, check_runtime, generate_kwargs, model_label, model_path
 from .data import DataError, Prompt, load_prompts
 from .rundir import SETTINGS_NAME, RunDirError, locked
 from .schema import DraftName, EvalConfig, SchemaError, StrictVerifySchema, validate, value
@@ -36,7 +36,7 @@ from .store import SampleStore, StoreError
 log = logging.getLogger("mtp-eval")
 
 # Settings that do not change the generated tokens; a resume may change them.
-_NOT_HASHED = ("output_dir", "resume", "logger", "plots", "baseline", "task_name")
+_NOT_HASHED = ("output_dir", "resume", "logger", "plots", "baseline", "task_name", "deep_fingerprint")
 _RUNTIME_NOT_HASHED = ("warmup", "num_threads")
 
 
@@ -217,12 +217,15 @@ def _evaluate(cfg: DictConfig, claim) -> float:
     claim()
     _record(out, cfg, resolved)
 
+    from mtp.provenance import provenance
+
     from . import aggregate
 
     batches = plan_batches(prompts, typed.runtime.batch_size)
     resumed = len(stores["spec"].records)
+    prov = provenance(model_path(typed.model), typed.runtime.device, typed.deep_fingerprint)
     logger = hydra.utils.instantiate(cfg.logger)
-    logger.start(resolved, *_identity(typed, out), out)
+    logger.start({**resolved, "provenance": prov}, *_identity(typed, out), out)
     from mtp.health import NonFiniteError
 
     try:
@@ -237,6 +240,7 @@ def _evaluate(cfg: DictConfig, claim) -> float:
     # Only strict verification promises the baseline's exact tokens; relaxed / sampled outputs differ by design.
     metrics = aggregate.metrics_json(_run_info(typed, len(prompts), len(batches), resumed), recs["spec"],
                                      recs.get("base"), compare_tokens=isinstance(typed.verify, StrictVerifySchema))
+    metrics["provenance"] = prov
     metrics["config"] = resolved
     write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     pngs = _report(typed, out, metrics)
@@ -292,7 +296,7 @@ def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
     from . import plots, report
 
     pngs = {}
-    title = f"{_describe(typed)} ({typed.model.name})"
+    title = f"{_describe(typed)} ({model_label(typed.model)})"
     if typed.plots:
         if metrics["per_position"]:
             pngs["acceptance_per_position"] = plots.acceptance_per_position(
@@ -301,7 +305,7 @@ def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
                                                                   out / "accepted_length_hist.png")
     con = report.console()
     n = metrics["run"]["n_prompts"]
-    con.print(report.acceptance_table(metrics, f"{_describe(typed)} | model={typed.model.name} | {n} prompts, "
+    con.print(report.acceptance_table(metrics, f"{_describe(typed)} | model={model_label(typed.model)} | {n} prompts, "
                                                f"max_new_tokens={typed.max_new_tokens}"))
     mm = metrics["strict_mismatch"]
     if mm is not None:
@@ -325,7 +329,7 @@ def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
 def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -> dict:
     d = typed.draft
     return {
-        "model": typed.model.name, "draft": value(d.name), "k": d.k, "verify": typed.verify.name,
+        "model": model_label(typed.model), "draft": value(d.name), "k": d.k, "verify": typed.verify.name,
         "target_hidden": value(d.target_hidden), "chain_hidden": value(d.chain_hidden),
         "numerics": value(typed.model.numerics), "runtime_mode": value(typed.runtime.mode),
         "device": typed.runtime.device, "dataset": typed.dataset.name, "thinking": typed.thinking,

@@ -286,6 +286,7 @@ class EvalConfig:
     baseline: bool = False  # also run draft=none on the same prompts: speedup + strict-output check
     resume: bool = False  # continue samples.jsonl in the run dir, skipping finished prompts
     plots: bool = True
+    deep_fingerprint: bool = False  # provenance: hash the shards' contents too, not only names and sizes
     output_dir: str = MISSING
 
     def __post_init__(self):

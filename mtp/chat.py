@@ -48,11 +48,12 @@ def loop(session: Session, source, stop: StopFlag) -> None:
 def run(cfg) -> int:
     from omegaconf import OmegaConf
 
-    from eval.common import build, generate_kwargs, model_path
+    from eval.common import build, generate_kwargs, model_label, model_path
+    from mtp.provenance import provenance
 
     view = TerminalView(color=sys.stdout.isatty() and "NO_COLOR" not in os.environ,
                         show_drafts=bool(cfg.show_drafts))
-    view.notice(f"loading {cfg.model.name} on {cfg.runtime.device} ...")
+    view.notice(f"loading {model_label(cfg.model)} on {cfg.runtime.device} ...")
     try:
         model, tokenizer = build(cfg)
         settings = Settings.from_generate_kwargs(generate_kwargs(cfg, tokenizer), max_new_tokens=cfg.max_new_tokens,
@@ -60,6 +61,7 @@ def run(cfg) -> int:
         stop = StopFlag()
         session = Session(model, tokenizer, settings, view, should_stop=stop.is_set,
                           meta={"model_path": str(model_path(cfg.model)),
+                                "provenance": provenance(model_path(cfg.model), cfg.runtime.device),
                                 "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)})
         if cfg.runtime.warmup:
             session.warmup()

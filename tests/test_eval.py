@@ -69,6 +69,7 @@ def test_two_point_sweep_writes_runs_and_summary(tmp_path):
             assert (sweep / job / png).read_bytes()[:4] == b"\x89PNG"
     rows = json.loads((sweep / "sweep_summary.json").read_text())
     assert sorted(r["k"] for r in rows) == [1, 2]
+    assert all(row["checkpoint"].startswith("dsv32_stdlib_mini@") and "commit" in row for row in rows)
     assert (sweep / "sweep_summary.png").read_bytes()[:4] == b"\x89PNG"
     assert (sweep / "sweep_summary.csv").read_text().startswith("job,")
     assert "AL" in r.stdout and "acc@2" in r.stdout  # the per-run tables went to stdout
@@ -90,6 +91,19 @@ def test_reference_run_metrics_and_baseline(reference_run):
     assert m["speedup"]["overall"]["decode"] > 0
     assert m["strict_mismatch"]["count"] == len(m["strict_mismatch"]["ids"])
     assert "acc@1" in r.stdout and "speedup" in r.stdout
+
+
+def test_reference_run_says_what_produced_it(reference_run):
+    """Provenance in metrics.json and the W&B config; the bundled model shown by its own name, not `tiny`."""
+    run, r = reference_run
+    m = json.loads((run / "metrics.json").read_text())
+    prov = m["provenance"]
+    assert prov["checkpoint"]["name"] == "dsv32_stdlib_mini" and len(prov["checkpoint"]["fingerprint"]) == 16
+    assert prov["code"]["torch"] and prov["code"]["device"].startswith("cpu")
+    assert "git_commit" in prov["code"] and "git_dirty" in prov["code"]
+    assert m["run"]["model"] == "dsv32_stdlib_mini" and "model=dsv32_stdlib_mini" in r.stdout
+    logged = read_run(find_run_file(run / "wandb"))
+    assert logged["config"]["provenance"]["checkpoint"]["fingerprint"] == prov["checkpoint"]["fingerprint"]
 
 
 def test_wandb_offline_run_holds_the_logged_metrics(reference_run):
