@@ -34,7 +34,7 @@ def loop(session: Session, source, stop: StopFlag) -> None:
     """Read a line, handle it, until end of input or /exit. Ctrl-C is the reply's business while armed
     (see `StopFlag`); a second Ctrl-C that lands between steps is caught here, so the session survives."""
     while True:
-        line = source.read(f"[{session.settings.label()}] > ")
+        line = source.read("... " if session.continuing else f"[{session.settings.label()}] > ")
         if line is None:
             break
         try:

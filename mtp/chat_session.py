@@ -42,13 +42,14 @@ commands:
   /k N                         drafts per step, 1..16 (remembered while /draft none)
   /verify strict|relaxed|sample
   /max N                       max new tokens per reply
+  /temperature T               sampling temperature, T > 0 (used by /verify sample)
   /stats                       session totals, one line per (draft, k, verify) setting
   /save FILE                   transcript with stats as JSON
   /reset                       start a new conversation (transcript and stats are kept)
   /help                        this text
   /exit                        quit (Ctrl-D too)
 Ctrl-C stops a reply (press twice to stop at once, even mid-prefill). A line starting with // sends a
-message that starts with /."""
+message that starts with /. A line ending with \\ continues the message on the next line."""
 
 
 class CommandError(ValueError):
@@ -106,14 +107,30 @@ class Session:
         self.generate, self.should_stop = generate, should_stop
         self.system, self.meta = system, dict(meta or {})
         self.turns: list[Turn] = []
+        self._pending: list[str] = []  # lines of a message continued with a trailing backslash
         self.context_start = 0
         self.conversation = 0
         self.check_settings(settings)
 
     # ------------------------------------------------------------------ input
+    @property
+    def continuing(self) -> bool:
+        """A message is being continued: the next line joins it (the caller may show another prompt)."""
+        return bool(self._pending)
+
     def handle(self, line: str) -> bool:
         """One line from the person: a command or a message. Returns False when the session should end.
         Nothing raised by a command or by generation escapes (one line on the view instead)."""
+        clean = line.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        if clean != line:  # lone surrogates: bytes that were not UTF-8, which the tokenizer cannot take
+            self.view.notice("the input had invalid UTF-8; those bytes became \ufffd")
+            line = clean
+        if line.rstrip().endswith("\\") and (self._pending or not line.lstrip().startswith("/")):  # not a command
+            self._pending.append(line.rstrip()[:-1])
+            return True
+        if self._pending:
+            line = "\n".join(self._pending + [line])
+            self._pending = []
         line = line.strip()
         if not line:
             return True
@@ -185,6 +202,19 @@ class Session:
                 raise CommandError(f"/max {n} leaves no room for a prompt in max_model_len {self.context_limit()}")
             self._change(max_new_tokens=n)
         self.view.notice(f"max_new_tokens {self.settings.max_new_tokens}")
+
+    def _cmd_temperature(self, arg: str) -> None:
+        if arg:
+            try:
+                t = float(arg)
+            except ValueError:
+                t = float("nan")
+            if not t > 0 or t == float("inf"):
+                raise CommandError(f"/temperature needs a number > 0, got {arg!r}")
+            self._change(options={**self.settings.options, "temperature": t})
+        t = self.settings.options.get("temperature", 1.0)
+        note = "" if self.settings.verify == "sample" else " (applies with /verify sample)"
+        self.view.notice(f"temperature {t}{note}")
 
     def _cmd_verify(self, arg: str) -> None:
         if arg:

@@ -347,3 +347,41 @@ def test_ranks_follow_rank_0(tmp_path):
     assert [t["user"] for t in r0] == ["hello", "stop me", "bye"]
     assert [t["interrupted"] for t in r0] == [False, True, False] and r0[2]["thinking"]
     assert 0 < len(r0[1]["content"]) < len(REPLY) and r0[1]["settings"]["k"] == 2
+
+
+def test_invalid_utf8_input_is_replaced_not_an_error(tok):
+    """A terminal in another encoding hands Python lone surrogates (surrogateescape); the tokenizer cannot
+    take them. They become U+FFFD, with one notice, and the message is sent."""
+    sess, view, gen = make(tok)
+    sess.handle("caf\udce9 ok")
+    assert view.errors == [] and len(sess.turns) == 1
+    assert "invalid UTF-8" in view.notices[0]
+    assert tok.decode(gen.calls[0]["prompt"]).count("\ufffd") == 1
+
+
+def test_a_trailing_backslash_continues_the_message(tok):
+    sess, view, gen = make(tok)
+    assert sess.handle("first line \\") and sess.handle("  indented second \\") and sess.continuing
+    assert gen.calls == []
+    sess.handle("third")
+    assert not sess.continuing and len(gen.calls) == 1
+    assert "first line \n  indented second \nthird" in tok.decode(gen.calls[0]["prompt"])
+
+
+def test_temperature_command(tok):
+    sess, view, gen = make(tok)
+    sess.handle("/temperature 0.7")
+    assert sess.settings.options["temperature"] == 0.7 and "applies with /verify sample" in view.notices[-1]
+    sess.handle("/verify sample")
+    sess.handle("hello")
+    assert gen.calls[-1]["temperature"] == 0.7
+    for bad in ("/temperature 0", "/temperature -1", "/temperature hot", "/temperature nan"):
+        sess.handle(bad)
+        assert "/temperature needs a number > 0" in view.errors[-1], bad
+    assert sess.settings.options["temperature"] == 0.7
+    assert "/temperature T" in sess_help(sess, view)
+
+
+def sess_help(sess, view) -> str:
+    sess.handle("/help")
+    return view.notices[-1]
