@@ -1,6 +1,6 @@
 """`mtp-chat`: multi-turn chat with the target model and MTP drafting, streamed to a terminal.
 
-    python -m mtp.chat                       # (or `mtp-chat`) tiny random model on CPU: gibberish, every path runs
+    python -m mtp.chat                       # (or `mtp-chat`) the bundled model (MODEL_CARD.md) on the CPU
     mtp-chat model=dsv32 model.path=/ckpt runtime=cuda draft=eagle draft.k=2 verify=relaxed thinking=true
     mtp-chat max_new_tokens=64 show_drafts=true runtime.max_model_len=8192
 
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from .chat_io import StopFlag, TerminalInput, TerminalView
-from .chat_session import Session, Settings
+from .chat_session import HELP, Session, Settings
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # the repo's conf/, shared with mtp-eval
 
@@ -77,7 +77,25 @@ def run(cfg) -> int:
     return 0
 
 
+CHAT_GROUPS = ("model", "draft", "verify", "runtime")  # the groups conf/chat.yaml composes
+
+
+def chat_help() -> str:
+    """`mtp-chat --help`: the config groups a chat uses (Hydra's own help lists every group of conf/, most of
+    them mtp-eval's) and the slash commands."""
+    groups = "\n".join(f"  {g}: {', '.join(sorted(p.stem for p in (CONF_DIR / g).glob('*.yaml')))}"
+                       for g in CHAT_GROUPS)
+    return (f"{__doc__.splitlines()[0]}\n\nusage: mtp-chat [group=option ...] [key=value ...]\n\n"
+            f"config groups (conf/chat.yaml picks one option each):\n{groups}\n\n"
+            "settings: max_new_tokens, thinking, show_drafts, and any key of a group\n"
+            "  (draft.k=3, runtime.max_model_len=8192, ...); --hydra-help for Hydra's own flags\n\n"
+            f"in the chat, {HELP}\n")
+
+
 def main() -> None:
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):
+        print(chat_help())
+        sys.exit(0)
     import hydra
 
     import eval.schema  # noqa: F401  (registers the structured configs conf/ files build on)

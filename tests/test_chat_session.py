@@ -385,3 +385,13 @@ def test_temperature_command(tok):
 def sess_help(sess, view) -> str:
     sess.handle("/help")
     return view.notices[-1]
+
+
+def test_help_lists_the_chat_groups_and_the_slash_commands():
+    from mtp.chat import chat_help
+    from mtp.chat_session import HELP
+
+    text = chat_help()
+    assert "model: dsv32, tiny" in text and "draft: eagle, none, vanilla" in text and "runtime: cpu, cuda" in text
+    assert "experiment" not in text and "dataset" not in text and "logger" not in text and "schema" not in text
+    assert HELP in text and "max_new_tokens" in text
