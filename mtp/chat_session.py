@@ -43,7 +43,8 @@ commands:
   /verify strict|relaxed|sample
   /max N                       max new tokens per reply
   /temperature T               sampling temperature, T > 0 (used by /verify sample)
-  /stats                       session totals, one line per (draft, k, verify) setting
+  /stats                       session totals, one line per (draft, k, verify) setting, with the
+                               speedup over this session's /draft none turns
   /save FILE                   transcript with stats as JSON
   /reset                       start a new conversation (transcript and stats are kept)
   /help                        this text
@@ -228,7 +229,9 @@ class Session:
             self.view.notice("no turns yet")
             return
         n_int = sum(t.interrupted for t in self.turns)
-        self.view.notice(f"session: {len(self.turns)} turns ({n_int} interrupted)")
+        no_base = any(t.metrics.k for t in self.turns) and not any(t.metrics.k == 0 for t in self.turns)
+        self.view.notice(f"session: {len(self.turns)} turns ({n_int} interrupted)"
+                         + ("; no baseline yet: a turn with /draft none gives the speedup" if no_base else ""))
         for line in self.totals():
             self.view.stats(line)
 
@@ -265,12 +268,20 @@ class Session:
 
     # ------------------------------------------------------------------ statistics and transcript
     def totals(self) -> list[str]:
-        """One stats line per (draft, k, verify) setting used, all turns of the session summed."""
+        """One stats line per (draft, k, verify) setting used, all turns of the session summed; drafting
+        settings get their decode speedup over this session's no-draft turns (the baseline), when it has any."""
         groups: dict[tuple, SpecMetrics] = {}
         for t in self.turns:
             key = (t.metrics.draft, t.metrics.k, t.metrics.verify)
             groups[key] = groups[key].merge(t.metrics) if key in groups else t.metrics
-        return [f"{stats_line(m)} turns={m.n_rows}" for m in groups.values()]
+        base = [m.decode_tok_s for m in groups.values() if m.k == 0 and m.decode_tok_s > 0]
+        lines = []
+        for m in groups.values():
+            line = f"{stats_line(m)} turns={m.n_rows}"
+            if m.k and base:  # several verifiers without drafts: the fastest is the baseline
+                line += f" speedup={m.decode_tok_s / max(base):.2f}x vs no draft"
+            lines.append(line)
+        return lines
 
     def _settings_record(self) -> dict[str, Any]:
         d = dataclasses.asdict(self.settings)

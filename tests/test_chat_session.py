@@ -272,7 +272,7 @@ def test_stats_totals_group_by_setting(tok):
     sess.handle("/stats")
     assert view.notices[-1] == "session: 3 turns (0 interrupted)"
     lines = view.stats_lines[-2:]
-    assert "eagle k=2" in lines[0] and lines[0].endswith("turns=2") and "(none strict)" in lines[1]
+    assert "eagle k=2" in lines[0] and " turns=2 speedup=" in lines[0] and "(none strict)" in lines[1]
 
 
 def test_stats_line_of_plain_decoding():
@@ -395,3 +395,16 @@ def test_help_lists_the_chat_groups_and_the_slash_commands():
     assert "model: dsv32, tiny" in text and "draft: eagle, none, vanilla" in text and "runtime: cpu, cuda" in text
     assert "experiment" not in text and "dataset" not in text and "logger" not in text and "schema" not in text
     assert HELP in text and "max_new_tokens" in text
+
+
+def test_stats_compare_with_the_no_draft_baseline(tok):
+    sess, view, _ = make(tok, k=2)
+    sess.handle("a")
+    sess.handle("/stats")
+    assert "no baseline yet" in view.notices[-1] and "/draft none" in view.notices[-1]
+    sess.handle("/draft none")
+    sess.handle("b")
+    sess.handle("/stats")
+    spec, base = view.stats_lines[-2:]
+    assert re.search(r" speedup=[\d.]+x vs no draft$", spec) and "speedup" not in base
+    assert "no baseline yet" not in view.notices[-1]
