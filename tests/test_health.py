@@ -37,6 +37,22 @@ def test_nan_in_a_layer_stops_the_run_naming_it(model, param, named, draft, k):
     assert f"first non-finite output: {named} " in msg and "prefill" in msg, msg
 
 
+def test_tree_decoding_stops_too(model):
+    """generate_tree (the draft-tree reference loop) has the same check, at the prefill and at a step."""
+    from mtp.decode.tree import generate_tree
+    from mtp.draft.tree import TreeShape
+
+    tree = TreeShape.from_branching((2, 1))
+    first = generate_tree(model, PROMPTS[:1], tree, 1, draft="eagle").tokens[0][0]
+    assert first not in PROMPTS[0]
+    _poison(model, "model.embed_tokens.weight", first * model.cfg.hidden_size)
+    with pytest.raises(NonFiniteError, match=r"in step 1; first non-finite output: model.embed_tokens \(rows \[0\]"):
+        generate_tree(model, PROMPTS[:1], tree, 6, draft="eagle")
+    _poison(model, "model.layers.1.post_attention_layernorm.weight")
+    with pytest.raises(NonFiniteError, match="prefill; first non-finite output: model.layers.1.post_attention_layernorm "):
+        generate_tree(model, PROMPTS, tree, 6, draft="eagle")
+
+
 def test_nan_reached_only_while_decoding_is_caught_at_that_step(model):
     """The prompt is clean; the first generated token's embedding row is NaN, so only the first verify step
     (which feeds that token) goes non-finite."""
