@@ -48,6 +48,24 @@ def _merge(batch_recs: Sequence[dict], repeat: int = 0) -> tuple[SpecMetrics, fl
     return m, wall
 
 
+# An output this long made of one token id is flagged: NaN logits (every argmax 0) look like this, with every
+# draft "accepted". Shorter outputs (a lone EOS, "ok") say too little to flag.
+DEGENERATE_MIN_TOKENS = 4
+
+
+def is_degenerate(tokens: Sequence[int]) -> bool:
+    """One token repeated for the whole output."""
+    return len(tokens) >= DEGENERATE_MIN_TOKENS and len(set(tokens)) == 1
+
+
+def degenerate(records: Sequence[dict]) -> dict:
+    """Outputs that report a broken model rather than acceptance: ids of those that are one token repeated, and
+    whether every row (two or more) produced the very same output. Flagged, never a failure."""
+    ids = [r["id"] for r in records if is_degenerate(r["tokens"])]
+    same = len(records) >= 2 and len({tuple(r["tokens"]) for r in records}) == 1
+    return {"count": len(ids), "ids": ids, "all_rows_identical": same}
+
+
 def flat(m: SpecMetrics, wall_s: float, n_prompts: int) -> dict:
     """The engine's namespaced metrics plus end-to-end wall time (prefill + decode + host work)."""
     d = m.to_dict()
@@ -102,7 +120,9 @@ def summarize(records: Sequence[dict]) -> dict:
     for c, recs in cats.items():
         per_cat[c], cat_runs[c] = _timed(recs, len(by_cat[c]))
         per_cat[c].update(quality.accuracy(by_cat[c]))
+        per_cat[c]["quality/degenerate_rows"] = sum(is_degenerate(r["tokens"]) for r in by_cat[c])
     overall.update(quality.accuracy(records))
+    overall["quality/degenerate_rows"] = sum(is_degenerate(r["tokens"]) for r in records)
     return {
         "overall": overall,
         "per_category": per_cat,
@@ -150,7 +170,8 @@ def metrics_json(run: dict, spec_records: Sequence[dict], base_records: Sequence
     agreement with them, overall and per category (`quality/strict_*`)."""
     spec = summarize(spec_records)
     out = {"run": run, **spec, "baseline": None, "speedup": None, "strict_mismatch": None,
-           "strict_reference": strict_source if strict_records is not None else None}
+           "strict_reference": strict_source if strict_records is not None else None,
+           "degenerate": degenerate(spec_records)}
     if strict_records is not None:
         out["overall"].update(quality.agreement(spec_records, strict_records))
         strict_by_cat = _by_category(strict_records)

@@ -1,6 +1,6 @@
 """`mtp-chat`: multi-turn chat with the target model and MTP drafting, streamed to a terminal.
 
-    python -m eval.chat                      # (or `mtp-chat`) tiny random model on CPU: gibberish, every path runs
+    python -m eval.chat                      # (or `mtp-chat`) the bundled model (MODEL_CARD.md) on the CPU
     mtp-chat model=dsv32 model.path=/ckpt runtime=cuda draft=eagle draft.k=2 verify=relaxed thinking=true
     mtp-chat max_new_tokens=64 show_drafts=true runtime.max_model_len=8192
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 
-from mtp.chat.session import Session, Settings, loop
+from mtp.chat.session import HELP, Session, Settings, loop
 from mtp.chat.terminal import StopFlag, TerminalInput, TerminalView
 
 from . import conf_dir
@@ -33,11 +33,13 @@ from . import conf_dir
 def run(cfg) -> int:
     from omegaconf import OmegaConf
 
-    from .common import build, generate_kwargs, model_path
+    from mtp.provenance import provenance
+
+    from .common import build, generate_kwargs, model_label, model_path
 
     view = TerminalView(color=sys.stdout.isatty() and "NO_COLOR" not in os.environ,
                         show_drafts=bool(cfg.show_drafts))
-    view.notice(f"loading {cfg.model.name} on {cfg.runtime.device} ...")
+    view.notice(f"loading {model_label(cfg.model)} on {cfg.runtime.device} ...")
     try:
         model, tokenizer = build(cfg)
         settings = Settings.from_generate_kwargs(generate_kwargs(cfg, tokenizer), max_new_tokens=cfg.max_new_tokens,
@@ -45,6 +47,7 @@ def run(cfg) -> int:
         stop = StopFlag()
         session = Session(model, tokenizer, settings, view, should_stop=stop.is_set,
                           meta={"model_path": str(model_path(cfg.model)),
+                                "provenance": provenance(model_path(cfg.model), cfg.runtime.device),
                                 "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)})
         if cfg.runtime.warmup:
             session.warmup()
@@ -60,7 +63,25 @@ def run(cfg) -> int:
     return 0
 
 
+CHAT_GROUPS = ("model", "draft", "verify", "runtime")  # the groups conf/chat.yaml composes
+
+
+def chat_help() -> str:
+    """`mtp-chat --help`: the config groups a chat uses (Hydra's own help lists every group of conf/, most of
+    them mtp-eval's) and the slash commands."""
+    groups = "\n".join(f"  {g}: {', '.join(sorted(p.stem for p in (conf_dir() / g).glob('*.yaml')))}"
+                       for g in CHAT_GROUPS)
+    return (f"{__doc__.splitlines()[0]}\n\nusage: mtp-chat [group=option ...] [key=value ...]\n\n"
+            f"config groups (conf/chat.yaml picks one option each):\n{groups}\n\n"
+            "settings: max_new_tokens, thinking, show_drafts, and any key of a group\n"
+            "  (draft.k=3, runtime.max_model_len=8192, ...); --hydra-help for Hydra's own flags\n\n"
+            f"in the chat, {HELP}\n")
+
+
 def main() -> None:
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):
+        print(chat_help())
+        sys.exit(0)
     import hydra
 
     from . import schema  # noqa: F401  (registers the structured configs conf/ files build on)

@@ -44,6 +44,12 @@ def model_path(model_cfg: Any) -> Path:
     return path
 
 
+def model_label(model_cfg: Any) -> str:
+    """How tables, plots and banners name the model: the bundled checkpoint by its folder's name (the `tiny`
+    option is a placeholder for whichever model ships), any other by its config option's name."""
+    return model_path(model_cfg).name if model_cfg.path is None else model_cfg.name
+
+
 def tokenizer_path(model_cfg: Any) -> Path:
     return Path(model_cfg.tokenizer).expanduser() if model_cfg.tokenizer else model_path(model_cfg)
 
@@ -67,7 +73,7 @@ def build(cfg: Any):
     import torch
 
     import mtp
-    from mtp.tokenizer import Tokenizer
+    from mtp.preflight import preflight
 
     cfg = validate(cfg)
     rt = cfg.runtime
@@ -75,16 +81,15 @@ def build(cfg: Any):
     if rt.num_threads:
         torch.set_num_threads(rt.num_threads)
     path = model_path(cfg.model)
+    # config.json, the draft settings and the tokenizer first: minutes before the weights would have told
+    _, tokenizer = preflight(path, tokenizer_path(cfg.model), draft=value(cfg.draft.name), k=cfg.draft.k,
+                             reuse_modules=cfg.draft.reuse_modules, n_mtp=cfg.model.n_mtp)
     model = mtp.load_model(path, device=rt.device, dtype=getattr(torch, value(rt.dtype)),
                            numerics=value(cfg.model.numerics), n_mtp=cfg.model.n_mtp)
     if rt.fast_path:
         from mtp.backends.fast_path import enable_fast_path
 
         enable_fast_path(model)
-    tokenizer = Tokenizer.from_dir(tokenizer_path(cfg.model))
-    if tokenizer.vocab_size > model.cfg.vocab_size:
-        raise SchemaError(f"model.tokenizer: {tokenizer.source} has {tokenizer.vocab_size} ids, more than the "
-                          f"model's vocab_size {model.cfg.vocab_size}: tokenizer and checkpoint do not match")
     return model, tokenizer
 
 

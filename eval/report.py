@@ -75,6 +75,9 @@ def acceptance_table(metrics: dict, title: str) -> Table:
         acc.append(("strict acc.", lambda m, b: m.get("quality/strict_accuracy")))
     for header, _ in acc:
         t.add_column(header, justify="right")
+    degen = o.get("quality/degenerate_rows", 0)
+    if degen:  # outputs that are one token repeated: their acceptance says nothing about the drafts
+        t.add_column("degenerate", justify="right", style="bold red")
     rows = list(metrics["per_category"].items()) + [("all", o)]
     for i, (name, m) in enumerate(rows):
         cells = [name, str(m["count/prompts"]), str(m["count/new_tokens"]), _f(m["accept/mean_len"])]
@@ -90,6 +93,8 @@ def acceptance_table(metrics: dict, title: str) -> Table:
             cells.append(f"{_f(m.get('quality/strict_token_agreement'))} "
                          f"({m.get('quality/strict_identical', 0)}/{m.get('quality/strict_compared', 0)})")
         cells += [_f(get(m, b)) for _, get in acc]
+        if degen:
+            cells.append(str(m.get("quality/degenerate_rows", 0)))
         t.add_row(*cells, end_section=i == len(rows) - 2)
     return t
 

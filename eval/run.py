@@ -7,7 +7,8 @@
 Flow: validate the config -> read the prompts -> open the stores (resume) -> load the model once -> per batch:
 generate (and the draft=none baseline when baseline=true), append to samples.jsonl / baseline.jsonl ->
 metrics.json (atomic), plots, the table on stdout, the logger. Everything lands in the Hydra run dir.
-Setup errors (config, data, checkpoint, resume) exit with status 2 and one line on stderr, before any output.
+Setup errors (config, data, checkpoint, resume) exit with status 2 and one line on stderr, before any output;
+logits that go NaN / inf during generation (mtp.decode.health) exit with status 1 and one line, without metrics.json.
 """
 
 from __future__ import annotations
@@ -28,15 +29,17 @@ from omegaconf import DictConfig, OmegaConf
 from mtp.utils import write_atomic
 
 from . import conf_dir
-from .common import NotAvailableError, build, check_runtime, generate_kwargs
+from .common import NotAvailableError, build, check_runtime, generate_kwargs, model_label, model_path
 from .data import DataError, Prompt, load_prompts
+from .rundir import SETTINGS_NAME, RunDirError, locked
 from .schema import DraftName, EvalConfig, SchemaError, StrictVerifySchema, validate, value
 from .store import SampleStore, StoreError
 
 log = logging.getLogger("mtp-eval")
 
 # Settings that do not change the generated tokens; a resume may change them.
-_NOT_HASHED = ("output_dir", "resume", "logger", "plots", "baseline", "compare_strict", "timing", "task_name")
+_NOT_HASHED = ("output_dir", "resume", "logger", "plots", "baseline", "compare_strict", "timing", "task_name",
+               "deep_fingerprint")
 _RUNTIME_NOT_HASHED = ("warmup", "num_threads")
 STRICT_REFERENCE_FILE = "strict_reference.jsonl"  # plain greedy outputs, when no baseline provides them
 
@@ -63,10 +66,15 @@ def _build_once(cfg: EvalConfig):
     return _BUILT["model"], _BUILT["tok"]
 
 
-def config_hash(resolved: dict) -> str:
+def output_settings(resolved: dict) -> dict:
+    """The settings that shape the outputs: what a resume must keep (recorded in settings.json)."""
     d = {k: v for k, v in resolved.items() if k not in _NOT_HASHED}
     d["runtime"] = {k: v for k, v in d["runtime"].items() if k not in _RUNTIME_NOT_HASHED}
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    return d
+
+
+def config_hash(resolved: dict) -> str:
+    return hashlib.sha256(json.dumps(output_settings(resolved), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def plan_batches(prompts: list[Prompt], batch_size: int) -> list[tuple[str, list[Prompt]]]:
@@ -187,11 +195,12 @@ def _setup(cfg: DictConfig):
     resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     chash = config_hash(resolved)
     prompts = load_prompts(typed.dataset, typed.thinking, typed.system_prompt)
-    stores = {"spec": SampleStore(out / "samples.jsonl", chash, typed.resume)}
+    settings = output_settings(resolved)
+    stores = {"spec": SampleStore(out / "samples.jsonl", chash, typed.resume, settings)}
     if typed.baseline:
-        stores["base"] = SampleStore(out / "baseline.jsonl", chash, typed.resume)
+        stores["base"] = SampleStore(out / "baseline.jsonl", chash, typed.resume, settings)
     if strict_source(typed) == "ref":
-        stores["ref"] = SampleStore(out / STRICT_REFERENCE_FILE, chash, typed.resume)
+        stores["ref"] = SampleStore(out / STRICT_REFERENCE_FILE, chash, typed.resume, settings)
     model, tok = _build_once(typed)
     from mtp.prompt import encode_chat
 
@@ -233,33 +242,65 @@ def _strict_kwargs(kw: dict) -> dict:
 
 
 def _user_errors() -> tuple:
-    errors = (SchemaError, DataError, StoreError, NotAvailableError, SetupError)
+    errors = (SchemaError, DataError, StoreError, NotAvailableError, SetupError, RunDirError)
     if "mtp.checkpoint.files" in sys.modules:  # torch is imported only once the config is valid
         from mtp.checkpoint.files import CheckpointError
         from mtp.model.config import ConfigError
+        from mtp.preflight import PreflightError
 
-        errors += (CheckpointError, ConfigError)
+        errors += (CheckpointError, ConfigError, PreflightError)
     return errors
 
 
 def evaluate(cfg: DictConfig) -> float:
+    """One run, holding its folder's lock throughout. A refused run (bad settings, busy folder, missing
+    resume=true) leaves the folder as it was; Ctrl-C ends with exit 130, an unwritable folder or a full disk
+    with exit 2, each with one line."""
+    try:
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        with locked(out) as claim:
+            return _evaluate(cfg, claim)
+    except KeyboardInterrupt:
+        print("mtp-eval: interrupted; finished batches are kept (resume=true continues the run)", file=sys.stderr)
+        sys.exit(130)
+    except RunDirError as e:
+        print(f"mtp-eval: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # read-only folder, full disk
+        print(f"mtp-eval: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _evaluate(cfg: DictConfig, claim) -> float:
     try:
         typed, out, resolved, prompts, stores, model, tok, ids, kw = _setup(cfg)
     except Exception as e:
         if not isinstance(e, _user_errors()):
             raise
-        log.error("%s", e)
-        print(f"mtp-eval: error: {e}", file=sys.stderr)
+        print(f"mtp-eval: error: {e}", file=sys.stderr)  # not logged: run.log of a refused run stays untouched
         sys.exit(2)
+    claim()
+    _record(out, cfg, resolved)
+
+    from mtp.provenance import provenance
 
     from . import aggregate
 
     batches = plan_batches(prompts, typed.runtime.batch_size)
     resumed = len(stores["spec"].records)
+    prov = provenance(model_path(typed.model), typed.runtime.device, typed.deep_fingerprint)
     logger = hydra.utils.instantiate(cfg.logger)
-    logger.start(resolved, *_identity(typed, out), out)
+    logger.start({**resolved, "provenance": prov}, *_identity(typed, out), out)
     kws = {"spec": kw, "base": _baseline_kwargs(kw), "ref": _strict_kwargs(kw)}
-    _generate_all(typed, model, tok, batches, ids, stores, kws, logger)
+    from mtp.decode.health import NonFiniteError
+
+    try:
+        _generate_all(typed, model, tok, batches, ids, stores, kws, logger)
+    except NonFiniteError as e:  # no metrics.json: there is nothing meaningful to report
+        log.error("%s", e)
+        print(f"mtp-eval: error: {e}", file=sys.stderr)
+        sys.exit(1)
 
     order = {p.id: i for i, p in enumerate(prompts)}
     recs = {w: sorted(s.records, key=lambda r: order.get(r["id"], len(order))) for w, s in stores.items()}
@@ -270,11 +311,25 @@ def evaluate(cfg: DictConfig) -> float:
                                      recs.get("base"), compare_tokens=isinstance(typed.verify, StrictVerifySchema),
                                      strict_records=recs.get(source), strict_source=stores[source].path.name
                                      if source else None)
+    metrics["provenance"] = prov
     metrics["config"] = resolved
     write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     pngs = _report(typed, out, metrics)
     logger.finish(metrics, recs["spec"], pngs)
     return metrics["overall"]["accept/mean_len"]
+
+
+def _record(out: Path, cfg: DictConfig, resolved: dict) -> None:
+    """Once the run is accepted: settings.json (first run of the folder only: a resume keeps the original) and
+    Hydra's record of the config and overrides in .hydra/ (conf/eval.yaml turns Hydra's own writing off, which
+    happens before any check and rewrote the record of a run that was then refused)."""
+    if not (out / SETTINGS_NAME).exists():
+        write_atomic(out / SETTINGS_NAME, json.dumps(output_settings(resolved), indent=2, sort_keys=True) + "\n")
+    rec = out / ".hydra"
+    rec.mkdir(exist_ok=True)
+    hc = HydraConfig.get()
+    write_atomic(rec / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_atomic(rec / "overrides.yaml", OmegaConf.to_yaml(list(hc.overrides.task)))
 
 
 def _generate_all(typed: EvalConfig, model, tok, batches, ids, stores: dict, kws: dict, logger) -> None:
@@ -314,7 +369,7 @@ def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
     from . import plots, report
 
     pngs = {}
-    title = f"{_describe(typed)} ({typed.model.name})"
+    title = f"{_describe(typed)} ({model_label(typed.model)})"
     if typed.plots:
         if metrics["per_position"]:
             pngs["acceptance_per_position"] = plots.acceptance_per_position(
@@ -323,7 +378,7 @@ def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
                                                                   out / "accepted_length_hist.png")
     con = report.console()
     n = metrics["run"]["n_prompts"]
-    con.print(report.acceptance_table(metrics, f"{_describe(typed)} | model={typed.model.name} | {n} prompts, "
+    con.print(report.acceptance_table(metrics, f"{_describe(typed)} | model={model_label(typed.model)} | {n} prompts, "
                                                f"max_new_tokens={typed.max_new_tokens}"))
     mm = metrics["strict_mismatch"]
     if mm is not None:
@@ -331,6 +386,13 @@ def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
                   + (f" ({', '.join(mm['ids'][:10])})" if mm["ids"] else ""))
     for line in report.quality_lines(metrics):
         con.print(line)
+    dg = metrics["degenerate"]
+    if dg["count"] or dg["all_rows_identical"]:
+        what = (f"{dg['count']} of {n} outputs are one token repeated ({', '.join(dg['ids'][:10])})" if dg["count"]
+                else "every prompt produced the same output")
+        warning = f"degenerate outputs: {what}; their acceptance says nothing about the drafts (broken model?)"
+        con.print(f"[bold red]warning:[/] {warning}")
+        log.warning("%s", warning)
     con.print(f"outputs: {out}")
     o = metrics["overall"]
     sp = report.spread_text(o, "speed/speedup_decode", 2, "x")
@@ -350,7 +412,7 @@ def device_note(device: str) -> str | None:
 def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -> dict:
     d = typed.draft
     return {
-        "model": typed.model.name, "draft": value(d.name), "k": d.k, "verify": typed.verify.name,
+        "model": model_label(typed.model), "draft": value(d.name), "k": d.k, "verify": typed.verify.name,
         "target_hidden": value(d.target_hidden), "chain_hidden": value(d.chain_hidden),
         "numerics": value(typed.model.numerics), "runtime_mode": value(typed.runtime.mode),
         "device": typed.runtime.device, "device_note": device_note(typed.runtime.device), "dataset": typed.dataset.name, "thinking": typed.thinking,

@@ -308,6 +308,7 @@ class EvalConfig:
     timing: TimingSchema = field(default_factory=TimingSchema)
     resume: bool = False  # continue samples.jsonl in the run dir, skipping finished prompts
     plots: bool = True
+    deep_fingerprint: bool = False  # provenance: hash the shards' contents too, not only names and sizes
     output_dir: str = MISSING
 
     def __post_init__(self):

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from mtp.utils import write_atomic
 
+from .rundir import read_settings, settings_diff
+
 
 class StoreError(ValueError):
     """samples.jsonl cannot be continued (exists without resume, other settings, corrupt)."""
@@ -24,8 +26,10 @@ class StoreError(ValueError):
 class SampleStore:
     """Records (one dict per prompt) with keys `id`, `batch` (batch name), `batch_size`, `config_hash`."""
 
-    def __init__(self, path: Path, config_hash: str, resume: bool):
-        self.path, self.config_hash = path, config_hash
+    def __init__(self, path: Path, config_hash: str, resume: bool, settings: dict | None = None):
+        """`settings`: what `config_hash` hashes; a refused resume names how they differ from the folder's
+        settings.json (written by the run that started the file)."""
+        self.path, self.config_hash, self.settings = path, config_hash, settings
         self.records: list[dict] = []
         if path.exists() and path.stat().st_size:
             if not resume:
@@ -47,8 +51,11 @@ class SampleStore:
                 torn = True
                 continue
             if rec.get("config_hash") != self.config_hash:
-                raise StoreError(f"{self.path}:{n}: written with other settings (config hash "
-                                 f"{rec.get('config_hash')} != {self.config_hash}); resume only with the "
+                old = read_settings(self.path.parent)
+                diff = settings_diff(old, self.settings) if old is not None and self.settings is not None else []
+                what = f"settings that differ: {'; '.join(diff)}" if diff else (
+                    f"config hash {rec.get('config_hash')} != {self.config_hash}")
+                raise StoreError(f"{self.path}:{n}: written with other settings ({what}); resume only with the "
                                  "same model / draft / verify / runtime / dataset / generation settings")
             records.append(rec)
         rows = Counter(r["batch"] for r in records)
@@ -75,8 +82,17 @@ class SampleStore:
         for r in records:
             r.update(config_hash=self.config_hash, batch_size=len(records))
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        data = memoryview(text.encode("utf-8"))
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            start = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                while data:  # unbuffered: nothing is left to flush after a failure
+                    data = data[os.write(fd, data):]
+                os.fsync(fd)
+            except BaseException:  # a full disk, Ctrl-C mid-write: cut the batch off rather than leave a torn line
+                os.ftruncate(fd, start)
+                raise
+        finally:
+            os.close(fd)
         self.records.extend(records)

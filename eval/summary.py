@@ -44,6 +44,7 @@ def collect(sweep_dir: Path) -> list[dict]:
         m = json.loads(path.read_text())
         o, run = m["overall"], m["run"]
         sp, mm, base = m.get("speedup"), m.get("strict_mismatch"), m.get("baseline")
+        code, ckpt = (m.get("provenance") or {}).get("code", {}), (m.get("provenance") or {}).get("checkpoint", {})
         rows.append({"job": str(path.parent.relative_to(sweep_dir)), **{k: run.get(k) for k in SERIES_KEYS},
                      "k": run["k"], "prompts": o["count/prompts"], "accept/mean_len": o["accept/mean_len"],
                      "accept/pos_1": o.get("accept/pos_1"),
@@ -58,11 +59,18 @@ def collect(sweep_dir: Path) -> list[dict]:
                      "strict_token_agreement": o.get("quality/strict_token_agreement"),
                      "strict_identical": o.get("quality/strict_identical"), "accuracy": o.get("quality/accuracy"),
                      "base_accuracy": base["overall"].get("quality/accuracy") if base else None,
-                     "strict_accuracy": o.get("quality/strict_accuracy"), "device_note": run.get("device_note")})
+                     "strict_accuracy": o.get("quality/strict_accuracy"), "device_note": run.get("device_note"),
+                     "commit": _commit(code), "checkpoint": f"{ckpt['name']}@{ckpt['fingerprint']}" if ckpt else None})
     varying = [k for k in SERIES_KEYS if len({str(r[k]) for r in rows}) > 1]
     for r in rows:
         r["series"] = " ".join(f"{k}={r[k]}" for k in varying) if varying else str(r["draft"])
     return rows
+
+
+def _commit(code: dict) -> str | None:
+    """Short commit, '+dirty' when the checkout had changes; None for results without provenance."""
+    c = code.get("git_commit")
+    return None if c is None else c[:12] + ("+dirty" if code.get("git_dirty") else "")
 
 
 def write(sweep_dir: Path, rows: list[dict]) -> dict[str, Path]:
@@ -97,6 +105,8 @@ def print_table(rows: list[dict], title: str) -> None:
                     if c in SPREAD_COLUMNS else "-" if r[c] is None else f"{r[c]:.2f}" if isinstance(r[c], float)
                     else str(r[c]) for c in columns))
     console().print(t)
+    made_by = sorted({f"commit {r['commit']}, checkpoint {r['checkpoint']}" for r in rows})
+    console().print("produced by: " + ("; ".join(made_by) if made_by else "(no provenance recorded)"))
 
 
 def summarize(sweep_dir: Path) -> list[dict]:

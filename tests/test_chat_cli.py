@@ -75,6 +75,8 @@ def test_chat_session_in_a_terminal(tmp_path):
     shown = screen_text(log.getvalue())
     data = json.loads((tmp_path / "chat.json").read_text())
     turns = data["turns"]
+    prov = data["meta"]["provenance"]  # what produced the transcript; the bundled model by its own name
+    assert prov["checkpoint"]["name"] == "dsv32_stdlib_mini" and prov["code"]["torch"]
     assert [t["user"] for t in turns] == ["hello there", "tell me a long story", "and now?"]
     assert [t["thinking"] for t in turns] == [False, True, True]
     assert [t["interrupted"] for t in turns] == [False, True, False]

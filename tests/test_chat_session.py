@@ -274,7 +274,7 @@ def test_stats_totals_group_by_setting(tok):
     sess.handle("/stats")
     assert view.notices[-1] == "session: 3 turns (0 interrupted)"
     lines = view.stats_lines[-2:]
-    assert "eagle k=2" in lines[0] and lines[0].endswith("turns=2") and "(none strict)" in lines[1]
+    assert "eagle k=2" in lines[0] and " turns=2 speedup=" in lines[0] and "(none strict)" in lines[1]
 
 
 def test_stats_line_of_plain_decoding():
@@ -434,3 +434,66 @@ def test_bad_tools_file_is_one_line(tok, tmp_path):
     for arg, match in cases:
         sess.handle(f"/tools {arg}")
         assert match in view.errors[-1] and "\n" not in view.errors[-1] and sess.tools is None
+
+
+def test_invalid_utf8_input_is_replaced_not_an_error(tok):
+    """A terminal in another encoding hands Python lone surrogates (surrogateescape); the tokenizer cannot
+    take them. They become U+FFFD, with one notice, and the message is sent."""
+    sess, view, gen = make(tok)
+    sess.handle("caf\udce9 ok")
+    assert view.errors == [] and len(sess.turns) == 1
+    assert "invalid UTF-8" in view.notices[0]
+    assert tok.decode(gen.calls[0]["prompt"]).count("\ufffd") == 1
+
+
+def test_a_trailing_backslash_continues_the_message(tok):
+    sess, view, gen = make(tok)
+    assert sess.handle("first line \\") and sess.handle("  indented second \\") and sess.continuing
+    assert gen.calls == []
+    sess.handle("third")
+    assert not sess.continuing and len(gen.calls) == 1
+    assert "first line \n  indented second \nthird" in tok.decode(gen.calls[0]["prompt"])
+
+
+def test_temperature_command(tok):
+    sess, view, gen = make(tok)
+    sess.handle("/temperature 0.7")
+    assert sess.settings.options["temperature"] == 0.7 and "applies with /verify sample" in view.notices[-1]
+    sess.handle("/verify sample")
+    sess.handle("hello")
+    assert gen.calls[-1]["temperature"] == 0.7
+    for bad in ("/temperature 0", "/temperature -1", "/temperature hot", "/temperature nan"):
+        sess.handle(bad)
+        assert "/temperature needs a number > 0" in view.errors[-1], bad
+    assert sess.settings.options["temperature"] == 0.7
+    assert "/temperature T" in sess_help(sess, view)
+
+
+def sess_help(sess, view) -> str:
+    sess.handle("/help")
+    return view.notices[-1]
+
+
+def test_help_lists_the_chat_groups_and_the_slash_commands():
+    from eval.chat import chat_help
+    from mtp.chat.session import HELP
+
+    text = chat_help()
+    assert "model: dsv32, tiny" in text and "draft: eagle, none, vanilla" in text and "runtime: cpu, cuda" in text
+    groups = text.split("config groups")[1].split("\n\n")[0]  # mtp-eval's own groups are not the chat's
+    assert all(f"  {g}:" not in groups for g in ("experiment", "dataset", "logger", "schema", "hydra"))
+    assert "  model:" in groups
+    assert HELP in text and "max_new_tokens" in text
+
+
+def test_stats_compare_with_the_no_draft_baseline(tok):
+    sess, view, _ = make(tok, k=2)
+    sess.handle("a")
+    sess.handle("/stats")
+    assert "no baseline yet" in view.notices[-1] and "/draft none" in view.notices[-1]
+    sess.handle("/draft none")
+    sess.handle("b")
+    sess.handle("/stats")
+    spec, base = view.stats_lines[-2:]
+    assert re.search(r" speedup=[\d.]+x vs no draft$", spec) and "speedup" not in base
+    assert "no baseline yet" not in view.notices[-1]

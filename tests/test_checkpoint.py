@@ -479,3 +479,69 @@ def _fast_tensors(cfg) -> dict[str, torch.Tensor]:
     return {n: torch.full(ts.shape, 2.0 ** -8) if ts.kind == "scale"
             else (0.1 * torch.randn(ts.shape, generator=g)).to(ts.dtypes[0])
             for n, ts in checkpoint_spec(cfg).items()}
+
+
+def _poison_fp8(path: Path, name: str, byte: int) -> Path:
+    """Set one byte of fp8 weight `name` to `byte` (0x7F / 0xFF are e4m3fn's NaN encodings)."""
+    def poison(t):
+        u = t[name].view(torch.uint8).clone()
+        u.view(-1)[u.numel() // 2 + 1] = byte
+        t[name] = u.view(FP8)
+
+    return _rewrite_shard(path, name, poison)
+
+
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+def test_fp8_weight_with_nan_bytes(ckpt, byte):
+    """e4m3fn has no infinities; 0x7F and 0xFF are NaN. Such a weight turns every logit into NaN and every
+    argmax into token 0, which used to load and be reported as perfect acceptance."""
+    name = "model.layers.2.mlp.experts.5.up_proj.weight"
+    shard = _poison_fp8(ckpt, name, byte)
+    _load_fails(ckpt, str(shard), name, "NaN")
+
+
+def test_fp8_weight_with_nan_bytes_parallel_loader(ckpt):
+    from mtp.parallel import Comm, load_parallel
+
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    shard = _poison_fp8(ckpt, name, 0x7F)
+    with pytest.raises(CheckpointError, match="NaN") as ei:
+        load_parallel(ckpt, Comm(), numerics="fp8")
+    assert str(shard) in str(ei.value) and name in str(ei.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_bf16_weight_not_finite(ckpt, bad):
+    name = "model.layers.1.post_attention_layernorm.weight"
+
+    def poison(t):
+        t[name] = t[name].clone()
+        t[name][3] = bad
+
+    shard = _rewrite_shard(ckpt, name, poison)
+    _load_fails(ckpt, str(shard), name, "non-finite")
+
+
+def test_largest_finite_fp8_bytes_load(ckpt):
+    """0x7E / 0xFE are +-448, the largest finite e4m3fn values: not NaN, they must load."""
+    name = "model.layers.2.mlp.experts.5.up_proj.weight"
+    _poison_fp8(ckpt, name, 0x7E)
+    _poison_fp8(ckpt, name, 0xFE)
+    load_model(ckpt)
+
+
+def test_check_values_refuses_exactly_the_nan_encodings_of_e4m3fn():
+    """All 256 bytes, each alone in a clean tensor: refused iff the float value it decodes to is NaN."""
+    from mtp.checkpoint.files import check_values
+
+    decoded = torch.arange(256).to(torch.uint8).view(FP8).float()
+    for byte in range(256):
+        t = torch.zeros(3, 5, dtype=torch.uint8)
+        t[1, 2] = byte
+        refused = False
+        try:
+            check_values(t.view(FP8), Path("f"), "w")
+        except CheckpointError as e:
+            refused = True
+            assert "[1, 2]" in str(e), str(e)
+        assert refused == bool(decoded[byte].isnan()), f"byte {byte:#04x}"

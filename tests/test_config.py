@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -218,3 +219,118 @@ def test_yarn_inv_freq_matches_reference():
                                                           dtype=torch.float64), rtol=1e-7)
     assert torch.allclose(got[23:].double(), torch.tensor([1e4 ** (-2 * i / 64) / 40 for i in range(23, 32)],
                                                           dtype=torch.float64), rtol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------- numeric ranges
+OUT_OF_RANGE = [
+    # (changes, field named in the message, value named in the message): garbage that used to load
+    ({"rms_norm_eps": -1}, "rms_norm_eps", "-1"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps", "0"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps", "nan"),
+    ({"routed_scaling_factor": float("nan")}, "routed_scaling_factor", "nan"),
+    ({"routed_scaling_factor": float("inf")}, "routed_scaling_factor", "inf"),
+    ({"routed_scaling_factor": 0}, "routed_scaling_factor", "0"),
+    ({"routed_scaling_factor": -2.5}, "routed_scaling_factor", "-2.5"),
+    ({"rope_theta": 0}, "rope_theta", "0"),
+    ({"rope_theta": float("nan")}, "rope_theta", "nan"),
+    ({"rope_theta": 1}, "rope_theta", "1"),
+    ({"rope_scaling__factor": float("nan")}, "rope_scaling.factor", "nan"),
+    ({"rope_scaling__factor": float("inf")}, "rope_scaling.factor", "inf"),
+    ({"rope_scaling__beta_fast": float("nan")}, "rope_scaling.beta_fast", "nan"),
+    ({"rope_scaling__beta_slow": 0}, "rope_scaling.beta_slow", "0"),
+    ({"rope_scaling__beta_fast": 0.5}, "rope_scaling.beta_fast", "0.5"),
+    ({"rope_scaling__mscale": float("nan")}, "rope_scaling.mscale", "nan"),
+    ({"rope_scaling__mscale": -1}, "rope_scaling.mscale", "-1"),
+    ({"rope_scaling__mscale_all_dim": 0.707}, "rope_scaling.mscale_all_dim", "0.707"),
+    ({"rope_scaling__original_max_position_embeddings": 0}, "rope_scaling.original_max_position_embeddings", "0"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok", "0"),
+    ({"n_shared_experts": -1}, "n_shared_experts", "-1"),
+    ({"eos_token_id": 129280}, "eos_token_id", "129280"),
+]
+
+
+@pytest.mark.parametrize("changes, field, value", OUT_OF_RANGE, ids=[f"{c}" for c, _, _ in OUT_OF_RANGE])
+def test_numeric_field_out_of_range_names_field_value_and_range(tmp_path, changes, field, value):
+    path = _write(tmp_path, _edited(**changes))  # json.dumps writes NaN / Infinity, which json.loads reads back
+    with pytest.raises(ConfigError) as ei:
+        ModelConfig.from_json(path)
+    msg = str(ei.value)
+    assert path in msg and f"'{field}'" in msg and value in msg and "expected" in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------- missing fields
+def _without(*names):
+    raw = copy.deepcopy(REAL_CONFIG)
+    for name in names:
+        *parents, leaf = name.split("__")
+        d = raw
+        for p in parents:
+            d = d[p]
+        del d[leaf]
+    return raw
+
+
+def test_missing_fields_take_transformers_defaults():
+    """Every field transformers' DeepseekV32Config knows takes its default there when config.json lacks it."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.DeepseekV32Config()
+    ours = {f.name for f in dataclasses.fields(ModelConfig)}
+    shared = sorted(n for n in ours if n in REAL_CONFIG and hasattr(hf, n)
+                    and n not in ("architectures", "model_type", "rope_scaling"))  # rope: tested below
+    assert len(shared) >= 25, shared  # the numeric fields of the model
+    for name in shared:
+        got = getattr(ModelConfig.from_dict(_without(name)), name)
+        want = getattr(hf, name)
+        assert got == want, f"{name}: missing from config.json gives {got!r}, transformers' default is {want!r}"
+    theta = ModelConfig.from_dict(_without("rope_theta")).rope_theta
+    assert theta == hf.rope_parameters["rope_theta"]
+
+
+def test_missing_rope_scaling_means_no_scaling():
+    """transformers runs plain RoPE without rope_scaling; the 671B's YaRN factor 40 must not sneak in."""
+    cfg = ModelConfig.from_dict(_without("rope_scaling"))
+    assert cfg.rope_scaling is None
+    dim = cfg.qk_rope_head_dim
+    plain = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    torch.testing.assert_close(yarn_inv_freq(cfg), plain.float(), rtol=0, atol=0)
+    assert cfg.softmax_scale == pytest.approx(cfg.qk_head_dim ** -0.5, rel=1e-12)
+
+
+def test_missing_quantization_config_means_bf16_weights():
+    cfg = ModelConfig.from_dict(_without("quantization_config"))
+    assert cfg.quantization_config is None and not cfg.is_fp8
+
+
+def test_missing_max_position_embeddings_is_transformers_default():
+    transformers = pytest.importorskip("transformers")
+    raw = _without("max_position_embeddings")
+    raw["rope_scaling"] = None  # no 671B YaRN either: the default must come from transformers, not the 671B file
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.max_position_embeddings == transformers.DeepseekV32Config().max_position_embeddings
+
+
+def test_missing_num_nextn_predict_layers_means_no_mtp_modules():
+    """transformers' DeepseekV32 has no MTP modules; a config without the field describes none."""
+    assert ModelConfig.from_dict(_without("num_nextn_predict_layers")).num_nextn_predict_layers == 0
+
+
+@pytest.mark.parametrize("name", ["factor", "original_max_position_embeddings", "mscale", "mscale_all_dim"])
+def test_rope_scaling_without_a_required_field_names_it(tmp_path, name):
+    path = _write(tmp_path, _without(f"rope_scaling__{name}"))
+    with pytest.raises(ConfigError, match=f"'rope_scaling.{name}'") as ei:
+        ModelConfig.from_json(path)
+    assert path in str(ei.value)
+
+
+def test_rope_scaling_betas_default_as_in_transformers():
+    rs = ModelConfig.from_dict(_without("rope_scaling__beta_fast", "rope_scaling__beta_slow")).rope_scaling
+    assert (rs.beta_fast, rs.beta_slow) == (32.0, 1.0)
+
+
+def test_bundled_model_config_has_every_field():
+    """The shipped model must not depend on a default: every field is written in its config.json."""
+    from mtp.checkpoint.tiny import default_checkpoint
+
+    raw = json.loads((default_checkpoint() / "config.json").read_text())
+    missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in raw]
+    assert not missing, missing

@@ -71,6 +71,7 @@ def test_two_point_sweep_writes_runs_and_summary(tmp_path):
             assert (sweep / job / png).read_bytes()[:4] == b"\x89PNG"
     rows = json.loads((sweep / "sweep_summary.json").read_text())
     assert sorted(r["k"] for r in rows) == [1, 2]
+    assert all(row["checkpoint"].startswith("dsv32_stdlib_mini@") and "commit" in row for row in rows)
     assert (sweep / "sweep_summary.png").read_bytes()[:4] == b"\x89PNG"
     assert (sweep / "sweep_summary.csv").read_text().startswith("job,")
     assert "AL" in r.stdout and "acc@2" in r.stdout  # the per-run tables went to stdout
@@ -110,6 +111,19 @@ def test_reference_run_reports_speed_with_its_spread(reference_run):
     assert m["overall"]["speed/speedup_decode_max"] == sp["decode_max"]
     assert "not indicative" in m["run"]["device_note"]
     assert "median (min-max) of 2 repeats" in r.stdout and "not indicative" in r.stdout
+
+
+def test_reference_run_says_what_produced_it(reference_run):
+    """Provenance in metrics.json and the W&B config; the bundled model shown by its own name, not `tiny`."""
+    run, r = reference_run
+    m = json.loads((run / "metrics.json").read_text())
+    prov = m["provenance"]
+    assert prov["checkpoint"]["name"] == "dsv32_stdlib_mini" and len(prov["checkpoint"]["fingerprint"]) == 16
+    assert prov["code"]["torch"] and prov["code"]["device"].startswith("cpu")
+    assert "git_commit" in prov["code"] and "git_dirty" in prov["code"]
+    assert m["run"]["model"] == "dsv32_stdlib_mini" and "model=dsv32_stdlib_mini" in r.stdout
+    logged = read_run(find_run_file(run / "wandb"))
+    assert logged["config"]["provenance"]["checkpoint"]["fingerprint"] == prov["checkpoint"]["fingerprint"]
 
 
 def test_wandb_offline_run_holds_the_logged_metrics(reference_run):
@@ -451,3 +465,51 @@ def test_prompts_carry_their_reference_answer(tmp_path):
     assert all(p.answer is None for p in load_prompts(BuiltinDatasetSchema(name="builtin", suites=["chat"])))
     ds = LocalDatasetSchema(name="local", path="x.jsonl")
     assert to_prompt({"prompt": "2+2?", "answer": 4}, 0, ds, None, None).answer == "4"
+
+
+# ---------------------------------------------------------------------------------------------- degenerate outputs
+def _spec_rec(pid: str, cat: str, tokens: list[int], batch: str) -> dict:
+    from mtp.decode.metrics import SpecMetrics
+
+    m = SpecMetrics(k=2, draft="eagle", verify="strict", n_rows=1, new_tokens=len(tokens),
+                    accepted_hist=[0, 0, len(tokens) // 3], target_forwards=len(tokens) // 3, row_steps=len(tokens) // 3)
+    return {"id": pid, "category": cat, "batch": batch, "tokens": tokens, "finish_reason": "length",
+            "batch_metrics": m.raw(), "batch_wall_s": 1.0}
+
+
+def _table_text(metrics: dict) -> str:
+    from rich.console import Console
+
+    from eval.report import acceptance_table
+
+    con = Console(width=200, record=True, file=open(os.devnull, "w"))
+    con.print(acceptance_table(metrics, "t"))
+    return con.export_text()
+
+
+def test_degenerate_outputs_are_flagged_in_metrics_and_table():
+    """Every output token 0 is what NaN logits gave: AL 3.00 with nothing meaningful. The run is not failed,
+    but metrics.json and the table say which outputs are one token repeated."""
+    from eval.aggregate import metrics_json
+
+    recs = [_spec_rec("a", "chat", [0] * 6, "b0"), _spec_rec("b", "chat", [5, 9, 5, 2, 7, 1], "b1"),
+            _spec_rec("c", "code", [0] * 6, "b2")]
+    m = metrics_json({}, recs, None, compare_tokens=False)
+    assert m["degenerate"] == {"count": 2, "ids": ["a", "c"], "all_rows_identical": False}
+    assert m["overall"]["quality/degenerate_rows"] == 2
+    assert m["per_category"]["chat"]["quality/degenerate_rows"] == 1
+    assert "degenerate" in _table_text(m)
+
+    same = metrics_json({}, [_spec_rec("a", "chat", [4, 8, 4], "b0"), _spec_rec("b", "chat", [4, 8, 4], "b1")],
+                        None, compare_tokens=False)
+    assert same["degenerate"] == {"count": 0, "ids": [], "all_rows_identical": True}
+
+
+def test_healthy_outputs_are_not_flagged():
+    from eval.aggregate import metrics_json
+
+    recs = [_spec_rec("a", "chat", [5, 9, 5, 2, 7, 1], "b0"), _spec_rec("b", "chat", [3], "b1"),
+            _spec_rec("c", "chat", [3, 4, 5], "b2")]
+    m = metrics_json({}, recs, None, compare_tokens=False)
+    assert m["degenerate"] == {"count": 0, "ids": [], "all_rows_identical": False}
+    assert "degenerate" not in _table_text(m)

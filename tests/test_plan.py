@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -82,3 +83,28 @@ def test_plan_numbers_for_8xh200():
     assert p.kv_bytes == 788 * 62 * 32768
     assert 80 * 2**30 < p.weights_max < 90 * 2**30  # ~690 GB / 8 plus replicated attention, indexer, router
     assert p.collectives_per_step == 2 * 61 + 2 + 2 * 4  # target forward + 2 eagle draft forwards
+
+
+def test_cli_on_a_missing_path_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as ei:
+        main([str(tmp_path / "nowhere"), "--gpus", "8", "--gpu-mem-gib", "80"])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mtp-plan: error:") and "nowhere" in err and err.count("\n") == 1
+
+
+def test_cli_suggests_what_would_fit(real_config_file, capsys):
+    """4 x H100 cannot hold the 671B model; the output says which settings would, each checked by the planner."""
+    rc = main([str(real_config_file), "--gpus", "4", "--gpu-mem-gib", "80"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "DOES NOT FIT" in out
+    m = re.search(r"would fit: --nodes (\d+) \(", out)
+    assert m, out
+    n = int(m.group(1))  # the fewest nodes of 4 x 80 GiB that hold it
+    cfg = ModelConfig.from_json(real_config_file)
+    assert make_plan(cfg, 4, 80, nodes=n).fits
+    for fewer in range(1, n):  # each smaller node count either does not fit or cannot split the model
+        try:
+            assert not make_plan(cfg, 4, 80, nodes=fewer).fits, fewer
+        except ValueError:
+            pass

@@ -48,14 +48,16 @@ commands:
   /k N                         drafts per step, 1..16 (remembered while /draft none)
   /verify strict|relaxed|sample
   /max N                       max new tokens per reply
-  /stats                       session totals, one line per (draft, k, verify) setting
+  /temperature T               sampling temperature, T > 0 (used by /verify sample)
+  /stats                       session totals, one line per (draft, k, verify) setting, with the
+                               speedup over this session's /draft none turns
   /save FILE                   transcript with stats as JSON
   /reset                       start a new conversation (transcript and stats are kept)
 {tools}
   /help                        this text
   /exit                        quit (Ctrl-D too)
 Ctrl-C stops a reply (press twice to stop at once, even mid-prefill). A line starting with // sends a
-message that starts with /.""".format(tools=TOOLS_HELP)
+message that starts with /. A line ending with \\ continues the message on the next line.""".format(tools=TOOLS_HELP)
 
 
 class CommandError(ValueError):
@@ -113,6 +115,7 @@ class Session:
         self.generate, self.should_stop = generate, should_stop
         self.system, self.meta = system, dict(meta or {})
         self.turns: list[Turn] = []
+        self._pending: list[str] = []  # lines of a message continued with a trailing backslash
         self.context_start = 0
         self.conversation = 0
         self.tools: list | None = None  # OpenAI-style tool schemas from /tools
@@ -120,9 +123,24 @@ class Session:
         self.check_settings(settings)
 
     # ------------------------------------------------------------------ input
+    @property
+    def continuing(self) -> bool:
+        """A message is being continued: the next line joins it (the caller may show another prompt)."""
+        return bool(self._pending)
+
     def handle(self, line: str) -> bool:
         """One line from the person: a command or a message. Returns False when the session should end.
         Nothing raised by a command or by generation escapes (one line on the view instead)."""
+        clean = line.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        if clean != line:  # lone surrogates: bytes that were not UTF-8, which the tokenizer cannot take
+            self.view.notice("the input had invalid UTF-8; those bytes became \ufffd")
+            line = clean
+        if line.rstrip().endswith("\\") and (self._pending or not line.lstrip().startswith("/")):  # not a command
+            self._pending.append(line.rstrip()[:-1])
+            return True
+        if self._pending:
+            line = "\n".join(self._pending + [line])
+            self._pending = []
         line = line.strip()
         if not line:
             return True
@@ -217,6 +235,19 @@ class Session:
             self._change(max_new_tokens=n)
         self.view.notice(f"max_new_tokens {self.settings.max_new_tokens}")
 
+    def _cmd_temperature(self, arg: str) -> None:
+        if arg:
+            try:
+                t = float(arg)
+            except ValueError:
+                t = float("nan")
+            if not t > 0 or t == float("inf"):
+                raise CommandError(f"/temperature needs a number > 0, got {arg!r}")
+            self._change(options={**self.settings.options, "temperature": t})
+        t = self.settings.options.get("temperature", 1.0)
+        note = "" if self.settings.verify == "sample" else " (applies with /verify sample)"
+        self.view.notice(f"temperature {t}{note}")
+
     def _cmd_verify(self, arg: str) -> None:
         if arg:
             if arg not in VERIFIERS:
@@ -229,7 +260,9 @@ class Session:
             self.view.notice("no turns yet")
             return
         n_int = sum(t.interrupted for t in self.turns)
-        self.view.notice(f"session: {len(self.turns)} turns ({n_int} interrupted)")
+        no_base = any(t.metrics.k for t in self.turns) and not any(t.metrics.k == 0 for t in self.turns)
+        self.view.notice(f"session: {len(self.turns)} turns ({n_int} interrupted)"
+                         + ("; no baseline yet: a turn with /draft none gives the speedup" if no_base else ""))
         for line in self.totals():
             self.view.stats(line)
 
@@ -267,12 +300,20 @@ class Session:
 
     # ------------------------------------------------------------------ statistics and transcript
     def totals(self) -> list[str]:
-        """One stats line per (draft, k, verify) setting used, all turns of the session summed."""
+        """One stats line per (draft, k, verify) setting used, all turns of the session summed; drafting
+        settings get their decode speedup over this session's no-draft turns (the baseline), when it has any."""
         groups: dict[tuple, SpecMetrics] = {}
         for t in self.turns:
             key = (t.metrics.draft, t.metrics.k, t.metrics.verify)
             groups[key] = groups[key].merge(t.metrics) if key in groups else t.metrics
-        return [f"{stats_line(m)} turns={m.n_rows}" for m in groups.values()]
+        base = [m.decode_tok_s for m in groups.values() if m.k == 0 and m.decode_tok_s > 0]
+        lines = []
+        for m in groups.values():
+            line = f"{stats_line(m)} turns={m.n_rows}"
+            if m.k and base:  # several verifiers without drafts: the fastest is the baseline
+                line += f" speedup={m.decode_tok_s / max(base):.2f}x vs no draft"
+            lines.append(line)
+        return lines
 
     def _settings_record(self) -> dict[str, Any]:
         d = dataclasses.asdict(self.settings)
@@ -410,7 +451,7 @@ def loop(session: Session, source, stop: StopFlag) -> None:
     """Read a line, handle it, until end of input or /exit. Ctrl-C is the reply's business while armed
     (see `StopFlag`); a second Ctrl-C that lands between steps is caught here, so the session survives."""
     while True:
-        line = source.read(f"[{session.settings.label()}] > ")
+        line = source.read("... " if session.continuing else f"[{session.settings.label()}] > ")
         if line is None:
             break
         try:

@@ -172,6 +172,36 @@ def iter_tensors(path: Path, headers) -> Iterator[tuple[str, torch.Tensor]]:
                     raise CheckpointError(f"{path / fname}: could not read tensor {name!r}: {e}") from None
 
 
+def check_values(t: torch.Tensor, file: Path, name: str) -> None:
+    """Refuse a floating-point weight holding NaN or infinity: a NaN weight makes every logit NaN and every
+    argmax token 0, which reads as perfect acceptance. Only reductions, no temporaries: e4m3fn has no
+    infinities and NaN only at the bytes 0x7F and 0xFF, the maxima of the int8 and uint8 views; other float
+    types propagate NaN / inf into their min or max. Measured on one busy CPU core: ~0.07 s/GB (fp8) and
+    ~0.05 s/GB (bf16), a tenth of the cost of the copy that follows."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    if t.dtype == torch.float8_e4m3fn:
+        bad = int(t.view(torch.uint8).max()) == 0xFF or int(t.view(torch.int8).max()) == 0x7F
+    else:
+        lo, hi = torch.aminmax(t)
+        bad = not bool(torch.isfinite(lo) & torch.isfinite(hi))
+    if bad:
+        _name_bad(t, _bad_elems(t), file, name)
+
+
+def _bad_elems(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.float8_e4m3fn:
+        return (t.view(torch.uint8) & 0x7F) == 0x7F
+    return ~torch.isfinite(t)
+
+
+def _name_bad(t: torch.Tensor, bad: torch.Tensor, file: Path, name: str) -> None:
+    first = [int(i) for i in torch.unravel_index(bad.reshape(-1).nonzero()[0, 0], t.shape)]
+    what = "NaN bytes (e4m3fn 0x7F / 0xFF)" if t.dtype == torch.float8_e4m3fn else "non-finite values"
+    raise CheckpointError(f"{file}: tensor {name!r} holds {int(bad.sum())} {what}, the first at index {first}: "
+                          "the checkpoint is corrupt")
+
+
 def open_checkpoint(path: str | os.PathLike, n_mtp: int | None) -> tuple[Path, ModelConfig, int, dict]:
     """Read config.json and validate every shard header against it before any weight is read.
     Returns (path, config, number of MTP layers to load, headers)."""
@@ -179,11 +209,18 @@ def open_checkpoint(path: str | os.PathLike, n_mtp: int | None) -> tuple[Path, M
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory does not exist")
     cfg = ModelConfig.from_json(path / "config.json")
+    n_mtp = resolve_n_mtp(cfg, n_mtp, path / "config.json")
+    return path, cfg, n_mtp, validate(path, cfg, cfg.num_nextn_predict_layers)
+
+
+def resolve_n_mtp(cfg: ModelConfig, n_mtp: int | None, source: str | os.PathLike = "config") -> int:
+    """MTP layers to load: `n_mtp`, or all the config has (None); more than it has is an error."""
     n_avail = cfg.num_nextn_predict_layers
     n_mtp = n_avail if n_mtp is None else n_mtp
     if not 0 <= n_mtp <= n_avail:
-        raise ConfigError(f"n_mtp={n_mtp}: the checkpoint has {n_avail} MTP layers (num_nextn_predict_layers)")
-    return path, cfg, n_mtp, validate(path, cfg, n_avail)
+        raise ConfigError(f"n_mtp={n_mtp}: the checkpoint has {n_avail} MTP layers "
+                          f"({source}: num_nextn_predict_layers)")
+    return n_mtp
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -203,6 +240,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
         p = params.pop(pname)
         if t.dtype == torch.float32 and name.endswith("weight_scale_inv") and not bool(torch.isfinite(t).all() and (t > 0).all()):
             raise CheckpointError(f"{path / headers[name][2]}: tensor {name!r} has non-positive or non-finite scales")
+        check_values(t, path / headers[name][2], name)
         # copy=True: safetensors returns views of a private mmap of the shard; a CPU model that kept them would
         # die of SIGBUS once the file is rewritten or truncated in place (and would page in at first use).
         value = t.to(device=device, dtype=p.dtype, copy=True)

@@ -36,6 +36,7 @@ from ..verify import Verdict, prompt_think_state, relaxed_verify, sampling_verif
 from ..verify.rng import RowDraws
 from .accept import accept, commit
 from .config import GenerationConfig, row_seeds
+from .health import logits_nonfinite, raise_nonfinite
 from .metrics import SpecMetrics
 from .state import DecodeState, StatePool
 
@@ -159,6 +160,14 @@ class Engine:
         run the very same kernels on the same shapes (bitwise-equal outputs); on CPU the host-known max of n."""
         return st.max_len - self.g.draft.k if self.dev.type == "cuda" else int(host[0].max())
 
+    def _sync(self, st: DecodeState, where: str) -> torch.Tensor:
+        """The step's one host sync: [n_B, finished_B] for the loop condition and cache bounds; stops the run when
+        the logits went non-finite (`where` names the prefill or the step in the error)."""
+        host = torch.cat((torch.stack((st.n_B, st.finished_B.long())), st.nonfinite.long().expand(1, st.B))).cpu()
+        if host[2, 0]:
+            raise_nonfinite(self.model, st.tokens, st.n_B, where)
+        return host[:2]
+
     def _prefill(self, st: DecodeState) -> None:
         """Target prefill (right-padded: padding sits after each row's prompt, so it never affects it) and the
         first token. Leaves n = P + 1 and the target cache at P positions."""
@@ -174,6 +183,7 @@ class Engine:
             here = ((P_B - 1 >= s) & (P_B - 1 < e)).view(B, 1, 1)
             last = out.logits if last is None else torch.where(here, out.logits, last)
         st.cache.truncate(P_B)
+        logits_nonfinite(st.nonfinite, last)
         if g.think_ids is not None:
             st.think_B.copy_(prompt_think_state(st.tokens[:, :Tp], torch.arange(Tp, device=dev) < P_B.unsqueeze(1),
                                                 *g.think_ids, g.span_rule))
@@ -221,6 +231,7 @@ class Engine:
         out = m(vin, st.cache, kv_len=min(max_n + K, st.max_len))
         st.hidden.scatter_(1, ((n_B - 1).unsqueeze(1) + ar).unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]),
                            pick_hidden(out, dcfg.target_hidden))
+        logits_nonfinite(st.nonfinite, out.logits)
         v = self.verify(drafts, q, out.logits, st.think_B, draws)
         # accept + commit (rolling back is lowering lengths: no copy)
         acc = accept(drafts, v, active_B, self.stop_ids, st.max_new_B - st.gen_B)
@@ -256,8 +267,8 @@ class Engine:
         t1 = self._clock()
         met.time_prefill_s = met.ttft_s = t1 - t0
         emit = _Emitter(on_step, B)
+        host = self._sync(st, "the prefill")
         emit(st.new_BK1.tolist(), st.keep_B.tolist(), [0] * B)
-        host = torch.stack((st.n_B, st.finished_B.long())).cpu()  # sync: loop condition + cache bounds
         drafting = K > 0 and not bool(host[1].all())
         if drafting:  # nothing to draft for when every row ended at its first token
             self._draft_prefill(st, host)
@@ -267,7 +278,7 @@ class Engine:
                 marks = [self._clock()]
                 self.step(st, W, self.bound(st, host), marks)
                 ta, tm, tb = marks[0], marks[1], self._clock()
-                host = torch.stack((st.n_B, st.finished_B.long())).cpu()  # sync: loop condition + bounds
+                host = self._sync(st, f"step {met.target_forwards + 1}")
                 met.target_forwards += 1
                 emit(st.new_BK1.tolist(), st.keep_B.tolist(), st.acc_B.tolist())
                 met.time_draft_s += tm - ta

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from ..model.deepseek import DeepseekV32
+from .health import raise_nonfinite
 from .metrics import SpecMetrics
 from .state import DecodeState
 
@@ -52,6 +53,7 @@ class _Slot:
         self.new = torch.empty(B, K1, dtype=torch.long, pin_memory=True)
         self.keep = torch.empty(B, dtype=torch.long, pin_memory=True)
         self.acc = torch.empty(B, dtype=torch.long, pin_memory=True)
+        self.nonfinite = torch.empty((), dtype=torch.bool, pin_memory=True)
         self.ready = torch.cuda.Event()
 
     def stage(self, st) -> None:
@@ -59,6 +61,7 @@ class _Slot:
         self.new.copy_(st.new_BK1, non_blocking=True)
         self.keep.copy_(st.keep_B, non_blocking=True)
         self.acc.copy_(st.acc_B, non_blocking=True)
+        self.nonfinite.copy_(st.nonfinite, non_blocking=True)
         self.ready.record()
 
 
@@ -116,6 +119,8 @@ class GraphRunner:
         def consume(slot: _Slot) -> bool:
             slot.ready.synchronize()
             met.target_forwards += 1
+            if bool(slot.nonfinite):
+                raise_nonfinite(self.model, st.tokens, st.n_B, f"step {met.target_forwards}")
             emit(slot.new.tolist(), slot.keep.tolist(), slot.acc.tolist())
             return bool(slot.finished.all())
 

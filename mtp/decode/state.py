@@ -42,6 +42,7 @@ class DecodeState:
     new_BK1: torch.Tensor  # last step: candidate tokens; first keep_B of each row were committed
     keep_B: torch.Tensor
     acc_B: torch.Tensor  # last step: committed drafts per row
+    nonfinite: torch.Tensor  # [] bool: some target logits of this call were NaN / inf (mtp.decode.health)
 
     @property
     def B(self) -> int:
@@ -95,6 +96,7 @@ class StatePool:
             P_B=z(B), Tp=0, max_len=max_len, n_B=z(B), gen_B=z(B), max_new_B=z(B), p0_B=z(B),
             finished_B=z(B, dtype=torch.bool), think_B=z(B, dtype=torch.bool), seed_B=z(B), hist_K1=z(K + 1),
             relaxed_only=z(()), row_steps=z(()), new_BK1=z(B, K + 1), keep_B=z(B), acc_B=z(B),
+            nonfinite=z((), dtype=torch.bool),
         )
 
     def _reset(self, st: DecodeState, prompts: list[list[int]], max_new: int, seeds: list[int]) -> None:
@@ -108,7 +110,7 @@ class StatePool:
         st.seed_B.copy_(seed_tensor(seeds, self.dev))
         st.gen_B.fill_(1)
         for t in (st.n_B, st.p0_B, st.finished_B, st.think_B, st.hist_K1, st.relaxed_only, st.row_steps,
-                  st.new_BK1, st.keep_B, st.acc_B):
+                  st.new_BK1, st.keep_B, st.acc_B, st.nonfinite):
             t.zero_()
         st.cache.reset()  # the prefill writes from position 0
         for c in getattr(st.proposer, "caches", ()):

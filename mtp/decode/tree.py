@@ -25,6 +25,7 @@ from ..model.deepseek import DeepseekV32
 from ..verify import (SamplingParams, tree_relaxed_verify, tree_sampling_verify, tree_strict_verify,
                       update_think_state)
 from ..verify.sampling import filter_probs, sample
+from .health import logits_nonfinite, raise_nonfinite
 
 
 @dataclass
@@ -146,6 +147,15 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
     rows = torch.arange(B, device=dev)
     cache = m.new_cache(B, S)
 
+    nonfinite = torch.zeros((), dtype=torch.bool, device=dev)  # any target logits NaN / inf (mtp.decode.health)
+
+    def sync(where: str) -> torch.Tensor:
+        """[n_B, finished_B] on the host (loop condition + cache bound); stops a run whose logits went non-finite."""
+        host = torch.cat((torch.stack((n_B, finished_B.long())), nonfinite.long().expand(1, B))).cpu()
+        if host[2, 0]:
+            raise_nonfinite(m, tokens, n_B, where)
+        return host[:2]
+
     def pick(logits_BV):
         return sample(filter_probs(logits_BV, sp), gen) if verify == "sample" else logits_BV.argmax(-1)
 
@@ -153,6 +163,7 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
     out = m(tokens[:, :Tp], cache, kv_len=Tp, logits_at=(P_B - 1).unsqueeze(1))
     hidden[:, :Tp] = pick_hidden(out, target_hidden)
     cache.truncate(P_B)
+    logits_nonfinite(nonfinite, out.logits)
     first = pick(out.logits[:, 0])
     tokens[rows, P_B] = first
     n_B, gen_B = P_B + 1, torch.ones_like(P_B)
@@ -162,7 +173,7 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
         seen_BT = torch.arange(Tp + 1, device=dev) <= P_B.unsqueeze(1)  # the prompt and the first token
         think_B = update_think_state(think_B, tokens[:, : Tp + 1], seen_BT, *think_ids)
     met = TreeMetrics(N, D, [0] * A, [[0] * max(tree.max_children, 1) for _ in range(D)])
-    host = torch.stack((n_B, finished_B.long())).cpu()  # sync: loop condition + cache bound
+    host = sync("the prefill")
     if not bool(host[1].all()):
         proposer.prefill(tokens, hidden, n_B, Tp, max_n=int(host[0].max()))
     depth_N, mask_NN = tt.depth_N, tt.ancestor_NN
@@ -173,6 +184,7 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
         dr = proposer.propose(tokens, hidden, n_B, draw, max_n, min_draft_prob)
         live = dr.live_BN if min_draft_prob > 0 else None
         out = m(dr.tokens_BN, cache, kv_len=max_n - 1 + N, tree_depth=depth_N, tree_mask=mask_NN)
+        logits_nonfinite(nonfinite, out.logits)
         if verify == "strict":
             v = tree_strict_verify(tt, dr.tokens_BN, out.logits, live)
         elif verify == "relaxed":
@@ -210,7 +222,7 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
             met.row_steps += 1
             for d in range(1, a + 1):
                 met.accepted_rank[d - 1][tree.rank[int(v.path_BA[b, d])]] += 1
-        host = torch.stack((n_B, finished_B.long())).cpu()  # sync: loop condition + cache bound
+        host = sync(f"step {met.target_forwards}")
     met.draft_forwards = proposer.draft_forwards
     toks, n_host = tokens.cpu(), n_B.tolist()
     stop_set = set(stops.tolist())

@@ -24,6 +24,9 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
+    """YaRN parameters. The defaults are the 671B model's; a config.json's rope_scaling object must name
+    factor, original_max_position_embeddings, mscale and mscale_all_dim (see `_rope_from_dict`)."""
+
     type: str = "yarn"
     factor: float = 40.0
     original_max_position_embeddings: int = 4096
@@ -107,9 +110,11 @@ class ModelConfig:
     # ------------------------------------------------------------------ I/O
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":
+        """A field missing from `raw` takes transformers' `DeepseekV32Config` default (`ABSENT_FIELDS` where
+        that differs from the dataclass default, which is the 671B model's value)."""
         raw = dict(raw)
         known = {f.name for f in dataclasses.fields(cls)}
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {name: value for name, value in ABSENT_FIELDS.items() if name not in raw}
         for name in known:
             if name in raw:
                 kwargs[name] = raw[name]
@@ -215,8 +220,36 @@ class ModelConfig:
             raise bad("eos_token_id", self.eos_token_id, f"in [0, vocab_size={self.vocab_size})")
         if self.rope_scaling is not None and self.rope_scaling.type != "yarn":
             raise bad("rope_scaling.type", self.rope_scaling.type, "'yarn' or no rope_scaling")
+        self._validate_ranges(bad)
         if self.quantization_config is not None:
             self._validate_fp8(bad)
+
+    def _validate_ranges(self, bad) -> None:
+        """Real-valued fields: finite and in the range the math needs. NaN compares false with everything, so
+        each check is written as `ok(value)` and refuses what is not provably in range."""
+        def check(name: str, v: Any, ok: bool, expected: str) -> None:
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and ok):
+                raise bad(name, v, expected)
+
+        eps = self.rms_norm_eps
+        check("rms_norm_eps", eps, 0 < eps < 1, "a finite number in (0, 1) (RMSNorm divides by sqrt(mean + eps))")
+        check("routed_scaling_factor", self.routed_scaling_factor, self.routed_scaling_factor > 0,
+              "a finite number > 0 (scales the routed experts' output)")
+        check("rope_theta", self.rope_theta, self.rope_theta > 1, "a finite number > 1 (RoPE base)")
+        rs = self.rope_scaling
+        if rs is None:
+            return
+        check("rope_scaling.factor", rs.factor, rs.factor >= 1, "a finite number >= 1")
+        check("rope_scaling.beta_slow", rs.beta_slow, rs.beta_slow > 0, "a finite number > 0")
+        check("rope_scaling.beta_fast", rs.beta_fast, rs.beta_fast > rs.beta_slow,
+              f"a finite number > beta_slow ({rs.beta_slow})")
+        check("rope_scaling.mscale", rs.mscale, rs.mscale > 0, "a finite number > 0")
+        # DeepSeek scales the softmax by mscale^2 and leaves cos/sin alone; transformers scales the softmax by
+        # mscale_all_dim^2 and cos/sin by mscale / mscale_all_dim. The two agree only when they are equal.
+        check("rope_scaling.mscale_all_dim", rs.mscale_all_dim, rs.mscale_all_dim == rs.mscale,
+              f"equal to rope_scaling.mscale ({rs.mscale}): this implementation folds both into the softmax scale")
+        orig = rs.original_max_position_embeddings
+        check("rope_scaling.original_max_position_embeddings", orig, orig >= 1, "a positive integer")
 
     def _validate_fp8(self, bad) -> None:
         q = self.quantization_config
@@ -286,6 +319,18 @@ def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
     return float(value)
 
 
+# Fields whose dataclass default (the 671B model's value) is not what their absence from config.json means to
+# transformers' DeepseekV32Config: no rope_scaling is plain RoPE, no quantization_config is bf16 weights, and
+# transformers' model has no MTP modules. Every other field's dataclass default equals transformers' default
+# (tests/test_config.py holds the two together).
+ABSENT_FIELDS: dict[str, Any] = {"rope_scaling": None, "quantization_config": None, "num_nextn_predict_layers": 0}
+
+# rope_scaling keys without a safe default: transformers requires the first two, and its meaning of a missing
+# mscale / mscale_all_dim (scaled cos/sin, unscaled softmax) is not DeepSeek's. beta_fast / beta_slow default
+# to 32 / 1 in both.
+_ROPE_REQUIRED = ("factor", "original_max_position_embeddings", "mscale", "mscale_all_dim")
+
+
 def _rope_from_dict(raw: Any, source: str) -> RopeScaling:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: field 'rope_scaling' must be an object, got {raw!r}")
@@ -293,16 +338,17 @@ def _rope_from_dict(raw: Any, source: str) -> RopeScaling:
     typ = raw.pop("type", raw.pop("rope_type", None))
     if typ != "yarn":
         raise ConfigError(f"{source}: field 'rope_scaling.type' = {typ!r} is not supported; expected 'yarn'")
+    for k in _ROPE_REQUIRED:
+        if k not in raw:
+            raise ConfigError(f"{source}: field 'rope_scaling.{k}' is missing; YaRN needs it (no default is "
+                              "assumed: the 671B model's value would silently change the positions)")
     names = {f.name for f in dataclasses.fields(RopeScaling)} - {"type"}
     kw = {}
     for k in names:
         if k in raw:
             t = "int" if k == "original_max_position_embeddings" else "float"
             kw[k] = _coerce(f"rope_scaling.{k}", t, raw[k], source)
-    rs = RopeScaling(type="yarn", **kw)
-    if rs.factor < 1.0:
-        raise ConfigError(f"{source}: field 'rope_scaling.factor' = {rs.factor} must be >= 1")
-    return rs
+    return RopeScaling(type="yarn", **kw)
 
 
 def _quant_from_dict(raw: Any, source: str) -> QuantConfig:

@@ -19,7 +19,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.files import CheckpointError
 from ..decode.engine import generate, release
+from ..model.config import ConfigError
+from ..preflight import PreflightError, preflight
 from .comm import Comm, init_process_group
 from .layout import MLP_SPLITS, ParallelPlan
 from .load import load_parallel, param_bytes
@@ -58,17 +61,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill long prompts N tokens at a time")
     ap.add_argument("--check", action="store_true", help="verify that every rank generated the same ids")
     a = ap.parse_args(argv)
+    try:
+        return _run(a)
+    except (ConfigError, CheckpointError, PreflightError) as e:  # bad checkpoint or settings: one line per rank
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(a: argparse.Namespace) -> int:
+    k = 0 if a.draft == "none" else a.k
+    # config.json, the draft settings and the tokenizer before the process group and any weight; every rank
+    # loads the tokenizer (the stop token must be the same everywhere)
+    _, tok = preflight(a.checkpoint, draft=a.draft, k=k)
     comm, device = init_distributed()
     try:
         dtype = DTYPES[a.dtype] if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        from ..tokenizer import Tokenizer
-
-        tok = Tokenizer.from_dir(a.checkpoint)  # every rank: the stop token must be the same everywhere
         ids = [[tok.bos_id] + tok.encode(a.prompt)] if comm.rank == 0 else [None]
         dist.broadcast_object_list(ids, src=0)
         model = load_parallel(a.checkpoint, comm, plan=ParallelPlan(comm.world, a.mlp_split), device=device,
                               dtype=dtype, numerics=a.numerics)
-        k = 0 if a.draft == "none" else a.k
         mode = a.mode or ("overlap" if device.type == "cuda" else "eager")
         if a.fast_path or (a.fast_path is None and device.type == "cuda" and a.numerics == "fp8"
                            and model.cfg.is_fp8):

@@ -16,7 +16,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from ..checkpoint.files import CheckpointError, ckpt_name, open_checkpoint
+from ..checkpoint.files import CheckpointError, check_values, ckpt_name, open_checkpoint
 from ..model.config import BLOCK, ConfigError, ModelConfig, RuntimeOptions
 from ..model.layers import yarn_inv_freq
 from ..model.deepseek import DeepseekV32
@@ -129,6 +129,7 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
                     raise
                 except Exception as e:
                     raise CheckpointError(f"{file}: could not read rank {comm.rank}'s slice of {name!r}: {e}") from None
+                check_values(t, file, name)  # this rank's slice: each rank checks the bytes it reads
                 if tuple(t.shape) != tuple(p.shape):
                     raise CheckpointError(f"{file}: rank {comm.rank}'s slice of {name!r} has shape {list(t.shape)}, "
                                           f"the parallel model expects {list(p.shape)}")

@@ -30,12 +30,12 @@ import json
 import math
 import sys
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from ..model.cache import KVCache
-from ..model.config import BLOCK, ModelConfig
+from ..model.config import BLOCK, ConfigError, ModelConfig
 from .layout import MLP_SPLITS, ParallelPlan, RankLayout
 from ..checkpoint.inventory import checkpoint_spec
 
@@ -295,6 +295,36 @@ def format_plan(cfg: ModelConfig, p: MemoryPlan, wl: Workload, source: str = "co
     return "\n".join(lines)
 
 
+MAX_EXTRA_NODES = 64  # how far `what_would_fit` looks for a node count
+
+
+def what_would_fit(cfg: ModelConfig, gpus_per_node: int, gpu_mem_gib: float, nodes: int, wl: Workload,
+                   mlp_split: str = "blocks", reserve_gib: float = 4.0) -> list[str]:
+    """For a plan that does not fit: the fewest nodes of the same GPUs that would hold it, and the longest
+    cache (halving --max-len, not below the prompt) that would fit on the GPUs given; each checked by
+    `make_plan`. World sizes the layout cannot split the model over are skipped."""
+    def plan(n: int, w: Workload) -> MemoryPlan | None:
+        try:
+            return make_plan(cfg, gpus_per_node, gpu_mem_gib, n, w, mlp_split, reserve_gib)
+        except ValueError:  # ConfigError included: heads / experts not divisible by the world size
+            return None
+
+    out = []
+    for n in range(nodes + 1, nodes + MAX_EXTRA_NODES + 1):
+        p = plan(n, wl)
+        if p is not None and p.fits:
+            out.append(f"--nodes {n} ({n * gpus_per_node} GPUs, peak {p.peak / GIB:.1f} GiB per rank)")
+            break
+    max_len = wl.max_len // 2
+    while max_len >= wl.prompt_len:
+        p = plan(nodes, replace(wl, max_len=max_len))
+        if p is not None and p.fits:
+            out.append(f"--max-len {max_len} (peak {p.peak / GIB:.1f} GiB per rank)")
+            break
+        max_len //= 2
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mtp-plan", description=__doc__.splitlines()[0])
     ap.add_argument("config", help="config.json (or a checkpoint directory holding one)")
@@ -316,7 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need --gpus >= 1, --nodes >= 1, --gpu-mem-gib > 0, --batch >= 1, --max-len >= 1, --k >= 0")
     if not 1 <= a.prompt_len <= a.max_len:
         ap.error(f"--prompt-len must be in [1, --max-len = {a.max_len}], got {a.prompt_len}")
-    cfg = ModelConfig.from_json(a.config)
+    try:
+        cfg = ModelConfig.from_json(a.config)
+    except ConfigError as e:
+        ap.exit(2, f"mtp-plan: error: {e}\n")
     wl = Workload(a.batch, a.max_len, a.prompt_len, a.draft, a.k if a.draft != "none" else 0, a.numerics, a.dtype)
     p = make_plan(cfg, a.gpus, a.gpu_mem_gib, a.nodes, wl, a.mlp_split, a.reserve_gib)
     if a.json:
@@ -325,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(d, indent=1))
     else:
         print(format_plan(cfg, p, wl, a.config))
+        if not p.fits:
+            fits = what_would_fit(cfg, a.gpus, a.gpu_mem_gib, a.nodes, wl, a.mlp_split, a.reserve_gib)
+            print("would fit: " + ("; or ".join(fits) if fits else
+                                   f"nothing within {MAX_EXTRA_NODES} more nodes or a shorter cache"))
     return 0 if p.fits else 1
 
 

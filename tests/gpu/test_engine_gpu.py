@@ -194,3 +194,29 @@ def test_kernel_options_switch_and_recapture(model):
         assert generate(model, prompts, 8, mode="graph").tokens == generate(model, prompts, 8, mode="eager").tokens
     finally:
         disable_fast_path(model)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "overlap"])
+def test_nonfinite_logits_stop_every_mode_at_the_step_that_made_them(mode):
+    """The non-finite flag is read with the eager loop's host sync and staged in the graph runner's pinned slots
+    (graph, overlap): every mode stops at step 1 naming the embedding, and the kept engine, its flag reset, runs
+    the repaired model like eager again."""
+    from mtp.decode.engine import release
+    from mtp.decode.health import NonFiniteError
+
+    m = _tiny_on_gpu(torch.float32)
+    candidates = [list(range(50, 61)), list(range(200, 215)), list(range(300, 309)), list(range(400, 420))]
+    firsts = [generate(m, [p], 1).tokens[0][0] for p in candidates]
+    prompt, first = next((p, f) for p, f in zip(candidates, firsts) if f not in p)
+    row = m.model.embed_tokens.weight[first].clone()
+    release(m)
+    with torch.no_grad():
+        m.model.embed_tokens.weight[first, 0] = float("nan")
+    with pytest.raises(NonFiniteError) as ei:
+        generate(m, [prompt], 12, draft="eagle", k=2, mode=mode)
+    msg = str(ei.value)
+    assert "in step 1;" in msg and "first non-finite output: model.embed_tokens (rows [0]" in msg, msg
+    with torch.no_grad():
+        m.model.embed_tokens.weight[first] = row
+    got = generate(m, [prompt], 12, draft="eagle", k=2, mode=mode)
+    assert got.tokens == generate(m, [prompt], 12, draft="eagle", k=2, mode="eager").tokens
