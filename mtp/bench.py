@@ -173,6 +173,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "the dense layers) and extrapolate per layer to --layers, labelled as extrapolated")
     ap.add_argument("--eager", action="store_true", help="--tp N on a GPU: also time the eager step")
     ap.add_argument("--no-spec", action="store_true", help="--tp N: skip the whole speculative steps")
+    ap.add_argument("--kernel-variants", nargs="*", default=[], metavar="NAME",
+                    help="--tp N on a GPU: also time these fast-path kernel variants on the same rank, side by side "
+                         "(old: before issue 16's kernels; new+pdl: with programmatic dependent launch)")
     ap.add_argument("--spec-prompt-len", type=int, default=None,
                     help="--tp N: context of the speculative steps (a real prefill runs; default: the shortest)")
     ap.add_argument("--spec-modes", default="overlap", help="--tp N: comma list of graph, overlap (GPU)")

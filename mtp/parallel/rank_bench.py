@@ -166,8 +166,15 @@ def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
     def scores():
         out["s"] = score_fn(q8, qs, wt, k8, ks, lens)
 
-    def topk():
-        out["i"] = ix.topk_from_scores(out["s"], cfg.index_topk)
+    impl = getattr(next((m for m in model.modules() if hasattr(m, "topk_impl")), None), "topk_impl", "torch")
+
+    def topk():  # the top-k the fast path runs (`FastMLA.topk_impl`); torch.topk on the reference path
+        if cuda and impl != "torch":
+            from ..kernels.topk import radix_topk
+
+            out["i"] = radix_topk(out["s"], lens, cfg.index_topk)
+        else:
+            out["i"] = ix.topk_from_scores(out["s"], cfg.index_topk)
 
     res = {}
     for name, fn in (("scores", scores), ("topk", topk)):
@@ -178,6 +185,7 @@ def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
             del graph
         else:
             res[f"{name}_us_per_layer"] = time_fn(fn) * 1e3
+    res["topk_impl"] = impl if cuda else "torch"
     res["layers"] = cfg.num_hidden_layers
     res["ms_per_step"] = (res["scores_us_per_layer"] + res["topk_us_per_layer"]) * cfg.num_hidden_layers / 1e3
     return res
@@ -435,6 +443,8 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
             for L in args.prompt_len:
                 part["contexts"][L] = target_steps(model, comm, args, L, cuda, bw, time_fn, world)
                 save(res, args.out)
+            if cuda and args.kernel_variants:
+                part["variants"] = kernel_variants(model, comm, args, cuda, bw, time_fn, world, res)
             if spec:
                 L0 = args.spec_prompt_len or min(args.prompt_len)
                 if L0 not in part["contexts"]:
@@ -457,6 +467,45 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
                 part["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
+
+
+# Kernel variants of the fast path, timed on the same rank after the default run (side by side, same weights):
+# 'old' is the fast path before issue 16's kernels (tensor-core GEMV, separate norm / quant / router / rotary /
+# absorbed-projection launches, torch.topk, the pair grid for the experts).
+KERNEL_VARIANTS = {
+    "old": (dict(gemv=False, norm_quant=False, router=False, prologue=False, absorb=False, pdl=False),
+            dict(indexer_topk="torch", moe_layout="pairs")),
+    "new+pdl": (dict(pdl=True), dict()),
+}
+
+
+def kernel_variants(model, comm, args, cuda: bool, bw, time_fn, world: int, res: dict) -> dict:
+    """Each named variant's target steps at every context (no speculative steps); the switches are restored
+    afterwards. A variant that fails is recorded and the others still run."""
+    from ..backends.fast_path import set_kernel_options, set_kernels
+
+    out: dict = {}
+    for name in args.kernel_variants:
+        if name not in KERNEL_VARIANTS:
+            raise SystemExit(f"--kernel-variants: unknown variant {name!r}; known: {sorted(KERNEL_VARIANTS)}")
+        flags, options = KERNEL_VARIANTS[name]
+        topk0 = next((m.topk_impl for m in model.modules() if hasattr(m, "topk_impl")), None)
+        old = set_kernels(model, **flags)
+        if options:
+            set_kernel_options(model, **options)
+        log(f"kernel variant {name!r}: switches {flags}, options {options}")
+        try:
+            out[name] = {"switches": flags, "options": options, "contexts": {}}
+            for L in args.prompt_len:
+                out[name]["contexts"][L] = target_steps(model, comm, args, L, cuda, bw, time_fn, world)
+                save(res, args.out)
+        except Exception as e:  # keep the default run's numbers
+            out[name]["error"] = repr(e)[:1000]
+            log(f"kernel variant {name!r} failed: {out[name]['error']}")
+        finally:
+            set_kernels(model, **vars(old))
+            set_kernel_options(model, indexer_topk=topk0, moe_layout=None if world > 1 else "pairs")
+    return out
 
 
 def extrapolate(a: dict, b: dict, da: int, db: int, full: int) -> dict:
@@ -573,6 +622,14 @@ def print_table(res: dict) -> None:
                   f"{f('pct_of_floor', '8.1f'):>8s} {f('kernels_per_step', '8.0f'):>8s} {f('kernels_per_layer', '8.1f'):>8s} "
                   f"{c['all_reduce']:>3}+{c['all_gather']:<3} {r['local_experts_touched']['mean']:8.2f} "
                   f"{format(ix['ms_per_step'], '16.3f') if 'ms_per_step' in ix else 'no indexer':>16s}")
+    for name, var in res.get("variants", {}).items():
+        if "error" in var:
+            print(f"kernel variant {name}: FAILED {var['error'][:300]}")
+        for L, ctx in var.get("contexts", {}).items():
+            for w, r in ctx["widths"].items():
+                print(f"{L:>8} {w:>2} {r.get('graph_ms', float('nan')):8.3f} {r.get('floor_ms', float('nan')):9.3f} "
+                      f"{r.get('pct_of_floor', float('nan')):8.1f} {r.get('kernels_per_step', 0):8.0f} "
+                      f"{r.get('kernels_per_layer', 0):8.1f}  variant {name}")
     print("caches: random valid FP8 entries at each context (fill_cache_random), no prefill run; experts: distinct "
           "local experts the step's tokens chose (measured), mean per MoE layer; AR+AG: collectives per step (not run)")
     for L, ctx in res["contexts"].items():
