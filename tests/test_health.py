@@ -101,3 +101,23 @@ def test_mtp_eval_stops_with_one_line_when_logits_overflow(tmp_path):
     errors = [line for line in r.stderr.splitlines() if line.startswith("mtp-eval: error:")]
     assert len(errors) == 1 and "first non-finite output: model.norm " in errors[0], r.stderr[-2000:]
     assert "Traceback" not in r.stderr and not (run / "metrics.json").exists()
+
+
+def test_a_failed_call_leaves_no_buffers_to_reuse(model):
+    """After a non-finite stop the engine drops that call's buffers: its caches hold non-finite entries past the
+    rows' lengths, which a later call attending over a static bound (graph modes on CUDA) would multiply by zero
+    (0 * NaN = NaN). The repaired model then decodes like a fresh engine."""
+    from mtp.decode.config import GenerationConfig
+    from mtp.decode.engine import Engine
+
+    name = "model.layers.1.post_attention_layernorm.weight"
+    saved = model.get_parameter(name).detach().clone()
+    engine = Engine(model, GenerationConfig.from_options(6, "eagle", 2))
+    assert engine.run(PROMPTS).tokens and len(engine.pool.states) == 1
+    _poison(model, name)
+    with pytest.raises(NonFiniteError):
+        engine.run(PROMPTS)
+    assert engine.pool.states == {}
+    with torch.no_grad():
+        model.get_parameter(name).copy_(saved)
+    assert engine.run(PROMPTS).tokens == generate(model, PROMPTS, max_new_tokens=6, draft="eagle", k=2).tokens

@@ -36,7 +36,7 @@ from ..verify import Verdict, prompt_think_state, relaxed_verify, sampling_verif
 from ..verify.rng import RowDraws
 from .accept import accept, commit
 from .config import GenerationConfig, row_seeds
-from .health import logits_nonfinite, raise_nonfinite
+from .health import NonFiniteError, logits_nonfinite, raise_nonfinite
 from .metrics import SpecMetrics
 from .state import DecodeState, StatePool
 
@@ -261,31 +261,37 @@ class Engine:
         met = SpecMetrics(k=K, draft=dcfg.mode, verify=g.verify, n_rows=B, prompt_tokens=int(sum(map(len, prompts))),
                           hidden_options={"target_hidden": dcfg.target_hidden, "chain_hidden": dcfg.chain_hidden})
         st = self.pool.get(prompts, max_new, seeds)
-        fw0 = getattr(st.proposer, "draft_forwards", 0)
-        t0 = self._clock()
-        self._prefill(st)
-        t1 = self._clock()
-        met.time_prefill_s = met.ttft_s = t1 - t0
-        emit = _Emitter(on_step, B)
-        host = self._sync(st, "the prefill")
-        emit(st.new_BK1.tolist(), st.keep_B.tolist(), [0] * B)
-        drafting = K > 0 and not bool(host[1].all())
-        if drafting:  # nothing to draft for when every row ended at its first token
-            self._draft_prefill(st, host)
-        W = dcfg.window()
-        if self.g.mode == "eager":
-            while not bool(host[1].all()):
-                marks = [self._clock()]
-                self.step(st, W, self.bound(st, host), marks)
-                ta, tm, tb = marks[0], marks[1], self._clock()
-                host = self._sync(st, f"step {met.target_forwards + 1}")
-                met.target_forwards += 1
-                emit(st.new_BK1.tolist(), st.keep_B.tolist(), st.acc_B.tolist())
-                met.time_draft_s += tm - ta
-                met.time_verify_s += tb - tm
-                met.time_host_s += time.perf_counter() - tb
-        elif not bool(host[1].all()):
-            self.runner.run(st, met, emit, W, self.bound(st, host), overlap=self.g.mode == "overlap")
+        try:
+            fw0 = getattr(st.proposer, "draft_forwards", 0)
+            t0 = self._clock()
+            self._prefill(st)
+            t1 = self._clock()
+            met.time_prefill_s = met.ttft_s = t1 - t0
+            emit = _Emitter(on_step, B)
+            host = self._sync(st, "the prefill")
+            emit(st.new_BK1.tolist(), st.keep_B.tolist(), [0] * B)
+            drafting = K > 0 and not bool(host[1].all())
+            if drafting:  # nothing to draft for when every row ended at its first token
+                self._draft_prefill(st, host)
+            W = dcfg.window()
+            if self.g.mode == "eager":
+                while not bool(host[1].all()):
+                    marks = [self._clock()]
+                    self.step(st, W, self.bound(st, host), marks)
+                    ta, tm, tb = marks[0], marks[1], self._clock()
+                    host = self._sync(st, f"step {met.target_forwards + 1}")
+                    met.target_forwards += 1
+                    emit(st.new_BK1.tolist(), st.keep_B.tolist(), st.acc_B.tolist())
+                    met.time_draft_s += tm - ta
+                    met.time_verify_s += tb - tm
+                    met.time_host_s += time.perf_counter() - tb
+            elif not bool(host[1].all()):
+                self.runner.run(st, met, emit, W, self.bound(st, host), overlap=self.g.mode == "overlap")
+        except NonFiniteError:
+            # Its caches now hold non-finite entries past the rows' lengths; attention over a static bound
+            # weights those masked slots by zero, and 0 * NaN is NaN, so a later call must not reuse them.
+            self.pool.discard(st)
+            raise
         met.time_decode_s = time.perf_counter() - t1
         met.accepted_hist = st.hist_K1.tolist()
         met.row_steps = int(st.row_steps)

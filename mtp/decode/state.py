@@ -83,6 +83,13 @@ class StatePool:
         self._reset(st, prompts, max_new, seeds)
         return st
 
+    def discard(self, st: DecodeState) -> None:
+        """Drop a state (and, through `on_drop`, its graph) so the next call of its shape allocates fresh buffers."""
+        for key, held in list(self.states.items()):
+            if held is st:
+                del self.states[key]
+                self.on_drop(key)
+
     def _new(self, B: int, max_len: int) -> DecodeState:
         m, g, dev, K = self.model, self.g, self.dev, self.g.draft.k
 
