@@ -38,6 +38,7 @@ def copy_bandwidth() -> float:
 def step_bytes(model, n_experts_touched: list[int], S: int, B: int) -> dict:
     """Bytes one target forward must read: every non-expert weight once, the routed experts actually picked,
     the lm_head, and the KV cache of S positions per row (FP8 latent + scales + bf16 rope key + indexer key)."""
+    from .model.cache import KVCache
     from .model.moe import MoE
 
     dense_bytes, expert_bytes = 0, 0
@@ -52,7 +53,7 @@ def step_bytes(model, n_experts_touched: list[int], S: int, B: int) -> dict:
             expert_bytes += per_expert * n_experts_touched[li]
     head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
     cfg = model.cfg
-    kv_per_pos = cfg.kv_lora_rank + 4 * (cfg.kv_lora_rank // 128) + 2 * cfg.qk_rope_head_dim + cfg.index_head_dim + 4
+    kv_per_pos = KVCache.bytes_per_position(cfg, model.dtype, quantized=model.runtime.numerics == "fp8")
     kv = kv_per_pos * S * B * cfg.num_hidden_layers
     return {"weights_dense": dense_bytes, "weights_experts": expert_bytes, "lm_head": head, "kv": kv,
             "total": dense_bytes + expert_bytes + head + kv}

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from ..model.cache import KVCache
 from ..model.config import ModelConfig
 from ..checkpoint.inventory import checkpoint_spec
 from ..timing import capture, copy_bandwidth, kernel_profile, timer
@@ -75,8 +76,9 @@ def rank_config(args, world: int, cuda: bool, layers: int) -> ModelConfig:
 
 
 def cache_bytes_per_position(cfg: ModelConfig, quantized: bool = True, dtype_bytes: int = 2) -> dict:
-    """Bytes one cached position holds per layer: the latent (+ its per-128 scales) with the rotary key, and the
-    indexer key (+ its scale)."""
+    """Bytes a step reads per cached position and layer, split as the floor needs them: the latent (+ its per-128
+    scales when quantized) with the rotary key, and the indexer key (+ its scale). What the cache allocates is
+    `KVCache.bytes_per_position` (which also counts the scales of an unquantized cache)."""
     C, R, Dk = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
     lat = (C + 4 * max(C // 128, 1) if quantized else C * dtype_bytes) + R * dtype_bytes
     idx = (Dk + 4) if quantized else Dk * dtype_bytes + 4
@@ -90,8 +92,7 @@ def memory_need(cfg: ModelConfig, world: int, rank: int, dtype: torch.dtype, max
 
     weights = sum(rank_weight_bytes(cfg, ParallelPlan(world), rank, dtype).values())
     biggest = max(math.prod(ts.shape) for ts in checkpoint_spec(cfg).values()) * 6
-    per = cache_bytes_per_position(cfg)
-    cache = (per["latent"] + per["indexer"]) * max_len * batch * cfg.num_hidden_layers
+    cache = KVCache.bytes_per_position(cfg, dtype, quantized=True) * max_len * batch * cfg.num_hidden_layers
     need = weights * 1.04 + biggest + cache + 4 * GIB
     return {"weights_gib": weights / GIB, "cache_gib": cache / GIB, "need_gib": need / GIB}
 
