@@ -147,6 +147,29 @@ def bench_hf(args) -> dict:
     return res
 
 
+def parse_switches(items: list[str]) -> dict:
+    """NAME=VALUE pairs of `FastKernels` switches: gemv_rows an integer, the others 0 / 1 / true / false."""
+    from .kernels.dispatch import FastKernels
+
+    names = set(FastKernels.__dataclass_fields__)
+    out: dict = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in names:
+            raise ValueError(f"expected NAME=VALUE with NAME one of {sorted(names)}, got {item!r}")
+        if name == "gemv_rows":
+            if not value.isdigit():
+                raise ValueError(f"gemv_rows takes an integer, got {value!r}")
+            out[name] = int(value)
+        elif value.lower() in ("1", "true", "on"):
+            out[name] = True
+        elif value.lower() in ("0", "false", "off"):
+            out[name] = False
+        else:
+            raise ValueError(f"{name} takes 0 / 1 / true / false, got {value!r}")
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=1, metavar="N",
@@ -176,6 +199,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kernel-variants", nargs="*", default=[], metavar="NAME",
                     help="--tp N on a GPU: also time these fast-path kernel variants on the same rank, side by side "
                          "(old: before issue 16's kernels; new+pdl: with programmatic dependent launch)")
+    ap.add_argument("--kernels", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="fast-path kernel switches for this run (mtp.kernels.dispatch.FastKernels), e.g. "
+                         "gemv_rows=1 pdl=1 norm_quant=0; recorded in the JSON")
     ap.add_argument("--spec-prompt-len", type=int, default=None,
                     help="--tp N: context of the speculative steps (a real prefill runs; default: the shortest)")
     ap.add_argument("--spec-modes", default="overlap", help="--tp N: comma list of graph, overlap (GPU)")
@@ -191,6 +217,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", "--json", dest="out", default=None,
                     help="JSON result (default bench.json; with --tp N: bench_tp<N>.json)")
     args = ap.parse_args(argv)
+    try:
+        args.kernels = parse_switches(args.kernels)
+    except ValueError as e:
+        ap.error(f"--kernels: {e}")
     tp = args.tp > 1
     if args.tp < 1:
         ap.error(f"--tp must be >= 1, got {args.tp}")
@@ -226,6 +256,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.kernels:
+        from .kernels.dispatch import set_fast_kernels
+
+        set_fast_kernels(**args.kernels)  # read at call time by every fast-path linear / router / prologue
     if args.tp > 1:
         from .parallel.rank_bench import run
 

@@ -195,3 +195,17 @@ def test_extrapolate_arguments():
                 ["--tp", "8", "--extrapolate", "5", "61"], ["--extrapolate", "5", "9"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_kernel_switches_argument(capsys):
+    """--kernels NAME=VALUE sets fast-path switches for the run; bad names and values are refused by name."""
+    from mtp.bench import parse_args
+
+    assert parse_args(["--kernels", "gemv_rows=1", "pdl=1", "router=off"]).kernels == dict(
+        gemv_rows=1, pdl=True, router=False)
+    assert parse_args([]).kernels == {}
+    for bad, said in (("gemv_rows=x", "gemv_rows takes an integer"), ("pdl=maybe", "pdl takes 0 / 1"),
+                      ("gemv", "expected NAME=VALUE"), ("gmev=1", "expected NAME=VALUE")):
+        with pytest.raises(SystemExit):
+            parse_args(["--kernels", bad])
+        assert said in capsys.readouterr().err

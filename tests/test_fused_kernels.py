@@ -53,6 +53,34 @@ def test_set_fast_kernels():
     assert SWITCHES.gemv is True
 
 
+@pytest.mark.parametrize("rows,M,want", [(8, 1, "gemv"), (8, 4, "gemv"), (8, 8, "gemv"), (8, 9, "gemm"),
+                                          (1, 1, "gemv"), (1, 2, "gemm"), (2, 2, "gemv"), (2, 3, "gemm"),
+                                          (0, 1, "gemm")])
+def test_linear_dispatch_by_rows(monkeypatch, rows, M, want):
+    """`linear` runs the split-K GEMV for 1..gemv_rows rows and the tensor-core GEMM above (or when off);
+    the kernels are replaced by recorders, so this runs without Triton."""
+    import mtp.kernels.fp8_gemm as gemm
+    import mtp.kernels.gemv_splitk as gemv
+    from mtp.kernels.dispatch import linear
+
+    took = []
+    monkeypatch.setattr(gemv, "fp8_gemv", lambda x, w8, sw, **kw: took.append("gemv"))
+    monkeypatch.setattr(gemm, "fp8_linear", lambda x, w8, sw, **kw: took.append("gemm"))
+    old = set_fast_kernels(gemv_rows=rows)
+    try:
+        linear(torch.zeros(M, 256), torch.zeros(128, 256), torch.ones(1, 2))
+    finally:
+        set_fast_kernels(**vars(old))
+    assert took == [want]
+
+
+@pytest.mark.parametrize("bad", [9, -1, True, 2.0, "4"])
+def test_gemv_rows_checked(bad):
+    with pytest.raises(ValueError, match="gemv_rows must be an integer in 0..8"):
+        set_fast_kernels(gemv_rows=bad)
+    assert SWITCHES.gemv_rows == 8
+
+
 def test_set_kernels_invalidates_kept_graphs():
     """Flipping a switch through the fast path bumps model.version (graphs kept by the engine are captured
     again) and restores like set_fast_kernels."""

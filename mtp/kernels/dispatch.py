@@ -4,7 +4,8 @@
 captured before a switch keep what they captured: flip them with `mtp.backends.fast_path.set_kernels(model, ...)`,
 which also bumps `model.version`, so the engine captures its kept graphs again).
 - gemv: `gemv_splitk.fp8_gemv` (CUDA-core split-K GEMV, all of a program's weight tile in one load) for
-  1..MAX_M rows; off: the tensor-core `fp8_gemm.fp8_linear`.
+  1..gemv_rows rows (at most MAX_M); more rows, or off: the tensor-core `fp8_gemm.fp8_linear`. Its CUDA-core
+  FMAs and lane reductions grow with the rows, so the row limit is a measured choice (BENCHMARKS.md).
 - norm_quant: the decoder block's residual add + RMSNorm + FP8 quant in one kernel (`norm_quant`), its
   quantized output fed to the next GEMV (`fast_path.FastBlock`); also the q_a norm + quant.
 - router: the MoE router in one kernel (`router.moe_route_fused`); off: `moe.moe_route` (2 launches).
@@ -34,6 +35,7 @@ class FastKernels:
     prologue: bool = True
     absorb: bool = True
     pdl: bool = False
+    gemv_rows: int = 8  # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M); the tensor-core GEMM above
 
 
 SWITCHES = FastKernels()
@@ -46,9 +48,12 @@ def set_fast_kernels(**flags: bool) -> FastKernels:
     bad = set(flags) - names
     if bad:
         raise ValueError(f"set_fast_kernels: unknown switch {sorted(bad)}; known: {sorted(names)}")
+    rows = flags.get("gemv_rows")
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= 8):
+        raise ValueError(f"set_fast_kernels: gemv_rows must be an integer in 0..8, got {rows!r}")
     old = FastKernels(**vars(SWITCHES))
     for k, v in flags.items():
-        setattr(SWITCHES, k, bool(v))
+        setattr(SWITCHES, k, v if k == "gemv_rows" else bool(v))
     return old
 
 
@@ -62,7 +67,7 @@ def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, out_dtype
     src = x if x is not None else xq[0]
     K = src.shape[-1]
     M = src.numel() // K if K else 0
-    if SWITCHES.gemv and 1 <= M <= MAX_M and w8.shape[0] > 0:
+    if SWITCHES.gemv and 1 <= M <= min(SWITCHES.gemv_rows, MAX_M) and w8.shape[0] > 0:
         return fp8_gemv(x, w8, sw, xq=xq, out_dtype=out_dtype, pdl=SWITCHES.pdl)
     if xq is not None:
         x8, sx = xq

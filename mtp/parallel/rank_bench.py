@@ -477,6 +477,10 @@ KERNEL_VARIANTS = {
     "old": (dict(gemv=False, norm_quant=False, router=False, prologue=False, absorb=False, pdl=False),
             dict(indexer_topk="torch", moe_layout="pairs")),
     "new+pdl": (dict(pdl=True), dict()),
+    # the split-K CUDA-core GEMV only up to 1 / 2 rows, the tensor-core GEMM above (its cost grows with the rows)
+    "gemv1": (dict(gemv_rows=1), dict()),
+    "gemv2": (dict(gemv_rows=2), dict()),
+    "gemv1+pdl": (dict(gemv_rows=1, pdl=True), dict()),
 }
 
 
