@@ -7,6 +7,9 @@
 #   PARTS=tp8 bash eval/gpu_session.sh        # one rank of TP=8 at full depth (needs ~96 GiB: an H200), alone in
 #                                             # one call: ~82 GiB of random weights, 1k/8k/32k contexts, spec steps
 #   PARTS="coll tp8" ...                      # with 2+ GPUs: NCCL latencies first, used by tp8's projection
+#   PARTS="tp8v gemv tp1v" ...                # kernel choices side by side (issue 16): the TP=8 rank at 1k with the
+#                                             # kernel variants $VARIANTS, the GEMV sweep (eval/gpu_fused.py), and
+#                                             # the TP=1 bench once per switch set in $TP1_KERNELS ("-" = defaults)
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -38,6 +41,25 @@ if [ "$ngpu" -ge 2 ] && want coll; then
   timeout "${COLL_S:-180}" python3 -m torch.distributed.run --standalone --nproc-per-node "$ngpu" \
     -m mtp.parallel.collbench --json "$OUT/coll.json" 2>&1 | tee "$OUT/coll.log" | grep -v -i warn | tail -30
   [ -s "$OUT/coll.json" ] && COLL_JSON=${COLL_JSON:-$OUT/coll.json}
+fi
+if want tp8v; then
+  echo "== mtp-bench --tp 8, kernel variants ${VARIANTS:=gemv1 gemv2 new+pdl gemv1+pdl} $(date -u +%H:%M:%S)"
+  timeout "${TP8V_S:-300}" python3 -m mtp.bench --tp 8 --layers 61 --prompt-len ${TP8_CTX:-1024} --profile \
+    --kernel-variants $VARIANTS --json "$OUT/bench_tp8_variants.json" 2>&1 | tee "$OUT/bench_tp8_variants.log" \
+    | grep -v -i warn | grep -v "^ \{4,\}[0-9.]* us" | tail -40
+fi
+if want gemv; then
+  echo "== GEMV kernels side by side (eval/gpu_fused.py --only gemv) $(date -u +%H:%M:%S)"
+  timeout "${GEMV_S:-200}" python3 eval/gpu_fused.py --only gemv --out "$OUT" 2>&1 | tee "$OUT/gpu_fused_gemv.log" \
+    | grep -v -i warn | tail -60
+fi
+if want tp1v; then
+  for sw in ${TP1_KERNELS:-- gemv_rows=1 gemv_rows=2}; do
+    tag=$(echo "$sw" | tr '=,' '__'); [ "$sw" = "-" ] && tag=default
+    echo "== mtp-bench TP=1 (3 layers), kernels: $sw $(date -u +%H:%M:%S)"
+    timeout "${TP1_S:-120}" python3 -m mtp.bench $([ "$sw" = "-" ] || echo --kernels ${sw//,/ }) \
+      --out "$OUT/bench_tp1_$tag.json" 2>&1 | tee "$OUT/bench_tp1_$tag.log" | grep -E "graph|spec " | tail -12
+  done
 fi
 if want tp8; then
   echo "== mtp-bench --tp 8 (simulated rank, 61 layers) $(date -u +%H:%M:%S)"
