@@ -99,10 +99,15 @@ def test_a_refused_run_leaves_the_folder_untouched(tmp_path):
 def test_ctrl_c_ends_with_one_line_and_whole_lines(tmp_path):
     run = tmp_path / "run"
     samples = run / "samples.jsonl"
+    # Enough work (400 prompts x 64 tokens, minutes on a CPU) that the interrupt, sent once the first sample
+    # is on disk, always lands mid-run: with 4 short prompts the run could finish before the signal did (CI).
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Count from {i} to {i + 50}."}) + "\n"
+                               for i in range(400)))
     p = subprocess.Popen([sys.executable, "-m", "eval.run", f"hydra.run.dir={run}", "model.numerics=dequant",
-                          "max_new_tokens=6", "runtime.warmup=false", "dataset.limit=4", "baseline=false",
-                          "runtime.batch_size=1"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                          "max_new_tokens=64", "runtime.warmup=false", "dataset=local", f"dataset.path={prompts}",
+                          "baseline=false", "runtime.batch_size=1"], cwd=ROOT, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not (samples.exists() and samples.read_text().count("\n") >= 1):

@@ -35,7 +35,10 @@ class FastKernels:
     prologue: bool = True
     absorb: bool = True
     pdl: bool = False
-    gemv_rows: int = 8  # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M); the tensor-core GEMM above
+    # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
+    # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
+    # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)
+    gemv_rows: int = 1
 
 
 SWITCHES = FastKernels()

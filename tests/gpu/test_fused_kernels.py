@@ -88,7 +88,7 @@ def test_fp8_gemv_deterministic_and_graph_safe():
 
 @pytest.mark.parametrize("M", [1, 4, 9, 40])
 def test_dispatch_linear_switch(M):
-    """`linear` takes the new GEMV for <= 8 rows when switched on, the old kernels otherwise; both agree."""
+    """`linear` takes the new GEMV for 1..gemv_rows rows when switched on, the old kernels otherwise; both agree."""
     w8, sw = rand_weight(1000, 1536)
     x = torch.randn(M, 1536, device=DEV).bfloat16()
     xq = act_quant_ref(x)
