@@ -1,8 +1,8 @@
 """Switch a loaded model between the plain-PyTorch reference and the Triton fast path, at run time.
 
 `enable_fast_path(model)` (CUDA, fp8 numerics) routes
-- every FP8 `Linear` through `kernels.dispatch.linear`: the CUDA-core split-K GEMV (`gemv_splitk`) for 1..gemv_rows rows (1: measured),
-  else `kernels.fp8_gemm.fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above);
+- every FP8 `Linear` through `kernels.dispatch.linear`: the CUDA-core split-K GEMV (`gemv_splitk`) for
+  1..gemv_rows rows (1 by default: measured), else `kernels.fp8_gemm.fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above);
   the bf16 ones (lm_head, MTP heads, eh_proj) stay on torch, whose bf16 GEMV reads the 1.85 GB lm_head at the
   HBM floor on an H200 (0.442 ms vs 0.439 ms; a Triton GEMV we tried was slower: BENCHMARKS.md);
 - every `MoE` through the router (`kernels.dispatch.route`: `router.moe_route_fused`, one launch that also maps
@@ -60,8 +60,8 @@ from ..parallel.modules import ParallelMLP
 
 
 class FastLinear(Linear):
-    """FP8 weights through `kernels.dispatch.linear`: the split-K GEMV for 1..gemv_rows rows (switches `gemv`, `gemv_rows`), else
-    `fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above)."""
+    """FP8 weights through `kernels.dispatch.linear`: the split-K GEMV for 1..gemv_rows rows (switches `gemv`,
+    `gemv_rows`), else `fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above)."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.weight_scale_inv)
