@@ -241,6 +241,15 @@ def _prologue_checks() -> None:
     r8, rs = act_quant(ix._rotate(qq[..., mla.H * (mla.P + R):].view(B, T, ix.n_heads, 128), cos, sin))
     assert torch.equal(q_pe, rp) and q_pe.is_contiguous()
     assert torch.equal(iq8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(iqs, rs)
+    # without the indexer's queries (S <= top-k): q_pe alone, from the q_b output or the whole q_b | wq_b row
+    for width in (mla.H * (mla.P + R), qq.shape[-1]):
+        q_pe2, none8, none_s = mla_q_prologue(mla, qq[..., :width], cos, sin, index=False)
+        assert torch.equal(q_pe2, rp) and none8 is None and none_s is None
+    try:
+        mla_q_prologue(mla, qq[..., :-1], cos, sin, index=False)
+        raise AssertionError("a q_b output of the wrong width was taken")
+    except ValueError as e:
+        assert "mla_q_prologue: qq must be" in str(e)
 
 
 def _absorb_checks() -> None:

@@ -413,24 +413,30 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None) 
         c = mla.kv_a_layernorm(kv[..., : mla.C], dt)
         k_pe = glue.rope_interleaved(kv[..., mla.C:], cos, sin)
         cache_write(cache, pos_BT, c, k_pe, ix._rotate(ix.k_norm(k_idx), cos, sin))
+    # The indexer scores only when it must choose (S > its top-k); else every visible key is kept and its query
+    # side (the wq_b rows of the stacked GEMV, the queries' rotary / Hadamard / quant, the head weights) is
+    # skipped: the keys it caches above are still written for later steps.
+    score = ix.topk < S
     if mla.fused_qb is not None and SWITCHES.norm_quant:  # the q_a norm + quant in one launch, y not stored
         n = mla.q_a_layernorm
         _, _, q8, qs = add_rms_norm_quant(qa, None, n.weight, n.eps, dt, store_y=False, pdl=SWITCHES.pdl)
-        qq = linear(None, *mla.fused_qb, out_dtype=dt, xq=(q8, qs))
+        wq = mla.fused_qb if score else (mla.q_b_proj.weight, mla.q_b_proj.weight_scale_inv)  # rows of fused_qb
+        qq = linear(None, *wq, out_dtype=dt, xq=(q8, qs))
         q, iq = qq[..., : H * (P + R)], qq[..., H * (P + R):]
     elif mla.fused_qb is not None:
         qq = linear(mla.q_a_layernorm(qa, dt), *mla.fused_qb)
         q, iq = qq[..., : H * (P + R)], qq[..., H * (P + R):]
     else:
         qr = mla.q_a_layernorm(qa, dt)
-        q, iq = mla.q_b_proj(qr), ix.wq_b(qr)
+        q, iq = mla.q_b_proj(qr), (ix.wq_b(qr) if score else None)
     q = q.view(B, T, H, P + R)
     if prologue:  # q_pe rotary and the indexer queries' rotary, Hadamard and quant in one launch
-        q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin)
-        o = mla_attend_fast(mla, x_BTD, None, q[..., :P], q_pe, cache, S, out_dtype=dt, iq_quant=(iq8, iqs))
+        q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin, index=score)
+        o = mla_attend_fast(mla, x_BTD, None, q[..., :P], q_pe, cache, S, out_dtype=dt,
+                            iq_quant=(iq8, iqs) if score else None)
         return mla.o_proj(o.reshape(B, T, H * mla.V))
     q_nope, q_pe = q[..., :P], glue.rope_interleaved(q[..., P:], cos, sin)
-    iq = ix._rotate(iq.view(B, T, ix.n_heads, Dk), cos, sin)
+    iq = ix._rotate(iq.view(B, T, ix.n_heads, Dk), cos, sin) if score else None
     o = mla_attend_fast(mla, x_BTD, iq, q_nope, q_pe, cache, S, out_dtype=dt)
     return mla.o_proj(o.reshape(B, T, H * mla.V))
 
@@ -441,17 +447,20 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
     iq_BTHD: the indexer queries, rotated (`Indexer.queries`), before quantization; or iq_quant = (iq8, iqs
     [B, T, Hi, 1]) already quantized (`mla_prologue.mla_q_prologue`)."""
     ix = mla.indexer
-    q8, qs = glue.act_quant(iq_BTHD) if iq_quant is None else iq_quant  # qs [B, T, Hi, 1]
-    if mla.w_idx_t is not None and x_BTD.dtype == torch.bfloat16:
-        # bf16 x bf16 products are exact in fp32 and cuBLAS sums them in fp32: the reference's fp32 math
-        x2 = x_BTD.reshape(-1, x_BTD.shape[-1])
-        w = torch.mm(x2, mla.w_idx_t, out_dtype=torch.float32).mul_(ix.n_heads ** -0.5 * ix.head_dim ** -0.5)
-        w = w.view(*x_BTD.shape[:-1], ix.n_heads)
-    else:
-        w = torch.nn.functional.linear(x_BTD.float(), mla.w_idx)  # fp32 copy, scaled by Hi^-0.5 * Dk^-0.5
     lens = cache.seq_lens  # keys before this block; query t sees < lens + t + 1
     topk_idx = None
-    if ix.topk < S:
+    if ix.topk < S:  # else every visible key is kept (the reference's select): no scores needed
+        if iq_quant is None and iq_BTHD is None:
+            raise ValueError(f"mla_attend_fast: the indexer must score {S} keys for its top-{ix.topk}: give the "
+                             f"indexer queries (iq_BTHD or iq_quant)")
+        q8, qs = glue.act_quant(iq_BTHD) if iq_quant is None else iq_quant  # qs [B, T, Hi, 1]
+        if mla.w_idx_t is not None and x_BTD.dtype == torch.bfloat16:
+            # bf16 x bf16 products are exact in fp32 and cuBLAS sums them in fp32: the reference's fp32 math
+            x2 = x_BTD.reshape(-1, x_BTD.shape[-1])
+            w = torch.mm(x2, mla.w_idx_t, out_dtype=torch.float32).mul_(ix.n_heads ** -0.5 * ix.head_dim ** -0.5)
+            w = w.view(*x_BTD.shape[:-1], ix.n_heads)
+        else:
+            w = torch.nn.functional.linear(x_BTD.float(), mla.w_idx)  # fp32 copy, scaled by Hi^-0.5 * Dk^-0.5
         topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
                                    topk=ix.topk, impl=mla.topk_impl)
     absorb = SWITCHES.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS

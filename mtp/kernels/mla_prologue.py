@@ -182,7 +182,7 @@ def mla_kv_prologue(mla, cache, pos_BT: torch.Tensor, a_BTX: torch.Tensor, cos: 
 @triton.jit
 def _q_prologue_kernel(qq_ptr, cos_ptr, sin_ptr, qpe_ptr, iq8_ptr, iqs_ptr, stride_q, stride_cs,
                        H: tl.constexpr, P: tl.constexpr, R: tl.constexpr, HI: tl.constexpr, DK: tl.constexpr,
-                       HSCALE: tl.constexpr):
+                       HSCALE: tl.constexpr, INDEX: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     row = qq_ptr + n.to(tl.int64) * stride_q
@@ -200,7 +200,7 @@ def _q_prologue_kernel(qq_ptr, cos_ptr, sin_ptr, qpe_ptr, iq8_ptr, iqs_ptr, stri
         out = qpe_ptr + (n64 * H + h) * R
         tl.store(out + 2 * i, (x0 * cs - x1 * sn).to(qpe_ptr.dtype.element_ty))
         tl.store(out + 2 * i + 1, (x0 * sn + x1 * cs).to(qpe_ptr.dtype.element_ty))
-    if h < HI:  # indexer query of head h: half rotary, Hadamard, FP8 with one scale
+    if INDEX and h < HI:  # indexer query of head h: half rotary, Hadamard, FP8 with one scale
         d = tl.arange(0, DK)
         RH: tl.constexpr = R // 2
         p = tl.where(d < RH, d + RH, tl.where(d < 2 * RH, d - RH, d))
@@ -216,22 +216,30 @@ def _q_prologue_kernel(qq_ptr, cos_ptr, sin_ptr, qpe_ptr, iq8_ptr, iqs_ptr, stri
         tl.store(iqs_ptr + n64 * HI + h, s)
 
 
-def mla_q_prologue(mla, qq_BTX: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def mla_q_prologue(mla, qq_BTX: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: bool = True):
     """Kernel twin of `mla_q_prologue_ref`: qq_BTX [B, T, H (P + R) + Hi Dk] the q_b | wq_b output (model
-    dtype). Returns (q_pe [B, T, H, R] model dtype, contiguous; iq8 [B, T, Hi, Dk] fp8; iqs [B, T, Hi, 1])."""
+    dtype). Returns (q_pe [B, T, H, R] model dtype, contiguous; iq8 [B, T, Hi, Dk] fp8; iqs [B, T, Hi, 1]).
+    index=False: the indexer will not score (it keeps every key when S <= its top-k), so qq_BTX may be the q_b
+    output alone [B, T, H (P + R)] and (q_pe, None, None) is returned."""
     require(qq_BTX, "mla_q_prologue")
     _check_mla(mla)
     ix = mla.indexer
     B, T, X = qq_BTX.shape
     H, P, R, HI, DK = mla.H, mla.P, mla.R, ix.n_heads, ix.head_dim
-    if X != H * (P + R) + HI * DK or tuple(cos.shape) != (B, T, R // 2):
-        raise ValueError(f"mla_q_prologue: qq must be [B, T, {H * (P + R) + HI * DK}] and cos [B, T, {R // 2}], "
-                         f"got {list(qq_BTX.shape)}, {list(cos.shape)}")
+    widths = (H * (P + R) + HI * DK,) if index else (H * (P + R), H * (P + R) + HI * DK)
+    if X not in widths or tuple(cos.shape) != (B, T, R // 2):
+        raise ValueError(f"mla_q_prologue: qq must be [B, T, {' or '.join(map(str, widths))}] and cos "
+                         f"[B, T, {R // 2}], got {list(qq_BTX.shape)}, {list(cos.shape)}")
     q, cs, sn = _token_rows(qq_BTX, cos, sin)
     dev = q.device
     q_pe = torch.empty(B, T, H, R, dtype=q.dtype, device=dev)
+    if not index:
+        _q_prologue_kernel[(B * T, H)](q, cs, sn, q_pe, q_pe, q_pe, q.stride(0), cs.stride(0),
+                                       H=H, P=P, R=R, HI=HI, DK=DK, HSCALE=DK ** -0.5, INDEX=False, num_warps=4)
+        return q_pe, None, None
     iq8 = torch.empty(B, T, HI, DK, dtype=FP8_DTYPE, device=dev)
     iqs = torch.empty(B, T, HI, 1, dtype=torch.float32, device=dev)
     _q_prologue_kernel[(B * T, max(H, HI))](q, cs, sn, q_pe, iq8, iqs, q.stride(0), cs.stride(0),
-                                            H=H, P=P, R=R, HI=HI, DK=DK, HSCALE=DK ** -0.5, num_warps=4)
+                                            H=H, P=P, R=R, HI=HI, DK=DK, HSCALE=DK ** -0.5, INDEX=True,
+                                            num_warps=4)
     return q_pe, iq8, iqs

@@ -235,6 +235,8 @@ def test_mla_prologue(B, T):
     assert q_pe.is_contiguous() and q_pe.dtype == torch.bfloat16
     assert bool(((q_pe.float() - rp.float()).abs() <= rp.float().abs() * 2 ** -7).all())
     assert (iq8.view(torch.uint8) == r8.view(torch.uint8)).float().mean() > 0.99 and (iqs == rs).float().mean() > 0.99
+    q_pe2, none8, _ = mla_q_prologue(mla, qq[..., :H * (P + R)], cos, sin, index=False)  # S <= top-k: no queries
+    assert torch.equal(q_pe2, q_pe) and none8 is None
 
 
 @pytest.mark.parametrize("B,T", [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (3, 3)])
