@@ -297,6 +297,43 @@ def mla_section(quick: bool):
     return best_cfg
 
 
+def mla_rank_section():
+    """One TP=8 rank's 16 heads: the heads-per-program tile (16 = H rounded up, mma.sync; 32; 64 = the wgmma
+    tile with 48 masked heads), dense at S = 1024 and with the top-k 2048 of S = 32768, T = 1..4, each
+    checked against the fp32 reference. The fastest per case decides mla_decode.MIN_BLOCK_H."""
+    H, B, scale = 16, 1, 0.1352 ** 2 * 192 ** -0.5
+    best = {}
+    for T, S, J in [(1, 1024, None), (2, 1024, None), (4, 1024, None), (1, 32768, 2048), (4, 32768, 2048)]:
+        q, qpe, kv8, kvs, pe = mla_inputs(B, T, H, S)
+        lens = torch.full((B,), S - T, dtype=torch.int32, device=DEV)
+        idx = None
+        if J:
+            idx = torch.stack([torch.randperm(S - T + t + 1, device=DEV)[:J] for t in range(T)]).int().view(B, T, J)
+        keys = B * T * J if J else B * (S - T + 1)
+        nbytes = keys * 656 + B * T * H * (576 + 512) * 2
+        ref = mla_decode_ref(q, qpe, kv8, kvs, pe, lens, scale, topk_idx=idx)
+        sets = [mla_inputs(B, T, H, S)[2:] for _ in range(min(31, n_sets(keys * 656) - 1))]
+        sets.insert(0, (kv8, kvs, pe))
+        res = {}
+        for mbh in (16, 32, 64):
+            try:
+                o = mla_decode(q, qpe, kv8, kvs, pe, lens, scale, topk_idx=idx, min_block_h=mbh)
+                err = rel_err(o, ref)
+                us = graph_us([lambda s=s: mla_decode(q, qpe, *s, lens, scale, topk_idx=idx, min_block_h=mbh)
+                               for s in sets])
+            except Exception as e:  # a tile that does not compile is skipped
+                log(f"[mla_rank] min_block_h={mbh} failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            check(f"mla_decode H=16 T={T} S={S} J={J} min_block_h={mbh}", err < 1e-2, f"rel err {err:.2e}")
+            res[mbh] = us
+            row("mla_decode H=16" + (" sparse" if J else ""), f"T={T} S={S}" + (f" J={J}" if J else "")
+                + f" heads/program {mbh}", us, nbytes)
+        if res:
+            best[f"T={T} S={S} J={J}"] = dict(us={k: round(v, 2) for k, v in res.items()}, best=min(res, key=res.get))
+        del sets
+    return best
+
+
 def indexer_section():
     H, D, B = 64, 128, 1
     for T, S in [(1, 4096), (1, 32768), (4, 32768)]:
@@ -362,7 +399,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT") or "eval/results")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and no launch sweeps")
-    ap.add_argument("--only", default="", help="comma list of sections: bw,act,gemv,gemm,moe,mla,indexer")
+    ap.add_argument("--only", default="", help="comma list of sections: bw,act,gemv,gemm,moe,mla,indexer "
+                                               "(and mla_rank: one TP=8 rank's 16 heads, not in the default set)")
     args = ap.parse_args()
     if not available():
         sys.exit("gpu_kernels: needs triton and a CUDA device")
@@ -380,7 +418,8 @@ def main():
     t0 = time.time()
     out["bandwidth"] = copy_bandwidth()  # always: every % below is relative to it
     sections = [("act", act_quant_section), ("gemv", lambda: gemv_section(args.quick)), ("gemm", gemm_large_section),
-                ("moe", moe_section), ("mla", lambda: mla_section(args.quick)), ("indexer", indexer_section)]
+                ("moe", moe_section), ("mla", lambda: mla_section(args.quick)), ("indexer", indexer_section),
+                ("mla_rank", mla_rank_section)]
     run_sections(sections, only, out)
     out["resources"] = kernel_resources()
     finish(out, t0, os.path.join(args.out, "gpu_kernels.json"))

@@ -9,7 +9,8 @@ Each einsum is 3 launches on a decode step today (a copy of the strided q_nope /
 the batched GEMM, a copy back to token-major order). Here one program per (head, 128-wide output block) loads
 its weight tile and every token's row of that head straight from the strided input, multiplies on tensor
 cores (bf16 products are exact in fp32; fp32 accumulation, as cuBLAS's bf16 GEMM) and writes token-major
-output in the model dtype. At one TP=8 rank (16 heads) each weight is 2 MB: 64 programs of 32 KB.
+output in the model dtype. At one TP=8 rank (16 heads) each weight is 2 MB: output blocks narrow until there are
+>= 128 programs (q: 16 x 8 of 16 KB; out: 16 x 8 of 128 KB / 8).
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ def _launch(x_BTHK, w, stride_wk, stride_wo, OD, out_dtype):
         x_BTHK = x_BTHK.contiguous()  # the kernel walks tokens with one stride
     y = torch.empty(B, T, H, OD, dtype=out_dtype, device=x_BTHK.device)
     bo = min(128, OD)
+    # Enough programs to stream the weight from many SMs: at one TP=8 rank (16 heads) latent -> v had 16
+    # programs of 128 KB each (grid H x V / 128), the slower of the two launches. Narrower output blocks until
+    # there are >= 128 programs (the sum over k per output element is the same).
+    while bo // 2 >= 16 and OD % (bo // 2) == 0 and H * (OD // bo) < 128:
+        bo //= 2
     bk = min(128, KD)
     if OD % bo or KD % bk:
         raise ValueError(f"absorb: dims {KD} -> {OD} must be multiples of {bk} / {bo}")

@@ -228,6 +228,9 @@ def _mla_stage2(o_ptr, lse_ptr, out_ptr, NS, NSP: tl.constexpr):
     tl.store(out_ptr + row * 512 + c, res.to(out_ptr.dtype.element_ty))
 
 
+MIN_BLOCK_H = 16  # fewest heads per program (TP=8 rank: 16 heads)
+
+
 def default_splits(n_rows: int, capacity: int, n_sms: int = 132, min_keys: int = 64) -> int:
     """KV slices: about one program per SM (the 64 x 64 tile takes ~190 KB of shared memory: one resident
     program per SM), each slice at least `min_keys` keys. H200, T = 1 (2 rows): top-k 2048 took 29.8 / 20.6 /
@@ -239,12 +242,14 @@ def default_splits(n_rows: int, capacity: int, n_sms: int = 132, min_keys: int =
 
 def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_idx=None,
                out_dtype: torch.dtype = torch.float32, splits: int | None = None, variant: str = "fused",
-               block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int | None = None) -> torch.Tensor:
+               block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int | None = None,
+               min_block_h: int | None = None) -> torch.Tensor:
     """Kernel twin of `mla_decode_ref`: o_lat [B, T, H, 512] in out_dtype. The keyword knobs are for benchmarks:
     variant "fused" (one 512-wide dot on the scaled tile; default: 1.2-1.7x faster on an H200) or "split4"
     (4 dots of 128 channels, scales folded into scores / probabilities). Default tile: 64 heads x 64 keys,
     8 warps (wgmma; the 16/32-head mma.sync tiles spilled: 255 registers), 3 stages dense / 2 sparse
-    (S = 32768, T = 1: 54 vs 60 us; top-k: 20.7 vs 21.8 us)."""
+    (S = 32768, T = 1: 54 vs 60 us; top-k: 20.7 vs 21.8 us). min_block_h: fewest heads per program (default
+    MIN_BLOCK_H); a rank's 16 heads may run in a 64-head tile (masked) to take the wgmma tile."""
     require(q_lat, "mla_decode")
     B, T, H, C = q_lat.shape
     S = kv8.shape[1]
@@ -263,7 +268,8 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
     if sparse and tuple(topk_idx.shape) != (B, T, J):
         raise ValueError(f"mla_decode: topk_idx must be [B, T, J] = [{B}, {T}, J], got {list(topk_idx.shape)}")
     idx = topk_idx.to(torch.int32).contiguous() if sparse else seq_lens  # dummy pointer when dense
-    bh = min(block_h, max(16, triton.next_power_of_2(H)))
+    # heads per program: H rounded up to a power of two, at least min_block_h (masked heads cost MMA work only)
+    bh = min(block_h, max(min_block_h or MIN_BLOCK_H, triton.next_power_of_2(H)))
     nhb = triton.cdiv(H, bh)
     if splits is None:
         splits = default_splits(B * T * nhb, J if sparse else S)
