@@ -175,6 +175,14 @@ def _norm_checks() -> None:
             assert match in str(e), str(e)
         else:
             raise AssertionError(f"add_rms_norm_quant accepted bad input ({match})")
+    # the block's last residual add: h + y rounded to the model dtype, bit for bit (fp16 / fp32 here: the
+    # interpreter's bf16 rounding is numpy's, held on the GPU)
+    from mtp.kernels.norm_quant import add_rounded, add_rounded_ref
+
+    h, y = torch.randn(3, 2500) * 3, torch.randn(3, 2500) * 1e3
+    for dt in (torch.float16, torch.float32):
+        assert torch.equal(add_rounded(h, y, dt), add_rounded_ref(h, y, dt)), dt
+    assert not torch.equal(add_rounded_ref(h, y, torch.float16), h + y)  # the rounding is there to see
 
 
 def _router_checks() -> None:

@@ -50,7 +50,7 @@ from ..kernels.mla_decode import mla_decode
 from ..kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
 from ..kernels.moe import MAX_TOKENS as MOE_KERNEL_MAX_TOKENS
 from ..kernels.moe import moe_experts
-from ..kernels.norm_quant import add_rms_norm_quant
+from ..kernels.norm_quant import add_rms_norm_quant, add_rounded
 from ..model.attention import MLA
 from ..model.deepseek import Block, DeepseekV32
 from ..model.fp8 import acc_dtype
@@ -124,13 +124,20 @@ class FastMoE(MoE):
     def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
         if xq is None:
             return super().forward(x)
+        return self.forward_acc(x, xq).to(x.dtype)
+
+    def forward_acc(self, x: torch.Tensor, xq) -> torch.Tensor:
+        """`forward` before its final rounding to x's dtype: the reduced routed + shared sum in fp32, shaped as x
+        (`FastBlock` rounds it inside the residual add). The shared expert's output is added in the experts'
+        combine launch when the routed sum is on the kernels."""
         shape = x.shape
         D = shape[-1]
         x_ND = x.reshape(-1, D)
-        out = self.routed(x_ND)
+        shared = None
         if self.shared_experts is not None:
-            out = out + self._shared_q(x_ND, (xq[0].reshape(-1, D), xq[1].reshape(-1, D // 128)))
-        return self.reduce(out).to(x.dtype).view(shape)
+            shared = self._shared_q(x_ND, (xq[0].reshape(-1, D), xq[1].reshape(-1, D // 128)))
+        out = self.routed(x_ND, add=shared)
+        return self.reduce(out).view(shape)
 
     def _shared_q(self, x_ND: torch.Tensor, xq_ND) -> torch.Tensor:
         """`shared(x_ND)` with the quantized x fed to the fused gate | up GEMV where the shared expert has one."""
@@ -141,15 +148,19 @@ class FastMoE(MoE):
             return se(x_ND, xq_ND).to(acc_dtype(x_ND.dtype))  # as MoE.shared
         return self.shared(x_ND)
 
-    def routed(self, x_ND: torch.Tensor) -> torch.Tensor:
+    def routed(self, x_ND: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed sum [N, D] fp32, plus `add` (fp32 [N, D], the shared expert's output) when given."""
         if x_ND.shape[0] > MOE_KERNEL_MAX_TOKENS:
-            return super().routed(x_ND)
+            out = super().routed(x_ND)
+            return out if add is None else out + add
         local = None if (self.e0, self.e1) == (0, self.gate.n_experts) else (self.e0, self.e1)
         w_NK, ids_NK = route(x_ND, self.gate, local=local)  # local: id - e0, or -1 for another rank's expert
         s = self.stacked
+        add = add if add is None or (add.dtype == torch.float32 and add.is_contiguous()) else add.float().contiguous()
         return moe_experts(x_ND, ids_NK, w_NK, s["gate_proj.weight"], s["gate_proj.weight_scale_inv"],
                            s["up_proj.weight"], s["up_proj.weight_scale_inv"], s["down_proj.weight"],
-                           s["down_proj.weight_scale_inv"], out_dtype=torch.float32, layout=self.expert_layout)
+                           s["down_proj.weight_scale_inv"], out_dtype=torch.float32, layout=self.expert_layout,
+                           add=add)
 
 
 class FastMLA(MLA):
@@ -193,7 +204,10 @@ class FastBlock(Block):
         h_BTD, x, x8, sx = add_rms_norm_quant(h_BTD, a, n2.weight, n2.eps, dtype, quant=quant, pdl=pdl)
         xq = (x8, sx) if quant else None
         mlp = self.mlp
-        if xq is not None and (isinstance(mlp, FastMoE) or getattr(mlp, "fused_gate_up", None) is not None):
+        if xq is not None and isinstance(mlp, FastMoE) and h_BTD.is_contiguous():
+            # one kernel: the MoE's fp32 sum rounded to the model dtype (its `.to(x.dtype)`) and added
+            return add_rounded(h_BTD, mlp.forward_acc(x, xq).contiguous(), x.dtype)
+        if xq is not None and getattr(mlp, "fused_gate_up", None) is not None:
             y = mlp(x, xq)
         else:
             y = mlp(x)

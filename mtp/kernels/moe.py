@@ -402,7 +402,8 @@ def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_pt
 
 
 @triton.jit
-def _moe_combine_kernel(part_ptr, idx_ptr, y_ptr, D, P, TOPK: tl.constexpr, KS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _moe_combine_kernel(part_ptr, idx_ptr, add_ptr, y_ptr, D, P, TOPK: tl.constexpr, KS: tl.constexpr,
+                        BLOCK_D: tl.constexpr, ADD: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -411,6 +412,8 @@ def _moe_combine_kernel(part_ptr, idx_ptr, y_ptr, D, P, TOPK: tl.constexpr, KS: 
         used = tl.load(idx_ptr + t * TOPK + j) >= 0  # a -1 slot's rows of `part` were never written
         for s in tl.static_range(KS):
             acc += tl.load(part_ptr + (s * P + t * TOPK + j).to(tl.int64) * D + offs, mask=mask & used, other=0.0)
+    if ADD:  # the shared expert's output, after the routed sum (the reference's routed + shared)
+        acc += tl.load(add_ptr + t.to(tl.int64) * D + offs, mask=mask, other=0.0)
     tl.store(y_ptr + t.to(tl.int64) * D + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -443,7 +446,7 @@ def default_splits(T: int, G: int, GI: int) -> tuple[int, int]:
 def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_gate, s_gate, w_up, s_up, w_down, s_down,
                 out_dtype: torch.dtype | None = None, gate_up_stages: int | None = None, down_stages: int = 5,
                 layout: str | None = None, splits: tuple[int, int] | None = None,
-                programs: tuple[int, int] | None = None) -> torch.Tensor:
+                programs: tuple[int, int] | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= 64 tokens: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
@@ -454,7 +457,8 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     'persistent' (~one program per SM looping over (distinct expert, N-block, K-slice) work items, so that a
     few experts still fill the GPU; T * J <= 64); default: 'persistent' when T * J <= 64.
     splits: (gate/up, down) K slices of the persistent layout (default `default_splits`); programs: its grid
-    sizes (default one and two programs per SM).
+    sizes (default one and two programs per SM). add: fp32 [T, D] added to each token's routed sum in the
+    combine launch (the shared expert's output: y = routed + add, as the reference's `out + shared`).
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
@@ -513,7 +517,10 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         _moe_down_persistent[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
             h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0), s_down.stride(0), s_down.stride(1),
             ks_down, num_stages=down_stages, **kw)
+    if add is not None and (add.dtype != torch.float32 or tuple(add.shape) != (T, D) or not add.is_contiguous()):
+        raise ValueError(f"moe_experts: add must be contiguous fp32 [{T}, {D}], got {add.dtype} {list(add.shape)}")
     y = torch.empty(T, D, dtype=out_dtype or x_TD.dtype, device=dev)
     bd = 1024
-    _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, idx, y, D, P, TOPK=J, KS=ks_down, BLOCK_D=bd, num_warps=4)
+    _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, idx, y if add is None else add, y, D, P, TOPK=J,
+                                                 KS=ks_down, BLOCK_D=bd, ADD=add is not None, num_warps=4)
     return y

@@ -26,7 +26,7 @@ from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.kernels._triton import pdl_kwargs, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 
-__all__ = ["add_rms_norm_quant", "add_rms_norm_quant_ref"]
+__all__ = ["add_rms_norm_quant", "add_rms_norm_quant_ref", "add_rounded", "add_rounded_ref"]
 
 
 def add_rms_norm_quant_ref(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -120,3 +120,41 @@ def add_rms_norm_quant(h: torch.Tensor, delta: torch.Tensor | None, weight: torc
             y.view(*lead, D) if y is not None else None,
             x8.view(*lead, D) if quant else None,
             sx.view(*lead, G) if quant else None)
+
+
+# ----------------------------------------------------------------------------- the block's last residual add
+_ROUND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def add_rounded_ref(h: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """h + y rounded to dtype first: the block's `h + ffn(x)` where the FFN's fp32 sum is returned in the
+    model dtype (`MoE.forward`'s `.to(x.dtype)`)."""
+    return h + y.to(dtype).to(h.dtype)
+
+
+@triton.jit
+def _add_rounded_kernel(h_ptr, y_ptr, out_ptr, n, ROUND: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = offs < n
+    y = tl.load(y_ptr + offs, mask=m, other=0.0)
+    if ROUND == 0:
+        y = y.to(tl.bfloat16).to(tl.float32)
+    elif ROUND == 1:
+        y = y.to(tl.float16).to(tl.float32)
+    tl.store(out_ptr + offs, tl.load(h_ptr + offs, mask=m, other=0.0) + y, mask=m)
+
+
+def add_rounded(h: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Kernel twin of `add_rounded_ref` in one launch (instead of the cast and a mixed-dtype add): h and y
+    fp32, same shape, contiguous; dtype bf16 / fp16 / fp32 (no rounding)."""
+    require(h, "add_rounded")
+    if h.dtype != torch.float32 or y.dtype != torch.float32 or h.shape != y.shape or dtype not in _ROUND:
+        raise ValueError(f"add_rounded: h and y must be fp32 of one shape and dtype one of {list(_ROUND)}; got "
+                         f"{h.dtype} {list(h.shape)}, {y.dtype} {list(y.shape)}, {dtype}")
+    if not (h.is_contiguous() and y.is_contiguous()):
+        return add_rounded_ref(h, y, dtype)
+    out = torch.empty_like(h)
+    n = h.numel()
+    if n:
+        _add_rounded_kernel[(triton.cdiv(n, 2048),)](h, y, out, n, ROUND=_ROUND[dtype], BLOCK_N=2048, num_warps=4)
+    return out

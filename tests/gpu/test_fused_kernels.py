@@ -146,6 +146,37 @@ def test_add_rms_norm_quant_graph_safe():
                            v.view(torch.uint8) if v.dtype.itemsize == 1 else v)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 7168), (1, 4, 7168), (3, 5, 1000)])
+def test_add_rounded(shape):
+    """The block's last residual add, h + y rounded to bf16 / fp16, bit-equal to the torch reference."""
+    from mtp.kernels.norm_quant import add_rounded, add_rounded_ref
+
+    h, y = torch.randn(*shape, device=DEV) * 3, torch.randn(*shape, device=DEV) * 1e3
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        assert torch.equal(add_rounded(h, y, dt), add_rounded_ref(h, y, dt)), dt
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_moe_experts_add(T):
+    """moe_experts(add=s): the shared expert's output added in the combine launch equals the routed sum + s."""
+    from mtp.kernels.moe import moe_experts
+
+    E, D, I = 8, 1024, 256
+    w1, s1 = zip(*[rand_weight(I, D) for _ in range(E)])
+    w3, s3 = zip(*[rand_weight(I, D) for _ in range(E)])
+    w2, s2 = zip(*[rand_weight(D, I) for _ in range(E)])
+    st = [torch.stack(t).contiguous() for t in (w1, s1, w3, s3, w2, s2)]
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    ids = torch.stack([torch.randperm(E, device=DEV)[:4] for _ in range(T)]).int()
+    ids[0, 1] = -1  # another rank's expert
+    w = torch.rand(T, 4, device=DEV)
+    add = torch.randn(T, D, device=DEV)
+    for layout in ("pairs", "persistent"):
+        base = moe_experts(x, ids, w, *st, out_dtype=torch.float32, layout=layout)
+        got = moe_experts(x, ids, w, *st, out_dtype=torch.float32, layout=layout, add=add)
+        assert torch.equal(got, base + add), layout
+
+
 # ----------------------------------------------------------------------------- router
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 33, 64])
 def test_moe_route_fused(T):
