@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from .schema import DraftName, RelaxedVerifySchema, RunMode, SampleVerifySchema, SchemaError, validate, value
+from .schema import DraftName, RelaxedVerifySchema, RunMode, SchemaError, generation_options, validate, value
 
 
 class NotAvailableError(RuntimeError):
@@ -94,36 +94,27 @@ def build(cfg: Any):
 
 
 def generate_kwargs(cfg: Any, tokenizer: Any = None) -> dict:
-    """`mtp.generate` keyword arguments of the `draft`, `verify` and `runtime.mode` settings (everything but
-    max_new_tokens); runtime.mode is passed only when it is not eager (see check_runtime).
+    """`mtp.generate` keyword arguments of the `draft`, `verify` and `runtime` settings (everything but
+    max_new_tokens: `schema.generation_options`, plus the draft vocabulary file's ids and think_ids); runtime.mode
+    is passed only when it is not eager (see check_runtime).
 
     think_ids (for verify=relaxed) come from `tokenizer`, or from the model's tokenizer file when None."""
     cfg = validate(cfg)
-    d, v = cfg.draft, cfg.verify
-    kw: dict = {"draft": value(d.name), "k": d.k, "verify": v.name}
-    if d.name != DraftName.none:
-        kw.update(target_hidden=value(d.target_hidden), chain_hidden=value(d.chain_hidden),
-                  reuse_modules=d.reuse_modules)
-        if d.vocab_file is not None:
-            from mtp.draft.vocab import load_ids
+    d = cfg.draft
+    kw = generation_options(cfg)
+    if d.name != DraftName.none and d.vocab_file is not None:
+        from mtp.draft.vocab import load_ids
 
-            try:
-                kw["draft_vocab"] = load_ids(d.vocab_file, d.vocab_size)
-            except ValueError as e:
-                raise SchemaError(f"draft.vocab_file: {e}") from None
-    if isinstance(v, RelaxedVerifySchema):
+        try:
+            kw["draft_vocab"] = load_ids(d.vocab_file, d.vocab_size)
+        except ValueError as e:
+            raise SchemaError(f"draft.vocab_file: {e}") from None
+    if isinstance(cfg.verify, RelaxedVerifySchema):
         if tokenizer is None:
             from mtp.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_dir(tokenizer_path(cfg.model))
-        kw.update(top_n=v.top_n, delta=v.delta, span_rule=value(v.span_rule),
-                  think_ids=(tokenizer.think_id, tokenizer.end_think_id))
-    elif isinstance(v, SampleVerifySchema):
-        kw.update(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, seed=v.seed,
-                  draft_sampling=value(v.draft_sampling))
-    if value(cfg.runtime.mode) != RunMode.eager.value:
+        kw["think_ids"] = (tokenizer.think_id, tokenizer.end_think_id)
+    if "mode" in kw:
         check_runtime(cfg.runtime)
-        kw["mode"] = value(cfg.runtime.mode)
-    if cfg.runtime.prefill_chunk is not None:
-        kw["prefill_chunk"] = cfg.runtime.prefill_chunk
     return kw

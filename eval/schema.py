@@ -3,8 +3,11 @@
 How the YAML files use them: each group option starts with `defaults: [/schema/<group>/<kind>@_here_, _self_]`,
 so its keys are typed by the dataclass below. Types and choices (enums) are checked by OmegaConf while Hydra
 composes (a bad override fails before anything runs); ranges and cross-field rules live in `__post_init__`,
-which runs in `validate(cfg)` (OmegaConf.to_object builds the dataclasses). Primary configs: `eval_schema`
-(conf/eval.yaml) and `chat_schema` (conf/chat.yaml). A new key in a YAML file needs a field here.
+which runs in `validate(cfg)` (OmegaConf.to_object builds the dataclasses). The generation options (draft,
+verify, runtime.mode / prefill_chunk, max_new_tokens) are not checked here: the primary configs build a
+`GenerationConfig` from them (`generation_options`), whose rules are mtp's one validation, and name the config
+key of the option it refuses. Primary configs: `eval_schema` (conf/eval.yaml) and `chat_schema`
+(conf/chat.yaml). A new key in a YAML file needs a field here.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from mtp.decode.options import MAX_K
-
+from mtp.decode.config import GenerationConfig
+from mtp.decode.options import DRAFTS, MODES, OptionError
+from mtp.draft.config import DRAFT_SAMPLING, HIDDEN
+from mtp.verify.params import SPAN_RULES
 
 
 class SchemaError(ValueError):
@@ -32,26 +37,13 @@ def _fail(key: str, value: Any, expected: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- choices
-# Member names are the YAML spellings; OmegaConf lists them when a value is not one of them.
-class DraftName(Enum):
-    none = "none"
-    vanilla = "vanilla"
-    eagle = "eagle"
-
-
-class Hidden(Enum):
-    normed = "normed"
-    prenorm = "prenorm"
-
-
-class DraftSampling(Enum):
-    greedy = "greedy"
-    sample = "sample"
-
-
-class SpanRule(Enum):  # mtp.verify.SPAN_RULES (a test holds them equal)
-    tracked = "tracked"
-    trtllm = "trtllm"
+# Member names are the YAML spellings; OmegaConf lists them when a value is not one of them. The generation
+# options' choices are mtp's own tuples.
+DraftName = Enum("DraftName", {n: n for n in DRAFTS})
+Hidden = Enum("Hidden", {n: n for n in HIDDEN})
+DraftSampling = Enum("DraftSampling", {n: n for n in DRAFT_SAMPLING})
+SpanRule = Enum("SpanRule", {n: n for n in SPAN_RULES})
+RunMode = Enum("RunMode", {n: n for n in MODES})
 
 
 class Numerics(Enum):
@@ -63,12 +55,6 @@ class DType(Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
-
-
-class RunMode(Enum):
-    eager = "eager"
-    graph = "graph"
-    overlap = "overlap"
 
 
 class WandbMode(Enum):
@@ -109,15 +95,10 @@ class DraftSchema:
     vocab_size: Optional[int] = None  # ... only its first vocab_size ids (null: all of them)
 
     def __post_init__(self):
-        if self.name == DraftName.none and self.k != 0:
-            _fail("draft.k", self.k, "0 with draft=none (plain decoding drafts nothing)")
         if self.vocab_size is not None and self.vocab_file is None:
             _fail("draft.vocab_size", self.vocab_size, "null unless draft.vocab_file is set")
         if self.vocab_size is not None and self.vocab_size < 1:
             _fail("draft.vocab_size", self.vocab_size, "null or an integer >= 1")
-
-        if self.name != DraftName.none and not 1 <= self.k <= MAX_K:
-            _fail("draft.k", self.k, f"an integer in [1, {MAX_K}] for draft={self.name.value}")
 
 
 @dataclass
@@ -137,12 +118,6 @@ class RelaxedVerifySchema(VerifySchema):
     delta: float = 0.6  # ... with probability >= p_top1 - delta (probability space), inside thinking spans
     span_rule: SpanRule = SpanRule.tracked  # where spans are: tracked (ours) | trtllm (TensorRT-LLM's rule)
 
-    def __post_init__(self):
-        if self.top_n < 1:
-            _fail("verify.top_n", self.top_n, "an integer >= 1")
-        if not 0.0 <= self.delta <= 1.0:
-            _fail("verify.delta", self.delta, "a probability in [0, 1]")
-
 
 @dataclass
 class SampleVerifySchema(VerifySchema):
@@ -152,14 +127,6 @@ class SampleVerifySchema(VerifySchema):
     top_k: int = 0  # 0 = off
     draft_sampling: DraftSampling = DraftSampling.greedy
     seed: int = 0
-
-    def __post_init__(self):
-        if not self.temperature > 0:
-            _fail("verify.temperature", self.temperature, "> 0 (use verify=strict for greedy decoding)")
-        if not 0.0 < self.top_p <= 1.0:
-            _fail("verify.top_p", self.top_p, "a value in (0, 1]")
-        if self.top_k < 0:
-            _fail("verify.top_k", self.top_k, "an integer >= 0 (0 = off)")
 
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -180,8 +147,6 @@ class RuntimeSchema:
     def __post_init__(self):
         if self.fast_path and not self.device.startswith("cuda"):
             _fail("runtime.fast_path", True, "false unless runtime.device is cuda (the Triton kernels need a GPU)")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            _fail("runtime.prefill_chunk", self.prefill_chunk, "null or an integer >= 1")
         if not _DEVICE.match(self.device):
             _fail("runtime.device", self.device, "'cpu', 'cuda' or 'cuda:N'")
         if self.batch_size < 1:
@@ -312,9 +277,7 @@ class EvalConfig:
     output_dir: str = MISSING
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            _fail("max_new_tokens", self.max_new_tokens, "an integer >= 1")
-        _check_pair(self.draft, self.verify)
+        _check_generation(self)
 
 
 @dataclass
@@ -328,14 +291,51 @@ class ChatConfig:
     show_drafts: bool = False  # mark which tokens came from accepted drafts
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            _fail("max_new_tokens", self.max_new_tokens, "an integer >= 1")
-        _check_pair(self.draft, self.verify)
+        _check_generation(self)
 
 
-def _check_pair(draft: DraftSchema, verify: VerifySchema) -> None:
-    if isinstance(verify, SampleVerifySchema) and verify.draft_sampling == DraftSampling.sample \
-            and draft.name == DraftName.none:
+# generate()'s option -> its key in conf/: how an OptionError from mtp's validation is reported
+CONFIG_KEYS = {"max_new_tokens": "max_new_tokens", "draft": "draft.name", "k": "draft.k",
+               "target_hidden": "draft.target_hidden", "chain_hidden": "draft.chain_hidden",
+               "reuse_modules": "draft.reuse_modules", "verify": "verify.name", "top_n": "verify.top_n",
+               "delta": "verify.delta", "span_rule": "verify.span_rule", "temperature": "verify.temperature",
+               "top_p": "verify.top_p", "top_k": "verify.top_k", "draft_sampling": "verify.draft_sampling",
+               "seed": "verify.seed", "mode": "runtime.mode", "prefill_chunk": "runtime.prefill_chunk"}
+
+
+def generation_options(cfg: EvalConfig | ChatConfig) -> dict:
+    """`mtp.generate` keyword options of a typed config's draft, verify and runtime groups (all but
+    max_new_tokens; runtime.mode only when it is not eager). What needs files is left to
+    `eval.common.generate_kwargs`: think_ids (the tokenizer's) and draft_vocab (draft.vocab_file)."""
+    d, v, rt = cfg.draft, cfg.verify, cfg.runtime
+    kw: dict = {"draft": value(d.name), "k": d.k, "verify": v.name}
+    if d.name != DraftName.none:
+        kw.update(target_hidden=value(d.target_hidden), chain_hidden=value(d.chain_hidden),
+                  reuse_modules=d.reuse_modules)
+    if isinstance(v, RelaxedVerifySchema):
+        kw.update(top_n=v.top_n, delta=v.delta, span_rule=value(v.span_rule))
+    elif isinstance(v, SampleVerifySchema):
+        kw.update(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, seed=v.seed,
+                  draft_sampling=value(v.draft_sampling))
+    if value(rt.mode) != RunMode.eager.value:
+        kw["mode"] = value(rt.mode)
+    if rt.prefill_chunk is not None:
+        kw["prefill_chunk"] = rt.prefill_chunk
+    return kw
+
+
+def _check_generation(cfg: EvalConfig | ChatConfig) -> None:
+    """The generation options through mtp's own rules (a GenerationConfig built from them), reported by key."""
+    kw = generation_options(cfg)
+    if kw["verify"] == "relaxed":
+        kw["think_ids"] = (0, 1)  # a stand-in: the tokenizer's ids come with generate_kwargs
+    try:
+        GenerationConfig.from_options(cfg.max_new_tokens, **kw)
+    except OptionError as e:
+        _fail(CONFIG_KEYS.get(e.name, e.name), e.value, e.expected + (f" ({e.note})" if e.note else ""))
+    # not a rule of mtp's (draft=none with sampled drafts simply draws nothing), but a config asking for it
+    # is a mistake
+    if kw.get("draft_sampling") == "sample" and kw["draft"] == DraftName.none.value:
         _fail("verify.draft_sampling", "sample", "greedy with draft=none (there are no drafts to sample)")
 
 

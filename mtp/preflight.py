@@ -13,8 +13,9 @@ import os
 from pathlib import Path
 
 from .checkpoint.files import resolve_n_mtp
+from .decode.options import OptionError
+from .draft.config import DraftConfig
 from .model.config import ModelConfig
-from .draft.proposer import DraftConfig
 from .tokenizer import Tokenizer
 
 
@@ -26,12 +27,16 @@ def preflight(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None =
               k: int = 0, reuse_modules: bool = False, n_mtp: int | None = None) -> tuple[ModelConfig, Tokenizer]:
     """(config, tokenizer) of checkpoint folder `path` once the run `draft` / `k` / `n_mtp` (MTP layers to load,
     None: all) is known to be possible; `tokenizer_dir` defaults to `path`. Raises ConfigError for a bad
-    config.json field, PreflightError for the rest, each naming the file and the value."""
+    config.json field, PreflightError for the rest, each naming the file (where one is at fault) and the value."""
+    try:
+        dcfg = DraftConfig(mode=draft, k=k, reuse_modules=reuse_modules)
+    except OptionError as e:  # bad whatever the checkpoint
+        raise PreflightError(str(e)) from None
     path = Path(path)
     cfg = ModelConfig.from_json(path / "config.json")
     n_mtp = resolve_n_mtp(cfg, n_mtp, path / "config.json")
     try:
-        DraftConfig(mode=draft, k=k, reuse_modules=reuse_modules).validate(n_mtp)
+        dcfg.validate(n_mtp)
     except ValueError as e:
         loaded = "" if n_mtp == cfg.num_nextn_predict_layers else f", {n_mtp} of them loaded (n_mtp)"
         raise PreflightError(f"{e} ({path / 'config.json'}: num_nextn_predict_layers = "

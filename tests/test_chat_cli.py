@@ -54,7 +54,7 @@ def test_chat_session_in_a_terminal(tmp_path):
         ask("/k 2", "k=2")
         ask("/think on", "thinking on")
         ask("/k -1", r"error: /k needs an integer in \[1, 16\], got -1")
-        ask("/draft nonsense", "error: /draft must be one of none, vanilla, eagle")
+        ask("/draft nonsense", "error: /draft needs one of none, vanilla, eagle")
         ask("/max 4000", "max_new_tokens 4000")
         child.sendline("tell me a long story")
         child.expect("tell me a long story")

@@ -199,15 +199,16 @@ def test_vanilla_and_eagle_agree_at_k1(tiny_model, prompts, greedy_full):
 
 # ---------------------------------------------------------------------------------------------- config
 @pytest.mark.parametrize("kwargs,n_mtp,match", [
-    (dict(mode="medusa", k=1), 1, "draft mode"),
-    (dict(mode="eagle", k=-1), 1, "k must be an integer >= 0"),
-    (dict(mode="none", k=-1), 1, "k must be an integer >= 0"),
-    (dict(mode="eagle", k=1.5), 1, "k must be an integer"),
-    (dict(mode="none", k=2), 1, "draft='none' drafts nothing"),
-    (dict(mode="eagle", k=0), 1, "needs k >= 1"),
+    (dict(mode="medusa", k=1), 1, "draft must be one of none, vanilla, eagle, got 'medusa'"),
+    (dict(mode="eagle", k=-1), 1, r"k must be an integer in \[1, 16\], got -1"),
+    (dict(mode="none", k=-1), 1, "k must be 0 with draft='none', got -1"),
+    (dict(mode="eagle", k=1.5), 1, r"k must be an integer in \[1, 16\], got 1.5"),
+    (dict(mode="none", k=2), 1, r"k must be 0 with draft='none', got 2 \(it drafts nothing\)"),
+    (dict(mode="eagle", k=0), 1, r"k must be an integer in \[1, 16\], got 0 \(draft='none' drafts nothing\)"),
+    (dict(mode="eagle", k=17), 1, r"k must be an integer in \[1, 16\], got 17"),
     (dict(mode="eagle", k=1, target_hidden="post"), 1, "target_hidden"),
     (dict(mode="eagle", k=1, chain_hidden="raw"), 1, "chain_hidden"),
-    (dict(mode="eagle", k=1, sampling="beam"), 1, "draft sampling"),
+    (dict(mode="eagle", k=1, sampling="beam"), 1, "draft_sampling must be one of greedy, sample, got 'beam'"),
     (dict(mode="eagle", k=2), 0, "has none loaded"),
     (dict(mode="vanilla", k=2), 1, "reuse_modules"),
     (dict(mode="vanilla", k=3), 2, "needs 3 MTP modules, the checkpoint has 2"),

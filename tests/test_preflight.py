@@ -61,6 +61,12 @@ def test_vanilla_k_above_the_modules_is_fine_when_reusing_them(garbage_ckpt):
     assert cfg.num_nextn_predict_layers == 3 and tok.eos_id == 1
 
 
+def test_draft_settings_bad_for_any_checkpoint_name_no_file(tmp_path):
+    with pytest.raises(PreflightError) as ei:  # refused before config.json is read: none exists here
+        preflight(tmp_path / "nowhere", draft="eagle", k=17)
+    assert str(ei.value) == "k must be an integer in [1, 16], got 17"
+
+
 def test_no_mtp_modules_with_a_draft(garbage_ckpt):
     _edit_config(garbage_ckpt, num_nextn_predict_layers=0)
     with pytest.raises(PreflightError, match="draft='eagle' needs MTP modules") as ei:

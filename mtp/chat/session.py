@@ -32,7 +32,8 @@ from ..chat_tools import TOOLS_HELP, describe_calls, load_tools, read_tool_calls
 from ..decode.config import GenerationConfig
 from ..decode.engine import StepEvent
 from ..decode.metrics import SpecMetrics
-from ..decode.options import DRAFTS, MAX_K, VERIFIERS, draft_room
+from ..decode.options import DRAFTS, MAX_K, VERIFIERS, OptionError, draft_room
+from ..draft.config import DraftConfig
 from ..dsml import CompletionFormatError
 from ..prompt import encode_chat
 from ..tokenizer import Tokenizer
@@ -44,9 +45,9 @@ from .turn import TRANSCRIPT_FORMAT, ReplyStream, StepLog, Turn, View, stats_lin
 HELP = """\
 commands:
   /think on|off                thinking mode (reasoning, then </think>, then the answer)
-  /draft none|vanilla|eagle    MTP drafting mode (none = plain autoregressive decoding)
-  /k N                         drafts per step, 1..16 (remembered while /draft none)
-  /verify strict|relaxed|sample
+  /draft {drafts:<21} MTP drafting mode (none = plain autoregressive decoding)
+  /k N                         drafts per step, 1..{max_k} (remembered while /draft none)
+  /verify {verifiers}
   /max N                       max new tokens per reply
   /temperature T               sampling temperature, T > 0 (used by /verify sample)
   /stats                       session totals, one line per (draft, k, verify) setting, with the
@@ -57,7 +58,11 @@ commands:
   /help                        this text
   /exit                        quit (Ctrl-D too)
 Ctrl-C stops a reply (press twice to stop at once, even mid-prefill). A line starting with // sends a
-message that starts with /. A line ending with \\ continues the message on the next line.""".format(tools=TOOLS_HELP)
+message that starts with /. A line ending with \\ continues the message on the next line.""".format(
+    tools=TOOLS_HELP, drafts="|".join(DRAFTS), max_k=MAX_K, verifiers="|".join(VERIFIERS))
+
+# generate()'s option -> the command that sets it: how an OptionError from mtp's validation is reported
+COMMANDS = {"draft": "/draft", "k": "/k", "verify": "/verify", "max_new_tokens": "/max", "temperature": "/temperature"}
 
 
 class CommandError(ValueError):
@@ -204,54 +209,32 @@ class Session:
 
     def _cmd_draft(self, arg: str) -> None:
         if arg:
-            if arg not in DRAFTS:
-                raise CommandError(f"/draft must be one of {', '.join(DRAFTS)}, got {arg!r}")
             self._change(draft=arg)
         self.view.notice(f"now: {self.settings.label()}")
 
     def _cmd_k(self, arg: str) -> None:
         if arg:
-            try:
-                k = int(arg)
-            except ValueError:
-                raise CommandError(f"/k needs an integer in [1, {MAX_K}], got {arg!r}") from None
-            if not 1 <= k <= MAX_K:
-                raise CommandError(f"/k needs an integer in [1, {MAX_K}], got {k}"
-                                   + (" (use /draft none to stop drafting)" if k < 1 else ""))
-            self._change(k=k)
+            self._change(k=_parse(arg, int))
         note = " (applies when drafting is on: /draft vanilla|eagle)" if self.settings.draft == "none" else ""
         self.view.notice(f"k={self.settings.k}{note}")
 
     def _cmd_max(self, arg: str) -> None:
         if arg:
-            try:
-                n = int(arg)
-            except ValueError:
-                n = 0
-            if n < 1:
-                raise CommandError(f"/max needs an integer >= 1 (max new tokens per reply), got {arg!r}")
-            if n >= self.context_limit():
+            n = _parse(arg, int)
+            if isinstance(n, int) and n >= self.context_limit():
                 raise CommandError(f"/max {n} leaves no room for a prompt in max_model_len {self.context_limit()}")
             self._change(max_new_tokens=n)
         self.view.notice(f"max_new_tokens {self.settings.max_new_tokens}")
 
     def _cmd_temperature(self, arg: str) -> None:
         if arg:
-            try:
-                t = float(arg)
-            except ValueError:
-                t = float("nan")
-            if not t > 0 or t == float("inf"):
-                raise CommandError(f"/temperature needs a number > 0, got {arg!r}")
-            self._change(options={**self.settings.options, "temperature": t})
+            self._change(options={**self.settings.options, "temperature": _parse(arg, float)})
         t = self.settings.options.get("temperature", 1.0)
         note = "" if self.settings.verify == "sample" else " (applies with /verify sample)"
         self.view.notice(f"temperature {t}{note}")
 
     def _cmd_verify(self, arg: str) -> None:
         if arg:
-            if arg not in VERIFIERS:
-                raise CommandError(f"/verify must be one of {', '.join(VERIFIERS)}, got {arg!r}")
             self._change(verify=arg)
         self.view.notice(f"now: {self.settings.label()}")
 
@@ -292,9 +275,14 @@ class Session:
         return GenerationConfig.from_options(s.max_new_tokens, s.draft, s.effective_k, s.verify, **kwargs)
 
     def check_settings(self, s: Settings) -> None:
-        """The engine's own validation (`GenerationConfig.validate`), its message shown as a command error."""
+        """The engine's own validation (`GenerationConfig`, with `validate` for what needs the model), its error
+        shown as a command error naming the command of the option it refuses."""
         try:
             self.generation_config(s).validate(self.model)
+            if s.draft == "none":  # the k kept for when drafting is switched back on
+                DraftConfig(mode="eagle", k=s.k)
+        except OptionError as e:
+            raise CommandError(e.say(COMMANDS[e.name], "needs") if e.name in COMMANDS else str(e)) from None
         except (ValueError, TypeError) as e:
             raise CommandError(str(e)) from None
 
@@ -435,6 +423,14 @@ class Session:
             turn.content, turn.tool_calls = found
             self.pending = len(turn.tool_calls)
             self.view.notice(describe_calls(turn.tool_calls))
+
+
+def _parse(arg: str, kind: type):
+    """`arg` as an int or float, or as typed when it is not one (the validation then names it)."""
+    try:
+        return kind(arg)
+    except ValueError:
+        return arg
 
 
 def _on_off(arg: str, cmd: str) -> bool | None:

@@ -1,7 +1,10 @@
 """Generation options: `GenerationConfig`, the one place they are validated, and the limits they imply.
 
-The keyword form of `mtp.generate` (`GenerationConfig.from_options`), `mtp-eval`'s schema and `mtp-chat`'s
-settings all build a `GenerationConfig`; option names and limits are in options.py.
+Torch-free. Every rule that needs no model runs when a config is built (`__post_init__`, with `DraftConfig`'s and
+`SamplingParams`'), raising `OptionError` (options.py) named by the option as `generate` spells it;
+`validate(model)` adds the rules that need the loaded model (MTP modules, device, vocabulary). The keyword form of
+`mtp.generate` (`GenerationConfig.from_options`), `mtp-eval`'s schema and `mtp-chat`'s settings all build one and
+word its OptionError their own way (config key, command); option names and limits are in options.py.
 """
 
 from __future__ import annotations
@@ -9,11 +12,14 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ..draft.proposer import DraftConfig
-from ..model.deepseek import DeepseekV32
-from ..verify import SPAN_RULES, SamplingParams
-from .options import MODES, VERIFIERS
+from ..draft.config import DraftConfig
+from ..verify.params import SPAN_RULES, SamplingParams
+from .options import MODES, VERIFIERS, OptionError, is_int, is_number
+
+if TYPE_CHECKING:
+    from ..model.deepseek import DeepseekV32
 
 OPTIONS = frozenset({"top_n", "delta", "think_ids", "span_rule", "temperature", "top_p", "top_k", "draft_sampling", "seed",
                      "reuse_modules", "target_hidden", "chain_hidden", "eos_id", "stop_ids", "mode",
@@ -36,30 +42,37 @@ class GenerationConfig:
     mode: str = "eager"  # one of MODES
     prefill_chunk: int | None = None  # prefill (target and drafts) in chunks of this many tokens; None: one pass
 
-    def validate(self, model: DeepseekV32) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+    def __post_init__(self):
+        """The rules that need no model (the draft's and sampling's own ran when those were built)."""
+        if not (is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
+            raise OptionError("max_new_tokens", self.max_new_tokens, "an integer >= 1")
         if self.verify not in VERIFIERS:
-            raise ValueError(f"verify must be one of {VERIFIERS}, got {self.verify!r}")
-        self.draft.validate(model.n_mtp)
-        if self.verify == "relaxed":
-            if self.think_ids is None:
-                raise ValueError("verify='relaxed' needs think_ids=(<think> id, </think> id): the relaxed rule "
-                                 "only applies inside thinking spans")
-            if self.top_n < 1:
-                raise ValueError(f"relaxed top_n must be >= 1, got {self.top_n}")
-            if not 0 <= self.delta <= 1:
-                raise ValueError(f"relaxed delta must be in [0, 1] (probability space), got {self.delta}")
+            raise OptionError("verify", self.verify, f"one of {', '.join(VERIFIERS)}")
+        if not (is_int(self.top_n) and self.top_n >= 1):
+            raise OptionError("top_n", self.top_n, "an integer >= 1")
+        if not (is_number(self.delta) and 0 <= self.delta <= 1):
+            raise OptionError("delta", self.delta, "a probability in [0, 1]")
+        if self.think_ids is None and self.verify == "relaxed":
+            raise OptionError("think_ids", None, "a (<think> id, </think> id) pair with verify='relaxed'",
+                              "the relaxed rule only applies inside thinking spans")
+        if self.think_ids is not None and not (isinstance(self.think_ids, tuple) and len(self.think_ids) == 2
+                                               and all(map(is_int, self.think_ids))):
+            raise OptionError("think_ids", self.think_ids, "None or a (<think> id, </think> id) pair")
         if self.span_rule not in SPAN_RULES:
-            raise ValueError(f"span_rule must be one of {SPAN_RULES}, got {self.span_rule!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int (per-row seeds go to the call), got {self.seed!r}")
+            raise OptionError("span_rule", self.span_rule, f"one of {', '.join(SPAN_RULES)}")
+        if not is_int(self.seed):
+            raise OptionError("seed", self.seed, "an int", "per-row seeds go to the call")
         if self.draft.sampling == "sample" and self.verify != "sample":
-            raise ValueError("sampled drafts (draft sampling='sample') need verify='sample' to stay lossless")
-        if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
-            raise ValueError(f"prefill_chunk must be None or an integer >= 1, got {self.prefill_chunk!r}")
+            raise OptionError("draft_sampling", "sample", "'greedy' unless verify='sample'",
+                              "sampled drafts stay lossless only under the sampling verifier")
+        if self.prefill_chunk is not None and not (is_int(self.prefill_chunk) and self.prefill_chunk >= 1):
+            raise OptionError("prefill_chunk", self.prefill_chunk, "None or an integer >= 1")
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+            raise OptionError("mode", self.mode, f"one of {', '.join(MODES)}")
+
+    def validate(self, model: DeepseekV32) -> None:
+        """The rules that need the loaded model."""
+        self.draft.validate(model.n_mtp)
         if self.mode != "eager" and model.device.type != "cuda":
             raise ValueError(f"mode={self.mode!r} captures CUDA graphs and needs the model on a CUDA device "
                              f"(it is on {model.device}); use mode='eager'")
@@ -68,7 +81,6 @@ class GenerationConfig:
         for t in tuple(self.stop_ids) + tuple(self.think_ids or ()) + eos:
             if not 0 <= t < V:
                 raise ValueError(f"token id {t} is outside the vocabulary [0, {V})")
-
 
     @classmethod
     def from_options(cls, max_new_tokens: int = 64, draft: str = "none", k: int | None = None,
@@ -87,13 +99,14 @@ class GenerationConfig:
                            chain_hidden=options.get("chain_hidden", "normed"),
                            sampling=options.get("draft_sampling", "greedy"),
                            vocab=_draft_vocab(options.get("draft_vocab")) if draft != "none" else None)
-        sp = SamplingParams(options.get("temperature", 1.0), options.get("top_k", 0), options.get("top_p", 1.0)) \
-            if verify == "sample" else SamplingParams()
+        # checked whichever the verifier (a bad value is refused even where unused), kept only for 'sample'
+        sp = SamplingParams(options.get("temperature", 1.0), options.get("top_k", 0), options.get("top_p", 1.0))
         think = options.get("think_ids")
         return cls(max_new_tokens=max_new_tokens, draft=dcfg, verify=verify,
                    top_n=options.get("top_n", 10), delta=options.get("delta", 0.6),
                    think_ids=tuple(think) if think is not None else None,
-                   span_rule=options.get("span_rule", "tracked"), sampling=sp,
+                   span_rule=options.get("span_rule", "tracked"),
+                   sampling=sp if verify == "sample" else SamplingParams(),
                    seed=options.get("seed", 0), eos_id=options.get("eos_id"),
                    stop_ids=tuple(options.get("stop_ids", ())), mode=options.get("mode", "eager"),
                    prefill_chunk=options.get("prefill_chunk"))

@@ -1,10 +1,16 @@
-"""The names and limits of the generation options, torch-free so the front ends' schemas (`mtp-eval`,
-`mtp-chat`) read them without loading the model code. `GenerationConfig` (config.py) validates against them."""
+"""The names and limits of the generation options and the error that reports one, torch-free so the front ends'
+schemas (`mtp-eval`, `mtp-chat`) read them without loading the model code. `GenerationConfig` (config.py),
+`DraftConfig` (mtp/draft/config.py) and `SamplingParams` (mtp/verify/params.py) check them."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
 
 DRAFTS = ("none", "vanilla", "eagle")
 VERIFIERS = ("strict", "relaxed", "sample")
 MODES = ("eager", "graph", "overlap")  # eager | graph (whole step in one CUDA graph) | overlap (graph + pipelined host)
-MAX_K = 16  # the most drafts per step the front ends offer: far past the point where position k is still accepted
+MAX_K = 16  # the most drafts per step a GenerationConfig takes: far past the point where position k is still accepted
 
 
 def draft_room(k: int) -> int:
@@ -12,3 +18,28 @@ def draft_room(k: int) -> int:
     verify block written past the committed tokens, and the draft window's slack): 3K + 2. Prompt +
     max_new_tokens + this must fit the model's max_position_embeddings."""
     return 3 * k + 2
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+class OptionError(ValueError):
+    """A generation option outside its rule. `name` is the option as `mtp.generate` spells it (`k`, `top_p`), so
+    a front end can say it in its own words: `mtp-eval` names the config key (`verify.top_p`), `mtp-chat` the
+    command (`/k`). `expected` completes "must be ..."; `note` (optional) says why or what to do instead."""
+
+    def __init__(self, name: str, value: Any, expected: str, note: str = ""):
+        self.name, self.value, self.expected, self.note = name, value, expected, note
+        super().__init__(self.say(name))
+
+    def say(self, key: str, verb: str = "must be") -> str:
+        """The message with the option called `key`: '<key> <verb> <expected>, got <value> (<note>)'."""
+        return f"{key} {verb} {self.expected}, got {self.value!r}" + (f" ({self.note})" if self.note else "")
+
+    def __reduce__(self):  # pickled with its fields (multiprocessing launchers), not only the message
+        return type(self), (self.name, self.value, self.expected, self.note)

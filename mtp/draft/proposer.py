@@ -18,56 +18,12 @@ at positions n-1, n, ..., feeding the module its own output hidden and its previ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..model.cache import KVCache
-from ..decode.options import DRAFTS
 from ..model.deepseek import DeepseekV32
+from .config import DraftConfig  # also importable from here, its old home
 from .vocab import check_ids, shared_sub_head
-
-
-@dataclass(frozen=True)
-class DraftConfig:
-    mode: str = "none"  # one of DRAFTS
-    k: int = 0
-    reuse_modules: bool = False  # vanilla: repeat the last module when K > available (TensorRT-LLM style)
-    target_hidden: str = "normed"  # which target hidden feeds module 1: 'normed' (after final norm) | 'prenorm'
-    chain_hidden: str = "normed"  # which module output is chained: 'normed' (shared_head.norm) | 'prenorm'
-    sampling: str = "greedy"  # greedy drafts | 'sample' from the draft distribution (sampling verifier)
-    vocab: tuple[int, ...] | None = None  # draft vocabulary (mtp.draft.vocab): the head scores only these ids
-
-    def validate(self, n_mtp: int) -> None:
-        if self.mode not in DRAFTS:
-            raise ValueError(f"draft mode must be one of {DRAFTS}, got {self.mode!r}")
-        if not isinstance(self.k, int) or self.k < 0:
-            raise ValueError(f"k must be an integer >= 0, got {self.k!r}")
-        if self.mode == "none" and self.k != 0:
-            raise ValueError(f"draft='none' drafts nothing: k must be 0, got {self.k}")
-        if self.mode != "none" and self.k < 1:
-            raise ValueError(f"draft={self.mode!r} needs k >= 1, got {self.k}")
-        for name in ("target_hidden", "chain_hidden"):
-            if getattr(self, name) not in ("normed", "prenorm"):
-                raise ValueError(f"{name} must be 'normed' or 'prenorm', got {getattr(self, name)!r}")
-        if self.sampling not in ("greedy", "sample"):
-            raise ValueError(f"draft sampling must be 'greedy' or 'sample', got {self.sampling!r}")
-        if self.mode != "none" and n_mtp == 0:
-            raise ValueError(f"draft={self.mode!r} needs MTP modules, but the model has none loaded")
-        if self.mode == "vanilla" and self.k > n_mtp and not self.reuse_modules:
-            raise ValueError(f"vanilla k={self.k} needs {self.k} MTP modules, the checkpoint has {n_mtp}; "
-                             "set reuse_modules=true to repeat the last module (TensorRT-LLM style)")
-
-    @property
-    def n_caches(self) -> int:
-        return self.k if self.mode == "vanilla" else (1 if self.mode == "eagle" else 0)
-
-    def module_for(self, j: int, n_mtp: int) -> int:
-        """Module index (0-based) used at depth j (0-based)."""
-        return min(j, n_mtp - 1) if self.mode == "vanilla" else 0
-
-    def window(self) -> int:
-        return 2 * self.k if self.mode == "vanilla" else self.k + 1
 
 
 def pick_hidden(out, which: str) -> torch.Tensor:

@@ -5,14 +5,34 @@ target logits at the K+1 verified positions `logits_BKV` (position j predicts th
 verified input; position 0 checks draft 1) and returns a `Verdict`: accepted count a in [0, K] per row and
 the one token the target adds after them (the correction at the first miss, or the bonus after all K).
 Draft trees have their own verifiers (tree.py): the same rules over the paths of a static tree.
+
+The names below load on first use, so the torch-free options (`mtp.verify.params`) import without torch.
 """
 
-from .common import Verdict
-from .relaxed import SPAN_RULES, prompt_think_state, relaxed_verify, update_think_state
-from .sampling import SamplingParams, filter_probs, sampling_verify
-from .strict import strict_verify
-from .tree import TreeVerdict, tree_relaxed_verify, tree_sampling_verify, tree_strict_verify
+from __future__ import annotations
 
-__all__ = ["Verdict", "strict_verify", "relaxed_verify", "update_think_state", "prompt_think_state", "SPAN_RULES",
-           "SamplingParams", "filter_probs", "sampling_verify", "TreeVerdict", "tree_strict_verify",
-           "tree_relaxed_verify", "tree_sampling_verify"]
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .common import Verdict
+    from .params import SPAN_RULES, SamplingParams
+    from .relaxed import prompt_think_state, relaxed_verify, update_think_state
+    from .sampling import filter_probs, sampling_verify
+    from .strict import strict_verify
+    from .tree import TreeVerdict, tree_relaxed_verify, tree_sampling_verify, tree_strict_verify
+
+_EXPORTS = {
+    "Verdict": "common", "SPAN_RULES": "params", "SamplingParams": "params",
+    "prompt_think_state": "relaxed", "relaxed_verify": "relaxed", "update_think_state": "relaxed",
+    "filter_probs": "sampling", "sampling_verify": "sampling", "strict_verify": "strict",
+    "TreeVerdict": "tree", "tree_relaxed_verify": "tree", "tree_sampling_verify": "tree",
+    "tree_strict_verify": "tree",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

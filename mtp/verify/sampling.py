@@ -13,27 +13,11 @@ off on CUDA devices (`check_ids=False`: its proposers draw inside the vocabulary
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .common import Verdict, prefix_len
+from .params import SamplingParams  # also importable from here, its old home
 from .rng import ACCEPT, NEXT, RowDraws, uniforms
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
-
-    def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 for sampling, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 def filter_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
