@@ -294,10 +294,24 @@ def _model_checks() -> None:
         install_fast_modules(model)
         assert all(isinstance(b, FastBlock) for b in [*model.model.layers, *model.mtp])
         out = {}
+        from mtp.model.moe import MoE
+
+        calls = []  # module hooks (mtp-bench counts experts with one) must see the fused block's MoE call too
+        hooks = [m.register_forward_pre_hook(lambda mod, inp: calls.append(mod)) for m in model.model.layers.modules()
+                 if isinstance(m, MoE)]
         for on in (False, True):
             set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
             cache = model.new_cache(2, 16)
+            calls.clear()
             out[on] = model(ids, cache).logits
+            assert len(calls) == len(hooks) > 0, (on, len(calls), len(hooks))
+            out[on, "decode"] = model(ids[:, :1], cache).logits  # one token: the absorbed, fused block path
+            assert len(calls) == 2 * len(hooks)
+        for hk in hooks:
+            hk.remove()
+        assert _rel(out[True, "decode"], out[False, "decode"]) < 1e-5, _rel(out[True, "decode"], out[False, "decode"])
+        for on in (False, True):
+            set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
             out[on, "mtp"] = model.mtp_forward(0, ids, torch.randn(2, 3, cfg.hidden_size,
                                                                     generator=torch.Generator().manual_seed(1)),
                                                model.new_cache(2, 16, n_layers=1)).logits

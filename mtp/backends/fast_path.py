@@ -121,15 +121,16 @@ class FastMoE(MoE):
     stacked: dict[str, torch.Tensor] | None = None
     expert_layout: str | None = "pairs"
 
-    def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, xq=None, rounded: bool = True) -> torch.Tensor:
+        """rounded=False: the reduced routed + shared sum in fp32, before `MoE.forward`'s final rounding to x's
+        dtype (`FastBlock` rounds it inside the residual add; called through the module, so hooks still see
+        the call). The shared expert's output is added in the experts' combine launch."""
         if xq is None:
             return super().forward(x)
-        return self.forward_acc(x, xq).to(x.dtype)
+        y = self.forward_acc(x, xq)
+        return y.to(x.dtype) if rounded else y
 
     def forward_acc(self, x: torch.Tensor, xq) -> torch.Tensor:
-        """`forward` before its final rounding to x's dtype: the reduced routed + shared sum in fp32, shaped as x
-        (`FastBlock` rounds it inside the residual add). The shared expert's output is added in the experts'
-        combine launch when the routed sum is on the kernels."""
         shape = x.shape
         D = shape[-1]
         x_ND = x.reshape(-1, D)
@@ -206,7 +207,7 @@ class FastBlock(Block):
         mlp = self.mlp
         if xq is not None and isinstance(mlp, FastMoE) and h_BTD.is_contiguous():
             # one kernel: the MoE's fp32 sum rounded to the model dtype (its `.to(x.dtype)`) and added
-            return add_rounded(h_BTD, mlp.forward_acc(x, xq).contiguous(), x.dtype)
+            return add_rounded(h_BTD, mlp(x, xq, rounded=False).contiguous(), x.dtype)
         if xq is not None and getattr(mlp, "fused_gate_up", None) is not None:
             y = mlp(x, xq)
         else:
