@@ -170,7 +170,7 @@ def prologue_section() -> dict:
     from mtp.kernels.absorb import absorb_out, absorb_out_ref, absorb_q, absorb_q_ref
     from mtp.kernels.mla_prologue import mla_kv_prologue, mla_kv_prologue_ref, mla_q_prologue, mla_q_prologue_ref
     from mtp.model.layers import Rotary, glue
-    from mtp.synthetic import real_config
+    from mtp.model.presets import real_config
 
     glue.compile()
     cfg = dataclasses.replace(real_config(layers=1, dense_layers=1, mtp_modules=0), num_attention_heads=16)
@@ -223,7 +223,7 @@ def step_section(quick: bool) -> dict:
     from mtp.decode.graphs import capture_graph
     from mtp.parallel.layout import ParallelPlan
     from mtp.parallel.synthetic import random_parallel_model
-    from mtp.synthetic import real_config
+    from mtp.model.presets import real_config
     from mtp.timing import kernel_profile, time_ms
 
     cfg = real_config(layers=3, dense_layers=1, mtp_modules=0)

@@ -40,7 +40,8 @@ def bench_ours(args, bw: float) -> dict:
     from .decode.engine import generate, release
     from .backends.fast_path import enable_fast_path
     from .model.layers import glue
-    from .synthetic import random_model, real_config
+    from .synthetic import random_model
+    from .model.presets import real_config
 
     cfg = real_config(layers=args.layers, dense_layers=args.dense_layers, mtp_modules=1)
     t0 = time.perf_counter()

@@ -8,7 +8,6 @@ tensor whole on every rank and keeps its slice, so TP=1 and TP=N hold the same w
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 
@@ -21,22 +20,6 @@ from .model.cache import KVCache
 from .model.config import ModelConfig, RuntimeOptions
 from .model.deepseek import DeepseekV32
 from .model.layers import yarn_inv_freq
-
-
-def real_config(layers: int = 4, dense_layers: int = 1, mtp_modules: int = 1, **overrides) -> ModelConfig:
-    """The 671B config (facts section 1) truncated to `layers` trunk layers."""
-    cfg = dataclasses.replace(ModelConfig(), num_hidden_layers=layers, first_k_dense_replace=dense_layers,
-                              num_nextn_predict_layers=mtp_modules, **overrides)
-    cfg.validate("real_config")
-    return cfg
-
-
-def gpu_test_config(layers: int = 3, mtp_modules: int = 1, index_topk: int = 64) -> ModelConfig:
-    """Smallest config the Triton kernels accept (latent 512, rope 64, power-of-two experts and indexer heads)."""
-    return real_config(layers=layers, dense_layers=1, mtp_modules=mtp_modules, vocab_size=2048, hidden_size=1024,
-                       intermediate_size=1024, moe_intermediate_size=256, num_attention_heads=16, q_lora_rank=512,
-                       n_routed_experts=32, n_group=8, topk_group=4, num_experts_per_tok=8, index_n_heads=16,
-                       index_topk=index_topk, max_position_embeddings=8192)
 
 
 def tensor_seed(seed: int, name: str) -> int:

@@ -57,7 +57,7 @@ def test_set_kernels_invalidates_kept_graphs():
     """Flipping a switch through the fast path bumps model.version (graphs kept by the engine are captured
     again) and restores like set_fast_kernels."""
     from mtp.backends.fast_path import set_kernels
-    from mtp.checkpoint.tiny import tiny_config
+    from mtp.model.presets import tiny_config
     from mtp.model.deepseek import DeepseekV32
 
     model = DeepseekV32(tiny_config(), n_mtp=0)
@@ -184,7 +184,7 @@ def _prologue_checks() -> None:
     from mtp.kernels.act_quant import act_quant
     from mtp.kernels.mla_prologue import mla_kv_prologue, mla_q_prologue, mla_q_prologue_ref
     from mtp.model.layers import Rotary, rope_interleaved
-    from mtp.checkpoint.tiny import tiny_config
+    from mtp.model.presets import tiny_config
 
     cfg = tiny_config()
     mla = MLA(cfg, torch.float32)
@@ -235,7 +235,8 @@ def _model_checks() -> None:
 
     from mtp.checkpoint.files import load_model, save_checkpoint
     from mtp.backends.fast_path import FAST_CLASSES, FastBlock, disable_fast_path, install_fast_modules
-    from mtp.checkpoint.tiny import random_tensors, tiny_config
+    from mtp.checkpoint.tiny import random_tensors
+    from mtp.model.presets import tiny_config
 
     patch_interpreter_loop_bounds()
     cfg = tiny_config()
@@ -261,7 +262,8 @@ def _model_checks() -> None:
     from test_moe_ep import SumLaterComm
 
     from mtp.parallel import ParallelPlan
-    from mtp.parallel.synthetic import random_parallel_model, tiny_parallel_config
+    from mtp.parallel.synthetic import random_parallel_model
+    from mtp.model.presets import tiny_parallel_config
 
     cfg = tiny_parallel_config(world=2)
     comm = SumLaterComm(1, 2)

@@ -34,13 +34,15 @@ from ..model.config import ModelConfig, RuntimeOptions
 from ..decode.engine import generate, release
 from ..model.moe import MoE
 from ..checkpoint.inventory import checkpoint_spec
-from ..synthetic import gpu_test_config, random_model, real_config
+from ..synthetic import random_model
+from ..model.presets import gpu_test_config, real_config
 from ..timing import capture, timer
 from .comm import CountingComm
 from .layout import MLP_SPLITS, ParallelPlan
 from .load import param_bytes
 from .modules import ExpertParallelMoE
-from .synthetic import random_parallel_model, tiny_parallel_config
+from .synthetic import random_parallel_model
+from ..model.presets import tiny_parallel_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CONFIGS = ("real", "gpu-test", "tiny")

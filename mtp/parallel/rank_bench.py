@@ -67,8 +67,7 @@ def default_rank(cfg: ModelConfig, world: int, dtype: torch.dtype) -> int:
 
 def rank_config(args, world: int, cuda: bool, layers: int) -> ModelConfig:
     """The real config on a GPU, a tiny one that splits over `world` on CPU; `layers` trunk layers."""
-    from ..synthetic import real_config
-    from .synthetic import tiny_parallel_config
+    from ..model.presets import real_config, tiny_parallel_config
 
     if cuda:
         return real_config(layers=layers, dense_layers=args.dense_layers, mtp_modules=1)
