@@ -44,9 +44,9 @@ from .turn import TRANSCRIPT_FORMAT, ReplyStream, StepLog, Turn, View, stats_lin
 HELP = """\
 commands:
   /think on|off                thinking mode (reasoning, then </think>, then the answer)
-  /draft none|vanilla|eagle    MTP drafting mode (none = plain autoregressive decoding)
-  /k N                         drafts per step, 1..16 (remembered while /draft none)
-  /verify strict|relaxed|sample
+  /draft {drafts}    MTP drafting mode (none = plain autoregressive decoding)
+  /k N                         drafts per step, 1..{max_k} (remembered while /draft none)
+  /verify {verifiers}
   /max N                       max new tokens per reply
   /temperature T               sampling temperature, T > 0 (used by /verify sample)
   /stats                       session totals, one line per (draft, k, verify) setting, with the
@@ -57,7 +57,8 @@ commands:
   /help                        this text
   /exit                        quit (Ctrl-D too)
 Ctrl-C stops a reply (press twice to stop at once, even mid-prefill). A line starting with // sends a
-message that starts with /. A line ending with \\ continues the message on the next line.""".format(tools=TOOLS_HELP)
+message that starts with /. A line ending with \\ continues the message on the next line.""".format(
+    tools=TOOLS_HELP, drafts="|".join(DRAFTS), verifiers="|".join(VERIFIERS), max_k=MAX_K)
 
 
 class CommandError(ValueError):

@@ -39,8 +39,8 @@ from ..model.config import ModelConfig
 from ..checkpoint.inventory import checkpoint_spec
 from ..timing import capture, copy_bandwidth, kernel_profile, timer
 from .layout import ParallelPlan
+from .memory import GIB
 
-GIB = 2 ** 30
 # Published batch-1 decode speeds to print beside ours (tok/s per user), as the issue cites them.
 REFERENCES = (
     ("TensorRT-LLM, DeepSeek-R1 FP8, 8 x H200, MTP 3", 158.0),
