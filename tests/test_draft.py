@@ -23,7 +23,7 @@ from mtp.draft import DraftConfig, Proposer
 from mtp.draft.proposer import pick_hidden
 from mtp.decode.config import GenerationConfig
 from mtp.decode.engine import Engine
-from mtp.checkpoint.tiny import random_tensors
+from mtp.checkpoint.random_weights import random_tensors
 from mtp.model.presets import tiny_config
 
 N_NEW = 12

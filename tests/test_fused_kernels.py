@@ -235,7 +235,7 @@ def _model_checks() -> None:
 
     from mtp.checkpoint.files import load_model, save_checkpoint
     from mtp.backends.fast_path import FAST_CLASSES, FastBlock, disable_fast_path, install_fast_modules
-    from mtp.checkpoint.tiny import random_tensors
+    from mtp.checkpoint.random_weights import random_tensors
     from mtp.model.presets import tiny_config
 
     patch_interpreter_loop_bounds()

@@ -22,7 +22,7 @@ import mtp
 from mtp.checkpoint.files import load_model, save_checkpoint
 from mtp.model.config import RuntimeOptions
 from mtp.parallel import Comm, ParallelPlan, load_parallel, param_bytes, set_static_moe
-from mtp.checkpoint.tiny import random_tensors
+from mtp.checkpoint.random_weights import random_tensors
 from mtp.model.presets import tiny_parallel_config
 from mtp.parallel.comm import init_process_group
 from mtp.parallel.memory import rank_weight_bytes

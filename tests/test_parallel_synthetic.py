@@ -21,7 +21,8 @@ from mtp.parallel import Comm, load_parallel
 from mtp.parallel.comm import init_process_group
 from mtp.parallel.synthetic import random_parallel_model
 from mtp.model.presets import tiny_parallel_config
-from mtp.synthetic import random_model, random_state
+from mtp.synthetic import random_model
+from mtp.checkpoint.random_weights import random_state
 
 pytestmark = pytest.mark.slow
 WORLD = 2

@@ -15,46 +15,10 @@ from pathlib import Path
 
 import torch
 
-from ..model import fp8
-from .files import save_checkpoint
 from ..model.config import ModelConfig
 from ..model.presets import tiny_config
-from .inventory import checkpoint_spec
-
-
-def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Checkpoint-named random tensors; linear weights ~ N(0, 1/in) so activations keep their scale.
-    The MTP layers' embed_tokens / shared_head.head are copies of the main ones, as in the real file."""
-    g = torch.Generator().manual_seed(seed)
-    spec = checkpoint_spec(cfg)
-    out: dict[str, torch.Tensor] = {}
-    for name, ts in spec.items():
-        if ts.kind == "scale":
-            continue
-        shape = ts.shape
-        if name.endswith(("embed_tokens.weight",)) and name.startswith("model.layers."):
-            out[name] = out["model.embed_tokens.weight"].clone()
-            continue
-        if name.endswith("shared_head.head.weight"):
-            out[name] = out["lm_head.weight"].clone()
-            continue
-        if name == "model.embed_tokens.weight":
-            w = torch.randn(shape, generator=g)
-        elif "norm" in name and name.endswith("bias"):
-            w = 0.1 * torch.randn(shape, generator=g)
-        elif "norm" in name:
-            w = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        elif name.endswith("e_score_correction_bias"):
-            w = 0.05 * torch.randn(shape, generator=g)
-        else:
-            w = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
-        if ts.kind == "fp8":
-            w8, s = fp8.weight_quant(w)
-            out[name] = w8
-            out[name.replace(".weight", ".weight_scale_inv")] = s
-        else:
-            out[name] = w.to(ts.dtypes[0])
-    return {n: out[n] for n in spec}
+from .files import save_checkpoint
+from .random_weights import random_tensors
 
 
 def agreeing_mtp(tensors: dict[str, torch.Tensor], cfg: ModelConfig, seed: int = 5) -> dict[str, torch.Tensor]:

@@ -1,9 +1,10 @@
 """The random FP8 model of `mtp.synthetic`, built sharded: each rank holds exactly the slices `load_parallel`
-would give it from a checkpoint holding `mtp.synthetic.random_state(cfg, seed)`, with nothing written to disk.
+would give it from a checkpoint holding `mtp.checkpoint.random_weights.random_state(cfg, seed)`, with nothing
+written to disk.
 
 Every rank draws each tensor it needs whole, on its own device, from that tensor's own generator
-(`mtp.synthetic.tensor_seed`: a hash of the seed and the checkpoint name), cuts its part with the loader's
-`rank_part` (slices + exactly re-blocked FP8 scales), and frees the whole tensor before drawing the next one:
+(`mtp.checkpoint.random_weights.tensor_seed`: a hash of the seed and the checkpoint name), cuts its part with the
+loader's `rank_part` (slices + exactly re-blocked FP8 scales), and frees the whole tensor before drawing the next one:
 peak memory is this rank's model plus one full tensor (the 129280 x 7168 embedding: 3.7 GB in fp32 at real
 width), and no communication is needed to agree. Non-local experts are never drawn. `random_model(cfg, seed)`
 on one device holds the same weights (same draws, same device type), so TP=N can be compared with TP=1.
