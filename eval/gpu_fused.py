@@ -106,9 +106,9 @@ def gemv_section(quick: bool) -> dict:
 
 
 def norm_section() -> dict:
-    from mtp.model.layers import glue
+    from mtp.model.layers import elementwise
 
-    glue.compile()
+    elementwise.compile()
     out = {}
     D = 7168
     w = (torch.rand(D, device=DEV) + 0.5).bfloat16()
@@ -124,15 +124,15 @@ def norm_section() -> dict:
 
         def old():
             h2 = h + d.to(h.dtype)
-            yy = glue.rms_norm(h2, w, 1e-6, torch.bfloat16)
+            yy = elementwise.rms_norm(h2, w, 1e-6, torch.bfloat16)
             return act_quant(yy)
 
         t_old = gk.graph_us([old])
-        t_old_noq = gk.graph_us([lambda: glue.rms_norm(h + d.to(h.dtype), w, 1e-6, torch.bfloat16)])
+        t_old_noq = gk.graph_us([lambda: elementwise.rms_norm(h + d.to(h.dtype), w, 1e-6, torch.bfloat16)])
         t_new = gk.graph_us([lambda: add_rms_norm_quant(h, d, w, 1e-6)])
         qa = torch.randn(M, 1536, device=DEV).bfloat16()
         wq = w[:1536]
-        t_qa_old = gk.graph_us([lambda: glue.rms_norm(qa, wq, 1e-6, torch.bfloat16)])
+        t_qa_old = gk.graph_us([lambda: elementwise.rms_norm(qa, wq, 1e-6, torch.bfloat16)])
         t_qa_new = gk.graph_us([lambda: add_rms_norm_quant(qa, None, wq, 1e-6, store_y=False)])
         for k_, t in (("old: cast+add, norm, act_quant", t_old), ("old: cast+add, norm", t_old_noq),
                       ("new: add+norm+quant", t_new), ("q_a norm old", t_qa_old), ("q_a norm+quant new", t_qa_new)):
@@ -169,10 +169,10 @@ def prologue_section() -> dict:
     from mtp.model.cache import KVCache
     from mtp.kernels.absorb import absorb_out, absorb_out_ref, absorb_q, absorb_q_ref
     from mtp.kernels.mla_prologue import mla_kv_prologue, mla_kv_prologue_ref, mla_q_prologue, mla_q_prologue_ref
-    from mtp.model.layers import Rotary, glue
-    from mtp.synthetic import real_config
+    from mtp.model.layers import Rotary, elementwise
+    from mtp.model.presets import real_config
 
-    glue.compile()
+    elementwise.compile()
     cfg = dataclasses.replace(real_config(layers=1, dense_layers=1, mtp_modules=0), num_attention_heads=16)
     with torch.device(DEV):
         mla = MLA(cfg, torch.bfloat16)
@@ -223,7 +223,7 @@ def step_section(quick: bool) -> dict:
     from mtp.decode.graphs import capture_graph
     from mtp.parallel.layout import ParallelPlan
     from mtp.parallel.synthetic import random_parallel_model
-    from mtp.synthetic import real_config
+    from mtp.model.presets import real_config
     from mtp.timing import kernel_profile, time_ms
 
     cfg = real_config(layers=3, dense_layers=1, mtp_modules=0)

@@ -39,8 +39,9 @@ def _count_experts(model, ids) -> tuple[dict, list]:
 def bench_ours(args, bw: float) -> dict:
     from .decode.engine import generate, release
     from .backends.fast_path import enable_fast_path
-    from .model.layers import glue
-    from .synthetic import random_model, real_config
+    from .model.layers import elementwise
+    from .synthetic import random_model
+    from .model.presets import real_config
 
     cfg = real_config(layers=args.layers, dense_layers=args.dense_layers, mtp_modules=1)
     t0 = time.perf_counter()
@@ -72,9 +73,9 @@ def bench_ours(args, bw: float) -> dict:
             graph_ms = time_ms(graph.replay)
             prof = kernel_profile(graph.replay) if args.profile and w in (1, args.k + 1) else None
             del graph
-            glue.reset()  # same step with the unfused glue, side by side
+            elementwise.reset()  # same step with the plain (uncompiled) elementwise ops, side by side
             graph_plain_ms = time_ms(capture(fwd).replay)
-            glue.compile()
+            elementwise.compile()
             seen, hooks = _count_experts(model, blk)
             fwd()
             for h in hooks:

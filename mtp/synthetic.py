@@ -1,81 +1,22 @@
 """Random FP8 DeepSeek-V3.2 models built directly on a device (no checkpoint on disk), for benchmarks and GPU
-tests at real width. Weights follow the checkpoint layout (FP8 + ue8m0 128x128 block scales, bf16 norms and
-router, fp32 router bias); values are N(0, 1) in FP8 with a power-of-two block scale near 1/sqrt(in), so
-activations keep their scale through the layers, as with the tiny checkpoints. Every tensor is drawn from its
-own generator, seeded from (seed, checkpoint name): the sharded build (`mtp.parallel.synthetic`) draws each
-tensor whole on every rank and keeps its slice, so TP=1 and TP=N hold the same weights.
+tests at real width, and random valid KV-cache contents. The weights are those of
+`mtp.checkpoint.random_weights.random_tensor` (the checkpoint format; every tensor from its own generator, seeded
+from (seed, checkpoint name)): the sharded build (`mtp.parallel.synthetic`) draws each tensor whole on every rank
+and keeps its slice, so TP=1 and TP=N hold the same weights.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import math
-
 import torch
 
 from .checkpoint.files import ckpt_name
-from .checkpoint.inventory import TensorSpec, checkpoint_spec
+from .checkpoint.inventory import checkpoint_spec
+from .checkpoint.random_weights import random_tensor
 from .model import fp8
 from .model.cache import KVCache
 from .model.config import ModelConfig, RuntimeOptions
 from .model.deepseek import DeepseekV32
 from .model.layers import yarn_inv_freq
-
-
-def real_config(layers: int = 4, dense_layers: int = 1, mtp_modules: int = 1, **overrides) -> ModelConfig:
-    """The 671B config (facts section 1) truncated to `layers` trunk layers."""
-    cfg = dataclasses.replace(ModelConfig(), num_hidden_layers=layers, first_k_dense_replace=dense_layers,
-                              num_nextn_predict_layers=mtp_modules, **overrides)
-    cfg.validate("real_config")
-    return cfg
-
-
-def gpu_test_config(layers: int = 3, mtp_modules: int = 1, index_topk: int = 64) -> ModelConfig:
-    """Smallest config the Triton kernels accept (latent 512, rope 64, power-of-two experts and indexer heads)."""
-    return real_config(layers=layers, dense_layers=1, mtp_modules=mtp_modules, vocab_size=2048, hidden_size=1024,
-                       intermediate_size=1024, moe_intermediate_size=256, num_attention_heads=16, q_lora_rank=512,
-                       n_routed_experts=32, n_group=8, topk_group=4, num_experts_per_tok=8, index_n_heads=16,
-                       index_topk=index_topk, max_position_embeddings=8192)
-
-
-def tensor_seed(seed: int, name: str) -> int:
-    """The generator seed of checkpoint tensor `name`: a stable hash of (seed, name), so any process that needs
-    a tensor (one GPU, or every rank of a sharded build) draws the same values without communicating."""
-    h = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
-
-
-def random_tensor(cfg: ModelConfig, name: str, seed: int = 0, device="cuda",
-                  spec: dict[str, TensorSpec] | None = None) -> torch.Tensor:
-    """Checkpoint tensor `name` of the random model, whole, in its checkpoint dtype, on `device`: FP8 weights are
-    N(0, 1) in e4m3 with one power-of-two scale near 1/sqrt(in) for all blocks; bf16 linears N(0, 1/in);
-    embeddings N(0, 1); norm weights 1 + N(0, 0.01), norm biases N(0, 0.01); router bias N(0, 0.0025).
-    Values depend only on (seed, name, device type), not on which other tensors are drawn."""
-    spec = spec if spec is not None else checkpoint_spec(cfg)
-    ts = spec[name]
-    if ts.kind == "scale":  # deterministic: no draw
-        n, k = spec[name[: -len("_scale_inv")]].shape
-        return torch.full(ts.shape, 2.0 ** round(math.log2(1 / math.sqrt(k))), device=device)
-    g = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
-    v = torch.randn(ts.shape, generator=g, device=device)
-    if ts.kind == "fp8":
-        return v.to(fp8.FP8_DTYPE)
-    if name.endswith("e_score_correction_bias"):
-        v.mul_(0.05)
-    elif name.endswith("norm.bias"):
-        v.mul_(0.1)
-    elif name.endswith("norm.weight"):
-        v.mul_(0.1).add_(1.0)
-    elif not name.endswith("embed_tokens.weight"):
-        v.div_(math.sqrt(ts.shape[-1]))
-    return v.to(ts.dtypes[0])
-
-
-def random_state(cfg: ModelConfig, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
-    """Every checkpoint tensor of `random_model(cfg, seed=seed)` (small configs: for writing it as a checkpoint)."""
-    spec = checkpoint_spec(cfg)
-    return {name: random_tensor(cfg, name, seed, device, spec) for name in spec}
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
@@ -108,9 +49,10 @@ def fill_random(model: DeepseekV32, seed: int, device, part=None) -> DeepseekV32
 @torch.no_grad()
 def random_model(cfg: ModelConfig, device="cuda", dtype=torch.bfloat16, seed: int = 0,
                  runtime: RuntimeOptions | None = None) -> DeepseekV32:
-    """The random model on `device`, equal to `load_model` of a checkpoint holding `random_state(cfg, seed)`
-    (bf16 / fp32 tensors are drawn in their checkpoint dtype, then cast to `dtype`). Each tensor has its own
-    seed (`tensor_seed`), so `mtp.parallel.random_parallel_model` gives every rank its exact slices."""
+    """The random model on `device`, equal to `load_model` of a checkpoint holding
+    `mtp.checkpoint.random_weights.random_state(cfg, seed)` (bf16 / fp32 tensors are drawn in their checkpoint
+    dtype, then cast to `dtype`). Each tensor has its own seed (`random_weights.tensor_seed`), so
+    `mtp.parallel.random_parallel_model` gives every rank its exact slices."""
     with torch.device("meta"):
         model = DeepseekV32(cfg, dtype=dtype, runtime=runtime or RuntimeOptions(numerics="fp8"))
     return fill_random(model, seed, device)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mtp.checkpoint.files import load_model, save_checkpoint
-from mtp.checkpoint.tiny import random_tensors, tiny_config
+from mtp.checkpoint.random_weights import random_tensors
+from mtp.model.presets import tiny_config
 
 # One intra-op thread: the tiny models are far too small to gain from more, and on shared 2-core CI machines
 # OpenMP spinning across processes made torch set-up 10-50x slower.

@@ -11,8 +11,9 @@ import torch
 from mtp import bench
 from mtp.parallel import Comm
 from mtp.parallel import rank_bench as rb
-from mtp.parallel.synthetic import random_parallel_model, tiny_parallel_config
-from mtp.synthetic import real_config
+from mtp.parallel.synthetic import random_parallel_model
+from mtp.model.presets import tiny_parallel_config
+from mtp.model.presets import real_config
 
 
 def _result(device="NVIDIA H100 80GB HBM3"):

@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 from mtp.checkpoint.files import INDEX_NAME, CheckpointError, load_model, save_checkpoint, state_for_checkpoint
 from mtp.model.config import ConfigError
 from mtp.checkpoint.inventory import checkpoint_spec
-from mtp.checkpoint.tiny import random_tensors, tiny_config
+from mtp.checkpoint.random_weights import random_tensors
+from mtp.model.presets import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 FP8 = torch.float8_e4m3fn

@@ -23,7 +23,8 @@ from mtp.draft import DraftConfig, Proposer
 from mtp.draft.proposer import pick_hidden
 from mtp.decode.config import GenerationConfig
 from mtp.decode.engine import Engine
-from mtp.checkpoint.tiny import random_tensors, tiny_config
+from mtp.checkpoint.random_weights import random_tensors
+from mtp.model.presets import tiny_config
 
 N_NEW = 12
 PROMPT_LENS = (5, 14, 23)  # index_topk = 16: rows start dense and grow sparse, one starts sparse

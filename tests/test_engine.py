@@ -22,7 +22,8 @@ from mtp.draft import DraftConfig
 from mtp.decode.config import GenerationConfig
 from mtp.decode.engine import Engine
 from mtp.decode.metrics import SpecMetrics
-from mtp.checkpoint.tiny import random_tensors, tiny_config
+from mtp.checkpoint.random_weights import random_tensors
+from mtp.model.presets import tiny_config
 from mtp.verify import SamplingParams, filter_probs
 
 N_NEW = 16

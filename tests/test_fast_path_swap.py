@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from mtp.backends.fast_path import FastLinear, FastMLP, FastMoE, FastParallelMLP, disable_fast_path, fast_module, reference_class
-from mtp.checkpoint.tiny import tiny_config
+from mtp.model.presets import tiny_config
 from mtp.model.fp8 import weight_quant
 from mtp.model.layers import MLP, Linear
 from mtp.model.moe import MoE

@@ -24,7 +24,7 @@ from mtp.model.layers import Linear
 from mtp.model.moe import MoE
 from mtp.parallel import Comm, ParallelPlan, RankLayout
 from mtp.parallel.modules import ExpertParallelMoE
-from mtp.checkpoint.tiny import tiny_config
+from mtp.model.presets import tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interp import patch_interpreter_loop_bounds, run_interpreted  # noqa: E402

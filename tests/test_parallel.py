@@ -10,7 +10,6 @@ predicts one position later. Eagle k=2 then accepts both drafts on some steps an
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import time
 
@@ -23,19 +22,14 @@ import mtp
 from mtp.checkpoint.files import load_model, save_checkpoint
 from mtp.model.config import RuntimeOptions
 from mtp.parallel import Comm, ParallelPlan, load_parallel, param_bytes, set_static_moe
-from mtp.checkpoint.tiny import random_tensors, tiny_config
+from mtp.checkpoint.random_weights import random_tensors
+from mtp.model.presets import tiny_parallel_config
 from mtp.parallel.comm import init_process_group
 from mtp.parallel.memory import rank_weight_bytes
 
 pytestmark = pytest.mark.slow
 WORLD = 2
 LOGIT_ATOL = 2e-5  # |logits| ~ 4; observed <= 1.1e-6 (fp32 reduction order differs from one rank)
-
-
-def parallel_config():
-    cfg = dataclasses.replace(tiny_config(), num_attention_heads=8, intermediate_size=512)
-    cfg.validate("parallel_config")
-    return cfg
 
 
 def speculation_friendly(cfg, tensors, scale: float = 10.0):
@@ -112,7 +106,7 @@ def run_ranks(fn, args, timeout_s: float = 240.0) -> None:
 
 @pytest.fixture(scope="module")
 def par_ckpt(tmp_path_factory):
-    cfg = parallel_config()
+    cfg = tiny_parallel_config(WORLD)
     tensors = speculation_friendly(cfg, random_tensors(cfg, seed=0))
     return save_checkpoint(tensors, cfg, tmp_path_factory.mktemp("par") / "tiny-tp")
 

@@ -14,7 +14,8 @@ import torch
 
 import mtp
 from mtp.checkpoint.files import save_checkpoint
-from mtp.checkpoint.tiny import random_tensors, tiny_config
+from mtp.checkpoint.random_weights import random_tensors
+from mtp.model.presets import tiny_config
 from mtp.tokenizer import Tokenizer, default_corpus, save_tokenizer, train_bpe_tokenizer
 
 PROMPT = "def parse_args(argv):\n    "

@@ -14,7 +14,7 @@ from mtp.parallel import ParallelPlan, RankLayout, ReblockError, Shard, reblock_
 from mtp.parallel.layout import split_range
 from mtp.parallel.load import check_fp8_inputs
 from mtp.checkpoint.inventory import checkpoint_spec
-from mtp.checkpoint.tiny import tiny_config
+from mtp.model.presets import real_config, tiny_config, tiny_parallel_config
 
 
 # ----------------------------------------------------------------------------------------- re-blocking
@@ -96,7 +96,7 @@ def test_scale_of_the_wrong_shape_is_refused():
 # ----------------------------------------------------------------------------------------- layout
 def small_real_config() -> ModelConfig:
     """Real widths (heads, experts, vocab, MLP widths), 3 dense + 1 MoE layer + 1 MTP: fast to enumerate."""
-    return dataclasses.replace(ModelConfig(), num_hidden_layers=4)
+    return real_config(layers=4, dense_layers=3)
 
 
 @pytest.mark.parametrize("cfg_name,world,split", [("tiny", 2, "blocks"), ("real", 8, "blocks"),
@@ -160,7 +160,7 @@ def test_fp8_numerics_refuse_cut_activation_groups():
     tiny4 = tiny_config()  # 4 heads x 32: o_proj gets 64 channels per rank at W = 2
     with pytest.raises(ConfigError, match="o_proj .* gets 64 input channels"):
         check_fp8_inputs(RankLayout(tiny4, ParallelPlan(2), 0))
-    tiny8 = dataclasses.replace(tiny4, num_attention_heads=8, intermediate_size=512)
+    tiny8 = tiny_parallel_config(2)
     check_fp8_inputs(RankLayout(tiny8, ParallelPlan(2), 1))  # whole groups everywhere
     with pytest.raises(ConfigError, match="shared expert down_proj gets 64"):
         check_fp8_inputs(RankLayout(tiny8, ParallelPlan(2, "even"), 1))

@@ -21,7 +21,8 @@ import mtp
 from mtp.decode.engine import release
 from mtp.parallel.comm import CountingComm, init_process_group
 from mtp.parallel.simulate import simulated_rank
-from mtp.parallel.synthetic import random_parallel_model, tiny_parallel_config
+from mtp.parallel.synthetic import random_parallel_model
+from mtp.model.presets import tiny_parallel_config
 from tests.test_parallel import run_ranks
 
 pytestmark = pytest.mark.slow

@@ -19,8 +19,10 @@ import torch.multiprocessing as mp
 from mtp.checkpoint.files import load_model, save_checkpoint
 from mtp.parallel import Comm, load_parallel
 from mtp.parallel.comm import init_process_group
-from mtp.parallel.synthetic import random_parallel_model, tiny_parallel_config
-from mtp.synthetic import random_model, random_state
+from mtp.parallel.synthetic import random_parallel_model
+from mtp.model.presets import tiny_parallel_config
+from mtp.synthetic import random_model
+from mtp.checkpoint.random_weights import random_state
 
 pytestmark = pytest.mark.slow
 WORLD = 2

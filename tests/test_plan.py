@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -16,7 +15,7 @@ from mtp.parallel import ParallelPlan, param_bytes
 from mtp.parallel.memory import (Workload, kv_bytes_per_token_layer, main, make_plan, rank_weight_bytes,
                       weight_bytes_by_rank)
 from mtp.checkpoint.inventory import checkpoint_spec
-from mtp.checkpoint.tiny import tiny_config
+from mtp.model.presets import real_config, tiny_config
 
 SPLIT = ("embedding + lm_head", "attention (head-split)", "routed experts", "shared experts", "dense MLP")
 REPLICATED = ("attention (replicated)", "indexer (replicated)", "router", "norms")
@@ -30,7 +29,7 @@ def real_config_file(tmp_path_factory):
 
 
 def test_world1_weights_equal_the_checkpoint_bytes():
-    cfg = dataclasses.replace(ModelConfig(), num_hidden_layers=4)
+    cfg = real_config(layers=4, dense_layers=3)
     spec = checkpoint_spec(cfg)
     size = {"fp8": 1, "scale": 4, "bf16": 2, "fp32": 4, "norm": 4}  # norm: the indexer LayerNorm is held in fp32
     want = sum(math.prod(t.shape) * size[t.kind] for t in spec.values())
@@ -39,7 +38,7 @@ def test_world1_weights_equal_the_checkpoint_bytes():
 
 @pytest.mark.parametrize("world", [8, 16])
 def test_split_parts_sum_to_the_whole_and_replicated_parts_repeat(world):
-    cfg = dataclasses.replace(ModelConfig(), num_hidden_layers=4)
+    cfg = real_config(layers=4, dense_layers=3)
     one = rank_weight_bytes(cfg, ParallelPlan(1), 0)
     ranks = weight_bytes_by_rank(cfg, ParallelPlan(world))
     for c in SPLIT:

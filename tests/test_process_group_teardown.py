@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     import os, sys, time, torch, torch.distributed as dist
     from mtp.parallel.comm import Comm, init_process_group
     from mtp.parallel.load import parallel_skeleton
-    from mtp.checkpoint.tiny import tiny_config
+    from mtp.model.presets import tiny_config
 
     def threads():
         names = []

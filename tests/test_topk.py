@@ -51,7 +51,7 @@ def test_radix_topk_interpreted():
 
 def test_set_kernel_options_switches_and_refuses_unknown():
     from mtp.backends.fast_path import FastMLA, _swap, disable_fast_path, fast_module, set_kernel_options
-    from mtp.checkpoint.tiny import tiny_config
+    from mtp.model.presets import tiny_config
     from mtp.model.attention import MLA
     from mtp.model.moe import MoE
 

@@ -16,7 +16,9 @@ import torch
 
 from mtp import generate
 from mtp.checkpoint.files import load_model, save_checkpoint
-from mtp.checkpoint.tiny import agreeing_mtp, random_tensors, tiny_config
+from mtp.checkpoint.tiny import agreeing_mtp
+from mtp.checkpoint.random_weights import random_tensors
+from mtp.model.presets import tiny_config
 from mtp.decode.tree import generate_tree
 from mtp.draft import DraftConfig, Proposer
 from mtp.draft.proposer import pick_hidden

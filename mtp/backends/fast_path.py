@@ -54,7 +54,7 @@ from ..kernels.norm_quant import add_rms_norm_quant, add_rounded
 from ..model.attention import MLA
 from ..model.deepseek import Block, DeepseekV32
 from ..model.fp8 import acc_dtype
-from ..model.layers import MLP, Linear, glue
+from ..model.layers import MLP, Linear, elementwise
 from ..model.moe import MoE
 from ..parallel.modules import ParallelMLP
 
@@ -76,7 +76,7 @@ def _gate_up(mlp: MLP, x: torch.Tensor, xq=None) -> torch.Tensor:
     """silu(gate x) * up x in x.dtype, gate | up as one GEMV; xq = (x8, sx): x already quantized per 128."""
     gu = linear(x, *mlp.fused_gate_up, xq=xq)
     i = mlp.gate_proj.out_features
-    return glue.silu_mul(gu[..., :i], gu[..., i:], x.dtype)
+    return elementwise.silu_mul(gu[..., :i], gu[..., i:], x.dtype)
 
 
 class FastMLP(MLP):
@@ -277,8 +277,10 @@ def fast_module(mod: torch.nn.Module, mm_fp32: bool = False) -> None:
         _swap(mod, FastBlock)
 
 
-def enable_fast_path(model: DeepseekV32, compile_glue: bool = True, indexer_topk: str = "radix") -> DeepseekV32:
-    """compile_glue: torch.compile the elementwise glue (mtp.model.layers.Glue) into fused kernels.
+def enable_fast_path(model: DeepseekV32, compile_elementwise: bool = True,
+                     indexer_topk: str = "radix") -> DeepseekV32:
+    """compile_elementwise: torch.compile the elementwise ops between the GEMMs (`mtp.model.layers.elementwise`)
+    into fused kernels.
     indexer_topk: the indexer's top-k, 'radix' (Triton radix select, the reference's tie rule), 'radix_fused'
     (its histogram pass in the scores kernel) or 'torch' (torch.topk); switch it and the MoE expert layout
     later with `set_kernel_options`."""
@@ -290,8 +292,8 @@ def enable_fast_path(model: DeepseekV32, compile_glue: bool = True, indexer_topk
         raise ValueError("the fast path implements DeepSeek's FP8 numerics: load an FP8 checkpoint with numerics='fp8'")
     if indexer_topk not in TOPK_IMPLS:
         raise ValueError(f"enable_fast_path: indexer_topk must be one of {TOPK_IMPLS}, got {indexer_topk!r}")
-    if compile_glue:
-        glue.compile()
+    if compile_elementwise:
+        elementwise.compile()
     install_fast_modules(model, _mm_out_fp32())
     set_kernel_options(model, indexer_topk=indexer_topk)
     return model
@@ -339,10 +341,10 @@ def set_kernel_options(model: torch.nn.Module, indexer_topk: str | None = None,
 
 
 def disable_fast_path(model: torch.nn.Module) -> torch.nn.Module:
-    """Swap the reference classes back on `model` (a whole model or one module) and reset the glue."""
+    """Swap the reference classes back on `model` (a whole model or one module) and the plain elementwise ops."""
     for mod in model.modules():
         mod.__class__ = reference_class(type(mod))
-    glue.reset()
+    elementwise.reset()
     if isinstance(model, DeepseekV32):
         model.version += 1  # graphs captured on the fast path must not be replayed
     return model
@@ -426,7 +428,7 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None) 
         mla_kv_prologue(mla, cache, pos_BT, a, cos, sin)
     else:
         c = mla.kv_a_layernorm(kv[..., : mla.C], dt)
-        k_pe = glue.rope_interleaved(kv[..., mla.C:], cos, sin)
+        k_pe = elementwise.rope_interleaved(kv[..., mla.C:], cos, sin)
         cache_write(cache, pos_BT, c, k_pe, ix._rotate(ix.k_norm(k_idx), cos, sin))
     # The indexer scores only when it must choose (S > its top-k); else every visible key is kept and its query
     # side (the wq_b rows of the stacked GEMV, the queries' rotary / Hadamard / quant, the head weights) is
@@ -450,7 +452,7 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None) 
         o = mla_attend_fast(mla, x_BTD, None, q[..., :P], q_pe, cache, S, out_dtype=dt,
                             iq_quant=(iq8, iqs) if score else None)
         return mla.o_proj(o.reshape(B, T, H * mla.V))
-    q_nope, q_pe = q[..., :P], glue.rope_interleaved(q[..., P:], cos, sin)
+    q_nope, q_pe = q[..., :P], elementwise.rope_interleaved(q[..., P:], cos, sin)
     iq = ix._rotate(iq.view(B, T, ix.n_heads, Dk), cos, sin) if score else None
     o = mla_attend_fast(mla, x_BTD, iq, q_nope, q_pe, cache, S, out_dtype=dt)
     return mla.o_proj(o.reshape(B, T, H * mla.V))
@@ -468,7 +470,7 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
         if iq_quant is None and iq_BTHD is None:
             raise ValueError(f"mla_attend_fast: the indexer must score {S} keys for its top-{ix.topk}: give the "
                              f"indexer queries (iq_BTHD or iq_quant)")
-        q8, qs = glue.act_quant(iq_BTHD) if iq_quant is None else iq_quant  # qs [B, T, Hi, 1]
+        q8, qs = elementwise.act_quant(iq_BTHD) if iq_quant is None else iq_quant  # qs [B, T, Hi, 1]
         if mla.w_idx_t is not None and x_BTD.dtype == torch.bfloat16:
             # bf16 x bf16 products are exact in fp32 and cuBLAS sums them in fp32: the reference's fp32 math
             x2 = x_BTD.reshape(-1, x_BTD.shape[-1])

@@ -3,7 +3,7 @@
 `mtp-tiny-checkpoint OUT_DIR` writes config.json (model_type deepseek_v32, quantization_config, YaRN
 rope_scaling, index_*), FP8 e4m3 weights with ue8m0 `weight_scale_inv`, bf16/fp32 tensors where the real
 checkpoint has them, the MTP layer(s), >= 2 shards with an index, and tokenizer files with DeepSeek's
-special tokens. Dimensions are the smallest that keep every FP8 input a multiple of the 128 block.
+special tokens. Dimensions: `mtp.model.presets.tiny_config`.
 """
 
 from __future__ import annotations
@@ -15,60 +15,10 @@ from pathlib import Path
 
 import torch
 
-from ..model import fp8
+from ..model.config import ModelConfig
+from ..model.presets import tiny_config
 from .files import save_checkpoint
-from ..model.config import ModelConfig, QuantConfig, RopeScaling
-from .inventory import checkpoint_spec
-
-
-def tiny_config(layers: int = 3, dense_layers: int = 1, mtp_modules: int = 1, index_topk: int = 16,
-                vocab: int = 512, fp8_weights: bool = True) -> ModelConfig:
-    cfg = ModelConfig(
-        vocab_size=vocab, hidden_size=256, intermediate_size=384, moe_intermediate_size=128,
-        num_hidden_layers=layers, first_k_dense_replace=dense_layers, num_attention_heads=4,
-        q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
-        n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
-        index_n_heads=8, index_head_dim=128, index_topk=index_topk, num_nextn_predict_layers=mtp_modules,
-        max_position_embeddings=4096, rope_scaling=RopeScaling(original_max_position_embeddings=256),
-        quantization_config=QuantConfig() if fp8_weights else None,
-    )
-    cfg.validate("tiny_config")
-    return cfg
-
-
-def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Checkpoint-named random tensors; linear weights ~ N(0, 1/in) so activations keep their scale.
-    The MTP layers' embed_tokens / shared_head.head are copies of the main ones, as in the real file."""
-    g = torch.Generator().manual_seed(seed)
-    spec = checkpoint_spec(cfg)
-    out: dict[str, torch.Tensor] = {}
-    for name, ts in spec.items():
-        if ts.kind == "scale":
-            continue
-        shape = ts.shape
-        if name.endswith(("embed_tokens.weight",)) and name.startswith("model.layers."):
-            out[name] = out["model.embed_tokens.weight"].clone()
-            continue
-        if name.endswith("shared_head.head.weight"):
-            out[name] = out["lm_head.weight"].clone()
-            continue
-        if name == "model.embed_tokens.weight":
-            w = torch.randn(shape, generator=g)
-        elif "norm" in name and name.endswith("bias"):
-            w = 0.1 * torch.randn(shape, generator=g)
-        elif "norm" in name:
-            w = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        elif name.endswith("e_score_correction_bias"):
-            w = 0.05 * torch.randn(shape, generator=g)
-        else:
-            w = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
-        if ts.kind == "fp8":
-            w8, s = fp8.weight_quant(w)
-            out[name] = w8
-            out[name.replace(".weight", ".weight_scale_inv")] = s
-        else:
-            out[name] = w.to(ts.dtypes[0])
-    return {n: out[n] for n in spec}
+from .random_weights import random_tensors
 
 
 def agreeing_mtp(tensors: dict[str, torch.Tensor], cfg: ModelConfig, seed: int = 5) -> dict[str, torch.Tensor]:

@@ -10,12 +10,12 @@ which also bumps `model.version`, so the engine captures its kept graphs again).
   quantized output fed to the next GEMV (`fast_path.FastBlock`); also the q_a norm + quant.
 - router: the MoE router in one kernel (`router.moe_route_fused`); off: `moe.moe_route` (2 launches).
 - prologue: the MLA prologue in two kernels (`mla_prologue`: kv_a norm, rotary, indexer key + cache write;
-  q_pe rotary, indexer queries' rotary + Hadamard + quant); off: ~12 torch / compiled-glue launches.
+  q_pe rotary, indexer queries' rotary + Hadamard + quant); off: ~12 torch / compiled elementwise launches.
 - absorb: MLA's absorbed kv_b projections (q_nope -> latent, latent -> v) in one launch each (`absorb`);
   off: two torch einsums (~3 launches each).
 - pdl (off by default: not yet measured): launch the new kernels with programmatic dependent launch (Hopper),
   so that each may start while the previous kernel finishes (the GEMV requests its weights before waiting).
-  torch.compile'd glue joins in only when TORCHINDUCTOR_ENABLE_PDL=1 is set before it compiles.
+  the torch.compile'd elementwise ops join in only when TORCHINDUCTOR_ENABLE_PDL=1 is set before it compiles.
 """
 
 from __future__ import annotations

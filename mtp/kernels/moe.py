@@ -5,10 +5,10 @@ intermediate (2048), J = topk experts per token (8), NG expert groups (8), P = T
 Expert weights are stacked: w_gate / w_up [E, I, D] float8 + [E, I/128, D/128] fp32 scales,
 w_down [E, D, I] float8 + [E, D/128, I/128].
 
-Routing (facts section 3): s = sigmoid(x_f32 . Wg^T); b = s + bias; group score = sum of the top-2 b in
-each group; keep the top `topk_group` groups; top-J experts by b among them; weights = s of those,
-normalized to sum 1, times `route_scale`. Ties go to the lower index (group and expert), as a stable
-descending sort gives.
+Routing (facts section 3; reference: the model's router `mtp.model.moe.route`): s = sigmoid(x_f32 . Wg^T);
+b = s + bias; group score = sum of the top-2 b in each group; keep the top `topk_group` groups; top-J experts
+by b among them; weights = s of those, normalized to sum 1, times `route_scale`. Ties go to the lower index
+(group and expert), as a stable descending sort gives.
 Kernels: `_gate_logits_kernel` (the [E, D] gate GEMV with fp32 results: bf16 x bf16 on tensor cores, whose
 products are exact, else fp32 FMA; split over E-blocks x K-slices so that 3.7 MB of bf16 weight is read
 by ~100 programs) and `_route_kernel` (one warp per token: sums the K-slices in a fixed order, then
@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from mtp.model.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
 from mtp.model.fp8 import act_quant as act_quant_ref
+from mtp.model.moe import route
 from mtp.kernels._triton import require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
@@ -57,17 +58,9 @@ MAX_TOKENS = 64
 # ----------------------------------------------------------------------------- references
 def route_from_logits_ref(logits_TE: torch.Tensor, bias_E: torch.Tensor, n_group: int = 8, topk_group: int = 4,
                           topk: int = 8, route_scale: float = 2.5) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing from gate logits [T, E] (fp32): returns (weights [T, J] fp32, idx [T, J] int32)."""
-    s = logits_TE.float().sigmoid()
-    b = s + bias_E.float()
-    T, E = b.shape
-    g = b.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
-    gidx = torch.sort(g, dim=-1, descending=True, stable=True).indices[:, :topk_group]
-    keep = torch.zeros(T, n_group, dtype=torch.bool, device=b.device).scatter_(1, gidx, True)
-    bm = b.masked_fill(~keep.repeat_interleave(E // n_group, 1), float("-inf"))
-    idx = torch.sort(bm, dim=-1, descending=True, stable=True).indices[:, :topk]
-    w = s.gather(1, idx)
-    w = w / w.sum(-1, keepdim=True) * route_scale
+    """Routing from gate logits [T, E] (fp32) as the kernels return it: (weights [T, J] fp32, idx [T, J] int32).
+    The model's router (`mtp.model.moe.route`) on sigmoid(logits), normalized weights."""
+    w, idx = route(logits_TE.float().sigmoid(), bias_E, n_group, topk_group, topk, True, route_scale)
     return w, idx.to(torch.int32)
 
 

@@ -10,7 +10,7 @@ output to the residual dtype, the add, the (compiled) norm, and the act_quant in
 - adds delta to the residual in the residual's dtype (the reference's `h + delta.to(h.dtype)`, the same
   fp32 add, so h_new is bit-identical) and stores h_new,
 - normalizes in fp32 (`w * x * rsqrt(mean(x^2) + eps)`; the sum of squares is a tree sum, not torch's order,
-  so y can differ from the reference in its last bit, as the compiled glue's norm already may),
+  so y can differ from the reference in its last bit, as the compiled elementwise norm already may),
 - stores y in out_dtype (bf16: the gate, the indexer weights and the MoE read it), and
 - quantizes y (as stored, i.e. after the out_dtype rounding: what `act_quant(y)` would see) per 128 channels
   with ue8m0 scales, bit-identical to `act_quant` on that y, for the next GEMV (`gemv_splitk.fp8_gemv(xq=..)`).

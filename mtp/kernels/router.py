@@ -1,9 +1,9 @@
 """The MoE router in one launch (Triton): gate GEMV -> sigmoid -> + bias -> group top-2 sums -> top-k groups
 -> top-k experts -> normalized weights x route_scale.
 
-Reference: `mtp.kernels.moe.route_from_logits_ref` on the gate logits x_f32 . Wg^T (`moe_route_ref`), the
-formulas of `mtp.model.moe.route` (facts section 3). Shape legend: T tokens (<= 64), D hidden, E experts (a power of
-two), NG groups, EG = E // NG, J = topk, S split-K slices.
+Reference: `mtp.kernels.moe.route_from_logits_ref` on the gate logits x_f32 . Wg^T (`moe_route_ref`), that is
+the model's router `mtp.model.moe.route` (facts section 3). Shape legend: T tokens (<= 64), D hidden, E experts
+(a power of two), NG groups, EG = E // NG, J = topk, S split-K slices.
 
 `moe.moe_route` takes two launches (the split gate GEMV, then a one-warp routing kernel per token; 7.9 us at
 T = 1 on an H200, of which the GEMV alone is 3.0 us). Here the GEMV programs (E-blocks x K-slices, ~112, each
@@ -13,10 +13,9 @@ by it: CUDA-graph safe) sums the slices in a fixed order (deterministic) and rou
 Predicted: ~4-5 us at T = 1 (one launch, the GEMV's HBM time plus one L2 round trip for the partials and the
 routing arithmetic), saving ~3-4 us per MoE layer.
 
-Ties (equal biased scores, equal group scores): the lower index wins, at every step, as a stable
-descending sort gives (`route_from_logits_ref`); `torch.topk` in `mtp.model.moe.route` does not promise an order
-among equals. Group score = the two largest biased scores of the group (a repeated maximum counts twice, as
-topk(2) of the values does).
+Ties (equal biased scores, equal group scores): the lower index wins, at every step, as the stable
+descending sort of `mtp.model.moe.route` gives. Group score = the two largest biased scores of the group (a
+repeated maximum counts twice, as topk(2) of the values does).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from torch import nn
 from . import fp8
 from .cache import LayerCache
 from .config import ModelConfig, RuntimeOptions
-from .layers import LayerNorm, Linear, RMSNorm, glue
+from .layers import LayerNorm, Linear, RMSNorm, elementwise
 
 
 class Indexer(nn.Module):
@@ -37,8 +37,8 @@ class Indexer(nn.Module):
 
     def _rotate(self, v: torch.Tensor, cos, sin) -> torch.Tensor:
         """Half-split RoPE on the first rope_dim channels (rope FIRST, then nope), then the Hadamard transform."""
-        v = torch.cat((glue.rope_half(v[..., : self.rope_dim], cos, sin), v[..., self.rope_dim:]), dim=-1)
-        return glue.rotate_activation(v)
+        v = torch.cat((elementwise.rope_half(v[..., : self.rope_dim], cos, sin), v[..., self.rope_dim:]), dim=-1)
+        return elementwise.rotate_activation(v)
 
     def keys(self, x_BTD: torch.Tensor, cos, sin) -> torch.Tensor:
         """The indexer key of each new token (rotated, Hadamard-transformed), before quantization."""
@@ -54,7 +54,7 @@ class Indexer(nn.Module):
         a = fp8.acc_dtype(x_BTD.dtype)
         q = self.queries(qr_BTQ, cos, sin).to(a)
         if self.numerics == "fp8":
-            q = glue.fake_quant(q)  # one ue8m0 scale per (token, head): the reference quantizes q before scoring
+            q = elementwise.fake_quant(q)  # one ue8m0 scale per (token, head): the reference quantizes q first
         k_BSD = cache.read_index_k(S, a)
         w_BTH = F.linear(x_BTD.to(a), self.weights_proj.weight.to(a)) * self.n_heads ** -0.5
         dots_BTHS = torch.einsum("bthd,bsd->bths", q, k_BSD).relu()
@@ -116,10 +116,10 @@ class MLA(nn.Module):
         dt = x_BTD.dtype
         qr = self.q_a_layernorm(self.q_a_proj(x_BTD), dt)
         q = self.q_b_proj(qr).view(B, T, self.H, self.P + self.R)
-        q_nope, q_pe = q[..., : self.P], glue.rope_interleaved(q[..., self.P:], cos, sin)
+        q_nope, q_pe = q[..., : self.P], elementwise.rope_interleaved(q[..., self.P:], cos, sin)
         kv = self.kv_a_proj_with_mqa(x_BTD)
         c = self.kv_a_layernorm(kv[..., : self.C], dt)
-        k_pe = glue.rope_interleaved(kv[..., self.C:], cos, sin)
+        k_pe = elementwise.rope_interleaved(kv[..., self.C:], cos, sin)
         return qr, q_nope, q_pe, c, k_pe
 
     @staticmethod

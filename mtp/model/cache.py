@@ -21,7 +21,7 @@ import torch
 
 from . import fp8
 from .config import ModelConfig
-from .layers import glue
+from .layers import elementwise
 
 
 @dataclass
@@ -39,8 +39,8 @@ class LayerCache:
     def write(self, pos_BT: torch.Tensor, c_BTC: torch.Tensor, pe_BTR: torch.Tensor, k_BTD: torch.Tensor) -> None:
         b_BT = torch.arange(pos_BT.shape[0], device=pos_BT.device).unsqueeze(1).expand_as(pos_BT)
         if self.quantized:
-            c8, cs = glue.act_quant(c_BTC)
-            k8, ks = glue.act_quant(k_BTD, block=k_BTD.shape[-1])
+            c8, cs = elementwise.act_quant(c_BTC)
+            k8, ks = elementwise.act_quant(k_BTD, block=k_BTD.shape[-1])
             self.kv[b_BT, pos_BT] = c8
             self.kv_scale[b_BT, pos_BT] = cs
             self.idx_k[b_BT, pos_BT] = k8

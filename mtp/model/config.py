@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 BLOCK = 128  # FP8 weight block (128x128) and activation-quant group width
+NUMERICS = ("fp8", "dequant")  # RuntimeOptions.numerics
 
 
 class ConfigError(ValueError):
@@ -295,8 +296,8 @@ class RuntimeOptions:
     absorb_max_tokens: int = 16
 
     def __post_init__(self) -> None:
-        if self.numerics not in ("fp8", "dequant"):
-            raise ConfigError(f"numerics must be 'fp8' or 'dequant', got {self.numerics!r}")
+        if self.numerics not in NUMERICS:
+            raise ConfigError(f"numerics must be {' or '.join(map(repr, NUMERICS))}, got {self.numerics!r}")
         if self.attn_impl not in ("auto", "naive", "absorb"):
             raise ConfigError(f"attn_impl must be 'auto', 'naive' or 'absorb', got {self.attn_impl!r}")
         if self.absorb_max_tokens < 1:

@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return glue.rms_norm(x, self.weight, self.eps, out_dtype or self.weight.dtype)
+        return elementwise.rms_norm(x, self.weight, self.eps, out_dtype or self.weight.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
@@ -46,7 +46,7 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return glue.layer_norm(x, self.weight, self.bias, self.eps)
+        return elementwise.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -122,7 +122,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, dim, fp8_weight, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glue.silu_mul(self.gate_proj(x), self.up_proj(x), x.dtype))
+        return self.down_proj(elementwise.silu_mul(self.gate_proj(x), self.up_proj(x), x.dtype))
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -186,10 +186,11 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1).to(x.dtype)
 
 
-class Glue:
-    """The elementwise glue between the GEMMs (norms, rotary, activation quant, Hadamard, SiLU-mul).
+class ElementwiseOps:
+    """The elementwise ops between the GEMMs (norms, rotary, activation quant, Hadamard, SiLU-mul).
 
-    Modules call these through the shared `glue` object, so the Triton fast path can swap in compiled versions
+    Modules call these through the shared `elementwise` object, so the Triton fast path can swap in compiled
+    versions
     (`compile()`: each becomes one or two fused kernels instead of 5-12 small ones; on a CUDA-graph decode
     step the launch count, not the bytes, is what these cost) and the reference path gets the plain functions
     back (`reset()`). Same formulas either way; the fused kernels may round in another order.
@@ -222,4 +223,4 @@ class Glue:
         self.compiled = True
 
 
-glue = Glue()
+elementwise = ElementwiseOps()

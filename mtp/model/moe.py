@@ -34,20 +34,31 @@ class Gate(nn.Module):
 
 def route(scores_NE: torch.Tensor, bias_E: torch.Tensor, n_groups: int, topk_groups: int, topk: int,
           normalize: bool, route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-limited top-k on biased scores; the weights use the unbiased scores of the chosen experts."""
+    """Group-limited top-k on biased scores; the weights use the unbiased scores of the chosen experts.
+
+    Group score = the sum of the group's two largest biased scores (a repeated maximum counts twice). Ties (equal
+    biased or group scores) go to the lower index, at every step: the routing kernels (`mtp.kernels.moe`,
+    `mtp.kernels.router`) break them that way and their tests hold them to this function
+    (`mtp.kernels.moe.route_from_logits_ref` calls it)."""
     N, E = scores_NE.shape
     biased = scores_NE + bias_E.to(scores_NE.dtype)
     if n_groups > 1:
         grouped = biased.view(N, n_groups, E // n_groups)
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-        keep_groups = group_scores.topk(topk_groups, dim=-1).indices
+        keep_groups = _largest(group_scores, topk_groups)
         dropped = torch.ones(N, n_groups, dtype=torch.bool, device=scores_NE.device).scatter_(1, keep_groups, False)
         biased = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(N, E)
-    ids = biased.topk(topk, dim=-1).indices
+    ids = _largest(biased, topk)
     w = scores_NE.gather(1, ids)
     if normalize:
         w = w / w.sum(dim=-1, keepdim=True)
     return w * route_scale, ids
+
+
+def _largest(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest values along the last dim, largest first, equal values in index order (a stable
+    sort: `torch.topk` promises no order among equals, and on CPU picks a different one of tied experts)."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 class MoE(nn.Module):

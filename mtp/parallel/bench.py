@@ -30,21 +30,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..model.config import ModelConfig, RuntimeOptions
+from ..model.config import NUMERICS, ModelConfig, RuntimeOptions
 from ..decode.engine import generate, release
 from ..model.moe import MoE
 from ..checkpoint.inventory import checkpoint_spec
-from ..synthetic import gpu_test_config, random_model, real_config
+from ..synthetic import random_model
+from ..model.presets import gpu_test_config, real_config, tiny_parallel_config
 from ..timing import capture, timer
 from .comm import CountingComm
 from .layout import MLP_SPLITS, ParallelPlan
 from .load import param_bytes
 from .modules import ExpertParallelMoE
-from .synthetic import random_parallel_model, tiny_parallel_config
+from .memory import DTYPES, GIB
+from .synthetic import random_parallel_model
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CONFIGS = ("real", "gpu-test", "tiny")
-GIB = 2 ** 30
 
 
 def bench_config(args, world: int, cuda: bool) -> tuple[str, ModelConfig]:
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--modes", default="eager,graph", help="comma list of eager, graph (graph: CUDA only)")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    ap.add_argument("--numerics", choices=("fp8", "dequant"), default="fp8")
+    ap.add_argument("--numerics", choices=NUMERICS, default="fp8")
     ap.add_argument("--mlp-split", choices=MLP_SPLITS, default="blocks")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-fast-path", action="store_true")

@@ -21,13 +21,13 @@ import torch.distributed as dist
 
 from ..checkpoint.files import CheckpointError
 from ..decode.engine import generate, release
-from ..model.config import ConfigError
+from ..decode.options import DRAFTS, MODES, VERIFIERS
+from ..model.config import NUMERICS, ConfigError
 from ..preflight import PreflightError, preflight
 from .comm import Comm, init_process_group
 from .layout import MLP_SPLITS, ParallelPlan
 from .load import load_parallel, param_bytes
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+from .memory import DTYPES
 
 
 def init_distributed() -> tuple[Comm, torch.device]:
@@ -48,13 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("checkpoint")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--draft", choices=("none", "eagle", "vanilla"), default="eagle")
+    ap.add_argument("--draft", choices=DRAFTS, default="eagle")
     ap.add_argument("--k", type=int, default=2)
-    ap.add_argument("--verify", choices=("strict", "relaxed", "sample"), default="strict")
-    ap.add_argument("--numerics", choices=("fp8", "dequant"), default="fp8")
+    ap.add_argument("--verify", choices=VERIFIERS, default="strict")
+    ap.add_argument("--numerics", choices=NUMERICS, default="fp8")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--mlp-split", choices=MLP_SPLITS, default="blocks")
-    ap.add_argument("--mode", choices=("eager", "graph", "overlap"), default=None,
+    ap.add_argument("--mode", choices=MODES, default=None,
                     help="decode loop (default: overlap on GPUs, eager on CPU)")
     ap.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None,
                     help="Triton kernels (default: on with CUDA, an FP8 checkpoint, fp8 numerics and triton)")

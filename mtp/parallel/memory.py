@@ -35,12 +35,13 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..model.cache import KVCache
-from ..model.config import BLOCK, ConfigError, ModelConfig
+from ..decode.options import DRAFTS
+from ..model.config import BLOCK, NUMERICS, ConfigError, ModelConfig
 from .layout import MLP_SPLITS, ParallelPlan, RankLayout
 from ..checkpoint.inventory import checkpoint_spec
 
 GIB = 1024 ** 3
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # model dtypes by their CLI names
 CATEGORIES = ("embedding + lm_head", "attention (head-split)", "attention (replicated)", "indexer (replicated)",
               "dense MLP", "routed experts", "shared experts", "router", "norms", "MTP extras")
 
@@ -334,9 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=Workload.batch)
     ap.add_argument("--max-len", type=int, default=Workload.max_len, help="positions per row (cache length)")
     ap.add_argument("--prompt-len", type=int, default=Workload.prompt_len, help="tokens of a one-shot prefill")
-    ap.add_argument("--draft", choices=("none", "eagle", "vanilla"), default=Workload.draft)
+    ap.add_argument("--draft", choices=DRAFTS, default=Workload.draft)
     ap.add_argument("--k", type=int, default=Workload.k, help="drafts per step")
-    ap.add_argument("--numerics", choices=("fp8", "dequant"), default=Workload.numerics)
+    ap.add_argument("--numerics", choices=NUMERICS, default=Workload.numerics)
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=Workload.dtype)
     ap.add_argument("--mlp-split", choices=MLP_SPLITS, default="blocks")
     ap.add_argument("--reserve-gib", type=float, default=4.0)

@@ -39,8 +39,8 @@ from ..model.config import ModelConfig
 from ..checkpoint.inventory import checkpoint_spec
 from ..timing import capture, copy_bandwidth, kernel_profile, timer
 from .layout import ParallelPlan
+from .memory import GIB
 
-GIB = 2 ** 30
 # Published batch-1 decode speeds to print beside ours (tok/s per user), as the issue cites them.
 REFERENCES = (
     ("TensorRT-LLM, DeepSeek-R1 FP8, 8 x H200, MTP 3", 158.0),
@@ -67,8 +67,7 @@ def default_rank(cfg: ModelConfig, world: int, dtype: torch.dtype) -> int:
 
 def rank_config(args, world: int, cuda: bool, layers: int) -> ModelConfig:
     """The real config on a GPU, a tiny one that splits over `world` on CPU; `layers` trunk layers."""
-    from ..synthetic import real_config
-    from .synthetic import tiny_parallel_config
+    from ..model.presets import real_config, tiny_parallel_config
 
     if cuda:
         return real_config(layers=layers, dense_layers=args.dense_layers, mtp_modules=1)

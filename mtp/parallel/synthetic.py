@@ -1,9 +1,10 @@
 """The random FP8 model of `mtp.synthetic`, built sharded: each rank holds exactly the slices `load_parallel`
-would give it from a checkpoint holding `mtp.synthetic.random_state(cfg, seed)`, with nothing written to disk.
+would give it from a checkpoint holding `mtp.checkpoint.random_weights.random_state(cfg, seed)`, with nothing
+written to disk.
 
 Every rank draws each tensor it needs whole, on its own device, from that tensor's own generator
-(`mtp.synthetic.tensor_seed`: a hash of the seed and the checkpoint name), cuts its part with the loader's
-`rank_part` (slices + exactly re-blocked FP8 scales), and frees the whole tensor before drawing the next one:
+(`mtp.checkpoint.random_weights.tensor_seed`: a hash of the seed and the checkpoint name), cuts its part with the
+loader's `rank_part` (slices + exactly re-blocked FP8 scales), and frees the whole tensor before drawing the next one:
 peak memory is this rank's model plus one full tensor (the 129280 x 7168 embedding: 3.7 GB in fp32 at real
 width), and no communication is needed to agree. Non-local experts are never drawn. `random_model(cfg, seed)`
 on one device holds the same weights (same draws, same device type), so TP=N can be compared with TP=1.
@@ -14,15 +15,12 @@ on one device holds the same weights (same draws, same device type), so TP=N can
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..model.config import ModelConfig, RuntimeOptions
 from ..model.deepseek import DeepseekV32
 from ..checkpoint.inventory import checkpoint_spec
 from ..synthetic import fill_random
-from ..checkpoint.tiny import tiny_config
 from .comm import Comm
 from .layout import ParallelPlan
 from .load import SCALE_SUFFIX, parallel_skeleton, rank_part
@@ -45,14 +43,3 @@ def random_parallel_model(cfg: ModelConfig, comm: Comm | None = None, plan: Para
         return rank_part(layout, name, full, wshape)
 
     return fill_random(model, seed, device, part=part)
-
-
-def tiny_parallel_config(world: int = 2, layers: int = 3, dense_layers: int = 1, mtp_modules: int = 1,
-                         index_topk: int = 16) -> ModelConfig:
-    """`mtp.checkpoint.tiny.tiny_config` widened so that it splits over `world` ranks under fp8 numerics: 4 heads per rank
-    (o_proj input 4 x 32 = one 128 group) and 2 dense-MLP blocks per rank; 16 experts and the 512 vocabulary
-    divide by world <= 16 (powers of two)."""
-    cfg = dataclasses.replace(tiny_config(layers, dense_layers, mtp_modules, index_topk),
-                              num_attention_heads=4 * world, intermediate_size=256 * world)
-    cfg.validate("tiny_parallel_config")
-    return cfg

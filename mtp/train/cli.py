@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.files import load_model
+from ..model.config import NUMERICS
 from .config import HeadsConfig, ModelShape, TrainConfig
 
 
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--numerics", default="fp8", choices=("fp8", "dequant"))
+    p.add_argument("--numerics", default="fp8", choices=NUMERICS)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--max-prompt-tokens", type=int, default=96)
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -8,8 +8,10 @@ import torch
 
 from mtp.decode.engine import generate
 from mtp.backends.fast_path import disable_fast_path, enable_fast_path
-from mtp.synthetic import gpu_test_config, random_model
-from mtp.checkpoint.tiny import random_tensors, tiny_config
+from mtp.synthetic import random_model
+from mtp.model.presets import gpu_test_config
+from mtp.checkpoint.random_weights import random_tensors
+from mtp.model.presets import tiny_config
 
 pytestmark = [pytest.mark.gpu]
 if not torch.cuda.is_available():

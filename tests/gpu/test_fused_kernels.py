@@ -218,7 +218,7 @@ def _rank_mla(seed: int):
     import dataclasses
 
     from mtp.model.attention import MLA
-    from mtp.synthetic import real_config
+    from mtp.model.presets import real_config
 
     cfg = dataclasses.replace(real_config(layers=1, dense_layers=1, mtp_modules=0), num_attention_heads=16)
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -296,7 +296,8 @@ def test_fast_path_new_kernels_match_old():
     _needs_cuda()
     from mtp.decode.engine import generate
     from mtp.backends.fast_path import disable_fast_path, enable_fast_path, set_kernels
-    from mtp.synthetic import gpu_test_config, random_model
+    from mtp.synthetic import random_model
+    from mtp.model.presets import gpu_test_config
 
     from .test_engine_gpu import _as_float32, _verify_logits
 

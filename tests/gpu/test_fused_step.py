@@ -26,7 +26,7 @@ from mtp.model.fp8 import weight_quant  # noqa: E402
 from mtp.kernels.cache_write import cache_write  # noqa: E402
 from mtp.kernels.fp8_gemm import fp8_linear  # noqa: E402
 from mtp.model.layers import Linear  # noqa: E402
-from mtp.synthetic import real_config  # noqa: E402
+from mtp.model.presets import real_config  # noqa: E402
 
 
 @pytest.mark.parametrize("B,T", [(1, 1), (3, 4), (2, 17)])
