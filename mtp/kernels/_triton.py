@@ -69,3 +69,12 @@ def pdl_kwargs(pdl: bool, t: torch.Tensor) -> dict:
     if not pdl or not t.is_cuda or torch.cuda.get_device_capability(t.device)[0] < 9:
         return {}
     return {"launch_pdl": True}
+
+
+def device_lens(seq_lens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Row lengths as a kernel reads them (`tl.load(...).to(tl.int32)`): the cache's int64 [B] tensor as it is
+    when it already lives on the device contiguously (no cast launch per layer), else an int32 copy."""
+    if seq_lens.device == torch.device(device) and seq_lens.dtype in (torch.int32, torch.int64) \
+            and seq_lens.is_contiguous():
+        return seq_lens
+    return seq_lens.to(device=device, dtype=torch.int32).contiguous()

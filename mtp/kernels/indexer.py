@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from mtp.model.fp8 import FP8_DTYPE
-from mtp.kernels._triton import require, tl, triton
+from mtp.kernels._triton import device_lens, require, tl, triton
 from mtp.kernels.topk import add_to_histograms, histograms, radix_topk, score_keys, topk_workspace
 
 __all__ = ["TOPK_IMPLS", "indexer_scores", "indexer_scores_ref", "indexer_topk", "indexer_topk_ref", "topk_from_scores"]
@@ -97,7 +97,7 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, block_s: int = 64,
     if H & (H - 1) or H < 16 or D & (D - 1) or D < 32:
         raise ValueError(f"indexer_scores: H (>= 16) and D (>= 32) must be powers of two, got H = {H}, D = {D}")
     out = torch.empty(B, T, S, dtype=torch.float32, device=q8.device)
-    lens = seq_lens.to(device=q8.device, dtype=torch.int32).contiguous()
+    lens = device_lens(seq_lens, q8.device)
     h16, h8 = histograms(hist, B * T) if hist is not None else (out, out)  # (unused pointers without hist)
     _indexer_kernel[(B, triton.cdiv(S, block_s))](
         q8.contiguous(), q_scale.float().contiguous(), w.float().contiguous(), k8.contiguous(),

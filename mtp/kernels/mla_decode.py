@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from mtp.model.fp8 import BLOCK, FP8_DTYPE
-from mtp.kernels._triton import require, tl, triton
+from mtp.kernels._triton import device_lens, require, tl, triton
 
 __all__ = ["mla_decode", "mla_decode_ref"]
 
@@ -276,7 +276,7 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
     dev = q_lat.device
     o_part = torch.empty(B * T * H * splits, 512, dtype=torch.float32, device=dev)
     lse = torch.empty(B * T * H * splits, dtype=torch.float32, device=dev)
-    lens = seq_lens.to(device=dev, dtype=torch.int32).contiguous()
+    lens = device_lens(seq_lens, dev)
     if variant not in ("split4", "fused"):
         raise ValueError(f"mla_decode: variant must be 'split4' or 'fused', got {variant!r}")
     stage1 = _mla_stage1 if variant == "split4" else _mla_stage1_fused

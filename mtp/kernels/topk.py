@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp.kernels._triton import require, tl, triton
+from mtp.kernels._triton import device_lens, require, tl, triton
 
 __all__ = ["add_to_histograms", "histograms", "radix_topk", "score_keys", "topk_select_ref", "topk_workspace"]
 
@@ -288,9 +288,7 @@ def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunk
     ch = triton.cdiv(triton.cdiv(S, chunks), blk) * blk  # positions per program, whole blocks
     C = triton.cdiv(S, ch)
     sc = scores_BTS.contiguous()
-    lens = seq_lens_B  # int32 or int64 (the cache's): read as is, no conversion launch
-    if lens.dtype not in (torch.int32, torch.int64) or lens.device != dev or not lens.is_contiguous():
-        lens = lens.to(device=dev, dtype=torch.int32).contiguous()
+    lens = device_lens(seq_lens_B, dev)  # int32 or int64 (the cache's): read as is, no conversion launch
     ws = topk_workspace(R, dev) if workspace is None else workspace
     h16, h8 = histograms(ws, R)
     ncand, arrive = ws[R * (HIST + 256):R * (HIST + 257)], ws[R * (HIST + 257):]
