@@ -7,6 +7,10 @@
 #   PARTS=tp8 bash eval/gpu_session.sh        # one rank of TP=8 at full depth (needs ~96 GiB: an H200), alone in
 #                                             # one call: ~82 GiB of random weights, 1k/8k/32k contexts, spec steps
 #   PARTS="coll tp8" ...                      # with 2+ GPUs: NCCL latencies first, used by tp8's projection
+#   PARTS="base tp8" BASE=.old ...            # the TP=8 rank of an older tree ($BASE: `git archive <commit> mtp eval
+#                                             # conf pyproject.toml | tar -x -C .old`, carried) next to this one
+#   PARTS="mlarank" ...                       # mla_decode's heads per program at one TP=8 rank's 16 heads
+#   PACK=1 ...                                # everything under $OUT packed into one results.tgz (few files return)
 #   PARTS="tp8v gemv tp1v" ...                # kernel choices side by side (issue 16): the TP=8 rank at 1k with the
 #                                             # kernel variants $VARIANTS, the GEMV sweep (eval/gpu_fused.py), and
 #                                             # the TP=1 bench once per switch set in $TP1_KERNELS ("-" = defaults)
@@ -42,6 +46,17 @@ if [ "$ngpu" -ge 2 ] && want coll; then
     -m mtp.parallel.collbench --json "$OUT/coll.json" 2>&1 | tee "$OUT/coll.log" | grep -v -i warn | tail -30
   [ -s "$OUT/coll.json" ] && COLL_JSON=${COLL_JSON:-$OUT/coll.json}
 fi
+if want mlarank; then
+  echo "== mla_decode heads per program, one TP=8 rank (eval/gpu_kernels.py --only mla_rank) $(date -u +%H:%M:%S)"
+  PYTHONPATH=. timeout "${MLA_S:-150}" python3 eval/gpu_kernels.py --only mla_rank --out "$OUT" 2>&1 \
+    | tee "$OUT/gpu_kernels_mla_rank.log" | grep -v -i warn | tail -14
+fi
+if want base && [ -d "${BASE:-.old}" ]; then
+  echo "== baseline tree ${BASE:-.old}: mtp-bench --tp 8 (target steps only) $(date -u +%H:%M:%S)"
+  (cd "${BASE:-.old}" && timeout "${BASE_S:-240}" python3 -m mtp.bench --tp 8 --layers 61 \
+    --prompt-len ${BASE_CTX:-1024 32768} --no-spec --json "$OUT/bench_tp8_base.json") 2>&1 \
+    | tee "$OUT/bench_tp8_base.log" | grep -v -i warn | grep -E "^ +[0-9]+ +[0-9] " | tail -12
+fi
 if want tp8v; then
   echo "== mtp-bench --tp 8, kernel variants ${VARIANTS:=gemv1 gemv2 new+pdl gemv1+pdl} $(date -u +%H:%M:%S)"
   timeout "${TP8V_S:-300}" python3 -m mtp.bench --tp 8 --layers 61 --prompt-len ${TP8_CTX:-1024} --profile \
@@ -63,8 +78,11 @@ if want tp1v; then
 fi
 if want tp8; then
   echo "== mtp-bench --tp 8 (simulated rank, 61 layers) $(date -u +%H:%M:%S)"
-  timeout "${TP8_S:-560}" python3 -m mtp.bench --tp 8 --layers 61 --prompt-len 1024 8192 32768 --profile \
-    ${COLL_JSON:+--collective-json "$COLL_JSON"} --json "$OUT/bench_tp8.json" 2>&1 | tee "$OUT/bench_tp8.log" \
-    | grep -v -i warn | tail -80
+  timeout "${TP8_S:-560}" python3 -m mtp.bench --tp 8 --layers 61 --prompt-len ${TP8_CTX:-1024 8192 32768} --profile \
+    ${TP8_ARGS:-} ${COLL_JSON:+--collective-json "$COLL_JSON"} --json "$OUT/bench_tp8.json" 2>&1 \
+    | tee "$OUT/bench_tp8.log" | grep -v -i warn | grep -v "^ \{4,\}[0-9.]* us" | tail -60
   echo "== done $(date -u +%H:%M:%S)"
+fi
+if [ "${PACK:-0}" = 1 ]; then  # the device tool returns few files: one archive of everything
+  (cd "$OUT" && tar czf results.tgz --exclude results.tgz . && find . -type f ! -name results.tgz -delete)
 fi
