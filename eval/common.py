@@ -111,6 +111,8 @@ def generate_kwargs(cfg: Any, tokenizer: Any = None) -> dict:
                 kw["draft_vocab"] = load_ids(d.vocab_file, d.vocab_size)
             except ValueError as e:
                 raise SchemaError(f"draft.vocab_file: {e}") from None
+        if d.tree is not None:  # eval/trees.py routes these to mtp.decode.tree.generate_tree
+            kw.update(tree=d.tree, min_draft_prob=d.min_draft_prob)
     if isinstance(v, RelaxedVerifySchema):
         if tokenizer is None:
             from mtp.tokenizer import Tokenizer

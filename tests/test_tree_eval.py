@@ -1,0 +1,66 @@
+"""Draft trees through mtp-eval, end to end on the CPU (subprocesses, as a user runs them): a strict tree run
+reproduces the greedy baseline token for token and reports its tree metrics in metrics.json, the table, the
+plot and the W&B run (offline); a slice of conf/experiment/tree_sweep.yaml runs as a Hydra multirun.
+Tiny runs (2 prompts, 6 new tokens, dequantized numerics) of the bundled model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eval.wandb_offline import find_run_file, read_run
+from tests.test_eval import FAST, _samples, mtp_eval
+
+TINY = [*FAST, "dataset.limit=2", "baseline=true", "runtime.batch_size=2"]  # one batch of 2 rows
+
+
+def test_strict_tree_run_equals_the_baseline_and_reports_the_tree(tmp_path):
+    run = tmp_path / "run"
+    r = mtp_eval([*TINY, "draft.tree=2x1", "logger=wandb", "logger.mode=offline", f"hydra.run.dir={run}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((run / "metrics.json").read_text())
+    spec, base = _samples(run / "samples.jsonl"), _samples(run / "baseline.jsonl")
+    assert len(spec) == len(base) == 2 and all(s["new_tokens"] == 6 for s in spec)
+    assert [s["tokens"] for s in spec] == [b["tokens"] for b in base]
+    assert m["strict_mismatch"] == {"count": 0, "ids": []}
+    assert "strict outputs differing from the baseline: 0" in r.stdout
+    assert (m["run"]["tree"], m["run"]["k"], m["run"]["min_draft_prob"]) == ("2x1", 2, 0.0)
+    t, o = m["tree"], m["overall"]
+    assert (t["shape"], t["nodes"], t["max_depth"]) == ("2x1", 5, 2)
+    # the tree's own counts and the chain-shaped metrics describe the same steps
+    assert t["row_steps"] == o["count/row_steps"] == sum(m["accepted_hist"]) > 0
+    assert sum(sum(s["row_accepted_hist"]) for s in spec) == t["row_steps"]
+    for d, (p, by_rank) in enumerate(zip(t["accept_depth"], t["accept_depth_rank"]), 1):
+        assert p == pytest.approx(o[f"accept/pos_{d}"]) == pytest.approx(sum(by_rank))
+        assert [o[f"accept/depth_{d}_rank_{r}"] for r in range(len(by_rank))] == pytest.approx(by_rank)
+    assert o["tree/tokens_per_node"] == pytest.approx(o["accept/mean_len"] / 5)
+    assert o["speed/decode_tok_s"] > 0
+    assert "acceptance by depth and rank" in r.stdout and "tokens per verified node" in r.stdout
+    assert (run / "tree_acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    logged = read_run(find_run_file(run / "wandb"))
+    s = logged["summary"]
+    for key in ("accept/depth_1_rank_0", "accept/depth_2_rank_0", "tree/tokens_per_node", "tree/nodes"):
+        assert s[key] == pytest.approx(o[key]), key
+    assert any(key.startswith("charts/tree_accept_depth_rank") for key in s)
+    assert logged["run"]["name"].startswith("eagle-t2x1-strict")
+
+
+def test_tree_sweep_slice_runs_as_a_multirun(tmp_path):
+    """conf/experiment/tree_sweep.yaml with its shape and threshold axes cut to one shape and two thresholds."""
+    sweep = tmp_path / "sweep"
+    r = mtp_eval(["experiment=tree_sweep", *TINY, "draft.tree=2x1", "draft.min_draft_prob=0.0,0.3",
+                  f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["min_draft_prob"]: row for row in json.loads((sweep / "sweep_summary.json").read_text())}
+    assert set(rows) == {0.0, 0.3}
+    for p, row in rows.items():
+        assert (row["tree"], row["tree/nodes"], row["k"], row["strict_mismatch"]) == ("2x1", 5, 2, 0)
+        m = json.loads((sweep / row["job"] / "metrics.json").read_text())
+        assert m["run"]["thinking"] is True and m["tree"]["min_draft_prob"] == p
+    live = json.loads((sweep / rows[0.3]["job"] / "metrics.json").read_text())["overall"]
+    assert rows[0.0]["tree/tokens_per_live_node"] is None
+    assert live["tree/live_nodes_per_step"] <= 5 and rows[0.3]["tree/tokens_per_live_node"] == pytest.approx(
+        live["accept/mean_len"] / live["tree/live_nodes_per_step"])
+    assert (sweep / "sweep_summary.png").read_bytes()[:4] == b"\x89PNG"
