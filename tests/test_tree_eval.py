@@ -64,3 +64,54 @@ def test_tree_sweep_slice_runs_as_a_multirun(tmp_path):
     assert live["tree/live_nodes_per_step"] <= 5 and rows[0.3]["tree/tokens_per_live_node"] == pytest.approx(
         live["accept/mean_len"] / live["tree/live_nodes_per_step"])
     assert (sweep / "sweep_summary.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("verify", ["strict", "relaxed", "sample"])
+def test_tree_call_reports_chain_shaped_and_tree_metrics(tiny_model, verify):
+    """eval/trees.py in process, every verifier: the run's SpecMetrics (what aggregate.py merges) carry the tree's
+    counts with k = its depth, each row's histogram adds up to the call's, and a sampled call repeats itself."""
+    from hydra import compose, initialize_config_dir
+
+    from eval import conf_dir, trees
+    from eval.common import generate_kwargs
+    from mtp.decode.metrics import SpecMetrics
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("eval", overrides=["draft.tree=2x1", f"verify={verify}", "output_dir=unused"])
+    kw = generate_kwargs(cfg)
+    ids = [[5, 9, 30, 2], [7, 7, 7, 7, 12]][: 1 if verify == "sample" else 2]
+    trees.check(kw, batch_size=len(ids))
+    run, row_hist = trees.generate(tiny_model, ids, 6, {**kw, "seed": [11] * len(ids)} if verify == "sample" else kw)
+    m, t = run.metrics, run.tree
+    assert isinstance(m, SpecMetrics) and (m.k, m.n_rows, m.verify) == (2, len(ids), verify)
+    assert m.accepted_hist == t.accepted_hist and [sum(c) for c in zip(*row_hist)] == t.accepted_hist
+    assert m.mean_accepted_len == pytest.approx(t.mean_accepted_len)
+    assert m.new_tokens == sum(map(len, run.tokens)) == 6 * len(ids) and m.decode_tok_s > 0
+    if verify == "sample":
+        again, _ = trees.generate(tiny_model, ids, 6, {**kw, "seed": [11]})
+        assert again.tokens == run.tokens
+
+
+def test_tree_acceptance_table_and_its_strict_gate(tmp_path, monkeypatch, capsys):
+    """eval/tree_acceptance.py: strict and relaxed side by side per shape, adaptive rows with their live nodes,
+    and exit status 1 (naming the point) when a strict point did not reproduce plain greedy decoding."""
+    from eval import tree_acceptance as ta
+
+    def row(verify, tree, p, al, same):
+        depth = tree.count("x") + 1
+        return {"draft": "eagle", "verify": verify, "tree": tree, "min_draft_prob": p, "nodes": depth + 1,
+                "depth": depth, "AL": al, "tokens_per_node": al / (depth + 1), "live_nodes_per_step": 1.5,
+                "tokens_per_live_node": al / 1.5, "accept_depth": [0.5] * depth,
+                "accept_depth_rank": [[0.5]] * depth, "identical_to_greedy": same, "engine_AL": al}
+
+    result = {"prompts": 4, "rows": [row("strict", "1x1", 0.0, 2.25, 4), row("relaxed", "1x1", 0.0, 2.5, 1),
+                                     row("strict", "1x1", 0.4, 2.0, 3)]}
+    monkeypatch.setattr(ta, "run", lambda *a, **kw: dict(result))
+    out = tmp_path / "t.json"
+    assert ta.main(["--out", str(out)]) == 1
+    assert "eagle 1x1 p>=0.4" in capsys.readouterr().err
+    assert json.loads(out.read_text())["command"] == f"python -m eval.tree_acceptance --out {out}"
+    lines = ta.markdown(result).splitlines()
+    assert lines[4].startswith("| 1x1 | 3 | 0 | 2.250 | 0.750 | 2.500 | 0.833 | 0.500 / 0.500 |")
+    assert lines[4].endswith("| 4/4 | 2.250 / 2.500 |")
+    assert "| 1.50, 1.333 | 3/4 |" in lines[5]
