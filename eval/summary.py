@@ -3,8 +3,9 @@
 Runs by itself at the end of every `mtp-eval -m ...` (Hydra callback `SweepSummaryCallback`, configured in
 conf/eval.yaml), or by hand: `python -m eval.summary outputs/eval/multiruns/<date>`. Writes
 sweep_summary.{json,csv,png} (AL, decode tok/s and speedup against k, one line per series, tok/s and
-speedup with min-max error bars and the baseline's tok/s beside them) and prints a table. A series is the
-combination of the settings that vary across the sweep, k aside (e.g. draft x verify).
+speedup with min-max error bars and the baseline's tok/s beside them; with tree runs also AL against the
+verified nodes) and prints a table. A series is the combination of the settings that vary across the sweep,
+k aside (e.g. draft x verify, or tree x min_draft_prob).
 """
 
 from __future__ import annotations
