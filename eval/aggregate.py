@@ -19,7 +19,7 @@ from statistics import median
 
 from mtp.decode.metrics import SpecMetrics
 
-from . import quality
+from . import quality, trees
 
 SPREAD = ("speed/decode_tok_s", "speed/e2e_tok_s")  # reported with _min / _max next to the median
 
@@ -121,6 +121,10 @@ def summarize(records: Sequence[dict]) -> dict:
         per_cat[c], cat_runs[c] = _timed(recs, len(by_cat[c]))
         per_cat[c].update(quality.accuracy(by_cat[c]))
         per_cat[c]["quality/degenerate_rows"] = sum(is_degenerate(r["tokens"]) for r in by_cat[c])
+    if "batch_tree_metrics" in records[0]:  # a tree run: acceptance per depth and sibling rank, nodes
+        overall.update(trees.flat(list(batches.values())))
+        for c, recs in cats.items():
+            per_cat[c].update(trees.flat(recs))
     overall.update(quality.accuracy(records))
     overall["quality/degenerate_rows"] = sum(is_degenerate(r["tokens"]) for r in records)
     return {
@@ -171,7 +175,9 @@ def metrics_json(run: dict, spec_records: Sequence[dict], base_records: Sequence
     spec = summarize(spec_records)
     out = {"run": run, **spec, "baseline": None, "speedup": None, "strict_mismatch": None,
            "strict_reference": strict_source if strict_records is not None else None,
-           "degenerate": degenerate(spec_records)}
+           "degenerate": degenerate(spec_records),
+           "tree": trees.section(list(_batches(spec_records).values()), run)
+           if "batch_tree_metrics" in spec_records[0] else None}
     if strict_records is not None:
         out["overall"].update(quality.agreement(spec_records, strict_records))
         strict_by_cat = _by_category(strict_records)

@@ -102,6 +102,12 @@ class WandbLogger:
                                                              title="acceptance per draft position")
         final["charts/accepted_len_hist"] = wandb.plot.bar(hist, "accepted", "steps",
                                                            title="drafts accepted per verify step")
+        tree = metrics.get("tree")
+        if tree:  # acceptance by depth and sibling rank (the flat `accept/depth_*_rank_*` keys are in `final`)
+            cells = wandb.Table(columns=["node", "depth", "rank", "acceptance"], data=[
+                [f"d{d} r{r}", d, r, p] for d, row in enumerate(tree["accept_depth_rank"], 1) for r, p in enumerate(row)])
+            final["charts/tree_accept_depth_rank"] = wandb.plot.bar(cells, "node", "acceptance",
+                                                                    title="accepted node by depth and sibling rank")
         for key, path in plots.items():
             final[f"plots/{key}"] = wandb.Image(str(path))
         if self.log_samples:

@@ -54,11 +54,14 @@ def _errorbar(ax, ks, rows, key: str, **kw) -> None:
 
 def sweep_figure(rows: Sequence[dict]):
     """AL, decode tok/s (with each series' baseline, dashed) and speedup against k, one line per series
-    (draft mode, verifier, runtime mode...); speed points are medians over repeats with min-max bars."""
+    (draft mode, verifier, runtime mode, tree...); speed points are medians over repeats with min-max bars.
+    A sweep with tree runs adds AL against the verified nodes per step."""
     series: dict[str, list[dict]] = {}
     for r in rows:
         series.setdefault(r["series"], []).append(r)
-    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 3.8))
+    with_trees = any(r.get("tree/nodes") for r in rows)
+    fig, axes = plt.subplots(1, 4 if with_trees else 3, figsize=(20 if with_trees else 15, 3.8))
+    a1, a2, a3 = axes[:3]
     for i, (name, rs) in enumerate(sorted(series.items())):
         rs = sorted(rs, key=lambda r: r["k"])
         ks = [r["k"] for r in rs]
@@ -68,6 +71,9 @@ def sweep_figure(rows: Sequence[dict]):
         _errorbar(a2, ks, rs, "base/decode_tok_s", marker="x", linestyle="--", color=color,
                   label=f"{name}: baseline (draft=none)")
         _errorbar(a3, ks, rs, "speedup_decode", marker="o", color=color, label=name)
+        if with_trees:  # a tree's cost is its verify width, not its depth k
+            pts = sorted((r["tree/nodes"], r["accept/mean_len"]) for r in rs if r.get("tree/nodes"))
+            axes[3].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, label=name)
     ks = sorted({r["k"] for r in rows})
     top = max(max(ks) + 1, max(r["accept/mean_len"] for r in rows)) * 1.05  # AL lies in [1, k + 1]
     a1.set(xlabel="k (drafts per step)", ylabel="mean accepted length (AL)", xticks=ks, ylim=(0.95, top),
@@ -77,6 +83,8 @@ def sweep_figure(rows: Sequence[dict]):
     a3.axhline(1.0, color="grey", linewidth=0.8)
     a3.set(xlabel="k (drafts per step)", ylabel="speedup over the baseline (decode)", xticks=ks,
            title="speedup vs k")
+    if with_trees:
+        axes[3].set(xlabel="verified nodes per step (root included)", ylabel="AL", title="AL vs verify width")
     a1.legend(fontsize=8)
     a2.legend(fontsize=7)
     notes = sorted({r["device_note"] for r in rows if r.get("device_note")})
@@ -87,3 +95,19 @@ def sweep_figure(rows: Sequence[dict]):
 
 def sweep_summary(rows: Sequence[dict], path: Path) -> Path:
     return _save(sweep_figure(rows), path)
+
+
+def tree_acceptance(tree: dict, title: str, path: Path) -> Path:
+    """P(the accepted path reaches depth d), stacked by the sibling rank of its node at depth d."""
+    rows = tree["accept_depth_rank"]
+    depths = list(range(1, len(rows) + 1))
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    bottom = [0.0] * len(rows)
+    for r in range(max(len(row) for row in rows)):
+        share = [row[r] if r < len(row) else 0.0 for row in rows]
+        ax.bar(depths, share, bottom=bottom, label=f"rank {r}")
+        bottom = [b + s for b, s in zip(bottom, share)]
+    ax.set(xlabel="depth (drafts accepted)", ylabel="fraction of steps", ylim=(0, 1.05), xticks=depths,
+           title=f"{title}\ntree {tree['shape']}: {tree['tokens_per_node']:.2f} tokens per verified node")
+    ax.legend(fontsize=8)
+    return _save(fig, path)

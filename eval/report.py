@@ -121,3 +121,25 @@ def quality_lines(metrics: dict) -> list[str]:
             parts.append(f"strict {o['quality/strict_accuracy']:.2f}")
         lines.append("task accuracy (last number of the output vs the answer): " + ", ".join(parts))
     return lines
+
+
+
+def tree_line(tree: dict) -> str:
+    """What a verified node of a tree run bought, in words (with adaptive length: a live node too)."""
+    text = f"tree {tree['shape']}: tokens per verified node {tree['tokens_per_node']:.3f} ({tree['nodes']} nodes)"
+    if tree["min_draft_prob"]:
+        text += (f", per live node {tree['tokens_per_live_node']:.3f} (min_draft_prob {tree['min_draft_prob']:g}: "
+                 f"{tree['live_nodes'] / max(tree['row_steps'], 1):.2f} live nodes per step)")
+    return text
+
+
+def tree_table(tree: dict) -> Table:
+    """A tree run's acceptance by depth and sibling rank: P(the path reaches depth d) and its split by the rank
+    of the accepted node there (rank 0 = the drafter's top-1)."""
+    t = Table(title=f"tree {tree['shape']}: acceptance by depth and rank", title_justify="left")
+    ranks = max(len(row) for row in tree["accept_depth_rank"])
+    for col in ["depth", "accepted", *(f"rank {r}" for r in range(ranks))]:
+        t.add_column(col, justify="right")
+    for d, (p, row) in enumerate(zip(tree["accept_depth"], tree["accept_depth_rank"]), 1):
+        t.add_row(str(d), _f(p, 3), *(_f(x, 3) for x in row), *([""] * (ranks - len(row))))
+    return t

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtp.utils import write_atomic
 
-from . import conf_dir
+from . import conf_dir, trees
 from .common import NotAvailableError, build, check_runtime, generate_kwargs, model_label, model_path
 from .data import DataError, Prompt, load_prompts
 from .rundir import SETTINGS_NAME, RunDirError, locked
@@ -95,9 +95,16 @@ def prompt_seed(seed: int, prompt_id: str) -> int:
 
 def _call(model, batch: list[Prompt], ids: list[list[int]], max_new_tokens: int, kw: dict):
     """One generate call: (result, accepted-count histogram per row, wall seconds). The engine's histogram
-    covers the batch, so with several rows each row's accepted counts come from the step events."""
+    covers the batch, so with several rows each row's accepted counts come from the step events. A run with
+    draft.tree goes to the tree decoder (eval/trees.py)."""
     import mtp
 
+    if "seed" in kw:  # verify=sample: each prompt its own seed, so its output does not depend on the batching
+        kw = {**kw, "seed": [prompt_seed(kw["seed"], p.id) for p in batch]}
+    if "tree" in kw:
+        t0 = time.perf_counter()
+        res, row_hist = trees.generate(model, ids, max_new_tokens, kw)
+        return res, row_hist, time.perf_counter() - t0
     row_hist = [[0] * (kw["k"] + 1) for _ in ids]
     events = [0]
 
@@ -109,8 +116,6 @@ def _call(model, batch: list[Prompt], ids: list[list[int]], max_new_tokens: int,
             if new:
                 row_hist[b][a] += 1
 
-    if "seed" in kw:  # verify=sample: each prompt its own seed, so its output does not depend on the batching
-        kw = {**kw, "seed": [prompt_seed(kw["seed"], p.id) for p in batch]}
     t0 = time.perf_counter()
     res = mtp.generate(model, ids, max_new_tokens, on_step=on_step if len(ids) > 1 else None, **kw)
     wall = time.perf_counter() - t0
@@ -139,6 +144,8 @@ def _records(tok, batch: list[Prompt], ids: list[list[int]], name: str, calls: l
             "repeats": timings, "repeats_differ": differ, "output": tok.decode(toks), "tokens": toks,
             "answer": p.answer, "tool_calls": _tool_calls(tok.decode(toks), p.thinking),
         })
+        if isinstance(res, trees.TreeRun):
+            out[-1]["batch_tree_metrics"] = res.tree.raw()
     return out
 
 
@@ -182,7 +189,9 @@ def _check_lengths(cfg: EvalConfig, model, prompts: list[Prompt], ids: dict[str,
 def _identity(cfg: EvalConfig, out: Path) -> tuple[str, str | None]:
     """(run name, group): sweeps are grouped by their multirun folder."""
     hc = HydraConfig.get()
-    base = f"{value(cfg.draft.name)}-k{cfg.draft.k}-{cfg.verify.name}"
+    d = cfg.draft
+    shape = f"k{d.k}" if d.tree is None else f"t{d.tree}" + (f"-p{d.min_draft_prob:g}" if d.min_draft_prob else "")
+    base = f"{value(d.name)}-{shape}-{cfg.verify.name}"
     if hc.mode == RunMode.MULTIRUN:
         return f"{base}-job{hc.job.num}", Path(hc.sweep.dir).name
     return f"{base}-{out.name}", None
@@ -207,6 +216,8 @@ def _setup(cfg: DictConfig):
 
     ids = {p.id: encode_chat(p.messages, tok, p.thinking) for p in prompts}
     kw = generate_kwargs(typed, tok)
+    if "tree" in kw:
+        trees.check(kw, typed.runtime.batch_size)
     if kw["verify"] == "relaxed" and not any(p.thinking for p in prompts):
         log.warning("verify=relaxed relaxes only inside thinking spans and no prompt is in thinking mode, so "
                     "it acts like strict here (thinking=true turns thinking on for every prompt)")
@@ -226,7 +237,8 @@ def strict_source(typed: EvalConfig) -> str | None:
 
 def _baseline_kwargs(kw: dict) -> dict:
     """draft=none with the run's verifier: plain sampling for verify=sample, plain greedy otherwise."""
-    drop = ("target_hidden", "chain_hidden", "reuse_modules", "draft_vocab", "top_n", "delta", "think_ids")
+    drop = ("target_hidden", "chain_hidden", "reuse_modules", "draft_vocab", "top_n", "delta", "think_ids",
+            *trees.TREE_KWARGS)
     base = {key: v for key, v in kw.items() if key not in drop}
     base.update(draft=DraftName.none.value, k=0)
     if base["verify"] == "relaxed":
@@ -368,7 +380,8 @@ def _generate_all(typed: EvalConfig, model, tok, batches, ids, stores: dict, kws
 
 
 def _describe(typed: EvalConfig) -> str:
-    return f"{value(typed.draft.name)} k={typed.draft.k} {typed.verify.name}"
+    d = typed.draft
+    return f"{trees.label(value(d.name), d.k, d.tree, d.min_draft_prob)} {typed.verify.name}"
 
 
 def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
@@ -383,10 +396,15 @@ def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
                 metrics["per_position"], title, out / "acceptance_per_position.png")
         pngs["accepted_length_hist"] = plots.accepted_length_hist(metrics["accepted_hist"], title,
                                                                   out / "accepted_length_hist.png")
+        if metrics.get("tree"):
+            pngs["tree_acceptance"] = plots.tree_acceptance(metrics["tree"], title, out / "tree_acceptance.png")
     con = report.console()
     n = metrics["run"]["n_prompts"]
     con.print(report.acceptance_table(metrics, f"{_describe(typed)} | model={model_label(typed.model)} | {n} prompts, "
                                                f"max_new_tokens={typed.max_new_tokens}"))
+    if metrics.get("tree"):
+        con.print(report.tree_table(metrics["tree"]))
+        con.print(report.tree_line(metrics["tree"]))
     mm = metrics["strict_mismatch"]
     if mm is not None:
         con.print(f"strict outputs differing from the baseline: {mm['count']}"
@@ -420,6 +438,7 @@ def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -
     d = typed.draft
     return {
         "model": model_label(typed.model), "draft": value(d.name), "k": d.k, "verify": typed.verify.name,
+        "tree": d.tree, "min_draft_prob": d.min_draft_prob if d.tree is not None else None,
         "target_hidden": value(d.target_hidden), "chain_hidden": value(d.chain_hidden),
         "numerics": value(typed.model.numerics), "runtime_mode": value(typed.runtime.mode),
         "device": typed.runtime.device, "device_note": device_note(typed.runtime.device), "dataset": typed.dataset.name, "thinking": typed.thinking,

@@ -93,12 +93,32 @@ class DraftSchema:
     vocab_file: Optional[str] = None  # draft vocabulary (python -m mtp.draft.vocab): the head scores only its
     # ids (ignored with draft=none)
     vocab_size: Optional[int] = None  # ... only its first vocab_size ids (null: all of them)
+    tree: Optional[str] = None  # draft tree (mtp.draft.tree.TreeShape.parse: '2x1x1', '0/1/0.0'): the run decodes
+    # with mtp.decode.tree.generate_tree (eager), and the tree's depth replaces k
+    min_draft_prob: float = 0.0  # adaptive draft length (with a tree): nodes drafted below this probability die
 
     def __post_init__(self):
+        if self.tree is not None:
+            self.k = _tree_depth(self)
+        elif self.min_draft_prob != 0.0:
+            _fail("draft.min_draft_prob", self.min_draft_prob, "0.0 without draft.tree (adaptive length runs "
+                  "through tree decoding; a chain of K drafts is the tree 1x1x..., K times)")
         if self.vocab_size is not None and self.vocab_file is None:
             _fail("draft.vocab_size", self.vocab_size, "null unless draft.vocab_file is set")
         if self.vocab_size is not None and self.vocab_size < 1:
             _fail("draft.vocab_size", self.vocab_size, "null or an integer >= 1")
+
+
+def _tree_depth(d: DraftSchema) -> int:
+    """The depth of draft.tree (the shape is parsed where it is defined, with its own error naming the value)."""
+    if d.name == DraftName.none:
+        _fail("draft.tree", d.tree, "null with draft=none (plain decoding drafts nothing)")
+    from mtp.draft.tree import TreeShape  # imports torch: only for tree runs
+
+    try:
+        return TreeShape.parse(d.tree).max_depth
+    except ValueError as e:
+        raise SchemaError(f"draft.tree: {e}") from None
 
 
 @dataclass
@@ -291,6 +311,8 @@ class ChatConfig:
     show_drafts: bool = False  # mark which tokens came from accepted drafts
 
     def __post_init__(self):
+        if self.draft.tree is not None:
+            _fail("draft.tree", self.draft.tree, "null: mtp-chat decodes chains (tree decoding runs in mtp-eval)")
         _check_generation(self)
 
 
@@ -337,6 +359,22 @@ def _check_generation(cfg: EvalConfig | ChatConfig) -> None:
     # is a mistake
     if kw.get("draft_sampling") == "sample" and kw["draft"] == DraftName.none.value:
         _fail("verify.draft_sampling", "sample", "greedy with draft=none (there are no drafts to sample)")
+    if cfg.draft.tree is not None:
+        _check_tree_pair(cfg.draft, cfg.verify)
+
+
+def _check_tree_pair(draft: DraftSchema, verify: VerifySchema) -> None:
+    """draft.tree with the verifier: the rules of mtp.decode.tree (one place), plus the span rule trees have."""
+    from mtp.decode.tree import check_tree_options
+
+    if isinstance(verify, RelaxedVerifySchema) and verify.span_rule != SpanRule.tracked:
+        _fail("verify.span_rule", value(verify.span_rule), "tracked with draft.tree (tree verification follows "
+              "<think> spans along each node's own path)")
+    sampling = value(verify.draft_sampling) if isinstance(verify, SampleVerifySchema) else "greedy"
+    try:
+        check_tree_options(value(draft.name), verify.name, sampling, draft.min_draft_prob)
+    except ValueError as e:
+        raise SchemaError(f"draft.tree = {draft.tree!r} with verify={verify.name}: {e}") from None
 
 
 def register() -> None:

@@ -3,8 +3,9 @@
 Runs by itself at the end of every `mtp-eval -m ...` (Hydra callback `SweepSummaryCallback`, configured in
 conf/eval.yaml), or by hand: `python -m eval.summary outputs/eval/multiruns/<date>`. Writes
 sweep_summary.{json,csv,png} (AL, decode tok/s and speedup against k, one line per series, tok/s and
-speedup with min-max error bars and the baseline's tok/s beside them) and prints a table. A series is the
-combination of the settings that vary across the sweep, k aside (e.g. draft x verify).
+speedup with min-max error bars and the baseline's tok/s beside them; with tree runs also AL against the
+verified nodes) and prints a table. A series is the combination of the settings that vary across the sweep,
+k aside (e.g. draft x verify, or tree x min_draft_prob).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from mtp.utils import write_atomic
 log = logging.getLogger(__name__)
 
 SERIES_KEYS = ("draft", "verify", "runtime_mode", "target_hidden", "chain_hidden", "numerics", "model", "dataset",
-               "thinking")
+               "thinking", "tree", "min_draft_prob")
 # row key -> table header; keys with `_min` / `_max` companions print as `median (min-max)`
 COLUMNS = {"job": "job", "series": "series", "k": "k", "prompts": "prompts", "accept/mean_len": "AL",
-           "accept/pos_1": "acc@1", "speed/decode_tok_s": "decode tok/s", "base/decode_tok_s": "base tok/s",
+           "accept/pos_1": "acc@1", "tree/nodes": "nodes", "tree/tokens_per_node": "tok/node",
+           "tree/tokens_per_live_node": "tok/live node", "speed/decode_tok_s": "decode tok/s", "base/decode_tok_s": "base tok/s",
            "speedup_decode": "speedup", "speed/e2e_tok_s": "e2e tok/s", "strict_mismatch": "mismatch",
            "relaxed_only_share": "relaxed-only", "strict_token_agreement": "= strict", "accuracy": "accuracy",
            "base_accuracy": "base acc.", "strict_accuracy": "strict acc."}
@@ -48,6 +50,10 @@ def collect(sweep_dir: Path) -> list[dict]:
         rows.append({"job": str(path.parent.relative_to(sweep_dir)), **{k: run.get(k) for k in SERIES_KEYS},
                      "k": run["k"], "prompts": o["count/prompts"], "accept/mean_len": o["accept/mean_len"],
                      "accept/pos_1": o.get("accept/pos_1"),
+                     # tree runs: verify width and what a verified (live: not pruned by min_draft_prob) node bought
+                     "tree/nodes": o.get("tree/nodes"), "tree/tokens_per_node": o.get("tree/tokens_per_node"),
+                     "tree/tokens_per_live_node": o.get("tree/tokens_per_live_node") if run.get("min_draft_prob")
+                     else None,
                      **_with_spread("speed/decode_tok_s", o, "speed/decode_tok_s"),
                      **_with_spread("base/decode_tok_s", base and base["overall"], "speed/decode_tok_s"),
                      **_with_spread("speedup_decode", sp and sp["overall"], "decode"),

@@ -127,6 +127,14 @@ def test_generate_kwargs_build_a_generation_config():
     (["dataset.suites=[]"], "dataset.suites"),
     (["draft.vocab_size=100"], "draft.vocab_size"),
     (["draft.vocab_file=v.json", "draft.vocab_size=0"], "draft.vocab_size"),
+    (["draft.tree=2x0"], "draft.tree: tree shape '2x0' is invalid"),
+    (["draft.tree=0/2"], "draft.tree: tree shape '0/2' is invalid"),
+    (["draft=none", "draft.tree=2x1"], "draft.tree = '2x1' is invalid: expected null with draft=none"),
+    (["draft.min_draft_prob=0.3"], "draft.min_draft_prob = 0.3 is invalid"),
+    (["draft.tree=2x1", "draft.min_draft_prob=1.5"], "draft.tree = '2x1' with verify=strict: min_draft_prob"),
+    (["draft.tree=2x1", "verify=relaxed", "verify.span_rule=trtllm"], "verify.span_rule = 'trtllm'"),
+    (["draft.tree=2x1", "draft.min_draft_prob=0.2", "verify=sample", "verify.draft_sampling=sample"],
+     "with verify=sample: min_draft_prob needs top-k children"),
 ])
 def test_bad_values_are_refused_by_the_schema(overrides, message):
     with pytest.raises(schema.SchemaError, match=message.replace(".", r"\.")):
@@ -179,3 +187,22 @@ def test_tools_suite_is_one_override_away():
         assert roles.count("tool") >= 1 and sum(bool(m.get("tool_calls")) for m in p.messages) >= 1, p.id
         assert len(roles) >= 4 and roles[-1] in ("tool", "user"), p.id
         assert render_chat(p.messages, p.thinking).endswith(("<think>", "</think>")), p.id
+
+
+def test_tree_options_reach_the_tree_decoder():
+    """draft.tree replaces k by the tree's depth and adds the tree kwargs; chat refuses trees; the settings
+    tree decoding does not serve are refused before anything runs."""
+    from eval import trees
+
+    cfg = compose_eval(["draft=vanilla", "draft.tree=3x1x1", "draft.min_draft_prob=0.25"])
+    assert schema.validate(cfg).draft.k == 3
+    kw = generate_kwargs(cfg)
+    assert (kw["tree"], kw["min_draft_prob"], kw["k"], kw["draft"]) == ("3x1x1", 0.25, 3, "vanilla")
+    trees.check(kw, batch_size=4)
+    with pytest.raises(schema.SchemaError, match="draft.tree = '2x1' is invalid: expected null: mtp-chat"):
+        schema.validate(compose("chat", overrides=["draft.tree=2x1"]))
+    for ov, bs, match in ((["runtime.prefill_chunk=8"], 1, "runtime.prefill_chunk"),
+                          (["verify=sample"], 2, "runtime.batch_size=1, got 2")):
+        kw = generate_kwargs(compose_eval(["draft.tree=2x1", *ov]))
+        with pytest.raises(NotAvailableError, match=match):
+            trees.check(kw, batch_size=bs)

@@ -246,7 +246,7 @@ def test_timing_repeats_interleave_baseline_and_speculative(monkeypatch, tmp_pat
     calls: list[str] = []
     monkeypatch.setattr(mtp, "generate", _fake_generate(calls))
     typed = types.SimpleNamespace(runtime=types.SimpleNamespace(warmup=False), timing=types.SimpleNamespace(repeats=3),
-                                  max_new_tokens=4, draft=types.SimpleNamespace(name="eagle", k=2),
+                                  max_new_tokens=4, draft=types.SimpleNamespace(name="eagle", k=2, tree=None, min_draft_prob=0.0),
                                   verify=types.SimpleNamespace(name="strict"))
     prompts = [Prompt(f"p{i}", "c", [], False) for i in range(2)]
     stores = {"spec": SampleStore(tmp_path / "s.jsonl", "h", False), "base": SampleStore(tmp_path / "b.jsonl", "h", False)}

@@ -73,6 +73,29 @@ def test_from_paths_rejects_bad_trees(paths, match):
         TreeShape.from_paths(paths)
 
 
+@pytest.mark.parametrize("text,shape", [
+    ("2x1", TreeShape.from_branching((2, 1))), ("1x1x1", TreeShape.chain(3)), ("3", TreeShape.from_branching((3,))),
+    ("0/1/0.0", TreeShape.from_paths([(0,), (1,), (0, 0)])), (" 2x2 ", TreeShape.from_branching((2, 2))),
+    ("1.0/0/1/0.0/0.0.0", TreeShape.from_paths([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])),
+])
+def test_parse_reads_branching_and_paths(text, shape):
+    assert TreeShape.parse(text) == shape
+
+
+@pytest.mark.parametrize("text,match", [
+    ("2x0", r"'2x0' is invalid: tree branching must be integers >= 1"),
+    ("2,1", r"'2,1' is invalid: expected top-k per depth joined by 'x'"),
+    ("", r"'' is invalid: expected"),
+    ("x2", r"'x2' is invalid: expected"),
+    ("0.0", r"'0.0' is invalid: tree path \(0, 0\) needs its parent"),
+    ("0/2", r"'0/2' is invalid: tree path \(2,\) skips rank 1"),
+    ("0/0", r"'0/0' is invalid: tree paths list a node twice"),
+])
+def test_parse_names_the_bad_value(text, match):
+    with pytest.raises(ValueError, match=match):
+        TreeShape.parse(text)
+
+
 @pytest.mark.parametrize("parents,match", [((0, 0), "start with the root"), ((-1, 1), r"parents\[1\]"),
                                            ((-1, 0, 3, 1), r"parents\[2\]")])
 def test_bad_parents_are_rejected(parents, match):

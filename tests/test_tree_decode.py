@@ -194,6 +194,25 @@ def test_bad_arguments_are_rejected(model, prompts, kw, match):
         generate_tree(model, ps, SHAPES["b221"], kw.pop("max_new_tokens", 4), reuse_modules=True, **kw)
 
 
+def test_metrics_split_by_row_and_merge_across_calls(model, prompts):
+    """mtp-eval reads each row's histogram from a batched call and merges its batches' metrics: the rows of one
+    call must add up to the call, and two one-row calls merged must count what the batched call counts."""
+    shape = SHAPES["b221"]
+    both = generate_tree(model, prompts, shape, N_NEW, draft="eagle", min_draft_prob=0.05)
+    rows = [generate_tree(model, [p], shape, N_NEW, draft="eagle", min_draft_prob=0.05) for p in prompts]
+    assert both.tokens == [r.tokens[0] for r in rows]
+    assert [sum(c) for c in zip(*both.row_accepted_hist)] == both.metrics.accepted_hist
+    assert both.row_accepted_hist == [r.metrics.accepted_hist for r in rows]
+    m = rows[0].metrics.merge(rows[1].metrics)
+    for name in ("accepted_hist", "accepted_rank", "row_steps", "live_nodes", "new_tokens"):
+        assert getattr(m, name) == getattr(both.metrics, name), name
+    assert m.mean_accepted_len == pytest.approx(both.metrics.mean_accepted_len)
+    assert both.metrics.time_prefill_s > 0 and both.metrics.time_decode_s > 0
+    other = generate_tree(model, prompts[:1], SHAPES["b31"], 2, draft="eagle").metrics
+    with pytest.raises(ValueError, match="cannot merge tree metrics of 11 nodes / depth 3 with 7 nodes / depth 2"):
+        m.merge(other)
+
+
 @pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
 def test_tree_sampling_matches_the_target_distribution(model, draft_sampling):
     """500 copies of one prompt, top_k = 3, three new tokens: the joint law of (t1, t2, t3) over its 27 cells

@@ -13,8 +13,9 @@ Host syncs: one per step (loop condition and cache bound), as the engine's eager
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -44,6 +45,8 @@ class TreeMetrics:
     target_forwards: int = 0
     draft_forwards: int = 0
     new_tokens: int = 0
+    time_prefill_s: float = 0.0  # the target's prefill and the first token
+    time_decode_s: float = 0.0  # everything after: the drafter's prefill and every tree step
 
     @property
     def mean_accepted_len(self) -> float:
@@ -67,6 +70,22 @@ class TreeMetrics:
         """Committed tokens per node the adaptive length kept (what a kernel skipping dead nodes would pay for)."""
         return self.mean_accepted_len * self.row_steps / max(self.live_nodes, 1)
 
+    def merge(self, other: TreeMetrics) -> TreeMetrics:
+        """Sum of two runs of the same tree shape (batches of one eval run)."""
+        if (other.n_nodes, other.max_depth) != (self.n_nodes, self.max_depth):
+            raise ValueError(f"cannot merge tree metrics of {self.n_nodes} nodes / depth {self.max_depth} with "
+                             f"{other.n_nodes} nodes / depth {other.max_depth}")
+        out = TreeMetrics(self.n_nodes, self.max_depth,
+                          [a + b for a, b in zip(self.accepted_hist, other.accepted_hist)],
+                          [[a + b for a, b in zip(r, q)] for r, q in zip(self.accepted_rank, other.accepted_rank)])
+        for name in ("row_steps", "live_nodes", "relaxed_only_accepts", "target_forwards", "draft_forwards",
+                     "new_tokens", "time_prefill_s", "time_decode_s"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        return out
+
+    def raw(self) -> dict:
+        return asdict(self)
+
     def to_dict(self) -> dict:
         d = {"accept/mean_len": self.mean_accepted_len, "tree/tokens_per_node": self.tokens_per_node,
              "tree/nodes": self.n_nodes, "count/row_steps": self.row_steps,
@@ -87,6 +106,26 @@ class TreeResult:
     tokens: list[list[int]]
     finish_reasons: list[str]
     metrics: TreeMetrics
+    row_accepted_hist: list[list[int]] = field(default_factory=list)  # accepted_hist of each row alone
+
+
+def check_tree_options(draft: str, verify: str, draft_sampling: str = "greedy", min_draft_prob: float = 0.0) -> None:
+    """The options of `generate_tree` that need neither model nor prompts: front ends check a config with this
+    before loading anything. ValueError naming the option and its value."""
+    if draft not in ("eagle", "vanilla"):
+        raise ValueError(f"tree drafting needs draft='eagle' or 'vanilla', got {draft!r}")
+    if verify not in ("strict", "relaxed", "sample"):
+        raise ValueError(f"tree verify must be 'strict', 'relaxed' or 'sample', got {verify!r}")
+    if draft_sampling not in ("greedy", "sample") or (draft_sampling == "sample" and verify != "sample"):
+        raise ValueError(f"draft_sampling must be 'greedy', or 'sample' with verify='sample'; got {draft_sampling!r}"
+                         f" with verify={verify!r}")
+    if not 0 <= min_draft_prob < 1:
+        raise ValueError(f"min_draft_prob must be in [0, 1), got {min_draft_prob}")
+    if min_draft_prob > 0 and draft_sampling == "sample":
+        # Pruning a drawn child by its own probability changes the law it was drawn from (q_i restricted to
+        # likely tokens), and the sampler's min(1, p / q_i) would no longer be exact.
+        raise ValueError("min_draft_prob needs top-k children (draft_sampling='greedy'): pruning drawn children "
+                         "by their own probability would make tree sampling lossy")
 
 
 @torch.no_grad()
@@ -101,23 +140,10 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
     thinking spans delimited by think_ids, as the chain engine) | 'sample' (recursive rejection sampling with
     `sampling`; draft_sampling 'greedy' = top-k children, 'sample' = children drawn without replacement from the
     draft distribution). `min_draft_prob`: adaptive draft length (mtp.draft.tree_proposer); top-k children only."""
-    if draft not in ("eagle", "vanilla"):
-        raise ValueError(f"tree drafting needs draft='eagle' or 'vanilla', got {draft!r}")
-    if verify not in ("strict", "relaxed", "sample"):
-        raise ValueError(f"tree verify must be 'strict', 'relaxed' or 'sample', got {verify!r}")
+    check_tree_options(draft, verify, draft_sampling, min_draft_prob)
     if verify == "relaxed" and (think_ids is None or top_n < 1 or not 0 <= delta <= 1):
         raise ValueError(f"verify='relaxed' needs think_ids=(<think>, </think>), top_n >= 1 and delta in [0, 1]; "
                          f"got think_ids={think_ids}, top_n={top_n}, delta={delta}")
-    if draft_sampling not in ("greedy", "sample") or (draft_sampling == "sample" and verify != "sample"):
-        raise ValueError(f"draft_sampling must be 'greedy', or 'sample' with verify='sample'; got {draft_sampling!r}"
-                         f" with verify={verify!r}")
-    if not 0 <= min_draft_prob < 1:
-        raise ValueError(f"min_draft_prob must be in [0, 1), got {min_draft_prob}")
-    if min_draft_prob > 0 and draft_sampling == "sample":
-        # Pruning a drawn child by its own probability changes the law it was drawn from (q_i restricted to
-        # likely tokens), and the sampler's min(1, p / q_i) would no longer be exact.
-        raise ValueError("min_draft_prob needs top-k children (draft_sampling='greedy'): pruning drawn children "
-                         "by their own probability would make tree sampling lossy")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     prompts = [[int(t) for t in p] for p in prompts]
@@ -160,6 +186,7 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
         return sample(filter_probs(logits_BV, sp), gen) if verify == "sample" else logits_BV.argmax(-1)
 
     # ---- prefill and the first token
+    t_start = time.perf_counter()
     out = m(tokens[:, :Tp], cache, kv_len=Tp, logits_at=(P_B - 1).unsqueeze(1))
     hidden[:, :Tp] = pick_hidden(out, target_hidden)
     cache.truncate(P_B)
@@ -174,6 +201,8 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
         think_B = update_think_state(think_B, tokens[:, : Tp + 1], seen_BT, *think_ids)
     met = TreeMetrics(N, D, [0] * A, [[0] * max(tree.max_children, 1) for _ in range(D)])
     host = sync("the prefill")
+    t_prefilled = time.perf_counter()  # after a host sync: the prefill's work is done, on any device
+    row_hist = [[0] * A for _ in range(B)]
     if not bool(host[1].all()):
         proposer.prefill(tokens, hidden, n_B, Tp, max_n=int(host[0].max()))
     depth_N, mask_NN = tt.depth_N, tt.ancestor_NN
@@ -219,13 +248,15 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
         for b in active_B.nonzero().flatten().tolist():
             a = int(a_B[b])
             met.accepted_hist[a] += 1
+            row_hist[b][a] += 1
             met.row_steps += 1
             for d in range(1, a + 1):
                 met.accepted_rank[d - 1][tree.rank[int(v.path_BA[b, d])]] += 1
         host = sync(f"step {met.target_forwards}")
     met.draft_forwards = proposer.draft_forwards
+    met.time_prefill_s, met.time_decode_s = t_prefilled - t_start, time.perf_counter() - t_prefilled
     toks, n_host = tokens.cpu(), n_B.tolist()
     stop_set = set(stops.tolist())
     result = [toks[b, len(p): n_host[b]].tolist() for b, p in enumerate(prompts)]
     met.new_tokens = sum(map(len, result))
-    return TreeResult(result, ["stop" if s and s[-1] in stop_set else "length" for s in result], met)
+    return TreeResult(result, ["stop" if s and s[-1] in stop_set else "length" for s in result], met, row_hist)

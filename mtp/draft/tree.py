@@ -13,10 +13,14 @@ and lets it attend to the committed cache plus its own ancestors (`ancestor_mask
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+
+_BRANCHING = re.compile(r"[0-9]+(x[0-9]+)*")  # TreeShape.parse: '2x1x1'
+_PATHS = re.compile(r"[0-9]+(\.[0-9]+)*(/[0-9]+(\.[0-9]+)*)*")  # '0/1/0.0/0.1'
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,23 @@ class TreeShape:
         order = sorted(nodes, key=lambda p: (len(p), p))  # parents first, siblings by rank
         index = {(): 0} | {p: i + 1 for i, p in enumerate(order)}
         return cls((-1,) + tuple(index[p[:-1]] for p in order))
+
+    @classmethod
+    def parse(cls, text: str) -> TreeShape:
+        """A shape from its text form (config files, command lines): top-k per depth joined by 'x' ('2x1x1':
+        2 children at depth 1, then a chain of 2 under each; '1x1x1' is the chain of 3), or the drafted nodes
+        as rank paths joined by '/', ranks joined by '.' ('0/1/0.0/0.1/1.0', as `from_paths`). No commas or
+        spaces, so a Hydra sweep can list shapes: `draft.tree=2x1x1,3x1,1x1x1`."""
+        t = str(text).strip()
+        try:
+            if _BRANCHING.fullmatch(t):
+                return cls.from_branching(tuple(int(b) for b in t.split("x")))
+            if _PATHS.fullmatch(t):
+                return cls.from_paths([tuple(int(r) for r in part.split(".")) for part in t.split("/")])
+        except ValueError as e:
+            raise ValueError(f"tree shape {text!r} is invalid: {e}") from None
+        raise ValueError(f"tree shape {text!r} is invalid: expected top-k per depth joined by 'x' (e.g. '2x1x1') "
+                         "or rank paths joined by '/' with ranks joined by '.' (e.g. '0/1/0.0/0.1')")
 
     # ------------------------------------------------------------------ derived (host-side, computed once)
     @property

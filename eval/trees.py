@@ -1,0 +1,103 @@
+"""Tree runs of mtp-eval (`draft.tree=2x1x1`, adaptive length with `draft.min_draft_prob`).
+
+A run with draft.tree set decodes with mtp.decode.tree.generate_tree (eager, the CPU reference of draft trees).
+Its result is reported twice: as the engine's SpecMetrics (k = the tree's depth), so AL, acceptance per
+position (= per depth), speed, the baseline's speedup and the strict check aggregate exactly as for chains;
+and as the tree's own TreeMetrics per batch (`batch_tree_metrics` in samples.jsonl), merged here into the
+`tree/*` and `accept/depth_{d}_rank_{r}` metrics and the `tree` section of metrics.json.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mtp.decode.metrics import SpecMetrics
+
+from .common import NotAvailableError
+
+TREE_KWARGS = ("tree", "min_draft_prob")  # generate kwargs of tree runs only (a baseline drops them)
+# generate kwargs that generate_tree takes as they are
+_PASSED = ("draft", "verify", "min_draft_prob", "reuse_modules", "target_hidden", "chain_hidden", "top_n", "delta",
+           "think_ids", "draft_sampling")
+
+
+def check(kw: dict, batch_size: int) -> None:
+    """Refuse settings of a valid config that tree decoding does not serve, before anything runs."""
+    for key, what in (("draft_vocab", "draft.vocab_file"), ("mode", "runtime.mode=graph|overlap"),
+                      ("prefill_chunk", "runtime.prefill_chunk")):
+        if key in kw:
+            raise NotAvailableError(f"{what} with draft.tree={kw['tree']}: tree decoding (mtp.decode.tree) is the "
+                                    "eager reference and has no such option yet")
+    if kw["verify"] == "sample" and batch_size != 1:
+        # mtp-eval seeds each prompt on its own so that an output does not depend on its batch; generate_tree
+        # draws a batch from one generator
+        raise NotAvailableError(f"verify=sample with draft.tree needs runtime.batch_size=1, got {batch_size} "
+                                "(tree sampling seeds a whole batch at once)")
+
+
+@dataclass
+class TreeRun:
+    """A tree call as mtp-eval records it: the tokens, the chain-shaped metrics and the tree's own."""
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    metrics: SpecMetrics
+    tree: Any  # mtp.decode.tree.TreeMetrics
+
+
+def generate(model, ids: list[list[int]], max_new_tokens: int, kw: dict) -> tuple[TreeRun, list[list[int]]]:
+    """One generate_tree call with mtp-eval's generate kwargs: (the run, accepted-count histogram per row)."""
+    from mtp.decode.tree import generate_tree
+    from mtp.draft.tree import TreeShape
+    from mtp.verify import SamplingParams
+
+    args = {key: kw[key] for key in _PASSED if key in kw}
+    if kw["verify"] == "sample":
+        args["sampling"] = SamplingParams(temperature=kw["temperature"], top_p=kw["top_p"], top_k=kw["top_k"])
+        seeds = kw["seed"] if isinstance(kw["seed"], list) else [kw["seed"]]
+        args["seed"] = seeds[0]  # one row per call (check)
+    r = generate_tree(model, ids, TreeShape.parse(kw["tree"]), max_new_tokens, **args)
+    t = r.metrics
+    spec = SpecMetrics(k=t.max_depth, draft=kw["draft"], verify=kw["verify"], accepted_hist=list(t.accepted_hist),
+                       relaxed_only_accepts=t.relaxed_only_accepts, target_forwards=t.target_forwards,
+                       row_steps=t.row_steps, draft_forwards=t.draft_forwards,
+                       prompt_tokens=sum(map(len, ids)), new_tokens=t.new_tokens, n_rows=len(ids),
+                       time_prefill_s=t.time_prefill_s, time_decode_s=t.time_decode_s, ttft_s=t.time_prefill_s)
+    return TreeRun(r.tokens, r.finish_reasons, spec, t), r.row_accepted_hist
+
+
+def _merged(batch_recs: Sequence[dict]):
+    from mtp.decode.tree import TreeMetrics
+
+    out = None
+    for r in batch_recs:
+        t = TreeMetrics(**r["batch_tree_metrics"])
+        out = t if out is None else out.merge(t)
+    return out
+
+
+def flat(batch_recs: Sequence[dict]) -> dict:
+    """`tree/*` and `accept/depth_{d}_rank_{r}` over a set of batches (their first records)."""
+    return {key: v for key, v in _merged(batch_recs).to_dict().items()
+            if key.startswith("tree/") or "_rank_" in key}
+
+
+def section(batch_recs: Sequence[dict], run: dict) -> dict:
+    """The `tree` section of metrics.json: the shape and the acceptance by depth and sibling rank."""
+    t = _merged(batch_recs)
+    n = max(t.row_steps, 1)
+    return {"shape": run.get("tree"), "min_draft_prob": run.get("min_draft_prob"), "nodes": t.n_nodes,
+            "max_depth": t.max_depth, "row_steps": t.row_steps, "live_nodes": t.live_nodes,
+            "accepted_rank": t.accepted_rank,  # counts: [depth - 1][rank]
+            "accept_depth_rank": [[c / n for c in row] for row in t.accepted_rank],
+            "accept_depth": t.accept_depth, "tokens_per_node": t.tokens_per_node,
+            "tokens_per_live_node": t.tokens_per_live_node}
+
+
+def label(draft: str, k: int, tree: str | None, min_draft_prob: float) -> str:
+    """How a run's drafting reads in titles: 'eagle k=2', 'eagle tree=2x1x1', '... p>=0.3'."""
+    if tree is None:
+        return f"{draft} k={k}"
+    return f"{draft} tree={tree}" + (f" p>={min_draft_prob:g}" if min_draft_prob else "")
