@@ -46,6 +46,22 @@ def test_tp1_arguments_are_unchanged():
             bench.parse_args(bad)
 
 
+def test_trees_argument_and_table(capsys):
+    assert bench.parse_args([]).trees == [] and bench.parse_args(["--tp", "8"]).trees == []
+    assert bench.parse_args(["--trees", "chain3, 2x2,4x1x1,1x1"]).trees == ["chain3", "2x2", "4x1x1", "chain2"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--trees", "2x0"])
+    res = _result()
+    kind = lambda ms, by: {"ms": ms, "ms_per_node": ms / 7, "bytes": by, "bytes_per_node": by / 7}  # noqa: E731
+    res["ours"]["trees"] = {"2x2": {"shape": "2x2", "nodes": 7, "depth": 2, "tree": kind(2.8, 4.2e9),
+                                    "chain": kind(2.6, 4.1e9), "tree_over_chain": 2.8 / 2.6, "roofline_ms": 1.4,
+                                    "pct_of_roofline": 50.0}}
+    bench._table(res)
+    out = capsys.readouterr().out
+    assert "tree 2x2 N=7 graph" in out and "0.400 ms/node" in out and "600 MB/node" in out
+    assert "chain of 7: 2.600 ms (tree/chain 1.08)" in out
+
+
 def test_tp_arguments_default_to_full_depth():
     a = bench.parse_args(["--tp", "8", "--json", "x.json", "--accept", "0.9", "0.7"])
     assert (a.layers, a.dense_layers, a.out, a.accept, a.spec_modes) == (61, 3, "x.json", [0.9, 0.7], ("overlap",))

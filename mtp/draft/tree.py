@@ -58,6 +58,35 @@ class TreeShape:
         return cls(tuple(parents))
 
     @classmethod
+    def parse(cls, spec: str) -> TreeShape:
+        """A shape from its short name: 'chain3' (`chain(3)`), '2x2' or '4x1x1' (`from_branching`: children per
+        depth), '4' (one level of 4). Inverse of `name`."""
+        s = spec.strip()
+        try:
+            if s.startswith("chain"):
+                k = int(s[len("chain"):])
+                if k < 1:
+                    raise ValueError(f"a chain needs K >= 1 drafts, got {k}")
+                return cls.chain(k)
+            return cls.from_branching(tuple(int(b) for b in s.split("x")))
+        except ValueError as e:
+            raise ValueError(f"tree shape {spec!r}: expected 'chainK' (K >= 1) or children per depth joined by 'x' "
+                             f"(e.g. '2x2', '4x1x1'), each >= 1 ({e})") from None
+
+    @property
+    def name(self) -> str:
+        """'chainK' for a chain, 'b1xb2x...' when every node of a depth has the same number of children, else the
+        parents tuple."""
+        D = self.max_depth
+        if D and self.n_nodes == D + 1:
+            return f"chain{D}"
+        per_depth = [{len(self.children[i]) for i in range(self.n_nodes) if self.depth[i] == d} for d in range(D)]
+        if D and all(len(c) == 1 for c in per_depth) and TreeShape.from_branching(
+                tuple(next(iter(c)) for c in per_depth)) == self:
+            return "x".join(str(next(iter(c))) for c in per_depth)
+        return str(self.parents)
+
+    @classmethod
     def from_paths(cls, paths) -> TreeShape:
         """An explicit tree as its drafted nodes, each written as the ranks on its path from the root:
         (0,) is the top-1 child of the root, (0, 1) the second child of that. Every prefix of a path must be

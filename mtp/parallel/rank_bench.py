@@ -13,7 +13,10 @@ is run) and one target forward per verify width 1..K+1 is CUDA-graph captured an
   its lm_head rows, and the cache it must read (the indexer keys of every position once the indexer runs,
   at least top-k latent entries), over the copy bandwidth measured in the same run; and the % of it reached;
 - kernels per step (and per layer) from the profiler; with --profile the per-kernel table;
-- the lightning indexer (scores + top-k) of one layer timed alone at that context, and per step.
+- the lightning indexer (scores + top-k) of one layer timed alone at that context, and per step;
+- with `--trees chain3,2x2,...` (`TreeShape.parse` names): per tree shape the target verify forward over its N
+  nodes with the tree mask, beside the causal verify of a chain of the same N tokens (graph ms, ms per node,
+  bytes per node from the rank's byte floor; a few replays each on the same built rank).
 Then whole speculative steps (`mtp.generate`, graph/overlap mode: plain, eagle and vanilla k = 1..K) at the
 shortest context, which measures the draft cost at these shapes. `projection` adds the collectives back:
 n x a latency that is measured (`--collective-json`, from `python -m mtp.parallel.collbench` on N GPUs) or
@@ -198,8 +201,12 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
     time, floor, kernels, and the indexer alone."""
     from ..synthetic import fill_cache_random
 
+    from ..draft.tree import TreeShape
+
     cfg, B, K = model.cfg, args.batch, args.k
-    cache = fill_cache_random(model.new_cache(B, L + K + 1), L, seed=args.seed + L)
+    shapes = [TreeShape.parse(t) for t in args.trees]
+    cache = fill_cache_random(model.new_cache(B, L + max([K + 1] + [t.n_nodes for t in shapes])), L,
+                              seed=args.seed + L)
     base = cache.seq_lens.clone()
     g = torch.Generator().manual_seed(args.seed + 1)
     ids = torch.randint(0, cfg.vocab_size, (B, K + 1), generator=g).to(model.device)
@@ -247,9 +254,44 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
             f"{r['collectives']['all_reduce']} all-reduce + {r['collectives']['all_gather']} all-gather, "
             f"floor {by['total'] / 1e9:.2f} GB" + (f" ({r['pct_of_floor']:.1f}% of it)" if bw else "")
             + (f", {r['kernels_per_step']:.0f} kernels" if cuda else ""))
+    trees = {t.name: tree_verify(model, cache, t, L, cuda, bw, args) for t in shapes}
     del cache
-    return {"cache": f"random valid FP8 entries at {L} positions (fill_cache_random; no prefill was run)",
-            "widths": widths, "indexer": indexer}
+    out = {"cache": f"random valid FP8 entries at {L} positions (fill_cache_random; no prefill was run)",
+           "widths": widths, "indexer": indexer}
+    if trees:
+        out["trees"] = trees
+    return out
+
+
+@torch.no_grad()
+def tree_verify(model, cache, shape, L: int, cuda: bool, bw: float | None, args) -> dict:
+    """The target verify over a tree's N nodes at context L, and the causal verify of a chain of the same N
+    tokens: graph ms (a few replays), ms and floor bytes per node (local experts counted on an eager call)."""
+    from ..timing import tree_row, tree_verify_fns
+
+    time_fn = timer(cuda, min(args.iters, 5), 2)
+    N, ms, floor = shape.n_nodes, {}, {}
+    for kind, fn in tree_verify_fns(model, cache, L, shape, args.seed).items():
+        seen, hooks = count_local_experts(model)
+        try:
+            fn()
+        finally:
+            for h in hooks:
+                h.remove()
+        floor[kind] = rank_floor(model, {li: len(s) for li, s in seen.items()}, L + N, cache.batch)["total"]
+        if cuda:
+            graph = capture(fn)
+            ms[kind] = time_fn(graph.replay)
+            del graph
+        else:
+            ms[kind] = time_fn(fn)
+    row = tree_row(shape, ms, floor)
+    if bw:
+        row["floor_ms"] = floor["tree"] / bw * 1e3
+        row["pct_of_floor"] = 100 * row["floor_ms"] / ms["tree"]
+    log(f"  L={L} tree {shape.name} (N={N}): {ms['tree']:.3f} ms ({ms['tree'] / N:.3f} per node), chain of {N}: "
+        f"{ms['chain']:.3f} ms; floor {floor['tree'] / N / 1e6:.1f} MB per node")
+    return row
 
 
 @torch.no_grad()
@@ -543,7 +585,24 @@ def extrapolate(a: dict, b: dict, da: int, db: int, full: int) -> dict:
                 ix["layers"] = full
             indexer[w] = ix
         out[L] = {"cache": cb["cache"], "extrapolated": True, "widths": widths, "indexer": indexer}
+        if "trees" in cb:
+            out[L]["trees"] = {name: _extrapolate_tree(ca["trees"][name], t, lin) for name, t in cb["trees"].items()}
     return out
+
+
+def _extrapolate_tree(a: dict, b: dict, lin) -> dict:
+    """One `--trees` entry at full depth: each kind's ms and bytes linear in depth, per-node values recomputed."""
+    r = dict(b)
+    N = b["nodes"]
+    for kind in ("tree", "chain"):
+        ms, by = lin(a[kind]["ms"], b[kind]["ms"]), lin(a[kind]["bytes"], b[kind]["bytes"])
+        r[kind] = {"ms": ms, "ms_per_node": ms / N, "bytes": by, "bytes_per_node": by / N}
+    r["tree_over_chain"] = r["tree"]["ms"] / r["chain"]["ms"]
+    if "floor_ms" in b:
+        r["floor_ms"] = lin(a["floor_ms"], b["floor_ms"])
+        r["pct_of_floor"] = 100 * r["floor_ms"] / r["tree"]["ms"]
+    r["extrapolated"] = True
+    return r
 
 
 def run(args) -> dict:
@@ -631,6 +690,7 @@ def print_table(res: dict) -> None:
                 print(f"{L:>8} {w:>2} {r.get('graph_ms', float('nan')):8.3f} {r.get('floor_ms', float('nan')):9.3f} "
                       f"{r.get('pct_of_floor', float('nan')):8.1f} {r.get('kernels_per_step', 0):8.0f} "
                       f"{r.get('kernels_per_layer', 0):8.1f}  variant {name}")
+    print_trees(res["contexts"])
     print("caches: random valid FP8 entries at each context (fill_cache_random), no prefill run; experts: distinct "
           "local experts the step's tokens chose (measured), mean per MoE layer; AR+AG: collectives per step (not run)")
     for L, ctx in res["contexts"].items():
@@ -665,4 +725,18 @@ def print_table(res: dict) -> None:
             print(f"  {name}: {v}")
         for name, v in pj["references_tok_s_per_user"].items():
             print(f"  reference: {name}: {v:.0f} tok/s per user")
+    sys.stdout.flush()
+
+
+def print_trees(contexts: dict) -> None:
+    """The `--trees` rows: each tree's verify beside the chain of the same node count (per context)."""
+    rows = [(L, r) for L, ctx in contexts.items() for r in ctx.get("trees", {}).values()]
+    if not rows:
+        return
+    print(f"{'context':>8s} {'tree':>10s} {'N':>3s} {'tree ms':>8s} {'ms/node':>8s} {'chain ms':>9s} "
+          f"{'tree/chain':>10s} {'MB/node':>8s} {'% floor':>8s}")
+    for L, r in rows:
+        pct = format(r["pct_of_floor"], "8.1f") if "pct_of_floor" in r else "       -"
+        print(f"{L:>8} {r['shape']:>10s} {r['nodes']:>3} {r['tree']['ms']:8.3f} {r['tree']['ms_per_node']:8.3f} "
+              f"{r['chain']['ms']:9.3f} {r['tree_over_chain']:10.2f} {r['tree']['bytes_per_node'] / 1e6:8.1f} {pct}")
     sys.stdout.flush()
