@@ -147,7 +147,7 @@ class TreeStep:
         self.top_n, self.delta, self.think_ids, self.target_hidden = top_n, delta, think_ids, target_hidden
 
     def __call__(self, st: TreeState, W: int, max_n: int) -> None:
-        m, tree, N, A = self.model, self.tree, self.tree.n_nodes, self.tree.max_depth + 1
+        m, N, A = self.model, self.tree.n_nodes, self.tree.max_depth + 1
         tt = st.proposer.tt
         dev = st.n_B.device
         rows, arA = torch.arange(st.B, device=dev), torch.arange(A, device=dev)

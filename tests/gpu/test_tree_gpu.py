@@ -5,7 +5,6 @@ and the captured tree step (graph / overlap) against eager, token for token.
 Shape legend: B batch, N tree nodes, S keys, J top-k, V vocabulary.
 """
 
-import copy
 import tempfile
 
 import pytest
@@ -28,6 +27,8 @@ from mtp.kernels.indexer import indexer_scores_ref, indexer_topk  # noqa: E402
 from mtp.kernels.mla_decode import mla_decode, mla_decode_ref  # noqa: E402
 from mtp.kernels.topk import topk_select_ref  # noqa: E402
 from mtp.model.fp8 import act_quant  # noqa: E402
+
+from .test_engine_gpu import _as_float32  # noqa: E402  (the same model with its bf16 tensors widened to fp32)
 
 DEV = "cuda"
 PROMPTS = [list(range(3, 40)), list(range(50, 61)), list(range(100, 190))]  # 90 > index_topk 64: sparse rows
@@ -97,16 +98,6 @@ def _agreeing_model(cfg, dtype):
 @pytest.fixture(scope="module")
 def model():
     return _agreeing_model(gpu_test_config(layers=3, mtp_modules=1), torch.bfloat16)
-
-
-def _as_float32(model):
-    m = copy.deepcopy(model)
-    for mod in m.modules():
-        for name, p in list(mod.named_parameters(recurse=False)):
-            if p.dtype == torch.bfloat16:
-                setattr(mod, name, torch.nn.Parameter(p.float(), requires_grad=False))
-    m.dtype, m.acc = torch.float32, torch.float32
-    return m
 
 
 def _tree_logits(model, prompt, nodes, tree):
