@@ -227,12 +227,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trees", default=None, metavar="SHAPES",
                     help="comma list of draft-tree shapes ('chain3', '2x2', '4x1x1': mtp.draft.tree.TreeShape.parse): "
                          "also time the target verify of each tree beside a chain of the same node count")
+    ap.add_argument("--tree-al", nargs="+", default=[], metavar="SHAPE=AL",
+                    help="--tp N projection: the acceptance length of --trees shapes (e.g. 2x2=2.9, measured with "
+                         "mtp-eval), for their projected tok/s per user")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", "--json", dest="out", default=None,
                     help="JSON result (default bench.json; with --tp N: bench_tp<N>.json)")
     args = ap.parse_args(argv)
     tp = args.tp > 1
     args.trees = _tree_names(ap, args.trees)
+    args.tree_al = _tree_al(ap, args.tree_al, args.trees)
     if args.tp < 1:
         ap.error(f"--tp must be >= 1, got {args.tp}")
     if args.layers is None:
@@ -275,6 +279,21 @@ def _tree_names(ap: argparse.ArgumentParser, spec: str | None) -> list[str]:
         return [TreeShape.parse(t).name for t in spec.split(",") if t.strip()]
     except ValueError as e:
         ap.error(f"--trees: {e}")
+
+
+def _tree_al(ap: argparse.ArgumentParser, items: list[str], trees: list[str]) -> dict[str, float]:
+    """--tree-al SHAPE=AL ... as {canonical shape name: AL}; every shape must be one of --trees, AL >= 1."""
+    out = {}
+    for item in items:
+        name, sep, al = item.partition("=")
+        try:
+            key, value = _tree_names(ap, name)[0], float(al)
+        except (IndexError, ValueError):
+            ap.error(f"--tree-al: expected SHAPE=AL (e.g. 2x2=2.9), got {item!r}")
+        if not sep or key not in trees or value < 1:
+            ap.error(f"--tree-al {item!r}: the shape must be one of --trees {trees} and AL >= 1")
+        out[key] = value
+    return out
 
 
 def main(argv=None) -> None:

@@ -148,6 +148,37 @@ def _tp_result(device="NVIDIA H200"):
                 "eagle_k2_overlap": {"k": 2, "gpu_step_ms": None, "step_ms_wall": 17.0, "verify_ms": 13.0}}}}
 
 
+def test_tree_projection_uses_the_given_al_and_the_chain_draft(capsys):
+    res = _tp_result()
+    coll = {"all_reduce": 123, "all_reduce_bytes": 123 * 28672 * 7, "all_gather": 1, "all_gather_bytes": 64640 * 7}
+    kind = lambda ms: {"ms": ms, "ms_per_node": ms / 7, "bytes": 7e9, "bytes_per_node": 1e9}  # noqa: E731
+    for L in res["contexts"]:
+        res["contexts"][L]["trees"] = {
+            "2x2": {"shape": "2x2", "nodes": 7, "depth": 2, "tree": kind(20.0), "chain": kind(19.0),
+                    "tree_over_chain": 20 / 19, "collectives": coll},
+            "4x1x1": {"shape": "4x1x1", "nodes": 13, "depth": 3, "tree": kind(30.0), "chain": kind(29.0),
+                      "tree_over_chain": 30 / 29, "collectives": coll}}
+    args = argparse.Namespace(collective_json=None, allreduce_us=10.0, accept=[0.8], al=None, k=2, tp=8,
+                              tree_al={"2x2": 2.9, "4x1x1": 3.2})
+    pj = rb.project(res, args)
+    t = pj["contexts"][1024]["tree_2x2"]
+    c = 124 * 10e-3 + 2 * 4 * 10e-3  # the tree verify's collectives + 2 draft forwards'
+    assert t["step_ms"] == pytest.approx(20.0 + (17.0 - 13.0) + c) and t["draft_ms_chain"] == pytest.approx(4.0)
+    assert t["tok_s_per_user"] == pytest.approx(1e3 * 2.9 / t["step_ms"])
+    assert "tree_4x1x1" not in pj["contexts"][1024]  # depth 3: no eagle k=3 step was measured
+    res["projection"] = pj
+    rb.print_table(res)
+    out = capsys.readouterr().out
+    assert f"tree 2x2 {t['tpot_ms']:.2f} ms ({t['tok_s_per_user']:.0f} tok/s, AL 2.90 given)" in out
+    assert "tree/chain" in out
+    a = bench.parse_args(["--tp", "8", "--trees", "2x2,chain3", "--tree-al", "2x2=2.9", "chain3=2.5"])
+    assert a.tree_al == {"2x2": 2.9, "chain3": 2.5}
+    for bad in (["--tree-al", "2x2=2.9"], ["--trees", "2x2", "--tree-al", "2x2=0.5"],
+                ["--trees", "2x2", "--tree-al", "2x2"], ["--trees", "2x2", "--tree-al", "3x3=2"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
 def test_projection_adds_collectives_draft_and_divides_by_al(capsys):
     res = _tp_result()
     args = argparse.Namespace(collective_json=None, allreduce_us=10.0, accept=[0.8], al=None, k=2, tp=8)

@@ -254,7 +254,7 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
             f"{r['collectives']['all_reduce']} all-reduce + {r['collectives']['all_gather']} all-gather, "
             f"floor {by['total'] / 1e9:.2f} GB" + (f" ({r['pct_of_floor']:.1f}% of it)" if bw else "")
             + (f", {r['kernels_per_step']:.0f} kernels" if cuda else ""))
-    trees = {t.name: tree_verify(model, cache, t, L, cuda, bw, args) for t in shapes}
+    trees = {t.name: tree_verify(model, comm, cache, t, L, cuda, bw, args) for t in shapes}
     del cache
     out = {"cache": f"random valid FP8 entries at {L} positions (fill_cache_random; no prefill was run)",
            "widths": widths, "indexer": indexer}
@@ -264,14 +264,16 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
 
 
 @torch.no_grad()
-def tree_verify(model, cache, shape, L: int, cuda: bool, bw: float | None, args) -> dict:
+def tree_verify(model, comm, cache, shape, L: int, cuda: bool, bw: float | None, args) -> dict:
     """The target verify over a tree's N nodes at context L, and the causal verify of a chain of the same N
-    tokens: graph ms (a few replays), ms and floor bytes per node (local experts counted on an eager call)."""
+    tokens: graph ms (a few replays), ms and floor bytes per node (local experts counted on an eager call), the
+    tree verify's collectives."""
     from ..timing import tree_row, tree_verify_fns
 
     time_fn = timer(cuda, min(args.iters, 5), 2)
     N, ms, floor = shape.n_nodes, {}, {}
     for kind, fn in tree_verify_fns(model, cache, L, shape, args.seed).items():
+        comm.reset()
         seen, hooks = count_local_experts(model)
         try:
             fn()
@@ -279,6 +281,8 @@ def tree_verify(model, cache, shape, L: int, cuda: bool, bw: float | None, args)
             for h in hooks:
                 h.remove()
         floor[kind] = rank_floor(model, {li: len(s) for li, s in seen.items()}, L + N, cache.batch)["total"]
+        if kind == "tree":
+            collectives = dict(comm.counts)
         if cuda:
             graph = capture(fn)
             ms[kind] = time_fn(graph.replay)
@@ -286,6 +290,7 @@ def tree_verify(model, cache, shape, L: int, cuda: bool, bw: float | None, args)
         else:
             ms[kind] = time_fn(fn)
     row = tree_row(shape, ms, floor)
+    row["collectives"] = collectives
     if bw:
         row["floor_ms"] = floor["tree"] / bw * 1e3
         row["pct_of_floor"] = 100 * row["floor_ms"] / ms["tree"]
@@ -382,7 +387,8 @@ def project(res: dict, args) -> dict:
     """Per context: plain TPOT = step(w=1) + its collectives; MTP k: (step(w=k+1) + draft + collectives of the
     verify and the k draft forwards) / AL(k). draft = measured eagle-k spec step - the target step at w = k+1
     measured with it (same depth, spec context); at longer contexts plus k x (indexer per layer there - at the
-    spec context)."""
+    spec context). A tree of depth D with an AL given (--tree-al): (its verify + the eagle-D chain's draft, a
+    lower bound: a tree's draft forwards are wider + collectives) / AL."""
     lat = collective_latency(args)
     spec = res.get("spec_step", {})
     L0 = spec.get("prompt_len")
@@ -401,13 +407,20 @@ def project(res: dict, args) -> dict:
         plain = widths[1][key] + comm_ms(lat, widths[1]["collectives"])
         row = {"plain": {"tpot_ms": plain, "tok_s_per_user": 1e3 / plain,
                          "collectives_ms": comm_ms(lat, widths[1]["collectives"])}}
-        for k in range(1, args.k + 1):
+
+        def chain_draft_ms(k):
+            """The eagle-k draft cost at this context (None where no speculative step of depth k was measured)."""
             run = spec.get("runs", {}).get(f"eagle_k{k}_{spec.get('modes', ('',))[0]}")
             t_step = run and (run["gpu_step_ms"] or run["step_ms_wall"])
             if not t_step or L0 not in res["contexts"]:
-                continue
+                return None
             ctx0 = res["contexts"][L0]
-            draft = t_step - run["verify_ms"] + k * (ix_ms(ctx, k + 1) - ix_ms(ctx0, k + 1))
+            return t_step - run["verify_ms"] + k * (ix_ms(ctx, k + 1) - ix_ms(ctx0, k + 1))
+
+        for k in range(1, args.k + 1):
+            draft = chain_draft_ms(k)
+            if draft is None:
+                continue
             cm = comm_ms(lat, widths[k + 1]["collectives"]) + comm_ms(lat, dc, times=k)
             step = widths[k + 1][key] + draft + cm
             al = args.al if (args.al and k == args.k) else accept_len(args.accept, k)
@@ -417,6 +430,16 @@ def project(res: dict, args) -> dict:
                                   "draft_ms": draft if draft >= 0 else None,
                                   "collectives_ms": cm, "AL": al, "tpot_ms": step / al, "tok_s_per_user": 1e3 * al / step,
                                   "speedup_vs_plain": al * plain / step}
+        for name, t in ctx.get("trees", {}).items():
+            al, D = (getattr(args, "tree_al", None) or {}).get(name), t["depth"]
+            draft = chain_draft_ms(D)
+            if al is None or draft is None:
+                continue
+            cm = comm_ms(lat, t["collectives"]) + comm_ms(lat, dc, times=D)
+            step = t["tree"]["ms"] + max(draft, 0.0) + cm
+            row[f"tree_{name}"] = {"step_ms": step, "verify_ms": t["tree"]["ms"], "draft_ms_chain": draft,
+                                   "collectives_ms": cm, "AL": al, "nodes": t["nodes"], "tpot_ms": step / al,
+                                   "tok_s_per_user": 1e3 * al / step, "speedup_vs_plain": al * plain / step}
         out["contexts"][L] = row
     here = [f"{n} x {g}" for g, n in TARGETS if g in dev and n == res["tp"]]
     out["deployment"] = (f"{res['tp']} x {dev}" + (f" (= {here[0]})" if here else "")
@@ -598,6 +621,7 @@ def _extrapolate_tree(a: dict, b: dict, lin) -> dict:
         ms, by = lin(a[kind]["ms"], b[kind]["ms"]), lin(a[kind]["bytes"], b[kind]["bytes"])
         r[kind] = {"ms": ms, "ms_per_node": ms / N, "bytes": by, "bytes_per_node": by / N}
     r["tree_over_chain"] = r["tree"]["ms"] / r["chain"]["ms"]
+    r["collectives"] = {k: round(lin(a["collectives"][k], v)) for k, v in b["collectives"].items()}
     if "floor_ms" in b:
         r["floor_ms"] = lin(a["floor_ms"], b["floor_ms"])
         r["pct_of_floor"] = 100 * r["floor_ms"] / r["tree"]["ms"]
@@ -714,6 +738,8 @@ def print_table(res: dict) -> None:
             parts = [f"plain {row['plain']['tpot_ms']:.2f} ms ({row['plain']['tok_s_per_user']:.0f} tok/s)"]
             parts += [f"eagle k={n[len('eagle_k'):]} {r['tpot_ms']:.2f} ms ({r['tok_s_per_user']:.0f} tok/s, AL {r['AL']:.2f})"
                       for n, r in row.items() if n.startswith("eagle_k")]
+            parts += [f"tree {n[len('tree_'):]} {r['tpot_ms']:.2f} ms ({r['tok_s_per_user']:.0f} tok/s, AL {r['AL']:.2f} "
+                      f"given)" for n, r in row.items() if n.startswith("tree_")]
             print(f"  context {L}: " + "; ".join(parts))
         first = next(iter(pj["contexts"].values()), None)
         for name, v in pj["other_deployments"].items():
