@@ -16,7 +16,8 @@ is run) and one target forward per verify width 1..K+1 is CUDA-graph captured an
 - the lightning indexer (scores + top-k) of one layer timed alone at that context, and per step;
 - with `--trees chain3,2x2,...` (`TreeShape.parse` names): per tree shape the target verify forward over its N
   nodes with the tree mask, beside the causal verify of a chain of the same N tokens (graph ms, ms per node,
-  bytes per node from the rank's byte floor; a few replays each on the same built rank).
+  bytes per node from the rank's byte floor; a few replays each on the same built rank); with `--tree-al
+  2x2=2.9 ...` (acceptance lengths measured elsewhere, e.g. mtp-eval) the projection adds their tok/s per user.
 Then whole speculative steps (`mtp.generate`, graph/overlap mode: plain, eagle and vanilla k = 1..K) at the
 shortest context, which measures the draft cost at these shapes. `projection` adds the collectives back:
 n x a latency that is measured (`--collective-json`, from `python -m mtp.parallel.collbench` on N GPUs) or
