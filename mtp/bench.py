@@ -146,7 +146,7 @@ def bench_trees(model, args, bw: float) -> dict:
             graph = capture(fn)
             ms[kind] = time_ms(graph.replay, iters=5, warmup=2)
             del graph
-        row = tree_row(shape, ms, total)
+        row = tree_row(shape, ms, total, model.runtime.absorb_max_tokens)
         row["roofline_ms"] = total["tree"] / bw * 1e3
         row["pct_of_roofline"] = 100 * row["roofline_ms"] / ms["tree"]
         out[shape.name] = row

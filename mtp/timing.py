@@ -81,11 +81,14 @@ def tree_verify_fns(model, cache, L: int, shape, seed: int = 0) -> dict:
     return {"tree": tree, "chain": chain}
 
 
-def tree_row(shape, ms: dict, total_bytes: dict) -> dict:
+def tree_row(shape, ms: dict, total_bytes: dict, absorb_max_tokens: int) -> dict:
     """One `--trees` entry: per kind ('tree', 'chain' of the same node count) the step ms, ms and bytes per node
-    (`total_bytes`: the step's byte floor), and the tree's cost over the chain's."""
+    (`total_bytes`: the step's byte floor), and the tree's cost over the chain's. A verify of more than
+    `absorb_max_tokens` (RuntimeOptions) nodes takes the naive reference attention, not the kernels: said in
+    'attention'."""
     N = shape.n_nodes
-    row = {"shape": shape.name, "nodes": N, "depth": shape.max_depth, "parents": list(shape.parents)}
+    row = {"shape": shape.name, "nodes": N, "depth": shape.max_depth, "parents": list(shape.parents),
+           "attention": "kernels" if N <= absorb_max_tokens else f"reference (N > absorb_max_tokens {absorb_max_tokens})"}
     for kind in ms:
         row[kind] = {"ms": ms[kind], "ms_per_node": ms[kind] / N, "bytes": total_bytes[kind],
                      "bytes_per_node": total_bytes[kind] / N}

@@ -290,7 +290,7 @@ def tree_verify(model, comm, cache, shape, L: int, cuda: bool, bw: float | None,
             del graph
         else:
             ms[kind] = time_fn(fn)
-    row = tree_row(shape, ms, floor)
+    row = tree_row(shape, ms, floor, model.runtime.absorb_max_tokens)
     row["collectives"] = collectives
     if bw:
         row["floor_ms"] = floor["tree"] / bw * 1e3
@@ -765,5 +765,6 @@ def print_trees(contexts: dict) -> None:
     for L, r in rows:
         pct = format(r["pct_of_floor"], "8.1f") if "pct_of_floor" in r else "       -"
         print(f"{L:>8} {r['shape']:>10s} {r['nodes']:>3} {r['tree']['ms']:8.3f} {r['tree']['ms_per_node']:8.3f} "
-              f"{r['chain']['ms']:9.3f} {r['tree_over_chain']:10.2f} {r['tree']['bytes_per_node'] / 1e6:8.1f} {pct}")
+              f"{r['chain']['ms']:9.3f} {r['tree_over_chain']:10.2f} {r['tree']['bytes_per_node'] / 1e6:8.1f} {pct}"
+              + ("" if r.get("attention", "kernels") == "kernels" else f"  attention: {r['attention']}"))
     sys.stdout.flush()
