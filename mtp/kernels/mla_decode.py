@@ -16,8 +16,8 @@ tiles; K and V are the same fp8 latent tile, loaded once, scaled exactly into bf
 dots (bf16 tensor cores, fp32 accumulate; q_lat and p are rounded to bf16: ~2e-3 relative error vs the
 fp32 reference). Stage 2
 merges the NS partial results by their log-sum-exp. The number of slices comes from the static capacity
-(S or J) so the launch is the same on every step (CUDA-graph friendly). Under the Triton interpreter (CPU tests) the dots take fp32 operands: its bf16
-tl.dot is wrong.
+(S or J) so the launch is the same on every step (CUDA-graph friendly). Under the Triton interpreter (CPU
+tests) the dots take fp32 operands: its bf16 tl.dot is wrong.
 """
 
 from __future__ import annotations
