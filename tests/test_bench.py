@@ -163,9 +163,14 @@ def test_tree_projection_uses_the_given_al_and_the_chain_draft(capsys):
     pj = rb.project(res, args)
     t = pj["contexts"][1024]["tree_2x2"]
     c = 124 * 10e-3 + 2 * 4 * 10e-3  # the tree verify's collectives + 2 draft forwards'
-    assert t["step_ms"] == pytest.approx(20.0 + (17.0 - 13.0) + c) and t["draft_ms_chain"] == pytest.approx(4.0)
+    assert t["step_ms"] == pytest.approx(20.0 + (17.0 - 13.0) + c) and t["draft_ms"] == pytest.approx(4.0)
+    assert "lower bound" in t["draft_source"]  # no tree step measured: the chain's draft of the same depth
     assert t["tok_s_per_user"] == pytest.approx(1e3 * 2.9 / t["step_ms"])
     assert "tree_4x1x1" not in pj["contexts"][1024]  # depth 3: no eagle k=3 step was measured
+    res["spec_step"]["runs"]["tree_2x2_overlap"] = {"tree": "2x2", "k": 2, "gpu_step_ms": 26.0, "step_ms_wall": 27.0,
+                                                    "verify_ms": 20.0}
+    m = rb.project(res, args)["contexts"][1024]["tree_2x2"]  # the measured tree step: 26 - 20 ms of draft
+    assert m["draft_ms"] == pytest.approx(6.0) and m["draft_source"] == "measured tree step"
     res["projection"] = pj
     rb.print_table(res)
     out = capsys.readouterr().out

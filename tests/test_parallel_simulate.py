@@ -194,7 +194,8 @@ def test_bench_tp_on_cpu(tmp_path):
     assert "tree/chain" in p.stdout and "     2x1   5" in p.stdout
     assert res["draft_collectives_per_forward"]["all_reduce"] == 3  # embedding, attention, MoE
     runs = res["spec_step"]["runs"]
-    assert set(runs) == {"none_k0_eager", "eagle_k1_eager", "vanilla_k1_eager"}
+    assert set(runs) == {"none_k0_eager", "eagle_k1_eager", "vanilla_k1_eager", "tree_chain2_eager", "tree_2x1_eager"}
+    assert runs["tree_2x1_eager"]["steps"] > 0 and runs["tree_2x1_eager"]["verify_ms"] > 0
     pj = res["projection"]
     assert pj["collective_latency"]["assumed"] is True and "ASSUMED" in p.stdout
     assert {"plain", "eagle_k1"} <= set(pj["contexts"]["24"])

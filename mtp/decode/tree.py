@@ -16,6 +16,7 @@ loop condition from pinned copies (`GraphRunner.run`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ class TreeMetrics:
     target_forwards: int = 0
     draft_forwards: int = 0
     new_tokens: int = 0
+    time_decode_s: float = 0.0  # wall time after the target prefill (draft prefill and graph capture included)
     # graph / overlap modes (CUDA): capture cost and GPU time of the replays
     graph_replays: int = 0
     graph_capture_s: float = 0.0
@@ -302,6 +304,7 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
     met = TreeMetrics(N, D)
     host = sync("the prefill")
     drafting = not bool(host[1].all())  # nothing to draft for when every row ended at its first token
+    t0 = time.perf_counter()
     if drafting:
         st.proposer.prefill(st.tokens, st.hidden, st.n_B, Tp, max_n=bound(host))
         if mode == "eager" or dev.type != "cuda":
@@ -317,6 +320,7 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
             runner.run(st, gm, lambda new, keep, acc: None, 0, bound(host), overlap=mode == "overlap")
             met.target_forwards, met.graph_replays = gm.target_forwards, gm.graph_replays
             met.graph_capture_s, met.gpu_busy_ms, met.gpu_idle_ms = gm.graph_capture_s, gm.gpu_busy_ms, gm.gpu_idle_ms
+    met.time_decode_s = time.perf_counter() - t0
     # ---- metrics (read once) and the tokens
     met.accepted_hist = st.hist_A.tolist()
     met.accepted_rank = st.rank_DC.tolist()

@@ -303,8 +303,12 @@ def tree_verify(model, comm, cache, shape, L: int, cuda: bool, bw: float | None,
 @torch.no_grad()
 def spec_steps(model, args, L: int, cuda: bool) -> dict:
     """Whole speculative steps (draft K + verify K+1 + accept + commit) through `mtp.generate` at context L:
-    plain, eagle and vanilla k = 1..K (vanilla past the checkpoint's MTP modules repeats the last one)."""
+    plain, eagle and vanilla k = 1..K (vanilla past the checkpoint's MTP modules repeats the last one); and the
+    eagle tree step of every --trees shape (`generate_tree`, wall time of a graph call includes its capture: the
+    GPU time per replayed step is the number)."""
     from ..decode.engine import generate, release
+    from ..decode.tree import generate_tree
+    from ..draft.tree import TreeShape
 
     g = torch.Generator().manual_seed(args.seed + 2)
     prompts = torch.randint(0, model.cfg.vocab_size, (args.batch, L), generator=g).tolist()
@@ -327,8 +331,25 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
             log(f"  spec {draft} k={k} {mode}: {out[f'{draft}_k{k}_{mode}']['step_ms_wall']:.3f} ms/step wall "
                 f"({time.perf_counter() - t0:.1f} s)")
         release(model)
+    for name in args.trees:  # whole eagle tree steps (graph / overlap: the step captured per shape)
+        shape = TreeShape.parse(name)
+        for mode in modes:
+            key = f"tree_{name}_{mode}"
+            try:
+                m = generate_tree(model, prompts, shape, args.new_tokens, draft="eagle", mode=mode).metrics
+            except Exception as e:  # keep the chains' numbers; the error is in the JSON and printed
+                out[key] = {"tree": name, "mode": mode, "error": repr(e)[:500]}
+                log(f"  spec tree {name} {mode} failed: {out[key]['error']}")
+                continue
+            steps = max(m.target_forwards, 1)
+            out[key] = {"draft": "eagle", "tree": name, "k": shape.max_depth, "nodes": shape.n_nodes, "mode": mode,
+                        "steps": m.target_forwards, "step_ms_wall": m.time_decode_s / steps * 1e3,
+                        "gpu_step_ms": m.gpu_busy_ms / m.graph_replays if m.graph_replays else None,
+                        "AL_random_weights": m.mean_accepted_len}
+            log(f"  spec tree {name} {mode}: " + (f"GPU {out[key]['gpu_step_ms']:.3f} ms/step" if m.graph_replays else
+                                                  f"{out[key]['step_ms_wall']:.3f} ms/step wall"))
     return {"prompt_len": L, "modes": tuple(modes), "runs": out,
-            "note": "generate() with a real prefill of a random prompt of this length"}
+            "note": "generate() / generate_tree() with a real prefill of a random prompt of this length"}
 
 
 @torch.no_grad()
@@ -388,8 +409,9 @@ def project(res: dict, args) -> dict:
     """Per context: plain TPOT = step(w=1) + its collectives; MTP k: (step(w=k+1) + draft + collectives of the
     verify and the k draft forwards) / AL(k). draft = measured eagle-k spec step - the target step at w = k+1
     measured with it (same depth, spec context); at longer contexts plus k x (indexer per layer there - at the
-    spec context). A tree of depth D with an AL given (--tree-al): (its verify + the eagle-D chain's draft, a
-    lower bound: a tree's draft forwards are wider + collectives) / AL."""
+    spec context). A tree of depth D with an AL given (--tree-al): (its verify + its draft + collectives) / AL,
+    the draft taken from its measured tree step as the chains' (else the eagle-D chain's draft: a lower bound,
+    a tree's draft forwards are wider)."""
     lat = collective_latency(args)
     spec = res.get("spec_step", {})
     L0 = spec.get("prompt_len")
@@ -431,16 +453,29 @@ def project(res: dict, args) -> dict:
                                   "draft_ms": draft if draft >= 0 else None,
                                   "collectives_ms": cm, "AL": al, "tpot_ms": step / al, "tok_s_per_user": 1e3 * al / step,
                                   "speedup_vs_plain": al * plain / step}
+        def tree_draft_ms(name, D, N):
+            """Draft (+ accept + compact) cost of the measured eagle tree step of `name` at this context: the step
+            - its verify at the spec context, + D x the indexer's change per draft forward (None: not measured)."""
+            run = spec.get("runs", {}).get(f"tree_{name}_{spec.get('modes', ('',))[0]}", {})
+            t_step = run.get("gpu_step_ms") or run.get("step_ms_wall")
+            if not t_step or "verify_ms" not in run or L0 not in res["contexts"]:
+                return None
+            w = min(N, args.k + 1)  # the indexer was timed alone for widths up to K + 1
+            return t_step - run["verify_ms"] + D * (ix_ms(ctx, w) - ix_ms(res["contexts"][L0], w))
+
         for name, t in ctx.get("trees", {}).items():
             al, D = (getattr(args, "tree_al", None) or {}).get(name), t["depth"]
-            draft = chain_draft_ms(D)
+            draft, source = tree_draft_ms(name, D, t["nodes"]), "measured tree step"
+            if draft is None:
+                draft, source = chain_draft_ms(D), "eagle chain of the same depth (a lower bound)"
             if al is None or draft is None:
                 continue
             cm = comm_ms(lat, t["collectives"]) + comm_ms(lat, dc, times=D)
             step = t["tree"]["ms"] + max(draft, 0.0) + cm
-            row[f"tree_{name}"] = {"step_ms": step, "verify_ms": t["tree"]["ms"], "draft_ms_chain": draft,
-                                   "collectives_ms": cm, "AL": al, "nodes": t["nodes"], "tpot_ms": step / al,
-                                   "tok_s_per_user": 1e3 * al / step, "speedup_vs_plain": al * plain / step}
+            row[f"tree_{name}"] = {"step_ms": step, "verify_ms": t["tree"]["ms"], "draft_ms": draft,
+                                   "draft_source": source, "collectives_ms": cm, "AL": al, "nodes": t["nodes"],
+                                   "tpot_ms": step / al, "tok_s_per_user": 1e3 * al / step,
+                                   "speedup_vs_plain": al * plain / step}
         out["contexts"][L] = row
     here = [f"{n} x {g}" for g, n in TARGETS if g in dev and n == res["tp"]]
     out["deployment"] = (f"{res['tp']} x {dev}" + (f" (= {here[0]})" if here else "")
@@ -520,7 +555,10 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
                     sp = spec_steps(model, args, L0, cuda)
                     key = "graph_ms" if cuda else "eager_ms"
                     for r in sp["runs"].values():  # the verify forward of the same depth, to split off the draft
-                        r["verify_ms"] = part["contexts"][L0]["widths"][r["k"] + 1][key]
+                        if "tree" in r and "error" not in r:
+                            r["verify_ms"] = part["contexts"][L0]["trees"][r["tree"]]["tree"]["ms"]
+                        elif "tree" not in r:
+                            r["verify_ms"] = part["contexts"][L0]["widths"][r["k"] + 1][key]
                     part["spec_step"] = sp
                 except Exception as e:  # keep the target-step numbers; the error is in the JSON and printed
                     part["spec_step_error"] = repr(e)[:1000]
@@ -727,6 +765,9 @@ def print_table(res: dict) -> None:
     if spec:
         print(f"speculative steps at context {spec['prompt_len']} (generate, real prefill):")
         for name, r in spec["runs"].items():
+            if "error" in r:
+                print(f"  {name:24s} FAILED {r['error'][:200]}")
+                continue
             gpu = f", GPU {r['gpu_step_ms']:.3f} ms" if r["gpu_step_ms"] else ""
             print(f"  {name:24s} {r['step_ms_wall']:8.3f} ms/step wall{gpu}")
     if "spec_step_error" in res:

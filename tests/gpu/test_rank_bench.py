@@ -39,4 +39,6 @@ def test_bench_tp8_four_layers(tmp_path):
     for L in ("1024", "4096"):  # the tree verify (captured) beside the chain of as many nodes
         t = res["contexts"][L]["trees"]["2x1"]
         assert t["nodes"] == 5 and t["tree"]["ms"] > 0 and t["chain"]["ms"] > 0 and 0 < t["pct_of_floor"] < 100
-    assert "tree 2x1" in p.stdout and res["projection"]["contexts"]["1024"]["tree_chain1"]["AL"] == 1.5
+    assert "tree 2x1" in p.stdout and runs["tree_2x1_overlap"]["gpu_step_ms"] > 0  # the captured tree step
+    pj = res["projection"]["contexts"]["1024"]["tree_chain1"]
+    assert pj["AL"] == 1.5 and pj["draft_source"] == "measured tree step"
