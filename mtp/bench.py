@@ -3,6 +3,8 @@ measured copy bandwidth (the roofline's ceiling), our target step for verify wid
 whole speculative steps in eager / graph / overlap mode with GPU idle time, the same truncated model through
 transformers' eager implementation, and an analytic byte count per step (weights touched, including the union
 of routed experts the K+1 tokens pick, plus KV reads) giving the HBM roofline and our percentage of it.
+`--trees chain3,2x2,...` adds, per tree shape (`TreeShape.parse`), the target verify over its N nodes with the
+tree mask beside the causal verify of a chain of the same N tokens (graph ms, ms and bytes per node).
 Prints a table; writes JSON. `--tp N` instead times one rank of a TP=N group at full depth on this one device
 (`mtp.parallel.rank_bench`): the full model is measured per rank, not projected from these few layers.
 """
@@ -89,6 +91,8 @@ def bench_ours(args, bw: float) -> dict:
         if prof is not None:
             widths[w]["profile"] = prof
     res["target_step"] = widths
+    if args.trees:
+        res["trees"] = bench_trees(model, args, bw)
     # whole speculative steps (draft K + verify K+1 + accept + commit) in each mode
     spec = {}
     prompts = ids[:, :L].tolist()
@@ -116,6 +120,39 @@ def bench_ours(args, bw: float) -> dict:
     torch.cuda.empty_cache()
     res["gpu_mem_gib_after_release"] = torch.cuda.memory_allocated() / 2**30
     return res
+
+
+@torch.no_grad()
+def bench_trees(model, args, bw: float) -> dict:
+    """Per `--trees` shape: the tree verify and the chain verify of the same node count after a prefill of
+    --prompt-len tokens (graph ms over a few replays, bytes from `step_bytes` with the experts the nodes chose)."""
+    from .draft.tree import TreeShape
+    from .timing import tree_row, tree_verify_fns
+
+    shapes = [TreeShape.parse(t) for t in args.trees]
+    B, L, cfg = args.batch, args.prompt_len, model.cfg
+    kv = model.new_cache(B, L + max(t.n_nodes for t in shapes) + 8)
+    g = torch.Generator(device="cuda").manual_seed(args.seed + 1)
+    model(torch.randint(0, cfg.vocab_size, (B, L), device="cuda", generator=g), kv)  # prefill
+    out = {}
+    for shape in shapes:
+        N, ms, total = shape.n_nodes, {}, {}
+        for kind, fn in tree_verify_fns(model, kv, L, shape, args.seed).items():
+            seen, hooks = _count_experts(model, None)
+            fn()
+            for h in hooks:
+                h.remove()
+            total[kind] = step_bytes(model, [len(seen.get(li, ())) for li in range(cfg.num_hidden_layers)],
+                                     L + N, B)["total"]
+            graph = capture(fn)
+            ms[kind] = time_ms(graph.replay, iters=5, warmup=2)
+            del graph
+        row = tree_row(shape, ms, total, model.runtime.absorb_max_tokens)
+        row["roofline_ms"] = total["tree"] / bw * 1e3
+        row["pct_of_roofline"] = 100 * row["roofline_ms"] / ms["tree"]
+        out[shape.name] = row
+    del kv
+    return out
 
 
 def bench_hf(args) -> dict:
@@ -214,6 +251,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="--tp N projection: ASSUMED latency of one collective when no measurement is given")
     ap.add_argument("--collective-json", default=None,
                     help="--tp N projection: measured collective latencies (python -m mtp.parallel.collbench)")
+    ap.add_argument("--trees", default=None, metavar="SHAPES",
+                    help="comma list of draft-tree shapes ('chain3', '2x2', '4x1x1': mtp.draft.tree.TreeShape.parse): "
+                         "also time the target verify of each tree beside a chain of the same node count")
+    ap.add_argument("--tree-al", nargs="+", default=[], metavar="SHAPE=AL",
+                    help="--tp N projection: the acceptance length of --trees shapes (e.g. 2x2=2.9, measured with "
+                         "mtp-eval), for their projected tok/s per user")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", "--json", dest="out", default=None,
                     help="JSON result (default bench.json; with --tp N: bench_tp<N>.json)")
@@ -223,6 +266,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as e:
         ap.error(f"--kernels: {e}")
     tp = args.tp > 1
+    args.trees = _tree_names(ap, args.trees)
+    args.tree_al = _tree_al(ap, args.tree_al, args.trees)
     if args.tp < 1:
         ap.error(f"--tp must be >= 1, got {args.tp}")
     if args.layers is None:
@@ -253,6 +298,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     if any(not 0 <= p <= 1 for p in args.accept):
         ap.error(f"--accept rates must be in [0, 1], got {args.accept}")
     return args
+
+
+def _tree_names(ap: argparse.ArgumentParser, spec: str | None) -> list[str]:
+    """--trees as canonical shape names (validated here, parsed again where timed: the JSON keeps the names)."""
+    from .draft.tree import TreeShape
+
+    if not spec:
+        return []
+    try:
+        return [TreeShape.parse(t).name for t in spec.split(",") if t.strip()]
+    except ValueError as e:
+        ap.error(f"--trees: {e}")
+
+
+def _tree_al(ap: argparse.ArgumentParser, items: list[str], trees: list[str]) -> dict[str, float]:
+    """--tree-al SHAPE=AL ... as {canonical shape name: AL}; every shape must be one of --trees, AL >= 1."""
+    out = {}
+    for item in items:
+        name, sep, al = item.partition("=")
+        try:
+            key, value = _tree_names(ap, name)[0], float(al)
+        except (IndexError, ValueError):
+            ap.error(f"--tree-al: expected SHAPE=AL (e.g. 2x2=2.9), got {item!r}")
+        if not sep or key not in trees or value < 1:
+            ap.error(f"--tree-al {item!r}: the shape must be one of --trees {trees} and AL >= 1")
+        out[key] = value
+    return out
 
 
 def main(argv=None) -> None:
@@ -304,6 +376,11 @@ def _table(res: dict) -> None:
                   f"{r['graph_ms']:.3f} ms; top:")
             for k in p["top"][:12]:
                 print(f"    {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  {k['name'][:70]}")
+    for name, r in res["ours"].get("trees", {}).items():
+        print(f"{'tree ' + name + ' N=' + str(r['nodes']) + ' graph':34s} {r['tree']['ms']:9.3f} {r['roofline_ms']:12.3f} "
+              f"{r['pct_of_roofline']:7.1f}  {r['tree']['ms_per_node']:.3f} ms/node, "
+              f"{r['tree']['bytes_per_node'] / 1e6:.0f} MB/node; chain of {r['nodes']}: {r['chain']['ms']:.3f} ms "
+              f"(tree/chain {r['tree_over_chain']:.2f})")
     for name, r in res["ours"]["spec_step"].items():
         idle = r["gpu_idle_frac"]
         extra = f" idle {100 * idle:.1f}%" if idle is not None else ""

@@ -59,6 +59,44 @@ def step_bytes(model, n_experts_touched: list[int], S: int, B: int) -> dict:
             "total": dense_bytes + expert_bytes + head + kv}
 
 
+def tree_verify_fns(model, cache, L: int, shape, seed: int = 0) -> dict:
+    """For `mtp-bench --trees`: the target verify forward over a tree's N nodes after the cache's first L
+    positions, as a tree (`tree_depth` / `tree_mask`: each node sees the cache and its ancestors) and as a chain
+    of the same N tokens (the causal verify a chain of N - 1 drafts runs), each a fn() that rolls the cache back
+    first, for timing side by side. Random node tokens."""
+    B, N, dev = cache.batch, shape.n_nodes, cache.seq_lens.device
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.cfg.vocab_size, (B, N), generator=g).to(dev)
+    base = torch.full((B,), L, dtype=torch.long, device=dev)
+    depth, mask = shape.depth_tensor(dev), shape.ancestor_mask(dev)
+
+    def tree():
+        cache.truncate(base)
+        model(ids, cache, kv_len=L + N, tree_depth=depth, tree_mask=mask)
+
+    def chain():
+        cache.truncate(base)
+        model(ids, cache, kv_len=L + N)
+
+    return {"tree": tree, "chain": chain}
+
+
+def tree_row(shape, ms: dict, total_bytes: dict, absorb_max_tokens: int) -> dict:
+    """One `--trees` entry: per kind ('tree', 'chain' of the same node count) the step ms, ms and bytes per node
+    (`total_bytes`: the step's byte floor), and the tree's cost over the chain's. A verify of more than
+    `absorb_max_tokens` (RuntimeOptions) nodes takes the naive reference attention, not the kernels: said in
+    'attention'."""
+    N = shape.n_nodes
+    row = {"shape": shape.name, "nodes": N, "depth": shape.max_depth, "parents": list(shape.parents),
+           "attention": "kernels" if N <= absorb_max_tokens else f"reference (N > absorb_max_tokens {absorb_max_tokens})"}
+    for kind in ms:
+        row[kind] = {"ms": ms[kind], "ms_per_node": ms[kind] / N, "bytes": total_bytes[kind],
+                     "bytes_per_node": total_bytes[kind] / N}
+    if "tree" in ms and "chain" in ms:
+        row["tree_over_chain"] = ms["tree"] / ms["chain"]
+    return row
+
+
 def capture(fn) -> torch.cuda.CUDAGraph:
     """A CUDA graph of fn(), after two warm-up calls on a side stream (allocations, lazy init, compiles)."""
     graph = torch.cuda.CUDAGraph()

@@ -47,6 +47,22 @@ def test_tp1_arguments_are_unchanged():
             bench.parse_args(bad)
 
 
+def test_trees_argument_and_table(capsys):
+    assert bench.parse_args([]).trees == [] and bench.parse_args(["--tp", "8"]).trees == []
+    assert bench.parse_args(["--trees", "chain3, 2x2,4x1x1,1x1"]).trees == ["chain3", "2x2", "4x1x1", "chain2"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--trees", "2x0"])
+    res = _result()
+    kind = lambda ms, by: {"ms": ms, "ms_per_node": ms / 7, "bytes": by, "bytes_per_node": by / 7}  # noqa: E731
+    res["ours"]["trees"] = {"2x2": {"shape": "2x2", "nodes": 7, "depth": 2, "tree": kind(2.8, 4.2e9),
+                                    "chain": kind(2.6, 4.1e9), "tree_over_chain": 2.8 / 2.6, "roofline_ms": 1.4,
+                                    "pct_of_roofline": 50.0}}
+    bench._table(res)
+    out = capsys.readouterr().out
+    assert "tree 2x2 N=7 graph" in out and "0.400 ms/node" in out and "600 MB/node" in out
+    assert "chain of 7: 2.600 ms (tree/chain 1.08)" in out
+
+
 def test_tp_arguments_default_to_full_depth():
     a = bench.parse_args(["--tp", "8", "--json", "x.json", "--accept", "0.9", "0.7"])
     assert (a.layers, a.dense_layers, a.out, a.accept, a.spec_modes) == (61, 3, "x.json", [0.9, 0.7], ("overlap",))
@@ -131,6 +147,42 @@ def _tp_result(device="NVIDIA H200"):
             "spec_step": {"prompt_len": 1024, "modes": ("overlap",), "runs": {
                 "eagle_k1_overlap": {"k": 1, "gpu_step_ms": 15.0, "step_ms_wall": 15.5, "verify_ms": 11.5},
                 "eagle_k2_overlap": {"k": 2, "gpu_step_ms": None, "step_ms_wall": 17.0, "verify_ms": 13.0}}}}
+
+
+def test_tree_projection_uses_the_given_al_and_the_chain_draft(capsys):
+    res = _tp_result()
+    coll = {"all_reduce": 123, "all_reduce_bytes": 123 * 28672 * 7, "all_gather": 1, "all_gather_bytes": 64640 * 7}
+    kind = lambda ms: {"ms": ms, "ms_per_node": ms / 7, "bytes": 7e9, "bytes_per_node": 1e9}  # noqa: E731
+    for L in res["contexts"]:
+        res["contexts"][L]["trees"] = {
+            "2x2": {"shape": "2x2", "nodes": 7, "depth": 2, "tree": kind(20.0), "chain": kind(19.0),
+                    "tree_over_chain": 20 / 19, "collectives": coll},
+            "4x1x1": {"shape": "4x1x1", "nodes": 13, "depth": 3, "tree": kind(30.0), "chain": kind(29.0),
+                      "tree_over_chain": 30 / 29, "collectives": coll}}
+    args = argparse.Namespace(collective_json=None, allreduce_us=10.0, accept=[0.8], al=None, k=2, tp=8,
+                              tree_al={"2x2": 2.9, "4x1x1": 3.2})
+    pj = rb.project(res, args)
+    t = pj["contexts"][1024]["tree_2x2"]
+    c = 124 * 10e-3 + 2 * 4 * 10e-3  # the tree verify's collectives + 2 draft forwards'
+    assert t["step_ms"] == pytest.approx(20.0 + (17.0 - 13.0) + c) and t["draft_ms"] == pytest.approx(4.0)
+    assert "lower bound" in t["draft_source"]  # no tree step measured: the chain's draft of the same depth
+    assert t["tok_s_per_user"] == pytest.approx(1e3 * 2.9 / t["step_ms"])
+    assert "tree_4x1x1" not in pj["contexts"][1024]  # depth 3: no eagle k=3 step was measured
+    res["spec_step"]["runs"]["tree_2x2_overlap"] = {"tree": "2x2", "k": 2, "gpu_step_ms": 26.0, "step_ms_wall": 27.0,
+                                                    "verify_ms": 20.0}
+    m = rb.project(res, args)["contexts"][1024]["tree_2x2"]  # the measured tree step: 26 - 20 ms of draft
+    assert m["draft_ms"] == pytest.approx(6.0) and m["draft_source"] == "measured tree step"
+    res["projection"] = pj
+    rb.print_table(res)
+    out = capsys.readouterr().out
+    assert f"tree 2x2 {t['tpot_ms']:.2f} ms ({t['tok_s_per_user']:.0f} tok/s, AL 2.90 given)" in out
+    assert "tree/chain" in out
+    a = bench.parse_args(["--tp", "8", "--trees", "2x2,chain3", "--tree-al", "2x2=2.9", "chain3=2.5"])
+    assert a.tree_al == {"2x2": 2.9, "chain3": 2.5}
+    for bad in (["--tree-al", "2x2=2.9"], ["--trees", "2x2", "--tree-al", "2x2=0.5"],
+                ["--trees", "2x2", "--tree-al", "2x2"], ["--trees", "2x2", "--tree-al", "3x3=2"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
 
 
 def test_projection_adds_collectives_draft_and_divides_by_al(capsys):

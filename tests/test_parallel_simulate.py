@@ -172,7 +172,7 @@ def test_simulated_rank_rejects_bad_arguments():
 def test_bench_tp_on_cpu(tmp_path):
     out = tmp_path / "tp2.json"
     cmd = [sys.executable, "-m", "mtp.bench", "--tp", "2", "--layers", "2", "--prompt-len", "24", "40", "--k", "1",
-           "--new-tokens", "5", "--iters", "2", "--json", str(out)]
+           "--new-tokens", "5", "--iters", "2", "--trees", "chain2,2x1", "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "CUDA_VISIBLE_DEVICES": ""}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -187,9 +187,16 @@ def test_bench_tp_on_cpu(tmp_path):
             assert r["collectives"]["all_gather_bytes"] == int(w) * 256 * 4  # [1, w, V/2] fp32 local logits
             assert r["eager_ms"] > 0 and r["floor_bytes"]["total"] > 0
             assert ctx["indexer"][w]["scores_us_per_layer"] > 0  # S > index_topk 16: the indexer runs
+        assert set(ctx["trees"]) == {"chain2", "2x1"}
+        for name, t in ctx["trees"].items():
+            N = {"chain2": 3, "2x1": 5}[name]
+            assert t["nodes"] == N and t["tree"]["ms"] > 0 and t["chain"]["ms"] > 0
+            assert t["tree"]["bytes_per_node"] == pytest.approx(t["tree"]["bytes"] / N) and t["tree"]["bytes"] > 0
+    assert "tree/chain" in p.stdout and "     2x1   5" in p.stdout
     assert res["draft_collectives_per_forward"]["all_reduce"] == 3  # embedding, attention, MoE
     runs = res["spec_step"]["runs"]
-    assert set(runs) == {"none_k0_eager", "eagle_k1_eager", "vanilla_k1_eager"}
+    assert set(runs) == {"none_k0_eager", "eagle_k1_eager", "vanilla_k1_eager", "tree_chain2_eager", "tree_2x1_eager"}
+    assert runs["tree_2x1_eager"]["steps"] > 0 and runs["tree_2x1_eager"]["verify_ms"] > 0
     pj = res["projection"]
     assert pj["collective_latency"]["assumed"] is True and "ASSUMED" in p.stdout
     assert {"plain", "eagle_k1"} <= set(pj["contexts"]["24"])
@@ -200,7 +207,8 @@ def test_bench_tp_extrapolated_on_cpu(tmp_path):
     """Two depths measured, the full depth extrapolated and labelled; collectives are exactly linear in depth."""
     out = tmp_path / "ex.json"
     cmd = [sys.executable, "-m", "mtp.bench", "--tp", "2", "--layers", "4", "--dense-layers", "1", "--extrapolate",
-           "2", "3", "--prompt-len", "24", "--k", "1", "--new-tokens", "4", "--iters", "1", "--json", str(out)]
+           "2", "3", "--prompt-len", "24", "--k", "1", "--new-tokens", "4", "--iters", "1", "--trees", "2",
+           "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "CUDA_VISIBLE_DEVICES": ""}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -211,3 +219,5 @@ def test_bench_tp_extrapolated_on_cpu(tmp_path):
         assert r["collectives"]["all_reduce"] == 1 + 2 * 4  # measured 5 and 7 at 2 and 3 layers
         assert res["depths"]["3"]["contexts"]["24"]["widths"][w]["collectives"]["all_reduce"] == 1 + 2 * 3
     assert "EXTRAPOLATED" in res["projection"]["deployment"]
+    t = res["contexts"]["24"]["trees"]["2"]
+    assert t["extrapolated"] and t["tree"]["ms_per_node"] == pytest.approx(t["tree"]["ms"] / 3)

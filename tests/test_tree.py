@@ -103,6 +103,22 @@ def test_bad_parents_are_rejected(parents, match):
         TreeShape(parents)
 
 
+def test_parse_and_name_round_trip():
+    assert TreeShape.parse("chain3") == TreeShape.chain(3) and TreeShape.parse(" 2x2 ") == TreeShape.from_branching((2, 2))
+    assert TreeShape.parse("4") == TreeShape.from_branching((4,))
+    for name in ("chain1", "chain4", "2x2", "4x1x1", "3x2x1", "4"):
+        assert TreeShape.parse(name).name == name
+    assert TreeShape.parse("1x1").name == "chain2"  # a chain is named as one
+    irregular = TreeShape.from_paths([(0,), (1,), (0, 0)])  # not top-k per depth: its rank paths
+    assert irregular.name == "0/1/0.0" and TreeShape.parse(irregular.name) == irregular
+
+
+@pytest.mark.parametrize("spec", ["chain0", "chainx", "2x0", "", "ax2", "2,2"])
+def test_parse_rejects_bad_names(spec):
+    with pytest.raises(ValueError, match=f"tree shape {spec!r} is invalid"):
+        TreeShape.parse(spec)
+
+
 def test_nodes_must_come_level_by_level():
     with pytest.raises(ValueError, match="level by level"):
         TreeShape((-1, 0, 1, 0))

@@ -14,6 +14,9 @@
   select, or torch.topk: `FastMLA.topk_impl`, `set_kernel_options`) and `mla_decode` over the
   real-FP8 latent cache; kv_b_proj is dequantized once to bf16 for the absorbed q / output projections
   (DeepSeek's reference keeps the same dequantized copy). Longer blocks (prefill) stay on the reference path.
+  A draft tree's verify passes the visibility [B, T, S] (the committed keys plus each node's ancestors): the
+  indexer kernel scores only keys a node sees, so its top-k is per node, and with S <= top-k `mla_decode`
+  masks by the visibility itself (`Indexer.select`'s rule in both cases);
   The block runs in `mla_forward_fast`: q_a | indexer wk | kv_a and q_b | indexer wq_b as one GEMV each
   (`fuse_rows`), the kv_a norm + rotary + indexer key + FP8 cache write and the q_pe rotary + indexer queries'
   rotary, Hadamard and quant in one kernel each (`kernels.mla_prologue`), the absorbed kv_b projections in one
@@ -165,31 +168,31 @@ class FastMoE(MoE):
 
 
 class FastMLA(MLA):
-    """Absorbed blocks (decode / verify) over the FP8 cache on the kernels (`mla_forward_fast`); the naive path
-    (prefill), an unquantized cache and a tree verify's mask (no kernel takes one yet) keep the reference forward."""
+    """Absorbed blocks (decode / verify, tree verifies included) over the FP8 cache on the kernels
+    (`mla_forward_fast`); the naive path (prefill) and an unquantized cache keep the reference forward."""
 
     fused_a = fused_qb = None  # stacked FP8 weights of the projections that read one input (`fuse_rows`)
     topk_impl = "radix"  # the indexer's top-k (`kernels.indexer.TOPK_IMPLS`): enable_fast_path / set_kernel_options
 
-    def absorbed_fast(self, T: int, cache, opts, visible_BTS=None) -> bool:
-        """Whether `forward` takes `mla_forward_fast` for a block of T tokens (a tree's visibility mask keeps the
-        reference attention: the kernels see causal rows only)."""
-        return not self.naive(T, opts) and cache.quantized and visible_BTS is None
+    def absorbed_fast(self, T: int, cache, opts) -> bool:
+        """Whether `forward` takes `mla_forward_fast` for a block of T tokens."""
+        return not self.naive(T, opts) and cache.quantized
 
     def forward(self, x_BTD, pos_BT, cos, sin, cache, S: int, opts, visible_BTS=None, xq=None) -> torch.Tensor:
-        if not self.absorbed_fast(x_BTD.shape[1], cache, opts, visible_BTS):
+        if not self.absorbed_fast(x_BTD.shape[1], cache, opts):
             return super().forward(x_BTD, pos_BT, cos, sin, cache, S, opts, visible_BTS)
-        return mla_forward_fast(self, x_BTD, pos_BT, cos, sin, cache, S, xq=xq)
+        return mla_forward_fast(self, x_BTD, pos_BT, cos, sin, cache, S, xq=xq, visible_BTS=visible_BTS)
 
 
 class FastBlock(Block):
     """`Block.forward` with the norms fused (switch `norm_quant`, fp32 residual): input norm + FP8 quant in one
     kernel (`kernels.norm_quant`), then the attention's residual add + post-attention norm + quant in one, each
     quantized output fed to the next FP8 GEMV (q_a | wk | kv_a; the dense MLP's / shared expert's gate | up).
-    Same formulas as `Block.forward`; otherwise it is `Block.forward`."""
+    Same formulas as `Block.forward` (a tree verify's visibility goes to the attention); otherwise it is
+    `Block.forward`."""
 
     def forward(self, h_BTD, pos_BT, cos, sin, cache, S: int, opts, dtype, visible_BTS=None) -> torch.Tensor:
-        if not SWITCHES.norm_quant or h_BTD.dtype != torch.float32 or visible_BTS is not None:
+        if not SWITCHES.norm_quant or h_BTD.dtype != torch.float32:
             return super().forward(h_BTD, pos_BT, cos, sin, cache, S, opts, dtype, visible_BTS)
         B, T, D = h_BTD.shape
         quant = B * T <= SMALL_M and D % 128 == 0
@@ -199,9 +202,9 @@ class FastBlock(Block):
         xq = (x8, sx) if quant else None
         attn = self.self_attn
         if isinstance(attn, FastMLA) and attn.absorbed_fast(T, cache, opts):
-            a = attn(x, pos_BT, cos, sin, cache, S, opts, xq=xq)
+            a = attn(x, pos_BT, cos, sin, cache, S, opts, visible_BTS, xq=xq)
         else:
-            a = attn(x, pos_BT, cos, sin, cache, S, opts)
+            a = attn(x, pos_BT, cos, sin, cache, S, opts, visible_BTS)
         h_BTD, x, x8, sx = add_rms_norm_quant(h_BTD, a, n2.weight, n2.eps, dtype, quant=quant, pdl=pdl)
         xq = (x8, sx) if quant else None
         mlp = self.mlp
@@ -408,12 +411,13 @@ def stack_experts(moe: MoE) -> None:
     moe.stacked = stacked
 
 
-def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None) -> torch.Tensor:
+def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, visible_BTS=None) -> torch.Tensor:
     """The whole MLA block of a decode / verify step on the kernels: the fused input projections
     (q_a | indexer wk | kv_a, then q_b | indexer wq_b), the FP8 cache write in one launch (switch `prologue`:
     with the kv_a norm, rotary and indexer key), the indexer top-k and absorbed attention over the cache, o_proj.
     Same formulas as `MLA.forward`'s absorbed path.
-    xq = (x8, sx): x_BTD already quantized per 128 (by the block's fused norm), fed to the first GEMV."""
+    xq = (x8, sx): x_BTD already quantized per 128 (by the block's fused norm), fed to the first GEMV.
+    visible_BTS: a draft tree's visibility (`MLA.forward`), or None (causal)."""
     B, T, _ = x_BTD.shape
     dt = x_BTD.dtype
     ix = mla.indexer
@@ -450,19 +454,21 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None) 
     if prologue:  # q_pe rotary and the indexer queries' rotary, Hadamard and quant in one launch
         q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin, index=score)
         o = mla_attend_fast(mla, x_BTD, None, q[..., :P], q_pe, cache, S, out_dtype=dt,
-                            iq_quant=(iq8, iqs) if score else None)
+                            iq_quant=(iq8, iqs) if score else None, visible_BTS=visible_BTS)
         return mla.o_proj(o.reshape(B, T, H * mla.V))
     q_nope, q_pe = q[..., :P], elementwise.rope_interleaved(q[..., P:], cos, sin)
     iq = ix._rotate(iq.view(B, T, ix.n_heads, Dk), cos, sin) if score else None
-    o = mla_attend_fast(mla, x_BTD, iq, q_nope, q_pe, cache, S, out_dtype=dt)
+    o = mla_attend_fast(mla, x_BTD, iq, q_nope, q_pe, cache, S, out_dtype=dt, visible_BTS=visible_BTS)
     return mla.o_proj(o.reshape(B, T, H * mla.V))
 
 
 def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
-                    out_dtype: torch.dtype = torch.float32, iq_quant=None) -> torch.Tensor:
+                    out_dtype: torch.dtype = torch.float32, iq_quant=None, visible_BTS=None) -> torch.Tensor:
     """Absorbed MLA over the FP8 cache with the indexer's top-k: returns o [B, T, H, V] in out_dtype.
     iq_BTHD: the indexer queries, rotated (`Indexer.queries`), before quantization; or iq_quant = (iq8, iqs
-    [B, T, Hi, 1]) already quantized (`mla_prologue.mla_q_prologue`)."""
+    [B, T, Hi, 1]) already quantized (`mla_prologue.mla_q_prologue`). visible_BTS: a draft tree's visibility
+    [B, T, S]: the indexer scores only the keys each node sees (its top-k is then per node and never holds an
+    unseen key), and without an indexer (S <= top-k) the attention masks by it directly."""
     ix = mla.indexer
     lens = cache.seq_lens  # keys before this block; query t sees < lens + t + 1
     topk_idx = None
@@ -479,14 +485,15 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
         else:
             w = torch.nn.functional.linear(x_BTD.float(), mla.w_idx)  # fp32 copy, scaled by Hi^-0.5 * Dk^-0.5
         topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
-                                   topk=ix.topk, impl=mla.topk_impl)
+                                   topk=ix.topk, impl=mla.topk_impl, visible=visible_BTS)
     absorb = SWITCHES.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS
     if absorb:  # one launch each instead of copy + batched GEMM + copy
         q_lat = absorb_q(q_nope, mla.w_kb)
     else:
         q_lat = torch.einsum("bthp,hpc->bthc", q_nope.to(torch.bfloat16), mla.w_kb).contiguous()
     o_lat = mla_decode(q_lat, q_pe.to(torch.bfloat16).contiguous(), cache.kv[:, :S], cache.kv_scale[:, :S],
-                       cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.bfloat16)
+                       cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.bfloat16,
+                       visible=visible_BTS if topk_idx is None else None)  # a top-k holds seen keys only
     if absorb:
         return absorb_out(o_lat, mla.w_vb).to(out_dtype)
     return torch.einsum("bthc,hvc->bthv", o_lat, mla.w_vb).to(out_dtype)

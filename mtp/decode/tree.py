@@ -1,14 +1,17 @@
-"""Eager tree decoding (reference): prefill -> [draft a tree -> verify every node in one forward -> accept a path
--> commit it (cache compaction) and roll back the rest] until done.
+"""Tree decoding: prefill -> [draft a tree -> verify every node in one forward -> accept a path -> commit it (cache
+compaction) and roll back the rest] until done; eager, or the whole step as one CUDA graph per tree shape.
 
 Shape legend: B batch, S buffer positions, N tree nodes, A = max depth + 1, D width, V vocabulary.
 
 A separate loop from mtp/decode/engine.py on purpose: the engine is being split into stages; this is the CPU
-reference the staged engine and its CUDA graph (one per tree shape) are to be held to. Same state as the engine:
+reference the staged engine is to be held to. The step (`TreeStep`) is device work only on buffers allocated once
+(`TreeState`), with the metrics as device counters, so `GraphRunner` (mtp/decode/graphs.py) captures and replays
+it as the engine's step. Same state as the engine:
 n committed tokens per row in `tokens`, the target hidden per position (valid up to n-2), a target cache of
 n-1 positions. Each step the tree's N nodes (node 0 = x_{n-1}) are written at cache slots n-1..n-2+N; after
 verification the kept path's slots are moved to n-1.. (`KVCache.compact`) and the cache ends at n_new - 1.
-Host syncs: one per step (loop condition and cache bound), as the engine's eager mode.
+Host syncs: one per step (loop condition and cache bound), as the engine's eager mode; the graph modes read the
+loop condition from pinned copies (`GraphRunner.run`).
 """
 
 from __future__ import annotations
@@ -46,7 +49,12 @@ class TreeMetrics:
     draft_forwards: int = 0
     new_tokens: int = 0
     time_prefill_s: float = 0.0  # the target's prefill and the first token
-    time_decode_s: float = 0.0  # everything after: the drafter's prefill and every tree step
+    time_decode_s: float = 0.0  # everything after: the drafter's prefill, graph capture and every tree step
+    # graph / overlap modes (CUDA): capture cost and GPU time of the replays
+    graph_replays: int = 0
+    graph_capture_s: float = 0.0
+    gpu_busy_ms: float = 0.0
+    gpu_idle_ms: float = 0.0
 
     @property
     def mean_accepted_len(self) -> float:
@@ -93,6 +101,10 @@ class TreeMetrics:
              "tree/tokens_per_live_node": self.tokens_per_live_node,
              "tree/live_nodes_per_step": self.live_nodes / max(self.row_steps, 1),
              "count/target_forwards": self.target_forwards, "count/draft_forwards": self.draft_forwards}
+        if self.graph_replays:
+            busy = self.gpu_busy_ms + self.gpu_idle_ms
+            d.update({"graph/capture_s": self.graph_capture_s, "graph/gpu_step_ms": self.gpu_busy_ms / self.graph_replays,
+                      "graph/gpu_idle_frac": self.gpu_idle_ms / busy if busy else 0.0})
         n = max(self.row_steps, 1)
         for t, p in enumerate(self.accept_depth, 1):
             d[f"accept/depth_{t}"] = p
@@ -128,6 +140,106 @@ def check_tree_options(draft: str, verify: str, draft_sampling: str = "greedy", 
                          "by their own probability would make tree sampling lossy")
 
 
+MODES = ("eager", "graph", "overlap")
+
+
+@dataclass
+class TreeState:
+    """Every tensor a tree step reads or writes, allocated once per call and updated in place (so one CUDA graph
+    replays the step). The field names `GraphRunner` reads are the engine's (`DecodeState`)."""
+
+    tokens: torch.Tensor  # [B, S] committed tokens
+    hidden: torch.Tensor  # [B, S, D] target hidden per position (valid < n-1)
+    cache: object  # KVCache of the target
+    proposer: TreeProposer
+    max_len: int
+    n_B: torch.Tensor  # committed length
+    gen_B: torch.Tensor  # generated so far
+    finished_B: torch.Tensor
+    think_B: torch.Tensor  # inside a thinking span after the last committed token
+    nonfinite: torch.Tensor  # [] bool: some target logits were NaN / inf (mtp.decode.health)
+    new_BK1: torch.Tensor  # [B, A] last step's path tokens then the target's; the first keep_B were committed
+    keep_B: torch.Tensor
+    acc_B: torch.Tensor  # last step: committed drafts per row
+    # metrics, device counters (read once, after the run)
+    hist_BA: torch.Tensor  # [B, A] steps of row b that accepted a drafts
+    rank_DC: torch.Tensor  # [D, C] accepted nodes per depth and sibling rank
+    row_steps: torch.Tensor
+    live_nodes: torch.Tensor
+    relaxed_only: torch.Tensor
+
+    @property
+    def B(self) -> int:
+        return self.tokens.shape[0]
+
+
+class TreeStep:
+    """One tree step on a `TreeState`, device ops only, every update in place: propose -> verify every node in
+    one forward -> accept a path -> commit it (tokens, target hidden, `KVCache.compact`) -> device counters.
+    `step(st, W, max_n)` is the signature `GraphRunner` captures; `max_n` bounds the positions touched."""
+
+    def __init__(self, model: DeepseekV32, tree: TreeShape, verify: str, draw, stops: torch.Tensor,
+                 max_new_tokens: int, sampling: SamplingParams, gen, min_draft_prob: float, top_n: int,
+                 delta: float, think_ids, target_hidden: str):
+        self.model, self.tree, self.verify, self.draw, self.stops = model, tree, verify, draw, stops
+        self.max_new, self.sp, self.gen, self.min_prob = max_new_tokens, sampling, gen, min_draft_prob
+        self.top_n, self.delta, self.think_ids, self.target_hidden = top_n, delta, think_ids, target_hidden
+
+    def __call__(self, st: TreeState, W: int, max_n: int) -> None:
+        m, N, A = self.model, self.tree.n_nodes, self.tree.max_depth + 1
+        tt = st.proposer.tt
+        dev = st.n_B.device
+        rows, arA = torch.arange(st.B, device=dev), torch.arange(A, device=dev)
+        n_B, active_B = st.n_B, ~st.finished_B
+        dr = st.proposer.propose(st.tokens, st.hidden, n_B, self.draw, max_n, self.min_prob)
+        live = dr.live_BN if self.min_prob > 0 else None
+        out = m(dr.tokens_BN, st.cache, kv_len=max_n - 1 + N, tree_depth=tt.depth_N, tree_mask=tt.ancestor_NN)
+        logits_nonfinite(st.nonfinite, out.logits)
+        if self.verify == "strict":
+            v = tree_strict_verify(tt, dr.tokens_BN, out.logits, live)
+        elif self.verify == "relaxed":
+            v = tree_relaxed_verify(tt, dr.tokens_BN, out.logits, st.think_B, self.top_n, self.delta,
+                                    *self.think_ids, live)
+        else:
+            v = tree_sampling_verify(tt, dr.tokens_BN, dr.q_BNV, out.logits, self.sp, self.gen, live)
+        # ---- accept: the path's drafts then the target token, cut at a stop token and at max_new_tokens
+        a_B = torch.where(active_B, v.accept_len_B, 0)
+        new_BA = dr.tokens_BN.gather(1, torch.cat((v.path_BA[:, 1:], v.path_BA[:, -1:]), 1))
+        new_BA[rows, a_B] = v.next_token_B
+        is_stop = torch.isin(new_BA, self.stops) & (arA <= a_B.unsqueeze(1))
+        first_stop = torch.where(is_stop.any(1), is_stop.long().argmax(1), A)
+        keep_B = torch.minimum(torch.minimum(a_B + 1, first_stop + 1), self.max_new - st.gen_B)
+        keep_B = torch.where(active_B, keep_B, 0)
+        kept_BA = arA < keep_B.unsqueeze(1)
+        # ---- commit: tokens, the target hidden of the kept path (positions n-1..), the cache path
+        S = st.tokens.shape[1]
+        pos_BA = (n_B.unsqueeze(1) + arA).clamp_max(S - 1)
+        st.tokens.scatter_(1, pos_BA, torch.where(kept_BA, new_BA, st.tokens.gather(1, pos_BA)))
+        if self.think_ids is not None:
+            st.think_B.copy_(update_think_state(st.think_B, new_BA, kept_BA, *self.think_ids))
+        h_BAD = pick_hidden(out, self.target_hidden).gather(1, v.path_BA.unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]))
+        hpos_BAD = (pos_BA - 1).unsqueeze(-1).expand_as(h_BAD)
+        st.hidden.scatter_(1, hpos_BAD, torch.where(kept_BA.unsqueeze(-1), h_BAD, st.hidden.gather(1, hpos_BAD)))
+        st.cache.compact(n_B - 1, v.path_BA, keep_B)
+        st.n_B.add_(keep_B)
+        st.gen_B.add_(keep_B)
+        st.finished_B.copy_(st.finished_B | (is_stop & kept_BA).any(1) | (st.gen_B >= self.max_new))
+        # ---- metrics, on the device (no sync): only rows that were active count
+        on = active_B.long()
+        st.hist_BA.scatter_add_(1, a_B.unsqueeze(1), on.unsqueeze(1))
+        D, C = st.rank_DC.shape
+        depth_D = torch.arange(1, D + 1, device=dev)
+        hit_BD = ((depth_D <= a_B.unsqueeze(1)) & active_B.unsqueeze(1)).long()
+        st.rank_DC.view(-1).scatter_add_(0, ((depth_D - 1) * C + tt.rank_N[v.path_BA[:, 1:]]).flatten(),
+                                         hit_BD.flatten())
+        st.row_steps.add_(on.sum())
+        st.live_nodes.add_((dr.live_BN & active_B.unsqueeze(1)).sum())
+        st.relaxed_only.add_((v.relaxed_only_B * on).sum())
+        st.new_BK1.copy_(new_BA)
+        st.keep_B.copy_(keep_B)
+        st.acc_B.copy_(torch.minimum(a_B, keep_B))
+
+
 @torch.no_grad()
 def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: TreeShape, max_new_tokens: int = 64,
                   draft: str = "eagle", verify: str = "strict", *, sampling: SamplingParams | None = None,
@@ -135,12 +247,22 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
                   think_ids: tuple[int, int] | None = None, min_draft_prob: float = 0.0, seed: int = 0,
                   eos_id: int | None = None,
                   stop_ids: Sequence[int] = (), reuse_modules: bool = False, target_hidden: str = "normed",
-                  chain_hidden: str = "normed") -> TreeResult:
-    """Tree speculative decoding, eager. verify: 'strict' (greedy, lossless) | 'relaxed' (top_n / delta inside
+                  chain_hidden: str = "normed", mode: str = "eager") -> TreeResult:
+    """Tree speculative decoding. verify: 'strict' (greedy, lossless) | 'relaxed' (top_n / delta inside
     thinking spans delimited by think_ids, as the chain engine) | 'sample' (recursive rejection sampling with
     `sampling`; draft_sampling 'greedy' = top-k children, 'sample' = children drawn without replacement from the
-    draft distribution). `min_draft_prob`: adaptive draft length (mtp.draft.tree_proposer); top-k children only."""
+    draft distribution). `min_draft_prob`: adaptive draft length (mtp.draft.tree_proposer); top-k children only.
+    mode: 'eager' (one host sync per step), 'graph' (the whole step as one CUDA graph for this tree shape,
+    replayed: `GraphRunner`) or 'overlap' (the graph replayed one step ahead of the host). On CUDA every mode
+    runs the step with the same static bound (the buffer length), so all three give the same tokens; on a CPU
+    'graph' / 'overlap' run that static-bound step eagerly. Graph modes take strict or relaxed verification
+    (tree sampling draws from a torch.Generator, which a replayed graph would not advance)."""
     check_tree_options(draft, verify, draft_sampling, min_draft_prob)
+    if mode not in MODES:
+        raise ValueError(f"generate_tree: mode must be one of {MODES}, got {mode!r}")
+    if mode != "eager" and verify == "sample":
+        raise ValueError(f"generate_tree: mode={mode!r} takes verify='strict' or 'relaxed': tree sampling draws from a "
+                         "torch.Generator, which a replayed CUDA graph would not advance (use mode='eager')")
     if verify == "relaxed" and (think_ids is None or top_n < 1 or not 0 <= delta <= 1):
         raise ValueError(f"verify='relaxed' needs think_ids=(<think>, </think>), top_n >= 1 and delta in [0, 1]; "
                          f"got think_ids={think_ids}, top_n={top_n}, delta={delta}")
@@ -160,102 +282,83 @@ def generate_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], tree: Tr
     B, Tp = len(prompts), max(map(len, prompts))
     S = Tp + max_new_tokens + N + 2
     gen = torch.Generator(device=dev).manual_seed(seed)
-    proposer = TreeProposer(m, dcfg, tree, B, S)
-    tt = proposer.tt
     draw = topk_children if draft_sampling == "greedy" else sampled_children(lambda lg: filter_probs(lg, sp), gen)
     stops = torch.tensor(sorted({m.cfg.eos_token_id if eos_id is None else eos_id, *stop_ids}), device=dev)
 
-    tokens = torch.zeros(B, S, dtype=torch.long, device=dev)
-    hidden = torch.zeros(B, S, m.cfg.hidden_size, dtype=m.dtype, device=dev)
-    for b, p in enumerate(prompts):
-        tokens[b, : len(p)] = torch.tensor(p, device=dev)
-    P_B = torch.tensor([len(p) for p in prompts], device=dev)
-    rows = torch.arange(B, device=dev)
-    cache = m.new_cache(B, S)
+    def z(*shape, dtype=torch.long):
+        return torch.zeros(*shape, dtype=dtype, device=dev)
 
-    nonfinite = torch.zeros((), dtype=torch.bool, device=dev)  # any target logits NaN / inf (mtp.decode.health)
+    st = TreeState(tokens=z(B, S), hidden=z(B, S, m.cfg.hidden_size, dtype=m.dtype), cache=m.new_cache(B, S),
+                   proposer=TreeProposer(m, dcfg, tree, B, S), max_len=S, n_B=z(B), gen_B=z(B),
+                   finished_B=z(B, dtype=torch.bool), think_B=z(B), nonfinite=z((), dtype=torch.bool),
+                   new_BK1=z(B, A), keep_B=z(B), acc_B=z(B), hist_BA=z(B, A), rank_DC=z(D, max(tree.max_children, 1)),
+                   row_steps=z(()), live_nodes=z(()), relaxed_only=z(()))
+    for b, p in enumerate(prompts):
+        st.tokens[b, : len(p)] = torch.tensor(p, device=dev)
+    P_B = torch.tensor([len(p) for p in prompts], device=dev)
+    step = TreeStep(m, tree, verify, draw, stops, max_new_tokens, sp, gen, min_draft_prob, top_n, delta, think_ids,
+                    target_hidden)
 
     def sync(where: str) -> torch.Tensor:
         """[n_B, finished_B] on the host (loop condition + cache bound); stops a run whose logits went non-finite."""
-        host = torch.cat((torch.stack((n_B, finished_B.long())), nonfinite.long().expand(1, B))).cpu()
+        host = torch.cat((torch.stack((st.n_B, st.finished_B.long())), st.nonfinite.long().expand(1, B))).cpu()
         if host[2, 0]:
-            raise_nonfinite(m, tokens, n_B, where)
+            raise_nonfinite(m, st.tokens, st.n_B, where)
         return host[:2]
 
-    def pick(logits_BV):
-        return sample(filter_probs(logits_BV, sp), gen) if verify == "sample" else logits_BV.argmax(-1)
+    def bound(host: torch.Tensor) -> int:
+        """Positions a step may touch: the buffer's (static) on CUDA and in the graph modes, so that every mode
+        runs the same kernels on the same shapes; else the host-known max of n."""
+        return S - N if dev.type == "cuda" or mode != "eager" else int(host[0].max())
 
     # ---- prefill and the first token
     t_start = time.perf_counter()
-    out = m(tokens[:, :Tp], cache, kv_len=Tp, logits_at=(P_B - 1).unsqueeze(1))
-    hidden[:, :Tp] = pick_hidden(out, target_hidden)
-    cache.truncate(P_B)
-    logits_nonfinite(nonfinite, out.logits)
-    first = pick(out.logits[:, 0])
-    tokens[rows, P_B] = first
-    n_B, gen_B = P_B + 1, torch.ones_like(P_B)
-    finished_B = torch.isin(first, stops) | (gen_B >= max_new_tokens)
-    think_B = torch.zeros(B, dtype=torch.long, device=dev)
+    out = m(st.tokens[:, :Tp], st.cache, kv_len=Tp, logits_at=(P_B - 1).unsqueeze(1))
+    st.hidden[:, :Tp] = pick_hidden(out, target_hidden)
+    st.cache.truncate(P_B)
+    logits_nonfinite(st.nonfinite, out.logits)
+    logits = out.logits[:, 0]
+    first = sample(filter_probs(logits, sp), gen) if verify == "sample" else logits.argmax(-1)
+    st.tokens[torch.arange(B, device=dev), P_B] = first
+    st.n_B.copy_(P_B + 1)
+    st.gen_B.fill_(1)
+    st.finished_B.copy_(torch.isin(first, stops) | (st.gen_B >= max_new_tokens))
     if think_ids is not None:
         seen_BT = torch.arange(Tp + 1, device=dev) <= P_B.unsqueeze(1)  # the prompt and the first token
-        think_B = update_think_state(think_B, tokens[:, : Tp + 1], seen_BT, *think_ids)
-    met = TreeMetrics(N, D, [0] * A, [[0] * max(tree.max_children, 1) for _ in range(D)])
+        st.think_B.copy_(update_think_state(st.think_B, st.tokens[:, : Tp + 1], seen_BT, *think_ids))
+    met = TreeMetrics(N, D)
     host = sync("the prefill")
     t_prefilled = time.perf_counter()  # after a host sync: the prefill's work is done, on any device
-    row_hist = [[0] * A for _ in range(B)]
-    if not bool(host[1].all()):
-        proposer.prefill(tokens, hidden, n_B, Tp, max_n=int(host[0].max()))
-    depth_N, mask_NN = tt.depth_N, tt.ancestor_NN
-    arA = torch.arange(A, device=dev)
-    while not bool(host[1].all()):
-        max_n = int(host[0].max())
-        active_B = ~finished_B
-        dr = proposer.propose(tokens, hidden, n_B, draw, max_n, min_draft_prob)
-        live = dr.live_BN if min_draft_prob > 0 else None
-        out = m(dr.tokens_BN, cache, kv_len=max_n - 1 + N, tree_depth=depth_N, tree_mask=mask_NN)
-        logits_nonfinite(nonfinite, out.logits)
-        if verify == "strict":
-            v = tree_strict_verify(tt, dr.tokens_BN, out.logits, live)
-        elif verify == "relaxed":
-            v = tree_relaxed_verify(tt, dr.tokens_BN, out.logits, think_B, top_n, delta, *think_ids, live)
+    drafting = not bool(host[1].all())  # nothing to draft for when every row ended at its first token
+    if drafting:
+        st.proposer.prefill(st.tokens, st.hidden, st.n_B, Tp, max_n=bound(host))
+        if mode == "eager" or dev.type != "cuda":
+            while not bool(host[1].all()):
+                step(st, 0, bound(host))
+                met.target_forwards += 1
+                host = sync(f"step {met.target_forwards}")
         else:
-            v = tree_sampling_verify(tt, dr.tokens_BN, dr.q_BNV, out.logits, sp, gen, live)
-        # ---- accept: the path's drafts then the target token, cut at a stop token and at max_new_tokens
-        a_B = torch.where(active_B, v.accept_len_B, 0)
-        new_BA = dr.tokens_BN.gather(1, torch.cat((v.path_BA[:, 1:], v.path_BA[:, -1:]), 1))
-        new_BA[rows, a_B] = v.next_token_B
-        is_stop = torch.isin(new_BA, stops) & (arA <= a_B.unsqueeze(1))
-        first_stop = torch.where(is_stop.any(1), is_stop.long().argmax(1), A)
-        keep_B = torch.minimum(torch.minimum(a_B + 1, first_stop + 1), max_new_tokens - gen_B)
-        keep_B = torch.where(active_B, keep_B, 0)
-        kept_BA = arA < keep_B.unsqueeze(1)
-        # ---- commit: tokens, the target hidden of the kept path (positions n-1..), the cache path
-        pos_BA = (n_B.unsqueeze(1) + arA).clamp_max(S - 1)
-        tokens.scatter_(1, pos_BA, torch.where(kept_BA, new_BA, tokens.gather(1, pos_BA)))
-        if think_ids is not None:
-            think_B = update_think_state(think_B, new_BA, kept_BA, *think_ids)
-        h_BAD = pick_hidden(out, target_hidden).gather(1, v.path_BA.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        hpos_BA = pos_BA - 1
-        old = hidden.gather(1, hpos_BA.unsqueeze(-1).expand_as(h_BAD))
-        hidden.scatter_(1, hpos_BA.unsqueeze(-1).expand_as(h_BAD), torch.where(kept_BA.unsqueeze(-1), h_BAD, old))
-        cache.compact(n_B - 1, v.path_BA, keep_B)
-        n_B, gen_B = n_B + keep_B, gen_B + keep_B
-        finished_B = finished_B | (is_stop & kept_BA).any(1) | (gen_B >= max_new_tokens)
-        # ---- metrics (host copies once per step: this loop is the reference, not the fast path)
-        met.target_forwards += 1
-        met.relaxed_only_accepts += int((v.relaxed_only_B * active_B).sum())
-        met.live_nodes += int((dr.live_BN & active_B.unsqueeze(1)).sum())
-        for b in active_B.nonzero().flatten().tolist():
-            a = int(a_B[b])
-            met.accepted_hist[a] += 1
-            row_hist[b][a] += 1
-            met.row_steps += 1
-            for d in range(1, a + 1):
-                met.accepted_rank[d - 1][tree.rank[int(v.path_BA[b, d])]] += 1
-        host = sync(f"step {met.target_forwards}")
-    met.draft_forwards = proposer.draft_forwards
+            from .graphs import GraphRunner
+            from .metrics import SpecMetrics
+
+            runner, gm = GraphRunner(m, step), SpecMetrics()
+            runner.run(st, gm, lambda new, keep, acc: None, 0, bound(host), overlap=mode == "overlap")
+            met.target_forwards, met.graph_replays = gm.target_forwards, gm.graph_replays
+            met.graph_capture_s, met.gpu_busy_ms, met.gpu_idle_ms = gm.graph_capture_s, gm.gpu_busy_ms, gm.gpu_idle_ms
     met.time_prefill_s, met.time_decode_s = t_prefilled - t_start, time.perf_counter() - t_prefilled
-    toks, n_host = tokens.cpu(), n_B.tolist()
+    # ---- metrics (read once) and the tokens
+    row_hist = st.hist_BA.tolist()
+    met.accepted_hist = st.hist_BA.sum(0).tolist()
+    met.accepted_rank = st.rank_DC.tolist()
+    met.row_steps, met.live_nodes = int(st.row_steps), int(st.live_nodes)
+    met.relaxed_only_accepts = int(st.relaxed_only)
+    if mode == "eager" or dev.type != "cuda":
+        met.draft_forwards = st.proposer.draft_forwards
+    else:  # graph replays do not run the proposer's Python: eagle 1 window + D-1 tree depths per step, vanilla D
+        # windows + D-1 trees; plus the prefill's window per module
+        per_step = D if draft == "eagle" else 2 * D - 1
+        met.draft_forwards = per_step * met.target_forwards + len(st.proposer.caches) * drafting
+    toks, n_host = st.tokens.cpu(), st.n_B.tolist()
     stop_set = set(stops.tolist())
     result = [toks[b, len(p): n_host[b]].tolist() for b, p in enumerate(prompts)]
     met.new_tokens = sum(map(len, result))

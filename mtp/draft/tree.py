@@ -61,6 +61,19 @@ class TreeShape:
             level = nxt
         return cls(tuple(parents))
 
+    @property
+    def name(self) -> str:
+        """'chainK' for a chain, 'b1xb2x...' when every node of a depth has the same number of children, else the
+        rank paths ('0/1/0.0'). Inverse of `parse`."""
+        D = self.max_depth
+        if D and self.n_nodes == D + 1:
+            return f"chain{D}"
+        per_depth = [{len(self.children[i]) for i in range(self.n_nodes) if self.depth[i] == d} for d in range(D)]
+        if D and all(len(c) == 1 for c in per_depth) and TreeShape.from_branching(
+                tuple(next(iter(c)) for c in per_depth)) == self:
+            return "x".join(str(next(iter(c))) for c in per_depth)
+        return "/".join(".".join(map(str, self.path_ranks(i))) for i in range(1, self.n_nodes))
+
     @classmethod
     def from_paths(cls, paths) -> TreeShape:
         """An explicit tree as its drafted nodes, each written as the ranks on its path from the root:
@@ -85,18 +98,31 @@ class TreeShape:
     def parse(cls, text: str) -> TreeShape:
         """A shape from its text form (config files, command lines): top-k per depth joined by 'x' ('2x1x1':
         2 children at depth 1, then a chain of 2 under each; '1x1x1' is the chain of 3), or the drafted nodes
-        as rank paths joined by '/', ranks joined by '.' ('0/1/0.0/0.1/1.0', as `from_paths`). No commas or
+        as rank paths joined by '/', ranks joined by '.' ('0/1/0.0/0.1/1.0', as `from_paths`), or 'chainK'. No commas or
         spaces, so a Hydra sweep can list shapes: `draft.tree=2x1x1,3x1,1x1x1`."""
         t = str(text).strip()
         try:
+            if t.startswith("chain") and t[len("chain"):].isdigit():
+                k = int(t[len("chain"):])
+                if k < 1:
+                    raise ValueError(f"a chain needs K >= 1 drafts, got {k}")
+                return cls.chain(k)
             if _BRANCHING.fullmatch(t):
                 return cls.from_branching(tuple(int(b) for b in t.split("x")))
             if _PATHS.fullmatch(t):
                 return cls.from_paths([tuple(int(r) for r in part.split(".")) for part in t.split("/")])
         except ValueError as e:
             raise ValueError(f"tree shape {text!r} is invalid: {e}") from None
-        raise ValueError(f"tree shape {text!r} is invalid: expected top-k per depth joined by 'x' (e.g. '2x1x1') "
-                         "or rank paths joined by '/' with ranks joined by '.' (e.g. '0/1/0.0/0.1')")
+        raise ValueError(f"tree shape {text!r} is invalid: expected 'chainK', top-k per depth joined by 'x' (e.g. "
+                         "'2x1x1') or rank paths joined by '/' with ranks joined by '.' (e.g. '0/1/0.0/0.1')")
+
+    def path_ranks(self, i: int) -> tuple[int, ...]:
+        """The sibling ranks on node i's path from the root (`from_paths`' form; () for the root)."""
+        out = []
+        while i > 0:
+            out.append(self.rank[i])
+            i = self.parents[i]
+        return tuple(reversed(out))
 
     # ------------------------------------------------------------------ derived (host-side, computed once)
     @property

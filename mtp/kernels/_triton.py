@@ -51,11 +51,12 @@ def require(t: torch.Tensor, name: str) -> None:
     """Raise a clear error when a kernel is called on a tensor it cannot run on."""
     if not HAS_TRITON:
         raise RuntimeError(f"{name}: triton is not installed; use the reference function instead")
-    if not t.is_cuda and not _interpreting():
+    if not t.is_cuda and not interpreting():
         raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether kernels run under the Triton interpreter (TRITON_INTERPRET=1: CPU tests)."""
     import os
 
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -3,7 +3,9 @@
 Shape legend: B batch rows, T queries per row (<= 8), H indexer heads (64), D = 128 head dim, S cache
 capacity, J = topk (2048).
 I[b, t, s] = sum_h w[b, t, h] * relu(q[b, t, h] . k[b, s]) with q = q8 * q_scale (per (t, h)) and
-k = k8 * k_scale (per key), for s < seq_lens[b] + t + 1, else -inf. `w` carries any constant factor
+k = k8 * k_scale (per key), for s < seq_lens[b] + t + 1 (and, for a draft tree's verify, visible[b, t, s]:
+the committed keys plus the node's own ancestors), else -inf. Keys a node may not see are never candidates, so
+the top-k is per node over what it sees, as `Indexer.select`. `w` carries any constant factor
 (DeepSeek's 64^-0.5 * 128^-0.5). Scales are positive, so relu(qs * ks * d) = qs * ks * relu(d): the kernel
 runs the fp8 dot on raw q8/k8 (tensor cores, fp32 accumulate) and applies both scales afterwards.
 
@@ -25,7 +27,7 @@ from mtp.kernels.topk import add_to_histograms, histograms, radix_topk, score_ke
 __all__ = ["TOPK_IMPLS", "indexer_scores", "indexer_scores_ref", "indexer_topk", "indexer_topk_ref", "topk_from_scores"]
 
 
-def indexer_scores_ref(q8, q_scale, w, k8, k_scale, seq_lens) -> torch.Tensor:
+def indexer_scores_ref(q8, q_scale, w, k8, k_scale, seq_lens, visible=None) -> torch.Tensor:
     """fp32 reference scores [B, T, S] (-inf where masked)."""
     B, T, H, D = q8.shape
     S = k8.shape[1]
@@ -34,7 +36,10 @@ def indexer_scores_ref(q8, q_scale, w, k8, k_scale, seq_lens) -> torch.Tensor:
     d = torch.einsum("bthd,bsd->bths", q, k).relu()
     score = torch.einsum("bth,bths->bts", w.float(), d)
     limit = seq_lens.view(B, 1, 1).to(q8.device).long() + torch.arange(T, device=q8.device).view(1, T, 1) + 1
-    return score.masked_fill(torch.arange(S, device=q8.device).view(1, 1, S) >= limit, float("-inf"))
+    hidden = torch.arange(S, device=q8.device).view(1, 1, S) >= limit
+    if visible is not None:
+        hidden = hidden | ~visible.to(torch.bool)
+    return score.masked_fill(hidden, float("-inf"))
 
 
 def topk_from_scores(scores: torch.Tensor, topk: int, sorted: bool = False) -> torch.Tensor:
@@ -49,14 +54,14 @@ def topk_from_scores(scores: torch.Tensor, topk: int, sorted: bool = False) -> t
     return idx
 
 
-def indexer_topk_ref(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2048):
-    scores = indexer_scores_ref(q8, q_scale, w, k8, k_scale, seq_lens)
+def indexer_topk_ref(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2048, visible=None):
+    scores = indexer_scores_ref(q8, q_scale, w, k8, k_scale, seq_lens, visible)
     return topk_from_scores(scores, topk), scores
 
 
 @triton.jit
-def _indexer_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, lens_ptr, out_ptr, h16_ptr, h8_ptr, T, S,
-                    H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, HIST: tl.constexpr):
+def _indexer_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, lens_ptr, vis_ptr, out_ptr, h16_ptr, h8_ptr, T, S,
+                    H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, HIST: tl.constexpr, VIS: tl.constexpr):
     b = tl.program_id(0)
     offs_s = tl.program_id(1) * BS + tl.arange(0, BS)
     smask = offs_s < S
@@ -73,19 +78,23 @@ def _indexer_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, lens_ptr, out_ptr, h16_
         wq = tl.load(w_ptr + row * H + h) * tl.load(qs_ptr + row * H + h)
         logits = tl.dot(q, kt)  # [H, BS] fp32
         sc = tl.sum(tl.maximum(logits, 0.0) * wq[:, None], 0) * ks
-        sc = tl.where(offs_s < L + t + 1, sc, float("-inf"))
+        seen = offs_s < L + t + 1
+        if VIS:  # a tree node: the committed keys and its own ancestors
+            seen = seen & (tl.load(vis_ptr + row * S + offs_s, mask=smask, other=0) != 0)
+        sc = tl.where(seen, sc, float("-inf"))
         tl.store(out_ptr + row * S + offs_s, sc, mask=smask)
         if HIST:  # the radix top-k's first pass, on the scores still in registers
-            key, valid = score_keys(sc, smask & (offs_s < L + t + 1))
+            key, valid = score_keys(sc, smask & seen)
             h8 = add_to_histograms(h16_ptr + row * 65536, key, valid)
             bins = tl.arange(0, 256)
             tl.atomic_add(h8_ptr + row * 256 + bins, h8, mask=h8 > 0, sem="relaxed")
 
 
 def indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, block_s: int = 64,
-                   hist: torch.Tensor | None = None) -> torch.Tensor:
+                   hist: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
     """Kernel twin of `indexer_scores_ref`: scores [B, T, S] fp32. hist: a `topk.topk_workspace(B * T)`
-    whose histograms the kernel fills for `radix_topk(..., workspace=hist)` (one launch fewer)."""
+    whose histograms the kernel fills for `radix_topk(..., workspace=hist)` (one launch fewer). visible: bool
+    [B, T, S], the keys each query may see (a draft tree's verify), or None (causal)."""
     require(q8, "indexer_scores")
     B, T, H, D = q8.shape
     S = k8.shape[1]
@@ -96,31 +105,37 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, block_s: int = 64,
                          f"{list(k8.shape)}, {list(k_scale.shape)}, {list(q_scale.shape)}, {list(w.shape)}")
     if H & (H - 1) or H < 16 or D & (D - 1) or D < 32:
         raise ValueError(f"indexer_scores: H (>= 16) and D (>= 32) must be powers of two, got H = {H}, D = {D}")
+    if visible is not None and (visible.dtype != torch.bool or tuple(visible.shape) != (B, T, S)):
+        raise ValueError(f"indexer_scores: visible must be bool [B, T, S] = [{B}, {T}, {S}], got {visible.dtype} "
+                         f"{list(visible.shape)}")
     out = torch.empty(B, T, S, dtype=torch.float32, device=q8.device)
+    vis = visible.contiguous().view(torch.uint8) if visible is not None else out  # (unused pointer: no tree)
     lens = device_lens(seq_lens, q8.device)
     h16, h8 = histograms(hist, B * T) if hist is not None else (out, out)  # (unused pointers without hist)
     _indexer_kernel[(B, triton.cdiv(S, block_s))](
         q8.contiguous(), q_scale.float().contiguous(), w.float().contiguous(), k8.contiguous(),
-        k_scale.float().contiguous(), lens, out, h16, h8, T, S, H=H, D=D, BS=block_s, HIST=hist is not None,
-        num_warps=4)
+        k_scale.float().contiguous(), lens, vis, out, h16, h8, T, S, H=H, D=D, BS=block_s, HIST=hist is not None,
+        VIS=visible is not None, num_warps=4)
     return out
 
 
 TOPK_IMPLS = ("radix", "radix_fused", "torch")
 
 
-def indexer_topk(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2048, impl: str = "radix"):
+def indexer_topk(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2048, impl: str = "radix",
+                 visible: torch.Tensor | None = None):
     """(idx [B, T, topk] int32 with -1 padding, scores [B, T, S]) from the kernel's scores.
     impl: 'radix' (`mtp.kernels.topk.radix_topk`), 'radix_fused' (the same with its histogram pass done by the
-    scores kernel: one launch fewer) or 'torch' (`topk_from_scores`)."""
+    scores kernel: one launch fewer) or 'torch' (`topk_from_scores`). visible: as `indexer_scores` (the
+    top-k then never picks a key the query may not see: its score is -inf, not a candidate)."""
     if impl not in TOPK_IMPLS:
         raise ValueError(f"indexer_topk: impl must be one of {TOPK_IMPLS}, got {impl!r}")
     if impl == "radix":
-        scores = indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens)
+        scores = indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, visible=visible)
         return radix_topk(scores, seq_lens, topk), scores
     if impl == "radix_fused":
         ws = topk_workspace(q8.shape[0] * q8.shape[1], q8.device)
-        scores = indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, hist=ws)
+        scores = indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, hist=ws, visible=visible)
         return radix_topk(scores, seq_lens, topk, workspace=ws), scores
-    scores = indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens)
+    scores = indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, visible=visible)
     return topk_from_scores(scores, topk), scores

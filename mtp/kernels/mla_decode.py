@@ -5,7 +5,9 @@ capacity, C = 512 latent channels (4 groups of 128, one ue8m0 scale each), R = 6
 NS KV splits, J = top-k selected keys (DSA indexer).
 Inputs: q_lat [B, T, H, C] (q_nope already multiplied by Wk_b), q_pe [B, T, H, R], kv8 [B, S, C] float8,
 kv_scale [B, S, 4] fp32, pe [B, S, R] bf16, seq_lens [B] int (valid keys before this block: query t sees
-keys s < seq_lens[b] + t + 1), optional topk_idx [B, T, J] int32 (-1 = none; only those keys count).
+keys s < seq_lens[b] + t + 1), optional topk_idx [B, T, J] int32 (-1 = none; only those keys count),
+optional visible [B, T, S] bool (a draft tree's verify: only keys with visible[b, t, s] count, on top of the
+causal bound and the top-k; the committed keys plus the node's ancestors, `model.deepseek.tree_visibility`).
 Output o_lat [B, T, H, C] = softmax((q_lat . kv + q_pe . pe) * sm_scale) . kv, with kv dequantized.
 
 Kernel: stage 1 gives each program BH heads of one (b, t) and one of NS slices of the keys (dense: the
@@ -14,7 +16,8 @@ tiles; K and V are the same fp8 latent tile, loaded once, scaled exactly into bf
 dots (bf16 tensor cores, fp32 accumulate; q_lat and p are rounded to bf16: ~2e-3 relative error vs the
 fp32 reference). Stage 2
 merges the NS partial results by their log-sum-exp. The number of slices comes from the static capacity
-(S or J) so the launch is the same on every step (CUDA-graph friendly).
+(S or J) so the launch is the same on every step (CUDA-graph friendly). Under the Triton interpreter (CPU
+tests) the dots take fp32 operands: its bf16 tl.dot is wrong.
 """
 
 from __future__ import annotations
@@ -22,14 +25,15 @@ from __future__ import annotations
 import torch
 
 from mtp.model.fp8 import BLOCK, FP8_DTYPE
-from mtp.kernels._triton import device_lens, require, tl, triton
+from mtp.kernels._triton import device_lens, interpreting, require, tl, triton
 
 __all__ = ["mla_decode", "mla_decode_ref"]
 
 LOG2E = 1.4426950408889634
 
 
-def mla_decode_ref(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_idx=None, out_dtype=torch.float32):
+def mla_decode_ref(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_idx=None, out_dtype=torch.float32,
+                   visible=None):
     """Plain-PyTorch fp32 reference. Rows with no visible key give zeros."""
     B, T, H, C = q_lat.shape
     S = kv8.shape[1]
@@ -46,6 +50,8 @@ def mla_decode_ref(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, to
                 ids = ids[(ids >= 0) & (ids < S)]
                 sel[ids] = True
                 valid &= sel
+            if visible is not None:
+                valid &= visible[b, t].to(torch.bool)
             if not valid.any():
                 continue
             k = kv[b][valid]
@@ -55,10 +61,10 @@ def mla_decode_ref(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, to
 
 
 @triton.jit
-def _mla_stage1(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr, o_ptr, lse_ptr,
+def _mla_stage1(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr, vis_ptr, o_ptr, lse_ptr,
                 T, H, S, J, qk_scale, NS,
                 s_qb, s_qt, s_qh, s_pb, s_pt, s_ph, s_kvb, s_kvs, s_scb, s_scs, s_peb, s_pes,
-                SPARSE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
+                SPARSE: tl.constexpr, VIS: tl.constexpr, DOT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
     # The 512 latent channels are handled as 4 groups of 128 (one fp8 scale each): the scale multiplies the
     # group's score contribution and, for the value side, the probabilities, so the fp8 tile only needs an
     # exact fp8 -> bf16 conversion and no per-element scale gather.
@@ -72,12 +78,12 @@ def _mla_stage1(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr, o_pt
     c = tl.arange(0, 128)
     r = tl.arange(0, 64)
     q_rows = q_ptr + b.to(tl.int64) * s_qb + t * s_qt + heads[:, None] * s_qh + c[None, :]
-    q0 = tl.load(q_rows, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
-    q1 = tl.load(q_rows + 128, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
-    q2 = tl.load(q_rows + 256, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
-    q3 = tl.load(q_rows + 384, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+    q0 = tl.load(q_rows, mask=hmask[:, None], other=0.0).to(DOT)
+    q1 = tl.load(q_rows + 128, mask=hmask[:, None], other=0.0).to(DOT)
+    q2 = tl.load(q_rows + 256, mask=hmask[:, None], other=0.0).to(DOT)
+    q3 = tl.load(q_rows + 384, mask=hmask[:, None], other=0.0).to(DOT)
     qpe = tl.load(qpe_ptr + b.to(tl.int64) * s_pb + t * s_pt + heads[:, None] * s_ph + r[None, :],
-                  mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+                  mask=hmask[:, None], other=0.0).to(DOT)
     limit = tl.minimum(tl.load(lens_ptr + b).to(tl.int32) + t + 1, S)
     if SPARSE:
         n_items = J
@@ -105,18 +111,20 @@ def _mla_stage1(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr, o_pt
         else:
             pos = offs
         pos = tl.where(valid, pos, 0).to(tl.int64)
+        if VIS:  # a tree node sees the committed keys and its own ancestors only
+            valid = valid & (tl.load(vis_ptr + pid_bt.to(tl.int64) * S + pos, mask=valid, other=0) != 0)
         vm = valid[:, None]
         kb = kv_base + pos[:, None] * s_kvs + c[None, :]
-        k0 = tl.load(kb, mask=vm, other=0.0).to(tl.bfloat16)
-        k1 = tl.load(kb + 128, mask=vm, other=0.0).to(tl.bfloat16)
-        k2 = tl.load(kb + 256, mask=vm, other=0.0).to(tl.bfloat16)
-        k3 = tl.load(kb + 384, mask=vm, other=0.0).to(tl.bfloat16)
+        k0 = tl.load(kb, mask=vm, other=0.0).to(DOT)
+        k1 = tl.load(kb + 128, mask=vm, other=0.0).to(DOT)
+        k2 = tl.load(kb + 256, mask=vm, other=0.0).to(DOT)
+        k3 = tl.load(kb + 384, mask=vm, other=0.0).to(DOT)
         sb = sc_base + pos * s_scs
         g0 = tl.load(sb, mask=valid, other=0.0)
         g1 = tl.load(sb + 1, mask=valid, other=0.0)
         g2 = tl.load(sb + 2, mask=valid, other=0.0)
         g3 = tl.load(sb + 3, mask=valid, other=0.0)
-        kpe = tl.load(pe_base + pos[:, None] * s_pes + r[None, :], mask=vm, other=0.0).to(tl.bfloat16)
+        kpe = tl.load(pe_base + pos[:, None] * s_pes + r[None, :], mask=vm, other=0.0).to(DOT)
         s = tl.dot(qpe, tl.trans(kpe))
         s += tl.dot(q0, tl.trans(k0)) * g0[None, :]
         s += tl.dot(q1, tl.trans(k1)) * g1[None, :]
@@ -128,10 +136,10 @@ def _mla_stage1(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr, o_pt
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc0 = acc0 * alpha[:, None] + tl.dot((p * g0[None, :]).to(tl.bfloat16), k0)
-        acc1 = acc1 * alpha[:, None] + tl.dot((p * g1[None, :]).to(tl.bfloat16), k1)
-        acc2 = acc2 * alpha[:, None] + tl.dot((p * g2[None, :]).to(tl.bfloat16), k2)
-        acc3 = acc3 * alpha[:, None] + tl.dot((p * g3[None, :]).to(tl.bfloat16), k3)
+        acc0 = acc0 * alpha[:, None] + tl.dot((p * g0[None, :]).to(DOT), k0)
+        acc1 = acc1 * alpha[:, None] + tl.dot((p * g1[None, :]).to(DOT), k1)
+        acc2 = acc2 * alpha[:, None] + tl.dot((p * g2[None, :]).to(DOT), k2)
+        acc3 = acc3 * alpha[:, None] + tl.dot((p * g3[None, :]).to(DOT), k3)
         m_i = m_new
     has = l_i > 0
     inv_l = 1.0 / tl.where(has, l_i, 1.0)
@@ -146,10 +154,11 @@ def _mla_stage1(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr, o_pt
 
 
 @triton.jit
-def _mla_stage1_fused(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr, o_ptr, lse_ptr,
+def _mla_stage1_fused(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr, vis_ptr, o_ptr, lse_ptr,
                       T, H, S, J, qk_scale, NS,
                       s_qb, s_qt, s_qh, s_pb, s_pt, s_ph, s_kvb, s_kvs, s_scb, s_scs, s_peb, s_pes,
-                      SPARSE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
+                      SPARSE: tl.constexpr, VIS: tl.constexpr, DOT: tl.constexpr, BH: tl.constexpr,
+                      BN: tl.constexpr):
     # Same math as _mla_stage1, one 512-wide dot per side: the fp8 tile is loaded as [BN, 4, 128], scaled by
     # its 4 group scales (exact: powers of two) and flattened to a bf16 [BN, 512] K = V tile.
     pid_bt = tl.program_id(0)
@@ -164,9 +173,9 @@ def _mla_stage1_fused(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr
     c3 = g4[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]
     r = tl.arange(0, 64)
     q = tl.load(q_ptr + b.to(tl.int64) * s_qb + t * s_qt + heads[:, None] * s_qh + c[None, :],
-                mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+                mask=hmask[:, None], other=0.0).to(DOT)
     qpe = tl.load(qpe_ptr + b.to(tl.int64) * s_pb + t * s_pt + heads[:, None] * s_ph + r[None, :],
-                  mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+                  mask=hmask[:, None], other=0.0).to(DOT)
     limit = tl.minimum(tl.load(lens_ptr + b).to(tl.int32) + t + 1, S)
     if SPARSE:
         n_items = J
@@ -191,10 +200,12 @@ def _mla_stage1_fused(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr
         else:
             pos = offs
         pos = tl.where(valid, pos, 0).to(tl.int64)
+        if VIS:  # a tree node sees the committed keys and its own ancestors only
+            valid = valid & (tl.load(vis_ptr + pid_bt.to(tl.int64) * S + pos, mask=valid, other=0) != 0)
         k8 = tl.load(kv_base + pos[:, None, None] * s_kvs + c3, mask=valid[:, None, None], other=0.0)
         ksc = tl.load(sc_base + pos[:, None] * s_scs + g4[None, :], mask=valid[:, None], other=0.0)
-        k = tl.reshape((k8.to(tl.float32) * ksc[:, :, None]).to(tl.bfloat16), (BN, 512))
-        kpe = tl.load(pe_base + pos[:, None] * s_pes + r[None, :], mask=valid[:, None], other=0.0).to(tl.bfloat16)
+        k = tl.reshape((k8.to(tl.float32) * ksc[:, :, None]).to(DOT), (BN, 512))
+        kpe = tl.load(pe_base + pos[:, None] * s_pes + r[None, :], mask=valid[:, None], other=0.0).to(DOT)
         s = tl.dot(q, tl.trans(k)) + tl.dot(qpe, tl.trans(kpe))
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 domain
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -202,7 +213,7 @@ def _mla_stage1_fused(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), k)
         m_i = m_new
     has = l_i > 0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -241,7 +252,8 @@ def default_splits(n_rows: int, capacity: int, n_sms: int = 132, min_keys: int =
 
 
 def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_idx=None,
-               out_dtype: torch.dtype = torch.float32, splits: int | None = None, variant: str = "fused",
+               out_dtype: torch.dtype = torch.float32, visible: torch.Tensor | None = None,
+               splits: int | None = None, variant: str = "fused",
                block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int | None = None,
                min_block_h: int | None = None) -> torch.Tensor:
     """Kernel twin of `mla_decode_ref`: o_lat [B, T, H, 512] in out_dtype. The keyword knobs are for benchmarks:
@@ -268,6 +280,10 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
     if sparse and tuple(topk_idx.shape) != (B, T, J):
         raise ValueError(f"mla_decode: topk_idx must be [B, T, J] = [{B}, {T}, J], got {list(topk_idx.shape)}")
     idx = topk_idx.to(torch.int32).contiguous() if sparse else seq_lens  # dummy pointer when dense
+    if visible is not None and (visible.dtype != torch.bool or tuple(visible.shape) != (B, T, S)):
+        raise ValueError(f"mla_decode: visible must be bool [B, T, S] = [{B}, {T}, {S}], got {visible.dtype} "
+                         f"{list(visible.shape)}")
+    vis = visible.contiguous().view(torch.uint8) if visible is not None else seq_lens  # dummy pointer: no tree
     # heads per program: H rounded up to a power of two, at least min_block_h (masked heads cost MMA work only)
     bh = min(block_h, max(min_block_h or MIN_BLOCK_H, triton.next_power_of_2(H)))
     nhb = triton.cdiv(H, bh)
@@ -281,10 +297,11 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
         raise ValueError(f"mla_decode: variant must be 'split4' or 'fused', got {variant!r}")
     stage1 = _mla_stage1 if variant == "split4" else _mla_stage1_fused
     stage1[(B * T, nhb, splits)](
-        q_lat, q_pe, kv8, kv_scale, pe, lens, idx, o_part, lse, T, H, S, J, float(sm_scale) * LOG2E, splits,
+        q_lat, q_pe, kv8, kv_scale, pe, lens, idx, vis, o_part, lse, T, H, S, J, float(sm_scale) * LOG2E, splits,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
         kv8.stride(0), kv8.stride(1), kv_scale.stride(0), kv_scale.stride(1), pe.stride(0), pe.stride(1),
-        SPARSE=sparse, BH=bh, BN=block_n, num_warps=num_warps, num_stages=num_stages)
+        SPARSE=sparse, VIS=visible is not None, DOT=tl.float32 if interpreting() else tl.bfloat16, BH=bh,
+        BN=block_n, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty(B, T, H, 512, dtype=out_dtype, device=dev)
     _mla_stage2[(B * T * H,)](o_part, lse, out, splits, NSP=triton.next_power_of_2(splits), num_warps=4)
     return out

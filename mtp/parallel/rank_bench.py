@@ -13,7 +13,11 @@ is run) and one target forward per verify width 1..K+1 is CUDA-graph captured an
   its lm_head rows, and the cache it must read (the indexer keys of every position once the indexer runs,
   at least top-k latent entries), over the copy bandwidth measured in the same run; and the % of it reached;
 - kernels per step (and per layer) from the profiler; with --profile the per-kernel table;
-- the lightning indexer (scores + top-k) of one layer timed alone at that context, and per step.
+- the lightning indexer (scores + top-k) of one layer timed alone at that context, and per step;
+- with `--trees chain3,2x2,...` (`TreeShape.parse` names): per tree shape the target verify forward over its N
+  nodes with the tree mask, beside the causal verify of a chain of the same N tokens (graph ms, ms per node,
+  bytes per node from the rank's byte floor; a few replays each on the same built rank); with `--tree-al
+  2x2=2.9 ...` (acceptance lengths measured elsewhere, e.g. mtp-eval) the projection adds their tok/s per user.
 Then whole speculative steps (`mtp.generate`, graph/overlap mode: plain, eagle and vanilla k = 1..K) at the
 shortest context, which measures the draft cost at these shapes. `projection` adds the collectives back:
 n x a latency that is measured (`--collective-json`, from `python -m mtp.parallel.collbench` on N GPUs) or
@@ -197,8 +201,12 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
     time, floor, kernels, and the indexer alone."""
     from ..synthetic import fill_cache_random
 
+    from ..draft.tree import TreeShape
+
     cfg, B, K = model.cfg, args.batch, args.k
-    cache = fill_cache_random(model.new_cache(B, L + K + 1), L, seed=args.seed + L)
+    shapes = [TreeShape.parse(t) for t in args.trees]
+    cache = fill_cache_random(model.new_cache(B, L + max([K + 1] + [t.n_nodes for t in shapes])), L,
+                              seed=args.seed + L)
     base = cache.seq_lens.clone()
     g = torch.Generator().manual_seed(args.seed + 1)
     ids = torch.randint(0, cfg.vocab_size, (B, K + 1), generator=g).to(model.device)
@@ -246,16 +254,60 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
             f"{r['collectives']['all_reduce']} all-reduce + {r['collectives']['all_gather']} all-gather, "
             f"floor {by['total'] / 1e9:.2f} GB" + (f" ({r['pct_of_floor']:.1f}% of it)" if bw else "")
             + (f", {r['kernels_per_step']:.0f} kernels" if cuda else ""))
+    trees = {t.name: tree_verify(model, comm, cache, t, L, cuda, bw, args) for t in shapes}
     del cache
-    return {"cache": f"random valid FP8 entries at {L} positions (fill_cache_random; no prefill was run)",
-            "widths": widths, "indexer": indexer}
+    out = {"cache": f"random valid FP8 entries at {L} positions (fill_cache_random; no prefill was run)",
+           "widths": widths, "indexer": indexer}
+    if trees:
+        out["trees"] = trees
+    return out
+
+
+@torch.no_grad()
+def tree_verify(model, comm, cache, shape, L: int, cuda: bool, bw: float | None, args) -> dict:
+    """The target verify over a tree's N nodes at context L, and the causal verify of a chain of the same N
+    tokens: graph ms (a few replays), ms and floor bytes per node (local experts counted on an eager call), the
+    tree verify's collectives."""
+    from ..timing import tree_row, tree_verify_fns
+
+    time_fn = timer(cuda, min(args.iters, 5), 2)
+    N, ms, floor = shape.n_nodes, {}, {}
+    for kind, fn in tree_verify_fns(model, cache, L, shape, args.seed).items():
+        comm.reset()
+        seen, hooks = count_local_experts(model)
+        try:
+            fn()
+        finally:
+            for h in hooks:
+                h.remove()
+        floor[kind] = rank_floor(model, {li: len(s) for li, s in seen.items()}, L + N, cache.batch)["total"]
+        if kind == "tree":
+            collectives = dict(comm.counts)
+        if cuda:
+            graph = capture(fn)
+            ms[kind] = time_fn(graph.replay)
+            del graph
+        else:
+            ms[kind] = time_fn(fn)
+    row = tree_row(shape, ms, floor, model.runtime.absorb_max_tokens)
+    row["collectives"] = collectives
+    if bw:
+        row["floor_ms"] = floor["tree"] / bw * 1e3
+        row["pct_of_floor"] = 100 * row["floor_ms"] / ms["tree"]
+    log(f"  L={L} tree {shape.name} (N={N}): {ms['tree']:.3f} ms ({ms['tree'] / N:.3f} per node), chain of {N}: "
+        f"{ms['chain']:.3f} ms; floor {floor['tree'] / N / 1e6:.1f} MB per node")
+    return row
 
 
 @torch.no_grad()
 def spec_steps(model, args, L: int, cuda: bool) -> dict:
     """Whole speculative steps (draft K + verify K+1 + accept + commit) through `mtp.generate` at context L:
-    plain, eagle and vanilla k = 1..K (vanilla past the checkpoint's MTP modules repeats the last one)."""
+    plain, eagle and vanilla k = 1..K (vanilla past the checkpoint's MTP modules repeats the last one); and the
+    eagle tree step of every --trees shape (`generate_tree`, wall time of a graph call includes its capture: the
+    GPU time per replayed step is the number)."""
     from ..decode.engine import generate, release
+    from ..decode.tree import generate_tree
+    from ..draft.tree import TreeShape
 
     g = torch.Generator().manual_seed(args.seed + 2)
     prompts = torch.randint(0, model.cfg.vocab_size, (args.batch, L), generator=g).tolist()
@@ -278,8 +330,25 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
             log(f"  spec {draft} k={k} {mode}: {out[f'{draft}_k{k}_{mode}']['step_ms_wall']:.3f} ms/step wall "
                 f"({time.perf_counter() - t0:.1f} s)")
         release(model)
+    for name in args.trees:  # whole eagle tree steps (graph / overlap: the step captured per shape)
+        shape = TreeShape.parse(name)
+        for mode in modes:
+            key = f"tree_{name}_{mode}"
+            try:
+                m = generate_tree(model, prompts, shape, args.new_tokens, draft="eagle", mode=mode).metrics
+            except Exception as e:  # keep the chains' numbers; the error is in the JSON and printed
+                out[key] = {"tree": name, "mode": mode, "error": repr(e)[:500]}
+                log(f"  spec tree {name} {mode} failed: {out[key]['error']}")
+                continue
+            steps = max(m.target_forwards, 1)
+            out[key] = {"draft": "eagle", "tree": name, "k": shape.max_depth, "nodes": shape.n_nodes, "mode": mode,
+                        "steps": m.target_forwards, "step_ms_wall": m.time_decode_s / steps * 1e3,
+                        "gpu_step_ms": m.gpu_busy_ms / m.graph_replays if m.graph_replays else None,
+                        "AL_random_weights": m.mean_accepted_len}
+            log(f"  spec tree {name} {mode}: " + (f"GPU {out[key]['gpu_step_ms']:.3f} ms/step" if m.graph_replays else
+                                                  f"{out[key]['step_ms_wall']:.3f} ms/step wall"))
     return {"prompt_len": L, "modes": tuple(modes), "runs": out,
-            "note": "generate() with a real prefill of a random prompt of this length"}
+            "note": "generate() / generate_tree() with a real prefill of a random prompt of this length"}
 
 
 @torch.no_grad()
@@ -339,7 +408,9 @@ def project(res: dict, args) -> dict:
     """Per context: plain TPOT = step(w=1) + its collectives; MTP k: (step(w=k+1) + draft + collectives of the
     verify and the k draft forwards) / AL(k). draft = measured eagle-k spec step - the target step at w = k+1
     measured with it (same depth, spec context); at longer contexts plus k x (indexer per layer there - at the
-    spec context)."""
+    spec context). A tree of depth D with an AL given (--tree-al): (its verify + its draft + collectives) / AL,
+    the draft taken from its measured tree step as the chains' (else the eagle-D chain's draft: a lower bound,
+    a tree's draft forwards are wider)."""
     lat = collective_latency(args)
     spec = res.get("spec_step", {})
     L0 = spec.get("prompt_len")
@@ -358,13 +429,20 @@ def project(res: dict, args) -> dict:
         plain = widths[1][key] + comm_ms(lat, widths[1]["collectives"])
         row = {"plain": {"tpot_ms": plain, "tok_s_per_user": 1e3 / plain,
                          "collectives_ms": comm_ms(lat, widths[1]["collectives"])}}
-        for k in range(1, args.k + 1):
+
+        def chain_draft_ms(k):
+            """The eagle-k draft cost at this context (None where no speculative step of depth k was measured)."""
             run = spec.get("runs", {}).get(f"eagle_k{k}_{spec.get('modes', ('',))[0]}")
             t_step = run and (run["gpu_step_ms"] or run["step_ms_wall"])
             if not t_step or L0 not in res["contexts"]:
-                continue
+                return None
             ctx0 = res["contexts"][L0]
-            draft = t_step - run["verify_ms"] + k * (ix_ms(ctx, k + 1) - ix_ms(ctx0, k + 1))
+            return t_step - run["verify_ms"] + k * (ix_ms(ctx, k + 1) - ix_ms(ctx0, k + 1))
+
+        for k in range(1, args.k + 1):
+            draft = chain_draft_ms(k)
+            if draft is None:
+                continue
             cm = comm_ms(lat, widths[k + 1]["collectives"]) + comm_ms(lat, dc, times=k)
             step = widths[k + 1][key] + draft + cm
             al = args.al if (args.al and k == args.k) else accept_len(args.accept, k)
@@ -374,6 +452,29 @@ def project(res: dict, args) -> dict:
                                   "draft_ms": draft if draft >= 0 else None,
                                   "collectives_ms": cm, "AL": al, "tpot_ms": step / al, "tok_s_per_user": 1e3 * al / step,
                                   "speedup_vs_plain": al * plain / step}
+        def tree_draft_ms(name, D, N):
+            """Draft (+ accept + compact) cost of the measured eagle tree step of `name` at this context: the step
+            - its verify at the spec context, + D x the indexer's change per draft forward (None: not measured)."""
+            run = spec.get("runs", {}).get(f"tree_{name}_{spec.get('modes', ('',))[0]}", {})
+            t_step = run.get("gpu_step_ms") or run.get("step_ms_wall")
+            if not t_step or "verify_ms" not in run or L0 not in res["contexts"]:
+                return None
+            w = min(N, args.k + 1)  # the indexer was timed alone for widths up to K + 1
+            return t_step - run["verify_ms"] + D * (ix_ms(ctx, w) - ix_ms(res["contexts"][L0], w))
+
+        for name, t in ctx.get("trees", {}).items():
+            al, D = (getattr(args, "tree_al", None) or {}).get(name), t["depth"]
+            draft, source = tree_draft_ms(name, D, t["nodes"]), "measured tree step"
+            if draft is None:
+                draft, source = chain_draft_ms(D), "eagle chain of the same depth (a lower bound)"
+            if al is None or draft is None:
+                continue
+            cm = comm_ms(lat, t["collectives"]) + comm_ms(lat, dc, times=D)
+            step = t["tree"]["ms"] + max(draft, 0.0) + cm
+            row[f"tree_{name}"] = {"step_ms": step, "verify_ms": t["tree"]["ms"], "draft_ms": draft,
+                                   "draft_source": source, "collectives_ms": cm, "AL": al, "nodes": t["nodes"],
+                                   "tpot_ms": step / al, "tok_s_per_user": 1e3 * al / step,
+                                   "speedup_vs_plain": al * plain / step}
         out["contexts"][L] = row
     here = [f"{n} x {g}" for g, n in TARGETS if g in dev and n == res["tp"]]
     out["deployment"] = (f"{res['tp']} x {dev}" + (f" (= {here[0]})" if here else "")
@@ -453,7 +554,10 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
                     sp = spec_steps(model, args, L0, cuda)
                     key = "graph_ms" if cuda else "eager_ms"
                     for r in sp["runs"].values():  # the verify forward of the same depth, to split off the draft
-                        r["verify_ms"] = part["contexts"][L0]["widths"][r["k"] + 1][key]
+                        if "tree" in r and "error" not in r:
+                            r["verify_ms"] = part["contexts"][L0]["trees"][r["tree"]]["tree"]["ms"]
+                        elif "tree" not in r:
+                            r["verify_ms"] = part["contexts"][L0]["widths"][r["k"] + 1][key]
                     part["spec_step"] = sp
                 except Exception as e:  # keep the target-step numbers; the error is in the JSON and printed
                     part["spec_step_error"] = repr(e)[:1000]
@@ -546,7 +650,25 @@ def extrapolate(a: dict, b: dict, da: int, db: int, full: int) -> dict:
                 ix["layers"] = full
             indexer[w] = ix
         out[L] = {"cache": cb["cache"], "extrapolated": True, "widths": widths, "indexer": indexer}
+        if "trees" in cb:
+            out[L]["trees"] = {name: _extrapolate_tree(ca["trees"][name], t, lin) for name, t in cb["trees"].items()}
     return out
+
+
+def _extrapolate_tree(a: dict, b: dict, lin) -> dict:
+    """One `--trees` entry at full depth: each kind's ms and bytes linear in depth, per-node values recomputed."""
+    r = dict(b)
+    N = b["nodes"]
+    for kind in ("tree", "chain"):
+        ms, by = lin(a[kind]["ms"], b[kind]["ms"]), lin(a[kind]["bytes"], b[kind]["bytes"])
+        r[kind] = {"ms": ms, "ms_per_node": ms / N, "bytes": by, "bytes_per_node": by / N}
+    r["tree_over_chain"] = r["tree"]["ms"] / r["chain"]["ms"]
+    r["collectives"] = {k: round(lin(a["collectives"][k], v)) for k, v in b["collectives"].items()}
+    if "floor_ms" in b:
+        r["floor_ms"] = lin(a["floor_ms"], b["floor_ms"])
+        r["pct_of_floor"] = 100 * r["floor_ms"] / r["tree"]["ms"]
+    r["extrapolated"] = True
+    return r
 
 
 def run(args) -> dict:
@@ -634,6 +756,7 @@ def print_table(res: dict) -> None:
                 print(f"{L:>8} {w:>2} {r.get('graph_ms', float('nan')):8.3f} {r.get('floor_ms', float('nan')):9.3f} "
                       f"{r.get('pct_of_floor', float('nan')):8.1f} {r.get('kernels_per_step', 0):8.0f} "
                       f"{r.get('kernels_per_layer', 0):8.1f}  variant {name}")
+    print_trees(res["contexts"])
     print("caches: random valid FP8 entries at each context (fill_cache_random), no prefill run; experts: distinct "
           "local experts the step's tokens chose (measured), mean per MoE layer; AR+AG: collectives per step (not run)")
     for L, ctx in res["contexts"].items():
@@ -645,6 +768,9 @@ def print_table(res: dict) -> None:
     if spec:
         print(f"speculative steps at context {spec['prompt_len']} (generate, real prefill):")
         for name, r in spec["runs"].items():
+            if "error" in r:
+                print(f"  {name:24s} FAILED {r['error'][:200]}")
+                continue
             gpu = f", GPU {r['gpu_step_ms']:.3f} ms" if r["gpu_step_ms"] else ""
             print(f"  {name:24s} {r['step_ms_wall']:8.3f} ms/step wall{gpu}")
     if "spec_step_error" in res:
@@ -657,6 +783,8 @@ def print_table(res: dict) -> None:
             parts = [f"plain {row['plain']['tpot_ms']:.2f} ms ({row['plain']['tok_s_per_user']:.0f} tok/s)"]
             parts += [f"eagle k={n[len('eagle_k'):]} {r['tpot_ms']:.2f} ms ({r['tok_s_per_user']:.0f} tok/s, AL {r['AL']:.2f})"
                       for n, r in row.items() if n.startswith("eagle_k")]
+            parts += [f"tree {n[len('tree_'):]} {r['tpot_ms']:.2f} ms ({r['tok_s_per_user']:.0f} tok/s, AL {r['AL']:.2f} "
+                      f"given)" for n, r in row.items() if n.startswith("tree_")]
             print(f"  context {L}: " + "; ".join(parts))
         first = next(iter(pj["contexts"].values()), None)
         for name, v in pj["other_deployments"].items():
@@ -668,4 +796,19 @@ def print_table(res: dict) -> None:
             print(f"  {name}: {v}")
         for name, v in pj["references_tok_s_per_user"].items():
             print(f"  reference: {name}: {v:.0f} tok/s per user")
+    sys.stdout.flush()
+
+
+def print_trees(contexts: dict) -> None:
+    """The `--trees` rows: each tree's verify beside the chain of the same node count (per context)."""
+    rows = [(L, r) for L, ctx in contexts.items() for r in ctx.get("trees", {}).values()]
+    if not rows:
+        return
+    print(f"{'context':>8s} {'tree':>10s} {'N':>3s} {'tree ms':>8s} {'ms/node':>8s} {'chain ms':>9s} "
+          f"{'tree/chain':>10s} {'MB/node':>8s} {'% floor':>8s}")
+    for L, r in rows:
+        pct = format(r["pct_of_floor"], "8.1f") if "pct_of_floor" in r else "       -"
+        print(f"{L:>8} {r['shape']:>10s} {r['nodes']:>3} {r['tree']['ms']:8.3f} {r['tree']['ms_per_node']:8.3f} "
+              f"{r['chain']['ms']:9.3f} {r['tree_over_chain']:10.2f} {r['tree']['bytes_per_node'] / 1e6:8.1f} {pct}"
+              + ("" if r.get("attention", "kernels") == "kernels" else f"  attention: {r['attention']}"))
     sys.stdout.flush()

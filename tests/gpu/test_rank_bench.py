@@ -19,8 +19,9 @@ if not torch.cuda.is_available():
 def test_bench_tp8_four_layers(tmp_path):
     out = tmp_path / "tp8.json"
     cmd = [sys.executable, "-m", "mtp.bench", "--tp", "8", "--layers", "4", "--prompt-len", "1024", "4096",
-           "--k", "1", "--new-tokens", "8", "--iters", "3", "--profile", "--json", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "PYTHONPATH": os.getcwd()})
+           "--k", "1", "--new-tokens", "8", "--iters", "3", "--profile", "--trees", "chain1,2x1", "--tree-al", "chain1=1.5",
+           "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["tp"] == 8 and res["rank"] == 0 and res["fast_path"] and res["config"]["num_hidden_layers"] == 4
@@ -35,3 +36,9 @@ def test_bench_tp8_four_layers(tmp_path):
     runs = res["spec_step"]["runs"]
     assert runs["eagle_k1_overlap"]["gpu_step_ms"] > 0 and runs["none_k0_overlap"]["gpu_step_ms"] > 0
     assert "tok/s" in p.stdout and "ASSUMED" in p.stdout
+    for L in ("1024", "4096"):  # the tree verify (captured) beside the chain of as many nodes
+        t = res["contexts"][L]["trees"]["2x1"]
+        assert t["nodes"] == 5 and t["tree"]["ms"] > 0 and t["chain"]["ms"] > 0 and 0 < t["pct_of_floor"] < 100
+    assert "tree 2x1" in p.stdout and runs["tree_2x1_overlap"]["gpu_step_ms"] > 0  # the captured tree step
+    pj = res["projection"]["contexts"]["1024"]["tree_chain1"]
+    assert pj["AL"] == 1.5 and pj["draft_source"] == "measured tree step"
