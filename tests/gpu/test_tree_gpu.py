@@ -17,7 +17,7 @@ from mtp.decode.engine import generate
 from mtp.decode.tree import generate_tree
 from mtp.draft.tree import TreeShape
 from mtp.model.deepseek import tree_visibility
-from mtp.synthetic import gpu_test_config
+from mtp.model.presets import gpu_test_config
 
 pytestmark = [pytest.mark.gpu]
 if not torch.cuda.is_available():
@@ -134,7 +134,8 @@ def test_fast_tree_verify_as_close_to_fp32_as_the_bf16_reference(model, name):
 def test_fast_tree_verify_at_real_width():
     """The same at DeepSeek-V3.2's real widths (128 heads, 7168 wide, 256 experts; 1 dense + 1 MoE layer) with
     index_topk lowered to 64, so that a 90-token prompt takes the per-node top-k."""
-    from mtp.synthetic import random_model, real_config
+    from mtp.model.presets import real_config
+    from mtp.synthetic import random_model
 
     cfg = real_config(layers=2, dense_layers=1, mtp_modules=0, index_topk=64)
     m16 = random_model(cfg, device=DEV, dtype=torch.bfloat16, seed=3)
