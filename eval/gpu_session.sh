@@ -11,6 +11,7 @@
 #                                             # conf pyproject.toml | tar -x -C .old`, carried) next to this one
 #   PARTS="mlarank" ...                       # mla_decode's heads per program at one TP=8 rank's 16 heads
 #   PACK=1 ...                                # everything under $OUT packed into one results.tgz (few files return)
+#   PARTS="trees1" ...                        # TP=1 tree verify widths (mtp-bench --trees $TREES)
 #   PARTS="tp8v gemv tp1v" ...                # kernel choices side by side (issue 16): the TP=8 rank at 1k with the
 #                                             # kernel variants $VARIANTS, the GEMV sweep (eval/gpu_fused.py), and
 #                                             # the TP=1 bench once per switch set in $TP1_KERNELS ("-" = defaults)
@@ -75,6 +76,11 @@ if want tp1v; then
     timeout "${TP1_S:-120}" python3 -m mtp.bench $([ "$sw" = "-" ] || echo --kernels ${sw//,/ }) \
       --out "$OUT/bench_tp1_$tag.json" 2>&1 | tee "$OUT/bench_tp1_$tag.log" | grep -E "graph|spec " | tail -12
   done
+fi
+if want trees1; then
+  echo "== mtp-bench TP=1 (3 layers) tree verify widths ${TREES:=chain3,2x2,2x1x1,3x1x1,4x1x1} $(date -u +%H:%M:%S)"
+  timeout "${TREES1_S:-150}" python3 -m mtp.bench --trees "$TREES" --new-tokens 16 --out "$OUT/bench_trees_tp1.json" \
+    2>&1 | tee "$OUT/bench_trees_tp1.log" | grep -v -i warn | grep -iE "tree|chain|graph" | tail -16
 fi
 if want tp8; then
   echo "== mtp-bench --tp 8 (simulated rank, 61 layers) $(date -u +%H:%M:%S)"

@@ -84,7 +84,7 @@ def test_parse_reads_branching_and_paths(text, shape):
 
 @pytest.mark.parametrize("text,match", [
     ("2x0", r"'2x0' is invalid: tree branching must be integers >= 1"),
-    ("2,1", r"'2,1' is invalid: expected top-k per depth joined by 'x'"),
+    ("2,1", r"'2,1' is invalid: expected 'chainK', top-k per depth joined by 'x'"),
     ("", r"'' is invalid: expected"),
     ("x2", r"'x2' is invalid: expected"),
     ("0.0", r"'0.0' is invalid: tree path \(0, 0\) needs its parent"),
