@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -104,21 +105,33 @@ def test_ctrl_c_ends_with_one_line_and_whole_lines(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Count from {i} to {i + 50}."}) + "\n"
                                for i in range(400)))
+    env = dict(_env(), PYTHONFAULTHANDLER="1")  # a stuck run dumps every thread's stack on SIGABRT (below)
     p = subprocess.Popen([sys.executable, "-m", "eval.run", f"hydra.run.dir={run}", "model.numerics=dequant",
                           "max_new_tokens=64", "runtime.warmup=false", "dataset=local", f"dataset.path={prompts}",
-                          "baseline=false", "runtime.batch_size=1"], cwd=ROOT, env=_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "baseline=false", "runtime.batch_size=1"], cwd=ROOT, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    chunks: list[str] = []  # stderr read while the run goes (a full pipe would block the run)
+    reader = threading.Thread(target=lambda: chunks.extend(iter(p.stderr.readline, "")), daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 120
         while not (samples.exists() and samples.read_text().count("\n") >= 1):
-            assert p.poll() is None, p.communicate()[1][-2000:]
+            assert p.poll() is None, "".join(chunks)[-2000:]
             assert time.monotonic() < deadline, "no sample written in time"
             time.sleep(0.02)
         p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=60)
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGABRT)  # faulthandler: the stacks of a run that ignored the interrupt
+            p.wait(timeout=30)
+            reader.join(timeout=10)
+            raise AssertionError("the run did not end within 60 s of Ctrl-C; its stacks:\n" + "".join(chunks)[-6000:])
     finally:
         if p.poll() is None:
             p.kill()
+    reader.join(timeout=10)
+    err = "".join(chunks)
     assert p.returncode == 130, err[-2000:]
     assert "mtp-eval: interrupted" in err and "Traceback" not in err, err[-2000:]
     assert all(json.loads(line) for line in samples.read_text().splitlines())
