@@ -150,33 +150,58 @@ def _norm_checks() -> None:
 
 
 def _router_checks() -> None:
-    from mtp.kernels.router import moe_route_fused, moe_route_ref, route_from_logits_ref
+    from mtp.kernels.router import IMPLS, moe_route_fused, moe_route_ref, route_from_logits_ref
     from mtp.model.moe import route
 
     torch.manual_seed(1)
-    for T, E, D, ng, tg, k in ((1, 256, 256, 8, 4, 8), (5, 64, 384, 4, 2, 6), (3, 32, 256, 1, 1, 3)):
+    # DeepSeek's E = 256 / 8 groups at every verify width 1..8, and the tiny models' odd configs
+    cases = [(T, 256, 256, 8, 4, 8) for T in (1, 2, 3, 5, 8)]
+    cases += [(5, 64, 384, 4, 2, 6), (3, 32, 256, 1, 1, 3), (2, 16, 256, 4, 2, 4), (7, 8, 128, 2, 1, 2),
+              (4, 8, 128, 4, 2, 3)]
+    for T, E, D, ng, tg, k in cases:
         x = torch.randn(T, D)
         wg = torch.randn(E, D) * 0.05
         bias = torch.randn(E) * 0.05
-        w, idx, lg = moe_route_fused(x, wg, bias, n_group=ng, topk_group=tg, topk=k, return_logits=True)
+        kw = dict(n_group=ng, topk_group=tg, topk=k)
+        got = {impl: moe_route_fused(x, wg, bias, return_logits=True, impl=impl, **kw) for impl in IMPLS}
+        w, idx, lg = got["serial"]
+        for impl in IMPLS[1:]:  # the same logits, ids and weights bit for bit
+            assert all(torch.equal(a, b) for a, b in zip(got[impl], got["serial"])), (impl, T, E, ng)
         assert _rel(lg, x @ wg.t()) < 1e-5
-        wr, ir = route_from_logits_ref(lg, bias, n_group=ng, topk_group=tg, topk=k)
+        wr, ir = route_from_logits_ref(lg, bias, **kw)
         assert torch.equal(idx, ir), (T, E, idx.tolist(), ir.tolist())
         assert _rel(w, wr) < 1e-6
         wm, im = route(lg.sigmoid(), bias, ng, tg, k, True, 2.5)  # the model's router, on the same logits
         assert torch.equal(idx.long(), im) and _rel(w, wm) < 1e-6
-        assert torch.equal(moe_route_fused(x, wg, bias, n_group=ng, topk_group=tg, topk=k)[1], idx)
         e0, e1 = E // 4, E // 2  # an expert-parallel rank's view
-        wl, il = moe_route_fused(x, wg, bias, n_group=ng, topk_group=tg, topk=k, local=(e0, e1))
-        assert torch.equal(wl, w) and torch.equal(il, torch.where((idx >= e0) & (idx < e1), idx - e0, -1))
-    # exact ties everywhere (x = 0: every sigmoid is 0.5; bias in steps of 0.25): lower index first
+        for impl in IMPLS:
+            assert torch.equal(moe_route_fused(x, wg, bias, impl=impl, **kw)[1], idx)
+            wl, il = moe_route_fused(x, wg, bias, local=(e0, e1), impl=impl, **kw)
+            assert torch.equal(wl, w) and torch.equal(il, torch.where((idx >= e0) & (idx < e1), idx - e0, -1))
+    # exact ties everywhere (x = 0: every sigmoid is 0.5; bias in steps of 0.25): equal experts in a group,
+    # equal group scores across groups; lower index first at every step
     x = torch.zeros(4, 256)
-    wg = torch.randn(64, 256)
-    bias = torch.randint(0, 3, (64,)).float() * 0.25
-    w, idx = moe_route_fused(x, wg, bias, n_group=4, topk_group=2, topk=6)
-    wr, ir = moe_route_ref(x, wg, bias, n_group=4, topk_group=2, topk=6)
-    assert torch.equal(idx, ir), (idx.tolist(), ir.tolist())
-    assert _rel(w, wr) < 1e-6
+    for E, ng, tg, k in ((64, 4, 2, 6), (256, 8, 4, 8), (16, 4, 2, 4)):
+        wg = torch.randn(E, 256)
+        bias = torch.randint(0, 3, (E,)).float() * 0.25
+        wr, ir = moe_route_ref(x, wg, bias, n_group=ng, topk_group=tg, topk=k)
+        for impl in IMPLS:
+            w, idx = moe_route_fused(x, wg, bias, n_group=ng, topk_group=tg, topk=k, impl=impl)
+            assert torch.equal(idx, ir), (impl, E, idx.tolist(), ir.tolist())
+            assert _rel(w, wr) < 1e-6
+    wg, bias = torch.randn(16, 256), torch.zeros(16)
+    for bad, match in ((lambda: moe_route_fused(torch.randn(17, 256), wg, bias, n_group=4, topk_group=2, topk=4,
+                                                impl="grouped"), "1..16 tokens"),
+                       (lambda: moe_route_fused(torch.randn(2, 256), wg, bias, n_group=4, topk_group=1, topk=5,
+                                                impl="grouped"), "topk 5 <= topk_group 1"),
+                       (lambda: moe_route_fused(torch.randn(2, 256), wg, bias, n_group=4, topk_group=2, topk=4,
+                                                impl="sorted"), "impl must be")):
+        try:
+            bad()
+        except ValueError as e:
+            assert match in str(e), str(e)
+        else:
+            raise AssertionError(f"moe_route_fused accepted bad input ({match})")
 
 
 def _prologue_checks() -> None:

@@ -166,15 +166,57 @@ def test_moe_route_fused(T):
     check_close("vs moe_route", w, w2, 1e-3)
 
 
-def test_moe_route_fused_graph_safe():
+# DeepSeek's config at verify widths 1..8 and 16, and the tiny models' (E, n_group, topk_group, topk)
+GROUPED_CASES = [(T, 256, 8, 4, 8) for T in (1, 2, 3, 4, 5, 6, 7, 8, 16)] + [
+    (3, 64, 4, 2, 6), (5, 32, 1, 1, 3), (8, 16, 4, 2, 4), (2, 8, 2, 1, 2), (7, 8, 4, 2, 3)]
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES)
+def test_moe_route_grouped(case):
+    """impl="grouped" (the top-k split over the E-blocks' last slices) against the serial tail and the reference:
+    logits, ids and weights bit for bit; with and without an expert-parallel rank's local ids."""
+    T, E, ng, tg, k = case
+    D = 7168 if E == 256 else 512
+    kw = dict(n_group=ng, topk_group=tg, topk=k)
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    wg = (torch.randn(E, D, device=DEV) * 0.02).bfloat16()
+    bias = torch.randn(E, device=DEV) * 0.05
+    poison()
+    got = moe_route_fused(x, wg, bias, return_logits=True, impl="grouped", **kw)
+    ser = moe_route_fused(x, wg, bias, return_logits=True, **kw)
+    for name, a, b in zip(("weights", "ids", "logits"), got, ser):
+        assert torch.equal(a, b), f"grouped vs serial {name} differ"
+    wr, ir = route_from_logits_ref(got[2], bias, **kw)
+    assert torch.equal(got[1], ir), f"experts differ in tokens {torch.nonzero((got[1] != ir).any(1)).flatten().tolist()}"
+    check_close("grouped route weights", got[0], wr, 1e-6)
+    e0, e1 = E // 4, E // 2
+    wl, il = moe_route_fused(x, wg, bias, local=(e0, e1), impl="grouped", **kw)
+    assert torch.equal(wl, got[0]) and torch.equal(il, torch.where((ir >= e0) & (ir < e1), ir - e0, -1))
+
+
+def test_moe_route_grouped_ties():
+    """Every gate logit 0 (x = 0) and the bias in steps of 0.25: equal experts and equal groups everywhere; the
+    lower index wins at every step, as the reference's stable sorts."""
+    x = torch.zeros(8, 7168, device=DEV).bfloat16()
+    wg = (torch.randn(256, 7168, device=DEV) * 0.02).bfloat16()
+    bias = torch.randint(0, 3, (256,), device=DEV).float() * 0.25
+    wr, ir = route_from_logits_ref(torch.zeros(8, 256, device=DEV), bias)
+    for impl in ("serial", "grouped"):
+        w, idx = moe_route_fused(x, wg, bias, impl=impl)
+        assert torch.equal(idx, ir), impl
+        check_close(f"{impl} tied weights", w, wr, 1e-6)
+
+
+@pytest.mark.parametrize("impl", ["serial", "grouped"])
+def test_moe_route_fused_graph_safe(impl):
     _needs_cuda()
     x = torch.randn(2, 7168, device=DEV).bfloat16()
     wg = (torch.randn(256, 7168, device=DEV) * 0.02).bfloat16()
     bias = torch.randn(256, device=DEV) * 0.05
-    a = moe_route_fused(x, wg, bias)
+    a = moe_route_fused(x, wg, bias, impl=impl)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        b = moe_route_fused(x, wg, bias)
+        b = moe_route_fused(x, wg, bias, impl=impl)
     for _ in range(3):
         g.replay()
         torch.cuda.synchronize()
