@@ -94,6 +94,21 @@ def _gemv_checks() -> None:
             assert torch.equal(again, y)
             own = fp8_gemv(None, w8, sw, xq=act_quant(x), **tune)  # the interpreter's own quantization
             assert torch.equal(fp8_gemv(x, w8, sw, out_dtype=torch.float32, **tune), own), (N, K, M, tune)
+    # the tensor-core variant: odd N, the model's K (1536, 2048, 7168), every row count 1..8, x pre-quantized
+    # and quantized in the kernel, the planned tile and a forced one
+    for N, K, Ms, tune in ((130, 1536, range(1, MAX_M + 1), {}), (72, 2048, (1, 4, 8), {}),
+                           (40, 7168, (2, 7), {}), (200, 1536, (3,), dict(bn=32, gps=2))):
+        w8, sw = weight_quant(torch.randn(N, K) * 0.05)
+        for M in Ms:
+            x = torch.randn(M, K) * torch.logspace(-2, 1, K)
+            xq = act_quant_ref(x)
+            y = fp8_gemv(None, w8, sw, xq=xq, mma=True, **tune)
+            r = fp8_gemv_ref(None, w8, sw, xq=xq)
+            assert y.dtype == torch.float32 and _rel(y, r) < 1e-5, ("mma", N, K, M, tune, _rel(y, r))
+            if M == MAX_M:  # the counters re-armed themselves
+                assert torch.equal(fp8_gemv(None, w8, sw, xq=xq, mma=True, **tune), y)
+            own = fp8_gemv(None, w8, sw, xq=act_quant(x), mma=True, **tune)
+            assert torch.equal(fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=True, **tune), own), ("mma", N, K, M)
     xb = torch.randn(2, 3, 256).bfloat16()  # leading dims and a bf16 output
     w8, sw = weight_quant(torch.randn(96, 256) * 0.05)
     y = fp8_gemv(None, w8, sw, xq=act_quant_ref(xb), out_dtype=torch.bfloat16)
@@ -101,7 +116,8 @@ def _gemv_checks() -> None:
     assert _rel(y.float(), fp8_gemv_ref(xb, w8, sw).float()) < 1e-2
     for bad, match in ((lambda: fp8_gemv(torch.randn(MAX_M + 1, 256), w8, sw), "rows"),
                        (lambda: fp8_gemv(torch.randn(1, 128), w8, sw), "input channels"),
-                       (lambda: fp8_gemv(None, w8, sw, xq=(act_quant_ref(xb)[0], None)), "xq must be")):
+                       (lambda: fp8_gemv(None, w8, sw, xq=(act_quant_ref(xb)[0], None)), "xq must be"),
+                       (lambda: fp8_gemv(torch.randn(2, 256), w8, sw, mma=True, bn=8), "mma needs bn")):
         try:
             bad()
         except ValueError as e:

@@ -54,6 +54,53 @@ def test_fp8_gemv(M, NK):
     check_close(f"fp8_gemv bf16 M={M} N={N} K={K}", yb.float(), fp8_gemv_ref(x, w8, sw).float(), 1e-2)
 
 
+# TP=1 full width: q_b | wq_b, o_proj, dense gate | up (stacked) and down, shared gate | up, an expert's down
+TP1_SHAPES = [(32768, 1536), (7168, 16384), (36864, 7168), (7168, 18432), (4096, 7168), (7168, 2048)]
+
+
+@pytest.mark.parametrize("M", list(range(1, 9)))
+@pytest.mark.parametrize("NK", RANK_SHAPES + ODD_SHAPES)
+def test_fp8_gemv_mma(M, NK):
+    """The tensor-core variant (mma=True) against the reference, pre-quantized and quantized in the kernel
+    (the same bits), fp32 and bf16 out; its fp32 MMA sums a group in its own order: the old tensor-core
+    kernel's tolerance (tests/gpu/test_kernels.py: 1e-3)."""
+    N, K = NK
+    w8, sw = rand_weight(N, K)
+    x = (torch.randn(M, K, device=DEV) * torch.logspace(-3, 1, K, device=DEV)).bfloat16()
+    xq = act_quant_ref(x)
+    poison()
+    y = fp8_gemv(None, w8, sw, xq=xq, mma=True)
+    check_close(f"fp8_gemv mma M={M} N={N} K={K}", y, fp8_gemv_ref(None, w8, sw, xq=xq), 1e-3)
+    assert torch.equal(fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=True), y)
+    yb = fp8_gemv(x, w8, sw, mma=True)
+    assert yb.dtype == torch.bfloat16
+    check_close(f"fp8_gemv mma bf16 M={M} N={N} K={K}", yb.float(), fp8_gemv_ref(x, w8, sw).float(), 1e-2)
+
+
+@pytest.mark.parametrize("M", [1, 2, 4, 8])
+@pytest.mark.parametrize("NK", TP1_SHAPES)
+def test_fp8_gemv_full_width(M, NK):
+    """Both variants on the TP=1 weights (the shapes where the CUDA-core one lost to the old kernel)."""
+    N, K = NK
+    w8, sw = rand_weight(N, K)
+    xq = act_quant_ref(torch.randn(M, K, device=DEV).bfloat16())
+    ref = fp8_gemv_ref(None, w8, sw, xq=xq)
+    poison()
+    for mma, tol in ((False, 1e-4), (True, 1e-3)):
+        check_close(f"fp8_gemv mma={mma} M={M} N={N} K={K}", fp8_gemv(None, w8, sw, xq=xq, mma=mma), ref, tol)
+
+
+@pytest.mark.parametrize("tune", [dict(bn=16, gps=8), dict(bn=32, gps=4), dict(bn=64, gps=2, num_warps=4),
+                                  dict(bn=128, gps=1)])
+def test_fp8_gemv_mma_tiles(tune):
+    M, N, K = 5, 2240, 7168
+    w8, sw = rand_weight(N, K)
+    xq = act_quant_ref(torch.randn(M, K, device=DEV))
+    poison()
+    check_close(f"fp8_gemv mma {tune}", fp8_gemv(None, w8, sw, xq=xq, mma=True, **tune),
+                fp8_gemv_ref(None, w8, sw, xq=xq), 1e-3)
+
+
 @pytest.mark.parametrize("tune", [dict(bn=8, gps=1), dict(bn=64, gps=2), dict(bn=16, gps=8, num_warps=4),
                                   dict(bn=128, gps=8)])
 def test_fp8_gemv_tiles(tune):
@@ -70,16 +117,17 @@ def _needs_cuda():
         pytest.skip("CUDA graphs")
 
 
-def test_fp8_gemv_deterministic_and_graph_safe():
+@pytest.mark.parametrize("mma", [False, True])
+def test_fp8_gemv_deterministic_and_graph_safe(mma):
     _needs_cuda()
     w8, sw = rand_weight(2240, 7168)
     x = torch.randn(4, 7168, device=DEV).bfloat16()
-    a = fp8_gemv(x, w8, sw, out_dtype=torch.float32)
+    a = fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=mma)
     for _ in range(3):  # the split-K counters re-arm themselves: repeated launches agree bit for bit
-        assert torch.equal(a, fp8_gemv(x, w8, sw, out_dtype=torch.float32))
+        assert torch.equal(a, fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=mma))
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = fp8_gemv(x, w8, sw, out_dtype=torch.float32)
+        y = fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=mma)
     for _ in range(3):
         g.replay()
         torch.cuda.synchronize()
