@@ -88,7 +88,8 @@ def gemv_section(quick: bool, tps: tuple[int, ...] = (8, 1), sweep: bool = False
             for kern in GEMV_KERNELS:
                 y = fp8_gemm(*xq, w8, sw) if kern == "old" else fp8_gemv(None, w8, sw, xq=xq, mma=kern == "mma")
                 err = gk.rel_err(y, ref)
-                gk.check(f"gemv {kern} {tp} {name} M={M}", err < (1e-4 if kern == "fma" else 1e-3), f"rel err {err:.2e}")
+                tol = 1e-4 if kern == "fma" else 1e-3  # the MMAs sum a group in their own order (test_kernels)
+                gk.check(f"gemv {kern} {tp} {name} M={M}", err < tol, f"rel err {err:.2e}")
                 call = _gemv_calls(kern, xq)
                 res[kern] = gk.graph_us([lambda w=w, s=s, c=call: c(w, s) for w, s in ws])
                 gk.row(f"gemv {kern}", f"{tp} {name} M={M} {N}x{K}", res[kern], nbytes)
@@ -213,7 +214,8 @@ def router_section() -> dict:
         for impl in IMPLS if T <= GROUPED_MAX_TOKENS else ("serial",):
             w, idx = moe_route_fused(x, wg, bias, impl=impl)
             agree = (idx == ir).float().mean().item()
-            gk.check(f"moe_route_fused {impl} T={T}", agree > 0.99 and gk.rel_err(w, wr) < 1e-3, f"idx agree {agree:.4f}")
+            ok = agree > 0.99 and gk.rel_err(w, wr) < 1e-3
+            gk.check(f"moe_route_fused {impl} T={T}", ok, f"idx agree {agree:.4f}")
             t[f"1 launch, {impl}"] = gk.graph_us([lambda impl=impl: moe_route_fused(x, wg, bias, impl=impl)])
         for k_, us in t.items():
             gk.row(f"router {k_}", f"T={T} E={E} D={D}", us, E * D * 2)
@@ -365,7 +367,8 @@ def main():
     out = dict(meta=meta)
     t0 = time.time()
     out["bandwidth"] = gk.copy_bandwidth()
-    gk.run_sections([("gemv", lambda: gemv_section(args.quick, tuple(int(t) for t in args.gemv_tp.split(",")), args.sweep)), ("norm", norm_section), ("router", router_section),
+    tps = tuple(int(t) for t in args.gemv_tp.split(","))
+    gk.run_sections([("gemv", lambda: gemv_section(args.quick, tps, args.sweep)), ("norm", norm_section), ("router", router_section),
                      ("prologue", prologue_section), ("step", lambda: step_section(args.quick))], only, out)
     gk.finish(out, t0, os.path.join(args.out, "gpu_fused.json"))
     if "step" in out and "error" not in out["step"]:

@@ -75,6 +75,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def _expect_errors(name: str, cases, err: type = ValueError) -> None:
+    """Each (call, match): the call raises err with `match` in its message."""
+    for bad, match in cases:
+        try:
+            bad()
+        except err as e:
+            assert match in str(e), str(e)
+        else:
+            raise AssertionError(f"{name} accepted bad input ({match})")
+
+
 def _gemv_checks() -> None:
     from mtp.model.fp8 import act_quant as act_quant_ref
     from mtp.model.fp8 import weight_quant
@@ -114,16 +125,10 @@ def _gemv_checks() -> None:
     y = fp8_gemv(None, w8, sw, xq=act_quant_ref(xb), out_dtype=torch.bfloat16)
     assert y.shape == (2, 3, 96) and y.dtype == torch.bfloat16
     assert _rel(y.float(), fp8_gemv_ref(xb, w8, sw).float()) < 1e-2
-    for bad, match in ((lambda: fp8_gemv(torch.randn(MAX_M + 1, 256), w8, sw), "rows"),
-                       (lambda: fp8_gemv(torch.randn(1, 128), w8, sw), "input channels"),
-                       (lambda: fp8_gemv(None, w8, sw, xq=(act_quant_ref(xb)[0], None)), "xq must be"),
-                       (lambda: fp8_gemv(torch.randn(2, 256), w8, sw, mma=True, bn=8), "mma needs bn")):
-        try:
-            bad()
-        except ValueError as e:
-            assert match in str(e), str(e)
-        else:
-            raise AssertionError(f"fp8_gemv accepted bad input ({match})")
+    _expect_errors("fp8_gemv", ((lambda: fp8_gemv(torch.randn(MAX_M + 1, 256), w8, sw), "rows"),
+                                (lambda: fp8_gemv(torch.randn(1, 128), w8, sw), "input channels"),
+                                (lambda: fp8_gemv(None, w8, sw, xq=(act_quant_ref(xb)[0], None)), "xq must be"),
+                                (lambda: fp8_gemv(torch.randn(2, 256), w8, sw, mma=True, bn=8), "mma needs bn")))
 
 
 def _norm_checks() -> None:
@@ -153,16 +158,11 @@ def _norm_checks() -> None:
         assert bool(((yb.float() - ryb.float()).abs() <= ryb.float().abs() * 2 ** -7 + 1e-30).all())
         k8, ks = act_quant(yb)
         assert torch.equal(bs, ks) and torch.equal(b8.view(torch.uint8), k8.view(torch.uint8))
-    for bad, err, match in ((lambda: add_rms_norm_quant(torch.randn(2, 200), None, torch.ones(200), 1e-6),
-                             ValueError, "multiple of 128"),
-                            (lambda: add_rms_norm_quant(torch.randn(2, 256).bfloat16(), torch.randn(2, 256),
-                                                        torch.ones(256), 1e-6), TypeError, "with a delta")):
-        try:
-            bad()
-        except err as e:
-            assert match in str(e), str(e)
-        else:
-            raise AssertionError(f"add_rms_norm_quant accepted bad input ({match})")
+    _expect_errors("add_rms_norm_quant", [(lambda: add_rms_norm_quant(torch.randn(2, 200), None, torch.ones(200), 1e-6),
+                                           "multiple of 128")])
+    _expect_errors("add_rms_norm_quant", [(lambda: add_rms_norm_quant(torch.randn(2, 256).bfloat16(),
+                                                                      torch.randn(2, 256), torch.ones(256), 1e-6),
+                                           "with a delta")], err=TypeError)
 
 
 def _router_checks() -> None:
@@ -206,18 +206,13 @@ def _router_checks() -> None:
             assert torch.equal(idx, ir), (impl, E, idx.tolist(), ir.tolist())
             assert _rel(w, wr) < 1e-6
     wg, bias = torch.randn(16, 256), torch.zeros(16)
-    for bad, match in ((lambda: moe_route_fused(torch.randn(17, 256), wg, bias, n_group=4, topk_group=2, topk=4,
-                                                impl="grouped"), "1..16 tokens"),
-                       (lambda: moe_route_fused(torch.randn(2, 256), wg, bias, n_group=4, topk_group=1, topk=5,
-                                                impl="grouped"), "topk 5 <= topk_group 1"),
-                       (lambda: moe_route_fused(torch.randn(2, 256), wg, bias, n_group=4, topk_group=2, topk=4,
-                                                impl="sorted"), "impl must be")):
-        try:
-            bad()
-        except ValueError as e:
-            assert match in str(e), str(e)
-        else:
-            raise AssertionError(f"moe_route_fused accepted bad input ({match})")
+    _expect_errors("moe_route_fused", (
+        (lambda: moe_route_fused(torch.randn(17, 256), wg, bias, n_group=4, topk_group=2, topk=4, impl="grouped"),
+         "1..16 tokens"),
+        (lambda: moe_route_fused(torch.randn(2, 256), wg, bias, n_group=4, topk_group=1, topk=5, impl="grouped"),
+         "topk 5 <= topk_group 1"),
+        (lambda: moe_route_fused(torch.randn(2, 256), wg, bias, n_group=4, topk_group=2, topk=4, impl="sorted"),
+         "impl must be")))
 
 
 def _prologue_checks() -> None:

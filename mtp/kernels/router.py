@@ -145,6 +145,13 @@ def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, id
 
 
 @triton.jit
+def _ahead(v, i, v_other, i_other):
+    """Whether the other entry sorts before this one in a stable descending sort: a larger value, or an equal
+    value at a lower index."""
+    return (v_other > v) | ((v_other == v) & (i_other < i))
+
+
+@triton.jit
 def _route_grouped_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_ptr, ci_ptr, cnt_ptr,
                           w_out_ptr, idx_out_ptr, logits_ptr, T, D, stride_xm, route_scale, e0, e1,
                           E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
@@ -179,8 +186,7 @@ def _route_grouped_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_p
         b = score + tl.load(bias_ptr + e)
         # each expert's place in its group, biased score descending, lower index first among equals (a stable
         # descending sort): all EG x EG comparisons at once, one reduction instead of a loop of argmaxes
-        ahead = (b[:, None, :] > b[:, :, None]) | ((b[:, None, :] == b[:, :, None]) & (j[None, None, :] < j[None, :, None]))
-        rank = tl.sum(ahead.to(tl.int32), 2)  # [R, EG]
+        rank = tl.sum(_ahead(b[:, :, None], j[None, :, None], b[:, None, :], j[None, None, :]).to(tl.int32), 2)
         gscore = tl.max(tl.where(rank == 0, b, float("-inf")), 1) + tl.max(tl.where(rank == 1, b, float("-inf")), 1)
         tl.store(gs_ptr + t * NG + g, gscore)
         # the group's CPAD best, in order: no group adds more than TOPK experts to the final choice
@@ -201,14 +207,14 @@ def _route_grouped_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_p
             cg = q // CPAD  # each candidate's group
             gs = tl.load(gs_ptr + tt[:, None] * NG + h[None, :], cache_modifier=".cg")  # [BTR, NG]
             gq = tl.load(gs_ptr + tt[:, None] * NG + cg[None, :], cache_modifier=".cg")  # [BTR, NC]
-            gahead = (gs[:, None, :] > gq[:, :, None]) | ((gs[:, None, :] == gq[:, :, None]) & (h[None, None, :] < cg[None, :, None]))
+            gahead = _ahead(gq[:, :, None], cg[None, :, None], gs[:, None, :], h[None, None, :])
             keep = tl.sum(gahead.to(tl.int32), 2) < TOPK_GROUP  # [BTR, NC]: the candidate's group is kept
             qoffs = tt[:, None] * NC + q[None, :]
             v = tl.where(keep, tl.load(cv_ptr + qoffs, cache_modifier=".cg"), float("-inf"))
             sc = tl.load(cs_ptr + qoffs, cache_modifier=".cg")
             ci = tl.load(ci_ptr + qoffs, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + nbe, 0, sem="relaxed", scope="gpu")
-            cahead = (v[:, None, :] > v[:, :, None]) | ((v[:, None, :] == v[:, :, None]) & (ci[:, None, :] < ci[:, :, None]))
+            cahead = _ahead(v[:, :, None], ci[:, :, None], v[:, None, :], ci[:, None, :])
             crank = tl.sum(cahead.to(tl.int32), 2)  # [BTR, NC]: place among all candidates (ids are unique)
             ki = tl.arange(0, KPAD)
             pick = (crank[:, :, None] == ki[None, None, :]) & (ki < TOPK)[None, None, :]  # [BTR, NC, KPAD]
