@@ -29,12 +29,13 @@ w = 1 but 16.5 us at w = 4 on the rank, and 19-38% slower than the old kernel at
 the FMAs and the cross-lane sums of each row grow with M.
 
 `mma=True` (`_gemv_mma_kernel`) keeps the tile, the single load and the fix-up, and multiplies on tensor cores:
-one batched fp8 tl.dot per program, a batch entry per 128-group ([GPS, BN, 128] x [GPS, 128, 16]), rows padded
-to 16 by masked loads, each group's fp32 product scaled by s_x * s_w and the groups summed in fp32 (the same
-contract as the CUDA-core kernel; the MMA's own accumulation order within a group is not the reference's,
-so it is held to fp8_gemv_ref within the old tensor-core kernel's tolerance). Triton lowers a batched dot to
-mma.sync (fp8 operands on sm_89+), not wgmma. Predicted: flat in M; at TP=1 full width (18432 x 7168 and up)
-within ~10% of the old kernel's time at M = 1..8; at the rank's sizes about the CUDA-core kernel's M = 1 time.
+one batched fp8 tl.dot per program, a batch entry per 128-group ([GPS, BN, 128] x [GPS, 128, 8]), x's rows
+padded to 8 by masked loads (mma.sync's n8; triton 3.6 takes fp8 dots down to 1 x 1 x 32 and pads itself);
+each group's fp32 product is scaled by s_x * s_w and the groups summed in fp32 (the CUDA-core kernel's
+contract; the MMA sums a group in its own order, so it is held to fp8_gemv_ref within the old tensor-core
+kernel's tolerance). Triton lowers a batched dot to mma.sync (fp8 operands on sm_89+), not wgmma.
+Predicted: flat in M; at TP=1 full width (18432 x 7168 and up) within ~10% of the old kernel's time at
+M = 1..8; at the rank's sizes about the CUDA-core kernel's M = 1 time.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ __all__ = ["fp8_gemv", "fp8_gemv_ref", "gemv_plan", "MAX_M"]
 
 MAX_M = 8  # rows this kernel takes (CUDA-core FMAs: at M = 8 the math is ~the HBM time of a 16 KB tile)
 TILE_BYTES = 16384  # weight bytes per program by default
-MMA_MIN_BN = 16  # tl.dot's smallest block (the weight rows are the MMA's M)
+MMA_MIN_BN = 16  # the weight rows are the MMA's M: mma.sync's m16
+MMA_ROWS = 8  # x's rows padded to mma.sync's n8 (= MAX_M)
 
 
 def fp8_gemv_ref(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=None,
@@ -128,13 +130,13 @@ def _gemv_fma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, 
 def _gemv_mma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, G, n_splits,
                      stride_xm, stride_sxm, stride_wn, stride_swn,
                      M: tl.constexpr, PREQUANT: tl.constexpr, SPLIT: tl.constexpr,
-                     BN: tl.constexpr, GPS: tl.constexpr, SPAD: tl.constexpr, PDL: tl.constexpr):
+                     BN: tl.constexpr, GPS: tl.constexpr, SPAD: tl.constexpr, PDL: tl.constexpr,
+                     MP: tl.constexpr):
     """The tile of `_gemv_fma_kernel`, multiplied on tensor cores: one batched fp8 x fp8 dot, a batch entry
-    per 128-group ([GPS, BN, 128] x [GPS, 128, 16] -> [GPS, BN, 16] fp32), the rows padded to the 16 the MMA
-    needs with masked (zero) loads. The work per program no longer grows with M."""
+    per 128-group ([GPS, BN, 128] x [GPS, 128, MP] -> [GPS, BN, MP] fp32), the rows padded to MP (8: the
+    n of mma.sync.m16n8k32) with masked (zero) loads. The work per program no longer grows with M."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    MP: tl.constexpr = 16
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -198,7 +200,7 @@ def fp8_gemv(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=None
     else x is quantized per 128 in the kernel. out_dtype: default x's dtype (fp32 when only xq is given).
     bn / gps / num_warps override `gemv_plan`. pdl: launch with programmatic dependent launch (Hopper; see
     `_triton.pdl_kwargs`): the weight tile is requested while the previous kernel finishes. mma: multiply on
-    tensor cores (`_gemv_mma_kernel`: rows padded to 16, cost flat in M) instead of CUDA-core FMAs."""
+    tensor cores (`_gemv_mma_kernel`: rows padded to MMA_ROWS, cost flat in M) instead of CUDA-core FMAs."""
     src = x if xq is None else xq[0]
     if src is None:
         raise ValueError("fp8_gemv: give x or xq = (x8, sx)")
@@ -242,9 +244,9 @@ def fp8_gemv(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=None
     cnt = _counters(a.device, nb) if splits > 1 else y
     sw = sw if sw.stride(-1) == 1 else sw.contiguous()
     launch = pdl_kwargs(pdl, a)
-    kernel = _gemv_mma_kernel if mma else _gemv_fma_kernel
+    kernel, extra = (_gemv_mma_kernel, dict(MP=MMA_ROWS)) if mma else (_gemv_fma_kernel, {})
     kernel[(nb, splits)](a, s, w8, sw, part, y, cnt, N, G, splits, a.stride(0), s.stride(0), w8.stride(0),
                          sw.stride(0), M=M, PREQUANT=xq is not None, SPLIT=splits > 1, BN=bn, GPS=gps,
                          SPAD=triton.next_power_of_2(splits), PDL=bool(launch),
-                         num_warps=num_warps or plan["num_warps"], **launch)
+                         num_warps=num_warps or plan["num_warps"], **extra, **launch)
     return y.reshape(*lead, N)
