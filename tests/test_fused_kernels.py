@@ -42,6 +42,42 @@ def test_fast_block_wiring_interpreted():
     _run_interpreted("model")
 
 
+def _compile_for_hopper(kernel, pointers: dict, consts: dict, num_warps: int):
+    """Compile a kernel for sm_90 without a GPU (triton's own ptxas): PTX and cubin, or the compiler's error."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        sig[name] = "constexpr" if name in consts else pointers.get(name, "*fp32" if name.endswith("_ptr") else "i32")
+    sig.update({k: "fp32" for k in ("route_scale",) if k in sig})
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+
+def test_new_kernels_compile_for_hopper():
+    """The tensor-core GEMV and the grouped router compile for an H100 / H200 (the interpreter runs neither
+    through the compiler): the GEMV's product is an MMA, at every row count and both input kinds."""
+    pytest.importorskip("triton")
+    from mtp.kernels.gemv_splitk import MMA_ROWS, _gemv_mma_kernel
+    from mtp.kernels.router import _route_grouped_kernel
+
+    for M, prequant in ((1, True), (8, True), (3, False)):
+        x = "*fp8e4nv" if prequant else "*bf16"
+        k = _compile_for_hopper(_gemv_mma_kernel, dict(x_ptr=x, w_ptr="*fp8e4nv", y_ptr="*bf16", cnt_ptr="*i32"),
+                                dict(M=M, PREQUANT=prequant, SPLIT=True, BN=16, GPS=8, SPAD=8, PDL=False, MP=MMA_ROWS),
+                                num_warps=8)
+        assert "mma.sync" in k.asm["ptx"] or "wgmma" in k.asm["ptx"], f"no MMA in the M={M} GEMV"
+    for btr in (1, 8):
+        _compile_for_hopper(_route_grouped_kernel,
+                            dict(x_ptr="*bf16", w_ptr="*bf16", ci_ptr="*i32", cnt_ptr="*i32", idx_out_ptr="*i32"),
+                            dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, CPAD=8, BE=32, BT=16, BTR=btr, GPS=4,
+                                 SPLITS=14, BF16=True, STORE_LOGITS=False, PDL=True), num_warps=4)
+
+
 def test_set_fast_kernels():
     old = set_fast_kernels(gemv=False)
     try:

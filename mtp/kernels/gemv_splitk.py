@@ -33,7 +33,10 @@ one batched fp8 tl.dot per program, a batch entry per 128-group ([GPS, BN, 128] 
 padded to 8 by masked loads (mma.sync's n8; triton 3.6 takes fp8 dots down to 1 x 1 x 32 and pads itself);
 each group's fp32 product is scaled by s_x * s_w and the groups summed in fp32 (the CUDA-core kernel's
 contract; the MMA sums a group in its own order, so it is held to fp8_gemv_ref within the old tensor-core
-kernel's tolerance). Triton lowers a batched dot to mma.sync (fp8 operands on sm_89+), not wgmma.
+kernel's tolerance). Triton 3.6 lowers the batched dot for sm_90 to mma.sync.m16n8k16 on f16 operands (the
+e4m3 codes upcast exactly), not wgmma; compiled for sm_90 (tests/test_fused_kernels.py compiles it on the CPU)
+it takes 80-114 registers a thread at BN = 16, GPS = 8, 8 warps (2 programs per SM), where the CUDA-core kernel
+takes 206-255 (1 per SM), and neither spills.
 Predicted: flat in M; at TP=1 full width (18432 x 7168 and up) within ~10% of the old kernel's time at
 M = 1..8; at the rank's sizes about the CUDA-core kernel's M = 1 time.
 """
