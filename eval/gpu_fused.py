@@ -7,7 +7,7 @@ Sections (each new kernel next to what the fast path ran before it, same process
   the old tensor-core kernel (`fp8_gemm.fp8_gemm`: wgmma, swap-AB, pipelined K loop) vs the split-K GEMV on CUDA
   cores (`gemv_splitk.fp8_gemv`) vs the same on tensor cores (`fp8_gemv(mma=True)`); prints a table (us and % of
   copy bandwidth per shape x M x kernel) and the winner per M and weight size (the rule for a per-M choice);
-  at M = 1 and 4 on the rank also x quantized in the kernel and a PDL chain; `--sweep`: a tile sweep of both;
+  `--sweep`: at M = 1 and 4 on the rank also x quantized in the kernel, a PDL chain, and a tile sweep;
 - norm: residual add + RMSNorm + quant in one kernel vs the old step (cast + add, compiled RMSNorm, act_quant);
 - router: `router.moe_route_fused` (impl "serial" and "grouped") vs `moe.moe_route`, E = 256, D = 7168;
 - prologue: `mla_prologue` (2 kernels) vs the unfused MLA prologue steps, and `absorb` vs the two einsums, one
@@ -70,8 +70,9 @@ def _gemv_calls(kernel: str, xq, pdl: bool = False):
 
 def gemv_section(quick: bool, tps: tuple[int, ...] = (8, 1), sweep: bool = False) -> dict:
     """old vs fma vs mma on every GEMV shape of a TP=8 rank and of TP=1, rows 1..8, then the table and the rule
-    they imply (`gemv_table`). At M = 1 and 4 on the rank's shapes also x quantized in the kernel and a PDL
-    chain; with sweep, a tile sweep of both new kernels on the MoE layer's GEMVs."""
+    they imply (`gemv_table`). With sweep also, at M = 1 and 4 on the rank's shapes, x quantized in the kernel
+    and a PDL chain, and a tile sweep of both new kernels on the MoE layer's GEMVs (each variant compiles: the
+    sweep does not fit the same 10-minute call as both TPs)."""
     out = {}
     Ms = [1, 2, 4, 8] if quick else list(range(1, 9))
     shapes = ([("TP8", n, N, K) for n, N, K, _ in RANK_GEMVS] if 8 in tps else []) + \
@@ -93,7 +94,7 @@ def gemv_section(quick: bool, tps: tuple[int, ...] = (8, 1), sweep: bool = False
                 call = _gemv_calls(kern, xq)
                 res[kern] = gk.graph_us([lambda w=w, s=s, c=call: c(w, s) for w, s in ws])
                 gk.row(f"gemv {kern}", f"{tp} {name} M={M} {N}x{K}", res[kern], nbytes)
-            if tp == "TP8" and M in (1, 4) and not quick:
+            if sweep and tp == "TP8" and M in (1, 4):
                 for kern in ("fma", "mma"):
                     res[f"{kern} x in kernel"] = gk.graph_us(
                         [lambda w=w, s=s, mma=kern == "mma": fp8_gemv(x, w, s, mma=mma) for w, s in ws])
