@@ -9,7 +9,8 @@ Sections (each new kernel next to what the fast path ran before it, same process
   copy bandwidth per shape x M x kernel) and the winner per M and weight size (the rule for a per-M choice);
   `--sweep`: at M = 1 and 4 on the rank also x quantized in the kernel, a PDL chain, and a tile sweep;
 - norm: residual add + RMSNorm + quant in one kernel vs the old step (cast + add, compiled RMSNorm, act_quant);
-- router: `router.moe_route_fused` (impl "serial" and "grouped") vs `moe.moe_route`, E = 256, D = 7168;
+- router: `router.moe_route_fused` (impl "serial"; "grouped" at 4, 8, 16 warps) vs `moe.moe_route`, E = 256,
+  D = 7168, T = 1..5, 8, 64;
 - prologue: `mla_prologue` (2 kernels) vs the unfused MLA prologue steps, and `absorb` vs the two einsums, one
   rank's 16 heads;
 - step: one rank of TP=8 (rank 0 of a one-process "world" of 8 whose collectives are the identity, so they are
@@ -46,7 +47,7 @@ from mtp.kernels.fp8_gemm import fp8_gemm
 from mtp.kernels.gemv_splitk import fp8_gemv, gemv_plan
 from mtp.kernels.moe import moe_route, moe_route_ref
 from mtp.kernels.norm_quant import add_rms_norm_quant, add_rms_norm_quant_ref
-from mtp.kernels.router import GROUPED_MAX_TOKENS, IMPLS, moe_route_fused
+from mtp.kernels.router import GROUPED_MAX_TOKENS, moe_route_fused
 from mtp.parallel.comm import Comm
 
 DEV = "cuda"
@@ -212,12 +213,14 @@ def router_section() -> dict:
         x = torch.randn(T, D, device=DEV).bfloat16()
         wr, ir = moe_route_ref(x, wg, bias)
         t = {"old (2 launches)": gk.graph_us([lambda: moe_route(x, wg, bias)])}
-        for impl in IMPLS if T <= GROUPED_MAX_TOKENS else ("serial",):
-            w, idx = moe_route_fused(x, wg, bias, impl=impl)
+        variants = [("serial", 4)] + ([("grouped", nw) for nw in (4, 8, 16)] if T <= GROUPED_MAX_TOKENS else [])
+        for impl, nw in variants:
+            w, idx = moe_route_fused(x, wg, bias, impl=impl, num_warps=nw)
             agree = (idx == ir).float().mean().item()
             ok = agree > 0.99 and gk.rel_err(w, wr) < 1e-3
-            gk.check(f"moe_route_fused {impl} T={T}", ok, f"idx agree {agree:.4f}")
-            t[f"1 launch, {impl}"] = gk.graph_us([lambda impl=impl: moe_route_fused(x, wg, bias, impl=impl)])
+            gk.check(f"moe_route_fused {impl} {nw} warps T={T}", ok, f"idx agree {agree:.4f}")
+            t[f"1 launch, {impl}, {nw} warps"] = gk.graph_us(
+                [lambda impl=impl, nw=nw: moe_route_fused(x, wg, bias, impl=impl, num_warps=nw)])
         for k_, us in t.items():
             gk.row(f"router {k_}", f"T={T} E={E} D={D}", us, E * D * 2)
         out[f"T={T}"] = t

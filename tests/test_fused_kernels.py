@@ -75,7 +75,7 @@ def test_new_kernels_compile_for_hopper():
         _compile_for_hopper(_route_grouped_kernel,
                             dict(x_ptr="*bf16", w_ptr="*bf16", ci_ptr="*i32", cnt_ptr="*i32", idx_out_ptr="*i32"),
                             dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, CPAD=8, BE=32, BT=16, BTR=btr, GPS=4,
-                                 SPLITS=14, BF16=True, STORE_LOGITS=False, PDL=True), num_warps=4)
+                                 SPLITS=14, BF16=True, STORE_LOGITS=False, PDL=True), num_warps=8)
 
 
 def test_set_fast_kernels():

@@ -21,8 +21,12 @@ stores the group score (its two best) and the group's CPAD = min(8, EG) best can
 E-block to finish (one more counter) ranks the NG group scores against each other ([T, NG x CPAD, NG] compares)
 and the kept groups' candidates (64 at E = 256: [T, 64, 64] compares), and picks the top-k by rank: about 8
 reductions, mostly independent, instead of ~40 in a chain, and the group work runs on 8 SMs at once.
-Predicted: ~5 us per layer at T = 1..8 (the GEMV's ~3 us plus two L2 round trips), to be measured by
-eval/gpu_fused.py's router section. Same logits, ids and weights as the serial tail, bit for bit.
+Compiled for sm_90 (SASS after the GEMV, per thread; BAR = a cross-warp round trip): serial, 4 warps: T = 1 /
+4 / 8: 859 / 2655 / 5254 instructions, 96-100 BAR on one program; grouped, 8 warps (its default): block phase +
+final phase 334 + 288 / 789 + 918 / 725 + 1736 instructions, 26 / 54 / 69 BAR (16 warps: 503 / 1144 / 1853,
+26 / 40 / 53 BAR). Predicted: ~5-6 us per call at T = 1, ~6-7 us at T = 8 (the GEMV's ~3 us, two L2 round
+trips, the rest), to be measured by eval/gpu_fused.py's router section (4, 8 and 16 warps). Same logits, ids and
+weights as the serial tail, bit for bit.
 
 Ties (equal biased scores, equal group scores): the lower index wins, at every step, as a stable
 descending sort gives (`route_from_logits_ref`); `torch.topk` in `mtp.model.moe.route` does not promise an order
@@ -226,14 +230,15 @@ def _route_grouped_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_p
 def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_group: int = 8,
                     topk_group: int = 4, topk: int = 8, route_scale: float = 2.5, return_logits: bool = False,
                     block_e: int = 32, splits: int | None = None, local: tuple[int, int] | None = None,
-                    pdl: bool = False, impl: str = "serial"):
+                    pdl: bool = False, impl: str = "serial", num_warps: int | None = None):
     """Kernel twin of `moe_route_ref` in one launch: (weights [T, J] fp32, idx [T, J] int32), plus the fp32
     gate logits [T, E] the choice was made on when return_logits (for tests: `route_from_logits_ref` on them
     must choose the same experts exactly). local = (e0, e1): return ids as an expert-parallel rank holding
     experts [e0, e1) sees them: e - e0, or -1 for an expert on another rank (no separate mapping launches).
     pdl: programmatic dependent launch (`_triton.pdl_kwargs`). impl: "serial" (the last program routes on
     [T, E]) or "grouped" (each E-block's last slice ranks its groups, the last block merges; <= GROUPED_MAX_TOKENS
-    tokens, topk <= topk_group x E / n_group); both give the same logits, ids and weights bit for bit."""
+    tokens, topk <= topk_group x E / n_group); both give the same logits, ids and weights bit for bit.
+    num_warps: default 4 (serial) / 8 (grouped: its rank comparisons spread over more threads)."""
     require(x_TD, "moe_route_fused")
     if impl not in IMPLS:
         raise ValueError(f"moe_route_fused: impl must be one of {IMPLS}, got {impl!r}")
@@ -282,7 +287,7 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
         raise ValueError(f"moe_route_fused: local expert range must lie in [0, {E}], got {local}")
     common = dict(E=E, NG=n_group, TOPK_GROUP=topk_group, TOPK=topk, KPAD=triton.next_power_of_2(topk),
                   BE=block_e, BT=bt, BTR=btr, GPS=gps, SPLITS=splits, BF16=bf16, STORE_LOGITS=return_logits,
-                  PDL=bool(launch), num_warps=4, **launch)
+                  PDL=bool(launch), num_warps=num_warps or (8 if grouped else 4), **launch)
     args = (T, D, x.stride(0), float(route_scale), e0, e1)
     wg, bias = wg_ED.contiguous(), bias_E.float().contiguous()
     if grouped:

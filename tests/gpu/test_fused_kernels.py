@@ -242,10 +242,10 @@ def test_moe_route_grouped_ties():
     wg = (torch.randn(256, 7168, device=DEV) * 0.02).bfloat16()
     bias = torch.randint(0, 3, (256,), device=DEV).float() * 0.25
     wr, ir = route_from_logits_ref(torch.zeros(8, 256, device=DEV), bias)
-    for impl in ("serial", "grouped"):
-        w, idx = moe_route_fused(x, wg, bias, impl=impl)
-        assert torch.equal(idx, ir), impl
-        check_close(f"{impl} tied weights", w, wr, 1e-6)
+    for impl, nw in (("serial", 4), ("grouped", 4), ("grouped", 8), ("grouped", 16)):
+        w, idx = moe_route_fused(x, wg, bias, impl=impl, num_warps=nw)
+        assert torch.equal(idx, ir), (impl, nw)
+        check_close(f"{impl} {nw} warps tied weights", w, wr, 1e-6)
 
 
 @pytest.mark.parametrize("impl", ["serial", "grouped"])
