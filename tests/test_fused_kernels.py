@@ -68,8 +68,8 @@ def test_new_kernels_compile_for_hopper():
     for M, prequant in ((1, True), (8, True), (3, False)):
         x = "*fp8e4nv" if prequant else "*bf16"
         k = _compile_for_hopper(_gemv_mma_kernel, dict(x_ptr=x, w_ptr="*fp8e4nv", y_ptr="*bf16", cnt_ptr="*i32"),
-                                dict(M=M, PREQUANT=prequant, SPLIT=True, BN=16, GPS=8, SPAD=8, PDL=False, MP=MMA_ROWS),
-                                num_warps=8)
+                                dict(M=M, PREQUANT=prequant, SPLIT=True, BN=32, GPS=8, SPAD=8, PDL=False, MP=MMA_ROWS),
+                                num_warps=4)
         assert "mma.sync" in k.asm["ptx"] or "wgmma" in k.asm["ptx"], f"no MMA in the M={M} GEMV"
     for btr in (1, 8):
         _compile_for_hopper(_route_grouped_kernel,

@@ -34,11 +34,15 @@ padded to 8 by masked loads (mma.sync's n8; triton 3.6 takes fp8 dots down to 1 
 each group's fp32 product is scaled by s_x * s_w and the groups summed in fp32 (the CUDA-core kernel's
 contract; the MMA sums a group in its own order, so it is held to fp8_gemv_ref within the old tensor-core
 kernel's tolerance). Triton 3.6 lowers the batched dot for sm_90 to mma.sync.m16n8k16 on f16 operands (the
-e4m3 codes upcast exactly), not wgmma; compiled for sm_90 (tests/test_fused_kernels.py compiles it on the CPU)
-it takes 80-114 registers a thread at BN = 16, GPS = 8, 8 warps (2 programs per SM), where the CUDA-core kernel
-takes 206-255 (1 per SM), and neither spills.
-Predicted: flat in M; at TP=1 full width (18432 x 7168 and up) within ~10% of the old kernel's time at
-M = 1..8; at the rank's sizes about the CUDA-core kernel's M = 1 time.
+e4m3 codes upcast exactly), not wgmma. Compiled for sm_90 (tests/test_fused_kernels.py does so on the CPU),
+neither kernel spills. Per thread, on the 16 KB tile of BN = 16, GPS = 8, 8 warps (with the JIT's 16-divisibility of
+pointers and strides), the CUDA-core kernel issues 528 / 1344 / 2384 instructions at M = 1 / 4 / 8 (its FMAs
+and shuffle sums per row: on 2240 x 7168, 4.1 / 10.5 / 18.6 us of issue time on 132 SMs against 3.8 us of HBM
+time, which is the M-growth measured), the mma kernel 384 / 464 / 584 (3.0 / 3.6 / 4.6 us), and on its own
+default tile (`gemv_plan`: 32 KB, 4 warps) ~135 warp-instructions per KB at M = 8.
+Predicted: flat in M (issue time below HBM time at every M on its default tile); at TP=1 full width
+(36864 x 7168: old ~78 us) within 10% of the old kernel or faster at M = 1..8; at the rank's sizes at or below
+the CUDA-core kernel's M = 1 time (2240 x 7168: ~5-7 us at every M).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ __all__ = ["fp8_gemv", "fp8_gemv_ref", "gemv_plan", "MAX_M"]
 MAX_M = 8  # rows this kernel takes (CUDA-core FMAs: at M = 8 the math is ~the HBM time of a 16 KB tile)
 TILE_BYTES = 16384  # weight bytes per program by default
 MMA_MIN_BN = 16  # the weight rows are the MMA's M: mma.sync's m16
+MMA_TILE_BYTES = 32768  # weight bytes per program of the mma variant by default (gemv_plan says why)
 MMA_ROWS = 8  # x's rows padded to mma.sync's n8 (= MAX_M)
 
 
@@ -180,18 +185,22 @@ def _gemv_mma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, 
 def gemv_plan(N: int, G: int, device: torch.device, mma: bool = False) -> dict:
     """Tile of the split-K GEMV: GPS = the largest power of two <= 8 dividing G (no masked groups, so
     K = 7168 -> 8 groups per slice, 7 slices; K = 1536 -> 4, 3 slices; K = 2048 -> 8, 2 slices), BN rows so
-    that a tile holds ~16 KB, halved (down to 8, or to the 16 rows a tensor-core dot needs when mma) while the
-    grid has fewer programs than SMs."""
+    that a tile holds ~16 KB (CUDA cores, 8 warps from 8 KB) or ~32 KB (mma, 4 warps), halved (down to 8, or to
+    the 16 rows of mma.sync's m16) while the grid has fewer programs than SMs.
+    Why 32 KB / 4 warps for mma: its SASS for sm_90 issues ~135 warp-instructions per KB of weight at M = 8
+    (BN 32, GPS 8, 4 warps; 106 registers) against ~290 at the CUDA-core tile (BN 16, 8 warps): 35 us vs 75 us
+    of issue time for a 264 MB weight on 132 SMs, whose HBM time is ~63 us."""
     gps = 1
     while gps < 8 and G % (2 * gps) == 0:
         gps *= 2
     min_bn = MMA_MIN_BN if mma else 8
-    bn = max(min_bn, min(128, TILE_BYTES // (gps * BLOCK)))
+    bn = max(min_bn, min(128, (MMA_TILE_BYTES if mma else TILE_BYTES) // (gps * BLOCK)))
     splits = triton.cdiv(G, gps)
     sms = _num_sms(device) if device.type == "cuda" else 1  # the interpreter: fewest programs (speed)
     while bn > min_bn and triton.cdiv(N, bn) * splits < sms:
         bn //= 2
-    return dict(bn=bn, gps=gps, num_warps=8 if bn * gps * BLOCK >= 8192 else 4)
+    num_warps = 4 if mma or bn * gps * BLOCK < 8192 else 8
+    return dict(bn=bn, gps=gps, num_warps=num_warps)
 
 
 def fp8_gemv(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=None,
