@@ -93,19 +93,23 @@ def _splitk_fixup(part_ptr, y_ptr, cnt_ptr, pid_n, offs_n, nmask, N, n_splits, M
 
 
 @triton.jit
+def _tile(N, G, BN: tl.constexpr, GPS: tl.constexpr):
+    """This program's tile: its N-block (rows), its K-slice (128-groups), their offsets and bounds masks."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_g = pid_s * GPS + tl.arange(0, GPS)
+    return pid_n, pid_s, offs_n, offs_g, tl.arange(0, 128), offs_n < N, offs_g < G
+
+
+@triton.jit
 def _gemv_fma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, G, n_splits,
                      stride_xm, stride_sxm, stride_wn, stride_swn,
                      M: tl.constexpr, PREQUANT: tl.constexpr, SPLIT: tl.constexpr,
                      BN: tl.constexpr, GPS: tl.constexpr, SPAD: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: let the next kernel start its own weight loads
         tl.extra.cuda.gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_g = pid_s * GPS + tl.arange(0, GPS)
-    offs_k = tl.arange(0, 128)
-    nmask = offs_n < N
-    gmask = offs_g < G
+    pid_n, pid_s, offs_n, offs_g, offs_k, nmask, gmask = _tile(N, G, BN, GPS)
     # the whole [BN, GPS, 128] tile in one load: every byte of this program in flight at once
     w_offs = (offs_n.to(tl.int64)[:, None, None] * stride_wn + offs_g[None, :, None] * 128
               + offs_k[None, None, :])
@@ -142,17 +146,11 @@ def _gemv_mma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, 
                      MP: tl.constexpr):
     """The tile of `_gemv_fma_kernel`, multiplied on tensor cores: one batched fp8 x fp8 dot, a batch entry
     per 128-group ([GPS, BN, 128] x [GPS, 128, MP] -> [GPS, BN, MP] fp32), the rows padded to MP (8: the
-    n of mma.sync.m16n8k32) with masked (zero) loads. The work per program no longer grows with M."""
+    n of mma.sync's m16n8) with masked (zero) loads. The work per program no longer grows with M."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_g = pid_s * GPS + tl.arange(0, GPS)
-    offs_k = tl.arange(0, 128)
+    pid_n, pid_s, offs_n, offs_g, offs_k, nmask, gmask = _tile(N, G, BN, GPS)
     offs_m = tl.arange(0, MP)
-    nmask = offs_n < N
-    gmask = offs_g < G
     mmask = offs_m < M
     # the whole tile in one load, as [GPS, BN, 128]: every byte of this program in flight at once
     w_offs = (offs_g[:, None, None] * 128 + offs_n.to(tl.int64)[None, :, None] * stride_wn
