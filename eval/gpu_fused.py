@@ -1,13 +1,16 @@
 """Time the fused decode kernels against the current path at TP=8 per-rank shapes, in one device call.
 
-    python3 eval/gpu_fused.py [--out DIR] [--only gemv,norm,router,step] [--quick]
+    python3 eval/gpu_fused.py [--out DIR] [--only gemv,norm,router,step] [--quick] [--gemv-tp 8,1] [--sweep]
 
 Sections (each new kernel next to what the fast path ran before it, same process, same inputs):
-- gemv: `gemv_splitk.fp8_gemv` (x quantized in-kernel, and pre-quantized as the fused norm hands it over, and
-  as a PDL chain) vs `fp8_gemm.fp8_linear` (old default plan) on the rank-sized weights, rows 1..4; a tile
-  sweep at M = 1 on the MoE layer's GEMVs;
+- gemv: on every GEMV weight of a TP=8 rank and of TP=1 full width (`--gemv-tp 8,1`), rows 1..8, x pre-quantized:
+  the old tensor-core kernel (`fp8_gemm.fp8_gemm`: wgmma, swap-AB, pipelined K loop) vs the split-K GEMV on CUDA
+  cores (`gemv_splitk.fp8_gemv`) vs the same on tensor cores (`fp8_gemv(mma=True)`); prints a table (us and % of
+  copy bandwidth per shape x M x kernel) and the winner per M and weight size (the rule for a per-M choice);
+  `--sweep`: at M = 1 and 4 on the rank also x quantized in the kernel, a PDL chain, and a tile sweep;
 - norm: residual add + RMSNorm + quant in one kernel vs the old step (cast + add, compiled RMSNorm, act_quant);
-- router: `router.moe_route_fused` vs `moe.moe_route`, E = 256, D = 7168;
+- router: `router.moe_route_fused` (impl "serial"; "grouped" at 4, 8, 16 warps) vs `moe.moe_route`, E = 256,
+  D = 7168, T = 1..5, 8, 64;
 - prologue: `mla_prologue` (2 kernels) vs the unfused MLA prologue steps, and `absorb` vs the two einsums, one
   rank's 16 heads;
 - step: one rank of TP=8 (rank 0 of a one-process "world" of 8 whose collectives are the identity, so they are
@@ -40,11 +43,11 @@ from mtp.model.fp8 import fp8_gemm_ref, weight_quant
 from mtp.kernels import available
 from mtp.kernels.act_quant import act_quant
 from mtp.kernels.dispatch import set_fast_kernels
-from mtp.kernels.fp8_gemm import fp8_linear
+from mtp.kernels.fp8_gemm import fp8_gemm
 from mtp.kernels.gemv_splitk import fp8_gemv, gemv_plan
 from mtp.kernels.moe import moe_route, moe_route_ref
 from mtp.kernels.norm_quant import add_rms_norm_quant, add_rms_norm_quant_ref
-from mtp.kernels.router import moe_route_fused
+from mtp.kernels.router import GROUPED_MAX_TOKENS, moe_route_fused
 from mtp.parallel.comm import Comm
 
 DEV = "cuda"
@@ -52,57 +55,116 @@ DEV = "cuda"
 RANK_GEMVS = [("q_a|wk|kv_a", 2240, 7168, 1), ("q_b|wq_b", 16 * 192 + 64 * 128, 1536, 1), ("o_proj", 7168, 2048, 1),
               ("shared gate|up", 512, 7168, 1), ("shared down", 7168, 256, 1),
               ("dense gate|up", 4608, 7168, 0), ("dense down", 7168, 2304, 0)]
+# (name, N, K) at TP=1 full width (q_a|wk|kv_a is replicated: the rank's shape): 128 heads; the dense MLP's and
+# the shared expert's gate | up stacked (`fuse_rows`); the shared (= one expert's) down
+TP1_GEMVS = [("q_b|wq_b", 128 * 192 + 64 * 128, 1536), ("o_proj", 7168, 128 * 128), ("dense gate|up", 2 * 18432, 7168),
+             ("dense down", 7168, 18432), ("shared gate|up", 2 * 2048, 7168), ("shared down", 7168, 2048)]
+GEMV_KERNELS = ("old", "fma", "mma")  # fp8_gemm.fp8_gemm (wgmma, swap-AB) / fp8_gemv (CUDA cores) / fp8_gemv mma
 
 
-def gemv_section(quick: bool) -> dict:
+def _gemv_calls(kernel: str, xq, pdl: bool = False):
+    """One call of a GEMV kernel on the pre-quantized rows xq (what the fused norm hands over), bf16 out."""
+    if kernel == "old":
+        return lambda w, s: fp8_gemm(*xq, w, s, out_dtype=torch.bfloat16)
+    return lambda w, s: fp8_gemv(None, w, s, xq=xq, out_dtype=torch.bfloat16, mma=kernel == "mma", pdl=pdl)
+
+
+def gemv_section(quick: bool, tps: tuple[int, ...] = (8, 1), sweep: bool = False) -> dict:
+    """old vs fma vs mma on every GEMV shape of a TP=8 rank and of TP=1, rows 1..8, then the table and the rule
+    they imply (`gemv_table`). With sweep also, at M = 1 and 4 on the rank's shapes, x quantized in the kernel
+    and a PDL chain, and a tile sweep of both new kernels on the MoE layer's GEMVs (each variant compiles: the
+    sweep does not fit the same 10-minute call as both TPs)."""
     out = {}
-    Ms = [1, 4] if quick else [1, 2, 3, 4]
-    for name, N, K, per_layer in RANK_GEMVS:
+    Ms = [1, 2, 4, 8] if quick else list(range(1, 9))
+    shapes = ([("TP8", n, N, K) for n, N, K, _ in RANK_GEMVS] if 8 in tps else []) + \
+             ([("TP1", n, N, K) for n, N, K in TP1_GEMVS] if 1 in tps else [])
+    for tp, name, N, K in shapes:
         ws = [weight_quant(torch.randn(N, K, device=DEV) * 0.02) for _ in range(gk.n_sets(N * K))]
         w8, sw = ws[0]
-        nbytes = N * K + N * K // 16384 * 4
+        nbytes = N * K + -(-N // 128) * (K // 128) * 4  # fp8 weight + fp32 block scales
         for M in Ms:
             x = torch.randn(M, K, device=DEV).bfloat16()
             xq = act_quant(x)
             ref = fp8_gemm_ref(*act_quant_ref(x), w8, sw)
-            err = gk.rel_err(fp8_gemv(x, w8, sw, out_dtype=torch.float32), ref)
-            gk.check(f"fp8_gemv {name} M={M}", err < 1e-4, f"rel err {err:.2e}")
-            old = gk.graph_us([lambda w=w, s=s: fp8_linear(x, w, s) for w, s in ws])
-            new = gk.graph_us([lambda w=w, s=s: fp8_gemv(x, w, s) for w, s in ws])
-            pre = gk.graph_us([lambda w=w, s=s: fp8_gemv(None, w, s, xq=xq, out_dtype=torch.bfloat16) for w, s in ws])
-            try:  # a chain of PDL launches: each GEMV requests its weights while the previous one finishes
-                pdl = gk.graph_us([lambda w=w, s=s: fp8_gemv(None, w, s, xq=xq, out_dtype=torch.bfloat16, pdl=True)
-                                   for w, s in ws])
-            except Exception as e:  # PDL in graph capture unsupported here: record, go on
-                gk.log(f"[gemv] pdl failed: {type(e).__name__}: {str(e)[:200]}")
-                pdl = float("nan")
-            plan = gemv_plan(N, K // 128, x.device)
-            gk.row("gemv old (fp8_linear)", f"{name} M={M} {N}x{K}", old, nbytes)
-            gk.row("gemv new", f"{name} M={M} {N}x{K}", new, nbytes, plan=f"bn{plan['bn']} gps{plan['gps']}")
-            gk.row("gemv new, prequant x", f"{name} M={M} {N}x{K}", pre, nbytes,
-                   floor_us=round(nbytes / gk.COPY_BW / 1e3, 2))
-            gk.row("gemv new, prequant, pdl", f"{name} M={M} {N}x{K}", pdl, nbytes)
-            out[f"{name} M={M}"] = dict(old_us=old, new_us=new, prequant_us=pre, pdl_chain_us=pdl, saved_us=old - pre,
-                                        per_moe_layer=per_layer)
-        if not quick and per_layer:  # the tile: what gemv_plan leaves on the table (each variant compiles: few)
-            for M in (1,):
-                x = torch.randn(M, K, device=DEV).bfloat16()
-                xq = act_quant(x)
+            res = {}
+            for kern in GEMV_KERNELS:
+                y = fp8_gemm(*xq, w8, sw) if kern == "old" else fp8_gemv(None, w8, sw, xq=xq, mma=kern == "mma")
+                err = gk.rel_err(y, ref)
+                tol = 1e-4 if kern == "fma" else 1e-3  # the MMAs sum a group in their own order (test_kernels)
+                gk.check(f"gemv {kern} {tp} {name} M={M}", err < tol, f"rel err {err:.2e}")
+                call = _gemv_calls(kern, xq)
+                res[kern] = gk.graph_us([lambda w=w, s=s, c=call: c(w, s) for w, s in ws])
+                gk.row(f"gemv {kern}", f"{tp} {name} M={M} {N}x{K}", res[kern], nbytes)
+            if sweep and tp == "TP8" and M in (1, 4):
+                for kern in ("fma", "mma"):
+                    res[f"{kern} x in kernel"] = gk.graph_us(
+                        [lambda w=w, s=s, mma=kern == "mma": fp8_gemv(x, w, s, mma=mma) for w, s in ws])
+                    try:  # a chain of PDL launches: each GEMV requests its weights while the previous one finishes
+                        res[f"{kern} pdl chain"] = gk.graph_us([lambda w=w, s=s, c=_gemv_calls(kern, xq, True): c(w, s)
+                                                                for w, s in ws])
+                    except Exception as e:  # PDL in graph capture unsupported here: record, go on
+                        gk.log(f"[gemv] pdl failed: {type(e).__name__}: {str(e)[:200]}")
+                        res[f"{kern} pdl chain"] = float("nan")
+                    for k_ in (f"{kern} x in kernel", f"{kern} pdl chain"):
+                        gk.row(f"gemv {k_}", f"{tp} {name} M={M} {N}x{K}", res[k_], nbytes)
+            out[f"{tp} {name} M={M}"] = dict(res, N=N, K=K, M=M, bytes=nbytes, tp=tp, name=name,
+                                             plan_fma=gemv_plan(N, K // 128, x.device),
+                                             plan_mma=gemv_plan(N, K // 128, x.device, mma=True))
+        if sweep and tp == "TP8" and name in ("q_a|wk|kv_a", "o_proj", "shared gate|up"):
+            for kern, M in (("fma", 1), ("mma", 4)):
+                xq = act_quant(torch.randn(M, K, device=DEV).bfloat16())
                 res = []
-                for bn in (8, 16, 32):
+                for bn in (8, 16, 32, 64):
                     for gps in (2, 4, 8):
-                        if (K // 128) % gps:
+                        if (K // 128) % gps or (kern == "mma" and bn < 16) or (kern == "fma" and bn > 32):
                             continue
-                        for nw in (4, 8):
-                            t = gk.graph_us([lambda w=w, s=s: fp8_gemv(None, w, s, xq=xq, bn=bn, gps=gps,
-                                                                       num_warps=nw) for w, s in ws])
-                            res.append(dict(bn=bn, gps=gps, num_warps=nw, us=round(t, 2)))
+                        mma = kern == "mma"
+                        t = gk.graph_us([lambda w=w, s=s: fp8_gemv(None, w, s, xq=xq, bn=bn, gps=gps, mma=mma)
+                                         for w, s in ws])
+                        res.append(dict(bn=bn, gps=gps, us=round(t, 2)))
                 res.sort(key=lambda r: r["us"])
-                out[f"sweep {name} M={M}"] = res
-                gk.log(f"[sweep] {name} M={M}: best {res[:3]}, worst {res[-1]}")
+                out[f"sweep {kern} {name} M={M}"] = res
+                gk.log(f"[sweep] {kern} {name} M={M}: best {res[:3]}, worst {res[-1]}")
         del ws
         torch.cuda.empty_cache()
+    out["table"], out["rule"] = gemv_table(out)
+    gk.log(out["table"])
+    gk.log(out["rule"])
     return out
+
+
+def gemv_table(res: dict) -> tuple[str, str]:
+    """The compact table (us and % of copy bandwidth, shape x M x kernel) and, per row count, the winner on each
+    weight in order of size: the rule for a per-M, per-size choice of kernel."""
+    cells = [r for r in res.values() if isinstance(r, dict) and "bytes" in r]
+    if not cells:
+        return "", ""
+    Ms = sorted({r["M"] for r in cells})
+    shapes = list(dict.fromkeys((r["tp"], r["name"], r["N"], r["K"], r["bytes"]) for r in cells))
+    by = {(r["tp"], r["name"], r["M"]): r for r in cells}
+    lines = ["GEMV us (% of copy bandwidth), x pre-quantized, bf16 out; * = fastest of the three",
+             f"{'shape':<34} {'kernel':<4} " + " ".join(f"{'M=' + str(m):>12}" for m in Ms)]
+    for tp, name, N, K, nb in shapes:
+        for kern in GEMV_KERNELS:
+            row = []
+            for m in Ms:
+                r = by[tp, name, m]
+                us = r[kern]
+                best = min(r[k] for k in GEMV_KERNELS)
+                pct = 100 * nb / us / 1e3 / gk.COPY_BW
+                row.append(f"{us:6.2f} ({pct:3.0f}){'*' if us == best else ' '}")
+            label = f"{tp} {name} {N}x{K}" if kern == "old" else ""
+            lines.append(f"{label:<34} {kern:<4} " + " ".join(f"{c:>12}" for c in row))
+    rule = ["Winner per M, weights in order of size (MB); kernels within 3% of the fastest all named:"]
+    for m in Ms:
+        parts = []
+        for tp, name, N, K, nb in sorted(shapes, key=lambda s: s[4]):
+            r = by[tp, name, m]
+            best = min(r[k] for k in GEMV_KERNELS)
+            win = "/".join(k for k in GEMV_KERNELS if r[k] <= best * 1.03)
+            parts.append(f"{tp} {name} {nb / 2**20:.1f}: {win}")
+        rule.append(f"  M={m}: " + "; ".join(parts))
+    return "\n".join(lines), "\n".join(rule)
 
 
 def norm_section() -> dict:
@@ -147,17 +209,21 @@ def router_section() -> dict:
     E, D = 256, 7168
     wg = (torch.randn(E, D, device=DEV) * 0.02).bfloat16()
     bias = torch.randn(E, device=DEV) * 0.05
-    for T in (1, 2, 4, 5, 64):
+    for T in (1, 2, 3, 4, 5, 8, 64):
         x = torch.randn(T, D, device=DEV).bfloat16()
-        w, idx = moe_route_fused(x, wg, bias)
         wr, ir = moe_route_ref(x, wg, bias)
-        agree = (idx == ir).float().mean().item()
-        gk.check(f"moe_route_fused T={T}", agree > 0.99 and gk.rel_err(w, wr) < 1e-3, f"idx agree {agree:.4f}")
-        t_old = gk.graph_us([lambda: moe_route(x, wg, bias)])
-        t_new = gk.graph_us([lambda: moe_route_fused(x, wg, bias)])
-        gk.row("router old (2 launches)", f"T={T} E={E} D={D}", t_old, E * D * 2)
-        gk.row("router new (1 launch)", f"T={T} E={E} D={D}", t_new, E * D * 2)
-        out[f"T={T}"] = dict(old_us=t_old, new_us=t_new)
+        t = {"old (2 launches)": gk.graph_us([lambda: moe_route(x, wg, bias)])}
+        variants = [("serial", 4)] + ([("grouped", nw) for nw in (4, 8, 16)] if T <= GROUPED_MAX_TOKENS else [])
+        for impl, nw in variants:
+            w, idx = moe_route_fused(x, wg, bias, impl=impl, num_warps=nw)
+            agree = (idx == ir).float().mean().item()
+            ok = agree > 0.99 and gk.rel_err(w, wr) < 1e-3
+            gk.check(f"moe_route_fused {impl} {nw} warps T={T}", ok, f"idx agree {agree:.4f}")
+            t[f"1 launch, {impl}, {nw} warps"] = gk.graph_us(
+                [lambda impl=impl, nw=nw: moe_route_fused(x, wg, bias, impl=impl, num_warps=nw)])
+        for k_, us in t.items():
+            gk.row(f"router {k_}", f"T={T} E={E} D={D}", us, E * D * 2)
+        out[f"T={T}"] = t
     return out
 
 
@@ -288,6 +354,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT") or "eval/results")
     ap.add_argument("--quick", action="store_true", help="fewer widths, no tile sweep, only old vs all-new steps")
     ap.add_argument("--only", default="", help="comma list of sections: gemv,norm,router,prologue,step")
+    ap.add_argument("--gemv-tp", default="8,1", help="gemv section: the TP degrees whose weight shapes to time")
+    ap.add_argument("--sweep", action="store_true", help="gemv section: also sweep the new kernels' tiles")
     args = ap.parse_args()
     if not available():
         sys.exit("gpu_fused: needs triton and a CUDA device")
@@ -303,7 +371,8 @@ def main():
     out = dict(meta=meta)
     t0 = time.time()
     out["bandwidth"] = gk.copy_bandwidth()
-    gk.run_sections([("gemv", lambda: gemv_section(args.quick)), ("norm", norm_section), ("router", router_section),
+    tps = tuple(int(t) for t in args.gemv_tp.split(","))
+    gk.run_sections([("gemv", lambda: gemv_section(args.quick, tps, args.sweep)), ("norm", norm_section), ("router", router_section),
                      ("prologue", prologue_section), ("step", lambda: step_section(args.quick))], only, out)
     gk.finish(out, t0, os.path.join(args.out, "gpu_fused.json"))
     if "step" in out and "error" not in out["step"]:

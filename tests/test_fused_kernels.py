@@ -42,6 +42,42 @@ def test_fast_block_wiring_interpreted():
     _run_interpreted("model")
 
 
+def _compile_for_hopper(kernel, pointers: dict, consts: dict, num_warps: int):
+    """Compile a kernel for sm_90 without a GPU (triton's own ptxas): PTX and cubin, or the compiler's error."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        sig[name] = "constexpr" if name in consts else pointers.get(name, "*fp32" if name.endswith("_ptr") else "i32")
+    sig.update({k: "fp32" for k in ("route_scale",) if k in sig})
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+
+def test_new_kernels_compile_for_hopper():
+    """The tensor-core GEMV and the grouped router compile for an H100 / H200 (the interpreter runs neither
+    through the compiler): the GEMV's product is an MMA, at every row count and both input kinds."""
+    pytest.importorskip("triton")
+    from mtp.kernels.gemv_splitk import MMA_ROWS, _gemv_mma_kernel
+    from mtp.kernels.router import _route_grouped_kernel
+
+    for M, prequant in ((1, True), (8, True), (3, False)):
+        x = "*fp8e4nv" if prequant else "*bf16"
+        k = _compile_for_hopper(_gemv_mma_kernel, dict(x_ptr=x, w_ptr="*fp8e4nv", y_ptr="*bf16", cnt_ptr="*i32"),
+                                dict(M=M, PREQUANT=prequant, SPLIT=True, BN=32, GPS=8, SPAD=8, PDL=False, MP=MMA_ROWS),
+                                num_warps=4)
+        assert "mma.sync" in k.asm["ptx"] or "wgmma" in k.asm["ptx"], f"no MMA in the M={M} GEMV"
+    for btr in (1, 8):
+        _compile_for_hopper(_route_grouped_kernel,
+                            dict(x_ptr="*bf16", w_ptr="*bf16", ci_ptr="*i32", cnt_ptr="*i32", idx_out_ptr="*i32"),
+                            dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, CPAD=8, BE=32, BT=16, BTR=btr, GPS=4,
+                                 SPLITS=14, BF16=True, STORE_LOGITS=False, PDL=True), num_warps=8)
+
+
 def test_set_fast_kernels():
     old = set_fast_kernels(gemv=False)
     try:
@@ -103,6 +139,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def _expect_errors(name: str, cases, err: type = ValueError) -> None:
+    """Each (call, match): the call raises err with `match` in its message."""
+    for bad, match in cases:
+        try:
+            bad()
+        except err as e:
+            assert match in str(e), str(e)
+        else:
+            raise AssertionError(f"{name} accepted bad input ({match})")
+
+
 def _gemv_checks() -> None:
     from mtp.model.fp8 import act_quant as act_quant_ref
     from mtp.model.fp8 import weight_quant
@@ -122,20 +169,30 @@ def _gemv_checks() -> None:
             assert torch.equal(again, y)
             own = fp8_gemv(None, w8, sw, xq=act_quant(x), **tune)  # the interpreter's own quantization
             assert torch.equal(fp8_gemv(x, w8, sw, out_dtype=torch.float32, **tune), own), (N, K, M, tune)
+    # the tensor-core variant: odd N, the model's K (1536, 2048, 7168), every row count 1..8, x pre-quantized
+    # and quantized in the kernel, the planned tile and a forced one
+    for N, K, Ms, tune in ((130, 1536, range(1, MAX_M + 1), {}), (72, 2048, (1, 4, 8), {}),
+                           (40, 7168, (2, 7), {}), (200, 1536, (3,), dict(bn=32, gps=2))):
+        w8, sw = weight_quant(torch.randn(N, K) * 0.05)
+        for M in Ms:
+            x = torch.randn(M, K) * torch.logspace(-2, 1, K)
+            xq = act_quant_ref(x)
+            y = fp8_gemv(None, w8, sw, xq=xq, mma=True, **tune)
+            r = fp8_gemv_ref(None, w8, sw, xq=xq)
+            assert y.dtype == torch.float32 and _rel(y, r) < 1e-5, ("mma", N, K, M, tune, _rel(y, r))
+            if M == MAX_M:  # the counters re-armed themselves
+                assert torch.equal(fp8_gemv(None, w8, sw, xq=xq, mma=True, **tune), y)
+            own = fp8_gemv(None, w8, sw, xq=act_quant(x), mma=True, **tune)
+            assert torch.equal(fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=True, **tune), own), ("mma", N, K, M)
     xb = torch.randn(2, 3, 256).bfloat16()  # leading dims and a bf16 output
     w8, sw = weight_quant(torch.randn(96, 256) * 0.05)
     y = fp8_gemv(None, w8, sw, xq=act_quant_ref(xb), out_dtype=torch.bfloat16)
     assert y.shape == (2, 3, 96) and y.dtype == torch.bfloat16
     assert _rel(y.float(), fp8_gemv_ref(xb, w8, sw).float()) < 1e-2
-    for bad, match in ((lambda: fp8_gemv(torch.randn(MAX_M + 1, 256), w8, sw), "rows"),
-                       (lambda: fp8_gemv(torch.randn(1, 128), w8, sw), "input channels"),
-                       (lambda: fp8_gemv(None, w8, sw, xq=(act_quant_ref(xb)[0], None)), "xq must be")):
-        try:
-            bad()
-        except ValueError as e:
-            assert match in str(e), str(e)
-        else:
-            raise AssertionError(f"fp8_gemv accepted bad input ({match})")
+    _expect_errors("fp8_gemv", ((lambda: fp8_gemv(torch.randn(MAX_M + 1, 256), w8, sw), "rows"),
+                                (lambda: fp8_gemv(torch.randn(1, 128), w8, sw), "input channels"),
+                                (lambda: fp8_gemv(None, w8, sw, xq=(act_quant_ref(xb)[0], None)), "xq must be"),
+                                (lambda: fp8_gemv(torch.randn(2, 256), w8, sw, mma=True, bn=8), "mma needs bn")))
 
 
 def _norm_checks() -> None:
@@ -165,16 +222,11 @@ def _norm_checks() -> None:
         assert bool(((yb.float() - ryb.float()).abs() <= ryb.float().abs() * 2 ** -7 + 1e-30).all())
         k8, ks = act_quant(yb)
         assert torch.equal(bs, ks) and torch.equal(b8.view(torch.uint8), k8.view(torch.uint8))
-    for bad, err, match in ((lambda: add_rms_norm_quant(torch.randn(2, 200), None, torch.ones(200), 1e-6),
-                             ValueError, "multiple of 128"),
-                            (lambda: add_rms_norm_quant(torch.randn(2, 256).bfloat16(), torch.randn(2, 256),
-                                                        torch.ones(256), 1e-6), TypeError, "with a delta")):
-        try:
-            bad()
-        except err as e:
-            assert match in str(e), str(e)
-        else:
-            raise AssertionError(f"add_rms_norm_quant accepted bad input ({match})")
+    _expect_errors("add_rms_norm_quant", [(lambda: add_rms_norm_quant(torch.randn(2, 200), None, torch.ones(200), 1e-6),
+                                           "multiple of 128")])
+    _expect_errors("add_rms_norm_quant", [(lambda: add_rms_norm_quant(torch.randn(2, 256).bfloat16(),
+                                                                      torch.randn(2, 256), torch.ones(256), 1e-6),
+                                           "with a delta")], err=TypeError)
     # the block's last residual add: h + y rounded to the model dtype, bit for bit (fp16 / fp32 here: the
     # interpreter's bf16 rounding is numpy's, held on the GPU)
     from mtp.kernels.norm_quant import add_rounded, add_rounded_ref
@@ -186,30 +238,50 @@ def _norm_checks() -> None:
 
 
 def _router_checks() -> None:
-    from mtp.kernels.router import moe_route_fused, moe_route_ref, route_from_logits_ref
+    from mtp.kernels.router import IMPLS, moe_route_fused, moe_route_ref, route_from_logits_ref
 
     torch.manual_seed(1)
-    for T, E, D, ng, tg, k in ((1, 256, 256, 8, 4, 8), (5, 64, 384, 4, 2, 6), (3, 32, 256, 1, 1, 3)):
+    # DeepSeek's E = 256 / 8 groups at every verify width 1..8, and the tiny models' odd configs
+    cases = [(T, 256, 256, 8, 4, 8) for T in (1, 2, 3, 5, 8)]
+    cases += [(5, 64, 384, 4, 2, 6), (3, 32, 256, 1, 1, 3), (2, 16, 256, 4, 2, 4), (7, 8, 128, 2, 1, 2),
+              (4, 8, 128, 4, 2, 3)]
+    for T, E, D, ng, tg, k in cases:
         x = torch.randn(T, D)
         wg = torch.randn(E, D) * 0.05
         bias = torch.randn(E) * 0.05
-        w, idx, lg = moe_route_fused(x, wg, bias, n_group=ng, topk_group=tg, topk=k, return_logits=True)
+        kw = dict(n_group=ng, topk_group=tg, topk=k)
+        got = {impl: moe_route_fused(x, wg, bias, return_logits=True, impl=impl, **kw) for impl in IMPLS}
+        w, idx, lg = got["serial"]
+        for impl in IMPLS[1:]:  # the same logits, ids and weights bit for bit
+            assert all(torch.equal(a, b) for a, b in zip(got[impl], got["serial"])), (impl, T, E, ng)
         assert _rel(lg, x @ wg.t()) < 1e-5
-        wr, ir = route_from_logits_ref(lg, bias, n_group=ng, topk_group=tg, topk=k)
+        wr, ir = route_from_logits_ref(lg, bias, **kw)
         assert torch.equal(idx, ir), (T, E, idx.tolist(), ir.tolist())
         assert _rel(w, wr) < 1e-6
-        assert torch.equal(moe_route_fused(x, wg, bias, n_group=ng, topk_group=tg, topk=k)[1], idx)
         e0, e1 = E // 4, E // 2  # an expert-parallel rank's view
-        wl, il = moe_route_fused(x, wg, bias, n_group=ng, topk_group=tg, topk=k, local=(e0, e1))
-        assert torch.equal(wl, w) and torch.equal(il, torch.where((idx >= e0) & (idx < e1), idx - e0, -1))
-    # exact ties everywhere (x = 0: every sigmoid is 0.5; bias in steps of 0.25): lower index first
+        for impl in IMPLS:
+            assert torch.equal(moe_route_fused(x, wg, bias, impl=impl, **kw)[1], idx)
+            wl, il = moe_route_fused(x, wg, bias, local=(e0, e1), impl=impl, **kw)
+            assert torch.equal(wl, w) and torch.equal(il, torch.where((idx >= e0) & (idx < e1), idx - e0, -1))
+    # exact ties everywhere (x = 0: every sigmoid is 0.5; bias in steps of 0.25): equal experts in a group,
+    # equal group scores across groups; lower index first at every step
     x = torch.zeros(4, 256)
-    wg = torch.randn(64, 256)
-    bias = torch.randint(0, 3, (64,)).float() * 0.25
-    w, idx = moe_route_fused(x, wg, bias, n_group=4, topk_group=2, topk=6)
-    wr, ir = moe_route_ref(x, wg, bias, n_group=4, topk_group=2, topk=6)
-    assert torch.equal(idx, ir), (idx.tolist(), ir.tolist())
-    assert _rel(w, wr) < 1e-6
+    for E, ng, tg, k in ((64, 4, 2, 6), (256, 8, 4, 8), (16, 4, 2, 4)):
+        wg = torch.randn(E, 256)
+        bias = torch.randint(0, 3, (E,)).float() * 0.25
+        wr, ir = moe_route_ref(x, wg, bias, n_group=ng, topk_group=tg, topk=k)
+        for impl in IMPLS:
+            w, idx = moe_route_fused(x, wg, bias, n_group=ng, topk_group=tg, topk=k, impl=impl)
+            assert torch.equal(idx, ir), (impl, E, idx.tolist(), ir.tolist())
+            assert _rel(w, wr) < 1e-6
+    wg, bias = torch.randn(16, 256), torch.zeros(16)
+    _expect_errors("moe_route_fused", (
+        (lambda: moe_route_fused(torch.randn(17, 256), wg, bias, n_group=4, topk_group=2, topk=4, impl="grouped"),
+         "1..16 tokens"),
+        (lambda: moe_route_fused(torch.randn(2, 256), wg, bias, n_group=4, topk_group=1, topk=5, impl="grouped"),
+         "topk 5 <= topk_group 1"),
+        (lambda: moe_route_fused(torch.randn(2, 256), wg, bias, n_group=4, topk_group=2, topk=4, impl="sorted"),
+         "impl must be")))
 
 
 def _prologue_checks() -> None:

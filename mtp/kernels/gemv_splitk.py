@@ -1,4 +1,4 @@
-"""FP8 block-scaled GEMV for a few rows and small weights (Triton, CUDA cores, split-K, one launch).
+"""FP8 block-scaled GEMV for a few rows and small weights (Triton, split-K, one launch; CUDA cores or tensor cores).
 
 Reference: `fp8_gemv_ref` (act_quant + `mtp.model.fp8.fp8_gemm_ref`, plain PyTorch). Shape legend: M rows (1..8:
 decode / verify widths), K input channels (a multiple of 128), N output rows, G = K // 128 groups,
@@ -24,7 +24,25 @@ Split-K partials go to an fp32 workspace [S, M, N]; the last slice of an N-block
 counter, re-armed by that slice: CUDA-graph safe) loads all S partials of a row in one [S, BN] load (one L2
 round trip, not S) and sums them: one launch, deterministic (a fixed reduction tree).
 Predicted (H200, from bytes and round trips; to be measured by eval/gpu_fused.py): ~3-4 us where the
-old kernel takes 6.7-10 us on the rank-sized weights above.
+old kernel takes 6.7-10 us on the rank-sized weights above. Measured (BENCHMARKS.md): ~6.9 us per launch at
+w = 1 but 16.5 us at w = 4 on the rank, and 19-38% slower than the old kernel at TP=1 full width for M = 2..4:
+the FMAs and the cross-lane sums of each row grow with M.
+
+`mma=True` (`_gemv_mma_kernel`) keeps the tile, the single load and the fix-up, and multiplies on tensor cores:
+one batched fp8 tl.dot per program, a batch entry per 128-group ([GPS, BN, 128] x [GPS, 128, 8]), x's rows
+padded to 8 by masked loads (mma.sync's n8; triton 3.6 takes fp8 dots down to 1 x 1 x 32 and pads itself);
+each group's fp32 product is scaled by s_x * s_w and the groups summed in fp32 (the CUDA-core kernel's
+contract; the MMA sums a group in its own order, so it is held to fp8_gemv_ref within the old tensor-core
+kernel's tolerance). Triton 3.6 lowers the batched dot for sm_90 to mma.sync.m16n8k16 on f16 operands (the
+e4m3 codes upcast exactly), not wgmma. Compiled for sm_90 (tests/test_fused_kernels.py does so on the CPU),
+neither kernel spills. Per thread, on the 16 KB tile of BN = 16, GPS = 8, 8 warps (with the JIT's 16-divisibility of
+pointers and strides), the CUDA-core kernel issues 528 / 1344 / 2384 instructions at M = 1 / 4 / 8 (its FMAs
+and shuffle sums per row: on 2240 x 7168, 4.1 / 10.5 / 18.6 us of issue time on 132 SMs against 3.8 us of HBM
+time, which is the M-growth measured), the mma kernel 384 / 464 / 584 (3.0 / 3.6 / 4.6 us), and on its own
+default tile (`gemv_plan`: 32 KB, 4 warps) ~135 warp-instructions per KB at M = 8.
+Predicted: flat in M (issue time below HBM time at every M on its default tile); at TP=1 full width
+(36864 x 7168: old ~78 us) within 10% of the old kernel or faster at M = 1..8; at the rank's sizes at or below
+the CUDA-core kernel's M = 1 time (2240 x 7168: ~5-7 us at every M).
 """
 
 from __future__ import annotations
@@ -41,6 +59,9 @@ __all__ = ["fp8_gemv", "fp8_gemv_ref", "gemv_plan", "MAX_M"]
 
 MAX_M = 8  # rows this kernel takes (CUDA-core FMAs: at M = 8 the math is ~the HBM time of a 16 KB tile)
 TILE_BYTES = 16384  # weight bytes per program by default
+MMA_MIN_BN = 16  # the weight rows are the MMA's M: mma.sync's m16
+MMA_TILE_BYTES = 32768  # weight bytes per program of the mma variant by default (gemv_plan says why)
+MMA_ROWS = 8  # x's rows padded to mma.sync's n8 (= MAX_M)
 
 
 def fp8_gemv_ref(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=None,
@@ -54,19 +75,41 @@ def fp8_gemv_ref(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=
 
 
 @triton.jit
+def _splitk_fixup(part_ptr, y_ptr, cnt_ptr, pid_n, offs_n, nmask, N, n_splits, M: tl.constexpr,
+                  SPAD: tl.constexpr):
+    """After this slice stored its partials part[slice, m, offs_n]: the last slice of the N-block to arrive loads
+    all S partials of a row in one [S, BN] load, sums them (a fixed tree: deterministic), writes y and re-arms
+    the block's counter at 0."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_splits - 1:
+        offs_s = tl.arange(0, SPAD)
+        pmask = (offs_s < n_splits)[:, None] & nmask[None, :]
+        for m in tl.static_range(M):
+            p = tl.load(part_ptr + (offs_s[:, None] * M + m) * N + offs_n[None, :], mask=pmask, other=0.0,
+                        cache_modifier=".cg")
+            tl.store(y_ptr + m * N + offs_n, tl.sum(p, axis=0).to(y_ptr.dtype.element_ty), mask=nmask)
+        tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _tile(N, G, BN: tl.constexpr, GPS: tl.constexpr):
+    """This program's tile: its N-block (rows), its K-slice (128-groups), their offsets and bounds masks."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_g = pid_s * GPS + tl.arange(0, GPS)
+    return pid_n, pid_s, offs_n, offs_g, tl.arange(0, 128), offs_n < N, offs_g < G
+
+
+@triton.jit
 def _gemv_fma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, G, n_splits,
                      stride_xm, stride_sxm, stride_wn, stride_swn,
                      M: tl.constexpr, PREQUANT: tl.constexpr, SPLIT: tl.constexpr,
                      BN: tl.constexpr, GPS: tl.constexpr, SPAD: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # programmatic dependent launch: let the next kernel start its own weight loads
         tl.extra.cuda.gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_g = pid_s * GPS + tl.arange(0, GPS)
-    offs_k = tl.arange(0, 128)
-    nmask = offs_n < N
-    gmask = offs_g < G
+    pid_n, pid_s, offs_n, offs_g, offs_k, nmask, gmask = _tile(N, G, BN, GPS)
     # the whole [BN, GPS, 128] tile in one load: every byte of this program in flight at once
     w_offs = (offs_n.to(tl.int64)[:, None, None] * stride_wn + offs_g[None, :, None] * 128
               + offs_k[None, None, :])
@@ -92,43 +135,82 @@ def _gemv_fma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, 
         else:
             tl.store(y_ptr + m * N + offs_n, acc.to(y_ptr.dtype.element_ty), mask=nmask)
     if SPLIT:
-        # the last slice of this N-block to arrive sums the partials; it re-arms the counter at 0
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_splits - 1:
-            offs_s = tl.arange(0, SPAD)
-            pmask = (offs_s < n_splits)[:, None] & nmask[None, :]
-            for m in tl.static_range(M):
-                p = tl.load(part_ptr + (offs_s[:, None] * M + m) * N + offs_n[None, :], mask=pmask, other=0.0,
-                            cache_modifier=".cg")
-                tl.store(y_ptr + m * N + offs_n, tl.sum(p, axis=0).to(y_ptr.dtype.element_ty), mask=nmask)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+        _splitk_fixup(part_ptr, y_ptr, cnt_ptr, pid_n, offs_n, nmask, N, n_splits, M, SPAD)
 
 
-def gemv_plan(N: int, G: int, device: torch.device) -> dict:
-    """Tile of the CUDA-core GEMV: GPS = the largest power of two <= 8 dividing G (no masked groups, so
+@triton.jit
+def _gemv_mma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, G, n_splits,
+                     stride_xm, stride_sxm, stride_wn, stride_swn,
+                     M: tl.constexpr, PREQUANT: tl.constexpr, SPLIT: tl.constexpr,
+                     BN: tl.constexpr, GPS: tl.constexpr, SPAD: tl.constexpr, PDL: tl.constexpr,
+                     MP: tl.constexpr):
+    """The tile of `_gemv_fma_kernel`, multiplied on tensor cores: one batched fp8 x fp8 dot, a batch entry
+    per 128-group ([GPS, BN, 128] x [GPS, 128, MP] -> [GPS, BN, MP] fp32), the rows padded to MP (8: the
+    n of mma.sync's m16n8) with masked (zero) loads. The work per program no longer grows with M."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_n, pid_s, offs_n, offs_g, offs_k, nmask, gmask = _tile(N, G, BN, GPS)
+    offs_m = tl.arange(0, MP)
+    mmask = offs_m < M
+    # the whole tile in one load, as [GPS, BN, 128]: every byte of this program in flight at once
+    w_offs = (offs_g[:, None, None] * 128 + offs_n.to(tl.int64)[None, :, None] * stride_wn
+              + offs_k[None, None, :])
+    w = tl.load(w_ptr + w_offs, mask=gmask[:, None, None] & nmask[None, :, None], other=0.0)
+    sw = tl.load(sw_ptr + (offs_n // 128)[None, :] * stride_swn + offs_g[:, None],
+                 mask=gmask[:, None] & nmask[None, :], other=0.0)  # [GPS, BN]
+    if PDL:  # the weights are constant: their loads overlap the previous kernel; x and every store wait for it
+        tl.extra.cuda.gdc_wait()
+    x_offs = offs_m[None, None, :] * stride_xm + offs_g[:, None, None] * 128 + offs_k[None, :, None]  # [GPS, 128, MP]
+    xmask = gmask[:, None, None] & mmask[None, None, :]
+    if PREQUANT:
+        x8 = tl.load(x_ptr + x_offs, mask=xmask, other=0.0)
+        sx = tl.load(sx_ptr + offs_m[None, :] * stride_sxm + offs_g[:, None], mask=gmask[:, None] & mmask[None, :],
+                     other=0.0)  # [GPS, MP]
+    else:
+        xf = tl.load(x_ptr + x_offs, mask=xmask, other=0.0).to(tl.float32)
+        sx, inv = ue8m0_scale(tl.max(tl.abs(xf), axis=1))
+        x8 = quant_e4m3(xf, inv[:, None, :])
+    d = tl.dot(w, x8)  # [GPS, BN, MP]: one fp32 dot per 128-group
+    acc = tl.sum(d * sw[:, :, None] * sx[:, None, :], axis=0)  # [BN, MP]: promoted per group, as DeepSeek's
+    ymask = nmask[:, None] & mmask[None, :]
+    if SPLIT:
+        tl.store(part_ptr + (pid_s * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=ymask)
+        _splitk_fixup(part_ptr, y_ptr, cnt_ptr, pid_n, offs_n, nmask, N, n_splits, M, SPAD)
+    else:
+        tl.store(y_ptr + offs_m[None, :] * N + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+def gemv_plan(N: int, G: int, device: torch.device, mma: bool = False) -> dict:
+    """Tile of the split-K GEMV: GPS = the largest power of two <= 8 dividing G (no masked groups, so
     K = 7168 -> 8 groups per slice, 7 slices; K = 1536 -> 4, 3 slices; K = 2048 -> 8, 2 slices), BN rows so
-    that a tile holds ~16 KB, halved (down to 8) while the grid has fewer programs than SMs."""
+    that a tile holds ~16 KB (CUDA cores, 8 warps from 8 KB) or ~32 KB (mma, 4 warps), halved (down to 8, or to
+    the 16 rows of mma.sync's m16) while the grid has fewer programs than SMs.
+    Why 32 KB / 4 warps for mma: its SASS for sm_90 issues ~135 warp-instructions per KB of weight at M = 8
+    (BN 32, GPS 8, 4 warps; 106 registers) against ~290 at the CUDA-core tile (BN 16, 8 warps): 35 us vs 75 us
+    of issue time for a 264 MB weight on 132 SMs, whose HBM time is ~63 us."""
     gps = 1
     while gps < 8 and G % (2 * gps) == 0:
         gps *= 2
-    bn = max(8, min(128, TILE_BYTES // (gps * BLOCK)))
+    min_bn = MMA_MIN_BN if mma else 8
+    bn = max(min_bn, min(128, (MMA_TILE_BYTES if mma else TILE_BYTES) // (gps * BLOCK)))
     splits = triton.cdiv(G, gps)
     sms = _num_sms(device) if device.type == "cuda" else 1  # the interpreter: fewest programs (speed)
-    while bn > 8 and triton.cdiv(N, bn) * splits < sms:
+    while bn > min_bn and triton.cdiv(N, bn) * splits < sms:
         bn //= 2
-    return dict(bn=bn, gps=gps, num_warps=8 if bn * gps * BLOCK >= 8192 else 4)
+    num_warps = 4 if mma or bn * gps * BLOCK < 8192 else 8
+    return dict(bn=bn, gps=gps, num_warps=num_warps)
 
 
 def fp8_gemv(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=None,
              out_dtype: torch.dtype | None = None, bn: int | None = None, gps: int | None = None,
-             num_warps: int | None = None, pdl: bool = False) -> torch.Tensor:
+             num_warps: int | None = None, pdl: bool = False, mma: bool = False) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequant(w8, sw)^T with DeepSeek's FP8 numerics, for <= MAX_M rows.
 
     xq = (x8 [..., K] float8, sx [..., G] fp32): the activations already quantized (x may then be None);
     else x is quantized per 128 in the kernel. out_dtype: default x's dtype (fp32 when only xq is given).
     bn / gps / num_warps override `gemv_plan`. pdl: launch with programmatic dependent launch (Hopper; see
-    `_triton.pdl_kwargs`): the weight tile is requested while the previous kernel finishes."""
+    `_triton.pdl_kwargs`): the weight tile is requested while the previous kernel finishes. mma: multiply on
+    tensor cores (`_gemv_mma_kernel`: rows padded to MMA_ROWS, cost flat in M) instead of CUDA-core FMAs."""
     src = x if xq is None else xq[0]
     if src is None:
         raise ValueError("fp8_gemv: give x or xq = (x8, sx)")
@@ -160,8 +242,11 @@ def fp8_gemv(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=None
     if not 1 <= M <= MAX_M:
         raise ValueError(f"fp8_gemv: takes 1..{MAX_M} rows, got {M} (use kernels.fp8_gemm.fp8_linear)")
     out_dtype = out_dtype or (x.dtype if x is not None else torch.float32)
-    plan = gemv_plan(N, G, a.device)
+    plan = gemv_plan(N, G, a.device, mma=mma)
     bn, gps = bn or plan["bn"], gps or plan["gps"]
+    if mma and (bn < MMA_MIN_BN or bn & (bn - 1) or gps & (gps - 1)):
+        raise ValueError(f"fp8_gemv: mma needs bn a power of two >= {MMA_MIN_BN} and gps a power of two, got bn "
+                         f"{bn}, gps {gps}")
     splits = triton.cdiv(G, gps)
     nb = triton.cdiv(N, bn)
     y = torch.empty(M, N, dtype=out_dtype, device=a.device)
@@ -169,9 +254,9 @@ def fp8_gemv(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=None
     cnt = _counters(a.device, nb) if splits > 1 else y
     sw = sw if sw.stride(-1) == 1 else sw.contiguous()
     launch = pdl_kwargs(pdl, a)
-    _gemv_fma_kernel[(nb, splits)](a, s, w8, sw, part, y, cnt, N, G, splits,
-                                   a.stride(0), s.stride(0), w8.stride(0), sw.stride(0),
-                                   M=M, PREQUANT=xq is not None, SPLIT=splits > 1, BN=bn, GPS=gps,
-                                   SPAD=triton.next_power_of_2(splits), PDL=bool(launch),
-                                   num_warps=num_warps or plan["num_warps"], **launch)
+    kernel, extra = (_gemv_mma_kernel, dict(MP=MMA_ROWS)) if mma else (_gemv_fma_kernel, {})
+    kernel[(nb, splits)](a, s, w8, sw, part, y, cnt, N, G, splits, a.stride(0), s.stride(0), w8.stride(0),
+                         sw.stride(0), M=M, PREQUANT=xq is not None, SPLIT=splits > 1, BN=bn, GPS=gps,
+                         SPAD=triton.next_power_of_2(splits), PDL=bool(launch),
+                         num_warps=num_warps or plan["num_warps"], **extra, **launch)
     return y.reshape(*lead, N)

@@ -11,7 +11,22 @@ a 32 x 512 bf16 tile) store their partial logits, and the last program to arrive
 by it: CUDA-graph safe) sums the slices in a fixed order (deterministic) and routes all T tokens at once on
 [T, E] tensors whose rows each live in one warp, so the ~40 dependent reductions are warp shuffles.
 Predicted: ~4-5 us at T = 1 (one launch, the GEMV's HBM time plus one L2 round trip for the partials and the
-routing arithmetic), saving ~3-4 us per MoE layer.
+routing arithmetic), saving ~3-4 us per MoE layer. Measured (H200, TP=8 rank, BENCHMARKS.md): 11 us per layer:
+the ~40 dependent reductions over [T, 256] run in one program of 4 warps, each a cross-warp round trip.
+
+impl="grouped" splits that tail. An E-block holds whole groups (32 experts = one of DeepSeek's 8 groups); the
+last slice of each E-block to arrive (a counter per E-block) sums its partials, takes sigmoid + bias, ranks each
+expert within its group by comparing all EG x EG pairs at once (one reduction, not a loop of argmaxes), and
+stores the group score (its two best) and the group's CPAD = min(8, EG) best candidates in order. The last
+E-block to finish (one more counter) ranks the NG group scores against each other ([T, NG x CPAD, NG] compares)
+and the kept groups' candidates (64 at E = 256: [T, 64, 64] compares), and picks the top-k by rank: about 8
+reductions, mostly independent, instead of ~40 in a chain, and the group work runs on 8 SMs at once.
+Compiled for sm_90 (SASS after the GEMV, per thread; BAR = a cross-warp round trip): serial, 4 warps: T = 1 /
+4 / 8: 859 / 2655 / 5254 instructions, 96-100 BAR on one program; grouped, 8 warps (its default): block phase +
+final phase 334 + 288 / 789 + 918 / 725 + 1736 instructions, 26 / 54 / 69 BAR (16 warps: 503 / 1144 / 1853,
+26 / 40 / 53 BAR). Predicted: ~5-6 us per call at T = 1, ~6-7 us at T = 8 (the GEMV's ~3 us, two L2 round
+trips, the rest), to be measured by eval/gpu_fused.py's router section (4, 8 and 16 warps). Same logits, ids and
+weights as the serial tail, bit for bit.
 
 Ties (equal biased scores, equal group scores): the lower index wins, at every step, as the stable
 descending sort of `mtp.model.moe.route` gives. Group score = the two largest biased scores of the group (a
@@ -27,23 +42,20 @@ from mtp.kernels._triton import pdl_kwargs, require, tl, triton
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe import moe_route_ref, route_from_logits_ref
 
-__all__ = ["moe_route_fused", "moe_route_ref", "route_from_logits_ref", "MAX_TOKENS"]
+__all__ = ["moe_route_fused", "moe_route_ref", "route_from_logits_ref", "MAX_TOKENS", "GROUPED_MAX_TOKENS", "IMPLS"]
 
 MAX_TOKENS = 64
+GROUPED_MAX_TOKENS = 16  # the last program compares [T, NG x CPAD, NG x CPAD] candidates: 64 K at T = 16
+IMPLS = ("serial", "grouped")
 
 
 @triton.jit
-def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, idx_out_ptr, logits_ptr,
-                        T, D, stride_xm, route_scale, e0, e1,
-                        E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
-                        KPAD: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BTR: tl.constexpr,
-                        GPS: tl.constexpr, SPLITS: tl.constexpr,
-                        BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+def _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+                GPS: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+    """This program's share of the gate GEMV: its [BE, K-slice] of Wg against all T tokens, stored as fp32
+    partial logits part[slice, t, e]."""
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
-    # ---- the gate GEMV: this program's [BE, K-slice] of Wg against all T tokens, fp32 partial logits
     offs_e = pid_e * BE + tl.arange(0, BE)
     offs_t = tl.arange(0, BT)
     offs_k = tl.arange(0, 128)
@@ -64,6 +76,32 @@ def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, id
         else:
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
     tl.store(part_ptr + pid_s * BT * E + offs_t[None, :] * E + offs_e[:, None], acc)
+
+
+@triton.jit
+def _store_routes(out_w, out_idx, w_out_ptr, idx_out_ptr, T, route_scale, e0, e1,
+                  TOPK: tl.constexpr, KPAD: tl.constexpr, BTR: tl.constexpr):
+    """The chosen experts' scores [BTR, KPAD] (0 past TOPK) -> normalized weights x route_scale, and their ids
+    as this rank sees them (e - e0 in [e0, e1), else -1), stored for the T real tokens."""
+    t2 = tl.arange(0, BTR)
+    ki = tl.arange(0, KPAD)
+    out_w = out_w / tl.sum(out_w, 1)[:, None] * route_scale
+    out_idx = tl.where((out_idx >= e0) & (out_idx < e1), out_idx - e0, -1)  # this rank's view
+    omask = (t2 < T)[:, None] & (ki < TOPK)[None, :]
+    tl.store(w_out_ptr + t2[:, None] * TOPK + ki[None, :], out_w, mask=omask)
+    tl.store(idx_out_ptr + t2[:, None] * TOPK + ki[None, :], out_idx, mask=omask)
+
+
+@triton.jit
+def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, idx_out_ptr, logits_ptr,
+                        T, D, stride_xm, route_scale, e0, e1,
+                        E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
+                        KPAD: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BTR: tl.constexpr,
+                        GPS: tl.constexpr, SPLITS: tl.constexpr,
+                        BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL)
     tl.debug_barrier()
     n_prog = tl.num_programs(0) * tl.num_programs(1)
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
@@ -106,22 +144,103 @@ def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, id
             out_idx = tl.where(ki[None, :] == i, sel[:, None], out_idx)
             out_w = tl.where(ki[None, :] == i, tl.sum(tl.where(hit, score, 0.0), 1)[:, None], out_w)
             bm = tl.where(hit, float("-inf"), bm)
-        out_w = out_w / tl.sum(out_w, 1)[:, None] * route_scale
-        out_idx = tl.where((out_idx >= e0) & (out_idx < e1), out_idx - e0, -1)  # this rank's view
-        omask = (t2 < T)[:, None] & (ki < TOPK)[None, :]
-        tl.store(w_out_ptr + t2[:, None] * TOPK + ki[None, :], out_w, mask=omask)
-        tl.store(idx_out_ptr + t2[:, None] * TOPK + ki[None, :], out_idx, mask=omask)
+        _store_routes(out_w, out_idx, w_out_ptr, idx_out_ptr, T, route_scale, e0, e1, TOPK, KPAD, BTR)
+
+
+@triton.jit
+def _ahead(v, i, v_other, i_other):
+    """Whether the other entry sorts before this one in a stable descending sort: a larger value, or an equal
+    value at a lower index."""
+    return (v_other > v) | ((v_other == v) & (i_other < i))
+
+
+@triton.jit
+def _route_grouped_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_ptr, ci_ptr, cnt_ptr,
+                          w_out_ptr, idx_out_ptr, logits_ptr, T, D, stride_xm, route_scale, e0, e1,
+                          E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
+                          KPAD: tl.constexpr, CPAD: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+                          BTR: tl.constexpr, GPS: tl.constexpr, SPLITS: tl.constexpr,
+                          BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL)
+    tl.debug_barrier()
+    pid_e = tl.program_id(0)
+    nbe = tl.num_programs(0)
+    arrived = tl.atomic_add(cnt_ptr + pid_e, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLITS - 1:
+        # ---- the last slice of this E-block: its GPB whole groups, one [EG] row per (token, group)
+        EG: tl.constexpr = E // NG
+        GPB: tl.constexpr = BE // EG
+        R: tl.constexpr = BTR * GPB
+        r = tl.arange(0, R)
+        j = tl.arange(0, EG)
+        t = r // GPB
+        g = pid_e * GPB + r % GPB
+        e = g[:, None] * EG + j[None, :]  # [R, EG] expert ids
+        offs = t[:, None] * E + e
+        logit = tl.zeros((R, EG), dtype=tl.float32)
+        for s in tl.static_range(SPLITS):  # slice order: the serial tail's sums, bit for bit
+            logit += tl.load(part_ptr + s * BT * E + offs, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + pid_e, 0, sem="relaxed", scope="gpu")
+        if STORE_LOGITS:
+            tl.store(logits_ptr + offs, logit, mask=(t < T)[:, None])
+        score = tl.sigmoid(logit)
+        b = score + tl.load(bias_ptr + e)
+        # each expert's place in its group, biased score descending, lower index first among equals (a stable
+        # descending sort): all EG x EG comparisons at once, one reduction instead of a loop of argmaxes
+        rank = tl.sum(_ahead(b[:, :, None], j[None, :, None], b[:, None, :], j[None, None, :]).to(tl.int32), 2)
+        gscore = tl.max(tl.where(rank == 0, b, float("-inf")), 1) + tl.max(tl.where(rank == 1, b, float("-inf")), 1)
+        tl.store(gs_ptr + t * NG + g, gscore)
+        # the group's CPAD best, in order: no group adds more than TOPK experts to the final choice
+        c = tl.arange(0, CPAD)
+        hit = rank[:, :, None] == c[None, None, :]  # [R, EG, CPAD]
+        coffs = (t * NG + g)[:, None] * CPAD + c[None, :]
+        tl.store(cv_ptr + coffs, tl.max(tl.where(hit, b[:, :, None], float("-inf")), 1))
+        tl.store(cs_ptr + coffs, tl.max(tl.where(hit, score[:, :, None], float("-inf")), 1))
+        tl.store(ci_ptr + coffs, tl.max(tl.where(hit, e[:, :, None], -1), 1))
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + nbe, 1, sem="acq_rel", scope="gpu")
+        if done == nbe - 1:
+            # ---- the last E-block: rank the NG group scores, then the kept groups' NG x CPAD candidates
+            NC: tl.constexpr = NG * CPAD
+            tt = tl.arange(0, BTR)
+            q = tl.arange(0, NC)
+            h = tl.arange(0, NG)
+            cg = q // CPAD  # each candidate's group
+            gs = tl.load(gs_ptr + tt[:, None] * NG + h[None, :], cache_modifier=".cg")  # [BTR, NG]
+            gq = tl.load(gs_ptr + tt[:, None] * NG + cg[None, :], cache_modifier=".cg")  # [BTR, NC]
+            gahead = _ahead(gq[:, :, None], cg[None, :, None], gs[:, None, :], h[None, None, :])
+            keep = tl.sum(gahead.to(tl.int32), 2) < TOPK_GROUP  # [BTR, NC]: the candidate's group is kept
+            qoffs = tt[:, None] * NC + q[None, :]
+            v = tl.where(keep, tl.load(cv_ptr + qoffs, cache_modifier=".cg"), float("-inf"))
+            sc = tl.load(cs_ptr + qoffs, cache_modifier=".cg")
+            ci = tl.load(ci_ptr + qoffs, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + nbe, 0, sem="relaxed", scope="gpu")
+            cahead = _ahead(v[:, :, None], ci[:, :, None], v[:, None, :], ci[:, None, :])
+            crank = tl.sum(cahead.to(tl.int32), 2)  # [BTR, NC]: place among all candidates (ids are unique)
+            ki = tl.arange(0, KPAD)
+            pick = (crank[:, :, None] == ki[None, None, :]) & (ki < TOPK)[None, None, :]  # [BTR, NC, KPAD]
+            out_idx = tl.max(tl.where(pick, ci[:, :, None], -1), 1)
+            out_w = tl.sum(tl.where(pick, sc[:, :, None], 0.0), 1)  # one term per slot: exact
+            _store_routes(out_w, out_idx, w_out_ptr, idx_out_ptr, T, route_scale, e0, e1, TOPK, KPAD, BTR)
 
 
 def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_group: int = 8,
                     topk_group: int = 4, topk: int = 8, route_scale: float = 2.5, return_logits: bool = False,
                     block_e: int = 32, splits: int | None = None, local: tuple[int, int] | None = None,
-                    pdl: bool = False):
+                    pdl: bool = False, impl: str = "serial", num_warps: int | None = None):
     """Kernel twin of `moe_route_ref` in one launch: (weights [T, J] fp32, idx [T, J] int32), plus the fp32
     gate logits [T, E] the choice was made on when return_logits (for tests: `route_from_logits_ref` on them
     must choose the same experts exactly). local = (e0, e1): return ids as an expert-parallel rank holding
-    experts [e0, e1) sees them: e - e0, or -1 for an expert on another rank (no separate mapping launches). pdl: programmatic dependent launch (`_triton.pdl_kwargs`)."""
+    experts [e0, e1) sees them: e - e0, or -1 for an expert on another rank (no separate mapping launches).
+    pdl: programmatic dependent launch (`_triton.pdl_kwargs`). impl: "serial" (the last program routes on
+    [T, E]) or "grouped" (each E-block's last slice ranks its groups, the last block merges; <= GROUPED_MAX_TOKENS
+    tokens, topk <= topk_group x E / n_group); both give the same logits, ids and weights bit for bit.
+    num_warps: default 4 (serial) / 8 (grouped: its rank comparisons spread over more threads)."""
     require(x_TD, "moe_route_fused")
+    if impl not in IMPLS:
+        raise ValueError(f"moe_route_fused: impl must be one of {IMPLS}, got {impl!r}")
     T, D = x_TD.shape
     E = wg_ED.shape[0]
     block_e = min(block_e, E)
@@ -136,6 +255,16 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
         raise ValueError(f"moe_route_fused: 1..{MAX_TOKENS} tokens, got {T}")
     if D % BLOCK:
         raise ValueError(f"moe_route_fused: D = {D} must be a multiple of {BLOCK}")
+    EG = E // n_group
+    grouped = impl == "grouped"
+    if grouped:
+        if T > GROUPED_MAX_TOKENS:
+            raise ValueError(f"moe_route_fused: impl='grouped' takes 1..{GROUPED_MAX_TOKENS} tokens, got {T} "
+                             f"(use impl='serial')")
+        if topk > topk_group * EG:
+            raise ValueError(f"moe_route_fused: impl='grouped' needs topk {topk} <= topk_group {topk_group} x "
+                             f"{EG} experts per group")
+        block_e = max(block_e, EG)  # an E-block holds whole groups
     G = D // BLOCK
     nbe = E // block_e
     # ~112 programs (<= 1 per SM), each >= 2 groups; fewer slices = a shorter fix-up
@@ -143,6 +272,7 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
     gps = triton.cdiv(G, splits)
     splits = triton.cdiv(G, gps)
     bt = max(16, triton.next_power_of_2(T))
+    btr = triton.next_power_of_2(T)
     dev = x_TD.device
     part = torch.empty(splits, bt, E, dtype=torch.float32, device=dev)
     w = torch.empty(T, topk, dtype=torch.float32, device=dev)
@@ -154,11 +284,18 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
     e0, e1 = local if local is not None else (0, E)
     if not 0 <= e0 <= e1 <= E:
         raise ValueError(f"moe_route_fused: local expert range must lie in [0, {E}], got {local}")
-    _route_fused_kernel[(nbe, splits)](x, wg_ED.contiguous(), bias_E.float().contiguous(), part, _counters(dev, 1),
-                                       w, idx, logits, T, D, x.stride(0), float(route_scale), e0, e1,
-                                       E=E, NG=n_group, TOPK_GROUP=topk_group, TOPK=topk,
-                                       KPAD=triton.next_power_of_2(topk), BE=block_e, BT=bt,
-                                       BTR=triton.next_power_of_2(T), GPS=gps, SPLITS=splits,
-                                       BF16=bf16, STORE_LOGITS=return_logits, PDL=bool(launch),
-                                       num_warps=4, **launch)
+    common = dict(E=E, NG=n_group, TOPK_GROUP=topk_group, TOPK=topk, KPAD=triton.next_power_of_2(topk),
+                  BE=block_e, BT=bt, BTR=btr, GPS=gps, SPLITS=splits, BF16=bf16, STORE_LOGITS=return_logits,
+                  PDL=bool(launch), num_warps=num_warps or (8 if grouped else 4), **launch)
+    args = (T, D, x.stride(0), float(route_scale), e0, e1)
+    wg, bias = wg_ED.contiguous(), bias_E.float().contiguous()
+    if grouped:
+        cpad = min(triton.next_power_of_2(topk), EG)  # candidates kept per group
+        gs = torch.empty(btr, n_group, dtype=torch.float32, device=dev)
+        cand = torch.empty(2, btr, n_group, cpad, dtype=torch.float32, device=dev)
+        cand_id = torch.empty(btr, n_group, cpad, dtype=torch.int32, device=dev)
+        _route_grouped_kernel[(nbe, splits)](x, wg, bias, part, gs, cand[0], cand[1], cand_id,
+                                             _counters(dev, nbe + 1), w, idx, logits, *args, CPAD=cpad, **common)
+    else:
+        _route_fused_kernel[(nbe, splits)](x, wg, bias, part, _counters(dev, 1), w, idx, logits, *args, **common)
     return (w, idx, logits) if return_logits else (w, idx)

@@ -54,15 +54,54 @@ def test_fp8_gemv(M, NK):
     check_close(f"fp8_gemv bf16 M={M} N={N} K={K}", yb.float(), fp8_gemv_ref(x, w8, sw).float(), 1e-2)
 
 
-@pytest.mark.parametrize("tune", [dict(bn=8, gps=1), dict(bn=64, gps=2), dict(bn=16, gps=8, num_warps=4),
-                                  dict(bn=128, gps=8)])
-def test_fp8_gemv_tiles(tune):
-    M, N, K = 3, 2240, 7168
+# TP=1 full width: q_b | wq_b, o_proj, dense gate | up (stacked) and down, shared gate | up, an expert's down
+TP1_SHAPES = [(32768, 1536), (7168, 16384), (36864, 7168), (7168, 18432), (4096, 7168), (7168, 2048)]
+
+
+@pytest.mark.parametrize("M", list(range(1, 9)))
+@pytest.mark.parametrize("NK", RANK_SHAPES + ODD_SHAPES)
+def test_fp8_gemv_mma(M, NK):
+    """The tensor-core variant (mma=True) against the reference, pre-quantized and quantized in the kernel
+    (the same bits), fp32 and bf16 out; its fp32 MMA sums a group in its own order: the old tensor-core
+    kernel's tolerance (tests/gpu/test_kernels.py: 1e-3)."""
+    N, K = NK
+    w8, sw = rand_weight(N, K)
+    x = (torch.randn(M, K, device=DEV) * torch.logspace(-3, 1, K, device=DEV)).bfloat16()
+    xq = act_quant_ref(x)
+    poison()
+    y = fp8_gemv(None, w8, sw, xq=xq, mma=True)
+    check_close(f"fp8_gemv mma M={M} N={N} K={K}", y, fp8_gemv_ref(None, w8, sw, xq=xq), 1e-3)
+    assert torch.equal(fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=True), y)
+    yb = fp8_gemv(x, w8, sw, mma=True)
+    assert yb.dtype == torch.bfloat16
+    check_close(f"fp8_gemv mma bf16 M={M} N={N} K={K}", yb.float(), fp8_gemv_ref(x, w8, sw).float(), 1e-2)
+
+
+@pytest.mark.parametrize("M", [1, 2, 4, 8])
+@pytest.mark.parametrize("NK", TP1_SHAPES)
+def test_fp8_gemv_full_width(M, NK):
+    """Both variants on the TP=1 weights (the shapes where the CUDA-core one lost to the old kernel)."""
+    N, K = NK
+    w8, sw = rand_weight(N, K)
+    xq = act_quant_ref(torch.randn(M, K, device=DEV).bfloat16())
+    ref = fp8_gemv_ref(None, w8, sw, xq=xq)
+    poison()
+    for mma, tol in ((False, 1e-4), (True, 1e-3)):
+        check_close(f"fp8_gemv mma={mma} M={M} N={N} K={K}", fp8_gemv(None, w8, sw, xq=xq, mma=mma), ref, tol)
+
+
+FMA_TILES = [dict(bn=8, gps=1), dict(bn=64, gps=2), dict(bn=16, gps=8, num_warps=4), dict(bn=128, gps=8)]
+MMA_TILES = [dict(bn=16, gps=8), dict(bn=32, gps=4), dict(bn=64, gps=2, num_warps=4), dict(bn=128, gps=1)]
+
+
+@pytest.mark.parametrize("mma, tune", [(False, t) for t in FMA_TILES] + [(True, t) for t in MMA_TILES])
+def test_fp8_gemv_tiles(mma, tune):
+    M, N, K = 5 if mma else 3, 2240, 7168
     w8, sw = rand_weight(N, K)
     xq = act_quant_ref(torch.randn(M, K, device=DEV))
     poison()
-    y = fp8_gemv(None, w8, sw, xq=xq, **tune)
-    check_close(f"fp8_gemv {tune}", y, fp8_gemv_ref(None, w8, sw, xq=xq), 1e-4)
+    y = fp8_gemv(None, w8, sw, xq=xq, mma=mma, **tune)
+    check_close(f"fp8_gemv mma={mma} {tune}", y, fp8_gemv_ref(None, w8, sw, xq=xq), 1e-3 if mma else 1e-4)
 
 
 def _needs_cuda():
@@ -70,16 +109,17 @@ def _needs_cuda():
         pytest.skip("CUDA graphs")
 
 
-def test_fp8_gemv_deterministic_and_graph_safe():
+@pytest.mark.parametrize("mma", [False, True])
+def test_fp8_gemv_deterministic_and_graph_safe(mma):
     _needs_cuda()
     w8, sw = rand_weight(2240, 7168)
     x = torch.randn(4, 7168, device=DEV).bfloat16()
-    a = fp8_gemv(x, w8, sw, out_dtype=torch.float32)
+    a = fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=mma)
     for _ in range(3):  # the split-K counters re-arm themselves: repeated launches agree bit for bit
-        assert torch.equal(a, fp8_gemv(x, w8, sw, out_dtype=torch.float32))
+        assert torch.equal(a, fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=mma))
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = fp8_gemv(x, w8, sw, out_dtype=torch.float32)
+        y = fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=mma)
     for _ in range(3):
         g.replay()
         torch.cuda.synchronize()
@@ -197,15 +237,58 @@ def test_moe_route_fused(T):
     check_close("vs moe_route", w, w2, 1e-3)
 
 
-def test_moe_route_fused_graph_safe():
+# DeepSeek's config at verify widths 1..8 and 16, and the tiny models' (E, n_group, topk_group, topk)
+GROUPED_CASES = [(T, 256, 8, 4, 8) for T in (1, 2, 3, 4, 5, 6, 7, 8, 16)] + [
+    (3, 64, 4, 2, 6), (5, 32, 1, 1, 3), (8, 16, 4, 2, 4), (2, 8, 2, 1, 2), (7, 8, 4, 2, 3)]
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES)
+def test_moe_route_grouped(case):
+    """impl="grouped" (the top-k split over the E-blocks' last slices) against the serial tail and the reference:
+    logits, ids and weights bit for bit; with and without an expert-parallel rank's local ids."""
+    T, E, ng, tg, k = case
+    D = 7168 if E == 256 else 512
+    kw = dict(n_group=ng, topk_group=tg, topk=k)
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    wg = (torch.randn(E, D, device=DEV) * 0.02).bfloat16()
+    bias = torch.randn(E, device=DEV) * 0.05
+    poison()
+    got = moe_route_fused(x, wg, bias, return_logits=True, impl="grouped", **kw)
+    ser = moe_route_fused(x, wg, bias, return_logits=True, **kw)
+    for name, a, b in zip(("weights", "ids", "logits"), got, ser):
+        assert torch.equal(a, b), f"grouped vs serial {name} differ"
+    wr, ir = route_from_logits_ref(got[2], bias, **kw)
+    bad = torch.nonzero((got[1] != ir).any(1)).flatten().tolist()
+    assert not bad, f"experts differ in tokens {bad}"
+    check_close("grouped route weights", got[0], wr, 1e-6)
+    e0, e1 = E // 4, E // 2
+    wl, il = moe_route_fused(x, wg, bias, local=(e0, e1), impl="grouped", **kw)
+    assert torch.equal(wl, got[0]) and torch.equal(il, torch.where((ir >= e0) & (ir < e1), ir - e0, -1))
+
+
+def test_moe_route_grouped_ties():
+    """Every gate logit 0 (x = 0) and the bias in steps of 0.25: equal experts and equal groups everywhere; the
+    lower index wins at every step, as the reference's stable sorts."""
+    x = torch.zeros(8, 7168, device=DEV).bfloat16()
+    wg = (torch.randn(256, 7168, device=DEV) * 0.02).bfloat16()
+    bias = torch.randint(0, 3, (256,), device=DEV).float() * 0.25
+    wr, ir = route_from_logits_ref(torch.zeros(8, 256, device=DEV), bias)
+    for impl, nw in (("serial", 4), ("grouped", 4), ("grouped", 8), ("grouped", 16)):
+        w, idx = moe_route_fused(x, wg, bias, impl=impl, num_warps=nw)
+        assert torch.equal(idx, ir), (impl, nw)
+        check_close(f"{impl} {nw} warps tied weights", w, wr, 1e-6)
+
+
+@pytest.mark.parametrize("impl", ["serial", "grouped"])
+def test_moe_route_fused_graph_safe(impl):
     _needs_cuda()
     x = torch.randn(2, 7168, device=DEV).bfloat16()
     wg = (torch.randn(256, 7168, device=DEV) * 0.02).bfloat16()
     bias = torch.randn(256, device=DEV) * 0.05
-    a = moe_route_fused(x, wg, bias)
+    a = moe_route_fused(x, wg, bias, impl=impl)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        b = moe_route_fused(x, wg, bias)
+        b = moe_route_fused(x, wg, bias, impl=impl)
     for _ in range(3):
         g.replay()
         torch.cuda.synchronize()
