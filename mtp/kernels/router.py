@@ -229,7 +229,7 @@ def _route_grouped_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_p
 def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_group: int = 8,
                     topk_group: int = 4, topk: int = 8, route_scale: float = 2.5, return_logits: bool = False,
                     block_e: int = 32, splits: int | None = None, local: tuple[int, int] | None = None,
-                    pdl: bool = False, impl: str = "serial", num_warps: int | None = None):
+                    pdl: bool = False, impl: str = "auto", num_warps: int | None = None):
     """Kernel twin of `moe_route_ref` in one launch: (weights [T, J] fp32, idx [T, J] int32), plus the fp32
     gate logits [T, E] the choice was made on when return_logits (for tests: `route_from_logits_ref` on them
     must choose the same experts exactly). local = (e0, e1): return ids as an expert-parallel rank holding
@@ -237,10 +237,11 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
     pdl: programmatic dependent launch (`_triton.pdl_kwargs`). impl: "serial" (the last program routes on
     [T, E]) or "grouped" (each E-block's last slice ranks its groups, the last block merges; <= GROUPED_MAX_TOKENS
     tokens, topk <= topk_group x E / n_group); both give the same logits, ids and weights bit for bit.
-    num_warps: default 4 (serial) / 8 (grouped: its rank comparisons spread over more threads)."""
+    num_warps: default 4 (serial, and grouped chosen by "auto") / 8 (grouped: its rank comparisons spread over
+    more threads). impl "auto" (default): the faster of the two at T tokens as measured on an H200."""
     require(x_TD, "moe_route_fused")
-    if impl not in IMPLS:
-        raise ValueError(f"moe_route_fused: impl must be one of {IMPLS}, got {impl!r}")
+    if impl not in IMPLS + ("auto",):
+        raise ValueError(f"moe_route_fused: impl must be 'auto' or one of {IMPLS}, got {impl!r}")
     T, D = x_TD.shape
     E = wg_ED.shape[0]
     block_e = min(block_e, E)
@@ -256,6 +257,12 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
     if D % BLOCK:
         raise ValueError(f"moe_route_fused: D = {D} must be a multiple of {BLOCK}")
     EG = E // n_group
+    if impl == "auto":
+        # H200, E = 256, D = 7168, graph replays (BENCHMARKS.md, session 4): grouped with 4 warps 8.5 / 9.6 / 9.3 /
+        # 12.4 / 12.2 us at T = 1 / 3 / 4 / 5 / 8 vs serial 9.7 / 11.0 / 10.9 / 12.9 / 13.0; at T = 2 serial
+        # (9.7 vs 11.1)
+        impl = "grouped" if T <= GROUPED_MAX_TOKENS and T != 2 and topk <= topk_group * EG else "serial"
+        num_warps = num_warps or 4
     grouped = impl == "grouped"
     if grouped:
         if T > GROUPED_MAX_TOKENS:
