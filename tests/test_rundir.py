@@ -97,6 +97,14 @@ def test_a_refused_run_leaves_the_folder_untouched(tmp_path):
     assert _snapshot(run) == before
 
 
+def _interactive_sigint() -> None:
+    """The child takes Ctrl-C as an interactive mtp-eval does. A process started in the background of a
+    non-interactive shell (a CI script's `cmd &`) inherits SIGINT ignored, Python then installs no
+    KeyboardInterrupt handler, and the run would (rightly) go on: that, not the run, failed this test in such
+    loops (py-spy / faulthandler showed the run still decoding 60 s after the signal)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_ends_with_one_line_and_whole_lines(tmp_path):
     run = tmp_path / "run"
     samples = run / "samples.jsonl"
@@ -109,7 +117,8 @@ def test_ctrl_c_ends_with_one_line_and_whole_lines(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "eval.run", f"hydra.run.dir={run}", "model.numerics=dequant",
                           "max_new_tokens=64", "runtime.warmup=false", "dataset=local", f"dataset.path={prompts}",
                           "baseline=false", "runtime.batch_size=1"], cwd=ROOT, env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=_interactive_sigint)
     chunks: list[str] = []  # stderr read while the run goes (a full pipe would block the run)
     reader = threading.Thread(target=lambda: chunks.extend(iter(p.stderr.readline, "")), daemon=True)
     reader.start()
