@@ -245,7 +245,9 @@ GROUPED_CASES = [(T, 256, 8, 4, 8) for T in (1, 2, 3, 4, 5, 6, 7, 8, 16)] + [
 @pytest.mark.parametrize("case", GROUPED_CASES)
 def test_moe_route_grouped(case):
     """impl="grouped" (the top-k split over the E-blocks' last slices) against the serial tail and the reference:
-    logits, ids and weights bit for bit; with and without an expert-parallel rank's local ids."""
+    logits and ids bit for bit, weights to fp32 rounding (on an H200 they differed from serial's in the last bits
+    in 6 of 9 DeepSeek-shaped cases: the normalizing sum adds the same 8 terms in another order; bit-equal under
+    the interpreter); with and without an expert-parallel rank's local ids."""
     T, E, ng, tg, k = case
     D = 7168 if E == 256 else 512
     kw = dict(n_group=ng, topk_group=tg, topk=k)
@@ -255,8 +257,9 @@ def test_moe_route_grouped(case):
     poison()
     got = moe_route_fused(x, wg, bias, return_logits=True, impl="grouped", **kw)
     ser = moe_route_fused(x, wg, bias, return_logits=True, impl="serial", **kw)
-    for name, a, b in zip(("weights", "ids", "logits"), got, ser):
+    for name, a, b in zip(("ids", "logits"), got[1:], ser[1:]):
         assert torch.equal(a, b), f"grouped vs serial {name} differ"
+    check_close("grouped vs serial weights", got[0], ser[0], 1e-6)
     wr, ir = route_from_logits_ref(got[2], bias, **kw)
     bad = torch.nonzero((got[1] != ir).any(1)).flatten().tolist()
     assert not bad, f"experts differ in tokens {bad}"
