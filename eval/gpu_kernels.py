@@ -253,18 +253,24 @@ MLA_CONFIGS = [dict(variant="fused", block_h=64, block_n=64, num_warps=8, num_st
                dict(variant="fused", block_h=64, block_n=128, num_warps=8, num_stages=1)]
 
 
+def mla_case(B: int, T: int, H: int, S: int, J: int | None):
+    """Inputs of one mla_decode case: q, q_pe, the cache (kv8, scales, pe), row lengths S - T, the top-J
+    indices per query (None: dense), the keys read and the bytes moved."""
+    q, qpe, kv8, kvs, pe = mla_inputs(B, T, H, S)
+    lens = torch.full((B,), S - T, dtype=torch.int32, device=DEV)
+    idx = None
+    if J:
+        idx = torch.stack([torch.randperm(S - T + t + 1, device=DEV)[:J] for t in range(T)]).int().view(B, T, J)
+    keys = B * T * J if J else B * (S - T + 1)
+    return q, qpe, kv8, kvs, pe, lens, idx, keys, keys * 656 + B * T * H * (576 + 512) * 2
+
+
 def mla_section(quick: bool):
     H, B, scale = 128, 1, 0.1352 ** 2 * 192 ** -0.5
     cases = [(1, 4096, None), (2, 4096, None), (1, 32768, None), (2, 32768, None), (4, 32768, None), (1, 32768, 2048), (4, 32768, 2048)]
     best_cfg = {}
     for T, S, J in cases:
-        q, qpe, kv8, kvs, pe = mla_inputs(B, T, H, S)
-        lens = torch.full((B,), S - T, dtype=torch.int32, device=DEV)
-        idx = None
-        if J:
-            idx = torch.stack([torch.randperm(S - T + t + 1, device=DEV)[:J] for t in range(T)]).int().view(B, T, J)
-        keys = B * T * J if J else B * (S - T + 1)
-        nbytes = keys * 656 + B * T * H * (576 + 512) * 2
+        q, qpe, kv8, kvs, pe, lens, idx, keys, nbytes = mla_case(B, T, H, S, J)
         flops = 2 * B * T * H * (J if J else S) * (576 + 512)
         ref = mla_decode_ref(q, qpe, kv8, kvs, pe, lens, scale, topk_idx=idx)
         sets = [mla_inputs(B, T, H, S)[2:] for _ in range(min(31, n_sets(keys * 656) - 1))]
@@ -304,13 +310,7 @@ def mla_rank_section():
     H, B, scale = 16, 1, 0.1352 ** 2 * 192 ** -0.5
     best = {}
     for T, S, J in [(1, 1024, None), (2, 1024, None), (4, 1024, None), (1, 32768, 2048), (4, 32768, 2048)]:
-        q, qpe, kv8, kvs, pe = mla_inputs(B, T, H, S)
-        lens = torch.full((B,), S - T, dtype=torch.int32, device=DEV)
-        idx = None
-        if J:
-            idx = torch.stack([torch.randperm(S - T + t + 1, device=DEV)[:J] for t in range(T)]).int().view(B, T, J)
-        keys = B * T * J if J else B * (S - T + 1)
-        nbytes = keys * 656 + B * T * H * (576 + 512) * 2
+        q, qpe, kv8, kvs, pe, lens, idx, keys, nbytes = mla_case(B, T, H, S, J)
         ref = mla_decode_ref(q, qpe, kv8, kvs, pe, lens, scale, topk_idx=idx)
         sets = [mla_inputs(B, T, H, S)[2:] for _ in range(min(31, n_sets(keys * 656) - 1))]
         sets.insert(0, (kv8, kvs, pe))
