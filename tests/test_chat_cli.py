@@ -9,7 +9,7 @@ import json
 import os
 import re
 import sys
-import time
+import termios
 from pathlib import Path
 
 import pytest
@@ -56,6 +56,12 @@ def test_chat_session_in_a_terminal(tmp_path):
     child = pexpect.spawn(sys.executable, args, cwd=tmp_path, env=env, encoding="utf-8", codec_errors="replace",
                           timeout=60, dimensions=(50, 200))
     child.logfile_read = log = io.StringIO()  # everything the terminal received
+    # A Ctrl-C makes the terminal driver discard output not yet read (unless NOFLSH): reply text the chat had
+    # written (and saved in its transcript) could vanish from this log. An emulator reads as fast as text comes;
+    # here the reader is this test, so keep the driver from flushing.
+    attrs = termios.tcgetattr(child.child_fd)
+    attrs[3] |= termios.NOFLSH
+    termios.tcsetattr(child.child_fd, termios.TCSANOW, attrs)
 
     def ask(line: str, *expect: str, timeout: float = 30) -> None:
         child.sendline(line)
@@ -74,7 +80,7 @@ def test_chat_session_in_a_terminal(tmp_path):
         ask("/max 4000", "max_new_tokens 4000")
         child.sendline("tell me a long story")
         child.expect("tell me a long story")
-        time.sleep(2.0)  # the reply is streaming now (4000 tokens would take minutes)
+        child.expect(pexpect.TIMEOUT, timeout=2.0)  # read the reply as it streams (4000 tokens take minutes)
         child.sendcontrol("c")
         child.expect(r"\[interrupted\]", timeout=20)
         child.expect(STATS + r" \(eagle k=2 strict\) interrupted\]")
