@@ -51,9 +51,11 @@ def set_fast_kernels(**flags: bool) -> FastKernels:
     bad = set(flags) - names
     if bad:
         raise ValueError(f"set_fast_kernels: unknown switch {sorted(bad)}; known: {sorted(names)}")
+    from mtp.kernels.gemv_splitk import MAX_M
+
     rows = flags.get("gemv_rows")
-    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= 8):
-        raise ValueError(f"set_fast_kernels: gemv_rows must be an integer in 0..8, got {rows!r}")
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_M):
+        raise ValueError(f"set_fast_kernels: gemv_rows must be an integer in 0..{MAX_M}, got {rows!r}")
     old = FastKernels(**vars(SWITCHES))
     for k, v in flags.items():
         setattr(SWITCHES, k, v if k == "gemv_rows" else bool(v))
