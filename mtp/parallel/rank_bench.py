@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -303,8 +304,8 @@ def tree_verify(model, comm, cache, shape, L: int, cuda: bool, bw: float | None,
 def spec_steps(model, args, L: int, cuda: bool) -> dict:
     """Whole speculative steps (draft K + verify K+1 + accept + commit) through `mtp.generate` at context L:
     plain, eagle and vanilla k = 1..K (vanilla past the checkpoint's MTP modules repeats the last one); and the
-    eagle tree step of every --trees shape (`generate_tree`, wall time of a graph call includes its capture: the
-    GPU time per replayed step is the number)."""
+    eagle tree step of every --trees shape (`generate_tree` captures its step per call: the wall time per step
+    leaves the capture out, the GPU time per replayed step is the number)."""
     from ..decode.engine import generate, release
     from ..decode.tree import generate_tree
     from ..draft.tree import TreeShape
@@ -336,13 +337,15 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
             key = f"tree_{name}_{mode}"
             try:
                 m = generate_tree(model, prompts, shape, args.new_tokens, draft="eagle", mode=mode).metrics
-            except Exception as e:  # keep the chains' numbers; the error is in the JSON and printed
-                out[key] = {"tree": name, "mode": mode, "error": repr(e)[:500]}
-                log(f"  spec tree {name} {mode} failed: {out[key]['error']}")
+            except Exception as e:  # keep the chains' numbers; the error and its stack are in the JSON and printed
+                out[key] = {"tree": name, "mode": mode, "error": repr(e)[:500],
+                            "traceback": traceback.format_exc()[-4000:]}
+                log(f"  spec tree {name} {mode} failed: {out[key]['error']}\n{out[key]['traceback']}")
                 continue
             steps = max(m.target_forwards, 1)
             out[key] = {"draft": "eagle", "tree": name, "k": shape.max_depth, "nodes": shape.n_nodes, "mode": mode,
-                        "steps": m.target_forwards, "step_ms_wall": m.time_decode_s / steps * 1e3,
+                        "steps": m.target_forwards, "capture_s": m.graph_capture_s,
+                        "step_ms_wall": (m.time_decode_s - m.graph_capture_s) / steps * 1e3,
                         "gpu_step_ms": m.gpu_busy_ms / m.graph_replays if m.graph_replays else None,
                         "AL_random_weights": m.mean_accepted_len}
             log(f"  spec tree {name} {mode}: " + (f"GPU {out[key]['gpu_step_ms']:.3f} ms/step" if m.graph_replays else
