@@ -113,7 +113,7 @@ def generate_kwargs(cfg: Any, tokenizer: Any = None) -> dict:
         kw.update(tree=d.tree, min_draft_prob=d.min_draft_prob)
     if isinstance(cfg.verify, RelaxedVerifySchema):
         if tokenizer is None:
-            from mtp.tokenizer import Tokenizer
+            from mtp.text.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_dir(tokenizer_path(cfg.model))
         kw["think_ids"] = (tokenizer.think_id, tokenizer.end_think_id)

@@ -290,7 +290,7 @@ def step_section(quick: bool) -> dict:
     from mtp.parallel.layout import ParallelPlan
     from mtp.parallel.synthetic import random_parallel_model
     from mtp.model.presets import real_config
-    from mtp.timing import kernel_profile, time_ms
+    from mtp.bench.timing import kernel_profile, time_ms
 
     cfg = real_config(layers=3, dense_layers=1, mtp_modules=0)
     t0 = time.time()

@@ -222,7 +222,7 @@ def moe_section():
             y = moe_experts(x, idx, rw, wgt, sg, wup, su, wdn, sd, out_dtype=torch.float32)
             yr = moe_experts_ref(x, idx, rw, wgt, sg, wup, su, wdn, sd, out_dtype=torch.float32)
             # random-byte fp8 weights are heavy-tailed: a few h elements that land on an fp8 rounding boundary
-            # move the output more than with Gaussian weights (tests/gpu holds those to 5e-3)
+            # move the output more than with Gaussian weights (tests/kernels/test_kernels_gpu.py holds those to 5e-3)
             check(f"moe_experts T={T} full width", rel_err(y, yr) < 2e-2, f"rel err {rel_err(y, yr):.2e}")
         nbytes = U * 3 * I * D
         if T in (1, 4):

@@ -4,6 +4,8 @@
 # and the TP=2 benchmark against TP=1. Each part has its own time limit, so one hang cannot eat the call.
 #   bash eval/gpu_session.sh                  # e.g. through the device tool: run(command="bash eval/gpu_session.sh")
 #   PARTS="nccl tp" bash eval/gpu_session.sh  # a subset: tests, nccl, tp, bench (all four exceed one 10-minute call)
+#   PARTS=tests GPU_TESTS="tests/kernels/test_kernels_gpu.py" ...  # some of the GPU test files (all: tests/*/test_*_gpu.py;
+#                                             # they no longer fit one 10-minute call together)
 #   PARTS=tp8 bash eval/gpu_session.sh        # one rank of TP=8 at full depth (needs ~96 GiB: an H200), alone in
 #                                             # one call: ~82 GiB of random weights, 1k/8k/32k contexts, spec steps
 #   PARTS="coll tp8" ...                      # with 2+ GPUs: NCCL latencies first, used by tp8's projection
@@ -24,16 +26,16 @@ PARTS=${PARTS:-tests nccl tp bench}  # tp8 only when named
 want() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
 echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $ngpu, commit $(git rev-parse --short HEAD 2>/dev/null)"
 if want tests; then
-  echo "== GPU tests"
-  timeout "${TESTS_S:-420}" python3 -m pytest -q -m gpu tests/gpu 2>&1 | tee "$OUT/pytest_gpu.log" | tail -4
+  echo "== GPU tests ${GPU_TESTS:=$(ls tests/*/test_*_gpu.py | tr '\n' ' ')}"
+  timeout "${TESTS_S:-420}" python3 -m pytest -q -m gpu $GPU_TESTS 2>&1 | tee "$OUT/pytest_gpu.log" | tail -4
 fi
 if [ "$ngpu" -ge 2 ] && want nccl; then
   echo "== NCCL tests (2 ranks)"
-  timeout "${NCCL_S:-200}" python3 -m pytest -q -m gpu tests/test_parallel.py -s 2>&1 | tee "$OUT/pytest_tp2.log" | tail -4
+  timeout "${NCCL_S:-200}" python3 -m pytest -q -m gpu tests/parallel/test_parallel.py -s 2>&1 | tee "$OUT/pytest_tp2.log" | tail -4
 fi
 if [ "$ngpu" -ge 2 ] && want tp; then
   echo "== TP=2 vs TP=1"
-  timeout "${TP_S:-300}" python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m mtp.parallel.bench \
+  timeout "${TP_S:-300}" python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m mtp.bench.parallel \
     --out "$OUT/tp2.json" --compare-tp1 2>&1 | tee "$OUT/tp2.log" | grep -v -i warn | tail -12
 fi
 if want bench; then
@@ -44,7 +46,7 @@ fi
 if [ "$ngpu" -ge 2 ] && want coll; then
   echo "== collective latency, $ngpu GPUs (NCCL, graph-captured)"
   timeout "${COLL_S:-180}" python3 -m torch.distributed.run --standalone --nproc-per-node "$ngpu" \
-    -m mtp.parallel.collbench --json "$OUT/coll.json" 2>&1 | tee "$OUT/coll.log" | grep -v -i warn | tail -30
+    -m mtp.bench.collectives --json "$OUT/coll.json" 2>&1 | tee "$OUT/coll.log" | grep -v -i warn | tail -30
   [ -s "$OUT/coll.json" ] && COLL_JSON=${COLL_JSON:-$OUT/coll.json}
 fi
 if want mlarank; then

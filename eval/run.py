@@ -152,7 +152,7 @@ def _records(tok, batch: list[Prompt], ids: list[list[int]], name: str, calls: l
 def _tool_calls(output: str, thinking: bool) -> list | None:
     """The DSML tool calls in an output as OpenAI-style calls ([] when it makes none); None when they are
     malformed (or cut off by max_new_tokens)."""
-    from mtp.dsml import CompletionFormatError, find_tool_calls
+    from mtp.text.dsml import CompletionFormatError, find_tool_calls
 
     try:
         found = find_tool_calls(output, thinking)
@@ -212,7 +212,7 @@ def _setup(cfg: DictConfig):
     if strict_source(typed) == "ref":
         stores["ref"] = SampleStore(out / STRICT_REFERENCE_FILE, chash, typed.resume, settings)
     model, tok = _build_once(typed)
-    from mtp.prompt import encode_chat
+    from mtp.text.prompt import encode_chat
 
     ids = {p.id: encode_chat(p.messages, tok, p.thinking) for p in prompts}
     kw = generate_kwargs(typed, tok)

@@ -45,7 +45,7 @@ def run(drafts=("eagle", "vanilla"), verifies=("strict", "relaxed"), max_new_tok
     import torch
 
     import mtp
-    from mtp.prompt import encode_chat
+    from mtp.text.prompt import encode_chat
     from mtp.provenance import provenance
 
     from . import trees

@@ -16,7 +16,7 @@ from .checkpoint.files import resolve_n_mtp
 from .decode.options import OptionError
 from .draft.config import DraftConfig
 from .model.config import ModelConfig
-from .tokenizer import Tokenizer
+from .text.tokenizer import Tokenizer
 
 
 class PreflightError(ValueError):

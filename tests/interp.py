@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_interpreted(script: str, timeout: int = 300, *args: str) -> None:
     """Run `script` (with `args`) under TRITON_INTERPRET=1; it must print "interpreted checks ok"."""
     pytest.importorskip("triton")
-    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     r = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"interpreted checks failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"

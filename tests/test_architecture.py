@@ -1,5 +1,6 @@
 """The import graph: no cycle among mtp's modules (function-level imports included), the reference model imports
-nothing above it, and `import mtp` stays light (no experiment-layer dependency)."""
+nothing above it, the benchmarks stay outside the library core, and `import mtp` stays light (no
+experiment-layer dependency). The tests mirror the package layout."""
 
 from __future__ import annotations
 
@@ -103,6 +104,41 @@ def test_reference_model_imports_nothing_above_it():
            for m, deps in g.items() if m.startswith("mtp.model")}
     bad = {m: d for m, d in bad.items() if d}
     assert not bad, f"the reference model imports outside mtp.model: {bad}"
+
+
+def test_benchmarks_stay_outside_the_library_core():
+    g = import_graph()
+    bad = {m: sorted(d for d in deps if d.startswith("mtp.bench"))
+           for m, deps in g.items() if not m.startswith("mtp.bench")}
+    bad = {m: d for m, d in bad.items() if d}
+    assert not bad, f"library modules import the benchmarks (mtp.bench): {bad}"
+
+
+# top-level test files that test the project as a whole rather than one module
+WHOLE_PROJECT_TESTS = {"test_architecture.py", "test_packaging.py", "test_readme.py"}
+
+
+def test_tests_mirror_the_layout():
+    """tests/<pkg>/test_*.py for mtp/<pkg>/ (eval/ for the experiment layer), tests/test_<m>.py for a top-level
+    module mtp/<m>.py; every package of mtp has its test folder."""
+    tests = ROOT / "tests"
+    packages = {p.parent.name for p in PKG.glob("*/__init__.py")}
+    top_modules = {p.stem for p in PKG.glob("*.py")} - {"__init__"}
+    misplaced = []
+    for path in tests.rglob("test_*.py"):
+        rel = path.relative_to(tests)
+        if len(rel.parts) == 1:
+            ok = rel.name in WHOLE_PROJECT_TESTS or rel.stem.removeprefix("test_") in top_modules
+        else:
+            ok = len(rel.parts) == 2 and rel.parts[0] in packages | {"eval"}
+        if not ok:
+            misplaced.append(str(rel))
+    assert not misplaced, f"test files that do not mirror mtp/ or eval/: {misplaced}"
+    untested = sorted(p for p in packages if not list((tests / p).glob("test_*.py")))
+    assert not untested, f"packages of mtp without a tests/<package>/ folder of tests: {untested}"
+    no_init = sorted(str(d.relative_to(ROOT)) for d in tests.iterdir() if d.is_dir() and d.name != "__pycache__"
+                     and not (d / "__init__.py").exists())
+    assert not no_init, f"test folders must be packages (same file names in two folders): {no_init}"
 
 
 def test_import_mtp_is_light():

@@ -35,7 +35,7 @@ know nothing of it. `disable_fast_path(model)` swaps the reference classes
 back; the stacked expert tensors stay (they are the same weights). Both bump `model.version`, so CUDA graphs
 captured on the other path are never replayed.
 Both paths compute DeepSeek's FP8 numerics; they differ only in summation order and top-k tie-breaking, and
-tests hold one to the other within tolerance (tests/gpu).
+tests hold one to the other within tolerance (tests/kernels/*_gpu.py, tests/backends/*_gpu.py).
 """
 
 from __future__ import annotations

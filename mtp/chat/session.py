@@ -12,9 +12,9 @@ every rank of a multi-GPU run. A `Session` meets the outside world at three poin
 
 Context vs transcript: `turns` keeps every reply ever made (saved by `/save`); the model sees only the turns
 from `context_start` on. `/reset` and trimming to `max_model_len` move `context_start` forward; nothing is
-deleted. Earlier assistant turns enter the prompt with their answer only (`mtp.prompt` drops reasoning).
+deleted. Earlier assistant turns enter the prompt with their answer only (`mtp.text.prompt` drops reasoning).
 
-Tools (`mtp.chat_tools`): `/tools FILE` puts tool schemas into every prompt; a reply with DSML tool calls
+Tools (`mtp.chat.tools`): `/tools FILE` puts tool schemas into every prompt; a reply with DSML tool calls
 leaves them pending, `/result TEXT` answers them one by one, and after the last one the model continues in a
 turn of its own (`Turn.user` None). A message typed while calls are pending is refused (/reset drops them).
 """
@@ -28,15 +28,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..chat_tools import TOOLS_HELP, describe_calls, load_tools, read_tool_calls, tool_names
+from .tools import TOOLS_HELP, describe_calls, load_tools, read_tool_calls, tool_names
 from ..decode.config import GenerationConfig
 from ..decode.engine import StepEvent
 from ..decode.metrics import SpecMetrics
 from ..decode.options import DRAFTS, MAX_K, VERIFIERS, OptionError, draft_room
 from ..draft.config import DraftConfig
-from ..dsml import CompletionFormatError
-from ..prompt import encode_chat
-from ..tokenizer import Tokenizer
+from ..text.dsml import CompletionFormatError
+from ..text.prompt import encode_chat
+from ..text.tokenizer import Tokenizer
 from ..utils import write_json_atomic
 from .terminal import StopFlag
 from .turn import TRANSCRIPT_FORMAT, ReplyStream, StepLog, Turn, View, stats_line

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from ..decode.engine import StepEvent
 from ..decode.metrics import SpecMetrics
-from ..tokenizer import StreamDecoder, Tokenizer
+from ..text.tokenizer import StreamDecoder, Tokenizer
 
 TRANSCRIPT_FORMAT = "mtp-chat-transcript/1"
 
@@ -30,7 +30,7 @@ class View(Protocol):
 
 @dataclass
 class Turn:
-    user: str | None  # None: the reply that continues after tool results (mtp.chat_tools)
+    user: str | None  # None: the reply that continues after tool results (mtp.chat.tools)
     reasoning: str  # text before </think> (thinking mode), exactly as streamed
     content: str  # the answer, exactly as streamed (with tool calls: the text before them)
     thinking: bool

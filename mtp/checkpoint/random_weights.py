@@ -8,7 +8,7 @@ draw it, each pinned by what depends on its exact values:
 - `random_tensors(cfg, seed)`: the tiny checkpoints (`mtp.checkpoint.tiny`, the tests' fixtures). One generator,
   tensors in checkpoint order; FP8 weights quantized from their values with per-block scales, as a real
   checkpoint's; the MTP modules' embedding and head are copies of the trunk's, as in the real file.
-- `random_tensor(cfg, name, seed, device)`: the random models built on a device at real width (`mtp.synthetic`,
+- `random_tensor(cfg, name, seed, device)`: the random models built on a device at real width (`mtp.checkpoint.synthetic`,
   `mtp.parallel.synthetic`). A generator per tensor, seeded from (seed, name) (`tensor_seed`), so any process
   draws any tensor alone: every rank of a sharded build its slice, with no communication. FP8 weights are N(0, 1)
   codes under one power-of-two scale near 1/sqrt(in) that needs no draw, so a rank builds a weight's scales

@@ -40,7 +40,7 @@ def agreeing_mtp(tensors: dict[str, torch.Tensor], cfg: ModelConfig, seed: int =
 
 def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0, layers: int = 3, dense_layers: int = 1,
                           mtp_modules: int = 1, index_topk: int = 16, vocab: int = 512, n_shards: int = 2) -> Path:
-    from ..tokenizer import default_corpus, save_tokenizer, train_bpe_tokenizer
+    from ..text.tokenizer import default_corpus, save_tokenizer, train_bpe_tokenizer
 
     tok = train_bpe_tokenizer(default_corpus(), vocab_size=vocab)
     cfg = tiny_config(layers, dense_layers, mtp_modules, index_topk, tok.get_vocab_size())

@@ -141,7 +141,7 @@ def _texts(files: Sequence[str], field: str) -> Iterable[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..tokenizer import Tokenizer
+    from ..text.tokenizer import Tokenizer
 
     ap = argparse.ArgumentParser(prog="mtp-draft-vocab", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="checkpoint folder with the tokenizer")

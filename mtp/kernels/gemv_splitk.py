@@ -34,7 +34,7 @@ padded to 8 by masked loads (mma.sync's n8; triton 3.6 takes fp8 dots down to 1 
 each group's fp32 product is scaled by s_x * s_w and the groups summed in fp32 (the CUDA-core kernel's
 contract; the MMA sums a group in its own order, so it is held to fp8_gemv_ref within the old tensor-core
 kernel's tolerance). Triton 3.6 lowers the batched dot for sm_90 to mma.sync.m16n8k16 on f16 operands (the
-e4m3 codes upcast exactly), not wgmma. Compiled for sm_90 (tests/test_fused_kernels.py does so on the CPU),
+e4m3 codes upcast exactly), not wgmma. Compiled for sm_90 (tests/kernels/test_fused_kernels.py does so on the CPU),
 neither kernel spills. Per thread, on the 16 KB tile of BN = 16, GPS = 8, 8 warps (with the JIT's 16-divisibility of
 pointers and strides), the CUDA-core kernel issues 528 / 1344 / 2384 instructions at M = 1 / 4 / 8 (its FMAs
 and shuffle sums per row: on 2240 x 7168, 4.1 / 10.5 / 18.6 us of issue time on 132 SMs against 3.8 us of HBM

@@ -323,7 +323,7 @@ def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
 # Fields whose dataclass default (the 671B model's value) is not what their absence from config.json means to
 # transformers' DeepseekV32Config: no rope_scaling is plain RoPE, no quantization_config is bf16 weights, and
 # transformers' model has no MTP modules. Every other field's dataclass default equals transformers' default
-# (tests/test_config.py holds the two together).
+# (tests/model/test_config.py holds the two together).
 ABSENT_FIELDS: dict[str, Any] = {"rope_scaling": None, "quantization_config": None, "num_nextn_predict_layers": 0}
 
 # rope_scaling keys without a safe default: transformers requires the first two, and its meaning of a missing

@@ -8,9 +8,9 @@
 
 Files: layout (who holds which slice), reblock (exact FP8 scales of a slice), comm (the collectives),
 modules (per-rank modules + `shard_model`), load (sharded loading), launch (torchrun entry), synthetic (the
-random FP8 model built sharded, no checkpoint), bench (TP=N vs TP=1 target-step timing, torchrun entry),
-simulate (one rank of a group in one process: torch's fake process group), rank_bench (`mtp-bench --tp N`: one
-rank at full depth on one GPU), collbench (NCCL latency of the step's collectives, torchrun entry).
+random FP8 model built sharded, no checkpoint), simulate (one rank of a group in one process: torch's fake
+process group). Their benchmarks live in `mtp.bench` (rank: `mtp-bench --tp N`; parallel: TP=N vs TP=1;
+collectives: NCCL latencies).
 DESIGN.md holds the numerics argument, the CUDA-graph note and the GPU benchmark command.
 """
 

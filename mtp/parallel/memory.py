@@ -7,7 +7,7 @@ Per rank it prints:
 - weights: every tensor of `mtp.checkpoint.inventory.checkpoint_spec`, cut by the same `mtp.parallel.layout.RankLayout` the
   sharded loader uses, in the dtype the loaded model holds it (FP8 1 byte + fp32 re-blocked scales; bf16
   tensors in the model dtype; router bias and indexer LayerNorm fp32). Equal, byte for byte, to the
-  parameters `mtp.parallel.load_parallel` materializes (tests/test_plan.py checks it on a real load).
+  parameters `mtp.parallel.load_parallel` materializes (tests/parallel/test_memory.py checks it on a real load).
 - KV cache: per token and layer (trunk + draft caches: eagle 1, vanilla k) what `mtp.model.cache.KVCache` stores:
   latent 512 fp8 + 4 fp32 scales, k_pe 64 in the model dtype, indexer key 128 fp8 + 1 fp32 scale
   (788 B in bf16). MLA's latent is shared by all heads, so with head-split attention every rank holds the

@@ -10,7 +10,7 @@ this process builds and runs exactly what rank r of N builds and runs (same layo
 same sequence of collectives) but its activations after the first collective are its own partial sums, not
 the group's: the numbers it computes are meaningless, their cost is the rank's cost minus communication.
 That is what `mtp-bench --tp N` times; the collectives it would issue are counted (`CountingComm`) and their
-latency is added separately. tests/test_parallel_simulate.py replays a real gloo run's collective results into
+latency is added separately. tests/parallel/test_simulate.py replays a real gloo run's collective results into
 a simulated rank and gets that rank's logits and tokens bit for bit.
 
 The fake group is the process's default group while the context is open; it is destroyed on exit, also on

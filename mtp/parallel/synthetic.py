@@ -1,4 +1,4 @@
-"""The random FP8 model of `mtp.synthetic`, built sharded: each rank holds exactly the slices `load_parallel`
+"""The random FP8 model of `mtp.checkpoint.synthetic`, built sharded: each rank holds exactly the slices `load_parallel`
 would give it from a checkpoint holding `mtp.checkpoint.random_weights.random_state(cfg, seed)`, with nothing
 written to disk.
 
@@ -20,7 +20,7 @@ import torch
 from ..model.config import ModelConfig, RuntimeOptions
 from ..model.deepseek import DeepseekV32
 from ..checkpoint.inventory import checkpoint_spec
-from ..synthetic import fill_random
+from ..checkpoint.synthetic import fill_random
 from .comm import Comm
 from .layout import ParallelPlan
 from .load import SCALE_SUFFIX, parallel_skeleton, rank_part
@@ -31,7 +31,7 @@ def random_parallel_model(cfg: ModelConfig, comm: Comm | None = None, plan: Para
                           device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                           numerics: str = "fp8", runtime: RuntimeOptions | None = None,
                           static_moe: bool = False) -> DeepseekV32:
-    """This rank's part of `mtp.synthetic.random_model(cfg, device, dtype, seed)`, as `load_parallel` would load
+    """This rank's part of `mtp.checkpoint.synthetic.random_model(cfg, device, dtype, seed)`, as `load_parallel` would load
     it (same checks, same module tree, same slices). Every rank of the group calls it with the same arguments."""
     comm = comm or Comm()
     model, layout = parallel_skeleton(cfg, comm, plan=plan, dtype=dtype, numerics=numerics, runtime=runtime,

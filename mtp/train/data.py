@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..prompt import encode_chat
-from ..tokenizer import Tokenizer, save_tokenizer, train_bpe_tokenizer
+from ..text.prompt import encode_chat
+from ..text.tokenizer import Tokenizer, save_tokenizer, train_bpe_tokenizer
 
 SKIP_DIRS = frozenset({"site-packages", "__pycache__", "test", "tests", "idle_test"})
 MAX_FUNC_LINES = 60

@@ -13,7 +13,7 @@ import torch
 
 from ..decode.engine import generate
 from ..model.deepseek import DeepseekV32
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from .data import encode_prompt
 from .objective import ce, mtp_chain
 

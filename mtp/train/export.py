@@ -19,7 +19,7 @@ from ..checkpoint.files import ckpt_name, save_checkpoint
 from ..model.config import ModelConfig, QuantConfig
 from ..model.deepseek import DeepseekV32
 from ..checkpoint.inventory import TensorSpec, checkpoint_spec
-from ..tokenizer import Tokenizer, save_tokenizer
+from ..text.tokenizer import Tokenizer, save_tokenizer
 
 MAX_SHARD_BYTES = 12 * 2 ** 20  # keeps every shard of a small model well under 16 MB
 

@@ -11,7 +11,7 @@ Indexer (DeepSeek-V3.2 report, section 2.1): for query t the target is the main 
 over heads and L1-normalized, p_t; the loss is KL(p_t || softmax(I_t)) over the visible keys (dense stage) or
 over the keys the indexer selected (sparse stage). The indexer's inputs are detached, so the indexer learns
 only from this loss and the language model only from its own. Both the attention target and the index score
-are recomputed here from the live modules' weights (hooks capture each MLA's input); `tests/test_train.py`
+are recomputed here from the live modules' weights (hooks capture each MLA's input); `tests/train/test_train.py`
 holds the recomputation to the modules' own forward.
 
 Balance (DeepSeek-V3, section 2.1.2): after each step, e_score_correction_bias += gamma * sign(mean load -

@@ -1,0 +1,155 @@
+"""Timing helpers of the benchmarks (`mtp-bench`, `mtp.bench.parallel`, `mtp-bench --tp N`, `mtp.bench.collectives`): CUDA-event
+medians, graph capture, kernel profiles of a replayed graph, and the device's copy bandwidth (the byte floor's
+ceiling)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median CUDA-event time of fn() in ms, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    x = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ms = time_ms(lambda: y.copy_(x), iters=10)
+    del x, y
+    return 2 * (1 << 29) * 2 / (ms * 1e-3)
+
+
+def step_bytes(model, n_experts_touched: list[int], S: int, B: int) -> dict:
+    """Bytes one target forward must read: every non-expert weight once, the routed experts actually picked,
+    the lm_head, and the KV cache of S positions per row (FP8 latent + scales + bf16 rope key + indexer key)."""
+    from ..model.cache import KVCache
+    from ..model.moe import MoE
+
+    dense_bytes, expert_bytes = 0, 0
+    for li, layer in enumerate(model.model.layers):
+        for name, p in layer.named_parameters():
+            if ".experts." in f".{name}":
+                continue
+            dense_bytes += p.numel() * p.element_size()
+        if isinstance(layer.mlp, MoE):
+            e0 = layer.mlp.experts[0]
+            per_expert = sum(p.numel() * p.element_size() for p in e0.parameters())
+            expert_bytes += per_expert * n_experts_touched[li]
+    head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    cfg = model.cfg
+    kv_per_pos = KVCache.bytes_per_position(cfg, model.dtype, quantized=model.runtime.numerics == "fp8")
+    kv = kv_per_pos * S * B * cfg.num_hidden_layers
+    return {"weights_dense": dense_bytes, "weights_experts": expert_bytes, "lm_head": head, "kv": kv,
+            "total": dense_bytes + expert_bytes + head + kv}
+
+
+def tree_verify_fns(model, cache, L: int, shape, seed: int = 0) -> dict:
+    """For `mtp-bench --trees`: the target verify forward over a tree's N nodes after the cache's first L
+    positions, as a tree (`tree_depth` / `tree_mask`: each node sees the cache and its ancestors) and as a chain
+    of the same N tokens (the causal verify a chain of N - 1 drafts runs), each a fn() that rolls the cache back
+    first, for timing side by side. Random node tokens."""
+    B, N, dev = cache.batch, shape.n_nodes, cache.seq_lens.device
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.cfg.vocab_size, (B, N), generator=g).to(dev)
+    base = torch.full((B,), L, dtype=torch.long, device=dev)
+    depth, mask = shape.depth_tensor(dev), shape.ancestor_mask(dev)
+
+    def tree():
+        cache.truncate(base)
+        model(ids, cache, kv_len=L + N, tree_depth=depth, tree_mask=mask)
+
+    def chain():
+        cache.truncate(base)
+        model(ids, cache, kv_len=L + N)
+
+    return {"tree": tree, "chain": chain}
+
+
+def tree_row(shape, ms: dict, total_bytes: dict, absorb_max_tokens: int) -> dict:
+    """One `--trees` entry: per kind ('tree', 'chain' of the same node count) the step ms, ms and bytes per node
+    (`total_bytes`: the step's byte floor), and the tree's cost over the chain's. A verify of more than
+    `absorb_max_tokens` (RuntimeOptions) nodes takes the naive reference attention, not the kernels: said in
+    'attention'."""
+    N = shape.n_nodes
+    row = {"shape": shape.name, "nodes": N, "depth": shape.max_depth, "parents": list(shape.parents),
+           "attention": "kernels" if N <= absorb_max_tokens else f"reference (N > absorb_max_tokens {absorb_max_tokens})"}
+    for kind in ms:
+        row[kind] = {"ms": ms[kind], "ms_per_node": ms[kind] / N, "bytes": total_bytes[kind],
+                     "bytes_per_node": total_bytes[kind] / N}
+    if "tree" in ms and "chain" in ms:
+        row["tree_over_chain"] = ms["tree"] / ms["chain"]
+    return row
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of fn(), after two warm-up calls on a side stream (allocations, lazy init, compiles)."""
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def kernel_profile(replay, steps: int = 10, top: int = 30) -> dict:
+    """Kernel time inside `steps` replays (torch.profiler / CUPTI sees the kernels of a replayed graph):
+    per-kernel-name total and count per step, the sum of kernel time per step, and the number of kernels per
+    step. Compared with the graph's event time this splits a step into kernel work and the gaps between
+    kernels (launch latency, tails of under-filled kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = e.cuda_time_total
+        if t <= 0 or e.key.startswith("cuda"):  # runtime API rows, not device work
+            continue
+        rows.append({"name": e.key[:120], "us_per_step": t / steps, "calls_per_step": e.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"kernel_us_per_step": sum(r["us_per_step"] for r in rows),
+            "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:top]}
+
+
+def timer(cuda: bool, iters: int = 20, warmup: int = 3):
+    """fn -> median ms: CUDA events on a GPU, the host clock on CPU (eager work, synchronous there)."""
+    if cuda:
+        return lambda fn: time_ms(fn, iters=iters, warmup=warmup)
+
+    def cpu_ms(fn) -> float:
+        for _ in range(warmup):
+            fn()
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+
+    return cpu_ms

@@ -1,0 +1,208 @@
+"""Every config in conf/ composes with Hydra's compose API and validates against eval/schema.py; every sweep
+point of every experiment preset validates too; bad values are refused with the key in the message."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+import eval.schema as schema
+from eval.common import NotAvailableError, check_runtime, generate_kwargs
+from eval.data import builtin_suites, load_prompts
+from eval.loggers import NullLogger, WandbLogger
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+GROUPS = ("model", "draft", "verify", "runtime", "dataset", "logger")
+# Options whose required `???` values a real run passes on the command line.
+REQUIRED = {"model/dsv32": ["model.path=/ckpt/DeepSeek-V3.2"], "dataset/local": ["dataset.path=prompts.jsonl"],
+            "dataset/hub": ["dataset.hub=owner/name"]}
+FIXED = ["output_dir=/tmp/mtp-eval-compose"]  # ${hydra:runtime.output_dir} exists only inside a Hydra run
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hydra_conf():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield
+
+
+def compose_eval(overrides: list[str], hydra_node: bool = False):
+    return compose("eval", overrides=overrides + FIXED, return_hydra_config=hydra_node)
+
+
+def test_every_group_has_options():
+    for g in GROUPS + ("experiment",):
+        assert options(g), f"conf/{g}/ is empty"
+    assert set(options("draft")) == {"none", "vanilla", "eagle"}
+    assert set(options("verify")) == {"strict", "relaxed", "sample"}
+    assert set(options("logger")) == {"wandb", "none"}
+    assert {"tiny", "dsv32"} <= set(options("model"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_group_option_composes_and_validates(group, option):
+    cfg = compose_eval([f"{group}={option}"] + REQUIRED.get(f"{group}/{option}", []))
+    typed = schema.validate(cfg)
+    assert isinstance(typed, schema.EvalConfig)
+    node = getattr(typed, group)
+    assert not isinstance(node, dict), f"{group}={option} is not typed by a schema"
+    if group == "logger":
+        assert isinstance(instantiate(cfg.logger), (NullLogger, WandbLogger))
+    if group == "dataset" and isinstance(node, schema.BuiltinDatasetSchema):
+        prompts = load_prompts(node)
+        assert prompts and len({p.id for p in prompts}) == len(prompts)
+    if group in ("draft", "verify"):
+        kw = generate_kwargs(cfg)
+        assert kw["draft"] == typed.draft.name.value and kw["verify"] == typed.verify.name
+
+
+def _sweep_points(params) -> list[list[str]]:
+    keys = list(params)
+    values = [str(params[k]).split(",") for k in keys]
+    return [[f"{k}={v.strip()}" for k, v in zip(keys, combo)] for combo in itertools.product(*values)]
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_experiment_composes_and_every_sweep_point_validates(experiment):
+    extra = ["model.path=/ckpt/DeepSeek-V3.2"] if "dsv32" in experiment else []
+    cfg = compose_eval([f"experiment={experiment}"] + extra, hydra_node=True)
+    schema.validate(cfg)
+    instantiate(cfg.logger)
+    params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
+    for point in _sweep_points(params):
+        schema.validate(compose_eval([f"experiment={experiment}"] + extra + point))
+    if params:
+        assert cfg.hydra.mode.name == "MULTIRUN", f"{experiment} sweeps but does not set hydra.mode: MULTIRUN"
+
+
+def test_chat_config_composes_with_shared_groups():
+    cfg = compose("chat")
+    typed = schema.validate(cfg)
+    assert isinstance(typed, schema.ChatConfig)
+    assert (typed.draft.name.value, typed.verify.name, typed.runtime.device) == ("eagle", "strict", "cpu")
+    assert {"max_new_tokens", "thinking", "show_drafts"} <= set(cfg)
+    relaxed = compose("chat", overrides=["verify=relaxed"])
+    assert len(generate_kwargs(relaxed)["think_ids"]) == 2
+
+
+@pytest.mark.parametrize("launcher", ["basic", "joblib"])
+def test_launchers_compose(launcher):
+    cfg = compose_eval([f"hydra/launcher={launcher}"], hydra_node=True)
+    assert launcher in cfg.hydra.launcher._target_.lower()
+
+
+def test_generate_kwargs_build_a_generation_config():
+    from mtp.decode.config import GenerationConfig
+
+    for ov in (["draft=vanilla", "verify=relaxed"], ["verify=sample", "verify.draft_sampling=sample"],
+               ["draft=none"], ["draft=eagle", "draft.k=3", "runtime.prefill_chunk=4"]):
+        kw = generate_kwargs(compose_eval(ov))
+        g = GenerationConfig.from_options(8, **kw)  # an unknown option would raise TypeError
+        assert (g.draft.mode, g.draft.k, g.verify) == (kw["draft"], kw["k"], kw["verify"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["draft.k=-1"], "draft.k = -1"),
+    (["draft=none", "draft.k=2"], "draft.k = 2"),
+    (["draft.k=99"], "draft.k = 99"),
+    (["verify=relaxed", "verify.delta=1.5"], "verify.delta"),
+    (["verify=sample", "verify.temperature=0"], "verify.temperature"),
+    (["verify=sample", "verify.draft_sampling=sample", "draft=none"], "verify.draft_sampling"),
+    (["runtime.batch_size=0"], "runtime.batch_size"),
+    (["runtime.device=tpu"], "runtime.device"),
+    (["max_new_tokens=0"], "max_new_tokens"),
+    (["timing.repeats=0"], "timing.repeats"),
+    (["model=dsv32"], "model.path is required"),
+    (["dataset=local"], "dataset.path is required"),
+    (["dataset.per_category=0"], "dataset.per_category"),
+    (["dataset.suites=[]"], "dataset.suites"),
+    (["draft.vocab_size=100"], "draft.vocab_size"),
+    (["draft.vocab_file=v.json", "draft.vocab_size=0"], "draft.vocab_size"),
+    (["draft.tree=2x0"], "draft.tree: tree shape '2x0' is invalid"),
+    (["draft.tree=0/2"], "draft.tree: tree shape '0/2' is invalid"),
+    (["draft=none", "draft.tree=2x1"], "draft.tree = '2x1' is invalid: expected null with draft=none"),
+    (["draft.min_draft_prob=0.3"], "draft.min_draft_prob = 0.3 is invalid"),
+    (["draft.tree=2x1", "draft.min_draft_prob=1.5"], "draft.tree = '2x1' with verify=strict: min_draft_prob"),
+    (["draft.tree=2x1", "verify=relaxed", "verify.span_rule=trtllm"], "verify.span_rule = 'trtllm'"),
+    (["draft.tree=2x1", "draft.min_draft_prob=0.2", "verify=sample", "verify.draft_sampling=sample"],
+     "with verify=sample: min_draft_prob needs top-k children"),
+])
+def test_bad_values_are_refused_by_the_schema(overrides, message):
+    with pytest.raises(schema.SchemaError, match=message.replace(".", r"\.")):
+        schema.validate(compose_eval(overrides))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["verify=nonsense"], "verify/nonsense"),
+    (["draft.k=abc"], "draft.k=abc"),
+    (["draft.target_hidden=middle"], "draft.target_hidden"),
+    (["runtime.mode=turbo"], "runtime.mode"),
+    (["verify.temperature=0.5"], "verify.temperature"),  # strict has no temperature
+    (["dataset.path=x.jsonl"], "dataset.path"),  # builtin has no path
+    (["verify=relaxed", "verify.span_rule=last"], "verify.span_rule"),
+])
+def test_bad_overrides_fail_at_composition(overrides, message):
+    with pytest.raises(ConfigCompositionException, match=message.replace(".", r"\.")):
+        compose_eval(overrides)
+
+
+def test_span_rule_option_reaches_generate():
+    from mtp.verify import SPAN_RULES
+
+    assert [r.value for r in schema.SpanRule] == list(SPAN_RULES)  # the schema's choices are mtp's tuple
+    assert generate_kwargs(compose_eval(["verify=relaxed"]))["span_rule"] == "tracked"
+    assert generate_kwargs(compose_eval(["verify=relaxed", "verify.span_rule=trtllm"]))["span_rule"] == "trtllm"
+
+
+def test_graph_modes_need_cuda():
+    rt = schema.validate(compose_eval(["runtime.mode=graph"])).runtime
+    with pytest.raises(NotAvailableError, match="cuda"):
+        check_runtime(rt)
+
+
+def test_builtin_suites_are_shipped():
+    assert {"chat", "code", "math", "reasoning", "tools"} <= set(builtin_suites())
+
+
+def test_tools_suite_is_one_override_away():
+    """`dataset.suites=[tools]`: a dozen or more tool-use conversations of several turns with tool results, in
+    their own category; every one renders in DeepSeek-V3.2's format and ends where the model writes next."""
+    from mtp.text.prompt import render_chat
+
+    ds = schema.validate(compose_eval(["dataset.suites=[tools]", "dataset.per_category=null"])).dataset
+    prompts = load_prompts(ds)
+    assert len(prompts) >= 12 and {p.category for p in prompts} == {"tools"}
+    assert any(p.thinking for p in prompts) and not all(p.thinking for p in prompts)
+    for p in prompts:
+        roles = [m["role"] for m in p.messages]
+        assert roles.count("tool") >= 1 and sum(bool(m.get("tool_calls")) for m in p.messages) >= 1, p.id
+        assert len(roles) >= 4 and roles[-1] in ("tool", "user"), p.id
+        assert render_chat(p.messages, p.thinking).endswith(("<think>", "</think>")), p.id
+
+
+def test_tree_options_reach_the_tree_decoder():
+    """draft.tree replaces k by the tree's depth and adds the tree kwargs; chat refuses trees; the settings
+    tree decoding does not serve are refused before anything runs."""
+    from eval import trees
+
+    cfg = compose_eval(["draft=vanilla", "draft.tree=3x1x1", "draft.min_draft_prob=0.25"])
+    assert schema.validate(cfg).draft.k == 3
+    kw = generate_kwargs(cfg)
+    assert (kw["tree"], kw["min_draft_prob"], kw["k"], kw["draft"]) == ("3x1x1", 0.25, 3, "vanilla")
+    trees.check(kw, batch_size=4)
+    with pytest.raises(schema.SchemaError, match="draft.tree = '2x1' is invalid: expected null: mtp-chat"):
+        schema.validate(compose("chat", overrides=["draft.tree=2x1"]))
+    for ov, bs, match in ((["runtime.prefill_chunk=8"], 1, "runtime.prefill_chunk"),
+                          (["verify=sample"], 2, "runtime.batch_size=1, got 2")):
+        kw = generate_kwargs(compose_eval(["draft.tree=2x1", *ov]))
+        with pytest.raises(NotAvailableError, match=match):
+            trees.check(kw, batch_size=bs)

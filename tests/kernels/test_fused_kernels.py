@@ -1,0 +1,427 @@
+"""The fused decode kernels (split-K GEMV, add + RMSNorm + quant, one-launch router) and their fast-path wiring,
+under the Triton interpreter on the CPU.
+
+The interpreter is chosen when a kernel is decorated (at import), so the checks run in a subprocess started
+with TRITON_INTERPRET=1 (this file as a script). Its fp32 -> fp8 casts are not CUDA's and its bf16 tl.dot is
+wrong, so: pre-quantized inputs are held to the fp8 references; a kernel's in-register quantization is held
+to the interpreter's own act_quant kernel; the router runs on fp32 inputs. tests/kernels/test_fused_kernels_gpu.py
+holds every kernel to the plain-PyTorch references on a GPU (bit-exact quantization, bf16 gate).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtp.kernels.dispatch import SWITCHES, set_fast_kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run_interpreted(which: str) -> None:
+    pytest.importorskip("triton")
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    r = subprocess.run([sys.executable, __file__, which], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, f"interpreted checks failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    assert f"{which} ok" in r.stdout
+
+
+def test_fused_kernels_interpreted():
+    _run_interpreted("kernels")
+
+
+@pytest.mark.slow
+def test_fast_block_wiring_interpreted():
+    _run_interpreted("model")
+
+
+def _compile_for_hopper(kernel, pointers: dict, consts: dict, num_warps: int):
+    """Compile a kernel for sm_90 without a GPU (triton's own ptxas): PTX and cubin, or the compiler's error."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        sig[name] = "constexpr" if name in consts else pointers.get(name, "*fp32" if name.endswith("_ptr") else "i32")
+    sig.update({k: "fp32" for k in ("route_scale",) if k in sig})
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+
+def test_new_kernels_compile_for_hopper():
+    """The tensor-core GEMV and the grouped router compile for an H100 / H200 (the interpreter runs neither
+    through the compiler): the GEMV's product is an MMA, at every row count and both input kinds."""
+    pytest.importorskip("triton")
+    from mtp.kernels.gemv_splitk import MMA_ROWS, _gemv_mma_kernel
+    from mtp.kernels.router import _route_grouped_kernel
+
+    for M, prequant in ((1, True), (8, True), (3, False)):
+        x = "*fp8e4nv" if prequant else "*bf16"
+        k = _compile_for_hopper(_gemv_mma_kernel, dict(x_ptr=x, w_ptr="*fp8e4nv", y_ptr="*bf16", cnt_ptr="*i32"),
+                                dict(M=M, PREQUANT=prequant, SPLIT=True, BN=32, GPS=8, SPAD=8, PDL=False, MP=MMA_ROWS),
+                                num_warps=4)
+        assert "mma.sync" in k.asm["ptx"] or "wgmma" in k.asm["ptx"], f"no MMA in the M={M} GEMV"
+    for btr in (1, 8):
+        _compile_for_hopper(_route_grouped_kernel,
+                            dict(x_ptr="*bf16", w_ptr="*bf16", ci_ptr="*i32", cnt_ptr="*i32", idx_out_ptr="*i32"),
+                            dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, CPAD=8, BE=32, BT=16, BTR=btr, GPS=4,
+                                 SPLITS=14, BF16=True, STORE_LOGITS=False, PDL=True), num_warps=8)
+
+
+def test_set_fast_kernels():
+    old = set_fast_kernels(gemv=False)
+    try:
+        assert SWITCHES.gemv is False and old.gemv is True
+        with pytest.raises(ValueError, match="unknown switch"):
+            set_fast_kernels(gmev=True)
+    finally:
+        set_fast_kernels(**vars(old))
+    assert SWITCHES.gemv is True
+
+
+@pytest.mark.parametrize("rows,M,want", [(8, 1, "gemv"), (8, 4, "gemv"), (8, 8, "gemv"), (8, 9, "gemm"),
+                                          (1, 1, "gemv"), (1, 2, "gemm"), (2, 2, "gemv"), (2, 3, "gemm"),
+                                          (0, 1, "gemm")])
+def test_linear_dispatch_by_rows(monkeypatch, rows, M, want):
+    """`linear` runs the split-K GEMV for 1..gemv_rows rows and the tensor-core GEMM above (or when off);
+    the kernels are replaced by recorders, so this runs without Triton."""
+    import mtp.kernels.fp8_gemm as gemm
+    import mtp.kernels.gemv_splitk as gemv
+    from mtp.kernels.dispatch import linear
+
+    took = []
+    monkeypatch.setattr(gemv, "fp8_gemv", lambda x, w8, sw, **kw: took.append("gemv"))
+    monkeypatch.setattr(gemm, "fp8_linear", lambda x, w8, sw, **kw: took.append("gemm"))
+    old = set_fast_kernels(gemv_rows=rows)
+    try:
+        linear(torch.zeros(M, 256), torch.zeros(128, 256), torch.ones(1, 2))
+    finally:
+        set_fast_kernels(**vars(old))
+    assert took == [want]
+
+
+@pytest.mark.parametrize("bad", [9, -1, True, 2.0, "4"])
+def test_gemv_rows_checked(bad):
+    with pytest.raises(ValueError, match="gemv_rows must be an integer in 0..8"):
+        set_fast_kernels(gemv_rows=bad)
+    assert SWITCHES.gemv_rows == 1  # the measured default
+
+
+def test_set_kernels_invalidates_kept_graphs():
+    """Flipping a switch through the fast path bumps model.version (graphs kept by the engine are captured
+    again) and restores like set_fast_kernels."""
+    from mtp.backends.fast_path import set_kernels
+    from mtp.model.presets import tiny_config
+    from mtp.model.deepseek import DeepseekV32
+
+    model = DeepseekV32(tiny_config(), n_mtp=0)
+    v = model.version
+    old = set_kernels(model, router=False)
+    try:
+        assert model.version == v + 1 and SWITCHES.router is False and old.router is True
+    finally:
+        set_kernels(model, **vars(old))
+    assert model.version == v + 2 and SWITCHES.router is True
+
+
+# ----------------------------------------------------------------------------- run under TRITON_INTERPRET=1
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _expect_errors(name: str, cases, err: type = ValueError) -> None:
+    """Each (call, match): the call raises err with `match` in its message."""
+    for bad, match in cases:
+        try:
+            bad()
+        except err as e:
+            assert match in str(e), str(e)
+        else:
+            raise AssertionError(f"{name} accepted bad input ({match})")
+
+
+def _gemv_checks() -> None:
+    from mtp.model.fp8 import act_quant as act_quant_ref
+    from mtp.model.fp8 import weight_quant
+    from mtp.kernels.act_quant import act_quant
+    from mtp.kernels.gemv_splitk import MAX_M, fp8_gemv, fp8_gemv_ref
+
+    # odd N (ragged last scale block), K of 3 groups (GPS 1: 3 slices) and 4 groups (one slice or two)
+    for N, K, tune in ((200, 384, {}), (130, 512, {}), (130, 512, dict(gps=2, bn=16))):
+        w8, sw = weight_quant(torch.randn(N, K) * 0.05)
+        for M in range(1, 6):  # verify widths 1..K+1 for K = 4 drafts
+            x = torch.randn(M, K) * torch.logspace(-2, 1, K)
+            xq = act_quant_ref(x)
+            y = fp8_gemv(None, w8, sw, xq=xq, **tune)
+            r = fp8_gemv_ref(None, w8, sw, xq=xq)
+            assert y.dtype == torch.float32 and _rel(y, r) < 1e-5, (N, K, M, tune, _rel(y, r))
+            again = fp8_gemv(None, w8, sw, xq=xq, **tune)  # the split-K counters re-armed themselves
+            assert torch.equal(again, y)
+            own = fp8_gemv(None, w8, sw, xq=act_quant(x), **tune)  # the interpreter's own quantization
+            assert torch.equal(fp8_gemv(x, w8, sw, out_dtype=torch.float32, **tune), own), (N, K, M, tune)
+    # the tensor-core variant: odd N, the model's K (1536, 2048, 7168), every row count 1..8, x pre-quantized
+    # and quantized in the kernel, the planned tile and a forced one
+    for N, K, Ms, tune in ((130, 1536, range(1, MAX_M + 1), {}), (72, 2048, (1, 4, 8), {}),
+                           (40, 7168, (2, 7), {}), (200, 1536, (3,), dict(bn=32, gps=2))):
+        w8, sw = weight_quant(torch.randn(N, K) * 0.05)
+        for M in Ms:
+            x = torch.randn(M, K) * torch.logspace(-2, 1, K)
+            xq = act_quant_ref(x)
+            y = fp8_gemv(None, w8, sw, xq=xq, mma=True, **tune)
+            r = fp8_gemv_ref(None, w8, sw, xq=xq)
+            assert y.dtype == torch.float32 and _rel(y, r) < 1e-5, ("mma", N, K, M, tune, _rel(y, r))
+            if M == MAX_M:  # the counters re-armed themselves
+                assert torch.equal(fp8_gemv(None, w8, sw, xq=xq, mma=True, **tune), y)
+            own = fp8_gemv(None, w8, sw, xq=act_quant(x), mma=True, **tune)
+            assert torch.equal(fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=True, **tune), own), ("mma", N, K, M)
+    xb = torch.randn(2, 3, 256).bfloat16()  # leading dims and a bf16 output
+    w8, sw = weight_quant(torch.randn(96, 256) * 0.05)
+    y = fp8_gemv(None, w8, sw, xq=act_quant_ref(xb), out_dtype=torch.bfloat16)
+    assert y.shape == (2, 3, 96) and y.dtype == torch.bfloat16
+    assert _rel(y.float(), fp8_gemv_ref(xb, w8, sw).float()) < 1e-2
+    _expect_errors("fp8_gemv", ((lambda: fp8_gemv(torch.randn(MAX_M + 1, 256), w8, sw), "rows"),
+                                (lambda: fp8_gemv(torch.randn(1, 128), w8, sw), "input channels"),
+                                (lambda: fp8_gemv(None, w8, sw, xq=(act_quant_ref(xb)[0], None)), "xq must be"),
+                                (lambda: fp8_gemv(torch.randn(2, 256), w8, sw, mma=True, bn=8), "mma needs bn")))
+
+
+def _norm_checks() -> None:
+    from mtp.kernels.act_quant import act_quant
+    from mtp.kernels.norm_quant import add_rms_norm_quant, add_rms_norm_quant_ref
+
+    for M, D in ((1, 640), (5, 384), (3, 256)):
+        h = torch.randn(M, D) * 3
+        d = torch.randn(M, D).bfloat16()
+        w = torch.rand(D).bfloat16() + 0.5
+        h[0, :128] = 0  # with d, a group of small values
+        hn, y, x8, sx = add_rms_norm_quant(h, d, w, 1e-6)
+        rh, ry, _, _ = add_rms_norm_quant_ref(h, d, w, 1e-6)
+        assert torch.equal(hn, rh), "the residual add must be the reference's add, bit for bit"
+        ulp = ry.float().abs() * 2 ** -7 + 1e-30  # a bf16 ulp: the sum of squares is a tree sum
+        assert bool(((y.float() - ry.float()).abs() <= ulp).all()), (M, D, (y.float() - ry.float()).abs().max())
+        k8, ks = act_quant(y)  # quantizes what it stored
+        assert torch.equal(sx, ks) and torch.equal(x8.view(torch.uint8), k8.view(torch.uint8))
+        h0, y0, q8, qs = add_rms_norm_quant(h, None, w, 1e-6, store_y=False)  # the q_a norm: quantized y only
+        _, ry0, _, _ = add_rms_norm_quant_ref(h, None, w, 1e-6)
+        assert h0 is h and y0 is None and _rel(q8.float() * qs.repeat_interleave(128, -1), ry0.float()) < 0.1
+        _, y1, n8, _ = add_rms_norm_quant(h, d, w, 1e-6, quant=False)
+        assert n8 is None and torch.equal(y1, y)
+        hb = (h[:, :256] * 0.1).bfloat16()  # a bf16 input without a delta (the q_a norm's)
+        _, yb, b8, bs = add_rms_norm_quant(hb, None, w[:256], 1e-6)
+        _, ryb, _, _ = add_rms_norm_quant_ref(hb, None, w[:256], 1e-6)
+        assert bool(((yb.float() - ryb.float()).abs() <= ryb.float().abs() * 2 ** -7 + 1e-30).all())
+        k8, ks = act_quant(yb)
+        assert torch.equal(bs, ks) and torch.equal(b8.view(torch.uint8), k8.view(torch.uint8))
+    _expect_errors("add_rms_norm_quant", [(lambda: add_rms_norm_quant(torch.randn(2, 200), None, torch.ones(200), 1e-6),
+                                           "multiple of 128")])
+    _expect_errors("add_rms_norm_quant", [(lambda: add_rms_norm_quant(torch.randn(2, 256).bfloat16(),
+                                                                      torch.randn(2, 256), torch.ones(256), 1e-6),
+                                           "with a delta")], err=TypeError)
+    # the block's last residual add: h + y rounded to the model dtype, bit for bit (fp16 / fp32 here: the
+    # interpreter's bf16 rounding is numpy's, held on the GPU)
+    from mtp.kernels.norm_quant import add_rounded, add_rounded_ref
+
+    h, y = torch.randn(3, 2500) * 3, torch.randn(3, 2500) * 1e3
+    for dt in (torch.float16, torch.float32):
+        assert torch.equal(add_rounded(h, y, dt), add_rounded_ref(h, y, dt)), dt
+    assert not torch.equal(add_rounded_ref(h, y, torch.float16), h + y)  # the rounding is there to see
+
+
+def _router_checks() -> None:
+    from mtp.kernels.router import IMPLS, moe_route_fused, moe_route_ref, route_from_logits_ref
+
+    torch.manual_seed(1)
+    # DeepSeek's E = 256 / 8 groups at every verify width 1..8, and the tiny models' odd configs
+    cases = [(T, 256, 256, 8, 4, 8) for T in (1, 2, 3, 5, 8)]
+    cases += [(5, 64, 384, 4, 2, 6), (3, 32, 256, 1, 1, 3), (2, 16, 256, 4, 2, 4), (7, 8, 128, 2, 1, 2),
+              (4, 8, 128, 4, 2, 3)]
+    for T, E, D, ng, tg, k in cases:
+        x = torch.randn(T, D)
+        wg = torch.randn(E, D) * 0.05
+        bias = torch.randn(E) * 0.05
+        kw = dict(n_group=ng, topk_group=tg, topk=k)
+        got = {impl: moe_route_fused(x, wg, bias, return_logits=True, impl=impl, **kw) for impl in (*IMPLS, "auto")}
+        w, idx, lg = got["serial"]
+        for impl in [i for i in got if i != "serial"]:  # the same logits, ids and weights bit for bit
+            assert all(torch.equal(a, b) for a, b in zip(got[impl], got["serial"])), (impl, T, E, ng)
+        assert _rel(lg, x @ wg.t()) < 1e-5
+        wr, ir = route_from_logits_ref(lg, bias, **kw)
+        assert torch.equal(idx, ir), (T, E, idx.tolist(), ir.tolist())
+        assert _rel(w, wr) < 1e-6
+        e0, e1 = E // 4, E // 2  # an expert-parallel rank's view
+        for impl in IMPLS:
+            assert torch.equal(moe_route_fused(x, wg, bias, impl=impl, **kw)[1], idx)
+            wl, il = moe_route_fused(x, wg, bias, local=(e0, e1), impl=impl, **kw)
+            assert torch.equal(wl, w) and torch.equal(il, torch.where((idx >= e0) & (idx < e1), idx - e0, -1))
+    # exact ties everywhere (x = 0: every sigmoid is 0.5; bias in steps of 0.25): equal experts in a group,
+    # equal group scores across groups; lower index first at every step
+    x = torch.zeros(4, 256)
+    for E, ng, tg, k in ((64, 4, 2, 6), (256, 8, 4, 8), (16, 4, 2, 4)):
+        wg = torch.randn(E, 256)
+        bias = torch.randint(0, 3, (E,)).float() * 0.25
+        wr, ir = moe_route_ref(x, wg, bias, n_group=ng, topk_group=tg, topk=k)
+        for impl in IMPLS:
+            w, idx = moe_route_fused(x, wg, bias, n_group=ng, topk_group=tg, topk=k, impl=impl)
+            assert torch.equal(idx, ir), (impl, E, idx.tolist(), ir.tolist())
+            assert _rel(w, wr) < 1e-6
+    wg, bias = torch.randn(16, 256), torch.zeros(16)
+    _expect_errors("moe_route_fused", (
+        (lambda: moe_route_fused(torch.randn(17, 256), wg, bias, n_group=4, topk_group=2, topk=4, impl="grouped"),
+         "1..16 tokens"),
+        (lambda: moe_route_fused(torch.randn(2, 256), wg, bias, n_group=4, topk_group=1, topk=5, impl="grouped"),
+         "topk 5 <= topk_group 1"),
+        (lambda: moe_route_fused(torch.randn(2, 256), wg, bias, n_group=4, topk_group=2, topk=4, impl="sorted"),
+         "impl must be")))
+
+
+def _prologue_checks() -> None:
+    """The MLA prologue kernels on a tiny fp32 MLA: every FP8 code and scale they write equals the interpreter's
+    act_quant of the reference chain's values (the rotary keys and q_pe exactly)."""
+    from mtp.model.attention import MLA
+    from mtp.model.cache import KVCache
+    from mtp.kernels.act_quant import act_quant
+    from mtp.kernels.mla_prologue import mla_kv_prologue, mla_q_prologue, mla_q_prologue_ref
+    from mtp.model.layers import Rotary, rope_interleaved
+    from mtp.model.presets import tiny_config
+
+    cfg = tiny_config()
+    mla = MLA(cfg, torch.float32)
+    ix = mla.indexer
+    mla.kv_a_layernorm.weight.data = torch.rand(cfg.kv_lora_rank) + 0.5
+    ix.k_norm.weight.data, ix.k_norm.bias.data = torch.rand(128) + 0.5, torch.randn(128) * 0.1
+    B, T, Q, C, R = 2, 3, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    a = torch.randn(B, T, Q + 128 + C + R)
+    pos = torch.tensor([[3, 4, 5], [7, 8, 9]])
+    cos, sin = Rotary(cfg).angles(pos)
+    cache = KVCache(cfg, 1, B, 16, device="cpu", dtype=torch.float32, quantized=True).layer(0)
+    mla_kv_prologue(mla, cache, pos, a, cos, sin)
+    b = torch.arange(B)[:, None].expand(B, T)
+    c8, cs = act_quant(mla.kv_a_layernorm(a[..., Q + 128:Q + 128 + C], torch.float32))
+    k8, ks = act_quant(ix._rotate(ix.k_norm(a[..., Q:Q + 128]), cos, sin))
+    pe = rope_interleaved(a[..., Q + 128 + C:], cos, sin)
+    assert torch.equal(cache.kv[b, pos].view(torch.uint8), c8.view(torch.uint8)) and torch.equal(cache.kv_scale[b, pos], cs)
+    assert torch.equal(cache.idx_k[b, pos].view(torch.uint8), k8.view(torch.uint8))
+    assert torch.equal(cache.idx_k_scale[b, pos], ks[..., 0]) and torch.equal(cache.pe[b, pos], pe)
+    qq = torch.randn(B, T, mla.H * (mla.P + R) + ix.n_heads * 128)
+    q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin)
+    rp, _, _ = mla_q_prologue_ref(mla, qq, cos, sin)
+    r8, rs = act_quant(ix._rotate(qq[..., mla.H * (mla.P + R):].view(B, T, ix.n_heads, 128), cos, sin))
+    assert torch.equal(q_pe, rp) and q_pe.is_contiguous()
+    assert torch.equal(iq8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(iqs, rs)
+    # without the indexer's queries (S <= top-k): q_pe alone, from the q_b output or the whole q_b | wq_b row
+    for width in (mla.H * (mla.P + R), qq.shape[-1]):
+        q_pe2, none8, none_s = mla_q_prologue(mla, qq[..., :width], cos, sin, index=False)
+        assert torch.equal(q_pe2, rp) and none8 is None and none_s is None
+    try:
+        mla_q_prologue(mla, qq[..., :-1], cos, sin, index=False)
+        raise AssertionError("a q_b output of the wrong width was taken")
+    except ValueError as e:
+        assert "mla_q_prologue: qq must be" in str(e)
+
+
+def _absorb_checks() -> None:
+    """The absorbed kv_b projections (fp32: the interpreter's bf16 tl.dot is wrong) on a strided q_nope."""
+    from mtp.kernels.absorb import absorb_out, absorb_out_ref, absorb_q, absorb_q_ref
+
+    for B, T, H in ((1, 1, 4), (2, 3, 3)):
+        qq = torch.randn(B, T, H * 192 + 50)
+        q_nope = qq[..., :H * 192].view(B, T, H, 192)[..., :128]  # the q_b output's nope channels
+        wkb, wvb = torch.randn(H, 128, 512) * 0.05, torch.randn(H, 128, 512) * 0.05
+        q_lat = absorb_q(q_nope, wkb)
+        assert q_lat.is_contiguous() and _rel(q_lat, absorb_q_ref(q_nope, wkb)) < 1e-6
+        o_lat = torch.randn(B, T, H, 512)
+        assert _rel(absorb_out(o_lat, wvb), absorb_out_ref(o_lat, wvb)) < 1e-6
+
+
+def _model_checks() -> None:
+    """A tiny fp32 model with every fast-path module installed: the new kernels (switches on) give the old
+    kernels' logits (switches off) within fp32 summation order, both under the interpreter."""
+    import tempfile
+
+    from tests.interp import patch_interpreter_loop_bounds
+
+    from mtp.checkpoint.files import load_model, save_checkpoint
+    from mtp.backends.fast_path import FAST_CLASSES, FastBlock, disable_fast_path, install_fast_modules
+    from mtp.checkpoint.random_weights import random_tensors
+    from mtp.model.presets import tiny_config
+
+    patch_interpreter_loop_bounds()
+    cfg = tiny_config()
+    path = save_checkpoint(random_tensors(cfg, seed=0), cfg, Path(tempfile.mkdtemp()) / "tiny")
+    model = load_model(path, dtype=torch.float32, numerics="fp8")
+    ids = torch.randint(0, cfg.vocab_size, (2, 3), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        install_fast_modules(model)
+        assert all(isinstance(b, FastBlock) for b in [*model.model.layers, *model.mtp])
+        out = {}
+        from mtp.model.moe import MoE
+
+        calls = []  # module hooks (mtp-bench counts experts with one) must see the fused block's MoE call too
+        hooks = [m.register_forward_pre_hook(lambda mod, inp: calls.append(mod)) for m in model.model.layers.modules()
+                 if isinstance(m, MoE)]
+        for on in (False, True):
+            set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
+            cache = model.new_cache(2, 16)
+            calls.clear()
+            out[on] = model(ids, cache).logits
+            assert len(calls) == len(hooks) > 0, (on, len(calls), len(hooks))
+            out[on, "decode"] = model(ids[:, :1], cache).logits  # one token: the absorbed, fused block path
+            assert len(calls) == 2 * len(hooks)
+        for hk in hooks:
+            hk.remove()
+        assert _rel(out[True, "decode"], out[False, "decode"]) < 1e-5, _rel(out[True, "decode"], out[False, "decode"])
+        for on in (False, True):
+            set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
+            out[on, "mtp"] = model.mtp_forward(0, ids, torch.randn(2, 3, cfg.hidden_size,
+                                                                    generator=torch.Generator().manual_seed(1)),
+                                               model.new_cache(2, 16, n_layers=1)).logits
+        assert _rel(out[True], out[False]) < 1e-5, _rel(out[True], out[False])
+        assert _rel(out[True, "mtp"], out[False, "mtp"]) < 1e-5
+        disable_fast_path(model)
+        assert not any(isinstance(m, FAST_CLASSES) for m in model.modules()), "disable must restore the classes"
+    # one rank of a TP=2 model (collectives the identity): the per-rank MLP / expert-parallel MoE paths
+    from tests.parallel.test_moe_ep import SumLaterComm
+
+    from mtp.parallel import ParallelPlan
+    from mtp.parallel.synthetic import random_parallel_model
+    from mtp.model.presets import tiny_parallel_config
+
+    cfg = tiny_parallel_config(world=2)
+    comm = SumLaterComm(1, 2)
+    comm.all_gather_last = lambda t: t  # the local vocabulary's logits
+    rank = random_parallel_model(cfg, comm, ParallelPlan(world=2), device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        install_fast_modules(rank)
+        from mtp.backends.fast_path import FastParallelMLP
+
+        assert any(type(m) is FastParallelMLP and m.fused_gate_up is not None for m in rank.modules())
+        out = {}
+        for on in (False, True):
+            set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
+            out[on] = rank(ids, rank.new_cache(2, 16)).logits
+        assert _rel(out[True], out[False]) < 1e-5, _rel(out[True], out[False])
+    set_fast_kernels(gemv=True, norm_quant=True, router=True, prologue=True, absorb=True)
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    torch.manual_seed(0)
+    if sys.argv[1] == "kernels":
+        _gemv_checks()
+        _norm_checks()
+        _router_checks()
+        _prologue_checks()
+        _absorb_checks()
+    else:
+        _model_checks()
+    print(f"{sys.argv[1]} ok")

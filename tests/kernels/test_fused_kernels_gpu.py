@@ -1,0 +1,449 @@
+"""The fused decode kernels vs their plain-PyTorch references on the GPU (pytest -m gpu):
+`gemv_splitk.fp8_gemv`, `norm_quant.add_rms_norm_quant`, `router.moe_route_fused`, and the fast path with the
+new kernels switched on vs off (`kernels.dispatch.SWITCHES`). Shapes: the TP=8 per-rank weights of
+DeepSeek-V3.2 and odd ones; rows 1..5 (verify widths 1..K+1 for K = 4) and 8.
+MTP_TEST_DEVICE=cpu with TRITON_INTERPRET=1 dry-runs the kernel tests on the CPU (slow).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mtp.kernels import available
+
+pytestmark = pytest.mark.gpu
+DEV = os.environ.get("MTP_TEST_DEVICE", "cuda")
+if not (available() or (DEV == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")):
+    pytest.skip("needs triton and a CUDA device", allow_module_level=True)
+
+from mtp.model.fp8 import act_quant as act_quant_ref  # noqa: E402
+from mtp.model.fp8 import weight_quant  # noqa: E402
+from mtp.kernels.dispatch import linear, set_fast_kernels  # noqa: E402
+from mtp.kernels.gemv_splitk import fp8_gemv, fp8_gemv_ref  # noqa: E402
+from mtp.kernels.moe import moe_route  # noqa: E402
+from mtp.kernels.norm_quant import add_rms_norm_quant, add_rms_norm_quant_ref  # noqa: E402
+from mtp.kernels.router import moe_route_fused, route_from_logits_ref  # noqa: E402
+
+from .test_kernels_gpu import check_close, poison, rand_weight  # noqa: E402
+
+# (N, K): q_a | wk | kv_a, q_b | wq_b (16 heads), o_proj (16 heads), shared gate | up and down (2 blocks),
+# dense gate | up and down (18 blocks), kv_a alone, and odd ones (ragged scale block, K of 3 / 5 groups)
+RANK_SHAPES = [(2240, 7168), (11264, 1536), (7168, 2048), (512, 7168), (7168, 256), (4608, 7168), (7168, 2304),
+               (576, 7168)]
+ODD_SHAPES = [(200, 384), (1000, 640), (130, 7168)]
+WIDTHS = [1, 2, 3, 4, 5, 8]
+
+
+@pytest.mark.parametrize("M", WIDTHS)
+@pytest.mark.parametrize("NK", RANK_SHAPES + ODD_SHAPES)
+def test_fp8_gemv(M, NK):
+    N, K = NK
+    w8, sw = rand_weight(N, K)
+    x = (torch.randn(M, K, device=DEV) * torch.logspace(-3, 1, K, device=DEV)).bfloat16()
+    xq = act_quant_ref(x)
+    poison()
+    y = fp8_gemv(None, w8, sw, xq=xq)
+    check_close(f"fp8_gemv M={M} N={N} K={K}", y, fp8_gemv_ref(None, w8, sw, xq=xq), 1e-4)
+    # in-register quantization is bit-identical to act_quant, so the two inputs give the same bits
+    assert torch.equal(fp8_gemv(x, w8, sw, out_dtype=torch.float32), y)
+    yb = fp8_gemv(x, w8, sw)
+    assert yb.dtype == torch.bfloat16
+    check_close(f"fp8_gemv bf16 M={M} N={N} K={K}", yb.float(), fp8_gemv_ref(x, w8, sw).float(), 1e-2)
+
+
+# TP=1 full width: q_b | wq_b, o_proj, dense gate | up (stacked) and down, shared gate | up, an expert's down
+TP1_SHAPES = [(32768, 1536), (7168, 16384), (36864, 7168), (7168, 18432), (4096, 7168), (7168, 2048)]
+
+
+@pytest.mark.parametrize("M", list(range(1, 9)))
+@pytest.mark.parametrize("NK", RANK_SHAPES + ODD_SHAPES)
+def test_fp8_gemv_mma(M, NK):
+    """The tensor-core variant (mma=True) against the reference, pre-quantized and quantized in the kernel
+    (the same bits), fp32 and bf16 out; its fp32 MMA sums a group in its own order: the old tensor-core
+    kernel's tolerance (tests/kernels/test_kernels_gpu.py: 1e-3)."""
+    N, K = NK
+    w8, sw = rand_weight(N, K)
+    x = (torch.randn(M, K, device=DEV) * torch.logspace(-3, 1, K, device=DEV)).bfloat16()
+    xq = act_quant_ref(x)
+    poison()
+    y = fp8_gemv(None, w8, sw, xq=xq, mma=True)
+    check_close(f"fp8_gemv mma M={M} N={N} K={K}", y, fp8_gemv_ref(None, w8, sw, xq=xq), 1e-3)
+    assert torch.equal(fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=True), y)
+    yb = fp8_gemv(x, w8, sw, mma=True)
+    assert yb.dtype == torch.bfloat16
+    check_close(f"fp8_gemv mma bf16 M={M} N={N} K={K}", yb.float(), fp8_gemv_ref(x, w8, sw).float(), 1e-2)
+
+
+@pytest.mark.parametrize("M", [1, 2, 4, 8])
+@pytest.mark.parametrize("NK", TP1_SHAPES)
+def test_fp8_gemv_full_width(M, NK):
+    """Both variants on the TP=1 weights (the shapes where the CUDA-core one lost to the old kernel)."""
+    N, K = NK
+    w8, sw = rand_weight(N, K)
+    xq = act_quant_ref(torch.randn(M, K, device=DEV).bfloat16())
+    ref = fp8_gemv_ref(None, w8, sw, xq=xq)
+    poison()
+    for mma, tol in ((False, 1e-4), (True, 1e-3)):
+        check_close(f"fp8_gemv mma={mma} M={M} N={N} K={K}", fp8_gemv(None, w8, sw, xq=xq, mma=mma), ref, tol)
+
+
+FMA_TILES = [dict(bn=8, gps=1), dict(bn=64, gps=2), dict(bn=16, gps=8, num_warps=4), dict(bn=128, gps=8)]
+MMA_TILES = [dict(bn=16, gps=8), dict(bn=32, gps=4), dict(bn=64, gps=2, num_warps=4), dict(bn=128, gps=1)]
+
+
+@pytest.mark.parametrize("mma, tune", [(False, t) for t in FMA_TILES] + [(True, t) for t in MMA_TILES])
+def test_fp8_gemv_tiles(mma, tune):
+    M, N, K = 5 if mma else 3, 2240, 7168
+    w8, sw = rand_weight(N, K)
+    xq = act_quant_ref(torch.randn(M, K, device=DEV))
+    poison()
+    y = fp8_gemv(None, w8, sw, xq=xq, mma=mma, **tune)
+    check_close(f"fp8_gemv mma={mma} {tune}", y, fp8_gemv_ref(None, w8, sw, xq=xq), 1e-3 if mma else 1e-4)
+
+
+def _needs_cuda():
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs")
+
+
+@pytest.mark.parametrize("mma", [False, True])
+def test_fp8_gemv_deterministic_and_graph_safe(mma):
+    _needs_cuda()
+    w8, sw = rand_weight(2240, 7168)
+    x = torch.randn(4, 7168, device=DEV).bfloat16()
+    a = fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=mma)
+    for _ in range(3):  # the split-K counters re-arm themselves: repeated launches agree bit for bit
+        assert torch.equal(a, fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=mma))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=mma)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(a, y)
+
+
+@pytest.mark.parametrize("M", [1, 4, 9, 40])
+def test_dispatch_linear_switch(M):
+    """`linear` takes the new GEMV for 1..gemv_rows rows when switched on, the old kernels otherwise; both agree."""
+    w8, sw = rand_weight(1000, 1536)
+    x = torch.randn(M, 1536, device=DEV).bfloat16()
+    xq = act_quant_ref(x)
+    ref = fp8_gemv_ref(x, w8, sw, out_dtype=torch.float32)
+    outs = []
+    for on in (True, False):
+        old = set_fast_kernels(gemv=on)
+        try:
+            outs += [linear(x, w8, sw, out_dtype=torch.float32), linear(None, w8, sw, xq=xq),
+                     linear(x, w8, sw, out_dtype=torch.float32, xq=xq)]
+        finally:
+            set_fast_kernels(**vars(old))
+    for i, y in enumerate(outs):
+        check_close(f"linear #{i} M={M}", y, ref, 1e-3)
+
+
+# ----------------------------------------------------------------------------- add + RMSNorm + quant
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 33])
+@pytest.mark.parametrize("D", [7168, 1536, 640])
+def test_add_rms_norm_quant(M, D):
+    h = torch.randn(M, D, device=DEV) * torch.logspace(-2, 2, D, device=DEV)
+    d = torch.randn(M, D, device=DEV).bfloat16()
+    w = (torch.rand(D, device=DEV) + 0.5).bfloat16()
+    poison()
+    hn, y, x8, sx = add_rms_norm_quant(h, d, w, 1e-6)
+    rh, ry, _, _ = add_rms_norm_quant_ref(h, d, w, 1e-6)
+    assert torch.equal(hn, rh), "the residual add must be bit-identical to the reference's"
+    diff = (y.float() - ry.float()).abs()
+    ulp = ry.float().abs() * 2 ** -7
+    assert bool((diff <= ulp).all()), f"y off by more than a bf16 ulp: {diff.max().item():.3e}"
+    assert (diff > 0).float().mean() < 0.01, "more than 1% of y differs from the reference's rounding"
+    k8, ks = act_quant_ref(y)  # bit-exact quantization of what it stored
+    assert torch.equal(sx, ks) and torch.equal(x8.view(torch.uint8), k8.view(torch.uint8))
+    qa = (torch.randn(M, D, device=DEV) * 0.3).bfloat16()  # the q_a norm: bf16 in, only the quantized y out
+    _, none, q8, qs = add_rms_norm_quant(qa, None, w, 1e-6, store_y=False)
+    _, ry2, _, _ = add_rms_norm_quant_ref(qa, None, w, 1e-6)
+    r8, rs = act_quant_ref(ry2)
+    assert none is None
+    assert (q8.view(torch.uint8) != r8.view(torch.uint8)).float().mean() < 0.01 and (qs == rs).float().mean() > 0.99
+
+
+def test_add_rms_norm_quant_graph_safe():
+    _needs_cuda()
+    h = torch.randn(3, 7168, device=DEV)
+    d = torch.randn(3, 7168, device=DEV).bfloat16()
+    w = torch.ones(7168, device=DEV).bfloat16()
+    a = add_rms_norm_quant(h, d, w, 1e-6)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        b = add_rms_norm_quant(h, d, w, 1e-6)
+    g.replay()
+    torch.cuda.synchronize()
+    for u, v in zip(a, b):
+        assert torch.equal(u.view(torch.uint8) if u.dtype.itemsize == 1 else u,
+                           v.view(torch.uint8) if v.dtype.itemsize == 1 else v)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 7168), (1, 4, 7168), (3, 5, 1000)])
+def test_add_rounded(shape):
+    """The block's last residual add, h + y rounded to bf16 / fp16, bit-equal to the torch reference."""
+    from mtp.kernels.norm_quant import add_rounded, add_rounded_ref
+
+    h, y = torch.randn(*shape, device=DEV) * 3, torch.randn(*shape, device=DEV) * 1e3
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        assert torch.equal(add_rounded(h, y, dt), add_rounded_ref(h, y, dt)), dt
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_moe_experts_add(T):
+    """moe_experts(add=s): the shared expert's output added in the combine launch equals the routed sum + s."""
+    from mtp.kernels.moe import moe_experts
+
+    E, D, I = 8, 1024, 256
+    w1, s1 = zip(*[rand_weight(I, D) for _ in range(E)])
+    w3, s3 = zip(*[rand_weight(I, D) for _ in range(E)])
+    w2, s2 = zip(*[rand_weight(D, I) for _ in range(E)])
+    st = [torch.stack(t).contiguous() for t in (w1, s1, w3, s3, w2, s2)]
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    ids = torch.stack([torch.randperm(E, device=DEV)[:4] for _ in range(T)]).int()
+    ids[0, 1] = -1  # another rank's expert
+    w = torch.rand(T, 4, device=DEV)
+    add = torch.randn(T, D, device=DEV)
+    for layout in ("pairs", "persistent"):
+        base = moe_experts(x, ids, w, *st, out_dtype=torch.float32, layout=layout)
+        got = moe_experts(x, ids, w, *st, out_dtype=torch.float32, layout=layout, add=add)
+        assert torch.equal(got, base + add), layout
+
+
+# ----------------------------------------------------------------------------- router
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 33, 64])
+def test_moe_route_fused(T):
+    E, D = 256, 7168
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    wg = (torch.randn(E, D, device=DEV) * 0.02).bfloat16()
+    bias = torch.randn(E, device=DEV) * 0.05
+    poison()
+    w, idx, lg = moe_route_fused(x, wg, bias, return_logits=True)
+    check_close("gate logits", lg, x.float() @ wg.float().t(), 1e-5)
+    wr, ir = route_from_logits_ref(lg, bias)  # same logits: the choice must agree exactly
+    assert torch.equal(idx, ir), f"experts differ in tokens {torch.nonzero((idx != ir).any(1)).flatten().tolist()}"
+    check_close("route weights", w, wr, 1e-6)
+    wl, il = moe_route_fused(x, wg, bias, local=(64, 96))  # an expert-parallel rank's view
+    assert torch.equal(wl, w) and torch.equal(il, torch.where((idx >= 64) & (idx < 96), idx - 64, -1))
+    w2, i2 = moe_route(x, wg, bias)  # the two-launch router (other summation order of the logits)
+    assert (i2 == idx).float().mean() > 0.99
+    check_close("vs moe_route", w, w2, 1e-3)
+
+
+# DeepSeek's config at verify widths 1..8 and 16, and the tiny models' (E, n_group, topk_group, topk)
+GROUPED_CASES = [(T, 256, 8, 4, 8) for T in (1, 2, 3, 4, 5, 6, 7, 8, 16)] + [
+    (3, 64, 4, 2, 6), (5, 32, 1, 1, 3), (8, 16, 4, 2, 4), (2, 8, 2, 1, 2), (7, 8, 4, 2, 3)]
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES)
+def test_moe_route_grouped(case):
+    """impl="grouped" (the top-k split over the E-blocks' last slices) against the serial tail and the reference:
+    logits and ids bit for bit, weights to fp32 rounding (on an H200 they differed from serial's in the last bits
+    in 6 of 9 DeepSeek-shaped cases: the normalizing sum adds the same 8 terms in another order; bit-equal under
+    the interpreter); with and without an expert-parallel rank's local ids."""
+    T, E, ng, tg, k = case
+    D = 7168 if E == 256 else 512
+    kw = dict(n_group=ng, topk_group=tg, topk=k)
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    wg = (torch.randn(E, D, device=DEV) * 0.02).bfloat16()
+    bias = torch.randn(E, device=DEV) * 0.05
+    poison()
+    got = moe_route_fused(x, wg, bias, return_logits=True, impl="grouped", **kw)
+    ser = moe_route_fused(x, wg, bias, return_logits=True, impl="serial", **kw)
+    for name, a, b in zip(("ids", "logits"), got[1:], ser[1:]):
+        assert torch.equal(a, b), f"grouped vs serial {name} differ"
+    check_close("grouped vs serial weights", got[0], ser[0], 1e-6)
+    wr, ir = route_from_logits_ref(got[2], bias, **kw)
+    bad = torch.nonzero((got[1] != ir).any(1)).flatten().tolist()
+    assert not bad, f"experts differ in tokens {bad}"
+    check_close("grouped route weights", got[0], wr, 1e-6)
+    e0, e1 = E // 4, E // 2
+    wl, il = moe_route_fused(x, wg, bias, local=(e0, e1), impl="grouped", **kw)
+    assert torch.equal(wl, got[0]) and torch.equal(il, torch.where((ir >= e0) & (ir < e1), ir - e0, -1))
+
+
+def test_moe_route_grouped_ties():
+    """Every gate logit 0 (x = 0) and the bias in steps of 0.25: equal experts and equal groups everywhere; the
+    lower index wins at every step, as the reference's stable sorts."""
+    x = torch.zeros(8, 7168, device=DEV).bfloat16()
+    wg = (torch.randn(256, 7168, device=DEV) * 0.02).bfloat16()
+    bias = torch.randint(0, 3, (256,), device=DEV).float() * 0.25
+    wr, ir = route_from_logits_ref(torch.zeros(8, 256, device=DEV), bias)
+    for impl, nw in (("serial", 4), ("grouped", 4), ("grouped", 8), ("grouped", 16)):
+        w, idx = moe_route_fused(x, wg, bias, impl=impl, num_warps=nw)
+        assert torch.equal(idx, ir), (impl, nw)
+        check_close(f"{impl} {nw} warps tied weights", w, wr, 1e-6)
+
+
+@pytest.mark.parametrize("impl", ["serial", "grouped"])
+def test_moe_route_fused_graph_safe(impl):
+    _needs_cuda()
+    x = torch.randn(2, 7168, device=DEV).bfloat16()
+    wg = (torch.randn(256, 7168, device=DEV) * 0.02).bfloat16()
+    bias = torch.randn(256, device=DEV) * 0.05
+    a = moe_route_fused(x, wg, bias, impl=impl)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        b = moe_route_fused(x, wg, bias, impl=impl)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# ----------------------------------------------------------------------------- MLA prologue
+def _rank_mla(seed: int):
+    """One TP=8 rank's MLA of the real config (16 heads), bf16, random norm parameters."""
+    import dataclasses
+
+    from mtp.model.attention import MLA
+    from mtp.model.presets import real_config
+
+    cfg = dataclasses.replace(real_config(layers=1, dense_layers=1, mtp_modules=0), num_attention_heads=16)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    with torch.device(DEV):
+        mla = MLA(cfg, torch.bfloat16)
+    mla.kv_a_layernorm.weight.data = (torch.rand(cfg.kv_lora_rank, device=DEV, generator=g) + 0.5).bfloat16()
+    k = mla.indexer.k_norm
+    k.weight.data = torch.rand(128, device=DEV, generator=g) + 0.5
+    k.bias.data = torch.randn(128, device=DEV, generator=g) * 0.1
+    return cfg, mla, g
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (3, 2)])
+def test_mla_prologue(B, T):
+    from mtp.model.cache import KVCache
+    from mtp.kernels.mla_prologue import mla_kv_prologue, mla_kv_prologue_ref, mla_q_prologue, mla_q_prologue_ref
+    from mtp.model.layers import Rotary
+
+    cfg, mla, g = _rank_mla(B * 10 + T)
+    ix = mla.indexer
+    Q, C, R = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    a = (torch.randn(B, T, Q + 128 + C + R, device=DEV, generator=g) * 2).bfloat16()
+    pos = torch.randint(0, 60, (B, 1), device=DEV, generator=g) + torch.arange(T, device=DEV)
+    cos, sin = Rotary(cfg).to(DEV).angles(pos)
+    caches = [KVCache(cfg, 1, B, 72, device=DEV, dtype=torch.bfloat16, quantized=True) for _ in range(2)]
+    mla_kv_prologue_ref(mla, caches[0].layer(0), pos, a, cos, sin)
+    mla_kv_prologue(mla, caches[1].layer(0), pos, a, cos, sin)
+    b = torch.arange(B, device=DEV)[:, None].expand(B, T)
+    for name in ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale"):
+        r, k = getattr(caches[0], name), getattr(caches[1], name)
+        keep = torch.ones(r.shape[:3], dtype=torch.bool, device=DEV)  # [layers, B, S]: slots not written stay
+        keep[0, b, pos] = False
+        assert torch.equal(r[keep].view(torch.uint8) if r.element_size() == 1 else r[keep],
+                           k[keep].view(torch.uint8) if k.element_size() == 1 else k[keep]), f"{name}: other slots"
+        r, k = r[0, b, pos], k[0, b, pos]
+        same = (r.view(torch.uint8) == k.view(torch.uint8)) if r.element_size() == 1 else (r == k)
+        # a value on a bf16 / fp8 rounding boundary may land on the neighbour (fp32 order, FMA contraction)
+        assert same.float().mean() > 0.99, f"{name}: {int((~same).sum())} of {same.numel()} written values differ"
+    rk, kk = caches[0].pe[0, b, pos].float(), caches[1].pe[0, b, pos].float()
+    assert bool(((rk - kk).abs() <= rk.abs() * 2 ** -7).all()), "rotary keys off by more than a bf16 ulp"
+    H, P = mla.H, mla.P
+    qq = torch.randn(B, T, H * (P + R) + ix.n_heads * 128, device=DEV, generator=g).bfloat16()
+    q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin)
+    rp, r8, rs = mla_q_prologue_ref(mla, qq, cos, sin)
+    assert q_pe.is_contiguous() and q_pe.dtype == torch.bfloat16
+    assert bool(((q_pe.float() - rp.float()).abs() <= rp.float().abs() * 2 ** -7).all())
+    assert (iq8.view(torch.uint8) == r8.view(torch.uint8)).float().mean() > 0.99 and (iqs == rs).float().mean() > 0.99
+    q_pe2, none8, _ = mla_q_prologue(mla, qq[..., :H * (P + R)], cos, sin, index=False)  # S <= top-k: no queries
+    assert torch.equal(q_pe2, q_pe) and none8 is None
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (3, 3)])
+def test_absorb(B, T):
+    from mtp.kernels.absorb import absorb_out, absorb_out_ref, absorb_q, absorb_q_ref
+
+    H = 16  # one TP=8 rank
+    qq = torch.randn(B, T, H * 192 + 64 * 128, device=DEV).bfloat16()
+    q_nope = qq[..., :H * 192].view(B, T, H, 192)[..., :128]  # strided, as mla_forward_fast hands it over
+    wkb = (torch.randn(H, 128, 512, device=DEV) * 0.05).bfloat16()
+    wvb = (torch.randn(H, 128, 512, device=DEV) * 0.05).bfloat16()
+    poison()
+    q_lat = absorb_q(q_nope, wkb)
+    assert q_lat.is_contiguous() and q_lat.dtype == torch.bfloat16
+    check_close(f"absorb_q B={B} T={T}", q_lat.float(), absorb_q_ref(q_nope, wkb).float(), 1e-2)
+    o_lat = torch.randn(B, T, H, 512, device=DEV).bfloat16()
+    check_close(f"absorb_out B={B} T={T}", absorb_out(o_lat, wvb).float(), absorb_out_ref(o_lat, wvb).float(), 1e-2)
+
+
+# ----------------------------------------------------------------------------- the fast path, old vs new kernels
+def test_fast_path_new_kernels_match_old():
+    """A random gpu_test_config model on the fast path, new kernels (all switches on) vs old (all off), both held
+    to an fp32 reference of the same weights at verify widths 1..5 after a 65-69 token prompt (random FP8 models
+    amplify rounding noise: an FP8 re-rounding flip moves a value by up to 1/8, so the new kernels must be as
+    close to it as the old ones, not bit-equal to them); greedy tokens in graph mode equal eager."""
+    _needs_cuda()
+    from mtp.decode.engine import generate
+    from mtp.backends.fast_path import disable_fast_path, enable_fast_path, set_kernels
+    from mtp.checkpoint.synthetic import random_model
+    from mtp.model.presets import gpu_test_config
+
+    from ..decode.test_engine_gpu import _as_float32, _verify_logits
+
+    model = random_model(gpu_test_config(layers=3, mtp_modules=1), device=DEV, dtype=torch.bfloat16, seed=3)
+    ids = torch.randint(0, 2048, (1, 70), device=DEV, generator=torch.Generator(device=DEV).manual_seed(0))
+    m32 = _as_float32(model)
+    ref32 = {w: _verify_logits(m32, ids, w) for w in range(1, 6)}
+    del m32
+    enable_fast_path(model)
+    try:
+        for w in range(1, 6):
+            out = {}
+            for on in (False, True):
+                set_kernels(model, gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
+                out[on] = _verify_logits(model, ids, w)
+            err = lambda x: ((x - ref32[w]).norm() / ref32[w].norm()).item()  # noqa: E731
+            rel = ((out[True] - out[False]).norm() / out[False].norm()).item()
+            print(f"w={w}: rel L2 vs fp32: old kernels {err(out[False]):.3f}, new {err(out[True]):.3f}; "
+                  f"new vs old {rel:.2e}")
+            assert err(out[True]) <= 1.5 * err(out[False]) + 0.02
+        set_kernels(model, gemv=True, norm_quant=True, router=True, prologue=True, absorb=True)
+        prompts = [list(range(3, 40)), list(range(50, 61))]
+        eager = generate(model, prompts, 12, mode="eager").tokens
+        assert generate(model, prompts, 12, mode="graph").tokens == eager
+    finally:
+        set_fast_kernels(gemv=True, norm_quant=True, router=True, prologue=True, absorb=True)
+        disable_fast_path(model)
+
+
+def test_pdl_chain_equals_plain():
+    """Programmatic dependent launch (switch `pdl`): a captured chain norm -> GEMV -> GEMV -> router, each
+    launched with PDL, gives the plain launches' bits (the kernels wait before touching the previous one's
+    outputs), eagerly and on replay."""
+    _needs_cuda()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs Hopper")
+    D = 7168
+    h = torch.randn(2, D, device=DEV)
+    d = torch.randn(2, D, device=DEV).bfloat16()
+    wn = (torch.rand(D, device=DEV) + 0.5).bfloat16()
+    w1, s1 = rand_weight(2240, D)
+    w2, s2 = rand_weight(D, 2240 - 64)
+    wg = (torch.randn(256, D, device=DEV) * 0.02).bfloat16()
+    bias = torch.randn(256, device=DEV) * 0.05
+
+    def chain(pdl):
+        hn, y, x8, sx = add_rms_norm_quant(h, d, wn, 1e-6, pdl=pdl)
+        a = fp8_gemv(None, w1, s1, xq=(x8, sx), out_dtype=torch.bfloat16, pdl=pdl)
+        b = fp8_gemv(a[:, :2240 - 64], w2, s2, out_dtype=torch.float32, pdl=pdl)
+        return (hn, b, *moe_route_fused(y, wg, bias, pdl=pdl))
+
+    want = chain(False)
+    got = chain(True)
+    for u, v in zip(want, got):
+        assert torch.equal(u, v)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cap = chain(True)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        for u, v in zip(want, cap):
+            assert torch.equal(u, v)

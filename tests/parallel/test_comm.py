@@ -1,0 +1,56 @@
+"""Process groups made through `mtp.parallel.comm.init_process_group` are really gone after
+`destroy_process_group`, even once torch._dynamo has been imported (building a parallel model on the meta
+device imports it). Before, gloo's worker threads outlived the group and a rank could abort at interpreter exit
+(`terminate called without an active exception`): the CI flake of tests/parallel/test_launch.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc")
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, time, torch, torch.distributed as dist
+    from mtp.parallel.comm import Comm, init_process_group
+    from mtp.parallel.load import parallel_skeleton
+    from mtp.model.presets import tiny_config
+
+    def threads():
+        names = []
+        for t in os.listdir("/proc/self/task"):
+            try:
+                names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+            except OSError:
+                pass
+        return names
+
+    make = init_process_group if sys.argv[1] == "mtp" else dist.init_process_group
+    make("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+    for _ in range(500):  # the check below can see them: their names appear shortly after they start
+        if sum(n.startswith(("pt_gloo", "gloo")) for n in threads()) >= 2:
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError(f"no named gloo threads: {threads()}")
+    parallel_skeleton(tiny_config(), Comm())  # meta-device build: imports torch._dynamo
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    print(",".join(sorted(n for n in threads() if n.startswith(("pt_gloo", "gloo")))))
+""")
+
+
+def _live_gloo_threads(how: str, tmp_path) -> str:
+    r = subprocess.run([sys.executable, "-c", SCRIPT, how, str(tmp_path / "init")], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.strip()
+
+
+def test_gloo_threads_end_with_the_group(tmp_path):
+    assert _live_gloo_threads("mtp", tmp_path) == ""

@@ -1,0 +1,109 @@
+"""The memory planner: byte counts against the spec, the cache and a real load; the CLI on the real config."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from mtp.model.cache import KVCache
+from mtp.model.config import ModelConfig
+from mtp.parallel import ParallelPlan, param_bytes
+from mtp.parallel.memory import (Workload, kv_bytes_per_token_layer, main, make_plan, rank_weight_bytes,
+                      weight_bytes_by_rank)
+from mtp.checkpoint.inventory import checkpoint_spec
+from mtp.model.presets import real_config, tiny_config
+
+SPLIT = ("embedding + lm_head", "attention (head-split)", "routed experts", "shared experts", "dense MLP")
+REPLICATED = ("attention (replicated)", "indexer (replicated)", "router", "norms")
+
+
+@pytest.fixture(scope="module")
+def real_config_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("real") / "config.json"
+    path.write_text(json.dumps(ModelConfig().to_dict()))  # the defaults are the public 671B config.json
+    return path
+
+
+def test_world1_weights_equal_the_checkpoint_bytes():
+    cfg = real_config(layers=4, dense_layers=3)
+    spec = checkpoint_spec(cfg)
+    size = {"fp8": 1, "scale": 4, "bf16": 2, "fp32": 4, "norm": 4}  # norm: the indexer LayerNorm is held in fp32
+    want = sum(math.prod(t.shape) * size[t.kind] for t in spec.values())
+    assert sum(rank_weight_bytes(cfg, ParallelPlan(1), 0, torch.bfloat16).values()) == want
+
+
+@pytest.mark.parametrize("world", [8, 16])
+def test_split_parts_sum_to_the_whole_and_replicated_parts_repeat(world):
+    cfg = real_config(layers=4, dense_layers=3)
+    one = rank_weight_bytes(cfg, ParallelPlan(1), 0)
+    ranks = weight_bytes_by_rank(cfg, ParallelPlan(world))
+    for c in SPLIT:
+        assert sum(r[c] for r in ranks) == one[c], c
+    for c in REPLICATED:
+        assert all(r[c] == one[c] for r in ranks), c
+
+
+@pytest.mark.parametrize("numerics,dtype", [("fp8", torch.bfloat16), ("fp8", torch.float32), ("dequant", torch.float32)])
+def test_kv_bytes_equal_the_cache(numerics, dtype):
+    cfg = tiny_config()
+    cache = KVCache(cfg, 3, 2, 17, device="cpu", dtype=dtype, quantized=numerics == "fp8")
+    assert kv_bytes_per_token_layer(cfg, dtype, numerics == "fp8") * 3 * 2 * 17 == cache.nbytes()
+    if numerics == "fp8" and dtype == torch.bfloat16:
+        assert kv_bytes_per_token_layer(ModelConfig(), dtype) == 512 + 16 + 128 + 128 + 4
+
+
+def test_world1_prediction_equals_a_real_load(tiny_model):
+    """(The 2-rank version of this check runs in tests/parallel/test_parallel.py on the sharded load.)"""
+    want = sum(rank_weight_bytes(tiny_model.cfg, ParallelPlan(1), 0, torch.float32).values())
+    assert param_bytes(tiny_model) == want
+
+
+@pytest.mark.parametrize("argv,fits", [
+    (["--gpus", "8", "--gpu-mem-gib", "141"], True),  # 8 x H200, one node
+    (["--gpus", "8", "--nodes", "2", "--gpu-mem-gib", "80"], True),  # 16 x H100, two nodes
+    (["--gpus", "4", "--gpu-mem-gib", "80"], False),
+])
+def test_cli_on_the_real_config(real_config_file, capsys, argv, fits):
+    rc = main([str(real_config_file), *argv])
+    out = capsys.readouterr().out
+    print(out)
+    assert rc == (0 if fits else 1)
+    assert ("FITS" in out and "DOES NOT FIT" not in out) == fits
+    assert "788 B/token/layer x 62 layers" in out
+
+
+def test_plan_numbers_for_8xh200():
+    p = make_plan(ModelConfig(), 8, 141, wl=Workload(batch=1, max_len=32768))
+    assert p.world == 8 and p.kv_layers == 62
+    assert p.kv_bytes == 788 * 62 * 32768
+    assert 80 * 2**30 < p.weights_max < 90 * 2**30  # ~690 GB / 8 plus replicated attention, indexer, router
+    assert p.collectives_per_step == 2 * 61 + 2 + 2 * 4  # target forward + 2 eagle draft forwards
+
+
+def test_cli_on_a_missing_path_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as ei:
+        main([str(tmp_path / "nowhere"), "--gpus", "8", "--gpu-mem-gib", "80"])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mtp-plan: error:") and "nowhere" in err and err.count("\n") == 1
+
+
+def test_cli_suggests_what_would_fit(real_config_file, capsys):
+    """4 x H100 cannot hold the 671B model; the output says which settings would, each checked by the planner."""
+    rc = main([str(real_config_file), "--gpus", "4", "--gpu-mem-gib", "80"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "DOES NOT FIT" in out
+    m = re.search(r"would fit: --nodes (\d+) \(", out)
+    assert m, out
+    n = int(m.group(1))  # the fewest nodes of 4 x 80 GiB that hold it
+    cfg = ModelConfig.from_json(real_config_file)
+    assert make_plan(cfg, 4, 80, nodes=n).fits
+    for fewer in range(1, n):  # each smaller node count either does not fit or cannot split the model
+        try:
+            assert not make_plan(cfg, 4, 80, nodes=fewer).fits, fewer
+        except ValueError:
+            pass

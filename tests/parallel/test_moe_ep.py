@@ -1,0 +1,187 @@
+"""Expert-parallel MoE on the Triton path, on the CPU: the fast path's swap of `ExpertParallelMoE` (stacking), and
+`moe_experts` with -1 slots plus the module's Triton forward under the Triton interpreter.
+
+The interpreter is chosen when a kernel is decorated (at import), so those checks run in a subprocess started
+with TRITON_INTERPRET=1 (this file as a script). Its fp32 -> fp8 casts are not CUDA's (act_quant is not
+bit-exact there), so the kernels are held to their own results, not to the fp8 references: the -1 slots
+must give bit for bit the full-stack result with those slots' weights zeroed, exactly 0 for a token without a
+local expert, and ranks that sum to the one-rank result. tests/kernels/test_kernels_gpu.py compares with the
+references on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtp.backends.fast_path import FastMoE, disable_fast_path, fast_module
+from mtp.model.fp8 import weight_quant
+from mtp.model.layers import Linear
+from mtp.model.moe import MoE
+from mtp.parallel import Comm, ParallelPlan, RankLayout
+from mtp.parallel.modules import ExpertParallelMoE
+from mtp.model.presets import tiny_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
+from tests.interp import patch_interpreter_loop_bounds, run_interpreted  # noqa: E402
+
+
+
+class SumLaterComm(Comm):
+    """Rank `rank` of `world` without a process group: all_reduce is the identity and the caller sums the
+    ranks' outputs (fp32 model: the final cast is a no-op, so that sum is what the all-reduce returns)."""
+
+    def __init__(self, rank: int, world: int):
+        self.group, self.rank, self.world = None, rank, world
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def random_moe(cfg, seed: int = 0) -> MoE:
+    """The single-rank MoE with random FP8 experts (weights ~ N(0, 1/in)) and a random router."""
+    g = torch.Generator().manual_seed(seed)
+    moe = MoE(cfg, torch.float32)
+    for lin in moe.modules():
+        if isinstance(lin, Linear):
+            w = torch.randn(lin.out_features, lin.in_features, generator=g) * lin.in_features ** -0.5
+            if lin.is_fp8:
+                w8, s = weight_quant(w)
+                lin.weight = torch.nn.Parameter(w8, requires_grad=False)
+                lin.weight_scale_inv = torch.nn.Parameter(s, requires_grad=False)
+            else:
+                lin.weight = torch.nn.Parameter(w, requires_grad=False)
+    moe.gate.weight.data = torch.randn(moe.gate.weight.shape, generator=g) * cfg.hidden_size ** -0.5
+    moe.gate.e_score_correction_bias.data = torch.randn(cfg.n_routed_experts, generator=g) * 0.05
+    return moe
+
+
+def ep_modules(moe: MoE, cfg, world: int) -> list[ExpertParallelMoE]:
+    """Every rank's `ExpertParallelMoE` holding its slice of `moe` (experts [e0, e1), shared-expert channels
+    [lo, hi) in whole 128-blocks, as the loader cuts them)."""
+    out = []
+    for rank in range(world):
+        layout = RankLayout(cfg, ParallelPlan(world), rank)
+        ep = ExpertParallelMoE(cfg, layout, torch.float32, SumLaterComm(rank, world))
+        lo, hi = layout.shared
+        b0, b1 = lo // 128, -(-hi // 128)
+        sd = {}
+        for k, v in moe.state_dict().items():
+            part = k.split(".")
+            if part[0] == "experts":
+                if layout.is_local_expert(int(part[1])):
+                    sd[k] = v
+            elif part[0] == "shared_experts":
+                rows = slice(b0, b1) if k.endswith("weight_scale_inv") else slice(lo, hi)
+                sd[k] = v[:, rows] if part[1] == "down_proj" else v[rows]
+            else:
+                sd[k] = v
+        ep.load_state_dict(sd)
+        out.append(ep)
+    return out
+
+
+def test_enable_fast_path_stacks_local_experts():
+    cfg = tiny_config()
+    moe = random_moe(cfg)
+    ep = ep_modules(moe, cfg, world=2)[1]
+    x = torch.randn(5, cfg.hidden_size)
+    before = {k: v.clone() for k, v in ep.state_dict().items()}
+    y_before = ep(x)
+    assert not isinstance(ep, FastMoE)
+    fast_module(ep)
+    assert isinstance(ep, FastMoE) and isinstance(ep, ExpertParallelMoE)
+    assert ep.expert_layout is None  # one rank's range: the persistent layout for few active experts (by size)
+    E_loc = ep.e1 - ep.e0
+    I, D = cfg.moe_intermediate_size, cfg.hidden_size
+    s = ep.stacked
+    assert s["gate_proj.weight"].shape == (E_loc, I, D) and s["down_proj.weight"].shape == (E_loc, D, I)
+    assert s["down_proj.weight_scale_inv"].shape == (E_loc, D // 128, I // 128)
+    for i, e in enumerate(range(ep.e0, ep.e1)):  # parameters are views of the stack (memory not doubled)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            for attr in ("weight", "weight_scale_inv"):
+                p = getattr(getattr(ep.experts[str(e)], proj), attr)
+                assert p.data_ptr() == s[f"{proj}.{attr}"][i].data_ptr(), (e, proj, attr)
+    after = ep.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    fast_module(ep)  # idempotent: the same stack
+    assert ep.stacked is s
+    disable_fast_path(ep)
+    assert type(ep) is ExpertParallelMoE
+    assert torch.equal(ep(x), y_before)
+    dense = ep_modules(random_moe(tiny_config(fp8_weights=False)), tiny_config(fp8_weights=False), world=2)[0]
+    with pytest.raises(ValueError, match="FP8"):
+        fast_module(dense)
+
+
+@pytest.mark.slow
+def test_minus_one_slots_and_ep_forward_interpreted():
+    run_interpreted(__file__)
+
+
+# ----------------------------------------------------------------------------- run under TRITON_INTERPRET=1
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _interpreted_checks() -> None:
+    from mtp.kernels.moe import moe_experts
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    patch_interpreter_loop_bounds()
+    torch.manual_seed(0)
+    # the kernel: 8 experts, "rank 0" holds 0..2, "rank 1" 3..7
+    E, D, I, J = 8, 256, 128, 4
+    ws = []
+    for N, K in ((I, D), (I, D), (D, I)):
+        w8, s = zip(*[weight_quant(torch.randn(N, K) * 0.05) for _ in range(E)])
+        ws += [torch.stack(w8), torch.stack(s)]
+    for T in (1, 17):  # (the module checks below cover the sum over ranks; the interpreter is slow)
+        x = torch.randn(T, D).bfloat16()
+        idx = torch.stack([torch.randperm(E)[:J] for _ in range(T)]).int()
+        idx[T // 2] = torch.randperm(E - 3)[:J].int() + 3  # a token without any expert of rank 0
+        rw = torch.rand(T, J)
+        assert T == 1 or ((idx < 3).sum(1) >= 2).any()  # tokens with several -1 slots on both ranks
+        for e0, e1 in ((0, 3), (3, 8)):
+            loc = torch.where((idx >= e0) & (idx < e1), idx - e0, -1).int()
+            y = moe_experts(x, loc, rw, *[w[e0:e1].contiguous() for w in ws], out_dtype=torch.float32)
+            masked = moe_experts(x, idx, rw * (loc >= 0), *ws, out_dtype=torch.float32)
+            assert torch.equal(y, masked), f"T={T} experts [{e0}, {e1}): not the full result restricted to them"
+            assert torch.equal((y != 0).any(1), (loc >= 0).any(1)), f"T={T}: only tokens without local experts get 0"
+    # the persistent layout (default for T * J <= 64) against the pairs layout, widths 1..4, -1 slots,
+    # several K-slice / grid choices (summation order differs: fp32-close, not bit-equal)
+    for w in (1, 2, 3, 4):
+        xw = torch.randn(w, D).bfloat16()
+        loc = torch.where(idx[:w] < 5, idx[:w], -1).int()  # "rank" of experts 0..4
+        ref = moe_experts(xw, loc, rw[:w], *ws, out_dtype=torch.float32, layout="pairs")
+        for kw in (dict(), dict(splits=(2, 1), programs=(3, 2)), dict(splits=(1, 1), programs=(1, 1))):
+            got = moe_experts(xw, loc, rw[:w], *ws, out_dtype=torch.float32, layout="persistent", **kw)
+            assert _rel(got, ref) < 1e-5, (w, kw, _rel(got, ref))
+            assert torch.equal((got != 0).any(1), (loc >= 0).any(1)), f"w={w} {kw}: a token without experts gets 0"
+    try:
+        moe_experts(x, idx.clamp(max=E), rw, *[w[:3].contiguous() for w in ws])
+    except ValueError as e:
+        assert "expert ids" in str(e)
+    else:
+        raise AssertionError("ids outside [0, E) must be refused on the CPU")
+    # the module: 2 and 4 ranks of ExpertParallelMoE on the Triton backend sum to MoE's Triton path
+    cfg = tiny_config()
+    moe = random_moe(cfg)
+    fast_module(moe)
+    for world, shape in ((2, (1, 1)), (2, (2, 3)), (4, (2, 3))):
+        eps = ep_modules(moe, cfg, world)
+        for ep in eps:
+            fast_module(ep)
+        x = torch.randn(*shape, cfg.hidden_size)
+        want = moe(x)
+        got = sum(ep(x) for ep in eps)
+        assert got.shape == want.shape and _rel(got, want) < 1e-5, (world, shape, _rel(got, want))
+    print("interpreted checks ok")
+
+
+if __name__ == "__main__":
+    _interpreted_checks()
