@@ -34,7 +34,7 @@ from ..verify import (SamplingParams, tree_relaxed_verify, tree_sampling_verify,
 from ..verify.sampling import filter_probs, sample
 from .config import GenerationConfig
 from .graphs import GraphRunner
-from .health import logits_nonfinite, raise_nonfinite
+from .health import NonFiniteError, logits_nonfinite, raise_nonfinite
 from .keep import kept
 from .metrics import SpecMetrics
 from .state import StatePool
@@ -117,7 +117,8 @@ class TreeStep:
         st.tokens.scatter_(1, pos_BA, torch.where(kept_BA, new_BA, st.tokens.gather(1, pos_BA)))
         if g.think_ids is not None:
             st.think_B.copy_(update_think_state(st.think_B, new_BA, kept_BA, *g.think_ids))
-        h_BAD = pick_hidden(out, g.draft.target_hidden).gather(1, v.path_BA.unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]))
+        h_out = pick_hidden(out, g.draft.target_hidden)
+        h_BAD = h_out.gather(1, v.path_BA.unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]))
         hpos_BAD = (pos_BA - 1).unsqueeze(-1).expand_as(h_BAD)
         st.hidden.scatter_(1, hpos_BAD, torch.where(kept_BA.unsqueeze(-1), h_BAD, st.hidden.gather(1, hpos_BAD)))
         st.cache.compact(n_B - 1, v.path_BA, keep_B)
@@ -228,26 +229,17 @@ class TreeEngine:
         st.new_BK1[:, 0] = first
         st.keep_B.fill_(1)
 
-    @torch.no_grad()
-    def run(self, prompts: list[list[int]], max_new_tokens: int, seed: int = 0,
-            emit: Callable[[list, list, list], None] = lambda new, keep, acc: None) -> TreeResult:
-        """Decode `prompts`; `emit(new, keep, acc)` gets each step's committed tokens (the prefill's token first)."""
-        m, g, tree = self.model, self.g, self.tree
-        D, N = tree.max_depth, tree.n_nodes
-        if g.draft.mode == "vanilla" and min(map(len, prompts)) < D - 1:
-            raise ValueError(f"vanilla trees of depth {D} need prompts of at least {D - 1} tokens (module m reads "
-                             f"position n-1-m), got a prompt of {min(map(len, prompts))}")
-        self.gen.manual_seed(seed)
-        st = self.pool.get(prompts, max_new_tokens, [seed] * len(prompts))
-        B = st.B
+    def _decode(self, st: TreeState, emit) -> tuple[TreeMetrics, bool, float, float]:
+        """Prefill, the first token, the draft prefill and every step: (metrics so far, whether anything was
+        drafted, start and end-of-prefill clock readings)."""
+        g, B = self.g, st.B
         t_start = time.perf_counter()
         self._prefill(st, lambda lg: sample(filter_probs(lg, g.sampling), self.gen) if g.verify == "sample"
                       else lg.argmax(-1))
-        met = TreeMetrics(N, D)
+        met = TreeMetrics(self.tree.n_nodes, self.tree.max_depth)
         host = self._sync(st, "the prefill")
         t_prefilled = time.perf_counter()  # after a host sync: the prefill's work is done, on any device
         emit(st.new_BK1.tolist(), st.keep_B.tolist(), [0] * B)
-        fw0 = st.proposer.draft_forwards
         drafting = not bool(host[1].all())  # nothing to draft for when every row ended at its first token
         if drafting:
             st.proposer.prefill(st.tokens, st.hidden, st.n_B, st.Tp, max_n=self.bound(st, host))
@@ -264,6 +256,26 @@ class TreeEngine:
                                                                               gm.graph_captures)
                 met.graph_capture_s, met.gpu_busy_ms, met.gpu_idle_ms = (gm.graph_capture_s, gm.gpu_busy_ms,
                                                                          gm.gpu_idle_ms)
+        return met, drafting, t_start, t_prefilled
+
+    @torch.no_grad()
+    def run(self, prompts: list[list[int]], max_new_tokens: int, seed: int = 0,
+            emit: Callable[[list, list, list], None] = lambda new, keep, acc: None) -> TreeResult:
+        """Decode `prompts`; `emit(new, keep, acc)` gets each step's committed tokens (the prefill's token first)."""
+        g, D = self.g, self.tree.max_depth
+        if g.draft.mode == "vanilla" and min(map(len, prompts)) < D - 1:
+            raise ValueError(f"vanilla trees of depth {D} need prompts of at least {D - 1} tokens (module m reads "
+                             f"position n-1-m), got a prompt of {min(map(len, prompts))}")
+        self.gen.manual_seed(seed)
+        st = self.pool.get(prompts, max_new_tokens, [seed] * len(prompts))
+        B, fw0 = st.B, st.proposer.draft_forwards  # a reused proposer's counter spans earlier calls
+        try:
+            met, drafting, t_start, t_prefilled = self._decode(st, emit)
+        except NonFiniteError:
+            # its caches now hold non-finite entries past the rows' lengths (a static bound weights those by zero,
+            # and 0 * NaN is NaN): a later call must not reuse them
+            self.pool.discard(st)
+            raise
         met.time_prefill_s, met.time_decode_s = t_prefilled - t_start, time.perf_counter() - t_prefilled
         # ---- metrics (read once) and the tokens
         row_hist = st.hist_BA.tolist()
