@@ -94,7 +94,7 @@ class DraftSchema:
     # ids (ignored with draft=none)
     vocab_size: Optional[int] = None  # ... only its first vocab_size ids (null: all of them)
     tree: Optional[str] = None  # draft tree (mtp.draft.tree.TreeShape.parse: '2x1x1', '0/1/0.0'): the run decodes
-    # with mtp.decode.tree.generate_tree (eager), and the tree's depth replaces k
+    # with mtp.decode.tree (any runtime.mode), and the tree's depth replaces k
     min_draft_prob: float = 0.0  # adaptive draft length (with a tree): nodes drafted below this probability die
 
     def __post_init__(self):

@@ -207,3 +207,7 @@ def test_tree_options_reach_the_tree_decoder():
     kw = generate_kwargs(compose_eval(["draft.tree=2x1", "verify=sample"]))
     with pytest.raises(NotAvailableError, match="runtime.batch_size=1, got 2"):
         trees.check(kw, batch_size=2)
+    for mode in ("graph", "overlap"):  # the captured tree step (on CUDA; check_runtime refuses CPUs, as for chains)
+        kw = schema.generation_options(schema.validate(compose_eval(["draft.tree=2x1", f"runtime.mode={mode}"])))
+        assert (kw["mode"], kw["tree"]) == (mode, "2x1")
+        trees.check(kw, batch_size=4)
