@@ -6,10 +6,7 @@ SpecMetrics, stream the same step events, and bad tree options are refused by th
 from __future__ import annotations
 
 import pytest
-import torch
 
-from mtp.checkpoint.files import load_model, save_checkpoint
-from mtp.checkpoint.tiny import agreeing_mtp, random_tensors, tiny_config
 from mtp.decode.config import GenerationConfig
 from mtp.decode.engine import generate
 from mtp.decode.options import OptionError
@@ -18,16 +15,15 @@ from mtp.draft.config import DraftConfig
 from mtp.draft.tree import TreeShape
 from mtp.verify import SamplingParams
 
+from .prompts import random_prompts
+
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    cfg = tiny_config(mtp_modules=2)
-    path = save_checkpoint(agreeing_mtp(random_tensors(cfg, seed=0), cfg), cfg, tmp_path_factory.mktemp("agree") / "m")
-    return load_model(path, dtype=torch.float64, numerics="fp8")
+def model(agreeing_model):
+    return agreeing_model
 
 
-_g = torch.Generator().manual_seed(1)
-PROMPTS = [torch.randint(2, 500, (n,), generator=_g).tolist() for n in (5, 23)]
+PROMPTS = random_prompts(5, 23)
 
 
 @pytest.mark.parametrize("draft,tree,kw", [

@@ -1,16 +1,14 @@
 """Tree engines kept across calls (graph / overlap mode), on the CPU: the kept engine's buffers serve every call of
 the same batch and length bucket and give eager's tokens and metrics, whatever ran before; engines are kept per
 model and settings (bounded, least recently used dropped), dropped by `release(model)` and when the model's
-version changes; a runner's graphs go with their buffers and on a version bump. CPUs capture no graphs (the graph modes run the
-static-bound step eagerly here): tests/decode/test_tree_graph_reuse_gpu.py replays a kept graph on a GPU."""
+version changes; a runner's graphs go with their buffers and on a version bump. CPUs capture no graphs (the graph
+modes run the static-bound step eagerly here): tests/decode/test_tree_graph_reuse_gpu.py replays a kept graph on a
+GPU."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from mtp.checkpoint.files import load_model, save_checkpoint
-from mtp.checkpoint.tiny import agreeing_mtp, random_tensors, tiny_config
 from mtp.decode import keep
 from mtp.decode.config import GenerationConfig
 from mtp.decode.engine import release
@@ -19,19 +17,17 @@ from mtp.decode.tree import TreeEngine, TreeStatePool, generate_tree
 from mtp.draft.tree import TreeShape
 from mtp.draft.tree_proposer import TreeProposer
 
+from .prompts import random_prompts
+
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    cfg = tiny_config(mtp_modules=2)
-    path = save_checkpoint(agreeing_mtp(random_tensors(cfg, seed=0), cfg), cfg, tmp_path_factory.mktemp("agree") / "m")
-    m = load_model(path, dtype=torch.float64, numerics="fp8")
-    yield m
-    release(m)
+def model(agreeing_model):
+    yield agreeing_model
+    release(agreeing_model)
 
 
-_g = torch.Generator().manual_seed(1)
-P1 = [torch.randint(2, 500, (n,), generator=_g).tolist() for n in (5, 23)]  # index_topk 16: dense, sparse
-P2 = [torch.randint(2, 500, (n,), generator=_g).tolist() for n in (31, 9)]
+P1 = random_prompts(5, 23)  # index_topk 16: dense, sparse
+P2 = random_prompts(31, 9, seed=2)
 SHAPE = TreeShape.from_branching((2, 2, 1))
 
 
