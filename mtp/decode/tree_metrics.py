@@ -91,7 +91,8 @@ class TreeMetrics:
              "count/target_forwards": self.target_forwards, "count/draft_forwards": self.draft_forwards}
         if self.graph_replays:
             busy = self.gpu_busy_ms + self.gpu_idle_ms
-            d.update({"graph/capture_s": self.graph_capture_s, "graph/gpu_step_ms": self.gpu_busy_ms / self.graph_replays,
+            d.update({"graph/capture_s": self.graph_capture_s, "graph/captures": self.graph_captures,
+                      "graph/gpu_step_ms": self.gpu_busy_ms / self.graph_replays,
                       "graph/gpu_idle_frac": self.gpu_idle_ms / busy if busy else 0.0})
         n = max(self.row_steps, 1)
         for t, p in enumerate(self.accept_depth, 1):
