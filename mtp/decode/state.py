@@ -50,8 +50,8 @@ class DecodeState:
 
 
 class StatePool:
-    """The buffers of one engine (a chain's `DecodeState` here; a tree's in mtp/decode/tree.py overrides `room`,
-    `_new` and `_reset`): reused when a call has the same batch and rounded length as an earlier one (its captured
+    """The buffers of one engine (a chain's `DecodeState` here; a tree's in mtp/decode/tree.py overrides `_new`
+    and `_reset`): reused when a call has the same batch and rounded length as an earlier one (its captured
     step graph then replays as is), else allocated; the least recently used dropped past
     `MAX_STATES`, with `on_drop(key)` (the graph runner drops that key's graph). Buffer length depends only on
     the call, so eager, graph and overlap runs of one call see the same shapes (bitwise-equal outputs)."""
@@ -86,7 +86,8 @@ class StatePool:
 
     def room(self) -> int:
         """Buffer positions past prompt + max_new_tokens a call needs (`draft_room`)."""
-        return draft_room(self.g.draft.k)
+        tree = self.g.draft.tree
+        return draft_room(self.g.draft.k, None if tree is None else tree.n_nodes)
 
     def discard(self, st: DecodeState) -> None:
         """Drop a state (and, through `on_drop`, its graph) so the next call of its shape allocates fresh buffers."""

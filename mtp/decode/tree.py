@@ -143,11 +143,7 @@ class TreeStep:
 
 class TreeStatePool(StatePool):
     """A tree engine's buffers, kept and reused as the chain engine's (`StatePool`: per batch and rounded buffer
-    length, least recently used dropped with its graph); a call needs N + 2 positions past prompt +
-    max_new_tokens (the tree's nodes written past the committed tokens)."""
-
-    def room(self) -> int:
-        return self.g.draft.tree.n_nodes + 2
+    length, least recently used dropped with its graph; `draft_room` of the tree past prompt + max_new_tokens)."""
 
     def _new(self, B: int, max_len: int) -> TreeState:
         m, dev, tree = self.model, self.dev, self.g.draft.tree

@@ -11,7 +11,7 @@ import pytest
 
 from mtp.decode import keep
 from mtp.decode.config import GenerationConfig
-from mtp.decode.engine import release
+from mtp.decode.engine import generate, release
 from mtp.decode.graphs import GraphRunner
 from mtp.decode.tree import TreeEngine, TreeStatePool, generate_tree
 from mtp.draft.tree import TreeShape
@@ -104,3 +104,20 @@ def test_a_runner_drops_graphs_on_a_version_bump_and_with_their_buffers(model):
     model.set_runtime(model.runtime)  # what a module swap does: a new version
     runner.check_version()
     assert runner.graphs == {}
+
+
+def test_generate_and_generate_tree_share_the_kept_engine(model):
+    """The same settings through either entry point are one engine: a call of one replays the other's graph."""
+    release(model)
+    a = generate_tree(model, P1, SHAPE, 8, mode="graph", min_draft_prob=0.05)
+    (engine,) = kept_engines(model)
+    b = generate(model, P1, 8, draft="eagle", tree=SHAPE.name, mode="graph", min_draft_prob=0.05)
+    assert kept_engines(model) == [engine] and b.tokens == a.tokens
+
+
+def test_a_call_past_the_position_limit_is_refused_with_the_trees_room(model):
+    """A tree's buffer holds prompt + max_new_tokens + N + 2 positions (`draft_room` of the tree)."""
+    limit, N = model.cfg.max_position_embeddings, SHAPE.n_nodes
+    too_many = limit - len(P1[1]) - N - 1
+    with pytest.raises(ValueError, match=rf"\+ draft room \({N + 2}\) exceed max_position_embeddings \({limit}\)"):
+        generate_tree(model, P1, SHAPE, too_many, mode="graph")
