@@ -35,7 +35,7 @@ from ..verify.rng import RowDraws
 from .accept import accept, commit
 from .config import GenerationConfig, row_seeds
 from .health import NonFiniteError, logits_nonfinite, raise_nonfinite
-from .keep import _ENGINES, kept, release  # noqa: F401  (`mtp.decode.engine.release` / `_ENGINES`, as callers know them)
+from .keep import _ENGINES, kept, release  # noqa: F401  (callers know them as mtp.decode.engine.*)
 from .metrics import SpecMetrics
 from .state import DecodeState, StatePool
 from .tree_metrics import TreeMetrics
