@@ -109,8 +109,6 @@ def generate_kwargs(cfg: Any, tokenizer: Any = None) -> dict:
             kw["draft_vocab"] = load_ids(d.vocab_file, d.vocab_size)
         except ValueError as e:
             raise SchemaError(f"draft.vocab_file: {e}") from None
-    if d.name != DraftName.none and d.tree is not None:  # eval/trees.py routes these to generate_tree
-        kw.update(tree=d.tree, min_draft_prob=d.min_draft_prob)
     if isinstance(cfg.verify, RelaxedVerifySchema):
         if tokenizer is None:
             from mtp.text.tokenizer import Tokenizer

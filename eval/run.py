@@ -173,10 +173,12 @@ def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tok
     return {which: _records(tok, batch, ids, name, c) for which, c in calls.items()}
 
 
-def _check_lengths(cfg: EvalConfig, model, prompts: list[Prompt], ids: dict[str, list[int]], k: int) -> None:
+def _check_lengths(cfg: EvalConfig, model, prompts: list[Prompt], ids: dict[str, list[int]], k: int,
+                   tree: str | None = None) -> None:
     from mtp.decode.options import draft_room  # the engine's buffer: prompt + max_new_tokens + draft room
+    from mtp.draft.tree import TreeShape
 
-    limit = model.cfg.max_position_embeddings - draft_room(k)
+    limit = model.cfg.max_position_embeddings - draft_room(k, None if tree is None else TreeShape.parse(tree).n_nodes)
     what = "the model's max_position_embeddings (minus draft room)"
     if cfg.runtime.max_model_len is not None and cfg.runtime.max_model_len < limit:
         limit, what = cfg.runtime.max_model_len, "runtime.max_model_len"
@@ -221,7 +223,7 @@ def _setup(cfg: DictConfig):
     if kw["verify"] == "relaxed" and not any(p.thinking for p in prompts):
         log.warning("verify=relaxed relaxes only inside thinking spans and no prompt is in thinking mode, so "
                     "it acts like strict here (thinking=true turns thinking on for every prompt)")
-    _check_lengths(typed, model, prompts, ids, kw["k"])
+    _check_lengths(typed, model, prompts, ids, kw["k"], kw.get("tree"))
     return typed, out, resolved, prompts, stores, model, tok, ids, kw
 
 

@@ -94,7 +94,7 @@ class DraftSchema:
     # ids (ignored with draft=none)
     vocab_size: Optional[int] = None  # ... only its first vocab_size ids (null: all of them)
     tree: Optional[str] = None  # draft tree (mtp.draft.tree.TreeShape.parse: '2x1x1', '0/1/0.0'): the run decodes
-    # with mtp.decode.tree.generate_tree (eager), and the tree's depth replaces k
+    # with mtp.decode.tree (any runtime.mode), and the tree's depth replaces k
     min_draft_prob: float = 0.0  # adaptive draft length (with a tree): nodes drafted below this probability die
 
     def __post_init__(self):
@@ -322,7 +322,8 @@ CONFIG_KEYS = {"max_new_tokens": "max_new_tokens", "draft": "draft.name", "k": "
                "reuse_modules": "draft.reuse_modules", "verify": "verify.name", "top_n": "verify.top_n",
                "delta": "verify.delta", "span_rule": "verify.span_rule", "temperature": "verify.temperature",
                "top_p": "verify.top_p", "top_k": "verify.top_k", "draft_sampling": "verify.draft_sampling",
-               "seed": "verify.seed", "mode": "runtime.mode", "prefill_chunk": "runtime.prefill_chunk"}
+               "seed": "verify.seed", "mode": "runtime.mode", "prefill_chunk": "runtime.prefill_chunk",
+               "tree": "draft.tree", "min_draft_prob": "draft.min_draft_prob"}
 
 
 def generation_options(cfg: EvalConfig | ChatConfig) -> dict:
@@ -334,6 +335,8 @@ def generation_options(cfg: EvalConfig | ChatConfig) -> dict:
     if d.name != DraftName.none:
         kw.update(target_hidden=value(d.target_hidden), chain_hidden=value(d.chain_hidden),
                   reuse_modules=d.reuse_modules)
+        if d.tree is not None:
+            kw.update(tree=d.tree, min_draft_prob=d.min_draft_prob)
     if isinstance(v, RelaxedVerifySchema):
         kw.update(top_n=v.top_n, delta=v.delta, span_rule=value(v.span_rule))
     elif isinstance(v, SampleVerifySchema):
@@ -359,22 +362,6 @@ def _check_generation(cfg: EvalConfig | ChatConfig) -> None:
     # is a mistake
     if kw.get("draft_sampling") == "sample" and kw["draft"] == DraftName.none.value:
         _fail("verify.draft_sampling", "sample", "greedy with draft=none (there are no drafts to sample)")
-    if cfg.draft.tree is not None:
-        _check_tree_pair(cfg.draft, cfg.verify)
-
-
-def _check_tree_pair(draft: DraftSchema, verify: VerifySchema) -> None:
-    """draft.tree with the verifier: the rules of mtp.decode.tree (one place), plus the span rule trees have."""
-    from mtp.decode.tree import check_tree_options
-
-    if isinstance(verify, RelaxedVerifySchema) and verify.span_rule != SpanRule.tracked:
-        _fail("verify.span_rule", value(verify.span_rule), "tracked with draft.tree (tree verification follows "
-              "<think> spans along each node's own path)")
-    sampling = value(verify.draft_sampling) if isinstance(verify, SampleVerifySchema) else "greedy"
-    try:
-        check_tree_options(value(draft.name), verify.name, sampling, draft.min_draft_prob)
-    except ValueError as e:
-        raise SchemaError(f"draft.tree = {draft.tree!r} with verify={verify.name}: {e}") from None
 
 
 def register() -> None:

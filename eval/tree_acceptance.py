@@ -3,7 +3,7 @@
     python -m eval.tree_acceptance --out eval/results/tree_acceptance_cpu.json
 
 Every point runs through mtp-eval's tree path (eval/trees.py: the config composed from conf/ with draft.tree /
-draft.min_draft_prob / verify overrides, then mtp.decode.tree.generate_tree), on the prompts of mtp-eval's default
+draft.min_draft_prob / verify overrides, then mtp.decode.tree.run_tree), on the prompts of mtp-eval's default
 dataset (the built-in chat, code, math and reasoning suites) with thinking on, so relaxed verification has
 spans to act in. All prompts go in one batch per point. Strict points must reproduce plain greedy decoding token
 for token (checked; exit status 1 otherwise); chain points are also run through the chain engine

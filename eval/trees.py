@@ -1,7 +1,8 @@
 """Tree runs of mtp-eval (`draft.tree=2x1x1`, adaptive length with `draft.min_draft_prob`).
 
-A run with draft.tree set decodes with mtp.decode.tree.generate_tree (eager, the CPU reference of draft trees).
-Its result is reported twice: as the engine's SpecMetrics (k = the tree's depth), so AL, acceptance per
+A run with draft.tree set decodes with mtp.decode.tree.run_tree (eager, or runtime.mode=graph|overlap: the step
+captured once and replayed across batches). Its result is reported twice: as the engine's SpecMetrics
+(`TreeMetrics.spec`: k = the tree's depth), so AL, acceptance per
 position (= per depth), speed, the baseline's speedup and the strict check aggregate exactly as for chains;
 and as the tree's own TreeMetrics per batch (`batch_tree_metrics` in samples.jsonl), merged here into the
 `tree/*` and `accept/depth_{d}_rank_{r}` metrics and the `tree` section of metrics.json.
@@ -18,20 +19,16 @@ from mtp.decode.metrics import SpecMetrics
 from .common import NotAvailableError
 
 TREE_KWARGS = ("tree", "min_draft_prob")  # generate kwargs of tree runs only (a baseline drops them)
-# generate kwargs that generate_tree takes as they are
-_PASSED = ("draft", "verify", "min_draft_prob", "reuse_modules", "target_hidden", "chain_hidden", "top_n", "delta",
-           "think_ids", "draft_sampling")
 
 
 def check(kw: dict, batch_size: int) -> None:
-    """Refuse settings of a valid config that tree decoding does not serve, before anything runs."""
-    for key, what in (("draft_vocab", "draft.vocab_file"), ("mode", "runtime.mode=graph|overlap"),
-                      ("prefill_chunk", "runtime.prefill_chunk")):
-        if key in kw:
-            raise NotAvailableError(f"{what} with draft.tree={kw['tree']}: tree decoding (mtp.decode.tree) is the "
-                                    "eager reference and has no such option yet")
+    """Refuse settings of a valid config that tree decoding does not serve, before anything runs (the rules that
+    need no files are GenerationConfig's, checked by the schema)."""
+    if "draft_vocab" in kw:
+        raise NotAvailableError(f"draft.vocab_file with draft.tree={kw['tree']}: draft trees do not take a draft "
+                                "vocabulary yet")
     if kw["verify"] == "sample" and batch_size != 1:
-        # mtp-eval seeds each prompt on its own so that an output does not depend on its batch; generate_tree
+        # mtp-eval seeds each prompt on its own so that an output does not depend on its batch; tree sampling
         # draws a batch from one generator
         raise NotAvailableError(f"verify=sample with draft.tree needs runtime.batch_size=1, got {batch_size} "
                                 "(tree sampling seeds a whole batch at once)")
@@ -44,32 +41,24 @@ class TreeRun:
     tokens: list[list[int]]
     finish_reasons: list[str]
     metrics: SpecMetrics
-    tree: Any  # mtp.decode.tree.TreeMetrics
+    tree: Any  # mtp.decode.tree_metrics.TreeMetrics
 
 
 def generate(model, ids: list[list[int]], max_new_tokens: int, kw: dict) -> tuple[TreeRun, list[list[int]]]:
-    """One generate_tree call with mtp-eval's generate kwargs: (the run, accepted-count histogram per row)."""
-    from mtp.decode.tree import generate_tree
-    from mtp.draft.tree import TreeShape
-    from mtp.verify import SamplingParams
+    """One tree call with mtp-eval's generate kwargs: (the run, accepted-count histogram per row)."""
+    from mtp.decode.config import GenerationConfig
+    from mtp.decode.tree import run_tree
 
-    args = {key: kw[key] for key in _PASSED if key in kw}
-    if kw["verify"] == "sample":
-        args["sampling"] = SamplingParams(temperature=kw["temperature"], top_p=kw["top_p"], top_k=kw["top_k"])
-        seeds = kw["seed"] if isinstance(kw["seed"], list) else [kw["seed"]]
-        args["seed"] = seeds[0]  # one row per call (check)
-    r = generate_tree(model, ids, TreeShape.parse(kw["tree"]), max_new_tokens, **args)
-    t = r.metrics
-    spec = SpecMetrics(k=t.max_depth, draft=kw["draft"], verify=kw["verify"], accepted_hist=list(t.accepted_hist),
-                       relaxed_only_accepts=t.relaxed_only_accepts, target_forwards=t.target_forwards,
-                       row_steps=t.row_steps, draft_forwards=t.draft_forwards,
-                       prompt_tokens=sum(map(len, ids)), new_tokens=t.new_tokens, n_rows=len(ids),
-                       time_prefill_s=t.time_prefill_s, time_decode_s=t.time_decode_s, ttft_s=t.time_prefill_s)
-    return TreeRun(r.tokens, r.finish_reasons, spec, t), r.row_accepted_hist
+    seed = kw.get("seed", 0)
+    seed = seed[0] if isinstance(seed, list) else seed  # one row per sampling call (check)
+    g = GenerationConfig.from_options(max_new_tokens, **{**kw, "seed": seed})
+    r = run_tree(model, ids, g)
+    spec = r.metrics.spec(g.draft.mode, g.verify, prompt_tokens=sum(map(len, ids)), n_rows=len(ids))
+    return TreeRun(r.tokens, r.finish_reasons, spec, r.metrics), r.row_accepted_hist
 
 
 def _merged(batch_recs: Sequence[dict]):
-    from mtp.decode.tree import TreeMetrics
+    from mtp.decode.tree_metrics import TreeMetrics
 
     out = None
     for r in batch_recs:

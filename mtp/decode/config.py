@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..draft.config import DraftConfig
+from ..draft.tree import TreeShape
 from ..verify.params import SPAN_RULES, SamplingParams
 from .options import MODES, VERIFIERS, OptionError, is_int, is_number
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 OPTIONS = frozenset({"top_n", "delta", "think_ids", "span_rule", "temperature", "top_p", "top_k", "draft_sampling", "seed",
                      "reuse_modules", "target_hidden", "chain_hidden", "eos_id", "stop_ids", "mode",
-                     "prefill_chunk", "draft_vocab"})  # generate()'s keyword options
+                     "prefill_chunk", "draft_vocab", "tree", "min_draft_prob"})  # generate()'s keyword options
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,28 @@ class GenerationConfig:
             raise OptionError("prefill_chunk", self.prefill_chunk, "None or an integer >= 1")
         if self.mode not in MODES:
             raise OptionError("mode", self.mode, f"one of {', '.join(MODES)}")
+        if self.draft.tree is not None:
+            self._check_tree()
+
+    def _check_tree(self) -> None:
+        """What tree decoding (mtp.decode.tree) serves of the options beyond the draft's own."""
+        name = self.draft.tree.name
+        if self.mode != "eager" and self.verify == "sample":
+            raise OptionError("mode", self.mode, f"'eager' with tree {name!r} and verify='sample'",
+                              "tree sampling draws from a torch.Generator, which a replayed CUDA graph would not "
+                              "advance; graph modes take verify='strict' or 'relaxed'")
+        if self.span_rule != "tracked":
+            raise OptionError("span_rule", self.span_rule, f"'tracked' with tree {name!r}",
+                              "tree verification follows <think> spans along each node's own path")
+        if self.prefill_chunk is not None:
+            raise OptionError("prefill_chunk", self.prefill_chunk, f"None with tree {name!r}",
+                              "tree decoding prefills in one pass")
 
     def validate(self, model: DeepseekV32) -> None:
         """The rules that need the loaded model."""
         self.draft.validate(model.n_mtp)
-        if self.mode != "eager" and model.device.type != "cuda":
+        # a tree's graph modes run their static-bound step eagerly off CUDA (mtp.decode.tree)
+        if self.mode != "eager" and model.device.type != "cuda" and self.draft.tree is None:
             raise ValueError(f"mode={self.mode!r} captures CUDA graphs and needs the model on a CUDA device "
                              f"(it is on {model.device}); use mode='eager'")
         V = model.cfg.vocab_size
@@ -89,16 +107,20 @@ class GenerationConfig:
         top_p, top_k, draft_sampling, seed (sampling: an int; a list of per-prompt seeds is taken by `generate`,
         which passes it to the call); reuse_modules, target_hidden, chain_hidden, draft_vocab (drafts:
         token ids or a vocabulary file, `mtp.draft.vocab`; ignored when nothing is drafted); eos_id, stop_ids;
-        mode, prefill_chunk."""
+        mode, prefill_chunk; tree (a `TreeShape` or its text form: k defaults to its depth) and min_draft_prob
+        (adaptive length) for tree decoding."""
         unknown = set(options) - OPTIONS
         if unknown:
             raise TypeError(f"generate: unknown options {sorted(unknown)}; known: {sorted(OPTIONS)}")
-        k = (0 if draft == "none" else 1) if k is None else k
+        tree = options.get("tree")
+        if k is None:
+            k = 0 if draft == "none" else _depth(tree) if tree is not None else 1
         dcfg = DraftConfig(mode=draft, k=k, reuse_modules=options.get("reuse_modules", False),
                            target_hidden=options.get("target_hidden", "normed"),
                            chain_hidden=options.get("chain_hidden", "normed"),
                            sampling=options.get("draft_sampling", "greedy"),
-                           vocab=_draft_vocab(options.get("draft_vocab")) if draft != "none" else None)
+                           vocab=_draft_vocab(options.get("draft_vocab")) if draft != "none" else None,
+                           tree=tree, min_draft_prob=options.get("min_draft_prob", 0.0))
         # checked whichever the verifier (a bad value is refused even where unused), kept only for 'sample'
         sp = SamplingParams(options.get("temperature", 1.0), options.get("top_k", 0), options.get("top_p", 1.0))
         think = options.get("think_ids")
@@ -110,6 +132,14 @@ class GenerationConfig:
                    seed=options.get("seed", 0), eos_id=options.get("eos_id"),
                    stop_ids=tuple(options.get("stop_ids", ())), mode=options.get("mode", "eager"),
                    prefill_chunk=options.get("prefill_chunk"))
+
+
+def _depth(tree) -> int:
+    """The depth of the `tree` option (the default k of a tree); a bad shape is reported by DraftConfig."""
+    try:
+        return (TreeShape.parse(tree) if isinstance(tree, str) else tree).max_depth
+    except (ValueError, AttributeError):
+        return 1
 
 
 def _draft_vocab(v) -> tuple[int, ...] | None:

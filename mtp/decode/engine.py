@@ -21,9 +21,7 @@ same values from pinned buffers, overlap one step late. Design notes: mtp/DESIGN
 
 from __future__ import annotations
 
-import dataclasses
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,8 +35,10 @@ from ..verify.rng import RowDraws
 from .accept import accept, commit
 from .config import GenerationConfig, row_seeds
 from .health import NonFiniteError, logits_nonfinite, raise_nonfinite
+from .keep import _ENGINES, kept, release  # noqa: F401  (callers know them as mtp.decode.engine.*)
 from .metrics import SpecMetrics
 from .state import DecodeState, StatePool
+from .tree_metrics import TreeMetrics
 
 
 @dataclass
@@ -46,6 +46,7 @@ class GenerateResult:
     tokens: list[list[int]]  # new tokens per prompt (stop token included when it ended the row)
     finish_reasons: list[str]  # 'stop' | 'length'
     metrics: SpecMetrics
+    tree: TreeMetrics | None = None  # a tree run's own metrics (acceptance per depth and sibling rank, nodes)
 
 
 @dataclass
@@ -64,44 +65,34 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]],
     or with keywords that build one (`GenerationConfig.from_options`: max_new_tokens, draft, k, verify and the
     options listed there; `seed` may be one int per prompt). graph / overlap modes keep the engine (buffers +
     captured step graphs) per model and settings, so later calls replay its graphs; seeds are per call (they
-    live in a buffer the captured step reads)."""
+    live in a buffer the captured step reads). With a draft tree (`tree=`, `DraftConfig.tree`) it decodes
+    with mtp.decode.tree (one int seed), metrics mapped to SpecMetrics (k = the tree's depth) and the tree's
+    own in `tree`."""
     if isinstance(max_new_tokens, GenerationConfig):
         config, max_new_tokens = max_new_tokens, 64
     if config is not None:
         if (max_new_tokens, draft, k, verify) != (64, "none", None, "strict") or options:
             raise TypeError("generate: pass either a GenerationConfig or keyword options, not both")
-        gcfg = config
-        seeds = row_seeds(gcfg.seed, len(prompts))
+        gcfg, seed = config, config.seed
+        seeds = row_seeds(seed, len(prompts))
     else:
         seed = options.pop("seed", 0)
         seeds = row_seeds(seed, len(prompts))
         gcfg = GenerationConfig.from_options(max_new_tokens, draft, k, verify, seed=seed if isinstance(seed, int) else 0,
                                              **options)
+    if gcfg.draft.tree is not None:  # tree decoding (mtp/decode/tree.py): the tree's metrics ride along
+        from .tree import run_tree
+
+        if not isinstance(seed, int) and len(set(seeds)) > 1:
+            raise ValueError(f"generate: a draft tree takes one int seed, got per-prompt seeds {seeds!r:.80} (tree "
+                             "sampling draws a whole batch from one torch.Generator)")
+        r = run_tree(model, prompts, gcfg, emit=_Emitter(on_step, len(prompts)), seed=seeds[0])
+        spec = r.metrics.spec(gcfg.draft.mode, gcfg.verify, prompt_tokens=sum(map(len, prompts)), n_rows=len(prompts))
+        return GenerateResult(r.tokens, r.finish_reasons, spec, tree=r.metrics)
     if gcfg.mode == "eager":
         return Engine(model, gcfg).run(prompts, on_step=on_step, seeds=seeds)
-    per_model = _ENGINES.setdefault(model, {})
-    key = dataclasses.replace(gcfg, max_new_tokens=1, seed=0)
-    engine = per_model.pop(key, None) or Engine(model, gcfg)
-    per_model[key] = engine
-    while len(per_model) > 4:
-        del per_model[next(iter(per_model))]
+    engine = kept(model, gcfg, lambda: Engine(model, gcfg))
     return engine.run(prompts, on_step=on_step, max_new_tokens=gcfg.max_new_tokens, seeds=seeds)
-
-
-# model -> {settings: Engine}; weak, so the buffers and graphs go with the model. `release(model)` frees them.
-_ENGINES: "weakref.WeakKeyDictionary[DeepseekV32, dict]" = weakref.WeakKeyDictionary()
-
-
-def release(model: DeepseekV32 | None = None) -> None:
-    """Drop the engines (decode buffers, captured CUDA graphs) `generate` keeps for `model`, or for every model.
-    Call it with no model before `torch.distributed.destroy_process_group()`: NCCL's teardown waits while
-    captured graphs holding its collectives are alive (seen: ranks hung in destroy_process_group)."""
-    if model is None:
-        _ENGINES.clear()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    else:
-        _ENGINES.pop(model, None)
 
 
 class Engine:

@@ -80,6 +80,13 @@ class GraphRunner:
     def drop(self, key: tuple[int, int]) -> None:
         self.graphs.pop(key, None)
 
+    def check_version(self) -> None:
+        """Drop every graph when the model's modules were swapped since capture (fast path on/off, ...): they
+        hold the old modules' kernels and weight pointers."""
+        if self.version != self.model.version:
+            self.graphs.clear()
+            self.version = self.model.version
+
     def capture(self, st: DecodeState, W: int, max_n: int) -> tuple[torch.cuda.CUDAGraph, float, int]:
         """Capture needs a step that changes nothing: every row is marked finished for the warm-up and capture
         runs, then the flags are restored."""
@@ -98,10 +105,9 @@ class GraphRunner:
     def run(self, st: DecodeState, met: SpecMetrics, emit, W: int, max_n: int, overlap: bool) -> None:
         """Every step after the prefill (the draft caches were filled over the prompt) replays one graph.
         `max_n`: the static bound on the cache positions a step touches; `emit(new, keep, acc)` per step."""
-        if self.version != self.model.version:  # modules swapped since capture (fast path on/off, ...)
-            self.graphs.clear()
-            self.version = self.model.version
+        self.check_version()
         key = (st.B, st.max_len)
+        met.graph_captures = int(key not in self.graphs)
         if key not in self.graphs:  # captured once per (batch, buffer length); later calls replay it
             self.graphs[key] = self.capture(st, W, max_n)
         graph, met.graph_capture_s, met.graph_pool_bytes = self.graphs[key]

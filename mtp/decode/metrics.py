@@ -33,7 +33,8 @@ class SpecMetrics:
     ttft_s: float = 0.0
     hidden_options: dict = field(default_factory=dict)
     # graph / overlap modes (GPU): capture cost and how busy the GPU was between replays
-    graph_capture_s: float = 0.0
+    graph_capture_s: float = 0.0  # capture time of the step graph this call replayed (captured now or earlier)
+    graph_captures: int = 0  # step graphs captured by this call (0: it replayed one kept from an earlier call)
     graph_pool_bytes: int = 0
     graph_replays: int = 0
     gpu_busy_ms: float = 0.0
@@ -86,8 +87,8 @@ class SpecMetrics:
         out.accepted_hist = [a + b for a, b in zip(self.accepted_hist, other.accepted_hist)]
         for name in ("relaxed_only_accepts", "target_forwards", "row_steps", "draft_forwards", "prompt_tokens",
                      "new_tokens", "time_prefill_s", "time_draft_s", "time_verify_s", "time_host_s",
-                     "time_decode_s", "ttft_s", "n_rows", "graph_capture_s", "graph_pool_bytes", "graph_replays",
-                     "gpu_busy_ms", "gpu_idle_ms"):
+                     "time_decode_s", "ttft_s", "n_rows", "graph_capture_s", "graph_captures", "graph_pool_bytes",
+                     "graph_replays", "gpu_busy_ms", "gpu_idle_ms"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         return out
 

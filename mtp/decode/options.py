@@ -13,11 +13,12 @@ MODES = ("eager", "graph", "overlap")  # eager | graph (whole step in one CUDA g
 MAX_K = 16  # the most drafts per step a GenerationConfig takes: far past the point where position k is still accepted
 
 
-def draft_room(k: int) -> int:
+def draft_room(k: int, tree_nodes: int | None = None) -> int:
     """Buffer positions a call needs past prompt + max_new_tokens for K drafts per step (the drafts and the
-    verify block written past the committed tokens, and the draft window's slack): 3K + 2. Prompt +
+    verify block written past the committed tokens, and the draft window's slack): 3K + 2; for a draft tree of
+    `tree_nodes` nodes (its depth K), the nodes written past the committed tokens: N + 2. Prompt +
     max_new_tokens + this must fit the model's max_position_embeddings."""
-    return 3 * k + 2
+    return 3 * k + 2 if tree_nodes is None else tree_nodes + 2
 
 
 def is_int(x: Any) -> bool:

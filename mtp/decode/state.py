@@ -50,8 +50,9 @@ class DecodeState:
 
 
 class StatePool:
-    """The buffers of one engine: reused when a call has the same batch and rounded length as an earlier one
-    (its captured step graph then replays as is), else allocated; the least recently used dropped past
+    """The buffers of one engine (a chain's `DecodeState` here; a tree's in mtp/decode/tree.py overrides `_new`
+    and `_reset`): reused when a call has the same batch and rounded length as an earlier one (its captured
+    step graph then replays as is), else allocated; the least recently used dropped past
     `MAX_STATES`, with `on_drop(key)` (the graph runner drops that key's graph). Buffer length depends only on
     the call, so eager, graph and overlap runs of one call see the same shapes (bitwise-equal outputs)."""
 
@@ -66,12 +67,12 @@ class StatePool:
 
     def get(self, prompts: list[list[int]], max_new: int, seeds: list[int]) -> DecodeState:
         """The buffers for this call, loaded with its prompts and per-row sampling seeds."""
-        m, K = self.model, self.g.draft.k
+        m, room = self.model, self.room()
         B, Tp = len(prompts), max(len(p) for p in prompts)
-        need = Tp + max_new + draft_room(K)
+        need = Tp + max_new + room
         limit = m.cfg.max_position_embeddings
         if need > limit:
-            raise ValueError(f"prompt ({Tp}) + max_new_tokens ({max_new}) + draft room ({draft_room(K)}) exceed "
+            raise ValueError(f"prompt ({Tp}) + max_new_tokens ({max_new}) + draft room ({room}) exceed "
                              f"max_position_embeddings ({limit})")
         key = (B, min(-(-need // self.ROUND) * self.ROUND, limit))
         st = self.states.pop(key, None) or self._new(*key)
@@ -82,6 +83,11 @@ class StatePool:
             self.on_drop(old)
         self._reset(st, prompts, max_new, seeds)
         return st
+
+    def room(self) -> int:
+        """Buffer positions past prompt + max_new_tokens a call needs (`draft_room`)."""
+        tree = self.g.draft.tree
+        return draft_room(self.g.draft.k, None if tree is None else tree.n_nodes)
 
     def discard(self, st: DecodeState) -> None:
         """Drop a state (and, through `on_drop`, its graph) so the next call of its shape allocates fresh buffers."""

@@ -1,12 +1,13 @@
-"""`DraftConfig`: how drafts are made (mode, k, which hiddens feed the MTP modules, greedy or sampled drafts).
-Torch-free: its rules are checked on construction, without a model; `validate(n_mtp)` adds the one check that
-needs the loaded model (enough MTP modules)."""
+"""`DraftConfig`: how drafts are made (mode, k, which hiddens feed the MTP modules, greedy or sampled drafts, a
+chain or a static tree with its adaptive length). Torch-free: its rules are checked on construction, without a
+model; `validate(n_mtp)` adds the one check that needs the loaded model (enough MTP modules)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..decode.options import DRAFTS, MAX_K, OptionError, is_int
+from ..decode.options import DRAFTS, MAX_K, OptionError, is_int, is_number
+from .tree import TreeShape
 
 HIDDEN = ("normed", "prenorm")  # a module's hidden after its final norm | before it
 DRAFT_SAMPLING = ("greedy", "sample")  # the argmax | a draw from the draft distribution (sampling verifier)
@@ -21,9 +22,20 @@ class DraftConfig:
     chain_hidden: str = "normed"  # which module output is chained (one of HIDDEN: shared_head.norm or before it)
     sampling: str = "greedy"  # one of DRAFT_SAMPLING
     vocab: tuple[int, ...] | None = None  # draft vocabulary (mtp.draft.vocab): the head scores only these ids
+    # a static draft tree (mtp/draft/TREES.md; its text form `TreeShape.parse` is taken too): k is its depth
+    tree: TreeShape | None = None
+    min_draft_prob: float = 0.0  # adaptive length (trees): nodes drafted below this probability die
 
     def __post_init__(self):
         """The rules that need no model; options are named as `mtp.generate` spells them (OptionError)."""
+        if isinstance(self.tree, str):
+            try:
+                object.__setattr__(self, "tree", TreeShape.parse(self.tree))
+            except ValueError as e:
+                raise OptionError("tree", self.tree, "a TreeShape or its text form ('chainK', '2x1x1', '0/1/0.0')",
+                                  str(e)) from None
+        elif self.tree is not None and not isinstance(self.tree, TreeShape):
+            raise OptionError("tree", self.tree, "None, a TreeShape or its text form")
         if self.mode not in DRAFTS:
             raise OptionError("draft", self.mode, f"one of {', '.join(DRAFTS)}")
         if self.mode == "none":
@@ -37,6 +49,36 @@ class DraftConfig:
                 raise OptionError(name, getattr(self, name), f"one of {', '.join(HIDDEN)}")
         if self.sampling not in DRAFT_SAMPLING:
             raise OptionError("draft_sampling", self.sampling, f"one of {', '.join(DRAFT_SAMPLING)}")
+        self._check_tree()
+
+    def _check_tree(self) -> None:
+        """The rules of a tree and of the adaptive length (which only trees have)."""
+        p = self.min_draft_prob
+        if not (is_number(p) and 0 <= p < 1):
+            raise OptionError("min_draft_prob", p, "a number in [0, 1)")
+        if self.tree is None:
+            if p:
+                raise OptionError("min_draft_prob", p, "0 without a draft tree",
+                                  "adaptive length runs through tree decoding: a chain of K drafts is the tree "
+                                  "TreeShape.chain(K)")
+            return
+        name = self.tree.name
+        if self.mode == "none":
+            raise OptionError("draft", self.mode, f"'eagle' or 'vanilla' with tree {name!r}",
+                              "tree drafting needs the MTP modules")
+        if self.tree.max_depth < 1:
+            raise OptionError("tree", name, "a tree with at least one drafted node")
+        if self.k != self.tree.max_depth:
+            raise OptionError("k", self.k, f"the depth of tree {name!r}, {self.tree.max_depth}")
+        if self.vocab is not None:
+            raise OptionError("draft_vocab", f"{len(self.vocab)} ids", f"None with tree {name!r}",
+                              "draft trees do not take a draft vocabulary yet")
+        if p > 0 and self.sampling == "sample":
+            # Pruning a drawn child by its own probability changes the law it was drawn from (q_i restricted to
+            # likely tokens), and the sampler's min(1, p / q_i) would no longer be exact.
+            raise OptionError("min_draft_prob", p, "0 with draft_sampling='sample'",
+                              "pruning drawn children by their own probability would make tree sampling lossy; "
+                              "adaptive length needs top-k children")
 
     def validate(self, n_mtp: int) -> None:
         """The rules that need the loaded model: `n_mtp` MTP modules."""

@@ -9,6 +9,9 @@ drafter's r-th best (or r-th drawn) token at the parent, so the sampling verifie
 
 The verify forward writes node i at cache slot seq_len + i, places it at rotary position seq_len + depth[i],
 and lets it attend to the committed cache plus its own ancestors (`ancestor_mask`, self included).
+
+`TreeShape` is torch-free (a `GenerationConfig` carries one and is validated without torch); its device tables
+import torch when built.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _BRANCHING = re.compile(r"[0-9]+(x[0-9]+)*")  # TreeShape.parse: '2x1x1'
 _PATHS = re.compile(r"[0-9]+(\.[0-9]+)*(/[0-9]+(\.[0-9]+)*)*")  # '0/1/0.0/0.1'
@@ -175,28 +180,38 @@ class TreeShape:
     # ------------------------------------------------------------------ device tensors
     def tensors(self, device=None) -> TreeTensors:
         """Everything the verify forward and the verifiers read, on `device` (build once per shape)."""
+        import torch
+
         return TreeTensors(self, torch.tensor(self.parents, dtype=torch.long, device=device),
                            self.depth_tensor(device), torch.tensor(self.rank, dtype=torch.long, device=device),
                            self.ancestor_mask(device), self.path_table(device), self.child_table(device))
 
     def ancestor_mask(self, device=None) -> torch.Tensor:
         """Bool [N, N]: entry (i, j) is True iff node j is on the root-to-i path (i itself included)."""
+        import torch
+
         m = torch.zeros(self.n_nodes, self.n_nodes, dtype=torch.bool)
         for i in range(self.n_nodes):
             m[i, list(self.path(i))] = True
         return m.to(device)
 
     def depth_tensor(self, device=None) -> torch.Tensor:
+        import torch
+
         return torch.tensor(self.depth, dtype=torch.long, device=device)
 
     def path_table(self, device=None) -> torch.Tensor:
         """Long [N, A]: row i lists the path to node i, padded with i itself past its depth."""
+        import torch
+
         A = self.max_depth + 1
         t = [list(self.path(i)) + [i] * (A - 1 - self.depth[i]) for i in range(self.n_nodes)]
         return torch.tensor(t, dtype=torch.long, device=device)
 
     def child_table(self, device=None) -> torch.Tensor:
         """Long [N, C]: children of each node in rank order, padded with -1."""
+        import torch
+
         C = self.max_children
         t = [list(c) + [-1] * (C - len(c)) for c in self.children]
         return torch.tensor(t, dtype=torch.long, device=device)

@@ -178,14 +178,14 @@ def test_tree_sampling_runs_and_reproduces(model, prompts, draft_sampling):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(verify="lenient"), "tree verify must be"),
-    (dict(verify="relaxed"), "needs think_ids"),
+    (dict(verify="lenient"), "verify must be one of"),
+    (dict(verify="relaxed"), "think_ids must be a"),
     (dict(draft_sampling="sample"), "draft_sampling"),
     (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(min_draft_prob=1.0), r"min_draft_prob must be in \[0, 1\)"),
+    (dict(min_draft_prob=1.0), r"min_draft_prob must be a number in \[0, 1\)"),
     (dict(min_draft_prob=0.2, verify="sample", draft_sampling="sample"), "lossy"),
     (dict(draft="vanilla", prompts=[[3]]), "prompts of at least 2 tokens"),
-    (dict(draft="none"), "draft='eagle' or 'vanilla'"),
+    (dict(draft="none"), "draft must be 'eagle' or 'vanilla' with tree"),
 ])
 def test_bad_arguments_are_rejected(model, prompts, kw, match):
     kw = dict(kw)

@@ -131,10 +131,11 @@ def test_generate_kwargs_build_a_generation_config():
     (["draft.tree=0/2"], "draft.tree: tree shape '0/2' is invalid"),
     (["draft=none", "draft.tree=2x1"], "draft.tree = '2x1' is invalid: expected null with draft=none"),
     (["draft.min_draft_prob=0.3"], "draft.min_draft_prob = 0.3 is invalid"),
-    (["draft.tree=2x1", "draft.min_draft_prob=1.5"], "draft.tree = '2x1' with verify=strict: min_draft_prob"),
+    (["draft.tree=2x1", "draft.min_draft_prob=1.5"], "draft.min_draft_prob = 1.5 is invalid: expected a number in"),
     (["draft.tree=2x1", "verify=relaxed", "verify.span_rule=trtllm"], "verify.span_rule = 'trtllm'"),
     (["draft.tree=2x1", "draft.min_draft_prob=0.2", "verify=sample", "verify.draft_sampling=sample"],
-     "with verify=sample: min_draft_prob needs top-k children"),
+     "draft.min_draft_prob = 0.2 is invalid: expected 0 with draft_sampling='sample'"),
+    (["draft.tree=2x1", "verify=sample", "runtime.mode=graph"], "runtime.mode = 'graph' is invalid: expected 'eager'"),
 ])
 def test_bad_values_are_refused_by_the_schema(overrides, message):
     with pytest.raises(schema.SchemaError, match=message.replace(".", r"\.")):
@@ -201,8 +202,12 @@ def test_tree_options_reach_the_tree_decoder():
     trees.check(kw, batch_size=4)
     with pytest.raises(schema.SchemaError, match="draft.tree = '2x1' is invalid: expected null: mtp-chat"):
         schema.validate(compose("chat", overrides=["draft.tree=2x1"]))
-    for ov, bs, match in ((["runtime.prefill_chunk=8"], 1, "runtime.prefill_chunk"),
-                          (["verify=sample"], 2, "runtime.batch_size=1, got 2")):
-        kw = generate_kwargs(compose_eval(["draft.tree=2x1", *ov]))
-        with pytest.raises(NotAvailableError, match=match):
-            trees.check(kw, batch_size=bs)
+    with pytest.raises(schema.SchemaError, match="runtime.prefill_chunk = 8 is invalid: expected None with tree"):
+        generate_kwargs(compose_eval(["draft.tree=2x1", "runtime.prefill_chunk=8"]))
+    kw = generate_kwargs(compose_eval(["draft.tree=2x1", "verify=sample"]))
+    with pytest.raises(NotAvailableError, match="runtime.batch_size=1, got 2"):
+        trees.check(kw, batch_size=2)
+    for mode in ("graph", "overlap"):  # the captured tree step (on CUDA; check_runtime refuses CPUs, as for chains)
+        kw = schema.generation_options(schema.validate(compose_eval(["draft.tree=2x1", f"runtime.mode={mode}"])))
+        assert (kw["mode"], kw["tree"]) == (mode, "2x1")
+        trees.check(kw, batch_size=4)
