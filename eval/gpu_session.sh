@@ -9,7 +9,7 @@
 #   PARTS=tp8 bash eval/gpu_session.sh        # one rank of TP=8 at full depth (needs ~96 GiB: an H200), alone in
 #                                             # one call: ~82 GiB of random weights, 1k/8k/32k contexts, spec steps
 #   PARTS="coll tp8" ...                      # with 2+ GPUs: NCCL latencies first, used by tp8's projection
-#   PARTS="base tp8" BASE=.old ...            # the TP=8 rank of an older tree ($BASE: `git archive <commit> mtp eval
+#   PARTS="base tp8" BASE=.old ...            # the TP=8 rank of an older tree ($BASE_ARGS, default --no-spec; $BASE: `git archive <commit> mtp eval
 #                                             # conf pyproject.toml | tar -x -C .old`, carried) next to this one
 #   PARTS="mlarank" ...                       # mla_decode's heads per program at one TP=8 rank's 16 heads
 #   PACK=1 ...                                # everything under $OUT packed into one results.tgz (few files return)
@@ -57,7 +57,7 @@ fi
 if want base && [ -d "${BASE:-.old}" ]; then
   echo "== baseline tree ${BASE:-.old}: mtp-bench --tp 8 (target steps only) $(date -u +%H:%M:%S)"
   (cd "${BASE:-.old}" && timeout "${BASE_S:-240}" python3 -m mtp.bench --tp 8 --layers 61 \
-    --prompt-len ${BASE_CTX:-1024 32768} --no-spec --json "$OUT/bench_tp8_base.json") 2>&1 \
+    --prompt-len ${BASE_CTX:-1024 32768} ${BASE_ARGS:---no-spec} --json "$OUT/bench_tp8_base.json") 2>&1 \
     | tee "$OUT/bench_tp8_base.log" | grep -v -i warn | grep -E "^ +[0-9]+ +[0-9] " | tail -12
 fi
 if want tp8v; then
