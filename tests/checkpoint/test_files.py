@@ -27,16 +27,6 @@ REPO = Path(__file__).resolve().parents[2]
 FP8 = torch.float8_e4m3fn
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Measured on the shared 2-core test box: random_tensors(tiny_config()) takes 4.8 s with 2 OpenMP threads
-    (spin-waits against other processes) and 0.1 s with 1. Nothing here needs parallel kernels."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     """(cfg, tensors as written, checkpoint dir): 3 layers (1 dense), 1 MTP module, 3 shards."""

@@ -22,15 +22,6 @@ REPO = Path(__file__).resolve().parents[2]
 ARGS = ["--layers", "2", "--dense-layers", "1", "--mtp-modules", "2", "--index-topk", "8", "--vocab", "400"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """With 2 OpenMP threads on the shared 2-core test box, tensor set-up is 10-50x slower (spin-waits)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def cli_ckpt(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "nested" / "tiny"  # parent folders do not exist yet
