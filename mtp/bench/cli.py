@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from .timing import capture, copy_bandwidth, kernel_profile, step_bytes, time_ms
+from ..decode.graphs import capture_graph
+from .timing import copy_bandwidth, kernel_profile, step_bytes, time_ms
 
 
 def _count_experts(model, ids) -> tuple[dict, list]:
@@ -71,12 +72,12 @@ def bench_ours(args, bw: float) -> dict:
 
         with torch.no_grad():
             eager_ms = time_ms(fwd)
-            graph = capture(fwd)
+            graph = capture_graph(fwd)
             graph_ms = time_ms(graph.replay)
             prof = kernel_profile(graph.replay) if args.profile and w in (1, args.k + 1) else None
             del graph
             elementwise.reset()  # same step with the plain (uncompiled) elementwise ops, side by side
-            graph_plain_ms = time_ms(capture(fwd).replay)
+            graph_plain_ms = time_ms(capture_graph(fwd).replay)
             elementwise.compile()
             seen, hooks = _count_experts(model, blk)
             fwd()
@@ -144,7 +145,7 @@ def bench_trees(model, args, bw: float) -> dict:
                 h.remove()
             total[kind] = step_bytes(model, [len(seen.get(li, ())) for li in range(cfg.num_hidden_layers)],
                                      L + N, B)["total"]
-            graph = capture(fn)
+            graph = capture_graph(fn)
             ms[kind] = time_ms(graph.replay, iters=5, warmup=2)
             del graph
         row = tree_row(shape, ms, total, model.runtime.absorb_max_tokens)

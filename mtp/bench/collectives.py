@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.config import ModelConfig
+from ..decode.graphs import capture_graph
 from .timing import time_ms
 from ..parallel.comm import Comm
 
@@ -46,16 +47,7 @@ def nccl_version() -> str:
 def time_collective(comm: Comm, op: str, t: torch.Tensor, inner: int, iters: int) -> float:
     """us per collective: a graph of `inner` of them, replayed."""
     fn = (lambda: comm.all_reduce(t)) if op == "all_reduce" else (lambda: comm.all_gather_last(t))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # eager warm-up outside the capture (NCCL's lazy state)
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
+    graph = capture_graph(lambda: [fn() for _ in range(inner)], warmup=1)  # eager warm-up first: NCCL's lazy state
     dist.barrier()
     ms = time_ms(graph.replay, iters=iters, warmup=3)
     del graph

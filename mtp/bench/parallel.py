@@ -36,7 +36,8 @@ from ..model.moe import MoE
 from ..checkpoint.inventory import checkpoint_spec
 from ..checkpoint.synthetic import random_model
 from ..model.presets import gpu_test_config, real_config, tiny_parallel_config
-from .timing import capture, timer
+from ..decode.graphs import capture_graph
+from .timing import timer
 from ..parallel.comm import CountingComm
 from ..parallel.layout import MLP_SPLITS, ParallelPlan
 from ..parallel.load import param_bytes
@@ -129,7 +130,7 @@ def measure(model, args, device: torch.device, ids: torch.Tensor, comm: Counting
         res["logits"][w] = out.pop("o").logits.float().cpu()
         r = {"eager_ms": time_ms(fwd) if "eager" in args.modes else None, "graph_ms": None}
         if graph:
-            g = capture(fwd)
+            g = capture_graph(fwd)
             r["graph_ms"] = time_ms(g.replay)
             del g
         out.clear()

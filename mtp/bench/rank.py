@@ -42,7 +42,8 @@ import torch
 from ..model.cache import KVCache
 from ..model.config import ModelConfig
 from ..checkpoint.inventory import checkpoint_spec
-from .timing import capture, copy_bandwidth, kernel_profile, timer
+from ..decode.graphs import capture_graph
+from .timing import copy_bandwidth, kernel_profile, timer
 from ..parallel.layout import ParallelPlan
 from ..parallel.memory import GIB
 
@@ -185,7 +186,7 @@ def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
     for name, fn in (("scores", scores), ("topk", topk)):
         fn()
         if cuda:
-            graph = capture(fn)
+            graph = capture_graph(fn)
             res[f"{name}_us_per_layer"] = time_fn(graph.replay) * 1e3
             del graph
         else:
@@ -234,7 +235,7 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
         if args.eager or not cuda:
             r["eager_ms"] = time_fn(fwd)
         if cuda:
-            graph = capture(fwd)
+            graph = capture_graph(fwd)
             r["graph_ms"] = time_fn(graph.replay)
             prof = kernel_profile(graph.replay, steps=3, top=40)
             del graph
@@ -285,7 +286,7 @@ def tree_verify(model, comm, cache, shape, L: int, cuda: bool, bw: float | None,
         if kind == "tree":
             collectives = dict(comm.counts)
         if cuda:
-            graph = capture(fn)
+            graph = capture_graph(fn)
             ms[kind] = time_fn(graph.replay)
             del graph
         else:

@@ -97,20 +97,6 @@ def tree_row(shape, ms: dict, total_bytes: dict, absorb_max_tokens: int) -> dict
     return row
 
 
-def capture(fn) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of fn(), after two warm-up calls on a side stream (allocations, lazy init, compiles)."""
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def kernel_profile(replay, steps: int = 10, top: int = 30) -> dict:
     """Kernel time inside `steps` replays (torch.profiler / CUPTI sees the kernels of a replayed graph):
     per-kernel-name total and count per step, the sum of kernel time per step, and the number of kernels per
