@@ -37,7 +37,7 @@ from .config import GenerationConfig, row_seeds
 from .health import NonFiniteError, logits_nonfinite, raise_nonfinite
 from .keep import _ENGINES, kept, release  # noqa: F401  (callers know them as mtp.decode.engine.*)
 from .metrics import SpecMetrics
-from .state import DecodeState, StatePool
+from .state import DecodeState, StatePool, check_prompts
 from .tree_metrics import TreeMetrics
 
 
@@ -86,7 +86,7 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]],
         if not isinstance(seed, int) and len(set(seeds)) > 1:
             raise ValueError(f"generate: a draft tree takes one int seed, got per-prompt seeds {seeds!r:.80} (tree "
                              "sampling draws a whole batch from one torch.Generator)")
-        r = run_tree(model, prompts, gcfg, emit=_Emitter(on_step, len(prompts)), seed=seeds[0])
+        r = run_tree(model, prompts, gcfg, emit=_Emitter(on_step, len(prompts)), seed=seeds[0] if seeds else None)
         spec = r.metrics.spec(gcfg.draft.mode, gcfg.verify, prompt_tokens=sum(map(len, prompts)), n_rows=len(prompts))
         return GenerateResult(r.tokens, r.finish_reasons, spec, tree=r.metrics)
     if gcfg.mode == "eager":
@@ -130,21 +130,6 @@ class Engine:
             return relaxed_verify(drafts_BK, logits_BKV, think_B, g.top_n, g.delta, *g.think_ids, g.span_rule)
         # Draft ids are checked on the CPU only: on CUDA the check would add a host sync to every step.
         return sampling_verify(drafts_BK, q_BKV, logits_BKV, g.sampling, draws, check_ids=self.dev.type == "cpu")
-
-    def _check_prompts(self, prompts) -> list[list[int]]:
-        V = self.model.cfg.vocab_size
-        if len(prompts) == 0:
-            raise ValueError("prompts is empty")
-        out = []
-        for i, p in enumerate(prompts):
-            p = [int(t) for t in p]
-            if not p:
-                raise ValueError(f"prompts[{i}] is empty")
-            bad = [t for t in p if not 0 <= t < V]
-            if bad:
-                raise ValueError(f"prompts[{i}] has token ids outside [0, {V}): {bad[:5]}")
-            out.append(p)
-        return out
 
     def bound(self, st: DecodeState, host: torch.Tensor) -> int:
         """Bound on the positions a step touches. On CUDA always the buffer length, so eager, graph and overlap
@@ -243,7 +228,7 @@ class Engine:
         the sampling seeds (default: the config's seed + row index). An Engine kept across calls reuses its
         buffers and, in graph / overlap mode, the captured step graph."""
         g, dcfg = self.g, self.g.draft
-        prompts = self._check_prompts(prompts)
+        prompts = check_prompts(prompts, self.model.cfg.vocab_size)
         seeds = row_seeds(g.seed if seeds is None else seeds, len(prompts))
         max_new = g.max_new_tokens if max_new_tokens is None else max_new_tokens
         if not isinstance(max_new, int) or max_new < 1:

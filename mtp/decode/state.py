@@ -17,6 +17,23 @@ from .config import GenerationConfig
 from .options import draft_room
 
 
+def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    """`prompts` as lists of ints, refused with the index of the first empty prompt or of one holding ids
+    outside the vocabulary (chain and tree engines alike)."""
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty")
+    out = []
+    for i, p in enumerate(prompts):
+        p = [int(t) for t in p]
+        if not p:
+            raise ValueError(f"prompts[{i}] is empty")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")
+        out.append(p)
+    return out
+
+
 @dataclass
 class DecodeState:
     """Every tensor a step reads or writes; allocated once per (batch, buffer length), reused by later calls of

@@ -37,7 +37,7 @@ from .graphs import GraphRunner
 from .health import NonFiniteError, logits_nonfinite, raise_nonfinite
 from .keep import kept
 from .metrics import SpecMetrics
-from .state import StatePool
+from .state import StatePool, check_prompts
 from .tree_metrics import TreeMetrics, TreeResult
 
 __all__ = ["TreeEngine", "TreeMetrics", "TreeResult", "TreeState", "TreeStatePool", "TreeStep", "generate_tree",
@@ -292,19 +292,12 @@ class TreeEngine:
         return TreeResult(result, ["stop" if s and s[-1] in stop_set else "length" for s in result], met, row_hist)
 
 
-def _check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
-    prompts = [[int(t) for t in p] for p in prompts]
-    if not prompts or any(not p for p in prompts):
-        raise ValueError("prompts must be a non-empty list of non-empty token lists")
-    return prompts
-
-
 def run_tree(model: DeepseekV32, prompts: Sequence[Sequence[int]], g: GenerationConfig, seed: int | None = None,
              emit: Callable[[list, list, list], None] = lambda new, keep, acc: None) -> TreeResult:
     """Tree decoding with a `GenerationConfig` whose draft carries the tree (`mtp.generate` dispatches here).
     graph / overlap: the engine (buffers + captured step graphs) is kept per model and settings, as the chain
     engine's, and dropped by `mtp.decode.engine.release(model)`; eager builds one per call."""
-    prompts = _check_prompts(prompts)
+    prompts = check_prompts(prompts, model.cfg.vocab_size)
     engine = TreeEngine(model, g) if g.mode == "eager" else kept(model, g, lambda: TreeEngine(model, g))
     return engine.run(prompts, g.max_new_tokens, g.seed if seed is None else seed, emit)
 

@@ -91,3 +91,16 @@ def test_generate_refuses_a_draft_tree_with_k_not_its_depth_and_per_prompt_seeds
         generate(model, PROMPTS, 4, draft="eagle", tree="2x1", verify="sample", seed=[1, 2])
     one = generate(model, PROMPTS[:1], 4, draft="eagle", tree="2x1", verify="sample", seed=[7])
     assert one.tokens == generate(model, PROMPTS[:1], 4, draft="eagle", tree="2x1", verify="sample", seed=7).tokens
+
+
+@pytest.mark.parametrize("prompts,match", [([], "prompts is empty"), ([[3, 4], []], r"prompts\[1\] is empty"),
+                                           ([[3, 4], [5, 512]], r"prompts\[1\] has token ids outside \[0, 512\)")])
+def test_tree_decoding_refuses_bad_prompts_as_the_chain_engine(model, prompts, match):
+    """One prompt check (mtp.decode.state.check_prompts) for chains and trees: an id past the vocabulary is
+    named before anything runs, not an index error inside the embedding."""
+    with pytest.raises(ValueError, match=match):
+        generate_tree(model, prompts, "2x1", 4)
+    with pytest.raises(ValueError, match=match):
+        generate(model, prompts, 4, draft="eagle", tree="2x1")
+    with pytest.raises(ValueError, match=match):
+        generate(model, prompts, 4, draft="eagle", k=2)
