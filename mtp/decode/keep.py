@@ -12,6 +12,8 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from ..model.deepseek import DeepseekV32
     from .config import GenerationConfig
@@ -44,8 +46,6 @@ def release(model: DeepseekV32 | None = None) -> None:
     captured graphs holding its collectives are alive (seen: ranks hung in destroy_process_group)."""
     if model is None:
         _ENGINES.clear()
-        import torch
-
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     else:
