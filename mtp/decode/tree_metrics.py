@@ -65,7 +65,8 @@ class TreeMetrics:
                           [a + b for a, b in zip(self.accepted_hist, other.accepted_hist)],
                           [[a + b for a, b in zip(r, q)] for r, q in zip(self.accepted_rank, other.accepted_rank)])
         for name in ("row_steps", "live_nodes", "relaxed_only_accepts", "target_forwards", "draft_forwards",
-                     "new_tokens", "time_prefill_s", "time_decode_s"):
+                     "new_tokens", "time_prefill_s", "time_decode_s", "graph_replays", "graph_captures",
+                     "graph_capture_s", "gpu_busy_ms", "gpu_idle_ms"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         return out
 

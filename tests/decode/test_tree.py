@@ -15,11 +15,8 @@ import pytest
 import torch
 
 from mtp import generate
-from mtp.checkpoint.files import load_model, save_checkpoint
-from mtp.checkpoint.tiny import agreeing_mtp
-from mtp.checkpoint.random_weights import random_tensors
-from mtp.model.presets import tiny_config
 from mtp.decode.tree import generate_tree
+from mtp.decode.tree_metrics import TreeMetrics
 from mtp.draft import DraftConfig, Proposer
 from mtp.draft.proposer import pick_hidden
 from mtp.draft.tree import TreeShape
@@ -36,10 +33,8 @@ TH, ETH = 510, 511  # <think>, </think> stand-ins in the 512-token tiny vocabula
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    cfg = tiny_config(mtp_modules=2)
-    path = save_checkpoint(agreeing_mtp(random_tensors(cfg, seed=0), cfg), cfg, tmp_path_factory.mktemp("agree") / "m")
-    return load_model(path, dtype=torch.float64, numerics="fp8")
+def model(agreeing_model):  # tests/decode/conftest.py: one float64 tiny model whose MTP modules agree often
+    return agreeing_model
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +187,19 @@ def test_bad_arguments_are_rejected(model, prompts, kw, match):
     ps = kw.pop("prompts", prompts)
     with pytest.raises(ValueError, match=match):
         generate_tree(model, ps, SHAPES["b221"], kw.pop("max_new_tokens", 4), reuse_modules=True, **kw)
+
+
+def test_merged_metrics_keep_the_graph_counters():
+    """mtp-eval merges the tree metrics of its batches; in graph / overlap mode the replays, captures and GPU
+    time must add up too (they were dropped by the merge)."""
+    a = TreeMetrics(7, 2, [1, 2, 3], [[1, 0], [2, 0]], graph_replays=4, graph_captures=1, graph_capture_s=0.5,
+                    gpu_busy_ms=8.0, gpu_idle_ms=1.0)
+    b = TreeMetrics(7, 2, [0, 1, 1], [[1, 1], [0, 1]], graph_replays=6, graph_captures=0, graph_capture_s=0.5,
+                    gpu_busy_ms=12.0, gpu_idle_ms=0.5)
+    m = a.merge(b)
+    assert (m.graph_replays, m.graph_captures, m.graph_capture_s, m.gpu_busy_ms, m.gpu_idle_ms) == (
+        10, 1, 1.0, 20.0, 1.5)
+    assert m.to_dict()["graph/gpu_step_ms"] == pytest.approx(2.0)
 
 
 def test_metrics_split_by_row_and_merge_across_calls(model, prompts):

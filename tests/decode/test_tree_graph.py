@@ -9,17 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtp.checkpoint.files import load_model, save_checkpoint
-from mtp.checkpoint.tiny import agreeing_mtp, random_tensors, tiny_config
 from mtp.decode.tree import generate_tree
 from mtp.draft.tree import TreeShape
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    cfg = tiny_config(mtp_modules=2)
-    path = save_checkpoint(agreeing_mtp(random_tensors(cfg, seed=0), cfg), cfg, tmp_path_factory.mktemp("agree") / "m")
-    return load_model(path, dtype=torch.float64, numerics="fp8")
+def model(agreeing_model):  # tests/decode/conftest.py: one float64 tiny model whose MTP modules agree often
+    return agreeing_model
 
 
 _g = torch.Generator().manual_seed(1)
