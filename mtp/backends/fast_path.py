@@ -56,7 +56,7 @@ from ..kernels.moe import moe_experts
 from ..kernels.norm_quant import add_rms_norm_quant, add_rounded
 from ..model.attention import MLA
 from ..model.deepseek import Block, DeepseekV32
-from ..model.fp8 import acc_dtype
+from ..model.fp8 import BLOCK, acc_dtype
 from ..model.layers import MLP, Linear, elementwise
 from ..model.moe import MoE
 from ..parallel.modules import ParallelMLP
@@ -251,7 +251,9 @@ def fast_module(mod: torch.nn.Module, mm_fp32: bool = False) -> None:
     """Swap one module to its fast class and prepare what the kernels read (stacked experts, fused projections,
     dequantized attention weights). Modules without a fast version are left alone."""
     if isinstance(mod, Linear) and mod.is_fp8:
-        _swap(mod, FastLinear)
+        if mod.scale_rows == BLOCK and not mod.in_features % BLOCK:  # the kernels' blocking; small models' odd
+            # rank slices (finer scale rows, a shared activation group) keep the reference
+            _swap(mod, FastLinear)
     elif isinstance(mod, MoE):
         stack_experts(mod)
         _swap(mod, FastMoE)
@@ -388,7 +390,8 @@ def _mla_kernel_fits(mla: MLA) -> bool:
     """mla_decode is built for DeepSeek's latent 512 + rope 64; the indexer kernel for >= 16 power-of-two heads.
     Smaller test models keep the reference attention (their linears and MoE still use the kernels)."""
     hi = mla.indexer.n_heads
-    return mla.C == 512 and mla.R == 64 and hi >= 16 and hi & (hi - 1) == 0
+    blocks = all(lin.scale_rows == BLOCK for lin in (mla.q_b_proj, mla.kv_b_proj))
+    return mla.C == 512 and mla.R == 64 and hi >= 16 and hi & (hi - 1) == 0 and blocks
 
 
 def stack_experts(moe: MoE) -> None:

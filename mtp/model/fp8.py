@@ -45,12 +45,18 @@ def act_quant(x: torch.Tensor, block: int = BLOCK, scale_fmt: str | None = "ue8m
     if K % block:
         raise ValueError(f"act_quant: last dim {K} is not a multiple of the block {block}")
     xg = x.to(acc_dtype(x.dtype)).unflatten(-1, (K // block, block))
-    amax = xg.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
-    s = amax / FP8_MAX
+    x8, s = quant_groups(xg, xg.abs().amax(dim=-1), scale_fmt)
+    return x8.flatten(-2), s
+
+
+def quant_groups(xg: torch.Tensor, amax: torch.Tensor, scale_fmt: str | None = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize groups xg [..., G, n] (accumulation dtype) with their amax [..., G]: (x8 [..., G, n], scale fp32
+    [..., G]). The amax may come from elsewhere: ranks that each hold part of a group agree on the group's."""
+    s = amax.clamp_min(AMAX_FLOOR) / FP8_MAX
     if scale_fmt == "ue8m0":
         s = round_scale_ue8m0(s)
     x8 = (xg / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return x8.flatten(-2), s.float()
+    return x8, s.float()
 
 
 def act_dequant(x8: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32, block: int = BLOCK) -> torch.Tensor:
@@ -67,11 +73,13 @@ def fake_quant(x: torch.Tensor, block: int = BLOCK, scale_fmt: str | None = "ue8
     return act_dequant(x8, s, x.dtype, block)
 
 
-def weight_dequant(w8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Expand [ceil(N/128), ceil(K/128)] block scales over w8 [N, K] and multiply."""
+def weight_dequant(w8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+                   rows: int = BLOCK) -> torch.Tensor:
+    """Expand [ceil(N/rows), ceil(K/128)] block scales over w8 [N, K] and multiply. rows < 128: a rank's slice
+    re-blocked on finer row blocks (`mtp.parallel.reblock`); checkpoints always have 128."""
     N, K = w8.shape
     a = acc_dtype(dtype)
-    s = scale_inv.to(a).repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
+    s = scale_inv.to(a).repeat_interleave(rows, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
     return (w8.to(a) * s).to(dtype)
 
 
@@ -94,10 +102,11 @@ def weight_quant(w: torch.Tensor, scale_fmt: str | None = "ue8m0") -> tuple[torc
 
 
 def fp8_gemm_ref(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor,
-                 acc: torch.dtype = torch.float32) -> torch.Tensor:
-    """Block-scaled GEMM: x8 [M, K] float8, sx [M, G] fp32, w8 [N, K] float8, sw [ceil(N/128), G] -> fp32 [M, N].
+                 acc: torch.dtype = torch.float32, rows: int = BLOCK) -> torch.Tensor:
+    """Block-scaled GEMM: x8 [M, K] float8, sx [M, G] fp32, w8 [N, K] float8, sw [ceil(N/rows), G] -> fp32 [M, N].
 
-    Each 128-wide K group is one fp32 product scaled by s_x * s_w, as DeepSeek's fp8_gemm accumulates.
+    Each 128-wide K group is one fp32 product scaled by s_x * s_w, as DeepSeek's fp8_gemm accumulates. `rows`:
+    output rows per weight-scale block (128 in a checkpoint; fewer on a re-blocked rank slice).
     """
     M, K = x8.shape
     N = w8.shape[0]
@@ -105,7 +114,7 @@ def fp8_gemm_ref(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch
     xg = x8.to(acc).view(M, G, BLOCK)
     wg = w8.to(acc).view(N, G, BLOCK)
     partial = torch.einsum("mgk,ngk->mgn", xg, wg)  # [M, G, N]
-    sw_full = sw.to(acc).repeat_interleave(BLOCK, 0)[:N]  # [N, G]
+    sw_full = sw.to(acc).repeat_interleave(rows, 0)[:N]  # [N, G]
     return (partial * sx.to(acc).unsqueeze(-1) * sw_full.t().unsqueeze(0)).sum(dim=1)
 
 

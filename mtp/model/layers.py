@@ -64,12 +64,14 @@ class Linear(nn.Module):
 
     numerics: str = "fp8"
 
-    def __init__(self, in_features: int, out_features: int, fp8_weight: bool, dtype: torch.dtype = torch.float32):
+    def __init__(self, in_features: int, out_features: int, fp8_weight: bool, dtype: torch.dtype = torch.float32,
+                 scale_rows: int = fp8.BLOCK):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.scale_rows = scale_rows  # output rows per scale block: 128, or fewer on a re-blocked rank slice
         if fp8_weight:
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=fp8.FP8_DTYPE), requires_grad=False)
-            sh = (math.ceil(out_features / fp8.BLOCK), math.ceil(in_features / fp8.BLOCK))
+            sh = (math.ceil(out_features / scale_rows), math.ceil(in_features / fp8.BLOCK))
             self.weight_scale_inv = nn.Parameter(torch.empty(sh, dtype=torch.float32), requires_grad=False)
         else:
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
@@ -81,7 +83,7 @@ class Linear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.is_fp8:
-            return fp8.weight_dequant(self.weight, self.weight_scale_inv, dtype)
+            return fp8.weight_dequant(self.weight, self.weight_scale_inv, dtype, self.scale_rows)
         return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +98,8 @@ class Linear(nn.Module):
             return F.linear(x, self.dequantized_weight(x.dtype))
         lead = x.shape[:-1]
         x8, sx = fp8.act_quant(x.reshape(-1, self.in_features))
-        y = fp8.fp8_gemm_ref(x8, sx, self.weight, self.weight_scale_inv, acc=fp8.acc_dtype(x.dtype))
+        y = fp8.fp8_gemm_ref(x8, sx, self.weight, self.weight_scale_inv, acc=fp8.acc_dtype(x.dtype),
+                             rows=self.scale_rows)
         return y.to(x.dtype).view(*lead, self.out_features)
 
     def matmul_acc(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from ..model.deepseek import DeepseekV32
 from .comm import Comm
 from .layout import ParallelPlan, RankLayout, Shard
 from .modules import shard_model
-from .reblock import reblock_scale
+from .reblock import ReblockError, block_map, reblock_scale
 
 SCALE_SUFFIX = ".weight_scale_inv"
 
@@ -63,11 +63,49 @@ def check_fp8_inputs(layout: RankLayout) -> None:
             "dense down_proj (intermediate_size slice)": layout.dense[1] - layout.dense[0],
             "shared expert down_proj": layout.shared[1] - layout.shared[0]}
     for what, k in cuts.items():
+        if what.startswith("o_proj") and k and BLOCK % k == 0:
+            continue  # a group shared by 128 / k ranks: they agree on its amax (modules.RowParallelLinear)
         if k % BLOCK:
             raise ConfigError(f"parallel world {W}, rank {layout.rank}: {what} gets {k} input channels, not a "
                               f"multiple of {BLOCK}: fp8 numerics quantize activations per {BLOCK} channels. Use "
                               f"mlp_split='blocks', a world size that divides the heads into groups of "
                               f"{BLOCK // math.gcd(BLOCK, cfg.v_head_dim)}, or numerics='dequant'")
+
+
+def check_split(cfg: ModelConfig, plan: ParallelPlan, numerics: str = "fp8") -> None:
+    """Whether every rank of `plan` can hold its part of a checkpoint of `cfg` exactly (config only, no weight
+    read): heads, experts and vocabulary divide by the world size, FP8 activation groups stay whole per rank
+    (fp8 numerics), and every column cut of an FP8 weight keeps to its 128-column scale blocks. ConfigError
+    naming the first problem."""
+    for r in range(plan.world):
+        layout = RankLayout(cfg, plan, r)
+        if not cfg.is_fp8:
+            continue
+        if numerics == "fp8":
+            check_fp8_inputs(layout)
+        v = cfg.v_head_dim
+        cuts = {"o_proj": (layout.heads[0] * v, layout.heads[1] * v), "dense down_proj": layout.dense,
+                "shared expert down_proj": layout.shared}
+        for what, (lo, hi) in cuts.items():
+            if hi > lo:
+                try:
+                    block_map(lo, hi, f"rank {r}'s {what} input channels")
+                except ReblockError as e:
+                    raise ConfigError(str(e)) from None
+
+
+def split_degrees(cfg: ModelConfig, mlp_split: str = "blocks", numerics: str = "fp8", up_to: int = 64) -> list[int]:
+    """The world sizes (powers of two up to `up_to`) a checkpoint of `cfg` splits into (`check_split`)."""
+    out = []
+    w = 1
+    while w <= up_to:
+        try:
+            check_split(cfg, ParallelPlan(w, mlp_split), numerics)
+            out.append(w)
+        except ConfigError:
+            pass
+        w *= 2
+    return out
 
 
 def parallel_skeleton(cfg: ModelConfig, comm: Comm, *, plan: ParallelPlan | None = None,
@@ -79,10 +117,9 @@ def parallel_skeleton(cfg: ModelConfig, comm: Comm, *, plan: ParallelPlan | None
     plan = plan or ParallelPlan(world=comm.world)
     if plan.world != comm.world:
         raise ConfigError(f"plan.world = {plan.world} but the process group has {comm.world} ranks")
-    layout = RankLayout(cfg, plan, comm.rank)
     runtime = runtime or RuntimeOptions(numerics=numerics)
-    if cfg.is_fp8 and runtime.numerics == "fp8":
-        check_fp8_inputs(layout)
+    check_split(cfg, plan, runtime.numerics)
+    layout = RankLayout(cfg, plan, comm.rank)
     with torch.device("meta"):
         model = DeepseekV32(cfg, dtype=dtype, n_mtp=n_mtp, runtime=runtime)
         shard_model(model, layout, comm, static_moe=static_moe)

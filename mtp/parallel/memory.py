@@ -38,6 +38,7 @@ from ..model.cache import KVCache
 from ..decode.options import DRAFTS
 from ..model.config import BLOCK, NUMERICS, ConfigError, ModelConfig
 from .layout import MLP_SPLITS, ParallelPlan, RankLayout
+from .reblock import scale_rows
 from ..checkpoint.inventory import checkpoint_spec
 
 GIB = 1024 ** 3
@@ -90,7 +91,7 @@ def rank_weight_bytes(cfg: ModelConfig, plan: ParallelPlan, rank: int, dtype: to
             continue
         if ts.kind == "scale":
             n, k = shard.local_shape(spec[name.replace(".weight_scale_inv", ".weight")].shape)
-            nbytes = math.ceil(n / BLOCK) * math.ceil(k / BLOCK) * 4
+            nbytes = math.ceil(n / scale_rows(layout, name)) * math.ceil(k / BLOCK) * 4
         else:
             per = {"fp8": 1, "fp32": 4, "norm": 4, "bf16": model_b}[ts.kind]
             nbytes = math.prod(shard.local_shape(ts.shape)) * per

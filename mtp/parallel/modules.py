@@ -30,17 +30,39 @@ from ..model.deepseek import DeepseekV32
 from ..model.moe import Gate, MoE
 from .comm import Comm
 from .layout import RankLayout
+from .reblock import scale_rows
 
 
 class RowParallelLinear(Linear):
-    """Input columns split across ranks (o_proj): y = all_reduce(x_local W_local^T)."""
+    """Input columns split across ranks (o_proj): y = all_reduce(x_local W_local^T).
+
+    With fewer than 128 input channels per rank (small models: 4 heads of 32 value channels at W = 2), one FP8
+    activation group spans `128 / in_features` neighbouring ranks. Quantizing each part on its own amax would
+    not be the single-rank model, so the ranks first all-gather their parts' amax (one [N, W] gather) and each
+    quantizes with its group's maximum: the same scales, hence the same products, as one rank computes."""
 
     def __init__(self, in_features: int, out_features: int, fp8_weight: bool, dtype: torch.dtype, comm: Comm):
         super().__init__(in_features, out_features, fp8_weight, dtype)
         self.comm = comm
+        self.shared_group = bool(fp8_weight and in_features and in_features % fp8.BLOCK)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared_group and self.numerics == "fp8":
+            return self.comm.all_reduce(self.shared_group_matmul(x)).to(x.dtype)
         return self.comm.all_reduce(self.matmul_acc(x)).to(x.dtype)
+
+    def shared_group_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums (accumulation dtype) when its input is part of a 128-channel group."""
+        a = fp8.acc_dtype(x.dtype)
+        lead, K = x.shape[:-1], self.in_features
+        xa = x.to(a).reshape(-1, K)
+        amax = self.comm.all_gather_last(xa.abs().amax(-1, keepdim=True).contiguous())  # [N, W]
+        per = fp8.BLOCK // K  # ranks per group; rank r's group holds ranks [r - r % per, ... + per)
+        g0 = self.comm.rank - self.comm.rank % per
+        x8, sx = fp8.quant_groups(xa.unsqueeze(1), amax[:, g0:g0 + per].amax(-1, keepdim=True))
+        sw = self.weight_scale_inv.to(a).repeat_interleave(self.scale_rows, 0)[: self.out_features, 0]
+        y = (x8[:, 0].to(a) @ self.weight.to(a).t()) * sx.to(a) * sw
+        return y.view(*lead, self.out_features)
 
 
 class ParallelMLP(MLP):
@@ -133,6 +155,11 @@ def shard_model(model: DeepseekV32, layout: RankLayout, comm: Comm, static_moe: 
         blocks += [(cfg.num_hidden_layers + j, b) for j, b in enumerate(model.mtp)]
         for layer_id, block in blocks:
             attn = MLA(attn_cfg, dt)
+            for proj in ("q_b_proj", "kv_b_proj"):  # per-head rows: a slice may need finer scale blocks
+                lin = getattr(attn, proj)
+                rows = scale_rows(layout, f"model.layers.{layer_id}.self_attn.{proj}.weight")
+                if q8 and rows != lin.scale_rows:
+                    setattr(attn, proj, Linear(lin.in_features, lin.out_features, q8, dt, scale_rows=rows))
             attn.o_proj = RowParallelLinear(Hl * cfg.v_head_dim, D, q8, dt, comm)
             block.self_attn = attn
             if cfg.is_moe_layer(layer_id):

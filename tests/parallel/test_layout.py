@@ -12,6 +12,7 @@ from mtp.model.config import ConfigError, ModelConfig
 from mtp.model.layers import Linear
 from mtp.parallel import ParallelPlan, RankLayout, ReblockError, Shard, reblock_scale, shard_fp8
 from mtp.parallel.layout import split_range
+from mtp.parallel.reblock import row_block
 from mtp.parallel.load import check_fp8_inputs
 from mtp.checkpoint.inventory import checkpoint_spec
 from mtp.model.presets import real_config, tiny_config, tiny_parallel_config
@@ -81,11 +82,29 @@ def test_reblocked_column_halves_sum_to_the_full_product():
     torch.testing.assert_close(parts[0] + parts[1], x @ fp8.weight_dequant(w8, s).T, rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("shard", [Shard(0, 64, 192), Shard(0, 192, 384), Shard(1, 32, 160)])
-def test_straddling_slices_are_refused(shard):
+def test_straddling_column_slice_is_refused():
     w8, s = blocky_fp8(384, 256)
     with pytest.raises(ReblockError, match="straddles parent blocks"):
-        shard_fp8(w8, s, shard, what="layer.q_b_proj.weight")
+        shard_fp8(w8, s, Shard(1, 32, 160), what="layer.o_proj.weight")
+
+
+@pytest.mark.parametrize("numerics", ["fp8", "dequant"])
+@pytest.mark.parametrize("a,b,rows", [(64, 192, 64), (192, 384, 64), (96, 288, 32), (0, 200, 128)])
+def test_straddling_row_slices_take_finer_scale_blocks(a, b, rows, numerics):
+    """A row slice whose own 128-blocks would straddle parent blocks (the bundled model's q_b_proj at TP=2: 2 heads
+    x 96 rows from row 192) gets `row_block` rows per scale block and still equals the full weight's rows."""
+    N, K = 384, 256
+    w8, s = blocky_fp8(N, K, seed=5)
+    assert row_block(a, b) == rows
+    lw8, ls = shard_fp8(w8, s, Shard(0, a, b))
+    assert tuple(ls.shape) == (-(-(b - a) // rows), 2)
+    assert torch.equal(fp8.weight_dequant(lw8, ls, rows=rows), fp8.weight_dequant(w8, s)[a:b])
+    full = Linear(K, N, True)
+    full.weight.data, full.weight_scale_inv.data, full.numerics = w8, s, numerics
+    part = Linear(K, b - a, True, scale_rows=rows)
+    part.weight.data, part.weight_scale_inv.data, part.numerics = lw8, ls, numerics
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(part(x), full(x)[:, a:b])
 
 
 def test_scale_of_the_wrong_shape_is_refused():
@@ -157,9 +176,11 @@ def test_indivisible_counts_name_the_field():
 
 
 def test_fp8_numerics_refuse_cut_activation_groups():
-    tiny4 = tiny_config()  # 4 heads x 32: o_proj gets 64 channels per rank at W = 2
-    with pytest.raises(ConfigError, match="o_proj .* gets 64 input channels"):
-        check_fp8_inputs(RankLayout(tiny4, ParallelPlan(2), 0))
+    tiny4 = tiny_config()  # 4 heads x 32: o_proj gets 64 channels per rank at W = 2, half a group: the two
+    check_fp8_inputs(RankLayout(tiny4, ParallelPlan(2), 0))  # ranks share its amax (RowParallelLinear)
+    odd = dataclasses.replace(tiny_config(), v_head_dim=96)  # 2 heads x 96 = 192 channels: 1.5 groups per rank
+    with pytest.raises(ConfigError, match="o_proj .* gets 192 input channels"):
+        check_fp8_inputs(RankLayout(odd, ParallelPlan(2), 0))
     tiny8 = tiny_parallel_config(2)
     check_fp8_inputs(RankLayout(tiny8, ParallelPlan(2), 1))  # whole groups everywhere
     with pytest.raises(ConfigError, match="shared expert down_proj gets 64"):
