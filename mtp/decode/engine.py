@@ -74,12 +74,21 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]],
         if (max_new_tokens, draft, k, verify) != (64, "none", None, "strict") or options:
             raise TypeError("generate: pass either a GenerationConfig or keyword options, not both")
         gcfg, seed = config, config.seed
-        seeds = row_seeds(seed, len(prompts))
     else:
         seed = options.pop("seed", 0)
-        seeds = row_seeds(seed, len(prompts))
+        row_seeds(seed, len(prompts))  # a bad seed list fails here, before any rank starts
         gcfg = GenerationConfig.from_options(max_new_tokens, draft, k, verify, seed=seed if isinstance(seed, int) else 0,
                                              **options)
+    peers = getattr(model, "peers", None)
+    if peers is not None:  # rank 0 of a sharded model: every rank runs this call (mtp.parallel.driver)
+        return peers.generate(model, prompts, gcfg, seed, on_step)
+    return run_generation(model, prompts, gcfg, seed, on_step)
+
+
+def run_generation(model: DeepseekV32, prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, seed,
+                   on_step: Callable[[StepEvent], None] | None = None) -> GenerateResult:
+    """`generate` on this process's model once the options are resolved (`seed`: an int, or one per prompt)."""
+    seeds = row_seeds(seed, len(prompts))
     if gcfg.draft.tree is not None:  # tree decoding (mtp/decode/tree.py): the tree's metrics ride along
         from .tree import run_tree
 

@@ -1,0 +1,235 @@
+"""Rank 0 drives a sharded model: it starts (or joins) the ranks, tells them what to load and run, and alone
+talks to the person and the files -- the executor / worker pattern of vLLM and SGLang's TP workers.
+
+    peers = start(tp=2, device_type="cuda")           # spawns ranks 1..N-1 here, or joins torchrun's ranks
+    model = peers.load(LoadSpec(path, dtype="bfloat16"))
+    out = mtp.generate(model, [ids], 64, draft="eagle", k=2)   # every rank runs it; rank 0 gets the result
+    peers.close()                                      # also at interpreter exit
+
+The model rank 0 gets back is its own shard with `model.peers` set: `mtp.generate` sees it and sends the call
+(prompts and the resolved `GenerationConfig`) to the other ranks before running it locally, so applications
+call `mtp.generate` exactly as on one device. With an `on_step` callback (streaming, chat), every step ends with
+rank 0's verdict broadcast: a callback that raises (the chat's Ctrl-C) stops every rank at the same step.
+
+Failure handling (`mtp.parallel.group` explains the layers): loading ends in an agreement, so a rank that fails
+to load makes every rank raise the same `RankFailure`. A rank that fails inside a generation leaves its process
+(`mtp.parallel.worker`); rank 0 watches the ranks it spawned and, when one exits, aborts the data group so its own
+blocked collective returns, then raises that rank's error. An error on rank 0 inside a generation ends the run
+(the others may be inside a collective nobody will finish): `close(force=True)` stops them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .group import RankFailure, RankGroup, abort_data_group, describe, init_group
+
+ERROR_DIR_ENV = "MTP_RANK_ERROR_DIR"  # where spawned ranks leave their last error (rank{r}.err) and log
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What every rank loads: the checkpoint and the settings of `mtp.parallel.load.load_parallel`."""
+
+    path: str
+    dtype: str = "float32"  # a torch dtype name
+    numerics: str = "fp8"
+    n_mtp: int | None = None
+    mlp_split: str = "blocks"
+    fast_path: bool = False
+
+
+class StopAgreed(Exception):
+    """Rank 0's step callback asked to stop; raised on every rank at the same step."""
+
+
+def load_rank(spec: LoadSpec, group: RankGroup):
+    """This rank's shard of `spec` (the same call on every rank)."""
+    import torch
+
+    from .layout import ParallelPlan
+    from .load import load_parallel
+
+    model = load_parallel(spec.path, group.comm, plan=ParallelPlan(group.world, spec.mlp_split),
+                          device=group.device, dtype=getattr(torch, spec.dtype), numerics=spec.numerics,
+                          n_mtp=spec.n_mtp)
+    if spec.fast_path:
+        from ..backends.fast_path import enable_fast_path
+
+        enable_fast_path(model)
+    return model
+
+
+def stoppable(group: RankGroup, on_step):
+    """The step callback every rank runs in a streamed generation: rank 0 calls `on_step`, then all ranks get
+    rank 0's verdict (stop if the callback raised) and raise StopAgreed together."""
+    raised: list[BaseException] = []
+
+    def step(event) -> None:
+        if group.rank == 0:
+            try:
+                on_step(event)
+            except BaseException as e:  # noqa: BLE001  (the chat's stop and Ctrl-C: re-raised on rank 0 below)
+                raised.append(e)
+        if group.broadcast(bool(raised)):
+            raise StopAgreed
+
+    return step, raised
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Peers:
+    """Rank 0's handle on the other ranks (spawned here or by torchrun)."""
+
+    def __init__(self, group: RankGroup, procs: dict[int, subprocess.Popen] | None = None,
+                 error_dir: Path | None = None):
+        self.group, self.procs, self.error_dir = group, procs or {}, error_dir
+        self.failure: RankFailure | None = None
+        self.model = None
+        self._closing = False
+        if self.procs:
+            threading.Thread(target=self._watch, name="mtp-rank-watch", daemon=True).start()
+        atexit.register(self.close)
+
+    # ------------------------------------------------------------------------------------ failure watch
+    def _rank_error(self, r: int, code: int) -> str:
+        err = self.error_dir / f"rank{r}.err" if self.error_dir else None
+        if err is not None and err.is_file() and err.read_text().strip():
+            return err.read_text().strip()
+        if code < 0:
+            return f"killed by signal {signal.Signals(-code).name}"
+        log = self.error_dir / f"rank{r}.log" if self.error_dir else None
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log is not None and log.is_file() else []
+        return f"exited with status {code}" + (f" ({tail[0]})" if tail else "")
+
+    def _watch(self) -> None:
+        while not self._closing:
+            for r, p in self.procs.items():
+                code = p.poll()
+                if code is not None and not self._closing:
+                    self.failure = RankFailure(r, "the run", self._rank_error(r, code))
+                    abort_data_group()  # rank 0's own collective, if it waits on the dead rank, now fails
+                    return
+            time.sleep(0.2)
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _send(self, command: str, payload=None) -> None:
+        self.check()
+        self.group.broadcast((command, payload))
+
+    # ------------------------------------------------------------------------------------------ commands
+    def load(self, spec: LoadSpec):
+        """Every rank loads its shard; all succeed or all raise RankFailure (exit status 2: bad input)."""
+        self._send("load", spec)
+        model = None
+        with self.group.phase("loading", exit_code=2):
+            model = load_rank(spec, self.group)
+        model.peers = self
+        self.model = model
+        return model
+
+    def generate(self, model, prompts, gcfg, seed, on_step):
+        """`mtp.generate` on every rank (called by it when `model.peers` is set)."""
+        from ..decode.engine import run_generation
+        from ..decode.state import check_prompts
+
+        check_prompts(prompts, model.cfg.vocab_size)  # bad input fails here, before the others start
+        self._send("generate", (list(map(list, prompts)), gcfg, seed, on_step is not None))
+        step, raised = stoppable(self.group, on_step) if on_step is not None else (None, [])
+        try:
+            return run_generation(model, prompts, gcfg, seed, step)
+        except StopAgreed:
+            raise raised[0] from None
+        except BaseException as e:
+            failure = self.failure or RankFailure(0, "generation", describe(e))
+            self.close(force=True)  # the others may wait inside a collective that will never complete
+            raise failure from e
+
+    def release(self) -> None:
+        """Drop every rank's kept engines and graphs (`mtp.decode.engine.release`)."""
+        from ..decode.keep import release
+
+        self._send("release")
+        release()
+
+    def close(self, force: bool = False) -> None:
+        """End every rank: a shutdown command and a clean teardown, or (force, or a rank already failed) stop
+        the spawned ranks and leave. Safe to call twice."""
+        if self._closing:
+            return
+        self._closing = True
+        atexit.unregister(self.close)
+        force = force or self.failure is not None
+        if not force:
+            try:
+                self.group.broadcast(("shutdown", None))
+                self.group.close()
+            except Exception:  # noqa: BLE001  (a peer vanished during teardown: stop what is left below)
+                force = True
+        deadline = time.monotonic() + (2 if force else 30)
+        for p in self.procs.values():
+            if force and p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if force:
+            abort_data_group()
+
+
+def start(tp: int, device_type: str) -> Peers:
+    """Rank 0 of a `tp`-rank run: under torchrun (RANK set) join its group; otherwise spawn ranks 1..tp-1 on this
+    node (`python -m mtp.parallel.worker`, one GPU each) and form the group with them."""
+    if "RANK" in os.environ:
+        if int(os.environ["RANK"]) != 0:
+            raise RuntimeError("start() is rank 0's; the other ranks run mtp.parallel.worker.serve()")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != tp:
+            raise RuntimeError(f"runtime.tp = {tp} but torchrun started {world} ranks (WORLD_SIZE); make them equal")
+        return Peers(init_group(device_type))
+    if device_type == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < tp:
+            raise RuntimeError(f"runtime.tp = {tp} needs {tp} GPUs on this node, {torch.cuda.device_count()} are "
+                               "visible; for several nodes start every rank with torchrun (README)")
+    error_dir = Path(tempfile.mkdtemp(prefix="mtp-ranks-"))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(tp),
+           ERROR_DIR_ENV: str(error_dir), "MTP_DEVICE_TYPE": device_type, "MTP_PARENT_PID": str(os.getpid())}
+    procs = {}
+    for r in range(1, tp):
+        with open(error_dir / f"rank{r}.log", "wb") as log:
+            procs[r] = subprocess.Popen(
+                [sys.executable, "-m", "mtp.parallel.worker"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                start_new_session=True)  # the terminal's Ctrl-C reaches rank 0 only; rank 0 decides
+    os.environ.update(MASTER_ADDR=env["MASTER_ADDR"], MASTER_PORT=env["MASTER_PORT"])
+    try:
+        group = init_group(device_type, rank=0, world=tp, local_rank=0)
+    except BaseException:
+        for p in procs.values():
+            p.kill()
+        raise
+    return Peers(group, procs, error_dir)
+
