@@ -13,10 +13,11 @@ Who does what: the application is `mtp/chat/` (no Hydra there): `session.Session
 commands and the statistics and `session.loop` reads and handles lines; `turn` streams one reply; `terminal`
 reads lines and draws replies. This file (the experiment layer, beside `mtp-eval`) builds them from the config.
 
-Multi-GPU (the parallel model runs every forward on every rank): each rank builds the model and a `Session`
-and runs the same `loop`. Rank 0 wraps its `TerminalInput` in `BroadcastInput` and prints through a
-`TerminalView`; the other ranks wrap a `ScriptedInput([])` (never read) and use a `NullView`; `should_stop`
-becomes `lambda: source.agree(stop.is_set())`, so all ranks leave an interrupted reply at the same step.
+Several ranks (`runtime.tp=N`, or every rank started by torchrun): rank 0 runs the chat -- terminal, session,
+commands -- and the other ranks serve its `mtp.generate` calls (`mtp.parallel.driver` / `worker`): each reply's
+every step ends with rank 0's stop verdict broadcast, so Ctrl-C stops all ranks at the same step. A second
+Ctrl-C does not break out of a step there (the other ranks are inside it); a rank that fails ends the session
+with one line naming it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def run(cfg) -> int:
         model, tokenizer = build(cfg)
         settings = Settings.from_generate_kwargs(generate_kwargs(cfg, tokenizer), max_new_tokens=cfg.max_new_tokens,
                                                  thinking=cfg.thinking, max_model_len=cfg.runtime.max_model_len)
-        stop = StopFlag()
+        # with ranks, a second Ctrl-C must not break out of a step the others are in: the reply stops at the next step
+        stop = StopFlag(hard=cfg.runtime.tp == 1)
         session = Session(model, tokenizer, settings, view, should_stop=stop.is_set,
                           meta={"model_path": str(model_path(cfg.model)),
                                 "provenance": provenance(model_path(cfg.model), cfg.runtime.device),
@@ -56,10 +58,21 @@ def run(cfg) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C while the model loads
         return 130
-    view.notice(f"mtp-chat: {session.meta['model_path']} on {model.device} | {settings.label()} | "
+    where = f"{model.device}" if cfg.runtime.tp == 1 else f"{cfg.runtime.tp} ranks ({cfg.runtime.device})"
+    view.notice(f"mtp-chat: {session.meta['model_path']} on {where} | {settings.label()} | "
                 f"max_new_tokens {settings.max_new_tokens} | max_model_len {session.context_limit()} | "
                 "/help for commands, Ctrl-D quits")
-    loop(session, TerminalInput(), stop)
+    from mtp.parallel.group import RankFailure
+
+    try:
+        loop(session, TerminalInput(), stop)
+    except RankFailure as e:  # a rank died or failed mid-reply: the group cannot go on, say so and leave
+        view.error(f"{e}; the session cannot go on without it")
+        return 1
+    finally:
+        peers = getattr(model, "peers", None)
+        if peers is not None:
+            peers.close()
     return 0
 
 
@@ -79,6 +92,12 @@ def chat_help() -> str:
 
 
 def main() -> None:
+    from .common import worker_rank
+
+    if worker_rank():  # under torchrun: ranks > 0 serve rank 0, which owns the terminal
+        from mtp.parallel.worker import main as serve
+
+        sys.exit(serve())
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
         print(chat_help())
         sys.exit(0)

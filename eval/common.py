@@ -81,16 +81,60 @@ def build(cfg: Any):
     if rt.num_threads:
         torch.set_num_threads(rt.num_threads)
     path = model_path(cfg.model)
-    # config.json, the draft settings and the tokenizer first: minutes before the weights would have told
-    _, tokenizer = preflight(path, tokenizer_path(cfg.model), draft=value(cfg.draft.name), k=cfg.draft.k,
-                             reuse_modules=cfg.draft.reuse_modules, n_mtp=cfg.model.n_mtp)
+    numerics = value(cfg.model.numerics)
+    # config.json, the draft settings, the split over runtime.tp ranks and the tokenizer first: minutes before
+    # the weights would have told
+    mcfg, tokenizer = preflight(path, tokenizer_path(cfg.model), draft=value(cfg.draft.name), k=cfg.draft.k,
+                                reuse_modules=cfg.draft.reuse_modules, n_mtp=cfg.model.n_mtp, tp=rt.tp,
+                                mlp_split=rt.mlp_split, numerics=numerics)
+    if rt.device.startswith("cuda"):
+        check_memory(cfg, mcfg)
+    if rt.tp > 1:
+        from mtp.parallel.driver import LoadSpec, start
+
+        peers = start(rt.tp, "cuda" if rt.device.startswith("cuda") else "cpu")
+        try:
+            model = peers.load(LoadSpec(str(path), dtype=value(rt.dtype), numerics=numerics, n_mtp=cfg.model.n_mtp,
+                                        mlp_split=rt.mlp_split, fast_path=rt.fast_path))
+        except BaseException:
+            peers.close()
+            raise
+        return model, tokenizer
     model = mtp.load_model(path, device=rt.device, dtype=getattr(torch, value(rt.dtype)),
-                           numerics=value(cfg.model.numerics), n_mtp=cfg.model.n_mtp)
+                           numerics=numerics, n_mtp=cfg.model.n_mtp)
     if rt.fast_path:
         from mtp.backends.fast_path import enable_fast_path
 
         enable_fast_path(model)
     return model, tokenizer
+
+
+_PLAN_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def check_memory(cfg: Any, mcfg: Any) -> None:
+    """Refuse (PreflightError) a run whose per-rank peak (`mtp-plan`'s model: weights, KV cache for runtime.batch_size
+    x runtime.max_model_len positions -- 32k when unset --, workspace) exceeds the free memory of this rank's GPU."""
+    import torch
+
+    from mtp.preflight import check_fits
+
+    rt = cfg.runtime
+    gpu = torch.device(rt.device).index or 0
+    free = torch.cuda.mem_get_info(gpu)[0]
+    max_len = rt.max_model_len or min(32768, mcfg.max_position_embeddings)
+    draft = value(cfg.draft.name)
+    check_fits(mcfg, rt.tp, free, batch=rt.batch_size, max_len=max_len, draft=draft,
+               k=0 if draft == "none" else cfg.draft.k, numerics=value(cfg.model.numerics),
+               dtype=_PLAN_DTYPES[value(rt.dtype)], mlp_split=rt.mlp_split, where=f"GPU {gpu}")
+
+
+def worker_rank() -> bool:
+    """Whether this process is a rank > 0 of a torchrun launch: it serves rank 0 (mtp.parallel.worker) instead of
+    running the application (no config, no files, no output)."""
+    import os
+
+    return os.environ.get("RANK", "0") != "0"
 
 
 def generate_kwargs(cfg: Any, tokenizer: Any = None) -> dict:

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from mtp.utils import write_atomic
 
 from . import conf_dir, trees
-from .common import NotAvailableError, build, check_runtime, generate_kwargs, model_label, model_path
+from .common import NotAvailableError, build, check_runtime, generate_kwargs, model_label, model_path, worker_rank
 from .data import DataError, Prompt, load_prompts
 from .rundir import SETTINGS_NAME, RunDirError, locked
 from .schema import DraftName, EvalConfig, SchemaError, StrictVerifySchema, validate, value
@@ -55,9 +55,13 @@ _BUILT: dict = {}
 
 
 def _build_once(cfg: EvalConfig):
-    key = (repr(cfg.model), cfg.runtime.device, value(cfg.runtime.dtype))
+    rt = cfg.runtime
+    key = (repr(cfg.model), rt.device, value(rt.dtype), rt.tp, rt.mlp_split, rt.fast_path)
     if _BUILT.get("key") != key:
+        old = getattr(_BUILT.get("model"), "peers", None)
         _BUILT.clear()
+        if old is not None:  # the ranks of the model this one replaces
+            old.close()
         model, tok = build(cfg)
         _BUILT.update(key=key, model=model, tok=tok)
     elif cfg.runtime.num_threads:
@@ -144,7 +148,7 @@ def _records(tok, batch: list[Prompt], ids: list[list[int]], name: str, calls: l
             "repeats": timings, "repeats_differ": differ, "output": tok.decode(toks), "tokens": toks,
             "answer": p.answer, "tool_calls": _tool_calls(tok.decode(toks), p.thinking),
         })
-        if isinstance(res, trees.TreeRun):
+        if res.tree is not None:
             out[-1]["batch_tree_metrics"] = res.tree.raw()
     return out
 
@@ -264,6 +268,10 @@ def _user_errors() -> tuple:
         from mtp.preflight import PreflightError
 
         errors += (CheckpointError, ConfigError, PreflightError)
+    if "mtp.parallel.group" in sys.modules:
+        from mtp.parallel.group import RankFailure
+
+        errors += (RankFailure,)  # a rank that could not load (the message names it, the file and the tensor)
     return errors
 
 
@@ -315,10 +323,11 @@ def _evaluate(cfg: DictConfig, claim) -> float:
     logger.start({**resolved, "provenance": prov}, *_identity(typed, out), out)
     kws = {"spec": kw, "base": _baseline_kwargs(kw), "ref": _strict_kwargs(kw)}
     from mtp.decode.health import NonFiniteError
+    from mtp.parallel.group import RankFailure
 
     try:
         _generate_all(typed, model, tok, batches, ids, stores, kws, logger)
-    except NonFiniteError as e:  # no metrics.json: there is nothing meaningful to report
+    except (NonFiniteError, RankFailure) as e:  # no metrics.json: there is nothing meaningful to report
         log.error("%s", e)
         print(f"mtp-eval: error: {e}", file=sys.stderr)
         sys.exit(1)
@@ -450,8 +459,17 @@ def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="eval")
-def main(cfg: DictConfig) -> float:
+def _hydra_main(cfg: DictConfig) -> float:
     return evaluate(cfg)
+
+
+def main() -> None:
+    """`mtp-eval`; under torchrun, ranks > 0 serve rank 0 (mtp.parallel.worker) and run no Hydra at all."""
+    if worker_rank():
+        from mtp.parallel.worker import main as serve
+
+        sys.exit(serve())
+    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from mtp.decode.config import GenerationConfig
 from mtp.decode.options import DRAFTS, MODES, OptionError
 from mtp.draft.config import DRAFT_SAMPLING, HIDDEN
+from mtp.parallel.layout import MLP_SPLITS
 from mtp.verify.params import SPAN_RULES
 
 
@@ -163,8 +164,16 @@ class RuntimeSchema:
     warmup: bool = True  # one short untimed generate before measuring
     fast_path: bool = False  # Triton kernels + fused glue (mtp.backends.fast_path), CUDA + fp8 numerics only
     prefill_chunk: Optional[int] = None  # prefill in chunks of this many tokens (long prompts); None: one pass
+    tp: int = 1  # ranks the model is split over (tensor + expert parallel): spawned here, or torchrun's
+    mlp_split: str = "blocks"  # how dense / shared-expert MLPs split over ranks (mtp.parallel.layout)
 
     def __post_init__(self):
+        if self.tp < 1:
+            _fail("runtime.tp", self.tp, "an integer >= 1")
+        if self.tp > 1 and self.device not in ("cpu", "cuda"):
+            _fail("runtime.device", self.device, "'cpu' or 'cuda' with runtime.tp > 1 (rank r uses GPU r)")
+        if self.mlp_split not in MLP_SPLITS:
+            _fail("runtime.mlp_split", self.mlp_split, f"one of {list(MLP_SPLITS)}")
         if self.fast_path and not self.device.startswith("cuda"):
             _fail("runtime.fast_path", True, "false unless runtime.device is cuda (the Triton kernels need a GPU)")
         if not _DEVICE.match(self.device):

@@ -1,6 +1,6 @@
 """Tree runs of mtp-eval (`draft.tree=2x1x1`, adaptive length with `draft.min_draft_prob`).
 
-A run with draft.tree set decodes with mtp.decode.tree.run_tree (eager, or runtime.mode=graph|overlap: the step
+A run with draft.tree set decodes through mtp.generate (mtp.decode.tree: eager, or runtime.mode=graph|overlap: the step
 captured once and replayed across batches). Its result is reported twice: as the engine's SpecMetrics
 (`TreeMetrics.spec`: k = the tree's depth), so AL, acceptance per
 position (= per depth), speed, the baseline's speedup and the strict check aggregate exactly as for chains;
@@ -11,10 +11,6 @@ and as the tree's own TreeMetrics per batch (`batch_tree_metrics` in samples.jso
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
-
-from mtp.decode.metrics import SpecMetrics
 
 from .common import NotAvailableError
 
@@ -34,27 +30,16 @@ def check(kw: dict, batch_size: int) -> None:
                                 "(tree sampling seeds a whole batch at once)")
 
 
-@dataclass
-class TreeRun:
-    """A tree call as mtp-eval records it: the tokens, the chain-shaped metrics and the tree's own."""
-
-    tokens: list[list[int]]
-    finish_reasons: list[str]
-    metrics: SpecMetrics
-    tree: Any  # mtp.decode.tree_metrics.TreeMetrics
-
-
-def generate(model, ids: list[list[int]], max_new_tokens: int, kw: dict) -> tuple[TreeRun, list[list[int]]]:
+def generate(model, ids: list[list[int]], max_new_tokens: int, kw: dict):
     """One tree call with mtp-eval's generate kwargs: (the run, accepted-count histogram per row)."""
+    import mtp
     from mtp.decode.config import GenerationConfig
-    from mtp.decode.tree import run_tree
 
     seed = kw.get("seed", 0)
     seed = seed[0] if isinstance(seed, list) else seed  # one row per sampling call (check)
     g = GenerationConfig.from_options(max_new_tokens, **{**kw, "seed": seed})
-    r = run_tree(model, ids, g)
-    spec = r.metrics.spec(g.draft.mode, g.verify, prompt_tokens=sum(map(len, ids)), n_rows=len(ids))
-    return TreeRun(r.tokens, r.finish_reasons, spec, r.metrics), r.row_accepted_hist
+    r = mtp.generate(model, ids, g)  # through generate: a sharded model runs it on every rank
+    return r, r.row_accepted_hist
 
 
 def _merged(batch_recs: Sequence[dict]):

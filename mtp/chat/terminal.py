@@ -3,15 +3,10 @@
 Input sources (`read(prompt) -> str | None`, None at end of input; Ctrl-C at the prompt gives ""):
 - `TerminalInput`: prompt_toolkit line editing and history on a terminal, plain `input()` otherwise (pipes);
 - `ScriptedInput`: a fixed list of lines (tests, batch runs);
-- `BroadcastInput`: multi-GPU. Rank 0 reads from the wrapped source and broadcasts each line; the other ranks
-  receive it, so every rank calls `Session.handle` with the same lines and runs the same `generate` calls
-  (the parallel model needs every rank in every forward). `agree(flag)` broadcasts rank 0's Ctrl-C flag;
-  pass `should_stop=lambda: source.agree(stop.is_set())` so all ranks leave a reply at the same step.
-  Ranks other than 0 use `NullView`.
 
 Views: `TerminalView` writes ANSI-styled text (reasoning dim, accepted drafts green with show_drafts) and
 shows control characters from the model as visible symbols (`printable`) so gibberish cannot drive the
-terminal; `NullView` drops everything.
+terminal. Several ranks: only rank 0 runs the chat (`eval/chat.py`).
 """
 
 from __future__ import annotations
@@ -76,10 +71,6 @@ class TerminalView:
         self._write(f"error: {text}\n", RED)
 
 
-class NullView(View):
-    """Shows nothing (the other ranks of a multi-GPU chat): every `View` method is a no-op."""
-
-
 class ScriptedInput:
     def __init__(self, lines: Iterable[str]):
         self._lines = iter(lines)
@@ -116,41 +107,20 @@ class TerminalInput:
             return ""
 
 
-class BroadcastInput:
-    """Rank 0 reads, every rank gets the line (torch.distributed object broadcast; NCCL or gloo group)."""
-
-    def __init__(self, inner, group=None):
-        import torch.distributed as dist
-
-        self.dist, self.inner, self.group = dist, inner, group
-        self.rank = dist.get_rank(group)
-
-    def _bcast(self, value):
-        box = [value]
-        self.dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-    def read(self, prompt: str) -> str | None:
-        return self._bcast(self.inner.read(prompt) if self.rank == 0 else None)
-
-    def agree(self, flag: bool) -> bool:
-        """Rank 0's value of `flag` on every rank (one small collective; called once per decode step)."""
-        return bool(self._bcast(bool(flag) if self.rank == 0 else None))
-
-
 class StopFlag:
     """Ctrl-C during a reply: the first press sets the flag (the reply stops after the current step), a
     second press raises KeyboardInterrupt at once (useful during a long prefill). `armed()` installs the
     handler for one reply and restores the previous one afterwards; outside it Ctrl-C behaves as usual."""
 
-    def __init__(self):
+    def __init__(self, hard: bool = True):
         self._event = threading.Event()
+        self.hard = hard  # False: a second press only sets the flag again (several ranks share every step)
 
     def is_set(self) -> bool:
         return self._event.is_set()
 
     def _on_sigint(self, signum, frame) -> None:
-        if self._event.is_set():
+        if self._event.is_set() and self.hard:
             raise KeyboardInterrupt
         self._event.set()
 

@@ -47,6 +47,7 @@ class GenerateResult:
     finish_reasons: list[str]  # 'stop' | 'length'
     metrics: SpecMetrics
     tree: TreeMetrics | None = None  # a tree run's own metrics (acceptance per depth and sibling rank, nodes)
+    row_accepted_hist: list[list[int]] | None = None  # a tree run's accepted-count histogram per row
 
 
 @dataclass
@@ -97,7 +98,7 @@ def run_generation(model: DeepseekV32, prompts: Sequence[Sequence[int]], gcfg: G
                              "sampling draws a whole batch from one torch.Generator)")
         r = run_tree(model, prompts, gcfg, emit=_Emitter(on_step, len(prompts)), seed=seeds[0] if seeds else None)
         spec = r.metrics.spec(gcfg.draft.mode, gcfg.verify, prompt_tokens=sum(map(len, prompts)), n_rows=len(prompts))
-        return GenerateResult(r.tokens, r.finish_reasons, spec, tree=r.metrics)
+        return GenerateResult(r.tokens, r.finish_reasons, spec, tree=r.metrics, row_accepted_hist=r.row_accepted_hist)
     if gcfg.mode == "eager":
         return Engine(model, gcfg).run(prompts, on_step=on_step, seeds=seeds)
     engine = kept(model, gcfg, lambda: Engine(model, gcfg))

@@ -163,6 +163,17 @@ class Peers:
             self.close(force=True)  # the others may wait inside a collective that will never complete
             raise failure from e
 
+    def check_tokens(self, tokens: list[list[int]]) -> None:
+        """RankFailure naming every rank whose last generation's tokens differ from rank 0's `tokens`."""
+        import torch.distributed as dist
+
+        self._send("check")
+        every: list = [None] * self.group.world
+        dist.all_gather_object(every, tokens, group=self.group.ctl)
+        bad = [r for r, t in enumerate(every) if t != tokens]
+        if bad:
+            raise RankFailure(bad[0], "the token check", f"ranks {bad} generated other tokens than rank 0")
+
     def release(self) -> None:
         """Drop every rank's kept engines and graphs (`mtp.decode.engine.release`)."""
         from ..decode.keep import release

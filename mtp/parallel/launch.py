@@ -1,13 +1,16 @@
-"""torchrun entry: load a checkpoint sharded over all ranks and run speculative generation on every rank.
+"""Speculative generation of one prompt on a checkpoint split over N ranks (tensor + expert parallel).
 
-    torchrun --nproc-per-node 8 -m mtp.parallel.launch CKPT --prompt "Explain MTP." --draft eagle --k 2
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+    python -m mtp.parallel.launch CKPT --prompt "Explain MTP." --tp 8 --draft eagle --k 2     # one node: spawns 8
+    torchrun --nproc-per-node 8 -m mtp.parallel.launch CKPT --prompt ...                      # or torchrun's ranks
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m mtp.parallel.launch CKPT --prompt ...
 
-NCCL on GPUs (one per local rank), gloo on CPU. Rank 0 does the I/O: it tokenizes the prompt and broadcasts
-the ids, and it alone prints. On GPUs the defaults are the overlap scheduler and the Triton fast path
-(`--mode`, `--no-fast-path`); generation stops at the tokenizer's EOS. Every rank runs the same `mtp.generate` call; `--check` all-gathers the
-generated ids and fails if any rank disagrees (they must not: every rank sees identical logits).
+NCCL on GPUs (rank r on local GPU r), gloo on CPU. Rank 0 drives (`mtp.parallel.driver`): it checks the
+options, the checkpoint's split over the ranks and the tokenizer before any rank starts, tokenizes, and alone
+prints; the other ranks serve it. On GPUs the defaults are the overlap scheduler and the Triton fast path
+(`--mode`, `--no-fast-path`); generation stops at the tokenizer's EOS. `--check` compares every rank's tokens
+with rank 0's (they must agree: every rank sees identical logits). An error on any rank ends every rank with one
+line naming it; exit status 2 for bad input, 1 for a failure while generating.
 """
 
 from __future__ import annotations
@@ -16,37 +19,19 @@ import argparse
 import os
 import sys
 
-import torch
-import torch.distributed as dist
-
 from ..checkpoint.files import CheckpointError
-from ..decode.engine import generate, release
-from ..decode.options import DRAFTS, MODES, VERIFIERS
+from ..decode.options import DRAFTS, MODES, VERIFIERS, OptionError
 from ..model.config import NUMERICS, ConfigError
 from ..preflight import PreflightError, preflight
-from .comm import Comm, init_process_group
-from .layout import MLP_SPLITS, ParallelPlan
-from .load import load_parallel, param_bytes
+from .layout import MLP_SPLITS
 from .memory import DTYPES
 
 
-def init_distributed() -> tuple[Comm, torch.device]:
-    """Process group from torchrun's environment; NCCL with one GPU per local rank when CUDA is there."""
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        init_process_group("gloo")
-    return Comm(), device
-
-
-def main(argv: list[str] | None = None) -> int:
+def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m mtp.parallel.launch", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint")
     ap.add_argument("--prompt", required=True)
+    ap.add_argument("--tp", type=int, default=None, help="ranks (default: torchrun's WORLD_SIZE, else 1)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--draft", choices=DRAFTS, default="eagle")
     ap.add_argument("--k", type=int, default=2)
@@ -61,54 +46,86 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill long prompts N tokens at a time")
     ap.add_argument("--check", action="store_true", help="verify that every rank generated the same ids")
     a = ap.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else None
+    a.tp = a.tp or world or 1
+    if a.tp < 1 or (world is not None and a.tp != world):
+        ap.error(f"--tp {a.tp}: expected an integer >= 1" + (f" equal to torchrun's WORLD_SIZE {world}" if world else ""))
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("RANK", "0") != "0":  # torchrun's ranks > 0 serve rank 0
+        from .worker import main as serve
+
+        return serve()
+    a = _args(argv)
+    prog = "python -m mtp.parallel.launch"
+    from .group import RankFailure
+
     try:
         return _run(a)
-    except (ConfigError, CheckpointError, PreflightError) as e:  # bad checkpoint or settings: one line per rank
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+    except (ConfigError, CheckpointError, PreflightError, OptionError) as e:  # bad checkpoint or settings
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except RankFailure as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return e.exit_code
 
 
 def _run(a: argparse.Namespace) -> int:
-    k = 0 if a.draft == "none" else a.k
-    # config.json, the draft settings and the tokenizer before the process group and any weight; every rank
-    # loads the tokenizer (the stop token must be the same everywhere)
-    _, tok = preflight(a.checkpoint, draft=a.draft, k=k)
-    comm, device = init_distributed()
-    try:
-        dtype = DTYPES[a.dtype] if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        ids = [[tok.bos_id] + tok.encode(a.prompt)] if comm.rank == 0 else [None]
-        dist.broadcast_object_list(ids, src=0)
-        model = load_parallel(a.checkpoint, comm, plan=ParallelPlan(comm.world, a.mlp_split), device=device,
-                              dtype=dtype, numerics=a.numerics)
-        mode = a.mode or ("overlap" if device.type == "cuda" else "eager")
-        if a.fast_path or (a.fast_path is None and device.type == "cuda" and a.numerics == "fp8"
-                           and model.cfg.is_fp8):
-            from ..backends.fast_path import enable_fast_path
-            from ..kernels import available
+    import torch
 
-            if available():
-                enable_fast_path(model)
-            elif a.fast_path:
-                raise SystemExit("--fast-path needs triton and a CUDA device")
-        opts = {"prefill_chunk": a.prefill_chunk} if a.prefill_chunk else {}
-        if tok.eos_id is not None:
-            opts["eos_id"] = tok.eos_id
-        out = generate(model, [ids[0]], max_new_tokens=a.max_new_tokens, draft=a.draft, k=k, verify=a.verify,
-                       mode=mode, **opts)
-        if a.check:
-            every = [None] * comm.world
-            dist.all_gather_object(every, out.tokens)
-            if any(t != every[0] for t in every):
-                bad = [r for r, t in enumerate(every) if t != every[0]]
-                raise RuntimeError(f"ranks {bad} generated different tokens than rank 0")
-        if comm.rank == 0:
-            print(tok.decode(out.tokens[0]))
-            m = out.metrics
-            print(f"[world {comm.world}, {param_bytes(model) / 2**30:.2f} GiB params on rank 0] "
-                  f"{m.new_tokens} tokens, accepted/step {m.mean_accepted_len:.2f}", file=sys.stderr)
+    import mtp
+    from ..decode.config import GenerationConfig
+
+    cuda = torch.cuda.is_available()
+    k = 0 if a.draft == "none" else a.k
+    mode = a.mode or ("overlap" if cuda else "eager")
+    # options, config.json, the split over the ranks and the tokenizer before any rank starts or weight is read
+    opts = {"prefill_chunk": a.prefill_chunk} if a.prefill_chunk else {}
+    GenerationConfig.from_options(a.max_new_tokens, a.draft, k, a.verify, mode=mode, **opts)
+    cfg, tok = preflight(a.checkpoint, draft=a.draft, k=k, tp=a.tp, mlp_split=a.mlp_split, numerics=a.numerics)
+    fast = a.fast_path if a.fast_path is not None else (cuda and a.numerics == "fp8" and cfg.is_fp8)
+    if fast:
+        from ..kernels import available
+
+        if not available():
+            if a.fast_path:
+                raise PreflightError("--fast-path needs triton and a CUDA device")
+            fast = False
+    dtype = a.dtype or ("bf16" if cuda else "fp32")
+    dtype_name = str(DTYPES[dtype]).replace("torch.", "")
+    if tok.eos_id is not None:
+        opts["eos_id"] = tok.eos_id
+    ids = [tok.bos_id] + tok.encode(a.prompt)
+    if a.tp == 1:
+        model = mtp.load_model(a.checkpoint, device="cuda" if cuda else "cpu", dtype=DTYPES[dtype],
+                               numerics=a.numerics)
+        if fast:
+            from ..backends.fast_path import enable_fast_path
+
+            enable_fast_path(model)
+        peers = None
+    else:
+        from .driver import LoadSpec, start
+
+        peers = start(a.tp, "cuda" if cuda else "cpu")
+        model = peers.load(LoadSpec(str(a.checkpoint), dtype=dtype_name, numerics=a.numerics,
+                                    mlp_split=a.mlp_split, fast_path=fast))
+    try:
+        out = mtp.generate(model, [ids], max_new_tokens=a.max_new_tokens, draft=a.draft, k=k, verify=a.verify,
+                           mode=mode, **opts)
+        if a.check and peers is not None:
+            peers.check_tokens(out.tokens)
+        from .load import param_bytes
+
+        print(tok.decode(out.tokens[0]))
+        m = out.metrics
+        print(f"[world {a.tp}, {param_bytes(model) / 2**30:.2f} GiB params on rank 0] "
+              f"{m.new_tokens} tokens, accepted/step {m.mean_accepted_len:.2f}", file=sys.stderr)
     finally:
-        release()  # kept graphs with NCCL collectives in them must go before the process group
-        dist.destroy_process_group()
+        if peers is not None:
+            peers.close()
     return 0
 
 

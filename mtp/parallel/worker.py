@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from .driver import ERROR_DIR_ENV, StopAgreed, load_rank, stoppable
 from .group import RankFailure, RankGroup, describe, init_group
 
@@ -41,7 +43,7 @@ def serve(group: RankGroup) -> int:
     from ..decode.engine import run_generation
     from ..decode.keep import release
 
-    model = None
+    model = last = None
     while True:
         command, payload = group.broadcast()
         if command == "shutdown":
@@ -58,9 +60,11 @@ def serve(group: RankGroup) -> int:
             prompts, gcfg, seed, streamed = payload
             step = stoppable(group, None)[0] if streamed else None
             try:
-                run_generation(model, prompts, gcfg, seed, step)
+                last = run_generation(model, prompts, gcfg, seed, step).tokens
             except StopAgreed:
-                pass
+                last = None
+        elif command == "check":  # rank 0 compares every rank's last tokens with its own
+            dist.all_gather_object([None] * group.world, last, group=group.ctl)
         elif command == "release":
             release()
         else:
