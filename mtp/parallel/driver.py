@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
+
 from .group import RankFailure, RankGroup, abort_data_group, describe, init_group
 
 ERROR_DIR_ENV = "MTP_RANK_ERROR_DIR"  # where spawned ranks leave their last error (rank{r}.err) and log
@@ -117,23 +119,44 @@ class Peers:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log is not None and log.is_file() else []
         return f"exited with status {code}" + (f" ({tail[0]})" if tail else "")
 
+    def _dead(self) -> RankFailure | None:
+        """The first spawned rank that has exited, as a RankFailure (None: all alive)."""
+        for r, p in self.procs.items():
+            code = p.poll()
+            if code is not None:
+                return RankFailure(r, "the run", self._rank_error(r, code))
+        return None
+
     def _watch(self) -> None:
         while not self._closing:
-            for r, p in self.procs.items():
-                code = p.poll()
-                if code is not None and not self._closing:
-                    self.failure = RankFailure(r, "the run", self._rank_error(r, code))
-                    abort_data_group()  # rank 0's own collective, if it waits on the dead rank, now fails
-                    return
+            dead = self._dead()
+            if dead is not None and not self._closing:
+                self.failure = dead
+                abort_data_group()  # rank 0's own collective, if it waits on the dead rank, now fails
+                return
             time.sleep(0.2)
 
-    def check(self) -> None:
+    def _failure(self, e: BaseException, phase: str) -> RankFailure:
+        """What an error on rank 0 means: a spawned rank that died (the watch may not have seen it yet), a peer
+        that left (a collective error under torchrun), or rank 0's own error."""
+        if self.failure is None and self.procs:
+            time.sleep(0.5)  # a dead peer's socket errors reach rank 0 before its exit status does
+            self.failure = self._dead()
         if self.failure is not None:
-            raise self.failure
+            return self.failure
+        if isinstance(e, dist.DistBackendError):
+            return RankFailure(None, phase, describe(e))
+        return RankFailure(0, phase, describe(e))
 
     def _send(self, command: str, payload=None) -> None:
-        self.check()
-        self.group.broadcast((command, payload))
+        if self.failure is not None:
+            raise self.failure
+        try:
+            self.group.broadcast((command, payload))
+        except Exception as e:
+            failure = self._failure(e, f"'{command}'")
+            self.close(force=True)
+            raise failure from e
 
     # ------------------------------------------------------------------------------------------ commands
     def load(self, spec: LoadSpec):
@@ -159,14 +182,12 @@ class Peers:
         except StopAgreed:
             raise raised[0] from None
         except BaseException as e:
-            failure = self.failure or RankFailure(0, "generation", describe(e))
+            failure = self._failure(e, "generation")
             self.close(force=True)  # the others may wait inside a collective that will never complete
             raise failure from e
 
     def check_tokens(self, tokens: list[list[int]]) -> None:
         """RankFailure naming every rank whose last generation's tokens differ from rank 0's `tokens`."""
-        import torch.distributed as dist
-
         self._send("check")
         every: list = [None] * self.group.world
         dist.all_gather_object(every, tokens, group=self.group.ctl)
@@ -206,7 +227,7 @@ class Peers:
                 p.kill()
                 p.wait()
         if force:
-            abort_data_group()
+            self.group.abandon()
 
 
 def start(tp: int, device_type: str) -> Peers:

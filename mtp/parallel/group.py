@@ -44,8 +44,9 @@ CONTROL_TIMEOUT = datetime.timedelta(days=7)
 class RankFailure(RuntimeError):
     """A rank failed a phase; raised on every rank, naming the (first) failing rank, the phase and its error."""
 
-    def __init__(self, rank: int, phase: str, message: str, exit_code: int = 1):
-        super().__init__(f"rank {rank} failed during {phase}: {message}")
+    def __init__(self, rank: int | None, phase: str, message: str, exit_code: int = 1):
+        who = f"rank {rank}" if rank is not None else "a rank"  # None: a peer left, which one unknown (torchrun)
+        super().__init__(f"{who} failed during {phase}: {message}")
         self.rank, self.phase, self.message, self.exit_code = rank, phase, message, exit_code
 
 
@@ -125,6 +126,21 @@ class RankGroup:
         gc.collect()
         try:
             dist.barrier(group=self.ctl)
+        finally:
+            abort_data_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+    def abandon(self) -> None:
+        """Leave the groups after a peer failed: no barrier (it may never come), abort, then destroy locally."""
+        if self.closed:
+            return
+        self.closed = True
+        from ..decode.keep import release
+
+        try:
+            release()
         finally:
             abort_data_group()
             if dist.is_initialized():
