@@ -118,18 +118,7 @@ class RankGroup:
         if self.closed:
             return
         self.closed = True
-        from ..decode.keep import release
-
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        release()  # kept engines and their graphs (NCCL kernels inside) go before the communicator
-        gc.collect()
-        try:
-            dist.barrier(group=self.ctl)
-        finally:
-            abort_data_group()
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        leave(self.device, self.ctl)
 
 
     def abandon(self) -> None:
@@ -145,6 +134,23 @@ class RankGroup:
             abort_data_group()
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def leave(device: torch.device, ctl: dist.ProcessGroup | None = None) -> None:
+    """Every rank's clean exit from the default group (module doc): idle device, kept graphs dropped, a barrier
+    (on `ctl`, or the default group), the NCCL communicator aborted rather than destroyed, the groups destroyed."""
+    from ..decode.keep import release
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    release()  # kept engines and their graphs (NCCL kernels inside) go before the communicator
+    gc.collect()
+    try:
+        dist.barrier(group=ctl)
+    finally:
+        abort_data_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def abort_data_group() -> None:
