@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,9 +34,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .group import RankFailure, RankGroup, abort_data_group, describe, init_group
+from .group import TIMEOUT_ENV, RankFailure, RankGroup, abort_data_group, collective_timeout, describe, init_group
 
 ERROR_DIR_ENV = "MTP_RANK_ERROR_DIR"  # where spawned ranks leave their last error (rank{r}.err) and log
+ARRIVED = "mtp/arrived/"  # a spawned rank's key in rank 0's rendezvous store
 
 
 @dataclass(frozen=True)
@@ -89,18 +90,12 @@ def stoppable(group: RankGroup, on_step):
     return step, raised
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Peers:
     """Rank 0's handle on the other ranks (spawned here or by torchrun)."""
 
     def __init__(self, group: RankGroup, procs: dict[int, subprocess.Popen] | None = None,
                  error_dir: Path | None = None):
-        self.group, self.procs, self.error_dir = group, procs or {}, error_dir
+        self.group, self.procs, self.error_dir = group, procs or {}, error_dir  # group: None until formed
         self.failure: RankFailure | None = None
         self.model = None
         self._closing = False
@@ -209,7 +204,7 @@ class Peers:
             return
         self._closing = True
         atexit.unregister(self.close)
-        force = force or self.failure is not None
+        force = force or self.failure is not None or self.group is None
         if not force:
             try:
                 self.group.broadcast(("shutdown", None))
@@ -226,8 +221,10 @@ class Peers:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        if force:
+        if force and self.group is not None:
             self.group.abandon()
+        if self.error_dir is not None:
+            shutil.rmtree(self.error_dir, ignore_errors=True)
 
 
 def start(tp: int, device_type: str) -> Peers:
@@ -247,7 +244,10 @@ def start(tp: int, device_type: str) -> Peers:
             raise RuntimeError(f"runtime.tp = {tp} needs {tp} GPUs on this node, {torch.cuda.device_count()} are "
                                "visible; for several nodes start every rank with torchrun (README)")
     error_dir = Path(tempfile.mkdtemp(prefix="mtp-ranks-"))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(tp),
+    # rank 0 holds the rendezvous store, so it can tell a rank that never arrives (dead at import, no GPU) from
+    # a slow one instead of waiting out the timeout inside init_process_group
+    store = dist.TCPStore("127.0.0.1", 0, tp, is_master=True, timeout=collective_timeout(), wait_for_workers=False)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(tp),
            ERROR_DIR_ENV: str(error_dir), "MTP_DEVICE_TYPE": device_type, "MTP_PARENT_PID": str(os.getpid())}
     procs = {}
     for r in range(1, tp):
@@ -256,12 +256,20 @@ def start(tp: int, device_type: str) -> Peers:
                 [sys.executable, "-m", "mtp.parallel.worker"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
                 start_new_session=True)  # the terminal's Ctrl-C reaches rank 0 only; rank 0 decides
-    os.environ.update(MASTER_ADDR=env["MASTER_ADDR"], MASTER_PORT=env["MASTER_PORT"])
+    peers = Peers(None, procs, error_dir)
     try:
-        group = init_group(device_type, rank=0, world=tp, local_rank=0)
+        deadline = time.monotonic() + collective_timeout().total_seconds()
+        while not store.check([f"{ARRIVED}{r}" for r in procs]):
+            dead = peers._dead()
+            if dead is not None:
+                raise RankFailure(dead.rank, "start-up", dead.message, exit_code=2)
+            if time.monotonic() > deadline:
+                late = [r for r in procs if not store.check([f"{ARRIVED}{r}"])]
+                raise RankFailure(late[0], "start-up", f"ranks {late} did not arrive in {TIMEOUT_ENV}")
+            time.sleep(0.05)
+        peers.group = init_group(device_type, rank=0, world=tp, local_rank=0, store=store)
     except BaseException:
-        for p in procs.values():
-            p.kill()
+        peers.close(force=True)
         raise
-    return Peers(group, procs, error_dir)
+    return peers
 

@@ -164,15 +164,17 @@ def abort_data_group() -> None:
 
 
 def init_group(device_type: str, *, rank: int | None = None, world: int | None = None,
-               local_rank: int | None = None) -> RankGroup:
+               local_rank: int | None = None, store: dist.Store | None = None) -> RankGroup:
     """Join the run described by the environment (torchrun's, or `mtp.parallel.driver`'s for local ranks):
-    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. device_type 'cuda': NCCL, one GPU per local rank."""
+    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; or through `store` (the driver's rendezvous).
+    device_type 'cuda': NCCL, one GPU per local rank."""
     env = os.environ
     try:
         rank = int(env["RANK"]) if rank is None else rank
         world = int(env["WORLD_SIZE"]) if world is None else world
         local_rank = int(env.get("LOCAL_RANK", rank)) if local_rank is None else local_rank
-        env["MASTER_ADDR"], env["MASTER_PORT"]  # noqa: B018  (named in the error below when missing)
+        if store is None:
+            env["MASTER_ADDR"], env["MASTER_PORT"]  # noqa: B018  (named in the error below when missing)
     except KeyError as e:
         raise RuntimeError(f"a multi-rank run needs the environment variable {e.args[0]} (set by torchrun or by "
                            "runtime.tp=N's own launcher)") from None
@@ -183,9 +185,9 @@ def init_group(device_type: str, *, rank: int | None = None, world: int | None =
                                f"{torch.cuda.device_count()} are visible")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=device)
+        init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=device, store=store)
     else:
         device = torch.device("cpu")
-        init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        init_process_group("gloo", rank=rank, world_size=world, timeout=timeout, store=store)
     ctl = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return RankGroup(rank, world, local_rank, device, Comm(), ctl)

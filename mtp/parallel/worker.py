@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .driver import ERROR_DIR_ENV, StopAgreed, load_rank, stoppable
-from .group import RankFailure, RankGroup, describe, init_group
+from .driver import ARRIVED, ERROR_DIR_ENV, StopAgreed, load_rank, stoppable
+from .group import RankFailure, RankGroup, collective_timeout, describe, init_group
 
 
 def _record(group_rank: int, message: str) -> None:
@@ -91,7 +91,12 @@ def main() -> int:
         threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()
     rank = int(os.environ.get("RANK", "-1"))
     try:
-        group = init_group(device_type())
+        store = None
+        if parent:  # rank 0's rendezvous store: check in, so rank 0 knows this rank is up
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  int(os.environ["WORLD_SIZE"]), is_master=False, timeout=collective_timeout())
+            store.set(f"{ARRIVED}{rank}", "1")
+        group = init_group(device_type(), store=store)
         return serve(group)
     except BaseException as e:  # noqa: BLE001  (record the error for rank 0, then leave)
         _record(rank, describe(e))

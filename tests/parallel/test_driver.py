@@ -149,3 +149,14 @@ def test_a_killed_rank_ends_the_run(bundled, device, when):
     assert e.value.rank == 1 and "SIGKILL" in str(e.value), str(e.value)
     peers.close()
     assert _ranks_gone(peers)
+
+
+def test_a_rank_that_never_arrives_is_named_at_once(monkeypatch):
+    """A spawned rank that dies before the rendezvous (here: an interpreter that exits at once) ends start()
+    with RankFailure naming it, instead of a wait for the rendezvous timeout."""
+    monkeypatch.setattr("sys.executable", "/bin/false")
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as e:
+        start(2, "cpu")
+    assert e.value.rank == 1 and e.value.phase == "start-up" and "status 1" in str(e.value)
+    assert time.monotonic() - t0 < 10
