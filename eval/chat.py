@@ -58,7 +58,7 @@ def run(cfg) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C while the model loads
         return 130
-    where = f"{model.device}" if cfg.runtime.tp == 1 else f"{cfg.runtime.tp} ranks ({cfg.runtime.device})"
+    where = f"{model.device}" + (f" x {cfg.runtime.tp} ranks" if cfg.runtime.tp > 1 else "")
     view.notice(f"mtp-chat: {session.meta['model_path']} on {where} | {settings.label()} | "
                 f"max_new_tokens {settings.max_new_tokens} | max_model_len {session.context_limit()} | "
                 "/help for commands, Ctrl-D quits")

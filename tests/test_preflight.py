@@ -147,3 +147,37 @@ def test_parallel_launch_checks_before_the_process_group(garbage_ckpt, capsys, a
     assert main([str(garbage_ckpt), "--prompt", "hi", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and not dist.is_initialized()
+
+
+# ------------------------------------------------------------------------------------------ split and memory
+def test_a_split_is_checked_from_the_config_alone():
+    """The bundled model (4 heads of 96 query rows, 64 value channels) splits over 1, 2 and 4 ranks in fp8
+    numerics; 8 ranks get no head each and are refused with the degrees that work, before the tokenizer or any
+    weight is read."""
+    path = default_checkpoint()
+    for tp in (2, 4):
+        preflight(path, draft="eagle", k=2, tp=tp)
+    with pytest.raises(PreflightError, match=r"runtime.tp = 8: .*config.json cannot be split over 8 ranks .*"
+                                             r"num_attention_heads = 4 .*splits over \[1, 2, 4\]"):
+        preflight(path, draft="eagle", k=2, tp=8)
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("tp,gib,fits", [(8, 141, True), (16, 80, True), (1, 141, False), (8, 80, False)])
+def test_the_real_model_fits_where_the_planner_says(tp, gib, fits):
+    """The README table's cases: 8 x H200 and 16 x H100 hold DeepSeek-V3.2 at 32k; one H200, or 8 H100s, do not,
+    and the refusal names both numbers and the smallest TP that fits."""
+    from mtp.model.config import ModelConfig
+    from mtp.preflight import check_fits
+
+    cfg = ModelConfig.from_json(Path(__file__).resolve().parents[1] / "mtp/data/deepseek_v32_671b_config.json")
+    if fits:
+        check_fits(cfg, tp, gib * GIB)
+        return
+    with pytest.raises(PreflightError) as e:
+        check_fits(cfg, tp, gib * GIB)
+    msg = str(e.value)
+    assert f"runtime.tp = {tp}: the model needs" in msg and f"has {gib:.2f} GiB free" in msg
+    assert f"the smallest TP that fits is {8 if gib == 141 else 16}" in msg

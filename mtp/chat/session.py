@@ -30,7 +30,7 @@ from typing import Any
 
 from .tools import TOOLS_HELP, describe_calls, load_tools, read_tool_calls, tool_names
 from ..decode.config import GenerationConfig
-from ..decode.engine import StepEvent
+from ..decode.engine import StepEvent, stops
 from ..decode.metrics import SpecMetrics
 from ..decode.options import DRAFTS, MAX_K, VERIFIERS, OptionError, draft_room
 from ..draft.config import DraftConfig
@@ -379,6 +379,7 @@ class Session:
         reply = ReplyStream(self.tok, self.view, reasoning=s.thinking)
         log = StepLog(s.draft, s.effective_k, s.verify, len(ids))
 
+        @stops  # Ctrl-C ends the reply after this step, on every rank of a split model
         def on_step(event: StepEvent) -> None:
             log.add(event)
             reply.step(event.new_tokens[0], event.accepted[0])

@@ -58,6 +58,15 @@ class StepEvent:
     accepted: list[int]  # drafts accepted per row (the rest of new_tokens is the target's own token)
 
 
+def stops(on_step: Callable[[StepEvent], None]) -> Callable[[StepEvent], None]:
+    """Mark a step callback that may raise to end the generation early (the chat's Ctrl-C). On a model split over
+    ranks (mtp.parallel.driver) every step then ends with rank 0's verdict sent to every rank, so all stop at the
+    same step; that costs one small message per step. An unmarked callback runs on rank 0 only, and an exception
+    from it ends the whole run there."""
+    on_step.may_stop = True
+    return on_step
+
+
 def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]],
              max_new_tokens: int | GenerationConfig = 64, draft: str = "none", k: int | None = None,
              verify: str = "strict", *, config: GenerationConfig | None = None,

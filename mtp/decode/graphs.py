@@ -24,6 +24,7 @@ import torch
 
 from ..model.deepseek import DeepseekV32
 from .health import raise_nonfinite
+from .keep import track
 from .metrics import SpecMetrics
 from .state import DecodeState
 
@@ -38,7 +39,7 @@ def capture_graph(fn: Callable[[], None], warmup: int = 2) -> torch.cuda.CUDAGra
         for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    graph = track(torch.cuda.CUDAGraph())
     with torch.cuda.graph(graph):
         fn()
     return graph

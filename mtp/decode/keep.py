@@ -40,13 +40,27 @@ def kept(model: DeepseekV32, gcfg: GenerationConfig, build: Callable[[], object]
     return engine
 
 
+# Every CUDA graph captured in this process (`track`), so `release()` can free them whoever still refers to one.
+_GRAPHS: "weakref.WeakSet[torch.cuda.CUDAGraph]" = weakref.WeakSet()
+
+
+def track(graph: torch.cuda.CUDAGraph) -> torch.cuda.CUDAGraph:
+    _GRAPHS.add(graph)
+    return graph
+
+
 def release(model: DeepseekV32 | None = None) -> None:
     """Drop the engines (decode buffers, captured CUDA graphs) kept for `model`, or for every model.
-    Call it with no model before `torch.distributed.destroy_process_group()`: NCCL's teardown waits while
-    captured graphs holding its collectives are alive (seen: ranks hung in destroy_process_group)."""
+    With no model it also frees every graph captured in this process (`CUDAGraph.reset`), however it is still
+    referred to: call it so before tearing down a process group. NCCL's teardown (destroy, and abort too) waits
+    while captured graphs holding its collectives are alive -- seen: ranks hung in destroy_process_group, and
+    rank 0 of mtp-eval in the abort at exit, where `gc.freeze()` had kept an engine's reference cycle alive."""
     if model is None:
         _ENGINES.clear()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        for graph in list(_GRAPHS):
+            graph.reset()
+        _GRAPHS.clear()
     else:
         _ENGINES.pop(model, None)

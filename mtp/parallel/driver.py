@@ -8,8 +8,9 @@ talks to the person and the files -- the executor / worker pattern of vLLM and S
 
 The model rank 0 gets back is its own shard with `model.peers` set: `mtp.generate` sees it and sends the call
 (prompts and the resolved `GenerationConfig`) to the other ranks before running it locally, so applications
-call `mtp.generate` exactly as on one device. With an `on_step` callback (streaming, chat), every step ends with
-rank 0's verdict broadcast: a callback that raises (the chat's Ctrl-C) stops every rank at the same step.
+call `mtp.generate` exactly as on one device. An `on_step` callback runs on rank 0; one marked
+`mtp.decode.engine.stops` (the chat's) may raise to stop: every step then ends with rank 0's verdict broadcast, so
+every rank stops at the same step.
 
 Failure handling (`mtp.parallel.group` explains the layers): loading ends in an agreement, so a rank that fails
 to load makes every rank raise the same `RankFailure`. A rank that fails inside a generation leaves its process
@@ -170,8 +171,9 @@ class Peers:
         from ..decode.state import check_prompts
 
         check_prompts(prompts, model.cfg.vocab_size)  # bad input fails here, before the others start
-        self._send("generate", (list(map(list, prompts)), gcfg, seed, on_step is not None))
-        step, raised = stoppable(self.group, on_step) if on_step is not None else (None, [])
+        agreed = getattr(on_step, "may_stop", False)  # `mtp.decode.engine.stops`: all ranks stop at one step
+        self._send("generate", (list(map(list, prompts)), gcfg, seed, agreed))
+        step, raised = stoppable(self.group, on_step) if agreed else (on_step, [])
         try:
             return run_generation(model, prompts, gcfg, seed, step)
         except StopAgreed:

@@ -143,7 +143,7 @@ def leave(device: torch.device, ctl: dist.ProcessGroup | None = None) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    release()  # kept engines and their graphs (NCCL kernels inside) go before the communicator
+    release()  # kept engines and every captured graph (NCCL kernels inside) go before the communicator
     gc.collect()
     try:
         dist.barrier(group=ctl)

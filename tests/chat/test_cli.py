@@ -1,6 +1,7 @@
 """`python -m eval.chat` (`mtp-chat`) driven in a pseudo-terminal as a person would use it (tiny random model, CPU):
-prompt -> streamed reply + stats line, /k 2, /think on, Ctrl-C on a long reply, another prompt, /save, /exit.
-The saved transcript must be what the terminal showed."""
+prompt -> streamed reply + stats line, /k 2, /think on, Ctrl-C on a long reply, another prompt, /save, /exit (or
+Ctrl-D), on one process and with the model split over two ranks. The saved transcript must be what the terminal
+showed."""
 
 from __future__ import annotations
 
@@ -48,11 +49,13 @@ def _not_shown(text: str, shown: str) -> str:
 
 
 @pytest.mark.slow
-def test_chat_session_in_a_terminal(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_chat_session_in_a_terminal(tmp_path, tp):
+    """tp=2: the model split over two ranks (rank 0 owns the terminal); every step of the walk-through the same."""
     pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": pythonpath, "TERM": "xterm-256color", "PROMPT_TOOLKIT_NO_CPR": "1"}
     env.pop("NO_COLOR", None)
-    args = ["-m", "eval.chat", f"runtime={RUNTIME}", "max_new_tokens=8", "show_drafts=true"]
+    args = ["-m", "eval.chat", f"runtime={RUNTIME}", f"runtime.tp={tp}", "max_new_tokens=8", "show_drafts=true"]
     child = pexpect.spawn(sys.executable, args, cwd=tmp_path, env=env, encoding="utf-8", codec_errors="replace",
                           timeout=60, dimensions=(50, 200))
     child.logfile_read = log = io.StringIO()  # everything the terminal received
@@ -70,7 +73,8 @@ def test_chat_session_in_a_terminal(tmp_path):
         child.expect(PROMPT, timeout=timeout)
 
     try:
-        child.expect(f"mtp-chat: .* on {RUNTIME}\\S* \\| eagle k=2 strict", timeout=90)
+        ranks = f" x {tp} ranks" if tp > 1 else ""
+        child.expect(f"mtp-chat: .* on {RUNTIME}\\S*{ranks} \\| eagle k=2 strict", timeout=90)
         child.expect(PROMPT)
         ask("hello there", STATS + r" \(eagle k=2 strict\)\]")
         ask("/k 2", "k=2")
@@ -88,7 +92,10 @@ def test_chat_session_in_a_terminal(tmp_path):
         ask("/max 8", "max_new_tokens 8")
         ask("and now?", STATS)
         ask(f"/save {tmp_path / 'chat.json'}", "saved 3 turns to")
-        child.sendline("/exit")
+        if tp == 1:
+            child.sendline("/exit")
+        else:
+            child.sendcontrol("d")  # end of input: the chat ends, and every rank with it
         child.expect(pexpect.EOF, timeout=20)
     finally:
         child.close(force=True)

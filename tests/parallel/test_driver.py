@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 import mtp
 from mtp.checkpoint.files import save_checkpoint
 from mtp.checkpoint.tiny import default_checkpoint
+from mtp.decode.engine import stops
 from mtp.model.config import ModelConfig
 from mtp.parallel.driver import LoadSpec, start
 from mtp.parallel.group import RankFailure
@@ -80,6 +81,7 @@ def test_two_ranks_generate_what_one_process_does(bundled, device):
 
         seen = []
 
+        @stops
         def stop_at_third(ev):
             seen.append(ev)
             if len(seen) == 3:

@@ -1,48 +1,52 @@
-"""`python -m mtp.parallel.launch` under torchrun (2 ranks, gloo, CPU) on a tiny checkpoint with a tokenizer:
-the sharded run prints the same greedy continuation as `mtp.generate` on the whole model, every rank agrees
-(--check), and the run exits cleanly. (The bundled trained model has 2 attention heads: one head's 192 q_b
-rows per rank would cut a 128x128 scale block, which load_parallel refuses by name.)"""
+"""`python -m mtp.parallel.launch` on the bundled model split over 2 ranks (gloo, CPU): under torchrun and with
+`--tp 2` (rank 0 spawns rank 1) it prints exactly what one process prints, every rank agrees (--check), and bad
+options are refused before any rank starts."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
 
-import torch
+import pytest
 
-import mtp
-from mtp.checkpoint.files import save_checkpoint
-from mtp.checkpoint.random_weights import random_tensors
-from mtp.model.presets import tiny_config
-from mtp.text.tokenizer import Tokenizer, default_corpus, save_tokenizer, train_bpe_tokenizer
+from mtp.checkpoint.tiny import default_checkpoint
 
+pytestmark = pytest.mark.slow
 PROMPT = "def parse_args(argv):\n    "
+LAUNCH = ["-m", "mtp.parallel.launch", str(default_checkpoint()), "--prompt", PROMPT, "--max-new-tokens", "12",
+          "--draft", "eagle", "--k", "2"]
 
 
-def _checkpoint(out):
-    tok = train_bpe_tokenizer(default_corpus(), vocab_size=512)
-    save_tokenizer(tok, out.parent / "tok", model_max_length=4096)
-    cfg = tiny_config(vocab=tok.get_vocab_size())
-    cfg = dataclasses.replace(cfg, num_attention_heads=8, intermediate_size=512)  # splits over 2 ranks
-    extra = {n: out.parent / "tok" / n for n in ("tokenizer.json", "tokenizer_config.json")}
-    return save_checkpoint(random_tensors(cfg, seed=3), cfg, out, extra_files=extra)
+def _run(args, tmp_path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_torchrun_two_ranks_match_one_process(tmp_path):
-    ckpt = _checkpoint(tmp_path / "tiny-tp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "mtp.parallel.launch", str(ckpt), "--prompt", PROMPT, "--max-new-tokens", "12",
-           "--draft", "eagle", "--k", "2", "--check"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    r = _run(LAUNCH, tmp_path_factory.mktemp("one"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[world 1," in r.stderr and r.stdout.strip()
+    return r.stdout
+
+
+@pytest.mark.parametrize("how", ["torchrun", "spawn"])
+def test_two_ranks_print_what_one_process_prints(one_process, how, tmp_path):
+    args = ([*LAUNCH, "--check", "--tp", "2"] if how == "spawn" else
+            ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *LAUNCH, "--check"])
+    r = _run(args, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[world 2," in r.stderr and "accepted/step" in r.stderr
+    assert r.stdout == one_process
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
-    tok = Tokenizer.from_dir(ckpt)
-    model = mtp.load_model(ckpt, dtype=torch.float32)
-    ids = [tok.bos_id] + tok.encode(PROMPT)
-    out = mtp.generate(model, [ids], 12, draft="eagle", k=2, eos_id=tok.eos_id)
-    assert len(out.tokens[0]) >= 4, out.tokens  # a continuation to compare, not an immediate EOS
-    assert r.stdout.rstrip("\n") == tok.decode(out.tokens[0])
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-new-tokens", "-3"], "max_new_tokens"),
+    (["--tp", "8"], "splits over [1, 2, 4]"),
+])
+def test_bad_options_are_refused_before_any_rank_starts(args, message, tmp_path):
+    r = _run([*LAUNCH, *args], tmp_path)
+    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+    assert "[world" not in r.stderr and r.stderr.count("error:") == 1
