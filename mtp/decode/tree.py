@@ -157,7 +157,7 @@ class TreeStatePool(StatePool):
                          P_B=z(B), Tp=0, max_len=max_len, n_B=z(B), gen_B=z(B), max_new_B=z(B),
                          finished_B=z(B, dtype=torch.bool), think_B=z(B), nonfinite=z((), dtype=torch.bool),
                          new_BK1=z(B, A), keep_B=z(B), acc_B=z(B), hist_BA=z(B, A),
-                         rank_DC=z(tree.max_depth, max(tree.max_children, 1)), row_steps=z(()), live_nodes=z(()),
+                         rank_DC=z(tree.max_depth, tree.max_rank + 1), row_steps=z(()), live_nodes=z(()),
                          relaxed_only=z(()))
 
     def _reset(self, st: TreeState, prompts: list[list[int]], max_new: int, seeds: list[int]) -> None:
