@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mtp.text.prompt import ROLES
+
 from .common import reachable
 from .schema import BuiltinDatasetSchema, DatasetSchema, LocalDatasetSchema
 
@@ -42,12 +44,26 @@ def _builtin_rows(suites: Iterable[str]) -> Iterable[dict]:
         path = PROMPTS_DIR / f"{suite}.jsonl"
         if not path.is_file():
             raise DataError(f"dataset.suites: no built-in suite {suite!r}; available: {builtin_suites()}")
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{n}: not valid JSON ({e})") from None
+        yield from _jsonl_rows(path)
+
+
+def _jsonl_rows(path: Path) -> Iterable[dict]:
+    """Rows of a JSONL file, each refused by its line number when it is not a JSON object."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read ({e})") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if not lines:
+        raise DataError(f"{path}: empty (no JSONL rows)")
+    for n, line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: not valid JSON ({e})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{n}: a row must be a JSON object, got {type(row).__name__}")
+        yield row
 
 
 def _datasets_rows(ds: DatasetSchema) -> Iterable[dict]:
@@ -55,6 +71,8 @@ def _datasets_rows(ds: DatasetSchema) -> Iterable[dict]:
     path = Path(ds.path).expanduser() if local else None
     if local and not path.is_file():
         raise DataError(f"dataset.path = {str(path)!r}: file not found")
+    if local and path.suffix == ".jsonl":  # read here: rows and lines named (datasets' errors name neither)
+        return _jsonl_rows(path)
     if not local and "HF_HUB_OFFLINE" not in os.environ and \
             not reachable(os.environ.get("HF_ENDPOINT", "https://huggingface.co")):
         os.environ["HF_HUB_OFFLINE"] = "1"  # cache only, instead of ~30 s of retries (read when datasets loads)
@@ -93,10 +111,17 @@ def to_prompt(row: dict, index: int, ds: DatasetSchema, thinking: bool | None, s
     if system_prompt and not any(m.get("role") == "system" for m in messages):
         messages = [{"role": "system", "content": system_prompt}] + messages
     rid = _get(row, f.id)
+    pid = str(rid) if rid is not None else f"{ds.name}-{index:05d}"
+    where = f"dataset {ds.name} row {index} (id {pid!r})"
+    for j, m in enumerate(messages):
+        if m.get("role") not in ROLES:
+            raise DataError(f"{where}: messages[{j}].role = {m.get('role')!r} is not one of {list(ROLES)}")
     row_thinking = _get(row, f.thinking)
+    if row_thinking is not None and not isinstance(row_thinking, bool):  # bool("false") is True
+        raise DataError(f"{where}: column {f.thinking!r} = {row_thinking!r} must be true or false (a JSON boolean)")
     answer = _get(row, f.answer)
     return Prompt(
-        id=str(rid) if rid is not None else f"{ds.name}-{index:05d}",
+        id=pid,
         category=str(_get(row, f.category) or ds.category or ds.name),
         messages=messages,
         thinking=bool(thinking if thinking is not None else (ds.thinking if row_thinking is None else row_thinking)),

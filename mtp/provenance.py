@@ -1,5 +1,5 @@
 """What produced a result: the code (git commit and dirty flag, package and library versions, device) and the
-checkpoint (path, name, fingerprint).
+checkpoint (path, name, fingerprint, and the config.json fields that were absent and took a default).
 
 The fingerprint hashes config.json, the index and every shard's name and size: cheap (no weight is read) and
 enough to tell two checkpoints apart unless one was edited in place to the same sizes; `deep=True` hashes
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -89,7 +90,20 @@ def checkpoint_identity(path: str | os.PathLike, deep: bool = False) -> dict:
             with open(shard, "rb") as fh:
                 while block := fh.read(_READ):
                     h.update(block)
-    return {"path": str(path), "name": path.name, "fingerprint": h.hexdigest()[:16], "deep": deep}
+    return {"path": str(path), "name": path.name, "fingerprint": h.hexdigest()[:16], "deep": deep,
+            "config_defaulted": list(_defaulted(path / "config.json"))}
+
+
+def _defaulted(config: Path) -> tuple[str, ...]:
+    """The config.json fields the loader filled with a default (unreadable config: nothing to say here, the
+    loader names it)."""
+    from .model.config import defaulted_fields
+
+    try:
+        raw = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return ()
+    return defaulted_fields(raw) if isinstance(raw, dict) else ()
 
 
 def provenance(checkpoint: str | os.PathLike, device: str, deep: bool = False) -> dict:

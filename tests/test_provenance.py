@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import torch
 
@@ -51,3 +52,13 @@ def test_code_identity_records_commit_versions_and_device():
     assert c["git_dirty"] in (None, True, False) and c["device"].startswith("cpu")
     p = provenance(default_checkpoint(), "cpu")
     assert set(p) == {"code", "checkpoint"}
+
+
+def test_checkpoint_identity_lists_the_defaulted_config_fields(tmp_path):
+    """Fields absent from config.json take transformers' defaults: a result says which (metrics.json, W&B)."""
+    ckpt = Path(shutil.copytree(default_checkpoint(), tmp_path / "ckpt"))
+    assert checkpoint_identity(ckpt)["config_defaulted"] == []
+    raw = json.loads((ckpt / "config.json").read_text())
+    del raw["rms_norm_eps"], raw["rope_theta"]
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    assert checkpoint_identity(ckpt)["config_defaulted"] == ["rms_norm_eps", "rope_theta"]

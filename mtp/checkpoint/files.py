@@ -62,15 +62,19 @@ def weight_map(path: Path) -> dict[str, str]:
     index = path / INDEX_NAME
     if index.is_file():
         try:
-            raw = json.loads(index.read_text())
+            raw = json.loads(index.read_text(), object_pairs_hook=_no_repeated_keys)
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+        except _RepeatedKey as e:  # json keeps the last of repeated keys: a tensor in two shards loads silently
+            raise CheckpointError(f"{index}: {e.args[0]!r} is listed {e.args[1]} times (in {e.args[2]}); a tensor "
+                                  "must be in one shard") from None
         wm = raw.get("weight_map") if isinstance(raw, dict) else None
         if not isinstance(wm, dict) or not wm:
             raise CheckpointError(f"{index}: missing or empty 'weight_map'")
         for name, f in wm.items():
-            if not isinstance(f, str):
-                raise CheckpointError(f"{index}: weight_map[{name!r}] = {f!r} is not a file name")
+            if not isinstance(f, str) or not _inside(f):
+                raise CheckpointError(f"{index}: weight_map[{name!r}] = {f!r} is not a file name inside the "
+                                      "checkpoint folder (no absolute path, no '..')")
         return dict(wm)
     single = path / SINGLE_NAME
     if single.is_file():
@@ -78,6 +82,27 @@ def weight_map(path: Path) -> dict[str, str]:
         with _open(single) as f:
             return {k: SINGLE_NAME for k in f.keys()}
     raise CheckpointError(f"{path}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+
+
+class _RepeatedKey(Exception):
+    pass
+
+
+def _no_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: dict[str, list] = {}
+        for k, v in pairs:
+            seen.setdefault(k, []).append(v)
+        k, vs = next((k, vs) for k, vs in seen.items() if len(vs) > 1)
+        raise _RepeatedKey(k, len(vs), ", ".join(map(str, vs)))
+    return d
+
+
+def _inside(fname: str) -> bool:
+    """A shard name that stays inside the checkpoint folder: relative, no '..' part (symlinks are the owner's)."""
+    p = Path(fname)
+    return bool(fname) and not p.is_absolute() and ".." not in p.parts and not fname.startswith(("/", "\\"))
 
 
 def _open(file: Path):
@@ -101,6 +126,10 @@ def read_headers(path: Path, wm: dict[str, str]) -> dict[str, tuple[tuple[int, .
         _check_shard_size(file)  # before safe_open, whose own error would not name the cut-off tensors
         with _open(file) as f:
             present = set(f.keys())
+            elsewhere = sorted(n for n in present if wm.get(n, fname) != fname)
+            if elsewhere:
+                raise CheckpointError(f"{file}: holds tensor {elsewhere[0]!r}, which {INDEX_NAME} puts in "
+                                      f"{wm[elsewhere[0]]}: a tensor must be in one shard")
             for name in names:
                 if name not in present:
                     raise CheckpointError(f"{file}: index says it holds tensor {name!r}, but it does not")
@@ -136,6 +165,7 @@ def _check_shard_size(file: Path) -> None:
 
 def validate(path: Path, cfg: ModelConfig, n_mtp: int) -> dict[str, tuple[tuple[int, ...], torch.dtype, str]]:
     wm = weight_map(path)
+    _check_layer_count(path, wm, cfg, n_mtp)
     headers = read_headers(path, wm)
     spec = checkpoint_spec(cfg, n_mtp)
     missing = [n for n in spec if n not in headers]
@@ -156,6 +186,18 @@ def validate(path: Path, cfg: ModelConfig, n_mtp: int) -> dict[str, tuple[tuple[
             raise CheckpointError(f"{path / fname}: tensor {name!r} has dtype {dt}, expected "
                                   f"{' or '.join(str(d) for d in ts.dtypes)}")
     return headers
+
+
+def _check_layer_count(path: Path, wm: dict[str, str], cfg: ModelConfig, n_mtp: int) -> None:
+    """Config layers past those the index holds, refused before the tensor list is built: its size follows the
+    config (num_hidden_layers: 1e9 would list billions of names, then the OOM killer)."""
+    held = {int(m.group(1)) for n in wm if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    want = cfg.num_hidden_layers + n_mtp
+    if want > len(held):
+        first = min(set(range(len(held) + 1)) - held)
+        raise CheckpointError(f"{path}: config.json implies {want} layers (num_hidden_layers="
+                              f"{cfg.num_hidden_layers}, num_nextn_predict_layers={n_mtp}), the checkpoint holds "
+                              f"{len(held)}: no tensor of model.layers.{first}. is present")
 
 
 def iter_tensors(path: Path, headers) -> Iterator[tuple[str, torch.Tensor]]:
@@ -206,6 +248,9 @@ def open_checkpoint(path: str | os.PathLike, n_mtp: int | None) -> tuple[Path, M
     """Read config.json and validate every shard header against it before any weight is read.
     Returns (path, config, number of MTP layers to load, headers)."""
     path = Path(path)
+    if path.is_file():
+        raise CheckpointError(f"{path}: is a file, not a checkpoint directory (give the folder holding "
+                              "config.json and the shards)")
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory does not exist")
     cfg = ModelConfig.from_json(path / "config.json")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import tempfile
 from pathlib import Path
 
@@ -60,7 +61,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--index-topk", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=512, help="BPE vocabulary size (incl. special tokens)")
     ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--force", action="store_true", help="replace OUT_DIR even if it holds files (all are deleted)")
     a = ap.parse_args(argv)
+    out_dir = Path(a.out_dir)
+    refusal = (f"{out_dir} is a file, not a folder" if out_dir.exists() and not out_dir.is_dir() else
+               f"{out_dir} is not empty (its files would be deleted); pass --force to replace it"
+               if out_dir.is_dir() and any(out_dir.iterdir()) and not a.force else None)
+    if refusal:
+        print(f"mtp-tiny-checkpoint: error: {refusal}", file=sys.stderr)
+        sys.exit(2)
     if (a.layers < 1 or not 0 <= a.dense_layers <= a.layers or a.mtp_modules < 0 or a.index_topk < 1 or a.vocab < 300
             or a.shards < 1):
         ap.error("need --layers >= 1, 0 <= --dense-layers <= --layers, --mtp-modules >= 0, --index-topk >= 1, "

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 OPTIONS = frozenset({"top_n", "delta", "think_ids", "span_rule", "temperature", "top_p", "top_k", "draft_sampling", "seed",
                      "reuse_modules", "target_hidden", "chain_hidden", "eos_id", "stop_ids", "mode",
-                     "prefill_chunk", "draft_vocab", "tree", "min_draft_prob"})  # generate()'s keyword options
+                     "prefill_chunk", "draft_vocab", "tree", "min_draft_prob", "posterior_threshold",
+                     "posterior_alpha"})  # generate()'s keyword options
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class GenerationConfig:
     delta: float = 0.6  # relaxed, probability space
     think_ids: tuple[int, int] | None = None  # (<think>, </think>) ids, relaxed
     span_rule: str = "tracked"  # relaxed: where thinking spans are, 'tracked' | 'trtllm' (mtp/verify/relaxed.py)
+    posterior_threshold: float = 0.09  # typical (mtp/verify/typical.py; Medusa's defaults)
+    posterior_alpha: float = 0.3  # typical
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0  # sampling: row b of a call draws from seed + b unless the call gives per-row seeds
     eos_id: int | None = None  # default: the model's eos_token_id
@@ -53,6 +56,9 @@ class GenerationConfig:
             raise OptionError("top_n", self.top_n, "an integer >= 1")
         if not (is_number(self.delta) and 0 <= self.delta <= 1):
             raise OptionError("delta", self.delta, "a probability in [0, 1]")
+        for name in ("posterior_threshold", "posterior_alpha"):
+            if not (is_number(getattr(self, name)) and 0 < getattr(self, name) <= 1):
+                raise OptionError(name, getattr(self, name), "a probability in (0, 1]")
         if self.think_ids is None and self.verify == "relaxed":
             raise OptionError("think_ids", None, "a (<think> id, </think> id) pair with verify='relaxed'",
                               "the relaxed rule only applies inside thinking spans")
@@ -128,7 +134,9 @@ class GenerationConfig:
                    top_n=options.get("top_n", 10), delta=options.get("delta", 0.6),
                    think_ids=tuple(think) if think is not None else None,
                    span_rule=options.get("span_rule", "tracked"),
-                   sampling=sp if verify == "sample" else SamplingParams(),
+                   sampling=sp if verify in ("sample", "typical") else SamplingParams(),
+                   posterior_threshold=options.get("posterior_threshold", 0.09),
+                   posterior_alpha=options.get("posterior_alpha", 0.3),
                    seed=options.get("seed", 0), eos_id=options.get("eos_id"),
                    stop_ids=tuple(options.get("stop_ids", ())), mode=options.get("mode", "eager"),
                    prefill_chunk=options.get("prefill_chunk"))

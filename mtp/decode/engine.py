@@ -30,7 +30,8 @@ import torch
 from ..draft.policy import DraftSampler
 from ..draft.proposer import Proposer, pick_hidden
 from ..model.deepseek import DeepseekV32
-from ..verify import Verdict, prompt_think_state, relaxed_verify, sampling_verify, strict_verify, update_think_state
+from ..verify import (Verdict, prompt_think_state, relaxed_verify, sampling_verify, strict_verify, typical_verify,
+                      update_think_state)
 from ..verify.rng import RowDraws
 from .accept import accept, commit
 from .config import GenerationConfig, row_seeds
@@ -114,6 +115,18 @@ def run_generation(model: DeepseekV32, prompts: Sequence[Sequence[int]], gcfg: G
     return engine.run(prompts, on_step=on_step, max_new_tokens=gcfg.max_new_tokens, seeds=seeds)
 
 
+# verify name -> the chain verifier, called as rule(engine, drafts_BK, q_BKV, logits_BKV, think_B, draws). Draft ids
+# are checked on the CPU only (sample): on CUDA the check would add a host sync to every step.
+CHAIN_VERIFIERS = {
+    "strict": lambda e, d, q, lg, th, dr: strict_verify(d, lg),
+    "relaxed": lambda e, d, q, lg, th, dr: relaxed_verify(d, lg, th, e.g.top_n, e.g.delta, *e.g.think_ids,
+                                                          e.g.span_rule),
+    "sample": lambda e, d, q, lg, th, dr: sampling_verify(d, q, lg, e.g.sampling, dr, check_ids=e.dev.type == "cpu"),
+    "typical": lambda e, d, q, lg, th, dr: typical_verify(d, lg, e.g.sampling.temperature, e.g.posterior_threshold,
+                                                          e.g.posterior_alpha),
+}
+
+
 class Engine:
     """`proposer_factory(model, draft_cfg, batch, max_len)` replaces the MTP proposer (tests use oracle and
     adversarial drafters through it); anything with `propose(...)` (which writes its drafts into the token
@@ -142,13 +155,12 @@ class Engine:
         return time.perf_counter()
 
     def verify(self, drafts_BK, q_BKV, logits_BKV, think_B, draws: RowDraws) -> Verdict:
-        g = self.g
-        if g.verify == "strict":
-            return strict_verify(drafts_BK, logits_BKV)
-        if g.verify == "relaxed":
-            return relaxed_verify(drafts_BK, logits_BKV, think_B, g.top_n, g.delta, *g.think_ids, g.span_rule)
-        # Draft ids are checked on the CPU only: on CUDA the check would add a host sync to every step.
-        return sampling_verify(drafts_BK, q_BKV, logits_BKV, g.sampling, draws, check_ids=self.dev.type == "cpu")
+        try:
+            rule = CHAIN_VERIFIERS[self.g.verify]
+        except KeyError:
+            raise ValueError(f"verify={self.g.verify!r} is not a chain verifier; expected one of "
+                             f"{', '.join(CHAIN_VERIFIERS)}") from None
+        return rule(self, drafts_BK, q_BKV, logits_BKV, think_B, draws)
 
     def bound(self, st: DecodeState, host: torch.Tensor) -> int:
         """Bound on the positions a step touches. On CUDA always the buffer length, so eager, graph and overlap

@@ -8,7 +8,7 @@ import numbers
 from typing import Any
 
 DRAFTS = ("none", "vanilla", "eagle")
-VERIFIERS = ("strict", "relaxed", "sample")
+VERIFIERS = ("strict", "relaxed", "sample", "typical")
 MODES = ("eager", "graph", "overlap")  # eager | graph (whole step in one CUDA graph) | overlap (graph + pipelined host)
 MAX_K = 16  # the most drafts per step a GenerationConfig takes: far past the point where position k is still accepted
 

@@ -6,6 +6,7 @@ Shape legend: B batch, S buffer positions, D width, K drafts.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,7 +25,17 @@ def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
         raise ValueError("prompts is empty")
     out = []
     for i, p in enumerate(prompts):
-        p = [int(t) for t in p]
+        if isinstance(p, (str, bytes)):
+            raise ValueError(f"prompts[{i}] is a {type(p).__name__}, not token ids (encode it with the tokenizer)")
+        if isinstance(p, torch.Tensor):
+            p = p.tolist()
+        try:  # int(40.5) would truncate, int("x") raise a bare traceback; index() takes only integers
+            if any(isinstance(t, bool) for t in p):
+                raise TypeError
+            p = [operator.index(t) for t in p]
+        except TypeError:
+            odd = next(t for t in p if isinstance(t, bool) or not hasattr(t, "__index__"))
+            raise ValueError(f"prompts[{i}] holds {odd!r} ({type(odd).__name__}); token ids must be integers") from None
         if not p:
             raise ValueError(f"prompts[{i}] is empty")
         bad = [t for t in p if not 0 <= t < vocab_size]

@@ -30,7 +30,7 @@ from ..draft.tree import TreeShape
 from ..draft.tree_proposer import TreeProposer, sampled_children, topk_children
 from ..model.deepseek import DeepseekV32
 from ..verify import (SamplingParams, tree_relaxed_verify, tree_sampling_verify, tree_strict_verify,
-                      update_think_state)
+                      tree_typical_verify, update_think_state)
 from ..verify.sampling import filter_probs, sample
 from .config import GenerationConfig
 from .graphs import GraphRunner
@@ -78,6 +78,18 @@ class TreeState:
         return self.tokens.shape[0]
 
 
+# verify name -> the tree verifier, called as rule(step, tree tensors, draft, target logits, think_B, live_BN).
+TREE_VERIFIERS = {
+    "strict": lambda s, tt, dr, lg, th, live: tree_strict_verify(tt, dr.tokens_BN, lg, live),
+    "relaxed": lambda s, tt, dr, lg, th, live: tree_relaxed_verify(tt, dr.tokens_BN, lg, th, s.g.top_n, s.g.delta,
+                                                                   *s.g.think_ids, live),
+    "sample": lambda s, tt, dr, lg, th, live: tree_sampling_verify(tt, dr.tokens_BN, dr.q_BNV, lg, s.g.sampling,
+                                                                   s.gen, live),
+    "typical": lambda s, tt, dr, lg, th, live: tree_typical_verify(tt, dr.tokens_BN, lg, s.g.sampling.temperature,
+                                                                   s.g.posterior_threshold, s.g.posterior_alpha, live),
+}
+
+
 class TreeStep:
     """One tree step on a `TreeState`, device ops only, every update in place: propose -> verify every node in
     one forward -> accept a path -> commit it (tokens, target hidden, `KVCache.compact`) -> device counters.
@@ -96,12 +108,12 @@ class TreeStep:
         live = dr.live_BN if g.draft.min_draft_prob > 0 else None
         out = m(dr.tokens_BN, st.cache, kv_len=max_n - 1 + N, tree_depth=tt.depth_N, tree_mask=tt.ancestor_NN)
         logits_nonfinite(st.nonfinite, out.logits)
-        if g.verify == "strict":
-            v = tree_strict_verify(tt, dr.tokens_BN, out.logits, live)
-        elif g.verify == "relaxed":
-            v = tree_relaxed_verify(tt, dr.tokens_BN, out.logits, st.think_B, g.top_n, g.delta, *g.think_ids, live)
-        else:
-            v = tree_sampling_verify(tt, dr.tokens_BN, dr.q_BNV, out.logits, g.sampling, self.gen, live)
+        try:
+            rule = TREE_VERIFIERS[g.verify]
+        except KeyError:
+            raise ValueError(f"verify={g.verify!r} is not a tree verifier; expected one of "
+                             f"{', '.join(TREE_VERIFIERS)}") from None
+        v = rule(self, tt, dr, out.logits, st.think_B, live)
         # ---- accept: the path's drafts then the target token, cut at a stop token and at max_new_tokens
         a_B = torch.where(active_B, v.accept_len_B, 0)
         new_BA = dr.tokens_BN.gather(1, torch.cat((v.path_BA[:, 1:], v.path_BA[:, -1:]), 1))
@@ -157,7 +169,7 @@ class TreeStatePool(StatePool):
                          P_B=z(B), Tp=0, max_len=max_len, n_B=z(B), gen_B=z(B), max_new_B=z(B),
                          finished_B=z(B, dtype=torch.bool), think_B=z(B), nonfinite=z((), dtype=torch.bool),
                          new_BK1=z(B, A), keep_B=z(B), acc_B=z(B), hist_BA=z(B, A),
-                         rank_DC=z(tree.max_depth, max(tree.max_children, 1)), row_steps=z(()), live_nodes=z(()),
+                         rank_DC=z(tree.max_depth, tree.max_rank + 1), row_steps=z(()), live_nodes=z(()),
                          relaxed_only=z(()))
 
     def _reset(self, st: TreeState, prompts: list[list[int]], max_new: int, seeds: list[int]) -> None:

@@ -6,6 +6,8 @@ Node 0 is the root: the last committed token x_{n-1}, which the verify feeds any
 the tree (1,) * K: N = K + 1). Every other node is a drafted token whose parent is the token before it. Nodes
 are numbered level by level (parent index < node index, depth non-decreasing), siblings by rank: rank r is the
 drafter's r-th best (or r-th drawn) token at the parent, so the sampling verifier tries siblings in rank order.
+Sibling ranks may have gaps (TensorRT-LLM's published eagle_choices hold [0, 1, 1] without [0, 1, 0]): the
+drafter still picks the best ranks[i] + 1 tokens at the parent and places only the listed ones.
 
 The verify forward writes node i at cache slot seq_len + i, places it at rotary position seq_len + depth[i],
 and lets it attend to the committed cache plus its own ancestors (`ancestor_mask`, self included).
@@ -31,6 +33,9 @@ _PATHS = re.compile(r"[0-9]+(\.[0-9]+)*(/[0-9]+(\.[0-9]+)*)*")  # '0/1/0.0/0.1'
 @dataclass(frozen=True)
 class TreeShape:
     parents: tuple[int, ...]  # parent node of each node; -1 for the root (node 0)
+    # the drafter's pick rank of each node among its parent's candidates (0 for the root); None: siblings are
+    # ranks 0, 1, ... in node order (no gaps). Stored resolved, so equal trees compare equal either way.
+    ranks: tuple[int, ...] | None = None
 
     def __post_init__(self):
         p = tuple(self.parents)
@@ -43,6 +48,22 @@ class TreeShape:
         if any(b < a for a, b in zip(self.depth, self.depth[1:])):
             raise ValueError(f"tree nodes must be numbered level by level (depths {self.depth}): a drafter "
                              "writes one depth per forward, as one block of slots")
+        if self.ranks is None:
+            r = [0] * len(p)
+            for kids in self.children:
+                for j, c in enumerate(kids):
+                    r[c] = j
+            object.__setattr__(self, "ranks", tuple(r))
+            return
+        r = tuple(self.ranks)
+        object.__setattr__(self, "ranks", r)
+        if len(r) != len(p) or r[0] != 0:
+            raise ValueError(f"tree ranks must give one rank per node, 0 for the root: {len(p)} nodes, got {r}")
+        for kids in self.children:
+            kr = [r[c] for c in kids]
+            if any(not isinstance(x, int) or x < 0 for x in kr) or any(b <= a for a, b in zip(kr, kr[1:])):
+                raise ValueError(f"tree ranks of siblings {list(kids)} must be integers >= 0, increasing in node "
+                                 f"order, got {kr}")
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -71,7 +92,7 @@ class TreeShape:
         """'chainK' for a chain, 'b1xb2x...' when every node of a depth has the same number of children, else the
         rank paths ('0/1/0.0'). Inverse of `parse`."""
         D = self.max_depth
-        if D and self.n_nodes == D + 1:
+        if D and self == TreeShape.chain(D):
             return f"chain{D}"
         per_depth = [{len(self.children[i]) for i in range(self.n_nodes) if self.depth[i] == d} for d in range(D)]
         if D and all(len(c) == 1 for c in per_depth) and TreeShape.from_branching(
@@ -83,7 +104,8 @@ class TreeShape:
     def from_paths(cls, paths) -> TreeShape:
         """An explicit tree as its drafted nodes, each written as the ranks on its path from the root:
         (0,) is the top-1 child of the root, (0, 1) the second child of that. Every prefix of a path must be
-        listed too, and sibling ranks must be 0, 1, ... without gaps (a drafter's top-k are its best k)."""
+        listed too (prefix-closed); sibling ranks may have gaps ((0, 1, 1) without (0, 1, 0)): the drafter picks
+        its best max-rank + 1 tokens there and keeps the listed ranks."""
         paths = [tuple(p) if isinstance(p, (tuple, list)) else p for p in paths]
         nodes = set(paths)
         if len(nodes) != len(paths):
@@ -93,11 +115,9 @@ class TreeShape:
                 raise ValueError(f"a tree path must be a non-empty tuple of ranks >= 0, got {p!r}")
             if len(p) > 1 and p[:-1] not in nodes:
                 raise ValueError(f"tree path {p} needs its parent {p[:-1]} listed too")
-            if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in nodes:
-                raise ValueError(f"tree path {p} skips rank {p[-1] - 1} among its siblings")
         order = sorted(nodes, key=lambda p: (len(p), p))  # parents first, siblings by rank
         index = {(): 0} | {p: i + 1 for i, p in enumerate(order)}
-        return cls((-1,) + tuple(index[p[:-1]] for p in order))
+        return cls((-1,) + tuple(index[p[:-1]] for p in order), (0,) + tuple(p[-1] for p in order))
 
     @classmethod
     def parse(cls, text: str) -> TreeShape:
@@ -153,18 +173,19 @@ class TreeShape:
             out[q].append(i)
         return tuple(tuple(c) for c in out)
 
-    @cached_property
+    @property
     def rank(self) -> tuple[int, ...]:
-        """Rank of each node among its siblings (0 for the root)."""
-        r = [0] * self.n_nodes
-        for kids in self.children:
-            for j, c in enumerate(kids):
-                r[c] = j
-        return tuple(r)
+        """The drafter's pick rank of each node among its parent's candidates (0 for the root)."""
+        return self.ranks
 
     @property
     def max_children(self) -> int:
         return max(len(c) for c in self.children)
+
+    @property
+    def max_rank(self) -> int:
+        """The highest pick rank of any node: the drafter draws max_rank + 1 candidates at most per node."""
+        return max(self.ranks)
 
     def path(self, node: int) -> tuple[int, ...]:
         """The nodes from the root to `node`, both included."""

@@ -151,8 +151,8 @@ class TreeProposer:
         """Draw the children of the depth-t nodes (rank r child <- the r-th pick at its parent)."""
         tree, tt, lv = self.tree, self.tt, self.level
         s, e = lv[t], lv[t + 1]
-        c = max(len(tree.children[i]) for i in range(s, e))
         kids = slice(lv[t + 1], lv[t + 2])
+        c = max(tree.rank[kids]) + 1  # picks per node: up to the highest rank placed (ranks may have gaps)
         toks_BMc, q_BMcV = draw_children(logits_BNV[:, s:e], c)
         par = tt.parent_N[kids] - s
         nodes_BN[:, kids] = toks_BMc[:, par, tt.rank_N[kids]]

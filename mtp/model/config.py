@@ -115,6 +115,11 @@ class ModelConfig:
         that differs from the dataclass default, which is the 671B model's value)."""
         raw = dict(raw)
         known = {f.name for f in dataclasses.fields(cls)}
+        absent = [name for name in REQUIRED_FIELDS if name not in raw]
+        if absent:
+            raise ConfigError(f"{source}: field {absent[0]!r} is missing" + (f" (and {absent[1:]})" if absent[1:] else "")
+                              + "; no default is assumed: it changes the output without changing any tensor shape, "
+                              "and transformers' default is the 671B model's value")
         kwargs: dict[str, Any] = {name: value for name, value in ABSENT_FIELDS.items() if name not in raw}
         for name in known:
             if name in raw:
@@ -325,6 +330,21 @@ def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
 # transformers' model has no MTP modules. Every other field's dataclass default equals transformers' default
 # (tests/model/test_config.py holds the two together).
 ABSENT_FIELDS: dict[str, Any] = {"rope_scaling": None, "quantization_config": None, "num_nextn_predict_layers": 0}
+
+# Fields without a safe default: each changes what the model computes (experts routed per token, groups, the
+# routed output's scale, keys the indexer keeps) yet no tensor shape reveals a wrong value, so a default would
+# run a different model with exit 0.
+REQUIRED_FIELDS = ("num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor", "index_topk")
+
+
+def defaulted_fields(raw: dict[str, Any]) -> tuple[str, ...]:
+    """The config fields `ModelConfig.from_dict(raw)` fills with a default (reported with every result)."""
+    out = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in raw]
+    rs = raw.get("rope_scaling")
+    if isinstance(rs, dict):
+        out += [f"rope_scaling.{k}" for k in ("beta_fast", "beta_slow") if k not in rs]
+    return tuple(out)
+
 
 # rope_scaling keys without a safe default: transformers requires the first two, and its meaning of a missing
 # mscale / mscale_all_dim (scaled cos/sin, unscaled softmax) is not DeepSeek's. beta_fast / beta_slow default

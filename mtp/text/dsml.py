@@ -38,9 +38,12 @@ PARAM_CLOSE = f"</{DSML}parameter>"
 RESULTS_OPEN = "\n\n<function_results>"
 RESULTS_CLOSE = "\n</function_results>"
 
-# The instruction text the model was trained with ({d} = DSML marker; the schemas go last). It must stay byte
-# for byte as it is: the prompt's tokens are what acceptance is measured on.
+# The instruction text the model was trained with ({d} = DSML marker; the schemas go last), as DeepSeek publishes
+# it in TOOLS_SYSTEM_TEMPLATE of encoding/encoding_dsv32.py (huggingface.co/deepseek-ai/DeepSeek-V3.2), blank lines
+# included (some downstream copies drop them). It must stay byte for byte as it is: the prompt's tokens are what
+# acceptance is measured on; tests/text/test_dsv32_gold.py holds it to DeepSeek's gold fixture.
 _TOOLS_INSTRUCTIONS = """## Tools
+
 You have access to a set of tools you can use to answer the user's question.
 You can invoke functions by writing a "<{d}function_calls>" block like the following as part of your reply to the user:
 <{d}function_calls>
@@ -52,18 +55,24 @@ You can invoke functions by writing a "<{d}function_calls>" block like the follo
 ...
 </{d}invoke>
 </{d}function_calls>
+
 String and scalar parameters should be specified as is without any escaping or quotes, while lists and objects \
 should use JSON format. The "string" attribute should be set to "true" for string type parameters and "false" \
 for other types (numbers, booleans, arrays, objects).
+
 If the thinking_mode is enabled, then after function results you should strongly consider outputting a thinking \
 block. Here is an example:
+
 <{d}function_calls>
 ...
 </{d}function_calls>
+
 <function_results>
 ...
 </function_results>
+
 {think}...thinking about results{end_think}
+
 Here are the functions available in JSONSchema format:
 <functions>
 """

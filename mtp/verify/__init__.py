@@ -20,14 +20,15 @@ if TYPE_CHECKING:
     from .relaxed import prompt_think_state, relaxed_verify, update_think_state
     from .sampling import filter_probs, sampling_verify
     from .strict import strict_verify
-    from .tree import TreeVerdict, tree_relaxed_verify, tree_sampling_verify, tree_strict_verify
+    from .tree import TreeVerdict, tree_relaxed_verify, tree_sampling_verify, tree_strict_verify, tree_typical_verify
+    from .typical import typical_verify
 
 _EXPORTS = {
     "Verdict": "common", "SPAN_RULES": "params", "SamplingParams": "params",
     "prompt_think_state": "relaxed", "relaxed_verify": "relaxed", "update_think_state": "relaxed",
     "filter_probs": "sampling", "sampling_verify": "sampling", "strict_verify": "strict",
     "TreeVerdict": "tree", "tree_relaxed_verify": "tree", "tree_sampling_verify": "tree",
-    "tree_strict_verify": "tree",
+    "tree_strict_verify": "tree", "tree_typical_verify": "tree", "typical_verify": "typical",
 }
 __all__ = sorted(_EXPORTS)
 

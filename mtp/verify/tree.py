@@ -20,6 +20,7 @@ token the target adds after the path.
   q_i is the point mass at x_i (pass q=None), for drafts drawn without replacement q_i is the draft
   distribution with the earlier siblings' tokens removed and renormalized (all zero once they used up its
   support: such a child is skipped).
+- typical: Medusa's typical acceptance (mtp.verify.typical) per node against the target at its parent.
 Adaptive draft length: every verifier takes an optional per-row node mask `live_BN` (a drafter's pruning, e.g.
 nodes whose draft probability fell below a threshold, and their subtrees): masked nodes keep the static shape
 but are never accepted, as if the row's tree were the live subtree. For the sampler this stays lossless when the
@@ -34,6 +35,7 @@ import torch
 
 from ..draft.tree import TreeTensors
 from .sampling import SamplingParams, filter_probs, sample
+from .typical import typical_ok
 
 
 @dataclass
@@ -107,6 +109,19 @@ def tree_relaxed_verify(tt: TreeTensors, tokens_BN: torch.Tensor, logits_BNV: to
     close_BN = (p_draft >= topn[..., -1]) & (p_draft >= topn[..., 0] - delta)
     ok_BN = exact_BN | (in_span_BN & close_BN & (delta > 0))
     return _verdict(_deepest(_live(ok_BN, live_BN), tt), target_BN, exact_BN, tt)
+
+
+def tree_typical_verify(tt: TreeTensors, tokens_BN: torch.Tensor, logits_BNV: torch.Tensor, temperature: float,
+                        posterior_threshold: float, posterior_alpha: float,
+                        live_BN: torch.Tensor | None = None) -> TreeVerdict:
+    """Typical acceptance (mtp.verify.typical) per node against the target at its parent; the deepest node whose
+    whole path passes wins, and the target's argmax follows it."""
+    _check(tt, tokens_BN, logits_BNV)
+    target_BN = logits_BNV.argmax(dim=-1)
+    parent_N = tt.parent_N.clamp_min(0)
+    ok_BN = typical_ok(tokens_BN, logits_BNV[:, parent_N], temperature, posterior_threshold, posterior_alpha)
+    ok_BN = ok_BN | (tt.parent_N < 0)
+    return _verdict(_deepest(_live(ok_BN, live_BN), tt), target_BN, _exact(tt, tokens_BN, target_BN), tt)
 
 
 def tree_sampling_verify(tt: TreeTensors, tokens_BN: torch.Tensor, q_BNV: torch.Tensor | None,

@@ -315,6 +315,46 @@ def test_config_disagrees_with_tensors(ckpt, field, value, must_name):
     _load_fails(ckpt, str(ckpt), *must_name)
 
 
+def test_huge_layer_count_is_compared_with_the_index_first(ckpt):
+    """num_hidden_layers: 1e9 used to build a billion-layer tensor list (15 GB, then the OOM killer)."""
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw["num_hidden_layers"] = 1e9
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    _load_fails(ckpt, str(ckpt), "1000000001 layers", "num_hidden_layers=1000000000", "holds 4")
+
+
+def test_tensor_listed_twice_in_the_index(ckpt):
+    """json keeps the last of repeated keys: the index's second entry for a tensor won silently."""
+    text = (ckpt / INDEX_NAME).read_text()
+    name = "model.norm.weight"
+    other = next(s for s in sorted(set(_index(ckpt)["weight_map"].values())) if s != _shard_of(ckpt, name).name)
+    (ckpt / INDEX_NAME).write_text(text.replace('"weight_map": {', f'"weight_map": {{"{name}": "{other}", ', 1))
+    _load_fails(ckpt, str(ckpt / INDEX_NAME), repr(name), "2 times", other)
+
+
+def test_tensor_in_two_shards(ckpt):
+    """A shard holding a tensor the index places in another shard: two copies, refused."""
+    name = "model.norm.weight"
+    home = _shard_of(ckpt, name)
+    other = next(ckpt / s for s in sorted(set(_index(ckpt)["weight_map"].values())) if s != home.name)
+    tensors = load_file(str(other))
+    tensors[name] = load_file(str(home))[name]
+    save_file(tensors, str(other), metadata={"format": "pt"})
+    _load_fails(ckpt, str(other), repr(name), home.name, "one shard")
+
+
+@pytest.mark.parametrize("where", ["../outside.safetensors", "/abs/model.safetensors", "sub/../../x.safetensors"])
+def test_weight_map_path_must_stay_inside(ckpt, where):
+    """A '../' or absolute shard name used to load tensors from outside the checkpoint folder."""
+    name = "model.norm.weight"
+    _set_index(ckpt, lambda wm: wm.__setitem__(name, where))
+    _load_fails(ckpt, str(ckpt / INDEX_NAME), name, repr(where), "inside the checkpoint folder")
+
+
+def test_load_model_on_a_file_says_it_is_a_file(ckpt):
+    _load_fails(ckpt / "config.json", str(ckpt / "config.json"), "is a file, not a checkpoint directory")
+
+
 def test_unsupported_config_value(ckpt):
     raw = json.loads((ckpt / "config.json").read_text())
     raw["quantization_config"]["weight_block_size"] = [64, 64]

@@ -91,6 +91,24 @@ def test_bad_flags_exit_with_usage_error(tmp_path, capsys, flags):
     assert not out.exists()
 
 
+def test_non_empty_folder_or_file_is_refused_unless_force(tmp_path, capsys):
+    """mtp-tiny-checkpoint DIR used to delete a non-empty DIR's other files and rename a file argument away."""
+    folder, keep = tmp_path / "mine", tmp_path / "mine" / "notes.txt"
+    folder.mkdir()
+    keep.write_text("precious")
+    as_file = tmp_path / "file.txt"
+    as_file.write_text("also precious")
+    for out, says in ((folder, "is not empty (its files would be deleted); pass --force"), (as_file, "is a file")):
+        with pytest.raises(SystemExit) as ei:
+            mtp.checkpoint.tiny.main([str(out), *ARGS])
+        err = capsys.readouterr().err
+        assert ei.value.code == 2 and err.count("\n") == 1 and says in err and str(out) in err, err
+    assert keep.read_text() == "precious" and sorted(folder.iterdir()) == [keep]
+    assert as_file.read_text() == "also precious" and sorted(tmp_path.iterdir()) == [as_file, folder]
+    mtp.checkpoint.tiny.main([str(folder), *ARGS, "--force"])
+    assert (folder / "config.json").is_file() and not keep.exists()
+
+
 def test_missing_out_dir_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as ei:
         mtp.checkpoint.tiny.main([])

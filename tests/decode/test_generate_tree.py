@@ -5,7 +5,10 @@ SpecMetrics, stream the same step events, and bad tree options are refused by th
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 
 from mtp.decode.config import GenerationConfig
 from mtp.decode.engine import generate
@@ -104,3 +107,14 @@ def test_tree_decoding_refuses_bad_prompts_as_the_chain_engine(model, prompts, m
         generate(model, prompts, 4, draft="eagle", tree="2x1")
     with pytest.raises(ValueError, match=match):
         generate(model, prompts, 4, draft="eagle", k=2)
+
+
+@pytest.mark.parametrize("prompt,says", [([5, 40.5], "holds 40.5 (float)"), (["5", 6], "holds '5' (str)"),
+                                         ([5, True], "holds True (bool)"), ("hello", "is a str, not token ids")])
+def test_non_integer_prompt_ids_are_refused_by_name(prompt, says):
+    """generate used to truncate 40.5 to 40 and give an int() traceback for strings."""
+    from mtp.decode.state import check_prompts
+
+    with pytest.raises(ValueError, match=rf"prompts\[1\] {re.escape(says)}"):
+        check_prompts([[1, 2], prompt], 512)
+    assert check_prompts([[1, 2], torch.tensor([3, 4])], 512) == [[1, 2], [3, 4]]

@@ -27,7 +27,9 @@ N_NEW = 14
 PROMPT_LENS = (5, 23)  # index_topk = 16: one row starts dense, one sparse
 SHAPES = {"b221": TreeShape.from_branching((2, 2, 1)), "b31": TreeShape.from_branching((3, 1)),
           "chain3": TreeShape.chain(3), "b4": TreeShape.from_branching((4,)),
-          "paths": TreeShape.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])}
+          "paths": TreeShape.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]),
+          # rank gaps, as in TensorRT-LLM's eagle_choices: (0, 1, 1) without (0, 1, 0), (2,) without (1,)
+          "gaps": TreeShape.from_paths([(0,), (2,), (0, 1), (0, 1, 1), (2, 0)])}
 TOL = 1e-9
 TH, ETH = 510, 511  # <think>, </think> stand-ins in the 512-token tiny vocabulary
 
@@ -65,7 +67,7 @@ def forced_chain_logits(chain: Proposer, tokens_BS, hidden_BSD, n_B, p0_B, W, ma
 
 
 @pytest.mark.parametrize("mode", ["eagle", "vanilla"])
-@pytest.mark.parametrize("shape", ["b221", "paths"])
+@pytest.mark.parametrize("shape", ["b221", "paths", "gaps"])
 def test_tree_drafts_equal_forced_chain_drafts(model, prompts, greedy, mode, shape):
     """Over several steps (rows advancing by different amounts, up to D+1, so every window width is used)."""
     tree = SHAPES[shape]
@@ -96,8 +98,9 @@ def test_tree_drafts_equal_forced_chain_drafts(model, prompts, greedy, mode, sha
                 ref = forced_chain_logits(cp, live, hidden, n, p0, dcfg.window(), int(n.max()), dr.tokens_BN[:, path])
                 err = float((dr.logits_BNV[:, c] - ref).abs().max() / scale)
                 assert err < TOL, f"step {step}, node {c} (path {path}): max rel diff {err:.2e}"
-                kids = list(tree.children[c])
-                assert torch.equal(dr.tokens_BN[:, kids], ref.topk(len(kids), -1).indices), f"children of {c}"
+                kids = list(tree.children[c])  # child of rank r = the r-th best token (ranks may skip)
+                best = ref.topk(max(tree.rank[k] for k in kids) + 1, -1).indices
+                assert torch.equal(dr.tokens_BN[:, kids], best[:, [tree.rank[k] for k in kids]]), f"children of {c}"
             n = n + (torch.arange(B) + step) % (D + 1) + 1
 
 
@@ -221,8 +224,8 @@ def test_metrics_split_by_row_and_merge_across_calls(model, prompts):
         m.merge(other)
 
 
-@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
-def test_tree_sampling_matches_the_target_distribution(model, draft_sampling):
+@pytest.mark.parametrize("draft_sampling,shape", [("greedy", "b31"), ("sample", "b31"), ("sample", "gaps")])
+def test_tree_sampling_matches_the_target_distribution(model, draft_sampling, shape):
     """500 copies of one prompt, top_k = 3, three new tokens: the joint law of (t1, t2, t3) over its 27 cells
     matches the exact law of plain sampling (tests/decode/test_engine.py), through tree steps whose tokens are accepted
     nodes of any rank, residual samples or bonus tokens."""
@@ -231,7 +234,7 @@ def test_tree_sampling_matches_the_target_distribution(model, draft_sampling):
     B, prompt, sp = 500, [7, 8, 9, 10], SamplingParams(top_k=3)
     exact, _ = _joint_law(model, prompt, sp)
     assert len(exact) == 27
-    r = generate_tree(model, [prompt] * B, SHAPES["b31"], 3, draft="eagle", verify="sample", sampling=sp,
+    r = generate_tree(model, [prompt] * B, SHAPES[shape], 3, draft="eagle", verify="sample", sampling=sp,
                       draft_sampling=draft_sampling, seed=31)
-    assert sum(r.metrics.accepted_hist[1:]) > 100 and sum(r.metrics.accepted_rank[0][1:]) > 10, r.metrics
-    _assert_law(f"tree b31, {draft_sampling} drafts", r, exact, B)
+    assert sum(r.metrics.accepted_hist[1:]) > 100 and sum(r.metrics.accepted_rank[0][1:]) >= 10, r.metrics
+    _assert_law(f"tree {shape}, {draft_sampling} drafts", r, exact, B)

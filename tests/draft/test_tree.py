@@ -20,7 +20,8 @@ from mtp.draft.tree import TreeShape
 from mtp.model.config import RuntimeOptions
 
 SHAPES = {"b221": TreeShape.from_branching((2, 2, 1)), "b31": TreeShape.from_branching((3, 1)),
-          "paths": TreeShape.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 1, 0, 0)])}
+          "paths": TreeShape.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 1, 0, 0)]),
+          "gaps": TreeShape.from_paths([(0,), (2,), (0, 1), (0, 1, 1), (2, 0)])}
 TOL = 1e-9
 
 
@@ -61,9 +62,27 @@ def test_from_paths_orders_parents_first_and_siblings_by_rank():
     assert TreeShape.from_paths([(0,), (0, 0), (0, 0, 0)]) == TreeShape.chain(3)
 
 
+def test_from_paths_accepts_rank_gaps():
+    """Any prefix-closed set of paths: TensorRT-LLM's published eagle_choices hold [0, 1, 1] without [0, 1, 0]."""
+    t = TreeShape.from_paths([[0], [1], [0, 0], [0, 1], [0, 1, 1], [3]])
+    assert t.parents == (-1, 0, 0, 0, 1, 1, 5) and t.rank == (0, 0, 1, 3, 0, 1, 1)
+    assert t.max_rank == 3 and t.max_children == 3
+    assert t.child_table().tolist()[:2] == [[1, 2, 3], [4, 5, -1]]
+    assert [t.path_ranks(i) for i in range(1, t.n_nodes)] == [(0,), (1,), (3,), (0, 0), (0, 1), (0, 1, 1)]
+    assert t.name == "0/1/3/0.0/0.1/0.1.1" and TreeShape.parse(t.name) == t
+    lone = TreeShape.from_paths([(1,), (1, 2)])  # a chain in parents, not in ranks
+    assert lone.parents == TreeShape.chain(2).parents and lone != TreeShape.chain(2) and lone.name == "1/1.2"
+
+
+@pytest.mark.parametrize("ranks,match", [((0, 1, 1), "increasing"), ((0, 0), "one rank per node"),
+                                         ((1, 0, 1), "0 for the root"), ((0, -1, 2), "integers >= 0")])
+def test_bad_ranks_are_rejected(ranks, match):
+    with pytest.raises(ValueError, match=match):
+        TreeShape((-1, 0, 0), ranks)
+
+
 @pytest.mark.parametrize("paths,match", [
     ([(0, 0)], r"needs its parent \(0,\)"),
-    ([(0,), (2,)], "skips rank 1"),
     ([(0,), (0,)], "twice"),
     ([()], "non-empty tuple"),
     ([(0,), (-1,)], "ranks >= 0"),
@@ -88,7 +107,6 @@ def test_parse_reads_branching_and_paths(text, shape):
     ("", r"'' is invalid: expected"),
     ("x2", r"'x2' is invalid: expected"),
     ("0.0", r"'0.0' is invalid: tree path \(0, 0\) needs its parent"),
-    ("0/2", r"'0/2' is invalid: tree path \(2,\) skips rank 1"),
     ("0/0", r"'0/0' is invalid: tree paths list a node twice"),
 ])
 def test_parse_names_the_bad_value(text, match):

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from mtp.model.config import ConfigError, ModelConfig
+from mtp.model.config import REQUIRED_FIELDS, ConfigError, ModelConfig, defaulted_fields
 from mtp.model.layers import yarn_inv_freq
 
 # The public DeepSeek-V3.2 config.json as the HF repo ships it (facts section 1), including the fields this
@@ -275,15 +275,30 @@ def test_missing_fields_take_transformers_defaults():
     transformers = pytest.importorskip("transformers")
     hf = transformers.DeepseekV32Config()
     ours = {f.name for f in dataclasses.fields(ModelConfig)}
-    shared = sorted(n for n in ours if n in REAL_CONFIG and hasattr(hf, n)
+    shared = sorted(n for n in ours if n in REAL_CONFIG and hasattr(hf, n) and n not in REQUIRED_FIELDS
                     and n not in ("architectures", "model_type", "rope_scaling"))  # rope: tested below
-    assert len(shared) >= 25, shared  # the numeric fields of the model
+    assert len(shared) >= 20, shared  # the numeric fields of the model
     for name in shared:
         got = getattr(ModelConfig.from_dict(_without(name)), name)
         want = getattr(hf, name)
         assert got == want, f"{name}: missing from config.json gives {got!r}, transformers' default is {want!r}"
     theta = ModelConfig.from_dict(_without("rope_theta")).rope_theta
     assert theta == hf.rope_parameters["rope_theta"]
+
+
+@pytest.mark.parametrize("name", REQUIRED_FIELDS)
+def test_fields_without_a_safe_default_are_refused(tmp_path, name):
+    """num_experts_per_tok / index_topk missing used to load transformers' (the 671B's) value, exit 0."""
+    path = _write(tmp_path, _without(name))
+    with pytest.raises(ConfigError, match=f"field '{name}' is missing; no default is assumed") as ei:
+        ModelConfig.from_json(path)
+    assert path in str(ei.value)
+
+
+def test_defaulted_fields_are_listed():
+    assert defaulted_fields(REAL_CONFIG) == ()
+    raw = _without("rope_theta", "tie_word_embeddings", "rope_scaling__beta_slow")
+    assert defaulted_fields(raw) == ("rope_theta", "tie_word_embeddings", "rope_scaling.beta_slow")
 
 
 def test_missing_rope_scaling_means_no_scaling():
