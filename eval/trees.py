@@ -10,7 +10,7 @@ and as the tree's own TreeMetrics per batch (`batch_tree_metrics` in samples.jso
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,16 +44,22 @@ class TreeRun:
     tree: Any  # mtp.decode.tree_metrics.TreeMetrics
 
 
-def generate(model, ids: list[list[int]], max_new_tokens: int, kw: dict) -> tuple[TreeRun, list[list[int]]]:
-    """One tree call with mtp-eval's generate kwargs: (the run, accepted-count histogram per row)."""
+def generate(model, ids: list[list[int]], max_new_tokens: int, kw: dict,
+             on_step: Callable | None = None) -> tuple[TreeRun, list[list[int]]]:
+    """One tree call with mtp-eval's generate kwargs: (the run, accepted-count histogram per row); `on_step`
+    gets each step's `StepEvent`, as from mtp.generate."""
     from mtp.decode.config import GenerationConfig
+    from mtp.decode.engine import Emitter
+    from mtp.decode.metrics import RowClock
     from mtp.decode.tree import run_tree
 
     seed = kw.get("seed", 0)
     seed = seed[0] if isinstance(seed, list) else seed  # one row per sampling call (check)
     g = GenerationConfig.from_options(max_new_tokens, **{**kw, "seed": seed})
-    r = run_tree(model, ids, g)
+    clock = RowClock(len(ids))
+    r = run_tree(model, ids, g, emit=Emitter(on_step, len(ids), clock))
     spec = r.metrics.spec(g.draft.mode, g.verify, prompt_tokens=sum(map(len, ids)), n_rows=len(ids))
+    clock.fill(spec, [len(t) for t in r.tokens])
     return TreeRun(r.tokens, r.finish_reasons, spec, r.metrics), r.row_accepted_hist
 
 
