@@ -7,6 +7,8 @@ from pathlib import Path
 
 import matplotlib
 
+from mtp.stats import BOOTSTRAP_MIN_ROWS
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
@@ -20,11 +22,12 @@ def _save(fig, path: Path) -> Path:
 
 def _yerr(mid: Sequence, lo: Sequence, hi: Sequence) -> list[list[float]] | None:
     """matplotlib's asymmetric yerr from values and interval ends (None when no point has an interval; a
-    point without one gets a zero bar)."""
+    point without one gets no bar, not a zero-width one)."""
     if all(x is None for x in lo):
         return None
-    return [[m - (l if l is not None else m) for m, l in zip(mid, lo)],
-            [(h if h is not None else m) - m for m, h in zip(mid, hi)]]
+    nan = float("nan")
+    return [[m - l if l is not None else nan for m, l in zip(mid, lo)],
+            [h - m if h is not None else nan for m, h in zip(mid, hi)]]
 
 
 def acceptance_per_position(per_position: Sequence[dict], title: str, path: Path) -> Path:
@@ -146,5 +149,6 @@ def acceptance_breakdown(bd: dict, title: str, path: Path) -> Path:
                 ax.annotate(f"relaxed-only {g['accept/relaxed_only']}", (i, mid[i]), ha="center", va="bottom",
                             fontsize=7, xytext=(0, 12), textcoords="offset points")
         ax.set_ylim(bottom=1.0 if all(m >= 1.0 for m in mid) else 0.0)
-    fig.suptitle(f"{title} (p: prompts, s: steps; 95% intervals over prompts)", fontsize=9)
+    fig.suptitle(f"{title} (p: prompts, s: steps; 95% intervals over prompts, none under {BOOTSTRAP_MIN_ROWS} "
+                 "prompts)", fontsize=9)
     return _save(fig, path)

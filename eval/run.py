@@ -411,8 +411,8 @@ def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
                   + (f" ({', '.join(mm['ids'][:10])})" if mm["ids"] else ""))
     for line in report.quality_lines(metrics):
         con.print(line)
-    for line in report.flagged_lines(metrics):
-        con.print(f"[bold red]warning:[/] {line}")
+    for i, line in enumerate(report.flagged_lines(metrics)):
+        con.print(f"[bold red]warning:[/] {line}" if i == 0 else line)
         log.warning("%s", line)
     dg = metrics["degenerate"]
     if dg["count"] or dg["all_rows_identical"]:

@@ -104,6 +104,24 @@ def test_loop_period(tokens, period):
     assert quality.loop_period(tokens) == period
 
 
+# outputs of `mtp-eval draft=vanilla draft.k=3 verify=relaxed thinking=true dataset.per_category=1` (bundled model)
+SQLITE = [1697, 1276, 309, 20, 309, 69, 89, 87, 346, 273, 25, 20, 309, 69, 89, 87, 346, 273, 25, 20, 309, 69, 89, 87,
+          346, 273, 25, 20, 89, 87, 346, 273]  # 'Module `test.test_sqlite3.test_sqlite3.test_sqlite3.sqlite'
+IMPORTLIB = [1697, 1276, 309, 20, 309, 69, 615, 650, 20, 309, 69, 615, 650, 20, 309, 69, 615, 650, 20, 309, 69, 615,
+             650, 20, 615, 69, 684, 14, 272, 20, 309, 69]
+
+
+@pytest.mark.parametrize("tokens, flagged", [(SQLITE, True), (IMPORTLIB, True), (list(range(64)), False),
+                                             ([1, 2, 3] * 3 + list(range(10, 40)), False)])
+def test_loops_with_variations_are_flagged(tokens, flagged):
+    """No exact period in these tails, but they are made of their own repeats."""
+    assert quality.loop_period(tokens) is None
+    r = _record(0, [5, 2, 1], tokens)
+    assert bool(quality.flags(r, "strict")) == flagged
+    if flagged:
+        assert quality.flags(r, "strict")[0].startswith("repeated 3-grams (")
+
+
 def test_breakdown_by_phase_position_and_context():
     """Steps grouped by the phase of the text so far, the output position and the context length, each group
     with its prompts, steps, AL and interval; relaxed accepts shown under thinking only."""
