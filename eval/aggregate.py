@@ -116,7 +116,8 @@ def _by_category(records: Sequence[dict]) -> dict[str, list[dict]]:
 
 
 def _row_stats(records: Sequence[dict]) -> AcceptanceStats:
-    return AcceptanceStats.from_rows([r["row_accepted_hist"] for r in records], len(records[0]["row_accepted_hist"]) - 1)
+    hists = [r["row_accepted_hist"] for r in records]
+    return AcceptanceStats.from_rows(hists, len(hists[0]) - 1)
 
 
 def _acceptance_extra(records: Sequence[dict], flagged: set[str]) -> dict:
@@ -167,7 +168,8 @@ def summarize(records: Sequence[dict], verify: str = "strict") -> dict:
         "per_repeat": {"overall": runs, "per_category": cat_runs},
         "per_position": [{"pos": j, "accept": cum, "accept_cond": cond,
                           "accept_lo": o[f"accept/pos_{j}_lo"], "accept_hi": o[f"accept/pos_{j}_hi"],
-                          "accept_cond_lo": o[f"accept/cond_pos_{j}_lo"], "accept_cond_hi": o[f"accept/cond_pos_{j}_hi"],
+                          "accept_cond_lo": o[f"accept/cond_pos_{j}_lo"],
+                          "accept_cond_hi": o[f"accept/cond_pos_{j}_hi"],
                           "prompts": o["count/prompts_with_steps"], "steps": o["count/row_steps"]}
                          for j, (cum, cond) in enumerate(zip(hist.accept_cum, hist.accept_cond), start=1)],
         "flagged": flags,
@@ -213,7 +215,8 @@ def metrics_json(run: dict, spec_records: Sequence[dict], base_records: Sequence
     verify = run.get("verify", "strict")
     spec = summarize(spec_records, verify)
     relaxed = spec["overall"]["accept/relaxed_only"] if verify == "relaxed" else None
-    out = {"run": run, **spec, "breakdown": breakdown.breakdown(spec_records, relaxed), "baseline": None, "speedup": None, "strict_mismatch": None,
+    out = {"run": run, **spec, "breakdown": breakdown.breakdown(spec_records, relaxed), "baseline": None,
+           "speedup": None, "strict_mismatch": None,
            "strict_reference": strict_source if strict_records is not None else None,
            "degenerate": degenerate(spec_records),
            "tree": trees.section(list(_batches(spec_records).values()), run)

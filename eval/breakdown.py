@@ -111,7 +111,8 @@ def breakdown(records: Sequence[dict], relaxed_only: int | None = None) -> dict:
     k = len(records[0]["row_accepted_hist"]) - 1
     splits = {
         "phase": (lambda r, s: s[2], PHASES),
-        "output_pos": (lambda r, s: bucket(s[0], OUTPUT_POS_EDGES), [bucket(e, OUTPUT_POS_EDGES) for e in OUTPUT_POS_EDGES]),
+        "output_pos": (lambda r, s: bucket(s[0], OUTPUT_POS_EDGES),
+                       [bucket(e, OUTPUT_POS_EDGES) for e in OUTPUT_POS_EDGES]),
         "context": (lambda r, s: bucket(r["prompt_tokens"] + s[0], CONTEXT_EDGES),
                     [bucket(e, CONTEXT_EDGES) for e in CONTEXT_EDGES]),
     }

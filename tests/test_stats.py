@@ -29,7 +29,8 @@ def test_wilson_known_values():
     # Wilson 95% for 85/117 (acc@1 ~ 0.73 on 117 steps): (0.640, 0.799) by the score formula
     lo, hi = stats.wilson(85, 117)
     assert lo == pytest.approx(0.6397, abs=1e-3) and hi == pytest.approx(0.7991, abs=1e-3)
-    assert stats.wilson(0, 10)[0] == 0.0 and stats.wilson(10, 10)[1] == pytest.approx(1.0) and stats.wilson(0, 0) is None
+    assert stats.wilson(0, 10)[0] == 0.0 and stats.wilson(10, 10)[1] == pytest.approx(1.0)
+    assert stats.wilson(0, 0) is None
     with pytest.raises(ValueError, match="got 11"):
         stats.wilson(11, 10)
 
@@ -44,6 +45,7 @@ def test_bootstrap_over_rows_covers_the_spread_of_prompts():
     w = stats.wilson(50, 100)
     assert lo < 0.5 < hi and hi - lo > w[1] - w[0]
     few = rows[[0, 5, 1, 6]]  # 4 prompts: too few for an honest percentile interval
-    assert stats.bootstrap_rows(few, lambda s: s[..., :1]) is None and stats.bootstrap_rows(rows[:5], lambda s: s[..., :1]) is not None
+    assert stats.bootstrap_rows(few, lambda s: s[..., :1]) is None
+    assert stats.bootstrap_rows(rows[:5], lambda s: s[..., :1]) is not None
     again = stats.bootstrap_rows(rows, lambda s: (s[..., 0] / s[..., 1])[..., None])
     assert (again == ci).all()  # seeded: the same records give the same interval

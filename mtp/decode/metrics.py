@@ -130,8 +130,8 @@ class SpecMetrics:
         out.accepted_hist = [a + b for a, b in zip(self.accepted_hist, other.accepted_hist)]
         for name in ("relaxed_only_accepts", "target_forwards", "row_steps", "draft_forwards", "prompt_tokens",
                      "new_tokens", "time_prefill_s", "time_draft_s", "time_verify_s", "time_host_s",
-                     "time_decode_s", "ttft_s_rows", "tpot_s_rows", "n_rows", "graph_capture_s", "graph_captures", "graph_pool_bytes",
-                     "graph_replays", "gpu_busy_ms", "gpu_idle_ms"):
+                     "time_decode_s", "ttft_s_rows", "tpot_s_rows", "n_rows", "graph_capture_s", "graph_captures",
+                     "graph_pool_bytes", "graph_replays", "gpu_busy_ms", "gpu_idle_ms"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         return out
 

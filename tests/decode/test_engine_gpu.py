@@ -222,3 +222,29 @@ def test_nonfinite_logits_stop_every_mode_at_the_step_that_made_them(mode):
         m.model.embed_tokens.weight[first] = row
     got = generate(m, [prompt], 12, draft="eagle", k=2, mode=mode)
     assert got.tokens == generate(m, [prompt], 12, draft="eagle", k=2, mode="eager").tokens
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "overlap"])
+def test_collapsed_logits_stop_every_mode_at_the_step_that_made_them(mode):
+    """A finite failure (the first generated token's embedding row scaled by 1e30: RMSNorm's mean square
+    overflows to inf and its output is exactly zero) is caught like a NaN in every mode: the flag is the same
+    device-side check, inside the captured step too."""
+    from mtp.decode.engine import release
+    from mtp.decode.health import NonFiniteError
+
+    m = _tiny_on_gpu(torch.float32)
+    candidates = [list(range(50, 61)), list(range(200, 215)), list(range(300, 309)), list(range(400, 420))]
+    firsts = [generate(m, [p], 1).tokens[0][0] for p in candidates]
+    prompt, first = next((p, f) for p, f in zip(candidates, firsts) if f not in p)
+    row = m.model.embed_tokens.weight[first].clone()
+    release(m)
+    with torch.no_grad():
+        m.model.embed_tokens.weight[first] *= 1e30  # finite; its mean square is not
+    with pytest.raises(NonFiniteError) as ei:
+        generate(m, [prompt], 12, draft="eagle", k=2, mode=mode)
+    msg = str(ei.value)
+    assert "in step 1;" in msg, msg
+    assert "collapsed (all values equal) output: model.layers.0.input_layernorm (rows [0]" in msg, msg
+    with torch.no_grad():
+        m.model.embed_tokens.weight[first] = row
+    release(m)
