@@ -170,14 +170,15 @@ def quality_lines(metrics: dict) -> list[str]:
                          f"{o['quality/strict_identical']}/{o['quality/strict_compared']} identical, token "
                          f"agreement {o['quality/strict_token_agreement']:.2f} (tokens before the first difference)")
     if "quality/accuracy" in o:
-        parts = [f"{run.get('verify', 'spec')} {o['quality/accuracy']:.2f} ({o['quality/correct']}/"
+        parts = [f"{run.get('verify', 'spec')} {ci_text(o, 'quality/accuracy')} ({o['quality/correct']}/"
                  f"{o['quality/answered']})"]
         b = (metrics.get("baseline") or {}).get("overall", {})
         if "quality/accuracy" in b:
-            parts.append(f"baseline {b['quality/accuracy']:.2f}")
+            parts.append(f"baseline {ci_text(b, 'quality/accuracy')}")
         if "quality/strict_accuracy" in o and metrics.get("strict_reference") != "baseline.jsonl":
             parts.append(f"strict {o['quality/strict_accuracy']:.2f}")
-        lines.append("task accuracy (last number of the output vs the answer): " + ", ".join(parts))
+        lines.append("task accuracy (last number of the output vs the answer; 95% Wilson interval): "
+                     + ", ".join(parts))
     return lines
 
 

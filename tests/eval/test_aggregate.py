@@ -8,6 +8,7 @@ import pytest
 
 from eval import aggregate, breakdown, quality, report
 from mtp.decode.metrics import SpecMetrics
+from mtp.stats import wilson
 
 LOOP = [7, 8, 9] * 10  # 30 tokens, period 3 (`winfo_winfo_...`)
 
@@ -229,3 +230,14 @@ def test_plots_draw_the_intervals_as_error_bars(tmp_path):
     (seg,) = bars[0].lines[2][0].get_segments()
     assert seg[0][1] == pytest.approx(1.8) and seg[1][1] == pytest.approx(2.3)
     plt.close(fig)
+
+
+def test_task_accuracy_has_a_wilson_interval():
+    recs = _varied(4)
+    for i, r in enumerate(recs):
+        r["answer"], r["output"] = "#### 42", "so 42" if i < 3 else "so 7"
+    m = aggregate.metrics_json({"verify": "strict"}, recs, None, False)
+    o = m["overall"]
+    lo, hi = wilson(3, 4)
+    assert (o["quality/accuracy"], o["quality/accuracy_lo"], o["quality/accuracy_hi"]) == (0.75, lo, hi)
+    assert f"strict 0.75 ({lo:.2f}-{hi:.2f}) (3/4)" in " ".join(report.quality_lines(m))
