@@ -4,6 +4,12 @@ Acceptance and speed are exact merges of the engine's own `SpecMetrics` per batc
 batch's metrics; batches never mix categories, so per-category merges are exact too). Row-level numbers in
 the records (accepted lengths per prompt) are for browsing samples, not for these aggregates.
 
+Uncertainty: every acceptance figure (AL, rate, per position, overall and per category) gets a 95% interval
+from a bootstrap over prompts (`_lo` / `_hi` keys; mtp.stats says why prompts and not steps), computed from
+the records' per-row histograms; the point values stay the engine's. Task accuracy gets a Wilson interval.
+Rows flagged by eval/quality.py (loops, a lossy verifier accepting everything) are listed under `flagged`, and
+the acceptance of the other rows is reported beside the full one (`accept_unflagged/*`).
+
 Speed has a spread: every batch ran `timing.repeats` times (each record keeps the metrics and wall time of
 every repeat), and repeat r of a run is the merge of repeat r of its batches. Every `speed/*` and `time/*`
 number is the median over repeats; tok/s also gets `_min` / `_max`. A speedup is the median (min, max) of
@@ -17,9 +23,9 @@ from collections import Counter
 from collections.abc import Sequence
 from statistics import median
 
-from mtp.decode.metrics import SpecMetrics
+from mtp.decode.metrics import AcceptanceStats, SpecMetrics
 
-from . import quality, trees
+from . import breakdown, quality, trees
 
 SPREAD = ("speed/decode_tok_s", "speed/e2e_tok_s")  # reported with _min / _max next to the median
 
@@ -42,7 +48,7 @@ def _merge(batch_recs: Sequence[dict], repeat: int = 0) -> tuple[SpecMetrics, fl
     m, wall = None, 0.0
     for r in batch_recs:
         raw, w = _repeats(r)[repeat]
-        bm = SpecMetrics(**raw)
+        bm = SpecMetrics.from_raw(raw)
         m = bm if m is None else m.merge(bm)
         wall += w
     return m, wall
@@ -93,7 +99,8 @@ def _timed(batch_recs: Sequence[dict], n_prompts: int) -> tuple[dict, list[dict]
     out = dict(runs[0])
     for key in out:
         if key.startswith(("speed/", "time/")):
-            out[key] = median(run[key] for run in runs)
+            vals = [run[key] for run in runs if run[key] is not None]  # latency percentiles: None without samples
+            out[key] = median(vals) if vals else None
     for key in SPREAD:
         out[f"{key}_min"] = min(run[key] for run in runs)
         out[f"{key}_max"] = max(run[key] for run in runs)
@@ -108,31 +115,64 @@ def _by_category(records: Sequence[dict]) -> dict[str, list[dict]]:
     return out
 
 
-def summarize(records: Sequence[dict]) -> dict:
+def _row_stats(records: Sequence[dict]) -> AcceptanceStats:
+    hists = [r["row_accepted_hist"] for r in records]
+    return AcceptanceStats.from_rows(hists, len(hists[0]) - 1)
+
+
+def _acceptance_extra(records: Sequence[dict], flagged: set[str]) -> dict:
+    """Intervals and prompt / step counts of the records' acceptance, the flagged-row count and the acceptance
+    of the unflagged rows (`accept_unflagged/*`, `count/unflagged_*`)."""
+    st = _row_stats(records)
+    out = {**st.intervals(), "count/prompts_with_steps": st.prompts}
+    out["quality/flagged_rows"] = sum(r["id"] in flagged for r in records)
+    clean = [r for r in records if r["id"] not in flagged]
+    if clean:
+        for key, v in _row_stats(clean).to_dict().items():
+            out[key.replace("accept/", "accept_unflagged/").replace("count/", "count/unflagged_")] = v
+    return out
+
+
+def flagged(records: Sequence[dict], verify: str) -> dict:
+    """The rows whose acceptance says nothing about the drafts (eval/quality.py `flags`): count, ids, reasons."""
+    reasons = {r["id"]: f for r in records if (f := quality.flags(r, verify))}
+    return {"count": len(reasons), "ids": list(reasons), "reasons": reasons}
+
+
+def summarize(records: Sequence[dict], verify: str = "strict") -> dict:
     """overall / per_category / per_position / accepted_hist / finish_reasons / per_repeat (the speed of each
-    timing repeat, overall and per category) of one set of records."""
+    timing repeat, overall and per category) / flagged of one set of records."""
     batches = _batches(records)
     overall, runs = _timed(list(batches.values()), len(records))
     hist = _merge(list(batches.values()))[0]
     cats = _by_category(list(batches.values()))
     by_cat = _by_category(records)
+    flags = flagged(records, verify)
     per_cat, cat_runs = {}, {}
     for c, recs in cats.items():
         per_cat[c], cat_runs[c] = _timed(recs, len(by_cat[c]))
         per_cat[c].update(quality.accuracy(by_cat[c]))
         per_cat[c]["quality/degenerate_rows"] = sum(is_degenerate(r["tokens"]) for r in by_cat[c])
+        per_cat[c].update(_acceptance_extra(by_cat[c], set(flags["ids"])))
     if "batch_tree_metrics" in records[0]:  # a tree run: acceptance per depth and sibling rank, nodes
         overall.update(trees.flat(list(batches.values())))
         for c, recs in cats.items():
             per_cat[c].update(trees.flat(recs))
     overall.update(quality.accuracy(records))
     overall["quality/degenerate_rows"] = sum(is_degenerate(r["tokens"]) for r in records)
+    overall.update(_acceptance_extra(records, set(flags["ids"])))
+    o = overall
     return {
         "overall": overall,
         "per_category": per_cat,
         "per_repeat": {"overall": runs, "per_category": cat_runs},
-        "per_position": [{"pos": j, "accept": cum, "accept_cond": cond}
+        "per_position": [{"pos": j, "accept": cum, "accept_cond": cond,
+                          "accept_lo": o[f"accept/pos_{j}_lo"], "accept_hi": o[f"accept/pos_{j}_hi"],
+                          "accept_cond_lo": o[f"accept/cond_pos_{j}_lo"],
+                          "accept_cond_hi": o[f"accept/cond_pos_{j}_hi"],
+                          "prompts": o["count/prompts_with_steps"], "steps": o["count/row_steps"]}
                          for j, (cum, cond) in enumerate(zip(hist.accept_cum, hist.accept_cond), start=1)],
+        "flagged": flags,
         "accepted_hist": list(hist.accepted_hist),
         "finish_reasons": dict(Counter(r["finish_reason"] for r in records)),
     }
@@ -172,8 +212,11 @@ def metrics_json(run: dict, spec_records: Sequence[dict], base_records: Sequence
     baseline its summary, the speedups and (when `compare_tokens`) the ids whose outputs differ. With
     `strict_records` (plain greedy outputs of the same prompts, read from `strict_source`) the spec run's
     agreement with them, overall and per category (`quality/strict_*`)."""
-    spec = summarize(spec_records)
-    out = {"run": run, **spec, "baseline": None, "speedup": None, "strict_mismatch": None,
+    verify = run.get("verify", "strict")
+    spec = summarize(spec_records, verify)
+    relaxed = spec["overall"]["accept/relaxed_only"] if verify == "relaxed" else None
+    out = {"run": run, **spec, "breakdown": breakdown.breakdown(spec_records, relaxed), "baseline": None,
+           "speedup": None, "strict_mismatch": None,
            "strict_reference": strict_source if strict_records is not None else None,
            "degenerate": degenerate(spec_records),
            "tree": trees.section(list(_batches(spec_records).values()), run)
@@ -189,7 +232,7 @@ def metrics_json(run: dict, spec_records: Sequence[dict], base_records: Sequence
                                                   if r.get("repeats_differ")}),
     }
     if base_records is not None:
-        base = summarize(base_records)
+        base = summarize(base_records, verify)
         sp = speedup(spec, base)
         out.update(baseline={key: base[key] for key in ("overall", "per_category", "per_repeat")}, speedup=sp)
         for name in ("decode", "e2e"):

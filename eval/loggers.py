@@ -95,8 +95,19 @@ class WandbLogger:
             final.update({f"category/{cat}/{key}": v for key, v in m.items()})
         if metrics.get("baseline"):
             final.update({f"baseline/{key}": v for key, v in metrics["baseline"]["overall"].items()})
-        pos = wandb.Table(columns=["position", "acceptance", "acceptance_cond"],
-                          data=[[p["pos"], p["accept"], p["accept_cond"]] for p in metrics["per_position"]])
+        if metrics.get("breakdown"):  # acceptance by phase, output position, context length (eval/breakdown.py)
+            from .breakdown import flat
+
+            final.update(flat(metrics["breakdown"]))
+        flagged = metrics.get("flagged") or {}
+        if flagged.get("count"):
+            final["flagged"] = wandb.Table(columns=["id", "reasons"], data=[
+                [i, "; ".join(r)] for i, r in flagged["reasons"].items()])
+        cols = ["position", "acceptance", "acceptance_lo", "acceptance_hi", "acceptance_cond", "acceptance_cond_lo",
+                "acceptance_cond_hi"]
+        pos = wandb.Table(columns=cols, data=[[p["pos"], p["accept"], p.get("accept_lo"), p.get("accept_hi"),
+                                               p["accept_cond"], p.get("accept_cond_lo"), p.get("accept_cond_hi")]
+                                              for p in metrics["per_position"]])
         hist = wandb.Table(columns=["accepted", "steps"], data=[[a, c] for a, c in enumerate(metrics["accepted_hist"])])
         final["charts/accept_per_position"] = wandb.plot.bar(pos, "position", "acceptance",
                                                              title="acceptance per draft position")
@@ -112,10 +123,12 @@ class WandbLogger:
             final[f"plots/{key}"] = wandb.Image(str(path))
         if self.log_samples:
             cols = ["id", "category", "thinking", "prompt_tokens", "new_tokens", "accept_len", "finish_reason",
-                    "output"]
+                    "flagged", "output"]
+            reasons = flagged.get("reasons", {})
             final["samples"] = wandb.Table(columns=cols, data=[
                 [r["id"], r["category"], r["thinking"], r["prompt_tokens"], r["new_tokens"],
-                 r["row_mean_accepted_len"], r["finish_reason"], r["output"]] for r in records])
+                 r["row_mean_accepted_len"], r["finish_reason"], "; ".join(reasons.get(r["id"], [])), r["output"]]
+                for r in records])
         run.log(final)
         run.summary.update({k: v for k, v in final.items() if isinstance(v, (int, float))})
         offline = run.settings.mode == "offline" or os.environ.get("WANDB_MODE") == "offline"

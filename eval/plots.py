@@ -7,6 +7,8 @@ from pathlib import Path
 
 import matplotlib
 
+from mtp.stats import BOOTSTRAP_MIN_ROWS
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
@@ -18,15 +20,29 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _yerr(mid: Sequence, lo: Sequence, hi: Sequence) -> list[list[float]] | None:
+    """matplotlib's asymmetric yerr from values and interval ends (None when no point has an interval; a
+    point without one gets no bar, not a zero-width one)."""
+    if all(x is None for x in lo):
+        return None
+    nan = float("nan")
+    return [[m - l if l is not None else nan for m, l in zip(mid, lo)],
+            [h - m if h is not None else nan for m, h in zip(mid, hi)]]
+
+
 def acceptance_per_position(per_position: Sequence[dict], title: str, path: Path) -> Path:
-    """P(draft j accepted) and P(draft j accepted | draft j-1 accepted) for j = 1..k."""
+    """P(draft j accepted) and P(draft j accepted | draft j-1 accepted) for j = 1..k, with 95% intervals
+    (bootstrap over prompts) as error bars."""
     pos = [p["pos"] for p in per_position]
     w = 0.38
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    ax.bar([x - w / 2 for x in pos], [p["accept"] for p in per_position], w, label="accepted")
-    ax.bar([x + w / 2 for x in pos], [p["accept_cond"] for p in per_position], w,
-           label="accepted | previous accepted")
-    ax.set(xlabel="draft position", ylabel="rate", ylim=(0, 1.05), xticks=pos, title=title)
+    for shift, key, label in ((-w / 2, "accept", "accepted"), (w / 2, "accept_cond", "accepted | previous accepted")):
+        mid = [p[key] for p in per_position]
+        ax.bar([x + shift for x in pos], mid, w, label=label, capsize=3,
+               yerr=_yerr(mid, [p.get(f"{key}_lo") for p in per_position], [p.get(f"{key}_hi") for p in per_position]))
+    n = per_position[0].get("prompts") if per_position else None
+    sub = f"\n95% intervals over {n} prompts, {per_position[0]['steps']} steps" if n else ""
+    ax.set(xlabel="draft position", ylabel="rate", ylim=(0, 1.05), xticks=pos, title=title + sub)
     ax.legend(fontsize=8)
     return _save(fig, path)
 
@@ -41,15 +57,15 @@ def accepted_length_hist(hist: Sequence[int], title: str, path: Path) -> Path:
     return _save(fig, path)
 
 
-def _errorbar(ax, ks, rows, key: str, **kw) -> None:
-    """Medians at k with min-max error bars (rows without the metric are left out)."""
-    pts = [(k, r[key], r.get(f"{key}_min"), r.get(f"{key}_max")) for k, r in zip(ks, rows) if r.get(key) is not None]
+def _errorbar(ax, ks, rows, key: str, ends: tuple[str, str] = ("_min", "_max"), **kw) -> None:
+    """Values at k with error bars from `key + ends` (medians with min-max, or values with a 95% interval:
+    `("_lo", "_hi")`); rows without the metric are left out."""
+    pts = [(k, r[key], r.get(key + ends[0]), r.get(key + ends[1])) for k, r in zip(ks, rows) if r.get(key) is not None]
     if not pts:
         return
     mid = [p[1] for p in pts]
-    lo = [m - (p[2] if p[2] is not None else m) for m, p in zip(mid, pts)]
-    hi = [(p[3] if p[3] is not None else m) - m for m, p in zip(mid, pts)]
-    ax.errorbar([p[0] for p in pts], mid, yerr=[lo, hi], capsize=3, **kw)
+    ax.errorbar([p[0] for p in pts], mid, yerr=_yerr(mid, [p[2] for p in pts], [p[3] for p in pts]) or [
+        [0.0] * len(pts)] * 2, capsize=3, **kw)
 
 
 def sweep_figure(rows: Sequence[dict]):
@@ -66,7 +82,7 @@ def sweep_figure(rows: Sequence[dict]):
         rs = sorted(rs, key=lambda r: r["k"])
         ks = [r["k"] for r in rs]
         color = f"C{i % 10}"
-        a1.plot(ks, [r["accept/mean_len"] for r in rs], marker="o", color=color, label=name)
+        _errorbar(a1, ks, rs, "accept/mean_len", ("_lo", "_hi"), marker="o", color=color, label=name)
         _errorbar(a2, ks, rs, "speed/decode_tok_s", marker="o", color=color, label=name)
         _errorbar(a2, ks, rs, "base/decode_tok_s", marker="x", linestyle="--", color=color,
                   label=f"{name}: baseline (draft=none)")
@@ -77,7 +93,7 @@ def sweep_figure(rows: Sequence[dict]):
     ks = sorted({r["k"] for r in rows})
     top = max(max(ks) + 1, max(r["accept/mean_len"] for r in rows)) * 1.05  # AL lies in [1, k + 1]
     a1.set(xlabel="k (drafts per step)", ylabel="mean accepted length (AL)", xticks=ks, ylim=(0.95, top),
-           title="AL vs k")
+           title="AL vs k (95% intervals over prompts)")
     a2.set(xlabel="k (drafts per step)", ylabel="decode tokens / s", xticks=ks, title="decode speed vs k")
     a2.set_ylim(bottom=0)
     a3.axhline(1.0, color="grey", linewidth=0.8)
@@ -110,4 +126,29 @@ def tree_acceptance(tree: dict, title: str, path: Path) -> Path:
     ax.set(xlabel="depth (drafts accepted)", ylabel="fraction of steps", ylim=(0, 1.05), xticks=depths,
            title=f"{title}\ntree {tree['shape']}: {tree['tokens_per_node']:.2f} tokens per verified node")
     ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def acceptance_breakdown(bd: dict, title: str, path: Path) -> Path:
+    """AL with 95% intervals by phase (thinking / answer / tool call), output position and context length, one
+    panel each (eval/breakdown.py); the prompts and steps behind each bar under it."""
+    names = {"phase": "phase", "output_pos": "output position (tokens generated)", "context": "context length (tokens)"}
+    splits = [s for s in names if bd.get(s)]
+    fig, axes = plt.subplots(1, len(splits), figsize=(5 * len(splits), 3.8), squeeze=False)
+    for ax, split in zip(axes[0], splits):
+        groups = bd[split]
+        mid = [g["accept/mean_len"] for g in groups.values()]
+        x = list(range(len(groups)))
+        ax.bar(x, mid, capsize=3, yerr=_yerr(mid, [g["accept/mean_len_lo"] for g in groups.values()],
+                                            [g["accept/mean_len_hi"] for g in groups.values()]))
+        ax.set_xticks(x, [f"{name}\n{g['count/prompts']}p {g['count/row_steps']}s" for name, g in groups.items()],
+                      fontsize=7)
+        ax.set(xlabel=names[split], ylabel="AL", title=f"AL by {split.replace('_', ' ')}")
+        for i, g in enumerate(groups.values()):  # the relaxed verifier's extra accepts: thinking only
+            if g.get("accept/relaxed_only"):
+                ax.annotate(f"relaxed-only {g['accept/relaxed_only']}", (i, mid[i]), ha="center", va="bottom",
+                            fontsize=7, xytext=(0, 12), textcoords="offset points")
+        ax.set_ylim(bottom=1.0 if all(m >= 1.0 for m in mid) else 0.0)
+    fig.suptitle(f"{title} (p: prompts, s: steps; 95% intervals over prompts, none under {BOOTSTRAP_MIN_ROWS} "
+                 "prompts)", fontsize=9)
     return _save(fig, path)

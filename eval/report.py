@@ -6,6 +6,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from mtp.stats import BOOTSTRAP_MIN_ROWS
+
 
 def console(stderr: bool = False) -> Console:
     # Pipes and log files get a fixed width instead of rich's 80-column default, so tables do not wrap.
@@ -23,6 +25,50 @@ def _f(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def ci_text(m: dict | None, key: str, digits: int = 2, sep: str = " ") -> str:
+    """`value (lo-hi)` of a figure with a 95% interval (`_lo` / `_hi` companions); the bare value without one.
+    `sep` goes between the value and the interval (a newline in table cells)."""
+    if not m or m.get(key) is None:
+        return "-"
+    lo, hi = m.get(f"{key}_lo"), m.get(f"{key}_hi")
+    text = _f(m[key], digits)
+    return text if lo is None or hi is None else f"{text}{sep}({_f(lo, digits)}-{_f(hi, digits)})"
+
+
+LATENCY_QS = ("mean", "p50", "p90", "p99")
+
+
+def latency_text(m: dict | None, name: str) -> str:
+    """`mean p50/p90/p99` in ms of a per-request latency (`speed/{name}_{q}_s`)."""
+    if not m or m.get(f"speed/{name}_mean_s") is None:
+        return "-"
+    ms = [m[f"speed/{name}_{q}_s"] * 1e3 for q in LATENCY_QS]
+    return f"{ms[0]:.1f} {ms[1]:.1f}/{ms[2]:.1f}/{ms[3]:.1f}"
+
+
+def latency_table(metrics: dict) -> Table:
+    """Per-request TTFT and TPOT in ms, `mean p50/p90/p99` (one sample per request; medians over the timing
+    repeats), per category and overall, with the baseline's beside them when there is one."""
+    base = metrics.get("baseline")
+    t = Table(title="per-request latency, ms: mean p50/p90/p99 (TTFT: time to first token; TPOT: time per output "
+                    "token after it)", title_justify="left")
+    t.add_column("category")
+    t.add_column("requests", justify="right")
+    runs = [("", metrics)] + ([("base ", base)] if base else [])
+    for prefix, _ in runs:
+        for name in ("TTFT", "TPOT"):
+            t.add_column(f"{prefix}{name}", justify="right", no_wrap=True)
+    rows = list(metrics["per_category"]) + ["all"]
+    for i, cat in enumerate(rows):
+        own = metrics["overall"] if cat == "all" else metrics["per_category"][cat]
+        cells = [cat, str(own.get("count/requests", "-"))]
+        for _, src in runs:
+            m = src["overall"] if cat == "all" else src["per_category"].get(cat)
+            cells += [latency_text(m, "ttft"), latency_text(m, "tpot")]
+        t.add_row(*cells, end_section=i == len(rows) - 2)
+    return t
+
+
 def spread_text(m: dict | None, key: str, digits: int, unit: str = "") -> str:
     """`median (min-max)` of a metric with `_min` / `_max` companions; the bare median for one repeat."""
     if not m or m.get(key) is None:
@@ -37,6 +83,8 @@ def timing_note(metrics: dict) -> str:
     n = metrics["overall"].get("timing/repeats", 1)
     order = ", baseline and speculative interleaved" if metrics.get("baseline") else ""
     text = f"tok/s, speedup: median (min-max) of {n} repeats{order}" if n > 1 else "tok/s, speedup: one run"
+    text = (f"AL, acc@j, rate: value (95% interval, bootstrap over prompts; none under {BOOTSTRAP_MIN_ROWS} "
+            f"prompts)\n{text}")
     note = metrics["run"].get("device_note")
     return f"{text}; {note}" if note else text
 
@@ -49,10 +97,12 @@ def acceptance_table(metrics: dict, title: str) -> Table:
     k = len(metrics["per_position"])
     base = metrics.get("baseline")
     t = Table(title=f"{title}\n{timing_note(metrics)}", title_justify="left")
-    for col in ("category", "prompts", "new tok", "AL"):
+    for col in ("category", "prompts", "steps", "new tok", "AL"):
         t.add_column(col, justify="left" if col == "category" else "right")
     for j in range(1, k + 1):
         t.add_column(f"acc@{j}", justify="right")
+    if k:
+        t.add_column("rate", justify="right")  # accepted / proposed drafts
     lossy = metrics["run"].get("verify", "strict") != "strict"
     if lossy:
         t.add_column("relaxed-only" if metrics["run"]["verify"] == "relaxed" else "not argmax", justify="right")
@@ -78,10 +128,16 @@ def acceptance_table(metrics: dict, title: str) -> Table:
     degen = o.get("quality/degenerate_rows", 0)
     if degen:  # outputs that are one token repeated: their acceptance says nothing about the drafts
         t.add_column("degenerate", justify="right", style="bold red")
+    flagged = o.get("quality/flagged_rows", 0)
+    if flagged:  # loops, a lossy verifier accepting everything (eval/quality.py)
+        t.add_column("flagged", justify="right", style="bold red")
     rows = list(metrics["per_category"].items()) + [("all", o)]
     for i, (name, m) in enumerate(rows):
-        cells = [name, str(m["count/prompts"]), str(m["count/new_tokens"]), _f(m["accept/mean_len"])]
-        cells += [_f(m[f"accept/pos_{j}"]) for j in range(1, k + 1)]
+        cells = [name, str(m["count/prompts"]), str(m["count/row_steps"]), str(m["count/new_tokens"]),
+                 ci_text(m, "accept/mean_len", sep="\n")]
+        cells += [ci_text(m, f"accept/pos_{j}", sep="\n") for j in range(1, k + 1)]
+        if k:
+            cells.append(ci_text(m, "accept/rate", sep="\n"))
         if lossy:
             cells.append(f"{m['accept/relaxed_only']} ({m['accept/relaxed_only_share']:.0%})")
         cells.append(spread_text(m, "speed/decode_tok_s", 1))
@@ -95,6 +151,8 @@ def acceptance_table(metrics: dict, title: str) -> Table:
         cells += [_f(get(m, b)) for _, get in acc]
         if degen:
             cells.append(str(m.get("quality/degenerate_rows", 0)))
+        if flagged:
+            cells.append(str(m.get("quality/flagged_rows", 0)))
         t.add_row(*cells, end_section=i == len(rows) - 2)
     return t
 
@@ -112,16 +170,38 @@ def quality_lines(metrics: dict) -> list[str]:
                          f"{o['quality/strict_identical']}/{o['quality/strict_compared']} identical, token "
                          f"agreement {o['quality/strict_token_agreement']:.2f} (tokens before the first difference)")
     if "quality/accuracy" in o:
-        parts = [f"{run.get('verify', 'spec')} {o['quality/accuracy']:.2f} ({o['quality/correct']}/"
+        parts = [f"{run.get('verify', 'spec')} {ci_text(o, 'quality/accuracy')} ({o['quality/correct']}/"
                  f"{o['quality/answered']})"]
         b = (metrics.get("baseline") or {}).get("overall", {})
         if "quality/accuracy" in b:
-            parts.append(f"baseline {b['quality/accuracy']:.2f}")
+            parts.append(f"baseline {ci_text(b, 'quality/accuracy')}")
         if "quality/strict_accuracy" in o and metrics.get("strict_reference") != "baseline.jsonl":
             parts.append(f"strict {o['quality/strict_accuracy']:.2f}")
-        lines.append("task accuracy (last number of the output vs the answer): " + ", ".join(parts))
+        lines.append("task accuracy (last number of the output vs the answer; 95% Wilson interval): "
+                     + ", ".join(parts))
     return lines
 
+
+
+def flagged_lines(metrics: dict) -> list[str]:
+    """The flagged rows and why, and the acceptance without them (empty when no row is flagged)."""
+    fl = metrics.get("flagged") or {}
+    if not fl.get("count"):
+        return []
+    o, k = metrics["overall"], len(metrics["per_position"])
+    why = ", ".join(f"{i}: {'; '.join(r)}" for i, r in list(fl["reasons"].items())[:10])
+    lines = [f"flagged rows: {fl['count']} of {o['count/prompts']} ({why}); their acceptance reports the loop, "
+             "not the drafts"]
+    if o.get("count/unflagged_prompts"):
+        u = {key.replace("accept_unflagged/", "accept/"): v for key, v in o.items()
+             if key.startswith("accept_unflagged/")}
+        acc = " / ".join(ci_text(u, f"accept/pos_{j}") for j in range(1, k + 1))
+        lines.append(f"without them ({o['count/unflagged_prompts']} prompts, {o['count/unflagged_row_steps']} "
+                     f"steps): AL {ci_text(u, 'accept/mean_len')}, acc {acc}, rate {ci_text(u, 'accept/rate')} "
+                     f"(all rows: AL {ci_text(o, 'accept/mean_len')})")
+    else:
+        lines.append("every row is flagged: no acceptance figure of this run says anything about the drafts")
+    return lines
 
 
 def tree_line(tree: dict) -> str:

@@ -98,46 +98,39 @@ def prompt_seed(seed: int, prompt_id: str) -> int:
 
 
 def _call(model, batch: list[Prompt], ids: list[list[int]], max_new_tokens: int, kw: dict):
-    """One generate call: (result, accepted-count histogram per row, wall seconds). The engine's histogram
-    covers the batch, so with several rows each row's accepted counts come from the step events. A run with
-    draft.tree goes to the tree decoder (eval/trees.py)."""
+    """One generate call: (result, accepted-count histogram per row, wall seconds, [output position, accepted]
+    per verify step per row). The engine's histogram covers the batch, so with several rows each row's accepted
+    counts come from the step events. A run with draft.tree goes to the tree decoder (eval/trees.py)."""
     import mtp
+
+    from .breakdown import StepLog
 
     if "seed" in kw:  # verify=sample: each prompt its own seed, so its output does not depend on the batching
         kw = {**kw, "seed": [prompt_seed(kw["seed"], p.id) for p in batch]}
+    steps = StepLog(len(ids))
     if "tree" in kw:
         t0 = time.perf_counter()
-        res, row_hist = trees.generate(model, ids, max_new_tokens, kw)
-        return res, row_hist, time.perf_counter() - t0
-    row_hist = [[0] * (kw["k"] + 1) for _ in ids]
-    events = [0]
-
-    def on_step(ev) -> None:
-        events[0] += 1
-        if events[0] == 1:  # the first event is the prefill's token, not a verify step
-            return
-        for b, (new, a) in enumerate(zip(ev.new_tokens, ev.accepted)):
-            if new:
-                row_hist[b][a] += 1
-
+        res, row_hist = trees.generate(model, ids, max_new_tokens, kw, on_step=steps)
+        return res, row_hist, time.perf_counter() - t0, steps.rows
     t0 = time.perf_counter()
-    res = mtp.generate(model, ids, max_new_tokens, on_step=on_step if len(ids) > 1 else None, **kw)
+    res = mtp.generate(model, ids, max_new_tokens, on_step=steps, **kw)
     wall = time.perf_counter() - t0
-    if len(ids) == 1:
-        row_hist = [list(res.metrics.accepted_hist)]
-    return res, row_hist, wall
+    row_hist = [list(res.metrics.accepted_hist)] if len(ids) == 1 else steps.hists(kw["k"])
+    return res, row_hist, wall, steps.rows
 
 
 def _records(tok, batch: list[Prompt], ids: list[list[int]], name: str, calls: list) -> list[dict]:
     """A record per prompt: the tokens and acceptance of the first call, the timings of every call."""
-    res, row_hist, wall = calls[0]
+    from .breakdown import phase_steps
+
+    res, row_hist, wall, steps = calls[0]
     m = res.metrics
     differ = any(c[0].tokens != res.tokens for c in calls[1:])
     if differ:  # greedy and seeded sampling are deterministic: a repeat that differs is a finding in itself
         log.warning("batch %s: a timing repeat produced other tokens than the first run; kept the first", name)
     timings = [[c[0].metrics.raw(), c[2]] for c in calls]
     out = []
-    for p, pid, toks, reason, hist in zip(batch, ids, res.tokens, res.finish_reasons, row_hist):
+    for p, pid, toks, reason, hist, row_steps in zip(batch, ids, res.tokens, res.finish_reasons, row_hist, steps):
         steps_n = sum(hist)
         out.append({
             "id": p.id, "category": p.category, "thinking": p.thinking, "batch": name,
@@ -147,6 +140,7 @@ def _records(tok, batch: list[Prompt], ids: list[list[int]], name: str, calls: l
             "batch_decode_tok_s": m.decode_tok_s, "batch_wall_s": wall, "batch_metrics": m.raw(),
             "repeats": timings, "repeats_differ": differ, "output": tok.decode(toks), "tokens": toks,
             "answer": p.answer, "tool_calls": _tool_calls(tok.decode(toks), p.thinking),
+            "steps": phase_steps(tok, p.thinking, toks, row_steps),
         })
         if res.tree is not None:
             out[-1]["batch_tree_metrics"] = res.tree.raw()
@@ -409,12 +403,16 @@ def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
                 metrics["per_position"], title, out / "acceptance_per_position.png")
         pngs["accepted_length_hist"] = plots.accepted_length_hist(metrics["accepted_hist"], title,
                                                                   out / "accepted_length_hist.png")
+        if metrics.get("breakdown"):
+            pngs["acceptance_breakdown"] = plots.acceptance_breakdown(metrics["breakdown"], title,
+                                                                      out / "acceptance_breakdown.png")
         if metrics.get("tree"):
             pngs["tree_acceptance"] = plots.tree_acceptance(metrics["tree"], title, out / "tree_acceptance.png")
     con = report.console()
     n = metrics["run"]["n_prompts"]
     con.print(report.acceptance_table(metrics, f"{_describe(typed)} | model={model_label(typed.model)} | {n} prompts, "
                                                f"max_new_tokens={typed.max_new_tokens}"))
+    con.print(report.latency_table(metrics))
     if metrics.get("tree"):
         con.print(report.tree_table(metrics["tree"]))
         con.print(report.tree_line(metrics["tree"]))
@@ -424,6 +422,9 @@ def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
                   + (f" ({', '.join(mm['ids'][:10])})" if mm["ids"] else ""))
     for line in report.quality_lines(metrics):
         con.print(line)
+    for i, line in enumerate(report.flagged_lines(metrics)):
+        con.print(f"[bold red]warning:[/] {line}" if i == 0 else line)
+        log.warning("%s", line)
     dg = metrics["degenerate"]
     if dg["count"] or dg["all_rows_identical"]:
         what = (f"{dg['count']} of {n} outputs are one token repeated ({', '.join(dg['ids'][:10])})" if dg["count"]

@@ -27,12 +27,27 @@ SERIES_KEYS = ("draft", "verify", "runtime_mode", "target_hidden", "chain_hidden
                "thinking", "tree", "min_draft_prob")
 # row key -> table header; keys with `_min` / `_max` companions print as `median (min-max)`
 COLUMNS = {"job": "job", "series": "series", "k": "k", "prompts": "prompts", "accept/mean_len": "AL",
-           "accept/pos_1": "acc@1", "tree/nodes": "nodes", "tree/tokens_per_node": "tok/node",
+           "accept/pos_1": "acc@1", "accept/rate": "rate", "flagged": "flagged",
+           "accept_unflagged/mean_len": "AL unflagged", "ttft_ms": "TTFT ms mean p50/p90/p99",
+           "tpot_ms": "TPOT ms mean p50/p90/p99", "tree/nodes": "nodes", "tree/tokens_per_node": "tok/node",
            "tree/tokens_per_live_node": "tok/live node", "speed/decode_tok_s": "decode tok/s", "base/decode_tok_s": "base tok/s",
            "speedup_decode": "speedup", "speed/e2e_tok_s": "e2e tok/s", "strict_mismatch": "mismatch",
            "relaxed_only_share": "relaxed-only", "strict_token_agreement": "= strict", "accuracy": "accuracy",
            "base_accuracy": "base acc.", "strict_accuracy": "strict acc."}
 SPREAD_COLUMNS = ("speed/decode_tok_s", "base/decode_tok_s", "speedup_decode")
+CI_COLUMNS = ("accept/mean_len", "accept/pos_1", "accept/rate", "accept_unflagged/mean_len")  # with _lo / _hi
+LATENCY = {"ttft_ms": "ttft", "tpot_ms": "tpot"}  # column -> metric of `speed/{metric}_{q}_s`
+
+
+def _with_ci(m: dict, key: str) -> dict:
+    """{key, key_lo, key_hi}: a figure with its 95% interval (None each without one)."""
+    return {f"{key}{tail}": m.get(f"{key}{tail}") for tail in ("", "_lo", "_hi")}
+
+
+def _latency(m: dict) -> dict:
+    """`ttft_{q}_s` / `tpot_{q}_s` (q: mean, p50, p90, p99) of per-request latency."""
+    return {f"{name}_{q}_s": m.get(f"speed/{name}_{q}_s") for name in LATENCY.values()
+            for q in ("mean", "p50", "p90", "p99")}
 
 
 def _with_spread(name: str, m: dict | None, key: str) -> dict:
@@ -48,8 +63,11 @@ def collect(sweep_dir: Path) -> list[dict]:
         sp, mm, base = m.get("speedup"), m.get("strict_mismatch"), m.get("baseline")
         code, ckpt = (m.get("provenance") or {}).get("code", {}), (m.get("provenance") or {}).get("checkpoint", {})
         rows.append({"job": str(path.parent.relative_to(sweep_dir)), **{k: run.get(k) for k in SERIES_KEYS},
-                     "k": run["k"], "prompts": o["count/prompts"], "accept/mean_len": o["accept/mean_len"],
-                     "accept/pos_1": o.get("accept/pos_1"),
+                     "k": run["k"], "prompts": o["count/prompts"], "steps": o.get("count/row_steps"),
+                     **_with_ci(o, "accept/mean_len"), **_with_ci(o, "accept/pos_1"), **_with_ci(o, "accept/rate"),
+                     # rows whose acceptance reports a loop (eval/quality.py) and the acceptance without them
+                     "flagged": o.get("quality/flagged_rows"), **_with_ci(o, "accept_unflagged/mean_len"),
+                     **_latency(o),
                      # tree runs: verify width and what a verified (live: not pruned by min_draft_prob) node bought
                      "tree/nodes": o.get("tree/nodes"), "tree/tokens_per_node": o.get("tree/tokens_per_node"),
                      "tree/tokens_per_live_node": o.get("tree/tokens_per_live_node") if run.get("min_draft_prob")
@@ -71,6 +89,18 @@ def collect(sweep_dir: Path) -> list[dict]:
     for r in rows:
         r["series"] = " ".join(f"{k}={r[k]}" for k in varying) if varying else str(r["draft"])
     return rows
+
+
+def _cell(r: dict, c: str) -> str:
+    from .report import ci_text, latency_text, spread_text
+
+    if c in SPREAD_COLUMNS:
+        return spread_text(r, c, 1 if "tok_s" in c else 2, "x" if c == "speedup_decode" else "")
+    if c in CI_COLUMNS:
+        return ci_text(r, c)
+    if c in LATENCY:
+        return latency_text({f"speed/{key}": v for key, v in r.items()}, LATENCY[c])
+    return "-" if r[c] is None else f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c])
 
 
 def _commit(code: dict) -> str | None:
@@ -97,19 +127,17 @@ def write(sweep_dir: Path, rows: list[dict]) -> dict[str, Path]:
 def print_table(rows: list[dict], title: str) -> None:
     from rich.table import Table
 
-    from .report import console, spread_text
+    from .report import console
 
     notes = sorted({r["device_note"] for r in rows if r.get("device_note")})
     repeats = sorted({r["repeats"] for r in rows})
     title += f"\ntok/s, speedup: median (min-max) of {'/'.join(map(str, repeats))} repeats"
     t = Table(title="; ".join([title, *notes]), title_justify="left")
-    columns = [c for c in COLUMNS if any(r[c] is not None for r in rows)]  # a strict sweep has no accuracy...
+    columns = [c for c in COLUMNS if c in LATENCY or any(r[c] is not None for r in rows)]  # no accuracy...
     for c in columns:
         t.add_column(COLUMNS[c], justify="left" if c in ("job", "series") else "right")
     for r in sorted(rows, key=lambda r: (r["series"], r["k"])):
-        t.add_row(*(spread_text(r, c, 1 if "tok_s" in c else 2, "x" if c == "speedup_decode" else "")
-                    if c in SPREAD_COLUMNS else "-" if r[c] is None else f"{r[c]:.2f}" if isinstance(r[c], float)
-                    else str(r[c]) for c in columns))
+        t.add_row(*(_cell(r, c) for c in columns))
     console().print(t)
     made_by = sorted({f"commit {r['commit']}, checkpoint {r['checkpoint']}" for r in rows})
     console().print("produced by: " + ("; ".join(made_by) if made_by else "(no provenance recorded)"))

@@ -10,7 +10,7 @@ and as the tree's own TreeMetrics per batch (`batch_tree_metrics` in samples.jso
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .common import NotAvailableError
 
@@ -30,15 +30,16 @@ def check(kw: dict, batch_size: int) -> None:
                                 "(tree sampling seeds a whole batch at once)")
 
 
-def generate(model, ids: list[list[int]], max_new_tokens: int, kw: dict):
-    """One tree call with mtp-eval's generate kwargs: (the run, accepted-count histogram per row)."""
+def generate(model, ids: list[list[int]], max_new_tokens: int, kw: dict, on_step: Callable | None = None):
+    """One tree call with mtp-eval's generate kwargs: (the run, accepted-count histogram per row); `on_step`
+    gets each step's `StepEvent`, as from mtp.generate."""
     import mtp
     from mtp.decode.config import GenerationConfig
 
     seed = kw.get("seed", 0)
     seed = seed[0] if isinstance(seed, list) else seed  # one row per sampling call (check)
     g = GenerationConfig.from_options(max_new_tokens, **{**kw, "seed": seed})
-    r = mtp.generate(model, ids, g)  # through generate: a sharded model runs it on every rank
+    r = mtp.generate(model, ids, g, on_step=on_step)  # through generate: a sharded model runs it on every rank
     return r, r.row_accepted_hist
 
 

@@ -56,13 +56,13 @@ class Turn:
 
 
 def stats_line(m: SpecMetrics) -> str:
-    """One pasteable line. TTFT is per turn (a sum of turns is divided by their count, `n_rows`);
+    """One pasteable line. TTFT and TPOT are means over turns (per-request samples, `SpecMetrics.ttft`);
     `acc` is P(draft j accepted) per draft position j = 1..k (`SpecMetrics.accept_cum`)."""
-    turns = max(m.n_rows, 1)
     acc = " ".join(f"{x:.2f}" for x in m.accept_cum)
     spec = "none" if m.k == 0 else f"{m.draft} k={m.k}"
-    return (f"in={m.prompt_tokens} out={m.new_tokens} ttft={m.ttft_s / turns * 1e3:.1f}ms "
-            f"tpot={m.tpot_s * 1e3:.1f}ms prefill={m.prefill_tok_s:.1f}tok/s decode={m.decode_tok_s:.1f}tok/s "
+    ttft, tpot = m.ttft["mean"] or 0.0, m.tpot["mean"] or 0.0
+    return (f"in={m.prompt_tokens} out={m.new_tokens} ttft={ttft * 1e3:.1f}ms "
+            f"tpot={tpot * 1e3:.1f}ms prefill={m.prefill_tok_s:.1f}tok/s decode={m.decode_tok_s:.1f}tok/s "
             f"AL={m.mean_accepted_len:.2f} acc=[{acc}] ({spec} {m.verify})")
 
 
@@ -81,7 +81,8 @@ class StepLog:
         m.new_tokens += len(event.new_tokens[0])
         if self.t_first is None:
             self.t_first = now
-            m.time_prefill_s = m.ttft_s = now - self.t0
+            m.time_prefill_s = now - self.t0
+            m.ttft_s_rows = [m.time_prefill_s]
         else:
             m.accepted_hist[min(event.accepted[0], m.k)] += 1
             m.row_steps += 1
@@ -91,6 +92,8 @@ class StepLog:
     def metrics(self) -> SpecMetrics:
         if self.t_first is not None:
             self.met.time_decode_s = self.t_last - self.t_first
+            if self.met.new_tokens > 1:
+                self.met.tpot_s_rows = [self.met.time_decode_s / (self.met.new_tokens - 1)]
         return self.met
 
 

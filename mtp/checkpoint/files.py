@@ -13,6 +13,7 @@ Name mapping: trunk tensors keep their names; MTP layer `model.layers.{num_hidde
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..model import fp8
 from ..model.config import ConfigError, ModelConfig, RuntimeOptions
 from ..model.layers import yarn_inv_freq
 from ..model.deepseek import DeepseekV32
@@ -231,6 +233,21 @@ def check_values(t: torch.Tensor, file: Path, name: str) -> None:
         _name_bad(t, _bad_elems(t), file, name)
 
 
+def check_scales(t: torch.Tensor, file: Path, name: str) -> None:
+    """Block scales must be finite, positive and inside [SCALE_MIN, SCALE_MAX] (mtp.model.fp8: what a real
+    checkpoint holds); the first scale outside is named with its index and value."""
+    if not bool(torch.isfinite(t).all() and (t > 0).all()):
+        raise CheckpointError(f"{file}: tensor {name!r} has non-positive or non-finite scales")
+    bad = (t < fp8.SCALE_MIN) | (t > fp8.SCALE_MAX)
+    if bool(bad.any()):
+        first = [int(i) for i in torch.unravel_index(bad.reshape(-1).nonzero()[0, 0], t.shape)]
+        v = float(t[tuple(first)])
+        raise CheckpointError(f"{file}: tensor {name!r} holds {int(bad.sum())} block scales outside "
+                              f"[2^{math.log2(fp8.SCALE_MIN):g}, 2^{math.log2(fp8.SCALE_MAX):g}], the first at "
+                              f"index {first}: {v:g} (= 2^{math.log2(v):g}); no real checkpoint holds such a "
+                              "scale (its weights would overflow the activations): the checkpoint is corrupt")
+
+
 def _bad_elems(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.float8_e4m3fn:
         return (t.view(torch.uint8) & 0x7F) == 0x7F
@@ -283,8 +300,8 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     for name, t in iter_tensors(path, wanted):
         pname = param_name(name, cfg)
         p = params.pop(pname)
-        if t.dtype == torch.float32 and name.endswith("weight_scale_inv") and not bool(torch.isfinite(t).all() and (t > 0).all()):
-            raise CheckpointError(f"{path / headers[name][2]}: tensor {name!r} has non-positive or non-finite scales")
+        if t.dtype == torch.float32 and name.endswith("weight_scale_inv"):
+            check_scales(t, path / headers[name][2], name)
         check_values(t, path / headers[name][2], name)
         # copy=True: safetensors returns views of a private mmap of the shard; a CPU model that kept them would
         # die of SIGBUS once the file is rewritten or truncated in place (and would page in at first use).

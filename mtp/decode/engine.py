@@ -37,7 +37,7 @@ from .accept import accept, commit
 from .config import GenerationConfig, row_seeds
 from .health import NonFiniteError, logits_nonfinite, raise_nonfinite
 from .keep import _ENGINES, kept, release  # noqa: F401  (callers know them as mtp.decode.engine.*)
-from .metrics import SpecMetrics
+from .metrics import RowClock, SpecMetrics
 from .state import DecodeState, StatePool, check_prompts
 from .tree_metrics import TreeMetrics
 
@@ -106,8 +106,11 @@ def run_generation(model: DeepseekV32, prompts: Sequence[Sequence[int]], gcfg: G
         if not isinstance(seed, int) and len(set(seeds)) > 1:
             raise ValueError(f"generate: a draft tree takes one int seed, got per-prompt seeds {seeds!r:.80} (tree "
                              "sampling draws a whole batch from one torch.Generator)")
-        r = run_tree(model, prompts, gcfg, emit=_Emitter(on_step, len(prompts)), seed=seeds[0] if seeds else None)
+        clock = RowClock(len(prompts))
+        r = run_tree(model, prompts, gcfg, emit=Emitter(on_step, len(prompts), clock),
+                     seed=seeds[0] if seeds else None)
         spec = r.metrics.spec(gcfg.draft.mode, gcfg.verify, prompt_tokens=sum(map(len, prompts)), n_rows=len(prompts))
+        clock.fill(spec, [len(t) for t in r.tokens])
         return GenerateResult(r.tokens, r.finish_reasons, spec, tree=r.metrics, row_accepted_hist=r.row_accepted_hist)
     if gcfg.mode == "eager":
         return Engine(model, gcfg).run(prompts, on_step=on_step, seeds=seeds)
@@ -271,10 +274,11 @@ class Engine:
         try:
             fw0 = getattr(st.proposer, "draft_forwards", 0)
             t0 = self._clock()
+            clock = RowClock(B)
             self._prefill(st)
             t1 = self._clock()
-            met.time_prefill_s = met.ttft_s = t1 - t0
-            emit = _Emitter(on_step, B)
+            met.time_prefill_s = t1 - t0
+            emit = Emitter(on_step, B, clock)
             host = self._sync(st, "the prefill")
             emit(st.new_BK1.tolist(), st.keep_B.tolist(), [0] * B)
             drafting = K > 0 and not bool(host[1].all())
@@ -320,15 +324,18 @@ class Engine:
             result.append(seq)
             reasons.append("stop" if seq and seq[-1] in stop_set else "length")
         met.new_tokens = sum(len(s) for s in result)
+        clock.fill(met, [len(s) for s in result])
         return GenerateResult(result, reasons, met)
 
 
-class _Emitter:
-    """Turns a step's committed tokens into a StepEvent for `on_step` (rows with nothing committed get [])."""
+class Emitter:
+    """Turns a step's committed tokens into a StepEvent for `on_step` (rows with nothing committed get []),
+    after timing them on the call's RowClock."""
 
-    def __init__(self, on_step, B: int):
-        self.on_step, self.B = on_step, B
+    def __init__(self, on_step, B: int, clock: RowClock):
+        self.on_step, self.B, self.clock = on_step, B, clock
 
     def __call__(self, new_rows: list[list[int]], keep: list[int], acc: list[int]) -> None:
+        self.clock(new_rows, keep, acc)
         if self.on_step is not None:
             self.on_step(StepEvent([new_rows[b][: keep[b]] for b in range(self.B)], acc))

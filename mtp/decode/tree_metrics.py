@@ -76,7 +76,7 @@ class TreeMetrics:
                            relaxed_only_accepts=self.relaxed_only_accepts, target_forwards=self.target_forwards,
                            row_steps=self.row_steps, draft_forwards=self.draft_forwards, prompt_tokens=prompt_tokens,
                            new_tokens=self.new_tokens, n_rows=n_rows, time_prefill_s=self.time_prefill_s,
-                           time_decode_s=self.time_decode_s, ttft_s=self.time_prefill_s,
+                           time_decode_s=self.time_decode_s,
                            graph_capture_s=self.graph_capture_s, graph_captures=self.graph_captures,
                            graph_replays=self.graph_replays, gpu_busy_ms=self.gpu_busy_ms, gpu_idle_ms=self.gpu_idle_ms)
 

@@ -21,6 +21,13 @@ BLOCK = 128
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
 AMAX_FLOOR = 1e-4
+# The block scales a real checkpoint holds. Quantizing a weight gives scale = amax / 448 (rounded up to a power of
+# two for ue8m0) with amax >= AMAX_FLOOR, so no scale below 2^-22 comes from weight_quant; 2^-32 leaves room for
+# other quantizers. Above: 2^16 lets a block hold |w| up to 448 * 2^16 ~ 2.9e7, orders of magnitude past any
+# trained linear (init N(0, 1/in), weight decay); a scale past it is a corrupt file. Its weights are finite, so
+# the non-finite checks pass it, and one block at 2^60 drives the residual to ~3.5e21, RMSNorm's mean square to
+# inf and every logit to exactly 0 (token 0 forever).
+SCALE_MIN, SCALE_MAX = 2.0 ** -32, 2.0 ** 16
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

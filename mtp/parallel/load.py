@@ -16,7 +16,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from ..checkpoint.files import CheckpointError, check_values, ckpt_name, open_checkpoint
+from ..checkpoint.files import CheckpointError, check_scales, check_values, ckpt_name, open_checkpoint
 from ..model.config import BLOCK, ConfigError, ModelConfig, RuntimeOptions
 from ..model.layers import yarn_inv_freq
 from ..model.deepseek import DeepseekV32
@@ -157,8 +157,7 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
                     if name.endswith(SCALE_SUFFIX):
                         wname = name[: -len(SCALE_SUFFIX)] + ".weight"
                         t = f.get_tensor(name)
-                        if not bool(torch.isfinite(t).all() and (t > 0).all()):
-                            raise CheckpointError(f"{file}: tensor {name!r} has non-positive or non-finite scales")
+                        check_scales(t, file, name)
                         t = rank_part(layout, name, t, headers[wname][0], what=f"{file}: {wname}")
                     else:
                         t = rank_part(layout, name, f.get_slice(name))

@@ -79,7 +79,8 @@ class FakeGenerate:
             if self.raise_after is not None and n == self.raise_after:
                 raise KeyboardInterrupt
             on_step(StepEvent([step], [max(len(step) - 1, 0)]))
-        met.new_tokens, met.ttft_s, met.time_prefill_s, met.time_decode_s = len(ids), 0.01, 0.01, 0.02
+        met.new_tokens, met.time_prefill_s, met.time_decode_s = len(ids), 0.01, 0.02
+        met.ttft_s_rows, met.tpot_s_rows = [0.01], [0.02 / max(len(ids) - 1, 1)]
         return GenerateResult([ids], ["stop" if ids[-1] == self.tok.eos_id else "length"], met)
 
 
@@ -279,8 +280,8 @@ def test_stats_totals_group_by_setting(tok):
 
 
 def test_stats_line_of_plain_decoding():
-    m = SpecMetrics(k=0, draft="none", n_rows=1, prompt_tokens=10, new_tokens=5, ttft_s=0.5, time_prefill_s=0.5,
-                    time_decode_s=0.4)
+    m = SpecMetrics(k=0, draft="none", n_rows=1, prompt_tokens=10, new_tokens=5, ttft_s_rows=[0.5],
+                    tpot_s_rows=[0.1], time_prefill_s=0.5, time_decode_s=0.4)
     assert stats_line(m) == ("in=10 out=5 ttft=500.0ms tpot=100.0ms prefill=20.0tok/s decode=10.0tok/s "
                              "AL=0.00 acc=[] (none strict)")
 

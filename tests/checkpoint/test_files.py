@@ -576,3 +576,19 @@ def test_check_values_refuses_exactly_the_nan_encodings_of_e4m3fn():
             refused = True
             assert "[1, 2]" in str(e), str(e)
         assert refused == bool(decoded[byte].isnan()), f"byte {byte:#04x}"
+
+
+@pytest.mark.parametrize("bad", [2.0 ** 60, 2.0 ** 100, 2.0 ** -60])
+def test_scale_outside_a_real_checkpoints_range(ckpt, bad):
+    """A finite but absurd block scale (2^60 drove every logit to exactly 0) is refused at load, naming the
+    file, the tensor, the index and the value."""
+    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+
+    def poison(t):
+        t[name] = t[name].clone()
+        t[name].view(-1)[-1] = bad
+
+    shard = _rewrite_shard(ckpt, name, poison)
+    last = [n - 1 for n in load_file(str(shard))[name].shape]
+    msg = _load_fails(ckpt, str(shard), name, f"index {last}", f"{bad:g}")
+    assert f"2^{math.log2(bad):g}" in msg

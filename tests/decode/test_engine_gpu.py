@@ -198,13 +198,10 @@ def test_kernel_options_switch_and_recapture(model):
         disable_fast_path(model)
 
 
-@pytest.mark.parametrize("mode", ["eager", "graph", "overlap"])
-def test_nonfinite_logits_stop_every_mode_at_the_step_that_made_them(mode):
-    """The non-finite flag is read with the eager loop's host sync and staged in the graph runner's pinned slots
-    (graph, overlap): every mode stops at step 1 naming the embedding, and the kept engine, its flag reset, runs
-    the repaired model like eager again."""
+def _model_and_first_token():
+    """A tiny GPU model, a prompt whose first generated token is not in it, that token and its embedding row
+    (a copy): poisoning the row reaches the target only at the first verify step."""
     from mtp.decode.engine import release
-    from mtp.decode.health import NonFiniteError
 
     m = _tiny_on_gpu(torch.float32)
     candidates = [list(range(50, 61)), list(range(200, 215)), list(range(300, 309)), list(range(400, 420))]
@@ -212,6 +209,17 @@ def test_nonfinite_logits_stop_every_mode_at_the_step_that_made_them(mode):
     prompt, first = next((p, f) for p, f in zip(candidates, firsts) if f not in p)
     row = m.model.embed_tokens.weight[first].clone()
     release(m)
+    return m, prompt, first, row
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "overlap"])
+def test_nonfinite_logits_stop_every_mode_at_the_step_that_made_them(mode):
+    """The non-finite flag is read with the eager loop's host sync and staged in the graph runner's pinned slots
+    (graph, overlap): every mode stops at step 1 naming the embedding, and the kept engine, its flag reset, runs
+    the repaired model like eager again."""
+    from mtp.decode.health import NonFiniteError
+
+    m, prompt, first, row = _model_and_first_token()
     with torch.no_grad():
         m.model.embed_tokens.weight[first, 0] = float("nan")
     with pytest.raises(NonFiniteError) as ei:
@@ -222,3 +230,24 @@ def test_nonfinite_logits_stop_every_mode_at_the_step_that_made_them(mode):
         m.model.embed_tokens.weight[first] = row
     got = generate(m, [prompt], 12, draft="eagle", k=2, mode=mode)
     assert got.tokens == generate(m, [prompt], 12, draft="eagle", k=2, mode="eager").tokens
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "overlap"])
+def test_collapsed_logits_stop_every_mode_at_the_step_that_made_them(mode):
+    """A finite failure (the first generated token's embedding row scaled by 1e30: RMSNorm's mean square
+    overflows to inf and its output is exactly zero) is caught like a NaN in every mode: the flag is the same
+    device-side check, inside the captured step too."""
+    from mtp.decode.engine import release
+    from mtp.decode.health import NonFiniteError
+
+    m, prompt, first, row = _model_and_first_token()
+    with torch.no_grad():
+        m.model.embed_tokens.weight[first] *= 1e30  # finite; its mean square is not
+    with pytest.raises(NonFiniteError) as ei:
+        generate(m, [prompt], 12, draft="eagle", k=2, mode=mode)
+    msg = str(ei.value)
+    assert "in step 1;" in msg, msg
+    assert "collapsed (all values equal) output: model.layers.0.input_layernorm (rows [0]" in msg, msg
+    with torch.no_grad():
+        m.model.embed_tokens.weight[first] = row
+    release(m)

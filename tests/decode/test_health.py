@@ -121,3 +121,25 @@ def test_a_failed_call_leaves_no_buffers_to_reuse(model):
     with torch.no_grad():
         model.get_parameter(name).copy_(saved)
     assert engine.run(PROMPTS).tokens == generate(model, PROMPTS, max_new_tokens=6, draft="eagle", k=2).tokens
+
+
+@pytest.mark.parametrize("scale", [2.0 ** 60, 2.0 ** 100])
+def test_finite_overflow_that_zeroes_the_logits_stops_the_run(model, scale):
+    """A finite but absurd o_proj scale (the loader refuses it; here set on a loaded model): the residual grows
+    huge, RMSNorm's mean square overflows, its output collapses to exactly zero and every logit is 0.0, argmax
+    token 0. That is the same failure as a NaN: the run stops, naming the first module whose output is bad."""
+    with torch.no_grad():
+        model.get_parameter("model.layers.0.self_attn.o_proj.weight_scale_inv").fill_(scale)
+    with pytest.raises(NonFiniteError) as ei:
+        generate(model, PROMPTS, max_new_tokens=6, draft="eagle", k=2)
+    msg = str(ei.value)
+    assert "prefill" in msg and "output: model.layers.0." in msg, msg
+
+
+def test_all_equal_logits_are_flagged_and_a_zeroed_norm_is_named(model):
+    """A final norm whose weight is zero: finite everywhere, logits all exactly equal."""
+    with torch.no_grad():
+        model.get_parameter("model.norm.weight").zero_()
+    assert first_nonfinite(model, torch.tensor(PROMPTS[:1]))[::2] == ("model.norm", "collapsed (all values equal)")
+    with pytest.raises(NonFiniteError, match=r"first collapsed \(all values equal\) output: model.norm \(rows \[0, 1"):
+        generate(model, PROMPTS, max_new_tokens=6)

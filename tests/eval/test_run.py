@@ -133,8 +133,14 @@ def test_wandb_offline_run_holds_the_logged_metrics(reference_run):
     s = logged["summary"]
     for key in ("accept/mean_len", "accept/pos_1", "accept/pos_2", "count/new_tokens", "speed/speedup_decode",
                 "speed/speedup_decode_min", "speed/speedup_decode_max", "speed/decode_tok_s_min",
-                "speed/decode_tok_s_max", "timing/repeats"):
+                "speed/decode_tok_s_max", "timing/repeats", "accept/rate", "speed/ttft_mean_s", "speed/ttft_p50_s",
+                "speed/ttft_p90_s", "speed/ttft_p99_s", "speed/tpot_p99_s", "quality/flagged_rows",
+                "count/prompts_with_steps"):
         assert s[key] == pytest.approx(m["overall"][key]), key
+    phase = m["breakdown"]["phase"]
+    assert phase and all(s[f"breakdown/phase/{g}/accept/mean_len"] == pytest.approx(d["accept/mean_len"])
+                         for g, d in phase.items())
+    assert (run / "acceptance_breakdown.png").read_bytes()[:4] == b"\x89PNG"
     assert s["baseline/speed/decode_tok_s_max"] == pytest.approx(m["baseline"]["overall"]["speed/decode_tok_s_max"])
     assert s["speed/decode_tok_s"] > 0
     assert s["category/chat/count/prompts"] == 4
@@ -271,7 +277,8 @@ def _timed_record(pid: str, batch: str, category: str, tok_s: list[float], k: in
 
     reps = [[raw(t), 10 / t + 0.5] for t in tok_s]
     return {"id": pid, "batch": batch, "category": category, "finish_reason": "length", "tokens": [1] * 11,
-            "batch_metrics": reps[0][0], "batch_wall_s": reps[0][1], "repeats": reps}
+            "batch_metrics": reps[0][0], "batch_wall_s": reps[0][1], "repeats": reps,
+            "row_accepted_hist": reps[0][0]["accepted_hist"]}
 
 
 def test_speedup_is_the_median_of_paired_ratios():
@@ -474,7 +481,7 @@ def _spec_rec(pid: str, cat: str, tokens: list[int], batch: str) -> dict:
     m = SpecMetrics(k=2, draft="eagle", verify="strict", n_rows=1, new_tokens=len(tokens),
                     accepted_hist=[0, 0, len(tokens) // 3], target_forwards=len(tokens) // 3, row_steps=len(tokens) // 3)
     return {"id": pid, "category": cat, "batch": batch, "tokens": tokens, "finish_reason": "length",
-            "batch_metrics": m.raw(), "batch_wall_s": 1.0}
+            "batch_metrics": m.raw(), "batch_wall_s": 1.0, "row_accepted_hist": m.accepted_hist}
 
 
 def _table_text(metrics: dict) -> str:

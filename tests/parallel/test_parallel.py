@@ -172,6 +172,21 @@ def test_world1_parallel_model_is_the_reference(par_ckpt, reference):
         assert torch.equal(got[key], reference["fp8"][key]), key
 
 
+def test_parallel_load_refuses_a_scale_no_real_checkpoint_holds(tmp_path):
+    """The sharded loader runs the same scale check as load_model (a finite 2^60 block scale drove every logit
+    to 0), naming file, tensor and value."""
+    from mtp.checkpoint.files import CheckpointError
+
+    cfg = tiny_parallel_config(WORLD)
+    tensors = random_tensors(cfg, seed=0)
+    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = 2.0 ** 60
+    ckpt = save_checkpoint(tensors, cfg, tmp_path / "bad")
+    with pytest.raises(CheckpointError, match=rf"{name}' holds 1 block scales outside .*: 1\.15292e\+18 \(= 2\^60\)"):
+        load_parallel(ckpt, Comm(), numerics="fp8")
+
+
 # ----------------------------------------------------------------------------------------- NCCL (GPU)
 GPU_PROMPTS = [list(range(3, 40)), list(range(50, 61))]  # 37 > index_topk 16: sparse rows
 
