@@ -46,6 +46,7 @@ from ..decode.graphs import capture_graph
 from .timing import copy_bandwidth, kernel_profile, timer
 from ..parallel.layout import ParallelPlan
 from ..parallel.memory import GIB
+from ..plan.speed import accept_len
 
 # Published batch-1 decode speeds to print beside ours (tok/s per user), as the issue cites them.
 REFERENCES = (
@@ -367,15 +368,6 @@ def draft_collectives(model, comm) -> dict:
     comm.reset()
     model.mtp_forward(0, ids, h, cache, kv_len=1)
     return dict(comm.counts)
-
-
-def accept_len(accept: list[float], k: int) -> float:
-    """1 + sum_j prod_{i<=j} p_i over the first k positions (the last rate repeats past the list)."""
-    al, run = 1.0, 1.0
-    for j in range(k):
-        run *= accept[min(j, len(accept) - 1)]
-        al += run
-    return al
 
 
 def collective_latency(args) -> dict:
