@@ -130,7 +130,7 @@ def speed_main(argv: list[str]) -> int:
     if a.compare_published:
         from .published import compare, format_rows
         rows = compare(cfg)
-        print(json.dumps(rows, indent=1) if a.json else format_rows(rows))
+        print(json.dumps(rows, indent=1) if a.json else format_rows(rows, cfg))
         return 0
     eff = Efficiency()
     cal = None
