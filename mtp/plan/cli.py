@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -144,7 +145,12 @@ def speed_main(argv: list[str]) -> int:
     if a.plot:
         from .plot import plot_speed
         plot_speed(cfg, a.plot, wl.al, a.calibrate or [], eff)
+    if cal is not None and cal.link:
+        g = dataclasses.replace(g, **cal.link)
     r = predict(cfg, g, lay, wl, eff)
+    if cal is not None:
+        r.notes.append(f"efficiencies fitted on {cal.gpu} decode steps (batch and widths of the files); prefill and "
+                       f"other GPUs ({g.name}) take them as they are")
     if a.json:
         d = r.to_dict()
         if cal is not None:

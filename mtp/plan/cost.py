@@ -16,7 +16,7 @@ from functools import lru_cache
 import torch
 
 from ..model.config import ModelConfig
-from ..parallel.layout import ParallelPlan
+from ..parallel.layout import ParallelPlan, RankLayout
 from ..parallel.memory import comm_bytes_per_forward, kv_bytes_per_token_layer, rank_weight_bytes
 
 PHASES = ("prefill", "decode")
@@ -65,14 +65,17 @@ class Comm:
 @dataclass(frozen=True)
 class Term:
     name: str
-    kind: str  # kernel class the calibration fits one efficiency for: weights, experts, attention, head
+    kind: str  # kernel class the calibration fits one efficiency for: weights, experts, attention, indexer, head
     layers: int  # how many times one forward runs it
     flops_fp8: float
     flops_bf16: float
     weight_bytes: float
     kv_bytes: float = 0.0
     act_bytes: float = 0.0
-    launches: int = 0  # kernels per layer on our fast path (graph-replayed; BENCHMARKS.md profile)
+    # kernels per layer on our fast path (the TP=8 rank profile, eval/results/bench_tp8_h200_final_s4.json: per MoE
+    # layer MLA 11 = 3 GEMVs + 2 absorb + 2 prologues + 2 attention stages + 2 norm-quant, indexer 2 = scores +
+    # top-k, routed 3 = gate-up, down, combine, router 1, shared 4 = 2 GEMVs + silu + residual add)
+    launches: int = 0
     comm: tuple[Comm, ...] = ()
     macs: dict = field(default_factory=dict, compare=False)
 
@@ -175,6 +178,7 @@ class Shape:
     mla: str = "absorbed"
     dsa: bool = True  # the lightning indexer picks index_topk keys past index_topk context
     causal: bool = True
+    touched: float | None = None  # routed experts a rank reads per MoE layer (None: uniform-routing expectation)
 
 
 def forward_terms(cfg: ModelConfig, lay: Layout, sh: Shape, act_bytes_per: int = 2) -> list[Term]:
@@ -205,28 +209,30 @@ def forward_terms(cfg: ModelConfig, lay: Layout, sh: Shape, act_bytes_per: int =
     ar = comm_bytes_per_forward(cfg, N, 1, torch.bfloat16)["per_block_all_reduce"]
     tp_comm = (Comm("all_reduce", ar, 1),) if lay.tp > 1 else ()
     terms = [_term("mla", "attention", cfg.num_hidden_layers, mla_macs, attn_w / cfg.num_hidden_layers,
-                   kv=keys_read * kv_mla, act=N * D * act_bytes_per * 2, launches=9, comm=tp_comm)]
+                   kv=keys_read * kv_mla, act=N * D * act_bytes_per * 2, launches=11, comm=tp_comm)]
     if dsa_on:
         Hi, Di = cfg.index_n_heads, cfg.index_head_dim
         ix = {"wq": (N * cfg.q_lora_rank * Hi * Di, "fp8"), "wk": (N * D * Di, "fp8"),
               "weights": (N * D * Hi, "bf16"), "scores": (sh.rows * sh.width * L * Hi * Di, "fp8")}
-        terms.append(_term("indexer", "attention", cfg.num_hidden_layers, ix,
+        terms.append(_term("indexer", "indexer", cfg.num_hidden_layers, ix,
                            cat.get("indexer (replicated)", 0) / cfg.num_hidden_layers,
-                           kv=sh.rows * L * kv_idx, launches=4))
+                           kv=sh.rows * L * kv_idx, launches=2))  # scores, top-k
     # MLPs: tokens reaching this rank's MLP weights
     moe_tokens = N if not lay.dp_attention else N * lay.dp / lay.ep * lay.tp  # shared expert runs per attention group
     mlp_comm = tp_comm if not lay.dp_attention else ()
+    local = RankLayout(cfg, ParallelPlan(world=lay.tp, mlp_split=lay.mlp_split), 0)  # rank 0's MLP channels
     if n_dense:
-        inter = cfg.intermediate_size / lay.tp
+        inter = local.dense[1] - local.dense[0]
         terms.append(_term("dense_mlp", "weights", n_dense, {"mlp": (N * 3 * D * inter, "fp8")},
-                           cat.get("dense MLP", 0) / n_dense, act=N * D * act_bytes_per * 2, launches=3,
+                           cat.get("dense MLP", 0) / n_dense, act=N * D * act_bytes_per * 2, launches=4,
                            comm=mlp_comm))
     if n_moe:
         e_loc = cfg.n_routed_experts // lay.ep
         routed_tokens = N * cfg.num_experts_per_tok * (lay.dp if lay.dp_attention else 1) / lay.ep * (
             lay.tp if lay.dp_attention else 1)
         seen = N * (lay.dp if lay.dp_attention else 1)  # tokens whose routing this rank's experts see
-        touched = experts_touched(e_loc, cfg.n_routed_experts, cfg.num_experts_per_tok, seen)
+        touched = sh.touched if sh.touched is not None else experts_touched(
+            e_loc, cfg.n_routed_experts, cfg.num_experts_per_tok, seen)
         per_expert = cat.get("routed experts", 0) / n_moe / max(e_loc, 1)
         a2a: tuple[Comm, ...] = ()
         if lay.dp_attention and lay.ep > 1:
@@ -235,9 +241,9 @@ def forward_terms(cfg: ModelConfig, lay: Layout, sh: Shape, act_bytes_per: int =
         terms.append(_term("routed_experts", "experts", n_moe,
                            {"experts": (routed_tokens * 3 * D * cfg.moe_intermediate_size, "fp8")},
                            touched * per_expert, act=routed_tokens * D * 3, launches=3, comm=a2a + mlp_comm))
-        shared_inter = cfg.n_shared_experts * cfg.moe_intermediate_size / lay.tp
+        shared_inter = local.shared[1] - local.shared[0]
         terms.append(_term("shared_expert", "weights", n_moe, {"mlp": (N * 3 * D * shared_inter, "fp8")},
-                           cat.get("shared experts", 0) / n_moe, launches=3))
+                           cat.get("shared experts", 0) / n_moe, launches=4))
         terms.append(_term("router", "weights", n_moe, {"gate": (N * D * cfg.n_routed_experts, "bf16")},
                            cat.get("router", 0) / n_moe, launches=1))
     head = cat.get("embedding + lm_head", 0) / 2  # lm_head; the embedding reads N rows
@@ -245,7 +251,7 @@ def forward_terms(cfg: ModelConfig, lay: Layout, sh: Shape, act_bytes_per: int =
     head_comm = (Comm("all_reduce", hc["embedding_all_reduce"]), Comm("all_gather", hc["logits_all_gather"])) \
         if lay.tp > 1 else ()
     terms.append(_term("head", "head", 1, {"lm_head": (N * D * cfg.vocab_size / lay.tp, "bf16")}, head,
-                       act=N * D * 2, launches=2, comm=head_comm))
+                       act=N * D * 2, launches=3, comm=head_comm))
     return terms
 
 

@@ -15,18 +15,22 @@ from ..model.config import ModelConfig
 from .cost import Layout, Shape, Term, draft_terms, forward_terms
 from .hardware import GB, GPU
 
-KINDS = ("weights", "experts", "attention", "head")
+KINDS = ("weights", "experts", "attention", "indexer", "head")
 
 
 @dataclass(frozen=True)
 class Efficiency:
     bw: tuple[tuple[str, float], ...] = tuple((k, 1.0) for k in KINDS)  # achieved fraction of HBM bandwidth
+    launch: tuple[tuple[str, float], ...] = ()  # fixed cost per kernel launch, us, per kernel class
+    per_row_launch: float = 0.0  # us per launch per token row past the first (not the indexer's)
     compute: float = 1.0  # achieved fraction of peak FLOPs
-    launch_us: float = 0.0  # fixed cost per kernel launch
     source: str = "roofline: peak figures, no launch cost (uncalibrated)"
 
     def bw_of(self, kind: str) -> float:
         return dict(self.bw).get(kind, 1.0)
+
+    def launch_of(self, kind: str) -> float:
+        return dict(self.launch).get(kind, 0.0)
 
 
 @dataclass(frozen=True)
@@ -80,14 +84,16 @@ def comm_us(gpu: GPU, lay: Layout, c) -> float:
     return gpu.alltoall_us(c.nbytes, lay.nodes)
 
 
-def time_terms(terms: list[Term], gpu: GPU, lay: Layout, eff: Efficiency = Efficiency()) -> ForwardTime:
+def time_terms(terms: list[Term], gpu: GPU, lay: Layout, eff: Efficiency = Efficiency(), rows: int = 1) -> ForwardTime:
+    """rows: token rows each kernel processes (batch x width), for `Efficiency.per_row_launch`."""
     out = []
     for t in terms:
         compute = (t.flops_fp8 / (gpu.fp8_tflops * 1e12) + t.flops_bf16 / (gpu.bf16_tflops * 1e12)) / eff.compute
         memory = t.bytes / (gpu.hbm_gbps * GB * eff.bw_of(t.kind))
         comm = sum(comm_us(gpu, lay, c) * c.count for c in t.comm) * 1e-3
+        per_launch = eff.launch_of(t.kind) + (eff.per_row_launch * (rows - 1) if t.kind != "indexer" else 0.0)
         out.append(TermTime(t.name, t.layers, compute * 1e3 * t.layers, memory * 1e3 * t.layers,
-                            t.launches * eff.launch_us * 1e-3 * t.layers, comm * t.layers,
+                            t.launches * per_launch * 1e-3 * t.layers, comm * t.layers,
                             (t.flops_fp8 + t.flops_bf16) * t.layers, t.bytes * t.layers,
                             sum(c.nbytes * c.count for c in t.comm) * t.layers))
     return ForwardTime(tuple(out))
@@ -167,13 +173,13 @@ def predict(cfg: ModelConfig, gpu: GPU, lay: Layout, wl: Workload, eff: Efficien
     """Prefill of `batch` prompts of `context` tokens, then one speculative step: the verify forward at width
     k + 1 over `context` keys and k draft forwards (one MTP module each, width 1)."""
     pre = time_terms(forward_terms(cfg, lay, Shape(wl.batch, wl.context, wl.context, "prefill", wl.mla_prefill)),
-                     gpu, lay, eff)
+                     gpu, lay, eff, wl.batch * wl.context)
     ver = time_terms(forward_terms(cfg, lay, Shape(wl.batch, wl.k + 1, wl.context + wl.k + 1, "decode",
-                                                   wl.mla_decode)), gpu, lay, eff)
+                                                   wl.mla_decode)), gpu, lay, eff, wl.batch * (wl.k + 1))
     drf = None
     if wl.k:
         drf = time_terms(draft_terms(cfg, lay, Shape(wl.batch, 1, wl.context + 1, "decode", wl.mla_decode)),
-                         gpu, lay, eff)
+                         gpu, lay, eff, wl.batch)
     notes = []
     if lay.tp > gpu.gpus_per_node:
         notes.append(f"TP{lay.tp} spans {lay.tp // gpu.gpus_per_node} nodes: its all-reduces cross the "

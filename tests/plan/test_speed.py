@@ -14,7 +14,7 @@ G = GPU("toy", fp8_tflops=2.0, bf16_tflops=1.0, hbm_gb=1, hbm_gbps=1000.0, link_
 def test_term_is_max_of_compute_and_memory_plus_launches_and_comm():
     t = Term("x", "weights", 3, flops_fp8=4e9, flops_bf16=1e9, weight_bytes=1e9, launches=2,
              comm=(Comm("all_reduce", 1e4),))
-    f = time_terms([t], G, Layout(2, 2), Efficiency(bw=(("weights", 0.5),), launch_us=10.0))
+    f = time_terms([t], G, Layout(2, 2), Efficiency(bw=(("weights", 0.5),), launch=(("weights", 10.0),)))
     tt = f.terms[0]
     assert tt.compute_ms == pytest.approx(3 * (4e9 / 2e12 + 1e9 / 1e12) * 1e3)  # 9 ms
     assert tt.memory_ms == pytest.approx(3 * 1e9 / (1e12 * 0.5) * 1e3)  # 6 ms
