@@ -65,12 +65,22 @@ class Calibration:
                           "model_kernels": _kernels(r)} for r in self.rows]}
 
 
-def _device(d: dict, path: str) -> str:
-    name = str(d.get("device", "")).lower()
-    for key in sorted(("h800", "h100", "h200", "h20-3e", "h20", "b200", "l40s"), key=len, reverse=True):
-        if key.replace("-3e", "") in name and ("141" in name) == key.endswith("3e"):
+def device_key(device: str) -> str | None:
+    """The GPU table's name for a torch device name ('NVIDIA H200' -> 'h200'; an H20 with 141 GB -> 'h20-3e')."""
+    words = device.lower().replace("-", " ").split()
+    for key in ("h800", "h100", "h200", "b200", "l40s"):
+        if key in words:
             return key
-    raise ValueError(f"--calibrate {path}: field 'device' = {d.get('device')!r} is not a GPU of the table")
+    if "h20" in words:
+        return "h20-3e" if "141" in device or "3e" in device.lower() else "h20"
+    return None
+
+
+def _device(d: dict, path: str) -> str:
+    key = device_key(str(d.get("device", "")))
+    if key is None:
+        raise ValueError(f"--calibrate {path}: field 'device' = {d.get('device')!r} is not a GPU of the table")
+    return key
 
 
 def rows_from(path: str, base: ModelConfig) -> tuple[str, list[Row], dict | None]:

@@ -144,7 +144,7 @@ def speed_main(argv: list[str]) -> int:
         eff = cal.efficiency
     if a.plot:
         from .plot import plot_speed
-        plot_speed(cfg, a.plot, wl.al, a.calibrate or [], eff)
+        plot_speed(cfg, a.plot, wl.al, wl.k, a.calibrate or [], eff, wl.context)
     if cal is not None and cal.link:
         g = dataclasses.replace(g, **cal.link)
     r = predict(cfg, g, lay, wl, eff)
