@@ -181,6 +181,14 @@ def predict(cfg: ModelConfig, gpu: GPU, lay: Layout, wl: Workload, eff: Efficien
         drf = time_terms(draft_terms(cfg, lay, Shape(wl.batch, 1, wl.context + 1, "decode", wl.mla_decode)),
                          gpu, lay, eff, wl.batch)
     notes = []
+    vt = forward_terms(cfg, lay, Shape(wl.batch, wl.k + 1, wl.context + wl.k + 1, "decode", wl.mla_decode))
+    ars = [(c, t.layers) for t in vt for c in t.comm if c.op == "all_reduce"]
+    if ars:
+        big = max(ars, key=lambda a: a[0].nbytes)[0]
+        n = sum(c.count * layers for c, layers in ars)
+        notes.append(f"all-reduce over {gpu.link}: {comm_us(gpu, lay, big):.1f} us for {big.nbytes / 1e3:.1f} KB "
+                     f"({lay.tp} ranks; {gpu.link_latency_us:g} us per log2 step + ring bandwidth "
+                     f"{gpu.link_gbps:g} GB/s), {n} per verify forward")
     if lay.tp > gpu.gpus_per_node:
         notes.append(f"TP{lay.tp} spans {lay.tp // gpu.gpus_per_node} nodes: its all-reduces cross the "
                      f"{gpu.net_gbps:g} GB/s NIC")

@@ -38,3 +38,9 @@ def test_without_speed_it_is_the_memory_planner(tmp_path, capsys):
     p.write_text(json.dumps(tiny_config().to_dict()))
     assert main([str(p), "--gpus", "1", "--gpu-mem-gib", "80", "--json"]) == 0
     assert "weights_by_rank" in json.loads(capsys.readouterr().out)
+
+
+def test_l40s_states_its_pcie_allreduce_cost(capsys):
+    assert main(["--speed", "--gpu", "l40s", "--k", "1", "--al", "1.5"]) == 0
+    out = capsys.readouterr().out
+    assert "l40s x 32, TP32" in out and "all-reduce over PCIe" in out and "123 per verify forward" in out
