@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--al", type=float, default=None, help="mean accepted length per step (1 + accepted drafts)")
     ap.add_argument("--accept", type=float, nargs="+", default=None,
                     help="conditional acceptance per draft position (instead of --al)")
+    ap.add_argument("--experts-touched", type=float, default=None,
+                    help="routed experts a rank reads per MoE layer in the verify forward (default: uniform routing; "
+                         "a measured run's local_experts_touched mean reproduces that run)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--compare-published", action="store_true", help="reproduce zartbot's TL;DR tables")
     ap.add_argument("--calibrate", nargs="+", metavar="FILE", default=None,
@@ -83,7 +86,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, ModelConfig, Layout, Wor
     try:
         lay = Layout(tp, ep, a.dp_attention, nodes, g.mlp_split if tp > 16 else "blocks")
         al = a.al if a.al is not None else (accept_len(a.accept, a.k) if a.accept else 1.0)
-        wl = Workload(a.batch, a.context, a.k, al)
+        wl = Workload(a.batch, a.context, a.k, al, experts_touched=a.experts_touched)
     except ValueError as e:
         ap.error(str(e))
     if lay.world > nodes * g.gpus_per_node:

@@ -117,6 +117,8 @@ class Workload:
     al: float = 1.0  # mean accepted length per step (1 + accepted drafts)
     mla_decode: str = "absorbed"
     mla_prefill: str = "naive"
+    experts_touched: float | None = None  # routed experts a rank reads per MoE layer in the verify forward
+    # (None: the uniform-routing expectation; a measured run's count reproduces that run)
 
     def __post_init__(self) -> None:
         for name, lo in (("batch", 1), ("context", 1), ("k", 0)):
@@ -125,6 +127,8 @@ class Workload:
                 raise ValueError(f"--{name} must be an integer >= {lo}, got {v!r}")
         if not 1.0 <= self.al <= self.k + 1:
             raise ValueError(f"--al must be in [1, k + 1 = {self.k + 1}], got {self.al}")
+        if self.experts_touched is not None and not self.experts_touched > 0:
+            raise ValueError(f"--experts-touched must be > 0, got {self.experts_touched}")
 
 
 @dataclass
@@ -174,14 +178,14 @@ def predict(cfg: ModelConfig, gpu: GPU, lay: Layout, wl: Workload, eff: Efficien
     k + 1 over `context` keys and k draft forwards (one MTP module each, width 1)."""
     pre = time_terms(forward_terms(cfg, lay, Shape(wl.batch, wl.context, wl.context, "prefill", wl.mla_prefill)),
                      gpu, lay, eff, wl.batch * wl.context)
-    ver = time_terms(forward_terms(cfg, lay, Shape(wl.batch, wl.k + 1, wl.context + wl.k + 1, "decode",
-                                                   wl.mla_decode)), gpu, lay, eff, wl.batch * (wl.k + 1))
+    vshape = Shape(wl.batch, wl.k + 1, wl.context + wl.k + 1, "decode", wl.mla_decode, touched=wl.experts_touched)
+    ver = time_terms(forward_terms(cfg, lay, vshape), gpu, lay, eff, wl.batch * (wl.k + 1))
     drf = None
     if wl.k:
         drf = time_terms(draft_terms(cfg, lay, Shape(wl.batch, 1, wl.context + 1, "decode", wl.mla_decode)),
                          gpu, lay, eff, wl.batch)
     notes = []
-    vt = forward_terms(cfg, lay, Shape(wl.batch, wl.k + 1, wl.context + wl.k + 1, "decode", wl.mla_decode))
+    vt = forward_terms(cfg, lay, vshape)
     ars = [(c, t.layers) for t in vt for c in t.comm if c.op == "all_reduce"]
     if ars:
         big = max(ars, key=lambda a: a[0].nbytes)[0]

@@ -13,7 +13,7 @@ from mtp.plan.cli import main
     (["--k", "2"], "--k"), (["--k", "1", "--al", "3"], "--al"), (["--batch", "0"], "--batch"),
     (["--context", "0"], "--context"), (["--accept", "1.5", "--k", "1"], "--accept"),
     (["--al", "2", "--accept", "0.5", "--k", "2"], "--al"), (["--tp", "16", "--nodes", "1"], "--nodes"),
-    (["--tp", "zero"], "--tp"), (["no_such_config.json"], "CONFIG"),
+    (["--tp", "zero"], "--tp"), (["no_such_config.json"], "CONFIG"), (["--experts-touched", "0"], "--experts-touched"),
 ])
 def test_errors_name_the_option(args, bad, capsys):
     with pytest.raises(SystemExit) as e:

@@ -50,3 +50,12 @@ def test_predict_tpot_and_per_gpu():
 def test_workload_errors_name_the_option(kw, bad):
     with pytest.raises(ValueError, match=bad):
         Workload(**kw)
+
+
+def test_experts_touched_sets_the_verify_expert_bytes():
+    from mtp.plan.cost import rank_bytes
+    cfg = tiny_config()  # 2 MoE layers of 16 experts
+    a, b = (predict(cfg, G, Layout(), Workload(batch=1, context=64, k=1, al=1.5, experts_touched=n)) for n in (2.0, 4.0))
+    ea, eb = ([t for t in r.verify.terms if t.name == "routed_experts"][0] for r in (a, b))
+    per_expert = rank_bytes(cfg, Layout())["routed experts"] / 2 / 16
+    assert eb.bytes - ea.bytes == pytest.approx(2 * 2 * per_expert)  # 2 more experts in each of 2 layers
