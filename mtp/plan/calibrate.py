@@ -252,7 +252,7 @@ def misses(cal: Calibration) -> list[str]:
     alone = [r for r in cal.rows if r.only == ("indexer",)]
     if alone:
         gap = sum(r.calibrated_ms - r.measured_ms for r in alone) / len(alone)
-        out.append(f"held out: the indexer timed alone takes {gap:+.2f} ms per step less than the steps' fit gives "
+        out.append(f"held out: the indexer timed alone takes {gap:.2f} ms per step less than the steps' fit gives "
                    f"it: that much of the long-context step is attention over the selected keys beyond its bytes"
                    if gap > 0 else f"held out: the indexer timed alone takes {-gap:.2f} ms per step more than the "
                    f"steps' fit gives it")
