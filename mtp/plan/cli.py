@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--speed" in argv:
         return speed_main(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("mtp-plan --speed [CONFIG] [options]: the analytic speed model (mtp-plan --speed --help); "
+              "without --speed, the memory planner:")
     from ..parallel.memory import main as memory_main
     return memory_main(argv)
 

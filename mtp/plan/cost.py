@@ -218,7 +218,6 @@ def forward_terms(cfg: ModelConfig, lay: Layout, sh: Shape, act_bytes_per: int =
                            cat.get("indexer (replicated)", 0) / cfg.num_hidden_layers,
                            kv=sh.rows * L * kv_idx, launches=2))  # scores, top-k
     # MLPs: tokens reaching this rank's MLP weights
-    moe_tokens = N if not lay.dp_attention else N * lay.dp / lay.ep * lay.tp  # shared expert runs per attention group
     mlp_comm = tp_comm if not lay.dp_attention else ()
     local = RankLayout(cfg, ParallelPlan(world=lay.tp, mlp_split=lay.mlp_split), 0)  # rank 0's MLP channels
     if n_dense:
@@ -228,15 +227,16 @@ def forward_terms(cfg: ModelConfig, lay: Layout, sh: Shape, act_bytes_per: int =
                            comm=mlp_comm))
     if n_moe:
         e_loc = cfg.n_routed_experts // lay.ep
-        routed_tokens = N * cfg.num_experts_per_tok * (lay.dp if lay.dp_attention else 1) / lay.ep * (
-            lay.tp if lay.dp_attention else 1)
+        # (token, expert) pairs this rank computes: every rank sees all N tokens and keeps its experts' share;
+        # with DP attention the dp groups' N tokens each reach the ep ranks by all-to-all
         seen = N * (lay.dp if lay.dp_attention else 1)  # tokens whose routing this rank's experts see
+        routed_tokens = seen * cfg.num_experts_per_tok / lay.ep
         touched = sh.touched if sh.touched is not None else experts_touched(
             e_loc, cfg.n_routed_experts, cfg.num_experts_per_tok, seen)
         per_expert = cat.get("routed experts", 0) / n_moe / max(e_loc, 1)
         a2a: tuple[Comm, ...] = ()
-        if lay.dp_attention and lay.ep > 1:
-            remote = N * cfg.num_experts_per_tok * (1 - e_loc / cfg.n_routed_experts)
+        if lay.dp_attention and lay.ep > 1:  # a TP group's ranks each send a 1 / tp share of its tokens
+            remote = N / lay.tp * cfg.num_experts_per_tok * (1 - e_loc / cfg.n_routed_experts)
             a2a = (Comm("dispatch", remote * D * 1), Comm("combine", remote * D * 2))
         terms.append(_term("routed_experts", "experts", n_moe,
                            {"experts": (routed_tokens * 3 * D * cfg.moe_intermediate_size, "fp8")},

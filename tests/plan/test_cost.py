@@ -91,6 +91,12 @@ def test_dp_attention_dispatch_combine():
     remote = 2 * 4 * (1 - 4 / 16)  # tokens x topk leaving for the 12 experts on other ranks
     assert {c.op: c.nbytes for c in t.comm} == {"dispatch": remote * 256, "combine": remote * 256 * 2}
     assert t.flops_fp8 == 2 * 2 * 4 * 3 * 256 * 128  # the same tokens x topk come in from the other ranks
+    # TP 2 inside each of 2 attention groups, EP 4: 2 x N tokens x topk pairs over 4 ranks; each rank sends half
+    # of its group's tokens
+    cfg2 = tiny_parallel_config(2)
+    t2 = by_name(forward_terms(cfg2, Layout(2, 4, dp_attention=True), Shape(2, 1, 8)))["routed_experts"]
+    assert t2.flops_fp8 == 2 * (2 * 2 * 4 / 4) * 3 * 256 * 128
+    assert {c.op: c.nbytes for c in t2.comm}["dispatch"] == 2 / 2 * 4 * (1 - 4 / 16) * 256
 
 
 def test_draft_is_one_moe_block_and_its_extras():
