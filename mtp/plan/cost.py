@@ -212,8 +212,9 @@ def forward_terms(cfg: ModelConfig, lay: Layout, sh: Shape, act_bytes_per: int =
                    kv=keys_read * kv_mla, act=N * D * act_bytes_per * 2, launches=11, comm=tp_comm)]
     if dsa_on:
         Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+        visible = sh.width * (prior + (sh.width + 1) / 2) if sh.causal else sh.width * L  # keys each query scores
         ix = {"wq": (N * cfg.q_lora_rank * Hi * Di, "fp8"), "wk": (N * D * Di, "fp8"),
-              "weights": (N * D * Hi, "bf16"), "scores": (sh.rows * sh.width * L * Hi * Di, "fp8")}
+              "weights": (N * D * Hi, "bf16"), "scores": (sh.rows * visible * Hi * Di, "fp8")}
         terms.append(_term("indexer", "indexer", cfg.num_hidden_layers, ix,
                            cat.get("indexer (replicated)", 0) / cfg.num_hidden_layers,
                            kv=sh.rows * L * kv_idx, launches=2))  # scores, top-k

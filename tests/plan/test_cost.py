@@ -32,6 +32,9 @@ def test_indexer_and_dsa_cap_hand_count():
     terms = by_name(forward_terms(cfg, Layout(), Shape(2, 1, 40)))
     ix = terms["indexer"]
     assert ix.flops_fp8 == 2 * 2 * (128 * 8 * 128 + 256 * 128 + 40 * 8 * 128)
+    # prefill of 40 new tokens: query i scores its i + 1 visible keys (820 pairs per row, not 40 x 40)
+    pre = by_name(forward_terms(cfg, Layout(), Shape(1, 40, 40, "prefill", "naive")))["indexer"]
+    assert pre.macs["scores"][0] == 820 * 8 * 128
     assert ix.flops_bf16 == 2 * 2 * 256 * 8
     assert ix.kv_bytes == 2 * 40 * (128 + 4)
     assert terms["mla"].kv_bytes == 2 * 16 * kv_split(cfg)[0]  # attention reads only the 16 selected keys
