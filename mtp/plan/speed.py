@@ -190,9 +190,10 @@ def predict(cfg: ModelConfig, gpu: GPU, lay: Layout, wl: Workload, eff: Efficien
     if ars:
         big = max(ars, key=lambda a: a[0].nbytes)[0]
         n = sum(c.count * layers for c, layers in ars)
+        ring = gpu.link_gbps if lay.tp <= gpu.gpus_per_node else min(gpu.link_gbps, gpu.net_gbps)
         notes.append(f"all-reduce over {gpu.link}: {comm_us(gpu, lay, big):.1f} us for {big.nbytes / 1e3:.1f} KB "
-                     f"({lay.tp} ranks; {gpu.link_latency_us:g} us per log2 step + ring bandwidth "
-                     f"{gpu.link_gbps:g} GB/s), {n} per verify forward")
+                     f"({lay.tp} ranks; {gpu.link_latency_us:g} us per log2 step + ring bandwidth {ring:g} GB/s), "
+                     f"{n} per verify forward")
     if lay.tp > gpu.gpus_per_node:
         notes.append(f"TP{lay.tp} spans {lay.tp // gpu.gpus_per_node} nodes: its all-reduces cross the "
                      f"{gpu.net_gbps:g} GB/s NIC")

@@ -44,3 +44,9 @@ def test_l40s_states_its_pcie_allreduce_cost(capsys):
     assert main(["--speed", "--gpu", "l40s", "--k", "1", "--al", "1.5"]) == 0
     out = capsys.readouterr().out
     assert "l40s x 32, TP32" in out and "all-reduce over PCIe" in out and "123 per verify forward" in out
+
+
+def test_two_node_tp_allreduce_rides_the_nic(capsys):
+    assert main(["--speed", "--gpu", "h100", "--tp", "16", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ring bandwidth 50 GB/s" in out and "TP16 spans 2 nodes" in out
