@@ -219,7 +219,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dense-layers", type=int, default=None,
                     help="dense layers among them (default 1; with --tp N: min(3, layers - 1), as the real model)")
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1],
+                    help="sequences per step; with --tp N several (e.g. 1 8 32 64): each its own entry in the JSON")
     ap.add_argument("--prompt-len", type=int, nargs="+", default=None,
                     help="context length(s) (default 1024; with --tp N: 1024 8192 32768 on a GPU, 24 40 on CPU)")
     ap.add_argument("--new-tokens", type=int, default=48)
@@ -279,6 +280,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--dense-layers must be in [0, --layers), got {args.dense_layers} with {args.layers} layers")
     if args.out is None:
         args.out = f"bench_tp{args.tp}.json" if tp else "bench.json"
+    if min(args.batch) < 1 or len(set(args.batch)) != len(args.batch):
+        ap.error(f"--batch: distinct values >= 1, got {args.batch}")
+    if len(args.batch) > 1 and (not tp or args.extrapolate is not None):
+        ap.error(f"several --batch values ({args.batch}) need --tp N without --extrapolate")
+    args.batches, args.batch = list(args.batch), args.batch[0]
     if not tp:
         if args.rank is not None or args.extrapolate is not None:
             ap.error("--rank and --extrapolate need --tp N with N > 1")

@@ -27,6 +27,7 @@ The JSON is rewritten (atomically) after every part, so a run cut short keeps wh
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import math
@@ -46,6 +47,7 @@ from ..decode.graphs import capture_graph
 from .timing import copy_bandwidth, kernel_profile, timer
 from ..parallel.layout import ParallelPlan
 from ..parallel.memory import GIB
+from ..plan.speed import accept_len
 
 # Published batch-1 decode speeds to print beside ours (tok/s per user), as the issue cites them.
 REFERENCES = (
@@ -369,15 +371,6 @@ def draft_collectives(model, comm) -> dict:
     return dict(comm.counts)
 
 
-def accept_len(accept: list[float], k: int) -> float:
-    """1 + sum_j prod_{i<=j} p_i over the first k positions (the last rate repeats past the list)."""
-    al, run = 1.0, 1.0
-    for j in range(k):
-        run *= accept[min(j, len(accept) - 1)]
-        al += run
-    return al
-
-
 def collective_latency(args) -> dict:
     """us per all-reduce / all-gather: measured on N GPUs (`--collective-json`) or the assumption."""
     if args.collective_json:
@@ -504,7 +497,8 @@ def save(res: dict, path: str) -> None:
 
 def check_memory(cfg: ModelConfig, args, world: int, rank: int, dtype: torch.dtype) -> dict:
     """Say up front whether the rank fits this GPU at cfg's depth; if not, exit naming the depths that fit."""
-    need = memory_need(cfg, world, rank, dtype, max(args.prompt_len) + args.k + 1, args.batch)
+    need = memory_need(cfg, world, rank, dtype, max(args.prompt_len) + args.k + 1,
+                       max(getattr(args, "batches", [args.batch])))
     free, total = torch.cuda.mem_get_info()
     need.update(free_gib=free / GIB, total_gib=total / GIB)
     log(f"rank {rank} of TP={world}, {cfg.num_hidden_layers} layers: needs ~{need['need_gib']:.1f} GiB "
@@ -519,6 +513,18 @@ def check_memory(cfg: ModelConfig, args, world: int, rank: int, dtype: torch.dty
                          f"~{need['need_gib']:.1f} GiB, {free / GIB:.1f} GiB free. {hint} (the result is labelled "
                          f"extrapolated), or use a larger GPU (H200: 141 GB)")
     return need
+
+
+def batch_axis(model, comm, args, cuda: bool, bw: float | None, time_fn, world: int, part: dict, saved) -> None:
+    """--batch B1 B2 ...: part["batches"][B] = the target steps at every context, one entry per batch (B1's are
+    part["contexts"], measured already; the others without trees). `saved()` after each context."""
+    part["batches"] = {args.batch: {"contexts": part["contexts"]}}
+    for B in args.batches[1:]:
+        at_b = argparse.Namespace(**{**vars(args), "batch": B, "trees": []})
+        part["batches"][B] = {"contexts": {}}
+        for L in args.prompt_len:
+            part["batches"][B]["contexts"][L] = target_steps(model, comm, at_b, L, cuda, bw, time_fn, world)
+            saved()
 
 
 def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw: float | None, spec: bool,
@@ -551,6 +557,8 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
             for L in args.prompt_len:
                 part["contexts"][L] = target_steps(model, comm, args, L, cuda, bw, time_fn, world)
                 save(res, args.out)
+            if len(getattr(args, "batches", ())) > 1:
+                batch_axis(model, comm, args, cuda, bw, time_fn, world, part, lambda: save(res, args.out))
             if cuda and args.kernel_variants:
                 part["variants"] = kernel_variants(model, comm, args, cuda, bw, time_fn, world, res)
             if spec:

@@ -119,6 +119,17 @@ def kv_bytes_per_token_layer(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat
     return KVCache.bytes_per_position(cfg, dtype, quantized)
 
 
+def comm_bytes_per_forward(cfg: ModelConfig, tokens: int, blocks: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Collective payloads of one tensor-parallel forward over `tokens` tokens and `blocks` blocks: one embedding
+    all-reduce [N, D] in the model dtype, two fp32 all-reduces [N, D] per block (attention out, MLP / MoE out),
+    one all-gather of the logits [N, V] (bytes: the gathered tensor)."""
+    D, dt = cfg.hidden_size, _itemsize(dtype)
+    out = {"embedding_all_reduce": tokens * D * dt, "per_block_all_reduce": tokens * D * 4,
+           "logits_all_gather": tokens * cfg.vocab_size * dt}
+    out["total"] = out["embedding_all_reduce"] + 2 * blocks * out["per_block_all_reduce"] + out["logits_all_gather"]
+    return out
+
+
 def draft_cache_layers(draft: str, k: int) -> int:
     return {"none": 0, "eagle": 1, "vanilla": k}[draft]
 
@@ -234,9 +245,9 @@ def make_plan(cfg: ModelConfig, gpus_per_node: int, gpu_mem_gib: float, nodes: i
     # collectives: each forward = 1 embedding all-reduce + 2 per block + 1 lm_head all-gather
     n_fwd_draft = {"none": 0, "eagle": wl.k, "vanilla": wl.k}[wl.draft]
     coll = (2 * cfg.num_hidden_layers + 2) + n_fwd_draft * 4
-    N, D, dt = wl.batch * (wl.k + 1), cfg.hidden_size, _itemsize(dtype)
-    per_fwd = lambda n, blocks: n * D * dt + 2 * blocks * n * D * 4 + n * cfg.vocab_size * dt  # noqa: E731
-    comm = per_fwd(N, cfg.num_hidden_layers) + n_fwd_draft * per_fwd(N, 1)
+    N = wl.batch * (wl.k + 1)
+    comm = (comm_bytes_per_forward(cfg, N, cfg.num_hidden_layers, dtype)["total"]
+            + n_fwd_draft * comm_bytes_per_forward(cfg, N, 1, dtype)["total"])
     notes = []
     lay = RankLayout(cfg, plan, 0)
     if any(w != weights[0] for w in weights):

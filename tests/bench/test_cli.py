@@ -262,3 +262,33 @@ def test_kernel_switches_argument(capsys):
         with pytest.raises(SystemExit):
             parse_args(["--kernels", bad])
         assert said in capsys.readouterr().err
+
+
+def test_batch_axis_arguments():
+    a = bench.parse_args(["--tp", "8", "--batch", "1", "8", "32", "64"])
+    assert (a.batch, a.batches) == (1, [1, 8, 32, 64])
+    assert (bench.parse_args([]).batch, bench.parse_args([]).batches) == (1, [1])
+    for bad in (["--batch", "1", "8"], ["--tp", "8", "--batch", "0"], ["--tp", "8", "--batch", "8", "8"],
+                ["--tp", "8", "--layers", "8", "--extrapolate", "4", "6", "--batch", "1", "2"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_batch_axis_times_each_batch_on_a_tiny_rank():
+    """--tp 2 --batch 1 2 on CPU: one entry per batch, each with its own cache rows, routing and floor bytes."""
+    from mtp.bench.timing import timer
+    from mtp.parallel.simulate import simulated_rank
+
+    args = bench.parse_args(["--tp", "2", "--layers", "2", "--prompt-len", "20", "--k", "0", "--batch", "1", "2"])
+    cfg = tiny_parallel_config(2, layers=2, dense_layers=1)
+    with simulated_rank(2, 0) as comm:
+        model = random_parallel_model(cfg, comm, device="cpu", dtype=torch.float32, seed=0)
+        time_fn = timer(False, 1, 0)
+        part = {"contexts": {20: rb.target_steps(model, comm, args, 20, False, None, time_fn, 2)}}
+        saves = []
+        rb.batch_axis(model, comm, args, False, None, time_fn, 2, part, lambda: saves.append(1))
+    assert set(part["batches"]) == {1, 2} and part["batches"][1]["contexts"] is part["contexts"] and saves == [1]
+    one, two = (part["batches"][b]["contexts"][20]["widths"][1] for b in (1, 2))
+    assert one["floor_bytes"]["cache"] < two["floor_bytes"]["cache"]  # two rows of cache read
+    assert two["local_experts_touched"]["expected_uniform_routing"] == rb.expected_local_experts(cfg, 2, 2)
+    assert one["eager_ms"] > 0 and two["eager_ms"] > 0

@@ -42,3 +42,22 @@ def test_bench_tp8_four_layers(tmp_path):
     assert "tree 2x1" in p.stdout and runs["tree_2x1_overlap"]["gpu_step_ms"] > 0  # the captured tree step
     pj = res["projection"]["contexts"]["1024"]["tree_chain1"]
     assert pj["AL"] == 1.5 and pj["draft_source"] == "measured tree step"
+
+
+def test_bench_tp8_batch_axis_four_layers(tmp_path):
+    """--batch 1 8: each batch its own entry with graph-timed steps at every width; the speed model's
+    calibration reads the file."""
+    out = tmp_path / "tp8b.json"
+    cmd = [sys.executable, "-m", "mtp.bench", "--tp", "8", "--layers", "4", "--prompt-len", "1024", "--k", "1",
+           "--batch", "1", "8", "--iters", "3", "--no-spec", "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert set(res["batches"]) == {"1", "8"}
+    for B in ("1", "8"):
+        for w, r in res["batches"][B]["contexts"]["1024"]["widths"].items():
+            assert r["graph_ms"] > 0 and r["kernels_per_step"] > 10
+    from mtp.model.config import ModelConfig
+    from mtp.plan.calibrate import calibrate
+    cal = calibrate(ModelConfig(), [str(out)])
+    assert {r.shape.rows for r in cal.rows} == {1, 8}
