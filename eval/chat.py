@@ -82,19 +82,9 @@ def main() -> None:
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
         print(chat_help())
         sys.exit(0)
-    import hydra
+    from .common import hydra_entry
 
-    from . import schema  # noqa: F401  (registers the structured configs conf/ files build on)
-
-    code = 0
-
-    @hydra.main(config_path=str(conf_dir()), config_name="chat", version_base=None)
-    def _main(cfg) -> None:
-        nonlocal code
-        code = run(cfg)
-
-    _main()
-    sys.exit(code)
+    hydra_entry("chat", run)
 
 
 if __name__ == "__main__":

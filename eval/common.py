@@ -118,3 +118,24 @@ def generate_kwargs(cfg: Any, tokenizer: Any = None) -> dict:
     if "mode" in kw:
         check_runtime(cfg.runtime)
     return kw
+
+
+def hydra_entry(config_name: str, run) -> None:
+    """A console script's main: `run(cfg)` under Hydra with conf/<config_name>.yaml; its return value is the exit
+    code."""
+    import sys
+
+    import hydra
+
+    from . import conf_dir
+    from . import schema  # noqa: F401  (registers the structured configs conf/ files build on)
+
+    code = 0
+
+    @hydra.main(config_path=str(conf_dir()), config_name=config_name, version_base=None)
+    def _main(cfg) -> None:
+        nonlocal code
+        code = run(cfg)
+
+    _main()
+    sys.exit(code)
