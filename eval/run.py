@@ -79,11 +79,12 @@ def config_hash(resolved: dict) -> str:
 
 
 def plan_batches(prompts: list[Prompt], batch_size: int) -> list[tuple[str, list[Prompt]]]:
-    """Batches of one category each (so per-category metrics are exact merges), named by plan position.
-    Deterministic in the prompt list: a resumed run plans the same batches."""
-    by_cat: dict[str, list[Prompt]] = {}
-    for p in prompts:
-        by_cat.setdefault(p.category, []).append(p)
+    """Batches of one category each (so per-category metrics are exact merges), named by plan position; turn j+1
+    of multi-turn rows in batches after turn j's (it needs their answers). Deterministic in the prompt list: a
+    resumed run plans the same batches."""
+    by_cat: dict[tuple[str, int], list[Prompt]] = {}
+    for p in sorted(prompts, key=lambda p: p.turn):  # stable: turn 1 of every category first
+        by_cat.setdefault((p.category, p.turn), []).append(p)
     chunks = [ps[i: i + batch_size] for ps in by_cat.values() for i in range(0, len(ps), batch_size)]
     return [(f"b{n:05d}", c) for n, c in enumerate(chunks)]
 
@@ -369,6 +370,9 @@ def _generate_all(typed: EvalConfig, model, tok, batches, ids, stores: dict, kws
         task = bar.add_task(_describe(typed), total=total, completed=total - sum(len(b) for _, b in todo), status="")
         for step, (name, batch) in enumerate(todo):
             bids = [p.id for p in batch]
+            if any(p.follows for p in batch):
+                _follow_up_ids(typed, model, tok, batch, {p.id: p for _, b in batches for p in b}, ids,
+                               stores["spec"].records)
             bid_tokens = [ids[i] for i in bids]
             for group, repeats in ((timed, typed.timing.repeats), ([w for w in stores if w not in timed], 1)):
                 todo_kws = {w: kws[w] for w in group if not stores[w].has(bids)}
@@ -379,6 +383,21 @@ def _generate_all(typed: EvalConfig, model, tok, batches, ids, stores: dict, kws
                         logger.log_batch(step, recs)
             al = aggregate.summarize(stores["spec"].records)["overall"]["accept/mean_len"]
             bar.update(task, advance=len(batch), status=f"AL {al:.2f}")
+
+
+def _follow_up_ids(typed: EvalConfig, model, tok, batch: list[Prompt], by_id: dict[str, Prompt], ids: dict,
+                   records: list[dict]) -> None:
+    """Prompt ids of later turns of multi-turn rows: the conversation so far with the speculative run's answers
+    (every setting of the run answers the same prompt, so their speeds compare)."""
+    from mtp.text.prompt import encode_chat
+
+    from .data import conversation
+
+    outputs = {r["id"]: r["output"] for r in records}
+    for p in batch:
+        if p.follows:
+            ids[p.id] = encode_chat(conversation(p, by_id, outputs), tok, p.thinking)
+    _check_lengths(typed, model, batch, ids, typed.draft.k, typed.draft.tree)
 
 
 def _describe(typed: EvalConfig) -> str:

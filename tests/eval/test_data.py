@@ -1,0 +1,83 @@
+"""Prompt sources offline: MT-Bench / SpecBench `turns` rows as multi-turn conversations, the bundled benchmark
+subsets with their licences, and mtp-eval answering every turn of a bundled MT-Bench question."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eval.data import BENCHMARKS_DIR, DataError, conversation, load_prompts
+from eval.run import plan_batches
+from eval.schema import BundledDatasetSchema, FieldMap, LocalDatasetSchema
+from mtp.text.tokenizer import END_THINK, EOS
+
+from .test_run import _samples, mtp_eval
+
+SPECBENCH = [{"question_id": 81, "category": "writing", "turns": ["Write a haiku.", "Now make it rhyme."]},
+             {"question_id": 82, "category": "math", "turns": ["What is 2+3?"]}]
+
+
+def _local(tmp_path: Path, rows: list[dict], **kw) -> LocalDatasetSchema:
+    path = tmp_path / "question.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return LocalDatasetSchema(name="specbench", path=str(path), fields=FieldMap(id="question_id"), **kw)
+
+
+def test_turns_rows_become_one_prompt_per_turn(tmp_path):
+    prompts = load_prompts(_local(tmp_path, SPECBENCH))
+    assert [(p.id, p.turn, p.follows, p.category) for p in prompts] == [
+        ("81/t1", 1, None, "writing"), ("81/t2", 2, "81/t1", "writing"), ("82/t1", 1, None, "math")]
+    by_id = {p.id: p for p in prompts}
+    # turn 2 is asked after turn 1's answer (the end-of-sentence token left out)
+    msgs = conversation(by_id["81/t2"], by_id, {"81/t1": f"An old pond.{EOS}"})
+    assert msgs == [{"role": "user", "content": "Write a haiku."}, {"role": "assistant", "content": "An old pond."},
+                    {"role": "user", "content": "Now make it rhyme."}]
+    p1 = by_id["81/t1"]
+    thinking = {p.id: p for p in load_prompts(_local(tmp_path, SPECBENCH), thinking=True)}
+    for output, answer in ((f"hmm{END_THINK}An old pond.{EOS}", "An old pond."), ("hmm, still think", "")):
+        assert conversation(thinking["81/t2"], thinking, {"81/t1": output})[1]["content"] == answer  # no reasoning
+    assert conversation(p1, by_id, {}) == p1.messages
+    with pytest.raises(DataError, match="turn 2 needs the answer to 81/t1"):
+        conversation(by_id["81/t2"], by_id, {})
+    # limit counts rows: a conversation is kept whole; turn 2 batches come after turn 1's
+    assert [p.id for p in load_prompts(_local(tmp_path, SPECBENCH, limit=1))] == ["81/t1", "81/t2"]
+    order = [p.id for _, b in plan_batches(prompts, 4) for p in b]
+    assert order.index("81/t2") > order.index("81/t1")
+
+
+def test_a_row_without_prompt_fields_names_all_three(tmp_path):
+    with pytest.raises(DataError, match=r"needs column 'messages' \(messages\), 'prompt' \(prompt text\) or "
+                                        r"'turns' \(user turns\); it has \['question_id', 'text'\]"):
+        load_prompts(_local(tmp_path, [{"question_id": 1, "text": "hi"}]))
+    with pytest.raises(DataError, match="column 'turns' must be a non-empty list of user messages"):
+        load_prompts(_local(tmp_path, [{"question_id": 1, "turns": "hi"}]))
+
+
+@pytest.mark.parametrize("name, file, n_rows, fields", [
+    ("mtbench", "mtbench/question.jsonl", 16, FieldMap(id="question_id", prompt=None, messages=None)),
+    ("humaneval", "humaneval/HumanEval.jsonl", 16, FieldMap(id="task_id", messages=None, turns=None)),
+    ("gsm8k", "gsm8k/test.jsonl", 32, FieldMap(id=None, prompt="question", messages=None, turns=None)),
+])
+def test_bundled_benchmarks_load_offline_with_their_licence(name, file, n_rows, fields, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    prompts = load_prompts(BundledDatasetSchema(name=name, file=file, fields=fields))
+    assert sum(p.turn == 1 for p in prompts) == n_rows
+    assert (BENCHMARKS_DIR / file).parent.joinpath("LICENSE.txt").is_file()
+    if name == "mtbench":
+        assert len(prompts) == 32 and len({p.category for p in prompts}) == 8
+
+
+def test_mtp_eval_answers_every_turn_of_bundled_mtbench(tmp_path):
+    out = tmp_path / "run"
+    r = mtp_eval(["dataset=mtbench", "dataset.limit=1", "model.numerics=dequant", "max_new_tokens=4",
+                  "runtime.warmup=false", "timing.repeats=1", "plots=false", f"output_dir={out}",
+                  f"hydra.run.dir={out}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = {s["id"]: s for s in _samples(out / "samples.jsonl")}
+    assert sorted(recs) == ["81/t1", "81/t2"]
+    # turn 2's prompt holds turn 1, its answer and the new question
+    assert recs["81/t2"]["prompt_tokens"] > recs["81/t1"]["prompt_tokens"] + 10
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert list(metrics["per_category"]) == ["writing"]
