@@ -139,3 +139,14 @@ def hydra_entry(config_name: str, run) -> None:
 
     _main()
     sys.exit(code)
+
+
+def check_launcher(argv: list[str]) -> None:
+    """A sweep asking for the joblib launcher (`hydra/launcher=joblib`) without its plugin installed: one line naming
+    the extra, instead of Hydra's list of the launchers it could find."""
+    import importlib.util
+
+    if any(a.replace(" ", "") == "hydra/launcher=joblib" for a in argv) and \
+            importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is None:
+        raise SystemExit("mtp-eval: hydra/launcher=joblib needs hydra-joblib-launcher, which is not installed: "
+                         "pip install 'mtp[sweeps]' (in the repository: pip install -e \".[sweeps]\")")

@@ -1,6 +1,6 @@
 """mtp-eval: run a prompt set through speculative decoding and write samples, metrics and plots.
 
-    mtp-eval                                    # = python -m eval.run ; defaults in conf/eval.yaml
+    mtp-eval                                    # = python -m mtp_eval.run ; defaults in conf/eval.yaml
     mtp-eval draft.k=3 verify=relaxed thinking=true
     mtp-eval -m draft.k=1,2,3                   # multirun + sweep summary
 
@@ -473,5 +473,13 @@ def main(cfg: DictConfig) -> float:
     return evaluate(cfg)
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """`mtp-eval`: `main` after the checks Hydra cannot word (a launcher whose extra is missing)."""
+    from .common import check_launcher
+
+    check_launcher(sys.argv[1:])
     main()
+
+
+if __name__ == "__main__":
+    entry()

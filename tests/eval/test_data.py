@@ -81,3 +81,29 @@ def test_mtp_eval_answers_every_turn_of_bundled_mtbench(tmp_path):
     assert recs["81/t2"]["prompt_tokens"] > recs["81/t1"]["prompt_tokens"] + 10
     metrics = json.loads((out / "metrics.json").read_text())
     assert list(metrics["per_category"]) == ["writing"]
+
+
+def test_parquet_and_hub_without_datasets_name_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    from mtp.utils import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    (tmp_path / "p.parquet").write_bytes(b"PAR1")
+    with pytest.raises(MissingExtraError, match=r"a Parquet file needs 'datasets'.*pip install 'mtp\[datasets\]'"):
+        load_prompts(LocalDatasetSchema(name="local", path=str(tmp_path / "p.parquet")))
+    assert len(load_prompts(_local(tmp_path, SPECBENCH))) == 3  # JSON lines need no extra
+
+
+def test_joblib_launcher_without_its_plugin_names_the_extra(monkeypatch):
+    import importlib.util
+
+    from eval.common import check_launcher
+
+    check_launcher(["hydra/launcher=joblib"])  # installed here (the test extra): nothing to say
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("hydra_plugins.hydra_joblib") else real(name, *a))
+    check_launcher(["draft.k=2"])
+    with pytest.raises(SystemExit, match=r"needs hydra-joblib-launcher.*pip install 'mtp\[sweeps\]'"):
+        check_launcher(["-m", "hydra/launcher=joblib", "draft.k=1,2"])
