@@ -1,6 +1,6 @@
 """`mtp-chat`: multi-turn chat with the target model and MTP drafting, streamed to a terminal.
 
-    python -m eval.chat                      # (or `mtp-chat`) the bundled model (MODEL_CARD.md) on the CPU
+    python -m mtp_eval.chat                      # (or `mtp-chat`) the bundled model (MODEL_CARD.md) on the CPU
     mtp-chat model=dsv32 model.path=/ckpt runtime=cuda draft=eagle draft.k=2 verify=relaxed thinking=true
     mtp-chat max_new_tokens=64 show_drafts=true runtime.max_model_len=8192
 
