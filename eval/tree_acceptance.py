@@ -1,4 +1,4 @@
-"""Draft trees vs chains vs adaptive length on the bundled model (issue 19's table), on the CPU.
+"""Draft trees vs chains vs adaptive length on the bundled model (BENCHMARKS.md's table), on the CPU.
 
     python -m mtp_eval.tree_acceptance --out eval/results/tree_acceptance_cpu.json
 
