@@ -6,7 +6,8 @@ mtp's own validation: sampling and speculative options go through `GenerationCon
 name (`OptionError.say`), so `max_tokens must be an integer >= 1, got 0` reads as mtp-eval's and mtp-chat's do.
 
 Field mapping (OpenAI -> generate option):
-    max_tokens / max_completion_tokens -> max_new_tokens
+    max_tokens / max_completion_tokens -> max_new_tokens (absent: the server's default, cut to the room the prompt
+                 leaves in max_model_len; given: prompt + max_tokens over max_model_len is a 400)
     temperature  0 -> verify='strict' (greedy); > 0 -> verify='sample' at that temperature; absent: the server's
                  verifier (unless the request names one in `mtp.verify`, which wins)
     top_p, top_k, seed -> the sampling verifier's
@@ -22,6 +23,7 @@ function, which need constrained decoding) are refused rather than ignored.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -198,7 +200,8 @@ def generate_options(body: Mapping[str, Any], defaults: Defaults) -> dict[str, A
 def _job(kind: str, body: Mapping[str, Any], ids: list[int], defaults: Defaults, tok: Tokenizer, model,
          thinking: bool, tools: bool) -> Job:
     max_new = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_new = defaults.max_new_tokens if max_new is None else max_new
+    asked = max_new is not None
+    max_new = max_new if asked else defaults.max_new_tokens
     options = generate_options(body, defaults)
     options.setdefault("think_ids", (tok.think_id, tok.end_think_id))
     try:
@@ -210,6 +213,8 @@ def _job(kind: str, body: Mapping[str, Any], ids: list[int], defaults: Defaults,
     except ValueError as e:  # rules that need the model (MTP modules for k drafts)
         raise RequestError("mtp", f"mtp: {e}") from None
     limit = context_limit(model, config, defaults)
+    if not asked and len(ids) < limit < len(ids) + max_new:
+        config = dataclasses.replace(config, max_new_tokens=limit - len(ids))  # no max_tokens: what room is left
     if len(ids) + config.max_new_tokens > limit:
         raise RequestError("max_tokens", f"the prompt is {len(ids)} tokens; + max_tokens {config.max_new_tokens} "
                                          f"exceeds max_model_len {limit}")
