@@ -5,6 +5,7 @@ package named `eval` lands in site-packages; in the repository it imports as `ev
 The library `mtp/` never imports Hydra, W&B or this package. Entry points:
 - `run`     : `mtp-eval` / `python -m mtp_eval.run` (Hydra main);
 - `chat`    : `mtp-chat` / `python -m mtp_eval.chat` (Hydra main around the `mtp.chat` application);
+- `serve`   : `mtp-serve` / `python -m mtp_eval.serve` (Hydra main around the `mtp.serve` OpenAI-compatible server);
 - `common`  : `build(cfg) -> (model, tokenizer)` and `generate_kwargs(cfg)`, shared by both;
 - `schema`  : the structured-config schemas behind every `conf/` group (importing it registers them);
 - `summary` : the sweep summary (Hydra callback and `python -m mtp_eval.summary SWEEP_DIR`).
