@@ -146,7 +146,12 @@ def check_launcher(argv: list[str]) -> None:
     the extra, instead of Hydra's list of the launchers it could find."""
     import importlib.util
 
-    if any(a.replace(" ", "") == "hydra/launcher=joblib" for a in argv) and \
-            importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is None:
+    if not any(a.replace(" ", "") == "hydra/launcher=joblib" for a in argv):
+        return
+    try:
+        found = importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is not None
+    except ModuleNotFoundError:  # no hydra_plugins namespace at all: no plugin installed
+        found = False
+    if not found:
         raise SystemExit("mtp-eval: hydra/launcher=joblib needs hydra-joblib-launcher, which is not installed: "
                          "pip install 'mtp[sweeps]' (in the repository: pip install -e \".[sweeps]\")")

@@ -107,3 +107,10 @@ def test_joblib_launcher_without_its_plugin_names_the_extra(monkeypatch):
     check_launcher(["draft.k=2"])
     with pytest.raises(SystemExit, match=r"needs hydra-joblib-launcher.*pip install 'mtp\[sweeps\]'"):
         check_launcher(["-m", "hydra/launcher=joblib", "draft.k=1,2"])
+
+    def no_namespace(name, *a):  # no hydra plugin installed at all: the parent package is missing too
+        raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_namespace)
+    with pytest.raises(SystemExit, match=r"pip install 'mtp\[sweeps\]'"):
+        check_launcher(["hydra/launcher=joblib"])
