@@ -3,11 +3,12 @@ and reports. Installed as `mtp_eval` (this folder; `conf/` ships inside it as `m
 package named `eval` lands in site-packages; in the repository it imports as `eval`. Relative imports only.
 
 The library `mtp/` never imports Hydra, W&B or this package. Entry points:
-- `run`     : `mtp-eval` / `python -m eval.run` (Hydra main);
-- `chat`    : `mtp-chat` / `python -m eval.chat` (Hydra main around the `mtp.chat` application);
+- `run`     : `mtp-eval` / `python -m mtp_eval.run` (Hydra main);
+- `chat`    : `mtp-chat` / `python -m mtp_eval.chat` (Hydra main around the `mtp.chat` application);
+- `serve`   : `mtp-serve` / `python -m mtp_eval.serve` (Hydra main around the `mtp.serve` OpenAI-compatible server);
 - `common`  : `build(cfg) -> (model, tokenizer)` and `generate_kwargs(cfg)`, shared by both;
 - `schema`  : the structured-config schemas behind every `conf/` group (importing it registers them);
-- `summary` : the sweep summary (Hydra callback and `python -m eval.summary SWEEP_DIR`).
+- `summary` : the sweep summary (Hydra callback and `python -m mtp_eval.summary SWEEP_DIR`).
 """
 
 from pathlib import Path

@@ -1,6 +1,6 @@
 """`mtp-chat`: multi-turn chat with the target model and MTP drafting, streamed to a terminal.
 
-    python -m eval.chat                      # (or `mtp-chat`) the bundled model (MODEL_CARD.md) on the CPU
+    python -m mtp_eval.chat                      # (or `mtp-chat`) the bundled model (MODEL_CARD.md) on the CPU
     mtp-chat model=dsv32 model.path=/ckpt runtime=cuda draft=eagle draft.k=2 verify=relaxed thinking=true
     mtp-chat max_new_tokens=64 show_drafts=true runtime.max_model_len=8192
 
@@ -101,19 +101,9 @@ def main() -> None:
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
         print(chat_help())
         sys.exit(0)
-    import hydra
+    from .common import hydra_entry
 
-    from . import schema  # noqa: F401  (registers the structured configs conf/ files build on)
-
-    code = 0
-
-    @hydra.main(config_path=str(conf_dir()), config_name="chat", version_base=None)
-    def _main(cfg) -> None:
-        nonlocal code
-        code = run(cfg)
-
-    _main()
-    sys.exit(code)
+    hydra_entry("chat", run)
 
 
 if __name__ == "__main__":

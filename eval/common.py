@@ -162,3 +162,40 @@ def generate_kwargs(cfg: Any, tokenizer: Any = None) -> dict:
     if "mode" in kw:
         check_runtime(cfg.runtime)
     return kw
+
+
+def hydra_entry(config_name: str, run) -> None:
+    """A console script's main: `run(cfg)` under Hydra with conf/<config_name>.yaml; its return value is the exit
+    code."""
+    import sys
+
+    import hydra
+
+    from . import conf_dir
+    from . import schema  # noqa: F401  (registers the structured configs conf/ files build on)
+
+    code = 0
+
+    @hydra.main(config_path=str(conf_dir()), config_name=config_name, version_base=None)
+    def _main(cfg) -> None:
+        nonlocal code
+        code = run(cfg)
+
+    _main()
+    sys.exit(code)
+
+
+def check_launcher(argv: list[str]) -> None:
+    """A sweep asking for the joblib launcher (`hydra/launcher=joblib`) without its plugin installed: one line naming
+    the extra, instead of Hydra's list of the launchers it could find."""
+    import importlib.util
+
+    if not any(a.replace(" ", "") == "hydra/launcher=joblib" for a in argv):
+        return
+    try:
+        found = importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is not None
+    except ModuleNotFoundError:  # no hydra_plugins namespace at all: no plugin installed
+        found = False
+    if not found:
+        raise SystemExit("mtp-eval: hydra/launcher=joblib needs hydra-joblib-launcher, which is not installed: "
+                         "pip install 'mtp[sweeps]' (in the repository: pip install -e \".[sweeps]\")")

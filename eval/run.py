@@ -1,6 +1,6 @@
 """mtp-eval: run a prompt set through speculative decoding and write samples, metrics and plots.
 
-    mtp-eval                                    # = python -m eval.run ; defaults in conf/eval.yaml
+    mtp-eval                                    # = python -m mtp_eval.run ; defaults in conf/eval.yaml
     mtp-eval draft.k=3 verify=relaxed thinking=true
     mtp-eval -m draft.k=1,2,3                   # multirun + sweep summary
 
@@ -83,11 +83,12 @@ def config_hash(resolved: dict) -> str:
 
 
 def plan_batches(prompts: list[Prompt], batch_size: int) -> list[tuple[str, list[Prompt]]]:
-    """Batches of one category each (so per-category metrics are exact merges), named by plan position.
-    Deterministic in the prompt list: a resumed run plans the same batches."""
-    by_cat: dict[str, list[Prompt]] = {}
-    for p in prompts:
-        by_cat.setdefault(p.category, []).append(p)
+    """Batches of one category each (so per-category metrics are exact merges), named by plan position; turn j+1
+    of multi-turn rows in batches after turn j's (it needs their answers). Deterministic in the prompt list: a
+    resumed run plans the same batches."""
+    by_cat: dict[tuple[str, int], list[Prompt]] = {}
+    for p in sorted(prompts, key=lambda p: p.turn):  # stable: turn 1 of every category first
+        by_cat.setdefault((p.category, p.turn), []).append(p)
     chunks = [ps[i: i + batch_size] for ps in by_cat.values() for i in range(0, len(ps), batch_size)]
     return [(f"b{n:05d}", c) for n, c in enumerate(chunks)]
 
@@ -374,6 +375,9 @@ def _generate_all(typed: EvalConfig, model, tok, batches, ids, stores: dict, kws
         task = bar.add_task(_describe(typed), total=total, completed=total - sum(len(b) for _, b in todo), status="")
         for step, (name, batch) in enumerate(todo):
             bids = [p.id for p in batch]
+            if any(p.follows for p in batch):
+                _follow_up_ids(typed, model, tok, batch, {p.id: p for _, b in batches for p in b}, ids,
+                               stores["spec"].records)
             bid_tokens = [ids[i] for i in bids]
             for group, repeats in ((timed, typed.timing.repeats), ([w for w in stores if w not in timed], 1)):
                 todo_kws = {w: kws[w] for w in group if not stores[w].has(bids)}
@@ -384,6 +388,21 @@ def _generate_all(typed: EvalConfig, model, tok, batches, ids, stores: dict, kws
                         logger.log_batch(step, recs)
             al = aggregate.summarize(stores["spec"].records)["overall"]["accept/mean_len"]
             bar.update(task, advance=len(batch), status=f"AL {al:.2f}")
+
+
+def _follow_up_ids(typed: EvalConfig, model, tok, batch: list[Prompt], by_id: dict[str, Prompt], ids: dict,
+                   records: list[dict]) -> None:
+    """Prompt ids of later turns of multi-turn rows: the conversation so far with the speculative run's answers
+    (every setting of the run answers the same prompt, so their speeds compare)."""
+    from mtp.text.prompt import encode_chat
+
+    from .data import conversation
+
+    outputs = {r["id"]: r["output"] for r in records}
+    for p in batch:
+        if p.follows:
+            ids[p.id] = encode_chat(conversation(p, by_id, outputs), tok, p.thinking)
+    _check_lengths(typed, model, batch, ids, typed.draft.k, typed.draft.tree)
 
 
 def _describe(typed: EvalConfig) -> str:
@@ -462,18 +481,22 @@ def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -
 
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="eval")
-def _hydra_main(cfg: DictConfig) -> float:
+def main(cfg: DictConfig) -> float:
     return evaluate(cfg)
 
 
-def main() -> None:
-    """`mtp-eval`; under torchrun, ranks > 0 serve rank 0 (mtp.parallel.worker) and run no Hydra at all."""
+def entry() -> None:
+    """`mtp-eval`: under torchrun, ranks > 0 serve rank 0 (mtp.parallel.worker) and run no Hydra at all; rank 0 runs
+    `main` after the checks Hydra cannot word (a launcher whose extra is missing)."""
     if worker_rank():
         from mtp.parallel.worker import main as serve
 
         sys.exit(serve())
-    _hydra_main()
+    from .common import check_launcher
+
+    check_launcher(sys.argv[1:])
+    main()
 
 
 if __name__ == "__main__":
-    main()
+    entry()

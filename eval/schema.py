@@ -193,6 +193,7 @@ class FieldMap:
     id: Optional[str] = "id"
     prompt: Optional[str] = "prompt"  # a single user message
     messages: Optional[str] = "messages"  # a chat: [{role, content}, ...]; wins over `prompt`
+    turns: Optional[str] = "turns"  # MT-Bench / SpecBench: user turns, each answered by the model before the next
     category: Optional[str] = "category"
     thinking: Optional[str] = "thinking"
     answer: Optional[str] = "answer"  # reference answer: task accuracy (last number of the output vs of this)
@@ -235,6 +236,11 @@ class LocalDatasetSchema(DatasetSchema):
         super().__post_init__()
         if not self.path.endswith((".jsonl", ".json", ".parquet")):
             _fail("dataset.path", self.path, "a file ending in .jsonl, .json or .parquet")
+
+
+@dataclass
+class BundledDatasetSchema(DatasetSchema):
+    file: str = MISSING  # a .jsonl file under mtp/data/benchmarks/ (subsets of public benchmarks, offline)
 
 
 @dataclass
@@ -316,13 +322,38 @@ class ChatConfig:
     verify: Any = MISSING
     runtime: Any = MISSING
     max_new_tokens: int = 512
-    thinking: bool = False
+    thinking: bool = True  # the bundled model's training format (MODEL_CARD.md); off answers it with noise
     show_drafts: bool = False  # mark which tokens came from accepted drafts
 
     def __post_init__(self):
-        if self.draft.tree is not None:
-            _fail("draft.tree", self.draft.tree, "null: mtp-chat decodes chains (tree decoding runs in mtp-eval)")
+        _chains_only(self, "mtp-chat")
         _check_generation(self)
+
+
+@dataclass
+class ServeConfig:
+    """`mtp-serve`: the model and the default generation settings of requests that do not set their own."""
+
+    model: Any = MISSING
+    draft: Any = MISSING
+    verify: Any = MISSING
+    runtime: Any = MISSING
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: Optional[str] = None  # None: the model's label (the bundled model's folder name)
+    max_new_tokens: int = 512  # a request's max_tokens when it gives none
+    thinking: bool = True  # a chat request's thinking mode when it does not say
+
+    def __post_init__(self):
+        _chains_only(self, "mtp-serve")
+        if not 0 <= self.port <= 65535:
+            _fail("port", self.port, "a TCP port in [0, 65535] (0: any free port)")
+        _check_generation(self)
+
+
+def _chains_only(cfg: ChatConfig | ServeConfig, tool: str) -> None:
+    if cfg.draft.tree is not None:
+        _fail("draft.tree", cfg.draft.tree, f"null: {tool} decodes chains (tree decoding runs in mtp-eval)")
 
 
 # generate()'s option -> its key in conf/: how an OptionError from mtp's validation is reported
@@ -335,7 +366,7 @@ CONFIG_KEYS = {"max_new_tokens": "max_new_tokens", "draft": "draft.name", "k": "
                "tree": "draft.tree", "min_draft_prob": "draft.min_draft_prob"}
 
 
-def generation_options(cfg: EvalConfig | ChatConfig) -> dict:
+def generation_options(cfg: EvalConfig | ChatConfig | ServeConfig) -> dict:
     """`mtp.generate` keyword options of a typed config's draft, verify and runtime groups (all but
     max_new_tokens; runtime.mode only when it is not eager). What needs files is left to
     `eval.common.generate_kwargs`: think_ids (the tokenizer's) and draft_vocab (draft.vocab_file)."""
@@ -358,7 +389,7 @@ def generation_options(cfg: EvalConfig | ChatConfig) -> dict:
     return kw
 
 
-def _check_generation(cfg: EvalConfig | ChatConfig) -> None:
+def _check_generation(cfg: EvalConfig | ChatConfig | ServeConfig) -> None:
     """The generation options through mtp's own rules (a GenerationConfig built from them), reported by key."""
     kw = generation_options(cfg)
     if kw["verify"] == "relaxed":
@@ -380,9 +411,11 @@ def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="eval_schema", node=EvalConfig)
     cs.store(name="chat_schema", node=ChatConfig)
+    cs.store(name="serve_schema", node=ServeConfig)
     for group, name, node in (
         ("model", "base", ModelSchema), ("draft", "base", DraftSchema), ("runtime", "base", RuntimeSchema),
         ("dataset", "builtin", BuiltinDatasetSchema), ("dataset", "local", LocalDatasetSchema),
+        ("dataset", "bundled", BundledDatasetSchema),
         ("dataset", "hub", HubDatasetSchema), ("verify", "strict", StrictVerifySchema),
         ("verify", "relaxed", RelaxedVerifySchema), ("verify", "sample", SampleVerifySchema),
         ("logger", "none", NullLoggerSchema), ("logger", "wandb", WandbLoggerSchema),

@@ -1,7 +1,7 @@
 """Sweep summary: one row per finished job of a multirun, written next to the jobs' folders.
 
 Runs by itself at the end of every `mtp-eval -m ...` (Hydra callback `SweepSummaryCallback`, configured in
-conf/eval.yaml), or by hand: `python -m eval.summary outputs/eval/multiruns/<date>`. Writes
+conf/eval.yaml), or by hand: `python -m mtp_eval.summary outputs/eval/multiruns/<date>`. Writes
 sweep_summary.{json,csv,png} (AL, decode tok/s and speedup against k, one line per series, tok/s and
 speedup with min-max error bars and the baseline's tok/s beside them; with tree runs also AL against the
 verified nodes) and prints a table. A series is the combination of the settings that vary across the sweep,
@@ -161,5 +161,5 @@ class SweepSummaryCallback(Callback):
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
-        sys.exit("usage: python -m eval.summary SWEEP_DIR")
+        sys.exit("usage: python -m mtp_eval.summary SWEEP_DIR")
     sys.exit(0 if summarize(Path(sys.argv[1])) else 1)

@@ -1,6 +1,6 @@
-"""Draft trees vs chains vs adaptive length on the bundled model (issue 19's table), on the CPU.
+"""Draft trees vs chains vs adaptive length on the bundled model (BENCHMARKS.md's table), on the CPU.
 
-    python -m eval.tree_acceptance --out eval/results/tree_acceptance_cpu.json
+    python -m mtp_eval.tree_acceptance --out eval/results/tree_acceptance_cpu.json
 
 Every point runs through mtp-eval's tree path (eval/trees.py: the config composed from conf/ with draft.tree /
 draft.min_draft_prob / verify overrides, then mtp.decode.tree.run_tree), on the prompts of mtp-eval's default
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     result = run(tuple(a.drafts.split(",")), tuple(a.verifies.split(",")), a.max_new_tokens, a.per_category,
                  a.threads)
-    result["command"] = "python -m eval.tree_acceptance " + " ".join(argv if argv is not None else sys.argv[1:])
+    result["command"] = "python -m mtp_eval.tree_acceptance " + " ".join(argv if argv is not None else sys.argv[1:])
     result["seconds"] = time.perf_counter() - t0
     write_json_atomic(Path(a.out), result)
     print(markdown(result))

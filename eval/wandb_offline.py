@@ -5,7 +5,7 @@ the Python datastore reader, so this parses the file itself: a 7-byte header (b"
 then LevelDB-log records (32 KiB blocks; each chunk = crc32 u32, length u16, type u8: 1 full, 2 first,
 3 middle, 4 last) whose payloads are `wandb_internal_pb2.Record` protobufs.
 
-    python -m eval.wandb_offline outputs/eval/runs/<date>/wandb/offline-run-*/run-*.wandb
+    python -m mtp_eval.wandb_offline outputs/eval/runs/<date>/wandb/offline-run-*/run-*.wandb
 """
 
 from __future__ import annotations

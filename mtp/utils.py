@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from types import ModuleType
 from typing import Any
+
+
+class MissingExtraError(ImportError):
+    """A feature needs a package of an optional extra (pyproject.toml) that is not installed."""
+
+
+def require(module: str, extra: str, feature: str) -> ModuleType:
+    """`import module`, or a MissingExtraError naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is None or module.split(".")[0] != e.name.split(".")[0]:
+            raise  # the module is there, one of its own imports is broken
+        raise MissingExtraError(f"{feature} needs {module!r}, which is not installed: pip install 'mtp[{extra}]' "
+                                f"(in the repository: pip install -e \".[{extra}]\")") from None
 
 
 def write_atomic(path: str | os.PathLike, text: str, mode: int = 0o644) -> None:

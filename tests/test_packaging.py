@@ -62,3 +62,7 @@ def test_wheel_installs_and_runs_from_another_folder(tmp_path):
     assert "draft:" in job and "eagle" in job
     chat = _run([py, env_dir / "bin" / "mtp-chat", "--cfg", "job"], elsewhere, env=env)
     assert "max_new_tokens" in chat and "show_drafts" in chat
+    assert "served_model_name" in _run([py, env_dir / "bin" / "mtp-serve", "--cfg", "job"], elsewhere, env=env)
+    plan = _run([py, env_dir / "bin" / "mtp-plan", "deepseek-v3.2", "--gpus", "8", "--gpu-mem-gib", "141"], elsewhere,
+                env=env)  # the bundled config by name, read from the installed package
+    assert "FITS" in plan

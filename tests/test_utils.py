@@ -46,3 +46,15 @@ def test_failed_rename_puts_the_old_folder_back(tmp_path, monkeypatch):
     assert (out / "a.safetensors").read_text() == "old"
     assert (new / "a.safetensors").read_text() == "new"  # the new one is not lost either
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-ckpt-1", "ckpt"]
+
+
+def test_require_names_the_extra_of_a_missing_module(monkeypatch):
+    import sys
+
+    from mtp.utils import MissingExtraError, require
+
+    assert require("json", "x", "f").dumps([]) == "[]"
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    with pytest.raises(MissingExtraError, match=r"mtp-serve needs 'fastapi', which is not installed: "
+                                                r"pip install 'mtp\[serve\]'"):
+        require("fastapi", "serve", "mtp-serve")

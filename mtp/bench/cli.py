@@ -238,7 +238,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-spec", action="store_true", help="--tp N: skip the whole speculative steps")
     ap.add_argument("--kernel-variants", nargs="*", default=[], metavar="NAME",
                     help="--tp N on a GPU: also time these fast-path kernel variants on the same rank, side by side "
-                         "(old: before issue 16's kernels; new+pdl: with programmatic dependent launch)")
+                         "(old: the fast path before this release's kernels; new+pdl: with programmatic dependent launch)")
     ap.add_argument("--kernels", nargs="*", default=[], metavar="NAME=VALUE",
                     help="fast-path kernel switches for this run (mtp.kernels.dispatch.FastKernels), e.g. "
                          "gemv_rows=1 pdl=1 norm_quant=0; recorded in the JSON")
@@ -261,7 +261,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "mtp-eval), for their projected tok/s per user")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", "--json", dest="out", default=None,
-                    help="JSON result (default bench.json; with --tp N: bench_tp<N>.json)")
+                    help="JSON result file (none is written unless given)")
     args = ap.parse_args(argv)
     try:
         args.kernels = parse_switches(args.kernels)
@@ -278,8 +278,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.dense_layers = min(3, args.layers - 1) if tp else 1
     if not 0 <= args.dense_layers < args.layers:
         ap.error(f"--dense-layers must be in [0, --layers), got {args.dense_layers} with {args.layers} layers")
-    if args.out is None:
-        args.out = f"bench_tp{args.tp}.json" if tp else "bench.json"
     if min(args.batch) < 1 or len(set(args.batch)) != len(args.batch):
         ap.error(f"--batch: distinct values >= 1, got {args.batch}")
     if len(args.batch) > 1 and (not tp or args.extrapolate is not None):
@@ -336,6 +334,13 @@ def _tree_al(ap: argparse.ArgumentParser, items: list[str], trees: list[str]) ->
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.hf:
+        from ..utils import MissingExtraError, require
+
+        try:
+            require("transformers", "hf", "mtp-bench --hf")
+        except MissingExtraError as e:
+            raise SystemExit(f"mtp-bench: {e}") from None
     if args.kernels:
         from ..kernels.dispatch import set_fast_kernels
 
@@ -362,10 +367,11 @@ def main(argv=None) -> None:
             res["speedup_bound_vs_hf_w1"] = res["hf"]["decode_ms"] / roof1 * (args.layers / res["hf"]["layers"])
         except Exception as e:  # keep our numbers even if this transformers version differs
             res["hf_error"] = repr(e)[:500]
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(res, f, indent=1, default=float)
-    os.replace(tmp, args.out)
+    if args.out is not None:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(res, f, indent=1, default=float)
+        os.replace(tmp, args.out)
     _table(res)
 
 

@@ -20,12 +20,10 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import json
 import math
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -206,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fast-path", action="store_true")
     ap.add_argument("--compare-tp1", action="store_true",
                     help="rank 0 also runs the unsharded model (when it fits) and compares")
-    ap.add_argument("--out", default="tp_bench.json")
+    ap.add_argument("--out", default=None, help="JSON result file (none is written unless given)")
     args = ap.parse_args(argv)
     args.modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     if not set(args.modes) <= {"eager", "graph"} or not args.modes:
@@ -332,11 +330,9 @@ def run(args, comm: CountingComm, device: torch.device) -> dict | None:
     if comm.rank == 0:
         if "generate" in tpn:
             res["generated_tokens_rank0"] = tpn["generate"]["tokens"]
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(res, indent=1, default=float))
-        os.replace(tmp, out)
+        from .rank import save
+
+        save(res, args.out)
         print_table(res)
         return res
     return None

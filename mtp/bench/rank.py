@@ -487,7 +487,14 @@ def project(res: dict, args) -> dict:
     return out
 
 
-def save(res: dict, path: str) -> None:
+CPU_NOTICE = ("CPU RUN: these are CPU times of a small simulated rank, not GPU numbers; its tok/s projection says "
+              "nothing about a GPU deployment (run on a CUDA GPU for that)")
+
+
+def save(res: dict, path: str | None) -> None:
+    """The result as JSON at `path` (--out); nothing when no file was asked for."""
+    if path is None:
+        return
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -589,7 +596,7 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
 
 
 # Kernel variants of the fast path, timed on the same rank after the default run (side by side, same weights):
-# 'old' is the fast path before issue 16's kernels (tensor-core GEMV, separate norm / quant / router / rotary /
+# 'old' is the fast path before this release's kernels (tensor-core GEMV, separate norm / quant / router / rotary /
 # absorbed-projection launches, torch.topk, the pair grid for the experts).
 KERNEL_VARIANTS = {
     "old": (dict(gemv=False, norm_quant=False, router=False, prologue=False, absorb=False, pdl=False),
@@ -687,7 +694,7 @@ def _extrapolate_tree(a: dict, b: dict, lin) -> dict:
 
 
 def run(args) -> dict:
-    """The whole --tp N run; returns the result dict (also written to args.out)."""
+    """The whole --tp N run; returns the result dict (also written to args.out when given)."""
     cuda = torch.cuda.is_available()
     world = args.tp
     cfg = rank_config(args, world, cuda, args.layers)
@@ -738,6 +745,8 @@ def run(args) -> dict:
 
 def print_table(res: dict) -> None:
     """Per-kernel profiles first (long), then the summary lines, so the end of the output is the summary."""
+    if res["device"] == "cpu":
+        print(f"*** {CPU_NOTICE} ***")
     for L, ctx in res["contexts"].items():
         ws = list(ctx["widths"])
         for w in (ws[0], ws[-1]):
@@ -810,7 +819,10 @@ def print_table(res: dict) -> None:
                      f"tok/s per user" + (f", with MTP {best['tok_s_per_user']:.0f} (AL {best['AL']:.2f})" if best else ""))
             print(f"  {name}: {v}")
         for name, v in pj["references_tok_s_per_user"].items():
-            print(f"  reference: {name}: {v:.0f} tok/s per user")
+            if res["device"] != "cpu":  # published GPU numbers beside CPU times would read as a comparison
+                print(f"  reference: {name}: {v:.0f} tok/s per user")
+    if res["device"] == "cpu":
+        print(f"*** {CPU_NOTICE} ***")
     sys.stdout.flush()
 
 

@@ -338,9 +338,23 @@ def what_would_fit(cfg: ModelConfig, gpus_per_node: int, gpu_mem_gib: float, nod
     return out
 
 
+# configs shipped in mtp/data/, found by name wherever mtp is installed
+NAMED_CONFIGS = {"deepseek-v3.2": "deepseek_v32_671b_config.json"}
+
+
+def named_config(config: str) -> str:
+    """`config` as given, or the path of the bundled config it names (when no such file or folder exists)."""
+    from pathlib import Path
+
+    if config in NAMED_CONFIGS and not Path(config).exists():
+        return str(Path(__file__).resolve().parents[1] / "data" / NAMED_CONFIGS[config])
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mtp-plan", description=__doc__.splitlines()[0])
-    ap.add_argument("config", help="config.json (or a checkpoint directory holding one)")
+    ap.add_argument("config", help="config.json, a checkpoint directory holding one, or a bundled config by name: "
+                                   + ", ".join(NAMED_CONFIGS))
     ap.add_argument("--gpus", type=int, required=True, help="GPUs per node")
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpu-mem-gib", type=float, required=True, help="memory per GPU in GiB")
@@ -360,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= a.prompt_len <= a.max_len:
         ap.error(f"--prompt-len must be in [1, --max-len = {a.max_len}], got {a.prompt_len}")
     try:
-        cfg = ModelConfig.from_json(a.config)
+        cfg = ModelConfig.from_json(named_config(a.config))
     except ConfigError as e:
         ap.exit(2, f"mtp-plan: error: {e}\n")
     wl = Workload(a.batch, a.max_len, a.prompt_len, a.draft, a.k if a.draft != "none" else 0, a.numerics, a.dtype)

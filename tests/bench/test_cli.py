@@ -40,7 +40,7 @@ def test_table_prints_every_line_and_no_projection(capsys):
 
 def test_tp1_arguments_are_unchanged():
     a = bench.parse_args([])
-    assert (a.tp, a.layers, a.dense_layers, a.prompt_len, a.k, a.out) == (1, 3, 1, 1024, 3, "bench.json")
+    assert (a.tp, a.layers, a.dense_layers, a.prompt_len, a.k, a.out) == (1, 3, 1, 1024, 3, None)
     assert bench.parse_args(["--prompt-len", "512"]).prompt_len == 512
     for bad in (["--prompt-len", "8", "16"], ["--rank", "1"], ["--tp", "0"], ["--layers", "2", "--dense-layers", "2"]):
         with pytest.raises(SystemExit):
@@ -292,3 +292,32 @@ def test_batch_axis_times_each_batch_on_a_tiny_rank():
     assert one["floor_bytes"]["cache"] < two["floor_bytes"]["cache"]  # two rows of cache read
     assert two["local_experts_touched"]["expected_uniform_routing"] == rb.expected_local_experts(cfg, 2, 2)
     assert one["eager_ms"] > 0 and two["eager_ms"] > 0
+
+
+def test_results_are_written_only_where_asked_and_a_cpu_run_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert bench.parse_args(["--tp", "8"]).out is None
+    rb.save({"x": 1}, None)
+    assert list(tmp_path.iterdir()) == []
+    rb.save({"x": 1}, str(tmp_path / "r.json"))
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    res = {"mode": "simulated rank 0 of TP=8", "device": "cpu", "torch": "x", "param_gib": 0.1, "build_s": 1.0,
+           "contexts": {}, "config": {"num_hidden_layers": 2, "first_k_dense_replace": 1},
+           "projection": {"deployment": "8 x cpu", "collective_latency": {"source": "ASSUMED"},
+                          "accept_per_position": [0.85], "contexts": {}, "other_deployments": {},
+                          "references_tok_s_per_user": {"TensorRT-LLM, 8 x H200": 158}}}
+    rb.print_table(res)
+    out = capsys.readouterr().out
+    assert out.count("not GPU numbers") == 2 and "TensorRT-LLM" not in out
+    rb.print_table({**res, "device": "NVIDIA H200"})
+    out = capsys.readouterr().out
+    assert "not GPU numbers" not in out and "TensorRT-LLM, 8 x H200: 158 tok/s" in out
+
+
+def test_hf_without_transformers_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(SystemExit, match=r"mtp-bench --hf needs 'transformers', which is not installed: "
+                                         r"pip install 'mtp\[hf\]'"):
+        bench.main(["--hf"])

@@ -78,7 +78,7 @@ def test_chat_session_in_a_terminal(tmp_path, tp):
         child.expect(PROMPT)
         ask("hello there", STATS + r" \(eagle k=2 strict\)\]")
         ask("/k 2", "k=2")
-        ask("/think on", "thinking on")
+        ask("/think off", "thinking off")  # on by default: the bundled model was trained in thinking mode
         ask("/k -1", r"error: /k needs an integer in \[1, 16\], got -1")
         ask("/draft nonsense", "error: /draft needs one of none, vanilla, eagle")
         ask("/max 4000", "max_new_tokens 4000")
@@ -107,7 +107,7 @@ def test_chat_session_in_a_terminal(tmp_path, tp):
     prov = data["meta"]["provenance"]  # what produced the transcript; the bundled model by its own name
     assert prov["checkpoint"]["name"] == "dsv32_stdlib_mini" and prov["code"]["torch"]
     assert [t["user"] for t in turns] == ["hello there", "tell me a long story", "and now?"]
-    assert [t["thinking"] for t in turns] == [False, True, True]
+    assert [t["thinking"] for t in turns] == [True, False, False]
     assert [t["interrupted"] for t in turns] == [False, True, False]
     assert [t["settings"]["k"] for t in turns] == [2, 2, 2]
     long_reply = turns[1]["reasoning"] + turns[1]["content"]

@@ -464,14 +464,14 @@ def test_strict_reference_is_plain_greedy_and_relaxed_baseline_is_greedy():
 
 
 def test_prompts_carry_their_reference_answer(tmp_path):
-    from eval.data import load_prompts, to_prompt
+    from eval.data import load_prompts, to_prompts
     from eval.schema import BuiltinDatasetSchema, LocalDatasetSchema
 
     arith = load_prompts(BuiltinDatasetSchema(name="builtin", suites=["arithmetic"]))
     assert len(arith) == 12 and all(p.answer is not None and float(p.answer) for p in arith)
     assert all(p.answer is None for p in load_prompts(BuiltinDatasetSchema(name="builtin", suites=["chat"])))
     ds = LocalDatasetSchema(name="local", path="x.jsonl")
-    assert to_prompt({"prompt": "2+2?", "answer": 4}, 0, ds, None, None).answer == "4"
+    assert to_prompts({"prompt": "2+2?", "answer": 4}, 0, ds, None, None)[0].answer == "4"
 
 
 # ---------------------------------------------------------------------------------------------- degenerate outputs

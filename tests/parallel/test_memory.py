@@ -107,3 +107,12 @@ def test_cli_suggests_what_would_fit(real_config_file, capsys):
             assert not make_plan(cfg, 4, 80, nodes=fewer).fits, fewer
         except ValueError:
             pass
+
+
+def test_cli_finds_the_bundled_config_by_name(real_config_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no file of that name here: the installed package's copy is read
+    argv = ["--gpus", "8", "--gpu-mem-gib", "141", "--json"]
+    assert main(["deepseek-v3.2", *argv]) == 0
+    by_name = json.loads(capsys.readouterr().out)
+    main([str(real_config_file), *argv])
+    assert by_name == json.loads(capsys.readouterr().out)

@@ -1,0 +1,60 @@
+"""Request bodies -> validated jobs (mtp/serve/protocol.py) on the bundled model: field mapping, defaults, limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mtp
+from mtp.checkpoint.tiny import default_checkpoint
+from mtp.serve.protocol import Defaults, RequestError, parse_chat, parse_completion
+from mtp.text.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def mt():
+    path = default_checkpoint()
+    return mtp.load_model(path, device="cpu", dtype=torch.float32), Tokenizer.from_dir(path)
+
+
+D = Defaults(max_new_tokens=512, thinking=True, options={"draft": "eagle", "k": 2, "verify": "strict"},
+             max_model_len=300)
+
+
+def chat(text: str = "hi", **body):
+    return {"messages": [{"role": "user", "content": text}], **body}
+
+
+def test_sampling_fields_map_onto_the_generation_config(mt):
+    model, tok = mt
+    job = parse_chat(chat(temperature=0.7, top_p=0.9, seed=3, max_tokens=5), D, tok, model)
+    g = job.config
+    assert (g.verify, g.sampling.temperature, g.sampling.top_p, g.seed, g.max_new_tokens) == ("sample", 0.7, 0.9, 3, 5)
+    assert (g.draft.mode, g.draft.k) == ("eagle", 2) and job.thinking
+    g = parse_chat(chat(temperature=0, mtp={"draft": "vanilla", "k": 3}), D, tok, model).config
+    assert (g.verify, g.draft.mode, g.draft.k) == ("strict", "vanilla", 3)
+    assert parse_chat(chat(mtp={"draft": "none"}), D, tok, model).config.draft.k == 0
+    assert not parse_chat(chat(thinking={"type": "disabled"}), D, tok, model).thinking
+    assert not parse_chat(chat(chat_template_kwargs={"thinking": False}), D, tok, model).thinking
+
+
+def test_max_tokens_defaults_to_the_room_left_and_a_given_one_is_checked(mt):
+    model, tok = mt
+    long = "word " * 100
+    n = len(parse_chat(chat(long, max_tokens=1), D, tok, model).prompt_ids)
+    assert 150 < n < 290
+    assert parse_chat(chat(long), D, tok, model).config.max_new_tokens == 300 - n  # not 512: max_model_len 300
+    roomy = Defaults(max_new_tokens=16, options=D.options)
+    assert parse_chat(chat(long), roomy, tok, model).config.max_new_tokens == 16
+    with pytest.raises(RequestError, match=f"the prompt is {n} tokens; \\+ max_tokens 200 exceeds max_model_len 300"):
+        parse_chat(chat(long, max_tokens=200), D, tok, model)
+
+
+def test_completion_prompt_forms(mt):
+    model, tok = mt
+    assert parse_completion({"prompt": "def f():"}, D, tok, model).prompt_ids[0] == tok.bos_id
+    assert parse_completion({"prompt": [[5, 6, 7]]}, D, tok, model).prompt_ids == [5, 6, 7]
+    for bad in ({"prompt": ""}, {"prompt": ["a", "b"]}, {"prompt": [1.5]}):
+        with pytest.raises(RequestError) as e:
+            parse_completion(bad, D, tok, model)
+        assert e.value.field == "prompt"
