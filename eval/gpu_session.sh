@@ -14,8 +14,9 @@
 #   PARTS="mlarank" ...                       # mla_decode's heads per program at one TP=8 rank's 16 heads
 #   PACK=1 ...                                # everything under $OUT packed into one results.tgz (few files return)
 #   PARTS="trees1" ...                        # TP=1 tree verify widths (mtp-bench --trees $TREES)
-#   PARTS=dist DIST_RUNS=10 ...               # runtime.tp=2 over NCCL: driver + NCCL tests ($DIST_RUNS times), launcher,
-#                                             # mtp-eval TP=2 vs TP=1 and a 3-point sweep (carry the Hydra wheels)
+#   PARTS=dist DIST_BUDGET_S=480 ...          # runtime.tp=2 over NCCL: launcher, mtp-eval TP=2 vs TP=1, a 3-point sweep,
+#                                             # chat in a pty, then the NCCL tests until the budget is spent (carry the
+#                                             # Hydra + pexpect wheels)
 #   PARTS="tp8v gemv tp1v" ...                # kernel choices side by side (issue 16): the TP=8 rank at 1k with the
 #                                             # kernel variants $VARIANTS, the GEMV sweep (eval/gpu_fused.py), and
 #                                             # the TP=1 bench once per switch set in $TP1_KERNELS ("-" = defaults)
@@ -95,29 +96,26 @@ if want tp8; then
 fi
 if [ "$ngpu" -ge 2 ] && want dist; then  # runtime.tp=2 over NCCL on the bundled model (needs the Hydra wheels: README)
   export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=1
+  t_dist=$(date +%s)
   CK=$(python3 -c "from mtp.checkpoint.tiny import default_checkpoint as d; print(d())")
-  for i in $(seq "${DIST_RUNS:-1}"); do
-    echo "== NCCL tests, run $i of ${DIST_RUNS:-1} $(date -u +%H:%M:%S)"
-    timeout "${DIST_TEST_S:-240}" python3 -m pytest -q -m gpu tests/parallel/test_driver.py tests/parallel/test_parallel.py \
-      -p no:cacheprovider 2>&1 | tee -a "$OUT/pytest_dist.log" | tail -2
-    echo "exit $? run $i" >> "$OUT/pytest_dist.log"
+  for dt in fp32 bf16; do  # the reference path: TP=2 and TP=1 then differ only in the all-reduce's summation order
+    echo "== launcher TP=2 (torchrun) vs TP=1, $dt, reference path $(date -u +%H:%M:%S)"
+    L=("$CK" --prompt "def reverse(xs):" --max-new-tokens 48 --dtype $dt --no-fast-path)
+    timeout 240 python3 -m mtp.parallel.launch "${L[@]}" > "$OUT/launch_tp1_$dt.txt" 2> "$OUT/launch_tp1_$dt.err"
+    timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m mtp.parallel.launch "${L[@]}" --check \
+      > "$OUT/launch_tp2_$dt.txt" 2> "$OUT/launch_tp2_$dt.err"
+    echo "exit $?; stdout equal: $(cmp -s "$OUT/launch_tp1_$dt.txt" "$OUT/launch_tp2_$dt.txt" && echo yes || echo NO)" \
+      "($(wc -c < "$OUT/launch_tp2_$dt.txt") bytes)"
+    grep -h "world" "$OUT/launch_tp1_$dt.err" "$OUT/launch_tp2_$dt.err"
   done
-  for dt in fp32 bf16; do
-    echo "== launcher TP=2 (torchrun) vs TP=1, $dt $(date -u +%H:%M:%S)"
-    timeout 240 python3 -m mtp.parallel.launch "$CK" --prompt "def reverse(xs):" --max-new-tokens 48 --dtype $dt \
-      > "$OUT/launch_tp1_$dt.txt" 2> "$OUT/launch_tp1_$dt.err"
-    timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m mtp.parallel.launch "$CK" \
-      --prompt "def reverse(xs):" --max-new-tokens 48 --dtype $dt --check > "$OUT/launch_tp2_$dt.txt" 2> "$OUT/launch_tp2_$dt.err"
-    echo "exit $?; stdout equal: $(cmp -s "$OUT/launch_tp1_$dt.txt" "$OUT/launch_tp2_$dt.txt" && echo yes || echo NO)"
-    grep "world" "$OUT/launch_tp1_$dt.err" "$OUT/launch_tp2_$dt.err"
-  done
+  [ -n "${DIST_LAUNCH_ONLY:-}" ] && exit 0
   EV="dataset.limit=4 max_new_tokens=48 timing.repeats=1 plots=false runtime=cuda runtime.mode=${DIST_MODE:-overlap}"
   for run in "tp1_fp32 runtime.tp=1 runtime.dtype=float32" "tp2_fp32 runtime.tp=2 runtime.dtype=float32" \
              "tp2_bf16 runtime.tp=2"; do
     set -- $run; name=$1; shift
     echo "== mtp-eval $name $(date -u +%H:%M:%S)"
-    /usr/bin/time -f "wall %e s" timeout 300 python3 -m eval.run $EV "$@" hydra.run.dir="$OUT/eval_$name" 2>&1 \
-      | grep -E "^│ all|wall|error" ; ls "$OUT/eval_$name" | tr '\n' ' '; echo
+    /usr/bin/time -f "wall %e s, exit %x" timeout 300 python3 -m eval.run $EV "$@" hydra.run.dir="$OUT/eval_$name" 2>&1 \
+      | grep -E "^│ all|wall|error"
   done
   python3 - "$OUT" <<'PY'
 import json, sys
@@ -127,8 +125,16 @@ same = [x["tokens"] == y["tokens"] and x["row_accepted_hist"] == y["row_accepted
 print(f"mtp-eval fp32: TP=2 tokens and histograms equal TP=1 for {sum(same)} of {len(same)} prompts")
 PY
   echo "== mtp-eval sweep draft.k=1,2,3 at TP=2 (one load) $(date -u +%H:%M:%S)"
-  /usr/bin/time -f "wall %e s" timeout 400 python3 -m eval.run -m $EV runtime.tp=2 draft.k=1,2,3 \
-    hydra.sweep.dir="$OUT/sweep_tp2" 2>&1 | grep -E "^│ all|wall|error|Launching|#"
+  /usr/bin/time -f "wall %e s, exit %x" timeout 400 python3 -m eval.run -m $EV runtime.tp=2 draft.k=1,2,3 \
+    hydra.sweep.dir="$OUT/sweep_tp2" 2>&1 | grep -E "^│ all|wall|error|#"
+  echo "== mtp-chat at TP=2 in a pseudo-terminal $(date -u +%H:%M:%S)"
+  MTP_CHAT_TEST_RUNTIME=cuda timeout 200 python3 -m pytest -q tests/chat/test_cli.py -k 2 -p no:cacheprovider 2>&1 | tail -2
+  i=0  # the NCCL tests again and again, as long as the budget allows
+  while [ $(( $(date +%s) - t_dist )) -lt "${DIST_BUDGET_S:-480}" ]; do
+    i=$((i + 1)); echo "== NCCL tests, run $i $(date -u +%H:%M:%S)"
+    timeout "${DIST_TEST_S:-240}" python3 -m pytest -q -m gpu ${DIST_TESTS:-tests/parallel/test_driver.py tests/parallel/test_parallel.py} \
+      -p no:cacheprovider 2>&1 | tee -a "$OUT/pytest_dist.log" | tail -1
+  done
 fi
 if [ "${PACK:-0}" = 1 ]; then  # the device tool returns few files: one archive of everything
   (cd "$OUT" && tar czf results.tgz --exclude results.tgz . && find . -type f ! -name results.tgz -delete)

@@ -51,7 +51,12 @@ def run(cfg) -> int:
 
 
 def main() -> None:
-    from .common import hydra_entry
+    from .common import hydra_entry, worker_rank
+
+    if worker_rank():  # under torchrun: ranks > 0 serve rank 0, which runs the HTTP server
+        from mtp.parallel.worker import main as serve_rank
+
+        sys.exit(serve_rank())
 
     hydra_entry("serve", run)
 

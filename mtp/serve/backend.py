@@ -16,7 +16,7 @@ from typing import Protocol
 
 from ..chat.turn import StepLog
 from ..decode.config import GenerationConfig
-from ..decode.engine import StepEvent
+from ..decode.engine import StepEvent, stops
 from ..decode.metrics import SpecMetrics
 
 OnTokens = Callable[[list[int], int], None]  # (tokens committed by a step, how many of them were accepted drafts)
@@ -52,6 +52,7 @@ class LocalBackend:
         log = StepLog(config.draft.mode, config.draft.k, config.verify, len(prompt_ids))
         tokens: list[int] = []
 
+        @stops  # a disconnect ends the request after this step, on every rank of a split model
         def on_step(event: StepEvent) -> None:
             log.add(event)
             tokens.extend(event.new_tokens[0])

@@ -115,7 +115,7 @@ def test_commands_change_settings(tok):
     ("/k -1", "/k needs an integer in [1, 16], got -1 (draft='none' drafts nothing)"), ("/k 0", "in [1, 16]"),
     ("/k 17", "in [1, 16]"), ("/k two", "/k needs an integer in [1, 16], got 'two'"),
     ("/draft nonsense", "/draft needs one of none, vanilla, eagle, got 'nonsense'"),
-    ("/verify greedy", "/verify needs one of strict, relaxed, sample, got 'greedy'"),
+    ("/verify greedy", "/verify needs one of strict, relaxed, sample, typical, got 'greedy'"),
     ("/think maybe", "on or off"), ("/max 0", "integer >= 1"), ("/max lots", "got 'lots'"),
     ("/max 5000", "leaves no room for a prompt"), ("/frobnicate", "unknown command /frobnicate"),
     ("/save", "usage: /save FILE"), ("/save /no/such/dir/t.json", "does not exist"),
