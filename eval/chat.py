@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from mtp.chat.session import HELP, Session, Settings, loop
 from mtp.chat.terminal import StopFlag, TerminalInput, TerminalView
@@ -42,7 +43,9 @@ def run(cfg) -> int:
                         show_drafts=bool(cfg.show_drafts))
     view.notice(f"loading {model_label(cfg.model)} on {cfg.runtime.device} ...")
     try:
+        t0 = time.perf_counter()
         model, tokenizer = build(cfg)
+        startup = {"load_s": time.perf_counter() - t0, "warmup_s": None}
         settings = Settings.from_generate_kwargs(generate_kwargs(cfg, tokenizer), max_new_tokens=cfg.max_new_tokens,
                                                  thinking=cfg.thinking, max_model_len=cfg.runtime.max_model_len)
         # with ranks, a second Ctrl-C must not break out of a step the others are in: the reply stops at the next step
@@ -52,7 +55,10 @@ def run(cfg) -> int:
                                 "provenance": provenance(model_path(cfg.model), cfg.runtime.device),
                                 "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)})
         if cfg.runtime.warmup:
+            t0 = time.perf_counter()
             session.warmup()
+            startup["warmup_s"] = time.perf_counter() - t0  # first calls: compile, graph capture
+        session.meta["startup"] = startup
     except Exception as e:  # bad path, bad value, no GPU: one line, no traceback
         view.error(f"cannot start: {type(e).__name__}: {e}")
         return 2
@@ -62,6 +68,8 @@ def run(cfg) -> int:
     view.notice(f"mtp-chat: {session.meta['model_path']} on {where} | {settings.label()} | "
                 f"max_new_tokens {settings.max_new_tokens} | max_model_len {session.context_limit()} | "
                 "/help for commands, Ctrl-D quits")
+    warm = "" if startup["warmup_s"] is None else f", warm-up {startup['warmup_s']:.1f} s"
+    view.notice(f"started: load {startup['load_s']:.1f} s{warm}")
     from mtp.parallel.group import RankFailure
 
     try:

@@ -62,12 +62,15 @@ def _build_once(cfg: EvalConfig):
         _BUILT.clear()
         if old is not None:  # the ranks of the model this one replaces
             old.close()
+        t0 = time.perf_counter()
         model, tok = build(cfg)
-        _BUILT.update(key=key, model=model, tok=tok)
-    elif cfg.runtime.num_threads:
-        import torch
+        _BUILT.update(key=key, model=model, tok=tok, load_s=time.perf_counter() - t0)
+    else:
+        _BUILT["load_s"] = 0.0  # an earlier job of the sweep loaded it
+        if cfg.runtime.num_threads:
+            import torch
 
-        torch.set_num_threads(cfg.runtime.num_threads)
+            torch.set_num_threads(cfg.runtime.num_threads)
     return _BUILT["model"], _BUILT["tok"]
 
 
@@ -323,7 +326,7 @@ def _evaluate(cfg: DictConfig, claim) -> float:
     from mtp.parallel.group import RankFailure
 
     try:
-        _generate_all(typed, model, tok, batches, ids, stores, kws, logger)
+        warmup_s = _generate_all(typed, model, tok, batches, ids, stores, kws, logger)
     except (NonFiniteError, RankFailure) as e:  # no metrics.json: there is nothing meaningful to report
         log.error("%s", e)
         print(f"mtp-eval: error: {e}", file=sys.stderr)
@@ -334,7 +337,11 @@ def _evaluate(cfg: DictConfig, claim) -> float:
     # Only strict verification promises the baseline's exact tokens; relaxed / sampled outputs differ by design
     # and are measured against plain greedy outputs instead (agreement, accuracy).
     source = strict_source(typed)
-    metrics = aggregate.metrics_json(_run_info(typed, len(prompts), len(batches), resumed), recs["spec"],
+    startup = {"load_s": _BUILT["load_s"], "warmup_s": warmup_s}  # warm-up: first calls (compile, graph capture)
+    log.info("startup: load %.1f s%s, warm-up %s", startup["load_s"], " (reused from the sweep's first job)"
+             if not startup["load_s"] else "", "skipped" if warmup_s is None else f"{warmup_s:.1f} s")
+    metrics = aggregate.metrics_json({**_run_info(typed, len(prompts), len(batches), resumed), "startup": startup},
+                                     recs["spec"],
                                      recs.get("base"), compare_tokens=isinstance(typed.verify, StrictVerifySchema),
                                      strict_records=recs.get(source), strict_source=stores[source].path.name
                                      if source else None)
@@ -359,17 +366,21 @@ def _record(out: Path, cfg: DictConfig, resolved: dict) -> None:
     write_atomic(rec / "overrides.yaml", OmegaConf.to_yaml(list(hc.overrides.task)))
 
 
-def _generate_all(typed: EvalConfig, model, tok, batches, ids, stores: dict, kws: dict, logger) -> None:
+def _generate_all(typed: EvalConfig, model, tok, batches, ids, stores: dict, kws: dict, logger) -> float | None:
     """Every batch not yet in its store, appended as soon as it is done. The timed stores (baseline and
-    speculative) run `timing.repeats` times per batch, interleaved; the strict reference once."""
+    speculative) run `timing.repeats` times per batch, interleaved; the strict reference once. Returns the
+    warm-up's seconds (None without one)."""
     from . import aggregate, report
 
     todo = [(n, b) for n, b in batches if any(not s.has([p.id for p in b]) for s in stores.values())]
     timed = [w for w in ("base", "spec") if w in stores]
+    warmup_s = None
     if todo and typed.runtime.warmup:  # first calls pay one-off allocation / dispatch costs; keep them out
         first = todo[0][1][0]
+        t0 = time.perf_counter()
         run_batch(model, tok, [first], [ids[first.id]], min(4, typed.max_new_tokens), {w: kws[w] for w in stores},
                   "warmup")
+        warmup_s = time.perf_counter() - t0
     total = sum(len(b) for _, b in batches)
     with report.progress() as bar:
         task = bar.add_task(_describe(typed), total=total, completed=total - sum(len(b) for _, b in todo), status="")
@@ -388,6 +399,7 @@ def _generate_all(typed: EvalConfig, model, tok, batches, ids, stores: dict, kws
                         logger.log_batch(step, recs)
             al = aggregate.summarize(stores["spec"].records)["overall"]["accept/mean_len"]
             bar.update(task, advance=len(batch), status=f"AL {al:.2f}")
+    return warmup_s
 
 
 def _follow_up_ids(typed: EvalConfig, model, tok, batch: list[Prompt], by_id: dict[str, Prompt], ids: dict,
@@ -474,7 +486,7 @@ def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -
         "tree": d.tree, "min_draft_prob": d.min_draft_prob if d.tree is not None else None,
         "target_hidden": value(d.target_hidden), "chain_hidden": value(d.chain_hidden),
         "numerics": value(typed.model.numerics), "runtime_mode": value(typed.runtime.mode),
-        "device": typed.runtime.device, "device_note": device_note(typed.runtime.device), "dataset": typed.dataset.name, "thinking": typed.thinking,
+        "device": typed.runtime.device, "tp": typed.runtime.tp, "device_note": device_note(typed.runtime.device), "dataset": typed.dataset.name, "thinking": typed.thinking,
         "max_new_tokens": typed.max_new_tokens, "compare_strict": typed.compare_strict, "n_prompts": n_prompts, "n_batches": n_batches,
         "resumed_samples": resumed,  # finished prompts found in samples.jsonl at start (resume=true)
     }

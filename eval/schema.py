@@ -23,9 +23,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from mtp.decode.config import GenerationConfig
-from mtp.decode.options import DRAFTS, MODES, OptionError
+from mtp.decode.options import DRAFTS, MLP_SPLITS, MODES, OptionError
 from mtp.draft.config import DRAFT_SAMPLING, HIDDEN
-from mtp.parallel.layout import MLP_SPLITS
 from mtp.verify.params import SPAN_RULES
 
 

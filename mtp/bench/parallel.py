@@ -214,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     own_group = not in_group and "WORLD_SIZE" in os.environ  # under torchrun
     if own_group:
         os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")  # see DESIGN.md, CUDA graphs under NCCL
-        from ..parallel.launch import init_distributed
+        from ..parallel.group import init_group
 
-        _, device = init_distributed()
+        group = init_group("cuda" if torch.cuda.is_available() else "cpu")
+        device = group.device
     elif in_group:  # called inside an existing group (tests): its backend decides the device
         device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
                   else torch.device("cpu"))
@@ -226,9 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args, comm, device)
     finally:
-        release()
         if own_group:
-            dist.destroy_process_group()
+            group.close()  # graphs freed, barrier, NCCL aborted (mtp.parallel.group)
+        else:
+            release()
     return 0
 
 

@@ -28,9 +28,9 @@ import math
 import re
 from dataclasses import dataclass
 
+from ..decode.options import MLP_SPLITS
 from ..model.config import BLOCK, ConfigError, ModelConfig
 
-MLP_SPLITS = ("blocks", "even")
 
 
 @dataclass(frozen=True)

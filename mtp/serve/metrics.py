@@ -2,8 +2,9 @@
 
 `SpecCounts` turns a run's `SpecMetrics` into vLLM's spec-decode counts: a *draft* is one speculative step of one
 sequence (K tokens proposed), `draft_tokens` the tokens proposed, `accepted_tokens` those accepted, and
-`accepted_per_pos[j]` how often position j+1 was accepted. `draft_acceptance_rate` = accepted / proposed (vLLM's
-"draft acceptance rate"); mean accepted length (AL) = 1 + accepted / drafts, as `SpecMetrics.mean_accepted_len`.
+`accepted_per_pos[j]` how often position j+1 was accepted. The response's `draft_acceptance_rate` = accepted /
+proposed (vLLM's "draft acceptance rate") is `SpecMetrics.accept_rate`; mean accepted length (AL) = 1 + accepted /
+drafts, as `SpecMetrics.mean_accepted_len`.
 
 `/metrics` names follow vLLM's (`vllm:spec_decode_num_drafts` -> `mtp:spec_decode_num_drafts_total`, and so on),
 so dashboards built for vLLM need only the prefix changed.
@@ -37,19 +38,16 @@ class SpecCounts:
                    accepted_tokens=sum(a * c for a, c in enumerate(hist)),
                    accepted_per_pos=tuple(sum(hist[j + 1:]) for j in range(m.k)))
 
-    @property
-    def draft_acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 def acceptance(m: SpecMetrics) -> dict[str, Any]:
     """The response's `mtp` extension object: settings, acceptance and timing of this request."""
     c = SpecCounts.of(m)
     return {"draft": m.draft, "k": m.k, "verify": m.verify,
-            "mean_accepted_len": m.mean_accepted_len, "draft_acceptance_rate": c.draft_acceptance_rate,
+            "mean_accepted_len": m.mean_accepted_len, "draft_acceptance_rate": m.accept_rate if m.k else 0.0,
             "accept_per_position": m.accept_cum, "num_drafts": c.drafts, "num_draft_tokens": c.draft_tokens,
             "num_accepted_tokens": c.accepted_tokens, "num_accepted_tokens_per_pos": list(c.accepted_per_pos),
-            "ttft_s": m.ttft_s, "tpot_s": m.tpot_s, "decode_tok_s": m.decode_tok_s}
+            "ttft_s": m.ttft["mean"], "tpot_s": m.tpot["mean"], "decode_tok_s": m.decode_tok_s}  # one request
 
 
 class ServerMetrics:
@@ -89,8 +87,8 @@ class ServerMetrics:
         self.requests.labels(finished_reason=finish_reason).inc()
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
-        if m.new_tokens > 1:
-            self.tpot.observe(m.tpot_s)
+        if m.tpot_s_rows:  # a request with two or more tokens
+            self.tpot.observe(m.tpot_s_rows[0])
         self.e2e.observe(e2e_s)
         self.queue.observe(queue_s)
 

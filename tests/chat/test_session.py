@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -301,57 +300,6 @@ def test_terminal_view_makes_control_characters_visible():
     view.stream("x\x07", reasoning=False, drafted=True)
     view.stream("y", reasoning=False, drafted=False)
     assert out.getvalue() == "\x1b[32mx\u2407\x1b[0my"
-
-
-def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
-    """One rank of a 2-process gloo group: rank 0 reads a script, rank 1 reads nothing and follows."""
-    import torch.distributed as dist
-
-    from mtp.chat.terminal import BroadcastInput
-    from mtp.parallel.comm import init_process_group
-
-    init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        tok = Tokenizer(train_bpe_tokenizer([REPLY * 3, "hello world, thinking about it " * 3], vocab_size=320))
-        lines = ["hello", "/k 2", "stop me", "/think on", "bye", "/exit", "never"] if rank == 0 else []
-        source = BroadcastInput(ScriptedInput(lines))
-        sess, view, _ = make(tok)
-        steps = []
-
-        def local_stop() -> bool:  # only rank 0 "sees" the Ctrl-C: third step of the reply to "stop me"
-            steps.append(1)
-            return rank == 0 and sess.turns_started == "stop me" and len(steps) >= 3
-
-        sess.should_stop = lambda: source.agree(local_stop())
-        real_chat = sess.chat
-
-        def chat(user):
-            sess.turns_started = user
-            steps.clear()
-            return real_chat(user)
-
-        sess.chat = chat
-        loop(sess, source, StopFlag())
-        turns = [{k: t[k] for k in ("user", "content", "interrupted", "thinking", "settings")}
-                 for t in sess.transcript()["turns"]]
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(turns))
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")  # torch's idle pool
-def test_ranks_follow_rank_0(tmp_path):
-    """BroadcastInput: every rank handles rank 0's lines and stops an interrupted reply at the same step."""
-    import torch.multiprocessing as mp
-
-    # fork, not spawn: the children inherit the imported torch (spawn re-imports it: ~15 s on a busy CPU)
-    mp.start_processes(_rank_main, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="fork")
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert r0 == r1
-    assert [t["user"] for t in r0] == ["hello", "stop me", "bye"]
-    assert [t["interrupted"] for t in r0] == [False, True, False] and r0[2]["thinking"]
-    assert 0 < len(r0[1]["content"]) < len(REPLY) and r0[1]["settings"]["k"] == 2
 
 
 # ---------------------------------------------------------------------------------------------- tools

@@ -505,7 +505,7 @@ BAD = [
     (dict(draft="eagle", k=2, verify="relaxed"), ValueError,
      r"think_ids must be a \(<think> id, </think> id\) pair with verify='relaxed', got None"),
     (dict(draft="eagle", k=2, verify="greedy"), ValueError,
-     "verify must be one of strict, relaxed, sample, got 'greedy'"),
+     "verify must be one of strict, relaxed, sample, typical, got 'greedy'"),
     (dict(draft="eagle", k=2, draft_sampling="sample"), ValueError,
      "draft_sampling must be 'greedy' unless verify='sample', got 'sample'"),
     (dict(draft="eagle", k=2, verify="sample", temperature=0.0), ValueError,

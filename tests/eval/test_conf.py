@@ -128,7 +128,7 @@ def test_generate_kwargs_build_a_generation_config():
     (["draft.vocab_size=100"], "draft.vocab_size"),
     (["draft.vocab_file=v.json", "draft.vocab_size=0"], "draft.vocab_size"),
     (["draft.tree=2x0"], "draft.tree: tree shape '2x0' is invalid"),
-    (["draft.tree=0/2"], "draft.tree: tree shape '0/2' is invalid"),
+    (["draft.tree=0/1.0.0"], "draft.tree: tree shape '0/1.0.0' is invalid"),
     (["draft=none", "draft.tree=2x1"], "draft.tree = '2x1' is invalid: expected null with draft=none"),
     (["draft.min_draft_prob=0.3"], "draft.min_draft_prob = 0.3 is invalid"),
     (["draft.tree=2x1", "draft.min_draft_prob=1.5"], "draft.min_draft_prob = 1.5 is invalid: expected a number in"),

@@ -110,7 +110,7 @@ def test_tree_acceptance_table_and_its_strict_gate(tmp_path, monkeypatch, capsys
     out = tmp_path / "t.json"
     assert ta.main(["--out", str(out)]) == 1
     assert "eagle 1x1 p>=0.4" in capsys.readouterr().err
-    assert json.loads(out.read_text())["command"] == f"python -m eval.tree_acceptance --out {out}"
+    assert json.loads(out.read_text())["command"] == f"python -m mtp_eval.tree_acceptance --out {out}"
     lines = ta.markdown(result).splitlines()
     assert lines[4].startswith("| 1x1 | 3 | 0 | 2.250 | 0.750 | 2.500 | 0.833 | 0.500 / 0.500 |")
     assert lines[4].endswith("| 4/4 | 2.250 / 2.500 |")
