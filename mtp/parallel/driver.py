@@ -98,7 +98,6 @@ class Peers:
                  error_dir: Path | None = None):
         self.group, self.procs, self.error_dir = group, procs or {}, error_dir  # group: None until formed
         self.failure: RankFailure | None = None
-        self.model = None
         self._closing = False
         if self.procs:
             threading.Thread(target=self._watch, name="mtp-rank-watch", daemon=True).start()
@@ -158,11 +157,9 @@ class Peers:
     def load(self, spec: LoadSpec):
         """Every rank loads its shard; all succeed or all raise RankFailure (exit status 2: bad input)."""
         self._send("load", spec)
-        model = None
         with self.group.phase("loading", exit_code=2):
             model = load_rank(spec, self.group)
         model.peers = self
-        self.model = model
         return model
 
     def generate(self, model, prompts, gcfg, seed, on_step):
@@ -178,6 +175,9 @@ class Peers:
             return run_generation(model, prompts, gcfg, seed, step)
         except StopAgreed:
             raise raised[0] from None
+        except KeyboardInterrupt:  # Ctrl-C on rank 0 inside a step: the others may wait in it; end them, stay Ctrl-C
+            self.close(force=True)
+            raise
         except BaseException as e:
             failure = self._failure(e, "generation")
             self.close(force=True)  # the others may wait inside a collective that will never complete
