@@ -83,10 +83,6 @@ class RankGroup:
     ctl: dist.ProcessGroup  # the control group (gloo)
     closed: bool = False
 
-    @property
-    def backend(self) -> str:
-        return "nccl" if self.device.type == "cuda" else "gloo"
-
     def broadcast(self, obj=None):
         """Rank 0's `obj` on every rank (the others pass nothing)."""
         box = [obj if self.rank == 0 else None]
@@ -114,41 +110,38 @@ class RankGroup:
         self.agree(name, None)
 
     def close(self) -> None:
-        """Leave the groups without a hang (module doc): idle device, graphs dropped, barrier, abort, destroy."""
-        if self.closed:
-            return
-        self.closed = True
-        leave(self.device, self.ctl)
-
+        """Leave the groups with every rank (module doc): idle device, graphs freed, barrier, abort, destroy."""
+        if not self.closed:
+            self.closed = True
+            leave(self.device, self.ctl)
 
     def abandon(self) -> None:
-        """Leave the groups after a peer failed: no barrier (it may never come), abort, then destroy locally."""
-        if self.closed:
-            return
-        self.closed = True
-        from ..decode.keep import release
-
-        try:
-            release()
-        finally:
-            abort_data_group()
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        """Leave the groups after a peer failed: no barrier (it may never come), the communicator aborted first (a
+        collective still waiting on the dead peer then ends), graphs freed, groups destroyed locally."""
+        if not self.closed:
+            self.closed = True
+            leave(self.device, self.ctl, peers=False)
 
 
-def leave(device: torch.device, ctl: dist.ProcessGroup | None = None) -> None:
-    """Every rank's clean exit from the default group (module doc): idle device, kept graphs dropped, a barrier
-    (on `ctl`, or the default group), the NCCL communicator aborted rather than destroyed, the groups destroyed."""
+def leave(device: torch.device, ctl: dist.ProcessGroup | None = None, peers: bool = True) -> None:
+    """This rank's exit from the default group. With its peers (`peers`): an idle device, every captured graph freed,
+    a barrier (on `ctl`, or the default group), then the NCCL communicator aborted rather than destroyed and the groups
+    destroyed. Without them: abort first, then free and destroy."""
     from ..decode.keep import release
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    release()  # kept engines and every captured graph (NCCL kernels inside) go before the communicator
-    gc.collect()
     try:
-        dist.barrier(group=ctl)
+        if peers:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            release()  # kept engines and every captured graph (NCCL kernels inside) go before the communicator
+            gc.collect()
+            dist.barrier(group=ctl)
+        else:
+            abort_data_group()
+            release()
     finally:
-        abort_data_group()
+        if peers:
+            abort_data_group()
         if dist.is_initialized():
             dist.destroy_process_group()
 
