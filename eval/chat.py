@@ -33,6 +33,19 @@ from . import conf_dir
 
 
 def run(cfg) -> int:
+    """The chat; its exit status. A closed stdin or stdout ends it with one line and status 2."""
+    if sys.stdin is None:  # `mtp-chat <&-`: found before the model loads
+        print("mtp-chat: error: standard input is closed: there is nothing to read the chat from", file=sys.stderr)
+        return 2
+    try:
+        return _run(cfg)
+    except BrokenPipeError:  # `mtp-chat | head -c 100`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        print("mtp-chat: error: standard output was closed (broken pipe); the session ends", file=sys.stderr)
+        return 2
+
+
+def _run(cfg) -> int:
     from omegaconf import OmegaConf
 
     from mtp.provenance import provenance

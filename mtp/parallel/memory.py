@@ -369,14 +369,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reserve-gib", type=float, default=4.0)
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     a = ap.parse_args(argv)
-    if a.gpus < 1 or a.nodes < 1 or a.gpu_mem_gib <= 0 or a.batch < 1 or a.max_len < 1 or a.k < 0:
-        ap.error("need --gpus >= 1, --nodes >= 1, --gpu-mem-gib > 0, --batch >= 1, --max-len >= 1, --k >= 0")
+    for name, ok, want in (("--gpus", a.gpus >= 1, "an integer >= 1"), ("--nodes", a.nodes >= 1, "an integer >= 1"),
+                           ("--gpu-mem-gib", math.isfinite(a.gpu_mem_gib) and a.gpu_mem_gib > 0, "a finite number > 0"),
+                           ("--reserve-gib", math.isfinite(a.reserve_gib) and a.reserve_gib >= 0,
+                            "a finite number >= 0"),
+                           ("--batch", a.batch >= 1, "an integer >= 1"), ("--max-len", a.max_len >= 1, "an integer >= 1"),
+                           ("--k", a.k >= 0, "an integer >= 0")):
+        if not ok:
+            ap.error(f"{name} must be {want}, got {getattr(a, name[2:].replace('-', '_'))}")
     if not 1 <= a.prompt_len <= a.max_len:
         ap.error(f"--prompt-len must be in [1, --max-len = {a.max_len}], got {a.prompt_len}")
     try:
         cfg = ModelConfig.from_json(named_config(a.config))
     except ConfigError as e:
         ap.exit(2, f"mtp-plan: error: {e}\n")
+    from .load import check_split, split_degrees  # the loader's own rule: what it would refuse, refused here
+
+    world = a.gpus * a.nodes
+    try:
+        check_split(cfg, ParallelPlan(world, a.mlp_split), a.numerics)
+    except ConfigError as e:
+        ap.exit(2, f"mtp-plan: error: --gpus {a.gpus} x --nodes {a.nodes} = {world} ranks: {e}; this config splits over "
+                   f"{split_degrees(cfg, a.mlp_split, a.numerics)} ranks\n")
     wl = Workload(a.batch, a.max_len, a.prompt_len, a.draft, a.k if a.draft != "none" else 0, a.numerics, a.dtype)
     p = make_plan(cfg, a.gpus, a.gpu_mem_gib, a.nodes, wl, a.mlp_split, a.reserve_gib)
     if a.json:

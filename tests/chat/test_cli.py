@@ -117,3 +117,22 @@ def test_chat_session_in_a_terminal(tmp_path, tp):
             assert printable(text) in shown, _not_shown(printable(text), shown)
         assert f"[{t['stats_line']}]" in shown
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.json"]  # no outputs/, .hydra or log files
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shell, message", [
+    ("{chat} <&-", "standard input is closed"),
+    ("echo hi | {chat} | head -c 100 > /dev/null; exit ${{PIPESTATUS[1]}}", "standard output was closed (broken pipe)"),
+])
+def test_closed_stdin_or_stdout_is_one_line(tmp_path, shell, message):
+    """`mtp-chat <&-` and `mtp-chat | head -c 100` ended in tracebacks: one line naming the stream, exit 2."""
+    import shlex
+    import subprocess
+
+    chat = shlex.join([sys.executable, "-m", "eval.chat", "max_new_tokens=64", "runtime.warmup=false"])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    r = subprocess.run(["bash", "-c", shell.format(chat=chat)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and err[-1].startswith(f"mtp-chat: error: {message}"), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and list(tmp_path.iterdir()) == []

@@ -116,3 +116,22 @@ def test_cli_finds_the_bundled_config_by_name(real_config_file, tmp_path, monkey
     by_name = json.loads(capsys.readouterr().out)
     main([str(real_config_file), *argv])
     assert by_name == json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "1", "--gpu-mem-gib", "nan"], "--gpu-mem-gib must be a finite number > 0, got nan"),
+    (["--gpus", "1", "--gpu-mem-gib", "inf"], "--gpu-mem-gib must be a finite number > 0, got inf"),
+    (["--gpus", "0", "--gpu-mem-gib", "80"], "--gpus must be an integer >= 1, got 0"),
+    (["--gpus", "3", "--gpu-mem-gib", "80"],
+     "--gpus 3 x --nodes 1 = 3 ranks: num_attention_heads = 4 is not divisible by the parallel world size 3; "
+     "this config splits over [1, 2, 4] ranks"),
+])
+def test_cli_bad_values_are_one_line(capsys, argv, message):
+    """NaN / infinite memory and a world the model cannot split over: one line naming the option, exit 2 (they were
+    tracebacks)."""
+    from mtp.checkpoint.tiny import default_checkpoint
+
+    with pytest.raises(SystemExit) as e:
+        main([str(default_checkpoint()), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1] == f"mtp-plan: error: {message}", err
