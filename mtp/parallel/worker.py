@@ -3,10 +3,11 @@
     python -m mtp.parallel.worker       # started by runtime.tp=N's launcher, or by an entry point under torchrun
 
 Commands: `load` (this rank's shard; the phase ends in an agreement, so a failure here is every rank's), `generate`
-(`mtp.decode.engine.run_generation` with rank 0's resolved options), `release`, `shutdown`. A worker prints
-nothing: rank 0 owns the terminal and every file. An error inside a generation, where rank 0 may wait inside a
-collective, ends this process with status 1 after writing the error where rank 0 reads it (`MTP_RANK_ERROR_DIR`);
-rank 0 (or torchrun) then ends the run. A worker whose parent, the rank 0 that spawned it, is gone exits too.
+(`mtp.decode.engine.run_generation` with rank 0's resolved options), `check` (its last tokens to rank 0), `release`,
+`shutdown`. A worker prints nothing: rank 0 owns the terminal and every file. An error inside a generation, where
+rank 0 may wait inside a collective, ends this process with status 1 after writing the error where rank 0 reads it
+(`MTP_RANK_ERROR_DIR`); rank 0 (or torchrun) then ends the run. A worker whose parent, the rank 0 that spawned it,
+is gone exits too.
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ def serve(group: RankGroup) -> int:
             group.close()
             return 0
         if command == "load":
-            model = None
+            model = None  # the previous shard goes before the next one loads
             try:
                 with group.phase("loading", exit_code=2):
                     model = load_rank(payload, group)
             except RankFailure:  # every rank knows; rank 0 reports it and decides what comes next
-                model = None
+                pass
         elif command == "generate":
             prompts, gcfg, seed, streamed = payload
             step = stoppable(group, None)[0] if streamed else None
