@@ -77,6 +77,22 @@ def test_two_point_sweep_writes_runs_and_summary(tmp_path):
     assert "AL" in r.stdout and "acc@2" in r.stdout  # the per-run tables went to stdout
 
 
+def test_sweep_runs_on_past_a_refused_job_and_lists_it(tmp_path):
+    """k=99 is refused (the checkpoint has fewer MTP modules): the other job still runs, the summary lists the
+    refused one with its one-line error, and the sweep exits non-zero."""
+    sweep = tmp_path / "sweep"
+    r = mtp_eval(["-m", "draft.k=99,1", "dataset.limit=1", "baseline=false", *FAST, f"hydra.sweep.dir={sweep}"],
+                 tmp_path)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "1 of 2 sweep jobs failed" in r.stderr, r.stderr[-3000:]
+    assert json.loads((sweep / "1" / "metrics.json").read_text())["run"]["k"] == 1
+    assert not (sweep / "0" / "metrics.json").exists()
+    rows = {row["job"]: row for row in json.loads((sweep / "sweep_summary.json").read_text())}
+    assert rows["1"]["error"] is None and rows["1"]["k"] == 1
+    assert rows["0"]["exit"] == 2 and "draft.k" in rows["0"]["error"] and "\n" not in rows["0"]["error"]
+    assert "0," in (sweep / "sweep_summary.csv").read_text()
+
+
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     """Uninterrupted run, logged to W&B in auto mode without an API key (so: offline)."""
