@@ -234,6 +234,13 @@ def _setup(cfg: DictConfig):
 
     ids = {p.id: encode_chat(p.messages, tok, p.thinking) for p in prompts}
     kw = generate_kwargs(typed, tok)
+    if "draft_vocab" in kw:  # checked here, before the folder is claimed, not first by the proposer
+        from mtp.draft.vocab import check_ids
+
+        try:
+            check_ids(kw["draft_vocab"], model.cfg.vocab_size)
+        except ValueError as e:
+            raise SetupError(f"draft.vocab_file={typed.draft.vocab_file}: {e}") from None
     if "tree" in kw:
         trees.check(kw, typed.runtime.batch_size)
     if kw["verify"] == "relaxed" and not any(p.thinking for p in prompts):
@@ -541,9 +548,10 @@ def entry() -> None:
         from mtp.parallel.worker import main as serve
 
         sys.exit(serve())
-    from .common import check_launcher
+    from .common import check_launcher, check_run_dirs
 
     check_launcher(sys.argv[1:])
+    check_run_dirs(sys.argv[1:])
     main()
 
 

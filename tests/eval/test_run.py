@@ -213,6 +213,36 @@ def test_bad_override_exits_nonzero_without_metrics(override, message, tmp_path)
     assert not (run / "metrics.json").exists() and not (run / "samples.jsonl").exists()
 
 
+def _refused(r: subprocess.CompletedProcess, *words: str) -> None:
+    """Exit 2 with one line on stderr naming each of words, no traceback."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and all(w in lines[0] for w in words), r.stderr[-3000:]
+
+
+def test_draft_vocabulary_with_ids_outside_the_model_is_refused_before_the_folder_is_claimed(tmp_path):
+    vocab, run = tmp_path / "vocab.json", tmp_path / "run"
+    vocab.write_text(json.dumps({"ids": [1, 2, 10**9]}))
+    r = mtp_eval([*FAST, "dataset.limit=1", f"draft.vocab_file={vocab}", f"hydra.run.dir={run}"], tmp_path)
+    _refused(r, "draft.vocab_file", str(vocab), str(10**9))
+    assert not any((run / name).exists() for name in (".hydra", "settings.json", "samples.jsonl", "metrics.json"))
+
+
+@pytest.mark.parametrize("under", ["file", "read-only"])
+def test_run_folder_that_cannot_be_written_is_refused_with_one_line(under, tmp_path):
+    """A path under a regular file (mkdir fails, root included) or in a read-only folder (root writes anyway)."""
+    if under == "file":
+        (tmp_path / "file").write_text("")
+        run = tmp_path / "file" / "run"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only folder; the path-under-a-file case covers root")
+        (tmp_path / "ro").mkdir(mode=0o555)
+        run = tmp_path / "ro" / "run"
+    r = mtp_eval([*FAST, "dataset.limit=1", f"hydra.run.dir={run}"], tmp_path)
+    _refused(r, "hydra.run.dir", str(run))
+    assert not run.exists()
+
+
 # ---------------------------------------------------------------------------------------------- in process
 def _rec(pid: str, batch: str) -> dict:
     return {"id": pid, "batch": batch, "category": "c", "tokens": [1]}
