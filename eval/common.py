@@ -199,3 +199,23 @@ def check_launcher(argv: list[str]) -> None:
     if not found:
         raise SystemExit("mtp-eval: hydra/launcher=joblib needs hydra-joblib-launcher, which is not installed: "
                          "pip install 'mtp[sweeps]' (in the repository: pip install -e \".[sweeps]\")")
+
+
+def check_run_dirs(argv: list[str]) -> None:
+    """A `hydra.run.dir=` / `hydra.sweep.dir=` override that cannot be created or written (a read-only folder, a
+    path under a file): one line and exit 2, before Hydra creates the folder (its failure is a traceback)."""
+    import os
+    import sys
+    from pathlib import Path
+
+    for a in argv:
+        key, _, val = a.partition("=")
+        if key.strip() not in ("hydra.run.dir", "hydra.sweep.dir") or not val or "${" in val:
+            continue
+        p = Path(val).absolute()
+        while not p.exists():
+            p = p.parent
+        if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
+            why = "is not a folder" if not p.is_dir() else "is not writable"
+            print(f"mtp-eval: error: {key.strip()}={val}: {p} {why}", file=sys.stderr)
+            raise SystemExit(2)

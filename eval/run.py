@@ -21,6 +21,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -32,7 +33,7 @@ from mtp.utils import write_atomic
 from . import conf_dir, trees
 from .common import NotAvailableError, build, check_runtime, generate_kwargs, model_label, model_path, worker_rank
 from .data import DataError, Prompt, load_prompts
-from .rundir import SETTINGS_NAME, RunDirError, locked
+from .rundir import FAILED_NAME, SETTINGS_NAME, RunDirError, locked
 from .schema import DraftName, EvalConfig, SchemaError, StrictVerifySchema, validate, value
 from .store import SampleStore, StoreError
 
@@ -47,6 +48,19 @@ STRICT_REFERENCE_FILE = "strict_reference.jsonl"  # plain greedy outputs, when n
 
 class SetupError(Exception):
     """A user-facing problem found before generation started."""
+
+
+class RunExit(SystemExit):
+    """The end of a refused or failed run, its one line already on stderr (a sweep's summary lists the line)."""
+
+    def __init__(self, code: int, line: str):
+        super().__init__(code)
+        self.line = line
+
+
+def _exit(code: int, error: BaseException) -> NoReturn:
+    print(f"mtp-eval: error: {error}", file=sys.stderr)
+    raise RunExit(code, str(error))
 
 
 # The last model built in this process: the jobs of a multirun (basic launcher: one process) share it instead
@@ -220,6 +234,13 @@ def _setup(cfg: DictConfig):
 
     ids = {p.id: encode_chat(p.messages, tok, p.thinking) for p in prompts}
     kw = generate_kwargs(typed, tok)
+    if "draft_vocab" in kw:  # checked here, before the folder is claimed, not first by the proposer
+        from mtp.draft.vocab import check_ids
+
+        try:
+            check_ids(kw["draft_vocab"], model.cfg.vocab_size)
+        except ValueError as e:
+            raise SetupError(f"draft.vocab_file={typed.draft.vocab_file}: {e}") from None
     if "tree" in kw:
         trees.check(kw, typed.runtime.batch_size)
     if kw["verify"] == "relaxed" and not any(p.thinking for p in prompts):
@@ -292,11 +313,9 @@ def evaluate(cfg: DictConfig) -> float:
         print("mtp-eval: interrupted; finished batches are kept (resume=true continues the run)", file=sys.stderr)
         sys.exit(130)
     except RunDirError as e:
-        print(f"mtp-eval: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _exit(2, e)
     except OSError as e:  # read-only folder, full disk
-        print(f"mtp-eval: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _exit(2, e)
 
 
 def _evaluate(cfg: DictConfig, claim) -> float:
@@ -305,8 +324,7 @@ def _evaluate(cfg: DictConfig, claim) -> float:
     except Exception as e:
         if not isinstance(e, _user_errors()):
             raise
-        print(f"mtp-eval: error: {e}", file=sys.stderr)  # not logged: run.log of a refused run stays untouched
-        sys.exit(2)
+        _exit(2, e)  # not logged: run.log of a refused run stays untouched
     claim()
     _record(out, cfg, resolved)
 
@@ -329,8 +347,7 @@ def _evaluate(cfg: DictConfig, claim) -> float:
         warmup_s = _generate_all(typed, model, tok, batches, ids, stores, kws, logger)
     except (NonFiniteError, RankFailure) as e:  # no metrics.json: there is nothing meaningful to report
         log.error("%s", e)
-        print(f"mtp-eval: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        _exit(1, e)
 
     order = {p.id: i for i, p in enumerate(prompts)}
     recs = {w: sorted(s.records, key=lambda r: order.get(r["id"], len(order))) for w, s in stores.items()}
@@ -494,7 +511,34 @@ def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -
 
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="eval")
 def main(cfg: DictConfig) -> float:
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return sweep_job(cfg)
     return evaluate(cfg)
+
+
+def sweep_job(cfg: DictConfig) -> float:
+    """One job of a sweep. A refused (exit 2) or failed job must not end the sweep: Hydra's basic launcher lets a
+    SystemExit through and stops at the first failed job before its callbacks run, so no summary is written. The
+    job's one-line error goes to FAILED_NAME in its folder instead (the sweep summary lists it and the sweep exits
+    1), and the next job runs; Ctrl-C (exit 130) still ends the sweep."""
+    try:
+        return evaluate(cfg)
+    except SystemExit as e:
+        if e.code in (None, 0, 130):
+            raise
+        line = e.line if isinstance(e, RunExit) else str(e.code) if isinstance(e.code, str) else f"exit status {e.code}"
+        code = e.code if isinstance(e.code, int) else 1
+    except Exception as e:  # a bug or a device failure: the traceback to the job's log, one line to the summary
+        log.exception("sweep job failed")
+        line, code = f"{type(e).__name__}: {e}".splitlines()[0], 1
+        print(f"mtp-eval: error: {line}", file=sys.stderr)
+    job_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        job_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(job_dir / FAILED_NAME, json.dumps({"error": line, "exit": code}) + "\n")
+    except OSError as e:
+        print(f"mtp-eval: error: {job_dir / FAILED_NAME}: cannot record the failed job ({e})", file=sys.stderr)
+    return float("nan")
 
 
 def entry() -> None:
@@ -504,9 +548,10 @@ def entry() -> None:
         from mtp.parallel.worker import main as serve
 
         sys.exit(serve())
-    from .common import check_launcher
+    from .common import check_launcher, check_run_dirs
 
     check_launcher(sys.argv[1:])
+    check_run_dirs(sys.argv[1:])
     main()
 
 

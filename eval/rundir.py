@@ -19,6 +19,7 @@ from typing import Any
 
 LOCK_NAME = ".mtp-eval.lock"
 SETTINGS_NAME = "settings.json"
+FAILED_NAME = "job_failed.json"  # a sweep job that was refused or failed: its one-line error (the sweep summary reads it)
 
 
 class RunDirError(ValueError):

@@ -1,4 +1,5 @@
-"""Sweep summary: one row per finished job of a multirun, written next to the jobs' folders.
+"""Sweep summary: one row per finished job of a multirun, and one (job, error) per refused or failed job, written
+next to the jobs' folders.
 
 Runs by itself at the end of every `mtp-eval -m ...` (Hydra callback `SweepSummaryCallback`, configured in
 conf/eval.yaml), or by hand: `python -m mtp_eval.summary outputs/eval/multiruns/<date>`. Writes
@@ -20,6 +21,8 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from mtp.utils import write_atomic
+
+from .rundir import FAILED_NAME
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +94,12 @@ def collect(sweep_dir: Path) -> list[dict]:
     return rows
 
 
+def failures(sweep_dir: Path) -> list[dict]:
+    """{job, error, exit} of every job that was refused or failed (eval/run.py `sweep_job`)."""
+    return [{"job": str(p.parent.relative_to(sweep_dir)), **json.loads(p.read_text())}
+            for p in sorted(sweep_dir.glob(f"**/{FAILED_NAME}"))]
+
+
 def _cell(r: dict, c: str) -> str:
     from .report import ci_text, latency_text, spread_text
 
@@ -116,11 +125,15 @@ def write(sweep_dir: Path, rows: list[dict]) -> dict[str, Path]:
            "png": sweep_dir / "sweep_summary.png"}
     write_atomic(out["json"], json.dumps(rows, indent=2) + "\n")
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    w = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))  # failed rows: job, error
     w.writeheader()
     w.writerows(rows)
     write_atomic(out["csv"], buf.getvalue())
-    sweep_summary(rows, out["png"])
+    done = [r for r in rows if not r["error"]]
+    if not done:
+        del out["png"]
+        return out
+    sweep_summary(done, out["png"])
     return out
 
 
@@ -144,22 +157,33 @@ def print_table(rows: list[dict], title: str) -> None:
 
 
 def summarize(sweep_dir: Path) -> list[dict]:
-    rows = collect(sweep_dir)
-    if not rows:
-        log.warning("sweep summary: no metrics.json under %s (did every job fail?)", sweep_dir)
+    """Rows of the finished jobs (`error` None), then {job, error, exit} of each failed one."""
+    rows = [{**r, "error": None} for r in collect(sweep_dir)]
+    failed = failures(sweep_dir)
+    if not rows and not failed:
+        log.warning("sweep summary: no metrics.json under %s", sweep_dir)
         return rows
-    paths = write(sweep_dir, rows)
-    print_table(rows, f"sweep {sweep_dir} ({len(rows)} runs)")
+    paths = write(sweep_dir, rows + failed)
+    if rows:
+        print_table(rows, f"sweep {sweep_dir} ({len(rows)} runs)")
+    for f in failed:
+        log.error("sweep job %s failed: %s", f["job"], f["error"])
     log.info("sweep summary: %s", ", ".join(str(p) for p in paths.values()))
-    return rows
+    return rows + failed
 
 
 class SweepSummaryCallback(Callback):
     def on_multirun_end(self, config, **kwargs) -> None:
-        summarize(Path(config.hydra.sweep.dir))
+        """The summary, then exit 1 when a job was refused or failed (its jobs ran on; see eval/run.py `sweep_job`)."""
+        rows = summarize(Path(config.hydra.sweep.dir))
+        failed = [r for r in rows if r["error"]]
+        if failed:
+            raise SystemExit(f"mtp-eval: {len(failed)} of {len(rows)} sweep jobs failed (listed in sweep_summary.json): "
+                             + "; ".join(f"job {r['job']}: {r['error']}" for r in failed))
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
         sys.exit("usage: python -m mtp_eval.summary SWEEP_DIR")
-    sys.exit(0 if summarize(Path(sys.argv[1])) else 1)
+    found = summarize(Path(sys.argv[1]))
+    sys.exit(0 if found and not any(r["error"] for r in found) else 1)

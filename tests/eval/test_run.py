@@ -77,6 +77,22 @@ def test_two_point_sweep_writes_runs_and_summary(tmp_path):
     assert "AL" in r.stdout and "acc@2" in r.stdout  # the per-run tables went to stdout
 
 
+def test_sweep_runs_on_past_a_refused_job_and_lists_it(tmp_path):
+    """k=99 is refused (the checkpoint has fewer MTP modules): the other job still runs, the summary lists the
+    refused one with its one-line error, and the sweep exits non-zero."""
+    sweep = tmp_path / "sweep"
+    r = mtp_eval(["-m", "draft.k=99,1", "dataset.limit=1", "baseline=false", *FAST, f"hydra.sweep.dir={sweep}"],
+                 tmp_path)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "1 of 2 sweep jobs failed" in r.stderr, r.stderr[-3000:]
+    assert json.loads((sweep / "1" / "metrics.json").read_text())["run"]["k"] == 1
+    assert not (sweep / "0" / "metrics.json").exists()
+    rows = {row["job"]: row for row in json.loads((sweep / "sweep_summary.json").read_text())}
+    assert rows["1"]["error"] is None and rows["1"]["k"] == 1
+    assert rows["0"]["exit"] == 2 and "draft.k" in rows["0"]["error"] and "\n" not in rows["0"]["error"]
+    assert "0," in (sweep / "sweep_summary.csv").read_text()
+
+
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     """Uninterrupted run, logged to W&B in auto mode without an API key (so: offline)."""
@@ -195,6 +211,36 @@ def test_bad_override_exits_nonzero_without_metrics(override, message, tmp_path)
     assert r.returncode != 0
     assert message in r.stderr + r.stdout
     assert not (run / "metrics.json").exists() and not (run / "samples.jsonl").exists()
+
+
+def _refused(r: subprocess.CompletedProcess, *words: str) -> None:
+    """Exit 2 with one line on stderr naming each of words, no traceback."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and all(w in lines[0] for w in words), r.stderr[-3000:]
+
+
+def test_draft_vocabulary_with_ids_outside_the_model_is_refused_before_the_folder_is_claimed(tmp_path):
+    vocab, run = tmp_path / "vocab.json", tmp_path / "run"
+    vocab.write_text(json.dumps({"ids": [1, 2, 10**9]}))
+    r = mtp_eval([*FAST, "dataset.limit=1", f"draft.vocab_file={vocab}", f"hydra.run.dir={run}"], tmp_path)
+    _refused(r, "draft.vocab_file", str(vocab), str(10**9))
+    assert not any((run / name).exists() for name in (".hydra", "settings.json", "samples.jsonl", "metrics.json"))
+
+
+@pytest.mark.parametrize("under", ["file", "read-only"])
+def test_run_folder_that_cannot_be_written_is_refused_with_one_line(under, tmp_path):
+    """A path under a regular file (mkdir fails, root included) or in a read-only folder (root writes anyway)."""
+    if under == "file":
+        (tmp_path / "file").write_text("")
+        run = tmp_path / "file" / "run"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only folder; the path-under-a-file case covers root")
+        (tmp_path / "ro").mkdir(mode=0o555)
+        run = tmp_path / "ro" / "run"
+    r = mtp_eval([*FAST, "dataset.limit=1", f"hydra.run.dir={run}"], tmp_path)
+    _refused(r, "hydra.run.dir", str(run))
+    assert not run.exists()
 
 
 # ---------------------------------------------------------------------------------------------- in process
