@@ -71,11 +71,11 @@ _BUILT: dict = {}
 def _build_once(cfg: EvalConfig):
     rt = cfg.runtime
     key = (repr(cfg.model), rt.device, value(rt.dtype), rt.tp, rt.mlp_split, rt.fast_path)
-    if _BUILT.get("key") != key:
-        old = getattr(_BUILT.get("model"), "peers", None)
+    peers = getattr(_BUILT.get("model"), "peers", None)
+    if _BUILT.get("key") != key or (peers is not None and peers.closed):  # a failed job's ranks are gone: start anew
         _BUILT.clear()
-        if old is not None:  # the ranks of the model this one replaces
-            old.close()
+        if peers is not None:  # the ranks of the model this one replaces
+            peers.close()
         t0 = time.perf_counter()
         model, tok = build(cfg)
         _BUILT.update(key=key, model=model, tok=tok, load_s=time.perf_counter() - t0)

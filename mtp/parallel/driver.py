@@ -153,6 +153,11 @@ class Peers:
             self.close(force=True)
             raise failure from e
 
+    @property
+    def closed(self) -> bool:
+        """The ranks were ended (`close`, or a failure): this model can run nothing more."""
+        return self._closing
+
     # ------------------------------------------------------------------------------------------ commands
     def load(self, spec: LoadSpec):
         """Every rank loads its shard; all succeed or all raise RankFailure (exit status 2: bad input)."""

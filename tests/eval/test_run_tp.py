@@ -78,3 +78,27 @@ def test_a_split_the_checkpoint_cannot_take_is_refused_first(tmp_path):
     err = r.stderr.strip().splitlines()[-1]
     assert "runtime.tp = 8" in err and "num_attention_heads = 4" in err and "splits over [1, 2, 4]" in err, err
     assert not (tmp_path / "run" / "samples.jsonl").exists()
+
+
+def test_a_sweep_starts_new_ranks_when_a_failed_job_ended_them(monkeypatch):
+    """The jobs of a sweep share the loaded model (`_build_once`); once a job's failure ended its ranks
+    (`peers.closed`), the next job loads anew instead of sending commands to ranks that are gone."""
+    from types import SimpleNamespace
+
+    import eval.run as run
+
+    class Peers:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    built = []
+    monkeypatch.setattr(run, "_BUILT", {})
+    monkeypatch.setattr(run, "build", lambda cfg: built.append(m := SimpleNamespace(peers=Peers())) or (m, "tok"))
+    cfg = SimpleNamespace(model="dsv32", runtime=SimpleNamespace(device="cpu", dtype="float32", tp=2, mlp_split="blocks",
+                                                                  fast_path=False, num_threads=None))
+    first = run._build_once(cfg)[0]
+    assert run._build_once(cfg)[0] is first and len(built) == 1  # the sweep's next job: no second load
+    first.peers.close()  # a failed job ended the ranks
+    assert run._build_once(cfg)[0] is not first and len(built) == 2
