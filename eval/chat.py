@@ -113,12 +113,9 @@ def chat_help() -> str:
 
 
 def main() -> None:
-    from .common import worker_rank
+    from .common import serve_other_ranks
 
-    if worker_rank():  # under torchrun: ranks > 0 serve rank 0, which owns the terminal
-        from mtp.parallel.worker import main as serve
-
-        sys.exit(serve())
+    serve_other_ranks()  # under torchrun ranks > 0 serve rank 0, which owns the terminal
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
         print(chat_help())
         sys.exit(0)

@@ -129,12 +129,16 @@ def check_memory(cfg: Any, mcfg: Any) -> None:
                dtype=_PLAN_DTYPES[value(rt.dtype)], mlp_split=rt.mlp_split, where=f"GPU {gpu}")
 
 
-def worker_rank() -> bool:
-    """Whether this process is a rank > 0 of a torchrun launch: it serves rank 0 (mtp.parallel.worker) instead of
-    running the application (no config, no files, no output)."""
+def serve_other_ranks() -> None:
+    """Under torchrun, a rank > 0 serves rank 0 (mtp.parallel.worker) instead of running the application -- no
+    config, no files, no output -- and exits with the worker's status; rank 0 (or no torchrun) returns."""
     import os
+    import sys
 
-    return os.environ.get("RANK", "0") != "0"
+    if os.environ.get("RANK", "0") != "0":
+        from mtp.parallel.worker import main
+
+        sys.exit(main())
 
 
 def generate_kwargs(cfg: Any, tokenizer: Any = None) -> dict:

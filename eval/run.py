@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from mtp.utils import write_atomic
 
 from . import conf_dir, trees
-from .common import NotAvailableError, build, check_runtime, generate_kwargs, model_label, model_path, worker_rank
+from .common import NotAvailableError, build, check_runtime, generate_kwargs, model_label, model_path
 from .data import DataError, Prompt, load_prompts
 from .rundir import FAILED_NAME, SETTINGS_NAME, RunDirError, locked
 from .schema import DraftName, EvalConfig, SchemaError, StrictVerifySchema, validate, value
@@ -544,11 +544,9 @@ def sweep_job(cfg: DictConfig) -> float:
 def entry() -> None:
     """`mtp-eval`: under torchrun, ranks > 0 serve rank 0 (mtp.parallel.worker) and run no Hydra at all; rank 0 runs
     `main` after the checks Hydra cannot word (a launcher whose extra is missing)."""
-    if worker_rank():
-        from mtp.parallel.worker import main as serve
+    from .common import check_launcher, check_run_dirs, serve_other_ranks
 
-        sys.exit(serve())
-    from .common import check_launcher, check_run_dirs
+    serve_other_ranks()
 
     check_launcher(sys.argv[1:])
     check_run_dirs(sys.argv[1:])

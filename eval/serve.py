@@ -51,12 +51,9 @@ def run(cfg) -> int:
 
 
 def main() -> None:
-    from .common import hydra_entry, worker_rank
+    from .common import hydra_entry, serve_other_ranks
 
-    if worker_rank():  # under torchrun: ranks > 0 serve rank 0, which runs the HTTP server
-        from mtp.parallel.worker import main as serve_rank
-
-        sys.exit(serve_rank())
+    serve_other_ranks()  # under torchrun ranks > 0 serve rank 0, which runs the HTTP server
 
     hydra_entry("serve", run)
 

@@ -104,14 +104,18 @@ class Peers:
         atexit.register(self.close)
 
     # ------------------------------------------------------------------------------------ failure watch
+    def _rank_file(self, name: str) -> str:
+        path = self.error_dir / name if self.error_dir else None
+        return path.read_text(errors="replace").strip() if path is not None and path.is_file() else ""
+
     def _rank_error(self, r: int, code: int) -> str:
-        err = self.error_dir / f"rank{r}.err" if self.error_dir else None
-        if err is not None and err.is_file() and err.read_text().strip():
-            return err.read_text().strip()
+        """What a spawned rank that exited with `code` said: its recorded error, its signal, or its log's last line."""
+        err = self._rank_file(f"rank{r}.err")
+        if err:
+            return err
         if code < 0:
             return f"killed by signal {signal.Signals(-code).name}"
-        log = self.error_dir / f"rank{r}.log" if self.error_dir else None
-        tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log is not None and log.is_file() else []
+        tail = self._rank_file(f"rank{r}.log").splitlines()[-1:]
         return f"exited with status {code}" + (f" ({tail[0]})" if tail else "")
 
     def _dead(self) -> RankFailure | None:
