@@ -109,7 +109,7 @@ def build(cfg: Any):
     return model, tokenizer
 
 
-_PLAN_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+_PLAN_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
 def check_memory(cfg: Any, mcfg: Any) -> None:

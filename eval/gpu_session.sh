@@ -17,6 +17,9 @@
 #   PARTS=dist DIST_BUDGET_S=480 ...          # runtime.tp=2 over NCCL: launcher, mtp-eval TP=2 vs TP=1, a 3-point sweep,
 #                                             # chat in a pty, then the NCCL tests until the budget is spent (carry the
 #                                             # Hydra + pexpect wheels)
+#   PARTS="startup f64 loadscale ncclloop" ... # cold / warm start (mtp.bench.startup), TP=2 == TP=1 in float64,
+#                                             # a real-width checkpoint from disk at TP=2 vs raw read (mtp.bench.load),
+#                                             # the NCCL tests in a row for LOOP_BUDGET_S
 #   PARTS="tp8v gemv tp1v" ...                # kernel choices side by side (issue 16): the TP=8 rank at 1k with the
 #                                             # kernel variants $VARIANTS, the GEMV sweep (eval/gpu_fused.py), and
 #                                             # the TP=1 bench once per switch set in $TP1_KERNELS ("-" = defaults)
@@ -131,6 +134,44 @@ PY
   MTP_CHAT_TEST_RUNTIME=cuda timeout 200 python3 -m pytest -q tests/chat/test_cli.py -k 2 -p no:cacheprovider 2>&1 | tail -2
   i=0  # the NCCL tests again and again, as long as the budget allows
   while [ $(( $(date +%s) - t_dist )) -lt "${DIST_BUDGET_S:-480}" ]; do
+    i=$((i + 1)); echo "== NCCL tests, run $i $(date -u +%H:%M:%S)"
+    timeout "${DIST_TEST_S:-240}" python3 -m pytest -q -m gpu ${DIST_TESTS:-tests/parallel/test_driver.py tests/parallel/test_parallel.py} \
+      -p no:cacheprovider 2>&1 | tee -a "$OUT/pytest_dist.log" | tail -1
+  done
+fi
+if want startup; then  # cold / warm start on the bundled model, phase by phase (issue 24 item 6)
+  echo "== start-up, cold and warm $(date -u +%H:%M:%S)"
+  timeout "${STARTUP_S:-420}" python3 -m mtp.bench.startup ${STARTUP_ARGS:-} --json "$OUT/startup.json" 2>&1 \
+    | tee "$OUT/startup.log" | grep -v -i warn | tail -12
+fi
+if [ "$ngpu" -ge 2 ] && want f64; then  # strict tokens TP=2 == TP=1 in float64 on GPUs (reference path, 4 prompts)
+  export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=1
+  EV="dataset.limit=4 max_new_tokens=48 timing.repeats=1 plots=false runtime=cuda runtime.dtype=float64 baseline=false"
+  for tp in 1 2; do
+    echo "== mtp-eval float64 TP=$tp $(date -u +%H:%M:%S)"
+    timeout 300 python3 -m eval.run $EV runtime.tp=$tp hydra.run.dir="$OUT/eval_f64_tp$tp" 2>&1 | grep -E "^│ all|error"
+  done
+  python3 - "$OUT" <<'PY'
+import json, sys
+rows = lambda n: [json.loads(l) for l in open(f"{sys.argv[1]}/eval_f64_{n}/samples.jsonl")]
+a, b = rows("tp1"), rows("tp2")
+same = [x["tokens"] == y["tokens"] and x["row_accepted_hist"] == y["row_accepted_hist"] for x, y in zip(a, b)]
+print(f"mtp-eval float64: TP=2 tokens and histograms equal TP=1 for {sum(same)} of {len(same)} prompts")
+PY
+fi
+if [ "$ngpu" -ge 2 ] && want loadscale; then  # a real-width checkpoint from local disk at TP=2 (issue 24 item 5)
+  LD=${LOAD_DIR:-/tmp/mtp-load-ckpt}
+  echo "== write a real-width checkpoint to $LD ($(df -h "$(dirname "$LD")" | tail -1)) $(date -u +%H:%M:%S)"
+  timeout "${LOAD_WRITE_S:-300}" python3 -m mtp.bench.load write "$LD" --moe-layers "${LOAD_MOE:-3}" \
+    --json "$OUT/load_write.json" 2>&1 | tail -2
+  echo "== load it at TP=2 against the raw read rate $(date -u +%H:%M:%S)"
+  MTP_PROGRESS=1 timeout "${LOAD_S:-300}" python3 -m mtp.bench.load measure "$LD" --tp 2 --json "$OUT/load_tp2.json" \
+    2>&1 | tee "$OUT/load_tp2.log" | grep -v -i warn | tail -9
+  [ -n "${LOAD_KEEP:-}" ] || rm -rf "$LD"
+fi
+if [ "$ngpu" -ge 2 ] && want ncclloop; then  # the NCCL tests in a row until the budget is spent
+  t_loop=$(date +%s); i=0
+  while [ $(( $(date +%s) - t_loop )) -lt "${LOOP_BUDGET_S:-400}" ]; do
     i=$((i + 1)); echo "== NCCL tests, run $i $(date -u +%H:%M:%S)"
     timeout "${DIST_TEST_S:-240}" python3 -m pytest -q -m gpu ${DIST_TESTS:-tests/parallel/test_driver.py tests/parallel/test_parallel.py} \
       -p no:cacheprovider 2>&1 | tee -a "$OUT/pytest_dist.log" | tail -1

@@ -355,6 +355,9 @@ def _evaluate(cfg: DictConfig, claim) -> float:
     # and are measured against plain greedy outputs instead (agreement, accuracy).
     source = strict_source(typed)
     startup = {"load_s": _BUILT["load_s"], "warmup_s": warmup_s}  # warm-up: first calls (compile, graph capture)
+    report = getattr(model, "load_report", None)
+    if report and _BUILT["load_s"]:  # each rank's load: seconds, checkpoint bytes, bytes read from storage
+        startup["ranks"] = report
     log.info("startup: load %.1f s%s, warm-up %s", startup["load_s"], " (reused from the sweep's first job)"
              if not startup["load_s"] else "", "skipped" if warmup_s is None else f"{warmup_s:.1f} s")
     metrics = aggregate.metrics_json({**_run_info(typed, len(prompts), len(batches), resumed), "startup": startup},

@@ -55,6 +55,7 @@ class DType(Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
+    float64 = "float64"  # exactness checks (TP=N against TP=1), the reference path only
 
 
 class WandbMode(Enum):

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,20 +54,69 @@ class LoadSpec:
     fast_path: bool = False
 
 
+def progress_wanted() -> bool:
+    """Rank 0 draws a load progress bar when its stderr is a terminal, or when MTP_PROGRESS=1 asks for one (logs)."""
+    flag = os.environ.get("MTP_PROGRESS")
+    return flag == "1" if flag in ("0", "1") else sys.stderr.isatty()
+
+
 class StopAgreed(Exception):
     """Rank 0's step callback asked to stop; raised on every rank at the same step."""
 
 
-def load_rank(spec: LoadSpec, group: RankGroup):
-    """This rank's shard of `spec` (the same call on every rank)."""
+def disk_read_bytes() -> int | None:
+    """Bytes this process has read from storage so far (Linux `/proc/self/io` read_bytes: page-cache hits do not
+    count), or None where the kernel does not say."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+@contextmanager
+def load_progress(show: bool):
+    """A rich progress bar of this rank's checkpoint bytes (rank 0, on stderr), as a `load_parallel` callback."""
+    if not show:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TransferSpeedColumn)
+
+    with Progress(TextColumn("loading rank 0's shard"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True)) as bar:
+        task = bar.add_task("load", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def load_rank(spec: LoadSpec, group: RankGroup, show_progress: bool = False):
+    """This rank's shard of `spec` (the same call on every rank); `model.load_stats` says what the load took:
+    seconds, checkpoint bytes of this rank's slices, bytes read from storage (None where unknown)."""
     import torch
 
     from .layout import ParallelPlan
     from .load import load_parallel
 
-    model = load_parallel(spec.path, group.comm, plan=ParallelPlan(group.world, spec.mlp_split),
-                          device=group.device, dtype=getattr(torch, spec.dtype), numerics=spec.numerics,
-                          n_mtp=spec.n_mtp)
+    t0, io0 = time.perf_counter(), disk_read_bytes()
+    read = [0]
+
+    def count(done: int, total: int) -> None:
+        read[0] = done
+        if bar is not None:
+            bar(done, total)
+
+    with load_progress(show_progress) as bar:
+        model = load_parallel(spec.path, group.comm, plan=ParallelPlan(group.world, spec.mlp_split),
+                              device=group.device, dtype=getattr(torch, spec.dtype), numerics=spec.numerics,
+                              n_mtp=spec.n_mtp, progress=count)
+    if group.device.type == "cuda":
+        torch.cuda.synchronize(group.device)
+    io1 = disk_read_bytes()
+    model.load_stats = {"rank": group.rank, "seconds": time.perf_counter() - t0, "bytes": read[0],
+                        "disk_read_bytes": None if io0 is None or io1 is None else io1 - io0}
     if spec.fast_path:
         from ..backends.fast_path import enable_fast_path
 
@@ -163,11 +213,13 @@ class Peers:
         return self._closing
 
     # ------------------------------------------------------------------------------------------ commands
-    def load(self, spec: LoadSpec):
-        """Every rank loads its shard; all succeed or all raise RankFailure (exit status 2: bad input)."""
+    def load(self, spec: LoadSpec, progress: bool | None = None):
+        """Every rank loads its shard; all succeed or all raise RankFailure (exit status 2: bad input).
+        progress: rank 0's progress bar (default: `progress_wanted()`)."""
         self._send("load", spec)
         with self.group.phase("loading", exit_code=2):
-            model = load_rank(spec, self.group)
+            model = load_rank(spec, self.group, show_progress=progress_wanted() if progress is None else progress)
+        model.load_report = self.group.gather(model.load_stats)  # every rank's, rank 0 reports them
         model.peers = self
         return model
 

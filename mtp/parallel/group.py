@@ -89,6 +89,12 @@ class RankGroup:
         dist.broadcast_object_list(box, src=0, group=self.ctl)
         return box[0]
 
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank (the control group: small picklable values)."""
+        every: list = [None] * self.world
+        dist.all_gather_object(every, obj, group=self.ctl)
+        return every
+
     def agree(self, phase: str, error: BaseException | None, exit_code: int = 1) -> None:
         """Every rank's outcome of `phase` on every rank; raises RankFailure (the lowest failing rank) if any failed."""
         mine = None if error is None else (describe(error), getattr(error, "exit_code", exit_code))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -129,11 +130,12 @@ def parallel_skeleton(cfg: ModelConfig, comm: Comm, *, plan: ParallelPlan | None
 def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: ParallelPlan | None = None,
                   device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, numerics: str = "fp8",
                   n_mtp: int | None = None, runtime: RuntimeOptions | None = None,
-                  static_moe: bool = False) -> DeepseekV32:
+                  static_moe: bool = False, progress: Callable[[int, int], None] | None = None) -> DeepseekV32:
     """This rank's part of an HF DeepSeek-V3.2 checkpoint as a `DeepseekV32` whose forward runs collectively.
 
     comm: the process group wrapper (default: the default group, or a single process). Every rank of the
     group must call this with the same arguments, then run the same forwards / `mtp.generate` calls.
+    progress: called as progress(bytes_read, bytes_total) after each tensor (this rank's checkpoint bytes).
     """
     comm = comm or Comm()
     path, cfg, n_mtp, headers = open_checkpoint(path, n_mtp)
@@ -147,6 +149,8 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
         if name not in headers:
             raise CheckpointError(f"{path}: internal error, parameter {pname!r} has no checkpoint tensor {name!r}")
         by_file.setdefault(headers[name][2], []).append(pname)
+    total = sum(p.numel() * _itemsize(headers[ckpt_name(n, cfg)][1]) for n, p in params.items())
+    done = 0
     for fname in sorted(by_file):
         file = path / fname
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -173,10 +177,17 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
                 value = t.to(device=device, dtype=p.dtype, copy=True)
                 mod_path, _, attr = pname.rpartition(".")
                 setattr(model.get_submodule(mod_path), attr, torch.nn.Parameter(value, requires_grad=False))
+                if progress is not None:
+                    done += t.numel() * t.element_size()
+                    progress(done, total)
     if params:
         raise CheckpointError(f"{path}: internal error, parameters left unfilled: {sorted(params)[:3]}")
     model.rotary.inv_freq = yarn_inv_freq(cfg).to(device)
     return model.eval()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def param_bytes(model: torch.nn.Module) -> int:

@@ -42,7 +42,7 @@ from .reblock import scale_rows
 from ..checkpoint.inventory import checkpoint_spec
 
 GIB = 1024 ** 3
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # model dtypes by their CLI names
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}  # model dtypes by their CLI names
 CATEGORIES = ("embedding + lm_head", "attention (head-split)", "attention (replicated)", "indexer (replicated)",
               "dense MLP", "routed experts", "shared experts", "router", "norms", "MTP extras")
 

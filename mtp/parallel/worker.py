@@ -57,6 +57,8 @@ def serve(group: RankGroup) -> int:
                     model = load_rank(payload, group)
             except RankFailure:  # every rank knows; rank 0 reports it and decides what comes next
                 pass
+            else:
+                group.gather(model.load_stats)  # to rank 0 (Peers.load)
         elif command == "generate":
             prompts, gcfg, seed, streamed = payload
             step = stoppable(group, None)[0] if streamed else None
