@@ -30,6 +30,14 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 PARTS=${PARTS:-tests nccl tp bench}  # tp8 only when named
 want() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
+nccl_loop() {  # start seconds, budget seconds: the NCCL tests run after run while the budget lasts
+  local i=0
+  while [ $(( $(date +%s) - $1 )) -lt "$2" ]; do
+    i=$((i + 1)); echo "== NCCL tests, run $i $(date -u +%H:%M:%S)"
+    timeout "${DIST_TEST_S:-240}" python3 -m pytest -q -m gpu ${DIST_TESTS:-tests/parallel/test_driver.py tests/parallel/test_parallel.py} \
+      -p no:cacheprovider 2>&1 | tee -a "$OUT/pytest_dist.log" | tail -1
+  done
+}
 echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $ngpu, commit $(git rev-parse --short HEAD 2>/dev/null)"
 if want tests; then
   echo "== GPU tests ${GPU_TESTS:=$(ls tests/*/test_*_gpu.py | tr '\n' ' ')}"
@@ -132,12 +140,7 @@ PY
     hydra.sweep.dir="$OUT/sweep_tp2" 2>&1 | grep -E "^│ all|wall|error|#"
   echo "== mtp-chat at TP=2 in a pseudo-terminal $(date -u +%H:%M:%S)"
   MTP_CHAT_TEST_RUNTIME=cuda timeout 200 python3 -m pytest -q tests/chat/test_cli.py -k 2 -p no:cacheprovider 2>&1 | tail -2
-  i=0  # the NCCL tests again and again, as long as the budget allows
-  while [ $(( $(date +%s) - t_dist )) -lt "${DIST_BUDGET_S:-480}" ]; do
-    i=$((i + 1)); echo "== NCCL tests, run $i $(date -u +%H:%M:%S)"
-    timeout "${DIST_TEST_S:-240}" python3 -m pytest -q -m gpu ${DIST_TESTS:-tests/parallel/test_driver.py tests/parallel/test_parallel.py} \
-      -p no:cacheprovider 2>&1 | tee -a "$OUT/pytest_dist.log" | tail -1
-  done
+  nccl_loop "$t_dist" "${DIST_BUDGET_S:-480}"  # the NCCL tests again and again, as long as the budget allows
 fi
 if want startup; then  # cold / warm start on the bundled model, phase by phase (issue 24 item 6)
   echo "== start-up, cold and warm $(date -u +%H:%M:%S)"
@@ -170,12 +173,8 @@ if [ "$ngpu" -ge 2 ] && want loadscale; then  # a real-width checkpoint from loc
   [ -n "${LOAD_KEEP:-}" ] || rm -rf "$LD"
 fi
 if [ "$ngpu" -ge 2 ] && want ncclloop; then  # the NCCL tests in a row until the budget is spent
-  t_loop=$(date +%s); i=0
-  while [ $(( $(date +%s) - t_loop )) -lt "${LOOP_BUDGET_S:-400}" ]; do
-    i=$((i + 1)); echo "== NCCL tests, run $i $(date -u +%H:%M:%S)"
-    timeout "${DIST_TEST_S:-240}" python3 -m pytest -q -m gpu ${DIST_TESTS:-tests/parallel/test_driver.py tests/parallel/test_parallel.py} \
-      -p no:cacheprovider 2>&1 | tee -a "$OUT/pytest_dist.log" | tail -1
-  done
+  export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=1
+  nccl_loop "$(date +%s)" "${LOOP_BUDGET_S:-400}"
 fi
 if [ "${PACK:-0}" = 1 ]; then  # the device tool returns few files: one archive of everything
   (cd "$OUT" && tar czf results.tgz --exclude results.tgz . && find . -type f ! -name results.tgz -delete)
