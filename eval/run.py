@@ -328,15 +328,15 @@ def _evaluate(cfg: DictConfig, claim) -> float:
     claim()
     _record(out, cfg, resolved)
 
-    from mtp.provenance import provenance
+    from mtp.provenance import defaulted_line, provenance
 
     from . import aggregate
 
     batches = plan_batches(prompts, typed.runtime.batch_size)
     resumed = len(stores["spec"].records)
     prov = provenance(model_path(typed.model), typed.runtime.device, typed.deep_fingerprint)
-    if prov["checkpoint"]["config_defaulted"]:  # also in metrics.json's provenance
-        log.warning("config.json lacks %s: transformers' defaults used", ", ".join(prov["checkpoint"]["config_defaulted"]))
+    if line := defaulted_line(prov["checkpoint"]):  # also in metrics.json's provenance (config_assumed)
+        log.warning("%s", line)
     logger = hydra.utils.instantiate(cfg.logger)
     logger.start({**resolved, "provenance": prov}, *_identity(typed, out), out)
     kws = {"spec": kw, "base": _baseline_kwargs(kw), "ref": _strict_kwargs(kw)}

@@ -18,7 +18,7 @@ from .checkpoint.files import resolve_n_mtp
 from .decode.options import OptionError
 from .draft.config import DraftConfig
 from .model.config import ModelConfig
-from .text.tokenizer import Tokenizer
+from .text.tokenizer import Tokenizer, match_model
 
 
 class PreflightError(ValueError):
@@ -51,9 +51,10 @@ def preflight(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None =
         tok = Tokenizer.from_dir(tok_dir)
     except (OSError, ValueError) as e:
         raise PreflightError(str(e)) from None
-    if tok.vocab_size > cfg.vocab_size:
-        raise PreflightError(f"{tok.source} has {tok.vocab_size} ids, more than the model's vocab_size "
-                             f"{cfg.vocab_size} ({path / 'config.json'}): tokenizer and checkpoint do not match")
+    try:
+        match_model(tok, cfg.vocab_size, path / "config.json")
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
     return cfg, tok
 
 

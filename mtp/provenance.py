@@ -91,19 +91,29 @@ def checkpoint_identity(path: str | os.PathLike, deep: bool = False) -> dict:
                 while block := fh.read(_READ):
                     h.update(block)
     return {"path": str(path), "name": path.name, "fingerprint": h.hexdigest()[:16], "deep": deep,
-            "config_defaulted": list(_defaulted(path / "config.json"))}
+            **_defaulted(path / "config.json")}
 
 
-def _defaulted(config: Path) -> tuple[str, ...]:
-    """The config.json fields the loader filled with a default (unreadable config: nothing to say here, the
-    loader names it)."""
-    from .model.config import defaulted_fields
+def _defaulted(config: Path) -> dict:
+    """The config.json fields the loader filled with a default and the value it took for each (unreadable
+    config: nothing to say here, the loader names it)."""
+    from .model.config import defaulted_values
 
     try:
         raw = json.loads(config.read_text())
     except (OSError, ValueError):
-        return ()
-    return defaulted_fields(raw) if isinstance(raw, dict) else ()
+        raw = None
+    assumed = defaulted_values(raw) if isinstance(raw, dict) else {}
+    return {"config_defaulted": list(assumed), "config_assumed": assumed}
+
+
+def defaulted_line(checkpoint: dict) -> str | None:
+    """One line for the run log naming the defaulted config fields and what was assumed; None when none was."""
+    assumed = checkpoint["config_assumed"]
+    if not assumed:
+        return None
+    return (f"config.json lacks {', '.join(assumed)}; assumed: "
+            + "; ".join(f"{name} = {value}" for name, value in assumed.items()))
 
 
 def provenance(checkpoint: str | os.PathLike, device: str, deep: bool = False) -> dict:

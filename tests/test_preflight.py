@@ -181,3 +181,11 @@ def test_the_real_model_fits_where_the_planner_says(tp, gib, fits):
     msg = str(e.value)
     assert f"runtime.tp = {tp}: the model needs" in msg and f"has {gib:.2f} GiB free" in msg
     assert f"the smallest TP that fits is {8 if gib == 141 else 16}" in msg
+
+
+def test_tokenizer_smaller_than_the_vocabulary_warns_once(garbage_ckpt):
+    """DeepSeek-V3.2's own tokenizer is smaller than its padded vocab_size: accepted, with one warning."""
+    _edit_config(garbage_ckpt, vocab_size=2100)
+    with pytest.warns(UserWarning, match="2048 ids, fewer than the model's vocab_size 2100") as seen:
+        preflight(garbage_ckpt, draft="eagle", k=1)
+    assert len(seen) == 1

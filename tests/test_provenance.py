@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from mtp.provenance import checkpoint_identity, code_identity, provenance
+from mtp.provenance import checkpoint_identity, code_identity, defaulted_line, provenance
 from mtp.checkpoint.tiny import default_checkpoint
 
 
@@ -62,3 +62,16 @@ def test_checkpoint_identity_lists_the_defaulted_config_fields(tmp_path):
     del raw["rms_norm_eps"], raw["rope_theta"]
     (ckpt / "config.json").write_text(json.dumps(raw))
     assert checkpoint_identity(ckpt)["config_defaulted"] == ["rms_norm_eps", "rope_theta"]
+    assert checkpoint_identity(ckpt)["config_assumed"] == {"rms_norm_eps": "1e-06", "rope_theta": "10000.0"}
+
+
+def test_the_defaulted_line_says_what_was_assumed_for_rope_scaling(tmp_path):
+    """The run log's line (metrics.json keeps the same dict): without rope_scaling, plain RoPE was assumed."""
+    ckpt = Path(shutil.copytree(default_checkpoint(), tmp_path / "ckpt"))
+    assert defaulted_line(checkpoint_identity(ckpt)) is None
+    raw = json.loads((ckpt / "config.json").read_text())
+    del raw["rope_scaling"], raw["rope_theta"]
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    line = defaulted_line(checkpoint_identity(ckpt))
+    assert line.startswith("config.json lacks rope_theta, rope_scaling; assumed: rope_theta = 10000.0; "
+                           "rope_scaling = none: plain RoPE"), line

@@ -9,16 +9,18 @@ only acceptance can drop, when the target's token lies outside the N.
 
 A vocabulary file is JSON: {"ids": [most frequent first, ...], "counts": [...], "tokenizer": ..., "tokens": ...}.
 `mtp-draft-vocab --checkpoint CKPT --data FILES... --out vocab.json` counts tokens over text files
-(.txt: one document per file line; .json / .jsonl: a text field) with the checkpoint's tokenizer.
+(.txt: one document per file line; .json / .jsonl: a text field) with the checkpoint's tokenizer; a bad file
+or option is one line naming it, exit 2, and nothing written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -125,42 +127,131 @@ def top_ids(counts: Counter, size: int, always: Iterable[int] = ()) -> list[int]
     return (head + rest)[:size]
 
 
-def _texts(files: Sequence[str], field: str) -> Iterable[str]:
-    """Documents of local files through `datasets` (json/jsonl: `field`; anything else: one per line)."""
-    from datasets import load_dataset
+DEFAULT_SIZE = 32768  # mtp-draft-vocab --size
 
-    for f in files:
-        if not Path(f).is_file():
-            raise SystemExit(f"--data: no such file {f}")
-        kind = "json" if f.endswith((".json", ".jsonl")) else "text"
-        ds = load_dataset(kind, data_files=f, split="train")
-        col = field if kind == "json" else "text"
-        if col not in ds.column_names:
-            raise SystemExit(f"{f}: no field {col!r} (fields: {ds.column_names}); pick one with --field")
-        yield from (t for t in ds[col] if t)
+
+class InputError(ValueError):
+    """A file or option of `mtp-draft-vocab` is unusable (the message names it)."""
+
+
+def documents(path: str | Path, field: str = "text") -> Iterator[str]:
+    """The non-empty documents of a local file: .jsonl one JSON object per line, .json a JSON array of objects
+    (or JSON lines), both taking the string `field`; any other file one document per line. InputError names
+    the file and the line or row at fault, or that the file holds no text."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{p}: no such file")
+    if not p.is_file():
+        raise InputError(f"{p}: not a file")
+    found = False
+    try:
+        for t in _json_texts(p, field) if p.suffix in (".json", ".jsonl") else _lines(p):
+            if t:
+                found = True
+                yield t
+    except OSError as e:
+        raise InputError(f"{p}: cannot read it ({e.strerror or e})") from None
+    if not found:
+        raise InputError(f"{p}: holds no text" + (f" in field {field!r}" if p.suffix in (".json", ".jsonl") else ""))
+
+
+def _numbered_lines(p: Path) -> Iterator[tuple[int, str]]:
+    with open(p, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                yield n, raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                raise InputError(f"{p} line {n}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _lines(p: Path) -> Iterator[str]:
+    return (line for _, line in _numbered_lines(p))
+
+
+def _json_texts(p: Path, field: str) -> Iterator[str]:
+    rows: Iterable[tuple[str, object]]
+    if p.suffix == ".json":
+        try:
+            whole = json.loads(p.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise InputError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except json.JSONDecodeError:
+            whole = None  # JSON lines, as `datasets` reads a .json file too
+        if whole is not None:
+            if not isinstance(whole, list):
+                raise InputError(f"{p}: want a JSON array of objects or JSON lines, got a {type(whole).__name__}")
+            rows = ((f"row {n}", r) for n, r in enumerate(whole, 1))
+    if p.suffix == ".jsonl" or whole is None:
+        rows = _json_lines(p)
+    for where, row in rows:
+        if not isinstance(row, dict) or field not in row:
+            keys = f" (fields: {sorted(row)})" if isinstance(row, dict) else f", got {row!r:.40}"
+            raise InputError(f"{p} {where}: no field {field!r}{keys}; pick one with --field")
+        if not isinstance(row[field], str):
+            raise InputError(f"{p} {where}: field {field!r} = {row[field]!r:.40} must be a string")
+        yield row[field]
+
+
+def _json_lines(p: Path) -> Iterator[tuple[str, object]]:
+    for n, line in _numbered_lines(p):
+        if not line.strip():
+            continue
+        try:
+            yield f"line {n}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{p} line {n}: not JSON ({e.msg}, column {e.colno})") from None
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.is_dir():
+        raise InputError(f"--out {out} is a folder; name the file to write")
+    if not out.parent.is_dir():
+        raise InputError(f"--out {out}: {out.parent}: no such folder")
+    if out.exists() and not force:
+        raise InputError(f"--out {out} exists; pass --force to replace it")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..text.tokenizer import Tokenizer
-
     ap = argparse.ArgumentParser(prog="mtp-draft-vocab", description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", required=True, help="checkpoint folder with the tokenizer")
+    ap.add_argument("--checkpoint", required=True, help="checkpoint folder (config.json and the tokenizer)")
     ap.add_argument("--data", nargs="+", required=True, help=".txt / .json / .jsonl files")
     ap.add_argument("--field", default="text", help="text field of json/jsonl records")
-    ap.add_argument("--size", type=int, default=32768, help="ids kept (the file keeps them all, ranked)")
+    ap.add_argument("--size", type=int, default=None,
+                    help=f"ids kept, most frequent first (default: {DEFAULT_SIZE} or the whole vocabulary if smaller)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--force", action="store_true", help="replace --out if it exists")
     a = ap.parse_args(argv)
+    try:
+        _run(a)
+    except (InputError, ValueError, OSError) as e:  # ConfigError and the tokenizer's errors name their file
+        print(f"mtp-draft-vocab: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run(a: argparse.Namespace) -> None:
+    from ..model.config import ModelConfig
+    from ..text.tokenizer import Tokenizer, match_model
+
+    if a.size is not None and a.size < 1:
+        raise InputError(f"--size = {a.size} must be >= 1")
+    out = Path(a.out)
+    _check_out(out, a.force)
+    config = Path(a.checkpoint) / "config.json"
+    vocab_size = ModelConfig.from_json(config).vocab_size
+    if a.size is not None and a.size > vocab_size:
+        raise InputError(f"--size = {a.size} exceeds the model's vocab_size {vocab_size} ({config})")
+    size = min(DEFAULT_SIZE, vocab_size) if a.size is None else a.size
     tok = Tokenizer.from_dir(a.checkpoint)
-    counts = count_tokens(tok.encode, _texts(a.data, a.field))
+    match_model(tok, vocab_size, config)  # so every id counted below is one the model has
+    counts = count_tokens(tok.encode, (t for f in a.data for t in documents(f, a.field)))
     specials = [i for i in (tok.eos_id, tok.think_id, tok.end_think_id, tok.bos_id) if i is not None]
-    ids = top_ids(counts, a.size, always=specials)
+    ids = top_ids(counts, size, always=specials)
     total = sum(counts.values())
     covered = sum(counts[i] for i in ids)
-    write_json_atomic(a.out, {"ids": ids, "counts": [counts[i] for i in ids], "tokenizer": str(a.checkpoint),
-                              "data": list(a.data), "tokens_counted": total,
-                              "coverage": covered / total if total else 0.0})
-    print(f"{len(ids)} ids cover {100 * covered / max(total, 1):.2f}% of {total} tokens -> {a.out}")
-    return 0
+    write_json_atomic(out, {"ids": ids, "counts": [counts[i] for i in ids], "tokenizer": str(a.checkpoint),
+                            "data": list(a.data), "tokens_counted": total, "coverage": covered / total})
+    print(f"{len(ids)} ids cover {100 * covered / total:.2f}% of {total} tokens -> {out}")
 
 
 if __name__ == "__main__":

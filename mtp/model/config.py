@@ -112,7 +112,18 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":
         """A field missing from `raw` takes transformers' `DeepseekV32Config` default (`ABSENT_FIELDS` where
-        that differs from the dataclass default, which is the 671B model's value)."""
+        that differs from the dataclass default, which is the 671B model's value).
+
+        No rope_scaling means plain RoPE and an unscaled softmax (issue 27 item 6). DeepSeek's reference inference
+        code (DeepSeek-V3.2-Exp `inference/model.py`) would apply YaRN here: its `ModelArgs` default to factor
+        40 over 4096 positions, applied whenever its run-time `max_seq_len` (16384 by default) exceeds 4096.
+        But that code never reads config.json: it takes its own config file (`config_671B_v3.2.json`, which
+        names no RoPE field at all) and `convert.py` rewrites only the weights, so the reference has no reading
+        of an HF config.json without rope_scaling. The HF format's meaning comes from transformers, and vLLM
+        reads it the same way (plain RoPE, no mscale); every config.json DeepSeek publishes names its YaRN
+        parameters. A user holding an HF-format checkpoint expects what transformers and vLLM compute from it,
+        so we match them (tests/model/test_hf_oracle.py pins the logits), and say so in every result
+        (`defaulted_values`)."""
         raw = dict(raw)
         known = {f.name for f in dataclasses.fields(cls)}
         absent = [name for name in REQUIRED_FIELDS if name not in raw]
@@ -344,6 +355,27 @@ def defaulted_fields(raw: dict[str, Any]) -> tuple[str, ...]:
     if isinstance(rs, dict):
         out += [f"rope_scaling.{k}" for k in ("beta_fast", "beta_slow") if k not in rs]
     return tuple(out)
+
+
+# What an absent rope_scaling was taken to mean, in results (the reasons are in `ModelConfig.from_dict`).
+NO_ROPE_SCALING = "none: plain RoPE, unscaled softmax (transformers' and vLLM's reading; DeepSeek's reference " \
+    "code would apply YaRN factor 40)"
+
+
+def defaulted_values(raw: dict[str, Any]) -> dict[str, str]:
+    """Each field `defaulted_fields(raw)` names -> the value assumed for it, as results print it."""
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(ModelConfig)}
+    out = {}
+    for name in defaulted_fields(raw):
+        if name == "rope_scaling":
+            out[name] = NO_ROPE_SCALING
+        elif name.startswith("rope_scaling."):
+            out[name] = json.dumps(getattr(RopeScaling(), name.split(".", 1)[1]))
+        else:
+            value = ABSENT_FIELDS.get(name, defaults[name])
+            out[name] = "none" if value is None else json.dumps(list(value) if isinstance(value, tuple) else value)
+    return out
 
 
 # rope_scaling keys without a safe default: transformers requires the first two, and its meaning of a missing

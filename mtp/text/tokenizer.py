@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sysconfig
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -41,6 +42,9 @@ CONFIG_FILE = "tokenizer_config.json"
 DEEPSEEK_MODEL_MAX_LENGTH = 131072  # value in the published DeepSeek-V3.x tokenizer_config.json
 
 _BYTE_ALPHABET = 256  # byte-level BPE starts from one symbol per byte
+
+# The text of an id the tokenizer does not have (a model's vocabulary may be padded past it): visible, never "".
+UNKNOWN_ID = "<unk id={}>"
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> tokenizers.Tokenizer:
@@ -140,6 +144,7 @@ class Tokenizer:
         self.assistant_id = self._special_id(ASSISTANT, "ASSISTANT")
         self.think_id = self._special_id(THINK, "THINK")
         self.end_think_id = self._special_id(END_THINK, "END_THINK")
+        self._size = backend.get_vocab_size(with_added_tokens=True)
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
@@ -163,14 +168,40 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        return self._size
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; an id past the tokenizer (`tokenizers` would drop it) shows as `UNKNOWN_ID`."""
         # `tokenizers` defaults to skipping special tokens; this project wants them visible by default.
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids]
+        if not ids or max(ids) < self._size:
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        parts, run = [], []
+        for i in ids + [self._size]:  # the sentinel flushes the last run
+            if i < self._size:
+                run.append(i)
+                continue
+            parts.append(self.backend.decode(run, skip_special_tokens=skip_special_tokens) if run else "")
+            parts.append(UNKNOWN_ID.format(i))
+            run = []
+        return "".join(parts[:-1])
+
+
+def match_model(tok: Tokenizer, vocab_size: int, source: str | os.PathLike) -> None:
+    """Hold a tokenizer to the model's vocabulary (`vocab_size` from `source`, its config.json). More ids than
+    the model embeds: ValueError. Fewer: one warning, not a refusal, since the real DeepSeek-V3.2 is so (128815
+    tokens, 129280 rows padded for the GPUs); the model can still emit an id past the tokenizer, and
+    `Tokenizer.decode` shows it as `UNKNOWN_ID`."""
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"{tok.source} has {tok.vocab_size} ids, more than the model's vocab_size {vocab_size} "
+                         f"({source}): tokenizer and checkpoint do not match")
+    if tok.vocab_size < vocab_size:
+        warnings.warn(f"{tok.source} has {tok.vocab_size} ids, fewer than the model's vocab_size {vocab_size} "
+                      f"({source}): ids {tok.vocab_size}..{vocab_size - 1} have no text and decode as "
+                      f"{UNKNOWN_ID.format('N')}", stacklevel=2)
 
 
 def deepseek_v32_special_ids() -> dict[str, int]:

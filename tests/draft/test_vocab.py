@@ -4,6 +4,7 @@ paths into `mtp.generate` and the experiment configs. Decoding with one is teste
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -99,3 +100,72 @@ def test_proposers_share_one_sub_head(tiny_model):
     assert a.heads[0] is b.heads[0]
     other = Proposer(tiny_model, DraftConfig("eagle", 2, vocab=(1, 5)), 1, 64)
     assert other.heads[0] is not a.heads[0] and other.heads[0].weight.shape[0] == 2
+
+
+def _cli_case(tmp_path, name: str) -> tuple[list[str], str]:
+    """(arguments, what the one-line error must name) for each bad input of `mtp-draft-vocab`."""
+    ckpt, ok, out = default_checkpoint(), tmp_path / "ok.txt", tmp_path / "vocab.json"
+    ok.write_text("import os\nprint(1)\n")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    (tmp_path / "nofield.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
+    (tmp_path / "notstr.json").write_text('[{"text": "a"}, {"text": 3}]')
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "existing.json").write_text("{}")
+    small = tmp_path / "small_vocab"  # config.json's vocab_size below the tokenizer's 2048 ids
+    shutil.copytree(ckpt, small)
+    raw = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**raw, "vocab_size": 1024}))
+    data, size, out_, ckpt_ = "--data", "--size", "--out", "--checkpoint"
+    cases = {
+        "missing data": ({data: [tmp_path / "missing.txt"]}, "missing.txt: no such file"),
+        "data is a folder": ({data: [tmp_path / "folder"]}, "folder: not a file"),
+        "empty data": ({data: [ok, tmp_path / "empty.txt"]}, "empty.txt: holds no text"),
+        "blank jsonl": ({data: [tmp_path / "blank.jsonl"]}, "blank.jsonl: holds no text"),
+        "not utf-8": ({data: [tmp_path / "latin1.txt"]}, "latin1.txt line 1: not UTF-8 text"),
+        "malformed jsonl": ({data: [tmp_path / "bad.jsonl"]}, "bad.jsonl line 2: not JSON"),
+        "row without the field": ({data: [tmp_path / "nofield.jsonl"]}, "nofield.jsonl line 2: no field 'text'"),
+        "field not a string": ({data: [tmp_path / "notstr.json"]}, "notstr.json row 2: field 'text' = 3"),
+        "size 0": ({size: [0]}, "--size = 0 must be >= 1"),
+        "size negative": ({size: [-3]}, "--size = -3 must be >= 1"),
+        "size above the vocabulary": ({size: [4096]}, "--size = 4096 exceeds the model's vocab_size 2048"),
+        "out in a missing folder": ({out_: [tmp_path / "nodir" / "v.json"]}, "nodir: no such folder"),
+        "out exists": ({out_: [tmp_path / "existing.json"]}, "existing.json exists; pass --force"),
+        "out is a folder": ({out_: [tmp_path / "folder"]}, "folder is a folder"),
+        "missing checkpoint": ({ckpt_: [tmp_path / "nockpt"]}, "nockpt"),
+        "tokenizer ids outside the model": ({ckpt_: [small]}, "2048 ids, more than the model's vocab_size 1024"),
+    }
+    override, want = cases[name]
+    opts = {ckpt_: [ckpt], data: [ok], out_: [out], **override}
+    return [str(x) for k, v in opts.items() for x in (k, *v)], want
+
+
+BAD_CLI = ["missing data", "data is a folder", "empty data", "blank jsonl", "not utf-8", "malformed jsonl",
+           "row without the field", "field not a string", "size 0", "size negative", "size above the vocabulary",
+           "out in a missing folder", "out exists", "out is a folder", "missing checkpoint",
+           "tokenizer ids outside the model"]
+
+
+@pytest.mark.parametrize("name", BAD_CLI)
+def test_counting_cli_refuses_bad_input_in_one_line(tmp_path, capsys, name):
+    """Each: exit 2, one line naming the file / option and value, nothing written (issue 27 item 10)."""
+    argv, want = _cli_case(tmp_path, name)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    before_existing = (tmp_path / "existing.json").read_text()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mtp-draft-vocab: error: ") and "\n" not in err, err
+    assert want in err, err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert (tmp_path / "existing.json").read_text() == before_existing
+
+
+def test_counting_cli_replaces_a_file_with_force(tmp_path, capsys):
+    (tmp_path / "ok.txt").write_text("import os\n")
+    (tmp_path / "v.json").write_text("{}")
+    argv = ["--checkpoint", str(default_checkpoint()), "--data", str(tmp_path / "ok.txt"), "--out",
+            str(tmp_path / "v.json"), "--size", "8"]
+    assert main(argv + ["--force"]) == 0
+    assert len(json.loads((tmp_path / "v.json").read_text())["ids"]) <= 8

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from mtp.model.config import REQUIRED_FIELDS, ConfigError, ModelConfig, defaulted_fields
+from mtp.model.config import REQUIRED_FIELDS, ConfigError, ModelConfig, defaulted_fields, defaulted_values
 from mtp.model.layers import yarn_inv_freq
 
 # The public DeepSeek-V3.2 config.json as the HF repo ships it (facts section 1), including the fields this
@@ -299,6 +299,17 @@ def test_defaulted_fields_are_listed():
     assert defaulted_fields(REAL_CONFIG) == ()
     raw = _without("rope_theta", "tie_word_embeddings", "rope_scaling__beta_slow")
     assert defaulted_fields(raw) == ("rope_theta", "tie_word_embeddings", "rope_scaling.beta_slow")
+
+
+def test_defaulted_values_say_what_was_assumed():
+    """A result names each defaulted field and the value taken; for rope_scaling, that no scaling was applied and
+    what DeepSeek's reference code would have done instead (the two readings differ, issue 27 item 6)."""
+    assert defaulted_values(REAL_CONFIG) == {}
+    got = defaulted_values(_without("rope_scaling", "rope_theta", "tie_word_embeddings", "quantization_config"))
+    assert list(got) == ["rope_theta", "rope_scaling", "quantization_config", "tie_word_embeddings"]
+    assert (got["rope_theta"], got["tie_word_embeddings"], got["quantization_config"]) == ("10000.0", "false", "none")
+    assert got["rope_scaling"].startswith("none: plain RoPE") and "YaRN factor 40" in got["rope_scaling"]
+    assert defaulted_values(_without("rope_scaling__beta_slow")) == {"rope_scaling.beta_slow": "1.0"}
 
 
 def test_missing_rope_scaling_means_no_scaling():

@@ -22,6 +22,8 @@ import dataclasses
 import json
 import math
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +33,7 @@ from safetensors import safe_open
 
 from mtp.model.deepseek import fp8
 from mtp.model.attention import Indexer
-from mtp.checkpoint.files import INDEX_NAME
+from mtp.checkpoint.files import INDEX_NAME, load_model
 from mtp.model.config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
@@ -216,3 +218,31 @@ def test_logits_match_transformers(hf_model, tiny_model_dequant, monkeypatch, T,
     print(f"T={T} {attn_impl}: logits max rel err vs transformers {err:.2e}")
     assert err < TOL
     assert torch.equal(out.logits.argmax(-1), hf_out.logits.argmax(-1))
+
+
+def test_config_without_rope_scaling_matches_transformers(tiny_ckpt, tmp_path):
+    """A config.json without rope_scaling (issue 27 item 6): transformers (and vLLM) read it as plain RoPE with
+    an unscaled softmax; DeepSeek's reference code would apply its YaRN defaults (factor 40) instead. We follow
+    transformers (`ModelConfig.from_dict` says why). Both sides read the same file, as `from_pretrained` would."""
+    path = Path(shutil.copytree(tiny_ckpt, tmp_path / "no_rope_scaling"))
+    raw = json.loads((path / "config.json").read_text())
+    del raw["rope_scaling"]
+    (path / "config.json").write_text(json.dumps(raw))
+    ours = load_model(path, dtype=torch.float32, numerics="dequant")
+    raw.pop("quantization_config")  # the weights arrive dequantized
+    hf = DeepseekV32ForCausalLM(DeepseekV32Config(**raw, attn_implementation="eager")).float().eval()
+    hf.load_state_dict(hf_state_dict(checkpoint_float_tensors(path), ours.cfg), strict=True)
+    assert ours.cfg.rope_scaling is None and hf.config.rope_parameters["rope_type"] == "default"
+
+    dim = ours.cfg.qk_rope_head_dim
+    plain = ours.cfg.rope_theta ** (-torch.arange(0, dim, 2, dtype=F64) / dim)
+    assert rel(ours.rotary.inv_freq, plain) < 1e-6 and rel(hf.model.rotary_emb.inv_freq, plain) < 1e-6
+    assert hf.model.rotary_emb.attention_scaling == 1.0
+    unscaled = ours.cfg.qk_head_dim ** -0.5
+    assert ours.model.layers[0].self_attn.softmax_scale == pytest.approx(unscaled, rel=1e-12)
+    assert hf.model.layers[0].self_attn.scaling == pytest.approx(unscaled, rel=1e-12)
+    for T in (8, 40):  # dense and sparse (index_topk 16)
+        ids = torch.randint(0, ours.cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(T))
+        with torch.no_grad():
+            err = rel(ours(ids).logits, hf(input_ids=ids, use_cache=False).logits)
+        assert err < TOL, f"T={T}: logits max rel err vs transformers {err:.2e} without rope_scaling"

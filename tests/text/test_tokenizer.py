@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from mtp.text.tokenizer import (
     Tokenizer,
     deepseek_v32_special_ids,
     default_corpus,
+    match_model,
     save_tokenizer,
     train_bpe_tokenizer,
 )
@@ -207,3 +209,30 @@ def test_full_size_tokenizer_with_wrong_special_ids_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"tokenizer\.json: '<think>' has id 128803, but DeepSeek-V3\.2's tokenizer has "
                                          r"it at 128798"):
         Tokenizer.from_dir(_full_size_tokenizer(tmp_path, ids))
+
+
+def test_ids_past_the_tokenizer_decode_to_a_visible_placeholder(tok):
+    """A model's vocabulary may be padded past its tokenizer (DeepSeek-V3.2: 129280 rows, 128815 tokens): an id
+    there used to decode to nothing; now it shows, in whole and streamed decodes alike."""
+    ids = tok.encode("import os")
+    mixed = ids[:1] + [VOCAB + 5] + ids[1:] + [VOCAB]
+    want = tok.decode(ids[:1]) + f"<unk id={VOCAB + 5}>" + tok.decode(ids[1:]) + f"<unk id={VOCAB}>"
+    assert tok.decode(mixed) == want and tok.decode(mixed, skip_special_tokens=True) == want
+    stream = StreamDecoder(tok)
+    assert "".join(stream.push(i) for i in mixed) + stream.flush() == want
+    assert tok.decode(ids) == "import os"
+
+
+def test_tokenizer_against_the_model_vocabulary(tok):
+    """Larger than the model's vocabulary: refused (ids the model cannot embed). Smaller: one warning naming both
+    sizes (the real checkpoint is so), none when they match."""
+    with pytest.raises(ValueError, match=f"{VOCAB} ids, more than the model's vocab_size {VOCAB - 1} \\(cfg.json\\)"):
+        match_model(tok, VOCAB - 1, "cfg.json")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        match_model(tok, VOCAB, "cfg.json")
+        assert not seen
+        match_model(tok, VOCAB + 100, "cfg.json")
+    assert len(seen) == 1
+    msg = str(seen[0].message)
+    assert f"{VOCAB} ids, fewer than the model's vocab_size {VOCAB + 100} (cfg.json)" in msg and "<unk id=" in msg
