@@ -436,7 +436,7 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
     else:
         c = mla.kv_a_layernorm(kv[..., : mla.C], dt)
         k_pe = elementwise.rope_interleaved(kv[..., mla.C:], cos, sin)
-        cache_write(cache, pos_BT, c, k_pe, ix._rotate(ix.k_norm(k_idx), cos, sin))
+        cache_write(cache, pos_BT, c, k_pe, ix.rotate(ix.k_norm(k_idx), cos, sin))
     # The indexer scores only when it must choose (S > its top-k); else every visible key is kept and its query
     # side (the wq_b rows of the stacked GEMV, the queries' rotary / Hadamard / quant, the head weights) is
     # skipped: the keys it caches above are still written for later steps.
@@ -460,7 +460,7 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
                             iq_quant=(iq8, iqs) if score else None, visible_BTS=visible_BTS)
         return mla.o_proj(o.reshape(B, T, H * mla.V))
     q_nope, q_pe = q[..., :P], elementwise.rope_interleaved(q[..., P:], cos, sin)
-    iq = ix._rotate(iq.view(B, T, ix.n_heads, Dk), cos, sin) if score else None
+    iq = ix.rotate(iq.view(B, T, ix.n_heads, Dk), cos, sin) if score else None
     o = mla_attend_fast(mla, x_BTD, iq, q_nope, q_pe, cache, S, out_dtype=dt, visible_BTS=visible_BTS)
     return mla.o_proj(o.reshape(B, T, H * mla.V))
 

@@ -55,7 +55,7 @@ def first_nonfinite(model, tokens_BT: torch.Tensor,
 
     dtype = model.dtype
     cache = model.new_cache(B, T)
-    pos_BT, cos, sin, S, _ = model._positions(cache, T, T)
+    pos_BT, cos, sin, S, _ = model.positions(cache, T, T)
     h = model.model.embed_tokens(tokens_BT).to(model.acc)
     if found := bad(h):
         return "model.embed_tokens", *found

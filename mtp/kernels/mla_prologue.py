@@ -2,7 +2,7 @@
 the attention kernels.
 
 Reference: `mla_kv_prologue_ref` / `mla_q_prologue_ref`, the unfused steps of `fast_path.mla_forward_fast`
-(`mtp.model.layers` norms and rotary, `Indexer._rotate`, `LayerCache.write`, `fp8.act_quant`). Shape legend: n = B*T
+(`mtp.model.layers` norms and rotary, `Indexer.rotate`, `LayerCache.write`, `fp8.act_quant`). Shape legend: n = B*T
 tokens, Q q_lora, Dk indexer head dim (128: one quant block, one Hadamard), C kv_lora (512), R rope dims (64),
 H heads, P nope dims, Hi indexer heads.
 
@@ -43,7 +43,7 @@ def mla_kv_prologue_ref(mla, cache, pos_BT, a_BTX, cos, sin) -> None:
     k_idx, kv = a_BTX[..., Q:Q + Dk], a_BTX[..., Q + Dk:]
     c = mla.kv_a_layernorm(kv[..., :C], a_BTX.dtype)
     k_pe = elementwise.rope_interleaved(kv[..., C:], cos, sin)
-    cache.write(pos_BT, c, k_pe, ix._rotate(ix.k_norm(k_idx), cos, sin))
+    cache.write(pos_BT, c, k_pe, ix.rotate(ix.k_norm(k_idx), cos, sin))
 
 
 def mla_q_prologue_ref(mla, qq_BTX, cos, sin):
@@ -55,7 +55,7 @@ def mla_q_prologue_ref(mla, qq_BTX, cos, sin):
     H, P, R = mla.H, mla.P, mla.R
     q = qq_BTX[..., :H * (P + R)].view(B, T, H, P + R)
     q_pe = elementwise.rope_interleaved(q[..., P:], cos, sin)
-    iq = ix._rotate(qq_BTX[..., H * (P + R):].view(B, T, ix.n_heads, ix.head_dim), cos, sin)
+    iq = ix.rotate(qq_BTX[..., H * (P + R):].view(B, T, ix.n_heads, ix.head_dim), cos, sin)
     iq8, iqs = act_quant_ref(iq)
     return q_pe, iq8, iqs
 

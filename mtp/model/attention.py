@@ -35,19 +35,19 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, False, dtype)
         self.numerics = "fp8"
 
-    def _rotate(self, v: torch.Tensor, cos, sin) -> torch.Tensor:
+    def rotate(self, v: torch.Tensor, cos, sin) -> torch.Tensor:
         """Half-split RoPE on the first rope_dim channels (rope FIRST, then nope), then the Hadamard transform."""
         v = torch.cat((elementwise.rope_half(v[..., : self.rope_dim], cos, sin), v[..., self.rope_dim:]), dim=-1)
         return elementwise.rotate_activation(v)
 
     def keys(self, x_BTD: torch.Tensor, cos, sin) -> torch.Tensor:
         """The indexer key of each new token (rotated, Hadamard-transformed), before quantization."""
-        return self._rotate(self.k_norm(self.wk(x_BTD)), cos, sin)
+        return self.rotate(self.k_norm(self.wk(x_BTD)), cos, sin)
 
     def queries(self, qr_BTQ: torch.Tensor, cos, sin) -> torch.Tensor:
         """The indexer queries [B, T, Hi, Dk] (rotated, Hadamard-transformed), before quantization."""
         B, T, _ = qr_BTQ.shape
-        return self._rotate(self.wq_b(qr_BTQ).view(B, T, self.n_heads, self.head_dim), cos, sin)
+        return self.rotate(self.wq_b(qr_BTQ).view(B, T, self.n_heads, self.head_dim), cos, sin)
 
     def select(self, x_BTD, qr_BTQ, cos, sin, cache: LayerCache, S: int, visible_BTS: torch.Tensor) -> torch.Tensor:
         """Boolean [B, T, S]: the keys each query keeps (top-k of the index score among visible keys)."""

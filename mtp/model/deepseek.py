@@ -126,7 +126,7 @@ class DeepseekV32(nn.Module):
                        device=self.device, dtype=self.dtype, quantized=self.runtime.numerics == "fp8")
 
     # ------------------------------------------------------------------ forward
-    def _positions(self, cache: KVCache, T: int, kv_len: int | None, tree_depth=None, tree_mask=None):
+    def positions(self, cache: KVCache, T: int, kv_len: int | None, tree_depth=None, tree_mask=None):
         """Cache slots [B, T], rotary angles, the key bound S and the tree's visibility [B, T, S] (None: causal)."""
         pos_BT = cache.seq_lens.unsqueeze(1) + torch.arange(T, device=cache.seq_lens.device)
         if kv_len is None:
@@ -158,7 +158,7 @@ class DeepseekV32(nn.Module):
             cache = self.new_cache(B, T)
         elif cache.batch != B:
             raise ValueError(f"input batch {B} != cache batch {cache.batch}")
-        pos_BT, cos, sin, S, vis = self._positions(cache, T, kv_len, tree_depth, tree_mask)
+        pos_BT, cos, sin, S, vis = self.positions(cache, T, kv_len, tree_depth, tree_mask)
         h = self.model.embed_tokens(input_ids).to(self.acc)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, pos_BT, cos, sin, cache.layer(i), S, self.runtime, self.dtype, vis)
@@ -178,7 +178,7 @@ class DeepseekV32(nn.Module):
         [B, T, V] fp32 logits). `tree_depth` / `tree_mask`: the T tokens are tree nodes, as in `forward`."""
         layer = self.mtp[j]
         T = tokens_BT.shape[1]
-        pos_BT, cos, sin, S, vis = self._positions(cache, T, kv_len, tree_depth, tree_mask)
+        pos_BT, cos, sin, S, vis = self.positions(cache, T, kv_len, tree_depth, tree_mask)
         e = layer.enorm(layer.embed_tokens(tokens_BT), self.dtype)
         u = layer.eh_proj(torch.cat((e, layer.hnorm(h_BTD, self.dtype)), dim=-1))
         h = layer(u.to(self.acc), pos_BT, cos, sin, cache.layer(0), S, self.runtime, self.dtype, vis)

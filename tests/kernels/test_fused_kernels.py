@@ -307,7 +307,7 @@ def _prologue_checks() -> None:
     mla_kv_prologue(mla, cache, pos, a, cos, sin)
     b = torch.arange(B)[:, None].expand(B, T)
     c8, cs = act_quant(mla.kv_a_layernorm(a[..., Q + 128:Q + 128 + C], torch.float32))
-    k8, ks = act_quant(ix._rotate(ix.k_norm(a[..., Q:Q + 128]), cos, sin))
+    k8, ks = act_quant(ix.rotate(ix.k_norm(a[..., Q:Q + 128]), cos, sin))
     pe = rope_interleaved(a[..., Q + 128 + C:], cos, sin)
     assert torch.equal(cache.kv[b, pos].view(torch.uint8), c8.view(torch.uint8)) and torch.equal(cache.kv_scale[b, pos], cs)
     assert torch.equal(cache.idx_k[b, pos].view(torch.uint8), k8.view(torch.uint8))
@@ -315,7 +315,7 @@ def _prologue_checks() -> None:
     qq = torch.randn(B, T, mla.H * (mla.P + R) + ix.n_heads * 128)
     q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin)
     rp, _, _ = mla_q_prologue_ref(mla, qq, cos, sin)
-    r8, rs = act_quant(ix._rotate(qq[..., mla.H * (mla.P + R):].view(B, T, ix.n_heads, 128), cos, sin))
+    r8, rs = act_quant(ix.rotate(qq[..., mla.H * (mla.P + R):].view(B, T, ix.n_heads, 128), cos, sin))
     assert torch.equal(q_pe, rp) and q_pe.is_contiguous()
     assert torch.equal(iq8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(iqs, rs)
     # without the indexer's queries (S <= top-k): q_pe alone, from the q_b output or the whole q_b | wq_b row
