@@ -18,7 +18,7 @@
 #                                             # chat in a pty, then the NCCL tests until the budget is spent (carry the
 #                                             # Hydra + pexpect wheels)
 #   PARTS="tp8v gemv tp1v" ...                # kernel choices side by side (issue 16): the TP=8 rank at 1k with the
-#                                             # kernel variants $VARIANTS, the GEMV sweep (eval/gpu_fused.py), and
+#                                             # kernel variants $VARIANTS, the GEMV sweep (mtp.bench.fused), and
 #                                             # the TP=1 bench once per switch set in $TP1_KERNELS ("-" = defaults)
 set -u
 OUT=${OUT:-gpu_out}
@@ -53,8 +53,8 @@ if [ "$ngpu" -ge 2 ] && want coll; then
   [ -s "$OUT/coll.json" ] && COLL_JSON=${COLL_JSON:-$OUT/coll.json}
 fi
 if want mlarank; then
-  echo "== mla_decode heads per program, one TP=8 rank (eval/gpu_kernels.py --only mla_rank) $(date -u +%H:%M:%S)"
-  PYTHONPATH=. timeout "${MLA_S:-150}" python3 eval/gpu_kernels.py --only mla_rank --out "$OUT" 2>&1 \
+  echo "== mla_decode heads per program, one TP=8 rank (python -m mtp.bench.kernels --only mla_rank) $(date -u +%H:%M:%S)"
+  timeout "${MLA_S:-150}" python3 -m mtp.bench.kernels --only mla_rank --out "$OUT" 2>&1 \
     | tee "$OUT/gpu_kernels_mla_rank.log" | grep -v -i warn | tail -14
 fi
 if want base && [ -d "${BASE:-.old}" ]; then
@@ -70,8 +70,8 @@ if want tp8v; then
     | grep -v -i warn | grep -v "^ \{4,\}[0-9.]* us" | tail -40
 fi
 if want gemv; then
-  echo "== GEMV kernels side by side (eval/gpu_fused.py --only gemv) $(date -u +%H:%M:%S)"
-  timeout "${GEMV_S:-200}" python3 eval/gpu_fused.py --only gemv --out "$OUT" 2>&1 | tee "$OUT/gpu_fused_gemv.log" \
+  echo "== GEMV kernels side by side (python -m mtp.bench.fused --only gemv) $(date -u +%H:%M:%S)"
+  timeout "${GEMV_S:-200}" python3 -m mtp.bench.fused --only gemv --out "$OUT" 2>&1 | tee "$OUT/gpu_fused_gemv.log" \
     | grep -v -i warn | tail -60
 fi
 if want tp1v; then

@@ -26,7 +26,7 @@
 - every decoder `Block` (`FastBlock`): residual add + RMSNorm + FP8 quant in one kernel (`kernels.norm_quant`)
   whose quantized output feeds the next GEMV directly (q_a | wk | kv_a; gate | up).
 The new fused kernels have run-time switches (`kernels.dispatch.SWITCHES`; `set_kernels(model, ...)` flips them
-and bumps `model.version`), so old and new kernels can be timed side by side in one process (eval/gpu_fused.py).
+and bumps `model.version`), so old and new kernels can be timed side by side in one process (`mtp.bench.fused`).
 A module swap, as `mtp.parallel.modules.shard_model` swaps in the per-rank modules: each module's class becomes
 a fast subclass of its own class (`FastLinear`, `FastMLP`, `FastParallelMLP`, `FastMoE`, `FastMLA`, `FastBlock`
 over `Linear`, `MLP`, `ParallelMLP`, `MoE`, `MLA`, `Block`, and over their tensor-parallel / MTP subclasses, so

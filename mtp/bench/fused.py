@@ -1,6 +1,6 @@
 """Time the fused decode kernels against the current path at TP=8 per-rank shapes, in one device call.
 
-    python3 eval/gpu_fused.py [--out DIR] [--only gemv,norm,router,step] [--quick] [--gemv-tp 8,1] [--sweep]
+    python -m mtp.bench.fused [--out DIR] [--only gemv,norm,router,step] [--quick] [--gemv-tp 8,1] [--sweep]
 
 Sections (each new kernel next to what the fast path ran before it, same process, same inputs):
 - gemv: on every GEMV weight of a TP=8 rank and of TP=1 full width (`--gemv-tp 8,1`), rows 1..8, x pre-quantized:
@@ -21,7 +21,7 @@ A full run compiles ~150 kernel variants (each GEMV tile / row count / PDL choic
 builds a 3-layer rank model: if one 10-minute device call is too short, run `--only gemv,norm,router,prologue`
 and `--only step` as two calls (or `--quick`).
 Timing: CUDA-graph replays (launch gaps removed, as in a captured step), CUDA events, median of 15; kernel inputs
-rotate over copies exceeding 3x the L2 so weights come from HBM (eval/gpu_kernels.py's method). Prints one line
+rotate over copies exceeding 3x the L2 so weights come from HBM (`mtp.bench.kernels`' method). Prints one line
 per measurement and a table last; writes DIR/gpu_fused.json (DIR: $OUT, else eval/results).
 """
 
@@ -34,10 +34,7 @@ import time
 
 import torch
 
-if not __package__:  # run as a script (python3 eval/gpu_fused.py): the repository root for `eval` and `mtp`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from eval import gpu_kernels as gk  # copy bandwidth, graph timing, rows and checks
+from mtp.bench import kernels as gk  # copy bandwidth, graph timing, rows and checks
 from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.model.fp8 import fp8_gemm_ref, weight_quant
 from mtp.kernels import available
