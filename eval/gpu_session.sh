@@ -101,8 +101,8 @@ if [ "$ngpu" -ge 2 ] && want dist; then  # runtime.tp=2 over NCCL on the bundled
   for dt in fp32 bf16; do  # the reference path: TP=2 and TP=1 then differ only in the all-reduce's summation order
     echo "== launcher TP=2 (torchrun) vs TP=1, $dt, reference path $(date -u +%H:%M:%S)"
     L=("$CK" --prompt "def reverse(xs):" --max-new-tokens 48 --dtype $dt --no-fast-path)
-    timeout 240 python3 -m mtp.parallel.launch "${L[@]}" > "$OUT/launch_tp1_$dt.txt" 2> "$OUT/launch_tp1_$dt.err"
-    timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m mtp.parallel.launch "${L[@]}" --check \
+    timeout 240 python3 -m mtp.distributed.launch "${L[@]}" > "$OUT/launch_tp1_$dt.txt" 2> "$OUT/launch_tp1_$dt.err"
+    timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m mtp.distributed.launch "${L[@]}" --check \
       > "$OUT/launch_tp2_$dt.txt" 2> "$OUT/launch_tp2_$dt.err"
     echo "exit $?; stdout equal: $(cmp -s "$OUT/launch_tp1_$dt.txt" "$OUT/launch_tp2_$dt.txt" && echo yes || echo NO)" \
       "($(wc -c < "$OUT/launch_tp2_$dt.txt") bytes)"
