@@ -97,9 +97,10 @@ class DeepseekV32(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         self.mtp = nn.ModuleList([MTPLayer(cfg, cfg.num_hidden_layers + j, dtype) for j in range(n_mtp)])
         self.rotary = Rotary(cfg)
-        # Bumped by whatever changes what a forward runs (a module swap such as the fast path or sharding, new
-        # run-time options): CUDA graphs captured at an older version hold stale kernels and weight pointers.
-        self.version = 0
+        self._swap_version = 0  # `version`
+        # the fast path's switches for this model (`mtp.kernels.dispatch.FastPathOptions`, shared by its fast
+        # modules), None on the reference path; the reference never reads them
+        self.fast_options = None
         self.runtime = RuntimeOptions()
         self.set_runtime(runtime or RuntimeOptions())
 
@@ -107,10 +108,21 @@ class DeepseekV32(nn.Module):
     def set_runtime(self, runtime: RuntimeOptions) -> None:
         """Switch numerics / attention path at run time on the whole module tree."""
         self.runtime = runtime
-        self.version += 1
+        self.bump_version()
         for m in self.modules():
             if hasattr(m, "numerics"):
                 m.numerics = runtime.numerics
+
+    @property
+    def version(self) -> int:
+        """Changes whenever what a forward runs changes (a module swap such as the fast path or sharding, kernel
+        switches, new run-time options): CUDA graphs captured at an older version hold stale kernels and weight
+        pointers, so the engine captures again. Read-only: `bump_version` is its one writer."""
+        return self._swap_version
+
+    def bump_version(self) -> None:
+        """Called by whatever changes what a forward runs (`set_runtime`, the fast path, `shard_model`)."""
+        self._swap_version += 1
 
     @property
     def device(self) -> torch.device:
