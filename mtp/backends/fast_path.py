@@ -356,7 +356,7 @@ def set_kernel_options(model: torch.nn.Module, indexer_topk: str | None = None,
     """Switch kernel variants of a fast-path model, so that old and new can be timed side by side:
     indexer_topk 'radix' | 'radix_fused' | 'torch' (every FastMLA; None keeps it); moe_layout for every
     FastMoE's expert kernels: 'pairs' (the pair grid at every size) or None (by size: persistent for
-    T * J <= 64); 'keep' leaves it. Modules on the reference path are left alone. Bumps `model.version`, so
+    T * J <= 64); 'keep' leaves it. Modules on the reference path are left alone. Bumps the model's version, so
     CUDA graphs captured before are not replayed."""
     if indexer_topk is not None and indexer_topk not in TOPK_IMPLS:
         raise ValueError(f"set_kernel_options: indexer_topk must be one of {TOPK_IMPLS}, got {indexer_topk!r}")
