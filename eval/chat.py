@@ -14,7 +14,7 @@ commands and the statistics and `session.loop` reads and handles lines; `turn` s
 reads lines and draws replies. This file (the experiment layer, beside `mtp-eval`) builds them from the config.
 
 Several ranks (`runtime.tp=N`, or every rank started by torchrun): rank 0 runs the chat -- terminal, session,
-commands -- and the other ranks serve its `mtp.generate` calls (`mtp.parallel.driver` / `worker`): each reply's
+commands -- and the other ranks serve its `mtp.generate` calls (`mtp.distributed.driver` / `worker`): each reply's
 every step ends with rank 0's stop verdict broadcast, so Ctrl-C stops all ranks at the same step. A second
 Ctrl-C does not break out of a step there (the other ranks are inside it); a rank that fails ends the session
 with one line naming it.
@@ -83,7 +83,7 @@ def _run(cfg) -> int:
                 "/help for commands, Ctrl-D quits")
     warm = "" if startup["warmup_s"] is None else f", warm-up {startup['warmup_s']:.1f} s"
     view.notice(f"started: load {startup['load_s']:.1f} s{warm}")
-    from mtp.parallel.group import RankFailure
+    from mtp.distributed.group import RankFailure
 
     try:
         loop(session, TerminalInput(), stop)

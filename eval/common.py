@@ -90,7 +90,7 @@ def build(cfg: Any):
     if rt.device.startswith("cuda"):
         check_memory(cfg, mcfg)
     if rt.tp > 1:
-        from mtp.parallel.driver import LoadSpec, start
+        from mtp.distributed.driver import LoadSpec, start
 
         peers = start(rt.tp, "cuda" if rt.device.startswith("cuda") else "cpu")
         try:
@@ -130,13 +130,13 @@ def check_memory(cfg: Any, mcfg: Any) -> None:
 
 
 def serve_other_ranks() -> None:
-    """Under torchrun, a rank > 0 serves rank 0 (mtp.parallel.worker) instead of running the application -- no
+    """Under torchrun, a rank > 0 serves rank 0 (mtp.distributed.worker) instead of running the application -- no
     config, no files, no output -- and exits with the worker's status; rank 0 (or no torchrun) returns."""
     import os
     import sys
 
     if os.environ.get("RANK", "0") != "0":
-        from mtp.parallel.worker import main
+        from mtp.distributed.worker import main
 
         sys.exit(main())
 

@@ -21,7 +21,7 @@
 #                                             # a real-width checkpoint from disk at TP=2 vs raw read (mtp.bench.load),
 #                                             # the NCCL tests in a row for LOOP_BUDGET_S
 #   PARTS="tp8v gemv tp1v" ...                # kernel choices side by side (issue 16): the TP=8 rank at 1k with the
-#                                             # kernel variants $VARIANTS, the GEMV sweep (eval/gpu_fused.py), and
+#                                             # kernel variants $VARIANTS, the GEMV sweep (mtp.bench.fused), and
 #                                             # the TP=1 bench once per switch set in $TP1_KERNELS ("-" = defaults)
 set -u
 OUT=${OUT:-gpu_out}
@@ -64,8 +64,8 @@ if [ "$ngpu" -ge 2 ] && want coll; then
   [ -s "$OUT/coll.json" ] && COLL_JSON=${COLL_JSON:-$OUT/coll.json}
 fi
 if want mlarank; then
-  echo "== mla_decode heads per program, one TP=8 rank (eval/gpu_kernels.py --only mla_rank) $(date -u +%H:%M:%S)"
-  PYTHONPATH=. timeout "${MLA_S:-150}" python3 eval/gpu_kernels.py --only mla_rank --out "$OUT" 2>&1 \
+  echo "== mla_decode heads per program, one TP=8 rank (python -m mtp.bench.kernels --only mla_rank) $(date -u +%H:%M:%S)"
+  timeout "${MLA_S:-150}" python3 -m mtp.bench.kernels --only mla_rank --out "$OUT" 2>&1 \
     | tee "$OUT/gpu_kernels_mla_rank.log" | grep -v -i warn | tail -14
 fi
 if want base && [ -d "${BASE:-.old}" ]; then
@@ -81,8 +81,8 @@ if want tp8v; then
     | grep -v -i warn | grep -v "^ \{4,\}[0-9.]* us" | tail -40
 fi
 if want gemv; then
-  echo "== GEMV kernels side by side (eval/gpu_fused.py --only gemv) $(date -u +%H:%M:%S)"
-  timeout "${GEMV_S:-200}" python3 eval/gpu_fused.py --only gemv --out "$OUT" 2>&1 | tee "$OUT/gpu_fused_gemv.log" \
+  echo "== GEMV kernels side by side (python -m mtp.bench.fused --only gemv) $(date -u +%H:%M:%S)"
+  timeout "${GEMV_S:-200}" python3 -m mtp.bench.fused --only gemv --out "$OUT" 2>&1 | tee "$OUT/gpu_fused_gemv.log" \
     | grep -v -i warn | tail -60
 fi
 if want tp1v; then
@@ -112,8 +112,8 @@ if [ "$ngpu" -ge 2 ] && want dist; then  # runtime.tp=2 over NCCL on the bundled
   for dt in fp32 bf16; do  # the reference path: TP=2 and TP=1 then differ only in the all-reduce's summation order
     echo "== launcher TP=2 (torchrun) vs TP=1, $dt, reference path $(date -u +%H:%M:%S)"
     L=("$CK" --prompt "def reverse(xs):" --max-new-tokens 48 --dtype $dt --no-fast-path)
-    timeout 240 python3 -m mtp.parallel.launch "${L[@]}" > "$OUT/launch_tp1_$dt.txt" 2> "$OUT/launch_tp1_$dt.err"
-    timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m mtp.parallel.launch "${L[@]}" --check \
+    timeout 240 python3 -m mtp.distributed.launch "${L[@]}" > "$OUT/launch_tp1_$dt.txt" 2> "$OUT/launch_tp1_$dt.err"
+    timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m mtp.distributed.launch "${L[@]}" --check \
       > "$OUT/launch_tp2_$dt.txt" 2> "$OUT/launch_tp2_$dt.err"
     echo "exit $?; stdout equal: $(cmp -s "$OUT/launch_tp1_$dt.txt" "$OUT/launch_tp2_$dt.txt" && echo yes || echo NO)" \
       "($(wc -c < "$OUT/launch_tp2_$dt.txt") bytes)"

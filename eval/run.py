@@ -287,8 +287,8 @@ def _user_errors() -> tuple:
         from mtp.preflight import PreflightError
 
         errors += (CheckpointError, ConfigError, PreflightError)
-    if "mtp.parallel.group" in sys.modules:
-        from mtp.parallel.group import RankFailure
+    if "mtp.distributed.group" in sys.modules:
+        from mtp.distributed.group import RankFailure
 
         errors += (RankFailure,)  # a rank that could not load (the message names it, the file and the tensor)
     return errors
@@ -341,7 +341,7 @@ def _evaluate(cfg: DictConfig, claim) -> float:
     logger.start({**resolved, "provenance": prov}, *_identity(typed, out), out)
     kws = {"spec": kw, "base": _baseline_kwargs(kw), "ref": _strict_kwargs(kw)}
     from mtp.decode.health import NonFiniteError
-    from mtp.parallel.group import RankFailure
+    from mtp.distributed.group import RankFailure
 
     try:
         warmup_s = _generate_all(typed, model, tok, batches, ids, stores, kws, logger)
@@ -545,7 +545,7 @@ def sweep_job(cfg: DictConfig) -> float:
 
 
 def entry() -> None:
-    """`mtp-eval`: under torchrun, ranks > 0 serve rank 0 (mtp.parallel.worker) and run no Hydra at all; rank 0 runs
+    """`mtp-eval`: under torchrun, ranks > 0 serve rank 0 (mtp.distributed.worker) and run no Hydra at all; rank 0 runs
     `main` after the checks Hydra cannot word (a launcher whose extra is missing)."""
     from .common import check_launcher, check_run_dirs, serve_other_ranks
 

@@ -136,11 +136,11 @@ def test_eval_build_checks_the_tokenizer_before_the_weights(garbage_ckpt):
     (["--draft", "none"], "tokenizer.json not found"),
 ])
 def test_parallel_launch_checks_before_the_process_group(garbage_ckpt, capsys, args, message):
-    """mtp.parallel.launch runs the checks before init_distributed (no torchrun environment here: reaching it
+    """mtp.distributed.launch runs the checks before init_distributed (no torchrun environment here: reaching it
     would fail differently) and ends with one line, exit status 2."""
     import torch.distributed as dist
 
-    from mtp.parallel.launch import main
+    from mtp.distributed.launch import main
 
     if "none" in args:
         (garbage_ckpt / "tokenizer.json").unlink()

@@ -25,14 +25,16 @@
   GEMV (`fuse_rows`);
 - every decoder `Block` (`FastBlock`): residual add + RMSNorm + FP8 quant in one kernel (`kernels.norm_quant`)
   whose quantized output feeds the next GEMV directly (q_a | wk | kv_a; gate | up).
-The new fused kernels have run-time switches (`kernels.dispatch.SWITCHES`; `set_kernels(model, ...)` flips them
-and bumps `model.version`), so old and new kernels can be timed side by side in one process (eval/gpu_fused.py).
+The new fused kernels have run-time switches per model (`kernels.dispatch.FastPathOptions`, carried as
+`model.fast_options` and shared by the model's fast modules; `set_kernels(model, ...)` flips them and bumps the
+model's version), so old and new kernels can be timed side by side in one process (`mtp.bench.fused`), and two
+models in one process each run their own. The compiled elementwise ops are per model too (`use_elementwise`).
 A module swap, as `mtp.parallel.modules.shard_model` swaps in the per-rank modules: each module's class becomes
 a fast subclass of its own class (`FastLinear`, `FastMLP`, `FastParallelMLP`, `FastMoE`, `FastMLA`, `FastBlock`
 over `Linear`, `MLP`, `ParallelMLP`, `MoE`, `MLA`, `Block`, and over their tensor-parallel / MTP subclasses, so
 a sharded model and the MTP modules get the kernels too), holding the same parameters; the reference modules
 know nothing of it. `disable_fast_path(model)` swaps the reference classes
-back; the stacked expert tensors stay (they are the same weights). Both bump `model.version`, so CUDA graphs
+back; the stacked expert tensors stay (they are the same weights). Both call `model.bump_version()`, so CUDA graphs
 captured on the other path are never replayed.
 Both paths compute DeepSeek's FP8 numerics; they differ only in summation order and top-k tie-breaking, and
 tests hold one to the other within tolerance (tests/kernels/*_gpu.py, tests/backends/*_gpu.py).
@@ -46,7 +48,7 @@ from ..kernels import available
 from ..kernels.absorb import MAX_TOKENS as ABSORB_MAX_TOKENS
 from ..kernels.absorb import absorb_out, absorb_q
 from ..kernels.cache_write import cache_write
-from ..kernels.dispatch import SWITCHES, linear, route, set_fast_kernels
+from ..kernels.dispatch import FastPathOptions, linear, route
 from ..kernels.fp8_gemm import SMALL_M
 from ..kernels.indexer import TOPK_IMPLS, indexer_topk
 from ..kernels.mla_decode import mla_decode
@@ -57,7 +59,7 @@ from ..kernels.norm_quant import add_rms_norm_quant, add_rounded
 from ..model.attention import MLA
 from ..model.deepseek import Block, DeepseekV32
 from ..model.fp8 import BLOCK, acc_dtype
-from ..model.layers import MLP, Linear, elementwise
+from ..model.layers import MLP, REFERENCE_OPS, Linear, compiled_ops, use_elementwise
 from ..model.moe import MoE
 from ..parallel.modules import ParallelMLP
 
@@ -66,20 +68,22 @@ class FastLinear(Linear):
     """FP8 weights through `kernels.dispatch.linear`: the split-K GEMV for 1..gemv_rows rows (switches `gemv`,
     `gemv_rows`), else `fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above)."""
 
+    fast_options: FastPathOptions  # the model's (`fast_module`)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.weight_scale_inv)
+        return linear(x, self.weight, self.weight_scale_inv, self.fast_options)
 
     def matmul_acc(self, x: torch.Tensor) -> torch.Tensor:
         if self.in_features == 0:
             return super().matmul_acc(x)
-        return linear(x, self.weight, self.weight_scale_inv, out_dtype=acc_dtype(x.dtype))
+        return linear(x, self.weight, self.weight_scale_inv, self.fast_options, out_dtype=acc_dtype(x.dtype))
 
 
 def _gate_up(mlp: MLP, x: torch.Tensor, xq=None) -> torch.Tensor:
     """silu(gate x) * up x in x.dtype, gate | up as one GEMV; xq = (x8, sx): x already quantized per 128."""
-    gu = linear(x, *mlp.fused_gate_up, xq=xq)
+    gu = linear(x, *mlp.fused_gate_up, mlp.fast_options, xq=xq)
     i = mlp.gate_proj.out_features
-    return elementwise.silu_mul(gu[..., :i], gu[..., i:], x.dtype)
+    return mlp.ops.silu_mul(gu[..., :i], gu[..., i:], x.dtype)
 
 
 class FastMLP(MLP):
@@ -87,6 +91,7 @@ class FastMLP(MLP):
     xq = (x8, sx): x already quantized per 128 (by `FastBlock`'s fused norm), fed to that GEMV."""
 
     fused_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None
+    fast_options: FastPathOptions
 
     def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
         if self.fused_gate_up is None:
@@ -99,6 +104,7 @@ class FastParallelMLP(ParallelMLP):
     all-reduce stays. Same formulas as `ParallelMLP.partial`."""
 
     fused_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None
+    fast_options: FastPathOptions
 
     def partial(self, x: torch.Tensor, xq=None) -> torch.Tensor:
         if self.fused_gate_up is None or self.gate_proj.out_features == 0:
@@ -123,6 +129,7 @@ class FastMoE(MoE):
 
     stacked: dict[str, torch.Tensor] | None = None
     expert_layout: str | None = "pairs"
+    fast_options: FastPathOptions
 
     def forward(self, x: torch.Tensor, xq=None, rounded: bool = True) -> torch.Tensor:
         """rounded=False: the reduced routed + shared sum in fp32, before `MoE.forward`'s final rounding to x's
@@ -158,7 +165,7 @@ class FastMoE(MoE):
             out = super().routed(x_ND)
             return out if add is None else out + add
         local = None if (self.e0, self.e1) == (0, self.gate.n_experts) else (self.e0, self.e1)
-        w_NK, ids_NK = route(x_ND, self.gate, local=local)  # local: id - e0, or -1 for another rank's expert
+        w_NK, ids_NK = route(x_ND, self.gate, self.fast_options, local=local)  # local: id - e0, or -1 for another rank's expert
         s = self.stacked
         add = add if add is None or (add.dtype == torch.float32 and add.is_contiguous()) else add.float().contiguous()
         return moe_experts(x_ND, ids_NK, w_NK, s["gate_proj.weight"], s["gate_proj.weight_scale_inv"],
@@ -173,6 +180,7 @@ class FastMLA(MLA):
 
     fused_a = fused_qb = None  # stacked FP8 weights of the projections that read one input (`fuse_rows`)
     topk_impl = "radix"  # the indexer's top-k (`kernels.indexer.TOPK_IMPLS`): enable_fast_path / set_kernel_options
+    fast_options: FastPathOptions
 
     def absorbed_fast(self, T: int, cache, opts) -> bool:
         """Whether `forward` takes `mla_forward_fast` for a block of T tokens."""
@@ -191,13 +199,15 @@ class FastBlock(Block):
     Same formulas as `Block.forward` (a tree verify's visibility goes to the attention); otherwise it is
     `Block.forward`."""
 
+    fast_options: FastPathOptions
+
     def forward(self, h_BTD, pos_BT, cos, sin, cache, S: int, opts, dtype, visible_BTS=None) -> torch.Tensor:
-        if not SWITCHES.norm_quant or h_BTD.dtype != torch.float32:
+        if not self.fast_options.norm_quant or h_BTD.dtype != torch.float32:
             return super().forward(h_BTD, pos_BT, cos, sin, cache, S, opts, dtype, visible_BTS)
         B, T, D = h_BTD.shape
         quant = B * T <= SMALL_M and D % 128 == 0
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        pdl = SWITCHES.pdl
+        pdl = self.fast_options.pdl
         _, x, x8, sx = add_rms_norm_quant(h_BTD, None, n1.weight, n1.eps, dtype, quant=quant, pdl=pdl)
         xq = (x8, sx) if quant else None
         attn = self.self_attn
@@ -247,9 +257,13 @@ def reference_class(cls: type) -> type:
     return cls
 
 
-def fast_module(mod: torch.nn.Module, mm_fp32: bool = False) -> None:
+def fast_module(mod: torch.nn.Module, options: FastPathOptions | None = None, mm_fp32: bool = False) -> None:
     """Swap one module to its fast class and prepare what the kernels read (stacked experts, fused projections,
-    dequantized attention weights). Modules without a fast version are left alone."""
+    dequantized attention weights); it reads its kernel switches from `options` (its model's, which
+    `install_fast_modules` passes; default: the ones it has, else new defaults). Modules without a fast version
+    are left alone."""
+    if isinstance(mod, (Linear, MoE, MLA, MLP, Block)):  # every class a fast one is made over
+        mod.fast_options = options or getattr(mod, "fast_options", None) or FastPathOptions()
     if isinstance(mod, Linear) and mod.is_fp8:
         if mod.scale_rows == BLOCK and not mod.in_features % BLOCK:  # the kernels' blocking; small models' odd
             # rank slices (finer scale rows, a shared activation group) keep the reference
@@ -283,9 +297,10 @@ def fast_module(mod: torch.nn.Module, mm_fp32: bool = False) -> None:
 
 
 def enable_fast_path(model: DeepseekV32, compile_elementwise: bool = True,
-                     indexer_topk: str = "radix") -> DeepseekV32:
-    """compile_elementwise: torch.compile the elementwise ops between the GEMMs (`mtp.model.layers.elementwise`)
-    into fused kernels.
+                     indexer_topk: str = "radix", options: FastPathOptions | None = None) -> DeepseekV32:
+    """compile_elementwise: torch.compile the elementwise ops between the GEMMs (`mtp.model.layers.ElementwiseOps`)
+    into fused kernels, for this model's modules (`use_elementwise`).
+    options: this model's kernel switches (default: `FastPathOptions()`; flip them later with `set_kernels`).
     indexer_topk: the indexer's top-k, 'radix' (Triton radix select, the reference's tie rule), 'radix_fused'
     (its histogram pass in the scores kernel) or 'torch' (torch.topk); switch it and the MoE expert layout
     later with `set_kernel_options`."""
@@ -298,30 +313,41 @@ def enable_fast_path(model: DeepseekV32, compile_elementwise: bool = True,
     if indexer_topk not in TOPK_IMPLS:
         raise ValueError(f"enable_fast_path: indexer_topk must be one of {TOPK_IMPLS}, got {indexer_topk!r}")
     if compile_elementwise:
-        elementwise.compile()
-    install_fast_modules(model, _mm_out_fp32())
+        use_elementwise(model, compiled_ops())
+    install_fast_modules(model, _mm_out_fp32(), options)
     set_kernel_options(model, indexer_topk=indexer_topk)
     return model
 
 
-def install_fast_modules(model: torch.nn.Module, mm_fp32: bool = False) -> None:
+def install_fast_modules(model: torch.nn.Module, mm_fp32: bool = False,
+                         options: FastPathOptions | None = None) -> FastPathOptions:
     """The module swaps of `enable_fast_path` without its device checks (tests run them under the Triton
-    interpreter on the CPU). mm_fp32: cuBLAS has bf16 x bf16 -> fp32 (`_mm_out_fp32`)."""
+    interpreter on the CPU). mm_fp32: cuBLAS has bf16 x bf16 -> fp32 (`_mm_out_fp32`). options: the kernel
+    switches of this model's fast modules (default: the model's own if it has some, else the defaults); a
+    `DeepseekV32` carries them as `fast_options`. Returns them."""
+    if options is None:
+        options = getattr(model, "fast_options", None) or FastPathOptions()
+    if not isinstance(options, FastPathOptions):
+        raise TypeError(f"install_fast_modules: options must be a FastPathOptions, got {type(options).__name__}")
     routed = {id(mod.expert(e)) for mod in model.modules() if isinstance(mod, MoE) for e in range(mod.e0, mod.e1)}
     for mod in list(model.modules()):
         if id(mod) not in routed:  # routed experts are read through their MoE's stack
-            fast_module(mod, mm_fp32)
+            fast_module(mod, options, mm_fp32)
     if isinstance(model, DeepseekV32):
-        model.version += 1  # graphs captured on the reference path must not be replayed
+        model.fast_options = options
+        model.bump_version()  # graphs captured on the reference path must not be replayed
+    return options
 
 
-def set_kernels(model: torch.nn.Module | None = None, **flags: bool):
-    """`kernels.dispatch.set_fast_kernels(**flags)` (the new fused kernels on / off, read at call time) and, for
-    a model, a bump of `model.version`, so CUDA graphs the engine kept (captured with the old switches) are
-    captured again. Returns the previous switches."""
-    old = set_fast_kernels(**flags)
-    if isinstance(model, DeepseekV32):
-        model.version += 1
+def set_kernels(model: DeepseekV32, **flags: bool) -> FastPathOptions:
+    """Set some of `model`'s kernel switches (`FastPathOptions.set`: the new fused kernels on / off, read at
+    call time by its fast modules only) and bump its version, so CUDA graphs the engine kept (captured with the
+    old switches) are captured again. Returns the previous switches, to restore with `set_kernels(model,
+    **vars(old))`."""
+    if not isinstance(model, DeepseekV32) or model.fast_options is None:
+        raise ValueError("set_kernels: the model has no fast path (enable_fast_path(model) first)")
+    old = model.fast_options.set(**flags)
+    model.bump_version()
     return old
 
 
@@ -330,7 +356,7 @@ def set_kernel_options(model: torch.nn.Module, indexer_topk: str | None = None,
     """Switch kernel variants of a fast-path model, so that old and new can be timed side by side:
     indexer_topk 'radix' | 'radix_fused' | 'torch' (every FastMLA; None keeps it); moe_layout for every
     FastMoE's expert kernels: 'pairs' (the pair grid at every size) or None (by size: persistent for
-    T * J <= 64); 'keep' leaves it. Modules on the reference path are left alone. Bumps `model.version`, so
+    T * J <= 64); 'keep' leaves it. Modules on the reference path are left alone. Bumps the model's version, so
     CUDA graphs captured before are not replayed."""
     if indexer_topk is not None and indexer_topk not in TOPK_IMPLS:
         raise ValueError(f"set_kernel_options: indexer_topk must be one of {TOPK_IMPLS}, got {indexer_topk!r}")
@@ -342,16 +368,17 @@ def set_kernel_options(model: torch.nn.Module, indexer_topk: str | None = None,
         elif isinstance(mod, FastMoE) and moe_layout != "keep":
             mod.expert_layout = moe_layout
     if isinstance(model, DeepseekV32):
-        model.version += 1
+        model.bump_version()
 
 
 def disable_fast_path(model: torch.nn.Module) -> torch.nn.Module:
     """Swap the reference classes back on `model` (a whole model or one module) and the plain elementwise ops."""
     for mod in model.modules():
         mod.__class__ = reference_class(type(mod))
-    elementwise.reset()
+    use_elementwise(model, REFERENCE_OPS)
     if isinstance(model, DeepseekV32):
-        model.version += 1  # graphs captured on the fast path must not be replayed
+        model.fast_options = None
+        model.bump_version()  # graphs captured on the fast path must not be replayed
     return model
 
 
@@ -426,29 +453,30 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
     ix = mla.indexer
     Q, Dk, H, P, R = mla.q_a_proj.out_features, ix.head_dim, mla.H, mla.P, mla.R
     if mla.fused_a is not None:
-        a = linear(x_BTD, *mla.fused_a, xq=xq)
+        a = linear(x_BTD, *mla.fused_a, mla.fast_options, xq=xq)
         qa, k_idx, kv = a[..., :Q], a[..., Q:Q + Dk], a[..., Q + Dk:]
     else:
         qa, k_idx, kv = mla.q_a_proj(x_BTD), ix.wk(x_BTD), mla.kv_a_proj_with_mqa(x_BTD)
-    prologue = SWITCHES.prologue and mla.fused_a is not None and mla.fused_qb is not None
+    fo = mla.fast_options
+    prologue = fo.prologue and mla.fused_a is not None and mla.fused_qb is not None
     if prologue:  # kv_a norm, rotary, indexer key and the cache write in one launch
         mla_kv_prologue(mla, cache, pos_BT, a, cos, sin)
     else:
         c = mla.kv_a_layernorm(kv[..., : mla.C], dt)
-        k_pe = elementwise.rope_interleaved(kv[..., mla.C:], cos, sin)
-        cache_write(cache, pos_BT, c, k_pe, ix._rotate(ix.k_norm(k_idx), cos, sin))
+        k_pe = mla.ops.rope_interleaved(kv[..., mla.C:], cos, sin)
+        cache_write(cache, pos_BT, c, k_pe, ix.rotate(ix.k_norm(k_idx), cos, sin))
     # The indexer scores only when it must choose (S > its top-k); else every visible key is kept and its query
     # side (the wq_b rows of the stacked GEMV, the queries' rotary / Hadamard / quant, the head weights) is
     # skipped: the keys it caches above are still written for later steps.
     score = ix.topk < S
-    if mla.fused_qb is not None and SWITCHES.norm_quant:  # the q_a norm + quant in one launch, y not stored
+    if mla.fused_qb is not None and fo.norm_quant:  # the q_a norm + quant in one launch, y not stored
         n = mla.q_a_layernorm
-        _, _, q8, qs = add_rms_norm_quant(qa, None, n.weight, n.eps, dt, store_y=False, pdl=SWITCHES.pdl)
+        _, _, q8, qs = add_rms_norm_quant(qa, None, n.weight, n.eps, dt, store_y=False, pdl=fo.pdl)
         wq = mla.fused_qb if score else (mla.q_b_proj.weight, mla.q_b_proj.weight_scale_inv)  # rows of fused_qb
-        qq = linear(None, *wq, out_dtype=dt, xq=(q8, qs))
+        qq = linear(None, *wq, fo, out_dtype=dt, xq=(q8, qs))
         q, iq = qq[..., : H * (P + R)], qq[..., H * (P + R):]
     elif mla.fused_qb is not None:
-        qq = linear(mla.q_a_layernorm(qa, dt), *mla.fused_qb)
+        qq = linear(mla.q_a_layernorm(qa, dt), *mla.fused_qb, fo)
         q, iq = qq[..., : H * (P + R)], qq[..., H * (P + R):]
     else:
         qr = mla.q_a_layernorm(qa, dt)
@@ -459,8 +487,8 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
         o = mla_attend_fast(mla, x_BTD, None, q[..., :P], q_pe, cache, S, out_dtype=dt,
                             iq_quant=(iq8, iqs) if score else None, visible_BTS=visible_BTS)
         return mla.o_proj(o.reshape(B, T, H * mla.V))
-    q_nope, q_pe = q[..., :P], elementwise.rope_interleaved(q[..., P:], cos, sin)
-    iq = ix._rotate(iq.view(B, T, ix.n_heads, Dk), cos, sin) if score else None
+    q_nope, q_pe = q[..., :P], mla.ops.rope_interleaved(q[..., P:], cos, sin)
+    iq = ix.rotate(iq.view(B, T, ix.n_heads, Dk), cos, sin) if score else None
     o = mla_attend_fast(mla, x_BTD, iq, q_nope, q_pe, cache, S, out_dtype=dt, visible_BTS=visible_BTS)
     return mla.o_proj(o.reshape(B, T, H * mla.V))
 
@@ -479,7 +507,7 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
         if iq_quant is None and iq_BTHD is None:
             raise ValueError(f"mla_attend_fast: the indexer must score {S} keys for its top-{ix.topk}: give the "
                              f"indexer queries (iq_BTHD or iq_quant)")
-        q8, qs = elementwise.act_quant(iq_BTHD) if iq_quant is None else iq_quant  # qs [B, T, Hi, 1]
+        q8, qs = mla.ops.act_quant(iq_BTHD) if iq_quant is None else iq_quant  # qs [B, T, Hi, 1]
         if mla.w_idx_t is not None and x_BTD.dtype == torch.bfloat16:
             # bf16 x bf16 products are exact in fp32 and cuBLAS sums them in fp32: the reference's fp32 math
             x2 = x_BTD.reshape(-1, x_BTD.shape[-1])
@@ -489,7 +517,7 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
             w = torch.nn.functional.linear(x_BTD.float(), mla.w_idx)  # fp32 copy, scaled by Hi^-0.5 * Dk^-0.5
         topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
                                    topk=ix.topk, impl=mla.topk_impl, visible=visible_BTS)
-    absorb = SWITCHES.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS
+    absorb = mla.fast_options.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS
     if absorb:  # one launch each instead of copy + batched GEMM + copy
         q_lat = absorb_q(q_nope, mla.w_kb)
     else:

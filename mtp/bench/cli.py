@@ -41,15 +41,15 @@ def _count_experts(model, ids) -> tuple[dict, list]:
 
 def bench_ours(args, bw: float) -> dict:
     from ..decode.engine import generate, release
-    from ..backends.fast_path import enable_fast_path
-    from ..model.layers import elementwise
+    from ..backends.fast_path import FastPathOptions, enable_fast_path
+    from ..model.layers import REFERENCE_OPS, compiled_ops, use_elementwise
     from ..checkpoint.synthetic import random_model
     from ..model.presets import real_config
 
     cfg = real_config(layers=args.layers, dense_layers=args.dense_layers, mtp_modules=1)
     t0 = time.perf_counter()
     model = random_model(cfg, device="cuda", dtype=torch.bfloat16)
-    enable_fast_path(model)
+    enable_fast_path(model, options=FastPathOptions(**(args.kernels or {})))  # --kernels: this model's switches
     build_s = time.perf_counter() - t0
     res = {"config": {"layers": args.layers, "dense_layers": args.dense_layers, "mtp_modules": 1,
                       "prompt_len": args.prompt_len, "batch": args.batch}, "build_s": build_s,
@@ -76,9 +76,9 @@ def bench_ours(args, bw: float) -> dict:
             graph_ms = time_ms(graph.replay)
             prof = kernel_profile(graph.replay) if args.profile and w in (1, args.k + 1) else None
             del graph
-            elementwise.reset()  # same step with the plain (uncompiled) elementwise ops, side by side
+            use_elementwise(model, REFERENCE_OPS)  # same step with the plain (uncompiled) ops, side by side
             graph_plain_ms = time_ms(capture_graph(fwd).replay)
-            elementwise.compile()
+            use_elementwise(model, compiled_ops())
             seen, hooks = _count_experts(model, blk)
             fwd()
             for h in hooks:
@@ -187,10 +187,10 @@ def bench_hf(args) -> dict:
 
 
 def parse_switches(items: list[str]) -> dict:
-    """NAME=VALUE pairs of `FastKernels` switches: gemv_rows an integer, the others 0 / 1 / true / false."""
-    from ..kernels.dispatch import FastKernels
+    """NAME=VALUE pairs of `FastPathOptions` switches: gemv_rows an integer, the others 0 / 1 / true / false."""
+    from ..kernels.dispatch import FastPathOptions
 
-    names = set(FastKernels.__dataclass_fields__)
+    names = set(FastPathOptions.__dataclass_fields__)
     out: dict = {}
     for item in items:
         name, sep, value = item.partition("=")
@@ -200,6 +200,7 @@ def parse_switches(items: list[str]) -> dict:
             if not value.isdigit():
                 raise ValueError(f"gemv_rows takes an integer, got {value!r}")
             out[name] = int(value)
+            FastPathOptions(gemv_rows=out[name])  # its range, before anything is built
         elif value.lower() in ("1", "true", "on"):
             out[name] = True
         elif value.lower() in ("0", "false", "off"):
@@ -240,7 +241,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="--tp N on a GPU: also time these fast-path kernel variants on the same rank, side by side "
                          "(old: the fast path before this release's kernels; new+pdl: with programmatic dependent launch)")
     ap.add_argument("--kernels", nargs="*", default=[], metavar="NAME=VALUE",
-                    help="fast-path kernel switches for this run (mtp.kernels.dispatch.FastKernels), e.g. "
+                    help="fast-path kernel switches for this run (mtp.kernels.dispatch.FastPathOptions), e.g. "
                          "gemv_rows=1 pdl=1 norm_quant=0; recorded in the JSON")
     ap.add_argument("--spec-prompt-len", type=int, default=None,
                     help="--tp N: context of the speculative steps (a real prefill runs; default: the shortest)")
@@ -341,10 +342,6 @@ def main(argv=None) -> None:
             require("transformers", "hf", "mtp-bench --hf")
         except MissingExtraError as e:
             raise SystemExit(f"mtp-bench: {e}") from None
-    if args.kernels:
-        from ..kernels.dispatch import set_fast_kernels
-
-        set_fast_kernels(**args.kernels)  # read at call time by every fast-path linear / router / prologue
     if args.tp > 1:
         from .rank import run
 

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     own_group = not in_group and "WORLD_SIZE" in os.environ  # under torchrun
     if own_group:
         os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")  # see DESIGN.md, CUDA graphs under NCCL
-        from ..parallel.group import init_group
+        from ..distributed.group import init_group
 
         group = init_group("cuda" if torch.cuda.is_available() else "cpu")
         device = group.device
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         run(args, comm, device)
     finally:
         if own_group:
-            group.close()  # graphs freed, barrier, NCCL aborted (mtp.parallel.group)
+            group.close()  # graphs freed, barrier, NCCL aborted (mtp.distributed.group)
         else:
             release()
     return 0

@@ -553,9 +553,9 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
         part["build_s"] = time.perf_counter() - t0
         part["param_gib"] = param_bytes(model) / GIB
         if cuda:
-            from ..backends.fast_path import enable_fast_path
+            from ..backends.fast_path import FastPathOptions, enable_fast_path
 
-            enable_fast_path(model)
+            enable_fast_path(model, options=FastPathOptions(**(args.kernels or {})))  # mtp-bench --kernels
             part["gpu_mem_gib_after_build"] = torch.cuda.memory_allocated() / GIB
         log(f"built in {part['build_s']:.1f} s: {part['param_gib']:.2f} GiB of parameters")
         part["draft_collectives_per_forward"] = draft_collectives(model, comm)

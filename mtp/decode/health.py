@@ -7,8 +7,8 @@ is exactly zero and so is every logit. So "bad" means non-finite, or all values 
 collapsed to zero, logits that cannot rank any token). The engine keeps one device-side flag per call
 (`logits_nonfinite`), or-ed after each target forward and read with the step's existing host sync (eager) or
 staged with the step's outputs (graph / overlap, `mtp.decode.graphs._Slot`): no extra sync on the hot path.
-Once the flag is seen, `first_nonfinite` re-runs the committed tokens through the target module by module
-(plain forward, fresh cache) and names the first module whose output is bad.
+Once the flag is seen, `first_nonfinite` re-runs the committed tokens through the target's own forward (fresh
+cache) with forward hooks on its modules and names the first module whose output is bad.
 
 Shape legend: B batch, T tokens, D width.
 """
@@ -33,51 +33,63 @@ def logits_nonfinite(flag: torch.Tensor, logits: torch.Tensor) -> None:
     flag.logical_or_(~torch.isfinite(logits).all() | collapsed(logits).any())
 
 
+class _Found(Exception):
+    """Raised by a hook to stop the diagnostic forward at the first bad output."""
+
+    def __init__(self, name: str, rows: list[int], what: str):
+        super().__init__(name)
+        self.found = (name, rows, what)
+
+
+def checked_outputs(model) -> list[tuple[str, torch.nn.Module, bool]]:
+    """(name, module, pre) in forward order: the embedding, per layer its input norm, the residual after the
+    attention (the input of the post-attention norm, hence pre=True: a forward pre-hook), the post-attention
+    norm, the residual after the MLP / MoE (the block's output), then the final norm and the head. The residual
+    is what `Block.forward` carries on, so a finite sum that overflows is named at the sub-module that made it."""
+    out = [("model.embed_tokens", model.model.embed_tokens, False)]
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}"
+        out += [(f"{p}.input_layernorm", layer.input_layernorm, False),
+                (f"{p}.self_attn", layer.post_attention_layernorm, True),
+                (f"{p}.post_attention_layernorm", layer.post_attention_layernorm, False),
+                (f"{p}.mlp", layer, False)]
+    return out + [("model.norm", model.model.norm, False), ("lm_head", model.lm_head, False)]
+
+
 @torch.no_grad()
 def first_nonfinite(model, tokens_BT: torch.Tensor,
                     lengths_B: torch.Tensor | None = None) -> tuple[str, list[int], str] | None:
-    """(name, rows, what) of the first module of the target (in forward order: embedding, then per layer its
-    input norm, attention, post-attention norm, MLP / MoE, then the final norm and the head) whose output is bad
-    at a position < lengths_B[b] (default: every position), the rows where it is, and `what` ('non-finite', or
-    'collapsed (all values equal)' for a finite vector whose values are all equal); None when the whole forward
-    stays good. Right padding past a row's length cannot reach its positions (causal)."""
+    """(name, rows, what) of the first module of the target (in forward order, `checked_outputs`) whose output is
+    bad at a position < lengths_B[b] (default: every position), the rows where it is, and `what` ('non-finite',
+    or 'collapsed (all values equal)' for a finite vector whose values are all equal); None when the whole
+    forward stays good. Right padding past a row's length cannot reach its positions (causal).
+    The model's own forward runs once over the tokens (fresh cache) with hooks on those modules, so the check
+    follows whatever `Block.forward` does; a hook that sees a bad output stops the forward. (On the fast path a
+    fused norm kernel is no module call: a bad norm output is then named at the module that reads it.)"""
     B, T = tokens_BT.shape
     dev = tokens_BT.device
     lengths_B = torch.full((B,), T, device=dev) if lengths_B is None else lengths_B.to(dev)
     valid_BT = torch.arange(T, device=dev).unsqueeze(0) < lengths_B.unsqueeze(1)
 
-    def bad(x_BTD: torch.Tensor) -> tuple[list[int], str] | None:
+    def check(name: str, x_BTD: torch.Tensor) -> None:
         for what, bad_BT in (("non-finite", (~torch.isfinite(x_BTD)).any(-1)),
                              ("collapsed (all values equal)", collapsed(x_BTD))):
             if rows := bad_BT.logical_and(valid_BT).any(1).nonzero().flatten().tolist():
-                return rows, what
-        return None
+                raise _Found(name, rows, what)
 
-    dtype = model.dtype
-    cache = model.new_cache(B, T)
-    pos_BT, cos, sin, S, _ = model._positions(cache, T, T)
-    h = model.model.embed_tokens(tokens_BT).to(model.acc)
-    if found := bad(h):
-        return "model.embed_tokens", *found
-    for i, layer in enumerate(model.model.layers):
-        # Block.forward, one sub-module at a time
-        x = layer.input_layernorm(h, dtype)
-        if found := bad(x):
-            return f"model.layers.{i}.input_layernorm", *found
-        h = h + layer.self_attn(x, pos_BT, cos, sin, cache.layer(i), S, model.runtime).to(h.dtype)
-        if found := bad(h):
-            return f"model.layers.{i}.self_attn", *found
-        x = layer.post_attention_layernorm(h, dtype)
-        if found := bad(x):
-            return f"model.layers.{i}.post_attention_layernorm", *found
-        h = h + layer.mlp(x).to(h.dtype)
-        if found := bad(h):
-            return f"model.layers.{i}.mlp", *found
-    x = model.model.norm(h, dtype)
-    if found := bad(x):
-        return "model.norm", *found
-    if found := bad(model.lm_head(x)):
-        return "lm_head", *found
+    handles = []
+    try:
+        for name, mod, pre in checked_outputs(model):
+            if pre:
+                handles.append(mod.register_forward_pre_hook(lambda m, args, n=name: check(n, args[0])))
+            else:
+                handles.append(mod.register_forward_hook(lambda m, args, out, n=name: check(n, out)))
+        model(tokens_BT, model.new_cache(B, T), kv_len=T)
+    except _Found as e:
+        return e.found
+    finally:
+        for h in handles:
+            h.remove()
     return None
 
 

@@ -1,8 +1,10 @@
 """Which FP8 linear kernel the fast path runs, and the switches that pick the new fused kernels.
 
-`SWITCHES` is read at call time, so old and new kernels can be timed side by side in one process (graphs
-captured before a switch keep what they captured: flip them with `mtp.backends.fast_path.set_kernels(model, ...)`,
-which also bumps `model.version`, so the engine captures its kept graphs again).
+The switches are per model: `FastPathOptions`, owned by the fast path, carried by the model it was enabled on
+(`model.fast_options`, shared by its fast modules) and read at call time, so two models in one process run
+their own kernels, and old and new kernels can be timed side by side (graphs captured before a switch keep what
+they captured: flip them with `mtp.backends.fast_path.set_kernels(model, ...)`, which also bumps the model's
+version, so the engine captures its kept graphs again).
 - gemv: `gemv_splitk.fp8_gemv` (CUDA-core split-K GEMV, all of a program's weight tile in one load) for
   1..gemv_rows rows (at most MAX_M); more rows, or off: the tensor-core `fp8_gemm.fp8_linear`. Its CUDA-core
   FMAs and lane reductions grow with the rows, so the row limit is a measured choice (BENCHMARKS.md).
@@ -20,15 +22,15 @@ which also bumps `model.version`, so the engine captures its kept graphs again).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
-__all__ = ["FastKernels", "SWITCHES", "set_fast_kernels", "linear", "route"]
+__all__ = ["FastPathOptions", "linear", "route"]
 
 
 @dataclass
-class FastKernels:
+class FastPathOptions:
     gemv: bool = True
     norm_quant: bool = True
     router: bool = True
@@ -40,31 +42,30 @@ class FastKernels:
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)
     gemv_rows: int = 1
 
+    def __post_init__(self) -> None:
+        from mtp.kernels.gemv_splitk import MAX_M
 
-SWITCHES = FastKernels()
+        rows = self.gemv_rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_M:
+            raise ValueError(f"FastPathOptions: gemv_rows must be an integer in 0..{MAX_M}, got {rows!r}")
+
+    def set(self, **flags) -> FastPathOptions:
+        """Set some switches in place (names of the fields, all checked before any is set); returns a copy of the
+        previous values, to restore with `set(**vars(old))`."""
+        names = {f.name for f in fields(self)}
+        bad = set(flags) - names
+        if bad:
+            raise ValueError(f"FastPathOptions: unknown switch {sorted(bad)}; known: {sorted(names)}")
+        new = replace(self, **{k: v if k == "gemv_rows" else bool(v) for k, v in flags.items()})
+        old = replace(self)
+        for f in fields(self):
+            setattr(self, f.name, getattr(new, f.name))
+        return old
 
 
-def set_fast_kernels(**flags: bool) -> FastKernels:
-    """Set some switches (names of `FastKernels`); returns the previous values, to restore with
-    `set_fast_kernels(**vars(old))`."""
-    names = {f.name for f in fields(FastKernels)}
-    bad = set(flags) - names
-    if bad:
-        raise ValueError(f"set_fast_kernels: unknown switch {sorted(bad)}; known: {sorted(names)}")
-    from mtp.kernels.gemv_splitk import MAX_M
-
-    rows = flags.get("gemv_rows")
-    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_M):
-        raise ValueError(f"set_fast_kernels: gemv_rows must be an integer in 0..{MAX_M}, got {rows!r}")
-    old = FastKernels(**vars(SWITCHES))
-    for k, v in flags.items():
-        setattr(SWITCHES, k, v if k == "gemv_rows" else bool(v))
-    return old
-
-
-def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, out_dtype: torch.dtype | None = None,
-           xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """y = x @ dequant(w8, sw)^T on the kernels; xq = (x8, sx): x already quantized per 128 (x may be None,
+def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, opts: FastPathOptions,
+           out_dtype: torch.dtype | None = None, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """y = x @ dequant(w8, sw)^T on the kernels `opts` picks; xq = (x8, sx): x already quantized per 128 (x may be None,
     the output is then fp32 unless out_dtype says otherwise)."""
     from mtp.kernels.fp8_gemm import fp8_gemm, fp8_linear
     from mtp.kernels.gemv_splitk import MAX_M, fp8_gemv
@@ -72,8 +73,8 @@ def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, out_dtype
     src = x if x is not None else xq[0]
     K = src.shape[-1]
     M = src.numel() // K if K else 0
-    if SWITCHES.gemv and 1 <= M <= min(SWITCHES.gemv_rows, MAX_M) and w8.shape[0] > 0:
-        return fp8_gemv(x, w8, sw, xq=xq, out_dtype=out_dtype, pdl=SWITCHES.pdl)
+    if opts.gemv and 1 <= M <= min(opts.gemv_rows, MAX_M) and w8.shape[0] > 0:
+        return fp8_gemv(x, w8, sw, xq=xq, out_dtype=out_dtype, pdl=opts.pdl)
     if xq is not None:
         x8, sx = xq
         y = fp8_gemm(x8.reshape(-1, K), sx.reshape(-1, K // 128), w8, sw,
@@ -82,16 +83,17 @@ def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, out_dtype
     return fp8_linear(x, w8, sw, out_dtype=out_dtype)
 
 
-def route(x_ND: torch.Tensor, gate, local: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x_ND: torch.Tensor, gate, opts: FastPathOptions,
+          local: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE router on the kernels for `gate` (an `mtp.model.moe.Gate`): (weights [N, K] fp32, ids [N, K] int32).
     local = (e0, e1): ids as this rank sees them, e - e0 for an expert in [e0, e1) and -1 for one on another
     rank (what `moe_experts` takes). Switch `router`: one launch (`router.moe_route_fused`, the mapping inside);
     off: `moe.moe_route` (gate GEMV + top-k) and the mapping in torch."""
     kw = dict(n_group=gate.n_groups, topk_group=gate.topk_groups, topk=gate.topk, route_scale=gate.route_scale)
-    if SWITCHES.router:
+    if opts.router:
         from mtp.kernels.router import moe_route_fused
 
-        return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, local=local, pdl=SWITCHES.pdl, **kw)
+        return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, local=local, pdl=opts.pdl, **kw)
     from mtp.kernels.moe import moe_route
 
     w, ids = moe_route(x_ND, gate.weight, gate.e_score_correction_bias, **kw)

@@ -23,7 +23,7 @@ norm + quant kernel, `norm_quant`) or are quantized per 128 in registers (bit-id
 Split-K partials go to an fp32 workspace [S, M, N]; the last slice of an N-block to arrive (an atomic
 counter, re-armed by that slice: CUDA-graph safe) loads all S partials of a row in one [S, BN] load (one L2
 round trip, not S) and sums them: one launch, deterministic (a fixed reduction tree).
-Predicted (H200, from bytes and round trips; to be measured by eval/gpu_fused.py): ~3-4 us where the
+Predicted (H200, from bytes and round trips; to be measured by `mtp.bench.fused`): ~3-4 us where the
 old kernel takes 6.7-10 us on the rank-sized weights above. Measured (BENCHMARKS.md): ~6.9 us per launch at
 w = 1 but 16.5 us at w = 4 on the rank, and 19-38% slower than the old kernel at TP=1 full width for M = 2..4:
 the FMAs and the cross-lane sums of each row grow with M.

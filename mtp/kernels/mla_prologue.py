@@ -2,7 +2,7 @@
 the attention kernels.
 
 Reference: `mla_kv_prologue_ref` / `mla_q_prologue_ref`, the unfused steps of `fast_path.mla_forward_fast`
-(`mtp.model.layers` norms and rotary, `Indexer._rotate`, `LayerCache.write`, `fp8.act_quant`). Shape legend: n = B*T
+(`mtp.model.layers` norms and rotary, `Indexer.rotate`, `LayerCache.write`, `fp8.act_quant`). Shape legend: n = B*T
 tokens, Q q_lora, Dk indexer head dim (128: one quant block, one Hadamard), C kv_lora (512), R rope dims (64),
 H heads, P nope dims, Hi indexer heads.
 
@@ -36,26 +36,22 @@ __all__ = ["mla_kv_prologue", "mla_kv_prologue_ref", "mla_q_prologue", "mla_q_pr
 # ----------------------------------------------------------------------------- references
 def mla_kv_prologue_ref(mla, cache, pos_BT, a_BTX, cos, sin) -> None:
     """The unfused kv side of `mla_forward_fast`: kv_a norm, k_pe rotary, indexer key, `LayerCache.write`."""
-    from mtp.model.layers import elementwise
-
     ix = mla.indexer
     Q, Dk, C = mla.q_a_proj.out_features, ix.head_dim, mla.C
     k_idx, kv = a_BTX[..., Q:Q + Dk], a_BTX[..., Q + Dk:]
     c = mla.kv_a_layernorm(kv[..., :C], a_BTX.dtype)
-    k_pe = elementwise.rope_interleaved(kv[..., C:], cos, sin)
-    cache.write(pos_BT, c, k_pe, ix._rotate(ix.k_norm(k_idx), cos, sin))
+    k_pe = mla.ops.rope_interleaved(kv[..., C:], cos, sin)
+    cache.write(pos_BT, c, k_pe, ix.rotate(ix.k_norm(k_idx), cos, sin), mla.ops)
 
 
 def mla_q_prologue_ref(mla, qq_BTX, cos, sin):
     """The unfused q side: (q_pe [B, T, H, R] rotated, iq8 [B, T, Hi, Dk] fp8, iqs [B, T, Hi, 1] fp32)."""
-    from mtp.model.layers import elementwise
-
     ix = mla.indexer
     B, T, _ = qq_BTX.shape
     H, P, R = mla.H, mla.P, mla.R
     q = qq_BTX[..., :H * (P + R)].view(B, T, H, P + R)
-    q_pe = elementwise.rope_interleaved(q[..., P:], cos, sin)
-    iq = ix._rotate(qq_BTX[..., H * (P + R):].view(B, T, ix.n_heads, ix.head_dim), cos, sin)
+    q_pe = mla.ops.rope_interleaved(q[..., P:], cos, sin)
+    iq = ix.rotate(qq_BTX[..., H * (P + R):].view(B, T, ix.n_heads, ix.head_dim), cos, sin)
     iq8, iqs = act_quant_ref(iq)
     return q_pe, iq8, iqs
 

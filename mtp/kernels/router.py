@@ -25,7 +25,7 @@ Compiled for sm_90 (SASS after the GEMV, per thread; BAR = a cross-warp round tr
 4 / 8: 859 / 2655 / 5254 instructions, 96-100 BAR on one program; grouped, 8 warps (its default): block phase +
 final phase 334 + 288 / 789 + 918 / 725 + 1736 instructions, 26 / 54 / 69 BAR (16 warps: 503 / 1144 / 1853,
 26 / 40 / 53 BAR). Predicted: ~5-6 us per call at T = 1, ~6-7 us at T = 8 (the GEMV's ~3 us, two L2 round
-trips, the rest), to be measured by eval/gpu_fused.py's router section (4, 8 and 16 warps). Same logits, ids and
+trips, the rest), to be measured by `mtp.bench.fused`'s router section (4, 8 and 16 warps). Same logits, ids and
 weights as the serial tail, bit for bit.
 
 Ties (equal biased scores, equal group scores): the lower index wins, at every step, as the stable

@@ -20,10 +20,12 @@ from torch import nn
 from . import fp8
 from .cache import LayerCache
 from .config import ModelConfig, RuntimeOptions
-from .layers import LayerNorm, Linear, RMSNorm, elementwise
+from .layers import REFERENCE_OPS, LayerNorm, Linear, RMSNorm
 
 
 class Indexer(nn.Module):
+    ops = REFERENCE_OPS  # the elementwise ops (`layers.use_elementwise`)
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         q8 = cfg.is_fp8
@@ -35,26 +37,26 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, False, dtype)
         self.numerics = "fp8"
 
-    def _rotate(self, v: torch.Tensor, cos, sin) -> torch.Tensor:
+    def rotate(self, v: torch.Tensor, cos, sin) -> torch.Tensor:
         """Half-split RoPE on the first rope_dim channels (rope FIRST, then nope), then the Hadamard transform."""
-        v = torch.cat((elementwise.rope_half(v[..., : self.rope_dim], cos, sin), v[..., self.rope_dim:]), dim=-1)
-        return elementwise.rotate_activation(v)
+        v = torch.cat((self.ops.rope_half(v[..., : self.rope_dim], cos, sin), v[..., self.rope_dim:]), dim=-1)
+        return self.ops.rotate_activation(v)
 
     def keys(self, x_BTD: torch.Tensor, cos, sin) -> torch.Tensor:
         """The indexer key of each new token (rotated, Hadamard-transformed), before quantization."""
-        return self._rotate(self.k_norm(self.wk(x_BTD)), cos, sin)
+        return self.rotate(self.k_norm(self.wk(x_BTD)), cos, sin)
 
     def queries(self, qr_BTQ: torch.Tensor, cos, sin) -> torch.Tensor:
         """The indexer queries [B, T, Hi, Dk] (rotated, Hadamard-transformed), before quantization."""
         B, T, _ = qr_BTQ.shape
-        return self._rotate(self.wq_b(qr_BTQ).view(B, T, self.n_heads, self.head_dim), cos, sin)
+        return self.rotate(self.wq_b(qr_BTQ).view(B, T, self.n_heads, self.head_dim), cos, sin)
 
     def select(self, x_BTD, qr_BTQ, cos, sin, cache: LayerCache, S: int, visible_BTS: torch.Tensor) -> torch.Tensor:
         """Boolean [B, T, S]: the keys each query keeps (top-k of the index score among visible keys)."""
         a = fp8.acc_dtype(x_BTD.dtype)
         q = self.queries(qr_BTQ, cos, sin).to(a)
         if self.numerics == "fp8":
-            q = elementwise.fake_quant(q)  # one ue8m0 scale per (token, head): the reference quantizes q first
+            q = self.ops.fake_quant(q)  # one ue8m0 scale per (token, head): the reference quantizes q first
         k_BSD = cache.read_index_k(S, a)
         w_BTH = F.linear(x_BTD.to(a), self.weights_proj.weight.to(a)) * self.n_heads ** -0.5
         dots_BTHS = torch.einsum("bthd,bsd->bths", q, k_BSD).relu()
@@ -70,6 +72,8 @@ class Indexer(nn.Module):
 
 
 class MLA(nn.Module):
+    ops = REFERENCE_OPS  # the elementwise ops (`layers.use_elementwise`)
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         q8 = cfg.is_fp8
@@ -93,7 +97,7 @@ class MLA(nn.Module):
         dt = x_BTD.dtype
         naive = self.naive(T, opts)
         qr, q_nope, q_pe, c, k_pe = self.project(x_BTD, cos, sin)
-        cache.write(pos_BT, c, k_pe, self.indexer.keys(x_BTD, cos, sin))
+        cache.write(pos_BT, c, k_pe, self.indexer.keys(x_BTD, cos, sin), self.ops)
         if visible_BTS is None:
             visible_BTS = torch.arange(S, device=x_BTD.device).view(1, 1, S) <= pos_BT.unsqueeze(-1)
         keep_BTS = self.indexer.select(x_BTD, qr, cos, sin, cache, S, visible_BTS)
@@ -116,10 +120,10 @@ class MLA(nn.Module):
         dt = x_BTD.dtype
         qr = self.q_a_layernorm(self.q_a_proj(x_BTD), dt)
         q = self.q_b_proj(qr).view(B, T, self.H, self.P + self.R)
-        q_nope, q_pe = q[..., : self.P], elementwise.rope_interleaved(q[..., self.P:], cos, sin)
+        q_nope, q_pe = q[..., : self.P], self.ops.rope_interleaved(q[..., self.P:], cos, sin)
         kv = self.kv_a_proj_with_mqa(x_BTD)
         c = self.kv_a_layernorm(kv[..., : self.C], dt)
-        k_pe = elementwise.rope_interleaved(kv[..., self.C:], cos, sin)
+        k_pe = self.ops.rope_interleaved(kv[..., self.C:], cos, sin)
         return qr, q_nope, q_pe, c, k_pe
 
     @staticmethod

@@ -21,7 +21,7 @@ import torch
 
 from . import fp8
 from .config import ModelConfig
-from .layers import elementwise
+from .layers import REFERENCE_OPS, ElementwiseOps
 
 
 @dataclass
@@ -36,11 +36,13 @@ class LayerCache:
     seq_lens: torch.Tensor  # [B] int64
     quantized: bool
 
-    def write(self, pos_BT: torch.Tensor, c_BTC: torch.Tensor, pe_BTR: torch.Tensor, k_BTD: torch.Tensor) -> None:
+    def write(self, pos_BT: torch.Tensor, c_BTC: torch.Tensor, pe_BTR: torch.Tensor, k_BTD: torch.Tensor,
+              ops: ElementwiseOps = REFERENCE_OPS) -> None:
+        """ops: the writing model's elementwise ops (its FP8 quantization of the latent and the indexer key)."""
         b_BT = torch.arange(pos_BT.shape[0], device=pos_BT.device).unsqueeze(1).expand_as(pos_BT)
         if self.quantized:
-            c8, cs = elementwise.act_quant(c_BTC)
-            k8, ks = elementwise.act_quant(k_BTD, block=k_BTD.shape[-1])
+            c8, cs = ops.act_quant(c_BTC)
+            k8, ks = ops.act_quant(k_BTD, block=k_BTD.shape[-1])
             self.kv[b_BT, pos_BT] = c8
             self.kv_scale[b_BT, pos_BT] = cs
             self.idx_k[b_BT, pos_BT] = k8

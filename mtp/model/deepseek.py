@@ -97,9 +97,10 @@ class DeepseekV32(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         self.mtp = nn.ModuleList([MTPLayer(cfg, cfg.num_hidden_layers + j, dtype) for j in range(n_mtp)])
         self.rotary = Rotary(cfg)
-        # Bumped by whatever changes what a forward runs (a module swap such as the fast path or sharding, new
-        # run-time options): CUDA graphs captured at an older version hold stale kernels and weight pointers.
-        self.version = 0
+        self._swap_version = 0  # `version`
+        # the fast path's switches for this model (`mtp.kernels.dispatch.FastPathOptions`, shared by its fast
+        # modules), None on the reference path; the reference never reads them
+        self.fast_options = None
         self.runtime = RuntimeOptions()
         self.set_runtime(runtime or RuntimeOptions())
 
@@ -107,10 +108,21 @@ class DeepseekV32(nn.Module):
     def set_runtime(self, runtime: RuntimeOptions) -> None:
         """Switch numerics / attention path at run time on the whole module tree."""
         self.runtime = runtime
-        self.version += 1
+        self.bump_version()
         for m in self.modules():
             if hasattr(m, "numerics"):
                 m.numerics = runtime.numerics
+
+    @property
+    def version(self) -> int:
+        """Changes whenever what a forward runs changes (a module swap such as the fast path or sharding, kernel
+        switches, new run-time options): CUDA graphs captured at an older version hold stale kernels and weight
+        pointers, so the engine captures again. Read-only: `bump_version` is its one writer."""
+        return self._swap_version
+
+    def bump_version(self) -> None:
+        """Called by whatever changes what a forward runs (`set_runtime`, the fast path, `shard_model`)."""
+        self._swap_version += 1
 
     @property
     def device(self) -> torch.device:
@@ -126,7 +138,7 @@ class DeepseekV32(nn.Module):
                        device=self.device, dtype=self.dtype, quantized=self.runtime.numerics == "fp8")
 
     # ------------------------------------------------------------------ forward
-    def _positions(self, cache: KVCache, T: int, kv_len: int | None, tree_depth=None, tree_mask=None):
+    def positions(self, cache: KVCache, T: int, kv_len: int | None, tree_depth=None, tree_mask=None):
         """Cache slots [B, T], rotary angles, the key bound S and the tree's visibility [B, T, S] (None: causal)."""
         pos_BT = cache.seq_lens.unsqueeze(1) + torch.arange(T, device=cache.seq_lens.device)
         if kv_len is None:
@@ -158,7 +170,7 @@ class DeepseekV32(nn.Module):
             cache = self.new_cache(B, T)
         elif cache.batch != B:
             raise ValueError(f"input batch {B} != cache batch {cache.batch}")
-        pos_BT, cos, sin, S, vis = self._positions(cache, T, kv_len, tree_depth, tree_mask)
+        pos_BT, cos, sin, S, vis = self.positions(cache, T, kv_len, tree_depth, tree_mask)
         h = self.model.embed_tokens(input_ids).to(self.acc)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, pos_BT, cos, sin, cache.layer(i), S, self.runtime, self.dtype, vis)
@@ -178,7 +190,7 @@ class DeepseekV32(nn.Module):
         [B, T, V] fp32 logits). `tree_depth` / `tree_mask`: the T tokens are tree nodes, as in `forward`."""
         layer = self.mtp[j]
         T = tokens_BT.shape[1]
-        pos_BT, cos, sin, S, vis = self._positions(cache, T, kv_len, tree_depth, tree_mask)
+        pos_BT, cos, sin, S, vis = self.positions(cache, T, kv_len, tree_depth, tree_mask)
         e = layer.enorm(layer.embed_tokens(tokens_BT), self.dtype)
         u = layer.eh_proj(torch.cat((e, layer.hnorm(h_BTD, self.dtype)), dim=-1))
         h = layer(u.to(self.acc), pos_BT, cos, sin, cache.layer(0), S, self.runtime, self.dtype, vis)

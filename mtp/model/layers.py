@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return elementwise.rms_norm(x, self.weight, self.eps, out_dtype or self.weight.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps, out_dtype or self.weight.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
@@ -46,7 +46,7 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return elementwise.layer_norm(x, self.weight, self.bias, self.eps)
+        return self.ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -125,7 +125,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, dim, fp8_weight, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(elementwise.silu_mul(self.gate_proj(x), self.up_proj(x), x.dtype))
+        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x), x.dtype))
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -192,38 +192,48 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 class ElementwiseOps:
     """The elementwise ops between the GEMMs (norms, rotary, activation quant, Hadamard, SiLU-mul).
 
-    Modules call these through the shared `elementwise` object, so the Triton fast path can swap in compiled
-    versions
-    (`compile()`: each becomes one or two fused kernels instead of 5-12 small ones; on a CUDA-graph decode
-    step the launch count, not the bytes, is what these cost) and the reference path gets the plain functions
-    back (`reset()`). Same formulas either way; the fused kernels may round in another order.
+    Modules call these through their `ops` (the plain functions, `REFERENCE_OPS`, unless `use_elementwise` gave
+    their model others), so the Triton fast path can give one model compiled versions
+    (`compiled_ops()`: each becomes one or two fused kernels instead of 5-12 small ones; on a CUDA-graph decode
+    step the launch count, not the bytes, is what these cost) while another model in the process keeps the
+    plain ones. Same formulas either way; the fused kernels may round in another order.
     """
 
     NAMES = ("rms_norm", "layer_norm", "silu_mul", "rope_interleaved", "rope_half", "act_quant", "fake_quant",
              "rotate_activation")
 
-    def __init__(self) -> None:
-        self.compiled = False
-        self.reset()
-
-    def reset(self) -> None:
+    def __init__(self, compiled: bool = False) -> None:
         impl = {"rms_norm": rms_norm, "layer_norm": layer_norm, "silu_mul": silu_mul,
                 "rope_interleaved": rope_interleaved, "rope_half": rope_half, "act_quant": fp8.act_quant,
                 "fake_quant": fp8.fake_quant, "rotate_activation": fp8.rotate_activation}
+        self.compiled = compiled
+        if compiled:
+            # one compiled function serves many call sites (input dtypes, strides of sliced views): dynamo's
+            # default of 8 variants per function is reached on a full step, after which calls silently run unfused
+            cfg = torch._dynamo.config
+            cfg.recompile_limit = max(cfg.recompile_limit, 64)
         for name in self.NAMES:
-            setattr(self, name, impl[name])
-        self.compiled = False
-
-    def compile(self) -> None:
-        if self.compiled:
-            return
-        # one compiled function serves many call sites (input dtypes, strides of sliced views): dynamo's default
-        # of 8 variants per function is reached on a full step, after which calls silently run unfused
-        cfg = torch._dynamo.config
-        cfg.recompile_limit = max(cfg.recompile_limit, 64)
-        for name in self.NAMES:
-            setattr(self, name, torch.compile(getattr(self, name), dynamic=True))
-        self.compiled = True
+            setattr(self, name, torch.compile(impl[name], dynamic=True) if compiled else impl[name])
 
 
-elementwise = ElementwiseOps()
+REFERENCE_OPS = ElementwiseOps()
+_COMPILED: list[ElementwiseOps] = []
+
+
+def compiled_ops() -> ElementwiseOps:
+    """The torch.compile'd ops, built once per process (compiling is lazy, at the first call of each)."""
+    if not _COMPILED:
+        _COMPILED.append(ElementwiseOps(compiled=True))
+    return _COMPILED[0]
+
+
+def use_elementwise(module: nn.Module, ops: ElementwiseOps) -> None:
+    """Every module of `module`'s tree that calls the elementwise ops calls `ops` from now on (other models
+    keep theirs)."""
+    for m in module.modules():
+        if hasattr(type(m), "ops"):
+            m.ops = ops
+
+
+for _cls in (RMSNorm, LayerNorm, MLP):
+    _cls.ops = REFERENCE_OPS  # until `use_elementwise` (defined here, after the functions it holds)

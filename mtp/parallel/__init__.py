@@ -1,15 +1,14 @@
 """Multi-GPU DeepSeek-V3.2: tensor-parallel attention, expert-parallel MoE, vocabulary-parallel embedding/head.
 
-    torchrun --nproc-per-node 8 -m mtp.parallel.launch CKPT --prompt "..." --draft eagle --k 2
-
     comm = Comm()                                   # after dist.init_process_group(...)
     model = load_parallel(ckpt, comm, device=f"cuda:{local_rank}", dtype=torch.bfloat16)
     out = mtp.generate(model, prompts, draft="eagle", k=2)   # on every rank; same tokens everywhere
 
 Files: layout (who holds which slice), reblock (exact FP8 scales of a slice), comm (the collectives),
-modules (per-rank modules + `shard_model`), load (sharded loading), launch (torchrun entry), synthetic (the
+modules (per-rank modules + `shard_model`), load (sharded loading), synthetic (the
 random FP8 model built sharded, no checkpoint), simulate (one rank of a group in one process: torch's fake
-process group). Their benchmarks live in `mtp.bench` (rank: `mtp-bench --tp N`; parallel: TP=N vs TP=1;
+process group). The multi-rank runtime that runs a sharded model (rank 0 drives, the launcher) is
+`mtp.distributed`. Their benchmarks live in `mtp.bench` (rank: `mtp-bench --tp N`; parallel: TP=N vs TP=1;
 collectives: NCCL latencies).
 DESIGN.md holds the numerics argument, the CUDA-graph note and the GPU benchmark command.
 """

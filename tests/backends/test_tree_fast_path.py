@@ -104,51 +104,46 @@ def _model_checks() -> None:
     """The tree verify on the fast path against the fast path's own causal forwards, path by path (the oracle of
     tests/draft/test_tree.py): the interpreter's in-kernel FP8 casts are not CUDA's, so its fast path sits ~0.2 (rel L2)
     from the reference on this random model, tree or not; the GPU test holds fast to reference."""
-    from mtp.backends.fast_path import FastMLA, install_fast_modules
+    from mtp.backends.fast_path import FastMLA, FastPathOptions, install_fast_modules
     from mtp.checkpoint.files import load_model, save_checkpoint
     from mtp.checkpoint.tiny import random_tensors, tiny_config
     from mtp.draft.tree import TreeShape
-    from mtp.kernels.dispatch import set_fast_kernels
 
     # the MLA kernels need latent 512, rope 64 and >= 16 indexer heads; 2 dense layers keep it quick
     cfg = dataclasses.replace(tiny_config(), kv_lora_rank=512, index_n_heads=16, num_attention_heads=4,
                               num_hidden_layers=2, first_k_dense_replace=2, num_nextn_predict_layers=0)
     path = save_checkpoint(random_tensors(cfg, seed=0), cfg, Path(tempfile.mkdtemp()) / "m")
     model = load_model(path, dtype=torch.float32, numerics="fp8")
-    install_fast_modules(model)
+    install_fast_modules(model, options=FastPathOptions(absorb=False))
     assert all(isinstance(layer.self_attn, FastMLA) for layer in model.model.layers)
     g = torch.Generator().manual_seed(0)
     tree = TreeShape.from_paths([(0,), (1,), (0, 0), (0, 1)])  # siblings at depths 1 and 2; leaves 2, 3, 4
     N = tree.n_nodes
-    # absorb off: its kernel's bf16 weights meet the interpreter's wrong bf16 tl.dot (the einsum path instead)
-    old = set_fast_kernels(absorb=False)
-    try:
-        for lens in ([5, 3], [22, 19]):  # S <= index_topk = 16 (dense), then a per-node top-k (sparse)
-            B, P = len(lens), max(lens)
-            L = torch.tensor(lens)
-            prompt = torch.randint(0, cfg.vocab_size, (B, P), generator=g)
-            nodes = torch.randint(0, cfg.vocab_size, (B, N), generator=g)
-            cache = model.new_cache(B, P + N + 2)
-            with torch.no_grad():
-                model(prompt, cache)
+    # absorb off (above): its kernel's bf16 weights meet the interpreter's wrong bf16 tl.dot (the einsum path)
+    for lens in ([5, 3], [22, 19]):  # S <= index_topk = 16 (dense), then a per-node top-k (sparse)
+        B, P = len(lens), max(lens)
+        L = torch.tensor(lens)
+        prompt = torch.randint(0, cfg.vocab_size, (B, P), generator=g)
+        nodes = torch.randint(0, cfg.vocab_size, (B, N), generator=g)
+        cache = model.new_cache(B, P + N + 2)
+        with torch.no_grad():
+            model(prompt, cache)
 
-                def verify(toks, shape=None):
-                    cache.truncate(L)  # each verify writes past the rows' lengths only
-                    kw = dict(tree_depth=shape.depth_tensor(), tree_mask=shape.ancestor_mask()) if shape else {}
-                    return model(toks, cache, kv_len=P + toks.shape[1], **kw).logits
+            def verify(toks, shape=None):
+                cache.truncate(L)  # each verify writes past the rows' lengths only
+                kw = dict(tree_depth=shape.depth_tensor(), tree_mask=shape.ancestor_mask()) if shape else {}
+                return model(toks, cache, kv_len=P + toks.shape[1], **kw).logits
 
-                got = verify(nodes, tree)
-                causal = verify(nodes)  # every node sees the nodes before it: not the tree
-                for leaf in tree.leaves:
-                    p = list(tree.path(leaf))
-                    want = verify(nodes[:, p])
-                    err, off = _rel(got[:, p], want), _rel(causal[:, p], want)
-                    print(f"lens {lens} path {p}: tree vs causal path forward {err:.1e} (causal verify {off:.1e})")
-                    assert err < 1e-4 and (p == list(range(len(p))) or off > 1e-2), (lens, p, err, off)
-                chain = TreeShape.chain(N - 1)  # a chain written as a tree: the causal kernels' rows, bit for bit
-                assert torch.equal(verify(nodes, chain), causal), lens
-    finally:
-        set_fast_kernels(**vars(old))
+            got = verify(nodes, tree)
+            causal = verify(nodes)  # every node sees the nodes before it: not the tree
+            for leaf in tree.leaves:
+                p = list(tree.path(leaf))
+                want = verify(nodes[:, p])
+                err, off = _rel(got[:, p], want), _rel(causal[:, p], want)
+                print(f"lens {lens} path {p}: tree vs causal path forward {err:.1e} (causal verify {off:.1e})")
+                assert err < 1e-4 and (p == list(range(len(p))) or off > 1e-2), (lens, p, err, off)
+            chain = TreeShape.chain(N - 1)  # a chain written as a tree: the causal kernels' rows, bit for bit
+            assert torch.equal(verify(nodes, chain), causal), lens
 
 
 if __name__ == "__main__":

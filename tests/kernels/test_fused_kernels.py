@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtp.kernels.dispatch import SWITCHES, set_fast_kernels
+from mtp.kernels.dispatch import FastPathOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,15 +78,15 @@ def test_new_kernels_compile_for_hopper():
                                  SPLITS=14, BF16=True, STORE_LOGITS=False, PDL=True), num_warps=8)
 
 
-def test_set_fast_kernels():
-    old = set_fast_kernels(gemv=False)
-    try:
-        assert SWITCHES.gemv is False and old.gemv is True
-        with pytest.raises(ValueError, match="unknown switch"):
-            set_fast_kernels(gmev=True)
-    finally:
-        set_fast_kernels(**vars(old))
-    assert SWITCHES.gemv is True
+def test_fast_path_options_set():
+    opts = FastPathOptions()
+    old = opts.set(gemv=False)
+    assert opts.gemv is False and old.gemv is True
+    with pytest.raises(ValueError, match="unknown switch"):
+        opts.set(gmev=True, router=False)
+    assert opts.router is True  # nothing set when one name is wrong
+    opts.set(**vars(old))
+    assert opts == FastPathOptions()
 
 
 @pytest.mark.parametrize("rows,M,want", [(8, 1, "gemv"), (8, 4, "gemv"), (8, 8, "gemv"), (8, 9, "gemm"),
@@ -102,36 +102,34 @@ def test_linear_dispatch_by_rows(monkeypatch, rows, M, want):
     took = []
     monkeypatch.setattr(gemv, "fp8_gemv", lambda x, w8, sw, **kw: took.append("gemv"))
     monkeypatch.setattr(gemm, "fp8_linear", lambda x, w8, sw, **kw: took.append("gemm"))
-    old = set_fast_kernels(gemv_rows=rows)
-    try:
-        linear(torch.zeros(M, 256), torch.zeros(128, 256), torch.ones(1, 2))
-    finally:
-        set_fast_kernels(**vars(old))
+    linear(torch.zeros(M, 256), torch.zeros(128, 256), torch.ones(1, 2), FastPathOptions(gemv_rows=rows))
     assert took == [want]
 
 
 @pytest.mark.parametrize("bad", [9, -1, True, 2.0, "4"])
 def test_gemv_rows_checked(bad):
     with pytest.raises(ValueError, match="gemv_rows must be an integer in 0..8"):
-        set_fast_kernels(gemv_rows=bad)
-    assert SWITCHES.gemv_rows == 1  # the measured default
+        FastPathOptions(gemv_rows=bad)
+    opts = FastPathOptions()
+    with pytest.raises(ValueError, match="gemv_rows must be an integer in 0..8"):
+        opts.set(gemv_rows=bad)
+    assert opts.gemv_rows == 1  # the measured default, unchanged
 
 
 def test_set_kernels_invalidates_kept_graphs():
     """Flipping a switch through the fast path bumps model.version (graphs kept by the engine are captured
-    again) and restores like set_fast_kernels."""
-    from mtp.backends.fast_path import set_kernels
+    again) and restores with the switches it returns."""
+    from mtp.backends.fast_path import install_fast_modules, set_kernels
     from mtp.model.presets import tiny_config
     from mtp.model.deepseek import DeepseekV32
 
     model = DeepseekV32(tiny_config(), n_mtp=0)
+    install_fast_modules(model)
     v = model.version
     old = set_kernels(model, router=False)
-    try:
-        assert model.version == v + 1 and SWITCHES.router is False and old.router is True
-    finally:
-        set_kernels(model, **vars(old))
-    assert model.version == v + 2 and SWITCHES.router is True
+    assert model.version == v + 1 and model.fast_options.router is False and old.router is True
+    set_kernels(model, **vars(old))
+    assert model.version == v + 2 and model.fast_options.router is True
 
 
 # ----------------------------------------------------------------------------- run under TRITON_INTERPRET=1
@@ -307,7 +305,7 @@ def _prologue_checks() -> None:
     mla_kv_prologue(mla, cache, pos, a, cos, sin)
     b = torch.arange(B)[:, None].expand(B, T)
     c8, cs = act_quant(mla.kv_a_layernorm(a[..., Q + 128:Q + 128 + C], torch.float32))
-    k8, ks = act_quant(ix._rotate(ix.k_norm(a[..., Q:Q + 128]), cos, sin))
+    k8, ks = act_quant(ix.rotate(ix.k_norm(a[..., Q:Q + 128]), cos, sin))
     pe = rope_interleaved(a[..., Q + 128 + C:], cos, sin)
     assert torch.equal(cache.kv[b, pos].view(torch.uint8), c8.view(torch.uint8)) and torch.equal(cache.kv_scale[b, pos], cs)
     assert torch.equal(cache.idx_k[b, pos].view(torch.uint8), k8.view(torch.uint8))
@@ -315,7 +313,7 @@ def _prologue_checks() -> None:
     qq = torch.randn(B, T, mla.H * (mla.P + R) + ix.n_heads * 128)
     q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin)
     rp, _, _ = mla_q_prologue_ref(mla, qq, cos, sin)
-    r8, rs = act_quant(ix._rotate(qq[..., mla.H * (mla.P + R):].view(B, T, ix.n_heads, 128), cos, sin))
+    r8, rs = act_quant(ix.rotate(qq[..., mla.H * (mla.P + R):].view(B, T, ix.n_heads, 128), cos, sin))
     assert torch.equal(q_pe, rp) and q_pe.is_contiguous()
     assert torch.equal(iq8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(iqs, rs)
     # without the indexer's queries (S <= top-k): q_pe alone, from the q_b output or the whole q_b | wq_b row
@@ -351,7 +349,7 @@ def _model_checks() -> None:
     from tests.interp import patch_interpreter_loop_bounds
 
     from mtp.checkpoint.files import load_model, save_checkpoint
-    from mtp.backends.fast_path import FAST_CLASSES, FastBlock, disable_fast_path, install_fast_modules
+    from mtp.backends.fast_path import FAST_CLASSES, FastBlock, disable_fast_path, install_fast_modules, set_kernels
     from mtp.checkpoint.random_weights import random_tensors
     from mtp.model.presets import tiny_config
 
@@ -370,7 +368,7 @@ def _model_checks() -> None:
         hooks = [m.register_forward_pre_hook(lambda mod, inp: calls.append(mod)) for m in model.model.layers.modules()
                  if isinstance(m, MoE)]
         for on in (False, True):
-            set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
+            set_kernels(model, gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
             cache = model.new_cache(2, 16)
             calls.clear()
             out[on] = model(ids, cache).logits
@@ -381,7 +379,7 @@ def _model_checks() -> None:
             hk.remove()
         assert _rel(out[True, "decode"], out[False, "decode"]) < 1e-5, _rel(out[True, "decode"], out[False, "decode"])
         for on in (False, True):
-            set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
+            set_kernels(model, gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
             out[on, "mtp"] = model.mtp_forward(0, ids, torch.randn(2, 3, cfg.hidden_size,
                                                                     generator=torch.Generator().manual_seed(1)),
                                                model.new_cache(2, 16, n_layers=1)).logits
@@ -407,10 +405,9 @@ def _model_checks() -> None:
         assert any(type(m) is FastParallelMLP and m.fused_gate_up is not None for m in rank.modules())
         out = {}
         for on in (False, True):
-            set_fast_kernels(gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
+            set_kernels(rank, gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
             out[on] = rank(ids, rank.new_cache(2, 16)).logits
         assert _rel(out[True], out[False]) < 1e-5, _rel(out[True], out[False])
-    set_fast_kernels(gemv=True, norm_quant=True, router=True, prologue=True, absorb=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The fused decode kernels vs their plain-PyTorch references on the GPU (pytest -m gpu):
 `gemv_splitk.fp8_gemv`, `norm_quant.add_rms_norm_quant`, `router.moe_route_fused`, and the fast path with the
-new kernels switched on vs off (`kernels.dispatch.SWITCHES`). Shapes: the TP=8 per-rank weights of
+new kernels switched on vs off (`kernels.dispatch.FastPathOptions`). Shapes: the TP=8 per-rank weights of
 DeepSeek-V3.2 and odd ones; rows 1..5 (verify widths 1..K+1 for K = 4) and 8.
 MTP_TEST_DEVICE=cpu with TRITON_INTERPRET=1 dry-runs the kernel tests on the CPU (slow).
 """
@@ -21,7 +21,7 @@ if not (available() or (DEV == "cpu" and os.environ.get("TRITON_INTERPRET") == "
 
 from mtp.model.fp8 import act_quant as act_quant_ref  # noqa: E402
 from mtp.model.fp8 import weight_quant  # noqa: E402
-from mtp.kernels.dispatch import linear, set_fast_kernels  # noqa: E402
+from mtp.kernels.dispatch import FastPathOptions, linear  # noqa: E402
 from mtp.kernels.gemv_splitk import fp8_gemv, fp8_gemv_ref  # noqa: E402
 from mtp.kernels.moe import moe_route  # noqa: E402
 from mtp.kernels.norm_quant import add_rms_norm_quant, add_rms_norm_quant_ref  # noqa: E402
@@ -135,12 +135,9 @@ def test_dispatch_linear_switch(M):
     ref = fp8_gemv_ref(x, w8, sw, out_dtype=torch.float32)
     outs = []
     for on in (True, False):
-        old = set_fast_kernels(gemv=on)
-        try:
-            outs += [linear(x, w8, sw, out_dtype=torch.float32), linear(None, w8, sw, xq=xq),
-                     linear(x, w8, sw, out_dtype=torch.float32, xq=xq)]
-        finally:
-            set_fast_kernels(**vars(old))
+        o = FastPathOptions(gemv=on)
+        outs += [linear(x, w8, sw, o, out_dtype=torch.float32), linear(None, w8, sw, o, xq=xq),
+                 linear(x, w8, sw, o, out_dtype=torch.float32, xq=xq)]
     for i, y in enumerate(outs):
         check_close(f"linear #{i} M={M}", y, ref, 1e-3)
 
@@ -409,7 +406,6 @@ def test_fast_path_new_kernels_match_old():
         eager = generate(model, prompts, 12, mode="eager").tokens
         assert generate(model, prompts, 12, mode="graph").tokens == eager
     finally:
-        set_fast_kernels(gemv=True, norm_quant=True, router=True, prologue=True, absorb=True)
         disable_fast_path(model)
 
 

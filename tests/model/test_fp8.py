@@ -210,8 +210,8 @@ def test_fp8_latent_kv_cache_stores_act_quant_of_latent(tiny_model, monkeypatch)
     checked = []
     original = LayerCache.write
 
-    def checked_write(self, pos_BT, c_BTC, pe_BTR, k_BTD):
-        original(self, pos_BT, c_BTC, pe_BTR, k_BTD)
+    def checked_write(self, pos_BT, c_BTC, pe_BTR, k_BTD, ops):
+        original(self, pos_BT, c_BTC, pe_BTR, k_BTD, ops)
         b_BT = torch.arange(pos_BT.shape[0]).unsqueeze(1).expand_as(pos_BT)
         c8, cs = act_quant64(c_BTC)
         k8, ks = act_quant64(k_BTD)

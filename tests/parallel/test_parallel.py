@@ -24,7 +24,7 @@ from mtp.parallel import Comm, ParallelPlan, load_parallel, param_bytes, set_sta
 from mtp.checkpoint.random_weights import random_tensors
 from mtp.model.presets import tiny_parallel_config
 from mtp.parallel.comm import init_process_group
-from mtp.parallel.group import leave
+from mtp.distributed.group import leave
 from mtp.parallel.memory import rank_weight_bytes
 
 pytestmark = pytest.mark.slow

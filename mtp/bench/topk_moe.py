@@ -1,12 +1,12 @@
 """Time the indexer top-k and the routed-expert kernels, old vs new, side by side in one run on one GPU.
 
-    PYTHONPATH=. python eval/gpu_topk_moe.py [--out DIR] [--only topk,moe] [--quick]
+    python -m mtp.bench.topk_moe [--out DIR] [--only topk,moe] [--quick]
 
 topk: torch.topk (`topk_from_scores`, sorted=False: the old fast path) vs `radix_topk`, the indexer scores
 kernel alone, the whole `indexer_topk` per impl (torch / radix / radix_fused: histograms in the scores
 kernel), at S = 8192 / 32768 / 131072 and T = 1..4 score rows (B = 1), plus a sweep of the radix select's
 chunks per row. Each result is first checked against `topk_select_ref` (exact set; ties included).
-Timing as in eval/gpu_kernels.py: CUDA-graph replays timed with CUDA events, median of 15. The scores a top-k
+Timing as in `mtp.bench.kernels`: CUDA-graph replays timed with CUDA events, median of 15. The scores a top-k
 reads were just written by the scores kernel, so they sit in L2 here as in the decode step.
 moe: `moe_experts` layout 'pairs' (old) vs 'persistent' (new) at one rank of TP=8 and at TP=1, T = 1..4, with
 % of the HBM floor (see `moe_section`).
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from eval.gpu_kernels import graph_us, report
+from mtp.bench.kernels import graph_us, report
 from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.kernels.indexer import indexer_scores, indexer_topk, topk_from_scores
 from mtp.kernels.topk import radix_topk, topk_select_ref

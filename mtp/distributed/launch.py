@@ -1,11 +1,11 @@
 """Speculative generation of one prompt on a checkpoint split over N ranks (tensor + expert parallel).
 
-    python -m mtp.parallel.launch CKPT --prompt "Explain MTP." --tp 8 --draft eagle --k 2     # one node: spawns 8
-    torchrun --nproc-per-node 8 -m mtp.parallel.launch CKPT --prompt ...                      # or torchrun's ranks
+    python -m mtp.distributed.launch CKPT --prompt "Explain MTP." --tp 8 --draft eagle --k 2     # one node: spawns 8
+    torchrun --nproc-per-node 8 -m mtp.distributed.launch CKPT --prompt ...                      # or torchrun's ranks
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        -m mtp.parallel.launch CKPT --prompt ...
+        -m mtp.distributed.launch CKPT --prompt ...
 
-NCCL on GPUs (rank r on local GPU r), gloo on CPU. Rank 0 drives (`mtp.parallel.driver`): it checks the
+NCCL on GPUs (rank r on local GPU r), gloo on CPU. Rank 0 drives (`mtp.distributed.driver`): it checks the
 options, the checkpoint's split over the ranks and the tokenizer before any rank starts, tokenizes, and alone
 prints; the other ranks serve it. On GPUs the defaults are the overlap scheduler and the Triton fast path
 (`--mode`, `--no-fast-path`); generation stops at the tokenizer's EOS. `--check` compares every rank's tokens
@@ -23,12 +23,12 @@ from ..checkpoint.files import CheckpointError
 from ..decode.options import DRAFTS, MODES, VERIFIERS, OptionError
 from ..model.config import NUMERICS, ConfigError
 from ..preflight import PreflightError, preflight
-from .layout import MLP_SPLITS
-from .memory import DTYPES
+from ..parallel.layout import MLP_SPLITS
+from ..parallel.memory import DTYPES
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m mtp.parallel.launch", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m mtp.distributed.launch", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--tp", type=int, default=None, help="ranks (default: torchrun's WORLD_SIZE, else 1)")
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve()
     a = _args(argv)
-    prog = "python -m mtp.parallel.launch"
+    prog = "python -m mtp.distributed.launch"
     from .group import RankFailure
 
     try:
@@ -117,7 +117,7 @@ def _run(a: argparse.Namespace) -> int:
                            mode=mode, **opts)
         if a.check and peers is not None:
             peers.check_tokens(out.tokens)
-        from .load import param_bytes
+        from ..parallel.load import param_bytes
 
         print(tok.decode(out.tokens[0]))
         m = out.metrics

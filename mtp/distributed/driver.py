@@ -12,9 +12,9 @@ call `mtp.generate` exactly as on one device. An `on_step` callback runs on rank
 `mtp.decode.engine.stops` (the chat's) may raise to stop: every step then ends with rank 0's verdict broadcast, so
 every rank stops at the same step.
 
-Failure handling (`mtp.parallel.group` explains the layers): loading ends in an agreement, so a rank that fails
+Failure handling (`mtp.distributed.group` explains the layers): loading ends in an agreement, so a rank that fails
 to load makes every rank raise the same `RankFailure`. A rank that fails inside a generation leaves its process
-(`mtp.parallel.worker`); rank 0 watches the ranks it spawned and, when one exits, aborts the data group so its own
+(`mtp.distributed.worker`); rank 0 watches the ranks it spawned and, when one exits, aborts the data group so its own
 blocked collective returns, then raises that rank's error. An error on rank 0 inside a generation ends the run
 (the others may be inside a collective nobody will finish): `close(force=True)` stops them.
 """
@@ -97,8 +97,8 @@ def load_rank(spec: LoadSpec, group: RankGroup, show_progress: bool = False):
     seconds, checkpoint bytes of this rank's slices, bytes read from storage (None where unknown)."""
     import torch
 
-    from .layout import ParallelPlan
-    from .load import load_parallel
+    from ..parallel.layout import ParallelPlan
+    from ..parallel.load import load_parallel
 
     t0, io0 = time.perf_counter(), disk_read_bytes()
     read = [0]
@@ -292,10 +292,10 @@ class Peers:
 
 def start(tp: int, device_type: str) -> Peers:
     """Rank 0 of a `tp`-rank run: under torchrun (RANK set) join its group; otherwise spawn ranks 1..tp-1 on this
-    node (`python -m mtp.parallel.worker`, one GPU each) and form the group with them."""
+    node (`python -m mtp.distributed.worker`, one GPU each) and form the group with them."""
     if "RANK" in os.environ:
         if int(os.environ["RANK"]) != 0:
-            raise RuntimeError("start() is rank 0's; the other ranks run mtp.parallel.worker.serve()")
+            raise RuntimeError("start() is rank 0's; the other ranks run mtp.distributed.worker.serve()")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != tp:
             raise RuntimeError(f"runtime.tp = {tp} but torchrun started {world} ranks (WORLD_SIZE); make them equal")
@@ -316,7 +316,7 @@ def start(tp: int, device_type: str) -> Peers:
     for r in range(1, tp):
         with open(error_dir / f"rank{r}.log", "wb") as log:
             procs[r] = subprocess.Popen(
-                [sys.executable, "-m", "mtp.parallel.worker"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                [sys.executable, "-m", "mtp.distributed.worker"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
                 start_new_session=True)  # the terminal's Ctrl-C reaches rank 0 only; rank 0 decides
     peers = Peers(None, procs, error_dir)

@@ -1,4 +1,4 @@
-"""Rank 0 driving spawned ranks (`mtp.parallel.driver` / `worker`) on the bundled model: the same tokens as one
+"""Rank 0 driving spawned ranks (`mtp.distributed.driver` / `worker`) on the bundled model: the same tokens as one
 process, and every failure kind ending every rank within seconds with one message naming the rank.
 
 CPU tests run over gloo (2 ranks); the same tests run over NCCL on 2 GPUs with `-m gpu` (fp32, so strict tokens
@@ -20,8 +20,8 @@ from mtp.checkpoint.files import save_checkpoint
 from mtp.checkpoint.tiny import default_checkpoint
 from mtp.decode.engine import stops
 from mtp.model.config import ModelConfig
-from mtp.parallel.driver import LoadSpec, start
-from mtp.parallel.group import RankFailure
+from mtp.distributed.driver import LoadSpec, start
+from mtp.distributed.group import RankFailure
 from mtp.text.prompt import encode_chat
 from mtp.text.tokenizer import Tokenizer
 

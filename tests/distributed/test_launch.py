@@ -1,4 +1,4 @@
-"""`python -m mtp.parallel.launch` on the bundled model split over 2 ranks (gloo, CPU): under torchrun and with
+"""`python -m mtp.distributed.launch` on the bundled model split over 2 ranks (gloo, CPU): under torchrun and with
 `--tp 2` (rank 0 spawns rank 1) it prints exactly what one process prints, every rank agrees (--check), and bad
 options are refused before any rank starts."""
 
@@ -14,7 +14,7 @@ from mtp.checkpoint.tiny import default_checkpoint
 
 pytestmark = pytest.mark.slow
 PROMPT = "def parse_args(argv):\n    "
-LAUNCH = ["-m", "mtp.parallel.launch", str(default_checkpoint()), "--prompt", PROMPT, "--max-new-tokens", "12",
+LAUNCH = ["-m", "mtp.distributed.launch", str(default_checkpoint()), "--prompt", PROMPT, "--max-new-tokens", "12",
           "--draft", "eagle", "--k", "2"]
 
 

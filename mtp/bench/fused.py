@@ -1,6 +1,6 @@
 """Time the fused decode kernels against the current path at TP=8 per-rank shapes, in one device call.
 
-    python3 eval/gpu_fused.py [--out DIR] [--only gemv,norm,router,step] [--quick] [--gemv-tp 8,1] [--sweep]
+    python -m mtp.bench.fused [--out DIR] [--only gemv,norm,router,step] [--quick] [--gemv-tp 8,1] [--sweep]
 
 Sections (each new kernel next to what the fast path ran before it, same process, same inputs):
 - gemv: on every GEMV weight of a TP=8 rank and of TP=1 full width (`--gemv-tp 8,1`), rows 1..8, x pre-quantized:
@@ -15,13 +15,13 @@ Sections (each new kernel next to what the fast path ran before it, same process
   rank's 16 heads;
 - step: one rank of TP=8 (rank 0 of a one-process "world" of 8 whose collectives are the identity, so they are
   excluded as in the issue's measurement), 1 dense + 2 MoE layers at real width, FP8 random weights, 1024-token
-  prompt; the captured target forward at widths 1..4 with each switch of `kernels.dispatch.SWITCHES` alone,
+  prompt; the captured target forward at widths 1..4 with each switch of the model's `FastPathOptions` alone,
   all off (the old fast path) and all on, and the kernel count per step (torch profiler over graph replays).
 A full run compiles ~150 kernel variants (each GEMV tile / row count / PDL choice is its own binary) and
 builds a 3-layer rank model: if one 10-minute device call is too short, run `--only gemv,norm,router,prologue`
 and `--only step` as two calls (or `--quick`).
 Timing: CUDA-graph replays (launch gaps removed, as in a captured step), CUDA events, median of 15; kernel inputs
-rotate over copies exceeding 3x the L2 so weights come from HBM (eval/gpu_kernels.py's method). Prints one line
+rotate over copies exceeding 3x the L2 so weights come from HBM (`mtp.bench.kernels`' method). Prints one line
 per measurement and a table last; writes DIR/gpu_fused.json (DIR: $OUT, else eval/results).
 """
 
@@ -34,15 +34,11 @@ import time
 
 import torch
 
-if not __package__:  # run as a script (python3 eval/gpu_fused.py): the repository root for `eval` and `mtp`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from eval import gpu_kernels as gk  # copy bandwidth, graph timing, rows and checks
+from mtp.bench import kernels as gk  # copy bandwidth, graph timing, rows and checks
 from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.model.fp8 import fp8_gemm_ref, weight_quant
 from mtp.kernels import available
 from mtp.kernels.act_quant import act_quant
-from mtp.kernels.dispatch import set_fast_kernels
 from mtp.kernels.fp8_gemm import fp8_gemm
 from mtp.kernels.gemv_splitk import fp8_gemv, gemv_plan
 from mtp.kernels.moe import moe_route, moe_route_ref
@@ -168,9 +164,9 @@ def gemv_table(res: dict) -> tuple[str, str]:
 
 
 def norm_section() -> dict:
-    from mtp.model.layers import elementwise
+    from mtp.model.layers import compiled_ops
 
-    elementwise.compile()
+    elementwise = compiled_ops()  # the old step's compiled RMSNorm
     out = {}
     D = 7168
     w = (torch.rand(D, device=DEV) + 0.5).bfloat16()
@@ -235,13 +231,13 @@ def prologue_section() -> dict:
     from mtp.model.cache import KVCache
     from mtp.kernels.absorb import absorb_out, absorb_out_ref, absorb_q, absorb_q_ref
     from mtp.kernels.mla_prologue import mla_kv_prologue, mla_kv_prologue_ref, mla_q_prologue, mla_q_prologue_ref
-    from mtp.model.layers import Rotary, elementwise
+    from mtp.model.layers import Rotary, compiled_ops, use_elementwise
     from mtp.model.presets import real_config
 
-    elementwise.compile()
     cfg = dataclasses.replace(real_config(layers=1, dense_layers=1, mtp_modules=0), num_attention_heads=16)
     with torch.device(DEV):
         mla = MLA(cfg, torch.bfloat16)
+    use_elementwise(mla, compiled_ops())  # the unfused steps as the fast path ran them: compiled
     mla.indexer.k_norm.weight.data.fill_(1.0)
     mla.indexer.k_norm.bias.data.zero_()
     mla.kv_a_layernorm.weight.data.fill_(1.0)
@@ -285,7 +281,7 @@ class _LocalComm(Comm):
 
 
 def step_section(quick: bool) -> dict:
-    from mtp.backends.fast_path import enable_fast_path
+    from mtp.backends.fast_path import enable_fast_path, set_kernels
     from mtp.decode.graphs import capture_graph
     from mtp.parallel.layout import ParallelPlan
     from mtp.parallel.synthetic import random_parallel_model
@@ -321,7 +317,7 @@ def step_section(quick: bool) -> dict:
         res = {}
         logits = {}
         for name, sw in variants:
-            set_fast_kernels(**dict(dict(pdl=False), **sw))
+            set_kernels(model, **dict(dict(pdl=False), **sw))
             try:
                 with torch.no_grad():
                     logits[name] = fwd().logits.float()
@@ -343,7 +339,7 @@ def step_section(quick: bool) -> dict:
             d = gk.rel_err(logits[name], ref)
             gk.check(f"step w={w} {name} vs old logits", d < 5e-2, f"rel L2 {d:.2e}")
         out[f"w={w}"] = res
-    set_fast_kernels(**on, pdl=False)
+    set_kernels(model, **on, pdl=False)
     del model, kv
     torch.cuda.empty_cache()
     return out

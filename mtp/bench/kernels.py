@@ -1,6 +1,6 @@
 """Check and time the Triton kernels of `mtp.kernels` on one GPU, in one run (device time is scarce).
 
-    PYTHONPATH=. python eval/gpu_kernels.py [--out DIR] [--quick]
+    python -m mtp.bench.kernels [--out DIR] [--quick]
 
 Prints one line per measurement, a table last (kernel, shape, us, GB/s, % of the measured copy bandwidth)
 and writes everything as JSON to DIR/gpu_kernels.json (DIR: $OUT, else eval/results).

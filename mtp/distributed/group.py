@@ -8,8 +8,8 @@ Two groups per run:
   none does. A rank's error therefore becomes every rank's clean exit instead of a wait inside a collective.
 
 What the agreement cannot catch -- a rank dying or failing *inside* a data collective, where its peers wait on
-the GPU -- ends the run instead of stalling it: workers leave the process on such an error (`mtp.parallel.worker`),
-the local driver watches its workers and aborts the data group when one dies (`mtp.parallel.driver`), torchrun
+the GPU -- ends the run instead of stalling it: workers leave the process on such an error (`mtp.distributed.worker`),
+the local driver watches its workers and aborts the data group when one dies (`mtp.distributed.driver`), torchrun
 stops every rank when one exits non-zero, and the data group has a timeout (`MTP_COLLECTIVE_TIMEOUT_S`, default
 180 s) so even a lost peer nobody watches is an error.
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .comm import Comm, init_process_group
+from ..parallel.comm import Comm, init_process_group
 
 TIMEOUT_ENV = "MTP_COLLECTIVE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 180.0
@@ -164,7 +164,7 @@ def abort_data_group() -> None:
 
 def init_group(device_type: str, *, rank: int | None = None, world: int | None = None,
                local_rank: int | None = None, store: dist.Store | None = None) -> RankGroup:
-    """Join the run described by the environment (torchrun's, or `mtp.parallel.driver`'s for local ranks):
+    """Join the run described by the environment (torchrun's, or `mtp.distributed.driver`'s for local ranks):
     RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; or through `store` (the driver's rendezvous).
     device_type 'cuda': NCCL, one GPU per local rank."""
     env = os.environ

@@ -1,6 +1,6 @@
-"""Ranks 1..N-1 of a sharded run: wait for rank 0's command, do it, repeat (`mtp.parallel.driver` sends them).
+"""Ranks 1..N-1 of a sharded run: wait for rank 0's command, do it, repeat (`mtp.distributed.driver` sends them).
 
-    python -m mtp.parallel.worker       # started by runtime.tp=N's launcher, or by an entry point under torchrun
+    python -m mtp.distributed.worker       # started by runtime.tp=N's launcher, or by an entry point under torchrun
 
 Commands: `load` (this rank's shard; the phase ends in an agreement, so a failure here is every rank's), `generate`
 (`mtp.decode.engine.run_generation` with rank 0's resolved options), `check` (its last tokens to rank 0), `release`,

@@ -1,0 +1,98 @@
+"""Backend state belongs to the model it changes: each model carries its own kernel switches (`FastPathOptions`,
+`model.fast_options`) and its own elementwise ops, so two models in one process run differently, and its version
+has one writer (`bump_version`). On the CPU: the linear dispatch with the kernels replaced by recorders (as
+tests/kernels/test_fused_kernels.py does), the elementwise ops through a counting set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtp.backends.fast_path import (FastLinear, FastPathOptions, disable_fast_path, install_fast_modules,
+                                    set_kernels)
+from mtp.checkpoint.files import load_model
+from mtp.checkpoint.tiny import default_checkpoint
+from mtp.model.deepseek import DeepseekV32
+from mtp.model.layers import REFERENCE_OPS, ElementwiseOps, use_elementwise
+from mtp.model.presets import tiny_config
+
+
+def _fast_model(options: FastPathOptions) -> DeepseekV32:
+    model = DeepseekV32(tiny_config(), n_mtp=0)
+    install_fast_modules(model, options=options)
+    return model
+
+
+def _kernel_of(model: DeepseekV32, monkeypatch) -> list[str]:
+    """Which kernel the model's FP8 linears run for one row: the GEMV or the GEMM (recorders, no Triton)."""
+    import mtp.kernels.fp8_gemm as gemm
+    import mtp.kernels.gemv_splitk as gemv
+
+    took: list[str] = []
+    monkeypatch.setattr(gemv, "fp8_gemv", lambda x, w8, sw, **kw: took.append("gemv"))
+    monkeypatch.setattr(gemm, "fp8_linear", lambda x, w8, sw, **kw: took.append("gemm"))
+    lins = [m for m in model.modules() if isinstance(m, FastLinear)]
+    assert lins, "the tiny model has FP8 linears the fast path swaps"
+    for lin in lins:
+        lin.matmul(torch.zeros(1, lin.in_features))
+    return sorted(set(took))
+
+
+def test_two_models_run_their_own_kernel_switches(monkeypatch):
+    a = _fast_model(FastPathOptions())  # the split-K GEMV for one row (gemv_rows = 1)
+    b = _fast_model(FastPathOptions(gemv=False))
+    fast_a = [m for m in a.modules() if hasattr(m, "fast_options")]
+    assert all(m.fast_options is a.fast_options for m in fast_a), "a model's fast modules share its switches"
+    assert _kernel_of(a, monkeypatch) == ["gemv"] and _kernel_of(b, monkeypatch) == ["gemm"]
+    va, vb = a.version, b.version
+    old = set_kernels(a, gemv=False)
+    assert old.gemv is True and a.version == va + 1 and b.version == vb
+    assert _kernel_of(a, monkeypatch) == ["gemm"]
+    set_kernels(b, **vars(old))  # b takes a's old switches; a keeps its own
+    assert _kernel_of(b, monkeypatch) == ["gemv"] and _kernel_of(a, monkeypatch) == ["gemm"]
+    disable_fast_path(a)
+    assert a.fast_options is None and b.fast_options.gemv is True
+    with pytest.raises(ValueError, match="set_kernels: the model has no fast path"):
+        set_kernels(a, gemv=True)
+
+
+class CountingOps(ElementwiseOps):
+    """The reference functions, each call counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        for name in self.NAMES:
+            setattr(self, name, self._counted(getattr(self, name)))
+
+    def _counted(self, fn):
+        def call(*args, **kw):
+            self.calls += 1
+            return fn(*args, **kw)
+
+        return call
+
+
+def test_two_models_use_their_own_elementwise_ops():
+    a = load_model(default_checkpoint(), dtype=torch.float32)
+    b = load_model(default_checkpoint(), dtype=torch.float32)
+    ops = CountingOps()
+    use_elementwise(a, ops)
+    ids = torch.tensor([[1, 5, 9, 13]])
+    with torch.no_grad():
+        want = b(ids).logits
+        assert ops.calls == 0, "another model's ops must not be called"
+        got = a(ids).logits
+    assert ops.calls > 0 and torch.equal(got, want)  # the same functions, counted
+    use_elementwise(a, REFERENCE_OPS)
+    assert all(m.ops is REFERENCE_OPS for m in a.modules() if hasattr(type(m), "ops"))
+
+
+def test_version_has_one_writer():
+    model = DeepseekV32(tiny_config(), n_mtp=0)
+    v = model.version
+    model.bump_version()
+    model.set_runtime(model.runtime)
+    assert model.version == v + 2
+    with pytest.raises(AttributeError):
+        model.version = 0
