@@ -34,7 +34,7 @@ nccl_loop() {  # start seconds, budget seconds: the NCCL tests run after run whi
   local i=0
   while [ $(( $(date +%s) - $1 )) -lt "$2" ]; do
     i=$((i + 1)); echo "== NCCL tests, run $i $(date -u +%H:%M:%S)"
-    timeout "${DIST_TEST_S:-240}" python3 -m pytest -q -m gpu ${DIST_TESTS:-tests/parallel/test_driver.py tests/parallel/test_parallel.py} \
+    timeout "${DIST_TEST_S:-240}" python3 -m pytest -q -m gpu ${DIST_TESTS:-tests/distributed/test_driver.py tests/parallel/test_parallel.py} \
       -p no:cacheprovider 2>&1 | tee -a "$OUT/pytest_dist.log" | tail -1
   done
 }

@@ -142,8 +142,8 @@ def raw_read(files: list[Path], readers: int, chunk: int = 64 << 20) -> dict:
 
 
 def load_tp(path: Path, tp: int, device_type: str, dtype: str) -> dict:
-    """The product path: `mtp.parallel.driver.start` + `Peers.load`, page cache emptied first."""
-    from ..parallel.driver import LoadSpec, start
+    """The product path: `mtp.distributed.driver.start` + `Peers.load`, page cache emptied first."""
+    from ..distributed.driver import LoadSpec, start
 
     files = shard_files(path)
     evict(files)

@@ -61,7 +61,7 @@ class StepEvent:
 
 def stops(on_step: Callable[[StepEvent], None]) -> Callable[[StepEvent], None]:
     """Mark a step callback that may raise to end the generation early (the chat's Ctrl-C). On a model split over
-    ranks (mtp.parallel.driver) every step then ends with rank 0's verdict sent to every rank, so all stop at the
+    ranks (mtp.distributed.driver) every step then ends with rank 0's verdict sent to every rank, so all stop at the
     same step; that costs one small message per step. An unmarked callback runs on rank 0 only, and an exception
     from it ends the whole run there."""
     on_step.may_stop = True
@@ -91,7 +91,7 @@ def generate(model: DeepseekV32, prompts: Sequence[Sequence[int]],
         gcfg = GenerationConfig.from_options(max_new_tokens, draft, k, verify, seed=seed if isinstance(seed, int) else 0,
                                              **options)
     peers = getattr(model, "peers", None)
-    if peers is not None:  # rank 0 of a sharded model: every rank runs this call (mtp.parallel.driver)
+    if peers is not None:  # rank 0 of a sharded model: every rank runs this call (mtp.distributed.driver)
         return peers.generate(model, prompts, gcfg, seed, on_step)
     return run_generation(model, prompts, gcfg, seed, on_step)
 

@@ -1,7 +1,7 @@
 """Process groups made through `mtp.parallel.comm.init_process_group` are really gone after
 `destroy_process_group`, even once torch._dynamo has been imported (building a parallel model on the meta
 device imports it). Before, gloo's worker threads outlived the group and a rank could abort at interpreter exit
-(`terminate called without an active exception`): the CI flake of tests/parallel/test_launch.py."""
+(`terminate called without an active exception`): the CI flake of tests/distributed/test_launch.py."""
 
 from __future__ import annotations
 
