@@ -51,6 +51,7 @@ class LoadSpec:
     n_mtp: int | None = None
     mlp_split: str = "blocks"
     fast_path: bool = False
+    allreduce: str = "nccl"  # mtp.parallel.comm.ALLREDUCE_IMPLS
 
 
 class StopAgreed(Exception):
@@ -71,6 +72,10 @@ def load_rank(spec: LoadSpec, group: RankGroup):
         from ..backends.fast_path import enable_fast_path
 
         enable_fast_path(model)
+    if spec.allreduce != "nccl":
+        from .modules import set_allreduce
+
+        set_allreduce(model, spec.allreduce)
     return model
 
 
