@@ -95,7 +95,8 @@ def build(cfg: Any):
         peers = start(rt.tp, "cuda" if rt.device.startswith("cuda") else "cpu")
         try:
             model = peers.load(LoadSpec(str(path), dtype=value(rt.dtype), numerics=numerics, n_mtp=cfg.model.n_mtp,
-                                        mlp_split=rt.mlp_split, fast_path=rt.fast_path))
+                                        mlp_split=rt.mlp_split, fast_path=rt.fast_path,
+                                        allreduce=rt.allreduce))
         except BaseException:
             peers.close()
             raise

@@ -166,6 +166,7 @@ class RuntimeSchema:
     prefill_chunk: Optional[int] = None  # prefill in chunks of this many tokens (long prompts); None: one pass
     tp: int = 1  # ranks the model is split over (tensor + expert parallel): spawned here, or torchrun's
     mlp_split: str = "blocks"  # how dense / shared-expert MLPs split over ranks (mtp.parallel.layout)
+    allreduce: str = "nccl"  # the ranks' all-reduce: nccl | oneshot (NVLink peer memory, mtp.parallel.oneshot; CUDA)
 
     def __post_init__(self):
         if self.tp < 1:
@@ -174,6 +175,12 @@ class RuntimeSchema:
             _fail("runtime.device", self.device, "'cpu' or 'cuda' with runtime.tp > 1 (rank r uses GPU r)")
         if self.mlp_split not in MLP_SPLITS:
             _fail("runtime.mlp_split", self.mlp_split, f"one of {list(MLP_SPLITS)}")
+        from mtp.parallel.comm import ALLREDUCE_IMPLS  # here: the schema module itself stays torch-free
+
+        if self.allreduce not in ALLREDUCE_IMPLS:
+            _fail("runtime.allreduce", self.allreduce, f"one of {list(ALLREDUCE_IMPLS)}")
+        if self.allreduce != "nccl" and not (self.tp > 1 and self.device.startswith("cuda")):
+            _fail("runtime.allreduce", self.allreduce, "'nccl' unless runtime.tp > 1 on cuda (peer memory of GPUs)")
         if self.fast_path and not self.device.startswith("cuda"):
             _fail("runtime.fast_path", True, "false unless runtime.device is cuda (the Triton kernels need a GPU)")
         if not _DEVICE.match(self.device):

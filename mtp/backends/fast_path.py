@@ -61,7 +61,7 @@ from ..model.deepseek import Block, DeepseekV32
 from ..model.fp8 import BLOCK, acc_dtype
 from ..model.layers import MLP, REFERENCE_OPS, Linear, compiled_ops, use_elementwise
 from ..model.moe import MoE
-from ..parallel.modules import ParallelMLP
+from ..parallel.modules import ParallelMLP, RowParallelLinear
 
 
 class FastLinear(Linear):
@@ -211,11 +211,25 @@ class FastBlock(Block):
         _, x, x8, sx = add_rms_norm_quant(h_BTD, None, n1.weight, n1.eps, dtype, quant=quant, pdl=pdl)
         xq = (x8, sx) if quant else None
         attn = self.self_attn
-        if isinstance(attn, FastMLA) and attn.absorbed_fast(T, cache, opts):
-            a = attn(x, pos_BT, cos, sin, cache, S, opts, visible_BTS, xq=xq)
+        o_proj = getattr(attn, "o_proj", None)
+        # allreduce='oneshot': o_proj's all-reduce is done here, in one kernel with the add + norm + quant
+        fuse = isinstance(o_proj, RowParallelLinear) and o_proj.comm.allreduce == "oneshot"
+        o_proj = o_proj if fuse else None
+        if o_proj is not None:
+            o_proj.defer_reduce = True
+        try:
+            if isinstance(attn, FastMLA) and attn.absorbed_fast(T, cache, opts):
+                a = attn(x, pos_BT, cos, sin, cache, S, opts, visible_BTS, xq=xq)
+            else:
+                a = attn(x, pos_BT, cos, sin, cache, S, opts, visible_BTS)
+        finally:
+            if o_proj is not None:
+                o_proj.defer_reduce = False
+        if o_proj is not None:  # the partial's sum rounded to the model dtype first, as o_proj's `.to(x.dtype)`
+            x, h_BTD, x8, sx = o_proj.comm.all_reduce_add_norm(a, h_BTD, n2.weight, n2.eps, dtype, round_dtype=dtype,
+                                                              quant=quant)
         else:
-            a = attn(x, pos_BT, cos, sin, cache, S, opts, visible_BTS)
-        h_BTD, x, x8, sx = add_rms_norm_quant(h_BTD, a, n2.weight, n2.eps, dtype, quant=quant, pdl=pdl)
+            h_BTD, x, x8, sx = add_rms_norm_quant(h_BTD, a, n2.weight, n2.eps, dtype, quant=quant, pdl=pdl)
         xq = (x8, sx) if quant else None
         mlp = self.mlp
         if xq is not None and isinstance(mlp, FastMoE) and h_BTD.is_contiguous():

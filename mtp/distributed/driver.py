@@ -52,6 +52,7 @@ class LoadSpec:
     n_mtp: int | None = None
     mlp_split: str = "blocks"
     fast_path: bool = False
+    allreduce: str = "nccl"  # mtp.parallel.comm.ALLREDUCE_IMPLS
 
 
 def progress_wanted() -> bool:
@@ -121,6 +122,10 @@ def load_rank(spec: LoadSpec, group: RankGroup, show_progress: bool = False):
         from ..backends.fast_path import enable_fast_path
 
         enable_fast_path(model)
+    if spec.allreduce != "nccl":
+        from ..parallel.modules import set_allreduce
+
+        set_allreduce(model, spec.allreduce)
     return model
 
 

@@ -23,6 +23,7 @@ from ..checkpoint.files import CheckpointError
 from ..decode.options import DRAFTS, MODES, VERIFIERS, OptionError
 from ..model.config import NUMERICS, ConfigError
 from ..preflight import PreflightError, preflight
+from ..parallel.comm import ALLREDUCE_IMPLS
 from ..parallel.layout import MLP_SPLITS
 from ..parallel.memory import DTYPES
 
@@ -39,6 +40,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--numerics", choices=NUMERICS, default="fp8")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--mlp-split", choices=MLP_SPLITS, default="blocks")
+    ap.add_argument("--allreduce", choices=ALLREDUCE_IMPLS, default="nccl",
+                    help="the ranks' all-reduce: nccl, or oneshot (NVLink peer memory, fused with the add + norm)")
     ap.add_argument("--mode", choices=MODES, default=None,
                     help="decode loop (default: overlap on GPUs, eager on CPU)")
     ap.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None,
@@ -86,6 +89,8 @@ def _run(a: argparse.Namespace) -> int:
     GenerationConfig.from_options(a.max_new_tokens, a.draft, k, a.verify, mode=mode, **opts)
     cfg, tok = preflight(a.checkpoint, draft=a.draft, k=k, tp=a.tp, mlp_split=a.mlp_split, numerics=a.numerics)
     fast = a.fast_path if a.fast_path is not None else (cuda and a.numerics == "fp8" and cfg.is_fp8)
+    if a.allreduce != "nccl" and (a.tp == 1 or not cuda):
+        raise PreflightError(f"--allreduce {a.allreduce} needs --tp > 1 on CUDA GPUs (peer memory); use nccl")
     if fast:
         from ..kernels import available
 
@@ -111,7 +116,7 @@ def _run(a: argparse.Namespace) -> int:
 
         peers = start(a.tp, "cuda" if cuda else "cpu")
         model = peers.load(LoadSpec(str(a.checkpoint), dtype=dtype_name, numerics=a.numerics,
-                                    mlp_split=a.mlp_split, fast_path=fast))
+                                    mlp_split=a.mlp_split, fast_path=fast, allreduce=a.allreduce))
     try:
         out = mtp.generate(model, [ids], max_new_tokens=a.max_new_tokens, draft=a.draft, k=k, verify=a.verify,
                            mode=mode, **opts)

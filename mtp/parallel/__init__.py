@@ -16,11 +16,11 @@ DESIGN.md holds the numerics argument, the CUDA-graph note and the GPU benchmark
 from .comm import Comm, CountingComm
 from .layout import ParallelPlan, RankLayout, Shard
 from .load import load_parallel, param_bytes
-from .modules import shard_model, set_static_moe
+from .modules import set_allreduce, shard_model, set_static_moe
 from .reblock import ReblockError, reblock_scale, shard_fp8
 from .simulate import simulated_rank
 from .synthetic import random_parallel_model
 
 __all__ = ["Comm", "CountingComm", "ParallelPlan", "RankLayout", "ReblockError", "Shard", "load_parallel",
-           "param_bytes", "random_parallel_model", "reblock_scale", "set_static_moe", "shard_fp8", "shard_model",
+           "param_bytes", "random_parallel_model", "reblock_scale", "set_allreduce", "set_static_moe", "shard_fp8", "shard_model",
            "simulated_rank"]

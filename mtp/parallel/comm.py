@@ -11,8 +11,13 @@ plain single process (and equal the reference model there).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
+
+from ..model.fp8 import BLOCK, act_quant
+from ..model.layers import rms_norm
 
 # torch >= 2.13 renames all_gather_into_tensor to all_gather_single (same semantics); keep both working.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -34,6 +39,20 @@ def init_process_group(backend: str, **kwargs) -> None:
     dist.init_process_group(backend, **kwargs)
 
 
+ALLREDUCE_IMPLS = ("nccl", "oneshot")  # runtime.allreduce: the group's all-reduce ('oneshot': mtp.parallel.oneshot)
+_ONESHOT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class AddNorm(NamedTuple):
+    """`Comm.all_reduce_add_norm`'s result: normed = RMSNorm(residual) in out_dtype (None for the add alone),
+    residual the new residual stream, (x8, sx) normed's FP8 quant per 128 channels (None unless asked)."""
+
+    normed: torch.Tensor | None
+    residual: torch.Tensor
+    x8: torch.Tensor | None = None
+    sx: torch.Tensor | None = None
+
+
 class Comm:
     def __init__(self, group: dist.ProcessGroup | None = None):
         self.group = group
@@ -41,12 +60,78 @@ class Comm:
             self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         else:
             self.world, self.rank = 1, 0
+        self.allreduce = "nccl"
+        self.oneshot = None  # mtp.parallel.oneshot.OneShot, the symmetric buffers, while allreduce == 'oneshot'
+
+    def set_allreduce(self, impl: str, device: torch.device | str | None = None) -> None:
+        """Switch this group's all-reduce: 'nccl' (torch.distributed: NCCL on GPUs, gloo on CPU) or 'oneshot'
+        (peer memory over NVLink, `mtp.parallel.oneshot`; CUDA ranks over NCCL with peer access only). A
+        collective when switching to 'oneshot' (the rendezvous of the symmetric buffers): every rank calls it."""
+        if impl not in ALLREDUCE_IMPLS:
+            raise ValueError(f"allreduce must be one of {list(ALLREDUCE_IMPLS)}, got {impl!r}")
+        if impl == self.allreduce:
+            return
+        if impl == "nccl":
+            self.allreduce, self.oneshot = "nccl", None
+            return
+        from .oneshot import OneShot, peer_access_problem
+
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        problem = peer_access_problem(self.group, device)
+        if problem is not None:
+            raise ValueError(f"allreduce='oneshot' cannot run here: {problem}; use allreduce='nccl'")
+        self.oneshot = OneShot(self.group, device)
+        self.allreduce = "oneshot"
+
+    def _oneshot_fits(self, t: torch.Tensor, rows: int | None = None) -> bool:
+        """The one-shot kernel takes this message in `rows` programs (None: an unfused all-reduce's chunks). The
+        same answer on every rank: it reads shapes and dtypes only."""
+        return (self.oneshot is not None and t.is_cuda and t.dtype in _ONESHOT_DTYPES and t.is_contiguous()
+                and self.oneshot.fits(t, rows))
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place (t must be contiguous); returns t. All ranks get bit-identical results."""
+        """Sum over ranks, in place (t must be contiguous); returns t. All ranks get bit-identical results.
+        allreduce='oneshot': the one-shot kernel for messages that fit its buffers (fp32 accumulation, rank
+        order), NCCL for the others (prefill)."""
         if self.world > 1:
+            if self._oneshot_fits(t):
+                return self.oneshot.all_reduce(t)
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
+
+    def all_reduce_add_norm(self, x_partial: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor | None,
+                            eps: float, out_dtype: torch.dtype | None = None, round_dtype: torch.dtype | None = None,
+                            quant: bool = False) -> AddNorm:
+        """The all-reduce after a row-parallel projection with the decoder block's residual add + RMSNorm:
+        residual' = residual + sum_ranks(x_partial).to(round_dtype).to(residual.dtype) (no rounding when
+        round_dtype is None), normed = RMSNorm(residual') in out_dtype (default: the weight's dtype; skipped
+        when norm_weight is None), (x8, sx) = act_quant(normed) when quant. x_partial may be overwritten.
+        allreduce='nccl': exactly these formulas after `all_reduce` (any backend). 'oneshot': one kernel when
+        the message fits (fp32 residual, D % 128 == 0 to quantize), else the same formulas."""
+        D = residual.shape[-1]
+        if x_partial.shape != residual.shape:
+            raise ValueError(f"all_reduce_add_norm: x_partial {list(x_partial.shape)} must match the residual "
+                             f"{list(residual.shape)}")
+        if norm_weight is not None and tuple(norm_weight.shape) != (D,):
+            raise ValueError(f"all_reduce_add_norm: norm_weight must be [{D}], got {list(norm_weight.shape)}")
+        if quant and (norm_weight is None or D % BLOCK):
+            raise ValueError(f"all_reduce_add_norm: quant needs a norm and D % {BLOCK} == 0, got D = {D}")
+        out_dtype = out_dtype or (norm_weight.dtype if norm_weight is not None else residual.dtype)
+        rows = residual.numel() // D if D else 0
+        if (self.world > 1 and residual.dtype == torch.float32 and residual.is_contiguous()
+                and self._oneshot_fits(x_partial, rows)):
+            return AddNorm(*self.oneshot.add_norm(x_partial, residual, norm_weight, eps, out_dtype, round_dtype,
+                                                  quant))
+        s = self.all_reduce(x_partial.contiguous())
+        if round_dtype is not None:
+            s = s.to(round_dtype)
+        h = residual + s.to(residual.dtype)
+        if norm_weight is None:
+            return AddNorm(None, h)
+        y = rms_norm(h, norm_weight, eps, out_dtype)
+        return AddNorm(y, h, *(act_quant(y) if quant else (None, None)))
 
     def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's t [..., n] along the last dim, in rank order -> [..., world * n]."""

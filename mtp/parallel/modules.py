@@ -46,10 +46,19 @@ class RowParallelLinear(Linear):
         self.comm = comm
         self.shared_group = bool(fp8_weight and in_features and in_features % fp8.BLOCK)
 
+    # True while a caller reduces the output itself (the fast path's block: one all-reduce fused with its
+    # residual add + norm, `Comm.all_reduce_add_norm`): forward then returns this rank's partial sums
+    defer_reduce = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.partial(x)
+        return y if self.defer_reduce else self.comm.all_reduce(y).to(x.dtype)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, in the accumulation dtype, before the all-reduce."""
         if self.shared_group and self.numerics == "fp8":
-            return self.comm.all_reduce(self.shared_group_matmul(x)).to(x.dtype)
-        return self.comm.all_reduce(self.matmul_acc(x)).to(x.dtype)
+            return self.shared_group_matmul(x)
+        return self.matmul_acc(x)
 
     def shared_group_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sums (accumulation dtype) when its input is part of a 128-channel group."""
@@ -181,3 +190,15 @@ def set_static_moe(model: DeepseekV32, static: bool) -> None:
     for m in model.modules():
         if isinstance(m, ExpertParallelMoE):
             m.static = static
+
+
+def set_allreduce(model: DeepseekV32, impl: str) -> None:
+    """Switch the all-reduce of a sharded model's group: 'nccl' or 'oneshot' (`Comm.set_allreduce`; a collective
+    when it builds the one-shot buffers). Bumps `model.version`, so CUDA graphs captured before are captured again."""
+    comms = {id(m.comm): m.comm for m in model.modules() if isinstance(m, RowParallelLinear)}
+    if not comms:
+        raise ValueError(f"set_allreduce: the model is not sharded (no RowParallelLinear), so it has no all-reduce "
+                         f"to switch to {impl!r}")
+    for comm in comms.values():
+        comm.set_allreduce(impl, model.model.norm.weight.device)
+    model.version += 1
