@@ -1,5 +1,7 @@
 """Benchmarks, outside the library core (nothing in `mtp` imports this package): `mtp-bench` (`cli.py`: real-width
 random FP8 models on the GPU against transformers and the HBM roofline), `rank.py` (`mtp-bench --tp N`: one rank
-of TP=N at full depth on one GPU), `parallel.py` (TP=N against TP=1, torchrun entry), `collectives.py` (NCCL
-latency of the step's collectives, torchrun entry), `timing.py` (CUDA-graph timing, kernel profiles, step bytes).
+of TP=N at full depth on one GPU; its measurements in `rank_steps.py`, the byte floor and projection model in
+`rank_model.py`, table and JSON in `rank_report.py`), `parallel.py` (TP=N against TP=1, torchrun entry),
+`collectives.py` (NCCL latency of the step's collectives, torchrun entry), `timing.py` (CUDA-graph timing, kernel
+profiles, step bytes).
 """
