@@ -25,6 +25,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from mtp.decode.config import GenerationConfig
 from mtp.decode.options import DRAFTS, MLP_SPLITS, MODES, OptionError
 from mtp.draft.config import DRAFT_SAMPLING, HIDDEN
+from mtp.placement import EXPERT_LAYOUTS
 from mtp.verify.params import SPAN_RULES
 
 
@@ -165,6 +166,7 @@ class RuntimeSchema:
     prefill_chunk: Optional[int] = None  # prefill in chunks of this many tokens (long prompts); None: one pass
     tp: int = 1  # ranks the model is split over (tensor + expert parallel): spawned here, or torchrun's
     mlp_split: str = "blocks"  # how dense / shared-expert MLPs split over ranks (mtp.parallel.layout)
+    expert_layout: str = "contiguous"  # which routed experts each rank holds (mtp.placement); router unchanged
 
     def __post_init__(self):
         if self.tp < 1:
@@ -173,6 +175,11 @@ class RuntimeSchema:
             _fail("runtime.device", self.device, "'cpu' or 'cuda' with runtime.tp > 1 (rank r uses GPU r)")
         if self.mlp_split not in MLP_SPLITS:
             _fail("runtime.mlp_split", self.mlp_split, f"one of {list(MLP_SPLITS)}")
+        if self.expert_layout not in EXPERT_LAYOUTS:
+            _fail("runtime.expert_layout", self.expert_layout, f"one of {list(EXPERT_LAYOUTS)}")
+        if self.fast_path and self.tp > 1 and self.expert_layout != "contiguous":
+            _fail("runtime.expert_layout", self.expert_layout,
+                  "'contiguous' with runtime.fast_path=true (the fast path stacks a rank's expert range)")
         if self.fast_path and not self.device.startswith("cuda"):
             _fail("runtime.fast_path", True, "false unless runtime.device is cuda (the Triton kernels need a GPU)")
         if not _DEVICE.match(self.device):

@@ -51,6 +51,12 @@ class LoadSpec:
     n_mtp: int | None = None
     mlp_split: str = "blocks"
     fast_path: bool = False
+    expert_layout: str = "contiguous"  # mtp.placement
+
+    def __post_init__(self) -> None:
+        if self.fast_path and self.expert_layout != "contiguous":
+            raise ValueError(f"expert_layout={self.expert_layout!r} has no fast path (it stacks a rank's expert "
+                             f"range): use expert_layout='contiguous' or fast_path=False")
 
 
 class StopAgreed(Exception):
@@ -64,7 +70,7 @@ def load_rank(spec: LoadSpec, group: RankGroup):
     from .layout import ParallelPlan
     from .load import load_parallel
 
-    model = load_parallel(spec.path, group.comm, plan=ParallelPlan(group.world, spec.mlp_split),
+    model = load_parallel(spec.path, group.comm, plan=ParallelPlan(group.world, spec.mlp_split, spec.expert_layout),
                           device=group.device, dtype=getattr(torch, spec.dtype), numerics=spec.numerics,
                           n_mtp=spec.n_mtp)
     if spec.fast_path:

@@ -24,6 +24,7 @@ from ..decode.options import DRAFTS, MODES, VERIFIERS, OptionError
 from ..model.config import NUMERICS, ConfigError
 from ..preflight import PreflightError, preflight
 from .layout import MLP_SPLITS
+from ..placement import EXPERT_LAYOUTS
 from .memory import DTYPES
 
 
@@ -39,6 +40,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--numerics", choices=NUMERICS, default="fp8")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--mlp-split", choices=MLP_SPLITS, default="blocks")
+    ap.add_argument("--expert-layout", choices=EXPERT_LAYOUTS, default="contiguous",
+                    help="which routed experts each rank holds (mtp/placement.py); non-contiguous: no fast path")
     ap.add_argument("--mode", choices=MODES, default=None,
                     help="decode loop (default: overlap on GPUs, eager on CPU)")
     ap.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None,
@@ -84,8 +87,12 @@ def _run(a: argparse.Namespace) -> int:
     # options, config.json, the split over the ranks and the tokenizer before any rank starts or weight is read
     opts = {"prefill_chunk": a.prefill_chunk} if a.prefill_chunk else {}
     GenerationConfig.from_options(a.max_new_tokens, a.draft, k, a.verify, mode=mode, **opts)
-    cfg, tok = preflight(a.checkpoint, draft=a.draft, k=k, tp=a.tp, mlp_split=a.mlp_split, numerics=a.numerics)
-    fast = a.fast_path if a.fast_path is not None else (cuda and a.numerics == "fp8" and cfg.is_fp8)
+    cfg, tok = preflight(a.checkpoint, draft=a.draft, k=k, tp=a.tp, mlp_split=a.mlp_split, numerics=a.numerics,
+                         expert_layout=a.expert_layout)
+    contiguous = a.tp == 1 or a.expert_layout == "contiguous"  # the fast path stacks a rank's expert range
+    if a.fast_path and not contiguous:
+        raise PreflightError(f"--fast-path needs --expert-layout contiguous, got {a.expert_layout}")
+    fast = a.fast_path if a.fast_path is not None else (cuda and a.numerics == "fp8" and cfg.is_fp8 and contiguous)
     if fast:
         from ..kernels import available
 
@@ -111,7 +118,7 @@ def _run(a: argparse.Namespace) -> int:
 
         peers = start(a.tp, "cuda" if cuda else "cpu")
         model = peers.load(LoadSpec(str(a.checkpoint), dtype=dtype_name, numerics=a.numerics,
-                                    mlp_split=a.mlp_split, fast_path=fast))
+                                    mlp_split=a.mlp_split, expert_layout=a.expert_layout, fast_path=fast))
     try:
         out = mtp.generate(model, [ids], max_new_tokens=a.max_new_tokens, draft=a.draft, k=k, verify=a.verify,
                            mode=mode, **opts)
