@@ -108,7 +108,9 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
         log(f"building rank {rank} of TP={world} ({cfg.num_hidden_layers} layers, random FP8 weights on "
             f"{'cuda' if cuda else 'cpu'})")
         t0 = time.perf_counter()
-        model = random_parallel_model(cfg, comm, device="cuda" if cuda else "cpu", dtype=dtype, seed=args.seed)
+        split = getattr(args, "route", "measured") == "busiest" and args.layout == "split"
+        plan = ParallelPlan(world, expert_layout="split" if split else "contiguous")  # other layouts: counts forced
+        model = random_parallel_model(cfg, comm, plan, device="cuda" if cuda else "cpu", dtype=dtype, seed=args.seed)
         part["build_s"] = time.perf_counter() - t0
         part["param_gib"] = param_bytes(model) / GIB
         if cuda:
@@ -207,8 +209,10 @@ def run(args) -> dict:
     if not 0 <= rank < world:
         raise SystemExit(f"--rank must be in [0, {world}), got {rank}")
     depths = tuple(args.extrapolate or ())
+    busiest = getattr(args, "route", "measured") == "busiest"
     res: dict = {"mode": f"simulated rank {rank} of TP={world} / EP={world} (torch fake process group: collectives "
-                         "counted, not run)", "tp": world, "rank": rank,
+                         "counted, not run)" + (f"; routed as the BUSIEST rank of expert layout {args.layout!r}"
+                                                if busiest else ""), "tp": world, "rank": rank,
                  "rank_choice": "given (--rank)" if args.rank is not None else "default: most weight bytes",
                  "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "fast_path": cuda,

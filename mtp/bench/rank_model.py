@@ -89,8 +89,13 @@ def collective_latency(args) -> dict:
         data = json.loads(Path(args.collective_json).read_text())
         world = data.get("world")
         other = f"; measured on {world} GPUs, not the {args.tp} of this TP" if world != args.tp else ""
+        scale, growth = 1.0, getattr(args, "collective_growth", 1.0)
+        if world and world < args.tp and growth != 1.0:  # more GPUs than measured: an estimate, labelled
+            scale = growth ** math.log2(args.tp / world)
+            other += (f"; {args.tp}-GPU ESTIMATE = measured x {scale:.2f} (ASSUMED x{growth} per doubling of GPUs, "
+                      f"--collective-growth)")
         return {"source": f"measured ({args.collective_json}: {data.get('device')} x {world}{other})",
-                "assumed": False, "world": world, "table": data["ops"]}
+                "assumed": False, "world": world, "table": data["ops"], "scale": scale}
     return {"source": f"ASSUMED {args.allreduce_us} us per collective (no multi-GPU measurement given)",
             "assumed": True, "us": args.allreduce_us}
 
@@ -100,10 +105,11 @@ def latency_us(lat: dict, op: str, nbytes: int) -> float:
     if lat["assumed"]:
         return lat["us"]
     rows = sorted(lat["table"][op], key=lambda r: r["bytes"])
+    scale = lat.get("scale", 1.0)
     for r in rows:
         if r["bytes"] >= nbytes:
-            return r["us"]
-    return rows[-1]["us"] * nbytes / rows[-1]["bytes"]
+            return r["us"] * scale
+    return rows[-1]["us"] * nbytes / rows[-1]["bytes"] * scale
 
 
 def comm_ms(lat: dict, counts: dict, times: int = 1) -> float:
@@ -128,8 +134,12 @@ def project(res: dict, args) -> dict:
     L0 = spec.get("prompt_len")
     dc = res["draft_collectives_per_forward"]
     dev = res["device"]
+    ovh = getattr(args, "real_overhead", 1.0)
+    headline = getattr(args, "headline_al", [])
     out = {"collective_latency": lat, "accept_per_position": args.accept, "note": " ".join(project.__doc__.split()),
-           "contexts": {}}
+           "real_overhead": {"factor": ovh, "source": "ASSUMED (--real-overhead): real / (simulated rank + "
+                             "collectives); issue 25 measured 1.20-1.26 for TP=4, 3 layers, 4 x H200"},
+           "headline_al": headline, "contexts": {}}
     for L, ctx in res["contexts"].items():
         widths = ctx["widths"]
         key = "graph_ms" if "graph_ms" in widths[1] else "eager_ms"
@@ -138,7 +148,7 @@ def project(res: dict, args) -> dict:
             r = ctx_["indexer"].get(w, {})
             return (r.get("scores_us_per_layer", 0.0) + r.get("topk_us_per_layer", 0.0)) / 1e3
 
-        plain = widths[1][key] + comm_ms(lat, widths[1]["collectives"])
+        plain = (widths[1][key] + comm_ms(lat, widths[1]["collectives"])) * ovh
         row = {"plain": {"tpot_ms": plain, "tok_s_per_user": 1e3 / plain,
                          "collectives_ms": comm_ms(lat, widths[1]["collectives"])}}
 
@@ -156,7 +166,7 @@ def project(res: dict, args) -> dict:
             if draft is None:
                 continue
             cm = comm_ms(lat, widths[k + 1]["collectives"]) + comm_ms(lat, dc, times=k)
-            step = widths[k + 1][key] + draft + cm
+            step = (widths[k + 1][key] + draft + cm) * ovh
             al = args.al if (args.al and k == args.k) else accept_len(args.accept, k)
             # draft < 0: the target step timed alone (random verify tokens) routed to more local experts than the
             # verify inside the speculative step; the whole step is still measured, its split is not.
@@ -164,6 +174,10 @@ def project(res: dict, args) -> dict:
                                   "draft_ms": draft if draft >= 0 else None,
                                   "collectives_ms": cm, "AL": al, "tpot_ms": step / al, "tok_s_per_user": 1e3 * al / step,
                                   "speedup_vs_plain": al * plain / step}
+            if k == args.k and headline:  # the headline acceptance lengths, beside the --accept one
+                row[f"eagle_k{k}"]["at_AL"] = {a: {"tpot_ms": step / a, "tok_s_per_user": 1e3 * a / step}
+                                               for a in headline}
+
         def tree_draft_ms(name, D, N):
             """Draft (+ accept + compact) cost of the measured eagle tree step of `name` at this context: the step
             - its verify at the spec context, + D x the indexer's change per draft forward (None: not measured)."""
@@ -182,7 +196,7 @@ def project(res: dict, args) -> dict:
             if al is None or draft is None:
                 continue
             cm = comm_ms(lat, t["collectives"]) + comm_ms(lat, dc, times=D)
-            step = t["tree"]["ms"] + max(draft, 0.0) + cm
+            step = (t["tree"]["ms"] + max(draft, 0.0) + cm) * ovh
             row[f"tree_{name}"] = {"step_ms": step, "verify_ms": t["tree"]["ms"], "draft_ms": draft,
                                    "draft_source": source, "collectives_ms": cm, "AL": al, "nodes": t["nodes"],
                                    "tpot_ms": step / al, "tok_s_per_user": 1e3 * al / step,

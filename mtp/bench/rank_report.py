@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -66,6 +67,13 @@ def print_table(res: dict) -> None:
                 print(f"{L:>8} {w:>2} {r.get('graph_ms', float('nan')):8.3f} {r.get('floor_ms', float('nan')):9.3f} "
                       f"{r.get('pct_of_floor', float('nan')):8.1f} {r.get('kernels_per_step', 0):8.0f} "
                       f"{r.get('kernels_per_layer', 0):8.1f}  variant {name}")
+    for L, ctx in res["contexts"].items():
+        for w, r in ctx["widths"].items():
+            b = r.get("busiest_rank")
+            if b:
+                print(f"{L:>8} {w:>2} busiest rank of layout {b['layout']!r}: forced {statistics.mean(b['forced_per_moe_layer']):.2f}"
+                      f" local experts per MoE layer (drawn {statistics.mean(b['drawn_per_moe_layer']):.2f}, "
+                      f"{b['capped_layers']} layers capped at K)")
     print_trees(res["contexts"])
     print("caches: random valid FP8 entries at each context (fill_cache_random), no prefill run; experts: distinct "
           "local experts the step's tokens chose (measured), mean per MoE layer; AR+AG: collectives per step (not run)")
@@ -89,6 +97,14 @@ def print_table(res: dict) -> None:
     if pj:
         print(f"projection ({pj['deployment']}); collectives: {pj['collective_latency']['source']}; "
               f"acceptance per position {pj['accept_per_position']}")
+        if "real_overhead" in pj:
+            print(f"  x {pj['real_overhead']['factor']:.2f} real-vs-simulated overhead, {pj['real_overhead']['source']}")
+        for L, row in pj["contexts"].items():
+            for n, r in row.items():
+                if "at_AL" in r:
+                    print(f"  HEADLINE context {L}, eagle k={n[len('eagle_k'):]}: " + "; ".join(
+                        f"AL {a:.2f} -> {v['tok_s_per_user']:.0f} tok/s per user" for a, v in r["at_AL"].items())
+                          + f" (AL {r['AL']:.2f} from --accept: {r['tok_s_per_user']:.0f})")
         for L, row in pj["contexts"].items():
             parts = [f"plain {row['plain']['tpot_ms']:.2f} ms ({row['plain']['tok_s_per_user']:.0f} tok/s)"]
             parts += [f"eagle k={n[len('eagle_k'):]} {r['tpot_ms']:.2f} ms ({r['tok_s_per_user']:.0f} tok/s, AL {r['AL']:.2f})"

@@ -27,9 +27,25 @@ def count_local_experts(model) -> tuple[dict[int, set], list]:
         if isinstance(layer.mlp, ExpertParallelMoE):
             def hook(mod, inp, li=li):
                 ids = mod.gate(inp[0].reshape(-1, inp[0].shape[-1]))[1].flatten().tolist()  # host read: eager
-                seen.setdefault(li, set()).update(e for e in ids if mod.e0 <= e < mod.e1)
+                local = set(mod.local_ids())
+                seen.setdefault(li, set()).update(e for e in ids if e in local)
             hooks.append(layer.mlp.register_forward_pre_hook(hook))
     return seen, hooks
+
+
+def force_busiest(model, args, tokens: int, world: int) -> dict:
+    """--route busiest: each MoE layer's routed experts forced to a draw of the busiest rank's count under
+    --layout (`mtp.bench.experts.draw_busiest`, uniform group-limited router, seeded by --seed and the width)."""
+    from ..parallel.modules import ExpertParallelMoE
+    from .experts import draw_busiest, force_local_experts
+
+    moes = [m for m in model.model.layers if isinstance(m.mlp, ExpertParallelMoE)]
+    drawn = draw_busiest(model.cfg, args.layout, world, tokens, len(moes), args.seed + 1000 * tokens)
+    forced = [force_local_experts(layer.mlp, n) for layer, n in zip(moes, drawn)]
+    return {"layout": args.layout, "tokens": tokens, "drawn_per_moe_layer": drawn, "forced_per_moe_layer": forced,
+            "capped_layers": sum(f < d for f, d in zip(forced, drawn)),
+            "note": "drawn from the uniform group-limited router's busiest-rank distribution; forced by the router "
+                    "bias (all tokens choose the same K experts), so a draw above K is capped at K"}
 
 
 @torch.no_grad()
@@ -104,6 +120,7 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
             cache.truncate(base)
             model(blk, cache, kv_len=L + w)
 
+        forced = force_busiest(model, args, B * w, world) if getattr(args, "route", "measured") == "busiest" else None
         comm.reset()
         seen, hooks = count_local_experts(model)
         try:
@@ -116,6 +133,8 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
                    "local_experts_touched": {"per_moe_layer": [touched[li] for li in sorted(touched)],
                                              "mean": statistics.mean(touched.values()) if touched else 0.0,
                                              "expected_uniform_routing": expected_local_experts(cfg, world, B * w)}}
+        if forced:
+            r["busiest_rank"] = forced
         if args.eager or not cuda:
             r["eager_ms"] = time_fn(fwd)
         if cuda:

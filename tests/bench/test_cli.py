@@ -324,3 +324,56 @@ def test_hf_without_transformers_names_the_extra(monkeypatch):
     with pytest.raises(SystemExit, match=r"mtp-bench --hf needs 'transformers', which is not installed: "
                                          r"pip install 'mtp\[hf\]'"):
         bench.main(["--hf"])
+
+
+def test_busiest_route_forces_the_drawn_local_expert_counts():
+    """--route busiest: every MoE layer of the simulated rank reads exactly the drawn busiest count (capped at K),
+    measured by the step's own router, not the rank's arbitrary routing."""
+    from mtp.bench import experts
+    from mtp.bench.timing import timer
+    from mtp.parallel.simulate import simulated_rank
+
+    args = bench.parse_args(["--tp", "2", "--layers", "4", "--prompt-len", "20", "--k", "1", "--route", "busiest",
+                             "--layout", "interleaved"])
+    cfg = tiny_parallel_config(2, layers=4, dense_layers=1)
+    with simulated_rank(2, 0) as comm:
+        model = random_parallel_model(cfg, comm, device="cpu", dtype=torch.float32, seed=0)
+        ctx = rs.target_steps(model, comm, args, 20, False, None, timer(False, 1, 0), 2)
+    for w, r in ctx["widths"].items():
+        b = r["busiest_rank"]
+        want = experts.draw_busiest(cfg, "interleaved", 2, w, 3, args.seed + 1000 * w)
+        assert b["drawn_per_moe_layer"] == want and b["layout"] == "interleaved"
+        assert b["forced_per_moe_layer"] == [min(n, cfg.num_experts_per_tok) for n in want]
+        assert r["local_experts_touched"]["per_moe_layer"] == b["forced_per_moe_layer"]
+    drawn = [experts.draw_busiest(cfg, "interleaved", 2, 1, 3, s) for s in range(20)]
+    assert len({n for d in drawn for n in d}) > 1  # the draws vary: a constant would not test the forcing
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tp", "8", "--layout", "split"])  # a layout needs --route busiest
+
+
+def test_busiest_per_sample_counts_ranks_by_layout():
+    from mtp.bench.experts import busiest_per_sample
+
+    ids = torch.tensor([[[0, 1, 2, 3, 32, 33, 64, 65]]])  # one token: 4 experts of group 0, 2 of groups 1 and 2
+    assert busiest_per_sample(ids, 256, 8, "contiguous").tolist() == [4.0]
+    assert busiest_per_sample(ids, 256, 8, "interleaved").tolist() == [3.0]  # ranks 0, 1: 0 32 64 / 1 33 65
+    assert busiest_per_sample(ids, 256, 8, "split").tolist() == [1.0]  # 8 experts, 1/8 of each per rank
+
+
+def test_projection_overhead_headline_al_and_collective_estimate(tmp_path):
+    res = _tp_result()
+    base = argparse.Namespace(collective_json=None, allreduce_us=10.0, accept=[0.8], al=None, k=2, tp=8)
+    plain = rm.project(res, base)["contexts"][1024]
+    args = argparse.Namespace(**vars(base), real_overhead=1.25, headline_al=[2.8, 2.96])
+    got = rm.project(res, args)["contexts"][1024]
+    assert got["plain"]["tpot_ms"] == pytest.approx(1.25 * plain["plain"]["tpot_ms"])
+    e2 = got["eagle_k2"]
+    assert e2["step_ms"] == pytest.approx(1.25 * plain["eagle_k2"]["step_ms"])
+    assert e2["at_AL"][2.8]["tok_s_per_user"] == pytest.approx(1e3 * 2.8 / e2["step_ms"])
+    assert "at_AL" not in got["eagle_k1"]
+    f = tmp_path / "coll.json"
+    f.write_text('{"device": "H200", "world": 2, "ops": {"all_reduce": [{"bytes": 65536, "us": 12.0}], '
+                 '"all_gather": [{"bytes": 65536, "us": 14.0}]}}')
+    lat = rm.collective_latency(argparse.Namespace(collective_json=str(f), tp=8, collective_growth=1.5))
+    assert lat["scale"] == pytest.approx(1.5 ** 2) and "8-GPU ESTIMATE" in lat["source"] and "ASSUMED" in lat["source"]
+    assert rm.latency_us(lat, "all_reduce", 1000) == pytest.approx(12.0 * 2.25)
