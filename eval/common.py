@@ -86,7 +86,7 @@ def build(cfg: Any):
     # the weights would have told
     mcfg, tokenizer = preflight(path, tokenizer_path(cfg.model), draft=value(cfg.draft.name), k=cfg.draft.k,
                                 reuse_modules=cfg.draft.reuse_modules, n_mtp=cfg.model.n_mtp, tp=rt.tp,
-                                mlp_split=rt.mlp_split, numerics=numerics)
+                                mlp_split=rt.mlp_split, expert_layout=rt.expert_layout, numerics=numerics)
     if rt.device.startswith("cuda"):
         check_memory(cfg, mcfg)
     if rt.tp > 1:
@@ -95,8 +95,8 @@ def build(cfg: Any):
         peers = start(rt.tp, "cuda" if rt.device.startswith("cuda") else "cpu")
         try:
             model = peers.load(LoadSpec(str(path), dtype=value(rt.dtype), numerics=numerics, n_mtp=cfg.model.n_mtp,
-                                        mlp_split=rt.mlp_split, fast_path=rt.fast_path,
-                                        allreduce=rt.allreduce))
+                                        mlp_split=rt.mlp_split, expert_layout=rt.expert_layout,
+                                        fast_path=rt.fast_path, allreduce=rt.allreduce))
         except BaseException:
             peers.close()
             raise

@@ -25,6 +25,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from mtp.decode.config import GenerationConfig
 from mtp.decode.options import DRAFTS, MLP_SPLITS, MODES, OptionError
 from mtp.draft.config import DRAFT_SAMPLING, HIDDEN
+from mtp.placement import EXPERT_LAYOUTS
 from mtp.verify.params import SPAN_RULES
 
 
@@ -167,6 +168,7 @@ class RuntimeSchema:
     tp: int = 1  # ranks the model is split over (tensor + expert parallel): spawned here, or torchrun's
     mlp_split: str = "blocks"  # how dense / shared-expert MLPs split over ranks (mtp.parallel.layout)
     allreduce: str = "nccl"  # the ranks' all-reduce: nccl | oneshot (NVLink peer memory, mtp.parallel.oneshot; CUDA)
+    expert_layout: str = "contiguous"  # which routed experts each rank holds (mtp.placement); router unchanged
 
     def __post_init__(self):
         if self.tp < 1:
@@ -181,6 +183,11 @@ class RuntimeSchema:
             _fail("runtime.allreduce", self.allreduce, f"one of {list(ALLREDUCE_IMPLS)}")
         if self.allreduce != "nccl" and not (self.tp > 1 and self.device.startswith("cuda")):
             _fail("runtime.allreduce", self.allreduce, "'nccl' unless runtime.tp > 1 on cuda (peer memory of GPUs)")
+        if self.expert_layout not in EXPERT_LAYOUTS:
+            _fail("runtime.expert_layout", self.expert_layout, f"one of {list(EXPERT_LAYOUTS)}")
+        if self.fast_path and self.tp > 1 and self.expert_layout != "contiguous":
+            _fail("runtime.expert_layout", self.expert_layout,
+                  "'contiguous' with runtime.fast_path=true (the fast path stacks a rank's expert range)")
         if self.fast_path and not self.device.startswith("cuda"):
             _fail("runtime.fast_path", True, "false unless runtime.device is cuda (the Triton kernels need a GPU)")
         if not _DEVICE.match(self.device):

@@ -27,7 +27,8 @@ class PreflightError(ValueError):
 
 def preflight(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None, *, draft: str = "none",
               k: int = 0, reuse_modules: bool = False, n_mtp: int | None = None, tp: int = 1,
-              mlp_split: str = "blocks", numerics: str = "fp8") -> tuple[ModelConfig, Tokenizer]:
+              mlp_split: str = "blocks", numerics: str = "fp8",
+              expert_layout: str = "contiguous") -> tuple[ModelConfig, Tokenizer]:
     """(config, tokenizer) of checkpoint folder `path` once the run `draft` / `k` / `n_mtp` (MTP layers to load,
     None: all) is known to be possible; `tokenizer_dir` defaults to `path`. Raises ConfigError for a bad
     config.json field, PreflightError for the rest, each naming the file (where one is at fault) and the value."""
@@ -45,7 +46,7 @@ def preflight(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None =
         raise PreflightError(f"{e} ({path / 'config.json'}: num_nextn_predict_layers = "
                              f"{cfg.num_nextn_predict_layers}{loaded})") from None
     if tp > 1:
-        check_tp(cfg, tp, mlp_split, numerics, path / "config.json")
+        check_tp(cfg, tp, mlp_split, numerics, path / "config.json", expert_layout)
     tok_dir = path if tokenizer_dir is None else Path(tokenizer_dir)
     try:
         tok = Tokenizer.from_dir(tok_dir)
@@ -58,14 +59,15 @@ def preflight(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None =
     return cfg, tok
 
 
-def check_tp(cfg: ModelConfig, tp: int, mlp_split: str = "blocks", numerics: str = "fp8", source: str | os.PathLike = "") -> None:
+def check_tp(cfg: ModelConfig, tp: int, mlp_split: str = "blocks", numerics: str = "fp8", source: str | os.PathLike = "",
+             expert_layout: str = "contiguous") -> None:
     """PreflightError unless a checkpoint of `cfg` splits exactly over `tp` ranks, naming the degrees that would."""
     from .model.config import ConfigError
     from .parallel.layout import ParallelPlan
     from .parallel.load import check_split, split_degrees
 
     try:
-        check_split(cfg, ParallelPlan(tp, mlp_split), numerics)
+        check_split(cfg, ParallelPlan(tp, mlp_split, expert_layout), numerics)
     except ConfigError as e:
         ok = split_degrees(cfg, mlp_split, numerics)
         raise PreflightError(f"runtime.tp = {tp}: {source or 'the checkpoint'} cannot be split over {tp} ranks "

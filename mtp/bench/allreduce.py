@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..decode.graphs import capture_graph
 from ..parallel.comm import Comm
-from ..parallel.group import leave
+from ..distributed.group import leave
 from .collectives import nccl_version
 from .timing import time_ms
 
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{dname:8s} w={w} {row['bytes']:7d} B  {name:14s} {line}", flush=True)
         faulthandler.cancel_dump_traceback_later()
     finally:
-        leave(dev, ctl)  # captured graphs freed before the communicator goes (mtp.parallel.group)
+        leave(dev, ctl)  # captured graphs freed before the communicator goes (mtp.distributed.group)
     return 0
 
 

@@ -21,6 +21,7 @@ import torch
 
 from ..decode.graphs import capture_graph
 from .timing import copy_bandwidth, kernel_profile, step_bytes, time_ms
+from ..placement import EXPERT_LAYOUTS
 
 
 def _count_experts(model, ids) -> tuple[dict, list]:
@@ -260,6 +261,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tree-al", nargs="+", default=[], metavar="SHAPE=AL",
                     help="--tp N projection: the acceptance length of --trees shapes (e.g. 2x2=2.9, measured with "
                          "mtp-eval), for their projected tok/s per user")
+    ap.add_argument("--route", choices=("measured", "busiest"), default="measured",
+                    help="--tp N: 'busiest' forces each MoE layer's local experts to a seeded draw of the busiest "
+                         "rank's count under --layout (mtp.bench.experts), so the rank timed is the slowest one")
+    ap.add_argument("--layout", choices=EXPERT_LAYOUTS, default="contiguous",
+                    help="--tp N --route busiest: the expert layout the busiest count is drawn for (mtp/placement.py)")
+    ap.add_argument("--headline-al", type=float, nargs="+", default=[2.8, 2.96],
+                    help="--tp N projection: acceptance lengths at k = --k printed first (DeepSeek MTP on real "
+                         "prompts: 2.82 TensorRT-LLM R1 k=3 to 2.96 SGLang V3.2)")
+    ap.add_argument("--real-overhead", type=float, default=1.23,
+                    help="--tp N projection: ASSUMED real / simulated step ratio (issue 25: a real TP=4 3-layer "
+                         "step over NCCL was 1.20-1.26x the simulated rank + collectives, 4 x H200)")
+    ap.add_argument("--collective-growth", type=float, default=1.45,
+                    help="--tp N projection: ASSUMED collective latency growth per doubling of GPUs past those "
+                         "measured (issue 25: 12-13 us on 2 x H200, 17-20 us on 4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", "--json", dest="out", default=None,
                     help="JSON result file (none is written unless given)")
@@ -301,6 +316,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.spec_modes = tuple(m.strip() for m in args.spec_modes.split(",") if m.strip())
     if not args.spec_modes or not set(args.spec_modes) <= {"graph", "overlap"}:
         ap.error(f"--spec-modes: comma list of graph, overlap; got {args.spec_modes}")
+    if min(args.headline_al) < 1 or args.real_overhead < 1 or args.collective_growth < 1:
+        ap.error(f"--headline-al, --real-overhead and --collective-growth must be >= 1, got {args.headline_al}, "
+                 f"{args.real_overhead}, {args.collective_growth}")
+    if args.route == "measured" and args.layout != "contiguous":
+        ap.error(f"--layout {args.layout} needs --route busiest (the measured route is the built rank's own)")
     if any(not 0 <= p <= 1 for p in args.accept):
         ap.error(f"--accept rates must be in [0, 1], got {args.accept}")
     return args

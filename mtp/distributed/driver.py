@@ -53,6 +53,12 @@ class LoadSpec:
     mlp_split: str = "blocks"
     fast_path: bool = False
     allreduce: str = "nccl"  # mtp.parallel.comm.ALLREDUCE_IMPLS
+    expert_layout: str = "contiguous"  # mtp.placement
+
+    def __post_init__(self) -> None:
+        if self.fast_path and self.expert_layout != "contiguous":
+            raise ValueError(f"expert_layout={self.expert_layout!r} has no fast path (it stacks a rank's expert "
+                             f"range): use expert_layout='contiguous' or fast_path=False")
 
 
 def progress_wanted() -> bool:
@@ -110,7 +116,7 @@ def load_rank(spec: LoadSpec, group: RankGroup, show_progress: bool = False):
             bar(done, total)
 
     with load_progress(show_progress) as bar:
-        model = load_parallel(spec.path, group.comm, plan=ParallelPlan(group.world, spec.mlp_split),
+        model = load_parallel(spec.path, group.comm, plan=ParallelPlan(group.world, spec.mlp_split, spec.expert_layout),
                               device=group.device, dtype=getattr(torch, spec.dtype), numerics=spec.numerics,
                               n_mtp=spec.n_mtp, progress=count)
     if group.device.type == "cuda":

@@ -26,6 +26,7 @@ from ..preflight import PreflightError, preflight
 from ..parallel.comm import ALLREDUCE_IMPLS
 from ..parallel.layout import MLP_SPLITS
 from ..parallel.memory import DTYPES
+from ..placement import EXPERT_LAYOUTS
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,6 +43,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mlp-split", choices=MLP_SPLITS, default="blocks")
     ap.add_argument("--allreduce", choices=ALLREDUCE_IMPLS, default="nccl",
                     help="the ranks' all-reduce: nccl, or oneshot (NVLink peer memory, fused with the add + norm)")
+    ap.add_argument("--expert-layout", choices=EXPERT_LAYOUTS, default="contiguous",
+                    help="which routed experts each rank holds (mtp/placement.py); non-contiguous: no fast path")
     ap.add_argument("--mode", choices=MODES, default=None,
                     help="decode loop (default: overlap on GPUs, eager on CPU)")
     ap.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None,
@@ -87,8 +90,12 @@ def _run(a: argparse.Namespace) -> int:
     # options, config.json, the split over the ranks and the tokenizer before any rank starts or weight is read
     opts = {"prefill_chunk": a.prefill_chunk} if a.prefill_chunk else {}
     GenerationConfig.from_options(a.max_new_tokens, a.draft, k, a.verify, mode=mode, **opts)
-    cfg, tok = preflight(a.checkpoint, draft=a.draft, k=k, tp=a.tp, mlp_split=a.mlp_split, numerics=a.numerics)
-    fast = a.fast_path if a.fast_path is not None else (cuda and a.numerics == "fp8" and cfg.is_fp8)
+    cfg, tok = preflight(a.checkpoint, draft=a.draft, k=k, tp=a.tp, mlp_split=a.mlp_split, numerics=a.numerics,
+                         expert_layout=a.expert_layout)
+    contiguous = a.tp == 1 or a.expert_layout == "contiguous"  # the fast path stacks a rank's expert range
+    if a.fast_path and not contiguous:
+        raise PreflightError(f"--fast-path needs --expert-layout contiguous, got {a.expert_layout}")
+    fast = a.fast_path if a.fast_path is not None else (cuda and a.numerics == "fp8" and cfg.is_fp8 and contiguous)
     if a.allreduce != "nccl" and (a.tp == 1 or not cuda):
         raise PreflightError(f"--allreduce {a.allreduce} needs --tp > 1 on CUDA GPUs (peer memory); use nccl")
     if fast:
@@ -116,7 +123,8 @@ def _run(a: argparse.Namespace) -> int:
 
         peers = start(a.tp, "cuda" if cuda else "cpu")
         model = peers.load(LoadSpec(str(a.checkpoint), dtype=dtype_name, numerics=a.numerics,
-                                    mlp_split=a.mlp_split, fast_path=fast, allreduce=a.allreduce))
+                                    mlp_split=a.mlp_split, expert_layout=a.expert_layout, fast_path=fast,
+                                    allreduce=a.allreduce))
     try:
         out = mtp.generate(model, [ids], max_new_tokens=a.max_new_tokens, draft=a.draft, k=k, verify=a.verify,
                            mode=mode, **opts)

@@ -87,6 +87,15 @@ class MoE(nn.Module):
         """Routed expert e (global index)."""
         return self.experts[e]
 
+    def local_ids(self) -> range:
+        """The global ids of the routed experts this module holds, ascending: [e0, e1) (an expert-parallel
+        module may hold another set: `mtp.parallel.modules.ExpertParallelMoE`)."""
+        return range(self.e0, self.e1)
+
+    def is_local(self, ids: torch.Tensor) -> torch.Tensor:
+        """Which of the expert ids `ids` this module holds (a bool tensor of ids' shape)."""
+        return (ids >= self.e0) & (ids < self.e1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x_ND = x.reshape(-1, shape[-1])
@@ -103,11 +112,10 @@ class MoE(nn.Module):
         if self.static or x_ND.is_cuda:
             w_NE = torch.zeros(x_ND.shape[0], self.gate.n_experts, dtype=a, device=x_ND.device)
             w_NE.scatter_(1, ids_NK, w_NK.to(a))  # one chosen slot per expert at most: its weight, else 0
-            for e in range(self.e0, self.e1):
+            for e in self.local_ids():
                 out += self.expert(e)(x_ND).to(a) * w_NE[:, e:e + 1]
         else:
-            local_NK = (ids_NK >= self.e0) & (ids_NK < self.e1)
-            for e in torch.unique(ids_NK[local_NK]).tolist():  # host sync: CPU eager path only
+            for e in torch.unique(ids_NK[self.is_local(ids_NK)]).tolist():  # host sync: CPU eager path only
                 tok, slot = (ids_NK == e).nonzero(as_tuple=True)
                 y = self.expert(e)(x_ND[tok]).to(a) * w_NK[tok, slot].unsqueeze(-1)
                 out.index_add_(0, tok, y)

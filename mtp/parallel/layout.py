@@ -6,8 +6,10 @@ One group of W ranks runs everything (as DeepSeek's reference inference does wit
 - attention: heads split, H / W per rank. q_b_proj and kv_b_proj are sliced by rows per head (column
   parallel), o_proj by columns (row parallel, partial sums all-reduced). q_a / kv_a projections, their norms
   and the lightning indexer are replicated: every rank needs the full latent and the full top-k selection.
-- MoE: routed experts split E / W per rank (expert parallel); the router is replicated, so every rank routes
-  identically. The shared expert and the dense MLPs are split along I (gate/up by rows, down by columns).
+- MoE: routed experts split E / W per rank (expert parallel; which experts a rank holds is
+  `plan.expert_layout`, `mtp.placement`: contiguous ranges, interleaved, a seeded permutation, or 'split': every
+  expert cut along its I like the shared expert); the router is replicated, so every rank routes identically.
+  The shared expert and the dense MLPs are split along I (gate/up by rows, down by columns).
 - embedding and lm_head (and the MTP copies): vocabulary parallel, V / W rows per rank.
 - everything else (norms, eh_proj, router bias) is replicated.
 
@@ -30,19 +32,23 @@ from dataclasses import dataclass
 
 from ..decode.options import MLP_SPLITS
 from ..model.config import BLOCK, ConfigError, ModelConfig
-
+from ..placement import EXPERT_LAYOUTS, local_experts
 
 
 @dataclass(frozen=True)
 class ParallelPlan:
     world: int = 1
     mlp_split: str = "blocks"
+    expert_layout: str = "contiguous"  # which routed experts each rank holds (mtp.placement)
+    expert_seed: int = 0  # the permutation of expert_layout='permuted'
 
     def __post_init__(self) -> None:
         if not isinstance(self.world, int) or self.world < 1:
             raise ConfigError(f"parallel world size must be an integer >= 1, got {self.world!r}")
         if self.mlp_split not in MLP_SPLITS:
             raise ConfigError(f"mlp_split must be one of {MLP_SPLITS}, got {self.mlp_split!r}")
+        if self.expert_layout not in EXPERT_LAYOUTS:
+            raise ConfigError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {self.expert_layout!r}")
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,16 @@ class RankLayout:
             raise ConfigError(f"rank must be in [0, {W}), got {rank}")
         self.cfg, self.plan, self.rank = cfg, plan, rank
         self.heads = _even(cfg.num_attention_heads, W, rank, "num_attention_heads")
-        self.experts = _even(cfg.n_routed_experts, W, rank, "n_routed_experts")
+        E, layout = cfg.n_routed_experts, plan.expert_layout
+        if layout != "split":
+            _even(E, W, rank, "n_routed_experts")
+        # expert_ids: the routed experts this rank holds (global ids, ascending); expert_inter: the slice of each
+        # one's intermediate dimension it holds (all of it unless 'split'); experts: [e0, e1) when contiguous
+        self.expert_ids = local_experts(layout, E, W, rank, plan.expert_seed)
+        self._expert_set = frozenset(self.expert_ids)
+        self.experts = (self.expert_ids[0], self.expert_ids[-1] + 1) if layout == "contiguous" else None
+        self.expert_inter = (split_range(cfg.moe_intermediate_size, W, rank, plan.mlp_split, "moe_intermediate_size")
+                             if layout == "split" else (0, cfg.moe_intermediate_size))
         self.vocab = _even(cfg.vocab_size, W, rank, "vocab_size")
         self.dense = split_range(cfg.intermediate_size, W, rank, plan.mlp_split, "intermediate_size")
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
@@ -104,7 +119,8 @@ class RankLayout:
         return self.heads[1] - self.heads[0]
 
     def is_local_expert(self, e: int) -> bool:
-        return self.experts[0] <= e < self.experts[1]
+        """Whether this rank holds expert e (whole, or its slice of it under 'split')."""
+        return e in self._expert_set
 
     def shard(self, name: str) -> Shard | None:
         """Slice of checkpoint tensor `name` on this rank. A `weight_scale_inv` gets its weight's shard: the
@@ -127,9 +143,14 @@ class RankLayout:
             return Shard(0, h0 * per, h1 * per)
         if rest == "self_attn.o_proj.weight":
             return Shard(1, h0 * cfg.v_head_dim, h1 * cfg.v_head_dim)
-        e = re.fullmatch(r"mlp\.experts\.(\d+)\..*", rest)
+        e = re.fullmatch(r"mlp\.experts\.(\d+)\.(.*)", rest)
         if e is not None:
-            return FULL if self.is_local_expert(int(e.group(1))) else None
+            if not self.is_local_expert(int(e.group(1))):
+                return None
+            proj = re.fullmatch(r"(gate_proj|up_proj|down_proj)\.weight", e.group(2))
+            if self.plan.expert_layout != "split" or proj is None:
+                return FULL
+            return Shard(1 if proj.group(1) == "down_proj" else 0, *self.expert_inter)
         mlp = re.fullmatch(r"mlp\.(shared_experts\.)?(gate_proj|up_proj|down_proj)\.weight", rest)
         if mlp is not None:
             lo, hi = self.shared if mlp.group(1) else self.dense

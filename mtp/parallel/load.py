@@ -62,7 +62,8 @@ def check_fp8_inputs(layout: RankLayout) -> None:
     cfg, W = layout.cfg, layout.plan.world
     cuts = {"o_proj (heads x v_head_dim)": layout.n_heads * cfg.v_head_dim,
             "dense down_proj (intermediate_size slice)": layout.dense[1] - layout.dense[0],
-            "shared expert down_proj": layout.shared[1] - layout.shared[0]}
+            "shared expert down_proj": layout.shared[1] - layout.shared[0],
+            "routed expert down_proj (expert_layout='split')": layout.expert_inter[1] - layout.expert_inter[0]}
     for what, k in cuts.items():
         if what.startswith("o_proj") and k and BLOCK % k == 0:
             continue  # a group shared by 128 / k ranks: they agree on its amax (modules.RowParallelLinear)
@@ -86,7 +87,7 @@ def check_split(cfg: ModelConfig, plan: ParallelPlan, numerics: str = "fp8") -> 
             check_fp8_inputs(layout)
         v = cfg.v_head_dim
         cuts = {"o_proj": (layout.heads[0] * v, layout.heads[1] * v), "dense down_proj": layout.dense,
-                "shared expert down_proj": layout.shared}
+                "shared expert down_proj": layout.shared, "routed expert down_proj": layout.expert_inter}
         for what, (lo, hi) in cuts.items():
             if hi > lo:
                 try:

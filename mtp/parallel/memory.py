@@ -255,7 +255,7 @@ def make_plan(cfg: ModelConfig, gpus_per_node: int, gpu_mem_gib: float, nodes: i
     if nodes > 1:
         notes.append(f"{coll} collectives per step cross the inter-node network; each carries a few KiB per "
                      f"token, so they are latency-bound (not measured here)")
-    notes.append(f"per rank: {lay.n_heads} heads, {lay.experts[1] - lay.experts[0]} routed experts, "
+    notes.append(f"per rank: {lay.n_heads} heads, {len(lay.expert_ids)} routed experts, "
                  f"{lay.vocab[1] - lay.vocab[0]} vocabulary rows, dense MLP {lay.dense[1] - lay.dense[0]} "
                  f"+ shared expert {lay.shared[1] - lay.shared[0]} channels (rank 0)")
     return MemoryPlan(world, gpus_per_node, nodes, mem, weights, kv_tl, layers, kv, engine, step,

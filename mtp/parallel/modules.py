@@ -93,26 +93,59 @@ class ParallelMLP(MLP):
         return self.comm.all_reduce(self.partial(x)).to(x.dtype)
 
 
+class ExpertSlice(ParallelMLP):
+    """Rank r's slice of one routed expert's intermediate dimension (expert_layout='split'): forward is this
+    rank's partial in the accumulation dtype, which `ExpertParallelMoE`'s one all-reduce sums with the other
+    ranks' (no all-reduce per expert; no rounding of a partial to the model dtype)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.partial(x)
+
+
 class ExpertParallelMoE(MoE):
-    """The MoE with only this rank's experts [e0, e1) (`MoE.routed` over that range): routing on every rank
-    (replicated gate, identical inputs, so identical choices), each rank adds its local experts' weighted
-    outputs and its shared-expert share into one buffer in the accumulation dtype, one all-reduce sums the
-    ranks. Local experts keep their global index as name (`experts.{e}`)."""
+    """The MoE with only this rank's routed experts (`layout.expert_ids`, placed by `plan.expert_layout`; the
+    reference `MoE.routed` over them): routing on every rank (replicated gate, identical inputs, so identical
+    choices), each rank adds its local experts' weighted outputs and its shared-expert share into one buffer in
+    the accumulation dtype, one all-reduce sums the ranks. Local experts keep their global index as name
+    (`experts.{e}`). Under 'split' every expert is local and is an `ExpertSlice` (this rank's intermediate
+    channels), so the same sum is of partials.
+
+    The fast path (`mtp.backends.fast_path`) stacks experts [e0, e1): it applies to 'contiguous' (e0, e1 the
+    rank's range) and 'split' ([0, E), every expert sliced); for 'interleaved' / 'permuted' e0, e1 span all E and
+    `expert(e)` of a non-local expert raises, naming the layout, instead of stacking a wrong set."""
 
     def __init__(self, cfg: ModelConfig, layout: RankLayout, dtype: torch.dtype, comm: Comm, static: bool = False):
         nn.Module.__init__(self)
         q8 = cfg.is_fp8
         self.gate = Gate(cfg, dtype)
-        self.e0, self.e1 = layout.experts
-        self.experts = nn.ModuleDict(
-            {str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size, q8, dtype) for e in range(self.e0, self.e1)})
+        self.layout_name = layout.plan.expert_layout
+        ids = layout.expert_ids
+        self.e0, self.e1 = layout.experts or (0, cfg.n_routed_experts)
+        i0, i1 = layout.expert_inter
+        if self.layout_name == "split":
+            experts = {str(e): ExpertSlice(cfg.hidden_size, i1 - i0, q8, dtype, comm) for e in ids}
+        else:
+            experts = {str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size, q8, dtype) for e in ids}
+        self.experts = nn.ModuleDict(experts)
+        self._ids = ids
         lo, hi = layout.shared
         self.shared_experts = (ParallelMLP(cfg.hidden_size, hi - lo, q8, dtype, comm)
                                if cfg.n_shared_experts else None)
         self.comm, self.static = comm, static
 
     def expert(self, e: int) -> MLP:
+        if str(e) not in self.experts:
+            raise KeyError(f"expert {e} is not on rank {self.comm.rank} (expert_layout={self.layout_name!r}); the "
+                           f"fast path stacks experts [e0, e1) and supports expert_layout 'contiguous' and 'split'")
         return self.experts[str(e)]
+
+    def local_ids(self) -> tuple[int, ...]:
+        return self._ids
+
+    def is_local(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.layout_name in ("contiguous", "split"):
+            return super().is_local(ids)
+        return torch.isin(ids, torch.tensor(self._ids, device=ids.device))  # eager CPU path only
 
     def shared(self, x_ND: torch.Tensor) -> torch.Tensor:
         return self.shared_experts.partial(x_ND)

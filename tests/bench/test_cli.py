@@ -11,6 +11,9 @@ import torch
 from mtp.bench import cli as bench
 from mtp.parallel import Comm
 from mtp.bench import rank as rb
+from mtp.bench import rank_model as rm
+from mtp.bench import rank_report as rr
+from mtp.bench import rank_steps as rs
 from mtp.parallel.synthetic import random_parallel_model
 from mtp.model.presets import tiny_parallel_config
 from mtp.model.presets import real_config
@@ -74,41 +77,41 @@ def test_tp_arguments_default_to_full_depth():
 
 
 def test_accept_len():
-    assert rb.accept_len([0.8], 1) == pytest.approx(1.8)
-    assert rb.accept_len([0.8], 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
-    assert rb.accept_len([0.9, 0.5], 3) == pytest.approx(1 + 0.9 + 0.45 + 0.225)  # the last rate repeats
+    assert rm.accept_len([0.8], 1) == pytest.approx(1.8)
+    assert rm.accept_len([0.8], 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
+    assert rm.accept_len([0.9, 0.5], 3) == pytest.approx(1 + 0.9 + 0.45 + 0.225)  # the last rate repeats
 
 
 def test_collective_latency_assumed_and_measured(tmp_path):
     ns = argparse.Namespace(collective_json=None, allreduce_us=10.0, tp=8)
-    lat = rb.collective_latency(ns)
+    lat = rm.collective_latency(ns)
     assert lat["assumed"] and "ASSUMED 10.0 us" in lat["source"]
     counts = {"all_reduce": 123, "all_reduce_bytes": 123 * 28672, "all_gather": 1, "all_gather_bytes": 64640}
-    assert rb.comm_ms(lat, counts) == pytest.approx(124 * 10e-3)
+    assert rm.comm_ms(lat, counts) == pytest.approx(124 * 10e-3)
     f = tmp_path / "coll.json"
     f.write_text('{"device": "H200", "world": 8, "ops": {"all_reduce": [{"bytes": 16384, "us": 8.0}, '
                  '{"bytes": 65536, "us": 11.0}], "all_gather": [{"bytes": 65536, "us": 9.0}]}}')
-    lat = rb.collective_latency(argparse.Namespace(collective_json=str(f), allreduce_us=10.0, tp=8))
+    lat = rm.collective_latency(argparse.Namespace(collective_json=str(f), allreduce_us=10.0, tp=8))
     assert not lat["assumed"] and "measured" in lat["source"] and "not the" not in lat["source"]
-    assert "measured on 8 GPUs, not the 16" in rb.collective_latency(
+    assert "measured on 8 GPUs, not the 16" in rm.collective_latency(
         argparse.Namespace(collective_json=str(f), allreduce_us=10.0, tp=16))["source"]
-    assert rb.latency_us(lat, "all_reduce", 28672) == 11.0  # the next measured size up
-    assert rb.latency_us(lat, "all_reduce", 16384) == 8.0
-    assert rb.latency_us(lat, "all_gather", 131072) == pytest.approx(18.0)  # past the table: scaled by bytes
-    assert rb.comm_ms(lat, counts, times=2) == pytest.approx(2 * (123 * 11.0 + 9.0) * 1e-3)
+    assert rm.latency_us(lat, "all_reduce", 28672) == 11.0  # the next measured size up
+    assert rm.latency_us(lat, "all_reduce", 16384) == 8.0
+    assert rm.latency_us(lat, "all_gather", 131072) == pytest.approx(18.0)  # past the table: scaled by bytes
+    assert rm.comm_ms(lat, counts, times=2) == pytest.approx(2 * (123 * 11.0 + 9.0) * 1e-3)
 
 
 def test_default_rank_and_expected_experts():
     assert rb.default_rank(tiny_parallel_config(2), 2, torch.float32) == 1  # the shared expert's one block
     assert rb.default_rank(real_config(layers=4, dense_layers=3), 8, torch.bfloat16) == 0  # all ranks equal
     cfg = real_config(layers=4, dense_layers=3)
-    assert rb.expected_local_experts(cfg, 8, 1) == pytest.approx(1.0)  # 32 local x 8/256
-    assert 1.0 < rb.expected_local_experts(cfg, 8, 4) < 4.0
+    assert rm.expected_local_experts(cfg, 8, 1) == pytest.approx(1.0)  # 32 local x 8/256
+    assert 1.0 < rm.expected_local_experts(cfg, 8, 4) < 4.0
 
 
 def test_memory_need_full_depth_tp8():
     """One rank of TP 8 at 61 layers: ~82 GiB of weights, too much for an 80 GB H100, fine on a 141 GB H200."""
-    need = rb.memory_need(real_config(layers=61, dense_layers=3), 8, 0, torch.bfloat16, 32772, 1)
+    need = rm.memory_need(real_config(layers=61, dense_layers=3), 8, 0, torch.bfloat16, 32772, 1)
     assert 78 < need["weights_gib"] < 86 and 80 < need["need_gib"] < 130
     assert 1.0 < need["cache_gib"] < 2.5
 
@@ -116,12 +119,12 @@ def test_memory_need_full_depth_tp8():
 def test_rank_floor_cache_and_experts():
     cfg = tiny_parallel_config(2)
     m = random_parallel_model(cfg, Comm(), device="cpu", dtype=torch.float32)  # world 1: every expert local
-    per = rb.cache_bytes_per_position(cfg, dtype_bytes=4)  # fp32 model: rotary keys in fp32
+    per = rm.cache_bytes_per_position(cfg, dtype_bytes=4)  # fp32 model: rotary keys in fp32
     assert m.new_cache(1, 10).nbytes() == (per["latent"] + per["indexer"]) * 10 * cfg.num_hidden_layers
-    dense_only = rb.rank_floor(m, {}, 10, 1)
+    dense_only = rm.rank_floor(m, {}, 10, 1)
     assert dense_only["weights_routed_experts"] == 0
     assert dense_only["cache"] == per["latent"] * 10 * cfg.num_hidden_layers  # S <= top-k: no indexer
-    sparse = rb.rank_floor(m, {1: 3}, 40, 2)  # S > top-k 16: every indexer key, top-k latents
+    sparse = rm.rank_floor(m, {1: 3}, 40, 2)  # S > top-k 16: every indexer key, top-k latents
     assert sparse["cache"] == (per["latent"] * 16 + per["indexer"] * 40) * 2 * cfg.num_hidden_layers
     one = sum(p.numel() * p.element_size() for p in m.model.layers[1].mlp.experts["0"].parameters())
     assert sparse["weights_routed_experts"] == 3 * one
@@ -161,7 +164,7 @@ def test_tree_projection_uses_the_given_al_and_the_chain_draft(capsys):
                       "tree_over_chain": 30 / 29, "collectives": coll}}
     args = argparse.Namespace(collective_json=None, allreduce_us=10.0, accept=[0.8], al=None, k=2, tp=8,
                               tree_al={"2x2": 2.9, "4x1x1": 3.2})
-    pj = rb.project(res, args)
+    pj = rm.project(res, args)
     t = pj["contexts"][1024]["tree_2x2"]
     c = 124 * 10e-3 + 2 * 4 * 10e-3  # the tree verify's collectives + 2 draft forwards'
     assert t["step_ms"] == pytest.approx(20.0 + (17.0 - 13.0) + c) and t["draft_ms"] == pytest.approx(4.0)
@@ -170,10 +173,10 @@ def test_tree_projection_uses_the_given_al_and_the_chain_draft(capsys):
     assert "tree_4x1x1" not in pj["contexts"][1024]  # depth 3: no eagle k=3 step was measured
     res["spec_step"]["runs"]["tree_2x2_overlap"] = {"tree": "2x2", "k": 2, "gpu_step_ms": 26.0, "step_ms_wall": 27.0,
                                                     "verify_ms": 20.0}
-    m = rb.project(res, args)["contexts"][1024]["tree_2x2"]  # the measured tree step: 26 - 20 ms of draft
+    m = rm.project(res, args)["contexts"][1024]["tree_2x2"]  # the measured tree step: 26 - 20 ms of draft
     assert m["draft_ms"] == pytest.approx(6.0) and m["draft_source"] == "measured tree step"
     res["projection"] = pj
-    rb.print_table(res)
+    rr.print_table(res)
     out = capsys.readouterr().out
     assert f"tree 2x2 {t['tpot_ms']:.2f} ms ({t['tok_s_per_user']:.0f} tok/s, AL 2.90 given)" in out
     assert "tree/chain" in out
@@ -188,7 +191,7 @@ def test_tree_projection_uses_the_given_al_and_the_chain_draft(capsys):
 def test_projection_adds_collectives_draft_and_divides_by_al(capsys):
     res = _tp_result()
     args = argparse.Namespace(collective_json=None, allreduce_us=10.0, accept=[0.8], al=None, k=2, tp=8)
-    pj = rb.project(res, args)
+    pj = rm.project(res, args)
     c = 124 * 10e-3  # 123 all-reduces + 1 all-gather at the assumed 10 us
     p = pj["contexts"][1024]
     assert p["plain"]["tpot_ms"] == pytest.approx(11.0 + c)
@@ -202,9 +205,9 @@ def test_projection_adds_collectives_draft_and_divides_by_al(capsys):
     assert pj["other_deployments"]["8 x H200"] == "this run"
     assert "not measured" in pj["other_deployments"]["16 x H100"]
     args.al = 2.5
-    assert rb.project(res, args)["contexts"][1024]["eagle_k2"]["AL"] == 2.5  # --al sets AL at k = --k only
+    assert rm.project(res, args)["contexts"][1024]["eagle_k2"]["AL"] == 2.5  # --al sets AL at k = --k only
     res["projection"] = pj
-    rb.print_table(res)
+    rr.print_table(res)
     out = capsys.readouterr().out
     assert "ASSUMED 10.0 us" in out and "158 tok/s per user" in out and "32768" in out
     best = max(pj["contexts"][1024]["eagle_k1"]["tok_s_per_user"], pj["contexts"][1024]["eagle_k2"]["tok_s_per_user"])
@@ -230,7 +233,7 @@ def test_extrapolate_is_linear_in_depth_and_labelled():
                                     "indexer": {1: {"scores_us_per_layer": 40.0, "topk_us_per_layer": 10.0,
                                                     "layers": 5, "ms_per_step": 0.25}}}}}
 
-    got = rb.extrapolate(part(4.0, 11, 500), part(5.0, 13, 575), 5, 6, 61)[1024]
+    got = rm.extrapolate(part(4.0, 11, 500), part(5.0, 13, 575), 5, 6, 61)[1024]
     r = got["widths"][1]
     assert got["extrapolated"] and "from 5 and 6 layers to 61" in r["extrapolated"]
     assert r["graph_ms"] == pytest.approx(5.0 + 55 * 1.0) and r["measured_ms"] == {5: 4.0, 6: 5.0}
@@ -284,32 +287,32 @@ def test_batch_axis_times_each_batch_on_a_tiny_rank():
     with simulated_rank(2, 0) as comm:
         model = random_parallel_model(cfg, comm, device="cpu", dtype=torch.float32, seed=0)
         time_fn = timer(False, 1, 0)
-        part = {"contexts": {20: rb.target_steps(model, comm, args, 20, False, None, time_fn, 2)}}
+        part = {"contexts": {20: rs.target_steps(model, comm, args, 20, False, None, time_fn, 2)}}
         saves = []
         rb.batch_axis(model, comm, args, False, None, time_fn, 2, part, lambda: saves.append(1))
     assert set(part["batches"]) == {1, 2} and part["batches"][1]["contexts"] is part["contexts"] and saves == [1]
     one, two = (part["batches"][b]["contexts"][20]["widths"][1] for b in (1, 2))
     assert one["floor_bytes"]["cache"] < two["floor_bytes"]["cache"]  # two rows of cache read
-    assert two["local_experts_touched"]["expected_uniform_routing"] == rb.expected_local_experts(cfg, 2, 2)
+    assert two["local_experts_touched"]["expected_uniform_routing"] == rm.expected_local_experts(cfg, 2, 2)
     assert one["eager_ms"] > 0 and two["eager_ms"] > 0
 
 
 def test_results_are_written_only_where_asked_and_a_cpu_run_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert bench.parse_args(["--tp", "8"]).out is None
-    rb.save({"x": 1}, None)
+    rr.save({"x": 1}, None)
     assert list(tmp_path.iterdir()) == []
-    rb.save({"x": 1}, str(tmp_path / "r.json"))
+    rr.save({"x": 1}, str(tmp_path / "r.json"))
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
     res = {"mode": "simulated rank 0 of TP=8", "device": "cpu", "torch": "x", "param_gib": 0.1, "build_s": 1.0,
            "contexts": {}, "config": {"num_hidden_layers": 2, "first_k_dense_replace": 1},
            "projection": {"deployment": "8 x cpu", "collective_latency": {"source": "ASSUMED"},
                           "accept_per_position": [0.85], "contexts": {}, "other_deployments": {},
                           "references_tok_s_per_user": {"TensorRT-LLM, 8 x H200": 158}}}
-    rb.print_table(res)
+    rr.print_table(res)
     out = capsys.readouterr().out
     assert out.count("not GPU numbers") == 2 and "TensorRT-LLM" not in out
-    rb.print_table({**res, "device": "NVIDIA H200"})
+    rr.print_table({**res, "device": "NVIDIA H200"})
     out = capsys.readouterr().out
     assert "not GPU numbers" not in out and "TensorRT-LLM, 8 x H200: 158 tok/s" in out
 
@@ -321,3 +324,56 @@ def test_hf_without_transformers_names_the_extra(monkeypatch):
     with pytest.raises(SystemExit, match=r"mtp-bench --hf needs 'transformers', which is not installed: "
                                          r"pip install 'mtp\[hf\]'"):
         bench.main(["--hf"])
+
+
+def test_busiest_route_forces_the_drawn_local_expert_counts():
+    """--route busiest: every MoE layer of the simulated rank reads exactly the drawn busiest count (capped at K),
+    measured by the step's own router, not the rank's arbitrary routing."""
+    from mtp.bench import experts
+    from mtp.bench.timing import timer
+    from mtp.parallel.simulate import simulated_rank
+
+    args = bench.parse_args(["--tp", "2", "--layers", "4", "--prompt-len", "20", "--k", "1", "--route", "busiest",
+                             "--layout", "interleaved"])
+    cfg = tiny_parallel_config(2, layers=4, dense_layers=1)
+    with simulated_rank(2, 0) as comm:
+        model = random_parallel_model(cfg, comm, device="cpu", dtype=torch.float32, seed=0)
+        ctx = rs.target_steps(model, comm, args, 20, False, None, timer(False, 1, 0), 2)
+    for w, r in ctx["widths"].items():
+        b = r["busiest_rank"]
+        want = experts.draw_busiest(cfg, "interleaved", 2, w, 3, args.seed + 1000 * w)
+        assert b["drawn_per_moe_layer"] == want and b["layout"] == "interleaved"
+        assert b["forced_per_moe_layer"] == [min(n, cfg.num_experts_per_tok) for n in want]
+        assert r["local_experts_touched"]["per_moe_layer"] == b["forced_per_moe_layer"]
+    drawn = [experts.draw_busiest(cfg, "interleaved", 2, 1, 3, s) for s in range(20)]
+    assert len({n for d in drawn for n in d}) > 1  # the draws vary: a constant would not test the forcing
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tp", "8", "--layout", "split"])  # a layout needs --route busiest
+
+
+def test_busiest_per_sample_counts_ranks_by_layout():
+    from mtp.bench.experts import busiest_per_sample
+
+    ids = torch.tensor([[[0, 1, 2, 3, 32, 33, 64, 65]]])  # one token: 4 experts of group 0, 2 of groups 1 and 2
+    assert busiest_per_sample(ids, 256, 8, "contiguous").tolist() == [4.0]
+    assert busiest_per_sample(ids, 256, 8, "interleaved").tolist() == [3.0]  # ranks 0, 1: 0 32 64 / 1 33 65
+    assert busiest_per_sample(ids, 256, 8, "split").tolist() == [1.0]  # 8 experts, 1/8 of each per rank
+
+
+def test_projection_overhead_headline_al_and_collective_estimate(tmp_path):
+    res = _tp_result()
+    base = argparse.Namespace(collective_json=None, allreduce_us=10.0, accept=[0.8], al=None, k=2, tp=8)
+    plain = rm.project(res, base)["contexts"][1024]
+    args = argparse.Namespace(**vars(base), real_overhead=1.25, headline_al=[2.8, 2.96])
+    got = rm.project(res, args)["contexts"][1024]
+    assert got["plain"]["tpot_ms"] == pytest.approx(1.25 * plain["plain"]["tpot_ms"])
+    e2 = got["eagle_k2"]
+    assert e2["step_ms"] == pytest.approx(1.25 * plain["eagle_k2"]["step_ms"])
+    assert e2["at_AL"][2.8]["tok_s_per_user"] == pytest.approx(1e3 * 2.8 / e2["step_ms"])
+    assert "at_AL" not in got["eagle_k1"]
+    f = tmp_path / "coll.json"
+    f.write_text('{"device": "H200", "world": 2, "ops": {"all_reduce": [{"bytes": 65536, "us": 12.0}], '
+                 '"all_gather": [{"bytes": 65536, "us": 14.0}]}}')
+    lat = rm.collective_latency(argparse.Namespace(collective_json=str(f), tp=8, collective_growth=1.5))
+    assert lat["scale"] == pytest.approx(1.5 ** 2) and "8-GPU ESTIMATE" in lat["source"] and "ASSUMED" in lat["source"]
+    assert rm.latency_us(lat, "all_reduce", 1000) == pytest.approx(12.0 * 2.25)

@@ -162,3 +162,11 @@ def test_a_rank_that_never_arrives_is_named_at_once(monkeypatch):
         start(2, "cpu")
     assert e.value.rank == 1 and e.value.phase == "start-up" and "status 1" in str(e.value)
     assert time.monotonic() - t0 < 10
+
+
+def test_load_spec_refuses_the_fast_path_for_a_non_contiguous_expert_layout():
+    from mtp.distributed.driver import LoadSpec
+
+    assert LoadSpec("ckpt", expert_layout="interleaved").expert_layout == "interleaved"
+    with pytest.raises(ValueError, match="expert_layout='split' has no fast path"):
+        LoadSpec("ckpt", fast_path=True, expert_layout="split")

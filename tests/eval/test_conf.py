@@ -136,6 +136,9 @@ def test_generate_kwargs_build_a_generation_config():
     (["draft.tree=2x1", "draft.min_draft_prob=0.2", "verify=sample", "verify.draft_sampling=sample"],
      "draft.min_draft_prob = 0.2 is invalid: expected 0 with draft_sampling='sample'"),
     (["draft.tree=2x1", "verify=sample", "runtime.mode=graph"], "runtime.mode = 'graph' is invalid: expected 'eager'"),
+    (["runtime.expert_layout=striped"], "runtime.expert_layout = 'striped' is invalid: expected one of"),
+    (["runtime=cuda", "runtime.fast_path=true", "runtime.tp=2", "runtime.expert_layout=interleaved"],
+     "runtime.expert_layout = 'interleaved' is invalid: expected 'contiguous' with runtime.fast_path=true"),
 ])
 def test_bad_values_are_refused_by_the_schema(overrides, message):
     with pytest.raises(schema.SchemaError, match=message.replace(".", r"\.")):

@@ -140,7 +140,7 @@ def _model(dev, fast: bool) -> list[str]:
 def _worker(rank: int, init: str, out: str) -> None:
     import faulthandler
 
-    from mtp.parallel.group import leave
+    from mtp.distributed.group import leave
 
     faulthandler.dump_traceback_later(240)
     dev = torch.device("cuda", rank)

@@ -185,3 +185,43 @@ def test_fp8_numerics_refuse_cut_activation_groups():
     check_fp8_inputs(RankLayout(tiny8, ParallelPlan(2), 1))  # whole groups everywhere
     with pytest.raises(ConfigError, match="shared expert down_proj gets 64"):
         check_fp8_inputs(RankLayout(tiny8, ParallelPlan(2, "even"), 1))
+
+
+# ----------------------------------------------------------------------------------------- expert layouts
+@pytest.mark.parametrize("layout", ["contiguous", "interleaved", "permuted"])
+def test_expert_layouts_partition_the_experts(layout):
+    """Real config at EP 8: each rank holds 32 whole experts, every expert on exactly one rank."""
+    cfg = small_real_config()
+    lays = [RankLayout(cfg, ParallelPlan(8, expert_layout=layout), r) for r in range(8)]
+    assert sorted(e for lay in lays for e in lay.expert_ids) == list(range(256))
+    assert all(len(lay.expert_ids) == 32 for lay in lays)
+    groups = [{e // 32 for e in lay.expert_ids} for lay in lays]  # routing groups of 32 a rank's experts are in
+    if layout == "contiguous":
+        assert groups == [{r} for r in range(8)] and lays[3].experts == (96, 128)
+    if layout == "interleaved":  # every group spread over all ranks, 4 experts each
+        assert lays[3].expert_ids[:3] == (3, 11, 19) and all(g == set(range(8)) for g in groups)
+    name = "model.layers.3.mlp.experts.{}.down_proj.weight"
+    for lay in lays:
+        assert lay.shard(name.format(lay.expert_ids[0])) == Shard()  # whole experts
+        assert (lay.experts is None) == (layout != "contiguous")  # a range only where the experts are one
+        assert sum(lay.shard(name.format(e)) is not None for e in range(256)) == 32
+
+
+def test_permuted_layout_is_seeded_and_split_layout_cuts_every_expert():
+    cfg = small_real_config()
+    perm = [RankLayout(cfg, ParallelPlan(8, expert_layout="permuted", expert_seed=s), 0).expert_ids for s in (0, 0, 1)]
+    assert perm[0] == perm[1] != perm[2]
+    lays = [RankLayout(cfg, ParallelPlan(8, expert_layout="split"), r) for r in range(8)]
+    assert all(lay.expert_ids == tuple(range(256)) for lay in lays)
+    assert [lay.expert_inter for lay in lays] == [(256 * r, 256 * r + 256) for r in range(8)]  # 2 blocks each
+    assert lays[5].shard("model.layers.3.mlp.experts.7.gate_proj.weight") == Shard(0, 1280, 1536)
+    assert lays[5].shard("model.layers.3.mlp.experts.7.down_proj.weight_scale_inv") == Shard(1, 1280, 1536)
+    check_fp8_inputs(lays[5])
+    # 128 channels per routed expert: under 'even', 64 per rank cut an fp8 group (2 shared experts: 128 each, fine)
+    tiny = dataclasses.replace(tiny_parallel_config(2), n_shared_experts=2)
+    with pytest.raises(ConfigError, match="routed expert down_proj .* gets 64"):
+        check_fp8_inputs(RankLayout(tiny, ParallelPlan(2, "even", expert_layout="split"), 1))
+    with pytest.raises(ConfigError, match="expert_layout must be one of .* got 'striped'"):
+        ParallelPlan(8, expert_layout="striped")
+    with pytest.raises(ConfigError, match="n_routed_experts = 256 is not divisible .* 3"):
+        RankLayout(dataclasses.replace(cfg, num_attention_heads=3), ParallelPlan(3, expert_layout="interleaved"), 0)

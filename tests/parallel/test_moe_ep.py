@@ -11,23 +11,31 @@ references on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from mtp.backends.fast_path import FastMoE, disable_fast_path, fast_module
 from mtp.model.fp8 import weight_quant
 from mtp.model.layers import Linear
 from mtp.model.moe import MoE
 from mtp.parallel import Comm, ParallelPlan, RankLayout
-from mtp.parallel.modules import ExpertParallelMoE
-from mtp.model.presets import tiny_config
+from mtp.checkpoint.synthetic import random_model
+from mtp.parallel.comm import init_process_group
+from mtp.parallel.load import rank_part
+from mtp.parallel.modules import ExpertParallelMoE, set_static_moe
+from mtp.parallel.synthetic import random_parallel_model
+from mtp.model.presets import tiny_config, tiny_parallel_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
 from tests.interp import patch_interpreter_loop_bounds, run_interpreted  # noqa: E402
+from tests.parallel.test_parallel import run_ranks  # noqa: E402
 
 
 
@@ -121,6 +129,98 @@ def test_enable_fast_path_stacks_local_experts():
 @pytest.mark.slow
 def test_minus_one_slots_and_ep_forward_interpreted():
     run_interpreted(__file__)
+
+
+# ----------------------------------------------------------------------------- expert layouts (mtp.placement)
+LAYOUTS = ("contiguous", "interleaved", "permuted", "split")
+
+
+def layout_config():
+    """tiny_parallel_config(2) with 2 blocks per routed expert, so 'split' gives each of 2 ranks one whole block."""
+    return dataclasses.replace(tiny_parallel_config(2), moe_intermediate_size=256)
+
+
+def rank_moes(moe: MoE, cfg, plan: ParallelPlan, layer: int = 1) -> list[ExpertParallelMoE]:
+    """Every rank's `ExpertParallelMoE` of `plan`, its parameters cut from `moe` by the loader's own `rank_part`."""
+    full = {f"model.layers.{layer}.mlp.{k}": v for k, v in moe.state_dict().items()}
+    out = []
+    for rank in range(plan.world):
+        layout = RankLayout(cfg, plan, rank)
+        ep = ExpertParallelMoE(cfg, layout, moe.gate.weight.dtype, SumLaterComm(rank, plan.world))
+        sd = {}
+        for k in ep.state_dict():
+            name = f"model.layers.{layer}.mlp.{k}"
+            wshape = full[name.replace(".weight_scale_inv", ".weight")].shape if k.endswith("_scale_inv") else None
+            sd[k] = rank_part(layout, name, full[name], wshape)
+        ep.load_state_dict(sd)
+        out.append(ep)
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("static", [False, True])
+def test_expert_layouts_sum_to_the_one_rank_moe(layout, world, static):
+    """float64: every layout's ranks, cut by the loader, sum to the single-rank MoE (eager loop and static path)."""
+    cfg = layout_config()
+    moe = random_model(cfg, device="cpu", dtype=torch.float64, seed=3).model.layers[1].mlp
+    x = torch.randn(2, 3, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    want = moe(x)
+    eps = rank_moes(moe, cfg, ParallelPlan(world, expert_layout=layout, expert_seed=5))
+    for ep in eps:
+        ep.static = static
+    got = sum(ep(x) for ep in eps)
+    assert (got - want).abs().max().item() <= 1e-12 * want.abs().max().item(), (layout, world, static)
+    held = [len(ep.experts) for ep in eps]
+    assert held == ([cfg.n_routed_experts] * world if layout == "split" else [cfg.n_routed_experts // world] * world)
+
+
+def test_non_contiguous_layout_refuses_the_fast_path_stack():
+    """The fast path stacks experts [e0, e1): an interleaved rank says which expert it lacks and why."""
+    cfg = layout_config()
+    moe = random_model(cfg, device="cpu", dtype=torch.float32, seed=3).model.layers[1].mlp
+    ep = rank_moes(moe, cfg, ParallelPlan(2, expert_layout="interleaved"))[0]
+    with pytest.raises(KeyError, match="expert 1 is not on rank 0 .*interleaved"):
+        fast_module(ep)
+
+
+def _layout_worker(rank: int, init: str, out_dir: str) -> None:
+    init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2,
+                       timeout=datetime.timedelta(seconds=90))
+    torch.set_num_threads(1)
+    try:
+        cfg, res = layout_config(), {}
+        for layout in LAYOUTS:
+            m = random_parallel_model(cfg, Comm(), ParallelPlan(2, expert_layout=layout), device="cpu",
+                                      dtype=torch.float64, seed=3)
+            for static in (False, True):
+                set_static_moe(m, static)
+                res[layout, static] = _logits(m)
+        torch.save(res, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _logits(model) -> dict:
+    """Logits of a prefill past the indexer's top-k and of a cached 3-token step."""
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache = model.new_cache(2, 40)
+        return {"prefill": model(ids, cache).logits, "decode": model(ids[:, :3], cache).logits}
+
+
+@pytest.mark.slow
+def test_expert_layouts_over_gloo_equal_the_reference(tmp_path):
+    """2 gloo ranks of the whole float64 model per layout (eager and static MoE paths): logits equal the
+    single-process model's to 1e-12 relative (only the order of float64 additions differs), on both ranks."""
+    run_ranks(_layout_worker, (str(tmp_path / "rendezvous"), str(tmp_path)), timeout_s=180)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    want = _logits(random_model(layout_config(), device="cpu", dtype=torch.float64, seed=3))
+    for (layout, static), out in got[0].items():
+        for key, ref in want.items():
+            assert torch.equal(out[key], got[1][layout, static][key]), (layout, static, key, "ranks disagree")
+            err = (out[key] - ref).abs().max().item()
+            assert err <= 1e-12 * ref.abs().max().item(), (layout, static, key, err)
 
 
 # ----------------------------------------------------------------------------- run under TRITON_INTERPRET=1

@@ -1,0 +1,272 @@
+"""The measurements of `mtp-bench --tp N` on a built rank: target steps per width (graph time, kernels, local
+experts, byte floor), the indexer alone, tree verifies, whole speculative steps, a draft forward's collectives.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import traceback
+
+import torch
+
+from ..decode.graphs import capture_graph
+from .rank_model import expected_local_experts, rank_floor
+from .rank_report import log
+from .timing import kernel_profile, timer
+
+
+def count_local_experts(model) -> tuple[dict[int, set], list]:
+    """Distinct local experts the tokens of one forward choose, per MoE layer: a pre-hook re-runs the replicated
+    router (`gate`) on each MoE input and keeps the ids in this rank's range (eager forwards only)."""
+    from ..parallel.modules import ExpertParallelMoE
+
+    seen: dict[int, set] = {}
+    hooks = []
+    for li, layer in enumerate(model.model.layers):
+        if isinstance(layer.mlp, ExpertParallelMoE):
+            def hook(mod, inp, li=li):
+                ids = mod.gate(inp[0].reshape(-1, inp[0].shape[-1]))[1].flatten().tolist()  # host read: eager
+                local = set(mod.local_ids())
+                seen.setdefault(li, set()).update(e for e in ids if e in local)
+            hooks.append(layer.mlp.register_forward_pre_hook(hook))
+    return seen, hooks
+
+
+def force_busiest(model, args, tokens: int, world: int) -> dict:
+    """--route busiest: each MoE layer's routed experts forced to a draw of the busiest rank's count under
+    --layout (`mtp.bench.experts.draw_busiest`, uniform group-limited router, seeded by --seed and the width)."""
+    from ..parallel.modules import ExpertParallelMoE
+    from .experts import draw_busiest, force_local_experts
+
+    moes = [m for m in model.model.layers if isinstance(m.mlp, ExpertParallelMoE)]
+    drawn = draw_busiest(model.cfg, args.layout, world, tokens, len(moes), args.seed + 1000 * tokens)
+    forced = [force_local_experts(layer.mlp, n) for layer, n in zip(moes, drawn)]
+    return {"layout": args.layout, "tokens": tokens, "drawn_per_moe_layer": drawn, "forced_per_moe_layer": forced,
+            "capped_layers": sum(f < d for f, d in zip(forced, drawn)),
+            "note": "drawn from the uniform group-limited router's busiest-rank distribution; forced by the router "
+                    "bias (all tokens choose the same K experts), so a draw above K is capped at K"}
+
+
+@torch.no_grad()
+def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
+    """One layer's lightning indexer at context L for w queries, alone: scores over the L + w keys, then
+    top-k (the kernels the fast path runs; their references on CPU). Per layer, and x layers per step."""
+    from ..model import fp8
+    from ..kernels import indexer as ix
+
+    cfg = model.cfg
+    S = L + w
+    if cfg.index_topk >= S:
+        return {"skipped": f"S = {S} <= index_topk {cfg.index_topk}: every position is attended, no indexer"}
+    B, dev = cache.batch, cache.kv.device
+    g = torch.Generator(device=dev).manual_seed(7)
+    q8, qs = fp8.act_quant(torch.randn(B, w, cfg.index_n_heads, cfg.index_head_dim, generator=g, device=dev))
+    qs = qs.squeeze(-1)
+    wt = torch.randn(B, w, cfg.index_n_heads, generator=g, device=dev)
+    k8, ks = cache.idx_k[0, :, :S], cache.idx_k_scale[0, :, :S]
+    lens = torch.full((B,), L, dtype=torch.long, device=dev)  # L keys before the w new ones
+    score_fn = ix.indexer_scores if cuda else ix.indexer_scores_ref
+    out = {}
+
+    def scores():
+        out["s"] = score_fn(q8, qs, wt, k8, ks, lens)
+
+    impl = getattr(next((m for m in model.modules() if hasattr(m, "topk_impl")), None), "topk_impl", "torch")
+
+    def topk():  # the top-k the fast path runs (`FastMLA.topk_impl`); torch.topk on the reference path
+        if cuda and impl != "torch":
+            from ..kernels.topk import radix_topk
+
+            out["i"] = radix_topk(out["s"], lens, cfg.index_topk)
+        else:
+            out["i"] = ix.topk_from_scores(out["s"], cfg.index_topk)
+
+    res = {}
+    for name, fn in (("scores", scores), ("topk", topk)):
+        fn()
+        if cuda:
+            graph = capture_graph(fn)
+            res[f"{name}_us_per_layer"] = time_fn(graph.replay) * 1e3
+            del graph
+        else:
+            res[f"{name}_us_per_layer"] = time_fn(fn) * 1e3
+    res["topk_impl"] = impl if cuda else "torch"
+    res["layers"] = cfg.num_hidden_layers
+    res["ms_per_step"] = (res["scores_us_per_layer"] + res["topk_us_per_layer"]) * cfg.num_hidden_layers / 1e3
+    return res
+
+
+@torch.no_grad()
+def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_fn, world: int) -> dict:
+    """One context length: cache filled to L, then per width w = 1..K+1 the counted eager step, the graph
+    time, floor, kernels, and the indexer alone."""
+    from ..checkpoint.synthetic import fill_cache_random
+
+    from ..draft.tree import TreeShape
+
+    cfg, B, K = model.cfg, args.batch, args.k
+    shapes = [TreeShape.parse(t) for t in args.trees]
+    cache = fill_cache_random(model.new_cache(B, L + max([K + 1] + [t.n_nodes for t in shapes])), L,
+                              seed=args.seed + L)
+    base = cache.seq_lens.clone()
+    g = torch.Generator().manual_seed(args.seed + 1)
+    ids = torch.randint(0, cfg.vocab_size, (B, K + 1), generator=g).to(model.device)
+    widths, indexer = {}, {}
+    for w in range(1, K + 2):
+        blk = ids[:, :w]
+
+        def fwd():
+            cache.truncate(base)
+            model(blk, cache, kv_len=L + w)
+
+        forced = force_busiest(model, args, B * w, world) if getattr(args, "route", "measured") == "busiest" else None
+        comm.reset()
+        seen, hooks = count_local_experts(model)
+        try:
+            fwd()  # the counted eager step (graph replays run no Python)
+        finally:
+            for h in hooks:
+                h.remove()
+        touched = {li: len(s) for li, s in seen.items()}
+        r: dict = {"collectives": dict(comm.counts),
+                   "local_experts_touched": {"per_moe_layer": [touched[li] for li in sorted(touched)],
+                                             "mean": statistics.mean(touched.values()) if touched else 0.0,
+                                             "expected_uniform_routing": expected_local_experts(cfg, world, B * w)}}
+        if forced:
+            r["busiest_rank"] = forced
+        if args.eager or not cuda:
+            r["eager_ms"] = time_fn(fwd)
+        if cuda:
+            graph = capture_graph(fwd)
+            r["graph_ms"] = time_fn(graph.replay)
+            prof = kernel_profile(graph.replay, steps=3, top=40)
+            del graph
+            r["kernels_per_step"] = prof["kernels_per_step"]
+            r["kernels_per_layer"] = prof["kernels_per_step"] / cfg.num_hidden_layers
+            r["kernel_us_per_step"] = prof["kernel_us_per_step"]
+            if args.profile:
+                r["profile_top"] = prof["top"]
+        step_ms = r.get("graph_ms", r.get("eager_ms"))
+        by = rank_floor(model, touched, L + w, B)
+        r["floor_bytes"] = by
+        if bw:
+            r["floor_ms"] = by["total"] / bw * 1e3
+            r["pct_of_floor"] = 100 * r["floor_ms"] / step_ms
+        widths[w] = r
+        indexer[w] = indexer_alone(model, cache, L, w, time_fn, cuda)
+        log(f"  L={L} w={w}: {'graph' if cuda else 'eager'} {step_ms:.3f} ms, "
+            f"{r['collectives']['all_reduce']} all-reduce + {r['collectives']['all_gather']} all-gather, "
+            f"floor {by['total'] / 1e9:.2f} GB" + (f" ({r['pct_of_floor']:.1f}% of it)" if bw else "")
+            + (f", {r['kernels_per_step']:.0f} kernels" if cuda else ""))
+    trees = {t.name: tree_verify(model, comm, cache, t, L, cuda, bw, args) for t in shapes}
+    del cache
+    out = {"cache": f"random valid FP8 entries at {L} positions (fill_cache_random; no prefill was run)",
+           "widths": widths, "indexer": indexer}
+    if trees:
+        out["trees"] = trees
+    return out
+
+
+@torch.no_grad()
+def tree_verify(model, comm, cache, shape, L: int, cuda: bool, bw: float | None, args) -> dict:
+    """The target verify over a tree's N nodes at context L, and the causal verify of a chain of the same N
+    tokens: graph ms (a few replays), ms and floor bytes per node (local experts counted on an eager call), the
+    tree verify's collectives."""
+    from .timing import tree_row, tree_verify_fns
+
+    time_fn = timer(cuda, min(args.iters, 5), 2)
+    N, ms, floor = shape.n_nodes, {}, {}
+    for kind, fn in tree_verify_fns(model, cache, L, shape, args.seed).items():
+        comm.reset()
+        seen, hooks = count_local_experts(model)
+        try:
+            fn()
+        finally:
+            for h in hooks:
+                h.remove()
+        floor[kind] = rank_floor(model, {li: len(s) for li, s in seen.items()}, L + N, cache.batch)["total"]
+        if kind == "tree":
+            collectives = dict(comm.counts)
+        if cuda:
+            graph = capture_graph(fn)
+            ms[kind] = time_fn(graph.replay)
+            del graph
+        else:
+            ms[kind] = time_fn(fn)
+    row = tree_row(shape, ms, floor, model.runtime.absorb_max_tokens)
+    row["collectives"] = collectives
+    if bw:
+        row["floor_ms"] = floor["tree"] / bw * 1e3
+        row["pct_of_floor"] = 100 * row["floor_ms"] / ms["tree"]
+    log(f"  L={L} tree {shape.name} (N={N}): {ms['tree']:.3f} ms ({ms['tree'] / N:.3f} per node), chain of {N}: "
+        f"{ms['chain']:.3f} ms; floor {floor['tree'] / N / 1e6:.1f} MB per node")
+    return row
+
+
+@torch.no_grad()
+def spec_steps(model, args, L: int, cuda: bool) -> dict:
+    """Whole speculative steps (draft K + verify K+1 + accept + commit) through `mtp.generate` at context L:
+    plain, eagle and vanilla k = 1..K (vanilla past the checkpoint's MTP modules repeats the last one); and the
+    eagle tree step of every --trees shape (`generate_tree`). As for the chains, the first call captures the step
+    (kept per model and settings) and the second, timed, replays it."""
+    from ..decode.engine import generate, release
+    from ..decode.tree import generate_tree
+    from ..draft.tree import TreeShape
+
+    g = torch.Generator().manual_seed(args.seed + 2)
+    prompts = torch.randint(0, model.cfg.vocab_size, (args.batch, L), generator=g).tolist()
+    modes = args.spec_modes if cuda else ("eager",)
+    runs = [("none", 0)] + [(d, k) for d in ("eagle", "vanilla") for k in range(1, args.k + 1)]
+    out = {}
+    for draft, k in runs:
+        opts = {"reuse_modules": True} if draft == "vanilla" and k > model.n_mtp else {}
+        for mode in modes:
+            t0 = time.perf_counter()
+            if mode != "eager":  # the first call captures the step (kept by generate); the second is timed
+                generate(model, prompts, 4, draft=draft, k=k or None, mode=mode, **opts)
+            m = generate(model, prompts, args.new_tokens, draft=draft, k=k or None, mode=mode, **opts).metrics
+            steps = max(m.target_forwards, 1)
+            out[f"{draft}_k{k}_{mode}"] = {
+                "draft": draft, "k": k, "mode": mode, "steps": m.target_forwards,
+                "step_ms_wall": m.time_decode_s / steps * 1e3,
+                "gpu_step_ms": m.gpu_busy_ms / m.graph_replays if m.graph_replays else None,
+                "AL_random_weights": m.mean_accepted_len}
+            log(f"  spec {draft} k={k} {mode}: {out[f'{draft}_k{k}_{mode}']['step_ms_wall']:.3f} ms/step wall "
+                f"({time.perf_counter() - t0:.1f} s)")
+        release(model)
+    for name in args.trees:  # whole eagle tree steps (graph / overlap: the step captured per shape)
+        shape = TreeShape.parse(name)
+        for mode in modes:
+            key = f"tree_{name}_{mode}"
+            try:
+                if mode != "eager":
+                    generate_tree(model, prompts, shape, 4, draft="eagle", mode=mode)
+                m = generate_tree(model, prompts, shape, args.new_tokens, draft="eagle", mode=mode).metrics
+            except Exception as e:  # keep the chains' numbers; the error and its stack are in the JSON and printed
+                out[key] = {"tree": name, "mode": mode, "error": repr(e)[:500],
+                            "traceback": traceback.format_exc()[-4000:]}
+                log(f"  spec tree {name} {mode} failed: {out[key]['error']}\n{out[key]['traceback']}")
+                continue
+            steps = max(m.target_forwards, 1)
+            out[key] = {"draft": "eagle", "tree": name, "k": shape.max_depth, "nodes": shape.n_nodes, "mode": mode,
+                        "steps": m.target_forwards, "graph_captures": m.graph_captures,
+                        "step_ms_wall": m.time_decode_s / steps * 1e3,
+                        "gpu_step_ms": m.gpu_busy_ms / m.graph_replays if m.graph_replays else None,
+                        "AL_random_weights": m.mean_accepted_len}
+            log(f"  spec tree {name} {mode}: " + (f"GPU {out[key]['gpu_step_ms']:.3f} ms/step" if m.graph_replays else
+                                                  f"{out[key]['step_ms_wall']:.3f} ms/step wall"))
+        release(model)  # a kept tree engine holds its buffers and graphs
+    return {"prompt_len": L, "modes": tuple(modes), "runs": out,
+            "note": "generate() / generate_tree() with a real prefill of a random prompt of this length"}
+
+
+@torch.no_grad()
+def draft_collectives(model, comm) -> dict:
+    """Collectives of one MTP-module forward (one draft forward), counted on an eager call."""
+    cache = model.new_cache(1, 8, n_layers=1)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    h = torch.zeros(1, 1, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
+    comm.reset()
+    model.mtp_forward(0, ids, h, cache, kv_len=1)
+    return dict(comm.counts)
