@@ -234,4 +234,4 @@ def set_allreduce(model: DeepseekV32, impl: str) -> None:
                          f"to switch to {impl!r}")
     for comm in comms.values():
         comm.set_allreduce(impl, model.model.norm.weight.device)
-    model.version += 1
+    model.bump_version()  # graphs captured with the other all-reduce must not be replayed
