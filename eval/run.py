@@ -191,8 +191,8 @@ def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tok
 
 def _check_lengths(cfg: EvalConfig, model, prompts: list[Prompt], ids: dict[str, list[int]], k: int,
                    tree: str | None = None) -> None:
-    from mtp.decode.options import draft_room  # the engine's buffer: prompt + max_new_tokens + draft room
-    from mtp.draft.tree import TreeShape
+    from mtp.spec.options import draft_room  # the engine's buffer: prompt + max_new_tokens + draft room
+    from mtp.spec.tree_shape import TreeShape
 
     limit = model.cfg.max_position_embeddings - draft_room(k, None if tree is None else TreeShape.parse(tree).n_nodes)
     what = "the model's max_position_embeddings (minus draft room)"

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..draft.config import DraftConfig
-from ..draft.tree import TreeShape
-from ..verify.params import SPAN_RULES, SamplingParams
-from .options import MODES, VERIFIERS, OptionError, is_int, is_number
+from ..spec.tree_shape import TreeShape
+from ..spec.options import SPAN_RULES, SamplingParams
+from ..spec.options import MODES, VERIFIERS, OptionError, is_int, is_number
 
 if TYPE_CHECKING:
     from ..model.deepseek import DeepseekV32
@@ -163,7 +163,7 @@ def _draft_vocab(v) -> tuple[int, ...] | None:
 
 def row_seeds(seed, B: int) -> list[int]:
     """Per-row sampling seeds: `seed` + row index for an int, else one int per prompt (a row's output then
-    depends only on its prompt and its seed: mtp/verify/rng.py)."""
+    depends only on its prompt and its seed: mtp/spec/draws.py)."""
     if isinstance(seed, bool) or not isinstance(seed, int) and not isinstance(seed, Sequence):
         raise ValueError(f"seed must be an int or one int per prompt, got {seed!r}")
     if isinstance(seed, int):

@@ -32,7 +32,7 @@ from ..draft.proposer import Proposer, pick_hidden
 from ..model.deepseek import DeepseekV32
 from ..verify import (Verdict, prompt_think_state, relaxed_verify, sampling_verify, strict_verify, typical_verify,
                       update_think_state)
-from ..verify.rng import RowDraws
+from ..spec.draws import RowDraws
 from .accept import accept, commit
 from .config import GenerationConfig, row_seeds
 from .health import NonFiniteError, logits_nonfinite, raise_nonfinite

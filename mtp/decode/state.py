@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from ..model.deepseek import DeepseekV32
-from ..verify.rng import seed_tensor
+from ..spec.draws import seed_tensor
 from .config import GenerationConfig
-from .options import draft_room
+from ..spec.options import draft_room
 
 
 def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
@@ -63,7 +63,7 @@ class DecodeState:
     p0_B: torch.Tensor  # draft window start
     finished_B: torch.Tensor
     think_B: torch.Tensor  # inside a thinking span after the last committed token
-    seed_B: torch.Tensor  # int64 sampling seed per row (mtp/verify/rng.py)
+    seed_B: torch.Tensor  # int64 sampling seed per row (mtp/spec/draws.py)
     hist_K1: torch.Tensor  # accepted-count histogram (device)
     relaxed_only: torch.Tensor
     row_steps: torch.Tensor

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..draft.proposer import pick_hidden
-from ..draft.tree import TreeShape
+from ..spec.tree_shape import TreeShape
 from ..draft.tree_proposer import TreeProposer, sampled_children, topk_children
 from ..model.deepseek import DeepseekV32
 from ..verify import (SamplingParams, tree_relaxed_verify, tree_sampling_verify, tree_strict_verify,

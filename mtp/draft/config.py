@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..decode.options import DRAFTS, MAX_K, OptionError, is_int, is_number
-from .tree import TreeShape
+from ..spec.options import DRAFTS, MAX_K, OptionError, is_int, is_number
+from ..spec.tree_shape import TreeShape
 
 HIDDEN = ("normed", "prenorm")  # a module's hidden after its final norm | before it
 DRAFT_SAMPLING = ("greedy", "sample")  # the argmax | a draw from the draft distribution (sampling verifier)

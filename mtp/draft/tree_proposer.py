@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from ..model.deepseek import DeepseekV32
-from ..verify.sampling import sample
+from ..spec.draws import sample
 from .proposer import DraftConfig, pick_hidden
-from .tree import TreeShape
+from ..spec.tree_shape import TreeShape
 
 
 @dataclass

@@ -20,7 +20,7 @@ import os
 import sys
 
 from ..checkpoint.files import CheckpointError
-from ..decode.options import DRAFTS, MODES, VERIFIERS, OptionError
+from ..spec.options import DRAFTS, MODES, VERIFIERS, OptionError
 from ..model.config import NUMERICS, ConfigError
 from ..preflight import PreflightError, preflight
 from .layout import MLP_SPLITS

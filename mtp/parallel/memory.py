@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..model.cache import KVCache
-from ..decode.options import DRAFTS
+from ..spec.options import DRAFTS
 from ..model.config import BLOCK, NUMERICS, ConfigError, ModelConfig
 from .layout import MLP_SPLITS, ParallelPlan, RankLayout
 from .reblock import scale_rows

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .common import Verdict, prefix_len
-from .params import SPAN_RULES
+from ..spec.options import SPAN_RULES
 
 
 def update_think_state(think_B: torch.Tensor, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,

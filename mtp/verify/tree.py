@@ -1,4 +1,4 @@
-"""Tree verifiers: pure functions choosing the accepted root-to-node path of a draft tree (mtp.draft.tree).
+"""Tree verifiers: pure functions choosing the accepted root-to-node path of a draft tree (mtp.spec.tree_shape).
 
 Shape legend: B batch, N tree nodes (node 0 = the root, the last committed token), A = max depth + 1, V vocabulary.
 
@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..draft.tree import TreeTensors
-from .sampling import SamplingParams, filter_probs, sample
+from ..spec.tree_shape import TreeTensors
+from ..spec.draws import filter_probs, sample
+from ..spec.options import SamplingParams
 from .typical import typical_ok
 
 

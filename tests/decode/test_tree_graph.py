@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mtp.decode.tree import generate_tree
-from mtp.draft.tree import TreeShape
+from mtp.spec.tree_shape import TreeShape
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from mtp.decode.config import GenerationConfig
 from mtp.decode.engine import generate, release
 from mtp.decode.graphs import GraphRunner
 from mtp.decode.tree import TreeEngine, TreeStatePool, generate_tree
-from mtp.draft.tree import TreeShape
+from mtp.spec.tree_shape import TreeShape
 from mtp.draft.tree_proposer import TreeProposer
 
 from .prompts import random_prompts

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from mtp.decode.engine import CHAIN_VERIFIERS
-from mtp.decode.options import VERIFIERS
+from mtp.spec.options import VERIFIERS
 from mtp.decode.tree import TREE_VERIFIERS
-from mtp.draft.tree import TreeShape
+from mtp.spec.tree_shape import TreeShape
 from mtp.verify import tree_typical_verify, typical_verify
 
 # Position j's target distribution (V = 3). Entropies: H0 = 0.8018 (exp(-H0) = 0.4485), H1 = 0.8557 (0.4250).
@@ -61,7 +61,7 @@ def test_generate_runs_typical_on_chains_and_trees_and_refuses_unknown_names(tin
     import mtp
     from mtp.decode.config import GenerationConfig
     from mtp.decode.engine import Engine
-    from mtp.decode.options import OptionError
+    from mtp.spec.options import OptionError
 
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
     for tree in (None, "2x1"):
