@@ -23,7 +23,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from mtp.decode.config import GenerationConfig
-from mtp.spec.options import DRAFTS, MLP_SPLITS, MODES, OptionError
+from mtp.draft.modes import DRAFTS
+from mtp.spec.options import MLP_SPLITS, MODES, OptionError
 from mtp.draft.config import DRAFT_SAMPLING, HIDDEN
 from mtp.spec.options import SPAN_RULES
 

@@ -11,8 +11,6 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-DRAFTS = ("none", "vanilla", "eagle")
-VERIFIERS = ("strict", "relaxed", "sample", "typical")
 MLP_SPLITS = ("blocks", "even")  # how a model split over ranks cuts its MLPs (mtp.parallel.layout)
 MODES = ("eager", "graph", "overlap")  # eager | graph (whole step in one CUDA graph) | overlap (graph + pipelined host)
 MAX_K = 16  # the most drafts per step a GenerationConfig takes: far past the point where position k is still accepted

@@ -60,3 +60,9 @@ def sampling_verify(draft_BK: torch.Tensor, q_BKV: torch.Tensor | None, logits_B
     pos = torch.arange(K, device=p.device).unsqueeze(0)
     relaxed_only = ((pos < a.unsqueeze(1)) & ~exact).long().sum(dim=1)
     return Verdict(a, nxt, relaxed_only)
+
+
+def chain(g, drafts_BK, q_BKV, logits_BKV, think_B, rng) -> Verdict:
+    """The engine's call (mtp.verify.registry). Draft ids are checked on the CPU only: on CUDA the check would add
+    a host sync to every step (the proposers draw inside the vocabulary)."""
+    return sampling_verify(drafts_BK, q_BKV, logits_BKV, g.sampling, rng, check_ids=logits_BKV.device.type == "cpu")

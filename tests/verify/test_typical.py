@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtp.decode.engine import CHAIN_VERIFIERS
-from mtp.spec.options import VERIFIERS
-from mtp.decode.tree import TREE_VERIFIERS
+from mtp.verify.registry import VERIFIER_REGISTRY, VERIFIERS
 from mtp.spec.tree_shape import TreeShape
 from mtp.verify import tree_typical_verify, typical_verify
 
@@ -53,8 +51,10 @@ def test_tree_takes_the_deepest_path_whose_nodes_all_pass():
     assert tree_typical_verify(tt, torch.tensor([[2, 0, 1, 1]]), logits, 1.0, 0.09, 0.3, live).accept_len_B.item() == 1
 
 
-def test_every_verifier_name_is_registered_for_chains_and_trees():
-    assert tuple(CHAIN_VERIFIERS) == VERIFIERS and tuple(TREE_VERIFIERS) == VERIFIERS
+def test_every_built_in_verifier_has_a_chain_and_a_tree_rule():
+    assert VERIFIERS == ("strict", "relaxed", "sample", "typical")
+    for v in VERIFIER_REGISTRY.values():
+        assert callable(v.chain_rule()) and callable(v.tree_rule())
 
 
 def test_generate_runs_typical_on_chains_and_trees_and_refuses_unknown_names(tiny_model):
@@ -74,7 +74,5 @@ def test_generate_runs_typical_on_chains_and_trees_and_refuses_unknown_names(tin
         GenerationConfig.from_options(4, "eagle", 1, verify="typical", posterior_alpha=0.0)
     g = GenerationConfig.from_options(4, "eagle", 1)
     object.__setattr__(g, "verify", "medusa")  # past the option check: the registry itself must refuse
-    eng = Engine.__new__(Engine)
-    eng.g = g
-    with pytest.raises(ValueError, match="'medusa' is not a chain verifier"):
-        eng.verify(torch.zeros(1, 1, dtype=torch.long), None, torch.zeros(1, 2, 8), None, None)
+    with pytest.raises(OptionError, match="verify must be one of strict, relaxed, sample, typical, got 'medusa'"):
+        Engine(tiny_model, g)
