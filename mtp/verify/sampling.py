@@ -42,7 +42,8 @@ def sampling_verify(draft_BK: torch.Tensor, q_BKV: torch.Tensor | None, logits_B
         q_BKV = torch.zeros_like(p[:, :K]).scatter_(2, draft_BK.unsqueeze(-1), 1.0)
     p_d = p[:, :K].gather(2, draft_BK.unsqueeze(-1)).squeeze(-1)
     q_d = q_BKV.gather(2, draft_BK.unsqueeze(-1)).squeeze(-1)
-    u = uniforms(rng, (B, K), ACCEPT, p.device)
+    # no drafts (the prefill's first token): no acceptance draws, so a torch.Generator is not advanced by them
+    u = uniforms(rng, (B, K), ACCEPT, p.device) if K else p_d
     ok = u * q_d < p_d  # u < p/q without dividing by a zero q
     a = prefix_len(ok)
     # Distribution of the token after the accepted prefix: residual at the first miss, p_K after all K.
