@@ -6,7 +6,9 @@ verified input; position 0 checks draft 1) and returns a `Verdict`: accepted cou
 the one token the target adds after them (the correction at the first miss, or the bonus after all K).
 Draft trees have their own verifiers (tree.py): the same rules over the paths of a static tree.
 
-The names below load on first use, so the torch-free options (`mtp.spec.options`) import without torch.
+The verifiers by name, with their chain and tree rules: `registry.py` (torch-free). The names below load on first use;
+`SamplingParams`, `SPAN_RULES` and `filter_probs` live in the shared leaves (mtp/spec/: drafting uses them too)
+and are named here as well, as the verifiers' options.
 """
 
 from __future__ import annotations
