@@ -41,7 +41,8 @@ class StepLog:
             self.made[b] += len(new)
 
     def hists(self, k: int) -> list[list[int]]:
-        """Accepted-count histogram [k+1] per row."""
+        """Accepted-count histogram [k+1] per row, rebuilt from the events: what `GenerateResult.row_accepted_hist`
+        (the engine's device counters, which mtp-eval records) must equal (tests/eval/test_run.py)."""
         out = [[0] * (k + 1) for _ in self.rows]
         for hist, steps in zip(out, self.rows):
             for _, a in steps:

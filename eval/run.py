@@ -117,9 +117,9 @@ def prompt_seed(seed: int, prompt_id: str) -> int:
 
 
 def _call(model, batch: list[Prompt], ids: list[list[int]], max_new_tokens: int, kw: dict):
-    """One generate call: (result, accepted-count histogram per row, wall seconds, [output position, accepted]
-    per verify step per row). The engine's histogram covers the batch, so with several rows each row's accepted
-    counts come from the step events. A run with draft.tree goes to the tree decoder (eval/trees.py)."""
+    """One generate call: (result, accepted-count histogram per row -- the engine's own, `row_accepted_hist`, which
+    the step events agree with (tests/eval) --, wall seconds, [output position, accepted] per verify step per row).
+    A run with draft.tree goes to the tree decoder (eval/trees.py)."""
     import mtp
 
     from .breakdown import StepLog
@@ -127,15 +127,13 @@ def _call(model, batch: list[Prompt], ids: list[list[int]], max_new_tokens: int,
     if "seed" in kw:  # verify=sample: each prompt its own seed, so its output does not depend on the batching
         kw = {**kw, "seed": [prompt_seed(kw["seed"], p.id) for p in batch]}
     steps = StepLog(len(ids))
-    if "tree" in kw:
-        t0 = time.perf_counter()
-        res, row_hist = trees.generate(model, ids, max_new_tokens, kw, on_step=steps)
-        return res, row_hist, time.perf_counter() - t0, steps.rows
     t0 = time.perf_counter()
-    res = mtp.generate(model, ids, max_new_tokens, on_step=steps, **kw)
+    if "tree" in kw:
+        res, _ = trees.generate(model, ids, max_new_tokens, kw, on_step=steps)
+    else:
+        res = mtp.generate(model, ids, max_new_tokens, on_step=steps, **kw)
     wall = time.perf_counter() - t0
-    row_hist = [list(res.metrics.accepted_hist)] if len(ids) == 1 else steps.hists(kw["k"])
-    return res, row_hist, wall, steps.rows
+    return res, res.row_accepted_hist, wall, steps.rows
 
 
 def _records(tok, batch: list[Prompt], ids: list[list[int]], name: str, calls: list) -> list[dict]:
@@ -192,8 +190,8 @@ def run_batch(model, tok, batch: list[Prompt], ids: list[list[int]], max_new_tok
 
 def _check_lengths(cfg: EvalConfig, model, prompts: list[Prompt], ids: dict[str, list[int]], k: int,
                    tree: str | None = None) -> None:
-    from mtp.decode.options import draft_room  # the engine's buffer: prompt + max_new_tokens + draft room
-    from mtp.draft.tree import TreeShape
+    from mtp.spec.options import draft_room  # the engine's buffer: prompt + max_new_tokens + draft room
+    from mtp.spec.tree_shape import TreeShape
 
     limit = model.cfg.max_position_embeddings - draft_room(k, None if tree is None else TreeShape.parse(tree).n_nodes)
     what = "the model's max_position_embeddings (minus draft room)"

@@ -23,10 +23,11 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from mtp.decode.config import GenerationConfig
-from mtp.decode.options import DRAFTS, MLP_SPLITS, MODES, OptionError
+from mtp.draft.modes import DRAFTS
+from mtp.spec.options import MLP_SPLITS, MODES, OptionError
 from mtp.draft.config import DRAFT_SAMPLING, HIDDEN
 from mtp.placement import EXPERT_LAYOUTS
-from mtp.verify.params import SPAN_RULES
+from mtp.spec.options import SPAN_RULES
 
 
 class SchemaError(ValueError):
@@ -95,7 +96,7 @@ class DraftSchema:
     vocab_file: Optional[str] = None  # draft vocabulary (python -m mtp.draft.vocab): the head scores only its
     # ids (ignored with draft=none)
     vocab_size: Optional[int] = None  # ... only its first vocab_size ids (null: all of them)
-    tree: Optional[str] = None  # draft tree (mtp.draft.tree.TreeShape.parse: '2x1x1', '0/1/0.0'): the run decodes
+    tree: Optional[str] = None  # draft tree (mtp.spec.tree_shape.TreeShape.parse: '2x1x1', '0/1/0.0'): the run decodes
     # with mtp.decode.tree (any runtime.mode), and the tree's depth replaces k
     min_draft_prob: float = 0.0  # adaptive draft length (with a tree): nodes drafted below this probability die
 
@@ -115,7 +116,7 @@ def _tree_depth(d: DraftSchema) -> int:
     """The depth of draft.tree (the shape is parsed where it is defined, with its own error naming the value)."""
     if d.name == DraftName.none:
         _fail("draft.tree", d.tree, "null with draft=none (plain decoding drafts nothing)")
-    from mtp.draft.tree import TreeShape  # imports torch: only for tree runs
+    from mtp.spec.tree_shape import TreeShape  # imports torch: only for tree runs
 
     try:
         return TreeShape.parse(d.tree).max_depth

@@ -4,7 +4,7 @@
     out = mtp.generate(model, [prompt_ids], max_new_tokens=128, draft="eagle", k=2, verify="strict")
     out.tokens, out.metrics.mean_accepted_len
 
-The names below load on first use, so `import mtp` (or a torch-free module such as `mtp.decode.options`) does
+The names below load on first use, so `import mtp` (or a torch-free module such as `mtp.spec.options`) does
 not import torch.
 """
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from .checkpoint.files import resolve_n_mtp
-from .decode.options import OptionError
+from .spec.options import OptionError
 from .draft.config import DraftConfig
 from .model.config import ModelConfig
 from .text.tokenizer import Tokenizer, match_model

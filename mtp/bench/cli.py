@@ -128,7 +128,7 @@ def bench_ours(args, bw: float) -> dict:
 def bench_trees(model, args, bw: float) -> dict:
     """Per `--trees` shape: the tree verify and the chain verify of the same node count after a prefill of
     --prompt-len tokens (graph ms over a few replays, bytes from `step_bytes` with the experts the nodes chose)."""
-    from ..draft.tree import TreeShape
+    from ..spec.tree_shape import TreeShape
     from .timing import tree_row, tree_verify_fns
 
     shapes = [TreeShape.parse(t) for t in args.trees]
@@ -256,7 +256,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--collective-json", default=None,
                     help="--tp N projection: measured collective latencies (python -m mtp.bench.collectives)")
     ap.add_argument("--trees", default=None, metavar="SHAPES",
-                    help="comma list of draft-tree shapes ('chain3', '2x2', '4x1x1': mtp.draft.tree.TreeShape.parse): "
+                    help="comma list of draft-tree shapes ('chain3', '2x2', '4x1x1': mtp.spec.tree_shape.TreeShape.parse): "
                          "also time the target verify of each tree beside a chain of the same node count")
     ap.add_argument("--tree-al", nargs="+", default=[], metavar="SHAPE=AL",
                     help="--tp N projection: the acceptance length of --trees shapes (e.g. 2x2=2.9, measured with "
@@ -328,7 +328,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _tree_names(ap: argparse.ArgumentParser, spec: str | None) -> list[str]:
     """--trees as canonical shape names (validated here, parsed again where timed: the JSON keeps the names)."""
-    from ..draft.tree import TreeShape
+    from ..spec.tree_shape import TreeShape
 
     if not spec:
         return []

@@ -103,7 +103,7 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
     time, floor, kernels, and the indexer alone."""
     from ..checkpoint.synthetic import fill_cache_random
 
-    from ..draft.tree import TreeShape
+    from ..spec.tree_shape import TreeShape
 
     cfg, B, K = model.cfg, args.batch, args.k
     shapes = [TreeShape.parse(t) for t in args.trees]
@@ -212,7 +212,7 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
     (kept per model and settings) and the second, timed, replays it."""
     from ..decode.engine import generate, release
     from ..decode.tree import generate_tree
-    from ..draft.tree import TreeShape
+    from ..spec.tree_shape import TreeShape
 
     g = torch.Generator().manual_seed(args.seed + 2)
     prompts = torch.randint(0, model.cfg.vocab_size, (args.batch, L), generator=g).tolist()

@@ -32,7 +32,9 @@ from .tools import TOOLS_HELP, describe_calls, load_tools, read_tool_calls, tool
 from ..decode.config import GenerationConfig
 from ..decode.engine import StepEvent, stops
 from ..decode.metrics import SpecMetrics
-from ..decode.options import DRAFTS, MAX_K, VERIFIERS, OptionError, draft_room
+from ..draft.modes import DRAFTS
+from ..spec.options import MAX_K, OptionError, draft_room
+from ..verify.registry import VERIFIERS
 from ..draft.config import DraftConfig
 from ..text.dsml import CompletionFormatError
 from ..text.prompt import encode_chat

@@ -1,11 +1,14 @@
-"""Accept and commit: what a verified step keeps, and writing it into the decode state (with the rollback).
+"""Accept and commit: what a verified step keeps, and writing it into the decode state (with the rollback); one
+implementation for chains and trees.
 
-Shape legend: B batch, K drafts, K1 = K + 1 candidate tokens per row.
+Shape legend: B batch, K drafts (a tree's depth), K1 = K + 1 candidate tokens per row, A = K1 nodes on a tree path.
 
 `accept` is a pure function of tensors: the verdict's accepted prefix plus the target's token, cut at the
-first stop token and at the row's remaining budget, nothing for finished rows. `commit` writes that into the
-`DecodeState` in place (tokens, lengths, finished flags, thinking state, the draft window start) and rolls
-the target cache back to n - 1 positions by lowering its lengths: no copy.
+first stop token and at the row's remaining budget, nothing for finished rows (a tree step passes the drafts along
+its verdict's path: the path gather is the caller's). `commit` writes that into the `DecodeState` in place (tokens,
+lengths, finished flags, thinking state) and rolls the target cache back to n - 1 positions: a chain by lowering
+its lengths (no copy; then the draft window start moves), a tree by moving its kept path's slots into place
+(`KVCache.compact`, given the path). `count` adds the step to the device counters both keep.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..verify import Verdict, update_think_state
+from ..verify.common import Verdict
+from ..verify.relaxed import update_think_state
 from .state import DecodeState
 
 
@@ -29,7 +33,8 @@ class Accepted:
 
 def accept(drafts_BK: torch.Tensor, verdict: Verdict, active_B: torch.Tensor, stop_ids: torch.Tensor,
            room_B: torch.Tensor) -> Accepted:
-    """room_B: tokens a row may still generate (max_new_tokens - generated)."""
+    """room_B: tokens a row may still generate (max_new_tokens - generated). `verdict`: a chain's `Verdict` or a
+    tree's `TreeVerdict` (whose `drafts_BK` are the tokens along its path past the root)."""
     K = drafts_BK.shape[1]
     ar = torch.arange(K + 1, device=drafts_BK.device)
     rows = torch.arange(drafts_BK.shape[0], device=drafts_BK.device)
@@ -45,15 +50,33 @@ def accept(drafts_BK: torch.Tensor, verdict: Verdict, active_B: torch.Tensor, st
     return Accepted(new_BK1, a_B, keep_B, kept_BK1, (is_stop & kept_BK1).any(1))
 
 
-def commit(st: DecodeState, acc: Accepted, think_ids: tuple[int, int] | None, window: int) -> None:
-    """Write the kept tokens after each row's n, advance n, update finished / thinking, roll the cache back."""
+def commit(st: DecodeState, acc: Accepted, think_ids: tuple[int, int] | None, window: int | None = None,
+           path_BA: torch.Tensor | None = None) -> None:
+    """Write the kept tokens after each row's n, advance n, update finished / thinking, roll the cache back.
+    Chains: `window` (the draft window, whose start follows n). Trees: `path_BA`, the verdict's path (root first),
+    whose cache slots are compacted to n-1.."""
     ar = torch.arange(acc.new_BK1.shape[1], device=st.n_B.device)
     pos = (st.n_B.unsqueeze(1) + ar).clamp_max(st.max_len - 1)
     st.tokens.scatter_(1, pos, torch.where(acc.kept_BK1, acc.new_BK1, st.tokens.gather(1, pos)))
     if think_ids is not None:
         st.think_B.copy_(update_think_state(st.think_B, acc.new_BK1, acc.kept_BK1, *think_ids))
+    if path_BA is not None:  # the path's slots, written at n-1+node, move to n-1.. before n moves
+        st.cache.compact(st.n_B - 1, path_BA, acc.keep_B)
     st.n_B.add_(acc.keep_B)
     st.gen_B.add_(acc.keep_B)
     st.finished_B.copy_(st.finished_B | acc.stopped_B | (st.gen_B >= st.max_new_B))
-    st.cache.truncate(st.n_B - 1)
-    st.p0_B.copy_((st.n_B - 1 - window).clamp_min(0))
+    if path_BA is None:
+        st.cache.truncate(st.n_B - 1)
+    if window is not None:
+        st.p0_B.copy_((st.n_B - 1 - window).clamp_min(0))
+
+
+def count(st: DecodeState, acc: Accepted, relaxed_only_B: torch.Tensor, active_B: torch.Tensor) -> None:
+    """The step's device counters (no sync; only rows active at its start count) and its outputs for the host."""
+    on_B = active_B.long()
+    st.hist_BK1.scatter_add_(1, acc.accepted_B.unsqueeze(1), on_B.unsqueeze(1))
+    st.relaxed_only.add_((relaxed_only_B * on_B).sum())
+    st.row_steps.add_(on_B.sum())
+    st.new_BK1.copy_(acc.new_BK1)
+    st.keep_B.copy_(acc.keep_B)
+    st.acc_B.copy_(torch.minimum(acc.accepted_B, acc.keep_B))

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..draft.config import DraftConfig
-from ..draft.tree import TreeShape
-from ..verify.params import SPAN_RULES, SamplingParams
-from .options import MODES, VERIFIERS, OptionError, is_int, is_number
+from ..draft.modes import drafter
+from ..spec.options import MODES, SPAN_RULES, OptionError, SamplingParams, is_int, is_number
+from ..spec.tree_shape import TreeShape
+from ..verify.registry import Verifier, verifier
 
 if TYPE_CHECKING:
     from ..model.deepseek import DeepseekV32
@@ -32,7 +33,7 @@ OPTIONS = frozenset({"top_n", "delta", "think_ids", "span_rule", "temperature", 
 class GenerationConfig:
     max_new_tokens: int = 64
     draft: DraftConfig = field(default_factory=DraftConfig)
-    verify: str = "strict"
+    verify: str = "strict"  # a registered verifier's name (mtp.verify.registry; a registered Verifier is taken too)
     top_n: int = 10  # relaxed
     delta: float = 0.6  # relaxed, probability space
     think_ids: tuple[int, int] | None = None  # (<think>, </think>) ids, relaxed
@@ -48,10 +49,8 @@ class GenerationConfig:
 
     def __post_init__(self):
         """The rules that need no model (the draft's and sampling's own ran when those were built)."""
-        if not (is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
-            raise OptionError("max_new_tokens", self.max_new_tokens, "an integer >= 1")
-        if self.verify not in VERIFIERS:
-            raise OptionError("verify", self.verify, f"one of {', '.join(VERIFIERS)}")
+        check_max_new_tokens(self.max_new_tokens)
+        object.__setattr__(self, "verify", verifier(self.verify).name)  # unregistered: OptionError naming `verify`
         if not (is_int(self.top_n) and self.top_n >= 1):
             raise OptionError("top_n", self.top_n, "an integer >= 1")
         if not (is_number(self.delta) and 0 <= self.delta <= 1):
@@ -59,8 +58,8 @@ class GenerationConfig:
         for name in ("posterior_threshold", "posterior_alpha"):
             if not (is_number(getattr(self, name)) and 0 < getattr(self, name) <= 1):
                 raise OptionError(name, getattr(self, name), "a probability in (0, 1]")
-        if self.think_ids is None and self.verify == "relaxed":
-            raise OptionError("think_ids", None, "a (<think> id, </think> id) pair with verify='relaxed'",
+        if self.think_ids is None and self.verifier.needs_think_ids:
+            raise OptionError("think_ids", None, f"a (<think> id, </think> id) pair with verify={self.verify!r}",
                               "the relaxed rule only applies inside thinking spans")
         if self.think_ids is not None and not (isinstance(self.think_ids, tuple) and len(self.think_ids) == 2
                                                and all(map(is_int, self.think_ids))):
@@ -69,7 +68,7 @@ class GenerationConfig:
             raise OptionError("span_rule", self.span_rule, f"one of {', '.join(SPAN_RULES)}")
         if not is_int(self.seed):
             raise OptionError("seed", self.seed, "an int", "per-row seeds go to the call")
-        if self.draft.sampling == "sample" and self.verify != "sample":
+        if self.draft.sampling == "sample" and not self.verifier.exact_with_sampled_drafts:
             raise OptionError("draft_sampling", "sample", "'greedy' unless verify='sample'",
                               "sampled drafts stay lossless only under the sampling verifier")
         if self.prefill_chunk is not None and not (is_int(self.prefill_chunk) and self.prefill_chunk >= 1):
@@ -82,8 +81,11 @@ class GenerationConfig:
     def _check_tree(self) -> None:
         """What tree decoding (mtp.decode.tree) serves of the options beyond the draft's own."""
         name = self.draft.tree.name
-        if self.mode != "eager" and self.verify == "sample":
-            raise OptionError("mode", self.mode, f"'eager' with tree {name!r} and verify='sample'",
+        if self.verifier.tree is None:
+            raise OptionError("verify", self.verify, f"a verifier with a tree rule with tree {name!r}",
+                              "mtp.verify.registry: this one verifies chains only")
+        if self.mode != "eager" and not self.verifier.tree_graphs:
+            raise OptionError("mode", self.mode, f"'eager' with tree {name!r} and verify={self.verify!r}",
                               "tree sampling draws from a torch.Generator, which a replayed CUDA graph would not "
                               "advance; graph modes take verify='strict' or 'relaxed'")
         if self.span_rule != "tracked":
@@ -93,11 +95,16 @@ class GenerationConfig:
             raise OptionError("prefill_chunk", self.prefill_chunk, f"None with tree {name!r}",
                               "tree decoding prefills in one pass")
 
+    @property
+    def verifier(self) -> Verifier:
+        """The registered verifier of `verify`: its rules and what it needs."""
+        return verifier(self.verify)
+
     def validate(self, model: DeepseekV32) -> None:
-        """The rules that need the loaded model."""
+        """The rules that need the loaded model. Graph modes need CUDA, for chains and trees alike (one policy:
+        refused, never silently run eagerly)."""
         self.draft.validate(model.n_mtp)
-        # a tree's graph modes run their static-bound step eagerly off CUDA (mtp.decode.tree)
-        if self.mode != "eager" and model.device.type != "cuda" and self.draft.tree is None:
+        if self.mode != "eager" and model.device.type != "cuda":
             raise ValueError(f"mode={self.mode!r} captures CUDA graphs and needs the model on a CUDA device "
                              f"(it is on {model.device}); use mode='eager'")
         V = model.cfg.vocab_size
@@ -109,7 +116,8 @@ class GenerationConfig:
     @classmethod
     def from_options(cls, max_new_tokens: int = 64, draft: str = "none", k: int | None = None,
                      verify: str = "strict", **options) -> "GenerationConfig":
-        """The keyword form of `mtp.generate`. Options: top_n, delta, think_ids, span_rule (relaxed); temperature,
+        """The keyword form of `mtp.generate`: `draft` and `verify` by registered name or object
+        (mtp.draft.modes, mtp.verify.registry). Options: top_n, delta, think_ids, span_rule (relaxed); temperature,
         top_p, top_k, draft_sampling, seed (sampling: an int; a list of per-prompt seeds is taken by `generate`,
         which passes it to the call); reuse_modules, target_hidden, chain_hidden, draft_vocab (drafts:
         token ids or a vocabulary file, `mtp.draft.vocab`; ignored when nothing is drafted); eos_id, stop_ids;
@@ -119,13 +127,14 @@ class GenerationConfig:
         if unknown:
             raise TypeError(f"generate: unknown options {sorted(unknown)}; known: {sorted(OPTIONS)}")
         tree = options.get("tree")
+        drafts = drafter(draft).drafts  # an unregistered draft is refused here, naming `draft`
         if k is None:
-            k = 0 if draft == "none" else _depth(tree) if tree is not None else 1
+            k = 0 if not drafts else _depth(tree) if tree is not None else 1
         dcfg = DraftConfig(mode=draft, k=k, reuse_modules=options.get("reuse_modules", False),
                            target_hidden=options.get("target_hidden", "normed"),
                            chain_hidden=options.get("chain_hidden", "normed"),
                            sampling=options.get("draft_sampling", "greedy"),
-                           vocab=_draft_vocab(options.get("draft_vocab")) if draft != "none" else None,
+                           vocab=_draft_vocab(options.get("draft_vocab")) if drafts else None,
                            tree=tree, min_draft_prob=options.get("min_draft_prob", 0.0))
         # checked whichever the verifier (a bad value is refused even where unused), kept only for 'sample'
         sp = SamplingParams(options.get("temperature", 1.0), options.get("top_k", 0), options.get("top_p", 1.0))
@@ -134,12 +143,18 @@ class GenerationConfig:
                    top_n=options.get("top_n", 10), delta=options.get("delta", 0.6),
                    think_ids=tuple(think) if think is not None else None,
                    span_rule=options.get("span_rule", "tracked"),
-                   sampling=sp if verify in ("sample", "typical") else SamplingParams(),
+                   sampling=sp if verifier(verify).samples else SamplingParams(),
                    posterior_threshold=options.get("posterior_threshold", 0.09),
                    posterior_alpha=options.get("posterior_alpha", 0.3),
                    seed=options.get("seed", 0), eos_id=options.get("eos_id"),
                    stop_ids=tuple(options.get("stop_ids", ())), mode=options.get("mode", "eager"),
                    prefill_chunk=options.get("prefill_chunk"))
+
+
+def check_max_new_tokens(v) -> None:
+    """The one rule of max_new_tokens: a config's and a kept engine's per-call value (Engine.run) alike."""
+    if not (is_int(v) and v >= 1):
+        raise OptionError("max_new_tokens", v, "an integer >= 1")
 
 
 def _depth(tree) -> int:
@@ -163,7 +178,7 @@ def _draft_vocab(v) -> tuple[int, ...] | None:
 
 def row_seeds(seed, B: int) -> list[int]:
     """Per-row sampling seeds: `seed` + row index for an int, else one int per prompt (a row's output then
-    depends only on its prompt and its seed: mtp/verify/rng.py)."""
+    depends only on its prompt and its seed: mtp/spec/draws.py)."""
     if isinstance(seed, bool) or not isinstance(seed, int) and not isinstance(seed, Sequence):
         raise ValueError(f"seed must be an int or one int per prompt, got {seed!r}")
     if isinstance(seed, int):

@@ -32,7 +32,7 @@ from .state import DecodeState
 def capture_graph(fn: Callable[[], None], warmup: int = 2) -> torch.cuda.CUDAGraph:
     """`fn` captured as one CUDA graph, after `warmup` runs on a side stream (lazy inits, allocator, Triton
     autotune happen outside the capture). Sampling inside a step needs no generator: its draws hash (row seed,
-    position, stream) (mtp/verify/rng.py), so a replay draws what an eager step would."""
+    position, stream) (mtp/spec/draws.py), so a replay draws what an eager step would."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -1,21 +1,22 @@
 """The decode state: every tensor a speculative step reads or writes, allocated once per (batch, buffer length)
-and updated in place (so a captured step replays on it), and the pool that keeps a few of them.
+and updated in place (so a captured step replays on it), and the pool that keeps a few of them. One base for chains
+and trees: a tree's state (`TreeState`) adds its own counters.
 
-Shape legend: B batch, S buffer positions, D width, K drafts.
+Shape legend: B batch, S buffer positions, D width, K drafts (a tree's depth), K1 = K + 1, C sibling ranks.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from ..model.deepseek import DeepseekV32
-from ..verify.rng import seed_tensor
+from ..spec.draws import seed_tensor
 from .config import GenerationConfig
-from .options import draft_room
+from ..spec.options import draft_room
 
 
 def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
@@ -63,8 +64,8 @@ class DecodeState:
     p0_B: torch.Tensor  # draft window start
     finished_B: torch.Tensor
     think_B: torch.Tensor  # inside a thinking span after the last committed token
-    seed_B: torch.Tensor  # int64 sampling seed per row (mtp/verify/rng.py)
-    hist_K1: torch.Tensor  # accepted-count histogram (device)
+    seed_B: torch.Tensor  # int64 sampling seed per row (mtp/spec/draws.py)
+    hist_BK1: torch.Tensor  # [B, K1] steps of row b that accepted a drafts (device; GenerateResult.row_accepted_hist)
     relaxed_only: torch.Tensor
     row_steps: torch.Tensor
     new_BK1: torch.Tensor  # last step: candidate tokens; first keep_B of each row were committed
@@ -77,9 +78,22 @@ class DecodeState:
         return self.tokens.shape[0]
 
 
+@dataclass
+class TreeState(DecodeState):
+    """A tree step's state: the chain's, plus the tree's own counters (the proposer is a `TreeProposer`)."""
+
+    rank_DC: torch.Tensor  # [K, C] accepted nodes per depth and sibling rank
+    live_nodes: torch.Tensor  # [] nodes the adaptive length kept, summed over active (row, step) pairs
+
+
+def _extra_fields(st: DecodeState) -> list[str]:
+    """The fields a subclass of `DecodeState` adds (its counters, zeroed per call)."""
+    return [f.name for f in fields(st)][len(fields(DecodeState)):]
+
+
 class StatePool:
-    """The buffers of one engine (a chain's `DecodeState` here; a tree's in mtp/decode/tree.py overrides `_new`
-    and `_reset`): reused when a call has the same batch and rounded length as an earlier one (its captured
+    """The buffers of one engine (`state_cls` with the fields `extras(B)` gives beyond `DecodeState`'s, all zeroed
+    per call; a tree's `TreeState`): reused when a call has the same batch and rounded length as an earlier one (its captured
     step graph then replays as is), else allocated; the least recently used dropped past
     `MAX_STATES`, with `on_drop(key)` (the graph runner drops that key's graph). Buffer length depends only on
     the call, so eager, graph and overlap runs of one call see the same shapes (bitwise-equal outputs)."""
@@ -88,8 +102,10 @@ class StatePool:
     MAX_STATES = 4
 
     def __init__(self, model: DeepseekV32, gcfg: GenerationConfig, proposer_factory: Callable,
-                 on_drop: Callable[[tuple[int, int]], None] = lambda key: None):
+                 on_drop: Callable[[tuple[int, int]], None] = lambda key: None, state_cls: type = DecodeState,
+                 extras: Callable[[int], dict] = lambda B: {}):
         self.model, self.g, self.proposer_factory, self.on_drop = model, gcfg, proposer_factory, on_drop
+        self.state_cls, self.extras = state_cls, extras
         self.dev = model.device
         self.states: dict[tuple[int, int], DecodeState] = {}  # (batch, buffer length), LRU order
 
@@ -130,14 +146,14 @@ class StatePool:
         def z(*shape, dtype=torch.long):
             return torch.zeros(*shape, dtype=dtype, device=dev)
 
-        return DecodeState(
+        return self.state_cls(
             tokens=z(B, max_len), hidden=z(B, max_len, m.cfg.hidden_size, dtype=m.dtype),
             cache=m.new_cache(B, max_len),
             proposer=self.proposer_factory(m, g.draft, B, max_len) if K else None,
             P_B=z(B), Tp=0, max_len=max_len, n_B=z(B), gen_B=z(B), max_new_B=z(B), p0_B=z(B),
-            finished_B=z(B, dtype=torch.bool), think_B=z(B, dtype=torch.bool), seed_B=z(B), hist_K1=z(K + 1),
+            finished_B=z(B, dtype=torch.bool), think_B=z(B, dtype=torch.bool), seed_B=z(B), hist_BK1=z(B, K + 1),
             relaxed_only=z(()), row_steps=z(()), new_BK1=z(B, K + 1), keep_B=z(B), acc_B=z(B),
-            nonfinite=z((), dtype=torch.bool),
+            nonfinite=z((), dtype=torch.bool), **self.extras(B),
         )
 
     def _reset(self, st: DecodeState, prompts: list[list[int]], max_new: int, seeds: list[int]) -> None:
@@ -150,8 +166,8 @@ class StatePool:
         st.max_new_B.fill_(max_new)
         st.seed_B.copy_(seed_tensor(seeds, self.dev))
         st.gen_B.fill_(1)
-        for t in (st.n_B, st.p0_B, st.finished_B, st.think_B, st.hist_K1, st.relaxed_only, st.row_steps,
-                  st.new_BK1, st.keep_B, st.acc_B, st.nonfinite):
+        for t in (st.n_B, st.p0_B, st.finished_B, st.think_B, st.hist_BK1, st.relaxed_only, st.row_steps,
+                  st.new_BK1, st.keep_B, st.acc_B, st.nonfinite, *(getattr(st, f) for f in _extra_fields(st))):
             t.zero_()
         st.cache.reset()  # the prefill writes from position 0
         for c in getattr(st.proposer, "caches", ()):

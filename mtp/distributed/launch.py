@@ -20,7 +20,9 @@ import os
 import sys
 
 from ..checkpoint.files import CheckpointError
-from ..decode.options import DRAFTS, MODES, VERIFIERS, OptionError
+from ..draft.modes import DRAFTS
+from ..spec.options import MODES, OptionError
+from ..verify.registry import VERIFIERS
 from ..model.config import NUMERICS, ConfigError
 from ..preflight import PreflightError, preflight
 from ..parallel.comm import ALLREDUCE_IMPLS

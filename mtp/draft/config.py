@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..decode.options import DRAFTS, MAX_K, OptionError, is_int, is_number
-from .tree import TreeShape
+from ..spec.options import MAX_K, OptionError, is_int, is_number
+from ..spec.tree_shape import TreeShape
+from .modes import Drafter, drafter
 
 HIDDEN = ("normed", "prenorm")  # a module's hidden after its final norm | before it
 DRAFT_SAMPLING = ("greedy", "sample")  # the argmax | a draw from the draft distribution (sampling verifier)
@@ -15,7 +16,7 @@ DRAFT_SAMPLING = ("greedy", "sample")  # the argmax | a draw from the draft dist
 
 @dataclass(frozen=True)
 class DraftConfig:
-    mode: str = "none"  # one of DRAFTS
+    mode: str = "none"  # a registered drafter's name (mtp.draft.modes; a registered Drafter object is taken too)
     k: int = 0
     reuse_modules: bool = False  # vanilla: repeat the last module when K > available (TensorRT-LLM style)
     target_hidden: str = "normed"  # which target hidden feeds module 1 (one of HIDDEN)
@@ -36,9 +37,8 @@ class DraftConfig:
                                   str(e)) from None
         elif self.tree is not None and not isinstance(self.tree, TreeShape):
             raise OptionError("tree", self.tree, "None, a TreeShape or its text form")
-        if self.mode not in DRAFTS:
-            raise OptionError("draft", self.mode, f"one of {', '.join(DRAFTS)}")
-        if self.mode == "none":
+        object.__setattr__(self, "mode", drafter(self.mode).name)  # unregistered: OptionError naming `draft`
+        if not self.drafter.drafts:
             if self.k != 0 or not is_int(self.k):
                 raise OptionError("k", self.k, "0 with draft='none'", "it drafts nothing")
         elif not (is_int(self.k) and 1 <= self.k <= MAX_K):
@@ -63,7 +63,7 @@ class DraftConfig:
                                   "TreeShape.chain(K)")
             return
         name = self.tree.name
-        if self.mode == "none":
+        if not self.drafter.drafts:
             raise OptionError("draft", self.mode, f"'eagle' or 'vanilla' with tree {name!r}",
                               "tree drafting needs the MTP modules")
         if self.tree.max_depth < 1:
@@ -81,20 +81,21 @@ class DraftConfig:
                               "adaptive length needs top-k children")
 
     def validate(self, n_mtp: int) -> None:
-        """The rules that need the loaded model: `n_mtp` MTP modules."""
-        if self.mode != "none" and n_mtp == 0:
-            raise ValueError(f"draft={self.mode!r} needs MTP modules, but the model has none loaded")
-        if self.mode == "vanilla" and self.k > n_mtp and not self.reuse_modules:
-            raise ValueError(f"vanilla k={self.k} needs {self.k} MTP modules, the checkpoint has {n_mtp}; "
-                             "set reuse_modules=true to repeat the last module (TensorRT-LLM style)")
+        """The rules that need the loaded model: `n_mtp` MTP modules (the drafter says what it needs)."""
+        self.drafter.check_model(self.k, n_mtp, self.reuse_modules)
+
+    @property
+    def drafter(self) -> Drafter:
+        """The registered drafter of `mode`: what the mode implies (caches, window, modules, forwards)."""
+        return drafter(self.mode)
 
     @property
     def n_caches(self) -> int:
-        return self.k if self.mode == "vanilla" else (1 if self.mode == "eagle" else 0)
+        return self.drafter.n_caches(self.k)
 
     def module_for(self, j: int, n_mtp: int) -> int:
         """Module index (0-based) used at depth j (0-based)."""
-        return min(j, n_mtp - 1) if self.mode == "vanilla" else 0
+        return self.drafter.module_for(j, n_mtp)
 
     def window(self) -> int:
-        return 2 * self.k if self.mode == "vanilla" else self.k + 1
+        return self.drafter.window(self.k)

@@ -1,5 +1,5 @@
 """How a draft token is picked from an MTP module's logits: the argmax, or a draw from the filtered draft
-distribution q. The filtering is the sampling verifier's own (`mtp.verify.sampling.filter_probs`), so q is
+distribution q. The filtering is the sampling verifier's own (`mtp.spec.draws.filter_probs`), so q is
 exactly the law the verifier's rejection step needs."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from collections.abc import Callable
 
 import torch
 
-from ..verify.rng import ACCEPT, DRAFT, RowDraws
-from ..verify.sampling import SamplingParams, filter_probs, sample
+from ..spec.draws import ACCEPT, DRAFT, RowDraws, filter_probs, sample
+from ..spec.options import SamplingParams
 
 
 class DraftSampler:
     """`sampler.bind(draws)` -> `draw(logits_BV) -> (tokens_B, q_BV | None)` for one step; 'greedy' or 'sample'.
     Sampled draft j of a step (its j-th call) uses stream DRAFT + j of the row's counter-based draws, so every
-    draw is a function of (row seed, position, stream) alone (mtp/verify/rng.py)."""
+    draw is a function of (row seed, position, stream) alone (mtp/spec/draws.py)."""
 
     def __init__(self, sampling: str, params: SamplingParams):
         self.sampling, self.params = sampling, params

@@ -85,7 +85,8 @@ class Proposer:
         hid = hidden_BSD.gather(1, pos_BW.unsqueeze(-1).expand(-1, -1, hidden_BSD.shape[-1]))
         drafts, probs = [], []
         kv_len = max(max_n - 1, W)  # max over rows of p0 + W
-        for j in range(K if self.cfg.mode == "vanilla" else 1):
+        drafter = self.cfg.drafter
+        for j in range(drafter.window_modules(K)):
             cache = self.caches[j]
             cache.truncate(p0_B)
             tok = tokens_BS.gather(1, (pos_BW + j + 1).clamp_max(tokens_BS.shape[1] - 1))
@@ -98,7 +99,7 @@ class Proposer:
             drafts.append(d)
             probs.append(q)
             hid = pick_hidden(out, self.cfg.chain_hidden)
-        if self.cfg.mode == "eagle" and chain:
+        if drafter.chained and chain:
             cache = self.caches[0]
             g = pick_hidden(out, self.cfg.chain_hidden)[rows, out_idx_B].unsqueeze(1)
             cache.truncate(n_B - 1)  # drop the window's padding past n-2; the chain appends from n-1

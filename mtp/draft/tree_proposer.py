@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from ..model.deepseek import DeepseekV32
-from ..verify.sampling import sample
+from ..spec.draws import sample
 from .proposer import DraftConfig, pick_hidden
-from .tree import TreeShape
+from ..spec.tree_shape import TreeShape
 
 
 @dataclass
@@ -50,14 +50,14 @@ class TreeProposer:
         if tree.max_depth < 1:
             raise ValueError("a draft tree needs at least one drafted node")
         dcfg.validate(model.n_mtp)
-        if dcfg.mode not in ("eagle", "vanilla") or dcfg.k != tree.max_depth:
+        if not dcfg.drafter.drafts or dcfg.k != tree.max_depth:
             raise ValueError(f"a tree of depth {tree.max_depth} needs DraftConfig(mode='eagle' or 'vanilla', "
                              f"k={tree.max_depth}), got mode={dcfg.mode!r}, k={dcfg.k}")
         if dcfg.vocab is not None:
             raise ValueError("draft trees do not take a draft vocabulary yet")
         self.model, self.cfg, self.tree = model, dcfg, tree
         self.tt = tree.tensors(model.device)
-        n_mod = tree.max_depth if dcfg.mode == "vanilla" else 1
+        n_mod = dcfg.n_caches  # the drafter's: one module per depth (vanilla) or one chained (eagle)
         self.caches = [model.new_cache(batch, max_len, n_layers=1) for _ in range(n_mod)]
         # g^{j+1} per position: module j's output hidden at its committed entries (module j+1's window input)
         self.g = [torch.zeros(batch, max_len, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
@@ -114,7 +114,7 @@ class TreeProposer:
             q_BNV = self._children(t - 1, logits_BNV, nodes_BN, q_BNV, draw_children)
             if t == tree.max_depth:
                 break
-            if self.cfg.mode == "eagle":
+            if self.cfg.drafter.chained:
                 s, e = lv[t], lv[t + 1]  # this depth's nodes, after the earlier depths in the cache
                 hid, cache, mod, logits_at = out_BND[:, tt.parent_N[s:e]], self.caches[0], 0, None
                 mask, depth = tt.ancestor_NN[s:e, 1:e], tt.depth_N[s:e] - 1

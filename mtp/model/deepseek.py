@@ -9,7 +9,7 @@ The residual stream is fp32; module inputs and outputs are in the model dtype.
 Cache-using forward (what decoding uses): `model.forward(ids_BT, cache=kv)` writes the T tokens at positions
 `kv.seq_lens[b] + t`, attends causally per row over the cache, and advances `kv.seq_lens` by T. Roll back
 with `kv.truncate(lens)`. Without a cache the call is a fresh prompt forward.
-Tree forward (`tree_depth`, `tree_mask`, see `mtp.draft.tree`): the T tokens are nodes of a draft tree whose
+Tree forward (`tree_depth`, `tree_mask`, see `mtp.spec.tree_shape`): the T tokens are nodes of a draft tree whose
 nodes occupy the last U >= T slots up to and including them, from slot f = seq_lens[b] + T - U (U = T for a
 target verify; a drafter writing a tree depth by depth has earlier depths already in the cache). Token t is still
 written at slot seq_lens[b] + t, sits at rotary position f + tree_depth[t], and attends to every slot before f

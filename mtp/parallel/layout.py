@@ -30,7 +30,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..decode.options import MLP_SPLITS
+from ..spec.options import MLP_SPLITS
 from ..model.config import BLOCK, ConfigError, ModelConfig
 from ..placement import EXPERT_LAYOUTS, local_experts
 

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..model.cache import KVCache
-from ..decode.options import DRAFTS
+from ..draft.modes import DRAFTS, drafter
 from ..model.config import BLOCK, NUMERICS, ConfigError, ModelConfig
 from .layout import MLP_SPLITS, ParallelPlan, RankLayout
 from .reblock import scale_rows
@@ -131,7 +131,7 @@ def comm_bytes_per_forward(cfg: ModelConfig, tokens: int, blocks: int, dtype: to
 
 
 def draft_cache_layers(draft: str, k: int) -> int:
-    return {"none": 0, "eagle": 1, "vanilla": k}[draft]
+    return drafter(draft).n_caches(k)
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,7 @@ def make_plan(cfg: ModelConfig, gpus_per_node: int, gpu_mem_gib: float, nodes: i
     free = mem - (resident - kv - engine) - pre
     max_tokens = max(0, free // per_token)
     # collectives: each forward = 1 embedding all-reduce + 2 per block + 1 lm_head all-gather
-    n_fwd_draft = {"none": 0, "eagle": wl.k, "vanilla": wl.k}[wl.draft]
+    n_fwd_draft = drafter(wl.draft).chain_forwards(wl.k)
     coll = (2 * cfg.num_hidden_layers + 2) + n_fwd_draft * 4
     N = wl.batch * (wl.k + 1)
     comm = (comm_bytes_per_forward(cfg, N, cfg.num_hidden_layers, dtype)["total"]

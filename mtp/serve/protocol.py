@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..decode.config import GenerationConfig
-from ..decode.options import OptionError, is_int, is_number
+from ..spec.options import OptionError, is_int, is_number
 from ..text.prompt import encode_chat
 from ..text.tokenizer import Tokenizer
 
@@ -229,7 +229,7 @@ def _job(kind: str, body: Mapping[str, Any], ids: list[int], defaults: Defaults,
 def context_limit(model, config: GenerationConfig | None, defaults: Defaults) -> int:
     """Most prompt + max_tokens tokens a request may take: max_model_len, and the engine's buffers (prompt +
     max_new_tokens + the drafts' room within max_position_embeddings)."""
-    from ..decode.options import draft_room
+    from ..spec.options import draft_room
 
     k = config.draft.k if config is not None else int(defaults.options.get("k") or 0)
     engine = model.cfg.max_position_embeddings - draft_room(k)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .common import Verdict, prefix_len
-from .params import SPAN_RULES
+from ..spec.options import SPAN_RULES
 
 
 def update_think_state(think_B: torch.Tensor, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
@@ -79,3 +79,8 @@ def relaxed_verify(draft_BK: torch.Tensor, logits_BKV: torch.Tensor, think_B: to
     pos = torch.arange(K, device=draft_BK.device).unsqueeze(0)
     relaxed_only = ((pos < a.unsqueeze(1)) & ~exact_BK).long().sum(dim=1)
     return Verdict(a, nxt, relaxed_only)
+
+
+def chain(g, drafts_BK, q_BKV, logits_BKV, think_B, rng) -> Verdict:
+    """The engine's call (mtp.verify.registry): top_n, delta, think_ids and span_rule from the config `g`."""
+    return relaxed_verify(drafts_BK, logits_BKV, think_B, g.top_n, g.delta, *g.think_ids, g.span_rule)

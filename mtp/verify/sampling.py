@@ -3,7 +3,7 @@
 
 Draft j is accepted with probability min(1, p_j(d) / q_j(d)); at the first rejection the token is drawn from
 norm(max(p_j - q_j, 0)); after K acceptances the bonus is drawn from p_K. Greedy drafts are the q = one-hot
-case. All randomness comes from `rng`: per-row counter-based draws (`RowDraws`, mtp/verify/rng.py: what the
+case. All randomness comes from `rng`: per-row counter-based draws (`RowDraws`, mtp/spec/draws.py: what the
 engine uses, so a row's output depends only on its own seed and prompt) or a torch.Generator.
 
 Draft ids are checked to lie in the vocabulary (a -1 placeholder would otherwise fail deep inside torch). The
@@ -16,34 +16,8 @@ from __future__ import annotations
 import torch
 
 from .common import Verdict, prefix_len
-from .params import SamplingParams  # also importable from here, its old home
-from .rng import ACCEPT, NEXT, RowDraws, uniforms
-
-
-def filter_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p (nucleus; the token crossing p is kept)."""
-    x = logits.float() / sp.temperature
-    if sp.top_k and sp.top_k < x.shape[-1]:
-        kth = x.topk(sp.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = x.softmax(dim=-1)
-    if sp.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly before each token
-        drop_sorted = before >= sp.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
-
-
-def sample(probs: torch.Tensor, rng: RowDraws | torch.Generator | None, stream: int = NEXT) -> torch.Tensor:
-    """One draw per row of probs [..., V] ([B, V] with per-row draws) by inverse CDF with a uniform from `rng`
-    (device-side, no sync)."""
-    u = uniforms(rng, probs.shape[:-1] + (1,), stream, probs.device)
-    cdf = probs.float().cumsum(dim=-1)
-    idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
-    return idx.clamp_max(probs.shape[-1] - 1).squeeze(-1)
+from ..spec.draws import ACCEPT, RowDraws, filter_probs, sample, uniforms
+from ..spec.options import SamplingParams
 
 
 def check_draft_ids(draft_BK: torch.Tensor, V: int) -> None:
@@ -68,7 +42,8 @@ def sampling_verify(draft_BK: torch.Tensor, q_BKV: torch.Tensor | None, logits_B
         q_BKV = torch.zeros_like(p[:, :K]).scatter_(2, draft_BK.unsqueeze(-1), 1.0)
     p_d = p[:, :K].gather(2, draft_BK.unsqueeze(-1)).squeeze(-1)
     q_d = q_BKV.gather(2, draft_BK.unsqueeze(-1)).squeeze(-1)
-    u = uniforms(rng, (B, K), ACCEPT, p.device)
+    # no drafts (the prefill's first token): no acceptance draws, so a torch.Generator is not advanced by them
+    u = uniforms(rng, (B, K), ACCEPT, p.device) if K else p_d
     ok = u * q_d < p_d  # u < p/q without dividing by a zero q
     a = prefix_len(ok)
     # Distribution of the token after the accepted prefix: residual at the first miss, p_K after all K.
@@ -86,3 +61,9 @@ def sampling_verify(draft_BK: torch.Tensor, q_BKV: torch.Tensor | None, logits_B
     pos = torch.arange(K, device=p.device).unsqueeze(0)
     relaxed_only = ((pos < a.unsqueeze(1)) & ~exact).long().sum(dim=1)
     return Verdict(a, nxt, relaxed_only)
+
+
+def chain(g, drafts_BK, q_BKV, logits_BKV, think_B, rng) -> Verdict:
+    """The engine's call (mtp.verify.registry). Draft ids are checked on the CPU only: on CUDA the check would add
+    a host sync to every step (the proposers draw inside the vocabulary)."""
+    return sampling_verify(drafts_BK, q_BKV, logits_BKV, g.sampling, rng, check_ids=logits_BKV.device.type == "cpu")

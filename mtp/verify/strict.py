@@ -13,3 +13,8 @@ def strict_verify(draft_BK: torch.Tensor, logits_BKV: torch.Tensor) -> Verdict:
     a = prefix_len(draft_BK == target_BK1[:, :K])
     nxt = target_BK1.gather(1, a.unsqueeze(1)).squeeze(1)
     return Verdict(a, nxt, torch.zeros_like(a))
+
+
+def chain(g, drafts_BK, q_BKV, logits_BKV, think_B, rng) -> Verdict:
+    """The engine's call (mtp.verify.registry)."""
+    return strict_verify(drafts_BK, logits_BKV)

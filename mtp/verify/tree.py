@@ -1,4 +1,4 @@
-"""Tree verifiers: pure functions choosing the accepted root-to-node path of a draft tree (mtp.draft.tree).
+"""Tree verifiers: pure functions choosing the accepted root-to-node path of a draft tree (mtp.spec.tree_shape).
 
 Shape legend: B batch, N tree nodes (node 0 = the root, the last committed token), A = max depth + 1, V vocabulary.
 
@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..draft.tree import TreeTensors
-from .sampling import SamplingParams, filter_probs, sample
+from ..spec.tree_shape import TreeTensors
+from ..spec.draws import filter_probs, sample
+from ..spec.options import SamplingParams
 from .typical import typical_ok
 
 
@@ -167,3 +168,21 @@ def tree_sampling_verify(tt: TreeTensors, tokens_BN: torch.Tensor, q_BNV: torch.
     exact_BN = _exact(tt, tokens_BN, p_BNV.argmax(dim=-1))
     v = _verdict(cur_B, p_BNV.argmax(dim=-1), exact_BN, tt)
     return TreeVerdict(v.accept_len_B, nxt_B, v.path_BA, v.relaxed_only_B)
+
+
+# The engine's calls (mtp.verify.registry): rule(g, tt, draft, logits_BNV, think_B, rng, live_BN), options from `g`.
+def strict(g, tt, draft, logits_BNV, think_B, rng, live_BN) -> TreeVerdict:
+    return tree_strict_verify(tt, draft.tokens_BN, logits_BNV, live_BN)
+
+
+def relaxed(g, tt, draft, logits_BNV, think_B, rng, live_BN) -> TreeVerdict:
+    return tree_relaxed_verify(tt, draft.tokens_BN, logits_BNV, think_B, g.top_n, g.delta, *g.think_ids, live_BN)
+
+
+def sampling(g, tt, draft, logits_BNV, think_B, rng, live_BN) -> TreeVerdict:
+    return tree_sampling_verify(tt, draft.tokens_BN, draft.q_BNV, logits_BNV, g.sampling, rng, live_BN)
+
+
+def typical(g, tt, draft, logits_BNV, think_B, rng, live_BN) -> TreeVerdict:
+    return tree_typical_verify(tt, draft.tokens_BN, logits_BNV, g.sampling.temperature, g.posterior_threshold,
+                               g.posterior_alpha, live_BN)

@@ -36,3 +36,8 @@ def typical_verify(draft_BK: torch.Tensor, logits_BKV: torch.Tensor, temperature
     pos = torch.arange(K, device=draft_BK.device).unsqueeze(0)
     inexact = ((pos < a.unsqueeze(1)) & (draft_BK != target_BK1[:, :K])).long().sum(dim=1)
     return Verdict(a, nxt, inexact)
+
+
+def chain(g, drafts_BK, q_BKV, logits_BKV, think_B, rng) -> Verdict:
+    """The engine's call (mtp.verify.registry): the temperature and posterior options from the config `g`."""
+    return typical_verify(drafts_BK, logits_BKV, g.sampling.temperature, g.posterior_threshold, g.posterior_alpha)

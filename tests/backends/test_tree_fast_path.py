@@ -52,7 +52,7 @@ def _tree_vis(lens: list[int], tree, S: int) -> torch.Tensor:
 
 
 def _kernel_checks() -> None:
-    from mtp.draft.tree import TreeShape
+    from mtp.spec.tree_shape import TreeShape
     from mtp.kernels.indexer import TOPK_IMPLS, indexer_scores, indexer_scores_ref, indexer_topk
     from mtp.kernels.mla_decode import mla_decode, mla_decode_ref
     from mtp.kernels.topk import topk_select_ref
@@ -107,7 +107,7 @@ def _model_checks() -> None:
     from mtp.backends.fast_path import FastMLA, FastPathOptions, install_fast_modules
     from mtp.checkpoint.files import load_model, save_checkpoint
     from mtp.checkpoint.tiny import random_tensors, tiny_config
-    from mtp.draft.tree import TreeShape
+    from mtp.spec.tree_shape import TreeShape
 
     # the MLA kernels need latent 512, rope 64 and >= 16 indexer heads; 2 dense layers keep it quick
     cfg = dataclasses.replace(tiny_config(), kv_lora_rank=512, index_n_heads=16, num_attention_heads=4,

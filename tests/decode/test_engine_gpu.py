@@ -49,7 +49,7 @@ def test_graph_and_overlap_replay_eager_reference(draft, k):
 
 @pytest.mark.parametrize("draft,k,draft_sampling", [("none", 0, "greedy"), ("eagle", 2, "sample")])
 def test_seeded_sampling_is_the_same_in_every_mode(draft, k, draft_sampling):
-    """Per-row counter-based draws (mtp/verify/rng.py): eager, graph and overlap sample the same tokens, a
+    """Per-row counter-based draws (mtp/spec/draws.py): eager, graph and overlap sample the same tokens, a
     reused captured graph draws fresh numbers for new seeds, and a batch's rows reversed (with their seeds) give
     the same rows reversed. (A row alone vs in a batch also depends on whether the GPU's GEMMs round the same
     for both batch sizes; the CPU test in tests/decode/test_engine.py holds that case.)"""

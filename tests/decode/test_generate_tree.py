@@ -12,10 +12,10 @@ import torch
 
 from mtp.decode.config import GenerationConfig
 from mtp.decode.engine import generate
-from mtp.decode.options import OptionError
+from mtp.spec.options import OptionError
 from mtp.decode.tree import generate_tree
 from mtp.draft.config import DraftConfig
-from mtp.draft.tree import TreeShape
+from mtp.spec.tree_shape import TreeShape
 from mtp.verify import SamplingParams
 
 from .prompts import random_prompts

@@ -40,7 +40,7 @@ def test_nan_in_a_layer_stops_the_run_naming_it(model, param, named, draft, k):
 def test_tree_decoding_stops_too(model):
     """generate_tree (the draft-tree reference loop) has the same check, at the prefill and at a step."""
     from mtp.decode.tree import generate_tree
-    from mtp.draft.tree import TreeShape
+    from mtp.spec.tree_shape import TreeShape
 
     tree = TreeShape.from_branching((2, 1))
     first = generate_tree(model, PROMPTS[:1], tree, 1, draft="eagle").tokens[0][0]

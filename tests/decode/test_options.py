@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 import eval.schema as schema
 from mtp.chat.session import CommandError, Session, Settings
 from mtp.decode.engine import generate
-from mtp.decode.options import OptionError
+from mtp.spec.options import OptionError
 
 ROOT = Path(__file__).resolve().parents[2]
 

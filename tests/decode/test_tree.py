@@ -19,7 +19,7 @@ from mtp.decode.tree import generate_tree
 from mtp.decode.tree_metrics import TreeMetrics
 from mtp.draft import DraftConfig, Proposer
 from mtp.draft.proposer import pick_hidden
-from mtp.draft.tree import TreeShape
+from mtp.spec.tree_shape import TreeShape
 from mtp.draft.tree_proposer import TreeProposer, topk_children
 from mtp.verify import SamplingParams
 

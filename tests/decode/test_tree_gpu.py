@@ -15,7 +15,7 @@ from mtp.checkpoint.files import load_model, save_checkpoint
 from mtp.checkpoint.tiny import agreeing_mtp, random_tensors, tiny_config
 from mtp.decode.engine import generate
 from mtp.decode.tree import generate_tree
-from mtp.draft.tree import TreeShape
+from mtp.spec.tree_shape import TreeShape
 from mtp.model.deepseek import tree_visibility
 from mtp.model.presets import gpu_test_config
 

@@ -1,6 +1,7 @@
 """The tree step as `GraphRunner` captures it (static shapes, static position bound, metrics as device counters),
-on the CPU: mode='graph' runs that very step eagerly here (no CUDA graphs on a CPU) and must give eager mode's
-tokens and metrics; tests/decode/test_tree_gpu.py replays the captured graph on a GPU against eager.
+on the CPU: an engine with `static_bound` runs that very step eagerly here (a CPU refuses the graph modes, as for
+chains) and must give eager mode's tokens and metrics; tests/decode/test_tree_gpu.py replays the captured graph on
+a GPU against eager.
 
 Shape legend: N tree nodes."""
 
@@ -9,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtp.decode.config import GenerationConfig
+from mtp.decode.engine import Engine
 from mtp.decode.tree import generate_tree
-from mtp.draft.tree import TreeShape
+from mtp.spec.tree_shape import TreeShape
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +30,15 @@ PROMPTS = [torch.randint(2, 500, (n,), generator=_g).tolist() for n in (5, 23)] 
     ("vanilla", TreeShape.from_paths([(0,), (1,), (0, 0), (0, 1)]), dict(verify="relaxed", think_ids=(510, 511))),
 ])
 def test_graph_mode_step_equals_eager(model, draft, shape, kw):
-    out = {mode: generate_tree(model, PROMPTS, shape, 12, draft=draft, mode=mode, reuse_modules=True, **kw)
-           for mode in ("eager", "graph")}
-    e, g = out["eager"], out["graph"]
+    e = generate_tree(model, PROMPTS, shape, 12, draft=draft, reuse_modules=True, **kw)
+    cfg = GenerationConfig.from_options(12, draft, None, tree=shape, reuse_modules=True, **kw)
+    static = Engine(model, cfg, static_bound=True)  # the bound a captured step uses: the buffer's
+    g = static.run(PROMPTS)
+    (st,) = static.pool.states.values()
+    assert static.bound(st, None) == st.max_len - shape.n_nodes  # the buffer less the N positions a step writes
     assert g.tokens == e.tokens and g.finish_reasons == e.finish_reasons
-    assert g.metrics.to_dict() == e.metrics.to_dict()
-    assert g.metrics.accepted_hist == e.metrics.accepted_hist and g.metrics.accepted_rank == e.metrics.accepted_rank
+    assert g.tree.to_dict() == e.metrics.to_dict()
+    assert g.tree.accepted_hist == e.metrics.accepted_hist and g.tree.accepted_rank == e.metrics.accepted_rank
     assert sum(e.metrics.accepted_hist[1:]) > 0, "pick prompts whose trees accept something"
 
 
@@ -42,3 +48,5 @@ def test_graph_mode_refuses_sampling_and_unknown_modes(model):
         generate_tree(model, PROMPTS, tree, 4, verify="sample", mode="graph")
     with pytest.raises(ValueError, match="mode must be one of eager, graph, overlap, got 'cuda'"):
         generate_tree(model, PROMPTS, tree, 4, mode="cuda")
+    with pytest.raises(ValueError, match="mode='graph' captures CUDA graphs and needs the model on a CUDA device"):
+        generate_tree(model, PROMPTS, tree, 4, mode="graph")  # off CUDA: refused, as for chains

@@ -17,7 +17,7 @@ from mtp.checkpoint.tiny import agreeing_mtp, random_tensors
 from mtp.decode import keep
 from mtp.decode.engine import generate, release
 from mtp.decode.tree import generate_tree
-from mtp.draft.tree import TreeShape
+from mtp.spec.tree_shape import TreeShape
 from mtp.model.presets import gpu_test_config
 
 pytestmark = [pytest.mark.gpu]

@@ -1,9 +1,10 @@
-"""Tree engines kept across calls (graph / overlap mode), on the CPU: the kept engine's buffers serve every call of
-the same batch and length bucket and give eager's tokens and metrics, whatever ran before; engines are kept per
-model and settings (bounded, least recently used dropped), dropped by `release(model)` and when the model's
-version changes; a runner's graphs go with their buffers and on a version bump. CPUs capture no graphs (the graph
-modes run the static-bound step eagerly here): tests/decode/test_tree_graph_reuse_gpu.py replays a kept graph on a
-GPU."""
+"""Tree engines kept across calls, on the CPU: the kept engine's buffers serve every call of the same batch and length
+bucket and give a fresh eager run's tokens and metrics, whatever ran before; engines are kept per model and
+settings (bounded, least recently used dropped), dropped by `release(model)` and when the model's version changes;
+a runner's graphs go with their buffers and on a version bump. CPUs capture no graphs and refuse the graph modes
+(as for chains), so the engines here are eager ones with the static position bound a captured step uses, kept
+through the same `keep.kept` that `mtp.generate` uses in the graph modes; tests/decode/test_tree_graph_reuse_gpu.py
+replays kept graphs on a GPU (and shares one engine between `generate` and `generate_tree`)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,10 @@ import pytest
 
 from mtp.decode import keep
 from mtp.decode.config import GenerationConfig
-from mtp.decode.engine import generate, release
+from mtp.decode.engine import Engine, release
 from mtp.decode.graphs import GraphRunner
-from mtp.decode.tree import TreeEngine, TreeStatePool, generate_tree
-from mtp.draft.tree import TreeShape
-from mtp.draft.tree_proposer import TreeProposer
+from mtp.decode.tree import generate_tree
+from mtp.spec.tree_shape import TreeShape
 
 from .prompts import random_prompts
 
@@ -35,6 +35,13 @@ def kept_engines(model) -> list:
     return list(keep._ENGINES.get(model, {}).values())
 
 
+def run_kept(model, prompts, tree, n, seed=0, **kw):
+    """A call through the kept engine of these settings (built eager with the captured step's static bound)."""
+    g = GenerationConfig.from_options(n, kw.pop("draft", "eagle"), None, tree=tree, seed=seed, **kw)
+    engine = keep.kept(model, g, lambda: Engine(model, g, static_bound=True))
+    return engine, engine.run(prompts, max_new_tokens=n, seeds=[seed] * len(prompts))
+
+
 def test_kept_tree_engine_reuses_its_buffers_and_gives_eager_tokens(model):
     release(model)
     kw = dict(draft="eagle", min_draft_prob=0.05)
@@ -43,12 +50,11 @@ def test_kept_tree_engine_reuses_its_buffers_and_gives_eager_tokens(model):
     assert kept_engines(model) == []  # eager builds its engine per call, as mtp.generate's eager mode
     states, pointers = set(), set()
     for (p, n), e in zip(calls, eager):
-        g = generate_tree(model, p, SHAPE, n, mode="graph", **kw)
+        engine, g = run_kept(model, p, SHAPE, n, **kw)
         assert g.tokens == e.tokens and g.finish_reasons == e.finish_reasons
-        assert g.metrics.to_dict() == e.metrics.to_dict() and g.row_accepted_hist == e.row_accepted_hist
-        assert g.metrics.draft_forwards == e.metrics.draft_forwards
-        (engine,) = kept_engines(model)
-        assert isinstance(engine, TreeEngine)
+        assert g.tree.to_dict() == e.metrics.to_dict() and g.row_accepted_hist == e.row_accepted_hist
+        assert g.tree.draft_forwards == e.metrics.draft_forwards
+        assert kept_engines(model) == [engine] and engine.g.draft.tree == SHAPE
         (st,) = engine.pool.states.values()
         states.add(id(st))
         pointers.add(st.tokens.data_ptr())
@@ -58,40 +64,45 @@ def test_kept_tree_engine_reuses_its_buffers_and_gives_eager_tokens(model):
 
 def test_engines_are_kept_per_settings_bounded_and_released(model):
     release(model)
-    first = generate_tree(model, P1, SHAPE, 6, mode="graph")
-    generate_tree(model, P1, SHAPE, 6, mode="overlap")
-    generate_tree(model, P1, SHAPE, 6, mode="graph", min_draft_prob=0.05)
-    assert len(kept_engines(model)) == 3  # mode and the adaptive length change the captured step
-    generate_tree(model, P1, SHAPE, 9, mode="graph", seed=4)  # max_new_tokens and seed are per call
+    first = run_kept(model, P1, SHAPE, 6)[1]
+    run_kept(model, P1, SHAPE, 6, verify="relaxed", think_ids=(510, 511))
+    run_kept(model, P1, SHAPE, 6, min_draft_prob=0.05)
+    assert len(kept_engines(model)) == 3  # the verifier and the adaptive length change the captured step
+    run_kept(model, P1, SHAPE, 9, seed=4)  # max_new_tokens and seed are per call
     assert len(kept_engines(model)) == 3
     for name in ("chain1", "2x1", "3x1"):
-        generate_tree(model, P1, TreeShape.parse(name), 4, mode="graph")
+        run_kept(model, P1, TreeShape.parse(name), 4)
     engines = kept_engines(model)
     assert len(engines) == keep.MAX_ENGINES
-    assert [e.tree.name for e in engines][-3:] == ["chain1", "2x1", "3x1"]  # least recently used dropped first
-    assert not any(e.tree == SHAPE and e.g.mode == "overlap" for e in engines)
+    assert [e.g.draft.tree.name for e in engines][-3:] == ["chain1", "2x1", "3x1"]  # least recently used first out
+    assert not any(e.g.draft.tree == SHAPE and e.g.verify == "relaxed" for e in engines)
     release(model)
     assert kept_engines(model) == []
-    again = generate_tree(model, P1, SHAPE, 6, mode="graph")
-    (engine,) = kept_engines(model)
+    engine, again = run_kept(model, P1, SHAPE, 6)
     assert again.tokens == first.tokens
-    generate_tree(model, P1, SHAPE, 6, mode="graph")
-    assert kept_engines(model) == [engine]
+    assert run_kept(model, P1, SHAPE, 6)[0] is engine and kept_engines(model) == [engine]
     model.set_runtime(model.runtime)  # what a module swap does: a new version drops the engines built before
-    assert generate_tree(model, P1, SHAPE, 6, mode="graph").tokens == first.tokens
-    (fresh,) = kept_engines(model)
-    assert fresh is not engine
+    fresh, out = run_kept(model, P1, SHAPE, 6)
+    assert out.tokens == first.tokens and fresh is not engine and kept_engines(model) == [fresh]
     release()
     assert kept_engines(model) == []
 
 
+def test_graph_modes_are_refused_off_cuda_for_trees_as_for_chains(model):
+    for tree in (SHAPE, None):
+        with pytest.raises(ValueError, match="mode='graph' captures CUDA graphs and needs the model on a CUDA device"):
+            Engine(model, GenerationConfig.from_options(4, "eagle", None, tree=tree, mode="graph"))
+    with pytest.raises(ValueError, match="mode='overlap' captures CUDA graphs"):
+        generate_tree(model, P1, SHAPE, 4, mode="overlap")
+
+
 def test_a_runner_drops_graphs_on_a_version_bump_and_with_their_buffers(model):
-    """The mechanism a kept tree engine has on CUDA (GraphRunner + TreeStatePool, as the chain engine's), driven
+    """The mechanism a kept tree engine has on CUDA (GraphRunner + the step's StatePool, as a chain's), driven
     with stand-in graphs: a capture needs a GPU, the bookkeeping does not."""
-    g = GenerationConfig.from_options(4, "eagle", None, tree="2x1", mode="graph")
-    engine = TreeEngine(model, g)
+    g = GenerationConfig.from_options(4, "eagle", None, tree="2x1")
+    engine = Engine(model, g)
     runner = GraphRunner(model, engine.step)
-    pool = TreeStatePool(model, g, TreeProposer, on_drop=runner.drop)
+    pool = engine.step.pool(on_drop=runner.drop)
     keys = []
     for b in range(1, pool.MAX_STATES + 2):
         st = pool.get(P1[:1] * b, 4, [0] * b)
@@ -106,18 +117,9 @@ def test_a_runner_drops_graphs_on_a_version_bump_and_with_their_buffers(model):
     assert runner.graphs == {}
 
 
-def test_generate_and_generate_tree_share_the_kept_engine(model):
-    """The same settings through either entry point are one engine: a call of one replays the other's graph."""
-    release(model)
-    a = generate_tree(model, P1, SHAPE, 8, mode="graph", min_draft_prob=0.05)
-    (engine,) = kept_engines(model)
-    b = generate(model, P1, 8, draft="eagle", tree=SHAPE.name, mode="graph", min_draft_prob=0.05)
-    assert kept_engines(model) == [engine] and b.tokens == a.tokens
-
-
 def test_a_call_past_the_position_limit_is_refused_with_the_trees_room(model):
     """A tree's buffer holds prompt + max_new_tokens + N + 2 positions (`draft_room` of the tree)."""
     limit, N = model.cfg.max_position_embeddings, SHAPE.n_nodes
     too_many = limit - len(P1[1]) - N - 1
     with pytest.raises(ValueError, match=rf"\+ draft room \({N + 2}\) exceed max_position_embeddings \({limit}\)"):
-        generate_tree(model, P1, SHAPE, too_many, mode="graph")
+        generate_tree(model, P1, SHAPE, too_many)

@@ -6,7 +6,7 @@ import torch
 
 from mtp.draft.policy import DraftSampler
 from mtp.verify import SamplingParams, filter_probs
-from mtp.verify.rng import RowDraws, seed_tensor
+from mtp.spec.draws import RowDraws, seed_tensor
 
 
 def test_greedy_is_the_argmax_without_a_distribution():

@@ -278,7 +278,8 @@ def _fake_generate(calls: list):
         m = mtp.SpecMetrics(k=kw["k"], draft=kw["draft"], new_tokens=4 * len(ids), n_rows=len(ids), row_steps=3,
                             time_decode_s=0.1 * len(calls))
         m.accepted_hist[0] = 3
-        return mtp.GenerateResult([[1, 2, 3, 4] for _ in ids], ["length"] * len(ids), m)
+        return mtp.GenerateResult([[1, 2, 3, 4] for _ in ids], ["length"] * len(ids), m,
+                                  row_accepted_hist=[list(m.accepted_hist) for _ in ids])
 
     return generate
 
@@ -386,6 +387,22 @@ def test_sampled_prompts_do_not_depend_on_their_batch(tiny_model):
     alone = [run_batch(tiny_model, tok, [p], [i], 6, {"spec": kw}, "b1")["spec"][0] for p, i in zip(batch, ids)]
     assert [r["tokens"] for r in together] == [r["tokens"] for r in alone]
     assert prompt_seed(3, "p0") != prompt_seed(3, "p1") and prompt_seed(3, "p0") != prompt_seed(4, "p0")
+
+
+@pytest.mark.parametrize("kw", [dict(draft="eagle", k=2), dict(draft="vanilla", k=2, reuse_modules=True, verify="sample", seed=[3, 4, 5]),
+                                dict(draft="eagle", k=2, tree="2x1")])
+def test_the_engines_row_histograms_agree_with_the_step_events(tiny_model, kw):
+    """mtp-eval records `GenerateResult.row_accepted_hist` (device counters); rebuilt from the step events (what it
+    did before) they are the same, and the rows add up to the run's histogram."""
+    import mtp
+    from eval.breakdown import StepLog
+
+    ids = [[5, 9, 30], [7, 7, 7, 7, 12], [40, 41]]
+    steps = StepLog(len(ids))
+    res = mtp.generate(tiny_model, ids, 12, on_step=steps, **kw)
+    assert res.row_accepted_hist == steps.hists(2)
+    assert [sum(c) for c in zip(*res.row_accepted_hist)] == res.metrics.accepted_hist
+    assert sum(res.metrics.accepted_hist) == res.metrics.row_steps > len(ids)
 
 
 def test_sample_records_parse_tool_calls():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtp.draft.tree import TreeShape
+from mtp.spec.tree_shape import TreeShape
 from mtp.verify import (SamplingParams, filter_probs, relaxed_verify, strict_verify, tree_relaxed_verify,
                         tree_sampling_verify, tree_strict_verify)
 from mtp.verify.sampling import sample

@@ -6,10 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtp.decode.engine import CHAIN_VERIFIERS
-from mtp.decode.options import VERIFIERS
-from mtp.decode.tree import TREE_VERIFIERS
-from mtp.draft.tree import TreeShape
+from mtp.verify.registry import VERIFIER_REGISTRY, VERIFIERS
+from mtp.spec.tree_shape import TreeShape
 from mtp.verify import tree_typical_verify, typical_verify
 
 # Position j's target distribution (V = 3). Entropies: H0 = 0.8018 (exp(-H0) = 0.4485), H1 = 0.8557 (0.4250).
@@ -53,15 +51,17 @@ def test_tree_takes_the_deepest_path_whose_nodes_all_pass():
     assert tree_typical_verify(tt, torch.tensor([[2, 0, 1, 1]]), logits, 1.0, 0.09, 0.3, live).accept_len_B.item() == 1
 
 
-def test_every_verifier_name_is_registered_for_chains_and_trees():
-    assert tuple(CHAIN_VERIFIERS) == VERIFIERS and tuple(TREE_VERIFIERS) == VERIFIERS
+def test_every_built_in_verifier_has_a_chain_and_a_tree_rule():
+    assert VERIFIERS == ("strict", "relaxed", "sample", "typical")
+    for v in VERIFIER_REGISTRY.values():
+        assert callable(v.chain_rule()) and callable(v.tree_rule())
 
 
 def test_generate_runs_typical_on_chains_and_trees_and_refuses_unknown_names(tiny_model):
     import mtp
     from mtp.decode.config import GenerationConfig
     from mtp.decode.engine import Engine
-    from mtp.decode.options import OptionError
+    from mtp.spec.options import OptionError
 
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
     for tree in (None, "2x1"):
@@ -74,7 +74,5 @@ def test_generate_runs_typical_on_chains_and_trees_and_refuses_unknown_names(tin
         GenerationConfig.from_options(4, "eagle", 1, verify="typical", posterior_alpha=0.0)
     g = GenerationConfig.from_options(4, "eagle", 1)
     object.__setattr__(g, "verify", "medusa")  # past the option check: the registry itself must refuse
-    eng = Engine.__new__(Engine)
-    eng.g = g
-    with pytest.raises(ValueError, match="'medusa' is not a chain verifier"):
-        eng.verify(torch.zeros(1, 1, dtype=torch.long), None, torch.zeros(1, 2, 8), None, None)
+    with pytest.raises(OptionError, match="verify must be one of strict, relaxed, sample, typical, got 'medusa'"):
+        Engine(tiny_model, g)

@@ -14,7 +14,7 @@ import torch
 
 from mtp.verify import (SamplingParams, filter_probs, prompt_think_state, relaxed_verify, sampling_verify,
                         strict_verify, update_think_state)
-from mtp.verify.rng import RowDraws, seed_tensor, splitmix64, splitmix64_ref
+from mtp.spec.draws import RowDraws, seed_tensor, splitmix64, splitmix64_ref
 from mtp.verify.sampling import sample
 
 # Chi-square critical values at alpha = 0.001 by degrees of freedom (statistical tables; cross-checked against

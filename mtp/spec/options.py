@@ -1,14 +1,16 @@
-"""The names and limits of the generation options and the error that reports one, torch-free so the front ends'
-schemas (`mtp-eval`, `mtp-chat`) read them without loading the model code. `GenerationConfig` (config.py),
-`DraftConfig` (mtp/draft/config.py) and `SamplingParams` (mtp/verify/params.py) check them."""
+"""The names and limits of the generation options, the error that reports one, and the options that drafting and
+verification share (`SamplingParams`: drafts are sampled with the verifier's filtering). A leaf: draft/, verify/ and
+decode/ all import it, it imports none of them; torch-free so the front ends' schemas (`mtp-eval`, `mtp-chat`) read
+it without loading the model code. `GenerationConfig` (mtp/decode/config.py), `DraftConfig` (mtp/draft/config.py)
+and `SamplingParams` (here) check them."""
 
 from __future__ import annotations
 
+import math
 import numbers
+from dataclasses import dataclass
 from typing import Any
 
-DRAFTS = ("none", "vanilla", "eagle")
-VERIFIERS = ("strict", "relaxed", "sample", "typical")
 MLP_SPLITS = ("blocks", "even")  # how a model split over ranks cuts its MLPs (mtp.parallel.layout)
 MODES = ("eager", "graph", "overlap")  # eager | graph (whole step in one CUDA graph) | overlap (graph + pipelined host)
 MAX_K = 16  # the most drafts per step a GenerationConfig takes: far past the point where position k is still accepted
@@ -45,3 +47,26 @@ class OptionError(ValueError):
 
     def __reduce__(self):  # pickled with its fields (multiprocessing launchers), not only the message
         return type(self), (self.name, self.value, self.expected, self.note)
+
+
+SPAN_RULES = ("tracked", "trtllm")  # the relaxed verifier's span rules (mtp/verify/relaxed.py)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Temperature, then top-k, then top-p (nucleus) filtering of the target's distribution; checked on
+    construction (`OptionError`)."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+
+    def __post_init__(self):
+        t, p = self.temperature, self.top_p
+        if not (is_number(t) and math.isfinite(t) and t > 0):
+            raise OptionError("temperature", t, "a number > 0",
+                              "greedy decoding is verify='strict'" if is_number(t) and t == 0 else "")
+        if not (is_int(self.top_k) and self.top_k >= 0):
+            raise OptionError("top_k", self.top_k, "an integer >= 0 (0 = off)")
+        if not (is_number(p) and 0 < p <= 1):
+            raise OptionError("top_p", p, "a number in (0, 1] (1 = off)")

@@ -81,3 +81,29 @@ def uniforms(rng: RowDraws | torch.Generator | None, shape: tuple[int, ...], str
             raise ValueError(f"per-row draws give [B, n] with B = {rng.seed_B.shape[0]} rows, asked for {shape}")
         return rng.uniform(stream, shape[1])
     return torch.rand(shape, generator=rng, device=device)
+
+
+def filter_probs(logits: torch.Tensor, sp) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p (nucleus; the token crossing p is kept)."""
+    x = logits.float() / sp.temperature
+    if sp.top_k and sp.top_k < x.shape[-1]:
+        kth = x.topk(sp.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = x.softmax(dim=-1)
+    if sp.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly before each token
+        drop_sorted = before >= sp.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, rng: RowDraws | torch.Generator | None, stream: int = NEXT) -> torch.Tensor:
+    """One draw per row of probs [..., V] ([B, V] with per-row draws) by inverse CDF with a uniform from `rng`
+    (device-side, no sync)."""
+    u = uniforms(rng, probs.shape[:-1] + (1,), stream, probs.device)
+    cdf = probs.float().cumsum(dim=-1)
+    idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
+    return idx.clamp_max(probs.shape[-1] - 1).squeeze(-1)

@@ -1,0 +1,106 @@
+"""The chain step: K drafts -> one target forward over [x_{n-1}, d_1..d_K] -> verify -> accept -> commit (rollback
+by lowering lengths). Device work only, every update in place, so `GraphRunner` captures it as one CUDA graph.
+
+Shape legend: B batch, S buffer positions, K drafts, K1 = K + 1, D width, V vocabulary.
+
+The engine (engine.py) runs this or the tree step (tree_step.py) through the same loop; both use accept.py's
+accept / commit / count and the `DecodeState` base (state.py). This file holds what only a chain does: its
+proposer (`mtp.draft.proposer.Proposer`, or a test's drafter through `proposer_factory`), its draft window and
+draft prefill, its per-row counter-based draws.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..draft.policy import DraftSampler
+from ..draft.proposer import Proposer, pick_hidden
+from ..model.deepseek import DeepseekV32
+from ..spec.draws import RowDraws
+from .accept import accept, commit, count
+from .config import GenerationConfig
+from .health import logits_nonfinite
+from .state import DecodeState, StatePool
+
+
+class ChainStep:
+    """`proposer_factory(model, draft_cfg, batch, max_len)` replaces the MTP proposer (tests use oracle and
+    adversarial drafters through it); anything with `propose(...)` (which writes its drafts into the token
+    buffer at n.., as `Proposer.propose` does, and returns them) and `draft_forwards` works, and an optional
+    `prefill(tokens, hidden, n, W, max_n, chunk)` fills its caches over the prompt."""
+
+    def __init__(self, model: DeepseekV32, g: GenerationConfig, stops: torch.Tensor, clock: Callable[[], float],
+                 proposer_factory: Callable | None = None):
+        self.model, self.g, self.stops, self.clock = model, g, stops, clock
+        self.factory = proposer_factory or Proposer
+        self.rule = g.verifier.chain_rule()  # a registered name whose rule does not load fails here
+        self.draw = DraftSampler(g.draft.sampling, g.sampling)
+        self.reach = g.draft.k  # a step writes K positions past the bound it is given
+        self.W = g.draft.window()
+
+    def pool(self, on_drop) -> StatePool:
+        return StatePool(self.model, self.g, self.factory, on_drop)
+
+    def seed(self, seeds: list[int]) -> None:
+        """Nothing to seed: every draw hashes (row seed, position, stream) (`DecodeState.seed_B`)."""
+
+    def first_rng(self, st: DecodeState) -> RowDraws:
+        return RowDraws(st.seed_B, st.P_B)  # the first token's draws sit at position P
+
+    def check(self, prompts: list[list[int]]) -> None:
+        """Every prompt serves a chain."""
+
+    def draft_prefill(self, st: DecodeState, max_n: int) -> None:
+        """Run the draft modules over the whole prompt (window p0 = 0, W = longest prompt) so their caches hold
+        every committed position; from then on each step, the first included, recomputes only the steady
+        window, so one captured graph serves them all. The drafts made here are scratch (argmax, no random
+        draws); the first step drafts again from its own window."""
+        prefill = getattr(st.proposer, "prefill", None)  # custom proposers without caches need none
+        if prefill is None:
+            return
+        prefill(st.tokens, st.hidden, st.n_B, st.Tp, max_n=max_n, chunk=self.g.prefill_chunk)
+        st.p0_B.copy_((st.n_B - 1 - self.W).clamp_min(0))
+
+    def draft_forwards(self, st: DecodeState, target_forwards: int, drafting: bool, fw0: int) -> int:
+        """MTP forwards of a call: the drafter's per step, plus the draft prefill (each cache once per prompt
+        chunk). Counted, not read from the proposer: graph replays do not run its Python, and a reused proposer's
+        counter spans earlier calls. A custom proposer's own counter otherwise (`fw0`: its value at the start)."""
+        if isinstance(st.proposer, Proposer):
+            d, K = self.g.draft.drafter, self.g.draft.k
+            chunks = -(-st.Tp // (self.g.prefill_chunk or st.Tp))
+            return d.chain_forwards(K) * target_forwards + d.n_caches(K) * chunks * drafting
+        return 0 if st.proposer is None else st.proposer.draft_forwards - fw0
+
+    def extra_metrics(self, st: DecodeState, met):
+        """A chain has no metrics beyond `SpecMetrics`."""
+        return None
+
+    def __call__(self, st: DecodeState, W: int, max_n: int, marks: list | None = None) -> None:
+        """One speculative step, device ops only, every update in place (so a CUDA graph can replay it).
+        `max_n` bounds the positions touched (host-known max of n, or the buffer length for graphs).
+        `marks`: eager timing only; gets a clock reading between drafting and verification."""
+        m, g, K = self.model, self.g, self.g.draft.k
+        ar = torch.arange(K + 1, device=st.n_B.device)
+        n_B = st.n_B
+        active_B = ~st.finished_B
+        draws = RowDraws(st.seed_B, n_B)  # read before the commit below moves n_B: this step's position
+        if K:  # propose: the proposer writes the drafts at n.. of `tokens` (where verify reads them)
+            drafts, q = st.proposer.propose(st.tokens, st.hidden, n_B, st.p0_B, W, self.draw.bind(draws),
+                                            max_n=max_n)
+        else:
+            drafts, q = st.tokens[:, :0], None
+        if marks is not None:
+            marks.append(self.clock())
+        # verify: one target forward over [x_{n-1}, d_1..d_K]
+        vin = st.tokens.gather(1, (n_B - 1).unsqueeze(1) + ar)
+        out = m(vin, st.cache, kv_len=min(max_n + K, st.max_len))
+        st.hidden.scatter_(1, ((n_B - 1).unsqueeze(1) + ar).unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]),
+                           pick_hidden(out, g.draft.target_hidden))
+        logits_nonfinite(st.nonfinite, out.logits)
+        v = self.rule(g, drafts, q, out.logits, st.think_B, draws)
+        # accept + commit (rolling back is lowering lengths: no copy), then the device counters (no sync)
+        acc = accept(drafts, v, active_B, self.stops, st.max_new_B - st.gen_B)
+        commit(st, acc, g.think_ids, window=self.W)
+        count(st, acc, v.relaxed_only_B, active_B)

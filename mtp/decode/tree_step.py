@@ -1,0 +1,113 @@
+"""The tree step: draft a tree -> verify every node in one forward -> accept a path -> commit it (cache compaction)
+and roll back the rest. Device work only, every update in place, so `GraphRunner` captures it as one CUDA graph
+per tree shape.
+
+Shape legend: B batch, S buffer positions, N tree nodes, A = max depth + 1, D width, C sibling ranks.
+
+The engine (engine.py) runs this or the chain step (chain.py) through the same loop, with accept.py's accept /
+commit / count: the tree passes the drafts along its verdict's path to `accept` and the path to `commit`, which
+compacts the cache instead of lowering its lengths. Each step the N nodes (node 0 = x_{n-1}) are written at cache
+slots n-1..n-2+N; after verification the kept path's slots move to n-1.. and the cache ends at n_new - 1.
+Tree sampling draws from one torch.Generator per engine, seeded per call (hence eager only: a replayed graph
+would not advance it; `GenerationConfig` refuses the graph modes for it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..draft.proposer import pick_hidden
+from ..draft.tree_proposer import TreeProposer, sampled_children, topk_children
+from ..model.deepseek import DeepseekV32
+from ..spec.draws import filter_probs
+from .accept import accept, commit, count
+from .config import GenerationConfig
+from .health import logits_nonfinite
+from .state import StatePool, TreeState
+from .tree_metrics import TreeMetrics
+
+
+class TreeStep:
+    """One tree step on a `TreeState`; the same hooks as `ChainStep` for the engine's loop."""
+
+    def __init__(self, model: DeepseekV32, g: GenerationConfig, stops: torch.Tensor, clock):
+        self.model, self.g, self.tree, self.stops, self.clock = model, g, g.draft.tree, stops, clock
+        self.rule = g.verifier.tree_rule()  # a registered name whose rule does not load fails here
+        self.gen = torch.Generator(device=model.device)  # seeded per call (tree sampling; eager only)
+        self.draw = (topk_children if g.draft.sampling == "greedy"
+                     else sampled_children(lambda lg: filter_probs(lg, g.sampling), self.gen))
+        self.reach = self.tree.n_nodes  # a step writes N positions past the bound it is given
+        self.W = 0  # the tree proposer keeps its own windows
+
+    def pool(self, on_drop) -> StatePool:
+        tree, dev = self.tree, self.model.device
+
+        def extras(B: int) -> dict:
+            return dict(rank_DC=torch.zeros(tree.max_depth, tree.max_rank + 1, dtype=torch.long, device=dev),
+                        live_nodes=torch.zeros((), dtype=torch.long, device=dev))
+
+        return StatePool(self.model, self.g, lambda m, d, B, L: TreeProposer(m, d, d.tree, B, L), on_drop,
+                         state_cls=TreeState, extras=extras)
+
+    def seed(self, seeds: list[int]) -> None:
+        self.gen.manual_seed(seeds[0])  # one generator for the batch (generate refuses differing seeds)
+
+    def first_rng(self, st: TreeState) -> torch.Generator:
+        return self.gen
+
+    def check(self, prompts: list[list[int]]) -> None:
+        d, D = self.g.draft.drafter, self.tree.max_depth
+        short = min(map(len, prompts))
+        if short < d.tree_min_prompt(D):
+            raise ValueError(f"{d.name} trees of depth {D} need prompts of at least {d.tree_min_prompt(D)} tokens "
+                             f"(module m reads position n-1-m), got a prompt of {short}")
+
+    def draft_prefill(self, st: TreeState, max_n: int) -> None:
+        """Every module's cache and hidden buffer over the prompt (one pass: trees take no prefill_chunk)."""
+        st.proposer.prefill(st.tokens, st.hidden, st.n_B, st.Tp, max_n=max_n)
+
+    def draft_forwards(self, st: TreeState, target_forwards: int, drafting: bool, fw0: int) -> int:
+        """The drafter's forwards per tree step, plus the prefill's window per cache (counted, as a chain's)."""
+        d = self.g.draft.drafter
+        return d.tree_forwards(self.tree.max_depth) * target_forwards + len(st.proposer.caches) * drafting
+
+    def extra_metrics(self, st: TreeState, met) -> TreeMetrics:
+        """The tree's own metrics (acceptance per depth and sibling rank, live nodes), from the chain's `met`."""
+        t = TreeMetrics(self.tree.n_nodes, self.tree.max_depth, list(met.accepted_hist), st.rank_DC.tolist(),
+                        row_steps=met.row_steps, live_nodes=int(st.live_nodes),
+                        relaxed_only_accepts=met.relaxed_only_accepts)
+        for name in ("target_forwards", "draft_forwards", "new_tokens", "time_prefill_s", "time_decode_s",
+                     "graph_replays", "graph_captures", "graph_capture_s", "gpu_busy_ms", "gpu_idle_ms"):
+            setattr(t, name, getattr(met, name))
+        return t
+
+    def __call__(self, st: TreeState, W: int, max_n: int, marks: list | None = None) -> None:
+        """One tree step, device ops only, every update in place; `max_n` bounds the positions touched."""
+        m, g, N = self.model, self.g, self.tree.n_nodes
+        tt = st.proposer.tt
+        dev = st.n_B.device
+        active_B = ~st.finished_B
+        dr = st.proposer.propose(st.tokens, st.hidden, st.n_B, self.draw, max_n, g.draft.min_draft_prob)
+        if marks is not None:
+            marks.append(self.clock())
+        live = dr.live_BN if g.draft.min_draft_prob > 0 else None
+        out = m(dr.tokens_BN, st.cache, kv_len=max_n - 1 + N, tree_depth=tt.depth_N, tree_mask=tt.ancestor_NN)
+        logits_nonfinite(st.nonfinite, out.logits)
+        v = self.rule(g, tt, dr, out.logits, st.think_B, self.gen, live)
+        acc = accept(dr.tokens_BN.gather(1, v.path_BA[:, 1:]), v, active_B, self.stops, st.max_new_B - st.gen_B)
+        # the target hidden of the kept path, at positions n-1.. (before commit moves n)
+        A = v.path_BA.shape[1]
+        pos_BA = (st.n_B.unsqueeze(1) + torch.arange(A, device=dev)).clamp_max(st.max_len - 1)
+        h_out = pick_hidden(out, g.draft.target_hidden)
+        h_BAD = h_out.gather(1, v.path_BA.unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]))
+        hpos_BAD = (pos_BA - 1).unsqueeze(-1).expand_as(h_BAD)
+        st.hidden.scatter_(1, hpos_BAD, torch.where(acc.kept_BK1.unsqueeze(-1), h_BAD, st.hidden.gather(1, hpos_BAD)))
+        commit(st, acc, g.think_ids, path_BA=v.path_BA)
+        count(st, acc, v.relaxed_only_B, active_B)
+        # the tree's own counters: accepted nodes per depth and sibling rank, live nodes
+        D, C = st.rank_DC.shape
+        depth_D = torch.arange(1, D + 1, device=dev)
+        hit_BD = ((depth_D <= acc.accepted_B.unsqueeze(1)) & active_B.unsqueeze(1)).long()
+        st.rank_DC.view(-1).scatter_add_(0, ((depth_D - 1) * C + tt.rank_N[v.path_BA[:, 1:]]).flatten(),
+                                         hit_BD.flatten())
+        st.live_nodes.add_((dr.live_BN & active_B.unsqueeze(1)).sum())

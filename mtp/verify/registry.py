@@ -1,0 +1,94 @@
+"""The verifiers by name: `verify=` maps to a `Verifier`, which names its chain rule, its tree rule and what it needs.
+
+Torch-free: `GenerationConfig` checks a name and a verifier's needs (thinking ids, sampling options, graph capture of
+its tree rule) without loading the verifiers; the rules themselves are imported when an engine is built
+(`Verifier.chain_rule()` / `tree_rule()`), so a registered name whose rule does not exist fails there, at
+construction, and an unregistered name fails when the config is built. Nothing falls back to another verifier.
+
+A rule adapts one verifier to the engine's call, reading its options from the `GenerationConfig` `g`:
+
+    chain(g, drafts_BK, q_BKV, logits_BKV, think_B, rng) -> Verdict        (mtp.verify.common)
+    tree(g, tt, draft, logits_BNV, think_B, rng, live_BN) -> TreeVerdict    (mtp.verify.tree)
+
+`q_BKV` / `draft.q_BNV`: the draft distributions (None for greedy drafts); `rng`: the step's `RowDraws` (chains) or
+the tree engine's torch.Generator; `tt`: the tree's `TreeTensors`; `draft`: the `TreeDraft` (tokens_BN, q_BNV);
+`live_BN`: nodes the adaptive length kept (None: all). The prefill's first token is the chain rule over no drafts.
+Adding one: a file with the two functions, `register_verifier(Verifier(...))` here, and its test (mtp/DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..spec.options import OptionError
+
+
+@dataclass(frozen=True)
+class Verifier:
+    name: str  # the `verify=` option
+    chain: str  # "module:function" of the chain rule
+    tree: str | None = None  # "module:function" of the tree rule; None: chains only (a tree config is refused)
+    options: tuple[str, ...] = ()  # the GenerationConfig fields its rules read, besides the tensors
+    samples: bool = False  # reads SamplingParams (temperature, top_k, top_p): the config keeps them for it
+    exact_with_sampled_drafts: bool = False  # stays exact when drafts are drawn from q (draft_sampling='sample')
+    needs_think_ids: bool = False  # acts on thinking spans: a config without think_ids is refused
+    tree_graphs: bool = True  # its tree rule can run inside a captured graph (False: it draws from a Generator)
+
+    def chain_rule(self) -> Callable:
+        return _resolve(self.name, "chain", self.chain)
+
+    def tree_rule(self) -> Callable:
+        if self.tree is None:
+            raise ValueError(f"verify={self.name!r} has no tree rule; tree decoding takes "
+                             f"{', '.join(n for n, v in VERIFIER_REGISTRY.items() if v.tree)}")
+        return _resolve(self.name, "tree", self.tree)
+
+
+def _resolve(name: str, kind: str, where: str) -> Callable:
+    mod, _, fn = where.partition(":")
+    try:
+        rule = getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"verify={name!r} is registered with {kind} rule {where!r}, which does not load: {e}") from None
+    if not callable(rule):
+        raise ValueError(f"verify={name!r}: its {kind} rule {where!r} is not a function")
+    return rule
+
+
+VERIFIER_REGISTRY: dict[str, Verifier] = {}
+
+
+def register_verifier(v: Verifier) -> Verifier:
+    """Make `v` the verifier of `verify=v.name` (a name registered twice is refused)."""
+    if not isinstance(v, Verifier):
+        raise TypeError(f"register_verifier takes a Verifier, got {v!r}")
+    if v.name in VERIFIER_REGISTRY and VERIFIER_REGISTRY[v.name] != v:
+        raise ValueError(f"a verifier named {v.name!r} is already registered")
+    if ":" not in v.chain or (v.tree is not None and ":" not in v.tree):
+        raise ValueError(f"verifier {v.name!r}: rules are named 'module:function', got {v.chain!r}, {v.tree!r}")
+    VERIFIER_REGISTRY[v.name] = v
+    return v
+
+
+def verifier(name) -> Verifier:
+    """The registered verifier of `name`, or the registered object itself."""
+    if isinstance(name, Verifier):
+        if VERIFIER_REGISTRY.get(name.name) != name:
+            raise OptionError("verify", name, "a registered verifier (mtp.verify.registry.register_verifier) or its "
+                              f"name", f"registered: {', '.join(VERIFIER_REGISTRY)}")
+        return name
+    if isinstance(name, str) and name in VERIFIER_REGISTRY:
+        return VERIFIER_REGISTRY[name]
+    raise OptionError("verify", name, f"one of {', '.join(VERIFIER_REGISTRY)}")
+
+
+register_verifier(Verifier("strict", "mtp.verify.strict:chain", "mtp.verify.tree:strict"))
+register_verifier(Verifier("relaxed", "mtp.verify.relaxed:chain", "mtp.verify.tree:relaxed",
+                           options=("top_n", "delta", "think_ids", "span_rule"), needs_think_ids=True))
+register_verifier(Verifier("sample", "mtp.verify.sampling:chain", "mtp.verify.tree:sampling", options=("sampling",),
+                           samples=True, exact_with_sampled_drafts=True, tree_graphs=False))
+register_verifier(Verifier("typical", "mtp.verify.typical:chain", "mtp.verify.tree:typical",
+                           options=("sampling", "posterior_threshold", "posterior_alpha"), samples=True))
+VERIFIERS = tuple(VERIFIER_REGISTRY)  # the built-in names, for the front ends' choices

@@ -1,0 +1,53 @@
+"""The drafter registry (mtp.draft.modes): each mode's class answers what the engine, the proposers and the memory
+plan ask (caches, window, module per depth, forwards per step); an unknown name or an unregistered object is an
+error when the config is built; `generate` takes a registered drafter by name or as the object."""
+
+from __future__ import annotations
+
+import pytest
+
+import mtp
+from mtp.draft.config import DraftConfig
+from mtp.draft.modes import DRAFTERS, DRAFTS, Eagle, drafter
+from mtp.spec.options import OptionError
+
+
+def test_each_mode_answers_for_itself():
+    none, vanilla, eagle = (DRAFTERS[n] for n in ("none", "vanilla", "eagle"))
+    assert DRAFTS == ("none", "vanilla", "eagle")
+    assert [d.n_caches(3) for d in (none, vanilla, eagle)] == [0, 3, 1]
+    assert [d.window(3) for d in (none, vanilla, eagle)] == [1, 6, 4]  # W = 2K (vanilla), K + 1 (eagle)
+    assert [d.chain_forwards(3) for d in (none, vanilla, eagle)] == [0, 3, 3]
+    assert [vanilla.module_for(j, 2) for j in range(4)] == [0, 1, 1, 1]  # the last module repeats (reuse_modules)
+    assert [eagle.module_for(j, 2) for j in range(4)] == [0, 0, 0, 0]
+    assert (vanilla.tree_forwards(3), eagle.tree_forwards(3)) == (5, 3)
+    assert (vanilla.window_modules(3), eagle.window_modules(3)) == (3, 1) and eagle.chained and not vanilla.chained
+    with pytest.raises(NotImplementedError, match="does not draft trees"):
+        none.tree_forwards(2)
+
+
+def test_draft_config_asks_its_drafter():
+    c = DraftConfig(mode="vanilla", k=3)
+    assert (c.n_caches, c.window(), c.module_for(2, 1)) == (3, 6, 0) and c.drafter is DRAFTERS["vanilla"]
+    with pytest.raises(ValueError, match="vanilla k=3 needs 3 MTP modules, the checkpoint has 2"):
+        c.validate(2)
+    with pytest.raises(ValueError, match="draft='eagle' needs MTP modules"):
+        DraftConfig(mode="eagle", k=1).validate(0)
+
+
+def test_unknown_or_unregistered_drafters_fail_at_construction():
+    with pytest.raises(OptionError, match="draft must be one of none, vanilla, eagle, got 'medusa'"):
+        DraftConfig(mode="medusa", k=1)
+    with pytest.raises(OptionError, match="draft must be one of none, vanilla, eagle, got 'medusa'"):
+        mtp.GenerationConfig.from_options(4, "medusa", 1)
+    with pytest.raises(OptionError, match="a registered drafter"):
+        drafter(Eagle())  # a second instance is not the registered one
+
+
+def test_generate_takes_a_drafter_by_name_or_object(tiny_model):
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    by_name = mtp.generate(tiny_model, prompts, 8, draft="eagle", k=2)
+    by_object = mtp.generate(tiny_model, prompts, 8, draft=DRAFTERS["eagle"], k=2)
+    assert by_object.tokens == by_name.tokens and by_object.metrics.draft == "eagle"
+    assert by_object.metrics.accepted_hist == by_name.metrics.accepted_hist
+    assert DraftConfig(mode=DRAFTERS["vanilla"], k=2).mode == "vanilla"
