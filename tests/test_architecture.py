@@ -115,13 +115,6 @@ def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return out
 
 
-# TEMPORARY: the decode / draft / verify folder cycle that the engine branch of issue 28 removes (shared option
-# names in a leaf module, tree shapes in a neutral place, sampling helpers both may import). Delete this list when
-# that branch is merged; test_temporary_folder_edges_still_exist fails once they are gone, as a reminder.
-TEMPORARY_FOLDER_EDGES = {("mtp.verify", "mtp.decode"), ("mtp.draft", "mtp.decode"), ("mtp.verify", "mtp.draft"),
-                          ("mtp.draft", "mtp.verify")}
-
-
 def test_folder_graph_sees_folder_edges():
     g = folder_graph(import_graph())
     assert "mtp.parallel" in g["mtp.backends"]  # fast_path's tensor-parallel MLP
@@ -132,24 +125,15 @@ def test_folder_graph_sees_folder_edges():
 
 def test_no_import_cycle_among_folders():
     """Dependencies point one way between folders too (style principle 12): model <- kernels <- parallel <-
-    backends <- draft / verify <- decode <- distributed <- applications."""
+    backends <- spec <- draft / verify <- decode <- distributed <- applications."""
     g = folder_graph(import_graph())
-    for a, b in TEMPORARY_FOLDER_EDGES:
-        g[a].discard(b)
     cycles = find_cycles(g)
     graph = import_graph()
     where = {c: sorted(f"{m} -> {d}" for m, ds in graph.items() for d in ds
-                       if folder_of(m) in c and folder_of(d) in c and folder_of(m) != folder_of(d)
-                       and (folder_of(m), folder_of(d)) not in TEMPORARY_FOLDER_EDGES)
+                       if folder_of(m) in c and folder_of(d) in c and folder_of(m) != folder_of(d))
              for c in map(tuple, cycles)}
     assert not cycles, "import cycles among mtp's folders:\n" + "\n".join(
         f"{' <-> '.join(c)}: {', '.join(w)}" for c, w in where.items())
-
-
-def test_temporary_folder_edges_still_exist():
-    g = folder_graph(import_graph())
-    gone = sorted(e for e in TEMPORARY_FOLDER_EDGES if e[1] not in g.get(e[0], set()))
-    assert not gone, f"folder edges no longer imported: {gone}; delete them from TEMPORARY_FOLDER_EDGES"
 
 
 def test_reference_model_imports_nothing_above_it():

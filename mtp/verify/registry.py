@@ -77,7 +77,7 @@ def verifier(name) -> Verifier:
     if isinstance(name, Verifier):
         if VERIFIER_REGISTRY.get(name.name) != name:
             raise OptionError("verify", name, "a registered verifier (mtp.verify.registry.register_verifier) or its "
-                              f"name", f"registered: {', '.join(VERIFIER_REGISTRY)}")
+                              "name", f"registered: {', '.join(VERIFIER_REGISTRY)}")
         return name
     if isinstance(name, str) and name in VERIFIER_REGISTRY:
         return VERIFIER_REGISTRY[name]
