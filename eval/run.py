@@ -29,6 +29,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from mtp.utils import write_atomic
+from mtp.verify.registry import verifier
 
 from . import conf_dir, trees
 from .common import NotAvailableError, build, check_runtime, generate_kwargs, model_label, model_path
@@ -242,8 +243,8 @@ def _setup(cfg: DictConfig):
             raise SetupError(f"draft.vocab_file={typed.draft.vocab_file}: {e}") from None
     if "tree" in kw:
         trees.check(kw, typed.runtime.batch_size)
-    if kw["verify"] == "relaxed" and not any(p.thinking for p in prompts):
-        log.warning("verify=relaxed relaxes only inside thinking spans and no prompt is in thinking mode, so "
+    if verifier(kw["verify"]).needs_think_ids and not any(p.thinking for p in prompts):
+        log.warning(f"verify={kw['verify']} acts only inside thinking spans and no prompt is in thinking mode, so "
                     "it acts like strict here (thinking=true turns thinking on for every prompt)")
     _check_lengths(typed, model, prompts, ids, kw["k"], kw.get("tree"))
     return typed, out, resolved, prompts, stores, model, tok, ids, kw
@@ -251,21 +252,23 @@ def _setup(cfg: DictConfig):
 
 def strict_source(typed: EvalConfig) -> str | None:
     """Which store holds plain greedy outputs of the prompts to compare the run with: the baseline when it is
-    greedy (strict, and relaxed: relaxed without drafts has nothing to relax), else with compare_strict a
-    greedy run of its own ("ref"; sampling's baseline samples)."""
-    verify = typed.verify.name
-    if typed.baseline and verify in ("strict", "relaxed"):
+    greedy (a verifier that does not sample: its baseline is strict's, `_baseline_kwargs`), else with
+    compare_strict a greedy run of its own ("ref"; a sampling verifier's baseline samples); none when the
+    verifier's own output is greedy decoding's."""
+    v = verifier(typed.verify.name)
+    if typed.baseline and not v.samples:
         return "base"
-    return "ref" if typed.compare_strict and verify != "strict" else None
+    return "ref" if typed.compare_strict and not v.greedy_output else None
 
 
 def _baseline_kwargs(kw: dict) -> dict:
-    """draft=none with the run's verifier: plain sampling for verify=sample, plain greedy otherwise."""
+    """draft=none with the run's verifier when it samples (plain sampling), else plain greedy decoding (strict:
+    without drafts a verifier that does not sample has nothing to decide)."""
     drop = ("target_hidden", "chain_hidden", "reuse_modules", "draft_vocab", "top_n", "delta", "think_ids",
             *trees.TREE_KWARGS)
     base = {key: v for key, v in kw.items() if key not in drop}
     base.update(draft=DraftName.none.value, k=0)
-    if base["verify"] == "relaxed":
+    if not verifier(base["verify"]).samples:
         base["verify"] = "strict"
     if "draft_sampling" in base:
         base["draft_sampling"] = "greedy"
