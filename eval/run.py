@@ -34,7 +34,7 @@ from mtp.verify.registry import verifier
 from . import conf_dir, trees
 from .common import NotAvailableError, build, check_runtime, generate_kwargs, model_label, model_path
 from .data import DataError, Prompt, load_prompts
-from .rundir import FAILED_NAME, SETTINGS_NAME, RunDirError, locked
+from .rundir import FAILED_NAME, SETTINGS_NAME, RunDirError, drop_refused, locked
 from .schema import DraftName, EvalConfig, SchemaError, StrictVerifySchema, validate, value
 from .store import SampleStore, StoreError
 
@@ -517,8 +517,18 @@ def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="eval")
 def main(cfg: DictConfig) -> float:
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        return sweep_job(cfg)
-    return evaluate(cfg)
+        return sweep_job(cfg)  # a refused job keeps its folder: FAILED_NAME in it is the sweep's record
+    try:
+        return evaluate(cfg)
+    except RunExit as e:
+        out = Path(HydraConfig.get().runtime.output_dir)
+        if e.code == 2 and out.resolve() not in _EXISTING:
+            drop_refused(out)
+        raise
+
+
+# hydra.run.dir folders named on the command line that existed before Hydra ran: a refused run never removes one
+_EXISTING: set[Path] = set()
 
 
 def sweep_job(cfg: DictConfig) -> float:
@@ -555,6 +565,8 @@ def entry() -> None:
 
     check_launcher(sys.argv[1:])
     check_run_dirs(sys.argv[1:])
+    _EXISTING.update(Path(a.partition("=")[2]).resolve() for a in sys.argv[1:]
+                     if a.partition("=")[0].strip() == "hydra.run.dir" and Path(a.partition("=")[2]).is_dir())
     main()
 
 
