@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from statistics import median
 
 from mtp.decode.metrics import AcceptanceStats, SpecMetrics
+from mtp.verify.registry import verifier
 
 from . import breakdown, quality, trees
 
@@ -214,7 +215,7 @@ def metrics_json(run: dict, spec_records: Sequence[dict], base_records: Sequence
     agreement with them, overall and per category (`quality/strict_*`)."""
     verify = run.get("verify", "strict")
     spec = summarize(spec_records, verify)
-    relaxed = spec["overall"]["accept/relaxed_only"] if verify == "relaxed" else None
+    relaxed = spec["overall"]["accept/relaxed_only"] if verifier(verify).needs_think_ids else None
     out = {"run": run, **spec, "breakdown": breakdown.breakdown(spec_records, relaxed), "baseline": None,
            "speedup": None, "strict_mismatch": None,
            "strict_reference": strict_source if strict_records is not None else None,

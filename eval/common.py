@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from .schema import DraftName, RelaxedVerifySchema, RunMode, SchemaError, generation_options, validate, value
+from mtp.verify.registry import verifier
+
+from .schema import DraftName, RunMode, SchemaError, generation_options, validate, value
 
 
 class NotAvailableError(RuntimeError):
@@ -147,7 +149,7 @@ def generate_kwargs(cfg: Any, tokenizer: Any = None) -> dict:
     max_new_tokens: `schema.generation_options`, plus the draft vocabulary file's ids and think_ids); runtime.mode
     is passed only when it is not eager (see check_runtime).
 
-    think_ids (for verify=relaxed) come from `tokenizer`, or from the model's tokenizer file when None."""
+    think_ids (for a verifier that needs them: relaxed) come from `tokenizer`, or from the model's tokenizer file when None."""
     cfg = validate(cfg)
     d = cfg.draft
     kw = generation_options(cfg)
@@ -158,7 +160,7 @@ def generate_kwargs(cfg: Any, tokenizer: Any = None) -> dict:
             kw["draft_vocab"] = load_ids(d.vocab_file, d.vocab_size)
         except ValueError as e:
             raise SchemaError(f"draft.vocab_file: {e}") from None
-    if isinstance(cfg.verify, RelaxedVerifySchema):
+    if verifier(kw["verify"]).needs_think_ids:
         if tokenizer is None:
             from mtp.text.tokenizer import Tokenizer
 

@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from mtp.stats import wilson
+from mtp.verify.registry import verifier
 
 # An optional sign, digits with optional thousands separators, an optional decimal part.
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
@@ -87,7 +88,7 @@ def flags(record: dict, verify: str) -> list[str]:
         out.append(f"repeated {REPEAT_N}-grams ({cover:.0%} of the tail)")
     hist = record["row_accepted_hist"]
     k, steps = len(hist) - 1, sum(hist)
-    if verify != "strict" and k and steps >= AL_CEILING_MIN_STEPS:
+    if not verifier(verify).greedy_output and k and steps >= AL_CEILING_MIN_STEPS:
         rate = sum(a * c for a, c in enumerate(hist)) / (k * steps)
         if rate >= AL_CEILING_RATE:
             out.append(f"accepted everything (rate {rate:.2f})")

@@ -7,6 +7,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from mtp.stats import BOOTSTRAP_MIN_ROWS
+from mtp.verify.registry import verifier
 
 
 def console(stderr: bool = False) -> Console:
@@ -103,7 +104,7 @@ def acceptance_table(metrics: dict, title: str) -> Table:
         t.add_column(f"acc@{j}", justify="right")
     if k:
         t.add_column("rate", justify="right")  # accepted / proposed drafts
-    lossy = metrics["run"].get("verify", "strict") != "strict"
+    lossy = not verifier(metrics["run"].get("verify", "strict")).greedy_output
     if lossy:
         t.add_column("relaxed-only" if metrics["run"]["verify"] == "relaxed" else "not argmax", justify="right")
     t.add_column("decode tok/s", justify="right")
@@ -161,7 +162,7 @@ def quality_lines(metrics: dict) -> list[str]:
     """What a lossy verifier cost, in words: agreement with strict greedy outputs, and task accuracy."""
     o, run = metrics["overall"], metrics["run"]
     lines = []
-    if run.get("verify", "strict") != "strict":
+    if not verifier(run.get("verify", "strict")).greedy_output:
         lines.append(f"accepted drafts the strict rule would have rejected (not the target's argmax): "
                      f"{o['accept/relaxed_only']} of {o['count/accepted_drafts']} "
                      f"({o['accept/relaxed_only_share']:.0%})")

@@ -29,11 +29,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from mtp.utils import write_atomic
+from mtp.verify.registry import verifier
 
 from . import conf_dir, trees
 from .common import NotAvailableError, build, check_runtime, generate_kwargs, model_label, model_path
 from .data import DataError, Prompt, load_prompts
-from .rundir import FAILED_NAME, SETTINGS_NAME, RunDirError, locked
+from .rundir import FAILED_NAME, SETTINGS_NAME, RunDirError, drop_refused, locked
 from .schema import DraftName, EvalConfig, SchemaError, StrictVerifySchema, validate, value
 from .store import SampleStore, StoreError
 
@@ -242,8 +243,8 @@ def _setup(cfg: DictConfig):
             raise SetupError(f"draft.vocab_file={typed.draft.vocab_file}: {e}") from None
     if "tree" in kw:
         trees.check(kw, typed.runtime.batch_size)
-    if kw["verify"] == "relaxed" and not any(p.thinking for p in prompts):
-        log.warning("verify=relaxed relaxes only inside thinking spans and no prompt is in thinking mode, so "
+    if verifier(kw["verify"]).needs_think_ids and not any(p.thinking for p in prompts):
+        log.warning(f"verify={kw['verify']} acts only inside thinking spans and no prompt is in thinking mode, so "
                     "it acts like strict here (thinking=true turns thinking on for every prompt)")
     _check_lengths(typed, model, prompts, ids, kw["k"], kw.get("tree"))
     return typed, out, resolved, prompts, stores, model, tok, ids, kw
@@ -251,21 +252,23 @@ def _setup(cfg: DictConfig):
 
 def strict_source(typed: EvalConfig) -> str | None:
     """Which store holds plain greedy outputs of the prompts to compare the run with: the baseline when it is
-    greedy (strict, and relaxed: relaxed without drafts has nothing to relax), else with compare_strict a
-    greedy run of its own ("ref"; sampling's baseline samples)."""
-    verify = typed.verify.name
-    if typed.baseline and verify in ("strict", "relaxed"):
+    greedy (a verifier that does not sample: its baseline is strict's, `_baseline_kwargs`), else with
+    compare_strict a greedy run of its own ("ref"; a sampling verifier's baseline samples); none when the
+    verifier's own output is greedy decoding's."""
+    v = verifier(typed.verify.name)
+    if typed.baseline and not v.samples:
         return "base"
-    return "ref" if typed.compare_strict and verify != "strict" else None
+    return "ref" if typed.compare_strict and not v.greedy_output else None
 
 
 def _baseline_kwargs(kw: dict) -> dict:
-    """draft=none with the run's verifier: plain sampling for verify=sample, plain greedy otherwise."""
+    """draft=none with the run's verifier when it samples (plain sampling), else plain greedy decoding (strict:
+    without drafts a verifier that does not sample has nothing to decide)."""
     drop = ("target_hidden", "chain_hidden", "reuse_modules", "draft_vocab", "top_n", "delta", "think_ids",
             *trees.TREE_KWARGS)
     base = {key: v for key, v in kw.items() if key not in drop}
     base.update(draft=DraftName.none.value, k=0)
-    if base["verify"] == "relaxed":
+    if not verifier(base["verify"]).samples:
         base["verify"] = "strict"
     if "draft_sampling" in base:
         base["draft_sampling"] = "greedy"
@@ -514,8 +517,18 @@ def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -
 @hydra.main(version_base="1.3", config_path=str(conf_dir()), config_name="eval")
 def main(cfg: DictConfig) -> float:
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        return sweep_job(cfg)
-    return evaluate(cfg)
+        return sweep_job(cfg)  # a refused job keeps its folder: FAILED_NAME in it is the sweep's record
+    try:
+        return evaluate(cfg)
+    except RunExit as e:
+        out = Path(HydraConfig.get().runtime.output_dir)
+        if e.code == 2 and out.resolve() not in _EXISTING:
+            drop_refused(out)
+        raise
+
+
+# hydra.run.dir folders named on the command line that existed before Hydra ran: a refused run never removes one
+_EXISTING: set[Path] = set()
 
 
 def sweep_job(cfg: DictConfig) -> float:
@@ -552,6 +565,8 @@ def entry() -> None:
 
     check_launcher(sys.argv[1:])
     check_run_dirs(sys.argv[1:])
+    _EXISTING.update(Path(a.partition("=")[2]).resolve() for a in sys.argv[1:]
+                     if a.partition("=")[0].strip() == "hydra.run.dir" and Path(a.partition("=")[2]).is_dir())
     main()
 
 

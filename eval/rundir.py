@@ -56,6 +56,33 @@ def locked(out: Path) -> Iterator[Callable[[], None]]:
         os.close(fd)
 
 
+def drop_refused(out: Path) -> bool:
+    """Remove the folder of a refused run when it holds nothing but the empty log files Hydra opened for it (the
+    README promises a refused run writes nothing); a folder with anything else in it (a previous run's results, a
+    log with lines) is left as it is. Returns whether the folder went."""
+    import logging
+
+    root = logging.getLogger()
+    logs = [h for h in root.handlers if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == out]
+    names = {Path(h.baseFilename).name for h in logs}
+    try:
+        entries = list(out.iterdir())
+    except OSError:
+        return False
+    if any(e.name not in names or not e.is_file() or e.stat().st_size for e in entries):
+        return False
+    for h in logs:  # nothing more goes to a log of a folder that is gone
+        root.removeHandler(h)
+        h.close()
+    try:
+        for e in entries:
+            e.unlink()
+        out.rmdir()
+    except OSError:
+        return False
+    return True
+
+
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():

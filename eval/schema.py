@@ -28,6 +28,7 @@ from mtp.spec.options import MLP_SPLITS, MODES, OptionError
 from mtp.draft.config import DRAFT_SAMPLING, HIDDEN
 from mtp.placement import EXPERT_LAYOUTS
 from mtp.spec.options import SPAN_RULES
+from mtp.verify.registry import VERIFIER_REGISTRY
 
 
 class SchemaError(ValueError):
@@ -407,7 +408,8 @@ def generation_options(cfg: EvalConfig | ChatConfig | ServeConfig) -> dict:
 def _check_generation(cfg: EvalConfig | ChatConfig | ServeConfig) -> None:
     """The generation options through mtp's own rules (a GenerationConfig built from them), reported by key."""
     kw = generation_options(cfg)
-    if kw["verify"] == "relaxed":
+    needs = VERIFIER_REGISTRY.get(kw["verify"])  # an unregistered name is GenerationConfig's to refuse
+    if needs is not None and needs.needs_think_ids:
         kw["think_ids"] = (0, 1)  # a stand-in: the tokenizer's ids come with generate_kwargs
     try:
         GenerationConfig.from_options(cfg.max_new_tokens, **kw)

@@ -21,6 +21,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from mtp.utils import write_atomic
+from mtp.verify.registry import verifier
 
 from .rundir import FAILED_NAME
 
@@ -82,7 +83,8 @@ def collect(sweep_dir: Path) -> list[dict]:
                      "strict_mismatch": mm["count"] if mm else None,
                      # what relaxed / sampled verification cost: accepts strict would reject, agreement with
                      # strict greedy outputs, task accuracy (prompts with answers)
-                     "relaxed_only_share": o.get("accept/relaxed_only_share") if run["verify"] != "strict" else None,
+                     "relaxed_only_share": o.get("accept/relaxed_only_share")
+                     if not verifier(run["verify"]).greedy_output else None,
                      "strict_token_agreement": o.get("quality/strict_token_agreement"),
                      "strict_identical": o.get("quality/strict_identical"), "accuracy": o.get("quality/accuracy"),
                      "base_accuracy": base["overall"].get("quality/accuracy") if base else None,

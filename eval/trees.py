@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from mtp.verify.registry import verifier
+
 from .common import NotAvailableError
 
 TREE_KWARGS = ("tree", "min_draft_prob")  # generate kwargs of tree runs only (a baseline drops them)
@@ -23,11 +25,11 @@ def check(kw: dict, batch_size: int) -> None:
     if "draft_vocab" in kw:
         raise NotAvailableError(f"draft.vocab_file with draft.tree={kw['tree']}: draft trees do not take a draft "
                                 "vocabulary yet")
-    if kw["verify"] == "sample" and batch_size != 1:
-        # mtp-eval seeds each prompt on its own so that an output does not depend on its batch; tree sampling
-        # draws a batch from one generator
-        raise NotAvailableError(f"verify=sample with draft.tree needs runtime.batch_size=1, got {batch_size} "
-                                "(tree sampling seeds a whole batch at once)")
+    if not verifier(kw["verify"]).tree_graphs and batch_size != 1:
+        # mtp-eval seeds each prompt on its own so that an output does not depend on its batch; a tree rule that
+        # cannot be captured draws a batch from one torch.Generator (tree sampling)
+        raise NotAvailableError(f"verify={kw['verify']} with draft.tree needs runtime.batch_size=1, got "
+                                f"{batch_size} (tree sampling seeds a whole batch at once)")
 
 
 def generate(model, ids: list[list[int]], max_new_tokens: int, kw: dict, on_step: Callable | None = None):

@@ -29,3 +29,20 @@ def tiny_model(tiny_ckpt):
 @pytest.fixture(scope="session")
 def tiny_model_dequant(tiny_ckpt):
     return load_model(tiny_ckpt, dtype=torch.float32, numerics="dequant")
+
+
+@pytest.fixture
+def registered():
+    """Register test verifiers for one test and take them out again (the registry is process-wide); the
+    applications' tests use it to show a verifier registered outside them is taken by their option parsing."""
+    from mtp.verify.registry import VERIFIER_REGISTRY, register_verifier
+
+    names = []
+
+    def add(v):
+        names.append(v.name)
+        return register_verifier(v)
+
+    yield add
+    for n in names:
+        VERIFIER_REGISTRY.pop(n, None)

@@ -11,6 +11,7 @@ import traceback
 import torch
 
 from ..decode.graphs import capture_graph
+from ..draft.modes import drafter
 from .rank_model import expected_local_experts, rank_floor
 from .rank_report import log
 from .timing import kernel_profile, timer
@@ -220,7 +221,7 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
     runs = [("none", 0)] + [(d, k) for d in ("eagle", "vanilla") for k in range(1, args.k + 1)]
     out = {}
     for draft, k in runs:
-        opts = {"reuse_modules": True} if draft == "vanilla" and k > model.n_mtp else {}
+        opts = {"reuse_modules": True} if drafter(draft).modules_needed(k) > model.n_mtp else {}
         for mode in modes:
             t0 = time.perf_counter()
             if mode != "eager":  # the first call captures the step (kept by generate); the second is timed

@@ -34,7 +34,7 @@ from ..decode.engine import StepEvent, stops
 from ..decode.metrics import SpecMetrics
 from ..draft.modes import DRAFTS
 from ..spec.options import MAX_K, OptionError, draft_room
-from ..verify.registry import VERIFIERS
+from ..verify.registry import VERIFIERS, verifier
 from ..draft.config import DraftConfig
 from ..text.dsml import CompletionFormatError
 from ..text.prompt import encode_chat
@@ -232,7 +232,7 @@ class Session:
         if arg:
             self._change(options={**self.settings.options, "temperature": _parse(arg, float)})
         t = self.settings.options.get("temperature", 1.0)
-        note = "" if self.settings.verify == "sample" else " (applies with /verify sample)"
+        note = "" if verifier(self.settings.verify).samples else " (applies with /verify sample)"
         self.view.notice(f"temperature {t}{note}")
 
     def _cmd_verify(self, arg: str) -> None:

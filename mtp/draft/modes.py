@@ -37,6 +37,10 @@ class Drafter:
         """The MTP module (0-based) that drafts depth j (0-based) on a model with `n_mtp` modules."""
         raise NotImplementedError(f"drafter {self.name!r} does not say which module drafts depth {j}")
 
+    def modules_needed(self, k: int) -> int:
+        """Distinct MTP modules K drafts read; a model with fewer is refused unless reuse_modules (`check_model`)."""
+        return 1 if self.drafts else 0
+
     def window_modules(self, k: int) -> int:
         """Modules run over the draft window each chain step (the rest of the K drafts are chained)."""
         return self.n_caches(k)
@@ -101,9 +105,12 @@ class Vanilla(Drafter):
     def tree_min_prompt(self, depth: int) -> int:
         return max(depth - 1, 1)  # module m reads position n-1-m
 
+    def modules_needed(self, k: int) -> int:
+        return k
+
     def check_model(self, k: int, n_mtp: int, reuse_modules: bool) -> None:
         super().check_model(k, n_mtp, reuse_modules)
-        if k > n_mtp and not reuse_modules:
+        if self.modules_needed(k) > n_mtp and not reuse_modules:
             raise ValueError(f"vanilla k={k} needs {k} MTP modules, the checkpoint has {n_mtp}; "
                              "set reuse_modules=true to repeat the last module (TensorRT-LLM style)")
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from ..decode.engine import generate
+from ..draft.modes import drafter
 from ..model.deepseek import DeepseekV32
 from ..text.tokenizer import Tokenizer
 from .data import encode_prompt
@@ -62,13 +63,13 @@ def acceptance(model: DeepseekV32, prompts: list[list[int]], tok: Tokenizer, max
                ks: Sequence[int] = (1, 2, 3), modes: Sequence[str] = ("eagle", "vanilla"), verify: str = "strict",
                batch_size: int = 16) -> dict:
     """Greedy speculative generation over the prompts for each (mode, k); namespaced metrics per setting:
-    `{mode}_k{k}/accept_len` (AL), `{mode}_k{k}/pos_1` (first-draft acceptance), ... Vanilla k is skipped when
-    the model has fewer than k modules."""
+    `{mode}_k{k}/accept_len` (AL), `{mode}_k{k}/pos_1` (first-draft acceptance), ... A (mode, k) is skipped
+    when the model has fewer modules than its drafts read (`Drafter.modules_needed`: vanilla k > modules)."""
     out: dict[str, float] = {}
     think = (tok.think_id, tok.end_think_id)
     for mode in modes:
         for k in ks:
-            if mode == "vanilla" and k > model.n_mtp:
+            if drafter(mode).modules_needed(k) > model.n_mtp:
                 continue
             met = None
             for i in range(0, len(prompts), batch_size):

@@ -35,6 +35,8 @@ class Verifier:
     exact_with_sampled_drafts: bool = False  # stays exact when drafts are drawn from q (draft_sampling='sample')
     needs_think_ids: bool = False  # acts on thinking spans: a config without think_ids is refused
     tree_graphs: bool = True  # its tree rule can run inside a captured graph (False: it draws from a Generator)
+    greedy_output: bool = False  # its output is plain greedy decoding's, token for token (strict): the applications
+    # compare a verifier's outputs with strict greedy ones and flag rows at the acceptance ceiling only without it
 
     def chain_rule(self) -> Callable:
         return _resolve(self.name, "chain", self.chain)
@@ -84,7 +86,7 @@ def verifier(name) -> Verifier:
     raise OptionError("verify", name, f"one of {', '.join(VERIFIER_REGISTRY)}")
 
 
-register_verifier(Verifier("strict", "mtp.verify.strict:chain", "mtp.verify.tree:strict"))
+register_verifier(Verifier("strict", "mtp.verify.strict:chain", "mtp.verify.tree:strict", greedy_output=True))
 register_verifier(Verifier("relaxed", "mtp.verify.relaxed:chain", "mtp.verify.tree:relaxed",
                            options=("top_n", "delta", "think_ids", "span_rule"), needs_think_ids=True))
 register_verifier(Verifier("sample", "mtp.verify.sampling:chain", "mtp.verify.tree:sampling", options=("sampling",),

@@ -127,6 +127,18 @@ def test_bad_values_give_one_line_and_change_nothing(tok, line, expected):
     assert sess.settings == before
 
 
+def test_a_registered_verifier_is_one_command_away(tok, registered):
+    from mtp.verify.registry import Verifier
+
+    registered(Verifier("accept_none", "tests.verify.test_registry:chain"))
+    sess, view, gen = make(tok)
+    assert sess.handle("/verify accept_none") and sess.handle("hello")
+    assert view.errors == [] and sess.settings.verify == "accept_none" and gen.calls[-1]["verify"] == "accept_none"
+    sess.handle("/verify nope")
+    assert view.errors == ["/verify needs one of strict, relaxed, sample, typical, accept_none, got 'nope'"]
+    assert sess.settings.verify == "accept_none"
+
+
 def test_vanilla_k_needs_modules_unless_reused(tok):
     sess, view, _ = make(tok, k=1)
     sess.handle("/draft vanilla")

@@ -167,6 +167,27 @@ def test_span_rule_option_reaches_generate():
     assert generate_kwargs(compose_eval(["verify=relaxed", "verify.span_rule=trtllm"]))["span_rule"] == "trtllm"
 
 
+def test_a_registered_verifier_is_one_override_away(registered):
+    """A verifier registered outside eval/ runs as `verify.name=<it>` (its needs read from its registration: think ids
+    from the tokenizer, a strict baseline and a strict reference for a lossy rule that does not sample); an unknown
+    name is refused with the registered ones listed."""
+    from mtp.decode.config import GenerationConfig
+    from mtp.verify.registry import Verifier
+
+    from eval.run import _baseline_kwargs, strict_source
+
+    registered(Verifier("spans_only", "mtp.verify.strict:chain", needs_think_ids=True))
+    cfg = compose_eval(["verify.name=spans_only", "baseline=true"])
+    kw = generate_kwargs(cfg)
+    assert kw["verify"] == "spans_only" and len(kw["think_ids"]) == 2
+    assert GenerationConfig.from_options(8, **kw).verify == "spans_only"
+    assert _baseline_kwargs(kw)["verify"] == "strict" and strict_source(schema.validate(cfg)) == "base"
+    assert strict_source(schema.validate(compose_eval(["verify.name=spans_only", "baseline=false"]))) == "ref"
+    with pytest.raises(schema.SchemaError, match="verify.name = 'nope' is invalid: expected one of strict, relaxed, "
+                                                 "sample, typical, spans_only"):
+        schema.validate(compose_eval(["verify.name=nope"]))
+
+
 def test_graph_modes_need_cuda():
     rt = schema.validate(compose_eval(["runtime.mode=graph"])).runtime
     with pytest.raises(NotAvailableError, match="cuda"):

@@ -97,6 +97,24 @@ def test_a_refused_run_leaves_the_folder_untouched(tmp_path):
     assert _snapshot(run) == before
 
 
+def test_a_refused_run_removes_the_folder_it_created_and_no_other(tmp_path):
+    """A bad value into a fresh hydra.run.dir: exit 2, one line, no folder left (Hydra had opened run.log in it); into
+    a folder with a previous run's metrics.json: that folder and file stay as they were."""
+    fresh, old = tmp_path / "fresh", tmp_path / "old"
+    old.mkdir()
+    (old / "metrics.json").write_text('{"accept/mean_len": 2.5}\n')
+    before = _snapshot(old)
+    time.sleep(0.01)
+    for run in (fresh, old):
+        r = subprocess.run([sys.executable, "-m", "eval.run", f"hydra.run.dir={run}", "draft.k=-1"], cwd=ROOT,
+                           env=_env(), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            "mtp-eval: error: draft.k = -1 is invalid: expected an integer in [1, 16] (draft='none' drafts nothing)"], \
+            r.stderr[-2000:]
+    assert not fresh.exists() and tmp_path.is_dir()
+    assert _snapshot(old)["metrics.json"] == before["metrics.json"]
+
+
 def _interactive_sigint() -> None:
     """The child takes Ctrl-C as an interactive mtp-eval does. A process started in the background of a
     non-interactive shell (a CI script's `cmd &`) inherits SIGINT ignored, Python then installs no

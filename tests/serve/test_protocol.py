@@ -58,3 +58,19 @@ def test_completion_prompt_forms(mt):
         with pytest.raises(RequestError) as e:
             parse_completion(bad, D, tok, model)
         assert e.value.field == "prompt"
+
+
+def test_a_registered_verifier_is_taken_by_name_and_an_unknown_one_refused(mt, registered):
+    from mtp.verify.registry import Verifier
+
+    model, tok = mt
+    registered(Verifier("accept_none", "tests.verify.test_registry:chain", "tests.verify.test_registry:tree"))
+    job = parse_chat(chat(mtp={"verify": "accept_none"}, temperature=0.5), D, tok, model)
+    assert job.config.verify == "accept_none"  # the request's verifier wins over temperature's
+    defaults = Defaults(max_new_tokens=8, options={**D.options, "verify": "accept_none"})
+    assert parse_chat(chat(), defaults, tok, model).config.verify == "accept_none"  # the server's own
+    with pytest.raises(RequestError, match="mtp.verify must be one of strict, relaxed, sample, typical, accept_none, "
+                                           "got 'nope'") as e:
+        parse_chat(chat(mtp={"verify": "nope"}), D, tok, model)
+    assert e.value.field == "mtp.verify"
+

@@ -31,20 +31,6 @@ def tree(g, tt, draft, logits_BNV, think_B, rng, live_BN) -> TreeVerdict:
     return TreeVerdict(a_B, logits_BNV[:, 0].argmax(-1), torch.zeros(B, A, dtype=torch.long, device=a_B.device), a_B)
 
 
-@pytest.fixture
-def registered():
-    """Register test verifiers for one test and take them out again (the registry is process-wide)."""
-    names = []
-
-    def add(v: Verifier) -> Verifier:
-        names.append(v.name)
-        return register_verifier(v)
-
-    yield add
-    for n in names:
-        VERIFIER_REGISTRY.pop(n, None)
-
-
 def test_a_new_verifier_is_one_registration_away(tiny_model, registered):
     v = registered(Verifier("accept_none", f"{__name__}:chain", f"{__name__}:tree"))
     greedy = mtp.generate(tiny_model, PROMPTS, 8, draft="none")
