@@ -360,6 +360,10 @@ def _evaluate(cfg: DictConfig, claim) -> float:
     report = getattr(model, "load_report", None)
     if report and _BUILT["load_s"]:  # each rank's load: seconds, checkpoint bytes, bytes read from storage
         startup["ranks"] = report
+        slowest = max(report, key=lambda r: r["seconds"])
+        log.info("load: %d ranks read %.2f GB of slices; slowest rank %d: %.1f s (%.2f GB/s)", len(report),
+                 sum(r["bytes"] for r in report) / 1e9, slowest["rank"], slowest["seconds"],
+                 slowest["bytes"] / max(slowest["seconds"], 1e-9) / 1e9)
     log.info("startup: load %.1f s%s, warm-up %s", startup["load_s"], " (reused from the sweep's first job)"
              if not startup["load_s"] else "", "skipped" if warmup_s is None else f"{warmup_s:.1f} s")
     metrics = aggregate.metrics_json({**_run_info(typed, len(prompts), len(batches), resumed), "startup": startup},
