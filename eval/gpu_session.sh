@@ -30,6 +30,15 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 PARTS=${PARTS:-tests nccl tp bench}  # tp8 only when named
 want() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
+same_runs() {  # label, TP=1 run folder, TP=2 run folder: do their samples hold the same tokens and histograms?
+  python3 - "$@" <<'PY'
+import json, sys
+rows = lambda d: [json.loads(l) for l in open(f"{d}/samples.jsonl")]
+a, b = rows(sys.argv[2]), rows(sys.argv[3])
+same = [x["tokens"] == y["tokens"] and x["row_accepted_hist"] == y["row_accepted_hist"] for x, y in zip(a, b)]
+print(f"mtp-eval {sys.argv[1]}: TP=2 tokens and histograms equal TP=1 for {sum(same)} of {len(same)} prompts")
+PY
+}
 nccl_loop() {  # start seconds, budget seconds: the NCCL tests run after run while the budget lasts
   local i=0
   while [ $(( $(date +%s) - $1 )) -lt "$2" ]; do
@@ -128,13 +137,7 @@ if [ "$ngpu" -ge 2 ] && want dist; then  # runtime.tp=2 over NCCL on the bundled
     /usr/bin/time -f "wall %e s, exit %x" timeout 300 python3 -m eval.run $EV "$@" hydra.run.dir="$OUT/eval_$name" 2>&1 \
       | grep -E "^│ all|wall|error"
   done
-  python3 - "$OUT" <<'PY'
-import json, sys
-rows = lambda n: [json.loads(l) for l in open(f"{sys.argv[1]}/eval_{n}/samples.jsonl")]
-a, b = rows("tp1_fp32"), rows("tp2_fp32")
-same = [x["tokens"] == y["tokens"] and x["row_accepted_hist"] == y["row_accepted_hist"] for x, y in zip(a, b)]
-print(f"mtp-eval fp32: TP=2 tokens and histograms equal TP=1 for {sum(same)} of {len(same)} prompts")
-PY
+  same_runs fp32 "$OUT/eval_tp1_fp32" "$OUT/eval_tp2_fp32"
   echo "== mtp-eval sweep draft.k=1,2,3 at TP=2 (one load) $(date -u +%H:%M:%S)"
   /usr/bin/time -f "wall %e s, exit %x" timeout 400 python3 -m eval.run -m $EV runtime.tp=2 draft.k=1,2,3 \
     hydra.sweep.dir="$OUT/sweep_tp2" 2>&1 | grep -E "^│ all|wall|error|#"
@@ -154,13 +157,7 @@ if [ "$ngpu" -ge 2 ] && want f64; then  # strict tokens TP=2 == TP=1 in float64 
     echo "== mtp-eval float64 TP=$tp $(date -u +%H:%M:%S)"
     timeout 300 python3 -m eval.run $EV runtime.tp=$tp hydra.run.dir="$OUT/eval_f64_tp$tp" 2>&1 | grep -E "^│ all|error"
   done
-  python3 - "$OUT" <<'PY'
-import json, sys
-rows = lambda n: [json.loads(l) for l in open(f"{sys.argv[1]}/eval_f64_{n}/samples.jsonl")]
-a, b = rows("tp1"), rows("tp2")
-same = [x["tokens"] == y["tokens"] and x["row_accepted_hist"] == y["row_accepted_hist"] for x, y in zip(a, b)]
-print(f"mtp-eval float64: TP=2 tokens and histograms equal TP=1 for {sum(same)} of {len(same)} prompts")
-PY
+  same_runs float64 "$OUT/eval_f64_tp1" "$OUT/eval_f64_tp2"
 fi
 if [ "$ngpu" -ge 2 ] && want loadscale; then  # a real-width checkpoint from local disk at TP=2 (issue 24 item 5)
   LD=${LOAD_DIR:-/tmp/mtp-load-ckpt}
