@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -58,7 +59,6 @@ def plan_shards(sizes: dict[str, int], shard_bytes: int) -> list[list[str]]:
 def write(out: Path, cfg, seed: int, shard_gb: float, device: str) -> dict:
     """Write the checkpoint shard by shard (one shard's tensors in memory at a time) into a temp folder beside
     `out`, then rename it into place (a crash leaves no half-written checkpoint under `out`)."""
-    import torch
     from safetensors.torch import save_file
 
     from ..checkpoint.files import INDEX_NAME
@@ -67,7 +67,7 @@ def write(out: Path, cfg, seed: int, shard_gb: float, device: str) -> dict:
     from ..utils import publish_dir
 
     spec = checkpoint_spec(cfg)
-    sizes = {n: math_prod(ts.shape) * torch.empty((), dtype=ts.dtypes[0]).element_size() for n, ts in spec.items()}
+    sizes = tensor_bytes(spec)
     total = sum(sizes.values())
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
@@ -102,11 +102,9 @@ def write(out: Path, cfg, seed: int, shard_gb: float, device: str) -> dict:
                        "mtp": cfg.num_nextn_predict_layers}, "write_s": time.perf_counter() - t0}
 
 
-def math_prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+def tensor_bytes(spec) -> dict[str, int]:
+    """Bytes of each checkpoint tensor of an inventory (`mtp.checkpoint.inventory.checkpoint_spec`), in file order."""
+    return {n: math.prod(ts.shape) * ts.dtypes[0].itemsize for n, ts in spec.items()}
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -167,14 +165,10 @@ def load_tp(path: Path, tp: int, device_type: str, dtype: str) -> dict:
 
 def real_checkpoint_bytes() -> int:
     """Bytes of the full DeepSeek-V3.2 checkpoint (61 layers + 1 MTP module) from its tensor inventory."""
-    import torch
-
     from ..checkpoint.inventory import checkpoint_spec
     from ..model.config import ModelConfig
 
-    cfg = ModelConfig()
-    return sum(math_prod(ts.shape) * torch.empty((), dtype=ts.dtypes[0]).element_size()
-               for ts in checkpoint_spec(cfg).values())
+    return sum(tensor_bytes(checkpoint_spec(ModelConfig())).values())
 
 
 def measure(path: Path, tp: int, device_type: str, dtype: str, readers: list[int]) -> dict:

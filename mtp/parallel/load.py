@@ -150,7 +150,7 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
         if name not in headers:
             raise CheckpointError(f"{path}: internal error, parameter {pname!r} has no checkpoint tensor {name!r}")
         by_file.setdefault(headers[name][2], []).append(pname)
-    total = sum(p.numel() * _itemsize(headers[ckpt_name(n, cfg)][1]) for n, p in params.items())
+    total = sum(p.numel() * headers[ckpt_name(n, cfg)][1].itemsize for n, p in params.items())
     done = 0
     for fname in sorted(by_file):
         file = path / fname
@@ -185,10 +185,6 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
         raise CheckpointError(f"{path}: internal error, parameters left unfilled: {sorted(params)[:3]}")
     model.rotary.inv_freq = yarn_inv_freq(cfg).to(device)
     return model.eval()
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def param_bytes(model: torch.nn.Module) -> int:
