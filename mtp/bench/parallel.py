@@ -36,7 +36,7 @@ from ..checkpoint.synthetic import random_model
 from ..model.presets import gpu_test_config, real_config, tiny_parallel_config
 from ..decode.graphs import capture_graph
 from .timing import timer
-from ..parallel.comm import CountingComm
+from ..parallel.comm import ALLREDUCE_IMPLS, CountingComm
 from ..parallel.layout import MLP_SPLITS, ParallelPlan
 from ..parallel.load import param_bytes
 from ..parallel.modules import ExpertParallelMoE
@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mlp-split", choices=MLP_SPLITS, default="blocks")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-fast-path", action="store_true")
+    ap.add_argument("--allreduce", nargs="+", choices=ALLREDUCE_IMPLS, default=["nccl"],
+                    help="the group's all-reduce; several: the same model timed once per choice, side by side")
     ap.add_argument("--compare-tp1", action="store_true",
                     help="rank 0 also runs the unsharded model (when it fits) and compares")
     ap.add_argument("--out", default=None, help="JSON result file (none is written unless given)")
@@ -263,14 +265,21 @@ def run(args, comm: CountingComm, device: torch.device) -> dict | None:
                                   seed=args.seed, runtime=runtime)
     build_s = time.perf_counter() - t0
     no_fast = _fast_path(model, args, device)
-    tpn = measure(model, args, device, ids, comm)
-    mine = {"build_s": build_s, "param_bytes": param_bytes(model), "target_step": tpn["target_step"],
+    by_impl: dict[str, dict] = {}  # --allreduce: one measurement per all-reduce, same model, same inputs
+    for impl in dict.fromkeys(args.allreduce):
+        comm.set_allreduce(impl, device)
+        by_impl[impl] = measure(model, args, device, ids, comm)
+    comm.set_allreduce("nccl")
+    tpn = by_impl[args.allreduce[0]]
+    mine = {"build_s": build_s, "param_bytes": param_bytes(model),
+            "target_step": {impl: r["target_step"] for impl, r in by_impl.items()},
             "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None}
     every = [None] * comm.world
     if comm.world > 1:
         dist.all_gather_object(every, mine)
     else:
         every = [mine]
+    first = args.allreduce[0]
     res["fast_path"] = no_fast is None
     if no_fast:
         res["fast_path_off_because"] = no_fast
@@ -284,8 +293,18 @@ def run(args, comm: CountingComm, device: torch.device) -> dict | None:
             {k: v for k, v in c.items() if "bytes" not in k} == {k: v for k, v in steps[1].items() if "bytes" not in k}
             for c in steps.values()),
         "collectives_bytes_per_width": {w: {k: v for k, v in c.items() if "bytes" in k} for w, c in steps.items()},
-        "target_step": _summary(tpn, [e["target_step"] for e in every]),
+        "target_step": _summary(tpn, [e["target_step"][first] for e in every]),
         "generate": {k: v for k, v in tpn.get("generate", {}).items() if k != "tokens"} or None}
+    res["allreduce"] = {
+        impl: {"target_step": _summary(r, [e["target_step"][impl] for e in every]),
+               "collectives_per_step": r["collectives_per_step"][1],
+               # against the first choice: the summation order differs, so equal tokens are expected in
+               # float64 / on well-separated logits, not promised on random bf16 weights
+               f"generate_tokens_equal_{first}": (r.get("generate", {}).get("tokens")
+                                                  == tpn.get("generate", {}).get("tokens")),
+               f"logits_max_abs_diff_vs_{first}": {
+                   w: (r["logits"][w] - tpn["logits"][w]).abs().max().item() for w in r["logits"]}}
+        for impl, r in by_impl.items()}
 
     # free the sharded model before the TP=1 reference (rank 0 needs the room); keep its outputs
     release(model)
@@ -369,6 +388,16 @@ def print_table(res: dict) -> None:
               f"{g(d.get('argmax_agree'), '8.2f'):>8s}")
     if "compare_tp1" in res and "generate_tokens_equal" in res["compare_tp1"]:
         print(f"greedy tokens TP={W} == TP=1: {res['compare_tp1']['generate_tokens_equal']}")
+    impls = res.get("allreduce", {})
+    if len(impls) > 1:  # --allreduce A B ...: the same steps per all-reduce, slowest rank's medians
+        first = next(iter(impls))
+        print(f"all-reduce side by side (graph ms, slowest rank; tokens and logits vs {first}):")
+        for impl, r in impls.items():
+            ts = r["target_step"]
+            same = r[f"generate_tokens_equal_{first}"]
+            dl = max(r[f"logits_max_abs_diff_vs_{first}"].values())
+            print(f"  {impl:8s} " + " ".join(f"w={w}: {f(t['graph_ms'] or t['eager_ms'])}" for w, t in ts.items())
+                  + f"   tokens equal: {same}, max|dlogit| {dl:.2e}")
     sys.stdout.flush()
 
 

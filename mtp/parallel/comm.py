@@ -160,8 +160,11 @@ class CountingComm(Comm):
         self.reset()
 
     def reset(self) -> None:
-        self.counts = {"all_reduce": 0, "all_gather": 0, "all_reduce_bytes": 0, "all_gather_bytes": 0}
+        # all_reduce counts every all-reduce, fused or not; all_reduce_fused those done by all_reduce_add_norm
+        self.counts = {"all_reduce": 0, "all_gather": 0, "all_reduce_bytes": 0, "all_gather_bytes": 0,
+                       "all_reduce_fused": 0}
         self.calls: list[tuple[str, tuple[int, ...], str]] = []
+        self._in_fused = False
 
     def _note(self, kind: str, t: torch.Tensor) -> None:
         self.counts[kind] += 1
@@ -169,8 +172,18 @@ class CountingComm(Comm):
         self.calls.append((kind, tuple(t.shape), str(t.dtype).replace("torch.", "")))
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        self._note("all_reduce", t)
+        if not self._in_fused:  # all_reduce_add_norm's unfused form calls this: counted there, once
+            self._note("all_reduce", t)
         return super().all_reduce(t)
+
+    def all_reduce_add_norm(self, x_partial: torch.Tensor, *args, **kwargs):
+        self._note("all_reduce", x_partial)
+        self.counts["all_reduce_fused"] += 1
+        self._in_fused = True
+        try:
+            return super().all_reduce_add_norm(x_partial, *args, **kwargs)
+        finally:
+            self._in_fused = False
 
     def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
         self._note("all_gather", t)

@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from mtp.model import fp8
-from mtp.parallel.comm import ALLREDUCE_IMPLS, AddNorm, Comm, init_process_group
+from mtp.parallel.comm import ALLREDUCE_IMPLS, AddNorm, Comm, CountingComm, init_process_group
 
 WORLD = 2
 SHAPES = [(1, 1, 256), (1, 3, 384), (2, 5, 128), (1, 4, 200)]  # D = 200: no quant (not a multiple of 128)
@@ -132,3 +132,15 @@ def test_world1_is_the_formulas():
                                rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="cannot run here: no process group"):
         Comm().set_allreduce("oneshot", "cpu")
+
+
+def test_counting_comm_counts_a_fused_all_reduce_once():
+    """`CountingComm` sees the all-reduce inside `all_reduce_add_norm` once, as fused, whichever form runs (the
+    composition calls `all_reduce` itself; the one-shot kernel does not)."""
+    c = CountingComm()
+    x, h, w = torch.randn(2, 256), torch.randn(2, 256), torch.rand(256) + 1
+    c.all_reduce_add_norm(x.clone(), h, w, 1e-6)
+    c.all_reduce(x.clone())
+    assert c.counts["all_reduce"] == 2 and c.counts["all_reduce_fused"] == 1
+    assert c.counts["all_reduce_bytes"] == 2 * x.numel() * 4
+    assert [k for k, _, _ in c.calls] == ["all_reduce", "all_reduce"]

@@ -136,7 +136,7 @@ def test_bench_entry_under_torchrun(tmp_path):
     out = tmp_path / "tp2.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            "-m", "mtp.bench.parallel", "--out", str(out), "--compare-tp1", "--k", "2", "--iters", "2",
-           "--warmup", "1", "--gen-tokens", "6"]
+           "--warmup", "1", "--gen-tokens", "6", "--allreduce", "nccl"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -157,4 +157,7 @@ def test_bench_entry_under_torchrun(tmp_path):
     for d in [cmp["prefill_last"], *cmp["target_step"].values()]:
         assert d["max_abs"] <= LOGIT_ATOL and d["argmax_agree"] == 1.0
     assert cmp["generate_tokens_equal"] is True
+    by = res["allreduce"]  # --allreduce: one entry per choice (gloo takes 'nccl' only: the one-shot needs NVLink)
+    assert list(by) == ["nccl"] and by["nccl"]["generate_tokens_equal_nccl"] is True
+    assert by["nccl"]["target_step"] == par["target_step"] and by["nccl"]["collectives_per_step"]["all_reduce_fused"] == 0
     assert len(par["param_gib_per_rank"]) == 2 and res["tp1"]["param_gib"] > max(par["param_gib_per_rank"])
