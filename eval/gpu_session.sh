@@ -20,6 +20,9 @@
 #   PARTS="startup f64 loadscale ncclloop" ... # cold / warm start (mtp.bench.startup), TP=2 == TP=1 in float64,
 #                                             # a real-width checkpoint from disk at TP=2 vs raw read (mtp.bench.load),
 #                                             # the NCCL tests in a row for LOOP_BUDGET_S
+#   PARTS="ar par deep" ...                  # issue 25 on 2-4 GPUs: the all-reduce bench on every GPU, a real TP=2 and
+#                                             # TP=$ngpu step with nccl vs oneshot (PAR_TP), a real TP=$ngpu step of
+#                                             # DEEP_LAYERS beside its simulated rank (mtp-bench --tp $ngpu)
 #   PARTS="tp8v gemv tp1v" ...                # kernel choices side by side (issue 16): the TP=8 rank at 1k with the
 #                                             # kernel variants $VARIANTS, the GEMV sweep (mtp.bench.fused), and
 #                                             # the TP=1 bench once per switch set in $TP1_KERNELS ("-" = defaults)
@@ -144,6 +147,31 @@ if [ "$ngpu" -ge 2 ] && want dist; then  # runtime.tp=2 over NCCL on the bundled
   echo "== mtp-chat at TP=2 in a pseudo-terminal $(date -u +%H:%M:%S)"
   MTP_CHAT_TEST_RUNTIME=cuda timeout 200 python3 -m pytest -q tests/chat/test_cli.py -k 2 -p no:cacheprovider 2>&1 | tail -2
   nccl_loop "$t_dist" "${DIST_BUDGET_S:-480}"  # the NCCL tests again and again, as long as the budget allows
+fi
+if [ "$ngpu" -ge 2 ] && want ar; then  # the one-shot all-reduce against NCCL on every GPU of the machine (issue 25)
+  echo "== all-reduce + add + norm, $ngpu GPUs (mtp.bench.allreduce) $(date -u +%H:%M:%S)"
+  TORCH_NCCL_AVOID_RECORD_STREAMS=1 timeout "${AR_S:-240}" python3 -m torch.distributed.run --standalone \
+    --nproc-per-node "$ngpu" -m mtp.bench.allreduce --json "$OUT/allreduce_${ngpu}gpu.json" ${AR_ARGS:-} 2>&1 \
+    | tee "$OUT/allreduce_${ngpu}gpu.log" | grep -v -i warn | tail -${AR_TAIL:-30}
+fi
+if [ "$ngpu" -ge 2 ] && want par; then  # a real TP=N step (3 layers), NCCL vs the one-shot all-reduce (issue 25)
+  for n in ${PAR_TP:-2 $ngpu}; do
+    [ "$n" -le "$ngpu" ] || continue
+    echo "== mtp.bench.parallel TP=$n, --allreduce nccl oneshot $(date -u +%H:%M:%S)"
+    timeout "${PAR_S:-240}" python3 -m torch.distributed.run --standalone --nproc-per-node "$n" -m mtp.bench.parallel \
+      --allreduce nccl oneshot --modes graph --layers ${PAR_LAYERS:-3} --out "$OUT/par_tp${n}.json" 2>&1 \
+      | tee "$OUT/par_tp${n}.log" | grep -v -i warn | tail -12
+  done
+fi
+if [ "$ngpu" -ge 2 ] && want deep; then  # a real TP=N step as deep as the GPUs hold, beside its simulated rank
+  echo "== mtp.bench.parallel TP=$ngpu, ${DEEP_LAYERS:=12} layers $(date -u +%H:%M:%S)"
+  timeout "${DEEP_S:-300}" python3 -m torch.distributed.run --standalone --nproc-per-node "$ngpu" -m mtp.bench.parallel \
+    --allreduce nccl oneshot --modes graph --layers "$DEEP_LAYERS" --dense-layers 3 --gen-tokens 0 --out "$OUT/deep_tp${ngpu}.json" 2>&1 \
+    | tee "$OUT/deep_tp${ngpu}.log" | grep -v -i warn | tail -12
+  echo "== the simulated TP=$ngpu rank of the same $DEEP_LAYERS layers (mtp-bench --tp $ngpu) $(date -u +%H:%M:%S)"
+  timeout "${DEEP_S:-300}" python3 -m mtp.bench --tp "$ngpu" --layers "$DEEP_LAYERS" --dense-layers 3 --prompt-len 1024 --no-spec \
+    --json "$OUT/deep_sim_tp${ngpu}.json" 2>&1 | tee "$OUT/deep_sim_tp${ngpu}.log" | grep -v -i warn \
+    | grep -v "^ \{4,\}[0-9.]* us" | tail -20
 fi
 if want startup; then  # cold / warm start on the bundled model, phase by phase (issue 24 item 6)
   echo "== start-up, cold and warm $(date -u +%H:%M:%S)"
