@@ -20,7 +20,7 @@ import time
 import torch
 
 from ..decode.graphs import capture_graph
-from .timing import copy_bandwidth, kernel_profile, step_bytes, time_ms
+from .timing import copy_bandwidth, kernel_profile, spec_step_times, step_bytes, time_ms
 from ..placement import EXPERT_LAYOUTS
 
 
@@ -109,12 +109,10 @@ def bench_ours(args, bw: float) -> dict:
             out = generate(model, prompts, args.new_tokens, draft=draft, k=k, mode=mode, **opts)
             m = out.metrics
             d = m.to_dict()
-            per_step = m.time_decode_s / max(m.target_forwards, 1) * 1e3
             spec[f"{draft}_k{k}{f'_vocab{nv}' if nv else ''}_{mode}"] = {
-                "step_ms_wall": per_step, "decode_tok_s": m.decode_tok_s, "AL": m.mean_accepted_len,
+                **spec_step_times(m), "decode_tok_s": m.decode_tok_s, "AL": m.mean_accepted_len,
                 "gpu_idle_frac": d.get("graph/gpu_idle_frac"), "capture_s": d.get("graph/capture_s"),
-                "graph_pool_bytes": d.get("graph/pool_bytes"),
-                "gpu_step_ms": m.gpu_busy_ms / m.graph_replays if m.graph_replays else None}
+                "graph_pool_bytes": d.get("graph/pool_bytes")}
     res["spec_step"] = spec
     release(model)  # generate's kept engines hold the model and their graphs' memory pools
     del model, out, kv, fwd
@@ -414,7 +412,8 @@ def _table(res: dict) -> None:
     for name, r in res["ours"]["spec_step"].items():
         idle = r["gpu_idle_frac"]
         extra = f" idle {100 * idle:.1f}%" if idle is not None else ""
-        print(f"{'spec ' + name:34s} {r['step_ms_wall']:9.3f}  (wall per step){extra}")
+        dp = f", drafter's prompt pass {r['draft_prefill_ms']:.1f} ms once" if r.get("draft_prefill_ms") else ""
+        print(f"{'spec ' + name:34s} {r['step_ms_wall']:9.3f}  (wall per step){extra}{dp}")
     if "hf_error" in res:
         print("transformers baseline failed:", res["hf_error"])
     print("full model at TP=8 / 16: measure one rank with `mtp-bench --tp 8` (no projection from these layers)")

@@ -14,7 +14,7 @@ from ..decode.graphs import capture_graph
 from ..draft.modes import drafter
 from .rank_model import expected_local_experts, rank_floor
 from .rank_report import log
-from .timing import kernel_profile, timer
+from .timing import kernel_profile, spec_step_times, timer
 
 
 def count_local_experts(model) -> tuple[dict[int, set], list]:
@@ -227,11 +227,8 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
             if mode != "eager":  # the first call captures the step (kept by generate); the second is timed
                 generate(model, prompts, 4, draft=draft, k=k or None, mode=mode, **opts)
             m = generate(model, prompts, args.new_tokens, draft=draft, k=k or None, mode=mode, **opts).metrics
-            steps = max(m.target_forwards, 1)
             out[f"{draft}_k{k}_{mode}"] = {
-                "draft": draft, "k": k, "mode": mode, "steps": m.target_forwards,
-                "step_ms_wall": m.time_decode_s / steps * 1e3,
-                "gpu_step_ms": m.gpu_busy_ms / m.graph_replays if m.graph_replays else None,
+                "draft": draft, "k": k, "mode": mode, "steps": m.target_forwards, **spec_step_times(m),
                 "AL_random_weights": m.mean_accepted_len}
             log(f"  spec {draft} k={k} {mode}: {out[f'{draft}_k{k}_{mode}']['step_ms_wall']:.3f} ms/step wall "
                 f"({time.perf_counter() - t0:.1f} s)")
@@ -249,11 +246,8 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
                             "traceback": traceback.format_exc()[-4000:]}
                 log(f"  spec tree {name} {mode} failed: {out[key]['error']}\n{out[key]['traceback']}")
                 continue
-            steps = max(m.target_forwards, 1)
             out[key] = {"draft": "eagle", "tree": name, "k": shape.max_depth, "nodes": shape.n_nodes, "mode": mode,
-                        "steps": m.target_forwards, "graph_captures": m.graph_captures,
-                        "step_ms_wall": m.time_decode_s / steps * 1e3,
-                        "gpu_step_ms": m.gpu_busy_ms / m.graph_replays if m.graph_replays else None,
+                        "steps": m.target_forwards, "graph_captures": m.graph_captures, **spec_step_times(m),
                         "AL_random_weights": m.mean_accepted_len}
             log(f"  spec tree {name} {mode}: " + (f"GPU {out[key]['gpu_step_ms']:.3f} ms/step" if m.graph_replays else
                                                   f"{out[key]['step_ms_wall']:.3f} ms/step wall"))

@@ -26,6 +26,16 @@ def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(ts)
 
 
+def spec_step_times(m) -> dict:
+    """Per-step figures of a generate call's metrics: wall ms per decode step without the drafter's pass over
+    the prompt (which `time_decode_s` holds once per call, so dividing it by the steps would spread a prefill
+    over them), that pass in ms, and the GPU ms per replayed step graph (None off graph modes)."""
+    dp = getattr(m, "time_draft_prefill_s", 0.0)
+    return {"step_ms_wall": (m.time_decode_s - dp) / max(m.target_forwards, 1) * 1e3,
+            "draft_prefill_ms": dp * 1e3,
+            "gpu_step_ms": m.gpu_busy_ms / m.graph_replays if m.graph_replays else None}
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second."""
     x = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)

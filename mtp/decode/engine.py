@@ -220,7 +220,11 @@ class Engine:
             emit(st.new_BK1.tolist(), st.keep_B.tolist(), [0] * B)
             drafting = K > 0 and not bool(host[1].all())
             if drafting:  # nothing to draft for when every row ended at its first token
+                td = self._clock()
                 self.step.draft_prefill(st, self.bound(st, host))
+                # the drafter's pass over the prompt: part of the decode time (no draft before it), reported
+                # apart so that per-step figures (time_decode_s / target_forwards) can leave it out
+                met.time_draft_prefill_s = self._clock() - td
             if self.g.mode == "eager":
                 while not bool(host[1].all()):
                     marks = [self._clock()]

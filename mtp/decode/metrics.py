@@ -60,7 +60,8 @@ class SpecMetrics:
     time_draft_s: float = 0.0
     time_verify_s: float = 0.0
     time_host_s: float = 0.0
-    time_decode_s: float = 0.0
+    time_decode_s: float = 0.0  # after the first token: the drafter's prompt pass and every step
+    time_draft_prefill_s: float = 0.0  # the drafter's pass over the prompt (inside time_decode_s)
     ttft_s_rows: list[float] = field(default_factory=list)  # per request (see the module docstring)
     tpot_s_rows: list[float] = field(default_factory=list)
     hidden_options: dict = field(default_factory=dict)
@@ -130,7 +131,7 @@ class SpecMetrics:
         out.accepted_hist = [a + b for a, b in zip(self.accepted_hist, other.accepted_hist)]
         for name in ("relaxed_only_accepts", "target_forwards", "row_steps", "draft_forwards", "prompt_tokens",
                      "new_tokens", "time_prefill_s", "time_draft_s", "time_verify_s", "time_host_s",
-                     "time_decode_s", "ttft_s_rows", "tpot_s_rows", "n_rows", "graph_capture_s", "graph_captures",
+                     "time_decode_s", "time_draft_prefill_s", "ttft_s_rows", "tpot_s_rows", "n_rows", "graph_capture_s", "graph_captures",
                      "graph_pool_bytes", "graph_replays", "gpu_busy_ms", "gpu_idle_ms"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         return out
@@ -151,6 +152,7 @@ class SpecMetrics:
             "time/verify_s": self.time_verify_s,
             "time/host_s": self.time_host_s,
             "time/decode_s": self.time_decode_s,
+            "time/draft_prefill_s": self.time_draft_prefill_s,
             **{f"speed/ttft_{q}_s": v for q, v in self.ttft.items() if q != "n"},
             **{f"speed/tpot_{q}_s": v for q, v in self.tpot.items() if q != "n"},
             "count/requests": len(self.ttft_s_rows),

@@ -27,6 +27,7 @@ class TreeMetrics:
     new_tokens: int = 0
     time_prefill_s: float = 0.0  # the target's prefill and the first token
     time_decode_s: float = 0.0  # everything after: the drafter's prefill, graph capture (if any) and every tree step
+    time_draft_prefill_s: float = 0.0  # the drafter's pass over the prompt (inside time_decode_s)
     # graph / overlap modes (CUDA): capture cost and GPU time of the replays
     graph_replays: int = 0
     graph_captures: int = 0  # step graphs captured by this call (0: it replayed a graph kept from an earlier call)
@@ -65,8 +66,8 @@ class TreeMetrics:
                           [a + b for a, b in zip(self.accepted_hist, other.accepted_hist)],
                           [[a + b for a, b in zip(r, q)] for r, q in zip(self.accepted_rank, other.accepted_rank)])
         for name in ("row_steps", "live_nodes", "relaxed_only_accepts", "target_forwards", "draft_forwards",
-                     "new_tokens", "time_prefill_s", "time_decode_s", "graph_replays", "graph_captures",
-                     "graph_capture_s", "gpu_busy_ms", "gpu_idle_ms"):
+                     "new_tokens", "time_prefill_s", "time_decode_s", "time_draft_prefill_s", "graph_replays",
+                     "graph_captures", "graph_capture_s", "gpu_busy_ms", "gpu_idle_ms"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         return out
 
@@ -76,7 +77,7 @@ class TreeMetrics:
                            relaxed_only_accepts=self.relaxed_only_accepts, target_forwards=self.target_forwards,
                            row_steps=self.row_steps, draft_forwards=self.draft_forwards, prompt_tokens=prompt_tokens,
                            new_tokens=self.new_tokens, n_rows=n_rows, time_prefill_s=self.time_prefill_s,
-                           time_decode_s=self.time_decode_s,
+                           time_decode_s=self.time_decode_s, time_draft_prefill_s=self.time_draft_prefill_s,
                            graph_capture_s=self.graph_capture_s, graph_captures=self.graph_captures,
                            graph_replays=self.graph_replays, gpu_busy_ms=self.gpu_busy_ms, gpu_idle_ms=self.gpu_idle_ms)
 

@@ -77,7 +77,7 @@ class TreeStep:
                         row_steps=met.row_steps, live_nodes=int(st.live_nodes),
                         relaxed_only_accepts=met.relaxed_only_accepts)
         for name in ("target_forwards", "draft_forwards", "new_tokens", "time_prefill_s", "time_decode_s",
-                     "graph_replays", "graph_captures", "graph_capture_s", "gpu_busy_ms", "gpu_idle_ms"):
+                     "time_draft_prefill_s", "graph_replays", "graph_captures", "graph_capture_s", "gpu_busy_ms", "gpu_idle_ms"):
             setattr(t, name, getattr(met, name))
         return t
 

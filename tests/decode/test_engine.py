@@ -557,3 +557,19 @@ def test_spec_metrics_derived_values_and_merge():
         a.merge(SpecMetrics(k=2))
     empty = SpecMetrics(k=2)
     assert empty.accepted_hist == [0, 0, 0] and empty.mean_accepted_len == 0.0 and empty.accept_cond == [0.0, 0.0]
+
+
+def test_drafter_prompt_pass_is_timed_apart(tiny_model, prompts):
+    """time_draft_prefill_s: the drafter's pass over the prompt, inside time_decode_s, so that a per-step wall
+    figure can leave it out (mtp-bench's `spec_step_times`); none when nothing drafts."""
+    from mtp.bench.timing import spec_step_times
+
+    spec = generate(tiny_model, prompts[:1], 6, draft="eagle", k=2).metrics
+    assert 0 < spec.time_draft_prefill_s < spec.time_decode_s
+    assert spec.to_dict()["time/draft_prefill_s"] == spec.time_draft_prefill_s
+    t = spec_step_times(spec)
+    assert t["draft_prefill_ms"] == spec.time_draft_prefill_s * 1e3 and t["gpu_step_ms"] is None
+    assert t["step_ms_wall"] == pytest.approx((spec.time_decode_s - spec.time_draft_prefill_s)
+                                              / spec.target_forwards * 1e3)
+    assert generate(tiny_model, prompts[:1], 6, draft="none").metrics.time_draft_prefill_s == 0.0
+    assert spec.merge(spec).time_draft_prefill_s == 2 * spec.time_draft_prefill_s
