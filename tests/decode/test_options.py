@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # option, bad value, generate keywords, mtp-eval overrides, its config key, chat: a command line, or the
 # settings' options when no command sets it (they come from the config), or None when chat cannot hold it
 BAD = [
+    ("draft", "medusa", dict(draft="medusa", k=1), ["draft.name=medusa"], "draft.name", "/draft medusa"),
+    ("verify", "medusa", dict(verify="medusa"), ["verify.name=medusa"], "verify.name", "/verify medusa"),
     ("k", 17, dict(draft="eagle", k=17), ["draft=eagle", "draft.k=17"], "draft.k", "/k 17"),
     ("k", 0, dict(draft="eagle", k=0), ["draft=eagle", "draft.k=0"], "draft.k", "/k 0"),
     ("k", 2, dict(draft="none", k=2), ["draft=none", "draft.k=2"], "draft.k", None),

@@ -8,8 +8,21 @@ import pytest
 
 import mtp
 from mtp.draft.config import DraftConfig
-from mtp.draft.modes import DRAFTERS, DRAFTS, Eagle, drafter
+from mtp.draft.modes import DRAFTERS, DRAFTS, Eagle, Vanilla, drafter
 from mtp.spec.options import OptionError
+
+
+class FirstModule(Vanilla):
+    """A drafter of the tests' own (tests/eval, tests/serve and tests/chat register it too): vanilla's K caches and
+    windows, but the first MTP module drafts every depth, so K drafts need one module and no reuse_modules."""
+
+    name = "first_module"
+
+    def module_for(self, j: int, n_mtp: int) -> int:
+        return 0
+
+    def modules_needed(self, k: int) -> int:
+        return 1
 
 
 def test_each_mode_answers_for_itself():
@@ -51,3 +64,24 @@ def test_generate_takes_a_drafter_by_name_or_object(tiny_model):
     assert by_object.tokens == by_name.tokens and by_object.metrics.draft == "eagle"
     assert by_object.metrics.accepted_hist == by_name.metrics.accepted_hist
     assert DraftConfig(mode=DRAFTERS["vanilla"], k=2).mode == "vanilla"
+
+
+def test_a_new_drafter_is_one_registration_away(tiny_model, registered):
+    """On the tiny model (one MTP module) `first_module` drafts exactly as vanilla with reuse_modules=true (module 0
+    at every depth, a cache each), needs no reuse_modules, and under strict verification its output is greedy
+    decoding's; unknown names are refused with it listed."""
+    d = registered(FirstModule())
+    assert DraftConfig(mode="first_module", k=3).n_caches == 3
+    DraftConfig(mode="first_module", k=3).validate(1)  # one module serves every depth
+    with pytest.raises(ValueError, match="vanilla k=3 needs 3 MTP modules"):
+        DraftConfig(mode="vanilla", k=3).validate(1)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    greedy = mtp.generate(tiny_model, prompts, 10, draft="none")
+    reused = mtp.generate(tiny_model, prompts, 10, draft="vanilla", k=2, reuse_modules=True)
+    for mode in ("first_module", d):  # by name or as the registered object
+        out = mtp.generate(tiny_model, prompts, 10, draft=mode, k=2)
+        assert out.metrics.draft == "first_module" and out.tokens == greedy.tokens == reused.tokens
+        assert out.metrics.accepted_hist == reused.metrics.accepted_hist
+        assert out.metrics.draft_forwards == reused.metrics.draft_forwards > 0
+    with pytest.raises(OptionError, match="draft must be one of none, vanilla, eagle, first_module, got 'medusa'"):
+        mtp.GenerationConfig.from_options(4, "medusa", 1)

@@ -62,7 +62,7 @@ def test_group_option_composes_and_validates(group, option):
         assert prompts and len({p.id for p in prompts}) == len(prompts)
     if group in ("draft", "verify"):
         kw = generate_kwargs(cfg)
-        assert kw["draft"] == typed.draft.name.value and kw["verify"] == typed.verify.name
+        assert kw["draft"] == typed.draft.name and kw["verify"] == typed.verify.name
 
 
 def _sweep_points(params) -> list[list[str]]:
@@ -88,7 +88,7 @@ def test_chat_config_composes_with_shared_groups():
     cfg = compose("chat")
     typed = schema.validate(cfg)
     assert isinstance(typed, schema.ChatConfig)
-    assert (typed.draft.name.value, typed.verify.name, typed.runtime.device) == ("eagle", "strict", "cpu")
+    assert (typed.draft.name, typed.verify.name, typed.runtime.device) == ("eagle", "strict", "cpu")
     assert {"max_new_tokens", "thinking", "show_drafts"} <= set(cfg)
     relaxed = compose("chat", overrides=["verify=relaxed"])
     assert len(generate_kwargs(relaxed)["think_ids"]) == 2
@@ -186,6 +186,27 @@ def test_a_registered_verifier_is_one_override_away(registered):
     with pytest.raises(schema.SchemaError, match="verify.name = 'nope' is invalid: expected one of strict, relaxed, "
                                                  "sample, typical, spans_only"):
         schema.validate(compose_eval(["verify.name=nope"]))
+
+
+def test_a_registered_drafter_is_one_override_away(registered):
+    """A drafter registered after eval.schema was imported runs as `draft.name=<it>` (the schema reads the registry
+    when it validates, not a list frozen at import); an unknown name is refused with the registered ones listed."""
+    from tests.draft.test_modes import FirstModule
+
+    registered(FirstModule())
+    cfg = compose_eval(["draft=vanilla", "draft.name=first_module", "draft.k=3"])
+    kw = generate_kwargs(cfg)
+    assert (kw["draft"], kw["k"], kw["reuse_modules"]) == ("first_module", 3, False)
+    assert schema.validate(cfg).draft.name == "first_module"
+    for config in ("eval", "chat", "serve"):
+        with pytest.raises(schema.SchemaError, match="draft.name = 'medusa' is invalid: expected one of none, "
+                                                     "vanilla, eagle, first_module"):
+            schema.validate(compose(config, overrides=["draft.name=medusa"] + (FIXED if config == "eval" else [])))
+    with pytest.raises(schema.SchemaError, match="draft.tree = '2x1' is invalid: expected null with draft=none"):
+        schema.validate(compose_eval(["draft=none", "draft.tree=2x1"]))  # 'none' still drafts nothing
+    with pytest.raises(schema.SchemaError, match="expected greedy with draft=none \\(there are no drafts to sample"):
+        schema.validate(compose_eval(["draft=none", "verify=sample", "verify.draft_sampling=sample"]))
+    assert "target_hidden" not in generate_kwargs(compose_eval(["draft=none"]))
 
 
 def test_graph_modes_need_cuda():
