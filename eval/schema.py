@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Optional
 
@@ -24,7 +24,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from mtp.decode.config import GenerationConfig
 from mtp.draft.modes import DRAFTERS
-from mtp.spec.options import MLP_SPLITS, MODES, OptionError
+from mtp.spec.options import MLP_SPLITS, MODES, OptionError, SamplingParams
 from mtp.draft.config import DRAFT_SAMPLING, HIDDEN
 from mtp.placement import EXPERT_LAYOUTS
 from mtp.spec.options import SPAN_RULES
@@ -134,6 +134,9 @@ def _tree_depth(d: DraftSchema) -> int:
 
 @dataclass
 class VerifySchema:
+    """A verifier's group: `name` (a registered verifier, mtp.verify.registry) and its options, each key a
+    `mtp.generate` option of the same name (`generation_options` passes them on as they are)."""
+
     name: str = MISSING
 
 
@@ -158,6 +161,16 @@ class SampleVerifySchema(VerifySchema):
     top_k: int = 0  # 0 = off
     draft_sampling: DraftSampling = DraftSampling.greedy
     seed: int = 0
+
+
+@dataclass
+class TypicalVerifySchema(VerifySchema):
+    """Typical acceptance (mtp/verify/typical.py): draws nothing, so it has no seed; its defaults are mtp's."""
+
+    name: str = "typical"
+    temperature: float = SamplingParams.temperature  # of the target distribution p whose entropy sets the bar
+    posterior_threshold: float = GenerationConfig.posterior_threshold  # x passes if p(x) > min(this, ...
+    posterior_alpha: float = GenerationConfig.posterior_alpha  # ... posterior_alpha * exp(-entropy of p))
 
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -386,7 +399,8 @@ CONFIG_KEYS = {"max_new_tokens": "max_new_tokens", "draft": "draft.name", "k": "
                "delta": "verify.delta", "span_rule": "verify.span_rule", "temperature": "verify.temperature",
                "top_p": "verify.top_p", "top_k": "verify.top_k", "draft_sampling": "verify.draft_sampling",
                "seed": "verify.seed", "mode": "runtime.mode", "prefill_chunk": "runtime.prefill_chunk",
-               "tree": "draft.tree", "min_draft_prob": "draft.min_draft_prob"}
+               "tree": "draft.tree", "min_draft_prob": "draft.min_draft_prob",
+               "posterior_threshold": "verify.posterior_threshold", "posterior_alpha": "verify.posterior_alpha"}
 
 
 def generation_options(cfg: EvalConfig | ChatConfig | ServeConfig) -> dict:
@@ -400,11 +414,7 @@ def generation_options(cfg: EvalConfig | ChatConfig | ServeConfig) -> dict:
                   reuse_modules=d.reuse_modules)
         if d.tree is not None:
             kw.update(tree=d.tree, min_draft_prob=d.min_draft_prob)
-    if isinstance(v, RelaxedVerifySchema):
-        kw.update(top_n=v.top_n, delta=v.delta, span_rule=value(v.span_rule))
-    elif isinstance(v, SampleVerifySchema):
-        kw.update(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, seed=v.seed,
-                  draft_sampling=value(v.draft_sampling))
+    kw.update({f.name: value(getattr(v, f.name)) for f in fields(v) if f.name != "name"})  # the verifier's options
     if value(rt.mode) != RunMode.eager.value:
         kw["mode"] = value(rt.mode)
     if rt.prefill_chunk is not None:
@@ -442,6 +452,7 @@ def register() -> None:
         ("dataset", "bundled", BundledDatasetSchema),
         ("dataset", "hub", HubDatasetSchema), ("verify", "strict", StrictVerifySchema),
         ("verify", "relaxed", RelaxedVerifySchema), ("verify", "sample", SampleVerifySchema),
+        ("verify", "typical", TypicalVerifySchema),
         ("logger", "none", NullLoggerSchema), ("logger", "wandb", WandbLoggerSchema),
     ):
         cs.store(group=f"schema/{group}", name=name, node=node)

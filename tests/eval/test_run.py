@@ -474,6 +474,21 @@ def test_a_registered_drafter_runs_end_to_end(in_process, registered, tmp_path, 
     assert not refused.exists()
 
 
+def test_typical_verification_runs_from_its_conf_file(in_process, tmp_path):
+    """`verify=typical` (conf/verify/typical.yaml) on the bundled model: its options reach the run, and its outputs are
+    compared with a strict greedy reference (it is lossy, and its baseline would be its own)."""
+    run = tmp_path / "run"
+    assert in_process(["verify=typical", "verify.posterior_alpha=0.2", "dataset.limit=2", "baseline=false", *FAST,
+                       f"hydra.run.dir={run}"]) == 0
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["run"]["verify"] == "typical" and m["strict_reference"] == "strict_reference.jsonl"
+    assert {k: m["config"]["verify"][k] for k in ("temperature", "posterior_threshold", "posterior_alpha")} == \
+        {"temperature": 1.0, "posterior_threshold": 0.09, "posterior_alpha": 0.2}
+    assert m["overall"]["quality/strict_compared"] == 2 and m["strict_mismatch"] is None
+    assert {s["batch_metrics"]["verify"] for s in _samples(run / "samples.jsonl")} == {"typical"}
+    assert {s["batch_metrics"]["verify"] for s in _samples(run / "strict_reference.jsonl")} == {"strict"}
+
+
 # ---------------------------------------------------------------------------------------------- verifier cost
 def test_sweep_over_verifiers_measures_their_cost_against_strict(tmp_path):
     """strict, relaxed and sample on the arithmetic suite (answers): relaxed-only accepts, agreement with
