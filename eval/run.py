@@ -36,7 +36,7 @@ from . import conf_dir, trees
 from .common import NotAvailableError, build, check_runtime, generate_kwargs, model_label, model_path
 from .data import DataError, Prompt, load_prompts
 from .rundir import FAILED_NAME, SETTINGS_NAME, RunDirError, drop_refused, locked
-from .schema import EvalConfig, SchemaError, StrictVerifySchema, validate, value
+from .schema import EvalConfig, SchemaError, validate, value
 from .store import SampleStore, StoreError
 
 log = logging.getLogger("mtp-eval")
@@ -369,7 +369,7 @@ def _evaluate(cfg: DictConfig, claim) -> float:
              if not startup["load_s"] else "", "skipped" if warmup_s is None else f"{warmup_s:.1f} s")
     metrics = aggregate.metrics_json({**_run_info(typed, len(prompts), len(batches), resumed), "startup": startup},
                                      recs["spec"],
-                                     recs.get("base"), compare_tokens=isinstance(typed.verify, StrictVerifySchema),
+                                     recs.get("base"), compare_tokens=verifier(typed.verify.name).greedy_output,
                                      strict_records=recs.get(source), strict_source=stores[source].path.name
                                      if source else None)
     metrics["provenance"] = prov

@@ -489,6 +489,17 @@ def test_typical_verification_runs_from_its_conf_file(in_process, tmp_path):
     assert {s["batch_metrics"]["verify"] for s in _samples(run / "strict_reference.jsonl")} == {"strict"}
 
 
+def test_only_a_greedy_verifier_is_held_to_the_baselines_tokens(in_process, tmp_path):
+    """`verify.name=typical` in the strict group (how a registered verifier without a conf file runs): its registration,
+    not the group's schema, says whether its outputs must equal the greedy baseline's; typical's need not (lossy), so
+    no strict mismatch is counted, and its baseline is its own rule without drafts."""
+    run = tmp_path / "run"
+    assert in_process(["verify.name=typical", "dataset.limit=2", "baseline=true", "compare_strict=false", *FAST,
+                       f"hydra.run.dir={run}"]) == 0
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["run"]["verify"] == "typical" and m["strict_mismatch"] is None and m["baseline"] is not None
+
+
 # ---------------------------------------------------------------------------------------------- verifier cost
 def test_sweep_over_verifiers_measures_their_cost_against_strict(tmp_path):
     """strict, relaxed and sample on the arithmetic suite (answers): relaxed-only accepts, agreement with
