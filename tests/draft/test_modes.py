@@ -105,3 +105,28 @@ def test_a_new_drafter_is_one_registration_away(bundled, registered, monkeypatch
         assert set(used) == {0} and out.metrics.draft_forwards == len(used) and sum(out.metrics.accepted_hist[1:]) > 0
     with pytest.raises(OptionError, match="draft must be one of none, vanilla, eagle, first_module, got 'medusa'"):
         mtp.GenerationConfig.from_options(4, "medusa", 1)
+
+
+class LastModuleChained(Eagle):
+    """Eagle's chain with the model's last MTP module instead of its first."""
+
+    name = "eagle_last"
+
+    def module_for(self, j: int, n_mtp: int) -> int:
+        return n_mtp - 1
+
+
+def test_a_chained_drafter_drafts_with_the_module_it_names(bundled, registered, monkeypatch):
+    """Every forward of a chain (window and chained steps) and of a tree asks the drafter which module: the chained
+    steps used to run module 0 whatever the drafter said."""
+    registered(LastModuleChained())
+    used = _spy_modules(bundled, monkeypatch)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]]
+    greedy = mtp.generate(bundled, prompts, 8, draft="none")
+    for kw in (dict(k=3), dict(tree="2x1x1")):
+        used.clear()
+        out = mtp.generate(bundled, prompts, 8, draft="eagle_last", **kw)
+        assert out.tokens == greedy.tokens and len(used) > 3 and set(used) == {bundled.n_mtp - 1} == {2}, kw
+        used.clear()
+        mtp.generate(bundled, prompts, 8, draft="eagle", **kw)
+        assert set(used) == {0}, kw
