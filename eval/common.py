@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 from mtp.verify.registry import verifier
 
-from .schema import DraftName, RunMode, SchemaError, generation_options, validate, value
+from .schema import RunMode, SchemaError, drafts, generation_options, validate, value
 
 
 class NotAvailableError(RuntimeError):
@@ -86,7 +86,7 @@ def build(cfg: Any):
     numerics = value(cfg.model.numerics)
     # config.json, the draft settings, the split over runtime.tp ranks and the tokenizer first: minutes before
     # the weights would have told
-    mcfg, tokenizer = preflight(path, tokenizer_path(cfg.model), draft=value(cfg.draft.name), k=cfg.draft.k,
+    mcfg, tokenizer = preflight(path, tokenizer_path(cfg.model), draft=cfg.draft.name, k=cfg.draft.k,
                                 reuse_modules=cfg.draft.reuse_modules, n_mtp=cfg.model.n_mtp, tp=rt.tp,
                                 mlp_split=rt.mlp_split, expert_layout=rt.expert_layout, numerics=numerics)
     if rt.device.startswith("cuda"):
@@ -126,9 +126,9 @@ def check_memory(cfg: Any, mcfg: Any) -> None:
     gpu = torch.device(rt.device).index or 0
     free = torch.cuda.mem_get_info(gpu)[0]
     max_len = rt.max_model_len or min(32768, mcfg.max_position_embeddings)
-    draft = value(cfg.draft.name)
+    draft = cfg.draft.name
     check_fits(mcfg, rt.tp, free, batch=rt.batch_size, max_len=max_len, draft=draft,
-               k=0 if draft == "none" else cfg.draft.k, numerics=value(cfg.model.numerics),
+               k=cfg.draft.k if drafts(draft) else 0, numerics=value(cfg.model.numerics),
                dtype=_PLAN_DTYPES[value(rt.dtype)], mlp_split=rt.mlp_split, where=f"GPU {gpu}")
 
 
@@ -153,7 +153,7 @@ def generate_kwargs(cfg: Any, tokenizer: Any = None) -> dict:
     cfg = validate(cfg)
     d = cfg.draft
     kw = generation_options(cfg)
-    if d.name != DraftName.none and d.vocab_file is not None:
+    if drafts(d.name) and d.vocab_file is not None:
         from mtp.draft.vocab import load_ids
 
         try:

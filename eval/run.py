@@ -28,6 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from mtp.draft.modes import NoDraft
 from mtp.utils import write_atomic
 from mtp.verify.registry import verifier
 
@@ -35,7 +36,7 @@ from . import conf_dir, trees
 from .common import NotAvailableError, build, check_runtime, generate_kwargs, model_label, model_path
 from .data import DataError, Prompt, load_prompts
 from .rundir import FAILED_NAME, SETTINGS_NAME, RunDirError, drop_refused, locked
-from .schema import DraftName, EvalConfig, SchemaError, StrictVerifySchema, validate, value
+from .schema import EvalConfig, SchemaError, validate, value
 from .store import SampleStore, StoreError
 
 log = logging.getLogger("mtp-eval")
@@ -209,7 +210,7 @@ def _identity(cfg: EvalConfig, out: Path) -> tuple[str, str | None]:
     hc = HydraConfig.get()
     d = cfg.draft
     shape = f"k{d.k}" if d.tree is None else f"t{d.tree}" + (f"-p{d.min_draft_prob:g}" if d.min_draft_prob else "")
-    base = f"{value(d.name)}-{shape}-{cfg.verify.name}"
+    base = f"{d.name}-{shape}-{cfg.verify.name}"
     if hc.mode == RunMode.MULTIRUN:
         return f"{base}-job{hc.job.num}", Path(hc.sweep.dir).name
     return f"{base}-{out.name}", None
@@ -267,7 +268,7 @@ def _baseline_kwargs(kw: dict) -> dict:
     drop = ("target_hidden", "chain_hidden", "reuse_modules", "draft_vocab", "top_n", "delta", "think_ids",
             *trees.TREE_KWARGS)
     base = {key: v for key, v in kw.items() if key not in drop}
-    base.update(draft=DraftName.none.value, k=0)
+    base.update(draft=NoDraft.name, k=0)
     if not verifier(base["verify"]).samples:
         base["verify"] = "strict"
     if "draft_sampling" in base:
@@ -277,7 +278,7 @@ def _baseline_kwargs(kw: dict) -> dict:
 
 def _strict_kwargs(kw: dict) -> dict:
     """Plain greedy decoding (the strict reference), with the run's runtime options."""
-    return {"draft": DraftName.none.value, "k": 0, "verify": "strict",
+    return {"draft": NoDraft.name, "k": 0, "verify": "strict",
             **{key: kw[key] for key in ("mode", "prefill_chunk") if key in kw}}
 
 
@@ -368,7 +369,7 @@ def _evaluate(cfg: DictConfig, claim) -> float:
              if not startup["load_s"] else "", "skipped" if warmup_s is None else f"{warmup_s:.1f} s")
     metrics = aggregate.metrics_json({**_run_info(typed, len(prompts), len(batches), resumed), "startup": startup},
                                      recs["spec"],
-                                     recs.get("base"), compare_tokens=isinstance(typed.verify, StrictVerifySchema),
+                                     recs.get("base"), compare_tokens=verifier(typed.verify.name).greedy_output,
                                      strict_records=recs.get(source), strict_source=stores[source].path.name
                                      if source else None)
     metrics["provenance"] = prov
@@ -445,7 +446,7 @@ def _follow_up_ids(typed: EvalConfig, model, tok, batch: list[Prompt], by_id: di
 
 def _describe(typed: EvalConfig) -> str:
     d = typed.draft
-    return f"{trees.label(value(d.name), d.k, d.tree, d.min_draft_prob)} {typed.verify.name}"
+    return f"{trees.label(d.name, d.k, d.tree, d.min_draft_prob)} {typed.verify.name}"
 
 
 def _report(typed: EvalConfig, out: Path, metrics: dict) -> dict[str, Path]:
@@ -508,7 +509,7 @@ def device_note(device: str) -> str | None:
 def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -> dict:
     d = typed.draft
     return {
-        "model": model_label(typed.model), "draft": value(d.name), "k": d.k, "verify": typed.verify.name,
+        "model": model_label(typed.model), "draft": d.name, "k": d.k, "verify": typed.verify.name,
         "tree": d.tree, "min_draft_prob": d.min_draft_prob if d.tree is not None else None,
         "target_hidden": value(d.target_hidden), "chain_hidden": value(d.chain_hidden),
         "numerics": value(typed.model.numerics), "runtime_mode": value(typed.runtime.mode),

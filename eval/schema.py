@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Optional
 
@@ -23,8 +23,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from mtp.decode.config import GenerationConfig
-from mtp.draft.modes import DRAFTS
-from mtp.spec.options import MLP_SPLITS, MODES, OptionError
+from mtp.draft.modes import DRAFTERS
+from mtp.spec.options import MLP_SPLITS, MODES, OptionError, SamplingParams
 from mtp.draft.config import DRAFT_SAMPLING, HIDDEN
 from mtp.placement import EXPERT_LAYOUTS
 from mtp.spec.options import SPAN_RULES
@@ -41,8 +41,8 @@ def _fail(key: str, value: Any, expected: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- choices
 # Member names are the YAML spellings; OmegaConf lists them when a value is not one of them. The generation
-# options' choices are mtp's own tuples.
-DraftName = Enum("DraftName", {n: n for n in DRAFTS})
+# options' choices are mtp's own tuples. draft.name and verify.name are plain strings: their choices are the
+# registries', read when a config is validated (a drafter or verifier registered after this import is taken).
 Hidden = Enum("Hidden", {n: n for n in HIDDEN})
 DraftSampling = Enum("DraftSampling", {n: n for n in DRAFT_SAMPLING})
 SpanRule = Enum("SpanRule", {n: n for n in SPAN_RULES})
@@ -87,9 +87,16 @@ class ModelSchema:
             _fail("model.n_mtp", self.n_mtp, "null or an integer >= 0")
 
 
+def drafts(name: str) -> bool:
+    """Whether draft mode `name` drafts (False for 'none', plain decoding: the registry's `Drafter.drafts`). An
+    unregistered name counts as drafting, so its options go on to `GenerationConfig`, which refuses the name."""
+    d = DRAFTERS.get(name)
+    return d is None or d.drafts
+
+
 @dataclass
 class DraftSchema:
-    name: DraftName = MISSING
+    name: str = MISSING  # a registered drafter (mtp.draft.modes): checked with the generation options
     k: int = 0
     target_hidden: Hidden = Hidden.normed  # target hidden that feeds MTP module 1
     chain_hidden: Hidden = Hidden.normed  # module output chained to the next draft
@@ -115,8 +122,8 @@ class DraftSchema:
 
 def _tree_depth(d: DraftSchema) -> int:
     """The depth of draft.tree (the shape is parsed where it is defined, with its own error naming the value)."""
-    if d.name == DraftName.none:
-        _fail("draft.tree", d.tree, "null with draft=none (plain decoding drafts nothing)")
+    if not drafts(d.name):
+        _fail("draft.tree", d.tree, f"null with draft={d.name} (plain decoding drafts nothing)")
     from mtp.spec.tree_shape import TreeShape  # imports torch: only for tree runs
 
     try:
@@ -127,6 +134,9 @@ def _tree_depth(d: DraftSchema) -> int:
 
 @dataclass
 class VerifySchema:
+    """A verifier's group: `name` (a registered verifier, mtp.verify.registry) and its options, each key a
+    `mtp.generate` option of the same name (`generation_options` passes them on as they are)."""
+
     name: str = MISSING
 
 
@@ -151,6 +161,16 @@ class SampleVerifySchema(VerifySchema):
     top_k: int = 0  # 0 = off
     draft_sampling: DraftSampling = DraftSampling.greedy
     seed: int = 0
+
+
+@dataclass
+class TypicalVerifySchema(VerifySchema):
+    """Typical acceptance (mtp/verify/typical.py): draws nothing, so it has no seed; its defaults are mtp's."""
+
+    name: str = "typical"
+    temperature: float = SamplingParams.temperature  # of the target distribution p whose entropy sets the bar
+    posterior_threshold: float = GenerationConfig.posterior_threshold  # x passes if p(x) > min(this, ...
+    posterior_alpha: float = GenerationConfig.posterior_alpha  # ... posterior_alpha * exp(-entropy of p))
 
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -379,7 +399,8 @@ CONFIG_KEYS = {"max_new_tokens": "max_new_tokens", "draft": "draft.name", "k": "
                "delta": "verify.delta", "span_rule": "verify.span_rule", "temperature": "verify.temperature",
                "top_p": "verify.top_p", "top_k": "verify.top_k", "draft_sampling": "verify.draft_sampling",
                "seed": "verify.seed", "mode": "runtime.mode", "prefill_chunk": "runtime.prefill_chunk",
-               "tree": "draft.tree", "min_draft_prob": "draft.min_draft_prob"}
+               "tree": "draft.tree", "min_draft_prob": "draft.min_draft_prob",
+               "posterior_threshold": "verify.posterior_threshold", "posterior_alpha": "verify.posterior_alpha"}
 
 
 def generation_options(cfg: EvalConfig | ChatConfig | ServeConfig) -> dict:
@@ -387,17 +408,13 @@ def generation_options(cfg: EvalConfig | ChatConfig | ServeConfig) -> dict:
     max_new_tokens; runtime.mode only when it is not eager). What needs files is left to
     `eval.common.generate_kwargs`: think_ids (the tokenizer's) and draft_vocab (draft.vocab_file)."""
     d, v, rt = cfg.draft, cfg.verify, cfg.runtime
-    kw: dict = {"draft": value(d.name), "k": d.k, "verify": v.name}
-    if d.name != DraftName.none:
+    kw: dict = {"draft": d.name, "k": d.k, "verify": v.name}
+    if drafts(d.name):
         kw.update(target_hidden=value(d.target_hidden), chain_hidden=value(d.chain_hidden),
                   reuse_modules=d.reuse_modules)
         if d.tree is not None:
             kw.update(tree=d.tree, min_draft_prob=d.min_draft_prob)
-    if isinstance(v, RelaxedVerifySchema):
-        kw.update(top_n=v.top_n, delta=v.delta, span_rule=value(v.span_rule))
-    elif isinstance(v, SampleVerifySchema):
-        kw.update(temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, seed=v.seed,
-                  draft_sampling=value(v.draft_sampling))
+    kw.update({f.name: value(getattr(v, f.name)) for f in fields(v) if f.name != "name"})  # the verifier's options
     if value(rt.mode) != RunMode.eager.value:
         kw["mode"] = value(rt.mode)
     if rt.prefill_chunk is not None:
@@ -417,8 +434,8 @@ def _check_generation(cfg: EvalConfig | ChatConfig | ServeConfig) -> None:
         _fail(CONFIG_KEYS.get(e.name, e.name), e.value, e.expected + (f" ({e.note})" if e.note else ""))
     # not a rule of mtp's (draft=none with sampled drafts simply draws nothing), but a config asking for it
     # is a mistake
-    if kw.get("draft_sampling") == "sample" and kw["draft"] == DraftName.none.value:
-        _fail("verify.draft_sampling", "sample", "greedy with draft=none (there are no drafts to sample)")
+    if kw.get("draft_sampling") == "sample" and not drafts(kw["draft"]):
+        _fail("verify.draft_sampling", "sample", f"greedy with draft={kw['draft']} (there are no drafts to sample)")
 
 
 def register() -> None:
@@ -435,6 +452,7 @@ def register() -> None:
         ("dataset", "bundled", BundledDatasetSchema),
         ("dataset", "hub", HubDatasetSchema), ("verify", "strict", StrictVerifySchema),
         ("verify", "relaxed", RelaxedVerifySchema), ("verify", "sample", SampleVerifySchema),
+        ("verify", "typical", TypicalVerifySchema),
         ("logger", "none", NullLoggerSchema), ("logger", "wandb", WandbLoggerSchema),
     ):
         cs.store(group=f"schema/{group}", name=name, node=node)

@@ -33,16 +33,22 @@ def tiny_model_dequant(tiny_ckpt):
 
 @pytest.fixture
 def registered():
-    """Register test verifiers for one test and take them out again (the registry is process-wide); the
-    applications' tests use it to show a verifier registered outside them is taken by their option parsing."""
+    """Register test verifiers and drafters for one test and take them out again (the registries are process-wide);
+    the applications' tests use it to show that one registered outside them is taken by their option parsing."""
+    from mtp.draft.modes import DRAFTERS, Drafter, register_drafter
     from mtp.verify.registry import VERIFIER_REGISTRY, register_verifier
 
-    names = []
+    added = []
 
-    def add(v):
-        names.append(v.name)
-        return register_verifier(v)
+    def add(x):
+        registry, register = (DRAFTERS, register_drafter) if isinstance(x, Drafter) else (VERIFIER_REGISTRY,
+                                                                                         register_verifier)
+        new = x.name not in registry  # only what the test added goes: never a built-in it registered again
+        out = register(x)
+        if new:
+            added.append((registry, x.name))
+        return out
 
     yield add
-    for n in names:
-        VERIFIER_REGISTRY.pop(n, None)
+    for registry, name in added:
+        registry.pop(name, None)

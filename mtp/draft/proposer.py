@@ -104,8 +104,9 @@ class Proposer:
             g = pick_hidden(out, self.cfg.chain_hidden)[rows, out_idx_B].unsqueeze(1)
             cache.truncate(n_B - 1)  # drop the window's padding past n-2; the chain appends from n-1
             for j in range(1, K):
-                out = m.mtp_forward(0, drafts[-1].unsqueeze(1), g, cache, kv_len=max_n - 1 + j,
-                                    head=self.heads.get(0))
+                mod = self.cfg.module_for(j, m.n_mtp)  # the drafter's chained module (eagle: the first)
+                out = m.mtp_forward(mod, drafts[-1].unsqueeze(1), g, cache, kv_len=max_n - 1 + j,
+                                    head=self.heads.get(mod))
                 self.draft_forwards += 1
                 d, q = self._draw(draw, out.logits[:, 0])
                 tokens_BS[rows, n_B + j] = d

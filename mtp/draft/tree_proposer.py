@@ -116,7 +116,8 @@ class TreeProposer:
                 break
             if self.cfg.drafter.chained:
                 s, e = lv[t], lv[t + 1]  # this depth's nodes, after the earlier depths in the cache
-                hid, cache, mod, logits_at = out_BND[:, tt.parent_N[s:e]], self.caches[0], 0, None
+                hid, cache, logits_at = out_BND[:, tt.parent_N[s:e]], self.caches[0], None
+                mod = self.cfg.module_for(t, m.n_mtp)  # the drafter's chained module (eagle: the first)
                 mask, depth = tt.ancestor_NN[s:e, 1:e], tt.depth_N[s:e] - 1
             else:  # vanilla module t (0-based) over the nodes of depth 1..t, fed module t-1's outputs
                 root_h, _ = self._window(t, tokens_BS, hidden_BSD, n_B, self.W, max_n)

@@ -47,10 +47,6 @@ CATEGORIES = ("embedding + lm_head", "attention (head-split)", "attention (repli
               "dense MLP", "routed experts", "shared experts", "router", "norms", "MTP extras")
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def category(name: str, cfg: ModelConfig) -> str:
     """Which line of the report a checkpoint tensor is counted in."""
     base = name.replace(".weight_scale_inv", ".weight")
@@ -83,7 +79,7 @@ def rank_weight_bytes(cfg: ModelConfig, plan: ParallelPlan, rank: int, dtype: to
     """{category: bytes} of the parameters rank `rank` loads (see the module docstring for dtypes)."""
     spec = checkpoint_spec(cfg, n_mtp)
     layout = RankLayout(cfg, plan, rank)
-    model_b = _itemsize(dtype)
+    model_b = dtype.itemsize
     out: dict[str, int] = defaultdict(int)
     for name, ts in spec.items():
         shard = layout.shard(name)
@@ -123,7 +119,7 @@ def comm_bytes_per_forward(cfg: ModelConfig, tokens: int, blocks: int, dtype: to
     """Collective payloads of one tensor-parallel forward over `tokens` tokens and `blocks` blocks: one embedding
     all-reduce [N, D] in the model dtype, two fp32 all-reduces [N, D] per block (attention out, MLP / MoE out),
     one all-gather of the logits [N, V] (bytes: the gathered tensor)."""
-    D, dt = cfg.hidden_size, _itemsize(dtype)
+    D, dt = cfg.hidden_size, dtype.itemsize
     out = {"embedding_all_reduce": tokens * D * dt, "per_block_all_reduce": tokens * D * 4,
            "logits_all_gather": tokens * cfg.vocab_size * dt}
     out["total"] = out["embedding_all_reduce"] + 2 * blocks * out["per_block_all_reduce"] + out["logits_all_gather"]
@@ -199,7 +195,7 @@ def step_workspace(cfg: ModelConfig, world: int, wl: Workload) -> int:
     B, T, S = wl.batch, wl.k + 1, wl.max_len
     N, D, V = B * T, cfg.hidden_size, cfg.vocab_size
     Hl = cfg.num_attention_heads // world
-    dt = _itemsize(DTYPES[wl.dtype])
+    dt = DTYPES[wl.dtype].itemsize
     keys = min(S, cfg.index_topk)
     splits = min(64, max(1, math.ceil(keys / 256)))
     indexer = N * S * 4 + N * cfg.index_topk * 4 + N * cfg.index_n_heads * cfg.index_head_dim * 4
@@ -229,7 +225,7 @@ def make_plan(cfg: ModelConfig, gpus_per_node: int, gpu_mem_gib: float, nodes: i
     kv_tl = kv_bytes_per_token_layer(cfg, dtype, wl.numerics == "fp8")
     layers = cfg.num_hidden_layers + draft_cache_layers(wl.draft, wl.k)
     kv = kv_tl * layers * wl.batch * wl.max_len
-    engine = wl.batch * wl.max_len * (8 + cfg.hidden_size * _itemsize(dtype))
+    engine = wl.batch * wl.max_len * (8 + cfg.hidden_size * dtype.itemsize)
     step = step_workspace_reference(cfg, world, wl)
     reserve = int(reserve_gib * GIB)
     mem = int(gpu_mem_gib * GIB)
@@ -239,7 +235,7 @@ def make_plan(cfg: ModelConfig, gpus_per_node: int, gpu_mem_gib: float, nodes: i
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if resident + prefill_workspace(cfg, world, wl, mid) <= mem else (lo, mid - 1)
-    per_token = kv_tl * layers + cfg.hidden_size * _itemsize(dtype) + 8
+    per_token = kv_tl * layers + cfg.hidden_size * dtype.itemsize + 8
     free = mem - (resident - kv - engine) - pre
     max_tokens = max(0, free // per_token)
     # collectives: each forward = 1 embedding all-reduce + 2 per block + 1 lm_head all-gather

@@ -139,6 +139,19 @@ def test_a_registered_verifier_is_one_command_away(tok, registered):
     assert sess.settings.verify == "accept_none"
 
 
+def test_a_registered_drafter_is_one_command_away(tok, registered):
+    from tests.draft.test_modes import FirstModule
+
+    registered(FirstModule())
+    sess, view, gen = make(tok, n_mtp=1)
+    assert sess.handle("/draft first_module") and sess.handle("/k 3") and sess.handle("hello")
+    assert view.errors == [] and (gen.calls[-1]["draft"], gen.calls[-1]["k"]) == ("first_module", 3)
+    assert sess.settings.label() == "first_module k=3 strict"
+    sess.handle("/draft nope")
+    assert view.errors == ["/draft needs one of none, vanilla, eagle, first_module, got 'nope'"]
+    assert sess.settings.draft == "first_module"
+
+
 def test_vanilla_k_needs_modules_unless_reused(tok):
     sess, view, _ = make(tok, k=1)
     sess.handle("/draft vanilla")

@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # option, bad value, generate keywords, mtp-eval overrides, its config key, chat: a command line, or the
 # settings' options when no command sets it (they come from the config), or None when chat cannot hold it
 BAD = [
+    ("draft", "medusa", dict(draft="medusa", k=1), ["draft.name=medusa"], "draft.name", "/draft medusa"),
+    ("verify", "medusa", dict(verify="medusa"), ["verify.name=medusa"], "verify.name", "/verify medusa"),
     ("k", 17, dict(draft="eagle", k=17), ["draft=eagle", "draft.k=17"], "draft.k", "/k 17"),
     ("k", 0, dict(draft="eagle", k=0), ["draft=eagle", "draft.k=0"], "draft.k", "/k 0"),
     ("k", 2, dict(draft="none", k=2), ["draft=none", "draft.k=2"], "draft.k", None),
@@ -41,6 +43,11 @@ BAD = [
      "verify.top_n", {"verify": "relaxed", "top_n": 0}),
     ("delta", 1.5, dict(verify="relaxed", think_ids=(1, 2), delta=1.5), ["verify=relaxed", "verify.delta=1.5"],
      "verify.delta", {"verify": "relaxed", "delta": 1.5}),
+    ("posterior_threshold", 1.5, dict(verify="typical", posterior_threshold=1.5),
+     ["verify=typical", "verify.posterior_threshold=1.5"], "verify.posterior_threshold",
+     {"verify": "typical", "posterior_threshold": 1.5}),
+    ("posterior_alpha", 0.0, dict(verify="typical", posterior_alpha=0.0), ["verify=typical", "verify.posterior_alpha=0"],
+     "verify.posterior_alpha", {"verify": "typical", "posterior_alpha": 0.0}),
     ("prefill_chunk", 0, dict(prefill_chunk=0), ["runtime.prefill_chunk=0"], "runtime.prefill_chunk",
      {"prefill_chunk": 0}),
 ]
@@ -100,7 +107,7 @@ def test_chat_checks_the_k_it_keeps_while_drafting_is_off():
 
 def test_every_option_the_config_passes_has_a_config_key(hydra_conf):
     for overrides in (["draft=vanilla", "verify=relaxed", "runtime.prefill_chunk=8"],
-                      ["verify=sample", "verify.draft_sampling=sample"], ["draft=none"]):
+                      ["verify=sample", "verify.draft_sampling=sample"], ["verify=typical"], ["draft=none"]):
         typed = schema.validate(compose("eval", overrides=overrides + ["output_dir=/tmp/mtp-options"]))
         assert set(schema.generation_options(typed)) <= set(schema.CONFIG_KEYS), overrides
 

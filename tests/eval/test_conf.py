@@ -43,7 +43,7 @@ def test_every_group_has_options():
     for g in GROUPS + ("experiment",):
         assert options(g), f"conf/{g}/ is empty"
     assert set(options("draft")) == {"none", "vanilla", "eagle"}
-    assert set(options("verify")) == {"strict", "relaxed", "sample"}
+    assert set(options("verify")) == {"strict", "relaxed", "sample", "typical"}
     assert set(options("logger")) == {"wandb", "none"}
     assert {"tiny", "dsv32"} <= set(options("model"))
 
@@ -62,7 +62,40 @@ def test_group_option_composes_and_validates(group, option):
         assert prompts and len({p.id for p in prompts}) == len(prompts)
     if group in ("draft", "verify"):
         kw = generate_kwargs(cfg)
-        assert kw["draft"] == typed.draft.name.value and kw["verify"] == typed.verify.name
+        assert kw["draft"] == typed.draft.name and kw["verify"] == typed.verify.name
+
+
+def test_every_registered_drafter_and_verifier_has_a_conf_file():
+    """`draft=<name>` / `verify=<name>` for every built-in registration: the file is there and names it."""
+    from mtp.draft.modes import DRAFTERS
+    from mtp.verify.registry import VERIFIER_REGISTRY
+
+    for group, registry in (("draft", DRAFTERS), ("verify", VERIFIER_REGISTRY)):
+        missing = sorted(set(registry) - set(options(group)))
+        assert not missing, f"registered but without conf/{group}/<name>.yaml: {missing}"
+        for name in registry:
+            typed = schema.validate(compose_eval([f"{group}={name}"]))
+            assert getattr(typed, group).name == name, f"conf/{group}/{name}.yaml names another {group}"
+
+
+def test_typical_options_reach_generate_with_mtps_defaults():
+    """verify=typical: its conf file's values are GenerationConfig's own defaults, every key reaches generate, and a
+    bad value is refused naming its key."""
+    from mtp.decode.config import GenerationConfig
+
+    kw = generate_kwargs(compose_eval(["verify=typical"]))
+    assert {key: kw[key] for key in ("verify", "temperature", "posterior_threshold", "posterior_alpha")} == \
+        {"verify": "typical", "temperature": 1.0, "posterior_threshold": 0.09, "posterior_alpha": 0.3}
+    assert "seed" not in kw  # typical draws nothing
+    assert GenerationConfig.from_options(8, **kw) == GenerationConfig.from_options(8, kw["draft"], kw["k"], "typical")
+    g = GenerationConfig.from_options(8, **generate_kwargs(compose_eval(
+        ["verify=typical", "verify.temperature=0.5", "verify.posterior_threshold=0.2", "verify.posterior_alpha=0.1"])))
+    assert (g.sampling.temperature, g.posterior_threshold, g.posterior_alpha) == (0.5, 0.2, 0.1)
+    with pytest.raises(schema.SchemaError, match=r"verify\.posterior_threshold = 1\.5 is invalid: expected a "
+                                                 r"probability in \(0, 1\]"):
+        schema.validate(compose_eval(["verify=typical", "verify.posterior_threshold=1.5"]))
+    with pytest.raises(ConfigCompositionException, match="verify.seed"):
+        compose_eval(["verify=typical", "verify.seed=1"])
 
 
 def _sweep_points(params) -> list[list[str]]:
@@ -88,7 +121,7 @@ def test_chat_config_composes_with_shared_groups():
     cfg = compose("chat")
     typed = schema.validate(cfg)
     assert isinstance(typed, schema.ChatConfig)
-    assert (typed.draft.name.value, typed.verify.name, typed.runtime.device) == ("eagle", "strict", "cpu")
+    assert (typed.draft.name, typed.verify.name, typed.runtime.device) == ("eagle", "strict", "cpu")
     assert {"max_new_tokens", "thinking", "show_drafts"} <= set(cfg)
     relaxed = compose("chat", overrides=["verify=relaxed"])
     assert len(generate_kwargs(relaxed)["think_ids"]) == 2
@@ -186,6 +219,27 @@ def test_a_registered_verifier_is_one_override_away(registered):
     with pytest.raises(schema.SchemaError, match="verify.name = 'nope' is invalid: expected one of strict, relaxed, "
                                                  "sample, typical, spans_only"):
         schema.validate(compose_eval(["verify.name=nope"]))
+
+
+def test_a_registered_drafter_is_one_override_away(registered):
+    """A drafter registered after eval.schema was imported runs as `draft.name=<it>` (the schema reads the registry
+    when it validates, not a list frozen at import); an unknown name is refused with the registered ones listed."""
+    from tests.draft.test_modes import FirstModule
+
+    registered(FirstModule())
+    cfg = compose_eval(["draft=vanilla", "draft.name=first_module", "draft.k=3"])
+    kw = generate_kwargs(cfg)
+    assert (kw["draft"], kw["k"], kw["reuse_modules"]) == ("first_module", 3, False)
+    assert schema.validate(cfg).draft.name == "first_module"
+    for config in ("eval", "chat", "serve"):
+        with pytest.raises(schema.SchemaError, match="draft.name = 'medusa' is invalid: expected one of none, "
+                                                     "vanilla, eagle, first_module"):
+            schema.validate(compose(config, overrides=["draft.name=medusa"] + (FIXED if config == "eval" else [])))
+    with pytest.raises(schema.SchemaError, match="draft.tree = '2x1' is invalid: expected null with draft=none"):
+        schema.validate(compose_eval(["draft=none", "draft.tree=2x1"]))  # 'none' still drafts nothing
+    with pytest.raises(schema.SchemaError, match="expected greedy with draft=none \\(there are no drafts to sample"):
+        schema.validate(compose_eval(["draft=none", "verify=sample", "verify.draft_sampling=sample"]))
+    assert "target_hidden" not in generate_kwargs(compose_eval(["draft=none"]))
 
 
 def test_graph_modes_need_cuda():

@@ -415,6 +415,91 @@ def test_sample_records_parse_tool_calls():
     assert _tool_calls("just text", thinking=False) == []
 
 
+# ---------------------------------------------------------------------------------------------- in process
+@pytest.fixture
+def in_process(monkeypatch):
+    """`python -m eval.run ARGS` as the Hydra app in this process, so a drafter or verifier the test registers is the
+    app's too (a subprocess would not see it); returns the exit status. Hydra's logging set-up (the run's run.log
+    handler) and the model the app keeps for a sweep's next job are undone afterwards."""
+    import logging
+
+    import eval.run as run
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+
+    def go(args: list[str]) -> int:
+        monkeypatch.setattr(sys, "argv", ["mtp-eval", *args])
+        try:
+            run.main()
+        except SystemExit as e:  # a refused or failed run (RunExit)
+            return e.code
+        return 0
+
+    yield go
+    run._BUILT.clear()
+    for h in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(h)
+        h.close()
+    for h in handlers:
+        if h not in root.handlers:
+            root.addHandler(h)
+    root.setLevel(level)
+
+
+def test_a_registered_drafter_runs_end_to_end(in_process, registered, tmp_path, capsys):
+    """A drafter registered after eval/ was imported (tests/draft/test_modes.py's `first_module`) is one override away:
+    the run's metrics and samples name it, and under strict verification its outputs are the greedy baseline's token
+    for token. An unregistered name is refused listing the registered ones: exit 2, one line, no run folder left."""
+    from tests.draft.test_modes import FirstModule
+
+    registered(FirstModule())
+    run = tmp_path / "run"
+    assert in_process(["draft=vanilla", "draft.name=first_module", "draft.k=2", "dataset.limit=2", "baseline=true",
+                       "plots=false", *FAST, f"hydra.run.dir={run}"]) == 0
+    m = json.loads((run / "metrics.json").read_text())
+    assert (m["run"]["draft"], m["run"]["k"], m["config"]["draft"]["name"]) == ("first_module", 2, "first_module")
+    assert len(m["per_position"]) == 2 and m["overall"]["count/draft_forwards"] > 0
+    spec, base = _samples(run / "samples.jsonl"), _samples(run / "baseline.jsonl")
+    assert {s["batch_metrics"]["draft"] for s in spec} == {"first_module"}
+    assert {s["batch_metrics"]["draft"] for s in base} == {"none"}
+    assert {s["id"]: s["tokens"] for s in spec} == {s["id"]: s["tokens"] for s in base} and len(spec) == 2
+    assert m["strict_mismatch"] == {"count": 0, "ids": []}
+    assert "first_module k=2 strict" in capsys.readouterr().out
+
+    refused = tmp_path / "refused"
+    assert in_process(["draft.name=medusa", *FAST, f"hydra.run.dir={refused}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "mtp-eval: error: draft.name = 'medusa' is invalid: expected one of none, vanilla, eagle, first_module"]
+    assert not refused.exists()
+
+
+def test_typical_verification_runs_from_its_conf_file(in_process, tmp_path):
+    """`verify=typical` (conf/verify/typical.yaml) on the bundled model: its options reach the run, and its outputs are
+    compared with a strict greedy reference (it is lossy, and its baseline would be its own)."""
+    run = tmp_path / "run"
+    assert in_process(["verify=typical", "verify.posterior_alpha=0.2", "dataset.limit=2", "baseline=false", *FAST,
+                       f"hydra.run.dir={run}"]) == 0
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["run"]["verify"] == "typical" and m["strict_reference"] == "strict_reference.jsonl"
+    assert {k: m["config"]["verify"][k] for k in ("temperature", "posterior_threshold", "posterior_alpha")} == \
+        {"temperature": 1.0, "posterior_threshold": 0.09, "posterior_alpha": 0.2}
+    assert m["overall"]["quality/strict_compared"] == 2 and m["strict_mismatch"] is None
+    assert {s["batch_metrics"]["verify"] for s in _samples(run / "samples.jsonl")} == {"typical"}
+    assert {s["batch_metrics"]["verify"] for s in _samples(run / "strict_reference.jsonl")} == {"strict"}
+
+
+def test_only_a_greedy_verifier_is_held_to_the_baselines_tokens(in_process, tmp_path):
+    """`verify.name=typical` in the strict group (how a registered verifier without a conf file runs): its registration,
+    not the group's schema, says whether its outputs must equal the greedy baseline's; typical's need not (lossy), so
+    no strict mismatch is counted, and its baseline is its own rule without drafts."""
+    run = tmp_path / "run"
+    assert in_process(["verify.name=typical", "dataset.limit=2", "baseline=true", "compare_strict=false", *FAST,
+                       f"hydra.run.dir={run}"]) == 0
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["run"]["verify"] == "typical" and m["strict_mismatch"] is None and m["baseline"] is not None
+
+
 # ---------------------------------------------------------------------------------------------- verifier cost
 def test_sweep_over_verifiers_measures_their_cost_against_strict(tmp_path):
     """strict, relaxed and sample on the arithmetic suite (answers): relaxed-only accepts, agreement with

@@ -23,7 +23,7 @@ def hydra_conf():
 def test_serve_config_composes_and_refuses_bad_values():
     typed = schema.validate(compose("serve"))
     assert isinstance(typed, schema.ServeConfig)
-    assert (typed.host, typed.port, typed.thinking, typed.draft.name.value) == ("127.0.0.1", 8000, True, "eagle")
+    assert (typed.host, typed.port, typed.thinking, typed.draft.name) == ("127.0.0.1", 8000, True, "eagle")
     with pytest.raises(schema.SchemaError, match="port = 70000 is invalid"):
         schema.validate(compose("serve", overrides=["port=70000"]))
     with pytest.raises(schema.SchemaError, match="draft.tree = '2x1' is invalid: expected null: mtp-serve"):

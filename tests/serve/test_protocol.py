@@ -60,6 +60,22 @@ def test_completion_prompt_forms(mt):
         assert e.value.field == "prompt"
 
 
+def test_a_registered_drafter_is_taken_by_name_and_an_unknown_one_refused(mt, registered):
+    from tests.draft.test_modes import FirstModule
+
+    model, tok = mt
+    registered(FirstModule())
+    g = parse_chat(chat(mtp={"draft": "first_module", "k": 3}), D, tok, model).config
+    assert (g.draft.mode, g.draft.k, g.draft.reuse_modules) == ("first_module", 3, False)
+    assert parse_chat(chat(mtp={"draft": "first_module"}), D, tok, model).config.draft.k == 2  # the server's k
+    defaults = Defaults(max_new_tokens=8, options={**D.options, "draft": "first_module"})
+    assert parse_chat(chat(), defaults, tok, model).config.draft.mode == "first_module"  # the server's own
+    with pytest.raises(RequestError, match="mtp.draft must be one of none, vanilla, eagle, first_module, "
+                                           "got 'nope'") as e:
+        parse_chat(chat(mtp={"draft": "nope"}), D, tok, model)
+    assert e.value.field == "mtp.draft"
+
+
 def test_a_registered_verifier_is_taken_by_name_and_an_unknown_one_refused(mt, registered):
     from mtp.verify.registry import Verifier
 
