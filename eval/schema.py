@@ -23,7 +23,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from mtp.decode.config import GenerationConfig
-from mtp.draft.modes import DRAFTERS
+from mtp.draft.modes import drafts
 from mtp.spec.options import MLP_SPLITS, MODES, OptionError, SamplingParams
 from mtp.draft.config import DRAFT_SAMPLING, HIDDEN
 from mtp.placement import EXPERT_LAYOUTS
@@ -86,12 +86,6 @@ class ModelSchema:
         if self.n_mtp is not None and self.n_mtp < 0:
             _fail("model.n_mtp", self.n_mtp, "null or an integer >= 0")
 
-
-def drafts(name: str) -> bool:
-    """Whether draft mode `name` drafts (False for 'none', plain decoding: the registry's `Drafter.drafts`). An
-    unregistered name counts as drafting, so its options go on to `GenerationConfig`, which refuses the name."""
-    d = DRAFTERS.get(name)
-    return d is None or d.drafts
 
 
 @dataclass

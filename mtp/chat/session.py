@@ -32,7 +32,7 @@ from .tools import TOOLS_HELP, describe_calls, load_tools, read_tool_calls, tool
 from ..decode.config import GenerationConfig
 from ..decode.engine import StepEvent, stops
 from ..decode.metrics import SpecMetrics
-from ..draft.modes import DRAFTS
+from ..draft.modes import DRAFTS, drafts
 from ..spec.options import MAX_K, OptionError, draft_room
 from ..verify.registry import VERIFIERS, verifier
 from ..draft.config import DraftConfig
@@ -87,10 +87,10 @@ class Settings:
 
     @property
     def effective_k(self) -> int:
-        return 0 if self.draft == "none" else self.k
+        return self.k if drafts(self.draft) else 0
 
     def label(self) -> str:
-        spec = "no draft" if self.draft == "none" else f"{self.draft} k={self.k}"
+        spec = f"{self.draft} k={self.k}" if drafts(self.draft) else "no draft"
         return f"{spec} {self.verify}" + (" think" if self.thinking else "")
 
     @classmethod
@@ -217,7 +217,7 @@ class Session:
     def _cmd_k(self, arg: str) -> None:
         if arg:
             self._change(k=_parse(arg, int))
-        note = " (applies when drafting is on: /draft vanilla|eagle)" if self.settings.draft == "none" else ""
+        note = " (applies when drafting is on: /draft vanilla|eagle)" if not drafts(self.settings.draft) else ""
         self.view.notice(f"k={self.settings.k}{note}")
 
     def _cmd_max(self, arg: str) -> None:
@@ -281,7 +281,7 @@ class Session:
         shown as a command error naming the command of the option it refuses."""
         try:
             self.generation_config(s).validate(self.model)
-            if s.draft == "none":  # the k kept for when drafting is switched back on
+            if not drafts(s.draft):  # the k kept for when drafting is switched back on
                 DraftConfig(mode="eagle", k=s.k)
         except OptionError as e:
             raise CommandError(e.say(COMMANDS[e.name], "needs") if e.name in COMMANDS else str(e)) from None

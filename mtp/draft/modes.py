@@ -147,6 +147,13 @@ def register_drafter(d: Drafter) -> Drafter:
     return d
 
 
+def drafts(name: str) -> bool:
+    """Whether draft mode `name` drafts (False for 'none', plain decoding: the registry's `Drafter.drafts`). An
+    unregistered name counts as drafting, so its options go on to `GenerationConfig`, which refuses the name."""
+    d = DRAFTERS.get(name)
+    return d is None or d.drafts
+
+
 def drafter(mode) -> Drafter:
     """The registered drafter of `mode`: its name, or the registered object itself."""
     if isinstance(mode, Drafter):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..decode.config import GenerationConfig
+from ..draft.modes import drafts
 from ..spec.options import OptionError, is_int, is_number
 from ..text.prompt import encode_chat
 from ..text.tokenizer import Tokenizer
@@ -179,7 +180,7 @@ def generate_options(body: Mapping[str, Any], defaults: Defaults) -> dict[str, A
                                                 f"known: {', '.join(SPEC_FIELDS)}")
     options.update(spec)
     if "draft" in spec and "k" not in spec:  # k of the new draft: the server's, or 1 when the server drafts nothing
-        options["k"] = 0 if spec["draft"] == "none" else (defaults.options.get("k") or None)
+        options["k"] = (defaults.options.get("k") or None) if drafts(spec["draft"]) else 0
     t = body.get("temperature")
     if t is not None:
         if is_number(t) and t == 0:

@@ -152,6 +152,20 @@ def test_a_registered_drafter_is_one_command_away(tok, registered):
     assert sess.settings.draft == "first_module"
 
 
+def test_a_registered_drafter_that_does_not_draft_runs_with_k_0(tok, registered):
+    """Whether a mode drafts is the registry's word (`Drafter.drafts`), not a comparison with the name 'none'."""
+    from mtp.draft.modes import NoDraft
+
+    class Off(NoDraft):
+        name = "off"
+
+    registered(Off())
+    sess, view, gen = make(tok, n_mtp=1)
+    assert sess.handle("/k 2") and sess.handle("/draft off") and sess.handle("hello")
+    assert view.errors == [] and (gen.calls[-1]["draft"], gen.calls[-1]["k"]) == ("off", 0)
+    assert sess.settings.label() == "no draft strict"
+
+
 def test_vanilla_k_needs_modules_unless_reused(tok):
     sess, view, _ = make(tok, k=1)
     sess.handle("/draft vanilla")
