@@ -2,12 +2,19 @@
 
     python -m mtp.bench.startup --json eval/results/startup.json
     python -m mtp.bench.startup --configs fast fast-nocompile reference --mode overlap eager
+    python -m mtp.bench.startup --configs fast-nocompile --no-overlap-cuda-init    # CUDA start timed alone
 
 Each configuration runs in a fresh process twice: cold (empty Triton and TorchInductor caches) and warm (the
 caches the cold run filled), as a user's first and second start on one machine. A run reports its phases:
-import, load, fast-path set-up, the first generation (Triton JIT compiles, torch.compile of the elementwise ops,
-CUDA-graph capture) with its first-token time, and a second, identical generation (steady state); plus the
-kernels each cache holds after it (what the cold run compiled).
+import, CUDA start, load, fast-path set-up, the first generation (Triton JIT compiles, torch.compile of the
+elementwise ops, CUDA-graph capture) with its first-token time, and a second, identical generation (steady
+state); plus the kernels each cache holds after it (what the cold run compiled), its autotune results (Triton's
+`*.autotune.json`) and whether torch._dynamo was imported by the first token (1.4-3.4 s of import when it is).
+CUDA start: by default the loader starts CUDA on a thread while it reads the checkpoint
+(`mtp.checkpoint.device_init`), so `load_s` holds what of it did not overlap and `cuda_init_s` is null; with
+`--no-overlap-cuda-init` the process makes its first device allocation before the load, timed as `cuda_init_s`
+(then the loader's thread finds CUDA up). The overlap's gain is the difference of the two runs' `load_s +
+cuda_init_s`.
 Configurations: `reference` (PyTorch ops), `fast-nocompile` (Triton kernels, elementwise ops eager), `fast` (the
 launcher's default: Triton kernels + torch.compile'd elementwise ops).
 """
@@ -30,7 +37,7 @@ def _count(d: Path, pattern: str) -> int:
     return sum(1 for _ in d.rglob(pattern)) if d.is_dir() else 0
 
 
-def child(config: str, mode: str, tokens: int, ckpt: str | None) -> dict:
+def child(config: str, mode: str, tokens: int, ckpt: str | None, overlap_cuda_init: bool = True) -> dict:
     """One start, in this process: phases in seconds since the interpreter began importing this module."""
     t0 = time.perf_counter()
     import torch
@@ -38,7 +45,12 @@ def child(config: str, mode: str, tokens: int, ckpt: str | None) -> dict:
     import mtp
     from mtp.checkpoint.tiny import default_checkpoint
 
-    out = {"import_s": time.perf_counter() - t0}
+    out = {"import_s": time.perf_counter() - t0, "overlap_cuda_init": overlap_cuda_init, "cuda_init_s": None}
+    if not overlap_cuda_init:
+        t = time.perf_counter()
+        torch.empty(1, device="cuda")
+        torch.cuda.synchronize()
+        out["cuda_init_s"] = time.perf_counter() - t
     t = time.perf_counter()
     model = mtp.load_model(ckpt or default_checkpoint(), device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
@@ -52,23 +64,32 @@ def child(config: str, mode: str, tokens: int, ckpt: str | None) -> dict:
     prompt = [[(7 * i + 3) % model.cfg.vocab_size for i in range(40)]]
     for run in ("first", "second"):
         first: list[float] = []
+
+        def on_step(ev) -> None:
+            if not first:
+                first.append(time.perf_counter())
+                out.setdefault("dynamo_imported", "torch._dynamo" in sys.modules)  # at the first token
+
         t = time.perf_counter()
-        res = mtp.generate(model, prompt, max_new_tokens=tokens, draft="eagle", k=3, mode=mode,
-                           on_step=lambda ev: first or first.append(time.perf_counter()))
+        res = mtp.generate(model, prompt, max_new_tokens=tokens, draft="eagle", k=3, mode=mode, on_step=on_step)
         torch.cuda.synchronize()
         out[f"{run}_generate_s"] = time.perf_counter() - t
         out[f"{run}_token_s"] = (first[0] - t) if first else None
         out[f"{run}_tokens"] = len(res.tokens[0])
-    out["to_first_token_s"] = out["import_s"] + out["load_s"] + out["fast_path_s"] + (out["first_token_s"] or 0)
+    out["to_first_token_s"] = (out["import_s"] + (out["cuda_init_s"] or 0) + out["load_s"] + out["fast_path_s"]
+                               + (out["first_token_s"] or 0))
     return out
 
 
-def run(config: str, mode: str, tokens: int, ckpt: str | None, caches: Path, timeout: float) -> dict:
+def run(config: str, mode: str, tokens: int, ckpt: str | None, caches: Path, timeout: float,
+        overlap_cuda_init: bool = True) -> dict:
     env = {**os.environ, "TRITON_CACHE_DIR": str(caches / "triton"),
            "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor")}
     cmd = [sys.executable, "-m", "mtp.bench.startup", "--child", config, "--mode", mode[0], "--tokens", str(tokens)]
     if ckpt:
         cmd += ["--ckpt", ckpt]
+    if not overlap_cuda_init:
+        cmd += ["--no-overlap-cuda-init"]
     t = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t
@@ -76,7 +97,9 @@ def run(config: str, mode: str, tokens: int, ckpt: str | None, caches: Path, tim
         return {"error": (p.stderr.strip().splitlines() or ["?"])[-1], "wall_s": wall}
     res = json.loads(p.stdout.strip().splitlines()[-1])
     res["process_wall_s"] = wall
-    res["triton_kernels_cached"] = _count(caches / "triton", "*.json") // 2  # a kernel: its .json + __grp__*.json
+    res["triton_autotune_cached"] = _count(caches / "triton", "*.autotune.json")  # one per autotuned kernel and key
+    # a kernel: its .json + __grp__*.json
+    res["triton_kernels_cached"] = (_count(caches / "triton", "*.json") - res["triton_autotune_cached"]) // 2
     res["inductor_files_cached"] = _count(caches / "inductor", "*.py")
     return res
 
@@ -89,10 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt", default=None, help="default: the bundled model")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per start")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--no-overlap-cuda-init", dest="overlap_cuda_init", action="store_false",
+                    help="start CUDA before the load, timed alone (default: the loader overlaps it with reading)")
     ap.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.mode[0], args.tokens, args.ckpt)))
+        print(json.dumps(child(args.child, args.mode[0], args.tokens, args.ckpt, args.overlap_cuda_init)))
         return 0
     rows = []
     for mode in args.mode:
@@ -100,24 +125,28 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="mtp-startup-") as d:
                 for state in ("cold", "warm"):
                     r = {"config": config, "mode": mode, "cache": state,
-                         **run(config, [mode], args.tokens, args.ckpt, Path(d), args.timeout)}
+                         **run(config, [mode], args.tokens, args.ckpt, Path(d), args.timeout, args.overlap_cuda_init)}
                     rows.append(r)
                     if "error" in r:
                         print(f"{config:15s} {mode:8s} {state}: FAILED ({r['error']})", flush=True)
                         break
+                    cuda = "in load" if r["cuda_init_s"] is None else f"{r['cuda_init_s']:4.1f}"
+                    dynamo = {True: "imported", False: "not imported"}.get(r.get("dynamo_imported"), "?")
                     print(f"{config:15s} {mode:8s} {state}: process {r['process_wall_s']:5.1f} s | import "
-                          f"{r['import_s']:4.1f} load {r['load_s']:4.1f} fast path {r['fast_path_s']:4.1f} first "
-                          f"token {r['first_token_s']:5.1f} first generation {r['first_generate_s']:5.1f} second "
-                          f"{r['second_generate_s']:4.2f} s | to first token {r['to_first_token_s']:5.1f} s | "
-                          f"cached: {r['triton_kernels_cached']} Triton kernels, {r['inductor_files_cached']} "
-                          "Inductor files", flush=True)
+                          f"{r['import_s']:4.1f} cuda init {cuda} load {r['load_s']:4.1f} fast path "
+                          f"{r['fast_path_s']:4.1f} first token {r['first_token_s']:5.1f} first generation "
+                          f"{r['first_generate_s']:5.1f} second {r['second_generate_s']:4.2f} s | to first token "
+                          f"{r['to_first_token_s']:5.1f} s | torch._dynamo at the first token: {dynamo} | cached: "
+                          f"{r['triton_kernels_cached']} Triton kernels, {r['triton_autotune_cached']} autotune "
+                          f"results, {r['inductor_files_cached']} Inductor files", flush=True)
     if args.json:
         import torch
 
         from ..utils import write_json_atomic
 
         write_json_atomic(args.json, {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                                      "torch": torch.__version__, "tokens": args.tokens, "rows": rows})
+                                      "torch": torch.__version__, "tokens": args.tokens,
+                                      "overlap_cuda_init": args.overlap_cuda_init, "rows": rows})
     return 0
 
 

@@ -29,6 +29,7 @@ from ..model import fp8
 from ..model.config import ConfigError, ModelConfig, RuntimeOptions
 from ..model.layers import yarn_inv_freq
 from ..model.deepseek import DeepseekV32
+from .device_init import DeviceInit
 from .inventory import checkpoint_spec
 from ..utils import publish_dir
 
@@ -291,6 +292,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
 
     n_mtp: how many MTP layers to load (default: config's num_nextn_predict_layers; 0 skips them).
     """
+    dev = DeviceInit(device)  # CUDA starts on a thread while the headers are read and the model is built
     path, cfg, n_mtp, headers = open_checkpoint(path, n_mtp)
     wanted = {k: v for k, v in headers.items() if _layer_keep(k, cfg, n_mtp)}
     runtime = runtime or RuntimeOptions(numerics=numerics)
@@ -303,6 +305,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
         if t.dtype == torch.float32 and name.endswith("weight_scale_inv"):
             check_scales(t, path / headers[name][2], name)
         check_values(t, path / headers[name][2], name)
+        dev.wait()  # the device is up before the first copy (and an init error raised here, as it was)
         # copy=True: safetensors returns views of a private mmap of the shard; a CPU model that kept them would
         # die of SIGBUS once the file is rewritten or truncated in place (and would page in at first use).
         value = t.to(device=device, dtype=p.dtype, copy=True)

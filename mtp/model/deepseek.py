@@ -29,7 +29,7 @@ from . import fp8
 from .attention import MLA
 from .cache import KVCache, LayerCache
 from .config import ModelConfig, RuntimeOptions
-from .layers import MLP, Linear, RMSNorm, Rotary
+from .layers import MLP, Embedding, Linear, RMSNorm, Rotary
 from .moe import MoE
 
 
@@ -62,7 +62,7 @@ class Block(nn.Module):
 class Trunk(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList([Block(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -83,7 +83,7 @@ class MTPLayer(Block):
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, False, dtype)
         self.shared_head = SharedHead(cfg, dtype)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
 
 
 class DeepseekV32(nn.Module):

@@ -54,6 +54,17 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     return F.layer_norm(x.to(a), (x.shape[-1],), weight.to(a), bias.to(a), eps).to(x.dtype)
 
 
+class Embedding(nn.Embedding):
+    """`nn.Embedding` whose weight starts uninitialized (`torch.empty`), as `Linear`'s does: the checkpoint (or
+    `mtp.train.model_init`) fills it. nn.Embedding's own random init is not only wasted work: on the meta device
+    (every loader builds there) its `normal_` runs through `torch._refs`, which imports `torch._dynamo` (1.4-3.4 s
+    of start-up measured; nothing else on the load path needs it). A weight nobody fills stays meta (or garbage),
+    and the loaders refuse a parameter the checkpoint does not fill."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32):
+        super().__init__(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim, dtype=dtype))
+
+
 class Linear(nn.Module):
     """y = x W^T with W stored either as FP8 + 128x128 block scales (checkpoint layout) or as a float tensor.
 
@@ -141,7 +152,9 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.register_buffer("inv_freq", yarn_inv_freq(cfg), persistent=False)
+        # computed on the CPU, then moved to the default device: on the meta device (every loader builds there,
+        # and sets the real table after) arange would run through torch._refs, which imports torch._dynamo
+        self.register_buffer("inv_freq", yarn_inv_freq(cfg).to(torch.get_default_device()), persistent=False)
 
     def angles(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [B, T] int -> (cos, sin) [B, T, R/2] fp32."""
@@ -150,8 +163,9 @@ class Rotary(nn.Module):
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """The [R/2] fp32 table, always computed on the CPU (in float64) whatever the default device."""
     dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     rs = cfg.rope_scaling
     if rs is None or rs.factor <= 1.0:
         return freqs.float()
@@ -163,7 +177,7 @@ def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     high = min(math.ceil(corr_dim(rs.beta_slow)), dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
     smooth = 1 - ramp
     return (freqs / rs.factor * (1 - smooth) + freqs * smooth).float()
 

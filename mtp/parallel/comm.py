@@ -28,8 +28,8 @@ def init_process_group(backend: str, **kwargs) -> None:
 
     `torch.distributed.nn.functional` evaluates `group=group.WORLD` as default arguments of ten functions when
     it is first imported. Imported after the default group exists (torch imports it with `torch._dynamo`, which
-    the first meta-device float op or `torch.compile` pulls in: building a parallel model on the meta device
-    does), it holds ten references to that group for the life of the process, so `destroy_process_group`
+    `torch.compile` pulls in, and so does any op torch runs through its Python references, such as `normal_`
+    or `arange` on the meta device; the model builders avoid those), it holds ten references to that group for the life of the process, so `destroy_process_group`
     cannot free it: gloo's worker threads then outlive it, and at interpreter exit a worker still dropping the
     last collective's tensors needs the GIL and is killed inside a destructor -- `terminate called without an
     active exception`, SIGABRT (seen: 2 runs in 11 of the torchrun test). Importing the module first makes

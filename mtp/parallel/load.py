@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
+from ..checkpoint.device_init import DeviceInit
 from ..checkpoint.files import CheckpointError, check_scales, check_values, ckpt_name, open_checkpoint
 from ..model.config import BLOCK, ConfigError, ModelConfig, RuntimeOptions
 from ..model.layers import yarn_inv_freq
@@ -139,6 +140,7 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
     progress: called as progress(bytes_read, bytes_total) after each tensor (this rank's checkpoint bytes).
     """
     comm = comm or Comm()
+    dev = DeviceInit(device)  # CUDA starts on a thread while the headers are read and the model is built
     path, cfg, n_mtp, headers = open_checkpoint(path, n_mtp)
     model, layout = parallel_skeleton(cfg, comm, plan=plan, dtype=dtype, numerics=numerics, n_mtp=n_mtp,
                                       runtime=runtime, static_moe=static_moe)
@@ -174,6 +176,7 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
                 if tuple(t.shape) != tuple(p.shape):
                     raise CheckpointError(f"{file}: rank {comm.rank}'s slice of {name!r} has shape {list(t.shape)}, "
                                           f"the parallel model expects {list(p.shape)}")
+                dev.wait()  # the device is up before the first copy (and an init error raised here, as it was)
                 # copy=True: never keep a view of the shard's private mmap (see mtp.checkpoint.files.load_model)
                 value = t.to(device=device, dtype=p.dtype, copy=True)
                 mod_path, _, attr = pname.rpartition(".")

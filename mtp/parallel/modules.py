@@ -25,7 +25,7 @@ from torch import nn
 from ..model import fp8
 from ..model.attention import MLA
 from ..model.config import ModelConfig
-from ..model.layers import MLP, Linear
+from ..model.layers import MLP, Embedding, Linear
 from ..model.deepseek import DeepseekV32
 from ..model.moe import Gate, MoE
 from .comm import Comm
@@ -154,12 +154,12 @@ class ExpertParallelMoE(MoE):
         return self.comm.all_reduce(out_ND)
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(Embedding):
     """Rows [start, start + Vl) of the embedding: ids outside look up zeros, the all-reduce adds the one
     rank that owns each id (x + 0 + ... + 0: exact in any dtype)."""
 
     def __init__(self, vocab_local: int, dim: int, start: int, dtype: torch.dtype, comm: Comm):
-        super().__init__(vocab_local, dim, dtype=dtype)
+        super().__init__(vocab_local, dim, dtype)
         self.vocab_start, self.comm = start, comm
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -442,7 +442,8 @@ _MEASURE = textwrap.dedent("""
 
     path = sys.argv[1]
     r_start = status("VmRSS")
-    # Warm-up: the first meta-device model build imports ~800 torch modules (~80 MB, independent of size).
+    # Warm-up: the first meta-device model build imports what it first uses (it imported torch._dynamo, ~80 MB,
+    # before the embeddings stopped running their random init on meta); independent of the size.
     with torch.device("meta"):
         DeepseekV32(ModelConfig.from_json(path + "/config.json"))
     gc.collect()

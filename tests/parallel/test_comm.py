@@ -1,6 +1,7 @@
 """Process groups made through `mtp.parallel.comm.init_process_group` are really gone after
-`destroy_process_group`, even once torch._dynamo has been imported (building a parallel model on the meta
-device imports it). Before, gloo's worker threads outlived the group and a rank could abort at interpreter exit
+`destroy_process_group`, even once torch._dynamo has been imported after the group was made (the fast path's
+torch.compile imports it; so did building a model on the meta device, before its init ops left torch._refs).
+Before, gloo's worker threads outlived the group and a rank could abort at interpreter exit
 (`terminate called without an active exception`): the CI flake of tests/distributed/test_launch.py."""
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ SCRIPT = textwrap.dedent("""
         time.sleep(0.01)
     else:
         raise AssertionError(f"no named gloo threads: {threads()}")
-    parallel_skeleton(tiny_config(), Comm())  # meta-device build: imports torch._dynamo
+    parallel_skeleton(tiny_config(), Comm())
+    import torch._dynamo  # what torch.compile imports, after the group exists
     t = torch.ones(3)
     dist.all_reduce(t)
     dist.destroy_process_group()
