@@ -11,22 +11,20 @@ kernels of the unfused path; and 'oneshot' equals 'nccl' bit for bit. The one-sh
 strict tokens with 'oneshot' (both all-reduces of a block fused) equal to 'nccl' in eager and graph mode, are
 GPU tests (tests/parallel/test_allreduce_gpu.py).
 
-The interpreter is chosen when a kernel is decorated (at import), so the test runs this file as a script with
-TRITON_INTERPRET=1, which spawns the ranks (they inherit it). ~15 s on 2 cores: a forward costs ~5 s there.
+The interpreter is chosen when a kernel is decorated (at import): the ranks are spawned with TRITON_INTERPRET=1 in
+their environment and import the kernels only then. 25-45 s on 2 cores (a forward costs ~5 s there).
 """
 
 from __future__ import annotations
 
 import datetime
-import sys
-import tempfile
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
-from tests.interp import patch_interpreter_bf16_rounding, patch_interpreter_loop_bounds, run_interpreted  # noqa: E402
+from tests.interp import patch_interpreter_bf16_rounding, patch_interpreter_loop_bounds
 
 WORLD = 2
 # (all-reduce, switch mlp_reduce_norm): 'nccl' is the group's own all-reduce (gloo here); 'oneshot' with the
@@ -35,8 +33,10 @@ RUNS = (("nccl", True), ("oneshot", False), ("oneshot", True))
 
 
 @pytest.mark.slow
-def test_hand_off_equals_the_unfused_trunk_over_gloo():
-    run_interpreted(__file__, 300)
+def test_hand_off_equals_the_unfused_trunk_over_gloo(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks' environment (this process imports no kernel)
+    _checks(tmp_path)
 
 
 def _run(model, comm) -> dict:
@@ -59,6 +59,7 @@ def _run(model, comm) -> dict:
 
 
 def _worker(rank: int, init: str, out: str) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
     patch_interpreter_loop_bounds()
     patch_interpreter_bf16_rounding()  # the unfused MoE rounds in a kernel, the hand-off with torch (as CUDA does)
     from mtp.backends.fast_path import FastTrunk, install_fast_modules, set_kernels
@@ -123,13 +124,3 @@ def _checks(d: Path) -> None:
         c = base["collectives"]
         assert c["all_reduce"] == 1 + 2 * layers and c["all_reduce_fused"] == 0, c
     _same("rank 1 vs rank 0", got[1], got[0])
-    print("interpreted checks ok")
-
-
-if __name__ == "__main__":
-    import time
-
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        _checks(Path(tmp))
-    print(f"{time.perf_counter() - t0:.1f} s")
