@@ -24,16 +24,18 @@
 - dense MLPs and shared experts (also tensor-parallel ones: `FastParallelMLP`) with gate and up stacked into one
   GEMV (`fuse_rows`);
 - every decoder `Block` (`FastBlock`): residual add + RMSNorm + FP8 quant in one kernel (`kernels.norm_quant`)
-  whose quantized output feeds the next GEMV directly (q_a | wk | kv_a; gate | up).
+  whose quantized output feeds the next GEMV directly (q_a | wk | kv_a; gate | up); tensor parallel under
+  allreduce='oneshot', o_proj's all-reduce joins the post-attention one, and the FFN's the next block's input one
+  (the trunk loop, `FastTrunk`, hands the un-reduced FFN output on as a `backends.pending.Pending`).
 The new fused kernels have run-time switches per model (`kernels.dispatch.FastPathOptions`, carried as
 `model.fast_options` and shared by the model's fast modules; `set_kernels(model, ...)` flips them and bumps the
 model's version), so old and new kernels can be timed side by side in one process (`mtp.bench.fused`), and two
 models in one process each run their own. The compiled elementwise ops are per model too (`use_elementwise`).
 A module swap, as `mtp.parallel.modules.shard_model` swaps in the per-rank modules: each module's class becomes
-a fast subclass of its own class (`FastLinear`, `FastMLP`, `FastParallelMLP`, `FastMoE`, `FastMLA`, `FastBlock`
-over `Linear`, `MLP`, `ParallelMLP`, `MoE`, `MLA`, `Block`, and over their tensor-parallel / MTP subclasses, so
-a sharded model and the MTP modules get the kernels too), holding the same parameters; the reference modules
-know nothing of it. `disable_fast_path(model)` swaps the reference classes
+a fast subclass of its own class (`FastLinear`, `FastMLP`, `FastParallelMLP`, `FastMoE`, `FastMLA`, `FastBlock`,
+`FastTrunk` over `Linear`, `MLP`, `ParallelMLP`, `MoE`, `MLA`, `Block`, `Trunk`, and over their tensor-parallel /
+MTP subclasses, so a sharded model and the MTP modules get the kernels too), holding the same parameters; the
+reference modules know nothing of it. `disable_fast_path(model)` swaps the reference classes
 back; the stacked expert tensors stay (they are the same weights). Both call `model.bump_version()`, so CUDA graphs
 captured on the other path are never replayed.
 Both paths compute DeepSeek's FP8 numerics; they differ only in summation order and top-k tie-breaking, and
@@ -57,11 +59,13 @@ from ..kernels.moe import MAX_TOKENS as MOE_KERNEL_MAX_TOKENS
 from ..kernels.moe import moe_experts
 from ..kernels.norm_quant import add_rms_norm_quant, add_rounded
 from ..model.attention import MLA
-from ..model.deepseek import Block, DeepseekV32
+from ..model.deepseek import Block, DeepseekV32, Trunk
 from ..model.fp8 import BLOCK, acc_dtype
 from ..model.layers import MLP, REFERENCE_OPS, Linear, compiled_ops, use_elementwise
 from ..model.moe import MoE
-from ..parallel.modules import ParallelMLP, RowParallelLinear
+from ..parallel.comm import Comm
+from ..parallel.modules import ExpertParallelMoE, ParallelMLP, RowParallelLinear
+from .pending import Pending, resolved
 
 
 class FastLinear(Linear):
@@ -111,8 +115,11 @@ class FastParallelMLP(ParallelMLP):
             return super().partial(x)
         return self.down_proj.matmul_acc(_gate_up(self, x, xq))
 
-    def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
-        return self.comm.all_reduce(self.partial(x, xq)).to(x.dtype)
+    def forward(self, x: torch.Tensor, xq=None, reduce: bool = True) -> torch.Tensor:
+        """reduce=False: this rank's partial (fp32), for `FastBlock` to hand to the next block's norm (`Pending`);
+        called through the module, so hooks still see the call."""
+        y = self.partial(x, xq)
+        return self.comm.all_reduce(y).to(x.dtype) if reduce else y
 
 
 class FastMoE(MoE):
@@ -131,16 +138,19 @@ class FastMoE(MoE):
     expert_layout: str | None = "pairs"
     fast_options: FastPathOptions
 
-    def forward(self, x: torch.Tensor, xq=None, rounded: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, xq=None, rounded: bool = True, reduce: bool = True) -> torch.Tensor:
         """rounded=False: the reduced routed + shared sum in fp32, before `MoE.forward`'s final rounding to x's
         dtype (`FastBlock` rounds it inside the residual add; called through the module, so hooks still see
-        the call). The shared expert's output is added in the experts' combine launch."""
+        the call). reduce=False (with xq): this rank's fp32 sum before the all-reduce, which `FastBlock` hands
+        to the next block's norm (`Pending`). The shared expert's output is added in the experts' combine launch."""
         if xq is None:
+            if not reduce:
+                raise ValueError("FastMoE: reduce=False needs xq, the block's quantized input")
             return super().forward(x)
-        y = self.forward_acc(x, xq)
-        return y.to(x.dtype) if rounded else y
+        y = self.forward_acc(x, xq, reduce)
+        return y.to(x.dtype) if rounded and reduce else y
 
-    def forward_acc(self, x: torch.Tensor, xq) -> torch.Tensor:
+    def forward_acc(self, x: torch.Tensor, xq, reduce: bool = True) -> torch.Tensor:
         shape = x.shape
         D = shape[-1]
         x_ND = x.reshape(-1, D)
@@ -148,7 +158,7 @@ class FastMoE(MoE):
         if self.shared_experts is not None:
             shared = self._shared_q(x_ND, (xq[0].reshape(-1, D), xq[1].reshape(-1, D // 128)))
         out = self.routed(x_ND, add=shared)
-        return self.reduce(out).view(shape)
+        return (self.reduce(out) if reduce else out).view(shape)
 
     def _shared_q(self, x_ND: torch.Tensor, xq_ND) -> torch.Tensor:
         """`shared(x_ND)` with the quantized x fed to the fused gate | up GEMV where the shared expert has one."""
@@ -197,18 +207,40 @@ class FastBlock(Block):
     kernel (`kernels.norm_quant`), then the attention's residual add + post-attention norm + quant in one, each
     quantized output fed to the next FP8 GEMV (q_a | wk | kv_a; the dense MLP's / shared expert's gate | up).
     Same formulas as `Block.forward` (a tree verify's visibility goes to the attention); otherwise it is
-    `Block.forward`."""
+    `Block.forward`.
+
+    Tensor parallel with allreduce='oneshot', per decode block (B * T <= SMALL_M rows, D % 128 == 0):
+    - o_proj's all-reduce is done here, with the post-attention add + norm + quant (`Comm.all_reduce_add_norm`,
+      one kernel; `RowParallelLinear.defer_reduce`);
+    - the FFN's all-reduce (dense `ParallelMLP`, expert-parallel MoE: routed + shared) is handed on (switch
+      `mlp_reduce_norm`, `hand_off=True`, which `FastTrunk` passes): forward returns a `Pending` (the residual
+      and this rank's un-reduced FFN output), and the next block's input add + norm + quant does the all-reduce
+      in the same kernel; the trunk's last block's is resolved (one-shot all-reduce + add) before the final norm.
+    Launches: o_proj's site 1 (NCCL: 2, the all-reduce, then add + norm + quant); from the FFN to the next
+    block's quantized input 1 (unfused: all-reduce, residual add, next input norm + quant: 3; 4 for a bf16 dense
+    MLP, whose cast is a launch). Every rank makes the same choices (the one-shot kernels of all ranks must
+    pair up): they read shapes, dtypes, classes and options only, never a rank's own module state (a rank
+    without a block of the dense MLP hands off its zeros too). An MTP layer (called without hand_off) reduces
+    its FFN itself."""
 
     fast_options: FastPathOptions
 
-    def forward(self, h_BTD, pos_BT, cos, sin, cache, S: int, opts, dtype, visible_BTS=None) -> torch.Tensor:
-        if not self.fast_options.norm_quant or h_BTD.dtype != torch.float32:
-            return super().forward(h_BTD, pos_BT, cos, sin, cache, S, opts, dtype, visible_BTS)
-        B, T, D = h_BTD.shape
+    def forward(self, h_BTD, pos_BT, cos, sin, cache, S: int, opts, dtype, visible_BTS=None,
+                hand_off: bool = False):
+        """h_BTD: the fp32 residual stream, or the previous block's `Pending` one (`FastTrunk`). hand_off: the
+        caller takes a `Pending` back (the FFN's all-reduce left to the next block) where this block may fuse
+        it; else the new residual stream."""
+        h0 = h_BTD.h_BTD if isinstance(h_BTD, Pending) else h_BTD
+        if not self.fast_options.norm_quant or h0.dtype != torch.float32:
+            return super().forward(resolved(h_BTD), pos_BT, cos, sin, cache, S, opts, dtype, visible_BTS)
+        B, T, D = h0.shape
         quant = B * T <= SMALL_M and D % 128 == 0
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         pdl = self.fast_options.pdl
-        _, x, x8, sx = add_rms_norm_quant(h_BTD, None, n1.weight, n1.eps, dtype, quant=quant, pdl=pdl)
+        if isinstance(h_BTD, Pending):  # the previous block's FFN all-reduce, with this add + norm + quant
+            x, h_BTD, x8, sx = h_BTD.add_norm(n1, dtype, quant, pdl)
+        else:
+            _, x, x8, sx = add_rms_norm_quant(h_BTD, None, n1.weight, n1.eps, dtype, quant=quant, pdl=pdl)
         xq = (x8, sx) if quant else None
         attn = self.self_attn
         o_proj = getattr(attn, "o_proj", None)
@@ -226,15 +258,19 @@ class FastBlock(Block):
             if o_proj is not None:
                 o_proj.defer_reduce = False
         if o_proj is not None:  # the partial's sum rounded to the model dtype first, as o_proj's `.to(x.dtype)`
-            x, h_BTD, x8, sx = o_proj.comm.all_reduce_add_norm(a, h_BTD, n2.weight, n2.eps, dtype, round_dtype=dtype,
-                                                              quant=quant)
+            x, h_BTD, x8, sx = Pending(h_BTD, a, dtype, o_proj.comm).add_norm(n2, dtype, quant, pdl)
         else:
             h_BTD, x, x8, sx = add_rms_norm_quant(h_BTD, a, n2.weight, n2.eps, dtype, quant=quant, pdl=pdl)
         xq = (x8, sx) if quant else None
         mlp = self.mlp
+        comm = self._hand_off_comm(mlp) if hand_off and xq is not None else None
         if xq is not None and isinstance(mlp, FastMoE) and h_BTD.is_contiguous():
+            if comm is not None:  # the fp32 sum, rounded to the model dtype in the next block's add (its `.to`)
+                return Pending(h_BTD, mlp(x, xq, rounded=False, reduce=False).contiguous(), x.dtype, comm)
             # one kernel: the MoE's fp32 sum rounded to the model dtype (its `.to(x.dtype)`) and added
             return add_rounded(h_BTD, mlp(x, xq, rounded=False).contiguous(), x.dtype)
+        if comm is not None and isinstance(mlp, FastParallelMLP):  # every rank, also one without a block
+            return Pending(h_BTD, mlp(x, xq, reduce=False), x.dtype, comm)  # rounded as its `.to(x.dtype)`
         if xq is not None and getattr(mlp, "fused_gate_up", None) is not None:
             y = mlp(x, xq)
         else:
@@ -242,8 +278,33 @@ class FastBlock(Block):
         # one kernel: the add promotes the model-dtype FFN output to fp32 exactly (no separate cast launch)
         return h_BTD + y
 
+    def _hand_off_comm(self, mlp: torch.nn.Module) -> Comm | None:
+        """The group whose all-reduce the FFN may leave to the next block's norm, or None (it reduces itself):
+        a tensor-parallel FFN on the fast path under allreduce='oneshot', switch `mlp_reduce_norm` on."""
+        if not self.fast_options.mlp_reduce_norm:
+            return None
+        if not (isinstance(mlp, FastParallelMLP) or (isinstance(mlp, FastMoE) and isinstance(mlp, ExpertParallelMoE))):
+            return None
+        return mlp.comm if mlp.comm.allreduce == "oneshot" else None
 
-FAST_CLASSES = (FastLinear, FastMLP, FastParallelMLP, FastMoE, FastMLA, FastBlock)
+
+class FastTrunk(Trunk):
+    """`Trunk.forward` handing each block's FFN all-reduce to the next block (`FastBlock`, hand_off): the
+    residual stream between blocks may be a `Pending`; the last one is resolved before the final norm, whose
+    input is also the pre-norm hidden the MTP modules read."""
+
+    def forward(self, h_BTD, pos_BT, cos, sin, cache, S: int, opts, dtype, visible_BTS=None):
+        h = h_BTD
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, FastBlock):
+                h = layer(h, pos_BT, cos, sin, cache.layer(i), S, opts, dtype, visible_BTS, hand_off=True)
+            else:
+                h = layer(resolved(h), pos_BT, cos, sin, cache.layer(i), S, opts, dtype, visible_BTS)
+        h = resolved(h)
+        return self.norm(h, dtype), h
+
+
+FAST_CLASSES = (FastLinear, FastMLP, FastParallelMLP, FastMoE, FastMLA, FastBlock, FastTrunk)
 _combined: dict[tuple[type, type], type] = {}
 
 
@@ -308,6 +369,8 @@ def fast_module(mod: torch.nn.Module, options: FastPathOptions | None = None, mm
         mod.fused_gate_up = fuse_rows([mod.gate_proj, mod.up_proj])
     elif isinstance(mod, Block):
         _swap(mod, FastBlock)
+    elif isinstance(mod, Trunk):
+        _swap(mod, FastTrunk)
 
 
 def enable_fast_path(model: DeepseekV32, compile_elementwise: bool = True,

@@ -66,6 +66,15 @@ class Trunk(nn.Module):
         self.layers = nn.ModuleList([Block(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
+    def forward(self, h_BTD, pos_BT, cos, sin, cache: KVCache, S: int, opts: RuntimeOptions, dtype,
+                visible_BTS: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder blocks over the embedded tokens h_BTD (the fp32 residual stream), then the final norm:
+        returns (normed in dtype, the residual before it). A module of its own so that a backend can swap the
+        loop (the fast path hands each block's FFN all-reduce to the next block: `mtp.backends.fast_path`)."""
+        for i, layer in enumerate(self.layers):
+            h_BTD = layer(h_BTD, pos_BT, cos, sin, cache.layer(i), S, opts, dtype, visible_BTS)
+        return self.norm(h_BTD, dtype), h_BTD
+
 
 class SharedHead(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
@@ -172,10 +181,8 @@ class DeepseekV32(nn.Module):
             raise ValueError(f"input batch {B} != cache batch {cache.batch}")
         pos_BT, cos, sin, S, vis = self.positions(cache, T, kv_len, tree_depth, tree_mask)
         h = self.model.embed_tokens(input_ids).to(self.acc)
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, pos_BT, cos, sin, cache.layer(i), S, self.runtime, self.dtype, vis)
+        hidden, h = self.model(h, pos_BT, cos, sin, cache, S, self.runtime, self.dtype, vis)
         cache.seq_lens += T
-        hidden = self.model.norm(h, self.dtype)
         sel = hidden if logits_at is None else hidden.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         return ModelOutput(self.lm_head(sel).to(self.acc), hidden, h)
 

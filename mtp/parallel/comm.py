@@ -105,6 +105,14 @@ class Comm:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 
+    def fuses(self, x_partial: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether `all_reduce_add_norm(x_partial, residual, ...)` runs as the one-shot kernel (else the formulas
+        after `all_reduce`). The same answer on every rank: it reads shapes, dtypes and the option only."""
+        D = residual.shape[-1]
+        rows = residual.numel() // D if D else 0
+        return (self.world > 1 and residual.dtype == torch.float32 and residual.is_contiguous()
+                and self._oneshot_fits(x_partial, rows))
+
     def all_reduce_add_norm(self, x_partial: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor | None,
                             eps: float, out_dtype: torch.dtype | None = None, round_dtype: torch.dtype | None = None,
                             quant: bool = False) -> AddNorm:
@@ -123,9 +131,7 @@ class Comm:
         if quant and (norm_weight is None or D % BLOCK):
             raise ValueError(f"all_reduce_add_norm: quant needs a norm and D % {BLOCK} == 0, got D = {D}")
         out_dtype = out_dtype or (norm_weight.dtype if norm_weight is not None else residual.dtype)
-        rows = residual.numel() // D if D else 0
-        if (self.world > 1 and residual.dtype == torch.float32 and residual.is_contiguous()
-                and self._oneshot_fits(x_partial, rows)):
+        if self.fuses(x_partial, residual):
             return AddNorm(*self.oneshot.add_norm(x_partial, residual, norm_weight, eps, out_dtype, round_dtype,
                                                   quant))
         s = self.all_reduce(x_partial.contiguous())
@@ -153,18 +159,23 @@ class Comm:
 class CountingComm(Comm):
     """`Comm` that counts the collectives it issues and their payload bytes (input bytes per rank), and logs
     each call's (kind, shape, dtype). Host-side: it sees eager calls only (a CUDA-graph replay runs no Python),
-    so count one eager step, then capture. `reset()` before the step to count."""
+    so count one eager step, then capture. `reset()` before the step to count. An all-reduce fused with its add
+    + norm (the one-shot kernel of `all_reduce_add_norm`) counts as an all-reduce, and in `all_reduce_fused`."""
 
     def __init__(self, group=None):
         super().__init__(group)
         self.reset()
 
     def reset(self) -> None:
-        # all_reduce counts every all-reduce, fused or not; all_reduce_fused those done by all_reduce_add_norm
         self.counts = {"all_reduce": 0, "all_gather": 0, "all_reduce_bytes": 0, "all_gather_bytes": 0,
                        "all_reduce_fused": 0}
         self.calls: list[tuple[str, tuple[int, ...], str]] = []
-        self._in_fused = False
+
+    def all_reduce_add_norm(self, x_partial: torch.Tensor, residual: torch.Tensor, *args, **kwargs) -> AddNorm:
+        if self.fuses(x_partial, residual):  # else the formulas call `all_reduce`, which counts itself
+            self._note("all_reduce", x_partial)
+            self.counts["all_reduce_fused"] += 1
+        return super().all_reduce_add_norm(x_partial, residual, *args, **kwargs)
 
     def _note(self, kind: str, t: torch.Tensor) -> None:
         self.counts[kind] += 1
@@ -172,18 +183,8 @@ class CountingComm(Comm):
         self.calls.append((kind, tuple(t.shape), str(t.dtype).replace("torch.", "")))
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if not self._in_fused:  # all_reduce_add_norm's unfused form calls this: counted there, once
-            self._note("all_reduce", t)
+        self._note("all_reduce", t)
         return super().all_reduce(t)
-
-    def all_reduce_add_norm(self, x_partial: torch.Tensor, *args, **kwargs):
-        self._note("all_reduce", x_partial)
-        self.counts["all_reduce_fused"] += 1
-        self._in_fused = True
-        try:
-            return super().all_reduce_add_norm(x_partial, *args, **kwargs)
-        finally:
-            self._in_fused = False
 
     def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
         self._note("all_gather", t)

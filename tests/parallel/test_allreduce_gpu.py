@@ -1,6 +1,8 @@
 """The one-shot all-reduce (`mtp.parallel.oneshot`, allreduce='oneshot') against the reference primitive over NCCL,
 on 2 GPUs: eager over widths 1..5, odd hidden sizes and both partial dtypes; inside a captured CUDA graph replayed
-with changing inputs; and the TP=2 bundled model's strict tokens with 'oneshot' equal to 'nccl' (fp32).
+with changing inputs; and the TP=2 bundled model's strict tokens with 'oneshot' equal to 'nccl' (fp32), on the fast
+path with both all-reduces of a block fused (o_proj's and the FFN's, `FastTrunk`) and with the FFN's not, with the
+collectives and kernels of a forward counted.
 
 Each check runs in its own guard on every rank and is reported as `name: ok` or `name: error ...`, so one failure
 does not hide the others; a hung rank is killed by the run's time limit (faulthandler prints where it waited).
@@ -119,25 +121,74 @@ def _identical_on_ranks(comm, dev, rank) -> list[str]:
     return [] if all(torch.equal(both[0], b) for b in both) else ["ranks got different residuals"]
 
 
+def _step_counts(m, comm, dev) -> dict:
+    """Collectives (`CountingComm`) and kernels (`mtp.bench.timing.kernel_profile`, eager) of one 2 x 3-token
+    trunk forward after a 20-token prompt."""
+    from mtp.bench.timing import kernel_profile
+
+    ids = torch.arange(46, device=dev).view(2, 23) * 7 % m.cfg.vocab_size
+    cache = m.new_cache(2, 64)
+    with torch.no_grad():
+        m(ids[:, :20], cache)
+        lens = cache.seq_lens.clone()
+
+        def step():
+            cache.truncate(lens)
+            m(ids[:, 20:], cache, kv_len=23)
+
+        comm.reset()
+        step()
+        counts = dict(comm.counts)
+        counts["kernels"] = kernel_profile(step, steps=3)["kernels_per_step"]
+    return counts
+
+
 def _model(dev, fast: bool) -> list[str]:
-    """The bundled model at TP=2 in fp32, on the fast path (o_proj's all-reduce fused with the block's add + norm)
-    or the reference path (plain one-shot all-reduces): strict eagle tokens with 'oneshot' equal 'nccl', in eager
-    and graph mode, and the one-shot kernels did run (their epochs advanced)."""
-    from mtp.backends.fast_path import enable_fast_path
+    """The bundled model at TP=2 in fp32, on the fast path (o_proj's all-reduce fused with the block's add + norm,
+    and the FFN's with the next block's: `FastTrunk`) or the reference path (plain one-shot all-reduces): strict
+    eagle tokens with 'oneshot' equal 'nccl', in eager and graph mode (fast path: also with the FFN hand-off off,
+    switch `mlp_reduce_norm`), and the one-shot kernels did run (their epochs advanced). Fast path: per trunk
+    forward of L layers, 1 + 2L all-reduces whatever the path, 2L of them fused with an add (+ norm) with the
+    hand-off and L without, and 2L - 1 fewer kernels with it (each of the L - 1 block boundaries: all-reduce, add,
+    next input norm -> one kernel; the last block: all-reduce, add -> one)."""
+    from mtp.backends.fast_path import enable_fast_path, set_kernels
     from mtp.checkpoint.tiny import default_checkpoint
     from mtp.parallel import load_parallel, set_allreduce
+    from mtp.parallel.comm import CountingComm
 
-    m = load_parallel(default_checkpoint(), Comm(), device=dev, dtype=torch.float32, numerics="fp8")
+    comm = CountingComm()
+    m = load_parallel(default_checkpoint(), comm, device=dev, dtype=torch.float32, numerics="fp8")
     if fast:
         enable_fast_path(m)
     prompts = [list(range(3, 40)), list(range(50, 61))]
-    want = {mode: mtp.generate(m, prompts, 24, draft="eagle", k=2, mode=mode).tokens for mode in ("eager", "graph")}
+
+    def tokens():
+        return {mode: mtp.generate(m, prompts, 24, draft="eagle", k=2, mode=mode).tokens for mode in ("eager", "graph")}
+
+    want = tokens()
+    counts = {"nccl": _step_counts(m, comm, dev)}
     set_allreduce(m, "oneshot")
-    comm = next(mod.comm for mod in m.modules() if hasattr(mod, "comm"))
-    got = {mode: mtp.generate(m, prompts, 24, draft="eagle", k=2, mode=mode).tokens for mode in ("eager", "graph")}
-    bad = [f"{mode}: oneshot {got[mode]} != nccl {want[mode]}" for mode in want if got[mode] != want[mode]]
+    got = {"oneshot": tokens()}
+    counts["oneshot"] = _step_counts(m, comm, dev)
+    if fast:
+        set_kernels(m, mlp_reduce_norm=False)
+        got["oneshot, FFN hand-off off"] = tokens()
+        counts["off"] = _step_counts(m, comm, dev)
+        set_kernels(m, mlp_reduce_norm=True)
+    bad = [f"{mode}: {name} {g[mode]} != nccl {want[mode]}" for name, g in got.items() for mode in want
+           if g[mode] != want[mode]]
     if int(comm.oneshot.epoch.sum().item()) == 0:
         bad.append("the one-shot kernel never ran in the model")
+    L = m.cfg.num_hidden_layers
+    print(f"rank {comm.rank} fast={fast} per trunk forward: {counts}", flush=True)
+    if any(c["all_reduce"] != 1 + 2 * L for c in counts.values()):
+        bad.append(f"all-reduces per forward should be 1 + 2 x {L} on every path: {counts}")
+    fused = {k: c["all_reduce_fused"] for k, c in counts.items()}
+    if fused != ({"nccl": 0, "oneshot": 2 * L, "off": L} if fast else {"nccl": 0, "oneshot": 0}):
+        bad.append(f"fused all-reduces per forward: {fused}")
+    if fast and counts["off"]["kernels"] - counts["oneshot"]["kernels"] != 2 * L - 1:
+        bad.append(f"kernels per forward: {counts['off']['kernels']} with the FFN hand-off off, "
+                   f"{counts['oneshot']['kernels']} on; expected {2 * L - 1} fewer")
     return bad
 
 
