@@ -207,27 +207,40 @@ class ElementwiseOps:
     """The elementwise ops between the GEMMs (norms, rotary, activation quant, Hadamard, SiLU-mul).
 
     Modules call these through their `ops` (the plain functions, `REFERENCE_OPS`, unless `use_elementwise` gave
-    their model others), so the Triton fast path can give one model compiled versions
-    (`compiled_ops()`: each becomes one or two fused kernels instead of 5-12 small ones; on a CUDA-graph decode
-    step the launch count, not the bytes, is what these cost) while another model in the process keeps the
-    plain ones. Same formulas either way; the fused kernels may round in another order.
+    their model others), so the Triton fast path can give one model fused versions while another model in the
+    process keeps the plain ones. On a CUDA-graph decode step the launch count, not the bytes, is what these cost
+    (each plain op is 5-12 small launches). `kind` says which:
+    - 'reference': the plain functions below (and `fp8`'s);
+    - 'compile': each torch.compile'd (`compiled_ops()`): one or two fused kernels, but tens of seconds of
+      compiling at start-up (dynamo recompiles per dtype, rank and size-1 dimension);
+    - 'triton': one Triton kernel each (`mtp.kernels.elementwise.triton_ops()`, which passes them as `impl`: the
+      reference model imports no kernel), falling back to the plain function for inputs a kernel does not cover.
+    Same formulas every way; the fused kernels may round in another order.
     """
 
     NAMES = ("rms_norm", "layer_norm", "silu_mul", "rope_interleaved", "rope_half", "act_quant", "fake_quant",
              "rotate_activation")
+    KINDS = ("reference", "compile", "triton")
 
-    def __init__(self, compiled: bool = False) -> None:
-        impl = {"rms_norm": rms_norm, "layer_norm": layer_norm, "silu_mul": silu_mul,
-                "rope_interleaved": rope_interleaved, "rope_half": rope_half, "act_quant": fp8.act_quant,
-                "fake_quant": fp8.fake_quant, "rotate_activation": fp8.rotate_activation}
-        self.compiled = compiled
-        if compiled:
+    def __init__(self, kind: str = "reference", impl: dict | None = None) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"ElementwiseOps: kind must be one of {self.KINDS}, got {kind!r}")
+        if (impl is not None) != (kind == "triton") or (impl is not None and set(impl) != set(self.NAMES)):
+            raise ValueError(f"ElementwiseOps: kind 'triton' takes `impl`, a function for each of {self.NAMES} "
+                             f"(mtp.kernels.elementwise.triton_ops()); kind {kind!r} got "
+                             f"{sorted(impl) if impl is not None else None}")
+        self.kind = kind
+        if impl is None:
+            impl = {"rms_norm": rms_norm, "layer_norm": layer_norm, "silu_mul": silu_mul,
+                    "rope_interleaved": rope_interleaved, "rope_half": rope_half, "act_quant": fp8.act_quant,
+                    "fake_quant": fp8.fake_quant, "rotate_activation": fp8.rotate_activation}
+        if kind == "compile":
             # one compiled function serves many call sites (input dtypes, strides of sliced views): dynamo's
             # default of 8 variants per function is reached on a full step, after which calls silently run unfused
             cfg = torch._dynamo.config
             cfg.recompile_limit = max(cfg.recompile_limit, 64)
         for name in self.NAMES:
-            setattr(self, name, torch.compile(impl[name], dynamic=True) if compiled else impl[name])
+            setattr(self, name, torch.compile(impl[name], dynamic=True) if kind == "compile" else impl[name])
 
 
 REFERENCE_OPS = ElementwiseOps()
@@ -237,7 +250,7 @@ _COMPILED: list[ElementwiseOps] = []
 def compiled_ops() -> ElementwiseOps:
     """The torch.compile'd ops, built once per process (compiling is lazy, at the first call of each)."""
     if not _COMPILED:
-        _COMPILED.append(ElementwiseOps(compiled=True))
+        _COMPILED.append(ElementwiseOps("compile"))
     return _COMPILED[0]
 
 
