@@ -98,7 +98,8 @@ def build(cfg: Any):
         try:
             model = peers.load(LoadSpec(str(path), dtype=value(rt.dtype), numerics=numerics, n_mtp=cfg.model.n_mtp,
                                         mlp_split=rt.mlp_split, expert_layout=rt.expert_layout,
-                                        fast_path=rt.fast_path, allreduce=rt.allreduce))
+                                        fast_path=rt.fast_path, elementwise=rt.elementwise,
+                                        allreduce=rt.allreduce))
         except BaseException:
             peers.close()
             raise
@@ -108,7 +109,7 @@ def build(cfg: Any):
     if rt.fast_path:
         from mtp.backends.fast_path import enable_fast_path
 
-        enable_fast_path(model)
+        enable_fast_path(model, elementwise=rt.elementwise)
     return model, tokenizer
 
 

@@ -73,7 +73,7 @@ _BUILT: dict = {}
 def _build_once(cfg: EvalConfig):
     rt = cfg.runtime
     key = (repr(cfg.model), rt.device, value(rt.dtype), rt.tp, rt.mlp_split, rt.expert_layout, rt.fast_path,
-           rt.allreduce)
+           rt.elementwise, rt.allreduce)
     peers = getattr(_BUILT.get("model"), "peers", None)
     if _BUILT.get("key") != key or (peers is not None and peers.closed):  # a failed job's ranks are gone: start anew
         _BUILT.clear()

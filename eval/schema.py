@@ -180,6 +180,7 @@ class RuntimeSchema:
     num_threads: Optional[int] = None  # torch CPU threads; None: torch's default
     warmup: bool = True  # one short untimed generate before measuring
     fast_path: bool = False  # Triton kernels + fused glue (mtp.backends.fast_path), CUDA + fp8 numerics only
+    elementwise: str = "triton"  # the fast path's glue ops: triton | compile (torch.compile) | eager
     prefill_chunk: Optional[int] = None  # prefill in chunks of this many tokens (long prompts); None: one pass
     tp: int = 1  # ranks the model is split over (tensor + expert parallel): spawned here, or torchrun's
     mlp_split: str = "blocks"  # how dense / shared-expert MLPs split over ranks (mtp.parallel.layout)
@@ -199,6 +200,13 @@ class RuntimeSchema:
             _fail("runtime.allreduce", self.allreduce, f"one of {list(ALLREDUCE_IMPLS)}")
         if self.allreduce != "nccl" and not (self.tp > 1 and self.device.startswith("cuda")):
             _fail("runtime.allreduce", self.allreduce, "'nccl' unless runtime.tp > 1 on cuda (peer memory of GPUs)")
+        from mtp.kernels.dispatch import ELEMENTWISE_IMPLS
+
+        if self.elementwise not in ELEMENTWISE_IMPLS:
+            _fail("runtime.elementwise", self.elementwise, f"one of {list(ELEMENTWISE_IMPLS)}")
+        if self.elementwise != "triton" and not self.fast_path:
+            _fail("runtime.elementwise", self.elementwise, "'triton' unless runtime.fast_path=true (it picks the "
+                  "fast path's ops)")
         if self.expert_layout not in EXPERT_LAYOUTS:
             _fail("runtime.expert_layout", self.expert_layout, f"one of {list(EXPERT_LAYOUTS)}")
         if self.fast_path and self.tp > 1 and self.expert_layout != "contiguous":

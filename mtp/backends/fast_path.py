@@ -30,7 +30,8 @@
 The new fused kernels have run-time switches per model (`kernels.dispatch.FastPathOptions`, carried as
 `model.fast_options` and shared by the model's fast modules; `set_kernels(model, ...)` flips them and bumps the
 model's version), so old and new kernels can be timed side by side in one process (`mtp.bench.fused`), and two
-models in one process each run their own. The compiled elementwise ops are per model too (`use_elementwise`).
+models in one process each run their own. The elementwise ops between the GEMMs are per model too
+(`set_elementwise`: one Triton kernel each by default, `kernels.elementwise`; or torch.compile'd, or eager).
 A module swap, as `mtp.parallel.modules.shard_model` swaps in the per-rank modules: each module's class becomes
 a fast subclass of its own class (`FastLinear`, `FastMLP`, `FastParallelMLP`, `FastMoE`, `FastMLA`, `FastBlock`,
 `FastTrunk` over `Linear`, `MLP`, `ParallelMLP`, `MoE`, `MLA`, `Block`, `Trunk`, and over their tensor-parallel /
@@ -44,13 +45,16 @@ tests hold one to the other within tolerance (tests/kernels/*_gpu.py, tests/back
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..kernels import available
 from ..kernels.absorb import MAX_TOKENS as ABSORB_MAX_TOKENS
 from ..kernels.absorb import absorb_out, absorb_q
 from ..kernels.cache_write import cache_write
-from ..kernels.dispatch import FastPathOptions, linear, route
+from ..kernels.dispatch import ELEMENTWISE_IMPLS, FastPathOptions, linear, route
+from ..kernels.elementwise import triton_ops
 from ..kernels.fp8_gemm import SMALL_M
 from ..kernels.indexer import TOPK_IMPLS, indexer_topk
 from ..kernels.mla_decode import mla_decode
@@ -61,7 +65,7 @@ from ..kernels.norm_quant import add_rms_norm_quant, add_rounded
 from ..model.attention import MLA
 from ..model.deepseek import Block, DeepseekV32, Trunk
 from ..model.fp8 import BLOCK, acc_dtype
-from ..model.layers import MLP, REFERENCE_OPS, Linear, compiled_ops, use_elementwise
+from ..model.layers import MLP, REFERENCE_OPS, ElementwiseOps, Linear, compiled_ops, use_elementwise
 from ..model.moe import MoE
 from ..parallel.comm import Comm
 from ..parallel.modules import ExpertParallelMoE, ParallelMLP, RowParallelLinear
@@ -373,14 +377,22 @@ def fast_module(mod: torch.nn.Module, options: FastPathOptions | None = None, mm
         _swap(mod, FastTrunk)
 
 
-def enable_fast_path(model: DeepseekV32, compile_elementwise: bool = True,
-                     indexer_topk: str = "radix", options: FastPathOptions | None = None) -> DeepseekV32:
-    """compile_elementwise: torch.compile the elementwise ops between the GEMMs (`mtp.model.layers.ElementwiseOps`)
-    into fused kernels, for this model's modules (`use_elementwise`).
+def enable_fast_path(model: DeepseekV32, elementwise: str = "triton", indexer_topk: str = "radix",
+                     options: FastPathOptions | None = None, *, compile_elementwise: bool | None = None) -> DeepseekV32:
+    """elementwise: the ops between the GEMMs (`mtp.model.layers.ElementwiseOps`) for this model's modules
+    (`set_elementwise`): 'triton' (one kernel each, `kernels.elementwise`), 'compile' (torch.compile'd: the same
+    fusion for ~33 s more start-up on a cold cache, ~13 s warm) or 'eager' (the reference functions).
+    compile_elementwise: deprecated (True: 'compile', False: 'eager'); warns, and goes in the next release.
     options: this model's kernel switches (default: `FastPathOptions()`; flip them later with `set_kernels`).
     indexer_topk: the indexer's top-k, 'radix' (Triton radix select, the reference's tie rule), 'radix_fused'
     (its histogram pass in the scores kernel) or 'torch' (torch.topk); switch it and the MoE expert layout
     later with `set_kernel_options`."""
+    if compile_elementwise is not None:
+        warnings.warn("enable_fast_path(compile_elementwise=...) is deprecated: use elementwise='compile' or "
+                      "'eager' (the default is 'triton')", DeprecationWarning, stacklevel=2)
+        elementwise = "compile" if compile_elementwise else "eager"
+    if elementwise not in ELEMENTWISE_IMPLS:
+        raise ValueError(f"enable_fast_path: elementwise must be one of {ELEMENTWISE_IMPLS}, got {elementwise!r}")
     if not available():
         raise RuntimeError("the Triton fast path needs triton and a CUDA device; use the reference path")
     if model.device.type != "cuda":
@@ -389,11 +401,29 @@ def enable_fast_path(model: DeepseekV32, compile_elementwise: bool = True,
         raise ValueError("the fast path implements DeepSeek's FP8 numerics: load an FP8 checkpoint with numerics='fp8'")
     if indexer_topk not in TOPK_IMPLS:
         raise ValueError(f"enable_fast_path: indexer_topk must be one of {TOPK_IMPLS}, got {indexer_topk!r}")
-    if compile_elementwise:
-        use_elementwise(model, compiled_ops())
     install_fast_modules(model, _mm_out_fp32(), options)
+    set_elementwise(model, elementwise)
     set_kernel_options(model, indexer_topk=indexer_topk)
     return model
+
+
+def elementwise_ops(elementwise: str) -> ElementwiseOps:
+    """The ops object of one of `ELEMENTWISE_IMPLS` (each built once per process)."""
+    if elementwise == "triton":
+        return triton_ops()
+    if elementwise == "compile":
+        return compiled_ops()
+    if elementwise == "eager":
+        return REFERENCE_OPS
+    raise ValueError(f"elementwise must be one of {ELEMENTWISE_IMPLS}, got {elementwise!r}")
+
+
+def set_elementwise(model: torch.nn.Module, elementwise: str) -> None:
+    """Give `model`'s modules the elementwise ops `elementwise` names (`ELEMENTWISE_IMPLS`; other models keep
+    theirs) and bump its version, so CUDA graphs captured with the old ops are captured again."""
+    use_elementwise(model, elementwise_ops(elementwise))
+    if isinstance(model, DeepseekV32):
+        model.bump_version()
 
 
 def install_fast_modules(model: torch.nn.Module, mm_fp32: bool = False,

@@ -20,6 +20,7 @@ import time
 import torch
 
 from ..decode.graphs import capture_graph
+from ..kernels.dispatch import ELEMENTWISE_IMPLS
 from .timing import copy_bandwidth, kernel_profile, spec_step_times, step_bytes, time_ms
 from ..placement import EXPERT_LAYOUTS
 
@@ -42,15 +43,15 @@ def _count_experts(model, ids) -> tuple[dict, list]:
 
 def bench_ours(args, bw: float) -> dict:
     from ..decode.engine import generate, release
-    from ..backends.fast_path import FastPathOptions, enable_fast_path
-    from ..model.layers import REFERENCE_OPS, compiled_ops, use_elementwise
+    from ..backends.fast_path import FastPathOptions, enable_fast_path, set_elementwise
     from ..checkpoint.synthetic import random_model
     from ..model.presets import real_config
 
     cfg = real_config(layers=args.layers, dense_layers=args.dense_layers, mtp_modules=1)
     t0 = time.perf_counter()
     model = random_model(cfg, device="cuda", dtype=torch.bfloat16)
-    enable_fast_path(model, options=FastPathOptions(**(args.kernels or {})))  # --kernels: this model's switches
+    # --kernels: this model's switches; --elementwise: its ops between the GEMMs
+    enable_fast_path(model, elementwise=args.elementwise, options=FastPathOptions(**(args.kernels or {})))
     build_s = time.perf_counter() - t0
     res = {"config": {"layers": args.layers, "dense_layers": args.dense_layers, "mtp_modules": 1,
                       "prompt_len": args.prompt_len, "batch": args.batch}, "build_s": build_s,
@@ -77,9 +78,9 @@ def bench_ours(args, bw: float) -> dict:
             graph_ms = time_ms(graph.replay)
             prof = kernel_profile(graph.replay) if args.profile and w in (1, args.k + 1) else None
             del graph
-            use_elementwise(model, REFERENCE_OPS)  # same step with the plain (uncompiled) ops, side by side
+            set_elementwise(model, "eager")  # same step with the plain (unfused) ops, side by side
             graph_plain_ms = time_ms(capture_graph(fwd).replay)
-            use_elementwise(model, compiled_ops())
+            set_elementwise(model, args.elementwise)
             seen, hooks = _count_experts(model, blk)
             fwd()
             for h in hooks:
@@ -239,6 +240,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kernel-variants", nargs="*", default=[], metavar="NAME",
                     help="--tp N on a GPU: also time these fast-path kernel variants on the same rank, side by side "
                          "(old: the fast path before this release's kernels; new+pdl: with programmatic dependent launch)")
+    ap.add_argument("--elementwise", choices=ELEMENTWISE_IMPLS, default="triton",
+                    help="the fast path's elementwise ops between the GEMMs: triton (one Triton kernel each), compile "
+                         "(torch.compile'd), eager (plain PyTorch); the TP=1 table also times the step with eager ones")
     ap.add_argument("--kernels", nargs="*", default=[], metavar="NAME=VALUE",
                     help="fast-path kernel switches for this run (mtp.kernels.dispatch.FastPathOptions), e.g. "
                          "gemv_rows=1 pdl=1 norm_quant=0; recorded in the JSON")

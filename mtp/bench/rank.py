@@ -116,7 +116,8 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
         if cuda:
             from ..backends.fast_path import FastPathOptions, enable_fast_path
 
-            enable_fast_path(model, options=FastPathOptions(**(args.kernels or {})))  # mtp-bench --kernels
+            # mtp-bench --kernels, --elementwise
+            enable_fast_path(model, elementwise=args.elementwise, options=FastPathOptions(**(args.kernels or {})))
             part["gpu_mem_gib_after_build"] = torch.cuda.memory_allocated() / GIB
         log(f"built in {part['build_s']:.1f} s: {part['param_gib']:.2f} GiB of parameters")
         part["draft_collectives_per_forward"] = draft_collectives(model, comm)

@@ -1,22 +1,24 @@
 """Start-up time, cold and warm: where the seconds before the first token go on the bundled model.
 
     python -m mtp.bench.startup --json eval/results/startup.json
-    python -m mtp.bench.startup --configs fast fast-nocompile reference --mode overlap eager
-    python -m mtp.bench.startup --configs fast-nocompile --no-overlap-cuda-init    # CUDA start timed alone
+    python -m mtp.bench.startup --configs fast fast-compile fast-eager reference --mode overlap eager
+    python -m mtp.bench.startup --configs fast-eager --no-overlap-cuda-init    # CUDA start timed alone
 
 Each configuration runs in a fresh process twice: cold (empty Triton and TorchInductor caches) and warm (the
 caches the cold run filled), as a user's first and second start on one machine. A run reports its phases:
 import, CUDA start, load, fast-path set-up, the first generation (Triton JIT compiles, torch.compile of the
-elementwise ops, CUDA-graph capture) with its first-token time, and a second, identical generation (steady
-state); plus the kernels each cache holds after it (what the cold run compiled), its autotune results (Triton's
-`*.autotune.json`) and whether torch._dynamo was imported by the first token (1.4-3.4 s of import when it is).
+elementwise ops where asked, CUDA-graph capture) with its first-token time, and a second, identical generation
+(steady state); plus the kernels each cache holds after it (what the cold run compiled), its autotune results
+(Triton's `*.autotune.json`) and whether torch._dynamo was imported by the first token (1.4-3.4 s of import when
+it is).
 CUDA start: by default the loader starts CUDA on a thread while it reads the checkpoint
 (`mtp.checkpoint.device_init`), so `load_s` holds what of it did not overlap and `cuda_init_s` is null; with
 `--no-overlap-cuda-init` the process makes its first device allocation before the load, timed as `cuda_init_s`
 (then the loader's thread finds CUDA up). The overlap's gain is the difference of the two runs' `load_s +
 cuda_init_s`.
-Configurations: `reference` (PyTorch ops), `fast-nocompile` (Triton kernels, elementwise ops eager), `fast` (the
-launcher's default: Triton kernels + torch.compile'd elementwise ops).
+Configurations: `reference` (PyTorch ops), `fast` (the launcher's default: Triton kernels, the elementwise ops
+between them too), `fast-compile` (Triton kernels + torch.compile'd elementwise ops), `fast-eager` (Triton
+kernels, elementwise ops eager).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIGS = ("reference", "fast-nocompile", "fast")
+CONFIGS = ("reference", "fast", "fast-compile", "fast-eager")
+ELEMENTWISE = {"fast": "triton", "fast-compile": "compile", "fast-eager": "eager"}  # enable_fast_path(elementwise=)
 
 
 def _count(d: Path, pattern: str) -> int:
@@ -59,7 +62,7 @@ def child(config: str, mode: str, tokens: int, ckpt: str | None, overlap_cuda_in
     if config != "reference":
         from mtp.backends.fast_path import enable_fast_path
 
-        enable_fast_path(model, compile_elementwise=config == "fast")
+        enable_fast_path(model, elementwise=ELEMENTWISE[config])
     out["fast_path_s"] = time.perf_counter() - t
     prompt = [[(7 * i + 3) % model.cfg.vocab_size for i in range(40)]]
     for run in ("first", "second"):

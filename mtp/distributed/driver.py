@@ -52,10 +52,15 @@ class LoadSpec:
     n_mtp: int | None = None
     mlp_split: str = "blocks"
     fast_path: bool = False
+    elementwise: str = "triton"  # the fast path's elementwise ops: mtp.kernels.dispatch.ELEMENTWISE_IMPLS
     allreduce: str = "nccl"  # mtp.parallel.comm.ALLREDUCE_IMPLS
     expert_layout: str = "contiguous"  # mtp.placement
 
     def __post_init__(self) -> None:
+        from ..kernels.dispatch import ELEMENTWISE_IMPLS
+
+        if self.elementwise not in ELEMENTWISE_IMPLS:
+            raise ValueError(f"LoadSpec: elementwise must be one of {ELEMENTWISE_IMPLS}, got {self.elementwise!r}")
         if self.fast_path and self.expert_layout != "contiguous":
             raise ValueError(f"expert_layout={self.expert_layout!r} has no fast path (it stacks a rank's expert "
                              f"range): use expert_layout='contiguous' or fast_path=False")
@@ -127,7 +132,7 @@ def load_rank(spec: LoadSpec, group: RankGroup, show_progress: bool = False):
     if spec.fast_path:
         from ..backends.fast_path import enable_fast_path
 
-        enable_fast_path(model)
+        enable_fast_path(model, elementwise=spec.elementwise)
     if spec.allreduce != "nccl":
         from ..parallel.modules import set_allreduce
 

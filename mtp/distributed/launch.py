@@ -8,7 +8,7 @@
 NCCL on GPUs (rank r on local GPU r), gloo on CPU. Rank 0 drives (`mtp.distributed.driver`): it checks the
 options, the checkpoint's split over the ranks and the tokenizer before any rank starts, tokenizes, and alone
 prints; the other ranks serve it. On GPUs the defaults are the overlap scheduler and the Triton fast path
-(`--mode`, `--no-fast-path`); generation stops at the tokenizer's EOS. `--check` compares every rank's tokens
+(`--mode`, `--no-fast-path`; `--elementwise` picks its glue ops between the GEMMs); generation stops at the tokenizer's EOS. `--check` compares every rank's tokens
 with rank 0's (they must agree: every rank sees identical logits). An error on any rank ends every rank with one
 line naming it; exit status 2 for bad input, 1 for a failure while generating.
 """
@@ -25,6 +25,7 @@ from ..spec.options import MODES, OptionError
 from ..verify.registry import VERIFIERS
 from ..model.config import NUMERICS, ConfigError
 from ..preflight import PreflightError, preflight
+from ..kernels.dispatch import ELEMENTWISE_IMPLS
 from ..parallel.comm import ALLREDUCE_IMPLS
 from ..parallel.layout import MLP_SPLITS
 from ..parallel.memory import DTYPES
@@ -51,6 +52,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                     help="decode loop (default: overlap on GPUs, eager on CPU)")
     ap.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None,
                     help="Triton kernels (default: on with CUDA, an FP8 checkpoint, fp8 numerics and triton)")
+    ap.add_argument("--elementwise", choices=ELEMENTWISE_IMPLS, default="triton",
+                    help="the fast path's elementwise ops between the GEMMs (norms, rotary, SiLU-mul, FP8 quant): "
+                         "triton (one Triton kernel each), compile (torch.compile: tens of seconds more start-up), "
+                         "eager (the plain PyTorch ops)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill long prompts N tokens at a time")
     ap.add_argument("--check", action="store_true", help="verify that every rank generated the same ids")
     a = ap.parse_args(argv)
@@ -107,6 +112,9 @@ def _run(a: argparse.Namespace) -> int:
             if a.fast_path:
                 raise PreflightError("--fast-path needs triton and a CUDA device")
             fast = False
+    if a.elementwise != "triton" and not fast:
+        raise PreflightError(f"--elementwise {a.elementwise} picks the fast path's ops, and it is off here "
+                             "(--no-fast-path, no CUDA, or not an FP8 checkpoint with fp8 numerics)")
     dtype = a.dtype or ("bf16" if cuda else "fp32")
     dtype_name = str(DTYPES[dtype]).replace("torch.", "")
     if tok.eos_id is not None:
@@ -118,7 +126,7 @@ def _run(a: argparse.Namespace) -> int:
         if fast:
             from ..backends.fast_path import enable_fast_path
 
-            enable_fast_path(model)
+            enable_fast_path(model, elementwise=a.elementwise)
         peers = None
     else:
         from .driver import LoadSpec, start
@@ -126,7 +134,7 @@ def _run(a: argparse.Namespace) -> int:
         peers = start(a.tp, "cuda" if cuda else "cpu")
         model = peers.load(LoadSpec(str(a.checkpoint), dtype=dtype_name, numerics=a.numerics,
                                     mlp_split=a.mlp_split, expert_layout=a.expert_layout, fast_path=fast,
-                                    allreduce=a.allreduce))
+                                    elementwise=a.elementwise, allreduce=a.allreduce))
     try:
         out = mtp.generate(model, [ids], max_new_tokens=a.max_new_tokens, draft=a.draft, k=k, verify=a.verify,
                            mode=mode, **opts)

@@ -22,6 +22,9 @@ version, so the engine captures its kept graphs again).
 - pdl (off by default: not yet measured): launch the new kernels with programmatic dependent launch (Hopper),
   so that each may start while the previous kernel finishes (the GEMV requests its weights before waiting).
   the torch.compile'd elementwise ops join in only when TORCHINDUCTOR_ENABLE_PDL=1 is set before it compiles.
+Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
+Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
+`fast_path.set_elementwise`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,11 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-__all__ = ["FastPathOptions", "linear", "route"]
+__all__ = ["ELEMENTWISE_IMPLS", "FastPathOptions", "linear", "route"]
+
+# the fast path's elementwise ops: 'triton' (one Triton kernel each, `kernels.elementwise`; the default), 'compile'
+# (torch.compile of the reference functions: ~33 s of start-up on a cold cache), 'eager' (the reference functions)
+ELEMENTWISE_IMPLS = ("triton", "compile", "eager")
 
 
 @dataclass

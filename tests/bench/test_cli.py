@@ -267,6 +267,18 @@ def test_kernel_switches_argument(capsys):
         assert said in capsys.readouterr().err
 
 
+def test_elementwise_argument(capsys):
+    """--elementwise picks the fast path's glue ops (TP=1 and --tp N); the Triton kernels by default."""
+    from mtp.bench.cli import parse_args
+
+    assert parse_args([]).elementwise == "triton"
+    assert parse_args(["--elementwise", "compile"]).elementwise == "compile"
+    assert parse_args(["--tp", "8", "--elementwise", "eager"]).elementwise == "eager"
+    with pytest.raises(SystemExit):
+        parse_args(["--elementwise", "fused"])
+    assert "invalid choice: 'fused'" in capsys.readouterr().err
+
+
 def test_batch_axis_arguments():
     a = bench.parse_args(["--tp", "8", "--batch", "1", "8", "32", "64"])
     assert (a.batch, a.batches) == (1, [1, 8, 32, 64])
@@ -377,3 +389,13 @@ def test_projection_overhead_headline_al_and_collective_estimate(tmp_path):
     lat = rm.collective_latency(argparse.Namespace(collective_json=str(f), tp=8, collective_growth=1.5))
     assert lat["scale"] == pytest.approx(1.5 ** 2) and "8-GPU ESTIMATE" in lat["source"] and "ASSUMED" in lat["source"]
     assert rm.latency_us(lat, "all_reduce", 1000) == pytest.approx(12.0 * 2.25)
+
+
+def test_startup_configs_name_the_fast_path_glue():
+    """mtp.bench.startup times the fast path with each glue (the Triton kernels being the default) beside the
+    reference."""
+    from mtp.bench.startup import CONFIGS, ELEMENTWISE
+    from mtp.kernels.dispatch import ELEMENTWISE_IMPLS
+
+    assert set(CONFIGS) == {"reference", *ELEMENTWISE} and ELEMENTWISE["fast"] == "triton"
+    assert sorted(ELEMENTWISE.values()) == sorted(ELEMENTWISE_IMPLS)

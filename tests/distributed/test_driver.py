@@ -170,3 +170,11 @@ def test_load_spec_refuses_the_fast_path_for_a_non_contiguous_expert_layout():
     assert LoadSpec("ckpt", expert_layout="interleaved").expert_layout == "interleaved"
     with pytest.raises(ValueError, match="expert_layout='split' has no fast path"):
         LoadSpec("ckpt", fast_path=True, expert_layout="split")
+
+
+def test_load_spec_names_the_fast_path_glue():
+    from mtp.distributed.driver import LoadSpec
+
+    assert LoadSpec("ckpt").elementwise == "triton" and LoadSpec("ckpt", elementwise="compile").elementwise == "compile"
+    with pytest.raises(ValueError, match=r"elementwise must be one of \('triton', 'compile', 'eager'\), got 'fused'"):
+        LoadSpec("ckpt", fast_path=True, elementwise="fused")

@@ -45,6 +45,7 @@ def test_two_ranks_print_what_one_process_prints(one_process, how, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--max-new-tokens", "-3"], "max_new_tokens"),
     (["--tp", "8"], "splits over [1, 2, 4]"),
+    (["--elementwise", "compile", "--no-fast-path"], "--elementwise compile picks the fast path's ops"),
 ])
 def test_bad_options_are_refused_before_any_rank_starts(args, message, tmp_path):
     r = _run([*LAUNCH, *args], tmp_path)

@@ -172,6 +172,10 @@ def test_generate_kwargs_build_a_generation_config():
     (["runtime.expert_layout=striped"], "runtime.expert_layout = 'striped' is invalid: expected one of"),
     (["runtime=cuda", "runtime.fast_path=true", "runtime.tp=2", "runtime.expert_layout=interleaved"],
      "runtime.expert_layout = 'interleaved' is invalid: expected 'contiguous' with runtime.fast_path=true"),
+    (["runtime=cuda", "runtime.fast_path=true", "runtime.elementwise=fused"],
+     "runtime.elementwise = 'fused' is invalid: expected one of"),
+    (["runtime.elementwise=compile"], "runtime.elementwise = 'compile' is invalid: expected 'triton' unless "
+                                      "runtime.fast_path=true"),
 ])
 def test_bad_values_are_refused_by_the_schema(overrides, message):
     with pytest.raises(schema.SchemaError, match=message.replace(".", r"\.")):

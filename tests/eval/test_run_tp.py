@@ -101,7 +101,8 @@ def test_a_sweep_starts_new_ranks_when_a_failed_job_ended_them(monkeypatch):
     monkeypatch.setattr(run, "build", lambda cfg: built.append(m := SimpleNamespace(peers=Peers())) or (m, "tok"))
     cfg = SimpleNamespace(model="dsv32", runtime=SimpleNamespace(device="cpu", dtype="float32", tp=2, mlp_split="blocks",
                                                                   expert_layout="contiguous", allreduce="nccl",
-                                                                  fast_path=False, num_threads=None))
+                                                                  fast_path=False, elementwise="triton",
+                                                                  num_threads=None))
     first = run._build_once(cfg)[0]
     assert run._build_once(cfg)[0] is first and len(built) == 1  # the sweep's next job: no second load
     first.peers.close()  # a failed job ended the ranks
