@@ -26,6 +26,8 @@ except ImportError:  # CPU-only install: keep the module importable
         def __call__(self, *args, **kwargs):
             if len(args) == 1 and callable(args[0]) and not kwargs:
                 return _Unavailable(args[0].__name__)  # used as a decorator: @triton.jit
+            if not args and "do_not_specialize" in kwargs:  # @triton.jit(do_not_specialize=[...])
+                return lambda fn: _Unavailable(fn.__name__)
             raise RuntimeError("triton is not installed: use the reference path (mtp.kernels.available() is False)")
 
     class _Unavailable:

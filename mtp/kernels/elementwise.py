@@ -252,7 +252,7 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, out_dtype: torch.dtype) -> torch.
 
 
 # ----------------------------------------------------------------------------- rotary
-@triton.jit
+@triton.jit(do_not_specialize=["T", "sxb", "scb", "ssb"])  # token counts: one kernel for w = 1 and w > 1
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, sxb, sxt, sxh, scb, sct, scr, ssb, sst, ssr,
                  HALF: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, BH: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)  # token b * T + t
@@ -321,7 +321,7 @@ def act_quant(x: torch.Tensor, block: int = BLOCK, scale_fmt: str | None = "ue8m
     return act_quant_kernel(x)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_groups"])
 def _fake_quant_kernel(x_ptr, y_ptr, n_groups, ROWS: tl.constexpr):
     # x viewed as [n_groups, 128]: `kernels.act_quant`'s quantization, then the dequant product (exact: an e4m3
     # value times a power of two), stored in x's dtype
@@ -349,7 +349,7 @@ def fake_quant(x: torch.Tensor, block: int = BLOCK, scale_fmt: str | None = "ue8
 
 
 # ----------------------------------------------------------------------------- Hadamard rotation
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _hadamard_kernel(x_ptr, y_ptr, M, stride_x, N: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                      SCALE: tl.constexpr):
     r = tl.program_id(0) * BM + tl.arange(0, BM)

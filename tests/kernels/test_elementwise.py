@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import subprocess
 import sys
 import warnings
 
@@ -67,6 +68,19 @@ def test_cpu_and_float64_calls_go_to_the_reference(dtype):
         why = E.reference_reason(name, *args, **kw)
         assert why is not None and ("device cpu" if dtype == torch.float32 else "dtype torch.float64") in why, (name, why)
         assert _equal(getattr(ops, name)(*args, **kw), getattr(REFERENCE_OPS, name)(*args, **kw)), name
+
+
+def test_without_triton_every_call_goes_to_the_reference():
+    """A CPU-only install without Triton imports the module (its kernels are stand-ins) and runs the references."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch, mtp.kernels.elementwise as E\n"
+            "x = torch.randn(2, 3, 128)\n"
+            "assert E.reference_reason('rotate_activation', x) == 'triton is not installed'\n"
+            "assert torch.equal(E.triton_ops().rotate_activation(x), E.rotate_activation_ref(x))\n"
+            "print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 def test_reference_reason_knows_every_op():
