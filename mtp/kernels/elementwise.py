@@ -245,14 +245,15 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, out_dtype: torch.dtype) -> torch.
     y = torch.empty(g.shape, dtype=out_dtype, device=g.device)
     n = g2.shape[0]
     if n:
-        bn = min(1024, triton.next_power_of_2(N))
+        bn = 1024  # whatever N is (a narrow row masks the rest): one compiled kernel per dtype pair
         _silu_mul_kernel[(n, triton.cdiv(N, bn))](g2, u2, y, N, g2.stride(0), u2.stride(0), BLOCK_N=bn,
                                                   LIBDEVICE=not interpreting(), num_warps=4, **_LAUNCH)
     return y
 
 
 # ----------------------------------------------------------------------------- rotary
-@triton.jit(do_not_specialize=["T", "sxb", "scb", "ssb"])  # token counts: one kernel for w = 1 and w > 1
+# one compiled kernel per layout and dtypes: for w = 1 and w > 1 (T, the batch strides), 3-D and 4-D (H = 1 or not)
+@triton.jit(do_not_specialize=["T", "H", "sxb", "scb", "ssb"])
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, sxb, sxt, sxh, scb, sct, scr, ssb, sst, ssr,
                  HALF: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, BH: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)  # token b * T + t
@@ -291,7 +292,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: bool) -> 
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if y.numel():
         bp = triton.next_power_of_2(R // 2)
-        bh = min(triton.next_power_of_2(H), max(1, 2048 // bp))
+        bh = 16  # heads per program, whatever H is (a 3-D input masks 15 of 16 rows): one kernel for both ranks
         _rope_kernel[(B * T, triton.cdiv(H, bh))](x, c, s, y, T, H, x.stride(0), x.stride(1), sxh, *c.stride(),
                                                   *s.stride(), HALF=half, NP=R // 2, BP=bp, BH=bh, num_warps=4,
                                                   **_LAUNCH)
