@@ -171,13 +171,12 @@ class FastMoE(MoE):
         `max_tokens` (one M-block size for all chunks, so a token's result does not depend on its chunk)."""
         N = x_ND.shape[0]
         local = None if (self.e0, self.e1) == (0, self.gate.n_experts) else (self.e0, self.e1)
-        if N <= ROUTER_MAX_TOKENS:  # local: id - e0, or -1 for another rank's expert
-            w_NK, ids_NK = route(x_ND, self.gate, self.fast_options, local=local)
-        else:  # the router kernels take <= 64 tokens; the reference router has no host sync either
-            w_NK, ids_NK = self.gate(x_ND)
-            if local is not None:
-                ids_NK = torch.where(self.is_local(ids_NK), ids_NK - self.e0, -1)
-            w_NK, ids_NK = w_NK.float(), ids_NK.int()
+        # local: id - e0, or -1 for another rank's expert. The router kernels take <= 64 tokens: longer inputs in
+        # chunks, so a token is routed as it would be in a smaller batch (a token's routing is its own).
+        routes = [route(x_ND[a:a + ROUTER_MAX_TOKENS], self.gate, self.fast_options, local=local)
+                  for a in range(0, N, ROUTER_MAX_TOKENS)]
+        w_NK, ids_NK = routes[0] if len(routes) == 1 else (torch.cat([r[0] for r in routes]),
+                                                           torch.cat([r[1] for r in routes]))
         s = self.stacked
         ws = (s["gate_proj.weight"], s["gate_proj.weight_scale_inv"], s["up_proj.weight"],
               s["up_proj.weight_scale_inv"], s["down_proj.weight"], s["down_proj.weight_scale_inv"])

@@ -64,9 +64,39 @@ def test_max_blocks_bounds_every_routing(bm):
 
 
 def test_default_layout_by_size():
-    assert default_layout(1, 8) == "persistent" and PERSISTENT_MAX_PAIRS // 8 == 8 and default_layout(8, 8) == "persistent"
+    assert PERSISTENT_MAX_PAIRS // 8 == 8 and default_layout(1, 8) == default_layout(8, 8) == "persistent"
     assert default_layout(9, 8) == "pairs" and default_layout(GROUPED_ABOVE, 8) == "pairs"
     assert default_layout(GROUPED_ABOVE + 1, 8) == "grouped" and default_layout(4096, 8) == "grouped"
+
+
+def test_grouped_kernels_compile_for_hopper():
+    """The align and grouped GEMM kernels compile for sm_90 (the interpreter runs none through the compiler); the
+    GEMMs' products are wgmma, and with the device's alignment the K loop is pipelined (one shared-memory buffer
+    per stage) within an SM's 227 KB at every M-block and the default stages (`grouped_partials`)."""
+    pytest.importorskip("triton")
+    from mtp.kernels import moe_grouped as mg
+
+    from .test_fused_kernels import _compile_for_hopper
+
+    i32, f8 = "*i32", "*fp8e4nv"
+    _compile_for_hopper(mg._moe_count_kernel, dict(idx_ptr=i32, cnt_ptr=i32), dict(CH=1024), 4)
+    _compile_for_hopper(mg._moe_align_kernel, dict(idx_ptr=i32, cnt_ptr=i32, rows_ptr=i32, blk_e_ptr=i32,
+                                                   nblk_ptr=i32), dict(BM=16, EPAD=32, CH=1024), 4)
+    blocks = dict(rows_ptr=i32, blk_e_ptr=i32, nblk_ptr=i32)
+    for bm in (16, 128):
+        nw = 8 if bm >= 64 else 4
+        shared = {}
+        for stages in (1, 3):
+            gu = _compile_for_hopper(mg._grouped_gate_up_kernel,
+                                     dict(x8_ptr=f8, w1_ptr=f8, w3_ptr=f8, h8_ptr=f8, **blocks), dict(TOPK=8, BM=bm),
+                                     nw, stages, aligned=("D", "I", "stride_we", "stride_se"))
+            dn = _compile_for_hopper(mg._grouped_down_kernel, dict(h8_ptr=f8, w2_ptr=f8, **blocks), dict(BM=bm), nw,
+                                     stages + 1, aligned=("D", "I", "stride_we", "stride_se"))
+            assert "wgmma" in gu.asm["ptx"] and "wgmma" in dn.asm["ptx"], bm
+            shared[stages] = (gu.metadata.shared, dn.metadata.shared)
+        tiles_gu, tiles_dn = 2 * 128 * 128 + bm * 128, 128 * 128 + bm * 128  # bytes one K step loads
+        assert shared[3][0] >= 3 * tiles_gu and shared[3][1] >= 4 * tiles_dn, (bm, shared)  # pipelined
+        assert max(shared[3]) <= 227 * 1024, (bm, shared)
 
 
 def test_align_interpreted():
@@ -192,8 +222,8 @@ def _experts_checks() -> None:
 
 
 def _module_checks() -> None:
-    """FastMoE above grouped_above tokens (the grouped kernels; above 64 the reference router) against the
-    reference MoE with the interpreter's cast, and chunked (max_tokens) against one call."""
+    """FastMoE above grouped_above tokens (the grouped kernels; the router kernel in 64-token chunks) against the
+    reference MoE with the interpreter's cast, and chunked experts (max_tokens) against one call."""
     from mtp.backends.fast_path import FastMoE, disable_fast_path, fast_module
     from mtp.model import fp8
     from mtp.model.presets import tiny_config

@@ -2,8 +2,8 @@
 DeepSeek-V3.2's widths (D = 7168, I = 2048): against the reference, element by element within what FP8
 re-rounding flips of h can explain (`moe_flip_bound`: the FP8 MMA's reduced-precision accumulation moves h by
 ~1e-4 relative, which can land an h element on the neighbouring e4m3 code), run to run bit-identical, captured in a
-CUDA graph, one rank's -1 slots equal to the full stack's masked result, and `FastMoE` at T = 96 (grouped kernels,
-reference router) against the reference module. Run: pytest -m gpu tests/kernels/test_moe_grouped_gpu.py
+CUDA graph, one rank's -1 slots equal to the full stack's masked result, and `FastMoE` at T = 40 and 96 (grouped
+kernels, the router in 64-token chunks) against the reference module. Run: pytest -m gpu tests/kernels/test_moe_grouped_gpu.py
 (the `slow` cases: T = 1024).
 """
 
@@ -138,9 +138,9 @@ def _real_moe(seed: int):
 
 @pytest.mark.parametrize("T", [40, 96])
 def test_fast_moe_grouped_vs_reference_module(T):
-    """`FastMoE` (T = 40: the router kernel; 96: the reference router, past the router kernels' 64 tokens; both
-    on the grouped experts) against the reference `MoE` on the same weights, one process and 2 expert-parallel
-    ranks summed; chunked (max_tokens = 32) equal to one call, bit for bit."""
+    """`FastMoE` (T = 40: one router launch; 96: two, the router kernels take <= 64 tokens; both on the grouped
+    experts) against the reference `MoE` on the same weights, one process and 2 expert-parallel ranks summed;
+    chunked experts (max_tokens = 32) equal to one call, bit for bit."""
     from mtp.backends.fast_path import FastMoE, disable_fast_path, fast_module
 
     from ..parallel.test_moe_ep import ep_modules
