@@ -136,6 +136,9 @@ class FastMoE(MoE):
     fast_options: FastPathOptions
     grouped_above = GROUPED_ABOVE  # tokens above which the grouped layout runs, whatever expert_layout says
     max_tokens = MOE_KERNEL_MAX_TOKENS  # tokens per expert-kernel call: longer inputs (prefill) go in chunks
+    # The router kernels take <= 64 tokens: up to this many, one launch per 64 (a token routed as in a smaller
+    # batch); above, the reference router's ~15 launches and fp32 GEMM cost less than a launch (~10 us) per 64.
+    kernel_route_tokens = 4 * ROUTER_MAX_TOKENS
 
     def forward(self, x: torch.Tensor, xq=None, rounded: bool = True) -> torch.Tensor:
         """rounded=False: the reduced routed + shared sum in fp32, before `MoE.forward`'s final rounding to x's
@@ -171,12 +174,16 @@ class FastMoE(MoE):
         `max_tokens` (one M-block size for all chunks, so a token's result does not depend on its chunk)."""
         N = x_ND.shape[0]
         local = None if (self.e0, self.e1) == (0, self.gate.n_experts) else (self.e0, self.e1)
-        # local: id - e0, or -1 for another rank's expert. The router kernels take <= 64 tokens: longer inputs in
-        # chunks, so a token is routed as it would be in a smaller batch (a token's routing is its own).
-        routes = [route(x_ND[a:a + ROUTER_MAX_TOKENS], self.gate, self.fast_options, local=local)
-                  for a in range(0, N, ROUTER_MAX_TOKENS)]
-        w_NK, ids_NK = routes[0] if len(routes) == 1 else (torch.cat([r[0] for r in routes]),
-                                                           torch.cat([r[1] for r in routes]))
+        if N <= self.kernel_route_tokens:  # local: id - e0, or -1 for another rank's expert
+            routes = [route(x_ND[a:a + ROUTER_MAX_TOKENS], self.gate, self.fast_options, local=local)
+                      for a in range(0, N, ROUTER_MAX_TOKENS)]
+            w_NK, ids_NK = routes[0] if len(routes) == 1 else (torch.cat([r[0] for r in routes]),
+                                                               torch.cat([r[1] for r in routes]))
+        else:  # prefill: the reference router (an fp32 GEMM and a sort, no host sync)
+            w_NK, ids_NK = self.gate(x_ND)
+            if local is not None:
+                ids_NK = torch.where(self.is_local(ids_NK), ids_NK - self.e0, -1)
+            w_NK, ids_NK = w_NK.float(), ids_NK.int()
         s = self.stacked
         ws = (s["gate_proj.weight"], s["gate_proj.weight_scale_inv"], s["up_proj.weight"],
               s["up_proj.weight_scale_inv"], s["down_proj.weight"], s["down_proj.weight_scale_inv"])

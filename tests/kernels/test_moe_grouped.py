@@ -222,8 +222,9 @@ def _experts_checks() -> None:
 
 
 def _module_checks() -> None:
-    """FastMoE above grouped_above tokens (the grouped kernels; the router kernel in 64-token chunks) against the
-    reference MoE with the interpreter's cast, and chunked experts (max_tokens) against one call."""
+    """FastMoE above grouped_above tokens (the grouped kernels; the router kernel in 64-token chunks, or the
+    reference router) against the reference MoE with the interpreter's cast, and chunked experts (max_tokens)
+    against one call."""
     from mtp.backends.fast_path import FastMoE, disable_fast_path, fast_module
     from mtp.model import fp8
     from mtp.model.presets import tiny_config
@@ -251,8 +252,12 @@ def _module_checks() -> None:
                     m.max_tokens = 32  # up to 3 chunks: the same bits
                 chunked = sum(m(x) for m in mods)
                 for m in mods:
-                    del m.max_tokens
+                    m.kernel_route_tokens = 16  # the reference router
+                ref_router = sum(m(x) for m in mods)
+                for m in mods:
+                    del m.max_tokens, m.kernel_route_tokens
                 assert torch.equal(chunked, got), (world, x.shape[0], _rel(chunked, got))
+                assert _rel(ref_router, want) < TOL, (world, x.shape[0], _rel(ref_router, want))
     finally:
         fp8.act_quant = quant
 

@@ -2,9 +2,9 @@
 DeepSeek-V3.2's widths (D = 7168, I = 2048): against the reference, element by element within what FP8
 re-rounding flips of h can explain (`moe_flip_bound`: the FP8 MMA's reduced-precision accumulation moves h by
 ~1e-4 relative, which can land an h element on the neighbouring e4m3 code), run to run bit-identical, captured in a
-CUDA graph, one rank's -1 slots equal to the full stack's masked result, and `FastMoE` at T = 40 and 96 (grouped
-kernels, the router in 64-token chunks) against the reference module. Run: pytest -m gpu tests/kernels/test_moe_grouped_gpu.py
-(the `slow` cases: T = 1024).
+CUDA graph, one rank's -1 slots equal to the full stack's masked result, and `FastMoE` at T = 40, 96 and 300
+(grouped kernels; the router in 64-token chunks, or the reference router) against the reference module.
+Run: pytest -m gpu tests/kernels/test_moe_grouped_gpu.py (the `slow` cases: T = 1024).
 """
 
 from __future__ import annotations
@@ -136,11 +136,12 @@ def _real_moe(seed: int):
     return moe, cfg
 
 
-@pytest.mark.parametrize("T", [40, 96])
+@pytest.mark.parametrize("T", [40, 96, 300])
 def test_fast_moe_grouped_vs_reference_module(T):
-    """`FastMoE` (T = 40: one router launch; 96: two, the router kernels take <= 64 tokens; both on the grouped
-    experts) against the reference `MoE` on the same weights, one process and 2 expert-parallel ranks summed;
-    chunked experts (max_tokens = 32) equal to one call, bit for bit."""
+    """`FastMoE` (T = 40: one router launch; 96: two, the router kernels take <= 64 tokens; 300: the reference
+    router, past `kernel_route_tokens`; all on the grouped experts) against the reference `MoE` on the same
+    weights, one process and 2 expert-parallel ranks summed; chunked experts (max_tokens = 32 / 257) equal to one
+    call, bit for bit."""
     from mtp.backends.fast_path import FastMoE, disable_fast_path, fast_module
 
     from ..parallel.test_moe_ep import ep_modules
@@ -160,7 +161,7 @@ def test_fast_moe_grouped_vs_reference_module(T):
             got = sum(m(x) for m in mods)
             check_close(f"FastMoE T={T} world={world}", got, want, 2e-2)
             for m in mods:
-                m.max_tokens = 32
+                m.max_tokens = 32 if T <= 256 else 257  # chunks whose M-block (`default_block_m`) is one call's
             chunked = sum(m(x) for m in mods)
             for m in mods:
                 del m.max_tokens
