@@ -467,7 +467,7 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
-    another rank: reads nothing, adds 0; any number per token). w_TJ fp32. Three launches; reads each
+    another rank: reads nothing, adds 0; any number per token). w_TJ fp32. Three launches (grouped: six); reads each
     selected expert's weights once. Ids are range-checked only when they live on the CPU (interpreter):
     on CUDA a check would be a host sync, and the call must stay CUDA-graph capturable.
     layout: 'pairs' (a program per (token, slot) pair and N-block; the leader pair computes the expert) or
