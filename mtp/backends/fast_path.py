@@ -59,8 +59,10 @@ from ..kernels.fp8_gemm import SMALL_M
 from ..kernels.indexer import TOPK_IMPLS, indexer_topk
 from ..kernels.mla_decode import mla_decode
 from ..kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
-from ..kernels.moe import MAX_TOKENS as MOE_KERNEL_MAX_TOKENS
+from ..kernels.moe import GROUPED_ABOVE, MAX_TOKENS as MOE_KERNEL_MAX_TOKENS
 from ..kernels.moe import moe_experts
+from ..kernels.moe_grouped import default_block_m
+from ..kernels.router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from ..kernels.norm_quant import add_rms_norm_quant, add_rounded
 from ..model.attention import MLA
 from ..model.deepseek import Block, DeepseekV32, Trunk
@@ -133,14 +135,21 @@ class FastMoE(MoE):
     ranks' experts) are -1 slots, which the kernel skips. `forward(x, xq)` feeds x's quantized form to the
     shared expert's gate | up GEMV.
 
-    expert_layout (`kernels.moe.moe_experts`' layout): 'pairs' or None (by size: persistent for T * J <= 64).
-    A whole MoE picks 8 of its own experts per token, which the pair grid already spreads over the GPU (79-94%
-    of copy bandwidth), so it keeps 'pairs'; one rank's range of an expert-parallel MoE gets None from
-    `fast_module` (its few active experts are what the persistent layout is for). `set_kernel_options` switches."""
+    expert_layout (`kernels.moe.moe_experts`' layout) for up to `grouped_above` tokens: 'pairs' or None (by
+    size: persistent for T * J <= 64). A whole MoE picks 8 of its own experts per token, which the pair grid
+    already spreads over the GPU (79-94% of copy bandwidth), so it keeps 'pairs'; one rank's range of an
+    expert-parallel MoE gets None from `fast_module` (its few active experts are what the persistent layout is
+    for). `set_kernel_options` switches. Above `grouped_above` tokens (verify batches, prefill) every MoE runs
+    the grouped GEMM (`kernels.moe_grouped`), `max_tokens` per call."""
 
     stacked: dict[str, torch.Tensor] | None = None
     expert_layout: str | None = "pairs"
     fast_options: FastPathOptions
+    grouped_above = GROUPED_ABOVE  # tokens above which the grouped layout runs, whatever expert_layout says
+    max_tokens = MOE_KERNEL_MAX_TOKENS  # tokens per expert-kernel call: longer inputs (prefill) go in chunks
+    # The router kernels take <= 64 tokens: up to this many, one launch per 64 (a token routed as in a smaller
+    # batch); above, the reference router's ~15 launches and fp32 GEMM cost less than a launch (~10 us) per 64.
+    kernel_route_tokens = 4 * ROUTER_MAX_TOKENS
 
     def forward(self, x: torch.Tensor, xq=None, rounded: bool = True, reduce: bool = True) -> torch.Tensor:
         """rounded=False: the reduced routed + shared sum in fp32, before `MoE.forward`'s final rounding to x's
@@ -174,18 +183,33 @@ class FastMoE(MoE):
         return self.shared(x_ND)
 
     def routed(self, x_ND: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed sum [N, D] fp32, plus `add` (fp32 [N, D], the shared expert's output) when given."""
-        if x_ND.shape[0] > MOE_KERNEL_MAX_TOKENS:
-            out = super().routed(x_ND)
-            return out if add is None else out + add
+        """The routed sum [N, D] fp32, plus `add` (fp32 [N, D], the shared expert's output) when given.
+        Up to `grouped_above` tokens the `expert_layout` kernels, above it the grouped GEMM, in chunks of
+        `max_tokens` (one M-block size for all chunks, so a token's result does not depend on its chunk)."""
+        N = x_ND.shape[0]
         local = None if (self.e0, self.e1) == (0, self.gate.n_experts) else (self.e0, self.e1)
-        w_NK, ids_NK = route(x_ND, self.gate, self.fast_options, local=local)  # local: id - e0, or -1 for another rank's expert
+        if N <= self.kernel_route_tokens:  # local: id - e0, or -1 for another rank's expert
+            routes = [route(x_ND[a:a + ROUTER_MAX_TOKENS], self.gate, self.fast_options, local=local)
+                      for a in range(0, N, ROUTER_MAX_TOKENS)]
+            w_NK, ids_NK = routes[0] if len(routes) == 1 else (torch.cat([r[0] for r in routes]),
+                                                               torch.cat([r[1] for r in routes]))
+        else:  # prefill: the reference router (an fp32 GEMM and a sort, no host sync)
+            w_NK, ids_NK = self.gate(x_ND)
+            if local is not None:
+                ids_NK = torch.where(self.is_local(ids_NK), ids_NK - self.e0, -1)
+            w_NK, ids_NK = w_NK.float(), ids_NK.int()
         s = self.stacked
+        ws = (s["gate_proj.weight"], s["gate_proj.weight_scale_inv"], s["up_proj.weight"],
+              s["up_proj.weight_scale_inv"], s["down_proj.weight"], s["down_proj.weight_scale_inv"])
         add = add if add is None or (add.dtype == torch.float32 and add.is_contiguous()) else add.float().contiguous()
-        return moe_experts(x_ND, ids_NK, w_NK, s["gate_proj.weight"], s["gate_proj.weight_scale_inv"],
-                           s["up_proj.weight"], s["up_proj.weight_scale_inv"], s["down_proj.weight"],
-                           s["down_proj.weight_scale_inv"], out_dtype=torch.float32, layout=self.expert_layout,
-                           add=add)
+        if N <= self.grouped_above:
+            return moe_experts(x_ND, ids_NK, w_NK, *ws, out_dtype=torch.float32, layout=self.expert_layout, add=add)
+        C = self.max_tokens
+        bm = default_block_m(min(N, C))
+        outs = [moe_experts(x_ND[a:a + C], ids_NK[a:a + C], w_NK[a:a + C], *ws, out_dtype=torch.float32,
+                            layout="grouped", block_m=bm, add=None if add is None else add[a:a + C])
+                for a in range(0, N, C)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class FastMLA(MLA):

@@ -1,6 +1,6 @@
 """Time the indexer top-k and the routed-expert kernels, old vs new, side by side in one run on one GPU.
 
-    python -m mtp.bench.topk_moe [--out DIR] [--only topk,moe] [--quick]
+    python -m mtp.bench.topk_moe [--out DIR] [--only topk,moe,moe_batch] [--quick]
 
 topk: torch.topk (`topk_from_scores`, sorted=False: the old fast path) vs `radix_topk`, the indexer scores
 kernel alone, the whole `indexer_topk` per impl (torch / radix / radix_fused: histograms in the scores
@@ -10,6 +10,10 @@ Timing as in `mtp.bench.kernels`: CUDA-graph replays timed with CUDA events, med
 reads were just written by the scores kernel, so they sit in L2 here as in the decode step.
 moe: `moe_experts` layout 'pairs' (old) vs 'persistent' (new) at one rank of TP=8 and at TP=1, T = 1..4, with
 % of the HBM floor (see `moe_section`).
+moe_batch (not in the default --only): every `moe_experts` layout that takes T tokens (pairs, persistent,
+grouped at each M-block, the reference static loop where it is not too slow) at T = 1 .. 4096, one rank of TP=8
+and TP=1, with GB/s of expert weights touched, TFLOP/s and the HBM floor: what `moe.GROUPED_ABOVE` and
+`moe_grouped.default_block_m` are to be set from (see `moe_batch_section`).
 Prints a table last (sweep rows only in the JSON and the log) and writes everything as JSON to
 DIR/gpu_topk_moe.json (DIR: $OUT, else eval/results).
 """
@@ -179,6 +183,116 @@ def moe_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, ranks=(
         torch.cuda.empty_cache()
 
 
+BATCH_T = (1, 4, 8, 16, 32, 64, 96, 128, 256, 512, 1024, 4096)
+
+
+def uniform_routing(T: int, E: int, e_loc: int, n: int, g: torch.Generator) -> list[torch.Tensor]:
+    """n routings [T, 8]: 8 distinct experts of E per token, uniform (a random permutation's first 8), mapped to
+    this rank's [0, e_loc) (others -1)."""
+    sets = []
+    for _ in range(n):
+        idx = torch.rand(T, E, generator=g).argsort(dim=1)[:, :8]
+        sets.append(torch.where(idx < e_loc, idx, -1).int().to(DEV))
+    return sets
+
+
+def reference_static(x, idx, rw, wg, sg, wu, su, wd, sd):
+    """The reference routed sum as `MoE.routed` runs it on CUDA (the fast path's old fallback above 64 tokens):
+    every local expert on every token, times its routing weight (0 where not chosen); no host sync."""
+    from mtp.model.fp8 import fp8_gemm_ref
+
+    T, E = x.shape[0], wg.shape[0]
+    w_TE = torch.zeros(T, E + 1, device=x.device).scatter_(1, torch.where(idx >= 0, idx, E).long(), rw)[:, :E]
+    x8, sx = act_quant_ref(x.float())
+    y = torch.zeros(T, wd.shape[1], device=x.device)
+    for e in range(E):
+        h = torch.nn.functional.silu(fp8_gemm_ref(x8, sx, wg[e], sg[e])) * fp8_gemm_ref(x8, sx, wu[e], su[e])
+        h8, sh = act_quant_ref(h)
+        y += fp8_gemm_ref(h8, sh, wd[e], sd[e]) * w_TE[:, e:e + 1]
+    return y
+
+
+def moe_batch_section(quick: bool, E: int = 256, ranks=((32, "TP=8"), (256, "TP=1"))):
+    """moe_experts at batch sizes T = 1 .. 4096, one rank of TP=8 (32 local experts, uniform routing over 256, the
+    others' slots -1) and TP=1 (256): each layout that takes T (pairs and persistent up to their limits, grouped at
+    every M-block, the reference static loop while T x E <= 8192), CUDA-graph replays rotating over 4 routings.
+    Per row: us, GB/s of the distinct experts' weights touched (gate + up + down FP8 + scales), TFLOP/s of the
+    routed pairs' useful math (3 x 2 x D x I per local pair), the HBM floor (those bytes over the measured copy
+    bandwidth) and % of it. Checked: every variant against `moe_experts_ref` on the first 32 tokens (each token's
+    result depends on its own routing only). Prints a summary table (us per layout) last."""
+    from mtp.kernels.moe_grouped import BLOCK_MS
+
+    bw = copy_bandwidth()
+    log(f"[bw] copy {bw / 1e9:.0f} GB/s")
+    g = torch.Generator().manual_seed(1)
+    summary = []
+    for e_loc, tag in ranks:
+        if not (quick and e_loc == E):
+            summary += _moe_batch_rank(quick, E, e_loc, tag, bw, g)
+            torch.cuda.empty_cache()
+    cols = ["persistent", "pairs", *[f"grouped bm={bm}" for bm in BLOCK_MS], "reference"]
+    lines = [f"{'shape':<14} {'floor':>8} " + " ".join(f"{c.replace('grouped ', 'g '):>10}" for c in cols)]
+    for shape, floor_us, best in summary:
+        lines.append(f"{shape:<14} {floor_us:8.1f} " + " ".join(f"{best[c]:10.1f}" if c in best else f"{'-':>10}"
+                                                              for c in cols))
+    log("[moe_batch] us per call (floor: expert bytes / copy bandwidth)\n" + "\n".join(lines))
+
+
+def _moe_batch_rank(quick: bool, E: int, e_loc: int, tag: str, bw: float, g: torch.Generator,
+                    D: int = 7168, I: int = 2048) -> list[tuple[str, float, dict]]:
+    """`moe_batch_section` for one rank of e_loc experts: (shape, floor us, {variant: us}) per T."""
+    from mtp.model.fp8 import weight_quant
+    from mtp.kernels.moe import PAIRS_MAX_TOKENS, PERSISTENT_MAX_PAIRS, moe_experts, moe_experts_ref
+    from mtp.kernels.moe_grouped import BLOCK_MS, default_block_m
+
+    expert_bytes = 3 * I * D + 3 * (I // 128) * (D // 128) * 4
+    ws = []
+    for N, K in ((I, D), (I, D), (D, I)):
+        parts = [weight_quant(torch.randn(N, K, device=DEV) * 0.02) for _ in range(e_loc)]
+        ws += [torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])]
+    out = []
+    for T in ((1, 16, 64, 128, 512) if quick else BATCH_T):
+        x = torch.randn(T, D, device=DEV).bfloat16()
+        rw = torch.rand(T, 8, device=DEV)
+        sets = uniform_routing(T, E, e_loc, 4, g)
+        active = sum(len(set(s[s >= 0].tolist())) for s in sets) / len(sets)
+        pairs = sum(int((s >= 0).sum()) for s in sets) / len(sets)
+        nbytes, flops = active * expert_bytes, pairs * 6 * D * I
+        floor_us = nbytes / bw * 1e6
+        shape = f"{tag} T={T}"
+        variants = [(f"grouped bm={bm}", dict(layout="grouped", block_m=bm)) for bm in BLOCK_MS]
+        if T <= PAIRS_MAX_TOKENS:
+            variants.insert(0, ("pairs", dict(layout="pairs")))
+        if T * 8 <= PERSISTENT_MAX_PAIRS:
+            variants.insert(0, ("persistent", dict(layout="persistent")))
+        n = min(T, 32)
+        ref = moe_experts_ref(x[:n], sets[0][:n], rw[:n], *ws, out_dtype=torch.float32)
+        best = {}
+        for name, kw in variants:
+            try:
+                y = moe_experts(x, sets[0], rw, *ws, out_dtype=torch.float32, **kw)
+                err = ((y[:n] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                us = graph_us([lambda s=s: moe_experts(x, s, rw, *ws, out_dtype=torch.float32, **kw) for s in sets])
+            except Exception as e:  # a config that does not compile or fit is skipped
+                log(f"[moe_batch] {shape} {name} failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            check(f"moe_batch {shape} {name}", err < 0.05, f"rel err {err:.2e}")
+            best[name] = us
+            row("moe_b", shape, name, us, GBps=round(nbytes / us / 1e3, 1), TFLOPs=round(flops / us / 1e6, 1),
+                floor_us=round(floor_us, 1), pct_floor=round(100 * floor_us / us, 1),
+                default=name == f"grouped bm={default_block_m(T)}")
+        if T * e_loc <= 8192:
+            y = reference_static(x, sets[0], rw, *ws)[:n]
+            err = ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item()  # same formulas, batched GEMMs
+            check(f"moe_batch {shape} reference (static loop)", err < 1e-2, f"rel err {err:.2e}")
+            us = graph_us([lambda: reference_static(x, sets[0], rw, *ws)], reps=5)
+            best["reference"] = us
+            row("moe_b", shape, "reference (static loop)", us, floor_us=round(floor_us, 1),
+                pct_floor=round(100 * floor_us / us, 1))
+        out.append((shape, floor_us, best))
+    return out
+
+
 def table() -> str:
     lines = [f"{'section':<6} {'shape':<28} {'variant':<28} {'us':>9}  extra"]
     for r in ROWS:
@@ -200,7 +314,7 @@ def main():
     import triton
 
     out["triton"] = triton.__version__
-    sections = [("topk", topk_section), ("moe", moe_section)]
+    sections = [("topk", topk_section), ("moe", moe_section), ("moe_batch", moe_batch_section)]
     for name, fn in sections:
         if name not in args.only.split(","):
             continue

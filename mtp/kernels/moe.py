@@ -1,7 +1,8 @@
-"""MoE routing and routed-expert compute for a few tokens (Triton), with plain-PyTorch references.
+"""MoE routing and routed-expert compute (Triton), with plain-PyTorch references.
 
-Shape legend: T tokens (<= 64 for the expert kernels), D hidden (7168), E experts (256), I expert
-intermediate (2048), J = topk experts per token (8), NG expert groups (8), P = T * J (token, slot) pairs.
+Shape legend: T tokens (<= 64 for the pair layouts, <= MAX_TOKENS for the grouped one), D hidden (7168), E experts
+(256), I expert intermediate (2048), J = topk experts per token (8), NG expert groups (8), P = T * J (token, slot)
+pairs.
 Expert weights are stacked: w_gate / w_up [E, I, D] float8 + [E, I/128, D/128] fp32 scales,
 w_down [E, D, I] float8 + [E, D/128, I/128].
 
@@ -36,6 +37,12 @@ a [P, P] compare) so the grid stays static; gate/up slices meet in an fp32 works
 an (expert, N-block) to arrive (atomic counter, re-armed) sums them in slice order and writes h; down slices
 write separate partials that the combine kernel sums slot by slot, slice by slice. Deterministic; the slice
 counts depend on the shapes only (`default_splits`).
+
+Grouped layout (default above GROUPED_ABOVE tokens, up to MAX_TOKENS; `mtp.kernels.moe_grouped`): the pairs sorted
+by expert on the device and padded to M-blocks of one expert each, then a grouped FP8 GEMM for gate|up and one for
+down (persistent programs over (M-block, N-block) work items), the per-pair outputs summed by the same combine
+kernel. A batch (verify widths x rows, prefill chunks) is what it is for: each expert's tokens share its weight
+tiles in one MMA instead of masked rows of a next_pow2(T) tile.
 """
 
 from __future__ import annotations
@@ -49,10 +56,19 @@ from mtp.model.moe import route
 from mtp.kernels._triton import require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
+from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
 
-__all__ = ["moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts", "moe_experts_ref", "gate_logits"]
+__all__ = ["moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts", "moe_experts_ref", "gate_logits",
+           "default_layout", "MAX_TOKENS", "PAIRS_MAX_TOKENS", "GROUPED_ABOVE"]
 
-MAX_TOKENS = 64
+# Tokens per `moe_experts` call. The grouped layout keeps a [T * J, D] fp32 buffer of per-pair outputs (0.94 GB at
+# 4096 tokens, J = 8, D = 7168), and 4096 tokens are already compute-bound at TP=8 (~128 local pairs per expert),
+# so longer inputs go in chunks of this size (`FastMoE.routed`) rather than in one bigger call.
+MAX_TOKENS = 4096
+PAIRS_MAX_TOKENS = 64  # the pair and persistent layouts: a tile of next_pow2(T) token rows per expert
+# Layout by size (`default_layout`): the pair / persistent kernels up to here, the grouped GEMM above. A first
+# guess before the GPU sweep (`python -m mtp.bench.topk_moe --only moe_batch`).
+GROUPED_ABOVE = 16
 
 
 # ----------------------------------------------------------------------------- references
@@ -425,7 +441,14 @@ def _check_experts(name, w, s, E, N, K):
 
 
 PERSISTENT_MAX_PAIRS = 64  # the persistent kernels compare all (token, slot) pairs pairwise: small P only
-LAYOUTS = ("pairs", "persistent")
+LAYOUTS = ("pairs", "persistent", "grouped")
+
+
+def default_layout(T: int, J: int) -> str:
+    """'persistent' for T * J <= PERSISTENT_MAX_PAIRS, 'pairs' up to GROUPED_ABOVE tokens, 'grouped' above."""
+    if T * J <= PERSISTENT_MAX_PAIRS:
+        return "persistent"
+    return "pairs" if T <= GROUPED_ABOVE else "grouped"
 
 
 def default_splits(T: int, G: int, GI: int) -> tuple[int, int]:
@@ -437,28 +460,33 @@ def default_splits(T: int, G: int, GI: int) -> tuple[int, int]:
 
 
 def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_gate, s_gate, w_up, s_up, w_down, s_down,
-                out_dtype: torch.dtype | None = None, gate_up_stages: int | None = None, down_stages: int = 5,
+                out_dtype: torch.dtype | None = None, gate_up_stages: int | None = None, down_stages: int | None = None,
                 layout: str | None = None, splits: tuple[int, int] | None = None,
-                programs: tuple[int, int] | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
-    """Kernel twin of `moe_experts_ref` for T <= 64 tokens: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
+                programs: tuple[int, int] | None = None, add: torch.Tensor | None = None,
+                block_m: int | None = None) -> torch.Tensor:
+    """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
-    another rank: reads nothing, adds 0; any number per token). w_TJ fp32. Three launches; reads each
+    another rank: reads nothing, adds 0; any number per token). w_TJ fp32. Three launches (grouped: six); reads each
     selected expert's weights once. Ids are range-checked only when they live on the CPU (interpreter):
     on CUDA a check would be a host sync, and the call must stay CUDA-graph capturable.
     layout: 'pairs' (a program per (token, slot) pair and N-block; the leader pair computes the expert) or
     'persistent' (~one program per SM looping over (distinct expert, N-block, K-slice) work items, so that a
-    few experts still fill the GPU; T * J <= 64); default: 'persistent' when T * J <= 64.
-    splits: (gate/up, down) K slices of the persistent layout (default `default_splits`); programs: its grid
-    sizes (default one and two programs per SM). add: fp32 [T, D] added to each token's routed sum in the
-    combine launch (the shared expert's output: y = routed + add, as the reference's `out + shared`).
+    few experts still fill the GPU; T * J <= 64), both for T <= PAIRS_MAX_TOKENS; or 'grouped' (pairs sorted by
+    expert into M-blocks, a grouped FP8 GEMM: `mtp.kernels.moe_grouped`; any T <= MAX_TOKENS); default
+    `default_layout`. splits: (gate/up, down) K slices of the persistent layout (default `default_splits`);
+    programs: the persistent / grouped grid sizes (default one and two programs per SM; grouped: two and two);
+    gate_up_stages / down_stages: pipeline depths (down: default 5; grouped: 3 and 4); block_m: the grouped layout's
+    M-block (`moe_grouped.BLOCK_MS`; default `moe_grouped.default_block_m`). add: fp32 [T, D] added to each
+    token's routed sum in the combine launch (the shared expert's output: y = routed + add, as the
+    reference's `out + shared`).
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
     J = idx_TJ.shape[1]
     E, I = w_gate.shape[0], w_gate.shape[1]
-    if T > MAX_TOKENS:
-        raise ValueError(f"moe_experts: at most {MAX_TOKENS} tokens, got {T}")
+    if not 1 <= T <= MAX_TOKENS:
+        raise ValueError(f"moe_experts: 1..{MAX_TOKENS} tokens, got {T}")
     if tuple(idx_TJ.shape) != (T, J) or tuple(w_TJ.shape) != (T, J) or idx_TJ.is_floating_point():
         raise ValueError(f"moe_experts: idx (integer) and weights must be [{T}, J], got {idx_TJ.dtype} "
                          f"{list(idx_TJ.shape)} and {list(w_TJ.shape)}")
@@ -470,13 +498,24 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     _check_experts("w_up", w_up, s_up, E, I, D)
     _check_experts("w_down", w_down, s_down, E, D, I)
     P = T * J
-    layout = layout or ("persistent" if P <= PERSISTENT_MAX_PAIRS else "pairs")
-    if layout not in LAYOUTS or (layout == "persistent" and P > PERSISTENT_MAX_PAIRS):
+    layout = layout or default_layout(T, J)
+    if layout not in LAYOUTS or (layout == "persistent" and P > PERSISTENT_MAX_PAIRS) or \
+            (layout != "grouped" and T > PAIRS_MAX_TOKENS):
         raise ValueError(f"moe_experts: layout must be one of {LAYOUTS} ('persistent' for T * J <= "
-                         f"{PERSISTENT_MAX_PAIRS}), got {layout!r} with T * J = {P}")
+                         f"{PERSISTENT_MAX_PAIRS}, 'pairs' for T <= {PAIRS_MAX_TOKENS}), got {layout!r} with T = {T}, "
+                         f"J = {J}")
+    if block_m is not None and (layout != "grouped" or block_m not in BLOCK_MS):
+        raise ValueError(f"moe_experts: block_m is the grouped layout's, one of {BLOCK_MS}; got {block_m} with "
+                         f"layout {layout!r}")
+    if add is not None and (add.dtype != torch.float32 or tuple(add.shape) != (T, D) or not add.is_contiguous()):
+        raise ValueError(f"moe_experts: add must be contiguous fp32 [{T}, {D}], got {add.dtype} {list(add.shape)}")
     idx = idx_TJ.to(torch.int32).contiguous()
     rw = w_TJ.float().contiguous()
     x = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
+    if layout == "grouped":
+        part = grouped_partials(x, idx, rw, w_gate, s_gate, w_up, s_up, w_down, s_down, block_m=block_m,
+                                stages=(gate_up_stages or 3, down_stages or 4), programs=programs)
+        return _combine(part, idx, add, T, D, J, 1, out_dtype or x_TD.dtype)
     bm = max(16, triton.next_power_of_2(T))
     ppad, kpad = triton.next_power_of_2(P), triton.next_power_of_2(J)
     dev = x.device
@@ -494,7 +533,8 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         ks_down = 1
         part = torch.empty(P, D, dtype=torch.float32, device=dev)
         _moe_down_kernel[(P, triton.cdiv(D, BLOCK))](h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0),
-                                                     s_down.stride(0), s_down.stride(1), num_stages=down_stages, **kw)
+                                                     s_down.stride(0), s_down.stride(1),
+                                                     num_stages=down_stages or 5, **kw)
     else:
         ks_gu, ks_down = splits or default_splits(T, D // BLOCK, I // BLOCK)
         sm = _sm_count(dev)
@@ -509,11 +549,15 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         part = torch.empty(ks_down, P, D, dtype=torch.float32, device=dev)
         _moe_down_persistent[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
             h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0), s_down.stride(0), s_down.stride(1),
-            ks_down, num_stages=down_stages, **kw)
-    if add is not None and (add.dtype != torch.float32 or tuple(add.shape) != (T, D) or not add.is_contiguous()):
-        raise ValueError(f"moe_experts: add must be contiguous fp32 [{T}, {D}], got {add.dtype} {list(add.shape)}")
-    y = torch.empty(T, D, dtype=out_dtype or x_TD.dtype, device=dev)
+            ks_down, num_stages=down_stages or 5, **kw)
+    return _combine(part, idx, add, T, D, J, ks_down, out_dtype or x_TD.dtype)
+
+
+def _combine(part: torch.Tensor, idx: torch.Tensor, add: torch.Tensor | None, T: int, D: int, J: int, ks: int,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """y [T, D] = sum over slots (in order) and K slices of the per-pair partials part [ks, T * J, D], + add."""
+    y = torch.empty(T, D, dtype=out_dtype, device=part.device)
     bd = 1024
-    _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, idx, y if add is None else add, y, D, P, TOPK=J,
-                                                 KS=ks_down, BLOCK_D=bd, ADD=add is not None, num_warps=4)
+    _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, idx, y if add is None else add, y, D, T * J, TOPK=J,
+                                                 KS=ks, BLOCK_D=bd, ADD=add is not None, num_warps=4)
     return y

@@ -42,8 +42,11 @@ def test_fast_block_wiring_interpreted():
     _run_interpreted("model")
 
 
-def _compile_for_hopper(kernel, pointers: dict, consts: dict, num_warps: int):
-    """Compile a kernel for sm_90 without a GPU (triton's own ptxas): PTX and cubin, or the compiler's error."""
+def _compile_for_hopper(kernel, pointers: dict, consts: dict, num_warps: int, num_stages: int = 3,
+                        aligned: tuple[str, ...] = ()):
+    """Compile a kernel for sm_90 without a GPU (triton's own ptxas): PTX and cubin, or the compiler's error.
+    aligned: arguments the JIT would specialize as multiples of 16 on the device (every pointer then is too):
+    without that alignment the pipeliner cannot use cp.async and `num_stages` buys no shared-memory buffers."""
     import inspect
 
     import triton
@@ -51,11 +54,15 @@ def _compile_for_hopper(kernel, pointers: dict, consts: dict, num_warps: int):
     from triton.compiler import ASTSource
 
     sig = {}
-    for name in inspect.signature(kernel.fn).parameters:
+    names = list(inspect.signature(kernel.fn).parameters)
+    for name in names:
         sig[name] = "constexpr" if name in consts else pointers.get(name, "*fp32" if name.endswith("_ptr") else "i32")
     sig.update({k: "fp32" for k in ("route_scale",) if k in sig})
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if aligned and n not in consts and (n.endswith("_ptr") or n in aligned)}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                              num_stages=num_stages))
 
 
 def test_new_kernels_compile_for_hopper():
