@@ -201,7 +201,10 @@ def iter_tensors(path: Path, headers, reader: str = "mmap",
         by_file.setdefault(f, []).append(name)
     for fname in sorted(by_file):
         with _open(path / fname) if reader == "mmap" else ShardReader(path / fname, device, staging) as f:
-            names = by_file[fname] if reader == "mmap" else f.in_file_order(by_file[fname])
+            names = by_file[fname]
+            if reader == "pread":
+                names = f.in_file_order(names)
+                f.will_read([f.span(n) for n in names])
             for name in names:
                 try:
                     t = f.get_tensor(name) if reader == "mmap" else f.get_slice(name)[:]

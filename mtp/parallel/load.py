@@ -26,7 +26,7 @@ from ..model.layers import yarn_inv_freq
 from ..model.deepseek import DeepseekV32
 from ..spec.options import LOAD_READERS
 from .comm import Comm
-from .layout import ParallelPlan, RankLayout, Shard
+from .layout import FULL, ParallelPlan, RankLayout, Shard
 from .modules import shard_model
 from .reblock import ReblockError, block_map, reblock_scale
 
@@ -42,6 +42,17 @@ def take(src, shard: Shard) -> torch.Tensor:
     return src[:, shard.start: shard.stop]
 
 
+def read_shard(layout: RankLayout, name: str) -> Shard:
+    """The part of checkpoint tensor `name` that `rank_part` reads: a block scale whole (it is re-blocked in memory),
+    a weight's rows or columns (`layout.shard`)."""
+    if name.endswith(SCALE_SUFFIX):
+        return FULL
+    shard = layout.shard(name)
+    if shard is None:
+        raise ValueError(f"rank_part: rank {layout.rank} holds no part of {name!r}")
+    return shard
+
+
 def rank_part(layout: RankLayout, name: str, src, weight_shape: tuple[int, ...] | None = None,
               what: str | None = None) -> torch.Tensor:
     """This rank's part of checkpoint tensor `name`, given the whole tensor `src` (a safetensors slice or an
@@ -53,11 +64,9 @@ def rank_part(layout: RankLayout, name: str, src, weight_shape: tuple[int, ...] 
         wname = name[: -len(SCALE_SUFFIX)] + ".weight"
         if weight_shape is None:
             raise ValueError(f"rank_part: {name!r} is a block scale; pass the full shape of {wname!r}")
-        return reblock_scale(src[:], tuple(weight_shape), layout.shard(wname), what=what or wname)
-    shard = layout.shard(name)
-    if shard is None:
-        raise ValueError(f"rank_part: rank {layout.rank} holds no part of {name!r}")
-    return take(src, shard)
+        return reblock_scale(take(src, read_shard(layout, name)), tuple(weight_shape), layout.shard(wname),
+                             what=what or wname)
+    return take(src, read_shard(layout, name))
 
 
 def check_fp8_inputs(layout: RankLayout) -> None:
@@ -177,7 +186,10 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
     for fname in sorted(by_file):
         file = path / fname
         with open_shard(file, reader, device, staging) as f:
-            names = f.in_file_order(by_file[fname]) if reader == "pread" else by_file[fname]
+            names = by_file[fname]
+            if reader == "pread":
+                names = f.in_file_order(names)
+                f.will_read([f.span(n, s.dim, s.start, s.stop) for n in names for s in (read_shard(layout, n),)])
             for name in names:
                 pname = param_name(name, cfg)
                 p = params.pop(pname)

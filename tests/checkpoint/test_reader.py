@@ -84,6 +84,42 @@ def test_reads_only_the_slice_and_in_file_order(shard, reads):
         assert [r.extent(n)[2] for n in names] == sorted(r.extent(n)[2] for n in names)
 
 
+def test_reads_to_come_are_advised_ahead_and_only_they(shard, reads, monkeypatch):
+    """`will_read`: the kernel is asked (POSIX_FADV_WILLNEED) for the planned ranges a bounded distance ahead of the
+    read position, in pieces, never for the gaps between them (another rank's bytes)."""
+    advised: list[tuple[int, int, int]] = []  # (offset, length, index of the read it was advised before)
+    monkeypatch.setattr(reader, "AHEAD", 3000)
+    monkeypatch.setattr(reader, "ADVICE", 256)
+    monkeypatch.setattr(reader, "advise", lambda fd, off, n: advised.append((off, n, len(reads))))
+    with ShardReader(shard, chunk=1 << 20) as r:
+        parts = [("w8", 0, 2, 9), ("w8", 0, 20, 30), ("wb", 1, 3, 9), ("v", None, 0, 0)]  # rows, rows, columns, all
+        spans = sorted(r.span(n, d, a, b) for n, d, a, b in parts)
+        r.will_read(spans)
+        for n, d, a, b in sorted(parts, key=lambda p: r.span(*p)):
+            r.read(n, d, a, b)
+    advised = [(off, n, reads[k][0]) for off, n, k in advised]  # (offset, length, the read position then)
+    assert all(n <= 256 for _, n, _ in advised)
+    merged: list[list[int]] = []  # adjacent ranges are one
+    for b, e in spans:
+        if merged and merged[-1][1] == b:
+            merged[-1][1] = e
+        else:
+            merged.append([b, e])
+    assert len(merged) >= 2  # there is a gap to skip
+    inside = [any(b <= off and off + n <= e for b, e in merged) for off, n, _ in advised]
+    assert all(inside), "advised bytes outside the planned reads"
+    pieces = sorted((off, off + n) for off, n, _ in advised)
+    assert all(a[1] <= b[0] for a, b in zip(pieces, pieces[1:]))  # each byte advised once at most
+    second = merged[1][0]
+    assert any(off == second and pos < second for off, _, pos in advised)  # the range after the gap: before its read
+
+    def planned_between(lo: int, hi: int) -> int:
+        return sum(max(0, min(e, hi) - max(b, lo)) for b, e in merged)
+
+    # never far ahead of the reads: at most AHEAD (+ one piece) of planned bytes between the read and the advice
+    assert all(planned_between(pos, off) <= 3000 + 256 for off, _, pos in advised)
+
+
 def test_bad_index_and_slice_refused(shard):
     with ShardReader(shard) as r:
         with pytest.raises(TypeError, match="'w8'"):
