@@ -301,7 +301,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     with torch.device("meta"):
         model = DeepseekV32(cfg, dtype=dtype, n_mtp=n_mtp, runtime=runtime)
     params = dict(model.named_parameters())
-    if reader == "pread":
+    if reader == "pread" and dev.device.type == "cuda":
         dev.wait()  # pread reads straight to the device (through pinned buffers): the device is up before
     for name, t in iter_tensors(path, wanted, reader, dev.device):
         pname = param_name(name, cfg)
