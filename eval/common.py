@@ -97,7 +97,7 @@ def build(cfg: Any):
         peers = start(rt.tp, "cuda" if rt.device.startswith("cuda") else "cpu")
         try:
             model = peers.load(LoadSpec(str(path), dtype=value(rt.dtype), numerics=numerics, n_mtp=cfg.model.n_mtp,
-                                        mlp_split=rt.mlp_split, expert_layout=rt.expert_layout,
+                                        mlp_split=rt.mlp_split, expert_layout=rt.expert_layout, reader=rt.load_reader,
                                         fast_path=rt.fast_path, elementwise=rt.elementwise,
                                         allreduce=rt.allreduce))
         except BaseException:
@@ -105,7 +105,7 @@ def build(cfg: Any):
             raise
         return model, tokenizer
     model = mtp.load_model(path, device=rt.device, dtype=getattr(torch, value(rt.dtype)),
-                           numerics=numerics, n_mtp=cfg.model.n_mtp)
+                           numerics=numerics, n_mtp=cfg.model.n_mtp, reader=rt.load_reader)
     if rt.fast_path:
         from mtp.backends.fast_path import enable_fast_path
 

@@ -18,7 +18,7 @@
 #                                             # chat in a pty, then the NCCL tests until the budget is spent (carry the
 #                                             # Hydra + pexpect wheels)
 #   PARTS="startup f64 loadscale ncclloop" ... # cold / warm start (mtp.bench.startup), TP=2 == TP=1 in float64,
-#                                             # a real-width checkpoint from disk at TP=2 vs raw read (mtp.bench.load),
+#                                             # a real-width checkpoint from disk at TP=2, mmap and pread readers, vs raw read (mtp.bench.load),
 #                                             # the NCCL tests in a row for LOOP_BUDGET_S
 #   PARTS="ar par deep" ...                  # issue 25 on 2-4 GPUs: the all-reduce bench on every GPU, a real TP=2 and
 #                                             # TP=$ngpu step with nccl vs oneshot (PAR_TP), a real TP=$ngpu step of
@@ -194,7 +194,7 @@ if [ "$ngpu" -ge 2 ] && want loadscale; then  # a real-width checkpoint from loc
     --json "$OUT/load_write.json" 2>&1 | tail -2
   echo "== load it at TP=2 against the raw read rate $(date -u +%H:%M:%S)"
   MTP_PROGRESS=1 timeout "${LOAD_S:-300}" python3 -m mtp.bench.load measure "$LD" --tp 2 --json "$OUT/load_tp2.json" \
-    2>&1 | tee "$OUT/load_tp2.log" | grep -v -i warn | tail -9
+    2>&1 | tee "$OUT/load_tp2.log" | grep -v -i warn | tail -16
   [ -n "${LOAD_KEEP:-}" ] || rm -rf "$LD"
 fi
 if [ "$ngpu" -ge 2 ] && want ncclloop; then  # the NCCL tests in a row until the budget is spent

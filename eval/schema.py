@@ -24,7 +24,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from mtp.decode.config import GenerationConfig
 from mtp.draft.modes import drafts
-from mtp.spec.options import MLP_SPLITS, MODES, OptionError, SamplingParams
+from mtp.spec.options import LOAD_READERS, MLP_SPLITS, MODES, OptionError, SamplingParams
 from mtp.draft.config import DRAFT_SAMPLING, HIDDEN
 from mtp.placement import EXPERT_LAYOUTS
 from mtp.spec.options import SPAN_RULES
@@ -186,6 +186,7 @@ class RuntimeSchema:
     mlp_split: str = "blocks"  # how dense / shared-expert MLPs split over ranks (mtp.parallel.layout)
     allreduce: str = "nccl"  # the ranks' all-reduce: nccl | oneshot (NVLink peer memory, mtp.parallel.oneshot; CUDA)
     expert_layout: str = "contiguous"  # which routed experts each rank holds (mtp.placement); router unchanged
+    load_reader: str = "mmap"  # how the shards are read: mmap (safetensors) | pread (mtp.checkpoint.reader); same bytes
 
     def __post_init__(self):
         if self.tp < 1:
@@ -209,6 +210,8 @@ class RuntimeSchema:
                   "fast path's ops)")
         if self.expert_layout not in EXPERT_LAYOUTS:
             _fail("runtime.expert_layout", self.expert_layout, f"one of {list(EXPERT_LAYOUTS)}")
+        if self.load_reader not in LOAD_READERS:
+            _fail("runtime.load_reader", self.load_reader, f"one of {list(LOAD_READERS)}")
         if self.fast_path and self.tp > 1 and self.expert_layout != "contiguous":
             _fail("runtime.expert_layout", self.expert_layout,
                   "'contiguous' with runtime.fast_path=true (the fast path stacks a rank's expert range)")

@@ -1,9 +1,14 @@
 """Loading at scale, measured: write a real-width DeepSeek-V3.2 checkpoint of a few layers to local disk, then
-load it the way `runtime.tp=N` does (rank 0 spawns N-1 ranks, each reads only its slices) and hold the per-rank
-and per-node load rates against the disk's raw sequential read rate, measured on the same files in the same call.
+load it the way `runtime.tp=N` does (rank 0 spawns N-1 ranks, each reads only its slices) once per shard reader
+(`--loader mmap pread`: `mtp.spec.options.LOAD_READERS`) and hold the per-rank and per-node load rates against the
+disk's raw sequential read rate, measured on the same files in the same call.
 
     python -m mtp.bench.load write /scratch/dsv32-4l --moe-layers 3        # 1 dense + 3 MoE + 1 MTP: ~52 GB
-    python -m mtp.bench.load measure /scratch/dsv32-4l --tp 2 --json eval/results/load_tp2.json
+    python -m mtp.bench.load measure /scratch/dsv32-4l --tp 2 --loader mmap pread --json eval/results/load_tp2.json
+
+The JSON holds every raw read (`raw`) and, per loader, its load (`loads[loader]`: `load` the `Peers.load` report,
+`node_vs_raw`, `extrapolated_690gb`); with `--repeats N` each is measured N times (raw reads, then each loader, in
+turn) and the run of median node rate is the one reported.
 
 The page cache is emptied of the checkpoint's files (posix_fadvise DONTNEED after fsync: no root needed) before
 every read, and each rank reports the bytes it read from storage (`/proc/self/io`), so a rate that came from
@@ -22,6 +27,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from ..spec.options import LOAD_READERS
 
 GB = 1e9
 
@@ -139,8 +146,9 @@ def raw_read(files: list[Path], readers: int, chunk: int = 64 << 20) -> dict:
     return {"readers": readers, "bytes": sum(done), "seconds": dt, "gb_per_s": sum(done) / dt / GB}
 
 
-def load_tp(path: Path, tp: int, device_type: str, dtype: str) -> dict:
-    """The product path: `mtp.distributed.driver.start` + `Peers.load`, page cache emptied first."""
+def load_tp(path: Path, tp: int, device_type: str, dtype: str, reader: str = "mmap") -> dict:
+    """The product path: `mtp.distributed.driver.start` + `Peers.load` with shard reader `reader`, page cache
+    emptied first."""
     from ..distributed.driver import LoadSpec, start
 
     files = shard_files(path)
@@ -148,7 +156,7 @@ def load_tp(path: Path, tp: int, device_type: str, dtype: str) -> dict:
     peers = start(tp, device_type)
     try:
         t0 = time.perf_counter()
-        model = peers.load(LoadSpec(str(path), dtype=dtype, numerics="fp8"), progress=True)
+        model = peers.load(LoadSpec(str(path), dtype=dtype, numerics="fp8", reader=reader), progress=True)
         wall = time.perf_counter() - t0
         ranks = model.load_report
     finally:
@@ -158,7 +166,7 @@ def load_tp(path: Path, tp: int, device_type: str, dtype: str) -> dict:
     storage = None if None in disk else sum(disk)
     for r in ranks:
         r["gb_per_s"] = r["bytes"] / r["seconds"] / GB
-    return {"tp": tp, "wall_s": wall, "ranks": ranks, "checkpoint_bytes_per_node": delivered,
+    return {"tp": tp, "reader": reader, "wall_s": wall, "ranks": ranks, "checkpoint_bytes_per_node": delivered,
             "node_gb_per_s": delivered / wall / GB,
             "storage_bytes_read": storage, "storage_gb_per_s": None if storage is None else storage / wall / GB}
 
@@ -171,34 +179,59 @@ def real_checkpoint_bytes() -> int:
     return sum(tensor_bytes(checkpoint_spec(ModelConfig())).values())
 
 
-def measure(path: Path, tp: int, device_type: str, dtype: str, readers: list[int]) -> dict:
+def median_run(runs: list[dict], key: str) -> dict:
+    """The run of median `key` (the lower middle one of an even count): a measured run, not an average of runs."""
+    return sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
+
+
+def measure(path: Path, tp: int, device_type: str, dtype: str, readers: list[int], loaders: list[str],
+            repeats: int = 1) -> dict:
     files = shard_files(path)
     size = sum(f.stat().st_size for f in files)
-    raw = [raw_read(files, n) for n in readers]
-    for r in raw:
-        print(f"raw read, {r['readers']} reader(s): {r['bytes'] / GB:.1f} GB in {r['seconds']:.1f} s = "
-              f"{r['gb_per_s']:.2f} GB/s", flush=True)
-    got = load_tp(path, tp, device_type, dtype)
-    best_raw = max(r["gb_per_s"] for r in raw)
+    raw: list[dict] = []
+    runs: dict[str, list[dict]] = {name: [] for name in loaders}
+    for i in range(repeats):
+        for n in readers:
+            raw.append(raw_read(files, n))
+            r = raw[-1]
+            print(f"[{i + 1}/{repeats}] raw read, {r['readers']} reader(s): {r['bytes'] / GB:.1f} GB in "
+                  f"{r['seconds']:.1f} s = {r['gb_per_s']:.2f} GB/s", flush=True)
+        for name in loaders:
+            runs[name].append(load_tp(path, tp, device_type, dtype, name))
+            got = runs[name][-1]
+            print(f"[{i + 1}/{repeats}] {name} load: {got['checkpoint_bytes_per_node'] / GB:.1f} GB in "
+                  f"{got['wall_s']:.1f} s = {got['node_gb_per_s']:.2f} GB/s per node", flush=True)
+    raw_median = {n: median_run([r for r in raw if r["readers"] == n], "gb_per_s")["gb_per_s"] for n in readers}
+    best_raw = max(raw_median.values())
     real = real_checkpoint_bytes()
-    res = {"checkpoint": str(path), "files_bytes": size, "raw": raw, "load": got,
-           "node_vs_raw": got["node_gb_per_s"] / best_raw,
-           "real_checkpoint_bytes": real,
-           "extrapolated_690gb": {
-               "seconds": real / (got["node_gb_per_s"] * GB),
-               "assumes": (f"one node reads the whole real checkpoint ({real / GB:.0f} GB) at this run's node rate "
-                           f"({got['node_gb_per_s']:.2f} GB/s with {tp} ranks): the node's disk is the limit and 8 "
-                           "ranks do not read faster or slower together than these did; two nodes with their own "
-                           "disks each read half")}}
-    for r in got["ranks"]:
-        disk = "?" if r["disk_read_bytes"] is None else f"{r['disk_read_bytes'] / GB:.1f}"
-        print(f"rank {r['rank']}: {r['bytes'] / GB:.1f} GB of slices in {r['seconds']:.1f} s = {r['gb_per_s']:.2f} "
-              f"GB/s (read from storage: {disk} GB)")
-    print(f"node: {got['checkpoint_bytes_per_node'] / GB:.1f} GB in {got['wall_s']:.1f} s = "
-          f"{got['node_gb_per_s']:.2f} GB/s, {100 * res['node_vs_raw']:.0f}% of the raw read rate "
-          f"({best_raw:.2f} GB/s)")
-    ex = res["extrapolated_690gb"]
-    print(f"EXTRAPOLATED: the real checkpoint in {ex['seconds']:.0f} s; assumes {ex['assumes']}")
+    loads = {}
+    for name in loaders:
+        got = median_run(runs[name], "node_gb_per_s")
+        loads[name] = {"load": got, "node_vs_raw": got["node_gb_per_s"] / best_raw,
+                       "all_node_gb_per_s": [r["node_gb_per_s"] for r in runs[name]],
+                       "extrapolated_690gb": {
+                           "seconds": real / (got["node_gb_per_s"] * GB),
+                           "assumes": (f"one node reads the whole real checkpoint ({real / GB:.0f} GB) at this run's node "
+                                       f"rate ({got['node_gb_per_s']:.2f} GB/s with {tp} ranks, reader {name}): the "
+                                       "node's disk is the limit and 8 ranks do not read faster or slower together "
+                                       "than these did; two nodes with their own disks each read half")}}
+    res = {"checkpoint": str(path), "files_bytes": size, "repeats": repeats, "raw": raw,
+           "raw_median_gb_per_s": {str(n): v for n, v in raw_median.items()}, "best_raw_gb_per_s": best_raw,
+           "loads": loads, "real_checkpoint_bytes": real}
+    print(f"median of {repeats} run(s) each; % of the best raw rate ({best_raw:.2f} GB/s)")
+    print(f"{'read':<22}{'node GB/s':>10}{'% of raw':>10}   per rank GB/s (read from storage GB)")
+    for n, v in raw_median.items():
+        label = f"raw, {n} thread(s)"
+        print(f"{label:<22}{v:>10.2f}{100 * v / best_raw:>9.0f}%")
+    for name, entry in loads.items():
+        got = entry["load"]
+        disk = ["?" if r["disk_read_bytes"] is None else f"{r['disk_read_bytes'] / GB:.1f}" for r in got["ranks"]]
+        per_rank = ", ".join(f"{r['gb_per_s']:.2f} ({d})" for r, d in zip(got["ranks"], disk))
+        label = f"{name}, TP={tp}"
+        print(f"{label:<22}{got['node_gb_per_s']:>10.2f}{100 * entry['node_vs_raw']:>9.0f}%   {per_rank}")
+    for name, entry in loads.items():
+        ex = entry["extrapolated_690gb"]
+        print(f"EXTRAPOLATED ({name}): the real checkpoint in {ex['seconds']:.0f} s; assumes {ex['assumes']}")
     return res
 
 
@@ -219,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--device-type", default=None, help="cuda or cpu (default: cuda if present)")
     m.add_argument("--dtype", default="bfloat16", help="activation dtype of the loaded model")
     m.add_argument("--readers", type=int, nargs="+", default=None, help="raw-read thread counts (default: 1 and tp)")
+    m.add_argument("--loader", nargs="+", choices=LOAD_READERS, default=list(LOAD_READERS),
+                   help="the shard readers whose TP=N load is measured, each with the page cache emptied (default: all)")
+    m.add_argument("--repeats", type=int, default=1, help="measure everything this many times, report the median run")
     for p in (w, m):
         p.add_argument("--json", type=Path, default=None, help="write the result here (atomically)")
     args = ap.parse_args(argv)
@@ -237,10 +273,12 @@ def main(argv: list[str] | None = None) -> int:
         res = write(args.out, cfg, args.seed, args.shard_gb, args.device or ("cuda" if cuda else "cpu"))
         print(f"wrote {res['bytes'] / GB:.1f} GB in {res['shards']} shards to {res['path']} in {res['write_s']:.0f} s")
     else:
-        if args.tp < 1:
-            ap.error(f"--tp must be >= 1, got {args.tp}")
+        if args.tp < 1 or args.repeats < 1:
+            ap.error(f"--tp and --repeats must be >= 1, got {args.tp} and {args.repeats}")
         readers = args.readers or sorted({1, args.tp})
-        res = measure(args.path, args.tp, args.device_type or ("cuda" if cuda else "cpu"), args.dtype, readers)
+        loaders = list(dict.fromkeys(args.loader))
+        res = measure(args.path, args.tp, args.device_type or ("cuda" if cuda else "cpu"), args.dtype, readers, loaders,
+                      args.repeats)
     if args.json:
         write_json_atomic(args.json, res)
     return 0

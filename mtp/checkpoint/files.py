@@ -2,8 +2,9 @@
 
 Loading validates everything that can be checked from the shard headers before any weight is read:
 the index and its shards, missing / unexpected tensors, shapes, dtypes, and the config against the tensors.
-Then it streams tensor by tensor from the memory-mapped shards straight into a model built on the meta
-device, so host memory holds the model (when loading to CPU) plus one tensor, never a second copy. A model
+Then it streams tensor by tensor from the shards (memory-mapped, or read with explicit reads: `reader='pread'`,
+`mtp.checkpoint.reader`) straight into a model built on the meta device, so host memory holds the model (when
+loading to CPU) plus one tensor, never a second copy. A model
 is returned only when every parameter was filled: a failure leaves nothing half-initialized behind.
 
 Name mapping: trunk tensors keep their names; MTP layer `model.layers.{num_hidden_layers + j}.X` is
@@ -29,22 +30,15 @@ from ..model import fp8
 from ..model.config import ConfigError, ModelConfig, RuntimeOptions
 from ..model.layers import yarn_inv_freq
 from ..model.deepseek import DeepseekV32
+from ..spec.options import LOAD_READERS
+from .header import ST_DTYPES, CheckpointError, shard_header
 from .device_init import DeviceInit
 from .inventory import checkpoint_spec
+from .reader import ShardReader, Staging
 from ..utils import publish_dir
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-_ST_DTYPES = {
-    "F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16,
-    "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool,
-}
-
-
-class CheckpointError(ValueError):
-    """The checkpoint on disk is incomplete, corrupt or disagrees with its config."""
-
-
 def param_name(ckpt_name: str, cfg: ModelConfig) -> str:
     m = re.match(r"model\.layers\.(\d+)\.(.*)", ckpt_name)
     if m and int(m.group(1)) >= cfg.num_hidden_layers:
@@ -137,7 +131,7 @@ def read_headers(path: Path, wm: dict[str, str]) -> dict[str, tuple[tuple[int, .
                 if name not in present:
                     raise CheckpointError(f"{file}: index says it holds tensor {name!r}, but it does not")
                 sl = f.get_slice(name)
-                dt = _ST_DTYPES.get(sl.get_dtype())
+                dt = ST_DTYPES.get(sl.get_dtype())
                 if dt is None:
                     raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {sl.get_dtype()}")
                 out[name] = (tuple(sl.get_shape()), dt, fname)
@@ -147,22 +141,14 @@ def read_headers(path: Path, wm: dict[str, str]) -> dict[str, tuple[tuple[int, .
 def _check_shard_size(file: Path) -> None:
     """Parse the header by hand and name the tensors whose bytes lie past the end of a truncated file."""
     size = file.stat().st_size
-    with open(file, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{file}: truncated: {size} bytes, shorter than the 8-byte safetensors header length")
-        n = int.from_bytes(head, "little")
-        if n > size - 8:
-            raise CheckpointError(f"{file}: corrupt or truncated safetensors header: its length field says {n} "
-                                  f"bytes, the file has {size}")
-        try:
-            header = json.loads(fh.read(n))
-            ends = {k: int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"}
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-            raise CheckpointError(f"{file}: corrupt safetensors header ({type(e).__name__}: {e})") from None
-    cut = sorted((k for k, end in ends.items() if 8 + n + end > size), key=ends.__getitem__)
+    start, header = shard_header(file)
+    try:
+        ends = {k: int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"}
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise CheckpointError(f"{file}: corrupt safetensors header ({type(e).__name__}: {e})") from None
+    cut = sorted((k for k, end in ends.items() if start + end > size), key=ends.__getitem__)
     if cut:
-        raise CheckpointError(f"{file}: truncated: {size} bytes, header describes {8 + n + max(ends.values())}; "
+        raise CheckpointError(f"{file}: truncated: {size} bytes, header describes {start + max(ends.values())}; "
                               f"tensor {cut[0]!r} and {len(cut) - 1} others lie past the end")
 
 
@@ -203,18 +189,30 @@ def _check_layer_count(path: Path, wm: dict[str, str], cfg: ModelConfig, n_mtp: 
                               f"{len(held)}: no tensor of model.layers.{first}. is present")
 
 
-def iter_tensors(path: Path, headers) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (name, tensor) shard by shard in file order, memory-mapped."""
+def iter_tensors(path: Path, headers, reader: str = "mmap",
+                 device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) shard by shard: views of safetensors' memory map on the CPU (reader 'mmap': copy them
+    before keeping them), or tensors of their own read to `device` in file order (reader 'pread',
+    `mtp.checkpoint.reader`)."""
+    device = torch.device(device)
+    staging = Staging(device) if reader == "pread" and device.type == "cuda" else None
     by_file: dict[str, list[str]] = {}
     for name, (_, _, f) in headers.items():
         by_file.setdefault(f, []).append(name)
     for fname in sorted(by_file):
-        with _open(path / fname) as f:
-            for name in by_file[fname]:
+        with _open(path / fname) if reader == "mmap" else ShardReader(path / fname, device, staging) as f:
+            names = by_file[fname]
+            if reader == "pread":
+                names = f.in_file_order(names)
+                f.will_read([f.span(n) for n in names])
+            for name in names:
                 try:
-                    yield name, f.get_tensor(name)
+                    t = f.get_tensor(name) if reader == "mmap" else f.get_slice(name)[:]
+                except CheckpointError:
+                    raise
                 except Exception as e:
                     raise CheckpointError(f"{path / fname}: could not read tensor {name!r}: {e}") from None
+                yield name, t
 
 
 def check_values(t: torch.Tensor, file: Path, name: str) -> None:
@@ -287,11 +285,15 @@ def resolve_n_mtp(cfg: ModelConfig, n_mtp: int | None, source: str | os.PathLike
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               numerics: str = "fp8", n_mtp: int | None = None, runtime: RuntimeOptions | None = None) -> DeepseekV32:
+               numerics: str = "fp8", n_mtp: int | None = None, runtime: RuntimeOptions | None = None,
+               reader: str = "mmap") -> DeepseekV32:
     """Load an HF DeepSeek-V3.2 checkpoint directory (FP8 or bf16) into `DeepseekV32` on `device`.
 
     n_mtp: how many MTP layers to load (default: config's num_nextn_predict_layers; 0 skips them).
+    reader: 'mmap' (safetensors' memory map) or 'pread' (explicit reads, `mtp.checkpoint.reader`): the same bytes.
     """
+    if reader not in LOAD_READERS:
+        raise ValueError(f"load_model: reader must be one of {list(LOAD_READERS)}, got {reader!r}")
     dev = DeviceInit(device)  # CUDA starts on a thread while the headers are read and the model is built
     path, cfg, n_mtp, headers = open_checkpoint(path, n_mtp)
     wanted = {k: v for k, v in headers.items() if _layer_keep(k, cfg, n_mtp)}
@@ -299,7 +301,9 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     with torch.device("meta"):
         model = DeepseekV32(cfg, dtype=dtype, n_mtp=n_mtp, runtime=runtime)
     params = dict(model.named_parameters())
-    for name, t in iter_tensors(path, wanted):
+    if reader == "pread" and dev.device.type == "cuda":
+        dev.wait()  # pread reads straight to the device (through pinned buffers): the device is up before
+    for name, t in iter_tensors(path, wanted, reader, dev.device):
         pname = param_name(name, cfg)
         p = params.pop(pname)
         if t.dtype == torch.float32 and name.endswith("weight_scale_inv"):
@@ -307,8 +311,9 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
         check_values(t, path / headers[name][2], name)
         dev.wait()  # the device is up before the first copy (and an init error raised here, as it was)
         # copy=True: safetensors returns views of a private mmap of the shard; a CPU model that kept them would
-        # die of SIGBUS once the file is rewritten or truncated in place (and would page in at first use).
-        value = t.to(device=device, dtype=p.dtype, copy=True)
+        # die of SIGBUS once the file is rewritten or truncated in place (and would page in at first use). A pread
+        # tensor is memory of its own, already on `device`.
+        value = t.to(device=device, dtype=p.dtype, copy=reader == "mmap")
         _set_param(model, pname, torch.nn.Parameter(value, requires_grad=False))
     if params:
         raise CheckpointError(f"{path}: internal error, parameters left unfilled: {sorted(params)[:3]}")

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..spec.options import LOAD_READERS
 from .group import TIMEOUT_ENV, RankFailure, RankGroup, abort_data_group, collective_timeout, describe, init_group
 
 ERROR_DIR_ENV = "MTP_RANK_ERROR_DIR"  # where spawned ranks leave their last error (rank{r}.err) and log
@@ -55,12 +56,15 @@ class LoadSpec:
     elementwise: str = "triton"  # the fast path's elementwise ops: mtp.kernels.dispatch.ELEMENTWISE_IMPLS
     allreduce: str = "nccl"  # mtp.parallel.comm.ALLREDUCE_IMPLS
     expert_layout: str = "contiguous"  # mtp.placement
+    reader: str = "mmap"  # how the shards are read: mtp.spec.options.LOAD_READERS
 
     def __post_init__(self) -> None:
         from ..kernels.dispatch import ELEMENTWISE_IMPLS
 
         if self.elementwise not in ELEMENTWISE_IMPLS:
             raise ValueError(f"LoadSpec: elementwise must be one of {ELEMENTWISE_IMPLS}, got {self.elementwise!r}")
+        if self.reader not in LOAD_READERS:
+            raise ValueError(f"LoadSpec: reader must be one of {list(LOAD_READERS)}, got {self.reader!r}")
         if self.fast_path and self.expert_layout != "contiguous":
             raise ValueError(f"expert_layout={self.expert_layout!r} has no fast path (it stacks a rank's expert "
                              f"range): use expert_layout='contiguous' or fast_path=False")
@@ -123,7 +127,7 @@ def load_rank(spec: LoadSpec, group: RankGroup, show_progress: bool = False):
     with load_progress(show_progress) as bar:
         model = load_parallel(spec.path, group.comm, plan=ParallelPlan(group.world, spec.mlp_split, spec.expert_layout),
                               device=group.device, dtype=getattr(torch, spec.dtype), numerics=spec.numerics,
-                              n_mtp=spec.n_mtp, progress=count)
+                              n_mtp=spec.n_mtp, progress=count, reader=spec.reader)
     if group.device.type == "cuda":
         torch.cuda.synchronize(group.device)
     io1 = disk_read_bytes()

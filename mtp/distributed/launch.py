@@ -21,7 +21,7 @@ import sys
 
 from ..checkpoint.files import CheckpointError
 from ..draft.modes import DRAFTS
-from ..spec.options import MODES, OptionError
+from ..spec.options import LOAD_READERS, MODES, OptionError
 from ..verify.registry import VERIFIERS
 from ..model.config import NUMERICS, ConfigError
 from ..preflight import PreflightError, preflight
@@ -48,6 +48,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                     help="the ranks' all-reduce: nccl, or oneshot (NVLink peer memory, fused with the add + norm)")
     ap.add_argument("--expert-layout", choices=EXPERT_LAYOUTS, default="contiguous",
                     help="which routed experts each rank holds (mtp/placement.py); non-contiguous: no fast path")
+    ap.add_argument("--load-reader", choices=LOAD_READERS, default="mmap",
+                    help="how the shards are read: mmap (safetensors' memory map) or pread (large explicit reads)")
     ap.add_argument("--mode", choices=MODES, default=None,
                     help="decode loop (default: overlap on GPUs, eager on CPU)")
     ap.add_argument("--fast-path", action=argparse.BooleanOptionalAction, default=None,
@@ -122,7 +124,7 @@ def _run(a: argparse.Namespace) -> int:
     ids = [tok.bos_id] + tok.encode(a.prompt)
     if a.tp == 1:
         model = mtp.load_model(a.checkpoint, device="cuda" if cuda else "cpu", dtype=DTYPES[dtype],
-                               numerics=a.numerics)
+                               numerics=a.numerics, reader=a.load_reader)
         if fast:
             from ..backends.fast_path import enable_fast_path
 
@@ -134,7 +136,7 @@ def _run(a: argparse.Namespace) -> int:
         peers = start(a.tp, "cuda" if cuda else "cpu")
         model = peers.load(LoadSpec(str(a.checkpoint), dtype=dtype_name, numerics=a.numerics,
                                     mlp_split=a.mlp_split, expert_layout=a.expert_layout, fast_path=fast,
-                                    elementwise=a.elementwise, allreduce=a.allreduce))
+                                    elementwise=a.elementwise, allreduce=a.allreduce, reader=a.load_reader))
     try:
         out = mtp.generate(model, [ids], max_new_tokens=a.max_new_tokens, draft=a.draft, k=k, verify=a.verify,
                            mode=mode, **opts)

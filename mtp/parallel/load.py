@@ -1,4 +1,4 @@
-"""Sharded loading: each rank reads only its slices, straight from the memory-mapped safetensors shards.
+"""Sharded loading: each rank reads only its slices of the safetensors shards.
 
 The checkpoint is validated from the shard headers exactly as `mtp.checkpoint.files.load_model` does (missing /
 unexpected tensors, shapes, dtypes). Then the per-rank model is built on the meta device
@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Callable
 
 import torch
 from safetensors import safe_open
 
 from ..checkpoint.device_init import DeviceInit
-from ..checkpoint.files import CheckpointError, check_scales, check_values, ckpt_name, open_checkpoint
+from ..checkpoint.files import CheckpointError, check_scales, check_values, ckpt_name, open_checkpoint, param_name
+from ..checkpoint.reader import ShardReader, Staging
 from ..model.config import BLOCK, ConfigError, ModelConfig, RuntimeOptions
 from ..model.layers import yarn_inv_freq
 from ..model.deepseek import DeepseekV32
+from ..spec.options import LOAD_READERS
 from .comm import Comm
-from .layout import ParallelPlan, RankLayout, Shard
+from .layout import FULL, ParallelPlan, RankLayout, Shard
 from .modules import shard_model
 from .reblock import ReblockError, block_map, reblock_scale
 
@@ -39,6 +42,17 @@ def take(src, shard: Shard) -> torch.Tensor:
     return src[:, shard.start: shard.stop]
 
 
+def read_shard(layout: RankLayout, name: str) -> Shard:
+    """The part of checkpoint tensor `name` that `rank_part` reads: a block scale whole (it is re-blocked in memory),
+    a weight's rows or columns (`layout.shard`)."""
+    if name.endswith(SCALE_SUFFIX):
+        return FULL
+    shard = layout.shard(name)
+    if shard is None:
+        raise ValueError(f"rank_part: rank {layout.rank} holds no part of {name!r}")
+    return shard
+
+
 def rank_part(layout: RankLayout, name: str, src, weight_shape: tuple[int, ...] | None = None,
               what: str | None = None) -> torch.Tensor:
     """This rank's part of checkpoint tensor `name`, given the whole tensor `src` (a safetensors slice or an
@@ -50,11 +64,9 @@ def rank_part(layout: RankLayout, name: str, src, weight_shape: tuple[int, ...] 
         wname = name[: -len(SCALE_SUFFIX)] + ".weight"
         if weight_shape is None:
             raise ValueError(f"rank_part: {name!r} is a block scale; pass the full shape of {wname!r}")
-        return reblock_scale(src[:], tuple(weight_shape), layout.shard(wname), what=what or wname)
-    shard = layout.shard(name)
-    if shard is None:
-        raise ValueError(f"rank_part: rank {layout.rank} holds no part of {name!r}")
-    return take(src, shard)
+        return reblock_scale(take(src, read_shard(layout, name)), tuple(weight_shape), layout.shard(wname),
+                             what=what or wname)
+    return take(src, read_shard(layout, name))
 
 
 def check_fp8_inputs(layout: RankLayout) -> None:
@@ -129,18 +141,31 @@ def parallel_skeleton(cfg: ModelConfig, comm: Comm, *, plan: ParallelPlan | None
     return model, layout
 
 
+def open_shard(file: Path, reader: str, device: torch.device, staging: Staging | None):
+    """A shard opened for `reader` (LOAD_READERS): both answer get_tensor (whole, on the CPU), get_slice (read when
+    indexed; on `device` for 'pread', the CPU for 'mmap') and keys, and close as a context manager."""
+    if reader == "mmap":
+        return safe_open(str(file), framework="pt", device="cpu")
+    return ShardReader(file, device, staging)
+
+
 def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: ParallelPlan | None = None,
                   device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, numerics: str = "fp8",
                   n_mtp: int | None = None, runtime: RuntimeOptions | None = None,
-                  static_moe: bool = False, progress: Callable[[int, int], None] | None = None) -> DeepseekV32:
+                  static_moe: bool = False, progress: Callable[[int, int], None] | None = None,
+                  reader: str = "mmap") -> DeepseekV32:
     """This rank's part of an HF DeepSeek-V3.2 checkpoint as a `DeepseekV32` whose forward runs collectively.
 
     comm: the process group wrapper (default: the default group, or a single process). Every rank of the
     group must call this with the same arguments, then run the same forwards / `mtp.generate` calls.
     progress: called as progress(bytes_read, bytes_total) after each tensor (this rank's checkpoint bytes).
+    reader: 'mmap' (safetensors' memory map) or 'pread' (`mtp.checkpoint.reader`); the same bytes either way.
     """
+    if reader not in LOAD_READERS:
+        raise ValueError(f"load_parallel: reader must be one of {list(LOAD_READERS)}, got {reader!r}")
     comm = comm or Comm()
     dev = DeviceInit(device)  # CUDA starts on a thread while the headers are read and the model is built
+    device = torch.device(device)
     path, cfg, n_mtp, headers = open_checkpoint(path, n_mtp)
     model, layout = parallel_skeleton(cfg, comm, plan=plan, dtype=dtype, numerics=numerics, n_mtp=n_mtp,
                                       runtime=runtime, static_moe=static_moe)
@@ -151,14 +176,22 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
         name = ckpt_name(pname, cfg)
         if name not in headers:
             raise CheckpointError(f"{path}: internal error, parameter {pname!r} has no checkpoint tensor {name!r}")
-        by_file.setdefault(headers[name][2], []).append(pname)
+        by_file.setdefault(headers[name][2], []).append(name)
     total = sum(p.numel() * headers[ckpt_name(n, cfg)][1].itemsize for n, p in params.items())
     done = 0
+    staging = None
+    if reader == "pread" and device.type == "cuda":
+        dev.wait()  # pread reads straight to the device (through pinned buffers): the device is up before
+        staging = Staging(dev.device)
     for fname in sorted(by_file):
         file = path / fname
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for pname in by_file[fname]:
-                name = ckpt_name(pname, cfg)
+        with open_shard(file, reader, device, staging) as f:
+            names = by_file[fname]
+            if reader == "pread":
+                names = f.in_file_order(names)
+                f.will_read([f.span(n, s.dim, s.start, s.stop) for n in names for s in (read_shard(layout, n),)])
+            for name in names:
+                pname = param_name(name, cfg)
                 p = params.pop(pname)
                 try:
                     if name.endswith(SCALE_SUFFIX):
@@ -177,8 +210,9 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
                     raise CheckpointError(f"{file}: rank {comm.rank}'s slice of {name!r} has shape {list(t.shape)}, "
                                           f"the parallel model expects {list(p.shape)}")
                 dev.wait()  # the device is up before the first copy (and an init error raised here, as it was)
-                # copy=True: never keep a view of the shard's private mmap (see mtp.checkpoint.files.load_model)
-                value = t.to(device=device, dtype=p.dtype, copy=True)
+                # mmap: copy=True, never keep a view of the shard's private mmap (see mtp.checkpoint.files.load_model);
+                # pread: t is memory of its own (on `device`, but for a re-blocked scale), converted only if need be
+                value = t.to(device=device, dtype=p.dtype, copy=reader == "mmap")
                 mod_path, _, attr = pname.rpartition(".")
                 setattr(model.get_submodule(mod_path), attr, torch.nn.Parameter(value, requires_grad=False))
                 if progress is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MLP_SPLITS = ("blocks", "even")  # how a model split over ranks cuts its MLPs (mtp.parallel.layout)
+LOAD_READERS = ("mmap", "pread")  # how a load reads the shards: safetensors' mmap | explicit reads (mtp.checkpoint.reader)
 MODES = ("eager", "graph", "overlap")  # eager | graph (whole step in one CUDA graph) | overlap (graph + pipelined host)
 MAX_K = 16  # the most drafts per step a GenerationConfig takes: far past the point where position k is still accepted
 

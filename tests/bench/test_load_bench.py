@@ -50,15 +50,30 @@ def test_progress_reaches_this_ranks_total(written):
     assert dones == sorted(dones) and dones[-1] == seen[-1][1] > 0
 
 
-def test_tp2_load_reports_every_rank(written, tmp_path):
+def test_tp2_load_reports_every_rank_for_each_loader(written, tmp_path, capsys):
     out_json = tmp_path / "load.json"
     assert bench_load.main(["measure", str(written[0]), "--tp", "2", "--device-type", "cpu", "--dtype", "float32",
                             "--json", str(out_json)]) == 0
     res = json.loads(out_json.read_text())
-    ranks = res["load"]["ranks"]
-    assert [r["rank"] for r in ranks] == [0, 1]
-    assert all(r["bytes"] > 0 and r["seconds"] > 0 for r in ranks)
+    assert list(res["loads"]) == ["mmap", "pread"]  # both shard readers by default, in this order
     one = sum(p.numel() * p.element_size() for p in mtp.load_model(written[0], dtype=torch.float32).parameters())
-    assert res["load"]["checkpoint_bytes_per_node"] < one  # each rank read only its slices
-    assert res["extrapolated_690gb"]["seconds"] > 0 and "assumes" in res["extrapolated_690gb"]
+    for name, entry in res["loads"].items():
+        ranks = entry["load"]["ranks"]
+        assert entry["load"]["reader"] == name
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert all(r["bytes"] > 0 and r["seconds"] > 0 for r in ranks)
+        assert entry["load"]["checkpoint_bytes_per_node"] < one  # each rank read only its slices
+        assert entry["node_vs_raw"] == entry["load"]["node_gb_per_s"] / res["best_raw_gb_per_s"]
+        assert entry["extrapolated_690gb"]["seconds"] > 0 and "assumes" in entry["extrapolated_690gb"]
+    mm, pr = (res["loads"][n]["load"] for n in ("mmap", "pread"))
+    assert [r["bytes"] for r in mm["ranks"]] == [r["bytes"] for r in pr["ranks"]]  # the same slices either way
     assert res["real_checkpoint_bytes"] > 680e9
+    table = capsys.readouterr().out
+    assert "mmap, TP=2" in table and "pread, TP=2" in table and "raw, 1 thread(s)" in table
+
+
+def test_median_run_is_a_measured_run():
+    runs = [{"x": 3.0}, {"x": 1.0}, {"x": 2.0}, {"x": 5.0}]
+    assert bench_load.median_run(runs, "x") == {"x": 2.0}
+    assert bench_load.median_run(runs[:3], "x") == {"x": 2.0}
+    assert bench_load.median_run(runs[:1], "x") == {"x": 3.0}

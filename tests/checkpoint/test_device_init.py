@@ -48,8 +48,8 @@ def recorder(monkeypatch):
     monkeypatch.setitem(device_init.STARTERS, "meta", rec)
     real_iter, real_set = files.iter_tensors, files._set_param
 
-    def iter_tensors(path, headers):
-        for item in real_iter(path, headers):
+    def iter_tensors(path, headers, *how):  # how: the reader and device
+        for item in real_iter(path, headers, *how):
             if not rec.read_first.is_set():
                 rec.events.append("first tensor read")
                 rec.read_first.set()
@@ -144,8 +144,8 @@ def test_an_unfilled_parameter_is_still_an_error(tiny_ckpt, monkeypatch):
     """Embeddings start uninitialized now, as linears did: a tensor the loop never copies must still be refused."""
     real = files.iter_tensors
 
-    def all_but_the_embedding(path, headers):
-        return ((n, t) for n, t in real(path, headers) if n != "model.embed_tokens.weight")
+    def all_but_the_embedding(path, headers, *how):
+        return ((n, t) for n, t in real(path, headers, *how) if n != "model.embed_tokens.weight")
 
     monkeypatch.setattr(files, "iter_tensors", all_but_the_embedding)
     with pytest.raises(CheckpointError, match="left unfilled.*model.embed_tokens.weight"):

@@ -178,3 +178,11 @@ def test_load_spec_names_the_fast_path_glue():
     assert LoadSpec("ckpt").elementwise == "triton" and LoadSpec("ckpt", elementwise="compile").elementwise == "compile"
     with pytest.raises(ValueError, match=r"elementwise must be one of \('triton', 'compile', 'eager'\), got 'fused'"):
         LoadSpec("ckpt", fast_path=True, elementwise="fused")
+
+
+def test_load_spec_refuses_an_unknown_reader():
+    from mtp.distributed.driver import LoadSpec
+
+    assert LoadSpec("ckpt", reader="pread").reader == "pread"
+    with pytest.raises(ValueError, match="reader must be one of"):
+        LoadSpec("ckpt", reader="mmapp")

@@ -170,6 +170,7 @@ def test_generate_kwargs_build_a_generation_config():
      "draft.min_draft_prob = 0.2 is invalid: expected 0 with draft_sampling='sample'"),
     (["draft.tree=2x1", "verify=sample", "runtime.mode=graph"], "runtime.mode = 'graph' is invalid: expected 'eager'"),
     (["runtime.expert_layout=striped"], "runtime.expert_layout = 'striped' is invalid: expected one of"),
+    (["runtime.load_reader=direct"], "runtime.load_reader = 'direct' is invalid: expected one of"),
     (["runtime=cuda", "runtime.fast_path=true", "runtime.tp=2", "runtime.expert_layout=interleaved"],
      "runtime.expert_layout = 'interleaved' is invalid: expected 'contiguous' with runtime.fast_path=true"),
     (["runtime=cuda", "runtime.fast_path=true", "runtime.elementwise=fused"],
