@@ -527,7 +527,9 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         if gate_up_stages is None:
             # H200 sweep (T=1 / T=4): 4 stages (145 KB smem, 1 program per SM) won when the leaders' programs
             # fit in one wave (105 vs 111 us at T=1); with more programs 3 stages (2 per SM) won (331 vs 358 us).
-            gate_up_stages = 4 if P * (I // BLOCK) <= _sm_count(dev) else 3
+            # The sweep's shapes had BM = 16; the x tile grows with BM, and 4 stages at BM = 64 need 238 KB of
+            # the 227 KB a block may hold (seen: OutOfResources on the bundled model at 64 tokens, 2 x H200).
+            gate_up_stages = 4 if bm <= 16 and P * (I // BLOCK) <= _sm_count(dev) else 3
         _moe_gate_up_kernel[(P, I // BLOCK)](x, idx, *wargs, h8, hs, T, D, I, x.stride(0), w_gate.stride(0),
                                              s_gate.stride(0), s_gate.stride(1), num_stages=gate_up_stages, **kw)
         ks_down = 1
