@@ -70,3 +70,14 @@ def tensor_extent(file: Path, header: dict, start: int, size: int, name: str
         raise CheckpointError(f"{file}: truncated or corrupt: tensor {name!r} ends at byte {start + offs[1]}, the file "
                               f"has {size}")
     return dt, tuple(shape), start + offs[0], start + offs[1]
+
+
+def in_file_order(header: dict, names) -> list[str]:
+    """`names` sorted by where their bytes start in the shard (`header` as `shard_header` returns it): read in this
+    order, a shard is read front to back. A bad entry sorts first, so its error comes before any other read."""
+    def begin(n: str) -> int:
+        try:
+            return int(header[n]["data_offsets"][0])
+        except (TypeError, KeyError, IndexError, ValueError):
+            return -1
+    return sorted(names, key=begin)

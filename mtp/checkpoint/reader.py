@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .header import CheckpointError, shard_header, tensor_extent
+from .header import CheckpointError, in_file_order, shard_header, tensor_extent
 
 CHUNK = 64 << 20  # bytes per read and per staging buffer
 AHEAD = 256 << 20  # bytes of the reads to come asked of the kernel ahead of the read position (`will_read`)
@@ -158,12 +158,7 @@ class ShardReader:
 
     def in_file_order(self, names) -> list[str]:
         """`names` sorted by where their bytes start in the file: reading them in this order reads it front to back."""
-        def begin(n: str) -> int:
-            try:
-                return int(self.header[n]["data_offsets"][0])
-            except (TypeError, KeyError, IndexError, ValueError):
-                return -1  # a bad entry: read first, so its error comes before any other read
-        return sorted(names, key=begin)
+        return in_file_order(self.header, names)
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0,
              device: str | torch.device | None = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from ..checkpoint.device_init import DeviceInit
 from ..checkpoint.files import CheckpointError, check_scales, check_values, ckpt_name, open_checkpoint, param_name
+from ..checkpoint.header import in_file_order, shard_header
 from ..checkpoint.reader import ShardReader, Staging
 from ..model.config import BLOCK, ConfigError, ModelConfig, RuntimeOptions
 from ..model.layers import yarn_inv_freq
@@ -186,9 +187,10 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
     for fname in sorted(by_file):
         file = path / fname
         with open_shard(file, reader, device, staging) as f:
-            names = by_file[fname]
+            # front to back through the file (experts are stored by name, 0, 1, 10, 100, ..., not in parameter order)
+            names = f.in_file_order(by_file[fname]) if reader == "pread" else in_file_order(shard_header(file)[1],
+                                                                                            by_file[fname])
             if reader == "pread":
-                names = f.in_file_order(names)
                 f.will_read([f.span(n, s.dim, s.start, s.stop) for n in names for s in (read_shard(layout, n),)])
             for name in names:
                 pname = param_name(name, cfg)

@@ -8,6 +8,7 @@ A rank's load issues no collective, so rank r of W is loaded here in this one pr
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +119,45 @@ def test_truncated_shard_named_before_any_read(fp8_ckpt, tmp_path, monkeypatch):
         load_parallel(ckpt, RankComm(1, 2), reader="pread", numerics="dequant")
     assert str(shard) in str(ei.value) and "tensor '" in str(ei.value)
     assert reads == []  # the shard headers are validated before any tensor is read
+
+
+@pytest.mark.parametrize("which", ["mmap", "pread"])
+def test_each_shard_is_read_front_to_back(fp8_ckpt, monkeypatch, which):
+    """Both readers take a shard's tensors in the order their bytes lie in the file (not parameter order: experts
+    are stored by name, 0, 1, 10, 100, ...), so a rank's reads of one shard go front to back."""
+    from mtp.checkpoint.header import shard_header
+    from mtp.parallel import load as pload
+
+    seen: list[tuple[str, str]] = []
+    real_open = pload.open_shard
+
+    class Recording:
+        def __init__(self, f, file):
+            self.f, self.file = f, file
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, name):
+            seen.append((self.file, name))
+            return self.f.get_tensor(name)
+
+        def get_slice(self, name):
+            seen.append((self.file, name))
+            return self.f.get_slice(name)
+
+        def __getattr__(self, attr):
+            return getattr(self.f, attr)
+
+    monkeypatch.setattr(pload, "open_shard", lambda file, *a: Recording(real_open(file, *a), str(file)))
+    load_parallel(fp8_ckpt, RankComm(1, 2), reader=which)
+    files = list(dict.fromkeys(f for f, _ in seen))
+    assert len(files) == 3 and len(seen) > 50
+    for file in files:
+        _, header = shard_header(Path(file))
+        offsets = [int(header[n]["data_offsets"][0]) for f, n in seen if f == file]
+        assert offsets == sorted(offsets), f"{file}: read out of file order"
