@@ -23,6 +23,7 @@
 #   PARTS="ar par deep" ...                  # issue 25 on 2-4 GPUs: the all-reduce bench on every GPU, a real TP=2 and
 #                                             # TP=$ngpu step with nccl vs oneshot (PAR_TP), a real TP=$ngpu step of
 #                                             # DEEP_LAYERS beside its simulated rank (mtp-bench --tp $ngpu)
+#   PARTS=moebatch MOEB_ARGS=--quick ...      # every moe_experts layout at T = 1..4096 (the grouped GEMM's thresholds)
 #   PARTS="tp8v gemv tp1v" ...                # kernel choices side by side (issue 16): the TP=8 rank at 1k with the
 #                                             # kernel variants $VARIANTS, the GEMV sweep (mtp.bench.fused), and
 #                                             # the TP=1 bench once per switch set in $TP1_KERNELS ("-" = defaults)
@@ -172,6 +173,11 @@ if [ "$ngpu" -ge 2 ] && want deep; then  # a real TP=N step as deep as the GPUs 
   timeout "${DEEP_S:-300}" python3 -m mtp.bench --tp "$ngpu" --layers "$DEEP_LAYERS" --dense-layers 3 --prompt-len 1024 --no-spec \
     --json "$OUT/deep_sim_tp${ngpu}.json" 2>&1 | tee "$OUT/deep_sim_tp${ngpu}.log" | grep -v -i warn \
     | grep -v "^ \{4,\}[0-9.]* us" | tail -20
+fi
+if want moebatch; then  # every moe_experts layout over T = 1..4096 tokens, TP=8 rank and TP=1 (issue 25)
+  echo "== moe_experts layouts by token count (python -m mtp.bench.topk_moe --only moe_batch) $(date -u +%H:%M:%S)"
+  timeout "${MOEB_S:-360}" python3 -m mtp.bench.topk_moe --only moe_batch ${MOEB_ARGS:-} --out "$OUT" 2>&1 \
+    | tee "$OUT/moe_batch.log" | grep -v -i warn | tail -40
 fi
 if want startup; then  # cold / warm start on the bundled model, phase by phase (issue 24 item 6)
   echo "== start-up, cold and warm $(date -u +%H:%M:%S)"
