@@ -30,11 +30,9 @@ Numerics (fp32 inside, like the references' `fp8.acc_dtype`): every kernel is bu
 
 Start-up: a kernel compiles once per dtype combination, layout and row width (the norms); token and row counts and
 the rank of a rotary input are not specialised on (`do_not_specialize`, fixed head and column blocks), so one
-generation of the bundled model compiles 10 of them (20 with Triton's default integer specialisation). Measured on
-an H200, `python -m mtp.bench.startup --configs fast-eager fast` in one call: the first generation's first token
-8.3 s (eager glue) vs 12.9 s (these) after a cold start, 1.2 vs 1.2 s warm; the torch.compile'd glue, in another
-call: 26.9 s cold, 6.8 s warm. A 3-layer real-width graph-replayed verify step, w = 1 / 4: 1.242 / 1.668 ms with
-these, 1.250 / 1.666 torch.compile'd, 1.283 / 1.708 eager.
+generation of the bundled model compiles 10 of them (20 with Triton's default integer specialisation). Start-up
+with these vs the eager and the torch.compile'd glue: BENCHMARKS.md ("Session 8: start-up cut ..."); the decode
+step with each, side by side: `mtp-bench --elementwise triton|compile|eager` (TP=1 and `--tp N`).
 
 rotate_activation is a tl.dot of a [rows, n] tile with the n x n Sylvester Hadamard matrix, generated in registers
 per 32-row chunk (sign = parity of popcount(i & j), as `mla_prologue._hadamard`), in fp32 with
