@@ -87,7 +87,6 @@ class ModelSchema:
             _fail("model.n_mtp", self.n_mtp, "null or an integer >= 0")
 
 
-
 @dataclass
 class DraftSchema:
     name: str = MISSING  # a registered drafter (mtp.draft.modes): checked with the generation options
