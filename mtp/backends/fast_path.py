@@ -53,7 +53,7 @@ from ..kernels import available
 from ..kernels.absorb import MAX_TOKENS as ABSORB_MAX_TOKENS
 from ..kernels.absorb import absorb_out, absorb_q
 from ..kernels.cache_write import cache_write
-from ..kernels.dispatch import ELEMENTWISE_IMPLS, FastPathOptions, linear, route
+from ..kernels.dispatch import ELEMENTWISE_IMPLS, FastPathOptions, linear, local_ids, route
 from ..kernels.elementwise import triton_ops
 from ..kernels.fp8_gemm import SMALL_M
 from ..kernels.indexer import TOPK_IMPLS, indexer_topk
@@ -195,9 +195,7 @@ class FastMoE(MoE):
                                                                torch.cat([r[1] for r in routes]))
         else:  # prefill: the reference router (an fp32 GEMM and a sort, no host sync)
             w_NK, ids_NK = self.gate(x_ND)
-            if local is not None:
-                ids_NK = torch.where(self.is_local(ids_NK), ids_NK - self.e0, -1)
-            w_NK, ids_NK = w_NK.float(), ids_NK.int()
+            w_NK, ids_NK = w_NK.float(), local_ids(ids_NK, local).int()
         s = self.stacked
         ws = (s["gate_proj.weight"], s["gate_proj.weight_scale_inv"], s["up_proj.weight"],
               s["up_proj.weight_scale_inv"], s["down_proj.weight"], s["down_proj.weight_scale_inv"])

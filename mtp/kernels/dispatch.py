@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-__all__ = ["ELEMENTWISE_IMPLS", "FastPathOptions", "linear", "route"]
+__all__ = ["ELEMENTWISE_IMPLS", "FastPathOptions", "linear", "local_ids", "route"]
 
 # the fast path's elementwise ops: 'triton' (one Triton kernel each, `kernels.elementwise`; the default), 'compile'
 # (torch.compile of the reference functions: ~33 s of start-up on a cold cache), 'eager' (the reference functions)
@@ -109,8 +109,13 @@ def route(x_ND: torch.Tensor, gate, opts: FastPathOptions,
     from mtp.kernels.moe import moe_route
 
     w, ids = moe_route(x_ND, gate.weight, gate.e_score_correction_bias, **kw)
-    if local is not None:
-        e0, e1 = local
-        ids = ids - e0
-        ids = torch.where((ids >= 0) & (ids < e1 - e0), ids, -1)
-    return w, ids
+    return w, local_ids(ids, local)
+
+
+def local_ids(ids: torch.Tensor, local: tuple[int, int] | None) -> torch.Tensor:
+    """Global expert ids as the rank holding [e0, e1) = `local` sees them: e - e0 inside, -1 outside (None: all)."""
+    if local is None:
+        return ids
+    e0, e1 = local
+    ids = ids - e0
+    return torch.where((ids >= 0) & (ids < e1 - e0), ids, -1)
