@@ -37,12 +37,6 @@ CONFIGS = ("reference", "fast", "fast-compile", "fast-eager")
 ELEMENTWISE = {"fast": "triton", "fast-compile": "compile", "fast-eager": "eager"}  # enable_fast_path(elementwise=)
 
 
-def _has_triton() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
-
-
 def _count(d: Path, pattern: str) -> int:
     return sum(1 for _ in d.rglob(pattern)) if d.is_dir() else 0
 
@@ -132,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     # One throwaway import first, so that the first configuration does not alone pay the OS file cache of torch's
     # and Triton's libraries (seen: 4.3-4.6 s of import for the first configuration, 3.0 s for the last); "cold"
     # here means empty Triton / Inductor caches, a machine's second process on.
+    from ..kernels import HAS_TRITON
+
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch, triton, mtp" if _has_triton() else "import torch, mtp"],
+    subprocess.run([sys.executable, "-c", "import torch, triton, mtp" if HAS_TRITON else "import torch, mtp"],
                    env=dict(os.environ), capture_output=True, text=True, timeout=args.timeout)
     warmup_s = time.perf_counter() - t
     print(f"file-cache warm-up import: {warmup_s:.1f} s", flush=True)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import mtp.bench.startup as startup
+from mtp.kernels import HAS_TRITON
 
 
 def _child_row(cuda_init_s):
@@ -37,7 +38,7 @@ def test_the_switch_reaches_the_child_and_the_report(tmp_path, monkeypatch, caps
     argv = ["--configs", "reference", "--json", str(tmp_path / "s.json")]
     argv += [] if overlap else ["--no-overlap-cuda-init"]
     assert startup.main(argv) == 0
-    assert cmds[0][1:3] == ["-c", "import torch, triton, mtp" if startup._has_triton() else "import torch, mtp"]
+    assert cmds[0][1:3] == ["-c", "import torch, triton, mtp" if HAS_TRITON else "import torch, mtp"]
     cmds = cmds[1:]
     assert len(cmds) == 2 and all(("--no-overlap-cuda-init" in c) != overlap for c in cmds)  # cold and warm
     out = capsys.readouterr().out
