@@ -43,9 +43,9 @@ same = [x["tokens"] == y["tokens"] and x["row_accepted_hist"] == y["row_accepted
 print(f"mtp-eval {sys.argv[1]}: TP=2 tokens and histograms equal TP=1 for {sum(same)} of {len(same)} prompts")
 PY
 }
-nccl_loop() {  # start seconds, budget seconds: the NCCL tests run after run while the budget lasts
+nccl_loop() {  # start seconds, budget seconds: the NCCL tests run after run while the budget lasts (at most $LOOP_RUNS)
   local i=0
-  while [ $(( $(date +%s) - $1 )) -lt "$2" ]; do
+  while [ $(( $(date +%s) - $1 )) -lt "$2" ] && [ "$i" -lt "${LOOP_RUNS:-1000}" ]; do
     i=$((i + 1)); echo "== NCCL tests, run $i $(date -u +%H:%M:%S)"
     timeout "${DIST_TEST_S:-240}" python3 -m pytest -q -m gpu ${DIST_TESTS:-tests/distributed/test_driver.py tests/parallel/test_parallel.py} \
       -p no:cacheprovider 2>&1 | tee -a "$OUT/pytest_dist.log" | tail -1
