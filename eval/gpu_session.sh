@@ -20,6 +20,7 @@
 #   PARTS="startup f64 loadscale ncclloop" ... # cold / warm start (mtp.bench.startup), TP=2 == TP=1 in float64,
 #                                             # a real-width checkpoint from disk at TP=2, mmap and pread readers, vs raw read (mtp.bench.load),
 #                                             # the NCCL tests in a row for LOOP_BUDGET_S
+#   PARTS=shards SHARDS="a.py,b.py c.py" ...  # GPU test files spread over the GPUs, one pytest process per GPU
 #   PARTS="ar par deep" ...                  # issue 25 on 2-4 GPUs: the all-reduce bench on every GPU, a real TP=2 and
 #                                             # TP=$ngpu step with nccl vs oneshot (PAR_TP), a real TP=$ngpu step of
 #                                             # DEEP_LAYERS beside its simulated rank (mtp-bench --tp $ngpu)
@@ -40,7 +41,7 @@ import json, sys
 rows = lambda d: [json.loads(l) for l in open(f"{d}/samples.jsonl")]
 a, b = rows(sys.argv[2]), rows(sys.argv[3])
 same = [x["tokens"] == y["tokens"] and x["row_accepted_hist"] == y["row_accepted_hist"] for x, y in zip(a, b)]
-print(f"mtp-eval {sys.argv[1]}: TP=2 tokens and histograms equal TP=1 for {sum(same)} of {len(same)} prompts")
+print(f"mtp-eval {sys.argv[1]}: TP=N tokens and histograms equal TP=1 for {sum(same)} of {len(same)} prompts")
 PY
 }
 nccl_loop() {  # start seconds, budget seconds: the NCCL tests run after run while the budget lasts (at most $LOOP_RUNS)
@@ -55,6 +56,19 @@ echo "== $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $ngpu,
 if want tests; then
   echo "== GPU tests ${GPU_TESTS:=$(ls tests/*/test_*_gpu.py | tr '\n' ' ')}"
   timeout "${TESTS_S:-420}" python3 -m pytest -q -m gpu $GPU_TESTS 2>&1 | tee "$OUT/pytest_gpu.log" | tail -4
+fi
+if want shards; then  # GPU test files over the machine's GPUs, one pytest per GPU at a time, all in parallel
+  SHARDS=${SHARDS:-$(ls tests/*/test_*_gpu.py | tr '\n' ' ')}  # a shard: files joined by commas
+  n=$(( ngpu > 0 ? ngpu : 1 ))
+  echo "== GPU tests in shards over $n GPUs $(date -u +%H:%M:%S)"
+  i=0
+  for sh in $SHARDS; do
+    CUDA_VISIBLE_DEVICES=$((i % n)) timeout "${TESTS_S:-420}" python3 -m pytest -q -m gpu ${sh//,/ } -p no:cacheprovider \
+      > "$OUT/pytest_shard$i.log" 2>&1 &
+    i=$((i + 1)); [ $((i % n)) -eq 0 ] && wait
+  done
+  wait
+  for ((j = 0; j < i; j++)); do echo "shard $j ($(echo $SHARDS | cut -d' ' -f$((j + 1)))): $(tail -1 "$OUT/pytest_shard$j.log")"; done
 fi
 if [ "$ngpu" -ge 2 ] && want nccl; then
   echo "== NCCL tests (2 ranks)"
@@ -118,34 +132,34 @@ if want tp8; then
     | tee "$OUT/bench_tp8.log" | grep -v -i warn | grep -v "^ \{4,\}[0-9.]* us" | tail -60
   echo "== done $(date -u +%H:%M:%S)"
 fi
-if [ "$ngpu" -ge 2 ] && want dist; then  # runtime.tp=2 over NCCL on the bundled model (needs the Hydra wheels: README)
+if [ "$ngpu" -ge 2 ] && want dist; then  # runtime.tp=$DIST_TP (default 2) over NCCL on the bundled model (needs the Hydra wheels: README)
   export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=1
-  t_dist=$(date +%s)
+  t_dist=$(date +%s); T=${DIST_TP:-2}
   CK=$(python3 -c "from mtp.checkpoint.tiny import default_checkpoint as d; print(d())")
   for dt in fp32 bf16; do  # the reference path: TP=2 and TP=1 then differ only in the all-reduce's summation order
-    echo "== launcher TP=2 (torchrun) vs TP=1, $dt, reference path $(date -u +%H:%M:%S)"
+    echo "== launcher TP=$T (torchrun) vs TP=1, $dt, reference path $(date -u +%H:%M:%S)"
     L=("$CK" --prompt "def reverse(xs):" --max-new-tokens 48 --dtype $dt --no-fast-path)
     timeout 240 python3 -m mtp.distributed.launch "${L[@]}" > "$OUT/launch_tp1_$dt.txt" 2> "$OUT/launch_tp1_$dt.err"
-    timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m mtp.distributed.launch "${L[@]}" --check \
-      > "$OUT/launch_tp2_$dt.txt" 2> "$OUT/launch_tp2_$dt.err"
-    echo "exit $?; stdout equal: $(cmp -s "$OUT/launch_tp1_$dt.txt" "$OUT/launch_tp2_$dt.txt" && echo yes || echo NO)" \
-      "($(wc -c < "$OUT/launch_tp2_$dt.txt") bytes)"
-    grep -h "world" "$OUT/launch_tp1_$dt.err" "$OUT/launch_tp2_$dt.err"
+    timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node $T -m mtp.distributed.launch "${L[@]}" --check \
+      > "$OUT/launch_tp${T}_$dt.txt" 2> "$OUT/launch_tp${T}_$dt.err"
+    echo "exit $?; stdout equal: $(cmp -s "$OUT/launch_tp1_$dt.txt" "$OUT/launch_tp${T}_$dt.txt" && echo yes || echo NO)" \
+      "($(wc -c < "$OUT/launch_tp${T}_$dt.txt") bytes)"
+    grep -h "world" "$OUT/launch_tp1_$dt.err" "$OUT/launch_tp${T}_$dt.err"
   done
   [ -n "${DIST_LAUNCH_ONLY:-}" ] && exit 0
   EV="dataset.limit=4 max_new_tokens=48 timing.repeats=1 plots=false runtime=cuda runtime.mode=${DIST_MODE:-overlap}"
-  for run in "tp1_fp32 runtime.tp=1 runtime.dtype=float32" "tp2_fp32 runtime.tp=2 runtime.dtype=float32" \
-             "tp2_bf16 runtime.tp=2"; do
+  for run in "tp1_fp32 runtime.tp=1 runtime.dtype=float32" "tp${T}_fp32 runtime.tp=$T runtime.dtype=float32" \
+             "tp${T}_bf16 runtime.tp=$T"; do
     set -- $run; name=$1; shift
     echo "== mtp-eval $name $(date -u +%H:%M:%S)"
     /usr/bin/time -f "wall %e s, exit %x" timeout 300 python3 -m eval.run $EV "$@" hydra.run.dir="$OUT/eval_$name" 2>&1 \
       | grep -E "^│ all|wall|error"
   done
-  same_runs fp32 "$OUT/eval_tp1_fp32" "$OUT/eval_tp2_fp32"
-  echo "== mtp-eval sweep draft.k=1,2,3 at TP=2 (one load) $(date -u +%H:%M:%S)"
-  /usr/bin/time -f "wall %e s, exit %x" timeout 400 python3 -m eval.run -m $EV runtime.tp=2 draft.k=1,2,3 \
-    hydra.sweep.dir="$OUT/sweep_tp2" 2>&1 | grep -E "^│ all|wall|error|#"
-  echo "== mtp-chat at TP=2 in a pseudo-terminal $(date -u +%H:%M:%S)"
+  same_runs fp32 "$OUT/eval_tp1_fp32" "$OUT/eval_tp${T}_fp32"
+  echo "== mtp-eval sweep draft.k=1,2,3 at TP=$T (one load) $(date -u +%H:%M:%S)"
+  /usr/bin/time -f "wall %e s, exit %x" timeout 400 python3 -m eval.run -m $EV runtime.tp=$T draft.k=1,2,3 \
+    hydra.sweep.dir="$OUT/sweep_tp$T" 2>&1 | grep -E "^│ all|wall|error|#"
+  echo "== mtp-chat at TP=2 (the test's own TP) in a pseudo-terminal $(date -u +%H:%M:%S)"
   MTP_CHAT_TEST_RUNTIME=cuda timeout 200 python3 -m pytest -q tests/chat/test_cli.py -k 2 -p no:cacheprovider 2>&1 | tail -2
   nccl_loop "$t_dist" "${DIST_BUDGET_S:-480}"  # the NCCL tests again and again, as long as the budget allows
 fi
