@@ -17,6 +17,7 @@ overlap: replay step n+1 BEFORE the host reads step n (outputs staged in two pin
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 
@@ -40,8 +41,19 @@ def capture_graph(fn: Callable[[], None], warmup: int = 2) -> torch.cuda.CUDAGra
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = track(torch.cuda.CUDAGraph())
-    with torch.cuda.graph(graph):
-        fn()
+    # A graph that died in a reference cycle (a dropped engine's) is destroyed when the cyclic collector runs;
+    # if that happens mid-capture, its `reset` on the capturing stream invalidates the capture ("operation not
+    # permitted when stream is capturing (function reset)", seen on an H200: the tree graph-reuse test, overlap).
+    # Collect before, and keep the collector off until the capture ends.
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    finally:
+        if was_enabled:
+            gc.enable()
     return graph
 
 
