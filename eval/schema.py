@@ -24,7 +24,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from mtp.decode.config import GenerationConfig
 from mtp.draft.modes import drafts
-from mtp.spec.options import LOAD_READERS, MLP_SPLITS, MODES, OptionError, SamplingParams
+from mtp.spec.options import DEFAULT_LOAD_READER, LOAD_READERS, MLP_SPLITS, MODES, OptionError, SamplingParams
 from mtp.draft.config import DRAFT_SAMPLING, HIDDEN
 from mtp.placement import EXPERT_LAYOUTS
 from mtp.spec.options import SPAN_RULES
@@ -185,7 +185,7 @@ class RuntimeSchema:
     mlp_split: str = "blocks"  # how dense / shared-expert MLPs split over ranks (mtp.parallel.layout)
     allreduce: str = "nccl"  # the ranks' all-reduce: nccl | oneshot (NVLink peer memory, mtp.parallel.oneshot; CUDA)
     expert_layout: str = "contiguous"  # which routed experts each rank holds (mtp.placement); router unchanged
-    load_reader: str = "mmap"  # how the shards are read: mmap (safetensors) | pread (mtp.checkpoint.reader); same bytes
+    load_reader: str = DEFAULT_LOAD_READER  # how the shards are read: pread (mtp.checkpoint.reader) | mmap (safetensors); same bytes
 
     def __post_init__(self):
         if self.tp < 1:

@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..spec.options import LOAD_READERS
+from ..spec.options import DEFAULT_LOAD_READER, LOAD_READERS
 
 GB = 1e9
 
@@ -146,7 +146,7 @@ def raw_read(files: list[Path], readers: int, chunk: int = 64 << 20) -> dict:
     return {"readers": readers, "bytes": sum(done), "seconds": dt, "gb_per_s": sum(done) / dt / GB}
 
 
-def load_tp(path: Path, tp: int, device_type: str, dtype: str, reader: str = "mmap") -> dict:
+def load_tp(path: Path, tp: int, device_type: str, dtype: str, reader: str = DEFAULT_LOAD_READER) -> dict:
     """The product path: `mtp.distributed.driver.start` + `Peers.load` with shard reader `reader`, page cache
     emptied first."""
     from ..distributed.driver import LoadSpec, start

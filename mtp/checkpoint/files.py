@@ -30,7 +30,7 @@ from ..model import fp8
 from ..model.config import ConfigError, ModelConfig, RuntimeOptions
 from ..model.layers import yarn_inv_freq
 from ..model.deepseek import DeepseekV32
-from ..spec.options import LOAD_READERS
+from ..spec.options import DEFAULT_LOAD_READER, LOAD_READERS
 from .header import ST_DTYPES, CheckpointError, shard_header
 from .device_init import DeviceInit
 from .inventory import checkpoint_spec
@@ -189,13 +189,15 @@ def _check_layer_count(path: Path, wm: dict[str, str], cfg: ModelConfig, n_mtp: 
                               f"{len(held)}: no tensor of model.layers.{first}. is present")
 
 
-def iter_tensors(path: Path, headers, reader: str = "mmap",
+def iter_tensors(path: Path, headers, reader: str = DEFAULT_LOAD_READER,
                  device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (name, tensor) shard by shard: views of safetensors' memory map on the CPU (reader 'mmap': copy them
     before keeping them), or tensors of their own read to `device` in file order (reader 'pread',
     `mtp.checkpoint.reader`)."""
     device = torch.device(device)
     staging = Staging(device) if reader == "pread" and device.type == "cuda" else None
+    if device.type != "cuda":  # explicit reads land on the host or a CUDA device; the caller moves them elsewhere
+        device = torch.device("cpu")
     by_file: dict[str, list[str]] = {}
     for name, (_, _, f) in headers.items():
         by_file.setdefault(f, []).append(name)
@@ -286,7 +288,7 @@ def resolve_n_mtp(cfg: ModelConfig, n_mtp: int | None, source: str | os.PathLike
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                numerics: str = "fp8", n_mtp: int | None = None, runtime: RuntimeOptions | None = None,
-               reader: str = "mmap") -> DeepseekV32:
+               reader: str = DEFAULT_LOAD_READER) -> DeepseekV32:
     """Load an HF DeepSeek-V3.2 checkpoint directory (FP8 or bf16) into `DeepseekV32` on `device`.
 
     n_mtp: how many MTP layers to load (default: config's num_nextn_predict_layers; 0 skips them).

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..spec.options import LOAD_READERS
+from ..spec.options import DEFAULT_LOAD_READER, LOAD_READERS
 from .group import TIMEOUT_ENV, RankFailure, RankGroup, abort_data_group, collective_timeout, describe, init_group
 
 ERROR_DIR_ENV = "MTP_RANK_ERROR_DIR"  # where spawned ranks leave their last error (rank{r}.err) and log
@@ -56,7 +56,7 @@ class LoadSpec:
     elementwise: str = "triton"  # the fast path's elementwise ops: mtp.kernels.dispatch.ELEMENTWISE_IMPLS
     allreduce: str = "nccl"  # mtp.parallel.comm.ALLREDUCE_IMPLS
     expert_layout: str = "contiguous"  # mtp.placement
-    reader: str = "mmap"  # how the shards are read: mtp.spec.options.LOAD_READERS
+    reader: str = DEFAULT_LOAD_READER  # how the shards are read: mtp.spec.options.LOAD_READERS
 
     def __post_init__(self) -> None:
         from ..kernels.dispatch import ELEMENTWISE_IMPLS

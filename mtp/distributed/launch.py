@@ -21,7 +21,7 @@ import sys
 
 from ..checkpoint.files import CheckpointError
 from ..draft.modes import DRAFTS
-from ..spec.options import LOAD_READERS, MODES, OptionError
+from ..spec.options import DEFAULT_LOAD_READER, LOAD_READERS, MODES, OptionError
 from ..verify.registry import VERIFIERS
 from ..model.config import NUMERICS, ConfigError
 from ..preflight import PreflightError, preflight
@@ -48,7 +48,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                     help="the ranks' all-reduce: nccl, or oneshot (NVLink peer memory, fused with the add + norm)")
     ap.add_argument("--expert-layout", choices=EXPERT_LAYOUTS, default="contiguous",
                     help="which routed experts each rank holds (mtp/placement.py); non-contiguous: no fast path")
-    ap.add_argument("--load-reader", choices=LOAD_READERS, default="mmap",
+    ap.add_argument("--load-reader", choices=LOAD_READERS, default=DEFAULT_LOAD_READER,
                     help="how the shards are read: mmap (safetensors' memory map) or pread (large explicit reads)")
     ap.add_argument("--mode", choices=MODES, default=None,
                     help="decode loop (default: overlap on GPUs, eager on CPU)")

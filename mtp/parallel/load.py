@@ -25,7 +25,7 @@ from ..checkpoint.reader import ShardReader, Staging
 from ..model.config import BLOCK, ConfigError, ModelConfig, RuntimeOptions
 from ..model.layers import yarn_inv_freq
 from ..model.deepseek import DeepseekV32
-from ..spec.options import LOAD_READERS
+from ..spec.options import DEFAULT_LOAD_READER, LOAD_READERS
 from .comm import Comm
 from .layout import FULL, ParallelPlan, RankLayout, Shard
 from .modules import shard_model
@@ -154,7 +154,7 @@ def load_parallel(path: str | os.PathLike, comm: Comm | None = None, *, plan: Pa
                   device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, numerics: str = "fp8",
                   n_mtp: int | None = None, runtime: RuntimeOptions | None = None,
                   static_moe: bool = False, progress: Callable[[int, int], None] | None = None,
-                  reader: str = "mmap") -> DeepseekV32:
+                  reader: str = DEFAULT_LOAD_READER) -> DeepseekV32:
     """This rank's part of an HF DeepSeek-V3.2 checkpoint as a `DeepseekV32` whose forward runs collectively.
 
     comm: the process group wrapper (default: the default group, or a single process). Every rank of the

@@ -13,6 +13,8 @@ from typing import Any
 
 MLP_SPLITS = ("blocks", "even")  # how a model split over ranks cuts its MLPs (mtp.parallel.layout)
 LOAD_READERS = ("mmap", "pread")  # how a load reads the shards: safetensors' mmap | explicit reads (mtp.checkpoint.reader)
+# pread: 1.63 GB/s per node vs mmap 1.01 against 1.47 raw, TP=2 on a 4 x H100 node (BENCHMARKS.md, session 9); equal on CPU
+DEFAULT_LOAD_READER = "pread"
 MODES = ("eager", "graph", "overlap")  # eager | graph (whole step in one CUDA graph) | overlap (graph + pipelined host)
 MAX_K = 16  # the most drafts per step a GenerationConfig takes: far past the point where position k is still accepted
 
