@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-from mtp.chat.session import HELP, Session, Settings, loop
+from mtp.chat.session import Session, Settings, help_text, loop
 from mtp.chat.terminal import StopFlag, TerminalInput, TerminalView
 
 from . import conf_dir
@@ -109,7 +109,7 @@ def chat_help() -> str:
             f"config groups (conf/chat.yaml picks one option each):\n{groups}\n\n"
             "settings: max_new_tokens, thinking, show_drafts, and any key of a group\n"
             "  (draft.k=3, runtime.max_model_len=8192, ...); --hydra-help for Hydra's own flags\n\n"
-            f"in the chat, {HELP}\n")
+            f"in the chat, {help_text()}\n")
 
 
 def main() -> None:

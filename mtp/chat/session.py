@@ -32,9 +32,9 @@ from .tools import TOOLS_HELP, describe_calls, load_tools, read_tool_calls, tool
 from ..decode.config import GenerationConfig
 from ..decode.engine import StepEvent, stops
 from ..decode.metrics import SpecMetrics
-from ..draft.modes import DRAFTS, drafts
+from ..draft.modes import DRAFTERS, drafts
 from ..spec.options import MAX_K, OptionError, draft_room
-from ..verify.registry import VERIFIERS, verifier
+from ..verify.registry import VERIFIER_REGISTRY, verifier
 from ..draft.config import DraftConfig
 from ..text.dsml import CompletionFormatError
 from ..text.prompt import encode_chat
@@ -44,7 +44,7 @@ from .terminal import StopFlag
 from .turn import TRANSCRIPT_FORMAT, ReplyStream, StepLog, Turn, View, stats_line
 
 
-HELP = """\
+_HELP = """\
 commands:
   /think on|off                thinking mode (reasoning, then </think>, then the answer)
   /draft {drafts:<21} MTP drafting mode (none = plain autoregressive decoding)
@@ -60,8 +60,14 @@ commands:
   /help                        this text
   /exit                        quit (Ctrl-D too)
 Ctrl-C stops a reply (press twice to stop at once, even mid-prefill). A line starting with // sends a
-message that starts with /. A line ending with \\ continues the message on the next line.""".format(
-    tools=TOOLS_HELP, drafts="|".join(DRAFTS), max_k=MAX_K, verifiers="|".join(VERIFIERS))
+message that starts with /. A line ending with \\ continues the message on the next line."""
+
+
+def help_text() -> str:
+    """The /help text with the drafters and verifiers registered now (mtp.draft.modes, mtp.verify.registry), not
+    those of import time: one a plugin registers after this module is imported is listed too."""
+    return _HELP.format(tools=TOOLS_HELP, drafts="|".join(DRAFTERS), max_k=MAX_K,
+                        verifiers="|".join(VERIFIER_REGISTRY))
 
 # generate()'s option -> the command that sets it: how an OptionError from mtp's validation is reported
 COMMANDS = {"draft": "/draft", "k": "/k", "verify": "/verify", "max_new_tokens": "/max", "temperature": "/temperature"}
@@ -174,7 +180,7 @@ class Session:
 
     # ------------------------------------------------------------------ commands
     def _cmd_help(self, arg: str) -> None:
-        self.view.notice(HELP)
+        self.view.notice(help_text())
 
     def _cmd_reset(self, arg: str) -> None:
         self.context_start = len(self.turns)
@@ -217,7 +223,8 @@ class Session:
     def _cmd_k(self, arg: str) -> None:
         if arg:
             self._change(k=_parse(arg, int))
-        note = " (applies when drafting is on: /draft vanilla|eagle)" if not drafts(self.settings.draft) else ""
+        on = "|".join(name for name in DRAFTERS if drafts(name))
+        note = f" (applies when drafting is on: /draft {on})" if not drafts(self.settings.draft) else ""
         self.view.notice(f"k={self.settings.k}{note}")
 
     def _cmd_max(self, arg: str) -> None:

@@ -12,9 +12,12 @@ Field mapping (OpenAI -> generate option):
                  verifier (unless the request names one in `mtp.verify`, which wins)
     top_p, top_k, seed -> the sampling verifier's
     stop         strings that end the reply (matched on the streamed text, left out of it)
-    mtp          the speculative settings of this request (extension): draft, k, verify, top_n, delta,
-                 span_rule, draft_sampling. Settings that read server files or change the compiled step
-                 (draft_vocab, tree, mode, prefill_chunk) stay the server's.
+    mtp          the speculative settings of this request (extension): draft, k, verify, draft_sampling, and the
+                 options of the registered verifiers (`Verifier.options`: relaxed's top_n, delta, span_rule;
+                 typical's posterior_threshold, posterior_alpha), read from the registry per request, so a verifier
+                 registered later brings its own; one the request's verifier does not read is refused. Settings
+                 that read server files or change the compiled step (draft_vocab, tree, mode, prefill_chunk) and
+                 think_ids (the tokenizer's) stay the server's.
     thinking     DeepSeek's `thinking: {"type": "enabled" | "disabled"}`, or vLLM's
                  `chat_template_kwargs: {"thinking": bool}`; absent: the server's default
 Unsupported fields that would change the output (n > 1, logprobs, penalties, tool_choice 'required' or a named
@@ -28,17 +31,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..decode.config import GenerationConfig
+from ..decode.config import OPTIONS, GenerationConfig
 from ..draft.modes import drafts
 from ..spec.options import OptionError, is_int, is_number
 from ..text.prompt import encode_chat
 from ..text.tokenizer import Tokenizer
+from ..verify.registry import VERIFIER_REGISTRY
 
-# the generate options a request may set in its `mtp` object
-SPEC_FIELDS = ("draft", "k", "verify", "top_n", "delta", "span_rule", "draft_sampling")
-# generate()'s option -> the request field it comes from: how an OptionError is reported
-REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                  "seed": "seed", **{name: f"mtp.{name}" for name in SPEC_FIELDS}}
+# the generate options a request's `mtp` object may set whichever its verifier (the verifiers' own: verifier_fields)
+DRAFT_FIELDS = ("draft", "k", "verify", "draft_sampling")
+_SERVER_ONLY = ("think_ids",)  # verifier options the server sets (the tokenizer's), never a request
+# generate()'s option -> the OpenAI field it comes from (the `mtp` ones are `mtp.<option>`): how an OptionError is said
+OPENAI_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                 "seed": "seed"}
 _UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0),
                 "frequency_penalty": (None, 0), "logit_bias": (None, {}), "echo": (None, False),
                 "suffix": (None, ""), "best_of": (None, 1), "response_format": (None, {"type": "text"})}
@@ -168,16 +173,36 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def verifier_fields() -> dict[str, tuple[str, ...]]:
+    """The verifier options a request's `mtp` object may set -> the registered verifiers that read them. Asked of
+    the registry per request (a verifier registered after this module brings its options); `sampling` is not one
+    (its options are the OpenAI fields temperature, top_p, top_k, seed), nor what the server sets (_SERVER_ONLY)."""
+    fields: dict[str, tuple[str, ...]] = {}
+    for v in VERIFIER_REGISTRY.values():
+        for name in v.options:
+            if name in OPTIONS and name not in _SERVER_ONLY and name not in OPENAI_FIELDS:
+                fields[name] = fields.get(name, ()) + (v.name,)
+    return fields
+
+
+def request_field(option: str) -> str:
+    """The request field a generate option comes from (`max_tokens`, `mtp.top_n`)."""
+    if option in OPENAI_FIELDS:
+        return OPENAI_FIELDS[option]
+    return f"mtp.{option}" if option in DRAFT_FIELDS or option in verifier_fields() else option
+
+
 def generate_options(body: Mapping[str, Any], defaults: Defaults) -> dict[str, Any]:
     """The server's generate options with the request's sampling fields and `mtp` settings applied."""
     options = dict(defaults.options)
     spec = body.get("mtp") or {}
     if not isinstance(spec, Mapping):
         raise RequestError("mtp", f"mtp must be an object of speculative settings, got {spec!r:.80}")
-    unknown = sorted(set(spec) - set(SPEC_FIELDS))
+    known = DRAFT_FIELDS + tuple(verifier_fields())
+    unknown = sorted(set(spec) - set(known))
     if unknown:
         raise RequestError(f"mtp.{unknown[0]}", f"mtp.{unknown[0]} is not a per-request setting; "
-                                                f"known: {', '.join(SPEC_FIELDS)}")
+                                                f"known: {', '.join(known)}")
     options.update(spec)
     if "draft" in spec and "k" not in spec:  # k of the new draft: the server's, or 1 when the server drafts nothing
         options["k"] = (defaults.options.get("k") or None) if drafts(spec["draft"]) else 0
@@ -209,10 +234,11 @@ def _job(kind: str, body: Mapping[str, Any], ids: list[int], defaults: Defaults,
         config = GenerationConfig.from_options(max_new, **options)
         config.validate(model)
     except OptionError as e:
-        name = REQUEST_FIELDS.get(e.name, e.name)
+        name = request_field(e.name)
         raise RequestError(name, e.say(name)) from None
     except ValueError as e:  # rules that need the model (MTP modules for k drafts)
         raise RequestError("mtp", f"mtp: {e}") from None
+    _check_read(body.get("mtp") or {}, config)
     limit = context_limit(model, config, defaults)
     if not asked and len(ids) < limit < len(ids) + max_new:
         config = dataclasses.replace(config, max_new_tokens=limit - len(ids))  # no max_tokens: what room is left
@@ -225,6 +251,15 @@ def _job(kind: str, body: Mapping[str, Any], ids: list[int], defaults: Defaults,
     usage = (body.get("stream_options") or {}).get("include_usage", False) if stream else True
     return Job(kind, ids, config, thinking=thinking, tools=tools, stop=_stop(body), stream=stream,
                include_usage=bool(usage))
+
+
+def _check_read(spec: Mapping[str, Any], config: GenerationConfig) -> None:
+    """A verifier option the request sets is one its verifier reads: never silently dropped (temperature > 0 picks
+    verify='sample' unless mtp.verify names one, so mtp.top_n alone would otherwise do nothing)."""
+    for name, readers in verifier_fields().items():
+        if name in spec and name not in config.verifier.options:
+            raise RequestError(f"mtp.{name}", f"mtp.{name} is an option of verify={' / '.join(readers)}, not of "
+                                              f"verify={config.verify!r}, which this request runs (set mtp.verify)")
 
 
 def context_limit(model, config: GenerationConfig | None, defaults: Defaults) -> int:

@@ -465,14 +465,35 @@ def sess_help(sess, view) -> str:
 
 def test_help_lists_the_chat_groups_and_the_slash_commands():
     from eval.chat import chat_help
-    from mtp.chat.session import HELP
+    from mtp.chat.session import help_text
 
     text = chat_help()
     assert "model: dsv32, tiny" in text and "draft: eagle, none, vanilla" in text and "runtime: cpu, cuda" in text
     groups = text.split("config groups")[1].split("\n\n")[0]  # mtp-eval's own groups are not the chat's
     assert all(f"  {g}:" not in groups for g in ("experiment", "dataset", "logger", "schema", "hydra"))
     assert "  model:" in groups
-    assert HELP in text and "max_new_tokens" in text
+    assert help_text() in text and "max_new_tokens" in text
+
+
+def test_help_lists_what_is_registered_after_the_chat_is_imported(tok, registered):
+    """A plugin imported after mtp.chat registers its drafter and verifier: /help (and mtp-chat --help) ask the
+    registries when they are printed, and the commands take the new names."""
+    from eval.chat import chat_help
+    from mtp.verify.registry import Verifier
+    from tests.draft.test_modes import FirstModule
+
+    sess, view, gen = make(tok, draft="none")
+    assert "first_module" not in sess_help(sess, view) and "accept_none" not in sess_help(sess, view)
+    registered(FirstModule())
+    registered(Verifier("accept_none", "tests.verify.test_registry:chain"))
+    text = sess_help(sess, view)
+    assert "/draft none|vanilla|eagle|first_module MTP drafting mode" in text
+    assert "/verify strict|relaxed|sample|typical|accept_none\n" in text and text in chat_help()
+    sess.handle("/k 2")
+    assert "applies when drafting is on: /draft vanilla|eagle|first_module)" in view.notices[-1]
+    assert sess.handle("/draft first_module") and sess.handle("/verify accept_none") and sess.handle("hello")
+    assert view.errors == [] and (gen.calls[-1]["draft"], gen.calls[-1]["k"], gen.calls[-1]["verify"]) == (
+        "first_module", 2, "accept_none")
 
 
 def test_stats_compare_with_the_no_draft_baseline(tok):

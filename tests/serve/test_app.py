@@ -33,9 +33,11 @@ class ScriptedFirst:
     def __init__(self, real: LocalBackend, tok: Tokenizer):
         self.real, self.tok, self.script = real, tok, None
         self.prompts: list[list[int]] = []
+        self.configs = []  # the GenerationConfig of each request, as the engine gets it
 
     def generate(self, prompt_ids, config, on_tokens, should_stop):
         self.prompts.append(list(prompt_ids))
+        self.configs.append(config)
         if self.script is None:
             return self.real.generate(prompt_ids, config, on_tokens, should_stop)
         ids, self.script = self.tok.encode(self.script), None
@@ -153,6 +155,14 @@ def test_streamed_tool_call_round_trip(server):
     ({"top_p": 2}, "top_p", "top_p must be a number in (0, 1] (1 = off), got 2"),
     ({"mtp": {"k": 99}}, "mtp.k", "mtp.k must be an integer in [1, 16]"),
     ({"mtp": {"mode": "graph"}}, "mtp.mode", "mtp.mode is not a per-request setting"),
+    ({"mtp": {"verify": "typical", "posterior_alpha": 2}}, "mtp.posterior_alpha",
+     "mtp.posterior_alpha must be a probability in (0, 1], got 2"),
+    ({"mtp": {"verify": "typical", "posterior_threshold": "high"}}, "mtp.posterior_threshold",
+     "mtp.posterior_threshold must be a probability in (0, 1], got 'high'"),
+    ({"mtp": {"posterior_threshold": 0.2}}, "mtp.posterior_threshold",
+     "mtp.posterior_threshold is an option of verify=typical, not of verify='strict'"),
+    ({"temperature": 0.7, "mtp": {"top_n": 3}}, "mtp.top_n", "mtp.top_n is an option of verify=relaxed, not of "
+                                                              "verify='sample'"),
     ({"n": 2}, "n", "n must be 1"),
     ({"tool_choice": "required"}, "tool_choice", "tool_choice must be 'auto' or 'none'"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages", "messages[0]: unknown role 'robot'"),
@@ -166,6 +176,19 @@ def test_bad_request_is_a_400_naming_the_field_and_the_server_goes_on(server, bo
     assert e.value.status_code == 400 and text in e.value.message and e.value.body["param"] == field
     r = c.chat.completions.create(model="stdlib-mini", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert r.usage.completion_tokens == 2
+
+
+def test_typical_options_per_request_reach_the_engine(server):
+    c, backend = server["client"], server["backend"]
+    msgs = [{"role": "user", "content": "Return the list reversed."}]
+    spec = {"verify": "typical", "posterior_threshold": 0.2, "posterior_alpha": 0.05}
+    r = c.chat.completions.create(model="stdlib-mini", messages=msgs, max_tokens=6, temperature=0.5,
+                                  extra_body={"mtp": spec})
+    g = backend.configs[-1]
+    assert r.usage.completion_tokens == 6 and r.model_extra["mtp"]["verify"] == "typical"
+    assert (g.verify, g.posterior_threshold, g.posterior_alpha, g.sampling.temperature) == ("typical", 0.2, 0.05, 0.5)
+    c.chat.completions.create(model="stdlib-mini", messages=msgs, max_tokens=2, extra_body={"mtp": {"verify": "typical"}})
+    assert (backend.configs[-1].posterior_threshold, backend.configs[-1].posterior_alpha) == (0.09, 0.3)  # defaults
 
 
 def test_completions_plain_and_streamed(server):

@@ -90,3 +90,21 @@ def test_a_registered_verifier_is_taken_by_name_and_an_unknown_one_refused(mt, r
         parse_chat(chat(mtp={"verify": "nope"}), D, tok, model)
     assert e.value.field == "mtp.verify"
 
+
+
+def test_a_registered_verifiers_options_are_per_request_settings(mt, registered):
+    from mtp.verify.registry import Verifier
+
+    model, tok = mt
+    with pytest.raises(RequestError, match="mtp.posterior_alpha is an option of verify=typical, not of "
+                                           "verify='relaxed'"):
+        parse_chat(chat(mtp={"verify": "relaxed", "posterior_alpha": 0.5}), D, tok, model)
+    registered(Verifier("alpha_only", "tests.verify.test_registry:chain", options=("posterior_alpha",)))
+    g = parse_chat(chat(mtp={"verify": "alpha_only", "posterior_alpha": 0.5}), D, tok, model).config
+    assert (g.verify, g.posterior_alpha) == ("alpha_only", 0.5)
+    with pytest.raises(RequestError, match="mtp.posterior_alpha is an option of verify=typical / alpha_only, not of "
+                                           "verify='strict'") as e:
+        parse_chat(chat(mtp={"posterior_alpha": 0.5}), D, tok, model)
+    assert e.value.field == "mtp.posterior_alpha"
+    with pytest.raises(RequestError, match="mtp.think_ids is not a per-request setting") as e:
+        parse_chat(chat(mtp={"verify": "relaxed", "think_ids": [1, 2]}), D, tok, model)
