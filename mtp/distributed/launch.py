@@ -20,9 +20,9 @@ import os
 import sys
 
 from ..checkpoint.files import CheckpointError
-from ..draft.modes import DRAFTS
+from ..draft.modes import DRAFTERS
 from ..spec.options import DEFAULT_LOAD_READER, LOAD_READERS, MODES, OptionError
-from ..verify.registry import VERIFIERS
+from ..verify.registry import VERIFIER_REGISTRY
 from ..model.config import NUMERICS, ConfigError
 from ..preflight import PreflightError, preflight
 from ..kernels.dispatch import ELEMENTWISE_IMPLS
@@ -38,9 +38,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--tp", type=int, default=None, help="ranks (default: torchrun's WORLD_SIZE, else 1)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--draft", choices=DRAFTS, default="eagle")
+    ap.add_argument("--draft", choices=DRAFTERS.keys(), default="eagle")  # live: plugins registered before main()
     ap.add_argument("--k", type=int, default=2)
-    ap.add_argument("--verify", choices=VERIFIERS, default="strict")
+    ap.add_argument("--verify", choices=VERIFIER_REGISTRY.keys(), default="strict")
     ap.add_argument("--numerics", choices=NUMERICS, default="fp8")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--mlp-split", choices=MLP_SPLITS, default="blocks")

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..model.cache import KVCache
-from ..draft.modes import DRAFTS, drafter
+from ..draft.modes import DRAFTERS, drafter
 from ..model.config import BLOCK, NUMERICS, ConfigError, ModelConfig
 from .layout import MLP_SPLITS, ParallelPlan, RankLayout
 from .reblock import scale_rows
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=Workload.batch)
     ap.add_argument("--max-len", type=int, default=Workload.max_len, help="positions per row (cache length)")
     ap.add_argument("--prompt-len", type=int, default=Workload.prompt_len, help="tokens of a one-shot prefill")
-    ap.add_argument("--draft", choices=DRAFTS, default=Workload.draft)
+    ap.add_argument("--draft", choices=DRAFTERS.keys(), default=Workload.draft)  # live registry view
     ap.add_argument("--k", type=int, default=Workload.k, help="drafts per step")
     ap.add_argument("--numerics", choices=NUMERICS, default=Workload.numerics)
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=Workload.dtype)

@@ -51,3 +51,17 @@ def test_bad_options_are_refused_before_any_rank_starts(args, message, tmp_path)
     r = _run([*LAUNCH, *args], tmp_path)
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
     assert "[world" not in r.stderr and r.stderr.count("error:") == 1
+
+
+def test_a_drafter_or_verifier_registered_before_main_is_a_choice(registered):
+    """The launcher's --draft / --verify choices are the live registries, not the names known at its import."""
+    from mtp.distributed.launch import _args
+    from mtp.verify.registry import Verifier
+    from tests.draft.test_modes import FirstModule
+
+    with pytest.raises(SystemExit):
+        _args(["ck", "--prompt", "x", "--draft", "first_module"])
+    registered(FirstModule())
+    registered(Verifier("accept_none", "tests.verify.test_registry:chain"))
+    a = _args(["ck", "--prompt", "x", "--draft", "first_module", "--verify", "accept_none"])
+    assert (a.draft, a.verify) == ("first_module", "accept_none")
