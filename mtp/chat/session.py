@@ -69,6 +69,7 @@ def help_text() -> str:
     return _HELP.format(tools=TOOLS_HELP, drafts="|".join(DRAFTERS), max_k=MAX_K,
                         verifiers="|".join(VERIFIER_REGISTRY))
 
+
 # generate()'s option -> the command that sets it: how an OptionError from mtp's validation is reported
 COMMANDS = {"draft": "/draft", "k": "/k", "verify": "/verify", "max_new_tokens": "/max", "temperature": "/temperature"}
 
