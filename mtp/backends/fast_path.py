@@ -68,7 +68,7 @@ from ..model.attention import MLA
 from ..model.deepseek import Block, DeepseekV32, Trunk
 from ..model.fp8 import BLOCK, acc_dtype
 from ..model.layers import MLP, REFERENCE_OPS, ElementwiseOps, Linear, compiled_ops, use_elementwise
-from ..model.moe import MoE
+from ..model.moe import Gate, MoE
 from ..parallel.comm import Comm
 from ..parallel.modules import ExpertParallelMoE, ParallelMLP, RowParallelLinear
 from .pending import Pending, resolved
@@ -188,12 +188,14 @@ class FastMoE(MoE):
         `max_tokens` (one M-block size for all chunks, so a token's result does not depend on its chunk)."""
         N = x_ND.shape[0]
         local = None if (self.e0, self.e1) == (0, self.gate.n_experts) else (self.e0, self.e1)
-        if N <= self.kernel_route_tokens:  # local: id - e0, or -1 for another rank's expert
+        # the router kernels compute `Gate.forward` from the gate's weights; a gate whose class replaces forward
+        # (the bench's forced routes, `mtp.bench.forced_route`) is called as a module, as for a prefill
+        if N <= self.kernel_route_tokens and type(self.gate).forward is Gate.forward:  # local: id - e0, or -1
             routes = [route(x_ND[a:a + ROUTER_MAX_TOKENS], self.gate, self.fast_options, local=local)
                       for a in range(0, N, ROUTER_MAX_TOKENS)]
             w_NK, ids_NK = routes[0] if len(routes) == 1 else (torch.cat([r[0] for r in routes]),
                                                                torch.cat([r[1] for r in routes]))
-        else:  # prefill: the reference router (an fp32 GEMM and a sort, no host sync)
+        else:  # prefill: the reference router (an fp32 GEMM and a sort, no host sync); or the forced gate's table
             w_NK, ids_NK = self.gate(x_ND)
             w_NK, ids_NK = w_NK.float(), local_ids(ids_NK, local).int()
         s = self.stacked

@@ -6,7 +6,7 @@ of TP=N at full depth on one GPU; its measurements in `rank_steps.py`, the byte 
 profiles, step bytes);
 `allreduce.py` (NCCL against the one-shot all-reduce), `load.py` (loading a real-width checkpoint at TP=N against
 the disk's raw read rate), `startup.py` (cold / warm start phases), `experts.py` (busiest rank's expert reads per
-layout); the kernel microbenchmarks, each `python -m mtp.bench.<name>`: `kernels.py` (every Triton kernel checked
+layout, and its drawn routes), `forced_route.py` (an MoE's router output replaced per token: `--route busiest`); the kernel microbenchmarks, each `python -m mtp.bench.<name>`: `kernels.py` (every Triton kernel checked
 and timed against the copy bandwidth), `fused.py` (the fused decode kernels against the path before them, per
 switch), `topk_moe.py` (indexer top-k and expert-kernel layouts, old vs new).
 """

@@ -264,10 +264,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="--tp N projection: the acceptance length of --trees shapes (e.g. 2x2=2.9, measured with "
                          "mtp-eval), for their projected tok/s per user")
     ap.add_argument("--route", choices=("measured", "busiest"), default="measured",
-                    help="--tp N: 'busiest' forces each MoE layer's local experts to a seeded draw of the busiest "
-                         "rank's count under --layout (mtp.bench.experts), so the rank timed is the slowest one")
+                    help="--tp N: 'busiest' replaces each MoE layer's router output with a seeded per-token draw "
+                         "of the uniform group-limited router, renamed so this rank is the step's busiest under "
+                         "--layout (mtp.bench.experts, mtp.bench.forced_route): the rank timed is the slowest one")
     ap.add_argument("--layout", choices=EXPERT_LAYOUTS, default="contiguous",
-                    help="--tp N --route busiest: the expert layout the busiest count is drawn for (mtp/placement.py)")
+                    help="--tp N --route busiest: the expert layout the busiest rank is drawn for (mtp/placement.py)")
     ap.add_argument("--headline-al", type=float, nargs="+", default=[2.8, 2.96],
                     help="--tp N projection: acceptance lengths at k = --k printed first (DeepSeek MTP on real "
                          "prompts: 2.82 TensorRT-LLM R1 k=3 to 2.96 SGLang V3.2)")

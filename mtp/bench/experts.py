@@ -23,6 +23,8 @@ import argparse
 import json
 import random
 import time
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -50,10 +52,17 @@ def busiest_per_sample(ids_SNK: torch.Tensor, n_experts: int, world: int, layout
 
 def uniform_routes(E: int, groups: int, topk_groups: int, K: int, tokens: int, samples: int, seed: int) -> torch.Tensor:
     """[samples, tokens, K] expert ids of the group-limited router on i.i.d. uniform scores (seeded)."""
+    return uniform_draws(E, groups, topk_groups, K, tokens, samples, seed)[1]
+
+
+def uniform_draws(E: int, groups: int, topk_groups: int, K: int, tokens: int, samples: int, seed: int,
+                  normalize: bool = True, route_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [samples, tokens, K] float64, ids [samples, tokens, K]) of the group-limited router on i.i.d.
+    uniform scores (seeded; the ids do not depend on `normalize` / `route_scale`, which only scale weights)."""
     g = torch.Generator().manual_seed(seed)
     scores = torch.rand(samples * tokens, E, generator=g, dtype=torch.float64)
-    ids = route(scores, torch.zeros(E, dtype=torch.float64), groups, topk_groups, K, True, 1.0)[1]
-    return ids.view(samples, tokens, K)
+    w, ids = route(scores, torch.zeros(E, dtype=torch.float64), groups, topk_groups, K, normalize, route_scale)
+    return w.view(samples, tokens, K), ids.view(samples, tokens, K)
 
 
 def uniform_table(cfg, world: int, widths, samples: int, seed: int) -> dict:
@@ -130,30 +139,61 @@ def draw_busiest(cfg, layout: str, world: int, tokens: int, n_layers: int, seed:
     (each rank reads a slice of every one). Seeded."""
     ids = uniform_routes(cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, tokens,
                          n_layers, seed)
-    b = busiest_per_sample(ids, cfg.n_routed_experts, world, layout, seed)
-    return [round(v * world) if layout == "split" else round(v) for v in b.tolist()]
+    return draw_counts(busiest_per_sample(ids, cfg.n_routed_experts, world, layout, seed), layout, world)
 
 
-@torch.no_grad()
-def force_local_experts(moe, n: int) -> int:
-    """Make every token of `moe` (an expert-parallel MoE of a simulated rank) choose the same K experts, exactly
-    min(n, K) of them local: the router's weight is zeroed (every score sigmoid(0), whatever the input) and its
-    bias puts K chosen experts far above the rest, inside at most topk_group groups. In place, so captured
-    graphs see it. Returns the local count forced (n capped at K: identical routes for all tokens cannot make
-    more distinct experts)."""
-    gate = moe.gate
-    E, K, G = gate.n_experts, gate.topk, gate.n_groups
-    local = list(moe.local_ids())
-    n = min(n, K, len(local))
-    others = [e for e in range(E) if e not in set(local)]
-    pick = local[:n] + others[:K - n]
-    if len({e // (E // G) for e in pick}) > gate.topk_groups:
-        raise ValueError(f"cannot force {n} local experts: {pick} spans more than topk_group={gate.topk_groups} groups")
-    bias = torch.zeros(E, dtype=gate.e_score_correction_bias.dtype)
-    bias[pick] = 10.0 - 0.01 * torch.arange(K, dtype=bias.dtype)  # distinct: no ties to break
-    gate.weight.zero_()
-    gate.e_score_correction_bias.copy_(bias.to(gate.e_score_correction_bias.device))
-    return n
+@dataclass
+class BusiestRoute:
+    """One MoE layer's routes for the busiest rank: `count` its drawn expert reads (distinct local experts;
+    'split': distinct experts), `w_TK` / `ids_TK` the drawn router output of the step's T tokens with the expert
+    ids renamed so that the busiest rank's experts are the simulated rank's own (`busiest_routes`)."""
+
+    count: int
+    w_TK: torch.Tensor
+    ids_TK: torch.Tensor
+
+
+def busiest_routes(cfg, layout: str, world: int, tokens: int, n_layers: int, seed: int,
+                   local: Sequence[int]) -> list[BusiestRoute]:
+    """Per MoE layer, one draw of the uniform group-limited router for `tokens` tokens (the draws of
+    `draw_busiest` with the same arguments: same counts), as the rank holding expert ids `local` would see them
+    if it were that step's busiest rank under `layout`: the busiest rank's experts (most distinct chosen ones,
+    lowest rank on ties) are renamed to `local` (ascending to ascending), the other ranks' experts to the other
+    ids, so the route's distinct local experts equal the drawn count and its tokens spread over them as drawn.
+    A renaming of experts keeps every per-token choice (K distinct experts, their weights); only 'contiguous'
+    at EP = n_group also keeps each id's routing group. 'split': every expert is local (`local` = all E), ids as
+    drawn. Weights as the config's router makes them (`norm_topk_prob`, `routed_scaling_factor`)."""
+    E = cfg.n_routed_experts
+    owners = expert_owners(layout, E, world, seed)
+    local = list(local)
+    if len(local) != (E if owners is None else E // world) or len(set(local)) != len(local) or \
+            not all(0 <= e < E for e in local):
+        raise ValueError(f"busiest_routes: local must be {'all' if owners is None else E // world} distinct expert "
+                         f"ids in [0, {E}) for layout {layout!r} at world {world}, got {local}")
+    w, ids = uniform_draws(E, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, tokens, n_layers, seed,
+                           cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    counts = draw_counts(busiest_per_sample(ids, E, world, layout, seed), layout, world)
+    out = []
+    for s in range(n_layers):
+        if owners is None:
+            out.append(BusiestRoute(counts[s], w[s], ids[s]))
+            continue
+        chosen = set(ids[s].flatten().tolist())
+        per_rank = [0] * world
+        for e in chosen:
+            per_rank[owners[e]] += 1
+        busiest = max(range(world), key=lambda r: (per_rank[r], -r))
+        mine = set(local)
+        rename = torch.empty(E, dtype=torch.long)
+        rename[[e for e in range(E) if owners[e] == busiest]] = torch.tensor(local)
+        rename[[e for e in range(E) if owners[e] != busiest]] = torch.tensor([e for e in range(E) if e not in mine])
+        out.append(BusiestRoute(counts[s], w[s], rename[ids[s]]))
+    return out
+
+
+def draw_counts(b_S: torch.Tensor, layout: str, world: int) -> list[int]:
+    """`busiest_per_sample`'s reads as integer counts: distinct local experts, or for 'split' distinct experts."""
+    return [round(v * world) if layout == "split" else round(v) for v in b_S.tolist()]
 
 
 def print_table(title: str, table: dict) -> None:

@@ -109,7 +109,7 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
             f"{'cuda' if cuda else 'cpu'})")
         t0 = time.perf_counter()
         split = getattr(args, "route", "measured") == "busiest" and args.layout == "split"
-        plan = ParallelPlan(world, expert_layout="split" if split else "contiguous")  # other layouts: counts forced
+        plan = ParallelPlan(world, expert_layout="split" if split else "contiguous")  # other layouts: routes forced
         model = random_parallel_model(cfg, comm, plan, device="cuda" if cuda else "cpu", dtype=dtype, seed=args.seed)
         part["build_s"] = time.perf_counter() - t0
         part["param_gib"] = param_bytes(model) / GIB

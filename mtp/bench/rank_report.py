@@ -71,9 +71,9 @@ def print_table(res: dict) -> None:
         for w, r in ctx["widths"].items():
             b = r.get("busiest_rank")
             if b:
-                print(f"{L:>8} {w:>2} busiest rank of layout {b['layout']!r}: forced {statistics.mean(b['forced_per_moe_layer']):.2f}"
-                      f" local experts per MoE layer (drawn {statistics.mean(b['drawn_per_moe_layer']):.2f}, "
-                      f"{b['capped_layers']} layers capped at K)")
+                print(f"{L:>8} {w:>2} busiest rank of layout {b['layout']!r}: {statistics.mean(b['realised_per_moe_layer']):.2f}"
+                      f" local experts per MoE layer (drawn {statistics.mean(b['drawn_per_moe_layer']):.2f}), "
+                      f"{statistics.mean(b['local_pairs_per_moe_layer']):.1f} (token, expert) pairs")
     print_trees(res["contexts"])
     print("caches: random valid FP8 entries at each context (fill_cache_random), no prefill run; experts: distinct "
           "local experts the step's tokens chose (measured), mean per MoE layer; AR+AG: collectives per step (not run)")

@@ -35,18 +35,28 @@ def count_local_experts(model) -> tuple[dict[int, set], list]:
 
 
 def force_busiest(model, args, tokens: int, world: int) -> dict:
-    """--route busiest: each MoE layer's routed experts forced to a draw of the busiest rank's count under
-    --layout (`mtp.bench.experts.draw_busiest`, uniform group-limited router, seeded by --seed and the width)."""
+    """--route busiest: each MoE layer's router output replaced by a draw of the uniform group-limited router
+    for `tokens` tokens, renamed so that the simulated rank is that step's busiest rank under --layout
+    (`experts.busiest_routes`, seeded by --seed and the token count; `forced_route.force_routes`): its distinct
+    local experts per layer are the drawn busiest count, with no cap, each computing the tokens the draw sent it.
+    Bumps the model's version when the tables were allocated anew (graphs captured before read the old ones)."""
     from ..parallel.modules import ExpertParallelMoE
-    from .experts import draw_busiest, force_local_experts
+    from .experts import busiest_routes
+    from .forced_route import force_routes
 
-    moes = [m for m in model.model.layers if isinstance(m.mlp, ExpertParallelMoE)]
-    drawn = draw_busiest(model.cfg, args.layout, world, tokens, len(moes), args.seed + 1000 * tokens)
-    forced = [force_local_experts(layer.mlp, n) for layer, n in zip(moes, drawn)]
-    return {"layout": args.layout, "tokens": tokens, "drawn_per_moe_layer": drawn, "forced_per_moe_layer": forced,
-            "capped_layers": sum(f < d for f, d in zip(forced, drawn)),
-            "note": "drawn from the uniform group-limited router's busiest-rank distribution; forced by the router "
-                    "bias (all tokens choose the same K experts), so a draw above K is capped at K"}
+    moes = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, ExpertParallelMoE)]
+    local = moes[0].local_ids() if moes else ()
+    draws = busiest_routes(model.cfg, args.layout, world, tokens, len(moes), args.seed + 1000 * tokens,
+                           local) if moes else []
+    if any([force_routes(m, d.w_TK, d.ids_TK) for m, d in zip(moes, draws)]):
+        model.bump_version()
+    mine = torch.tensor(list(local))
+    return {"layout": args.layout, "tokens": tokens, "drawn_per_moe_layer": [d.count for d in draws],
+            "local_pairs_per_moe_layer": [int(torch.isin(d.ids_TK, mine).sum()) for d in draws],
+            "note": "per MoE layer a draw of the uniform group-limited router for these tokens, with the busiest "
+                    "rank's experts renamed to this rank's; the router's output is replaced by it per token "
+                    "(mtp.bench.forced_route), so the rank computes the drawn count of distinct local experts "
+                    "(realised: counted on the eager step) on the (token, expert) pairs the draw sent it"}
 
 
 @torch.no_grad()
@@ -135,6 +145,7 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
                                              "mean": statistics.mean(touched.values()) if touched else 0.0,
                                              "expected_uniform_routing": expected_local_experts(cfg, world, B * w)}}
         if forced:
+            forced["realised_per_moe_layer"] = [touched[li] for li in sorted(touched)]
             r["busiest_rank"] = forced
         if args.eager or not cuda:
             r["eager_ms"] = time_fn(fwd)
@@ -178,6 +189,8 @@ def tree_verify(model, comm, cache, shape, L: int, cuda: bool, bw: float | None,
 
     time_fn = timer(cuda, min(args.iters, 5), 2)
     N, ms, floor = shape.n_nodes, {}, {}
+    busiest = getattr(args, "route", "measured") == "busiest"
+    forced = force_busiest(model, args, cache.batch * N, comm.world) if busiest else None
     for kind, fn in tree_verify_fns(model, cache, L, shape, args.seed).items():
         comm.reset()
         seen, hooks = count_local_experts(model)
@@ -189,6 +202,7 @@ def tree_verify(model, comm, cache, shape, L: int, cuda: bool, bw: float | None,
         floor[kind] = rank_floor(model, {li: len(s) for li, s in seen.items()}, L + N, cache.batch)["total"]
         if kind == "tree":
             collectives = dict(comm.counts)
+            realised = [len(seen[li]) for li in sorted(seen)]
         if cuda:
             graph = capture_graph(fn)
             ms[kind] = time_fn(graph.replay)
@@ -197,6 +211,9 @@ def tree_verify(model, comm, cache, shape, L: int, cuda: bool, bw: float | None,
             ms[kind] = time_fn(fn)
     row = tree_row(shape, ms, floor, model.runtime.absorb_max_tokens)
     row["collectives"] = collectives
+    if forced:
+        forced["realised_per_moe_layer"] = realised
+        row["busiest_rank"] = forced
     if bw:
         row["floor_ms"] = floor["tree"] / bw * 1e3
         row["pct_of_floor"] = 100 * row["floor_ms"] / ms["tree"]

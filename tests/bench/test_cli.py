@@ -339,24 +339,32 @@ def test_hf_without_transformers_names_the_extra(monkeypatch):
 
 
 def test_busiest_route_forces_the_drawn_local_expert_counts():
-    """--route busiest: every MoE layer of the simulated rank reads exactly the drawn busiest count (capped at K),
-    measured by the step's own router, not the rank's arbitrary routing."""
+    """--route busiest: every MoE layer of the simulated rank computes exactly the drawn busiest count of local
+    experts (no cap at K: counts above it occur), measured by the step's own router, not the rank's arbitrary
+    routing; the tree verify gets its own draw for its node count; --batch draws for B x w tokens."""
     from mtp.bench import experts
     from mtp.bench.timing import timer
     from mtp.parallel.simulate import simulated_rank
 
-    args = bench.parse_args(["--tp", "2", "--layers", "4", "--prompt-len", "20", "--k", "1", "--route", "busiest",
-                             "--layout", "interleaved"])
+    args = bench.parse_args(["--tp", "2", "--layers", "4", "--prompt-len", "20", "--k", "2", "--route", "busiest",
+                             "--layout", "interleaved", "--batch", "2", "--trees", "2x1"])
     cfg = tiny_parallel_config(2, layers=4, dense_layers=1)
     with simulated_rank(2, 0) as comm:
         model = random_parallel_model(cfg, comm, device="cpu", dtype=torch.float32, seed=0)
+        v0 = model.version
         ctx = rs.target_steps(model, comm, args, 20, False, None, timer(False, 1, 0), 2)
+        assert model.version > v0  # the tables' first allocation: graphs captured before must not replay
+    K, above_k = cfg.num_experts_per_tok, 0
     for w, r in ctx["widths"].items():
         b = r["busiest_rank"]
-        want = experts.draw_busiest(cfg, "interleaved", 2, w, 3, args.seed + 1000 * w)
-        assert b["drawn_per_moe_layer"] == want and b["layout"] == "interleaved"
-        assert b["forced_per_moe_layer"] == [min(n, cfg.num_experts_per_tok) for n in want]
-        assert r["local_experts_touched"]["per_moe_layer"] == b["forced_per_moe_layer"]
+        want = experts.draw_busiest(cfg, "interleaved", 2, 2 * w, 3, args.seed + 1000 * 2 * w)
+        assert b["drawn_per_moe_layer"] == want and b["layout"] == "interleaved" and b["tokens"] == 2 * w
+        assert b["realised_per_moe_layer"] == want == r["local_experts_touched"]["per_moe_layer"]
+        assert all(n <= p <= 2 * w * K for n, p in zip(want, b["local_pairs_per_moe_layer"]))
+        above_k += sum(n > K for n in want)
+    assert above_k > 0  # the old force capped these at K
+    t = ctx["trees"]["2x1"]["busiest_rank"]
+    assert t["tokens"] == 2 * ctx["trees"]["2x1"]["nodes"] and t["realised_per_moe_layer"] == t["drawn_per_moe_layer"]
     drawn = [experts.draw_busiest(cfg, "interleaved", 2, 1, 3, s) for s in range(20)]
     assert len({n for d in drawn for n in d}) > 1  # the draws vary: a constant would not test the forcing
     with pytest.raises(SystemExit):

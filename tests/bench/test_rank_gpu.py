@@ -61,3 +61,30 @@ def test_bench_tp8_batch_axis_four_layers(tmp_path):
     from mtp.plan.calibrate import calibrate
     cal = calibrate(ModelConfig(), [str(out)])
     assert {r.shape.rows for r in cal.rows} == {1, 8}
+
+
+def test_bench_tp8_busiest_route_realises_the_drawn_counts(tmp_path):
+    """--route busiest --layout contiguous at --batch 1 8 on the real-width rank (fast path, graphs): every MoE
+    layer computes exactly the drawn busiest count of local experts (above K = 8 at batch 8: no cap), the draws
+    are `draw_busiest`'s, and the steps capture and replay."""
+    from mtp.bench.experts import draw_busiest
+    from mtp.model.presets import real_config
+
+    out = tmp_path / "tp8busy.json"
+    cmd = [sys.executable, "-m", "mtp.bench", "--tp", "8", "--layers", "4", "--prompt-len", "1024", "--k", "3",
+           "--route", "busiest", "--layout", "contiguous", "--batch", "1", "8", "--iters", "3", "--no-spec",
+           "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    res = json.loads(out.read_text())
+    cfg = real_config(layers=4, dense_layers=3)
+    above_k = 0
+    for B in ("1", "8"):
+        for w, r in res["batches"][B]["contexts"]["1024"]["widths"].items():
+            b, T = r["busiest_rank"], int(B) * int(w)
+            assert r["graph_ms"] > 0 and b["tokens"] == T
+            assert b["drawn_per_moe_layer"] == draw_busiest(cfg, "contiguous", 8, T, 1, 1000 * T), (B, w, b)
+            assert b["realised_per_moe_layer"] == b["drawn_per_moe_layer"], (B, w, b)
+            above_k += sum(n > cfg.num_experts_per_tok for n in b["drawn_per_moe_layer"])
+    assert above_k > 0, "no draw above K = 8 at batch 8"
+    assert "busiest rank of layout 'contiguous'" in p.stdout
