@@ -21,6 +21,7 @@
 #                                             # a real-width checkpoint from disk at TP=2, mmap and pread readers, vs raw read (mtp.bench.load),
 #                                             # the NCCL tests in a row for LOOP_BUDGET_S
 #   PARTS=shards SHARDS="a.py,b.py c.py" ...  # GPU test files spread over the GPUs, one pytest process per GPU
+#   PARTS=realdist ...                        # the launcher and mtp-eval at TP=2 on a real-width checkpoint from disk
 #   PARTS="ar par deep" ...                  # issue 25 on 2-4 GPUs: the all-reduce bench on every GPU, a real TP=2 and
 #                                             # TP=$ngpu step with nccl vs oneshot (PAR_TP), a real TP=$ngpu step of
 #                                             # DEEP_LAYERS beside its simulated rank (mtp-bench --tp $ngpu)
@@ -215,6 +216,22 @@ if [ "$ngpu" -ge 2 ] && want loadscale; then  # a real-width checkpoint from loc
   echo "== load it at TP=2 against the raw read rate $(date -u +%H:%M:%S)"
   MTP_PROGRESS=1 timeout "${LOAD_S:-300}" python3 -m mtp.bench.load measure "$LD" --tp 2 --json "$OUT/load_tp2.json" \
     2>&1 | tee "$OUT/load_tp2.log" | grep -v -i warn | tail -16
+  [ -n "${LOAD_KEEP:-}" ] || rm -rf "$LD"
+fi
+if [ "$ngpu" -ge 2 ] && want realdist; then  # the launcher and mtp-eval at TP=2 on a real-width checkpoint from disk
+  export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=1
+  LD=${LOAD_DIR:-/tmp/mtp-load-ckpt}; CK=$(python3 -c "from mtp.checkpoint.tiny import default_checkpoint as d; print(d())")
+  [ -f "$LD/config.json" ] || timeout "${LOAD_WRITE_S:-300}" python3 -m mtp.bench.load write "$LD" \
+    --moe-layers "${LOAD_MOE:-1}" --json "$OUT/load_write.json" 2>&1 | tail -1
+  cp "$CK"/tokenizer*.json "$LD"/  # random weights: their tokens mean nothing, but the text path is the real one
+  echo "== launcher TP=2 on the real-width checkpoint $LD $(date -u +%H:%M:%S)"
+  timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m mtp.distributed.launch "$LD" \
+    --prompt "def reverse(xs):" --max-new-tokens 16 --check > "$OUT/launch_real_tp2.txt" 2> "$OUT/launch_real_tp2.err"
+  echo "exit $?: $(grep -h world "$OUT/launch_real_tp2.err" | tail -1)"
+  echo "== mtp-eval TP=2 on the real-width checkpoint $(date -u +%H:%M:%S)"
+  /usr/bin/time -f "wall %e s, exit %x" timeout 300 python3 -m eval.run model=dsv32 model.path="$LD" runtime=cuda runtime.tp=2 \
+    dataset.limit=2 max_new_tokens=16 timing.repeats=1 plots=false baseline=false hydra.run.dir="$OUT/eval_real_tp2" \
+    2>&1 | grep -E "^│ all|wall|error|startup"
   [ -n "${LOAD_KEEP:-}" ] || rm -rf "$LD"
 fi
 if [ "$ngpu" -ge 2 ] && want ncclloop; then  # the NCCL tests in a row until the budget is spent
