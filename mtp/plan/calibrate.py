@@ -1,18 +1,21 @@
-"""Hold the speed model against our measurements and fit its efficiencies on them.
+"""Hold the speed model against our measurements and fit its efficiencies on them, within physical bounds.
 
 Measured files (read by their keys):
 - `mtp-bench` TP=1 JSON ('ours'): a captured target step of a few full-width layers, widths 1..4;
 - `mtp-bench --tp N` rank JSON ('contexts', or 'batches' of them): one simulated rank of TP=N at full depth,
-  step per context and width (collectives counted, not run: the model's communication is left out of these
-  rows), and the indexer timed alone;
+  step per batch, context and width (collectives counted, not run: communication is left out of these rows), and
+  the indexer timed alone;
 - `mtp.bench.collectives` JSON ('ops'): NCCL all-reduce / all-gather latencies on N GPUs.
+A file name may carry a row selection, `FILE:b=1:ctx=8192,32768` (batch sizes, contexts): to take the batch-1
+rows of a run whose larger batches measured something else.
 
-Compute-bound terms and the indexer's bytes enter the fit at their peak time. The whole-step rows (the indexer
-timed alone is held out, a check) fit, by non-negative least squares on relative error, one achieved bandwidth
-fraction per kernel class (weights + head, experts, attention; at most 1), a fixed cost per kernel launch (one
-for every class but the indexer, one for the indexer, whose cost is not its bytes) and a cost per launch per
-token row past the first (small-batch kernels whose time grows with rows before bytes do). The collectives fit
-the link's per-step latency and bandwidth. Every row is then printed with the roofline and the calibrated prediction and the residual.
+The model: each term costs layers x max(FLOPs / (peak x compute fraction), bytes / (HBM x bandwidth fraction))
+plus launches x a fixed cost, with one bandwidth and one compute fraction per kernel group (dense weights + head,
+routed experts, attention + indexer), one fixed cost per launch shared by every kernel but the indexer's, and the
+indexer's own (its cost is the top-k selection, not its bytes). `PARAMS` gives each parameter's bounds and why;
+`mtp.plan.fit` fits them on relative error over the whole-step rows (the indexer timed alone is held out, a check)
+and says which ones the rows cannot separate. A held-out check fits the low half of the batch sizes and predicts
+the high half, and the other way round. The collectives fit the link's per-step latency and bandwidth.
 """
 
 from __future__ import annotations
@@ -23,15 +26,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..model.config import ModelConfig
 from .cost import Layout, Shape, forward_terms
+from .fit import FitResult, Param, fit_bounded, smooth_max
 from .hardware import GB, GPU, gpu as gpu_by_name
-from .speed import Efficiency, time_terms
+from .speed import Efficiency, peak_s, time_terms
 
-# fitted unknowns: 1/bandwidth fraction of these kind groups, then launch costs
-BW_GROUPS = {"weights": ("weights", "head"), "experts": ("experts",), "attention": ("attention",)}
+# kernel groups sharing one bandwidth and one compute fraction, and one fixed cost per launch
+GROUPS = {"weights": ("weights", "head"), "experts": ("experts",), "attention": ("attention", "indexer")}
 LAUNCH_GROUPS = {"launch": ("weights", "head", "experts", "attention"), "indexer_launch": ("indexer",)}
+_BW = ("[0.3, 1]: no kernel beats the HBM peak (a plain copy reaches ~0.87 of it on an H200, mtp-bench "
+       "copy_TBps); a class whose time is under 0.3 of its bytes' is not bandwidth-bound, and that time belongs "
+       "to its launches or FLOPs, which have terms of their own")
+_FLOP = ("[0.01, 1] of the dense tensor-core peak: 1 is the datasheet; 0.01 admits CUDA-core kernels (H200 fp32 "
+         "FMA ~67 TFLOPS = 0.034 of the FP8 peak) and tensor-core GEMMs whose M is padded to 64 rows for a few "
+         "tokens")
+PARAMS = ([Param(f"bw_{g}", "of HBM peak", 0.3, 1.0, _BW, inverse=True) for g in GROUPS]
+          + [Param(f"flops_{g}", "of tensor peak", 0.01, 1.0, _FLOP, inverse=True) for g in GROUPS]
+          + [Param("launch", "us per launch", 0.0, 20.0, "[0, 20] us: a graph-replayed kernel's fixed cost "
+                   "(launch, ramp, tail) is a few us on Hopper; never negative"),
+             Param("indexer_launch", "us per launch", 0.0, 500.0, "[0, 500] us: the indexer's scores + radix "
+                   "top-k over up to 32k keys; never negative")])
 
 
 @dataclass
@@ -47,22 +64,35 @@ class Row:
     roofline_ms: float = 0.0
     calibrated_ms: float = 0.0
 
+    @property
+    def residual(self) -> float:
+        return self.calibrated_ms / self.measured_ms - 1
+
 
 @dataclass
 class Calibration:
     gpu: str
     efficiency: Efficiency
     rows: list[Row]
+    fit: FitResult
+    holdout: list[dict] = field(default_factory=list)  # fit on some batch sizes, error on the others
     link: dict = field(default_factory=dict)  # fitted GPU link fields (from a collectives JSON)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"gpu": self.gpu, "bandwidth_fraction": dict(self.efficiency.bw),
-                "launch_us": dict(self.efficiency.launch), "per_row_launch_us": self.efficiency.per_row_launch, "link": self.link, "notes": self.notes,
-                "rows": [{"source": r.source, "label": r.label, "measured_ms": r.measured_ms,
-                          "roofline_ms": r.roofline_ms, "calibrated_ms": r.calibrated_ms,
-                          "residual": r.calibrated_ms / r.measured_ms - 1, "measured_kernels": r.measured_kernels,
-                          "model_kernels": _kernels(r)} for r in self.rows]}
+        f = self.fit
+        return {"gpu": self.gpu, "efficiency_source": self.efficiency.source,
+                "parameters": {p.name: {"value": f.values[p.name], "unit": p.unit, "bounds": [p.lo, p.hi],
+                                        "why_bounds": p.why, "at_bound": f.bound.get(p.name),
+                                        "rel_sigma": f.rel_sigma.get(p.name),
+                                        "not_separable": f.unresolved.get(p.name)} for p in f.params},
+                "bandwidth_fraction": dict(self.efficiency.bw), "compute_fraction": dict(self.efficiency.compute),
+                "launch_us": dict(self.efficiency.launch), "link": self.link, "holdout": self.holdout,
+                "notes": self.notes,
+                "rows": [{"source": r.source, "label": r.label, "fitted": not r.only, "measured_ms": r.measured_ms,
+                          "roofline_ms": r.roofline_ms, "calibrated_ms": r.calibrated_ms, "residual": r.residual,
+                          "measured_kernels": r.measured_kernels, "model_kernels": _kernels(r)}
+                         for r in self.rows]}
 
 
 def device_key(device: str) -> str | None:
@@ -83,7 +113,31 @@ def _device(d: dict, path: str) -> str:
     return key
 
 
-def rows_from(path: str, base: ModelConfig) -> tuple[str, list[Row], dict | None]:
+def parse_spec(spec: str) -> tuple[str, dict[str, set[int]]]:
+    """'FILE:b=1:ctx=8192,32768' -> ('FILE', {'b': {1}, 'ctx': {8192, 32768}})."""
+    path, *sels = spec.split(":")
+    keep: dict[str, set[int]] = {}
+    for sel in sels:
+        key, _, vals = sel.partition("=")
+        try:
+            if key not in ("b", "ctx") or not vals:
+                raise ValueError
+            keep[key] = {int(v) for v in vals.split(",")}
+        except ValueError:
+            raise ValueError(f"--calibrate {spec}: row selection {sel!r} must be b=N[,N...] or ctx=N[,N...]") \
+                from None
+    return path, keep
+
+
+def _field(d: dict, key: str, path: str, where: str):
+    try:
+        return d[key]
+    except (KeyError, TypeError):
+        raise ValueError(f"--calibrate {path}: missing field {where}{key!r}") from None
+
+
+def rows_from(spec: str, base: ModelConfig) -> tuple[str, list[Row], dict | None]:
+    path, keep = parse_spec(spec)
     try:
         d = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -95,33 +149,54 @@ def rows_from(path: str, base: ModelConfig) -> tuple[str, list[Row], dict | None
     dev = _device(d, path)
     src = Path(path).name
     if "ours" in d:  # TP=1 mtp-bench: a few layers at full width
-        c = d["ours"]["config"]
+        c = _field(d["ours"], "config", path, "ours.")
         cfg = dataclasses.replace(base, num_hidden_layers=c["layers"], first_k_dense_replace=c["dense_layers"])
-        return dev, [Row(src, f"TP1 {c['layers']}L ctx {c['prompt_len']} w{w}", cfg, Layout(),
-                         Shape(c["batch"], int(w), c["prompt_len"] + int(w), touched=_touched(v.get("experts_touched"))),
-                         v["graph_ms"]) for w, v in d["ours"]["target_step"].items() if "graph_ms" in v], None
+        rows = [Row(src, f"TP1 {c['layers']}L b{c['batch']} ctx {c['prompt_len']} w{w}", cfg, Layout(),
+                    Shape(c["batch"], int(w), c["prompt_len"] + int(w), touched=_touched(v.get("experts_touched"))),
+                    _ms(v, "graph_ms", path, f"ours.target_step.{w}."))
+                for w, v in _field(d["ours"], "target_step", path, "ours.").items() if "graph_ms" in v]
+        return dev, _select(rows, keep, spec), None
     if "contexts" not in d and "batches" not in d:
         raise ValueError(f"--calibrate {path}: no 'ours', 'contexts', 'batches' or 'ops' field: not an mtp-bench, "
                          f"rank or collectives JSON")
-    c = d["config"]
+    c = _field(d, "config", path, "")
     cfg = dataclasses.replace(base, num_hidden_layers=c["num_hidden_layers"],
                               first_k_dense_replace=c["first_k_dense_replace"])
-    tp = int(d["tp"])
+    tp = int(_field(d, "tp", path, ""))
     batches = d["batches"] if "batches" in d else {str(d["args"]["batch"]): {"contexts": d["contexts"]}}
     rows = []
     for B, entry in batches.items():
-        for L, ctx in entry["contexts"].items():
-            for w, v in ctx["widths"].items():
+        for L, ctx in _field(entry, "contexts", path, f"batches.{B}.").items():
+            for w, v in _field(ctx, "widths", path, f"batches.{B}.contexts.{L}.").items():
                 if "graph_ms" in v:
                     routed = v.get("local_experts_touched") or {}
                     rows.append(Row(src, f"TP{tp} rank b{B} ctx {L} w{w}", cfg, Layout(tp, tp),
-                                    Shape(int(B), int(w), int(L) + int(w), touched=routed.get("mean")), v["graph_ms"],
+                                    Shape(int(B), int(w), int(L) + int(w), touched=routed.get("mean")),
+                                    _ms(v, "graph_ms", path, f"batches.{B}.contexts.{L}.widths.{w}."),
                                     measured_kernels=v.get("kernels_per_step")))
             for w, v in (ctx.get("indexer") or {}).items():
                 if "ms_per_step" in v:
                     rows.append(Row(src, f"TP{tp} indexer b{B} ctx {L} w{w}", cfg, Layout(tp, tp),
-                                    Shape(int(B), int(w), int(L) + int(w)), v["ms_per_step"], only=("indexer",)))
-    return dev, rows, None
+                                    Shape(int(B), int(w), int(L) + int(w)),
+                                    _ms(v, "ms_per_step", path, f"batches.{B}.contexts.{L}.indexer.{w}."),
+                                    only=("indexer",)))
+    return dev, _select(rows, keep, spec), None
+
+
+def _ms(v: dict, key: str, path: str, where: str) -> float:
+    x = v[key]
+    if not isinstance(x, (int, float)) or not x > 0:
+        raise ValueError(f"--calibrate {path}: field {where}{key} = {x!r} is not a positive time in ms")
+    return float(x)
+
+
+def _select(rows: list[Row], keep: dict[str, set[int]], spec: str) -> list[Row]:
+    out = [r for r in rows if r.shape.rows in keep.get("b", {r.shape.rows})
+           and r.shape.context - r.shape.width in keep.get("ctx", {r.shape.context - r.shape.width})]
+    if rows and not out:
+        have = sorted({(r.shape.rows, r.shape.context - r.shape.width) for r in rows})
+        raise ValueError(f"--calibrate {spec}: the selection keeps no row (the file has (batch, context) {have})")
+    return out
 
 
 def _touched(per_layer: list | None) -> float | None:
@@ -139,58 +214,81 @@ def _kernels(r: Row) -> float:
     return sum(t.launches * t.layers for t in _terms(r))
 
 
-def _peak_s(t, g: GPU) -> tuple[float, float]:
-    return (t.flops_fp8 / (g.fp8_tflops * 1e12) + t.flops_bf16 / (g.bf16_tflops * 1e12),
-            t.bytes / (g.hbm_gbps * GB))
+def _group(kind: str, groups: dict) -> int:
+    return next(i for i, kinds in enumerate(groups.values()) if kind in kinds)
 
 
-def _fixed(t, g: GPU) -> bool:
-    """Terms whose time is not fitted as bytes: compute-bound ones, and the indexer (its launches are fitted)."""
-    c, m = _peak_s(t, g)
-    return c > m or not any(t.kind in kinds for kinds in BW_GROUPS.values())
+class StepModel:
+    """The rows' predicted seconds as a torch function of `PARAMS` (the fit's model; `efficiency` turns a
+    parameter vector into the `Efficiency` that `time_terms` applies, the same arithmetic)."""
+
+    def __init__(self, rows: list[Row], g: GPU):
+        cols = []  # (row, group, launch group, compute s, memory s, layers, launches x layers) per term
+        for i, r in enumerate(rows):
+            for t in _terms(r):
+                c, m = peak_s(t, g)
+                cols.append((i, _group(t.kind, GROUPS), _group(t.kind, LAUNCH_GROUPS), c, m, t.layers,
+                             t.launches * t.layers))
+        a = np.array(cols, dtype=np.float64).reshape(-1, 7)
+        self.n = len(rows)
+        self.row, self.grp, self.lgrp = (torch.tensor(a[:, j], dtype=torch.long) for j in range(3))
+        self.comp, self.mem, self.layers, self.launches = (torch.tensor(a[:, j]) for j in range(3, 7))
+
+    def __call__(self, x: torch.Tensor, sharpness: float | None = None) -> torch.Tensor:
+        ng = len(GROUPS)
+        bw, fl, la = x[:ng], x[ng:2 * ng], x[2 * ng:]
+        per = self.layers * smooth_max(self.comp / fl[self.grp], self.mem / bw[self.grp], sharpness) \
+            + self.launches * la[self.lgrp] * 1e-6
+        return torch.zeros(self.n, dtype=torch.float64).index_add(0, self.row, per)
 
 
-def _fixed_s(r: Row, g: GPU) -> float:
-    """Seconds of the row's `_fixed` terms at peak."""
-    return sum(max(_peak_s(t, g)) * t.layers for t in _terms(r) if _fixed(t, g))
+def efficiency(values: dict[str, float], source: str) -> Efficiency:
+    return Efficiency(bw=tuple((k, values[f"bw_{g}"]) for g, kinds in GROUPS.items() for k in kinds),
+                      compute=tuple((k, values[f"flops_{g}"]) for g, kinds in GROUPS.items() for k in kinds),
+                      launch=tuple((k, values[name]) for name, kinds in LAUNCH_GROUPS.items() for k in kinds),
+                      source=source)
 
 
-def _features(r: Row, g: GPU) -> np.ndarray:
-    """Seconds at full bandwidth per bandwidth group, and launches per launch group (the row's time is their
-    dot product with [1/fraction..., launch s...])."""
-    terms = _terms(r)
-    bw = [sum(t.bytes * t.layers for t in terms if t.kind in kinds and not _fixed(t, g)) / (g.hbm_gbps * GB)
-          for kinds in BW_GROUPS.values()]
-    la = [sum(t.launches * t.layers for t in terms if t.kind in kinds) for kinds in LAUNCH_GROUPS.values()]
-    rows = r.shape.rows * r.shape.width
-    extra = [sum(t.launches * t.layers for t in terms if t.kind in LAUNCH_GROUPS["launch"]) * (rows - 1)]
-    return np.array(bw + la + extra, dtype=np.float64)
+def fit_rows(rows: list[Row], g: GPU) -> FitResult:
+    return fit_bounded(StepModel(rows, g), torch.tensor([r.measured_ms * 1e-3 for r in rows]), PARAMS)
 
 
-def nnls(A: np.ndarray, b: np.ndarray, iters: int = 50) -> np.ndarray:
-    """Least squares with x >= 0: solve on the free set, drop the most negative, repeat."""
-    free = np.ones(A.shape[1], dtype=bool)
-    x = np.zeros(A.shape[1])
-    for _ in range(iters):
-        x = np.zeros(A.shape[1])
-        x[free] = np.linalg.lstsq(A[:, free], b, rcond=None)[0]
-        if (x >= 0).all():
-            return x
-        free[np.argmin(np.where(free, x, np.inf))] = False
-    return np.clip(x, 0, None)
+def _predict_ms(r: Row, g: GPU, eff: Efficiency) -> float:
+    return time_terms(_terms(r), g, r.layout, eff).work_ms
+
+
+def holdout(rows: list[Row], g: GPU) -> list[dict]:
+    """Fit on the lower half of the batch sizes and predict the upper half, then the other way round."""
+    sizes = sorted({r.shape.rows for r in rows})
+    if len(sizes) < 2:
+        return []
+    low = set(sizes[:len(sizes) // 2])
+    out = []
+    for train in (low, set(sizes) - low):
+        fit_on = [r for r in rows if r.shape.rows in train]
+        test = [r for r in rows if r.shape.rows not in train]
+        eff = efficiency(fit_rows(fit_on, g).values, "held-out fit")
+        errs = [(r.label, _predict_ms(r, g, eff) / r.measured_ms - 1) for r in test]
+        out.append({"fit_on_batches": sorted(train), "fit_rows": len(fit_on),
+                    "predict_batches": sorted({r.shape.rows for r in test}),
+                    "mean_abs_error": sum(abs(e) for _, e in errs) / len(errs),
+                    "max_abs_error": max(abs(e) for _, e in errs), "rows": dict(errs)})
+    return out
 
 
 def fit_link(ops: dict, g: GPU) -> dict:
-    """us = 2 (p-1)/p bytes / bw + ceil(log2 p) * step, over every measured all-reduce."""
+    """us = 2 (p-1)/p bytes / bw + ceil(log2 p) * step, over every measured all-reduce (relative error)."""
     import math
     p = int(ops["world"])
     rows = ops["ops"].get("all_reduce", [])
     if len(rows) < 2:
         raise ValueError("--calibrate: the collectives JSON needs >= 2 all_reduce rows in 'ops'")
-    A = np.array([[2 * (p - 1) / p * r["bytes"] / GB, math.ceil(math.log2(p))] for r in rows])
-    b = np.array([r["us"] for r in rows], dtype=np.float64)
-    inv_bw, step = nnls(A, b)
-    return {"link_latency_us": float(step), "link_gbps": float(1e6 / inv_bw) if inv_bw > 0 else g.link_gbps}
+    ring = torch.tensor([2 * (p - 1) / p * r["bytes"] / GB * 1e6 for r in rows], dtype=torch.float64)
+    steps = math.ceil(math.log2(p))
+    params = [Param("link_latency_us", "us", 0.0, 100.0, "one log2 step of a small all-reduce"),
+              Param("link_gbps", "GB/s", 1.0, 5000.0, "one direction of the link")]
+    f = fit_bounded(lambda x, _sharpness: ring / x[1] + steps * x[0], torch.tensor([r["us"] for r in rows]), params)
+    return dict(f.values)
 
 
 def calibrate(base: ModelConfig, paths: list[str]) -> Calibration:
@@ -205,27 +303,16 @@ def calibrate(base: ModelConfig, paths: list[str]) -> Calibration:
     if len(devices) > 1:
         raise ValueError(f"--calibrate: files from different GPUs ({sorted(devices)}); calibrate one GPU at a time")
     g = gpu_by_name(devices.pop())
-    fit = [r for r in rows if not r.only]  # whole steps; the indexer timed alone is a held-out check
-    if not fit:
-        raise ValueError(f"--calibrate {' '.join(paths)}: no whole-step rows to fit on")
-    A = np.stack([_features(r, g) for r in fit])
-    b = np.array([r.measured_ms * 1e-3 for r in fit])
-    nb = len(BW_GROUPS)
-    # 1 / fraction = 1 + y with y >= 0 (no class beats the HBM peak); relative error: rows scaled by 1 / measured
-    floor = A[:, :nb].sum(axis=1) + np.array([_fixed_s(r, g) for r in fit])
-    y = nnls(A / b[:, None], (b - floor) / b)
-    x = y + np.r_[np.ones(nb), np.zeros(A.shape[1] - nb)]
-    bw = tuple((k, 1.0 / x[i]) for i, group in enumerate(BW_GROUPS.values()) for k in group)
-    launch = tuple((k, x[nb + j] * 1e6) for j, group in enumerate(LAUNCH_GROUPS.values()) for k in group)
-    per_row = x[nb + len(LAUNCH_GROUPS)] * 1e6
-    eff = Efficiency(bw=bw, launch=launch, per_row_launch=per_row,
-                     source=f"calibrated on {', '.join(Path(p).name for p in paths)}")
+    fit_on = [r for r in rows if not r.only]  # whole steps; the indexer timed alone is a held-out check
+    if len(fit_on) < len(PARAMS):
+        raise ValueError(f"--calibrate {' '.join(paths)}: {len(fit_on)} whole-step rows for {len(PARAMS)} "
+                         f"parameters; give more rows")
+    fit = fit_rows(fit_on, g)
+    eff = efficiency(fit.values, f"calibrated on {', '.join(Path(parse_spec(p)[0]).name for p in paths)}")
     for r in rows:
-        terms = _terms(r)
-        n = r.shape.rows * r.shape.width
-        r.roofline_ms = time_terms(terms, g, r.layout, rows=n).work_ms
-        r.calibrated_ms = time_terms(terms, g, r.layout, eff, n).work_ms
-    cal = Calibration(g.name, eff, rows)
+        r.roofline_ms = _predict_ms(r, g, Efficiency())
+        r.calibrated_ms = _predict_ms(r, g, eff)
+    cal = Calibration(g.name, eff, rows, fit, holdout(fit_on, g))
     if link_json is not None:
         cal.link = fit_link(link_json, g)
     cal.notes = misses(cal)
@@ -233,22 +320,27 @@ def calibrate(base: ModelConfig, paths: list[str]) -> Calibration:
 
 
 def misses(cal: Calibration) -> list[str]:
-    """What the fit says the pure roofline leaves out."""
+    """What the model leaves out, as the fit and the files show it."""
     out = []
-    for k, f in dict(cal.efficiency.bw).items():
-        if k in BW_GROUPS and f < 0.5:
-            out.append(f"{k}: {f * 100:.0f}% of HBM bandwidth achieved: the roofline's bytes explain under half of "
-                       f"this class's time")
-    la = dict(cal.efficiency.launch)
+    f = cal.fit
     steps = [r for r in cal.rows if not r.only]
-    if steps and la.get("weights", 0) > 0:
+    counted = [r for r in steps if r.measured_kernels]
+    if counted:
+        ratio = [r.measured_kernels / _kernels(r) for r in counted]
+        lo, hi = min(counted, key=lambda r: r.measured_kernels), max(counted, key=lambda r: r.measured_kernels)
+        out.append(f"kernel count: the profile saw {lo.measured_kernels:.0f} ({lo.label}) to "
+                   f"{hi.measured_kernels:.0f} ({hi.label}) kernels per step where the model counts "
+                   f"{_kernels(lo):.0f} / {_kernels(hi):.0f} (x{min(ratio):.2f} to x{max(ratio):.2f}): the head's and "
+                   f"the glue's kernels, and the grouped MoE's sort / pad launches that grow with tokens, are "
+                   f"missing; the fixed cost is per modelled launch, so it absorbs them at the rows' mix")
+    if f.determined("launch") and steps:
         r = steps[0]
-        share = la["weights"] * _kernels(r) * 1e-3 / r.measured_ms
-        out.append(f"fixed cost per kernel {la['weights']:.2f} us x {_kernels(r):.0f} kernels = {share * 100:.0f}% of "
-                   f"the {r.label} step: latency the byte roofline does not have")
-    if la.get("indexer", 0) > 0:
-        out.append(f"indexer: {la['indexer']:.1f} us per launch (scores + radix top-k) where its bytes take "
-                   f"~1 us: the top-k selection, not the key read, is its cost")
+        share = f.values["launch"] * _kernels(r) * 1e-3 / r.measured_ms
+        out.append(f"fixed cost per launch {f.values['launch']:.2f} us x {_kernels(r):.0f} kernels = "
+                   f"{share * 100:.0f}% of the {r.label} step: latency the byte roofline does not have")
+    for name, side in f.bound.items():
+        out.append(f"{name} sits at its {side} bound: the rows want it outside the physical range, so another "
+                   f"effect the model lacks is in this class's time")
     alone = [r for r in cal.rows if r.only == ("indexer",)]
     if alone:
         gap = sum(r.calibrated_ms - r.measured_ms for r in alone) / len(alone)
@@ -256,7 +348,7 @@ def misses(cal: Calibration) -> list[str]:
                    f"it: that much of the long-context step is attention over the selected keys beyond its bytes"
                    if gap > 0 else f"held out: the indexer timed alone takes {-gap:.2f} ms per step more than the "
                    f"steps' fit gives it")
-    routed = [r for r in cal.rows if r.shape.touched is not None and not r.only]
+    routed = [r for r in steps if r.shape.touched is not None]
     if routed:
         gaps = []
         for r in routed:
@@ -267,18 +359,19 @@ def misses(cal: Calibration) -> list[str]:
         worst = max(gaps, key=lambda g: abs(g[0]))
         out.append(f"routing: the rows use the experts each run touched; uniform routing would read "
                    f"{worst[0] * 100:+.0f}% of those expert bytes at {worst[1]} (random weights route unevenly)")
-    bad = [r for r in cal.rows if not r.only and abs(r.calibrated_ms / r.measured_ms - 1) > 0.10]
+    bad = [r for r in steps if abs(r.residual) > 0.10]
     if bad:
-        out.append("rows off by more than 10% after the fit: " + ", ".join(f"{r.label} "
-                   f"({(r.calibrated_ms / r.measured_ms - 1) * 100:+.0f}%)" for r in bad))
+        out.append("rows off by more than 10% after the fit: " + ", ".join(f"{r.label} ({r.residual * 100:+.0f}%)"
+                                                                          for r in bad))
     return out
 
 
 def format_calibration(cal: Calibration) -> str:
-    lines = [f"calibration on {cal.gpu} (model outputs vs recorded measurements; communication not in these rows):",
-             "  bandwidth fraction: " + ", ".join(f"{k} {v:.3f}" for k, v in dict(cal.efficiency.bw).items()),
-             "  fixed cost per launch: " + ", ".join(f"{k} {v:.2f} us" for k, v in dict(cal.efficiency.launch).items())
-             + f"; + {cal.efficiency.per_row_launch:.3f} us per launch per token row past the first"]
+    f = cal.fit
+    lines = [f"calibration on {cal.gpu} (model outputs vs recorded measurements; communication not in these rows;"
+             f" bounded least squares on relative error over {len(f.residuals)} whole-step rows):"]
+    lines += [f"  {p.name:16s} {f.describe(p.name)}" for p in f.params]
+    lines += [f"  bounds: bandwidth {_BW}", f"          FLOPs {_FLOP}"]
     if cal.link:
         lines.append(f"  link (fitted on the collectives JSON): {cal.link['link_latency_us']:.2f} us per step, "
                      f"{cal.link['link_gbps']:.0f} GB/s")
@@ -288,6 +381,10 @@ def format_calibration(cal: Calibration) -> str:
         k = f"{r.measured_kernels:.0f}/{_kernels(r):.0f}" if r.measured_kernels else ""
         k = k or ("held out" if r.only else "")
         lines.append(f"  {r.label:36s} {r.measured_ms:9.3f} {r.roofline_ms:9.3f} {r.calibrated_ms:10.3f} "
-                     f"{(r.calibrated_ms / r.measured_ms - 1) * 100:7.1f}% {k:>19s}")
+                     f"{r.residual * 100:7.1f}% {k:>19s}")
+    for h in cal.holdout:
+        lines.append(f"  held out: fit on batch {h['fit_on_batches']} ({h['fit_rows']} rows), predict batch "
+                     f"{h['predict_batches']}: mean |error| {h['mean_abs_error'] * 100:.1f}%, max "
+                     f"{h['max_abs_error'] * 100:.1f}%")
     lines += [f"  misses: {n}" for n in cal.notes]
     return "\n".join(lines)

@@ -3,7 +3,7 @@
     mtp-plan --speed --gpu h200 --tp 8 --batch 1 --k 3 --al 2.8        # bundled DeepSeek-V3.2 config
     mtp-plan --speed --gpu h20 --tp 1 --ep 144 --dp-attention --nodes 18 --batch 32
     mtp-plan --speed --compare-published --json                        # zartbot's TL;DR tables, reproduced
-    mtp-plan --speed --calibrate eval/results/bench_tp8_h200_final_s4.json eval/results/bench_tp1_*.json
+    mtp-plan --speed --calibrate eval/results/s9/h200/bench_tp8_batch.json eval/results/bench_tp8_h200_final_s4.json:ctx=32768
     mtp-plan --speed --gpu h200 --tp 8 --al 2.8 --plot speed.png
 """
 
@@ -59,7 +59,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--compare-published", action="store_true", help="reproduce zartbot's TL;DR tables")
     ap.add_argument("--calibrate", nargs="+", metavar="FILE", default=None,
-                    help="measured JSONs (mtp-bench TP=1, --tp N rank, collectives) to fit efficiencies on")
+                    help="measured JSONs (mtp-bench TP=1, --tp N rank, collectives) to fit efficiencies on; "
+                         "FILE:b=1,8:ctx=8192 keeps those batch sizes / contexts of a file")
     ap.add_argument("--plot", metavar="FILE", default=None, help="tok/s vs batch for k = 0..3 (matplotlib)")
     return ap
 

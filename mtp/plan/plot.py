@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ..model.config import ModelConfig
-from .calibrate import device_key
+from .calibrate import device_key, parse_spec
 from .cost import Layout
 from .hardware import GPUS
 from .speed import Efficiency, Workload, accept_len, predict
@@ -48,15 +48,19 @@ def curves(cfg: ModelConfig, gpu_name: str, p: float, context: int, eff: Efficie
 
 
 def measured_points(files: list[str]) -> list[dict]:
-    """Per rank JSON, batch, context and width: the measured target step (no draft, no communication)."""
+    """Per rank JSON, batch, context and width: the measured target step (no draft, no communication). A file's
+    row selection (`FILE:b=1:ctx=8192`, `mtp.plan.calibrate.parse_spec`) applies here too."""
     pts = []
-    for f in files:
+    for spec in files:
+        f, keep = parse_spec(spec)
         d = json.loads(Path(f).read_text())
         if "tp" not in d or ("contexts" not in d and "batches" not in d):
             continue
         batches = d.get("batches") or {str(d["args"]["batch"]): {"contexts": d["contexts"]}}
         for B, entry in batches.items():
             for L, ctx in entry["contexts"].items():
+                if int(B) not in keep.get("b", {int(B)}) or int(L) not in keep.get("ctx", {int(L)}):
+                    continue
                 for w, v in ctx["widths"].items():
                     if "graph_ms" in v:
                         pts.append({"device": d.get("device", ""), "tp": int(d["tp"]), "batch": int(B),

@@ -3,8 +3,10 @@ its collectives; a forward is the sum over terms without overlap, or max(work, c
 micro-batches, one's collectives hidden behind the other's kernels). Then TTFT, TPOT and tok/s at batch B with
 MTP k and an acceptance length.
 
-`Efficiency` holds the achieved fractions of peak: bandwidth per kernel class, compute, and the launch cost.
-The default is the pure roofline (every fraction 1, no launch cost); `mtp.plan.calibrate` fits them.
+`Efficiency` holds the achieved fractions of peak per kernel class: HBM bandwidth, tensor-core FLOPs (a class
+whose GEMMs run at small M, or on CUDA cores, reaches a few percent of the dense peak), and a fixed cost per
+kernel launch. The default is the pure roofline (every fraction 1, no launch cost); `mtp.plan.calibrate` fits
+them.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ KINDS = ("weights", "experts", "attention", "indexer", "head")
 class Efficiency:
     bw: tuple[tuple[str, float], ...] = tuple((k, 1.0) for k in KINDS)  # achieved fraction of HBM bandwidth
     launch: tuple[tuple[str, float], ...] = ()  # fixed cost per kernel launch, us, per kernel class
-    per_row_launch: float = 0.0  # us per launch per token row past the first (not the indexer's)
-    compute: float = 1.0  # achieved fraction of peak FLOPs
+    compute: tuple[tuple[str, float], ...] = ()  # achieved fraction of the dense peak FLOPs per class (absent: 1)
     source: str = "roofline: peak figures, no launch cost (uncalibrated)"
 
     def bw_of(self, kind: str) -> float:
@@ -31,6 +32,9 @@ class Efficiency:
 
     def launch_of(self, kind: str) -> float:
         return dict(self.launch).get(kind, 0.0)
+
+    def compute_of(self, kind: str) -> float:
+        return dict(self.compute).get(kind, 1.0)
 
 
 @dataclass(frozen=True)
@@ -84,16 +88,20 @@ def comm_us(gpu: GPU, lay: Layout, c) -> float:
     return gpu.alltoall_us(c.nbytes, lay.nodes)
 
 
-def time_terms(terms: list[Term], gpu: GPU, lay: Layout, eff: Efficiency = Efficiency(), rows: int = 1) -> ForwardTime:
-    """rows: token rows each kernel processes (batch x width), for `Efficiency.per_row_launch`."""
+def peak_s(t: Term, gpu: GPU) -> tuple[float, float]:
+    """(compute, memory) seconds of one layer of a term at the GPU's peak FLOPs and HBM bandwidth."""
+    return (t.flops_fp8 / (gpu.fp8_tflops * 1e12) + t.flops_bf16 / (gpu.bf16_tflops * 1e12),
+            t.bytes / (gpu.hbm_gbps * GB))
+
+
+def time_terms(terms: list[Term], gpu: GPU, lay: Layout, eff: Efficiency = Efficiency()) -> ForwardTime:
     out = []
     for t in terms:
-        compute = (t.flops_fp8 / (gpu.fp8_tflops * 1e12) + t.flops_bf16 / (gpu.bf16_tflops * 1e12)) / eff.compute
-        memory = t.bytes / (gpu.hbm_gbps * GB * eff.bw_of(t.kind))
+        compute, memory = peak_s(t, gpu)
+        compute, memory = compute / eff.compute_of(t.kind), memory / eff.bw_of(t.kind)
         comm = sum(comm_us(gpu, lay, c) * c.count for c in t.comm) * 1e-3
-        per_launch = eff.launch_of(t.kind) + (eff.per_row_launch * (rows - 1) if t.kind != "indexer" else 0.0)
         out.append(TermTime(t.name, t.layers, compute * 1e3 * t.layers, memory * 1e3 * t.layers,
-                            t.launches * per_launch * 1e-3 * t.layers, comm * t.layers,
+                            t.launches * eff.launch_of(t.kind) * 1e-3 * t.layers, comm * t.layers,
                             (t.flops_fp8 + t.flops_bf16) * t.layers, t.bytes * t.layers,
                             sum(c.nbytes * c.count for c in t.comm) * t.layers))
     return ForwardTime(tuple(out))
@@ -177,13 +185,13 @@ def predict(cfg: ModelConfig, gpu: GPU, lay: Layout, wl: Workload, eff: Efficien
     """Prefill of `batch` prompts of `context` tokens, then one speculative step: the verify forward at width
     k + 1 over `context` keys and k draft forwards (one MTP module each, width 1)."""
     pre = time_terms(forward_terms(cfg, lay, Shape(wl.batch, wl.context, wl.context, "prefill", wl.mla_prefill)),
-                     gpu, lay, eff, wl.batch * wl.context)
+                     gpu, lay, eff)
     vshape = Shape(wl.batch, wl.k + 1, wl.context + wl.k + 1, "decode", wl.mla_decode, touched=wl.experts_touched)
-    ver = time_terms(forward_terms(cfg, lay, vshape), gpu, lay, eff, wl.batch * (wl.k + 1))
+    ver = time_terms(forward_terms(cfg, lay, vshape), gpu, lay, eff)
     drf = None
     if wl.k:
         drf = time_terms(draft_terms(cfg, lay, Shape(wl.batch, 1, wl.context + 1, "decode", wl.mla_decode)),
-                         gpu, lay, eff, wl.batch)
+                         gpu, lay, eff)
     notes = []
     vt = forward_terms(cfg, lay, vshape)
     ars = [(c, t.layers) for t in vt for c in t.comm if c.op == "all_reduce"]

@@ -30,3 +30,10 @@ def test_plot_writes_a_png_with_the_measured_points(tmp_path):
     pts = [m for m in d["measured"] if m["context"] == 1024]
     assert sorted(m["w"] for m in pts) == [1, 2, 3, 4] and all(m["batch"] == 1 and m["tp"] == 8 for m in pts)
     assert measured_points(["eval/results/bench_tp1_h200_db855bd_default.json"]) == []  # TP=1 files: no rank steps
+
+
+def test_plot_overlays_the_batch_axis_file_and_its_row_selection(tmp_path):
+    batch = "eval/results/s9/h200/bench_tp8_batch.json"
+    d = plot_speed(ModelConfig(), str(tmp_path / "b.png"), 2.8, 3, [batch], gpus=("h200",))
+    assert sorted({m["batch"] for m in d["measured"]}) == [1, 8, 32, 64] and len(d["measured"]) == 16
+    assert {m["batch"] for m in measured_points([batch + ":b=8,64"])} == {8, 64}
