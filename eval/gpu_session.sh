@@ -22,6 +22,7 @@
 #                                             # the NCCL tests in a row for LOOP_BUDGET_S
 #   PARTS=shards SHARDS="a.py,b.py c.py" ...  # GPU test files spread over the GPUs, one pytest process per GPU
 #   PARTS=realdist ...                        # the launcher and mtp-eval at TP=2 on a real-width checkpoint from disk
+#   PARTS=busiest LAYOUTS="contiguous split" ... # the TP=8 rank (H200) as each layout's busiest rank, forced routes
 #   PARTS="ar par deep" ...                  # issue 25 on 2-4 GPUs: the all-reduce bench on every GPU, a real TP=2 and
 #                                             # TP=$ngpu step with nccl vs oneshot (PAR_TP), a real TP=$ngpu step of
 #                                             # DEEP_LAYERS beside its simulated rank (mtp-bench --tp $ngpu)
@@ -233,6 +234,14 @@ if [ "$ngpu" -ge 2 ] && want realdist; then  # the launcher and mtp-eval at TP=2
     dataset.limit=2 max_new_tokens=16 timing.repeats=1 plots=false baseline=false hydra.run.dir="$OUT/eval_real_tp2" \
     2>&1 | grep -E "^│ all|wall|error|startup"
   [ -n "${LOAD_KEEP:-}" ] || rm -rf "$LD"
+fi
+if want busiest; then  # the TP=8 rank timed as the busiest rank of each expert layout (per-token forced routes)
+  for lay in ${LAYOUTS:-contiguous interleaved split}; do
+    echo "== mtp-bench --tp 8 --route busiest --layout $lay $(date -u +%H:%M:%S)"
+    timeout "${BUSY_S:-200}" python3 -m mtp.bench --tp 8 --layers 61 --prompt-len 1024 --no-spec --route busiest \
+      --layout "$lay" --batch ${BUSY_BATCH:-1} --json "$OUT/bench_tp8_busiest_$lay.json" 2>&1 \
+      | tee "$OUT/bench_tp8_busiest_$lay.log" | grep -E "graph .* ms|busiest" | tail -10
+  done
 fi
 if [ "$ngpu" -ge 2 ] && want ncclloop; then  # the NCCL tests in a row until the budget is spent
   export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=1
