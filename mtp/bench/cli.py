@@ -21,6 +21,8 @@ import torch
 
 from ..decode.graphs import capture_graph
 from ..kernels.dispatch import ELEMENTWISE_IMPLS
+from ..plan.collectives import GROWTH as COLLECTIVE_GROWTH, IMPLS as COLLECTIVE_IMPLS, MeasuredComm
+from ..plan.collectives import read as read_collectives
 from .timing import copy_bandwidth, kernel_profile, spec_step_times, step_bytes, time_ms
 from ..placement import EXPERT_LAYOUTS
 
@@ -256,7 +258,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--allreduce-us", type=float, default=10.0,
                     help="--tp N projection: ASSUMED latency of one collective when no measurement is given")
     ap.add_argument("--collective-json", default=None,
-                    help="--tp N projection: measured collective latencies (python -m mtp.bench.collectives)")
+                    help="--tp N projection: measured collective latencies (python -m mtp.bench.collectives, or "
+                         "python -m mtp.bench.allreduce for NCCL vs the one-shot all-reduce)")
+    ap.add_argument("--allreduce", choices=COLLECTIVE_IMPLS, default="nccl",
+                    help="--tp N projection with --collective-json: which measured rows price the all-reduces "
+                         "(oneshot: the block boundaries at the fused one-shot + add + norm + quant, less the norm "
+                         "kernel the step holds, the rest plain one-shot; all-gathers stay NCCL)")
     ap.add_argument("--trees", default=None, metavar="SHAPES",
                     help="comma list of draft-tree shapes ('chain3', '2x2', '4x1x1': mtp.spec.tree_shape.TreeShape.parse): "
                          "also time the target verify of each tree beside a chain of the same node count")
@@ -275,7 +282,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--real-overhead", type=float, default=1.23,
                     help="--tp N projection: ASSUMED real / simulated step ratio (issue 25: a real TP=4 3-layer "
                          "step over NCCL was 1.20-1.26x the simulated rank + collectives, 4 x H200)")
-    ap.add_argument("--collective-growth", type=float, default=1.45,
+    ap.add_argument("--collective-growth", type=float, default=COLLECTIVE_GROWTH,
                     help="--tp N projection: ASSUMED collective latency growth per doubling of GPUs past those "
                          "measured (issue 25: 12-13 us on 2 x H200, 17-20 us on 4)")
     ap.add_argument("--seed", type=int, default=0)
@@ -322,6 +329,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if min(args.headline_al) < 1 or args.real_overhead < 1 or args.collective_growth < 1:
         ap.error(f"--headline-al, --real-overhead and --collective-growth must be >= 1, got {args.headline_al}, "
                  f"{args.real_overhead}, {args.collective_growth}")
+    if args.collective_json:  # read now: a bad file must not end a long GPU run at its projection
+        try:
+            MeasuredComm(read_collectives(args.collective_json), args.tp, args.allreduce, args.collective_growth)
+        except ValueError as e:
+            ap.error(f"--collective-json: {e}")
+    elif args.allreduce != "nccl":
+        ap.error(f"--allreduce {args.allreduce} needs --collective-json (a measured mtp.bench.allreduce file)")
     if args.route == "measured" and args.layout != "contiguous":
         ap.error(f"--layout {args.layout} needs --route busiest (the measured route is the built rank's own)")
     if any(not 0 <= p <= 1 for p in args.accept):

@@ -5,9 +5,7 @@ extrapolation to full depth. Measured by `rank_steps`, run by `rank`, printed by
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import torch
 
@@ -16,6 +14,7 @@ from ..model.config import ModelConfig
 from ..checkpoint.inventory import checkpoint_spec
 from ..parallel.layout import ParallelPlan
 from ..parallel.memory import GIB
+from ..plan.collectives import MeasuredComm, read
 from ..plan.speed import accept_len
 
 
@@ -84,41 +83,58 @@ def expected_local_experts(cfg: ModelConfig, world: int, tokens: int) -> float:
 
 
 def collective_latency(args) -> dict:
-    """us per all-reduce / all-gather: measured on N GPUs (`--collective-json`) or the assumption."""
+    """us per all-reduce / all-gather: measured (`--collective-json`: an `mtp.bench.collectives` or
+    `mtp.bench.allreduce` file, read by `mtp.plan.collectives`, priced under `--allreduce`) or the assumption.
+    'price' is the pricing object (left out of the JSON: `latency_view`)."""
     if args.collective_json:
-        data = json.loads(Path(args.collective_json).read_text())
-        world = data.get("world")
-        other = f"; measured on {world} GPUs, not the {args.tp} of this TP" if world != args.tp else ""
-        scale, growth = 1.0, getattr(args, "collective_growth", 1.0)
-        if world and world < args.tp and growth != 1.0:  # more GPUs than measured: an estimate, labelled
-            scale = growth ** math.log2(args.tp / world)
-            other += (f"; {args.tp}-GPU ESTIMATE = measured x {scale:.2f} (ASSUMED x{growth} per doubling of GPUs, "
-                      f"--collective-growth)")
-        return {"source": f"measured ({args.collective_json}: {data.get('device')} x {world}{other})",
-                "assumed": False, "world": world, "table": data["ops"], "scale": scale}
+        m = MeasuredComm(read(args.collective_json), args.tp, getattr(args, "allreduce", "nccl"),
+                         getattr(args, "collective_growth", 1.0))
+        lat = {"assumed": False, "world": m.table.world, "scale": m.scale, "allreduce": m.allreduce, "price": m,
+               "source": f"measured ({m.describe()})"}
+        if not m.table.has("all_gather", "nccl"):  # an mtp.bench.allreduce file: all-reduces only
+            lat["gather_us"] = args.allreduce_us
+            lat["source"] += f"; all-gather ASSUMED {args.allreduce_us} us (--allreduce-us)"
+        return lat
     return {"source": f"ASSUMED {args.allreduce_us} us per collective (no multi-GPU measurement given)",
             "assumed": True, "us": args.allreduce_us}
 
 
-def latency_us(lat: dict, op: str, nbytes: int) -> float:
-    """One collective's latency: the measured entry with the nearest message size at least as large."""
+def latency_view(lat: dict) -> dict:
+    """`collective_latency`'s answer as the result JSON holds it."""
+    return {k: (v.to_dict() if k == "price" else v) for k, v in lat.items()}
+
+
+def latency_us(lat: dict, op: str, nbytes: int, fused: bool = False) -> float:
+    """One collective's latency (`MeasuredComm`: the measured entry with the nearest message size at least as
+    large). fused: an all-reduce at a block boundary, joined with the add + norm + quant under oneshot."""
     if lat["assumed"]:
         return lat["us"]
-    rows = sorted(lat["table"][op], key=lambda r: r["bytes"])
-    scale = lat.get("scale", 1.0)
-    for r in rows:
-        if r["bytes"] >= nbytes:
-            return r["us"] * scale
-    return rows[-1]["us"] * nbytes / rows[-1]["bytes"] * scale
+    if op == "all_reduce":
+        return lat["price"].all_reduce_us(nbytes, fused)
+    us = lat["price"].all_gather_us(nbytes)
+    return lat["gather_us"] if us is None else us
 
 
-def comm_ms(lat: dict, counts: dict, times: int = 1) -> float:
-    """Latency of the collectives in `counts` (per-call sizes: total bytes / number), `times` over."""
+def boundary_all_reduces(counts: dict, draft: bool = False) -> int:
+    """How many of a forward's all-reduces sit at a block boundary, where the fast path under
+    allreduce='oneshot' fuses them with the add + norm + quant (mtp/parallel/DESIGN.md): in a target forward every
+    one but the embedding's (the last block's is resolved by the same kernel with the add alone); in an MTP draft
+    forward o_proj's only (the embedding's is plain, and the module reduces its FFN itself)."""
+    n = counts["all_reduce"]
+    return min(n, 1) if draft else max(n - 1, 0)
+
+
+def comm_ms(lat: dict, counts: dict, times: int = 1, draft: bool = False) -> float:
+    """Latency of the collectives in `counts` (per-call sizes: total bytes / number), `times` over; the block
+    boundaries' all-reduces at their fused price (`boundary_all_reduces`)."""
     ms = 0.0
     for op in ("all_reduce", "all_gather"):
         n = counts[op]
-        if n:
-            ms += n * latency_us(lat, op, counts[f"{op}_bytes"] // n) * 1e-3
+        if not n:
+            continue
+        per = counts[f"{op}_bytes"] // n
+        fused = boundary_all_reduces(counts, draft) if op == "all_reduce" else 0
+        ms += (fused * latency_us(lat, op, per, True) + (n - fused) * latency_us(lat, op, per)) * 1e-3
     return ms * times
 
 
@@ -136,7 +152,7 @@ def project(res: dict, args) -> dict:
     dev = res["device"]
     ovh = getattr(args, "real_overhead", 1.0)
     headline = getattr(args, "headline_al", [])
-    out = {"collective_latency": lat, "accept_per_position": args.accept, "note": " ".join(project.__doc__.split()),
+    out = {"collective_latency": latency_view(lat), "accept_per_position": args.accept, "note": " ".join(project.__doc__.split()),
            "real_overhead": {"factor": ovh, "source": "ASSUMED (--real-overhead): real / (simulated rank + "
                              "collectives); issue 25 measured 1.20-1.26 for TP=4, 3 layers, 4 x H200"},
            "headline_al": headline, "contexts": {}}
@@ -165,7 +181,7 @@ def project(res: dict, args) -> dict:
             draft = chain_draft_ms(k)
             if draft is None:
                 continue
-            cm = comm_ms(lat, widths[k + 1]["collectives"]) + comm_ms(lat, dc, times=k)
+            cm = comm_ms(lat, widths[k + 1]["collectives"]) + comm_ms(lat, dc, times=k, draft=True)
             step = (widths[k + 1][key] + draft + cm) * ovh
             al = args.al if (args.al and k == args.k) else accept_len(args.accept, k)
             # draft < 0: the target step timed alone (random verify tokens) routed to more local experts than the
@@ -195,7 +211,7 @@ def project(res: dict, args) -> dict:
                 draft, source = chain_draft_ms(D), "eagle chain of the same depth (a lower bound)"
             if al is None or draft is None:
                 continue
-            cm = comm_ms(lat, t["collectives"]) + comm_ms(lat, dc, times=D)
+            cm = comm_ms(lat, t["collectives"]) + comm_ms(lat, dc, times=D, draft=True)
             step = (t["tree"]["ms"] + max(draft, 0.0) + cm) * ovh
             row[f"tree_{name}"] = {"step_ms": step, "verify_ms": t["tree"]["ms"], "draft_ms": draft,
                                    "draft_source": source, "collectives_ms": cm, "AL": al, "nodes": t["nodes"],

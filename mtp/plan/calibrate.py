@@ -77,6 +77,8 @@ class Calibration:
     fit: FitResult
     holdout: list[dict] = field(default_factory=list)  # fit on some batch sizes, error on the others
     link: dict = field(default_factory=dict)  # fitted GPU link fields (from a collectives JSON)
+    link_source: str = ""  # the collectives JSON the link was fitted on
+    collectives: str = ""  # where the projection's communication comes from (set by the caller)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -87,7 +89,8 @@ class Calibration:
                                         "rel_sigma": f.rel_sigma.get(p.name),
                                         "not_separable": f.unresolved.get(p.name)} for p in f.params},
                 "bandwidth_fraction": dict(self.efficiency.bw), "compute_fraction": dict(self.efficiency.compute),
-                "launch_us": dict(self.efficiency.launch), "link": self.link, "holdout": self.holdout,
+                "launch_us": dict(self.efficiency.launch), "link": self.link, "link_source": self.link_source,
+                "collectives": self.collectives, "holdout": self.holdout,
                 "notes": self.notes,
                 "rows": [{"source": r.source, "label": r.label, "fitted": not r.only, "measured_ms": r.measured_ms,
                           "roofline_ms": r.roofline_ms, "calibrated_ms": r.calibrated_ms, "residual": r.residual,
@@ -292,12 +295,13 @@ def fit_link(ops: dict, g: GPU) -> dict:
 
 
 def calibrate(base: ModelConfig, paths: list[str]) -> Calibration:
-    rows, devices, link_json = [], set(), None
+    rows, devices, link_json, link_source = [], set(), None, ""
     for p in paths:
         dev, rs, ops = rows_from(p, base)
         devices.add(dev)
         rows += rs
-        link_json = ops or link_json
+        if ops is not None:
+            link_json, link_source = ops, parse_spec(p)[0]
     if not rows:
         raise ValueError(f"--calibrate {' '.join(paths)}: no step rows (give an mtp-bench or rank JSON)")
     if len(devices) > 1:
@@ -314,7 +318,7 @@ def calibrate(base: ModelConfig, paths: list[str]) -> Calibration:
         r.calibrated_ms = _predict_ms(r, g, eff)
     cal = Calibration(g.name, eff, rows, fit, holdout(fit_on, g))
     if link_json is not None:
-        cal.link = fit_link(link_json, g)
+        cal.link, cal.link_source = fit_link(link_json, g), link_source
     cal.notes = misses(cal)
     return cal
 
@@ -387,4 +391,6 @@ def format_calibration(cal: Calibration) -> str:
                      f"{h['predict_batches']}: mean |error| {h['mean_abs_error'] * 100:.1f}%, max "
                      f"{h['max_abs_error'] * 100:.1f}%")
     lines += [f"  misses: {n}" for n in cal.notes]
+    if cal.collectives:
+        lines.append(f"  collectives: {cal.collectives}")
     return "\n".join(lines)

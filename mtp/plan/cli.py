@@ -5,6 +5,7 @@
     mtp-plan --speed --compare-published --json                        # zartbot's TL;DR tables, reproduced
     mtp-plan --speed --calibrate eval/results/s9/h200/bench_tp8_batch.json eval/results/bench_tp8_h200_final_s4.json:ctx=32768
     mtp-plan --speed --gpu h200 --tp 8 --al 2.8 --plot speed.png
+    mtp-plan --speed --gpu h200 --tp 8 --k 3 --al 2.8 --collectives eval/results/s9/x4/allreduce_4gpu.json --allreduce oneshot
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from ..model.config import ConfigError, ModelConfig
+from .collectives import GROWTH, IMPLS, MeasuredComm, read as read_collectives
 from .cost import Layout
 from .hardware import GPUS, gpu as gpu_by_name
 from .speed import Efficiency, SpeedReport, Workload, accept_len, predict
@@ -61,6 +63,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--calibrate", nargs="+", metavar="FILE", default=None,
                     help="measured JSONs (mtp-bench TP=1, --tp N rank, collectives) to fit efficiencies on; "
                          "FILE:b=1,8:ctx=8192 keeps those batch sizes / contexts of a file")
+    ap.add_argument("--collectives", metavar="FILE", default=None,
+                    help="measured all-reduce latencies (python -m mtp.bench.allreduce or mtp.bench.collectives JSON) "
+                         "for the decode forwards' communication instead of the GPU table's link formula")
+    ap.add_argument("--allreduce", choices=IMPLS, default="nccl",
+                    help="with --collectives: which measured rows price the all-reduces (oneshot: the block "
+                         "boundaries at the fused one-shot + add + norm + quant, the rest plain one-shot)")
+    ap.add_argument("--collective-growth", type=float, default=GROWTH,
+                    help="with --collectives measured on fewer GPUs than --tp: ASSUMED latency growth per doubling")
     ap.add_argument("--plot", metavar="FILE", default=None, help="tok/s vs batch for k = 0..3 (matplotlib)")
     return ap
 
@@ -151,7 +161,23 @@ def speed_main(argv: list[str]) -> int:
         plot_speed(cfg, a.plot, wl.al, wl.k, a.calibrate or [], eff, wl.context)
     if cal is not None and cal.link:
         g = dataclasses.replace(g, **cal.link)
-    r = predict(cfg, g, lay, wl, eff)
+    measured = None
+    if a.collectives:
+        if lay.tp > g.gpus_per_node:
+            parser().error(f"--collectives: measured within one node; TP{lay.tp} spans nodes of {g.gpus_per_node}")
+        try:  # the model books the norm-quant kernel a fused all-reduce absorbs as one attention-class launch
+            measured = MeasuredComm(read_collectives(a.collectives), lay.tp, a.allreduce, a.collective_growth,
+                                    held_us=eff.launch_of("attention"))
+        except ValueError as e:
+            parser().error(f"--collectives: {e}")
+    elif a.allreduce != "nccl":
+        parser().error(f"--allreduce {a.allreduce} needs --collectives (a measured mtp.bench.allreduce file)")
+    if cal is not None:
+        cal.collectives = (f"communication from {a.collectives} (--collectives, --allreduce {a.allreduce})"
+                           if a.collectives else
+                           f"link fitted on {cal.link_source} (--calibrate)" if cal.link else
+                           "no collectives file given (--collectives): the GPU table's link formula")
+    r = predict(cfg, g, lay, wl, eff, measured)
     if cal is not None:
         r.notes.append(f"efficiencies fitted on {cal.gpu} decode steps (batch and widths of the files); prefill and "
                        f"other GPUs ({g.name}) take them as they are")

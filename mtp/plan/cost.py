@@ -60,6 +60,7 @@ class Comm:
     op: str  # all_reduce | all_gather | dispatch | combine
     nbytes: float  # per call, leaving / reduced on one rank
     count: int = 1
+    fused: bool = False  # an all-reduce at a block boundary: joined with the add + norm + quant under oneshot
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ def forward_terms(cfg: ModelConfig, lay: Layout, sh: Shape, act_bytes_per: int =
     mla_macs = mla_form(sh.mla)(cfg, N, sh.rows * L, pairs, H)
     attn_w = cat.get("attention (head-split)", 0) + cat.get("attention (replicated)", 0) + cat.get("norms", 0)
     ar = comm_bytes_per_forward(cfg, N, 1, torch.bfloat16)["per_block_all_reduce"]
-    tp_comm = (Comm("all_reduce", ar, 1),) if lay.tp > 1 else ()
+    tp_comm = (Comm("all_reduce", ar, 1, fused=True),) if lay.tp > 1 else ()
     terms = [_term("mla", "attention", cfg.num_hidden_layers, mla_macs, attn_w / cfg.num_hidden_layers,
                    kv=keys_read * kv_mla, act=N * D * act_bytes_per * 2, launches=11, comm=tp_comm)]
     if dsa_on:
@@ -260,7 +261,7 @@ def draft_terms(cfg: ModelConfig, lay: Layout, sh: Shape) -> list[Term]:
     """One MTP module forward (eh_proj + one MoE block + its head) at the shape given: the trunk's per-layer
     terms once, plus the module's own extras (bytes: memory model with one MTP module minus without)."""
     one = [Term(t.name, t.kind, 1, t.flops_fp8, t.flops_bf16, t.weight_bytes, t.kv_bytes, t.act_bytes, t.launches,
-                t.comm, t.macs) for t in forward_terms(cfg, lay, sh) if t.name not in ("dense_mlp",)]
+                _module_reduces(t), t.macs) for t in forward_terms(cfg, lay, sh) if t.name not in ("dense_mlp",)]
     with_mtp, trunk = rank_bytes(cfg, lay, 1), rank_bytes(cfg, lay)
     extras = with_mtp.get("MTP extras", 0) - trunk.get("MTP extras", 0)
     embed_copy = trunk.get("embedding + lm_head", 0) / 2
@@ -268,6 +269,13 @@ def draft_terms(cfg: ModelConfig, lay: Layout, sh: Shape) -> list[Term]:
     one.append(_term("mtp_eh_proj", "weights", 1, {"eh_proj": (N * 2 * cfg.hidden_size ** 2, "fp8")},
                      max(extras - 2 * embed_copy, 0), launches=3))
     return one
+
+
+def _module_reduces(t: Term) -> tuple[Comm, ...]:
+    """An MTP module reduces its FFN itself: that all-reduce is not fused with a norm (mtp/parallel/DESIGN.md)."""
+    if t.name != "routed_experts":
+        return t.comm
+    return tuple(Comm(c.op, c.nbytes, c.count) if c.op == "all_reduce" else c for c in t.comm)
 
 
 def _term(name: str, kind: str, layers: int, macs: dict, weight_bytes: float, kv: float = 0.0, act: float = 0.0,

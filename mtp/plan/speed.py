@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..model.config import ModelConfig
 from .cost import Layout, Shape, Term, draft_terms, forward_terms
+from .collectives import MeasuredComm
 from .hardware import GB, GPU
 
 KINDS = ("weights", "experts", "attention", "indexer", "head")
@@ -79,7 +80,12 @@ class ForwardTime:
         return max(self.work_ms, self.comm_ms)
 
 
-def comm_us(gpu: GPU, lay: Layout, c) -> float:
+def comm_us(gpu: GPU, lay: Layout, c, measured: MeasuredComm | None = None) -> float:
+    """One collective: the link formula (`GPU.allreduce_us`), or an all-reduce's measured price (`measured`,
+    `mtp-plan --collectives`). The all-gather keeps the formula: the files measure the per-rank fp32 logits,
+    the model books the gathered tensor."""
+    if measured is not None and c.op == "all_reduce" and lay.tp > 1:
+        return measured.all_reduce_us(c.nbytes, c.fused)
     if c.op in ("all_reduce", "all_gather"):
         ranks = lay.tp
         nodes = lay.nodes if ranks > gpu.gpus_per_node else 1
@@ -94,12 +100,13 @@ def peak_s(t: Term, gpu: GPU) -> tuple[float, float]:
             t.bytes / (gpu.hbm_gbps * GB))
 
 
-def time_terms(terms: list[Term], gpu: GPU, lay: Layout, eff: Efficiency = Efficiency()) -> ForwardTime:
+def time_terms(terms: list[Term], gpu: GPU, lay: Layout, eff: Efficiency = Efficiency(),
+               measured: MeasuredComm | None = None) -> ForwardTime:
     out = []
     for t in terms:
         compute, memory = peak_s(t, gpu)
         compute, memory = compute / eff.compute_of(t.kind), memory / eff.bw_of(t.kind)
-        comm = sum(comm_us(gpu, lay, c) * c.count for c in t.comm) * 1e-3
+        comm = sum(comm_us(gpu, lay, c, measured) * c.count for c in t.comm) * 1e-3
         out.append(TermTime(t.name, t.layers, compute * 1e3 * t.layers, memory * 1e3 * t.layers,
                             t.launches * eff.launch_of(t.kind) * 1e-3 * t.layers, comm * t.layers,
                             (t.flops_fp8 + t.flops_bf16) * t.layers, t.bytes * t.layers,
@@ -181,28 +188,49 @@ class SpeedReport:
                 "verify": fwd(self.verify), "draft": fwd(self.draft), "notes": self.notes}
 
 
-def predict(cfg: ModelConfig, gpu: GPU, lay: Layout, wl: Workload, eff: Efficiency = Efficiency()) -> SpeedReport:
+def predict(cfg: ModelConfig, gpu: GPU, lay: Layout, wl: Workload, eff: Efficiency = Efficiency(),
+            measured: MeasuredComm | None = None) -> SpeedReport:
     """Prefill of `batch` prompts of `context` tokens, then one speculative step: the verify forward at width
-    k + 1 over `context` keys and k draft forwards (one MTP module each, width 1)."""
+    k + 1 over `context` keys and k draft forwards (one MTP module each, width 1). `measured`: the decode
+    forwards' all-reduces from a measured table instead of the link formula (prefill keeps the formula: the
+    tables stop at 8 tokens)."""
     pre = time_terms(forward_terms(cfg, lay, Shape(wl.batch, wl.context, wl.context, "prefill", wl.mla_prefill)),
                      gpu, lay, eff)
     vshape = Shape(wl.batch, wl.k + 1, wl.context + wl.k + 1, "decode", wl.mla_decode, touched=wl.experts_touched)
-    ver = time_terms(forward_terms(cfg, lay, vshape), gpu, lay, eff)
+    vt = forward_terms(cfg, lay, vshape)
+    ver = time_terms(vt, gpu, lay, eff, measured)
     drf = None
     if wl.k:
         drf = time_terms(draft_terms(cfg, lay, Shape(wl.batch, 1, wl.context + 1, "decode", wl.mla_decode)),
-                         gpu, lay, eff)
+                         gpu, lay, eff, measured)
     notes = []
-    vt = forward_terms(cfg, lay, vshape)
     ars = [(c, t.layers) for t in vt for c in t.comm if c.op == "all_reduce"]
     if ars:
         big = max(ars, key=lambda a: a[0].nbytes)[0]
         n = sum(c.count * layers for c, layers in ars)
         ring = gpu.link_gbps if lay.tp <= gpu.gpus_per_node else min(gpu.link_gbps, gpu.net_gbps)
-        notes.append(f"all-reduce over {gpu.link}: {comm_us(gpu, lay, big):.1f} us for {big.nbytes / 1e3:.1f} KB "
-                     f"({lay.tp} ranks; {gpu.link_latency_us:g} us per log2 step + ring bandwidth {ring:g} GB/s), "
-                     f"{n} per verify forward")
+        formula = (f"all-reduce over {gpu.link}: {comm_us(gpu, lay, big):.1f} us for {big.nbytes / 1e3:.1f} KB "
+                   f"({lay.tp} ranks; {gpu.link_latency_us:g} us per log2 step + ring bandwidth {ring:g} GB/s), "
+                   f"{n} per verify forward")
+        if measured is None:
+            notes.append(formula)
+        else:
+            notes.append(measured_note(measured, big, comm_us(gpu, lay, big), ver.comm_ms,
+                                       time_terms(vt, gpu, lay, eff).comm_ms))
+            notes.append(f"(not used) the table's {formula}")
     if lay.tp > gpu.gpus_per_node:
         notes.append(f"TP{lay.tp} spans {lay.tp // gpu.gpus_per_node} nodes: its all-reduces cross the "
                      f"{gpu.net_gbps:g} GB/s NIC")
     return SpeedReport(gpu.name, asdict(lay), asdict(wl), eff.source, pre, ver, drf, lay.world, notes)
+
+
+def measured_note(m: MeasuredComm, big, formula_us: float, verify_ms: float, formula_verify_ms: float) -> str:
+    """The measured all-reduce beside the link formula's, so a reader sees both."""
+    t = m.table
+    est = (f"{m.ranks}-GPU estimate" + (f" (ASSUMED growth x{m.growth:g} per doubling, --collective-growth)"
+                                       if t.world < m.ranks else ""))
+    fused = (f"{m.all_reduce_us(big.nbytes, True):.1f} us at a block boundary (with its add + norm + quant), "
+             f"{m.all_reduce_us(big.nbytes):.1f} us plain")
+    return (f"all-reduce measured on {t.world} x {t.device} ({t.path}, {t.dtype}), --allreduce {m.allreduce}: "
+            f"{est} = {fused} for {big.nbytes / 1e3:.1f} KB (the link formula's: {formula_us:.1f} us); verify "
+            f"forward communication {verify_ms:.3f} ms (formula {formula_verify_ms:.3f} ms). {m.describe()}")
