@@ -65,9 +65,9 @@ if want shards; then  # GPU test files over the machine's GPUs, one pytest per G
   echo "== GPU tests in shards over $n GPUs $(date -u +%H:%M:%S)"
   i=0
   for sh in $SHARDS; do
-    CUDA_VISIBLE_DEVICES=$((i % n)) timeout "${TESTS_S:-420}" python3 -m pytest -q -m gpu ${sh//,/ } -p no:cacheprovider \
+    CUDA_VISIBLE_DEVICES=$((i % n)) timeout "${TESTS_S:-420}" python3 -m pytest -q -rfE -m gpu ${sh//,/ } -p no:cacheprovider \
       > "$OUT/pytest_shard$i.log" 2>&1 &
-    i=$((i + 1)); [ $((i % n)) -eq 0 ] && wait
+    i=$((i + 1)); [ $((i % (n * ${SHARDS_PER_GPU:-1}))) -eq 0 ] && wait  # SHARDS_PER_GPU pytest processes share a GPU
   done
   wait
   for ((j = 0; j < i; j++)); do echo "shard $j ($(echo $SHARDS | cut -d' ' -f$((j + 1)))): $(tail -1 "$OUT/pytest_shard$j.log")"; done
