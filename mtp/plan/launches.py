@@ -21,7 +21,6 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 LAYER_KINDS = ("dense", "moe", "mtp", "head", "glue")

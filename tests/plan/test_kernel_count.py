@@ -87,7 +87,8 @@ def test_hand_derivation_indexer():
 def test_model_equals_counted_launches_tiny_rank(world):
     """The count of every layer kind equals the launches of the code on a tiny rank, at every point of POINTS."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     r = subprocess.run([sys.executable, __file__, str(world)], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, f"counting failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
