@@ -110,11 +110,17 @@ def attention(cfg: ModelConfig, sh: StepShape, lim: Limits, gpu: bool = True) ->
     ix = 0
     if cfg.index_topk < sh.context:
         ix = 2  # head weights: one GEMM and its scale (GPU: mm + mul_; CPU: cast + linear)
-        ix += 1 + 1 + 3  # the radix top-k's zeroed workspace, the scores kernel, histogram + split + write
-        if sh.rows > 1 and sh.context < (sh.cache_len or sh.context):
-            ix += 2  # `indexer_scores`: the rows' key slices and their scales copied contiguous
         ix += GPU_EXTRA["indexer_weights_reduce"] if gpu else 0
+        ix += indexer_select(sh)
     return n, ix
+
+
+def indexer_select(sh: StepShape) -> int:
+    """The indexer's scores and top-k (`kernels.indexer.indexer_topk`, radix): the zeroed workspace, the scores
+    kernel, histogram + split + write, and the keys' contiguous copies (rows > 1, cache longer than S). What
+    `mtp-bench` times as 'the indexer alone' (`rank_steps.indexer_alone`)."""
+    copies = 2 if sh.rows > 1 and sh.context < (sh.cache_len or sh.context) else 0
+    return 1 + 1 + 3 + copies
 
 
 def dense_mlp(cfg: ModelConfig, sh: StepShape, lim: Limits) -> int:

@@ -1,7 +1,7 @@
 """The speed model's kernel count (`mtp.plan.kernels`) against the code: a hand derivation per layer kind at a few
 (tokens, context) points of the real TP=8 rank, and the launches `mtp.plan.launches` counts when the fast path
 runs a tiny simulated rank under the Triton interpreter (a subprocess: the interpreter is chosen when the kernels
-are decorated), with the fast path's token thresholds shrunk so that every branch is taken at 1..18 tokens.
+are decorated), with the fast path's token thresholds shrunk so that every branch is taken at 1..14 tokens.
 """
 
 from __future__ import annotations
