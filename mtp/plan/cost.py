@@ -73,9 +73,8 @@ class Term:
     weight_bytes: float
     kv_bytes: float = 0.0
     act_bytes: float = 0.0
-    # kernels per layer on our fast path (the TP=8 rank profile, eval/results/bench_tp8_h200_final_s4.json: per MoE
-    # layer MLA 11 = 3 GEMVs + 2 absorb + 2 prologues + 2 attention stages + 2 norm-quant, indexer 2 = scores +
-    # top-k, routed 3 = gate-up, down, combine, router 1, shared 4 = 2 GEMVs + silu + residual add)
+    # kernels per layer on our fast path at this shape: `mtp.plan.kernels.terms` (decode; the head's term holds the
+    # step's glue), `PREFILL_LAUNCHES` for a prefill (the reference path: its launches are not modelled)
     launches: int = 0
     comm: tuple[Comm, ...] = ()
     macs: dict = field(default_factory=dict, compare=False)
@@ -180,12 +179,29 @@ class Shape:
     dsa: bool = True  # the lightning indexer picks index_topk keys past index_topk context
     causal: bool = True
     touched: float | None = None  # routed experts a rank reads per MoE layer (None: uniform-routing expectation)
+    cache_len: int | None = None  # keys the cache holds per row (None: exactly context; `kernels.StepShape`)
+
+
+# a prefill's launches per layer (it runs the reference path, whose launch count is not modelled; its time is
+# FLOPs): the decode counts of the session-4 profile, kept so that a prefill's fixed cost stays what it was
+PREFILL_LAUNCHES = {"mla": 11, "indexer": 2, "dense_mlp": 4, "routed_experts": 3, "shared_expert": 4, "router": 1,
+                    "head": 3, "mtp_extra": 3}
+
+
+def launches_of(cfg: ModelConfig, lay: Layout, sh: Shape) -> dict[str, int]:
+    """Kernels per layer of each term: the fast path's launch structure (`mtp.plan.kernels`) for a decode."""
+    if sh.phase != "decode":
+        return PREFILL_LAUNCHES
+    from .kernels import StepShape, terms
+
+    return terms(cfg, StepShape(sh.rows, sh.width, sh.context, lay.tp, sh.cache_len))
 
 
 def forward_terms(cfg: ModelConfig, lay: Layout, sh: Shape, act_bytes_per: int = 2) -> list[Term]:
     """The terms of one target forward on rank 0 (trunk: n_layers blocks + head)."""
     if sh.phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {sh.phase!r}")
+    n_launch = launches_of(cfg, lay, sh)
     D, L, N = cfg.hidden_size, sh.context, sh.rows * sh.width
     H = cfg.num_attention_heads // lay.tp
     n_dense = cfg.first_k_dense_replace
@@ -210,7 +226,7 @@ def forward_terms(cfg: ModelConfig, lay: Layout, sh: Shape, act_bytes_per: int =
     ar = comm_bytes_per_forward(cfg, N, 1, torch.bfloat16)["per_block_all_reduce"]
     tp_comm = (Comm("all_reduce", ar, 1, fused=True),) if lay.tp > 1 else ()
     terms = [_term("mla", "attention", cfg.num_hidden_layers, mla_macs, attn_w / cfg.num_hidden_layers,
-                   kv=keys_read * kv_mla, act=N * D * act_bytes_per * 2, launches=11, comm=tp_comm)]
+                   kv=keys_read * kv_mla, act=N * D * act_bytes_per * 2, launches=n_launch["mla"], comm=tp_comm)]
     if dsa_on:
         Hi, Di = cfg.index_n_heads, cfg.index_head_dim
         visible = sh.width * (prior + (sh.width + 1) / 2) if sh.causal else sh.width * L  # keys each query scores
@@ -218,15 +234,15 @@ def forward_terms(cfg: ModelConfig, lay: Layout, sh: Shape, act_bytes_per: int =
               "weights": (N * D * Hi, "bf16"), "scores": (sh.rows * visible * Hi * Di, "fp8")}
         terms.append(_term("indexer", "indexer", cfg.num_hidden_layers, ix,
                            cat.get("indexer (replicated)", 0) / cfg.num_hidden_layers,
-                           kv=sh.rows * L * kv_idx, launches=2))  # scores, top-k
+                           kv=sh.rows * L * kv_idx, launches=n_launch["indexer"]))
     # MLPs: tokens reaching this rank's MLP weights
     mlp_comm = tp_comm if not lay.dp_attention else ()
     local = RankLayout(cfg, ParallelPlan(world=lay.tp, mlp_split=lay.mlp_split), 0)  # rank 0's MLP channels
     if n_dense:
         inter = local.dense[1] - local.dense[0]
         terms.append(_term("dense_mlp", "weights", n_dense, {"mlp": (N * 3 * D * inter, "fp8")},
-                           cat.get("dense MLP", 0) / n_dense, act=N * D * act_bytes_per * 2, launches=4,
-                           comm=mlp_comm))
+                           cat.get("dense MLP", 0) / n_dense, act=N * D * act_bytes_per * 2,
+                           launches=n_launch["dense_mlp"], comm=mlp_comm))
     if n_moe:
         e_loc = cfg.n_routed_experts // lay.ep
         # (token, expert) pairs this rank computes: every rank sees all N tokens and keeps its experts' share;
@@ -242,32 +258,35 @@ def forward_terms(cfg: ModelConfig, lay: Layout, sh: Shape, act_bytes_per: int =
             a2a = (Comm("dispatch", remote * D * 1), Comm("combine", remote * D * 2))
         terms.append(_term("routed_experts", "experts", n_moe,
                            {"experts": (routed_tokens * 3 * D * cfg.moe_intermediate_size, "fp8")},
-                           touched * per_expert, act=routed_tokens * D * 3, launches=3, comm=a2a + mlp_comm))
+                           touched * per_expert, act=routed_tokens * D * 3, launches=n_launch["routed_experts"],
+                           comm=a2a + mlp_comm))
         shared_inter = local.shared[1] - local.shared[0]
         terms.append(_term("shared_expert", "weights", n_moe, {"mlp": (N * 3 * D * shared_inter, "fp8")},
-                           cat.get("shared experts", 0) / n_moe, launches=4))
+                           cat.get("shared experts", 0) / n_moe, launches=n_launch["shared_expert"]))
         terms.append(_term("router", "weights", n_moe, {"gate": (N * D * cfg.n_routed_experts, "bf16")},
-                           cat.get("router", 0) / n_moe, launches=1))
+                           cat.get("router", 0) / n_moe, launches=n_launch["router"]))
     head = cat.get("embedding + lm_head", 0) / 2  # lm_head; the embedding reads N rows
     hc = comm_bytes_per_forward(cfg, N, 0, torch.bfloat16)
     head_comm = (Comm("all_reduce", hc["embedding_all_reduce"]), Comm("all_gather", hc["logits_all_gather"])) \
         if lay.tp > 1 else ()
     terms.append(_term("head", "head", 1, {"lm_head": (N * D * cfg.vocab_size / lay.tp, "bf16")}, head,
-                       act=N * D * 2, launches=3, comm=head_comm))
+                       act=N * D * 2, launches=n_launch["head"], comm=head_comm))
     return terms
 
 
 def draft_terms(cfg: ModelConfig, lay: Layout, sh: Shape) -> list[Term]:
     """One MTP module forward (eh_proj + one MoE block + its head) at the shape given: the trunk's per-layer
     terms once, plus the module's own extras (bytes: memory model with one MTP module minus without)."""
-    one = [Term(t.name, t.kind, 1, t.flops_fp8, t.flops_bf16, t.weight_bytes, t.kv_bytes, t.act_bytes, t.launches,
-                _module_reduces(t), t.macs) for t in forward_terms(cfg, lay, sh) if t.name not in ("dense_mlp",)]
+    # the module's head, glue and own layers are launched in `mtp_extra` (the head term's launches are the trunk's)
+    one = [Term(t.name, t.kind, 1, t.flops_fp8, t.flops_bf16, t.weight_bytes, t.kv_bytes, t.act_bytes,
+                0 if t.name == "head" else t.launches, _module_reduces(t), t.macs)
+           for t in forward_terms(cfg, lay, sh) if t.name not in ("dense_mlp",)]
     with_mtp, trunk = rank_bytes(cfg, lay, 1), rank_bytes(cfg, lay)
     extras = with_mtp.get("MTP extras", 0) - trunk.get("MTP extras", 0)
     embed_copy = trunk.get("embedding + lm_head", 0) / 2
     N = sh.rows * sh.width
     one.append(_term("mtp_eh_proj", "weights", 1, {"eh_proj": (N * 2 * cfg.hidden_size ** 2, "fp8")},
-                     max(extras - 2 * embed_copy, 0), launches=3))
+                     max(extras - 2 * embed_copy, 0), launches=launches_of(cfg, lay, sh)["mtp_extra"]))
     return one
 
 

@@ -1,0 +1,212 @@
+"""Kernels one decode forward of the fast path launches on one rank, per layer kind, from its launch structure.
+
+Legend: N tokens of the forward (rows x width), B rows, S keys after it (context), D hidden, tp ranks.
+
+The speed model's fixed cost is paid per launch, so the count must follow the code (`mtp.backends.fast_path`
+FastBlock / FastMLA / FastMoE / FastParallelMLP, `mtp.kernels.dispatch.linear`, `mtp.kernels.moe.moe_experts`,
+`mtp.kernels.moe_grouped`), not a constant. Every branch below names the code that takes it, and its thresholds
+are read from that code at call time (`Limits.current`), so a change there moves the count. The structure was
+derived by reading the code and is held, per layer kind, to the launches `mtp.plan.launches` counts when the
+code runs under the Triton interpreter on a tiny simulated rank (tests/plan/test_kernel_count.py), with those
+thresholds shrunk so that every branch is taken at a few tokens.
+
+What the count assumes: the decode path as `mtp-bench --tp N` runs it (bf16 model, fp32 residual, the fused
+kernels on, `gemv_rows` 1, elementwise 'triton', radix top-k, NCCL or the simulated group: no one-shot hand-off),
+a causal verify (no tree), an FP8 latent cache. Collectives are not kernels here (the simulated rank runs none;
+with NCCL add one per `Comm` in `mtp.plan.cost`). On a GPU, not on the CPU counter: cuBLAS runs the indexer's
+weights GEMM (M = N rows, 64 columns, K = D) split-K with a separate reduce kernel (`cublasLt::splitKreduce_kernel`
+in the profiles of the 8k / 32k rows, one per layer): `GPU_EXTRA['indexer_weights_reduce']`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model.config import ModelConfig
+
+# launches of the reference router (`Gate.forward`: an fp32 GEMM, sigmoid, group top-k, sort, gather, scatter ...)
+# that `FastMoE.routed` runs above `kernel_route_tokens` tokens, and of an expert-parallel rank's id mapping
+# (`local_ids`: sub, two compares, and, where): aten ops as `mtp.plan.launches` counts them (on a GPU its sort and
+# top-k run several kernels each)
+REFERENCE_ROUTER = 17
+LOCAL_IDS = 5
+# launches on a GPU the CPU count cannot see (module docstring)
+GPU_EXTRA = {"indexer_weights_reduce": 1}
+# the decode step's glue outside the layers (`DeepseekV32.forward` / `positions`, the bench's `cache.truncate`):
+# the causal positions, cos / sin, the vocabulary-parallel embedding's mask and lookup, seq_lens += T
+GLUE_TP = 18  # counted (tests/plan/test_kernel_count.py); tp = 1 has no embedding mask: GLUE_TP1
+GLUE_TP1 = 11
+KINDS = ("dense", "moe", "mtp", "head", "glue")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The token thresholds the fast path branches on, as the code holds them."""
+
+    gemv_rows: int  # dispatch.FastPathOptions.gemv_rows: the split-K GEMV up to this many rows
+    fuse_m: int  # fp8_gemm.FUSE_M: x quantized inside the weight-streaming GEMV up to this many rows ...
+    small_n: int  # fp8_gemm.SMALL_N: ... for weights of at most this many rows
+    small_m: int  # fast_path.SMALL_M (= fp8_gemm.SMALL_M): the block's fused norm quantizes up to this many rows
+    absorb_max: int  # fast_path.ABSORB_MAX_TOKENS: the absorb kernels up to this many tokens, else einsums
+    router_max: int  # fast_path.ROUTER_MAX_TOKENS: tokens per router launch
+    kernel_route: int  # FastMoE.kernel_route_tokens: the router kernels up to this many tokens
+    grouped_above: int  # FastMoE.grouped_above: the grouped expert GEMM above this many tokens
+    moe_chunk: int  # FastMoE.max_tokens: tokens per grouped expert call
+
+    @classmethod
+    def current(cls) -> Limits:
+        from ..backends import fast_path as fp
+        from ..kernels import fp8_gemm
+        from ..kernels.dispatch import FastPathOptions
+
+        return cls(FastPathOptions().gemv_rows, fp8_gemm.FUSE_M, fp8_gemm.SMALL_N, fp.SMALL_M, fp.ABSORB_MAX_TOKENS,
+                   fp.ROUTER_MAX_TOKENS, fp.FastMoE.kernel_route_tokens, fp.FastMoE.grouped_above,
+                   fp.FastMoE.max_tokens)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def linear(M: int, n_out: int, lim: Limits, xq: bool) -> int:
+    """`dispatch.linear`: the split-K GEMV (x quantized inside) for 1..gemv_rows rows; with x already quantized
+    (xq) one GEMV / GEMM; else `fp8_linear`: one launch where it quantizes x itself (n_out <= SMALL_N, M <=
+    FUSE_M), else act_quant + GEMV / GEMM."""
+    if 1 <= M <= lim.gemv_rows or xq:
+        return 1
+    return 1 if M <= lim.small_m and n_out <= lim.small_n and M <= lim.fuse_m else 2
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One decode forward on one rank: `rows` x `width` new tokens over `context` keys (S, after them);
+    `cache_len`: the cache's capacity per row (None: exactly S), since the indexer copies its keys to a
+    contiguous buffer when rows > 1 and S < capacity."""
+
+    rows: int
+    width: int
+    context: int
+    tp: int = 1
+    cache_len: int | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.width
+
+
+def attention(cfg: ModelConfig, sh: StepShape, lim: Limits, gpu: bool = True) -> tuple[int, int]:
+    """(attention, indexer) launches of `FastBlock` up to the FFN: input norm + quant, q_a | wk | kv_a, the kv
+    prologue (norm, rotary, cache write), q_a norm + quant, q_b | wq_b, the q prologue, absorb q, mla_decode (2
+    stages), absorb out, o_proj (+ its cast to the model dtype after the all-reduce when row-parallel),
+    post-attention norm + quant; and the indexer's when it chooses (S > top-k, `mla_attend_fast`)."""
+    N, D = sh.tokens, cfg.hidden_size
+    quant = N <= lim.small_m
+    n = 1 + linear(N, cfg.q_lora_rank + cfg.index_head_dim + cfg.kv_lora_rank + cfg.qk_rope_head_dim, lim, quant)
+    n += 1 + 1 + 1 + 1  # kv prologue, q_a norm + quant, q_b | wq_b (fed quantized), q prologue
+    n += 2 if N <= lim.absorb_max else 4  # absorb kernels, or two einsums (a bmm and a copy each)
+    n += 2  # mla_decode: stage 1, stage 2
+    n += linear(N, D, lim, False) + (1 if sh.tp > 1 else 0)  # o_proj; RowParallelLinear's `.to(x.dtype)`
+    n += 1  # post-attention add + norm + quant
+    ix = 0
+    if cfg.index_topk < sh.context:
+        ix = 2  # head weights: one GEMM and its scale (GPU: mm + mul_; CPU: cast + linear)
+        ix += GPU_EXTRA["indexer_weights_reduce"] if gpu else 0
+        ix += indexer_select(sh)
+    return n, ix
+
+
+def indexer_select(sh: StepShape) -> int:
+    """The indexer's scores and top-k (`kernels.indexer.indexer_topk`, radix): the zeroed workspace, the scores
+    kernel, histogram + split + write, and the keys' contiguous copies (rows > 1, cache longer than S). What
+    `mtp-bench` times as 'the indexer alone' (`rank_steps.indexer_alone`)."""
+    copies = 2 if sh.rows > 1 and sh.context < (sh.cache_len or sh.context) else 0
+    return 1 + 1 + 3 + copies
+
+
+def dense_mlp(cfg: ModelConfig, sh: StepShape, lim: Limits) -> int:
+    """`FastParallelMLP` (tp > 1: fp32 partial, all-reduce, `.to(x.dtype)`) or `FastMLP`: gate | up (fed the block's
+    quantized x up to SMALL_M rows), silu * up, down; then the block's `h + y`."""
+    N = sh.tokens
+    inter = cfg.intermediate_size // sh.tp
+    n = linear(N, 2 * inter, lim, N <= lim.small_m) + 1 + linear(N, cfg.hidden_size, lim, False)
+    return n + (1 if sh.tp > 1 else 0) + 1
+
+
+def router(N: int, lim: Limits, tp: int = 1) -> int:
+    """`FastMoE.routed`: one router launch per ROUTER_MAX_TOKENS tokens (+ a cat of weights and of ids when several),
+    or the reference router above kernel_route_tokens (with the id mapping on an expert-parallel rank)."""
+    if N > lim.kernel_route:
+        return REFERENCE_ROUTER + (LOCAL_IDS if tp > 1 else 0)
+    r = _cdiv(N, lim.router_max)
+    return r + (2 if r > 1 else 0)
+
+
+def experts(N: int, lim: Limits) -> int:
+    """`moe_experts`: gate-up, down, combine (pairs / persistent layouts); above grouped_above tokens, per chunk of
+    max_tokens, the grouped GEMM's count + align, act_quant, gate-up, down, combine (+ a cat of the chunks)."""
+    if N <= lim.grouped_above:
+        return 3
+    c = _cdiv(N, lim.moe_chunk)
+    return 6 * c + (1 if c > 1 else 0)
+
+
+def moe_ffn(cfg: ModelConfig, sh: StepShape, lim: Limits) -> dict[str, int]:
+    """The MoE sublayer of `FastBlock` as {shared_expert, router, routed_experts}. Up to SMALL_M tokens (the block's
+    norm quantizes): the shared expert's gate | up on the quantized x, silu * up, down; router; experts (the shared
+    output added in their combine); `add_rounded` into the residual. Above: `MoE.forward` (its routed part still
+    `FastMoE.routed`): the shared expert on x, routed + shared, `.to(x.dtype)`, and the block's `h + y`. The
+    residual's add is booked to the routed experts."""
+    N, D = sh.tokens, cfg.hidden_size
+    inter = cfg.moe_intermediate_size * cfg.n_shared_experts // sh.tp
+    quant = N <= lim.small_m
+    shared = linear(N, 2 * inter, lim, quant) + 1 + linear(N, D, lim, False) if inter else 0
+    if inter and sh.tp == 1:
+        shared += 1  # `FastMLP` / `MoE.shared`: the shared expert's model-dtype output cast to fp32
+    if inter and not quant:
+        shared += 1  # `MoE.forward`: routed + shared
+    routed = experts(N, lim) + (1 if quant else 2)  # add_rounded; or `.to(x.dtype)` and the block's `h + y`
+    return {"shared_expert": shared, "router": router(N, lim, sh.tp), "routed_experts": routed}
+
+
+def head(cfg: ModelConfig, sh: StepShape) -> int:
+    """Final norm, lm_head (one cuBLAS GEMM), and past one token on tp > 1 the copy that lays the all-gathered
+    vocabulary slices side by side (`Comm.all_gather_last`)."""
+    return 2 + (1 if sh.tp > 1 and sh.tokens > 1 else 0)
+
+
+def mtp_extra(cfg: ModelConfig, sh: StepShape) -> int:
+    """An MTP module's launches besides its block (`DeepseekV32.mtp_forward`): the glue's positions, embedding and
+    seq_lens update (without the bench's cache truncate and the embedding's fp32 cast), enorm, hnorm, the concat,
+    eh_proj (a bf16 cuBLAS GEMM), its cast to fp32, and the module's head (norm, GEMM, gathered-logits copy)."""
+    return glue(sh) - 2 + 5 + head(cfg, sh)  # the glue holds the logits' cast
+
+
+def glue(sh: StepShape) -> int:
+    """The target step's launches outside its layers, with the logits' cast to fp32 (`GLUE_TP`)."""
+    return GLUE_TP if sh.tp > 1 else GLUE_TP1
+
+
+def terms(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None, gpu: bool = True) -> dict[str, int]:
+    """Launches per layer of each `mtp.plan.cost` term (mla, indexer, dense_mlp, shared_expert, router,
+    routed_experts; head with the step's glue; mtp_extra per MTP module)."""
+    lim = lim or Limits.current()
+    a, ix = attention(cfg, sh, lim, gpu)
+    return {"mla": a, "indexer": ix, "dense_mlp": dense_mlp(cfg, sh, lim), **moe_ffn(cfg, sh, lim),
+            "head": head(cfg, sh) + glue(sh), "mtp_extra": mtp_extra(cfg, sh)}
+
+
+def per_layer(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None, gpu: bool = True) -> dict[str, int]:
+    """Launches per layer of each kind: dense block, MoE block, MTP module (its block and extras), head, glue."""
+    t = terms(cfg, sh, lim, gpu)
+    attn = t["mla"] + t["indexer"]
+    moe = attn + t["shared_expert"] + t["router"] + t["routed_experts"]
+    return {"dense": attn + t["dense_mlp"], "moe": moe, "mtp": moe + t["mtp_extra"], "head": head(cfg, sh),
+            "glue": glue(sh)}
+
+
+def step_launches(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None, gpu: bool = True) -> dict[str, int]:
+    """Launches of one target forward (trunk + head + glue) per layer kind, summed over its layers."""
+    p = per_layer(cfg, sh, lim, gpu)
+    n_dense = cfg.first_k_dense_replace
+    return {"dense": p["dense"] * n_dense, "moe": p["moe"] * (cfg.num_hidden_layers - n_dense), "head": p["head"],
+            "glue": p["glue"]}

@@ -1,0 +1,121 @@
+"""Count the kernels one forward of the fast path launches, on the CPU, by running it: a measurement of the code
+that `mtp.plan.kernels`' launch structure is held to (tests/plan/test_kernel_count.py).
+
+Two kinds of launch are counted while a forward runs under the Triton interpreter (TRITON_INTERPRET=1, chosen
+when the kernels are decorated: run this in such a process):
+- Triton kernels: `InterpretedFunction.run` is wrapped for the duration, one count per grid launch, by kernel
+  name; the torch ops the interpreter itself runs inside a launch are not counted;
+- torch ops: a `TorchDispatchMode` sees every aten op below autograd; an op counts as one launch unless it only
+  makes a view or allocates (`NO_KERNEL`), which on a GPU launch nothing. On CUDA a few aten ops launch more
+  than one kernel (a cuBLAS split-K GEMM its reduction, a sort its passes): the count says one, and the
+  comparison with the profiler's count (BENCHMARKS.md) says where that matters.
+Each launch is booked to the layer kind running it (`LAYER_KINDS`): the trunk block it is in (dense or MoE by
+index), an MTP module, the head (final norm, lm_head, its gather), or glue (embedding, positions, cache
+bookkeeping), by forward pre- / post-hooks on those modules. CPU-only branches the GPU never takes (the expert
+ids' range check of `moe_experts`, a host read) are listed in `CPU_ONLY` and not counted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+LAYER_KINDS = ("dense", "moe", "mtp", "head", "glue")
+
+# aten ops that make a view, read metadata or allocate: no kernel on a GPU
+NO_KERNEL = frozenset({
+    "view", "_unsafe_view", "slice", "select", "as_strided", "expand", "permute", "t", "transpose", "squeeze",
+    "unsqueeze", "alias", "detach", "split", "split_with_sizes", "unbind", "narrow", "diagonal", "view_as_real",
+    "view_as_complex", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
+    "_reshape_alias", "unfold", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size",
+    "_has_compatible_shallow_copy_type", "set_", "resize_", "_local_scalar_dense", "is_nonzero", "item",
+    "equal", "result_type", "dim", "size", "stride", "numel", "is_contiguous",
+    "scalar_tensor",  # a Python number wrapped as a 0-dim CPU tensor (torch.where(c, x, -1)): no device work
+})
+# collectives: the simulated rank's fake group (`mtp.parallel.simulate`) answers them without a kernel, as in the
+# profiled runs; a real group launches one NCCL kernel each (counted apart, `LaunchCount.collectives`)
+COLLECTIVES = frozenset({"allreduce_", "_allgather_base_", "allgather_", "_reduce_scatter_base_", "broadcast_",
+                         "allgather_into_tensor_coalesced_", "allreduce_coalesced_"})
+# host reads only the interpreter's CPU tensors make (`moe.moe_experts` checks expert ids when they live on the
+# CPU, `if not idx.is_cuda`): ops of that check are not launches on the GPU
+CPU_ONLY = frozenset({"min", "max", "aminmax"})
+
+
+@dataclass
+class LaunchCount:
+    """Launches per (layer kind, name): Triton kernels by function name, torch ops as 'aten.<op>'."""
+
+    by_name: Counter = field(default_factory=Counter)
+    collectives: Counter = field(default_factory=Counter)  # per layer kind
+
+    def total(self, kind: str | None = None) -> int:
+        return sum(n for (k, _), n in self.by_name.items() if kind is None or k == kind)
+
+    def per_kind(self) -> dict[str, int]:
+        return {k: self.total(k) for k in LAYER_KINDS}
+
+    def names(self, kind: str) -> dict[str, int]:
+        return {name: n for (k, name), n in sorted(self.by_name.items()) if k == kind}
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, count: LaunchCount):
+        super().__init__()
+        self.count, self.kind, self.inside = count, ["glue"], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.inside and name in COLLECTIVES:
+            self.count.collectives[self.kind[-1]] += 1
+        elif not self.inside and name not in NO_KERNEL and name not in CPU_ONLY:
+            self.count.by_name[(self.kind[-1], f"aten.{name}")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _kind_of(model, module) -> str | None:
+    """The layer kind a module's forward is (None: not one that books its launches)."""
+    layers = list(model.model.layers)
+    if module in layers:
+        return "dense" if layers.index(module) < model.cfg.first_k_dense_replace else "moe"
+    if module in list(getattr(model, "mtp", None) or []):
+        return "mtp"
+    if module is model.lm_head or module is model.model.norm:
+        return "head"
+    return None
+
+
+@contextmanager
+def counting(model):
+    """Inside the block, every launch of `model`'s forwards is counted into the yielded `LaunchCount`."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    count = LaunchCount()
+    mode = _Counter(count)
+    run = InterpretedFunction.run
+
+    def counted_run(self, *args, **kwargs):
+        if not mode.inside:
+            count.by_name[(mode.kind[-1], self.fn.__name__)] += 1
+        mode.inside += 1
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            mode.inside -= 1
+
+    hooks = []
+    for mod in model.modules():
+        kind = _kind_of(model, mod)
+        if kind is not None:
+            hooks.append(mod.register_forward_pre_hook(lambda m, a, k=kind: mode.kind.append(k) and None))
+            hooks.append(mod.register_forward_hook(lambda m, a, o: mode.kind.pop() and None))
+    InterpretedFunction.run = counted_run
+    try:
+        with mode:
+            yield count
+    finally:
+        InterpretedFunction.run = run
+        for h in hooks:
+            h.remove()

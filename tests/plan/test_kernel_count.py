@@ -1,0 +1,173 @@
+"""The speed model's kernel count (`mtp.plan.kernels`) against the code: a hand derivation per layer kind at a few
+(tokens, context) points of the real TP=8 rank, and the launches `mtp.plan.launches` counts when the fast path
+runs a tiny simulated rank under the Triton interpreter (a subprocess: the interpreter is chosen when the kernels
+are decorated), with the fast path's token thresholds shrunk so that every branch is taken at 1..14 tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
+
+from mtp.model.presets import real_config  # noqa: E402
+from mtp.plan.kernels import Limits, StepShape, per_layer, step_launches  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+# shrunk thresholds for the interpreted run, in the real ones' order (gemv 1 < FUSE_M = grouped 16 < SMALL_M =
+# router = absorb 64 < kernel route 256), scaled down; the chunk of the grouped GEMM small enough to be cut
+SHRUNK = dict(fuse_m=2, small_m=6, absorb_max=5, router_max=3, kernel_route=12, grouped_above=2, moe_chunk=4)
+# (rows, width, context before the forward): dense attention (S <= top-k 16) and the indexer (S > 16), at
+# every branch: 1 row (split-K GEMV); 3 tokens: act_quant, one grouped chunk; 6: 2 router launches + 2 cats, the
+# einsum absorb, 2 grouped chunks + cat; 9 > SMALL_M: the unquantized block (the reference MoE forward); 14 >
+# kernel_route: the reference router; the indexer at 1 row and at 2 (the keys' contiguous copies)
+POINTS = [(1, 1, 8), (1, 3, 8), (2, 3, 8), (3, 3, 8), (2, 7, 2), (1, 1, 40), (2, 2, 40)]
+CACHE_EXTRA = 4  # the cache holds context + max(4, width) keys (as mtp-bench's k = 3 verify)
+
+
+def _real_limits() -> Limits:
+    return Limits.current()
+
+
+def test_hand_derivation_real_rank_one_token_1k():
+    """TP=8 rank, 1 token, S = 1025 <= top-k 2048 (no indexer). Read from fast_path.FastBlock / mla_forward_fast:
+    attention = input norm-quant 1 + q_a|wk|kv_a GEMV 1 + kv prologue 1 + q_a norm-quant 1 + q_b|wq_b GEMV 1
+    + q prologue 1 + absorb q 1 + mla_decode 2 + absorb out 1 + o_proj GEMV 1 + its cast 1 + post norm-quant 1 = 13.
+    dense MLP = gate|up GEMV 1 + silu*up 1 + down GEMV 1 + cast after the all-reduce 1 + residual add 1 = 5.
+    MoE = shared gate|up 1 + silu*up 1 + shared down 1 + router 1 + experts (persistent: gate-up, down, combine) 3
+    + add_rounded 1 = 8. So dense 18, MoE 21 (the session-4 profile: 305 GEMVs = 5 x 61, 183 norm-quants = 3 x 61,
+    58 routers, 58 x 3 expert kernels, 64 bf16 casts = 61 + 3); 61 layers: 3 x 18 + 58 x 21 = 1272, head 2,
+    glue 18."""
+    cfg = real_config(layers=61, dense_layers=3)
+    p = per_layer(cfg, StepShape(1, 1, 1025, tp=8), _real_limits())
+    assert (p["dense"], p["moe"], p["head"], p["glue"]) == (18, 21, 2, 18)
+    assert sum(step_launches(cfg, StepShape(1, 1, 1025, tp=8), _real_limits()).values()) == 1272 + 2 + 18
+
+
+def test_hand_derivation_real_rank_few_tokens_and_grouped():
+    """2..16 tokens: no split-K GEMV; the GEMVs fed a quantized x (q_a|wk|kv_a, q_b|wq_b, gate|up) stay one launch,
+    o_proj and the down projections (7168 rows > SMALL_N 4096) get an act_quant each: dense 18 + 2 = 20, MoE
+    21 + 2 = 23, head + the gathered logits' copy = 3. 17..64 tokens: the grouped expert GEMM (count, align,
+    act_quant, gate-up, down, combine: 6 instead of 3): MoE 26. 96 tokens (> SMALL_M 64): the block's norm does not
+    quantize: q_a|wk|kv_a gets an act_quant (+1), the einsum absorb (4 instead of 2: +2), the dense gate|up an
+    act_quant (+1): dense 20 + 1 + 2 + 1 = 24; MoE: attention 13 + 1 + 1 + 2 = 17, shared gate|up 2 + silu 1 + down
+    2, router 2 launches of 64 + 2 cats = 4, grouped 6, routed + shared 1, cast 1, residual add 1: 17 + 18 = 35.
+    192 tokens: 3 router launches (+1): 36."""
+    cfg = real_config(layers=61, dense_layers=3)
+    lim = _real_limits()
+    got = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), lim) for N in (2, 16, 17, 64, 96, 192)}
+    assert [(got[N]["dense"], got[N]["moe"]) for N in (2, 16, 17, 64, 96, 192)] == \
+        [(20, 23), (20, 23), (20, 26), (20, 26), (24, 35), (24, 36)]
+    assert got[2]["head"] == 3
+
+
+def test_hand_derivation_indexer():
+    """S = 8193 > top-k 2048, 1 row: the indexer adds the head-weights GEMM + scale 2, the zeroed top-k workspace 1,
+    scores 1, radix histogram + split + write 3, and on a GPU cuBLAS's split-K reduce 1 = 8 per layer (the session-4
+    32k profile: 61 each of _indexer_kernel, the 3 top-k kernels, FillFunctor, nvjet splitK, splitKreduce and a
+    float mul). Rows > 1 with the cache longer than S: + 2 contiguous copies of the keys and their scales."""
+    cfg = real_config(layers=61, dense_layers=3)
+    lim = _real_limits()
+    base = per_layer(cfg, StepShape(1, 1, 1025, tp=8), lim)
+    long = per_layer(cfg, StepShape(1, 1, 8193, tp=8), lim)
+    assert long["moe"] - base["moe"] == 8 and long["dense"] - base["dense"] == 8
+    assert per_layer(cfg, StepShape(1, 1, 8193, tp=8), lim, gpu=False)["moe"] - base["moe"] == 7
+    two = per_layer(cfg, StepShape(2, 1, 8193, tp=8, cache_len=8196), lim)
+    assert two["moe"] - per_layer(cfg, StepShape(2, 1, 8193, tp=8), lim)["moe"] == 2
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(1, marks=pytest.mark.slow)])
+def test_model_equals_counted_launches_tiny_rank(world):
+    """The count of every layer kind equals the launches of the code on a tiny rank, at every point of POINTS."""
+    pytest.importorskip("triton")
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    r = subprocess.run([sys.executable, __file__, str(world)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, f"counting failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    counted = json.loads(r.stdout.strip().splitlines()[-1])
+    cfg = _tiny(world)
+    lim = dataclasses.replace(_real_limits(), **SHRUNK)
+    bad = []
+    for key, got in counted.items():
+        B, w, L = (int(v) for v in key.split(","))
+        sh = StepShape(B, w, L + w, tp=world, cache_len=L + max(w, CACHE_EXTRA))
+        want = per_layer(cfg, sh, lim, gpu=False)
+        for kind, n in got.items():
+            if want[kind] != n:
+                bad.append(f"rows {B} width {w} context {L} {kind}: model {want[kind]}, counted {n}")
+    assert not bad, "\n".join(bad)
+
+
+def _tiny(world: int):
+    """The smallest rank whose MLA takes the kernels (latent 512, rope 64, 16 indexer heads) and whose shared expert
+    has a block on every rank; one dense and one MoE layer, one MTP module."""
+    from mtp.model.presets import tiny_parallel_config
+
+    return dataclasses.replace(tiny_parallel_config(max(world, 2), layers=2, dense_layers=1, index_topk=16),
+                               kv_lora_rank=512, index_n_heads=16, moe_intermediate_size=128 * max(world, 2))
+
+
+def _count(world: int) -> dict:
+    """{'B,w,L': {kind: launches per layer}} of one trunk forward (and one MTP module forward) per point."""
+    from contextlib import nullcontext
+
+    import torch
+
+    from mtp.checkpoint.synthetic import random_model
+    from mtp.backends import fast_path as fp
+    from mtp.checkpoint.synthetic import fill_cache_random
+    from mtp.kernels import fp8_gemm
+    from mtp.parallel.layout import ParallelPlan
+    from mtp.parallel.simulate import simulated_rank
+    from mtp.parallel.synthetic import random_parallel_model
+    from mtp.plan.launches import counting
+    from tests.interp import patch_interpreter_loop_bounds
+
+    patch_interpreter_loop_bounds()
+    fp8_gemm.FUSE_M, fp.SMALL_M, fp8_gemm.SMALL_M = SHRUNK["fuse_m"], SHRUNK["small_m"], SHRUNK["small_m"]
+    fp.ABSORB_MAX_TOKENS, fp.ROUTER_MAX_TOKENS = SHRUNK["absorb_max"], SHRUNK["router_max"]
+    fp.FastMoE.kernel_route_tokens, fp.FastMoE.grouped_above = SHRUNK["kernel_route"], SHRUNK["grouped_above"]
+    fp.FastMoE.max_tokens = SHRUNK["moe_chunk"]
+    cfg = _tiny(world)
+    out = {}
+    with (simulated_rank(world, 0) if world > 1 else nullcontext()) as comm:
+        model = random_parallel_model(cfg, comm, ParallelPlan(world), device="cpu", dtype=torch.bfloat16) \
+            if world > 1 else random_model(cfg, "cpu", torch.bfloat16, seed=0)
+        fp.install_fast_modules(model)
+        fp.set_elementwise(model, "triton")
+        g = torch.Generator().manual_seed(0)
+        for B, w, L in POINTS:
+            cache = fill_cache_random(model.new_cache(B, L + max(w, CACHE_EXTRA)), L)
+            base = cache.seq_lens.clone()
+            ids = torch.randint(0, cfg.vocab_size, (B, w), generator=g)
+
+            def fwd():
+                cache.truncate(base)
+                return model(ids, cache, kv_len=L + w)
+
+            mcache = fill_cache_random(model.new_cache(B, L + max(w, CACHE_EXTRA), n_layers=1), L)
+            with torch.no_grad():
+                if not out:  # the first forwards allocate the kernels' split-K counters, once per process
+                    model.mtp_forward(0, ids, fwd().hidden, mcache, kv_len=L + w)
+                    mcache.truncate(base)
+                with counting(model) as c:
+                    res = fwd()
+                with counting(model) as m:
+                    model.mtp_forward(0, ids, res.hidden, mcache, kv_len=L + w)
+            kinds = c.per_kind()
+            out[f"{B},{w},{L}"] = {"dense": kinds["dense"], "moe": kinds["moe"], "head": kinds["head"],
+                                   "glue": kinds["glue"], "mtp": m.total()}
+    return out
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    print(json.dumps(_count(int(sys.argv[1]))))
