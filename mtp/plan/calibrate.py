@@ -21,7 +21,6 @@ the high half, and the other way round. The collectives fit the link's per-step 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch
 
 from ..model.config import ModelConfig
 from .cost import Layout, Shape, forward_terms
+from .collectives import read_json_object
 from .fit import FitResult, Param, fit_bounded, smooth_max
 from .hardware import GB, GPU, gpu as gpu_by_name
 from .speed import Efficiency, peak_s, time_terms
@@ -141,12 +141,7 @@ def _field(d: dict, key: str, path: str, where: str):
 
 def rows_from(spec: str, base: ModelConfig) -> tuple[str, list[Row], dict | None]:
     path, keep = parse_spec(spec)
-    try:
-        d = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--calibrate {path}: cannot read a JSON file ({e})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"--calibrate {path}: expected a JSON object, got {type(d).__name__}")
+    d = read_json_object(path, f"--calibrate {path}")
     if "ops" in d:
         return _device(d, path), [], d
     dev = _device(d, path)

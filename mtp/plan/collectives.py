@@ -83,15 +83,22 @@ class LatencyTable:
                                               for op, by in self.rows.items()}}
 
 
-def read(path: str | Path, dtype: str = "float32") -> LatencyTable:
-    """Either JSON format -> one table. Errors name the file and the field."""
-    path = str(path)
+def read_json_object(path: str | Path, label: str) -> dict:
+    """A JSON file holding one object (the bench tools' results); errors start with `label` (the file, with the
+    option that named it where there is one)."""
     try:
         d = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot read a JSON file ({e})") from None
+        raise ValueError(f"{label}: cannot read a JSON file ({e})") from None
     if not isinstance(d, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
+        raise ValueError(f"{label}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
+def read(path: str | Path, dtype: str = "float32") -> LatencyTable:
+    """Either JSON format -> one table. Errors name the file and the field."""
+    path = str(path)
+    d = read_json_object(path, path)
     if "ops" in d:
         tool, rows = "mtp.bench.collectives", _ops_rows(d, path, dtype)
     elif "rows" in d:
