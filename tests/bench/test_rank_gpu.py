@@ -46,9 +46,9 @@ def test_bench_tp8_four_layers(tmp_path):
 
 def test_bench_tp8_batch_axis_four_layers(tmp_path):
     """--batch 1 8: each batch its own entry with graph-timed steps at every width; the speed model's
-    calibration reads the file."""
+    calibration reads the file (k = 3: 2 batches x 4 widths = 8 whole-step rows, as many as it fits parameters)."""
     out = tmp_path / "tp8b.json"
-    cmd = [sys.executable, "-m", "mtp.bench", "--tp", "8", "--layers", "4", "--prompt-len", "1024", "--k", "1",
+    cmd = [sys.executable, "-m", "mtp.bench", "--tp", "8", "--layers", "4", "--prompt-len", "1024", "--k", "3",
            "--batch", "1", "8", "--iters", "3", "--no-spec", "--json", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
