@@ -11,6 +11,9 @@ Variants (each on [1, w, 7168] partials, fp32 as the model reduces them and bf16
   oneshot         Comm.all_reduce with allreduce='oneshot' (our kernel), unfused
   oneshot+norm    that, then the add + RMSNorm + quant kernel
   oneshot_fused   Comm.all_reduce_add_norm with allreduce='oneshot': one kernel
+`--programs A:G:L ...` times the one-shot variants once per program setting (`OneShot.set_programs`: A elements per
+program of the unfused all-reduce, G groups of 128 channels per program of a fused row, L the peer loads,
+'volatile' or 'cg'; `default` = the module's defaults), each row labelled with its setting.
 Each variant is checked on the same inputs against NCCL's (max |diff| of the reduced sum for the two plain
 all-reduces, of the new residual for the others: `max_abs_diff`) and guarded:
 a failure is recorded with its exception and the next variant runs. A hang ends the process after
@@ -111,6 +114,18 @@ def run_variant(name, case, nccl, oneshot, group_name, refs, inner, iters) -> di
     return row
 
 
+def parse_programs(spec: str) -> tuple[str, dict]:
+    """'A:G:L' -> (label, OneShot.set_programs keywords); 'default' -> the module's defaults."""
+    from ..parallel.oneshot import CHUNK, PEER_LOADS, ROW_GROUPS
+
+    if spec == "default":
+        return f"{CHUNK}:{ROW_GROUPS}:volatile", dict(ar_chunk=CHUNK, row_groups=ROW_GROUPS, peer_load="volatile")
+    parts = spec.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in PEER_LOADS:
+        raise SystemExit(f"--programs {spec!r}: expected A:G:L (e.g. 2048:64:volatile, 1024:8:cg) or 'default'")
+    return spec, dict(ar_chunk=int(parts[0]), row_groups=int(parts[1]), peer_load=parts[2])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mtp.bench.allreduce", description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
@@ -120,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inner", type=int, default=50, help="calls per captured graph")
     ap.add_argument("--iters", type=int, default=30, help="graph replays (median)")
     ap.add_argument("--variant-timeout", type=float, default=120.0, help="s: a hung variant ends the process")
+    ap.add_argument("--programs", nargs="+", default=["default"],
+                    help="one-shot program settings A:G:L (elements per unfused program : groups per fused program "
+                         ": volatile|cg), or 'default'")
     args = ap.parse_args(argv)
+    settings = [parse_programs(p) for p in args.programs]
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) < 2 or torch.cuda.device_count() < 2:
         print("mtp.bench.allreduce: skipped, needs 2+ GPUs under torchrun (one rank per GPU)", flush=True)
         return 0
@@ -168,9 +187,15 @@ def main(argv: list[str] | None = None) -> int:
             for w in args.widths:
                 case = Case(w, dtype, dev, nccl.rank)
                 refs: dict[str, torch.Tensor] = {}
-                for name in args.variants:
+                runs = [(name, label, kw) for name in args.variants
+                        for label, kw in (settings if name.startswith("oneshot") else [("", None)])]
+                for name, label, kw in runs:
                     faulthandler.dump_traceback_later(args.variant_timeout, exit=True)
                     row = {"variant": name, "w": w, "dtype": dname, "bytes": case.src.numel() * case.src.element_size()}
+                    if kw is not None:
+                        row["programs"] = label
+                        if oneshot is not None:
+                            oneshot.oneshot.set_programs(**kw)
                     try:
                         r = run_variant(name, case, nccl, oneshot, group_name, refs, args.inner, args.iters)
                         ok, err = True, None
@@ -189,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                         line = (f"{row['us']:8.2f} us" + (f"  |d| {row['max_abs_diff']:.3g}"
                                                           if "max_abs_diff" in row else "")
                                 if ok_all else f"ERROR {row['error'][:300]}")
-                        print(f"{dname:8s} w={w} {row['bytes']:7d} B  {name:14s} {line}", flush=True)
+                        print(f"{dname:8s} w={w} {row['bytes']:7d} B  {name:14s} {label:18s} {line}", flush=True)
         faulthandler.cancel_dump_traceback_later()
     finally:
         leave(dev, ctl)  # captured graphs freed before the communicator goes (mtp.distributed.group)

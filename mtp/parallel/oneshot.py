@@ -1,7 +1,8 @@
 """One-shot all-reduce over NVLink peer memory (torch symmetric memory + one Triton kernel), optionally fused
 with the residual add + RMSNorm (+ FP8 quant) that follows it in a decoder block.
 
-Shape legend: M rows (tokens), D channels, W ranks, P programs (one per row; C-element chunks when unfused).
+Shape legend: M rows (tokens), D channels, W ranks, P programs, G groups of 128 channels per program (a row is
+ceil(D / 128 / G) programs fused; the unfused all-reduce cuts the flat message into G * 128-element rows).
 
 Why: the decode step's all-reduces carry 14-114 KB (w = 1..4 rows of 7168 channels, bf16 or fp32) and NCCL's
 ring spends 12-20 us on each (BENCHMARKS.md, graph-captured), far above what NVLink needs to move them. Here
@@ -22,6 +23,15 @@ The barrier, per program p (all ranks launch the same grid, so program p of ever
 Partials are summed in fp32 in rank order 0..W-1 (not own-first), so every rank gets bit-identical results,
 as the parallel model needs (identical routing and top-k on every rank; DESIGN.md).
 
+Programs per row. One program pulls W - 1 peers' parts of its elements; the time of a call follows the bytes per
+program, not the message (4 x H100, session 9: 2048 elements per program, bf16 ~9 us, fp32 ~16 us; 28 such
+programs no slower than 4), so a row is cut into chunks of G groups, one program each. The RMSNorm needs the sum
+of squares of the whole row: each program stores its chunk's part in `ss[p]`, the row's programs meet at a
+local barrier (a counter and a generation per row, sense-reversing: the last to arrive resets the counter and
+bumps the generation; the others spin on the generation they read before arriving), then every program sums
+the row's parts in chunk order 0..C-1 (the same order on every rank: bit-identical norms) and normalizes its
+own chunk. The row's programs must be resident together; a call has at most `MAX_PROGRAMS` small programs.
+
 Limits: messages up to `slot_bytes` and `MAX_PROGRAMS` programs per call; `Comm` sends larger ones (prefill)
 through NCCL. NVLink multicast is not used (multicast stays off on these machines).
 """
@@ -38,8 +48,10 @@ from ..kernels.act_quant import quant_e4m3, ue8m0_scale
 from ..model.fp8 import BLOCK, FP8_DTYPE
 
 MAX_PROGRAMS = 256  # programs (flag rows) per call: 256 x 8 ranks x 4 B of flags
-CHUNK = 2048  # elements per program of an unfused all-reduce: 7168 channels -> 4 programs
+CHUNK = 2048  # elements per program of an unfused all-reduce (OneShot.ar_chunk): 7168 channels -> 4 programs
+ROW_GROUPS = 64  # groups of 128 channels per program of a fused row (OneShot.row_groups): 64 = one program a row
 DEFAULT_SLOT_BYTES = 2 << 20  # per slot: 73 rows of 7168 fp32 channels
+PEER_LOADS = ("volatile", "cg")  # how a program reads its peers' data: ld.volatile, or ld.global.cg (L2, not L1)
 
 _ROUND = {None: -1, torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 MODES = {"all_reduce": 0, "add": 1, "add_norm": 2}
@@ -47,14 +59,15 @@ MODES = {"all_reduce": 0, "add": 1, "add_norm": 2}
 
 @triton.jit
 def _oneshot_kernel(x_ptr, out_ptr, h_ptr, hout_ptr, w_ptr, y_ptr, x8_ptr, sx_ptr,
-                    buf_ptrs, flag_ptrs, epoch_ptr, rank, n, D, slot_elems, eps,
-                    W: tl.constexpr, WP: tl.constexpr, BG: tl.constexpr, MODE: tl.constexpr,
-                    ROUND: tl.constexpr, QUANT: tl.constexpr):
+                    buf_ptrs, flag_ptrs, epoch_ptr, cnt_ptr, gen_ptr, ss_ptr, rank, n, D, slot_elems, eps,
+                    W: tl.constexpr, WP: tl.constexpr, G: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
+                    MODE: tl.constexpr, ROUND: tl.constexpr, QUANT: tl.constexpr, PEER_CG: tl.constexpr):
     pid = tl.program_id(0)
-    g = tl.arange(0, BG)
+    row = pid // C  # program pid: chunk pid % C of row pid // C
+    g = (pid % C) * G + tl.arange(0, G)  # this program's groups of 128 channels
     k = tl.arange(0, 128)
-    col = g[:, None] * 128 + k[None, :]  # [BG, 128]: the row viewed as its 128-groups (the quant's groups)
-    offs = pid.to(tl.int64) * D + col
+    col = g[:, None] * 128 + k[None, :]  # [G, 128]: the chunk viewed as its 128-groups (the quant's groups)
+    offs = row.to(tl.int64) * D + col
     mask = (col < D) & (offs < n)
     dt = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
@@ -75,10 +88,13 @@ def _oneshot_kernel(x_ptr, out_ptr, h_ptr, hout_ptr, w_ptr, y_ptr, x8_ptr, sx_pt
         seen = tl.atomic_add(my_flags + pid * W + r, tl.zeros([WP], tl.int32), mask=rm, sem="acquire",
                              scope="sys")
         done = (tl.min(tl.where(rm, seen, e), axis=0) >= e).to(tl.int32)
-    acc = tl.zeros([BG, 128], tl.float32)
+    acc = tl.zeros([G, 128], tl.float32)
     for i in tl.static_range(W):  # rank order on every rank: bit-identical sums
         peer = tl.multiple_of(tl.load(buf_ptrs + i).to(tl.pointer_type(dt)), 16)
-        acc += tl.load(peer + base, mask=mask, other=0.0, volatile=True).to(tl.float32)
+        if PEER_CG:
+            acc += tl.load(peer + base, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            acc += tl.load(peer + base, mask=mask, other=0.0, volatile=True).to(tl.float32)
     if ROUND == 0:  # the reduced sum rounded to the model dtype, as `.to(x.dtype)` after an all-reduce
         acc = acc.to(tl.bfloat16).to(tl.float32)
     elif ROUND == 1:
@@ -89,7 +105,25 @@ def _oneshot_kernel(x_ptr, out_ptr, h_ptr, hout_ptr, w_ptr, y_ptr, x8_ptr, sx_pt
         h = tl.load(h_ptr + offs, mask=mask, other=0.0) + acc  # the residual stream is fp32
         tl.store(hout_ptr + offs, h, mask=mask)
         if MODE == 2:
-            ms = tl.sum(tl.sum(h * h, axis=1), axis=0) / D
+            part = tl.sum(tl.sum(h * h, axis=1), axis=0)
+            if C == 1:
+                ms = part / D
+            else:  # the row's C programs meet (module docstring), then each sums the parts in chunk order
+                tl.store(ss_ptr + pid, part)
+                gen0 = tl.atomic_add(gen_ptr + row, 0, sem="acquire", scope="gpu")  # before arriving
+                tl.debug_barrier()  # the part's store and the generation read come before the arrival
+                old = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")
+                if old == C - 1:  # the last to arrive: reset the counter, then release the others
+                    tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
+                    tl.atomic_add(gen_ptr + row, 1, sem="release", scope="gpu")
+                else:
+                    cur = gen0
+                    while cur == gen0:
+                        cur = tl.atomic_add(gen_ptr + row, 0, sem="acquire", scope="gpu")
+                tl.debug_barrier()
+                j = tl.arange(0, CP)
+                parts = tl.load(ss_ptr + row * C + j, mask=j < C, other=0.0, volatile=True)
+                ms = tl.sum(parts, axis=0) / D
             wt = tl.load(w_ptr + col, mask=col < D, other=0.0).to(tl.float32)
             y = (h * tl.math.rsqrt(ms + eps) * wt).to(y_ptr.dtype.element_ty)
             tl.store(y_ptr + offs, y, mask=mask)
@@ -97,7 +131,15 @@ def _oneshot_kernel(x_ptr, out_ptr, h_ptr, hout_ptr, w_ptr, y_ptr, x8_ptr, sx_pt
                 yf = y.to(tl.float32)
                 s, inv = ue8m0_scale(tl.max(tl.abs(yf), axis=1))
                 tl.store(x8_ptr + offs, quant_e4m3(yf, inv[:, None]), mask=mask)
-                tl.store(sx_ptr + pid.to(tl.int64) * (D // 128) + g, s, mask=g * 128 < D)
+                tl.store(sx_ptr + row.to(tl.int64) * (D // 128) + g, s, mask=g * 128 < D)
+
+
+def row_split(D: int, row_groups: int) -> tuple[int, int]:
+    """(G, C) for a fused row of D channels: G groups of 128 per program (at most `row_groups`, no more than the
+    row needs), C programs per row (the last one masked past D)."""
+    groups = triton.cdiv(D, BLOCK)
+    G = min(row_groups, triton.next_power_of_2(groups))
+    return G, triton.cdiv(groups, G)
 
 
 class OneShot:
@@ -116,6 +158,12 @@ class OneShot:
         self.flags = symm_mem.empty(MAX_PROGRAMS * self.world, dtype=torch.int32, device=self.device)
         self.flags.zero_()
         self.epoch = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=self.device)
+        # a fused row's local barrier (counter, generation) and its programs' parts of the sum of squares
+        self.row_count = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=self.device)
+        self.row_gen = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=self.device)
+        self.row_ss = torch.zeros(MAX_PROGRAMS, dtype=torch.float32, device=self.device)
+        # programs per call (module docstring); every rank must use the same values (the programs pair up)
+        self.ar_chunk, self.row_groups, self.peer_load = CHUNK, ROW_GROUPS, "volatile"
         name = self.group.group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # older torch needs it; newer deprecates it (not needed)
             with warnings.catch_warnings():
@@ -128,24 +176,45 @@ class OneShot:
         torch.cuda.synchronize(self.device)  # zeroed flags on every rank before any peer signals
         dist.barrier(group=self.group)
 
+    def set_programs(self, ar_chunk: int | None = None, row_groups: int | None = None,
+                     peer_load: str | None = None) -> None:
+        """How calls are cut into programs: `ar_chunk` elements per program of an unfused all-reduce (a multiple
+        of 128), `row_groups` groups of 128 channels per program of a fused row (a power of 2), `peer_load` one
+        of PEER_LOADS. Set the same on every rank of the group."""
+        if ar_chunk is not None and (ar_chunk < 128 or ar_chunk % 128 or ar_chunk & (ar_chunk - 1)):
+            raise ValueError(f"OneShot: ar_chunk must be a power of 2 >= 128 elements, got {ar_chunk}")
+        if row_groups is not None and (row_groups < 1 or row_groups & (row_groups - 1)):
+            raise ValueError(f"OneShot: row_groups must be a power of 2 >= 1, got {row_groups}")
+        if peer_load is not None and peer_load not in PEER_LOADS:
+            raise ValueError(f"OneShot: peer_load must be one of {PEER_LOADS}, got {peer_load!r}")
+        self.ar_chunk = ar_chunk or self.ar_chunk
+        self.row_groups = row_groups or self.row_groups
+        self.peer_load = peer_load or self.peer_load
+
+    def _row_split(self, D: int) -> tuple[int, int]:
+        return row_split(D, self.row_groups)
+
     def fits(self, t: torch.Tensor, rows: int | None = None) -> bool:
-        """Whether a message of t's size in `rows` programs (None: `CHUNK`-element chunks, the unfused
-        all-reduce) fits the slots and flags (else the caller uses NCCL)."""
-        rows = triton.cdiv(t.numel(), CHUNK) if rows is None else rows
-        return t.numel() * t.element_size() <= self.slot_bytes and 0 < rows <= MAX_PROGRAMS
+        """Whether a message of t's size as `rows` rows of t.shape[-1] channels (None: the unfused all-reduce's
+        `ar_chunk`-element rows) fits the slots and the flags (else the caller uses NCCL)."""
+        programs = (triton.cdiv(t.numel(), self.ar_chunk) if rows is None
+                    else rows * self._row_split(t.shape[-1])[1])
+        return t.numel() * t.element_size() <= self.slot_bytes and 0 < programs <= MAX_PROGRAMS
 
     def _launch(self, x2, out, h, hout, w, y, x8, sx, D: int, eps: float, mode: str, round_dtype, quant: bool):
         rows = triton.cdiv(x2.numel(), D)
-        bg = triton.next_power_of_2(triton.cdiv(D, BLOCK))
-        _oneshot_kernel[(rows,)](
-            x2, out, h, hout, w, y, x8, sx, self.buf_ptrs, self.flag_ptrs, self.epoch, self.rank, x2.numel(), D,
-            self.slot_bytes // x2.element_size(), eps, W=self.world, WP=triton.next_power_of_2(self.world),
-            BG=bg, MODE=MODES[mode], ROUND=_ROUND[round_dtype], QUANT=quant, num_warps=16 if bg >= 32 else 4)
+        G, C = (D // BLOCK, 1) if mode == "all_reduce" else self._row_split(D)  # unfused: a row is a program
+        _oneshot_kernel[(rows * C,)](
+            x2, out, h, hout, w, y, x8, sx, self.buf_ptrs, self.flag_ptrs, self.epoch, self.row_count,
+            self.row_gen, self.row_ss, self.rank, x2.numel(), D, self.slot_bytes // x2.element_size(), eps,
+            W=self.world, WP=triton.next_power_of_2(self.world), G=G, C=C, CP=triton.next_power_of_2(C),
+            MODE=MODES[mode], ROUND=_ROUND[round_dtype], QUANT=quant, PEER_CG=self.peer_load == "cg",
+            num_warps=16 if G >= 32 else 4)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks into t (contiguous, fp32 / bf16 / fp16, fits); returns t. fp32 accumulation."""
         x = t.view(-1)
-        self._launch(x, x, x, x, x, x, x, x, CHUNK, 0.0, "all_reduce", None, False)
+        self._launch(x, x, x, x, x, x, x, x, self.ar_chunk, 0.0, "all_reduce", None, False)
         return t
 
     def add_norm(self, x_partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,

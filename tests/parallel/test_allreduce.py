@@ -144,3 +144,14 @@ def test_counting_comm_counts_an_unfused_all_reduce_add_norm_once():
     assert c.counts["all_reduce"] == 2 and c.counts["all_reduce_fused"] == 0
     assert c.counts["all_reduce_bytes"] == 2 * x.numel() * 4
     assert [k for k, _, _ in c.calls] == ["all_reduce", "all_reduce"]
+
+
+@pytest.mark.parametrize("D,groups,want", [(7168, 64, (64, 1)), (7168, 8, (8, 7)), (7168, 2, (2, 28)),
+                                           (7168, 16, (16, 4)), (1000, 64, (8, 1)), (1000, 2, (2, 4)),
+                                           (200, 64, (2, 1)), (128, 1, (1, 1))])
+def test_oneshot_row_split(D, groups, want):
+    """A fused row's programs: G groups of 128 channels each (never more than the row needs), C of them covering D."""
+    from mtp.parallel.oneshot import row_split
+
+    G, C = row_split(D, groups)
+    assert (G, C) == want and G * C * 128 >= D > (C - 1) * G * 128

@@ -1,6 +1,6 @@
 """The one-shot all-reduce (`mtp.parallel.oneshot`, allreduce='oneshot') against the reference primitive over NCCL,
 on 2 GPUs: eager over widths 1..5, odd hidden sizes and both partial dtypes; inside a captured CUDA graph replayed
-with changing inputs; and the TP=2 bundled model's strict tokens with 'oneshot' equal to 'nccl' (fp32), on the fast
+with changing inputs; each of those with a row in one program and cut into several (`SETTINGS`); and the TP=2 bundled model's strict tokens with 'oneshot' equal to 'nccl' (fp32), on the fast
 path with both all-reduces of a block fused (o_proj's and the FFN's, `FastTrunk`) and with the FFN's not, with the
 collectives and kernels of a forward counted.
 
@@ -25,6 +25,10 @@ from .test_parallel import run_ranks
 WORLD = 2
 WIDTHS = range(1, 6)
 HIDDEN = (7168, 4096, 1000, 200)  # 1000, 200: odd (not a multiple of 128; no quant)
+# the one-shot's program settings (`OneShot.set_programs`): the defaults (a fused row in one program), and rows cut
+# into 8 / 2 groups of 128 per program (7168: 7 / 28 programs a row, meeting at the row barrier; 1000: 1 / 4
+# programs, the last one partly masked) with the unfused message in 512 / 1024-element programs, both peer loads
+SETTINGS = [{}, dict(ar_chunk=512, row_groups=8, peer_load="cg"), dict(ar_chunk=1024, row_groups=2, peer_load="volatile")]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} GPUs")]
 
 
@@ -192,6 +196,20 @@ def _model(dev, fast: bool) -> list[str]:
     return bad
 
 
+def _settings(check):
+    """The check once per program setting (`SETTINGS`), its problems prefixed with the setting; defaults after."""
+    from mtp.parallel.oneshot import CHUNK, ROW_GROUPS
+
+    def run(comm, ref, dev, rank):
+        bad = []
+        for kw in SETTINGS:
+            comm.oneshot.set_programs(**{**dict(ar_chunk=CHUNK, row_groups=ROW_GROUPS, peer_load="volatile"), **kw})
+            bad += [f"{kw or 'defaults'}: {p}" for p in check(comm, ref, dev, rank)]
+        comm.oneshot.set_programs(ar_chunk=CHUNK, row_groups=ROW_GROUPS, peer_load="volatile")
+        return bad
+    return run
+
+
 def _worker(rank: int, init: str, out: str) -> None:
     import faulthandler
 
@@ -211,7 +229,8 @@ def _worker(rank: int, init: str, out: str) -> None:
             report["setup"] = []
         except Exception:  # noqa: BLE001  (reported; the checks below then say why they could not run)
             report["setup"] = [traceback.format_exc()[-1500:]]
-        for name, fn in [("eager", _eager), ("graph", _graph), ("identical", lambda c, r, d, k: _identical_on_ranks(c, d, k)),
+        for name, fn in [("eager", _settings(_eager)), ("graph", _settings(_graph)),
+                         ("identical", _settings(lambda c, r, d, k: _identical_on_ranks(c, d, k))),
                          ("model_fast", lambda c, r, d, k: _model(d, True)),
                          ("model_ref", lambda c, r, d, k: _model(d, False))]:
             if report["setup"] and not name.startswith("model"):
