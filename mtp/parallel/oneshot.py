@@ -47,11 +47,15 @@ from ..kernels._triton import tl, triton
 from ..kernels.act_quant import quant_e4m3, ue8m0_scale
 from ..model.fp8 import BLOCK, FP8_DTYPE
 
-MAX_PROGRAMS = 256  # programs (flag rows) per call: 256 x 8 ranks x 4 B of flags
-CHUNK = 2048  # elements per program of an unfused all-reduce (OneShot.ar_chunk): 7168 channels -> 4 programs
-ROW_GROUPS = 64  # groups of 128 channels per program of a fused row (OneShot.row_groups): 64 = one program a row
+MAX_PROGRAMS = 256  # programs (flag rows) per call: 256 x 8 ranks x 4 B of flags; 18 fused rows of 7168
+# measured on 2 x H100 (BENCHMARKS.md, session 10; `mtp.bench.allreduce --programs`): fp32, w = 1 / 2 / 4 rows of 7168
+# fused with add + norm + quant: one program a row 9.9 / 10.1 / 10.4 us, 4 groups per program (14 a row, ld.cg)
+# 7.9 / 8.3 / 8.0; unfused: 2048 elements per program 8.5 / 8.7 / 9.3, 1024 6.6-6.7 / 6.8 / 7.3
+CHUNK = 1024  # elements per program of an unfused all-reduce (OneShot.ar_chunk): 7168 channels -> 7 programs
+ROW_GROUPS = 4  # groups of 128 channels per program of a fused row (OneShot.row_groups): 7168 -> 14 programs
 DEFAULT_SLOT_BYTES = 2 << 20  # per slot: 73 rows of 7168 fp32 channels
 PEER_LOADS = ("volatile", "cg")  # how a program reads its peers' data: ld.volatile, or ld.global.cg (L2, not L1)
+PEER_LOAD = "cg"  # after the flags' acquire, a cached-in-L2-only load sees the peer's data (the GPU tests check it)
 
 _ROUND = {None: -1, torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 MODES = {"all_reduce": 0, "add": 1, "add_norm": 2}
@@ -134,11 +138,15 @@ def _oneshot_kernel(x_ptr, out_ptr, h_ptr, hout_ptr, w_ptr, y_ptr, x8_ptr, sx_pt
                 tl.store(sx_ptr + row.to(tl.int64) * (D // 128) + g, s, mask=g * 128 < D)
 
 
-def row_split(D: int, row_groups: int) -> tuple[int, int]:
-    """(G, C) for a fused row of D channels: G groups of 128 per program (at most `row_groups`, no more than the
-    row needs), C programs per row (the last one masked past D)."""
+def row_split(D: int, row_groups: int, rows: int = 1) -> tuple[int, int]:
+    """(G, C) for `rows` fused rows of D channels: G groups of 128 per program, `row_groups` or more where rows x C
+    would pass MAX_PROGRAMS (every program of a call must be resident at once: they wait for each other), never
+    more than a row needs; C programs per row (the last one masked past D)."""
     groups = triton.cdiv(D, BLOCK)
-    G = min(row_groups, triton.next_power_of_2(groups))
+    whole = triton.next_power_of_2(groups)
+    G = min(row_groups, whole)
+    while G < whole and rows * triton.cdiv(groups, G) > MAX_PROGRAMS:
+        G *= 2
     return G, triton.cdiv(groups, G)
 
 
@@ -163,7 +171,7 @@ class OneShot:
         self.row_gen = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=self.device)
         self.row_ss = torch.zeros(MAX_PROGRAMS, dtype=torch.float32, device=self.device)
         # programs per call (module docstring); every rank must use the same values (the programs pair up)
-        self.ar_chunk, self.row_groups, self.peer_load = CHUNK, ROW_GROUPS, "volatile"
+        self.ar_chunk, self.row_groups, self.peer_load = CHUNK, ROW_GROUPS, PEER_LOAD
         name = self.group.group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # older torch needs it; newer deprecates it (not needed)
             with warnings.catch_warnings():
@@ -191,19 +199,17 @@ class OneShot:
         self.row_groups = row_groups or self.row_groups
         self.peer_load = peer_load or self.peer_load
 
-    def _row_split(self, D: int) -> tuple[int, int]:
-        return row_split(D, self.row_groups)
 
     def fits(self, t: torch.Tensor, rows: int | None = None) -> bool:
         """Whether a message of t's size as `rows` rows of t.shape[-1] channels (None: the unfused all-reduce's
         `ar_chunk`-element rows) fits the slots and the flags (else the caller uses NCCL)."""
         programs = (triton.cdiv(t.numel(), self.ar_chunk) if rows is None
-                    else rows * self._row_split(t.shape[-1])[1])
+                    else rows * row_split(t.shape[-1], self.row_groups, rows)[1])
         return t.numel() * t.element_size() <= self.slot_bytes and 0 < programs <= MAX_PROGRAMS
 
     def _launch(self, x2, out, h, hout, w, y, x8, sx, D: int, eps: float, mode: str, round_dtype, quant: bool):
         rows = triton.cdiv(x2.numel(), D)
-        G, C = (D // BLOCK, 1) if mode == "all_reduce" else self._row_split(D)  # unfused: a row is a program
+        G, C = (D // BLOCK, 1) if mode == "all_reduce" else row_split(D, self.row_groups, rows)  # unfused: 1 a row
         _oneshot_kernel[(rows * C,)](
             x2, out, h, hout, w, y, x8, sx, self.buf_ptrs, self.flag_ptrs, self.epoch, self.row_count,
             self.row_gen, self.row_ss, self.rank, x2.numel(), D, self.slot_bytes // x2.element_size(), eps,

@@ -146,12 +146,14 @@ def test_counting_comm_counts_an_unfused_all_reduce_add_norm_once():
     assert [k for k, _, _ in c.calls] == ["all_reduce", "all_reduce"]
 
 
-@pytest.mark.parametrize("D,groups,want", [(7168, 64, (64, 1)), (7168, 8, (8, 7)), (7168, 2, (2, 28)),
-                                           (7168, 16, (16, 4)), (1000, 64, (8, 1)), (1000, 2, (2, 4)),
-                                           (200, 64, (2, 1)), (128, 1, (1, 1))])
-def test_oneshot_row_split(D, groups, want):
-    """A fused row's programs: G groups of 128 channels each (never more than the row needs), C of them covering D."""
-    from mtp.parallel.oneshot import row_split
+@pytest.mark.parametrize("D,groups,rows,want", [(7168, 64, 1, (64, 1)), (7168, 8, 1, (8, 7)), (7168, 2, 1, (2, 28)),
+                                                (7168, 16, 1, (16, 4)), (1000, 64, 1, (8, 1)), (1000, 2, 1, (2, 4)),
+                                                (200, 64, 1, (2, 1)), (128, 1, 1, (1, 1)), (7168, 4, 18, (4, 14)),
+                                                (7168, 4, 19, (8, 7)), (7168, 4, 64, (16, 4)), (7168, 4, 73, (32, 2))])
+def test_oneshot_row_split(D, groups, rows, want):
+    """A fused row's programs: G groups of 128 channels each (never more than the row needs), C of them covering D;
+    wider programs where `rows` rows would pass MAX_PROGRAMS."""
+    from mtp.parallel.oneshot import MAX_PROGRAMS, row_split
 
-    G, C = row_split(D, groups)
-    assert (G, C) == want and G * C * 128 >= D > (C - 1) * G * 128
+    G, C = row_split(D, groups, rows)
+    assert (G, C) == want and G * C * 128 >= D > (C - 1) * G * 128 and (rows * C <= MAX_PROGRAMS or C == 1)

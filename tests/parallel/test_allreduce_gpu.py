@@ -25,10 +25,12 @@ from .test_parallel import run_ranks
 WORLD = 2
 WIDTHS = range(1, 6)
 HIDDEN = (7168, 4096, 1000, 200)  # 1000, 200: odd (not a multiple of 128; no quant)
-# the one-shot's program settings (`OneShot.set_programs`): the defaults (a fused row in one program), and rows cut
-# into 8 / 2 groups of 128 per program (7168: 7 / 28 programs a row, meeting at the row barrier; 1000: 1 / 4
-# programs, the last one partly masked) with the unfused message in 512 / 1024-element programs, both peer loads
-SETTINGS = [{}, dict(ar_chunk=512, row_groups=8, peer_load="cg"), dict(ar_chunk=1024, row_groups=2, peer_load="volatile")]
+# the one-shot's program settings (`OneShot.set_programs`): the defaults (a fused row of 7168 in 14 programs, the
+# unfused message in 1024-element programs, L2 loads), a row in one program with volatile loads (the settings
+# before session 10), and rows cut into 8 / 2 groups of 128 per program (7168: 7 / 28 programs a row; 1000: 1 / 4,
+# the last one partly masked) with the unfused message in 512 / 1024-element programs
+SETTINGS = [{}, dict(ar_chunk=2048, row_groups=64, peer_load="volatile"), dict(ar_chunk=512, row_groups=8, peer_load="cg"),
+            dict(ar_chunk=1024, row_groups=2, peer_load="volatile")]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} GPUs")]
 
 
@@ -198,14 +200,14 @@ def _model(dev, fast: bool) -> list[str]:
 
 def _settings(check):
     """The check once per program setting (`SETTINGS`), its problems prefixed with the setting; defaults after."""
-    from mtp.parallel.oneshot import CHUNK, ROW_GROUPS
+    from mtp.parallel.oneshot import CHUNK, PEER_LOAD, ROW_GROUPS
 
     def run(comm, ref, dev, rank):
         bad = []
         for kw in SETTINGS:
-            comm.oneshot.set_programs(**{**dict(ar_chunk=CHUNK, row_groups=ROW_GROUPS, peer_load="volatile"), **kw})
+            comm.oneshot.set_programs(**{**dict(ar_chunk=CHUNK, row_groups=ROW_GROUPS, peer_load=PEER_LOAD), **kw})
             bad += [f"{kw or 'defaults'}: {p}" for p in check(comm, ref, dev, rank)]
-        comm.oneshot.set_programs(ar_chunk=CHUNK, row_groups=ROW_GROUPS, peer_load="volatile")
+        comm.oneshot.set_programs(ar_chunk=CHUNK, row_groups=ROW_GROUPS, peer_load=PEER_LOAD)
         return bad
     return run
 
