@@ -46,18 +46,17 @@ def index_weights_ref(x: torch.Tensor, weight_HK: torch.Tensor, scale: float) ->
 def index_weights_plan(N: int, H: int = 64, K: int = 7168, vec: int = 8) -> tuple[int, int, int, int]:
     """(BM rows, BH heads, KV vectors of K per chunk, warps) per program for N rows of K features loaded VEC at a
     time. Up to 4 rows one head per program (H programs, each reading 14 KB of W and its rows of x); more rows,
-    more heads and rows per program, so that x is read from L2 fewer times while the programs stay 64..128 (N = 8:
-    64 of 4 x 2; 16: 64 of 4 x 4; 32: 64 of 8 x 4; 64: 128 of 8 x 4). 16 warps: a bf16 K of 7168 is one chunk of
-    1024 vectors, 2 a lane (fp32: 2 chunks); at 8 x 4 a lane holds 128 registers, no spill (sm_90)."""
-    if N <= 4:
-        bm, bh = triton.next_power_of_2(max(N, 1)), 1
-    elif N <= 8:
-        bm, bh = 4, 2
-    elif N <= 16:
-        bm, bh = 4, 4
-    else:
-        bm, bh = 8, 4
-    return bm, min(bh, triton.next_power_of_2(H)), min(1024, triton.next_power_of_2(triton.cdiv(K, vec))), 16
+    more heads per program (2, then 4 past 8 rows), so that x is read from L2 fewer times, and as many rows as keep
+    >= 64 programs (8 at most): 64..128 programs for H = 64 (N = 8: 64 of 4 x 2; 12: 96 of 2 x 4; 32: 64 of
+    8 x 4; 64: 128 of 8 x 4). A chunk is two vectors a lane: with 2-byte elements 16 warps, so a K of 7168 is one
+    chunk (at 8 x 4 a lane holds 128 registers, no spill on sm_90); wider ones (fp32, fp64 models) 8 warps, up
+    to 255 registers a lane (16 warps cap a lane at 128, and fp32 at 8 x 4 spilled)."""
+    bh = min(1 if N <= 4 else 2 if N <= 8 else 4, triton.next_power_of_2(H))
+    bm = min(8, triton.next_power_of_2(max(N, 1)))
+    while bm > 1 and triton.cdiv(N, bm) * triton.cdiv(H, bh) < 64:
+        bm //= 2
+    nw = 16 if vec >= 8 else 8
+    return bm, bh, min(64 * nw, triton.next_power_of_2(triton.cdiv(K, vec))), nw
 
 
 @triton.jit
