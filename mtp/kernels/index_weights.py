@@ -14,12 +14,13 @@ reduce 1.5 us + scale 1.0 us per layer), and a launch count that follows cuBLAS'
 Kernel: program (hb, mb) owns BH heads x BM rows and all of K, so there is no split-K: no workspace, no atomics,
 one program's fixed sum per output (deterministic, CUDA-graph safe). A lane holds 16-byte vectors of K (VEC
 elements); with K = 7168 in bf16 the program's 16 warps cover all of K in one tile of 1024 vectors, so every byte
-it reads is requested at once before the first FMA (the SASS, compiled for sm_90 on the CPU, issues all or
-nearly all of its loads up front; with 4 warps and K walked in 7 chunks ptxas issued 6 of 14 loads before its
-first FMA, i.e. 3-4 DRAM round trips where one will do: the weight is only 64 x 7168 bf16 = 917 KB, less than
-the bytes in flight it takes to reach HBM bandwidth, so latency is what it costs). Products accumulate in fp32 on
-CUDA cores, BM x BH sums per lane, then one tree over the lanes and warps. Traffic from L2 is N*K*(H/BH) of x
-plus H*K*(N/BM) of W, so BH and BM grow with N while the programs stay 64..128 (`index_weights_plan`).
+it reads can be requested at once. Compiled for sm_90 on the CPU, the default plans' SASS issues 70-100% of its
+loads before the first FMA (all, or all but one, up to 4 rows); with 4 warps and K walked in 7 chunks, ptxas
+issued 6 of 14 before its first FMA: 3-4 DRAM round trips where one will do, and the weight is only 64 x 7168
+bf16 = 917 KB, less than the bytes in flight it takes to reach HBM bandwidth, so latency is what it costs.
+Products accumulate in fp32 on CUDA cores, BM x BH sums per lane, then one tree over the lanes and warps.
+Traffic from L2 is N*K*(H/BH) of x plus H*K*(N/BM) of W, so BH and BM grow with N while the programs stay
+64..128 (`index_weights_plan`). Not measured yet: `python -m mtp.bench.fused --only index_weights --sweep`.
 
 Numerics: a bf16 x bf16 product is exact in fp32, and the sum is fp32 in a fixed order (per lane over its
 vectors and chunks, then a tree over the lanes and warps): the reference's fp32 math in another order. An fp32
