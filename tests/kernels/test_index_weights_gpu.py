@@ -24,7 +24,7 @@ from mtp.kernels.index_weights import index_weights, index_weights_ref  # noqa: 
 from .test_index_weights import H, K, SCALE, assert_within, bound  # noqa: E402
 from .test_kernels_gpu import poison  # noqa: E402
 
-ROWS = [1, 2, 4, 8, 32, 64]  # 8 and 32: the row counts where cuBLAS added a kernel
+ROWS = [1, 2, 4, 8, 12, 32, 64]  # 8 and 32: where cuBLAS added a kernel; 12: the plan's 2 x 4 tile
 
 
 def _inputs(N: int, dtype: torch.dtype, seed: int = 0):
@@ -96,7 +96,10 @@ def test_index_weights_one_kernel(N):
 
     x, w = _inputs(N, torch.bfloat16)
     prof = kernel_profile(lambda: index_weights(x, w, SCALE), steps=3)
-    old = kernel_profile(lambda: torch.mm(x, w.t(), out_dtype=torch.float32).mul_(SCALE), steps=3)
-    print(f"N={N}: kernel {prof['kernels_per_step']:.0f} launch(es); cuBLAS mm + mul_ "
-          f"{old['kernels_per_step']:.0f}: {[r['name'][:60] for r in old['top']]}")
+    try:  # (torch.mm's out_dtype: the fast path checks this build has it, `fast_path._mm_out_fp32`)
+        old = kernel_profile(lambda: torch.mm(x, w.t(), out_dtype=torch.float32).mul_(SCALE), steps=3)
+        print(f"N={N}: kernel {prof['kernels_per_step']:.0f} launch(es); cuBLAS mm + mul_ "
+              f"{old['kernels_per_step']:.0f}: {[r['name'][:60] for r in old['top']]}")
+    except (RuntimeError, TypeError) as e:
+        print(f"N={N}: no bf16 -> fp32 mm on this build ({type(e).__name__})")
     assert prof["kernels_per_step"] == 1 and "index_weights" in prof["top"][0]["name"], prof["top"]
