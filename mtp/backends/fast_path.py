@@ -20,7 +20,8 @@
   The block runs in `mla_forward_fast`: q_a | indexer wk | kv_a and q_b | indexer wq_b as one GEMV each
   (`fuse_rows`), the kv_a norm + rotary + indexer key + FP8 cache write and the q_pe rotary + indexer queries'
   rotary, Hadamard and quant in one kernel each (`kernels.mla_prologue`), the absorbed kv_b projections in one
-  launch each (`kernels.absorb`);
+  launch each (`kernels.absorb`), the indexer's head weights in one (`kernels.index_weights`, from weights_proj in
+  place: no per-layer copy);
 - dense MLPs and shared experts (also tensor-parallel ones: `FastParallelMLP`) with gate and up stacked into one
   GEMV (`fuse_rows`);
 - every decoder `Block` (`FastBlock`): residual add + RMSNorm + FP8 quant in one kernel (`kernels.norm_quant`)
@@ -56,6 +57,7 @@ from ..kernels.cache_write import cache_write
 from ..kernels.dispatch import ELEMENTWISE_IMPLS, FastPathOptions, linear, local_ids, route
 from ..kernels.elementwise import triton_ops
 from ..kernels.fp8_gemm import SMALL_M
+from ..kernels.index_weights import index_weights
 from ..kernels.indexer import TOPK_IMPLS, indexer_topk
 from ..kernels.mla_decode import mla_decode
 from ..kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
@@ -217,6 +219,7 @@ class FastMLA(MLA):
     (`mla_forward_fast`); the naive path (prefill) and an unquantized cache keep the reference forward."""
 
     fused_a = fused_qb = None  # stacked FP8 weights of the projections that read one input (`fuse_rows`)
+    mm_fp32 = False  # cuBLAS bf16 x bf16 -> fp32 for the indexer's head weights (switch `index_weights` off)
     topk_impl = "radix"  # the indexer's top-k (`kernels.indexer.TOPK_IMPLS`): enable_fast_path / set_kernel_options
     fast_options: FastPathOptions
 
@@ -381,9 +384,8 @@ def fast_module(mod: torch.nn.Module, options: FastPathOptions | None = None, mm
         mod.w_kb = w[:, : mod.P].contiguous()  # [H, P, C]
         mod.w_vb = w[:, mod.P:].contiguous()  # [H, V, C]
         ix = mod.indexer
-        mod.w_idx = ix.weights_proj.weight.float() * (ix.n_heads ** -0.5 * ix.head_dim ** -0.5)
-        mod.w_idx_t = (ix.weights_proj.weight.t().contiguous()
-                       if ix.weights_proj.weight.dtype == torch.bfloat16 and mm_fp32 else None)
+        # the head weights' old path (switch `index_weights` off): cuBLAS bf16 x bf16 -> fp32 where this build has it
+        mod.mm_fp32 = mm_fp32 and ix.weights_proj.weight.dtype == torch.bfloat16
         _swap(mod, FastMLA)
         # the projections that read the same input, as one weight each (one launch instead of 3 and 2)
         mod.fused_a = fuse_rows([mod.q_a_proj, ix.wk, mod.kv_a_proj_with_mqa])
@@ -624,6 +626,22 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
     return mla.o_proj(o.reshape(B, T, H * mla.V))
 
 
+def indexer_head_weights(mla: MLA, x_BTD: torch.Tensor) -> torch.Tensor:
+    """The indexer's head weights w [B, T, Hi] fp32 = x W^T * Hi^-0.5 * Dk^-0.5 (W = weights_proj.weight;
+    `Indexer.select` applies the two factors apart): one launch (`kernels.index_weights`, switch `index_weights`);
+    off, the old path: cuBLAS's bf16 GEMM with fp32 output and the scale (bf16 x bf16 products are exact in fp32 and
+    cuBLAS sums them in fp32: the reference's fp32 math), else an fp32 linear and the scale."""
+    ix = mla.indexer
+    W = ix.weights_proj.weight
+    scale = ix.n_heads ** -0.5 * ix.head_dim ** -0.5
+    if mla.fast_options.index_weights:
+        return index_weights(x_BTD, W, scale)
+    if mla.mm_fp32 and x_BTD.dtype == torch.bfloat16:
+        w = torch.mm(x_BTD.reshape(-1, x_BTD.shape[-1]), W.t(), out_dtype=torch.float32).mul_(scale)
+        return w.view(*x_BTD.shape[:-1], ix.n_heads)
+    return torch.nn.functional.linear(x_BTD.float(), W.float()).mul_(scale)
+
+
 def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
                     out_dtype: torch.dtype = torch.float32, iq_quant=None, visible_BTS=None) -> torch.Tensor:
     """Absorbed MLA over the FP8 cache with the indexer's top-k: returns o [B, T, H, V] in out_dtype.
@@ -639,13 +657,7 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
             raise ValueError(f"mla_attend_fast: the indexer must score {S} keys for its top-{ix.topk}: give the "
                              f"indexer queries (iq_BTHD or iq_quant)")
         q8, qs = mla.ops.act_quant(iq_BTHD) if iq_quant is None else iq_quant  # qs [B, T, Hi, 1]
-        if mla.w_idx_t is not None and x_BTD.dtype == torch.bfloat16:
-            # bf16 x bf16 products are exact in fp32 and cuBLAS sums them in fp32: the reference's fp32 math
-            x2 = x_BTD.reshape(-1, x_BTD.shape[-1])
-            w = torch.mm(x2, mla.w_idx_t, out_dtype=torch.float32).mul_(ix.n_heads ** -0.5 * ix.head_dim ** -0.5)
-            w = w.view(*x_BTD.shape[:-1], ix.n_heads)
-        else:
-            w = torch.nn.functional.linear(x_BTD.float(), mla.w_idx)  # fp32 copy, scaled by Hi^-0.5 * Dk^-0.5
+        w = indexer_head_weights(mla, x_BTD)
         topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
                                    topk=ix.topk, impl=mla.topk_impl, visible=visible_BTS)
     absorb = mla.fast_options.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS

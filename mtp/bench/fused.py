@@ -1,6 +1,7 @@
 """Time the fused decode kernels against the current path at TP=8 per-rank shapes, in one device call.
 
-    python -m mtp.bench.fused [--out DIR] [--only gemv,norm,router,step] [--quick] [--gemv-tp 8,1] [--sweep]
+    python -m mtp.bench.fused [--out DIR] [--only gemv,norm,router,step,index_weights] [--quick] [--gemv-tp 8,1]
+                              [--sweep]
 
 Sections (each new kernel next to what the fast path ran before it, same process, same inputs):
 - gemv: on every GEMV weight of a TP=8 rank and of TP=1 full width (`--gemv-tp 8,1`), rows 1..8, x pre-quantized:
@@ -13,6 +14,8 @@ Sections (each new kernel next to what the fast path ran before it, same process
   D = 7168, T = 1..5, 8, 64;
 - prologue: `mla_prologue` (2 kernels) vs the unfused MLA prologue steps, and `absorb` vs the two einsums, one
   rank's 16 heads;
+- index_weights: the indexer's head weights in one launch (`index_weights`) vs the cuBLAS GEMM + scale it replaced,
+  rows 1..64, with the kernels per call of each (`mtp.bench.index_weights`); `--sweep`: also its tiles;
 - step: one rank of TP=8 (rank 0 of a one-process "world" of 8 whose collectives are the identity, so they are
   excluded as in the issue's measurement), 1 dense + 2 MoE layers at real width, FP8 random weights, 1024-token
   prompt; the captured target forward at widths 1..4 with each switch of the model's `FastPathOptions` alone,
@@ -35,6 +38,7 @@ import time
 import torch
 
 from mtp.bench import kernels as gk  # copy bandwidth, graph timing, rows and checks
+from mtp.bench.index_weights import index_weights_section
 from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.model.fp8 import fp8_gemm_ref, weight_quant
 from mtp.kernels import available
@@ -349,9 +353,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT") or "eval/results")
     ap.add_argument("--quick", action="store_true", help="fewer widths, no tile sweep, only old vs all-new steps")
-    ap.add_argument("--only", default="", help="comma list of sections: gemv,norm,router,prologue,step")
+    ap.add_argument("--only", default="", help="comma list of sections: gemv,norm,router,prologue,index_weights,step")
     ap.add_argument("--gemv-tp", default="8,1", help="gemv section: the TP degrees whose weight shapes to time")
-    ap.add_argument("--sweep", action="store_true", help="gemv section: also sweep the new kernels' tiles")
+    ap.add_argument("--sweep", action="store_true", help="gemv and index_weights sections: also sweep the new "
+                                                         "kernels' tiles")
     args = ap.parse_args()
     if not available():
         sys.exit("gpu_fused: needs triton and a CUDA device")
@@ -363,13 +368,14 @@ def main():
                 date=time.strftime("%Y-%m-%d %H:%M"))
     gk.log(f"[env] {meta}")
     torch.manual_seed(0)
-    only = set(args.only.split(",")) if args.only else {"gemv", "norm", "router", "prologue", "step"}
+    only = set(args.only.split(",")) if args.only else {"gemv", "norm", "router", "prologue", "index_weights", "step"}
     out = dict(meta=meta)
     t0 = time.time()
     out["bandwidth"] = gk.copy_bandwidth()
     tps = tuple(int(t) for t in args.gemv_tp.split(","))
     gk.run_sections([("gemv", lambda: gemv_section(args.quick, tps, args.sweep)), ("norm", norm_section), ("router", router_section),
-                     ("prologue", prologue_section), ("step", lambda: step_section(args.quick))], only, out)
+                     ("prologue", prologue_section), ("index_weights", lambda: index_weights_section(args.sweep)),
+                     ("step", lambda: step_section(args.quick))], only, out)
     gk.finish(out, t0, os.path.join(args.out, "gpu_fused.json"))
     if "step" in out and "error" not in out["step"]:
         gk.log("\nTP=8 rank step (3 layers: 1 dense + 2 MoE), ms per step:")

@@ -161,7 +161,8 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
 # 'old' is the fast path before this release's kernels (tensor-core GEMV, separate norm / quant / router / rotary /
 # absorbed-projection launches, torch.topk, the pair grid for the experts).
 KERNEL_VARIANTS = {
-    "old": (dict(gemv=False, norm_quant=False, router=False, prologue=False, absorb=False, pdl=False),
+    "old": (dict(gemv=False, norm_quant=False, router=False, prologue=False, absorb=False, index_weights=False,
+                 pdl=False),
             dict(indexer_topk="torch", moe_layout="pairs")),
     "new+pdl": (dict(pdl=True), dict()),
     # the split-K CUDA-core GEMV only up to 1 / 2 rows, the tensor-core GEMM above (its cost grows with the rows)

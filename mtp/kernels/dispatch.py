@@ -15,6 +15,9 @@ version, so the engine captures its kept graphs again).
   q_pe rotary, indexer queries' rotary + Hadamard + quant); off: ~12 torch / compiled elementwise launches.
 - absorb: MLA's absorbed kv_b projections (q_nope -> latent, latent -> v) in one launch each (`absorb`);
   off: two torch einsums (~3 launches each).
+- index_weights: the lightning indexer's head weights (x @ weights_proj^T, scaled) in one launch
+  (`index_weights.index_weights`), read from the weight in place; off: cuBLAS's bf16 GEMM with fp32 output (split-K
+  with a reduce kernel, 2-3 launches by the rows) + the scale, or an fp32 linear (only past the indexer's top-k).
 - mlp_reduce_norm: under allreduce='oneshot', a tensor-parallel block's FFN all-reduce is not done in the FFN but
   by the next block, in one kernel with its residual add + input RMSNorm + FP8 quant (`fast_path.FastTrunk`,
   `backends.pending.Pending`), as o_proj's already is with the post-attention norm; off: the FFN all-reduces
@@ -47,6 +50,7 @@ class FastPathOptions:
     router: bool = True
     prologue: bool = True
     absorb: bool = True
+    index_weights: bool = True
     pdl: bool = False
     mlp_reduce_norm: bool = True
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an

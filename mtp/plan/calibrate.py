@@ -207,7 +207,7 @@ def _touched(per_layer: list | None) -> float | None:
 
 def _terms(r: Row):
     t = forward_terms(r.cfg, r.layout, r.shape)
-    if r.only == ("indexer",):  # timed alone: its scores and top-k, not the head-weights GEMM of the step
+    if r.only == ("indexer",):  # timed alone: its scores and top-k, not the head weights of the step
         from .kernels import StepShape, indexer_select
 
         n = indexer_select(StepShape(r.shape.rows, r.shape.width, r.shape.context, r.layout.tp))

@@ -13,9 +13,10 @@ thresholds shrunk so that every branch is taken at a few tokens.
 What the count assumes: the decode path as `mtp-bench --tp N` runs it (bf16 model, fp32 residual, the fused
 kernels on, `gemv_rows` 1, elementwise 'triton', radix top-k, NCCL or the simulated group: no one-shot hand-off),
 a causal verify (no tree), an FP8 latent cache. Collectives are not kernels here (the simulated rank runs none;
-with NCCL add one per `Comm` in `mtp.plan.cost`). On a GPU, not on the CPU counter: cuBLAS runs the indexer's
-weights GEMM (M = N rows, 64 columns, K = D) split-K with a separate reduce kernel (`cublasLt::splitKreduce_kernel`
-in the profiles of the 8k / 32k rows, one per layer): `GPU_EXTRA['indexer_weights_reduce']`.
+with NCCL add one per `Comm` in `mtp.plan.cost`). The count is the GPU's too: every launch here is one kernel on
+either (the indexer's head weights were a cuBLAS GEMM that the GPU ran split-K with one or two reduce kernels the
+CPU counter could not see, by cuBLAS's heuristics per row count; they are one Triton kernel now,
+`kernels.index_weights`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ from ..model.config import ModelConfig
 # top-k run several kernels each)
 REFERENCE_ROUTER = 17
 LOCAL_IDS = 5
-# launches on a GPU the CPU count cannot see (module docstring)
-GPU_EXTRA = {"indexer_weights_reduce": 1}
 # the decode step's glue outside the layers (`DeepseekV32.forward` / `positions`, the bench's `cache.truncate`):
 # the causal positions, cos / sin, the vocabulary-parallel embedding's mask and lookup, seq_lens += T
 GLUE_TP = 18  # counted (tests/plan/test_kernel_count.py); tp = 1 has no embedding mask: GLUE_TP1
@@ -94,7 +93,7 @@ class StepShape:
         return self.rows * self.width
 
 
-def attention(cfg: ModelConfig, sh: StepShape, lim: Limits, gpu: bool = True) -> tuple[int, int]:
+def attention(cfg: ModelConfig, sh: StepShape, lim: Limits) -> tuple[int, int]:
     """(attention, indexer) launches of `FastBlock` up to the FFN: input norm + quant, q_a | wk | kv_a, the kv
     prologue (norm, rotary, cache write), q_a norm + quant, q_b | wq_b, the q prologue, absorb q, mla_decode (2
     stages), absorb out, o_proj (+ its cast to the model dtype after the all-reduce when row-parallel),
@@ -109,9 +108,7 @@ def attention(cfg: ModelConfig, sh: StepShape, lim: Limits, gpu: bool = True) ->
     n += 1  # post-attention add + norm + quant
     ix = 0
     if cfg.index_topk < sh.context:
-        ix = 2  # head weights: one GEMM and its scale (GPU: mm + mul_; CPU: cast + linear)
-        ix += GPU_EXTRA["indexer_weights_reduce"] if gpu else 0
-        ix += indexer_select(sh)
+        ix = 1 + indexer_select(sh)  # head weights: one kernel (`fast_path.indexer_head_weights`)
     return n, ix
 
 
@@ -186,27 +183,27 @@ def glue(sh: StepShape) -> int:
     return GLUE_TP if sh.tp > 1 else GLUE_TP1
 
 
-def terms(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None, gpu: bool = True) -> dict[str, int]:
+def terms(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None) -> dict[str, int]:
     """Launches per layer of each `mtp.plan.cost` term (mla, indexer, dense_mlp, shared_expert, router,
     routed_experts; head with the step's glue; mtp_extra per MTP module)."""
     lim = lim or Limits.current()
-    a, ix = attention(cfg, sh, lim, gpu)
+    a, ix = attention(cfg, sh, lim)
     return {"mla": a, "indexer": ix, "dense_mlp": dense_mlp(cfg, sh, lim), **moe_ffn(cfg, sh, lim),
             "head": head(cfg, sh) + glue(sh), "mtp_extra": mtp_extra(cfg, sh)}
 
 
-def per_layer(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None, gpu: bool = True) -> dict[str, int]:
+def per_layer(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None) -> dict[str, int]:
     """Launches per layer of each kind: dense block, MoE block, MTP module (its block and extras), head, glue."""
-    t = terms(cfg, sh, lim, gpu)
+    t = terms(cfg, sh, lim)
     attn = t["mla"] + t["indexer"]
     moe = attn + t["shared_expert"] + t["router"] + t["routed_experts"]
     return {"dense": attn + t["dense_mlp"], "moe": moe, "mtp": moe + t["mtp_extra"], "head": head(cfg, sh),
             "glue": glue(sh)}
 
 
-def step_launches(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None, gpu: bool = True) -> dict[str, int]:
+def step_launches(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None) -> dict[str, int]:
     """Launches of one target forward (trunk + head + glue) per layer kind, summed over its layers."""
-    p = per_layer(cfg, sh, lim, gpu)
+    p = per_layer(cfg, sh, lim)
     n_dense = cfg.first_k_dense_replace
     return {"dense": p["dense"] * n_dense, "moe": p["moe"] * (cfg.num_hidden_layers - n_dense), "head": p["head"],
             "glue": p["glue"]}
