@@ -169,6 +169,8 @@ KERNEL_VARIANTS = {
     "gemv1": (dict(gemv_rows=1), dict()),
     "gemv2": (dict(gemv_rows=2), dict()),
     "gemv1+pdl": (dict(gemv_rows=1, pdl=True), dict()),
+    # the indexer's head weights as cuBLAS mm (+ its split-K reduce) + scale instead of `kernels.index_weights`
+    "cublas_ixw": (dict(index_weights=False), dict()),
 }
 
 
