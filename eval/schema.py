@@ -211,9 +211,6 @@ class RuntimeSchema:
             _fail("runtime.expert_layout", self.expert_layout, f"one of {list(EXPERT_LAYOUTS)}")
         if self.load_reader not in LOAD_READERS:
             _fail("runtime.load_reader", self.load_reader, f"one of {list(LOAD_READERS)}")
-        if self.fast_path and self.tp > 1 and self.expert_layout != "contiguous":
-            _fail("runtime.expert_layout", self.expert_layout,
-                  "'contiguous' with runtime.fast_path=true (the fast path stacks a rank's expert range)")
         if self.fast_path and not self.device.startswith("cuda"):
             _fail("runtime.fast_path", True, "false unless runtime.device is cuda (the Triton kernels need a GPU)")
         if not _DEVICE.match(self.device):

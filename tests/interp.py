@@ -67,3 +67,39 @@ def patch_interpreter_bf16_rounding() -> None:
 
     builder.cast_impl = cast_impl
     builder._bf16_rne = True
+
+
+
+def patch_interpreter_fp8_rounding() -> None:
+    """triton 3.6's interpreter casts to e4m3 (`create_fp_to_fp` -> `_convert_float`) by truncating the mantissa (and
+    its round-to-nearest adds the cut-off bit without a carry into the exponent); CUDA (cvt.rn.satfinite) rounds to
+    nearest even and saturates at +-448, as torch's cast of the clamped value does. A test that holds a fast-path
+    kernel's in-register quantization to the reference's `fp8.act_quant` calls this first, so that both quantize
+    as CUDA does and only the fp32 summation order differs. NaN stays NaN."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    import triton.runtime.interpreter as ti
+
+    builder = getattr(ti, "InterpreterBuilder", None)
+    if builder is None or getattr(builder, "_fp8_rne", False):  # another triton, or patched already
+        return
+    orig = builder.create_fp_to_fp
+
+    def as_float32(src) -> np.ndarray | None:
+        s, data = src.dtype.scalar, np.ascontiguousarray(src.data)
+        if s == tl.float32 or s == tl.float16:
+            return data.astype(np.float32)
+        if s == tl.bfloat16:  # stored as its uint16 bits
+            return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return None
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        v = as_float32(src) if dst_type.scalar == tl.float8e4nv else None
+        if v is None:
+            return orig(self, src, dst_type, rounding_mode)
+        q = torch.from_numpy(v).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return ti.TensorHandle(q.view(torch.uint8).numpy(), dst_type.scalar)
+
+    builder.create_fp_to_fp = create_fp_to_fp
+    builder._fp8_rne = True

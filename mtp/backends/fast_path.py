@@ -7,9 +7,10 @@
   HBM floor on an H200 (0.442 ms vs 0.439 ms; a Triton GEMV we tried was slower: BENCHMARKS.md);
 - every `MoE` through the router (`kernels.dispatch.route`: `router.moe_route_fused`, one launch that also maps
   ids to an expert-parallel rank's local ids) + `kernels.moe.moe_experts` (reads only the chosen experts; the expert-parallel
-  MoE of `mtp.parallel` likewise over its rank's experts [e0, e1), skipping slots routed to other ranks). The experts'
-  weights are restacked per projection into [E, N, K] tensors, and each expert's parameters become views of
-  the stack, so memory is not doubled (peak: one projection of one layer);
+  MoE of `mtp.parallel` likewise over its rank's experts, any `expert_layout`: a range, scattered experts through
+  a global -> local table, or every expert's slice under 'split'; slots routed to other ranks are skipped). The
+  experts' weights are restacked per projection into [E, N, K] tensors, and each expert's parameters become views
+  of the stack, so memory is not doubled (peak: one projection of one layer);
 - `MLA` blocks of <= absorb_max_tokens new tokens through the indexer kernel + top-k (`kernels.topk` radix
   select, or torch.topk: `FastMLA.topk_impl`, `set_kernel_options`) and `mla_decode` over the
   real-FP8 latent cache; kv_b_proj is dequantized once to bf16 for the absorbed q / output projections
@@ -54,7 +55,7 @@ from ..kernels import available
 from ..kernels.absorb import MAX_TOKENS as ABSORB_MAX_TOKENS
 from ..kernels.absorb import absorb_out, absorb_q
 from ..kernels.cache_write import cache_write
-from ..kernels.dispatch import ELEMENTWISE_IMPLS, FastPathOptions, linear, local_ids, route
+from ..kernels.dispatch import ELEMENTWISE_IMPLS, ExpertMap, FastPathOptions, expert_map, linear, local_ids, route
 from ..kernels.elementwise import triton_ops
 from ..kernels.fp8_gemm import SMALL_M
 from ..kernels.index_weights import index_weights
@@ -131,11 +132,20 @@ class FastParallelMLP(ParallelMLP):
 
 
 class FastMoE(MoE):
-    """Routed experts [e0, e1) through the router (`kernels.dispatch.route`: one fused launch with switch
-    `router`, which also maps ids to this rank's local ids) + `moe_experts` on the stacked experts
-    (`stack_experts`): reads only the chosen experts, no host sync, capturable; ids outside [e0, e1) (other
-    ranks' experts) are -1 slots, which the kernel skips. `forward(x, xq)` feeds x's quantized form to the
-    shared expert's gate | up GEMV.
+    """The module's routed experts (`local_ids()`) through the router (`kernels.dispatch.route`: one fused launch
+    with switch `router`, which also maps ids to this rank's stack indices by `id_map`) + `moe_experts` on the
+    stacked experts (`stack_experts`): reads only the chosen experts, no host sync, capturable; other ranks'
+    experts are -1 slots, which the kernel skips. `forward(x, xq)` feeds x's quantized form to the shared
+    expert's gate | up GEMV.
+
+    Every expert layout of an expert-parallel rank (`mtp.placement`) runs here; per rank and MoE layer it costs:
+    'contiguous' a range [e0, e1) (E/W experts; the mapping is arithmetic in the router's last program);
+    'interleaved' / 'permuted' E/W scattered experts, mapped by an int32 table [E] (one dependent load of K ids in
+    the router's last program);
+    'split' all E experts at 1/W of their width (no mapping: every routed slot is local, so the expert kernels
+    read K experts' slices per token on every rank; a rank without a 128-block of the width adds nothing).
+    After the reference router (prefill; the bench's forced routes) every layout maps by its table in torch:
+    one gather. The same launches in every layout (`mtp.plan.kernels`).
 
     expert_layout (`kernels.moe.moe_experts`' layout) for up to `grouped_above` tokens: 'pairs' or None (by
     size: persistent for T * J <= 64). A whole MoE picks 8 of its own experts per token, which the pair grid
@@ -145,6 +155,7 @@ class FastMoE(MoE):
     the grouped GEMM (`kernels.moe_grouped`), `max_tokens` per call."""
 
     stacked: dict[str, torch.Tensor] | None = None
+    id_map = ExpertMap()  # global id -> stack index (`kernels.dispatch.expert_map`), set by `stack_experts`
     expert_layout: str | None = "pairs"
     fast_options: FastPathOptions
     grouped_above = GROUPED_ABOVE  # tokens above which the grouped layout runs, whatever expert_layout says
@@ -189,18 +200,20 @@ class FastMoE(MoE):
         Up to `grouped_above` tokens the `expert_layout` kernels, above it the grouped GEMM, in chunks of
         `max_tokens` (one M-block size for all chunks, so a token's result does not depend on its chunk)."""
         N = x_ND.shape[0]
-        local = None if (self.e0, self.e1) == (0, self.gate.n_experts) else (self.e0, self.e1)
+        s = self.stacked
+        if s["gate_proj.weight"].shape[1] == 0:  # 'split': this rank holds no 128-block of the experts' width
+            out = torch.zeros(x_ND.shape, dtype=torch.float32, device=x_ND.device)
+            return out if add is None else out + add
         # the router kernels compute `Gate.forward` from the gate's weights; a gate whose class replaces forward
         # (the bench's forced routes, `mtp.bench.forced_route`) is called as a module, as for a prefill
-        if N <= self.kernel_route_tokens and type(self.gate).forward is Gate.forward:  # local: id - e0, or -1
-            routes = [route(x_ND[a:a + ROUTER_MAX_TOKENS], self.gate, self.fast_options, local=local)
+        if N <= self.kernel_route_tokens and type(self.gate).forward is Gate.forward:  # local ids, or -1
+            routes = [route(x_ND[a:a + ROUTER_MAX_TOKENS], self.gate, self.fast_options, local=self.id_map.router)
                       for a in range(0, N, ROUTER_MAX_TOKENS)]
             w_NK, ids_NK = routes[0] if len(routes) == 1 else (torch.cat([r[0] for r in routes]),
                                                                torch.cat([r[1] for r in routes]))
         else:  # prefill: the reference router (an fp32 GEMM and a sort, no host sync); or the forced gate's table
             w_NK, ids_NK = self.gate(x_ND)
-            w_NK, ids_NK = w_NK.float(), local_ids(ids_NK, local).int()
-        s = self.stacked
+            w_NK, ids_NK = w_NK.float(), local_ids(ids_NK, self.id_map.table).int()
         ws = (s["gate_proj.weight"], s["gate_proj.weight_scale_inv"], s["up_proj.weight"],
               s["up_proj.weight_scale_inv"], s["down_proj.weight"], s["down_proj.weight_scale_inv"])
         add = add if add is None or (add.dtype == torch.float32 and add.is_contiguous()) else add.float().contiguous()
@@ -377,8 +390,9 @@ def fast_module(mod: torch.nn.Module, options: FastPathOptions | None = None, mm
     elif isinstance(mod, MoE):
         stack_experts(mod)
         _swap(mod, FastMoE)
-        # the default on every enable: one rank's few active experts take the persistent layout (by size)
-        mod.expert_layout = "pairs" if (mod.e0, mod.e1) == (0, mod.gate.n_experts) else None
+        # the default on every enable: one rank's few active experts take the persistent layout (by size); a module
+        # holding every expert (one process, or a rank's slices under 'split': K active per token) the pair grid
+        mod.expert_layout = "pairs" if mod.id_map.table is None else None
     elif isinstance(mod, MLA) and _mla_kernel_fits(mod):
         w = mod.kv_b_proj.dequantized_weight(torch.bfloat16).view(mod.H, mod.P + mod.V, mod.C)
         mod.w_kb = w[:, : mod.P].contiguous()  # [H, P, C]
@@ -462,7 +476,7 @@ def install_fast_modules(model: torch.nn.Module, mm_fp32: bool = False,
         options = getattr(model, "fast_options", None) or FastPathOptions()
     if not isinstance(options, FastPathOptions):
         raise TypeError(f"install_fast_modules: options must be a FastPathOptions, got {type(options).__name__}")
-    routed = {id(mod.expert(e)) for mod in model.modules() if isinstance(mod, MoE) for e in range(mod.e0, mod.e1)}
+    routed = {id(mod.expert(e)) for mod in model.modules() if isinstance(mod, MoE) for e in mod.local_ids()}
     for mod in list(model.modules()):
         if id(mod) not in routed:  # routed experts are read through their MoE's stack
             fast_module(mod, options, mm_fp32)
@@ -555,12 +569,14 @@ def _mla_kernel_fits(mla: MLA) -> bool:
 
 
 def stack_experts(moe: MoE) -> None:
-    """Stack experts [e0, e1) per projection into [E_local, N, K] weights / scales (local index e - e0) for
-    `moe_experts`, and re-point each expert's parameters at its slice: memory is not doubled (peak: one
+    """Stack the module's experts (`moe.local_ids()`, ascending global ids) per projection into [E_local, N, K]
+    weights / scales for `moe_experts`, in that order, and set `moe.id_map` (`kernels.dispatch.expert_map`: global
+    id -> stack index); re-point each expert's parameters at its slice: memory is not doubled (peak: one
     projection of one layer), names and `state_dict` are unchanged. Idempotent; FP8 experts only."""
     if getattr(moe, "stacked", None) is not None:
         return
-    experts = [moe.expert(e) for e in range(moe.e0, moe.e1)]
+    ids = list(moe.local_ids())
+    experts = [moe.expert(e) for e in ids]
     if not all(getattr(ex, p).is_fp8 for ex in experts for p in ("gate_proj", "up_proj", "down_proj")):
         raise ValueError("stack_experts: the Triton expert kernels need FP8 experts")
     stacked = {}
@@ -571,6 +587,7 @@ def stack_experts(moe: MoE) -> None:
             for i, p in enumerate(parts):  # re-point each expert at its slice; the old tensor is freed
                 setattr(p, attr, torch.nn.Parameter(big[i], requires_grad=False))
             stacked[f"{proj}.{attr}"] = big
+    moe.id_map = expert_map(ids, moe.gate.n_experts, stacked["gate_proj.weight"].device)
     moe.stacked = stacked
 
 

@@ -9,7 +9,7 @@ reads the gate's output, so the override holds on every path:
 - the reference `MoE.routed` (and `ExpertParallelMoE`, which keeps the ids on its rank) calls `self.gate(x)`;
 - `FastMoE.routed` (`mtp.backends.fast_path`) runs its router kernels only for a gate whose forward is
   `Gate.forward` (they compute that forward from the gate's weights); another gate it calls as a module and maps
-  the ids to the rank's local ones (`kernels.dispatch.local_ids`: e - e0, -1 for another rank's expert) for
+  the ids to the rank's local ones (`kernels.dispatch.local_ids`: its stack index, -1 for another rank's expert) for
   the expert kernels (pairs / persistent / grouped), as it does for a prefill;
 - the bench's expert counter (`rank_steps.count_local_experts`) re-runs the gate, so it counts the forced ids.
 Nothing outside this file knows a table exists; `clear_routes` swaps the plain `Gate` back, and with no gate

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..placement import EXPERT_LAYOUTS
 from ..spec.options import DEFAULT_LOAD_READER, LOAD_READERS
 from .group import TIMEOUT_ENV, RankFailure, RankGroup, abort_data_group, collective_timeout, describe, init_group
 
@@ -65,9 +66,9 @@ class LoadSpec:
             raise ValueError(f"LoadSpec: elementwise must be one of {ELEMENTWISE_IMPLS}, got {self.elementwise!r}")
         if self.reader not in LOAD_READERS:
             raise ValueError(f"LoadSpec: reader must be one of {list(LOAD_READERS)}, got {self.reader!r}")
-        if self.fast_path and self.expert_layout != "contiguous":
-            raise ValueError(f"expert_layout={self.expert_layout!r} has no fast path (it stacks a rank's expert "
-                             f"range): use expert_layout='contiguous' or fast_path=False")
+        if self.expert_layout not in EXPERT_LAYOUTS:
+            raise ValueError(f"LoadSpec: expert_layout must be one of {list(EXPERT_LAYOUTS)}, got "
+                             f"{self.expert_layout!r}")
 
 
 def progress_wanted() -> bool:

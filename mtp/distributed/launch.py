@@ -47,7 +47,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--allreduce", choices=ALLREDUCE_IMPLS, default="nccl",
                     help="the ranks' all-reduce: nccl, or oneshot (NVLink peer memory, fused with the add + norm)")
     ap.add_argument("--expert-layout", choices=EXPERT_LAYOUTS, default="contiguous",
-                    help="which routed experts each rank holds (mtp/placement.py); non-contiguous: no fast path")
+                    help="which routed experts each rank holds (mtp/placement.py); the fast path runs every one")
     ap.add_argument("--load-reader", choices=LOAD_READERS, default=DEFAULT_LOAD_READER,
                     help="how the shards are read: mmap (safetensors' memory map) or pread (large explicit reads)")
     ap.add_argument("--mode", choices=MODES, default=None,
@@ -101,10 +101,7 @@ def _run(a: argparse.Namespace) -> int:
     GenerationConfig.from_options(a.max_new_tokens, a.draft, k, a.verify, mode=mode, **opts)
     cfg, tok = preflight(a.checkpoint, draft=a.draft, k=k, tp=a.tp, mlp_split=a.mlp_split, numerics=a.numerics,
                          expert_layout=a.expert_layout)
-    contiguous = a.tp == 1 or a.expert_layout == "contiguous"  # the fast path stacks a rank's expert range
-    if a.fast_path and not contiguous:
-        raise PreflightError(f"--fast-path needs --expert-layout contiguous, got {a.expert_layout}")
-    fast = a.fast_path if a.fast_path is not None else (cuda and a.numerics == "fp8" and cfg.is_fp8 and contiguous)
+    fast = a.fast_path if a.fast_path is not None else (cuda and a.numerics == "fp8" and cfg.is_fp8)
     if a.allreduce != "nccl" and (a.tp == 1 or not cuda):
         raise PreflightError(f"--allreduce {a.allreduce} needs --tp > 1 on CUDA GPUs (peer memory); use nccl")
     if fast:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-__all__ = ["ELEMENTWISE_IMPLS", "FastPathOptions", "linear", "local_ids", "route"]
+__all__ = ["ELEMENTWISE_IMPLS", "ExpertMap", "FastPathOptions", "expert_map", "linear", "local_ids", "route"]
 
 # the fast path's elementwise ops: 'triton' (one Triton kernel each, `kernels.elementwise`; the default), 'compile'
 # (torch.compile of the reference functions: ~33 s of start-up on a cold cache), 'eager' (the reference functions)
@@ -99,12 +99,46 @@ def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, opts: Fas
     return fp8_linear(x, w8, sw, out_dtype=out_dtype)
 
 
+@dataclass(frozen=True, eq=False)
+class ExpertMap:
+    """How a module finds its stacked experts from global expert ids (`expert_map`). table: int32 [E], each expert's
+    index in the stack, -1 for one on another rank (None: the module holds all E, in order; one process, or a rank
+    of 'split'). span: (e0, e1) when the held experts are one range ('contiguous'), else None."""
+
+    table: torch.Tensor | None = None
+    span: tuple[int, int] | None = None
+
+    @property
+    def router(self) -> tuple[int, int] | torch.Tensor | None:
+        """What the router kernel maps by (`route`'s local): the range where there is one, mapped with arithmetic
+        in its last program (the kernel's code as before tables: no load), else the table (one dependent load of
+        the chosen ids), None for all experts."""
+        return None if self.table is None else (self.span or self.table)
+
+
+def expert_map(ids, n_experts: int, device: torch.device | str) -> ExpertMap:
+    """The map of a module whose stack holds experts `ids` (global ids, ascending, stacked in that order) of
+    `n_experts`: no table when it holds them all, else a table on `device`, and the range when they are one. The
+    torch mapping (after the reference router, `local_ids`) takes the table in every layout: one gather, whose int32
+    output is what the expert kernels read (a range would cost 5 launches: `mtp.plan.kernels`)."""
+    ids = [int(e) for e in ids]
+    if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= n_experts:
+        raise ValueError(f"expert_map: expert ids must be distinct, ascending, in [0, {n_experts}), got {ids}")
+    if len(ids) == n_experts:
+        return ExpertMap()
+    table = torch.full((n_experts,), -1, dtype=torch.int32)
+    table[ids] = torch.arange(len(ids), dtype=torch.int32)
+    span = (ids[0], ids[-1] + 1) if ids[-1] - ids[0] + 1 == len(ids) else None
+    return ExpertMap(table.to(device), span)
+
+
 def route(x_ND: torch.Tensor, gate, opts: FastPathOptions,
-          local: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          local: tuple[int, int] | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE router on the kernels for `gate` (an `mtp.model.moe.Gate`): (weights [N, K] fp32, ids [N, K] int32).
-    local = (e0, e1): ids as this rank sees them, e - e0 for an expert in [e0, e1) and -1 for one on another
-    rank (what `moe_experts` takes). Switch `router`: one launch (`router.moe_route_fused`, the mapping inside);
-    off: `moe.moe_route` (gate GEMV + top-k) and the mapping in torch."""
+    local (`ExpertMap.router`: a range (e0, e1), a table, or None for all): ids as this rank sees them, the index
+    of an expert in its stack and -1 for one on another rank (what `moe_experts` takes). Switch `router`: one
+    launch (`router.moe_route_fused`, the mapping inside); off: `moe.moe_route` (gate GEMV + top-k) and the
+    mapping in torch."""
     kw = dict(n_group=gate.n_groups, topk_group=gate.topk_groups, topk=gate.topk, route_scale=gate.route_scale)
     if opts.router:
         from mtp.kernels.router import moe_route_fused
@@ -116,10 +150,13 @@ def route(x_ND: torch.Tensor, gate, opts: FastPathOptions,
     return w, local_ids(ids, local)
 
 
-def local_ids(ids: torch.Tensor, local: tuple[int, int] | None) -> torch.Tensor:
-    """Global expert ids as the rank holding [e0, e1) = `local` sees them: e - e0 inside, -1 outside (None: all)."""
+def local_ids(ids: torch.Tensor, local: tuple[int, int] | torch.Tensor | None) -> torch.Tensor:
+    """Global expert ids as a rank sees them: table[e] for a table (`ExpertMap.table`; one gather, int32); e - e0
+    inside a range (e0, e1), -1 outside; the ids themselves for None (all experts)."""
     if local is None:
         return ids
+    if isinstance(local, torch.Tensor):
+        return local[ids]
     e0, e1 = local
     ids = ids - e0
     return torch.where((ids >= 0) & (ids < e1 - e0), ids, -1)

@@ -79,26 +79,30 @@ def _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E: tl.constexpr, BE: tl
 
 
 @triton.jit
-def _store_routes(out_w, out_idx, w_out_ptr, idx_out_ptr, T, route_scale, e0, e1,
-                  TOPK: tl.constexpr, KPAD: tl.constexpr, BTR: tl.constexpr):
+def _store_routes(out_w, out_idx, w_out_ptr, idx_out_ptr, table_ptr, T, route_scale, e0, e1,
+                  E: tl.constexpr, TOPK: tl.constexpr, KPAD: tl.constexpr, BTR: tl.constexpr, TABLE: tl.constexpr):
     """The chosen experts' scores [BTR, KPAD] (0 past TOPK) -> normalized weights x route_scale, and their ids
-    as this rank sees them (e - e0 in [e0, e1), else -1), stored for the T real tokens."""
+    as this rank sees them, stored for the T real tokens: e - e0 in [e0, e1), else -1; or (TABLE) table[e], the
+    rank's global -> local table (-1: another rank's expert), one gather after the choice."""
     t2 = tl.arange(0, BTR)
     ki = tl.arange(0, KPAD)
     out_w = out_w / tl.sum(out_w, 1)[:, None] * route_scale
-    out_idx = tl.where((out_idx >= e0) & (out_idx < e1), out_idx - e0, -1)  # this rank's view
     omask = (t2 < T)[:, None] & (ki < TOPK)[None, :]
+    if TABLE:  # this rank's view of scattered experts ('interleaved', 'permuted')
+        out_idx = tl.load(table_ptr + out_idx, mask=omask & (out_idx >= 0) & (out_idx < E), other=-1)
+    else:  # a range (contiguous; [0, E) for a rank holding every expert): arithmetic, no load
+        out_idx = tl.where((out_idx >= e0) & (out_idx < e1), out_idx - e0, -1)
     tl.store(w_out_ptr + t2[:, None] * TOPK + ki[None, :], out_w, mask=omask)
     tl.store(idx_out_ptr + t2[:, None] * TOPK + ki[None, :], out_idx, mask=omask)
 
 
 @triton.jit
-def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, idx_out_ptr, logits_ptr,
+def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, idx_out_ptr, logits_ptr, table_ptr,
                         T, D, stride_xm, route_scale, e0, e1,
                         E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
                         KPAD: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BTR: tl.constexpr,
                         GPS: tl.constexpr, SPLITS: tl.constexpr,
-                        BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr):
+                        BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL)
@@ -144,7 +148,8 @@ def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, id
             out_idx = tl.where(ki[None, :] == i, sel[:, None], out_idx)
             out_w = tl.where(ki[None, :] == i, tl.sum(tl.where(hit, score, 0.0), 1)[:, None], out_w)
             bm = tl.where(hit, float("-inf"), bm)
-        _store_routes(out_w, out_idx, w_out_ptr, idx_out_ptr, T, route_scale, e0, e1, TOPK, KPAD, BTR)
+        _store_routes(out_w, out_idx, w_out_ptr, idx_out_ptr, table_ptr, T, route_scale, e0, e1, E, TOPK, KPAD, BTR,
+                      TABLE)
 
 
 @triton.jit
@@ -156,11 +161,11 @@ def _ahead(v, i, v_other, i_other):
 
 @triton.jit
 def _route_grouped_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_ptr, ci_ptr, cnt_ptr,
-                          w_out_ptr, idx_out_ptr, logits_ptr, T, D, stride_xm, route_scale, e0, e1,
+                          w_out_ptr, idx_out_ptr, logits_ptr, table_ptr, T, D, stride_xm, route_scale, e0, e1,
                           E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
                           KPAD: tl.constexpr, CPAD: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
                           BTR: tl.constexpr, GPS: tl.constexpr, SPLITS: tl.constexpr,
-                          BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr):
+                          BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL)
@@ -223,17 +228,20 @@ def _route_grouped_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_p
             pick = (crank[:, :, None] == ki[None, None, :]) & (ki < TOPK)[None, None, :]  # [BTR, NC, KPAD]
             out_idx = tl.max(tl.where(pick, ci[:, :, None], -1), 1)
             out_w = tl.sum(tl.where(pick, sc[:, :, None], 0.0), 1)  # one term per slot: exact
-            _store_routes(out_w, out_idx, w_out_ptr, idx_out_ptr, T, route_scale, e0, e1, TOPK, KPAD, BTR)
+            _store_routes(out_w, out_idx, w_out_ptr, idx_out_ptr, table_ptr, T, route_scale, e0, e1, E, TOPK, KPAD,
+                          BTR, TABLE)
 
 
 def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_group: int = 8,
                     topk_group: int = 4, topk: int = 8, route_scale: float = 2.5, return_logits: bool = False,
-                    block_e: int = 32, splits: int | None = None, local: tuple[int, int] | None = None,
+                    block_e: int = 32, splits: int | None = None, local: tuple[int, int] | torch.Tensor | None = None,
                     pdl: bool = False, impl: str = "auto", num_warps: int | None = None):
     """Kernel twin of `moe_route_ref` in one launch: (weights [T, J] fp32, idx [T, J] int32), plus the fp32
     gate logits [T, E] the choice was made on when return_logits (for tests: `route_from_logits_ref` on them
     must choose the same experts exactly). local = (e0, e1): return ids as an expert-parallel rank holding
-    experts [e0, e1) sees them: e - e0, or -1 for an expert on another rank (no separate mapping launches).
+    experts [e0, e1) sees them: e - e0, or -1 for an expert on another rank (no separate mapping launches); or
+    local = an int32 table [E] on x's device (`dispatch.expert_map`: a rank holding scattered experts): table[e],
+    -1 where e is on another rank, gathered in the same launch (a kernel variant: the range's code is unchanged).
     pdl: programmatic dependent launch (`_triton.pdl_kwargs`). impl: "serial" (the last program routes on
     [T, E]) or "grouped" (each E-block's last slice ranks its groups, the last block merges; <= GROUPED_MAX_TOKENS
     tokens, topk <= topk_group x E / n_group); both give the same logits, ids and weights bit for bit.
@@ -288,13 +296,21 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
     x = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
     bf16 = x.dtype == torch.bfloat16 and wg_ED.dtype == torch.bfloat16
     launch = pdl_kwargs(pdl, x)
-    e0, e1 = local if local is not None else (0, E)
-    if not 0 <= e0 <= e1 <= E:
-        raise ValueError(f"moe_route_fused: local expert range must lie in [0, {E}], got {local}")
+    table = isinstance(local, torch.Tensor)
+    if table:
+        if local.shape != (E,) or local.dtype != torch.int32 or local.device != dev or not local.is_contiguous():
+            raise ValueError(f"moe_route_fused: a local expert table must be a contiguous int32 [{E}] on {dev}, got "
+                             f"{local.dtype} {list(local.shape)} on {local.device}")
+        e0, e1 = 0, E
+    else:
+        e0, e1 = local if local is not None else (0, E)
+        if not 0 <= e0 <= e1 <= E:
+            raise ValueError(f"moe_route_fused: local expert range must lie in [0, {E}], got {local}")
     common = dict(E=E, NG=n_group, TOPK_GROUP=topk_group, TOPK=topk, KPAD=triton.next_power_of_2(topk),
                   BE=block_e, BT=bt, BTR=btr, GPS=gps, SPLITS=splits, BF16=bf16, STORE_LOGITS=return_logits,
-                  PDL=bool(launch), num_warps=num_warps or (8 if grouped else 4), **launch)
+                  PDL=bool(launch), TABLE=table, num_warps=num_warps or (8 if grouped else 4), **launch)
     args = (T, D, x.stride(0), float(route_scale), e0, e1)
+    tab = local if table else idx  # the table, or any pointer the range's code never reads
     wg, bias = wg_ED.contiguous(), bias_E.float().contiguous()
     if grouped:
         cpad = min(triton.next_power_of_2(topk), EG)  # candidates kept per group
@@ -302,7 +318,7 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
         cand = torch.empty(2, btr, n_group, cpad, dtype=torch.float32, device=dev)
         cand_id = torch.empty(btr, n_group, cpad, dtype=torch.int32, device=dev)
         _route_grouped_kernel[(nbe, splits)](x, wg, bias, part, gs, cand[0], cand[1], cand_id,
-                                             _counters(dev, nbe + 1), w, idx, logits, *args, CPAD=cpad, **common)
+                                             _counters(dev, nbe + 1), w, idx, logits, tab, *args, CPAD=cpad, **common)
     else:
-        _route_fused_kernel[(nbe, splits)](x, wg, bias, part, _counters(dev, 1), w, idx, logits, *args, **common)
+        _route_fused_kernel[(nbe, splits)](x, wg, bias, part, _counters(dev, 1), w, idx, logits, tab, *args, **common)
     return (w, idx, logits) if return_logits else (w, idx)

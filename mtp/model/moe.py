@@ -62,9 +62,10 @@ def _largest(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class MoE(nn.Module):
-    """Routed experts [e0, e1) of E (all of them here; `mtp.parallel.modules.ExpertParallelMoE` holds one rank's
-    range) plus the shared expert. forward = reduce(routed + shared): the hooks are what the expert-parallel
-    module (a share per rank, then an all-reduce) and the fast path (`routed` on the Triton kernels) replace.
+    """Routed experts `local_ids()` of E (all of them here, [e0, e1) = [0, E);
+    `mtp.parallel.modules.ExpertParallelMoE` holds one rank's, placed by its expert layout) plus the shared expert.
+    forward = reduce(routed + shared): the hooks are what the expert-parallel module (a share per rank, then an
+    all-reduce) and the fast path (`routed` on the Triton kernels) replace.
 
     `routed`, reference: on CPU (unless `static`) a loop over the experts some token chose (a host sync); on
     CUDA, or with `static=True`, every expert on every token with its routing weight (0 when not chosen): no
@@ -105,7 +106,7 @@ class MoE(nn.Module):
         return self.reduce(out).to(x.dtype).view(shape)
 
     def routed(self, x_ND: torch.Tensor) -> torch.Tensor:
-        """The weighted sum of experts [e0, e1) per token, [N, D] in the accumulation dtype."""
+        """The weighted sum of this module's experts (`local_ids()`) per token, [N, D] in the accumulation dtype."""
         w_NK, ids_NK = self.gate(x_ND)
         a = fp8.acc_dtype(x_ND.dtype)
         out = torch.zeros(x_ND.shape, dtype=a, device=x_ND.device)

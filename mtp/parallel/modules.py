@@ -111,9 +111,10 @@ class ExpertParallelMoE(MoE):
     (`experts.{e}`). Under 'split' every expert is local and is an `ExpertSlice` (this rank's intermediate
     channels), so the same sum is of partials.
 
-    The fast path (`mtp.backends.fast_path`) stacks experts [e0, e1): it applies to 'contiguous' (e0, e1 the
-    rank's range) and 'split' ([0, E), every expert sliced); for 'interleaved' / 'permuted' e0, e1 span all E and
-    `expert(e)` of a non-local expert raises, naming the layout, instead of stacking a wrong set."""
+    The fast path (`mtp.backends.fast_path.FastMoE`) stacks `local_ids()` in that order, whatever the layout, and
+    maps global ids to stack indices by `kernels.dispatch.expert_map`: a global -> local table, and the range e0, e1
+    for 'contiguous' (for 'interleaved' / 'permuted' e0, e1 span all E: only `local_ids()` says what is here); no
+    map for 'split' (every expert, sliced). What each costs per rank: `FastMoE`, mtp/parallel/DESIGN.md."""
 
     def __init__(self, cfg: ModelConfig, layout: RankLayout, dtype: torch.dtype, comm: Comm, static: bool = False):
         nn.Module.__init__(self)
@@ -136,8 +137,8 @@ class ExpertParallelMoE(MoE):
 
     def expert(self, e: int) -> MLP:
         if str(e) not in self.experts:
-            raise KeyError(f"expert {e} is not on rank {self.comm.rank} (expert_layout={self.layout_name!r}); the "
-                           f"fast path stacks experts [e0, e1) and supports expert_layout 'contiguous' and 'split'")
+            raise KeyError(f"expert {e} is not on rank {self.comm.rank} (expert_layout={self.layout_name!r}: it "
+                           f"holds {list(self._ids)})")
         return self.experts[str(e)]
 
     def local_ids(self) -> tuple[int, ...]:

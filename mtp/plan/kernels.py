@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from ..model.config import ModelConfig
 
 # launches of the reference router (`Gate.forward`: an fp32 GEMM, sigmoid, group top-k, sort, gather, scatter ...)
-# that `FastMoE.routed` runs above `kernel_route_tokens` tokens, and of an expert-parallel rank's id mapping
-# (`local_ids`: sub, two compares, and, where): aten ops as `mtp.plan.launches` counts them (on a GPU its sort and
-# top-k run several kernels each)
+# that `FastMoE.routed` runs above `kernel_route_tokens` tokens, with its ids' int32 cast, or on an expert-parallel
+# rank instead of the cast the gather of its expert table (`dispatch.local_ids`, every expert layout: it gives int32
+# ids): aten ops as `mtp.plan.launches` counts them (on a GPU its sort and top-k run several kernels each). Up to
+# `kernel_route_tokens` the router kernel maps ids itself: the same launches in every expert layout.
 REFERENCE_ROUTER = 17
-LOCAL_IDS = 5
 # the decode step's glue outside the layers (`DeepseekV32.forward` / `positions`, the bench's `cache.truncate`):
 # the causal positions, cos / sin, the vocabulary-parallel embedding's mask and lookup, seq_lens += T
 GLUE_TP = 18  # counted (tests/plan/test_kernel_count.py); tp = 1 has no embedding mask: GLUE_TP1
@@ -129,11 +129,11 @@ def dense_mlp(cfg: ModelConfig, sh: StepShape, lim: Limits) -> int:
     return n + (1 if sh.tp > 1 else 0) + 1
 
 
-def router(N: int, lim: Limits, tp: int = 1) -> int:
+def router(N: int, lim: Limits) -> int:
     """`FastMoE.routed`: one router launch per ROUTER_MAX_TOKENS tokens (+ a cat of weights and of ids when several),
     or the reference router above kernel_route_tokens (with the id mapping on an expert-parallel rank)."""
     if N > lim.kernel_route:
-        return REFERENCE_ROUTER + (LOCAL_IDS if tp > 1 else 0)
+        return REFERENCE_ROUTER
     r = _cdiv(N, lim.router_max)
     return r + (2 if r > 1 else 0)
 
@@ -162,7 +162,7 @@ def moe_ffn(cfg: ModelConfig, sh: StepShape, lim: Limits) -> dict[str, int]:
     if inter and not quant:
         shared += 1  # `MoE.forward`: routed + shared
     routed = experts(N, lim) + (1 if quant else 2)  # add_rounded; or `.to(x.dtype)` and the block's `h + y`
-    return {"shared_expert": shared, "router": router(N, lim, sh.tp), "routed_experts": routed}
+    return {"shared_expert": shared, "router": router(N, lim), "routed_experts": routed}
 
 
 def head(cfg: ModelConfig, sh: StepShape) -> int:

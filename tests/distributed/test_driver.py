@@ -164,12 +164,17 @@ def test_a_rank_that_never_arrives_is_named_at_once(monkeypatch):
     assert time.monotonic() - t0 < 10
 
 
-def test_load_spec_refuses_the_fast_path_for_a_non_contiguous_expert_layout():
+def test_load_spec_takes_the_fast_path_with_every_expert_layout():
+    """The fast path runs every expert layout (`FastMoE`: tests/parallel/test_layouts_fast_path.py); an unknown
+    layout is refused by name before any rank loads."""
     from mtp.distributed.driver import LoadSpec
+    from mtp.placement import EXPERT_LAYOUTS
 
-    assert LoadSpec("ckpt", expert_layout="interleaved").expert_layout == "interleaved"
-    with pytest.raises(ValueError, match="expert_layout='split' has no fast path"):
-        LoadSpec("ckpt", fast_path=True, expert_layout="split")
+    for layout in EXPERT_LAYOUTS:
+        spec = LoadSpec("ckpt", fast_path=True, expert_layout=layout)
+        assert spec.fast_path and spec.expert_layout == layout
+    with pytest.raises(ValueError, match=r"expert_layout must be one of \[.*'split'\], got 'striped'"):
+        LoadSpec("ckpt", fast_path=True, expert_layout="striped")
 
 
 def test_load_spec_names_the_fast_path_glue():

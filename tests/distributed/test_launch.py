@@ -46,6 +46,8 @@ def test_two_ranks_print_what_one_process_prints(one_process, how, tmp_path):
     (["--max-new-tokens", "-3"], "max_new_tokens"),
     (["--tp", "8"], "splits over [1, 2, 4]"),
     (["--elementwise", "compile", "--no-fast-path"], "--elementwise compile picks the fast path's ops"),
+    # every expert layout has the fast path: what refuses it here is the CPU, not the layout
+    (["--tp", "2", "--fast-path", "--expert-layout", "interleaved"], "--fast-path needs triton and a CUDA device"),
 ])
 def test_bad_options_are_refused_before_any_rank_starts(args, message, tmp_path):
     r = _run([*LAUNCH, *args], tmp_path)

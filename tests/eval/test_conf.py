@@ -171,8 +171,6 @@ def test_generate_kwargs_build_a_generation_config():
     (["draft.tree=2x1", "verify=sample", "runtime.mode=graph"], "runtime.mode = 'graph' is invalid: expected 'eager'"),
     (["runtime.expert_layout=striped"], "runtime.expert_layout = 'striped' is invalid: expected one of"),
     (["runtime.load_reader=direct"], "runtime.load_reader = 'direct' is invalid: expected one of"),
-    (["runtime=cuda", "runtime.fast_path=true", "runtime.tp=2", "runtime.expert_layout=interleaved"],
-     "runtime.expert_layout = 'interleaved' is invalid: expected 'contiguous' with runtime.fast_path=true"),
     (["runtime=cuda", "runtime.fast_path=true", "runtime.elementwise=fused"],
      "runtime.elementwise = 'fused' is invalid: expected one of"),
     (["runtime.elementwise=compile"], "runtime.elementwise = 'compile' is invalid: expected 'triton' unless "
@@ -181,6 +179,14 @@ def test_generate_kwargs_build_a_generation_config():
 def test_bad_values_are_refused_by_the_schema(overrides, message):
     with pytest.raises(schema.SchemaError, match=message.replace(".", r"\.")):
         schema.validate(compose_eval(overrides))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "interleaved", "permuted", "split"])
+def test_every_expert_layout_takes_the_fast_path(layout):
+    """The fast path runs every expert layout (`FastMoE`), so the schema takes each one with it at tp > 1."""
+    cfg = compose_eval(["runtime=cuda", "runtime.fast_path=true", "runtime.tp=2", f"runtime.expert_layout={layout}"])
+    schema.validate(cfg)
+    assert cfg.runtime.expert_layout == layout and cfg.runtime.fast_path
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -65,12 +65,27 @@ def _compile_for_hopper(kernel, pointers: dict, consts: dict, num_warps: int, nu
                                                                               num_stages=num_stages))
 
 
+def _params_read(kernel, ptx: str, consts: dict) -> set[str]:
+    """The names of `kernel`'s runtime arguments its PTX loads (`ld.param`): an argument a constexpr branch leaves
+    unused is declared but never read."""
+    import inspect
+    import re
+
+    args = [n for n in inspect.signature(kernel.fn).parameters if n not in consts]
+    read = {int(i) for i in re.findall(rf"ld\.param\.\w+\s+%\w+, \[{kernel.fn.__name__}_param_(\d+)\]", ptx)}
+    return {args[i] for i in read}
+
+
 def test_new_kernels_compile_for_hopper():
     """The tensor-core GEMV and the grouped router compile for an H100 / H200 (the interpreter runs neither
-    through the compiler): the GEMV's product is an MMA, at every row count and both input kinds."""
+    through the compiler): the GEMV's product is an MMA, at every row count and both input kinds. Both router
+    kernels with a rank's expert table (TABLE) read the table and not the range, and without it (a range: the
+    code as before tables existed, the same PTX instructions as measured) the range and never the table."""
     pytest.importorskip("triton")
+    import inspect
+
     from mtp.kernels.gemv_splitk import MMA_ROWS, _gemv_mma_kernel
-    from mtp.kernels.router import _route_grouped_kernel
+    from mtp.kernels.router import _route_fused_kernel, _route_grouped_kernel
 
     for M, prequant in ((1, True), (8, True), (3, False)):
         x = "*fp8e4nv" if prequant else "*bf16"
@@ -78,11 +93,17 @@ def test_new_kernels_compile_for_hopper():
                                 dict(M=M, PREQUANT=prequant, SPLIT=True, BN=32, GPS=8, SPAD=8, PDL=False, MP=MMA_ROWS),
                                 num_warps=4)
         assert "mma.sync" in k.asm["ptx"] or "wgmma" in k.asm["ptx"], f"no MMA in the M={M} GEMV"
-    for btr in (1, 8):
-        _compile_for_hopper(_route_grouped_kernel,
-                            dict(x_ptr="*bf16", w_ptr="*bf16", ci_ptr="*i32", cnt_ptr="*i32", idx_out_ptr="*i32"),
-                            dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, CPAD=8, BE=32, BT=16, BTR=btr, GPS=4,
-                                 SPLITS=14, BF16=True, STORE_LOGITS=False, PDL=True), num_warps=8)
+    ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", ci_ptr="*i32", cnt_ptr="*i32", idx_out_ptr="*i32", table_ptr="*i32")
+    for kernel, btr, table in ((_route_grouped_kernel, 1, False), (_route_grouped_kernel, 8, False),
+                               (_route_grouped_kernel, 8, True), (_route_fused_kernel, 2, False),
+                               (_route_fused_kernel, 2, True)):
+        grouped = {"CPAD": 8} if kernel is _route_grouped_kernel else {}
+        consts = dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, BE=32, BT=16, BTR=btr, GPS=4, SPLITS=14, BF16=True,
+                      STORE_LOGITS=False, PDL=True, TABLE=table, **grouped)
+        names = set(inspect.signature(kernel.fn).parameters)
+        k = _compile_for_hopper(kernel, {n: t for n, t in ptrs.items() if n in names}, consts, num_warps=8)
+        read = _params_read(kernel, k.asm["ptx"], consts)
+        assert ("table_ptr" in read) == table and ({"e0", "e1"} <= read) != table, (kernel.fn.__name__, table, read)
 
 
 def test_fast_path_options_set():
@@ -243,6 +264,7 @@ def _norm_checks() -> None:
 
 
 def _router_checks() -> None:
+    from mtp.kernels.dispatch import expert_map, local_ids
     from mtp.kernels.router import IMPLS, moe_route_fused, moe_route_ref, route_from_logits_ref
 
     torch.manual_seed(1)
@@ -264,10 +286,15 @@ def _router_checks() -> None:
         assert torch.equal(idx, ir), (T, E, idx.tolist(), ir.tolist())
         assert _rel(w, wr) < 1e-6
         e0, e1 = E // 4, E // 2  # an expert-parallel rank's view
+        # a rank of scattered experts ('interleaved' / 'permuted'): every third expert and a few more, its table
+        table = expert_map(sorted(set(range(1, E, 3)) | {0, E - 1}), E, "cpu").router
         for impl in IMPLS:
             assert torch.equal(moe_route_fused(x, wg, bias, impl=impl, **kw)[1], idx)
             wl, il = moe_route_fused(x, wg, bias, local=(e0, e1), impl=impl, **kw)
             assert torch.equal(wl, w) and torch.equal(il, torch.where((idx >= e0) & (idx < e1), idx - e0, -1))
+            wt, it = moe_route_fused(x, wg, bias, local=table, impl=impl, **kw)
+            assert torch.equal(wt, w) and torch.equal(it, table[idx.long()]), (impl, T, E, it.tolist())
+            assert torch.equal(it, local_ids(idx, table)) and (it >= 0).any() and (it < 0).any()
     # exact ties everywhere (x = 0: every sigmoid is 0.5; bias in steps of 0.25): equal experts in a group,
     # equal group scores across groups; lower index first at every step
     x = torch.zeros(4, 256)
@@ -281,6 +308,10 @@ def _router_checks() -> None:
             assert _rel(w, wr) < 1e-6
     wg, bias = torch.randn(16, 256), torch.zeros(16)
     _expect_errors("moe_route_fused", (
+        (lambda: moe_route_fused(torch.randn(2, 256), wg, bias, n_group=4, topk_group=2, topk=4,
+                                 local=torch.zeros(16, dtype=torch.int64)), "table must be a contiguous int32 [16]"),
+        (lambda: moe_route_fused(torch.randn(2, 256), wg, bias, n_group=4, topk_group=2, topk=4,
+                                 local=torch.zeros(8, dtype=torch.int32)), "got torch.int32 [8]"),
         (lambda: moe_route_fused(torch.randn(17, 256), wg, bias, n_group=4, topk_group=2, topk=4, impl="grouped"),
          "1..16 tokens"),
         (lambda: moe_route_fused(torch.randn(2, 256), wg, bias, n_group=4, topk_group=1, topk=5, impl="grouped"),

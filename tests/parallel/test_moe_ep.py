@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mtp.backends.fast_path import FastMoE, disable_fast_path, fast_module
+from mtp.kernels.dispatch import expert_map, local_ids
 from mtp.model.fp8 import weight_quant
 from mtp.model.layers import Linear
 from mtp.model.moe import MoE
@@ -175,13 +176,65 @@ def test_expert_layouts_sum_to_the_one_rank_moe(layout, world, static):
     assert held == ([cfg.n_routed_experts] * world if layout == "split" else [cfg.n_routed_experts // world] * world)
 
 
-def test_non_contiguous_layout_refuses_the_fast_path_stack():
-    """The fast path stacks experts [e0, e1): an interleaved rank says which expert it lacks and why."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_fast_path_stacks_every_layout(layout, world):
+    """`fast_module` on every layout's ranks: the stack holds `local_ids()` in order (parameters are views of it),
+    `id_map` sends each held expert's global id to its stack index and the others to -1, by its table (torch) and by
+    what the router kernel takes (a range for 'contiguous', the table for the scattered layouts, none for 'split'),
+    and the expert kernels' default grid follows (the persistent one for a rank's share of the experts, the pair
+    grid where every expert is held)."""
     cfg = layout_config()
+    E = cfg.n_routed_experts
     moe = random_model(cfg, device="cpu", dtype=torch.float32, seed=3).model.layers[1].mlp
-    ep = rank_moes(moe, cfg, ParallelPlan(2, expert_layout="interleaved"))[0]
-    with pytest.raises(KeyError, match="expert 1 is not on rank 0 .*interleaved"):
+    seen = []
+    plan = ParallelPlan(world, expert_layout=layout, expert_seed=5)
+    for ep in rank_moes(moe, cfg, plan):
         fast_module(ep)
+        ids = list(ep.local_ids())
+        s = ep.stacked
+        i0, i1 = RankLayout(cfg, plan, ep.comm.rank).expert_inter  # 'split' at 4 ranks: 128 or none (2 blocks)
+        I_loc = i1 - i0
+        assert s["gate_proj.weight"].shape[:2] == (len(ids), I_loc)
+        assert s["down_proj.weight"].shape[:2] == (len(ids), cfg.hidden_size)
+        for i, e in enumerate(ids):
+            assert ep.experts[str(e)].up_proj.weight.data_ptr() == s["up_proj.weight"][i].data_ptr(), (layout, e)
+        want = torch.tensor([ids.index(e) if e in ids else -1 for e in range(E)])
+        for local in (ep.id_map.table, ep.id_map.router):
+            got = local_ids(torch.arange(E), local)
+            assert torch.equal(got.long(), want), (layout, ep.comm.rank, got.tolist())
+        kind = {"contiguous": tuple, "split": type(None)}.get(layout, torch.Tensor)
+        assert isinstance(ep.id_map.router, kind), (layout, type(ep.id_map.router))
+        assert (ep.id_map.table is None) == (layout == "split")
+        assert ep.expert_layout == ("pairs" if layout == "split" else None)
+        seen += ids
+    assert sorted(seen) == sorted(list(range(E)) * (world if layout == "split" else 1))
+
+
+def test_expert_map_kinds_and_errors():
+    """`expert_map`: no table for all experts; else an int32 table, and the range when the experts are one run of
+    ids (what the router kernel then maps by); `local_ids` applies each (the table as one gather); ids must be
+    distinct, ascending and in range."""
+    every = expert_map(range(8), 8, "cpu")
+    assert every.table is None and every.span is None and every.router is None
+    run = expert_map([2, 3, 4], 8, "cpu")
+    assert run.span == (2, 5) and run.router == (2, 5) and run.table.tolist() == [-1, -1, 0, 1, 2, -1, -1, -1]
+    scattered = expert_map([1, 4, 6], 8, "cpu")
+    table = scattered.table
+    assert scattered.span is None and scattered.router is table and table.dtype == torch.int32
+    assert table.tolist() == [-1, 0, -1, -1, 1, -1, 2, -1]
+    ids = torch.tensor([[6, 1, 0], [4, 7, 2]])
+    assert local_ids(ids, table).tolist() == [[2, 0, -1], [1, -1, -1]] and local_ids(ids, table).dtype == torch.int32
+    assert local_ids(ids, (2, 5)).tolist() == [[-1, -1, -1], [2, -1, 0]] == local_ids(ids, run.table).tolist()
+    assert local_ids(ids, None) is ids
+    for bad in ([], [3, 1], [1, 1, 2], [-1, 2], [2, 8]):
+        with pytest.raises(ValueError, match=r"distinct, ascending, in \[0, 8\)"):
+            expert_map(bad, 8, "cpu")
+
+
+@pytest.mark.slow
+def test_every_layout_fast_moe_equals_the_reference_interpreted():
+    run_interpreted(__file__, 600, "layouts")
 
 
 def _layout_worker(rank: int, init: str, out_dir: str) -> None:
@@ -283,5 +336,49 @@ def _interpreted_checks() -> None:
     print("interpreted checks ok")
 
 
+def _layout_checks() -> None:
+    """Every layout's ranks (2, and 4 for a table and for 'split') on the fast path against the same rank modules
+    on the reference path, fp32, the interpreter's e4m3 cast made CUDA's (so only fp32 summation order differs):
+    the router kernel at 2 and 5 tokens (its serial and grouped tails, mapping by range or table; both tails'
+    mapping bit for bit: tests/kernels/test_fused_kernels.py), and at 5 tokens the rank's other paths: switch
+    `router` off (the unfused router, the torch mapping), the reference router above `kernel_route_tokens` (the
+    torch mapping), the pair grid where the default grid is the persistent one. A 'split' rank may hold no 128-block
+    of the experts' width (at 4 ranks of 2 blocks): it adds its shared-expert share alone, which is 0 where it holds
+    no block of that either."""
+    from tests.interp import patch_interpreter_fp8_rounding
+
+    patch_interpreter_loop_bounds()
+    patch_interpreter_fp8_rounding()
+    cfg = layout_config()
+    moe = random_model(cfg, device="cpu", dtype=torch.float32, seed=3).model.layers[1].mlp
+    g = torch.Generator().manual_seed(0)
+    xs = {T: torch.randn(T, cfg.hidden_size, generator=g) for T in (2, 5)}
+    default_route = FastMoE.kernel_route_tokens
+    variants = {"router kernel": dict(), "router off": dict(router=False),
+                "reference router": dict(kernel_route_tokens=0), "pair grid": dict(grid="pairs")}
+    for layout, world in [(lay, 2) for lay in LAYOUTS] + [("interleaved", 4), ("split", 4)]:
+        for ep in rank_moes(moe, cfg, ParallelPlan(world, expert_layout=layout, expert_seed=5)):
+            want = {T: ep(x) for T, x in xs.items()}
+            fast_module(ep)
+            grid, r = ep.expert_layout, ep.comm.rank
+            for T, x in xs.items():
+                for what, v in variants.items():
+                    default_grid = "grid" in v and v["grid"] == grid  # ran as "router kernel"
+                    if (T != 5 and v) or (world == 4 and what != "router kernel") or default_grid:
+                        continue
+                    ep.fast_options.router = v.get("router", True)
+                    ep.kernel_route_tokens = v.get("kernel_route_tokens", default_route)
+                    ep.expert_layout = v.get("grid", grid)
+                    got = ep(x)
+                    if not want[T].any():  # no block of the routed or the shared expert on this rank
+                        assert layout == "split" and not got.any(), (layout, world, r, what)
+                        continue
+                    assert _rel(got, want[T]) < 1e-5, (layout, world, r, T, what, _rel(got, want[T]))
+            ep.fast_options.router, ep.kernel_route_tokens, ep.expert_layout = True, default_route, grid
+            if ep.stacked["gate_proj.weight"].shape[1] == 0:
+                assert torch.equal(ep(xs[5]), ep.shared(xs[5])), (layout, world, r, "the shared share alone")
+    print("interpreted checks ok")
+
+
 if __name__ == "__main__":
-    _interpreted_checks()
+    {"layouts": _layout_checks}.get(sys.argv[1] if len(sys.argv) > 1 else "", _interpreted_checks)()

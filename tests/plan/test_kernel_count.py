@@ -29,6 +29,9 @@ SHRUNK = dict(fuse_m=2, small_m=6, absorb_max=5, router_max=3, kernel_route=12, 
 # einsum absorb, 2 grouped chunks + cat; 9 > SMALL_M: the unquantized block (the reference MoE forward); 14 >
 # kernel_route: the reference router; the indexer at 1 row and at 2 (the keys' contiguous copies)
 POINTS = [(1, 1, 8), (1, 3, 8), (2, 3, 8), (3, 3, 8), (2, 7, 2), (1, 1, 40), (2, 2, 40)]
+# the points where the MoE's launches could depend on the expert layout: the router kernel at 1 and 6 tokens (the
+# id mapping inside it), 14 tokens (the reference router, then `local_ids` in torch: a range, a table or none)
+LAYOUT_POINTS = [(1, 1, 8), (2, 3, 8), (2, 7, 2)]
 CACHE_EXTRA = 4  # the cache holds context + max(4, width) keys (as mtp-bench's k = 3 verify)
 
 
@@ -86,13 +89,30 @@ def test_hand_derivation_indexer():
 @pytest.mark.parametrize("world", [2, pytest.param(1, marks=pytest.mark.slow)])
 def test_model_equals_counted_launches_tiny_rank(world):
     """The count of every layer kind equals the launches of the code on a tiny rank, at every point of POINTS."""
+    _check_counts(world, "contiguous")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["interleaved", "split"])
+def test_model_equals_counted_launches_every_expert_layout(layout):
+    """A rank of scattered experts (a global -> local table) and a 'split' rank launch what the model says, which
+    does not depend on the layout, at the points where routing runs: the router kernel maps ids itself (a table
+    is one more load in it, not a launch), and after the reference router every expert-parallel rank gathers from
+    its table (`kernels.dispatch.expert_map`, 'contiguous' too), which also makes the ids int32, so it takes the
+    place of the int32 cast of a process holding every expert ('split'). 'permuted' maps by a table as
+    'interleaved' does."""
+    _check_counts(2, layout)
+
+
+def _check_counts(world: int, layout: str) -> None:
     pytest.importorskip("triton")
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    r = subprocess.run([sys.executable, __file__, str(world)], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, __file__, str(world), layout], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, f"counting failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     counted = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(counted) == len(POINTS if layout == "contiguous" else LAYOUT_POINTS)
     cfg = _tiny(world)
     lim = dataclasses.replace(_real_limits(), **SHRUNK)
     bad = []
@@ -102,7 +122,7 @@ def test_model_equals_counted_launches_tiny_rank(world):
         want = per_layer(cfg, sh, lim)
         for kind, n in got.items():
             if want[kind] != n:
-                bad.append(f"rows {B} width {w} context {L} {kind}: model {want[kind]}, counted {n}")
+                bad.append(f"{layout}: rows {B} width {w} context {L} {kind}: model {want[kind]}, counted {n}")
     assert not bad, "\n".join(bad)
 
 
@@ -115,8 +135,9 @@ def _tiny(world: int):
                                kv_lora_rank=512, index_n_heads=16, moe_intermediate_size=128 * max(world, 2))
 
 
-def _count(world: int) -> dict:
-    """{'B,w,L': {kind: launches per layer}} of one trunk forward (and one MTP module forward) per point."""
+def _count(world: int, layout: str = "contiguous") -> dict:
+    """{'B,w,L': {kind: launches per layer}} of one trunk forward (and one MTP module forward) per point (every point
+    of POINTS for 'contiguous', of LAYOUT_POINTS for another expert layout)."""
     from contextlib import nullcontext
 
     import torch
@@ -139,12 +160,13 @@ def _count(world: int) -> dict:
     cfg = _tiny(world)
     out = {}
     with (simulated_rank(world, 0) if world > 1 else nullcontext()) as comm:
-        model = random_parallel_model(cfg, comm, ParallelPlan(world), device="cpu", dtype=torch.bfloat16) \
+        model = random_parallel_model(cfg, comm, ParallelPlan(world, expert_layout=layout), device="cpu",
+                                      dtype=torch.bfloat16) \
             if world > 1 else random_model(cfg, "cpu", torch.bfloat16, seed=0)
         fp.install_fast_modules(model)
         fp.set_elementwise(model, "triton")
         g = torch.Generator().manual_seed(0)
-        for B, w, L in POINTS:
+        for B, w, L in POINTS if layout == "contiguous" else LAYOUT_POINTS:
             cache = fill_cache_random(model.new_cache(B, L + max(w, CACHE_EXTRA)), L)
             base = cache.seq_lens.clone()
             ids = torch.randint(0, cfg.vocab_size, (B, w), generator=g)
@@ -170,4 +192,4 @@ def _count(world: int) -> dict:
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    print(json.dumps(_count(int(sys.argv[1]))))
+    print(json.dumps(_count(int(sys.argv[1]), sys.argv[2])))
