@@ -61,8 +61,11 @@ def _launch(x_BTHK, w, stride_wk, stride_wo, OD, out_dtype):
     n = B * T
     if not 1 <= n <= MAX_TOKENS:
         raise ValueError(f"absorb: 1..{MAX_TOKENS} tokens, got {n}")
-    if x_BTHK.stride(-1) != 1 or x_BTHK.stride(0) != T * x_BTHK.stride(1):
+    if x_BTHK.stride(-1) != 1 or (B > 1 and T > 1 and x_BTHK.stride(0) != T * x_BTHK.stride(1)):
         x_BTHK = x_BTHK.contiguous()  # the kernel walks tokens with one stride
+    # that stride: rows' when T = 1 (a view's stride of a size-1 dim is arbitrary: B > 1 rows of one token each,
+    # a slice of the q_b output, must not be copied for it), else tokens'
+    stride_t = x_BTHK.stride(0) if T == 1 else x_BTHK.stride(1)
     y = torch.empty(B, T, H, OD, dtype=out_dtype, device=x_BTHK.device)
     bo = min(128, OD)
     # Enough programs to stream the weight from many SMs: at one TP=8 rank (16 heads) latent -> v had 16
@@ -74,7 +77,7 @@ def _launch(x_BTHK, w, stride_wk, stride_wo, OD, out_dtype):
     if OD % bo or KD % bk:
         raise ValueError(f"absorb: dims {KD} -> {OD} must be multiples of {bk} / {bo}")
     ieee = w.dtype == torch.float32
-    _absorb_kernel[(H, OD // bo)](x_BTHK, w, y, n, x_BTHK.stride(1), x_BTHK.stride(2), w.stride(0), stride_wk,
+    _absorb_kernel[(H, OD // bo)](x_BTHK, w, y, n, stride_t, x_BTHK.stride(2), w.stride(0), stride_wk,
                                   stride_wo, H=H, KD=KD, OD=OD, BO=bo, BK=bk, BT=max(16, triton.next_power_of_2(n)),
                                   IEEE=ieee, num_warps=4)
     return y

@@ -369,7 +369,7 @@ def _absorb_checks() -> None:
     """The absorbed kv_b projections (fp32: the interpreter's bf16 tl.dot is wrong) on a strided q_nope."""
     from mtp.kernels.absorb import absorb_out, absorb_out_ref, absorb_q, absorb_q_ref
 
-    for B, T, H in ((1, 1, 4), (2, 3, 3)):
+    for B, T, H in ((1, 1, 4), (2, 3, 3), (3, 1, 2), (1, 3, 2)):  # (3, 1): rows of one token, walked by rows' stride
         qq = torch.randn(B, T, H * 192 + 50)
         q_nope = qq[..., :H * 192].view(B, T, H, 192)[..., :128]  # the q_b output's nope channels
         wkb, wvb = torch.randn(H, 128, 512) * 0.05, torch.randn(H, 128, 512) * 0.05

@@ -61,8 +61,12 @@ def test_fast_moe_equals_the_reference_on_a_simulated_rank(layout):
             assert isinstance(router, tuple) == (layout == "contiguous")
         for T, x in xs.items():
             out, routed = moe(x), moe.routed(x)
-            check_close(f"{layout} T={T} FastMoE forward", out.float(), want[T][0].float(), 2e-2)
-            check_close(f"{layout} T={T} routed sum", routed, want[T][1], 2e-2)
+            # 0.05 as tests/kernels/test_kernels_gpu.py's moe_experts vs its reference: the re-quantized h lands
+            # on a neighbouring fp8 code near a rounding boundary (a 6-12% step on that element); fewer channels
+            # per expert ('split': 256 of I) average fewer such flips (H200, session 10: 'split' T = 1 2.2e-2,
+            # 'permuted' T = 2 2.6e-2); a wrong expert, slot or map is O(1)
+            check_close(f"{layout} T={T} FastMoE forward", out.float(), want[T][0].float(), 0.05)
+            check_close(f"{layout} T={T} routed sum", routed, want[T][1], 0.05)
             if T <= 16:
                 gate = moe.gate
                 w, ids, logits = moe_route_fused(x, gate.weight, gate.e_score_correction_bias, n_group=gate.n_groups,

@@ -28,7 +28,7 @@ SHRUNK = dict(fuse_m=2, small_m=6, absorb_max=5, router_max=3, kernel_route=12, 
 # every branch: 1 row (split-K GEMV); 3 tokens: act_quant, one grouped chunk; 6: 2 router launches + 2 cats, the
 # einsum absorb, 2 grouped chunks + cat; 9 > SMALL_M: the unquantized block (the reference MoE forward); 14 >
 # kernel_route: the reference router; the indexer at 1 row and at 2 (the keys' contiguous copies)
-POINTS = [(1, 1, 8), (1, 3, 8), (2, 3, 8), (3, 3, 8), (2, 7, 2), (1, 1, 40), (2, 2, 40)]
+POINTS = [(1, 1, 8), (1, 3, 8), (2, 3, 8), (3, 3, 8), (2, 7, 2), (1, 1, 40), (2, 1, 40), (2, 2, 40)]
 # the points where the MoE's launches could depend on the expert layout: the router kernel at 1 and 6 tokens (the
 # id mapping inside it), 14 tokens (the reference router, then `local_ids` in torch: a range, a table or none)
 LAYOUT_POINTS = [(1, 1, 8), (2, 3, 8), (2, 7, 2)]
