@@ -26,7 +26,7 @@ from mtp.decode.config import GenerationConfig
 from mtp.draft.modes import drafts
 from mtp.spec.options import DEFAULT_LOAD_READER, LOAD_READERS, MLP_SPLITS, MODES, OptionError, SamplingParams
 from mtp.draft.config import DRAFT_SAMPLING, HIDDEN
-from mtp.placement import EXPERT_LAYOUTS
+from mtp.placement import LAYOUT_CHOICES
 from mtp.spec.options import SPAN_RULES
 from mtp.verify.registry import VERIFIER_REGISTRY
 
@@ -184,7 +184,7 @@ class RuntimeSchema:
     tp: int = 1  # ranks the model is split over (tensor + expert parallel): spawned here, or torchrun's
     mlp_split: str = "blocks"  # how dense / shared-expert MLPs split over ranks (mtp.parallel.layout)
     allreduce: str = "nccl"  # the ranks' all-reduce: nccl | oneshot (NVLink peer memory, mtp.parallel.oneshot; CUDA)
-    expert_layout: str = "contiguous"  # which routed experts each rank holds (mtp.placement); router unchanged
+    expert_layout: str = "auto"  # which routed experts each rank holds (mtp.placement; auto: split where the blocks divide)
     load_reader: str = DEFAULT_LOAD_READER  # how the shards are read: pread (mtp.checkpoint.reader) | mmap (safetensors); same bytes
 
     def __post_init__(self):
@@ -207,8 +207,8 @@ class RuntimeSchema:
         if self.elementwise != "triton" and not self.fast_path:
             _fail("runtime.elementwise", self.elementwise, "'triton' unless runtime.fast_path=true (it picks the "
                   "fast path's ops)")
-        if self.expert_layout not in EXPERT_LAYOUTS:
-            _fail("runtime.expert_layout", self.expert_layout, f"one of {list(EXPERT_LAYOUTS)}")
+        if self.expert_layout not in LAYOUT_CHOICES:
+            _fail("runtime.expert_layout", self.expert_layout, f"one of {list(LAYOUT_CHOICES)}")
         if self.load_reader not in LOAD_READERS:
             _fail("runtime.load_reader", self.load_reader, f"one of {list(LOAD_READERS)}")
         if self.fast_path and not self.device.startswith("cuda"):

@@ -12,6 +12,11 @@ its 8 experts among those 128. Layouts (`runtime.expert_layout`, `ParallelPlan.e
 - 'split': no expert parallelism for the routed experts; every rank holds every expert's 1/W slice of the
   intermediate dimension (gate / up rows, down columns, in whole 128-blocks with mlp_split='blocks'), so every
   rank reads the same bytes for any routing (balanced), in W-times-smaller GEMVs.
+- 'auto' (the runtime's default, `choose_layout`): 'split' where every rank gets the same whole 128-blocks of
+  every expert (DeepSeek-V3.2's 2048 at W = 2..16), else 'contiguous'. Measured on the busiest rank of a TP=8
+  step at batch 1 (BENCHMARKS.md, session 10): split is the fastest from 2 tokens per step on (a speculative
+  verify), 0.9-2.3 ms per step ahead of contiguous; at 1 token interleaved leads split by 0.18 ms. Batch > 1 is
+  not measured.
 """
 
 from __future__ import annotations
@@ -19,6 +24,19 @@ from __future__ import annotations
 import random
 
 EXPERT_LAYOUTS = ("contiguous", "interleaved", "permuted", "split")
+AUTO = "auto"
+LAYOUT_CHOICES = (AUTO,) + EXPERT_LAYOUTS  # what the options take; `choose_layout` resolves 'auto'
+BLOCK = 128  # the checkpoint's weight-scale block (mtp.model.fp8.BLOCK; this module is torch-free)
+
+
+def choose_layout(layout: str, moe_intermediate_size: int, world: int) -> str:
+    """The layout to load: `layout` itself, or for 'auto' 'split' where each of `world` > 1 ranks gets the same
+    whole 128-blocks of every expert's intermediate dimension, else 'contiguous' (module docstring)."""
+    if layout not in LAYOUT_CHOICES:
+        raise ValueError(f"expert_layout must be one of {LAYOUT_CHOICES}, got {layout!r}")
+    if layout != AUTO:
+        return layout
+    return "split" if world > 1 and moe_intermediate_size % (BLOCK * world) == 0 else "contiguous"
 
 
 def expert_owners(layout: str, n_experts: int, world: int, seed: int = 0) -> list[int] | None:

@@ -28,7 +28,7 @@ class PreflightError(ValueError):
 def preflight(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None, *, draft: str = "none",
               k: int = 0, reuse_modules: bool = False, n_mtp: int | None = None, tp: int = 1,
               mlp_split: str = "blocks", numerics: str = "fp8",
-              expert_layout: str = "contiguous") -> tuple[ModelConfig, Tokenizer]:
+              expert_layout: str = "auto") -> tuple[ModelConfig, Tokenizer]:
     """(config, tokenizer) of checkpoint folder `path` once the run `draft` / `k` / `n_mtp` (MTP layers to load,
     None: all) is known to be possible; `tokenizer_dir` defaults to `path`. Raises ConfigError for a bad
     config.json field, PreflightError for the rest, each naming the file (where one is at fault) and the value."""
@@ -60,7 +60,7 @@ def preflight(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None =
 
 
 def check_tp(cfg: ModelConfig, tp: int, mlp_split: str = "blocks", numerics: str = "fp8", source: str | os.PathLike = "",
-             expert_layout: str = "contiguous") -> None:
+             expert_layout: str = "auto") -> None:
     """PreflightError unless a checkpoint of `cfg` splits exactly over `tp` ranks, naming the degrees that would."""
     from .model.config import ConfigError
     from .parallel.layout import ParallelPlan

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..placement import EXPERT_LAYOUTS
+from ..placement import AUTO, LAYOUT_CHOICES
 from ..spec.options import DEFAULT_LOAD_READER, LOAD_READERS
 from .group import TIMEOUT_ENV, RankFailure, RankGroup, abort_data_group, collective_timeout, describe, init_group
 
@@ -56,7 +56,7 @@ class LoadSpec:
     fast_path: bool = False
     elementwise: str = "triton"  # the fast path's elementwise ops: mtp.kernels.dispatch.ELEMENTWISE_IMPLS
     allreduce: str = "nccl"  # mtp.parallel.comm.ALLREDUCE_IMPLS
-    expert_layout: str = "contiguous"  # mtp.placement
+    expert_layout: str = AUTO  # mtp.placement ('auto': split where the experts' blocks divide, else contiguous)
     reader: str = DEFAULT_LOAD_READER  # how the shards are read: mtp.spec.options.LOAD_READERS
 
     def __post_init__(self) -> None:
@@ -66,8 +66,8 @@ class LoadSpec:
             raise ValueError(f"LoadSpec: elementwise must be one of {ELEMENTWISE_IMPLS}, got {self.elementwise!r}")
         if self.reader not in LOAD_READERS:
             raise ValueError(f"LoadSpec: reader must be one of {list(LOAD_READERS)}, got {self.reader!r}")
-        if self.expert_layout not in EXPERT_LAYOUTS:
-            raise ValueError(f"LoadSpec: expert_layout must be one of {list(EXPERT_LAYOUTS)}, got "
+        if self.expert_layout not in LAYOUT_CHOICES:
+            raise ValueError(f"LoadSpec: expert_layout must be one of {list(LAYOUT_CHOICES)}, got "
                              f"{self.expert_layout!r}")
 
 

@@ -29,7 +29,7 @@ from ..kernels.dispatch import ELEMENTWISE_IMPLS
 from ..parallel.comm import ALLREDUCE_IMPLS
 from ..parallel.layout import MLP_SPLITS
 from ..parallel.memory import DTYPES
-from ..placement import EXPERT_LAYOUTS
+from ..placement import AUTO, LAYOUT_CHOICES
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,8 +46,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mlp-split", choices=MLP_SPLITS, default="blocks")
     ap.add_argument("--allreduce", choices=ALLREDUCE_IMPLS, default="nccl",
                     help="the ranks' all-reduce: nccl, or oneshot (NVLink peer memory, fused with the add + norm)")
-    ap.add_argument("--expert-layout", choices=EXPERT_LAYOUTS, default="contiguous",
-                    help="which routed experts each rank holds (mtp/placement.py); the fast path runs every one")
+    ap.add_argument("--expert-layout", choices=LAYOUT_CHOICES, default=AUTO,
+                    help="which routed experts each rank holds (mtp/placement.py; auto: split where every rank gets "
+                         "whole 128-blocks of each expert, else contiguous); the fast path runs every one")
     ap.add_argument("--load-reader", choices=LOAD_READERS, default=DEFAULT_LOAD_READER,
                     help="how the shards are read: mmap (safetensors' memory map) or pread (large explicit reads)")
     ap.add_argument("--mode", choices=MODES, default=None,

@@ -28,18 +28,18 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..spec.options import MLP_SPLITS
 from ..model.config import BLOCK, ConfigError, ModelConfig
-from ..placement import EXPERT_LAYOUTS, local_experts
+from ..placement import LAYOUT_CHOICES, choose_layout, local_experts
 
 
 @dataclass(frozen=True)
 class ParallelPlan:
     world: int = 1
     mlp_split: str = "blocks"
-    expert_layout: str = "contiguous"  # which routed experts each rank holds (mtp.placement)
+    expert_layout: str = "contiguous"  # which routed experts each rank holds (mtp.placement; 'auto': RankLayout picks)
     expert_seed: int = 0  # the permutation of expert_layout='permuted'
 
     def __post_init__(self) -> None:
@@ -47,8 +47,13 @@ class ParallelPlan:
             raise ConfigError(f"parallel world size must be an integer >= 1, got {self.world!r}")
         if self.mlp_split not in MLP_SPLITS:
             raise ConfigError(f"mlp_split must be one of {MLP_SPLITS}, got {self.mlp_split!r}")
-        if self.expert_layout not in EXPERT_LAYOUTS:
-            raise ConfigError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {self.expert_layout!r}")
+        if self.expert_layout not in LAYOUT_CHOICES:
+            raise ConfigError(f"expert_layout must be one of {LAYOUT_CHOICES}, got {self.expert_layout!r}")
+
+    def resolved(self, cfg: ModelConfig) -> ParallelPlan:
+        """This plan with 'auto' replaced by the layout `mtp.placement.choose_layout` picks for `cfg`."""
+        layout = choose_layout(self.expert_layout, cfg.moe_intermediate_size, self.world)
+        return self if layout == self.expert_layout else replace(self, expert_layout=layout)
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ class RankLayout:
         W = plan.world
         if not 0 <= rank < W:
             raise ConfigError(f"rank must be in [0, {W}), got {rank}")
+        plan = plan.resolved(cfg)  # everything below (and every module built from it) sees a concrete layout
         self.cfg, self.plan, self.rank = cfg, plan, rank
         self.heads = _even(cfg.num_attention_heads, W, rank, "num_attention_heads")
         E, layout = cfg.n_routed_experts, plan.expert_layout

@@ -225,3 +225,29 @@ def test_permuted_layout_is_seeded_and_split_layout_cuts_every_expert():
         ParallelPlan(8, expert_layout="striped")
     with pytest.raises(ConfigError, match="n_routed_experts = 256 is not divisible .* 3"):
         RankLayout(dataclasses.replace(cfg, num_attention_heads=3), ParallelPlan(3, expert_layout="interleaved"), 0)
+
+
+@pytest.mark.parametrize("inter,world,want", [(2048, 8, "split"), (2048, 16, "split"), (2048, 2, "split"),
+                                              (2048, 32, "contiguous"), (128, 2, "contiguous"), (384, 2, "contiguous"),
+                                              (2048, 1, "contiguous")])
+def test_auto_layout_splits_where_every_rank_gets_whole_blocks(inter, world, want):
+    """'auto' (the runtime's default): 'split' where each rank gets the same whole 128-blocks of every expert
+    (DeepSeek-V3.2's 2048 at 2..16 ranks), else 'contiguous' (the bundled model's 128 at 2 ranks: one block)."""
+    from mtp.placement import choose_layout
+
+    assert choose_layout("auto", inter, world) == want
+    assert choose_layout("interleaved", inter, world) == "interleaved"  # a named layout is taken as it is
+    with pytest.raises(ValueError, match="expert_layout must be one of"):
+        choose_layout("balanced", inter, world)
+
+
+def test_rank_layout_resolves_auto():
+    """RankLayout (and so the loader and every module built from it) sees the concrete layout, never 'auto'."""
+    real = real_config(layers=2, dense_layers=1)
+    lay = RankLayout(real, ParallelPlan(8, expert_layout="auto"), 3)
+    assert lay.plan.expert_layout == "split" and len(lay.expert_ids) == real.n_routed_experts
+    assert lay.expert_inter == (3 * 256, 4 * 256)
+    tiny = tiny_parallel_config(2)
+    lay = RankLayout(tiny, ParallelPlan(2, expert_layout="auto"), 1)
+    want = "split" if tiny.moe_intermediate_size % 256 == 0 else "contiguous"
+    assert lay.plan.expert_layout == want
