@@ -47,13 +47,14 @@ def index_weights_ref(x: torch.Tensor, weight_HK: torch.Tensor, scale: float) ->
 def index_weights_plan(N: int, H: int = 64, K: int = 7168, vec: int = 8) -> tuple[int, int, int, int]:
     """(BM rows, BH heads, KV vectors of K per chunk, warps) per program for N rows of K features loaded VEC at a
     time. Up to 4 rows one head per program (H programs, each reading 14 KB of W and its rows of x); more rows,
-    more heads per program (2, then 4 past 8 rows), so that x is read from L2 fewer times, and as many rows as keep
-    >= 64 programs (8 at most): 64..128 programs for H = 64 (N = 8: 64 of 4 x 2; 12: 96 of 2 x 4; 32: 64 of
-    8 x 4; 64: 128 of 8 x 4). A chunk is two vectors a lane: with 2-byte elements 16 warps, so a K of 7168 is one
+    more heads per program (2, then 4 past 16 rows), so that x is read from L2 fewer times, and as many rows as keep
+    >= 64 programs (4 at most up to 32 rows, then 8): 64..128 programs for H = 64 (N = 8: 64 of 4 x 2; 16: 128 of
+    4 x 2; 32: 128 of 4 x 4; 64: 128 of 8 x 4). Tiles from the H100 sweep (BENCHMARKS.md, session 10: 16 rows 4.9 ->
+    4.1 us, 32 rows 7.1 -> 5.1 against the first plan's 4 x 4 and 8 x 4). A chunk is two vectors a lane: with 2-byte elements 16 warps, so a K of 7168 is one
     chunk (at 8 x 4 a lane holds 128 registers, no spill on sm_90); wider ones (fp32, fp64 models) 8 warps, up
     to 255 registers a lane (16 warps cap a lane at 128, and fp32 at 8 x 4 spilled)."""
-    bh = min(1 if N <= 4 else 2 if N <= 8 else 4, triton.next_power_of_2(H))
-    bm = min(8, triton.next_power_of_2(max(N, 1)))
+    bh = min(1 if N <= 4 else 2 if N <= 16 else 4, triton.next_power_of_2(H))
+    bm = min(4 if N <= 32 else 8, triton.next_power_of_2(max(N, 1)))
     while bm > 1 and triton.cdiv(N, bm) * triton.cdiv(H, bh) < 64:
         bm //= 2
     nw = 16 if vec >= 8 else 8

@@ -24,7 +24,7 @@ from mtp.kernels.index_weights import index_weights, index_weights_ref  # noqa: 
 from .test_index_weights import H, K, SCALE, assert_within, bound  # noqa: E402
 from .test_kernels_gpu import poison  # noqa: E402
 
-ROWS = [1, 2, 4, 8, 12, 32, 64]  # 8 and 32: where cuBLAS added a kernel; 12: the plan's 2 x 4 tile
+ROWS = [1, 2, 4, 8, 12, 24, 32, 64]  # 8 and 32: where cuBLAS added a kernel; 12: a partial 4 x 2 tile; 24: 4 x 4
 
 
 def _inputs(N: int, dtype: torch.dtype, seed: int = 0):
