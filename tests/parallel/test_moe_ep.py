@@ -337,13 +337,13 @@ def _interpreted_checks() -> None:
 
 
 def _layout_checks() -> None:
-    """Every layout's ranks (2, and 4 for a table and for 'split') on the fast path against the same rank modules
-    on the reference path, fp32, the interpreter's e4m3 cast made CUDA's (so only fp32 summation order differs):
-    the router kernel at 2 and 5 tokens (its serial and grouped tails, mapping by range or table; both tails'
-    mapping bit for bit: tests/kernels/test_fused_kernels.py), and at 5 tokens the rank's other paths: switch
-    `router` off (the unfused router, the torch mapping), the reference router above `kernel_route_tokens` (the
-    torch mapping), the pair grid where the default grid is the persistent one. A 'split' rank may hold no 128-block
-    of the experts' width (at 4 ranks of 2 blocks): it adds its shared-expert share alone, which is 0 where it holds
+    """Every layout's ranks (2, and 4 for 'split') on the fast path against the same rank modules on the reference
+    path, fp32, the interpreter's e4m3 cast made CUDA's (so only fp32 summation order differs): the router kernel
+    at 5 tokens (its grouped tail) on the rank's default expert grid, then on the pair grid (~4x cheaper under the
+    interpreter; the grids read the same local ids) the router kernel at 2 tokens (its serial tail), switch
+    `router` off (the unfused router, the torch mapping) and the reference router above `kernel_route_tokens` (the
+    table's gather). Both tails' mapping bit for bit: tests/kernels/test_fused_kernels.py. A 'split' rank may hold
+    no 128-block of the experts' width (4 ranks of 2 blocks): it adds its shared-expert share alone, 0 where it holds
     no block of that either."""
     from tests.interp import patch_interpreter_fp8_rounding
 
@@ -354,26 +354,23 @@ def _layout_checks() -> None:
     g = torch.Generator().manual_seed(0)
     xs = {T: torch.randn(T, cfg.hidden_size, generator=g) for T in (2, 5)}
     default_route = FastMoE.kernel_route_tokens
-    variants = {"router kernel": dict(), "router off": dict(router=False),
-                "reference router": dict(kernel_route_tokens=0), "pair grid": dict(grid="pairs")}
-    for layout, world in [(lay, 2) for lay in LAYOUTS] + [("interleaved", 4), ("split", 4)]:
+    # (tokens, expert grid (None: the rank's default), router switch, kernel_route_tokens)
+    variants = {"router kernel": (5, None, True, default_route), "serial tail": (2, "pairs", True, default_route),
+                "router off": (5, "pairs", False, default_route), "reference router": (5, "pairs", True, 0)}
+    for layout, world in [(lay, 2) for lay in LAYOUTS] + [("split", 4)]:
         for ep in rank_moes(moe, cfg, ParallelPlan(world, expert_layout=layout, expert_seed=5)):
             want = {T: ep(x) for T, x in xs.items()}
             fast_module(ep)
             grid, r = ep.expert_layout, ep.comm.rank
-            for T, x in xs.items():
-                for what, v in variants.items():
-                    default_grid = "grid" in v and v["grid"] == grid  # ran as "router kernel"
-                    if (T != 5 and v) or (world == 4 and what != "router kernel") or default_grid:
-                        continue
-                    ep.fast_options.router = v.get("router", True)
-                    ep.kernel_route_tokens = v.get("kernel_route_tokens", default_route)
-                    ep.expert_layout = v.get("grid", grid)
-                    got = ep(x)
-                    if not want[T].any():  # no block of the routed or the shared expert on this rank
-                        assert layout == "split" and not got.any(), (layout, world, r, what)
-                        continue
-                    assert _rel(got, want[T]) < 1e-5, (layout, world, r, T, what, _rel(got, want[T]))
+            for what, (T, kernels, router, route_tokens) in variants.items():
+                if world == 4 and what != "router kernel":
+                    continue
+                ep.expert_layout, ep.fast_options.router, ep.kernel_route_tokens = kernels or grid, router, route_tokens
+                got = ep(xs[T])
+                if not want[T].any():  # no block of the routed or the shared expert on this rank
+                    assert layout == "split" and not got.any(), (layout, world, r, what)
+                    continue
+                assert _rel(got, want[T]) < 1e-5, (layout, world, r, T, what, _rel(got, want[T]))
             ep.fast_options.router, ep.kernel_route_tokens, ep.expert_layout = True, default_route, grid
             if ep.stacked["gate_proj.weight"].shape[1] == 0:
                 assert torch.equal(ep(xs[5]), ep.shared(xs[5])), (layout, world, r, "the shared share alone")
