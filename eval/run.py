@@ -29,6 +29,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from mtp.draft.modes import NoDraft
+from mtp.placement import choose_layout
 from mtp.utils import write_atomic
 from mtp.verify.registry import verifier
 
@@ -367,7 +368,8 @@ def _evaluate(cfg: DictConfig, claim) -> float:
                  slowest["bytes"] / max(slowest["seconds"], 1e-9) / 1e9)
     log.info("startup: load %.1f s%s, warm-up %s", startup["load_s"], " (reused from the sweep's first job)"
              if not startup["load_s"] else "", "skipped" if warmup_s is None else f"{warmup_s:.1f} s")
-    metrics = aggregate.metrics_json({**_run_info(typed, len(prompts), len(batches), resumed), "startup": startup},
+    layout = choose_layout(typed.runtime.expert_layout, model.cfg.moe_intermediate_size, typed.runtime.tp)
+    metrics = aggregate.metrics_json({**_run_info(typed, len(prompts), len(batches), resumed, layout), "startup": startup},
                                      recs["spec"],
                                      recs.get("base"), compare_tokens=verifier(typed.verify.name).greedy_output,
                                      strict_records=recs.get(source), strict_source=stores[source].path.name
@@ -506,7 +508,7 @@ def device_note(device: str) -> str | None:
     return None
 
 
-def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -> dict:
+def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int, expert_layout: str) -> dict:
     d = typed.draft
     return {
         "model": model_label(typed.model), "draft": d.name, "k": d.k, "verify": typed.verify.name,
@@ -514,6 +516,7 @@ def _run_info(typed: EvalConfig, n_prompts: int, n_batches: int, resumed: int) -
         "target_hidden": value(d.target_hidden), "chain_hidden": value(d.chain_hidden),
         "numerics": value(typed.model.numerics), "runtime_mode": value(typed.runtime.mode),
         "device": typed.runtime.device, "tp": typed.runtime.tp, "device_note": device_note(typed.runtime.device), "dataset": typed.dataset.name, "thinking": typed.thinking,
+        "expert_layout": expert_layout,  # the one loaded (runtime.expert_layout 'auto' resolved)
         "max_new_tokens": typed.max_new_tokens, "compare_strict": typed.compare_strict, "n_prompts": n_prompts, "n_batches": n_batches,
         "resumed_samples": resumed,  # finished prompts found in samples.jsonl at start (resume=true)
     }

@@ -126,6 +126,7 @@ def test_reference_run_reports_speed_with_its_spread(reference_run):
     assert (sp["decode_min"], sp["decode_max"]) == pytest.approx((min(ratios), max(ratios)))
     assert m["overall"]["speed/speedup_decode_max"] == sp["decode_max"]
     assert "not indicative" in m["run"]["device_note"]
+    assert m["run"]["expert_layout"] == "contiguous"  # the default 'auto', resolved for the layout loaded
     assert "median (min-max) of 2 repeats" in r.stdout and "not indicative" in r.stdout
 
 

@@ -42,8 +42,10 @@ def test_tp2_run_equals_one_process(one_process, tmp_path):
     r = mtp_eval(ARGS + ["runtime.tp=2", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     _same_run(one_process, tmp_path / "run")
-    ranks = json.loads((tmp_path / "run" / "metrics.json").read_text())["run"]["startup"]["ranks"]
+    run = json.loads((tmp_path / "run" / "metrics.json").read_text())["run"]
+    ranks = run["startup"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["bytes"] > 0 and r["seconds"] > 0 for r in ranks)
+    assert run["expert_layout"] == "contiguous"  # 'auto' on the bundled model: one 128-block per expert, not split
     assert "load: 2 ranks read" in (tmp_path / "run" / "run.log").read_text()
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("wandb")) == ["run"]
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == sorted(p.name for p in one_process.iterdir())
