@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import random
 
+from .model.config import BLOCK  # torch-free, as this module
+
 EXPERT_LAYOUTS = ("contiguous", "interleaved", "permuted", "split")
 AUTO = "auto"
 LAYOUT_CHOICES = (AUTO,) + EXPERT_LAYOUTS  # what the options take; `choose_layout` resolves 'auto'
-BLOCK = 128  # the checkpoint's weight-scale block (mtp.model.fp8.BLOCK; this module is torch-free)
 
 
 def choose_layout(layout: str, moe_intermediate_size: int, world: int) -> str:
