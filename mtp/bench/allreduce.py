@@ -116,10 +116,10 @@ def run_variant(name, case, nccl, oneshot, group_name, refs, inner, iters) -> di
 
 def parse_programs(spec: str) -> tuple[str, dict]:
     """'A:G:L' -> (label, OneShot.set_programs keywords); 'default' -> the module's defaults."""
-    from ..parallel.oneshot import CHUNK, PEER_LOAD, PEER_LOADS, ROW_GROUPS
+    from ..parallel.oneshot import DEFAULT_PROGRAMS as d, PEER_LOADS
 
     if spec == "default":
-        return f"{CHUNK}:{ROW_GROUPS}:{PEER_LOAD}", dict(ar_chunk=CHUNK, row_groups=ROW_GROUPS, peer_load=PEER_LOAD)
+        return f"{d['ar_chunk']}:{d['row_groups']}:{d['peer_load']}", dict(d)
     parts = spec.split(":")
     if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in PEER_LOADS:
         raise SystemExit(f"--programs {spec!r}: expected A:G:L (e.g. 2048:64:volatile, 1024:8:cg) or 'default'")

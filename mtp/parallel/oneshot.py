@@ -56,6 +56,7 @@ ROW_GROUPS = 4  # groups of 128 channels per program of a fused row (OneShot.row
 DEFAULT_SLOT_BYTES = 2 << 20  # per slot: 73 rows of 7168 fp32 channels
 PEER_LOADS = ("volatile", "cg")  # how a program reads its peers' data: ld.volatile, or ld.global.cg (L2, not L1)
 PEER_LOAD = "cg"  # after the flags' acquire, a cached-in-L2-only load sees the peer's data (the GPU tests check it)
+DEFAULT_PROGRAMS = dict(ar_chunk=CHUNK, row_groups=ROW_GROUPS, peer_load=PEER_LOAD)  # `OneShot.set_programs`
 
 _ROUND = {None: -1, torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 MODES = {"all_reduce": 0, "add": 1, "add_norm": 2}
@@ -171,7 +172,7 @@ class OneShot:
         self.row_gen = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=self.device)
         self.row_ss = torch.zeros(MAX_PROGRAMS, dtype=torch.float32, device=self.device)
         # programs per call (module docstring); every rank must use the same values (the programs pair up)
-        self.ar_chunk, self.row_groups, self.peer_load = CHUNK, ROW_GROUPS, PEER_LOAD
+        self.ar_chunk, self.row_groups, self.peer_load = CHUNK, ROW_GROUPS, PEER_LOAD  # = DEFAULT_PROGRAMS
         name = self.group.group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # older torch needs it; newer deprecates it (not needed)
             with warnings.catch_warnings():

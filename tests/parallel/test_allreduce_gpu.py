@@ -200,14 +200,14 @@ def _model(dev, fast: bool) -> list[str]:
 
 def _settings(check):
     """The check once per program setting (`SETTINGS`), its problems prefixed with the setting; defaults after."""
-    from mtp.parallel.oneshot import CHUNK, PEER_LOAD, ROW_GROUPS
+    from mtp.parallel.oneshot import DEFAULT_PROGRAMS
 
     def run(comm, ref, dev, rank):
         bad = []
         for kw in SETTINGS:
-            comm.oneshot.set_programs(**{**dict(ar_chunk=CHUNK, row_groups=ROW_GROUPS, peer_load=PEER_LOAD), **kw})
+            comm.oneshot.set_programs(**{**DEFAULT_PROGRAMS, **kw})
             bad += [f"{kw or 'defaults'}: {p}" for p in check(comm, ref, dev, rank)]
-        comm.oneshot.set_programs(ar_chunk=CHUNK, row_groups=ROW_GROUPS, peer_load=PEER_LOAD)
+        comm.oneshot.set_programs(**DEFAULT_PROGRAMS)
         return bad
     return run
 
