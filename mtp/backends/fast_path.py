@@ -58,7 +58,7 @@ from ..kernels.cache_write import cache_write
 from ..kernels.dispatch import ELEMENTWISE_IMPLS, ExpertMap, FastPathOptions, expert_map, linear, local_ids, route
 from ..kernels.elementwise import triton_ops
 from ..kernels.fp8_gemm import SMALL_M
-from ..kernels.index_weights import index_weights
+from ..kernels.index_weights import index_weights, index_weights_ref
 from ..kernels.indexer import TOPK_IMPLS, indexer_topk
 from ..kernels.mla_decode import mla_decode
 from ..kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
@@ -656,7 +656,7 @@ def indexer_head_weights(mla: MLA, x_BTD: torch.Tensor) -> torch.Tensor:
     if mla.mm_fp32 and x_BTD.dtype == torch.bfloat16:
         w = torch.mm(x_BTD.reshape(-1, x_BTD.shape[-1]), W.t(), out_dtype=torch.float32).mul_(scale)
         return w.view(*x_BTD.shape[:-1], ix.n_heads)
-    return torch.nn.functional.linear(x_BTD.float(), W.float()).mul_(scale)
+    return index_weights_ref(x_BTD, W, scale)  # the fp32 linear and the scale
 
 
 def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
