@@ -176,17 +176,17 @@ if [ "$ngpu" -ge 2 ] && want par; then  # a real TP=N step (3 layers), NCCL vs t
     [ "$n" -le "$ngpu" ] || continue
     echo "== mtp.bench.parallel TP=$n, --allreduce nccl oneshot $(date -u +%H:%M:%S)"
     timeout "${PAR_S:-240}" python3 -m torch.distributed.run --standalone --nproc-per-node "$n" -m mtp.bench.parallel \
-      --allreduce nccl oneshot --modes graph --layers ${PAR_LAYERS:-3} --out "$OUT/par_tp${n}.json" 2>&1 \
+      --allreduce nccl oneshot --modes graph --layers ${PAR_LAYERS:-3} ${PAR_ARGS:-} --out "$OUT/par_tp${n}.json" 2>&1 \
       | tee "$OUT/par_tp${n}.log" | grep -v -i warn | tail -12
   done
 fi
 if [ "$ngpu" -ge 2 ] && want deep; then  # a real TP=N step as deep as the GPUs hold, beside its simulated rank
   echo "== mtp.bench.parallel TP=$ngpu, ${DEEP_LAYERS:=12} layers $(date -u +%H:%M:%S)"
   timeout "${DEEP_S:-300}" python3 -m torch.distributed.run --standalone --nproc-per-node "$ngpu" -m mtp.bench.parallel \
-    --allreduce nccl oneshot --modes graph --layers "$DEEP_LAYERS" --dense-layers 3 --gen-tokens 0 --out "$OUT/deep_tp${ngpu}.json" 2>&1 \
+    --allreduce nccl oneshot --modes graph --layers "$DEEP_LAYERS" --dense-layers 3 --gen-tokens 0 ${PAR_ARGS:-} --out "$OUT/deep_tp${ngpu}.json" 2>&1 \
     | tee "$OUT/deep_tp${ngpu}.log" | grep -v -i warn | tail -12
   echo "== the simulated TP=$ngpu rank of the same $DEEP_LAYERS layers (mtp-bench --tp $ngpu) $(date -u +%H:%M:%S)"
-  timeout "${DEEP_S:-300}" python3 -m mtp.bench --tp "$ngpu" --layers "$DEEP_LAYERS" --dense-layers 3 --prompt-len 1024 --no-spec \
+  timeout "${DEEP_S:-300}" python3 -m mtp.bench --tp "$ngpu" --layers "$DEEP_LAYERS" --dense-layers 3 --prompt-len 1024 --no-spec ${DEEP_SIM_ARGS:-} \
     --json "$OUT/deep_sim_tp${ngpu}.json" 2>&1 | tee "$OUT/deep_sim_tp${ngpu}.log" | grep -v -i warn \
     | grep -v "^ \{4,\}[0-9.]* us" | tail -20
 fi

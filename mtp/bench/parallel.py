@@ -38,6 +38,7 @@ from ..decode.graphs import capture_graph
 from .timing import timer
 from ..parallel.comm import ALLREDUCE_IMPLS, CountingComm
 from ..parallel.layout import MLP_SPLITS, ParallelPlan
+from ..placement import LAYOUT_CHOICES
 from ..parallel.load import param_bytes
 from ..parallel.modules import ExpertParallelMoE
 from ..parallel.memory import DTYPES, GIB
@@ -200,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--numerics", choices=NUMERICS, default="fp8")
     ap.add_argument("--mlp-split", choices=MLP_SPLITS, default="blocks")
+    ap.add_argument("--expert-layout", choices=LAYOUT_CHOICES, default="auto",
+                    help="which routed experts each rank holds (mtp/placement.py; 'auto' as the runtime default: "
+                         "split where the width divides into whole 128-blocks per rank, else contiguous)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-fast-path", action="store_true")
     ap.add_argument("--allreduce", nargs="+", choices=ALLREDUCE_IMPLS, default=["nccl"],
@@ -261,7 +265,9 @@ def run(args, comm: CountingComm, device: torch.device) -> dict | None:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    model = random_parallel_model(cfg, comm, ParallelPlan(comm.world, args.mlp_split), device=device, dtype=dtype,
+    plan = ParallelPlan(comm.world, args.mlp_split, args.expert_layout).resolved(cfg)
+    res["expert_layout"] = plan.expert_layout
+    model = random_parallel_model(cfg, comm, plan, device=device, dtype=dtype,
                                   seed=args.seed, runtime=runtime)
     build_s = time.perf_counter() - t0
     no_fast = _fast_path(model, args, device)
