@@ -21,10 +21,11 @@ import torch
 
 from ..decode.graphs import capture_graph
 from ..kernels.dispatch import ELEMENTWISE_IMPLS
+from .rank_model import REAL_OVERHEAD
 from ..plan.collectives import GROWTH as COLLECTIVE_GROWTH, IMPLS as COLLECTIVE_IMPLS, MeasuredComm
 from ..plan.collectives import read as read_collectives
 from .timing import copy_bandwidth, kernel_profile, spec_step_times, step_bytes, time_ms
-from ..placement import EXPERT_LAYOUTS
+from ..placement import LAYOUT_CHOICES
 
 
 def _count_experts(model, ids) -> tuple[dict, list]:
@@ -274,14 +275,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="--tp N: 'busiest' replaces each MoE layer's router output with a seeded per-token draw "
                          "of the uniform group-limited router, renamed so this rank is the step's busiest under "
                          "--layout (mtp.bench.experts, mtp.bench.forced_route): the rank timed is the slowest one")
-    ap.add_argument("--layout", choices=EXPERT_LAYOUTS, default="contiguous",
-                    help="--tp N --route busiest: the expert layout the busiest rank is drawn for (mtp/placement.py)")
+    ap.add_argument("--layout", choices=LAYOUT_CHOICES, default="auto",
+                    help="--tp N: the rank's expert layout (mtp/placement.py; 'auto' as the runtime: split where each "
+                         "rank gets whole 128-blocks of every expert, DeepSeek-V3.2 at TP=2..16); interleaved / "
+                         "permuted need --route busiest (drawn for that layout)")
     ap.add_argument("--headline-al", type=float, nargs="+", default=[2.8, 2.96],
                     help="--tp N projection: acceptance lengths at k = --k printed first (DeepSeek MTP on real "
                          "prompts: 2.82 TensorRT-LLM R1 k=3 to 2.96 SGLang V3.2)")
-    ap.add_argument("--real-overhead", type=float, default=1.23,
-                    help="--tp N projection: ASSUMED real / simulated step ratio (issue 25: a real TP=4 3-layer "
-                         "step over NCCL was 1.20-1.26x the simulated rank + collectives, 4 x H200)")
+    ap.add_argument("--real-overhead", type=float, default=REAL_OVERHEAD,
+                    help="--tp N projection: real / simulated step ratio, measured at TP=4 and ASSUMED for N "
+                         "(rank_model.REAL_OVERHEAD_SOURCE; `python -m mtp.bench.overhead` measures it)")
     ap.add_argument("--collective-growth", type=float, default=COLLECTIVE_GROWTH,
                     help="--tp N projection: ASSUMED collective latency growth per doubling of GPUs past those "
                          "measured (issue 25: 12-13 us on 2 x H200, 17-20 us on 4)")
@@ -336,8 +339,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--collective-json: {e}")
     elif args.allreduce != "nccl":
         ap.error(f"--allreduce {args.allreduce} needs --collective-json (a measured mtp.bench.allreduce file)")
-    if args.route == "measured" and args.layout != "contiguous":
-        ap.error(f"--layout {args.layout} needs --route busiest (the measured route is the built rank's own)")
+    if args.route == "measured" and args.layout not in ("auto", "contiguous", "split"):
+        ap.error(f"--layout {args.layout} needs --route busiest (the measured route is the built rank's own, and "
+                 f"the rank is built contiguous or split)")
     if any(not 0 <= p <= 1 for p in args.accept):
         ap.error(f"--accept rates must be in [0, 1], got {args.accept}")
     return args

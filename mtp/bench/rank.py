@@ -36,6 +36,7 @@ import torch
 from ..model.config import ModelConfig
 from .timing import copy_bandwidth, timer
 from ..parallel.layout import ParallelPlan
+from ..placement import choose_layout
 from ..parallel.memory import GIB
 from .rank_model import extrapolate, memory_need, project
 from .rank_report import log, print_table, save
@@ -108,7 +109,7 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
         log(f"building rank {rank} of TP={world} ({cfg.num_hidden_layers} layers, random FP8 weights on "
             f"{'cuda' if cuda else 'cpu'})")
         t0 = time.perf_counter()
-        split = getattr(args, "route", "measured") == "busiest" and args.layout == "split"
+        split = getattr(args, "layout", "contiguous") == "split"  # `run` resolved 'auto'
         plan = ParallelPlan(world, expert_layout="split" if split else "contiguous")  # other layouts: routes forced
         model = random_parallel_model(cfg, comm, plan, device="cuda" if cuda else "cpu", dtype=dtype, seed=args.seed)
         part["build_s"] = time.perf_counter() - t0
@@ -208,6 +209,7 @@ def run(args) -> dict:
     cuda = torch.cuda.is_available()
     world = args.tp
     cfg = rank_config(args, world, cuda, args.layers)
+    args.layout = choose_layout(getattr(args, "layout", "contiguous"), cfg.moe_intermediate_size, world)
     dtype = torch.bfloat16 if cuda else torch.float32
     rank = default_rank(cfg, world, dtype) if args.rank is None else args.rank
     if not 0 <= rank < world:
@@ -215,8 +217,9 @@ def run(args) -> dict:
     depths = tuple(args.extrapolate or ())
     busiest = getattr(args, "route", "measured") == "busiest"
     res: dict = {"mode": f"simulated rank {rank} of TP={world} / EP={world} (torch fake process group: collectives "
-                         "counted, not run)" + (f"; routed as the BUSIEST rank of expert layout {args.layout!r}"
-                                                if busiest else ""), "tp": world, "rank": rank,
+                         f"counted, not run), expert layout {args.layout!r}"
+                         + ("; routed as its BUSIEST rank" if busiest else ""), "expert_layout": args.layout,
+                 "tp": world, "rank": rank,
                  "rank_choice": "given (--rank)" if args.rank is not None else "default: most weight bytes",
                  "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "fast_path": cuda,

@@ -28,6 +28,13 @@ REFERENCES = (
 
 # The deployments the tok/s lines are for: (GPU name fragment, TP)
 TARGETS = (("H200", 8), ("H100", 16))
+# real / (simulated rank + its collectives priced from a measured file), `python -m mtp.bench.overhead`: the largest
+# of the ratios measured, and the N it is carried to is an assumption (BENCHMARKS.md, session 11)
+REAL_OVERHEAD = 1.08
+REAL_OVERHEAD_SOURCE = ("measured at TP=4 (4 x H200, session 11, `python -m mtp.bench.overhead`): a real step of 12 "
+                        "and of 40 layers over NCCL / oneshot against the simulated busiest rank of layout 'split' "
+                        "+ collectives priced from mtp.bench.allreduce: 1.00-1.08 (1.08 at w = 1, nccl); ASSUMED "
+                        "the same at this N (3 layers, 'contiguous', rank 0 as drawn gave 1.20-1.26: rank skew)")
 
 
 def cache_bytes_per_position(cfg: ModelConfig, quantized: bool = True, dtype_bytes: int = 2) -> dict:
@@ -153,8 +160,8 @@ def project(res: dict, args) -> dict:
     ovh = getattr(args, "real_overhead", 1.0)
     headline = getattr(args, "headline_al", [])
     out = {"collective_latency": latency_view(lat), "accept_per_position": args.accept, "note": " ".join(project.__doc__.split()),
-           "real_overhead": {"factor": ovh, "source": "ASSUMED (--real-overhead): real / (simulated rank + "
-                             "collectives); issue 25 measured 1.20-1.26 for TP=4, 3 layers, 4 x H200"},
+           "real_overhead": {"factor": ovh, "source": REAL_OVERHEAD_SOURCE if ovh == REAL_OVERHEAD
+                             else "ASSUMED (--real-overhead): real / (simulated rank + collectives)"},
            "headline_al": headline, "contexts": {}}
     for L, ctx in res["contexts"].items():
         widths = ctx["widths"]

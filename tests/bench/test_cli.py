@@ -369,7 +369,9 @@ def test_busiest_route_forces_the_drawn_local_expert_counts():
     drawn = [experts.draw_busiest(cfg, "interleaved", 2, 1, 3, s) for s in range(20)]
     assert len({n for d in drawn for n in d}) > 1  # the draws vary: a constant would not test the forcing
     with pytest.raises(SystemExit):
-        bench.parse_args(["--tp", "8", "--layout", "split"])  # a layout needs --route busiest
+        bench.parse_args(["--tp", "8", "--layout", "interleaved"])  # drawn layouts need --route busiest
+    assert bench.parse_args(["--tp", "8"]).layout == "auto"  # the runtime's default, resolved by the run
+    assert bench.parse_args(["--tp", "8", "--layout", "split"]).layout == "split"  # built split, its own route
 
 
 def test_busiest_per_sample_counts_ranks_by_layout():
