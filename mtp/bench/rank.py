@@ -172,6 +172,9 @@ KERNEL_VARIANTS = {
     "gemv1+pdl": (dict(gemv_rows=1, pdl=True), dict()),
     # the indexer's head weights as cuBLAS mm (+ its split-K reduce) + scale instead of `kernels.index_weights`
     "cublas_ixw": (dict(index_weights=False), dict()),
+    # the experts' layout by size (persistent for T * J <= 64) on every MoE, also on a rank holding every expert's
+    # slice ('split'), which `fast_module` gives the pair grid (at w = 1 split's gate / up is 16 programs)
+    "moe_by_size": (dict(), dict(moe_layout=None)),
 }
 
 
