@@ -171,6 +171,9 @@ KERNEL_VARIANTS = {
     "gemv1+pdl": (dict(gemv_rows=1, pdl=True), dict()),
     # the indexer's head weights as cuBLAS mm (+ its split-K reduce) + scale instead of `kernels.index_weights`
     "cublas_ixw": (dict(index_weights=False), dict()),
+    # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
+    "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),
+    "unfused_out_cast": (dict(fuse_out_cast=False), dict()),
 }
 
 

@@ -491,9 +491,15 @@ def _model_checks() -> None:
         assert any(type(m) is FastParallelMLP and m.fused_gate_up is not None for m in rank.modules())
         out = {}
         for on in (False, True):
-            set_kernels(rank, gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
+            set_kernels(rank, gemv=on, norm_quant=on, router=on, prologue=on, absorb=on, fuse_absorb_out=on,
+                        fuse_out_cast=on)
             out[on] = rank(ids, rank.new_cache(2, 16)).logits
         assert _rel(out[True], out[False]) < 1e-5, _rel(out[True], out[False])
+        # the fused block under the stand-in's 'nccl': o_proj's partial through a `Pending`, the dense MLP's reduced
+        # sum through add_rounded (fp32 here: the wiring; the bf16 rounding is tests/parallel/test_mlp_handoff.py)
+        set_kernels(rank, fuse_out_cast=False)
+        off = rank(ids, rank.new_cache(2, 16)).logits
+        assert torch.equal(off, out[True])
 
 
 if __name__ == "__main__":
