@@ -103,3 +103,30 @@ def patch_interpreter_fp8_rounding() -> None:
 
     builder.create_fp_to_fp = create_fp_to_fp
     builder._fp8_rne = True
+
+
+def patch_interpreter_bf16_dot() -> None:
+    """triton 3.6's interpreter multiplies bf16 tl.dot operands as their raw uint16 bits (numpy has no bf16), so a
+    bf16 dot gives garbage. Widen them to fp32 first (exact): the products are exact and summed in fp32, as on
+    tensor cores (in numpy's order). A test that holds a bf16 product (the absorbed output projection) to another
+    kernel's or to a reference calls this first."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as ti
+
+    builder = getattr(ti, "InterpreterBuilder", None)
+    if builder is None or getattr(builder, "_bf16_dot", False):  # another triton, or patched already
+        return
+    orig = builder.create_dot
+
+    def widen(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        bits = np.ascontiguousarray(h.data, dtype=np.uint16).astype(np.uint32) << 16
+        return ti.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return orig(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+    builder._bf16_dot = True

@@ -21,8 +21,8 @@
   The block runs in `mla_forward_fast`: q_a | indexer wk | kv_a and q_b | indexer wq_b as one GEMV each
   (`fuse_rows`), the kv_a norm + rotary + indexer key + FP8 cache write and the q_pe rotary + indexer queries'
   rotary, Hadamard and quant in one kernel each (`kernels.mla_prologue`), the absorbed kv_b projections in one
-  launch each (`kernels.absorb`), the indexer's head weights in one (`kernels.index_weights`, from weights_proj in
-  place: no per-layer copy);
+  launch each (`kernels.absorb`; the output one inside `mla_decode`'s stage 2, `kernels.mla_out`), the indexer's
+  head weights in one (`kernels.index_weights`, from weights_proj in place: no per-layer copy);
 - dense MLPs and shared experts (also tensor-parallel ones: `FastParallelMLP`) with gate and up stacked into one
   GEMV (`fuse_rows`);
 - every decoder `Block` (`FastBlock`): residual add + RMSNorm + FP8 quant in one kernel (`kernels.norm_quant`)
@@ -124,11 +124,15 @@ class FastParallelMLP(ParallelMLP):
             return super().partial(x)
         return self.down_proj.matmul_acc(_gate_up(self, x, xq))
 
-    def forward(self, x: torch.Tensor, xq=None, reduce: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, xq=None, reduce: bool = True, rounded: bool = True) -> torch.Tensor:
         """reduce=False: this rank's partial (fp32), for `FastBlock` to hand to the next block's norm (`Pending`);
-        called through the module, so hooks still see the call."""
+        rounded=False: the all-reduced sum before its `.to(x.dtype)`, which `FastBlock` does in its residual add
+        (`add_rounded`). Called through the module, so hooks still see the call."""
         y = self.partial(x, xq)
-        return self.comm.all_reduce(y).to(x.dtype) if reduce else y
+        if not reduce:
+            return y
+        y = self.comm.all_reduce(y)
+        return y.to(x.dtype) if rounded else y
 
 
 class FastMoE(MoE):
@@ -262,9 +266,14 @@ class FastBlock(Block):
       in the same kernel; the trunk's last block's is resolved (one-shot all-reduce + add) before the final norm.
     Launches: o_proj's site 1 (NCCL: 2, the all-reduce, then add + norm + quant); from the FFN to the next
     block's quantized input 1 (unfused: all-reduce, residual add, next input norm + quant: 3; 4 for a bf16 dense
-    MLP, whose cast is a launch). Every rank makes the same choices (the one-shot kernels of all ranks must
-    pair up): they read shapes, dtypes, classes and options only, never a rank's own module state (a rank
-    without a block of the dense MLP hands off its zeros too). An MTP layer (called without hand_off) reduces
+    MLP, whose cast is a launch).
+    Tensor parallel under allreduce='nccl' (switch `fuse_out_cast`): o_proj's partial goes to a `Pending` too, whose
+    fallback all-reduces it and rounds the fp32 sum inside the add + norm + quant kernel (no `.to(x.dtype)`
+    launch); the dense `FastParallelMLP`'s reduced fp32 sum is rounded and added by `add_rounded` (one launch
+    instead of its cast and the add). The same bits as the cast launches: round to nearest even, widen, add.
+    Every rank makes the same choices (the one-shot kernels of all ranks must pair up): they read shapes, dtypes,
+    classes and options only, never a rank's own module state (a rank without a block of the dense MLP hands off
+    its zeros too). An MTP layer (called without hand_off) reduces
     its FFN itself."""
 
     fast_options: FastPathOptions
@@ -288,8 +297,10 @@ class FastBlock(Block):
         xq = (x8, sx) if quant else None
         attn = self.self_attn
         o_proj = getattr(attn, "o_proj", None)
-        # allreduce='oneshot': o_proj's all-reduce is done here, in one kernel with the add + norm + quant
-        fuse = isinstance(o_proj, RowParallelLinear) and o_proj.comm.allreduce == "oneshot"
+        fo = self.fast_options
+        # allreduce='oneshot': o_proj's all-reduce is done here, in one kernel with the add + norm + quant; 'nccl'
+        # (switch fuse_out_cast): here too, alone, and the add + norm + quant kernel rounds its fp32 sum
+        fuse = isinstance(o_proj, RowParallelLinear) and (o_proj.comm.allreduce == "oneshot" or fo.fuse_out_cast)
         o_proj = o_proj if fuse else None
         if o_proj is not None:
             o_proj.defer_reduce = True
@@ -302,7 +313,7 @@ class FastBlock(Block):
             if o_proj is not None:
                 o_proj.defer_reduce = False
         if o_proj is not None:  # the partial's sum rounded to the model dtype first, as o_proj's `.to(x.dtype)`
-            x, h_BTD, x8, sx = Pending(h_BTD, a, dtype, o_proj.comm).add_norm(n2, dtype, quant, pdl)
+            x, h_BTD, x8, sx = Pending(h_BTD, a, dtype, o_proj.comm, fo.fuse_out_cast).add_norm(n2, dtype, quant, pdl)
         else:
             h_BTD, x, x8, sx = add_rms_norm_quant(h_BTD, a, n2.weight, n2.eps, dtype, quant=quant, pdl=pdl)
         xq = (x8, sx) if quant else None
@@ -310,11 +321,17 @@ class FastBlock(Block):
         comm = self._hand_off_comm(mlp) if hand_off and xq is not None else None
         if xq is not None and isinstance(mlp, FastMoE) and h_BTD.is_contiguous():
             if comm is not None:  # the fp32 sum, rounded to the model dtype in the next block's add (its `.to`)
-                return Pending(h_BTD, mlp(x, xq, rounded=False, reduce=False).contiguous(), x.dtype, comm)
+                return Pending(h_BTD, mlp(x, xq, rounded=False, reduce=False).contiguous(), x.dtype, comm,
+                               fo.fuse_out_cast)
             # one kernel: the MoE's fp32 sum rounded to the model dtype (its `.to(x.dtype)`) and added
             return add_rounded(h_BTD, mlp(x, xq, rounded=False).contiguous(), x.dtype)
         if comm is not None and isinstance(mlp, FastParallelMLP):  # every rank, also one without a block
-            return Pending(h_BTD, mlp(x, xq, reduce=False), x.dtype, comm)  # rounded as its `.to(x.dtype)`
+            return Pending(h_BTD, mlp(x, xq, reduce=False), x.dtype, comm, fo.fuse_out_cast)  # as its `.to`
+        if isinstance(mlp, FastParallelMLP) and fo.fuse_out_cast and h_BTD.is_contiguous():
+            y = mlp(x, xq, rounded=False)  # the all-reduced sum in the accumulation dtype
+            if y.dtype == torch.float32:  # one kernel: rounded to the model dtype (its `.to(x.dtype)`) and added
+                return add_rounded(h_BTD, y.contiguous(), x.dtype)
+            return h_BTD + y.to(x.dtype)
         if xq is not None and getattr(mlp, "fused_gate_up", None) is not None:
             y = mlp(x, xq)
         else:
@@ -682,9 +699,14 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
         q_lat = absorb_q(q_nope, mla.w_kb)
     else:
         q_lat = torch.einsum("bthp,hpc->bthc", q_nope.to(torch.bfloat16), mla.w_kb).contiguous()
+    # switch fuse_absorb_out: stage 2 of the attention and absorb_out in one launch (the same bits)
+    fuse_out = absorb and mla.fast_options.fuse_absorb_out
     o_lat = mla_decode(q_lat, q_pe.to(torch.bfloat16).contiguous(), cache.kv[:, :S], cache.kv_scale[:, :S],
                        cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.bfloat16,
-                       visible=visible_BTS if topk_idx is None else None)  # a top-k holds seen keys only
+                       visible=visible_BTS if topk_idx is None else None,  # a top-k holds seen keys only
+                       w_vb=mla.w_vb if fuse_out else None)
+    if fuse_out:  # o_lat is o [B, T, H, V] here, in W_vb's dtype as absorb_out's
+        return o_lat.to(out_dtype)
     if absorb:
         return absorb_out(o_lat, mla.w_vb).to(out_dtype)
     return torch.einsum("bthc,hvc->bthv", o_lat, mla.w_vb).to(out_dtype)

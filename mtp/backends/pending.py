@@ -13,7 +13,8 @@ dtype), so the residual stream gets the same bits as the unfused path.
 
 Where the one-shot kernel does not take the call (`Comm.fuses`: a message over its slots, NCCL, gloo) the
 all-reduce runs alone and the add + norm + quant is the fast path's own kernel (`kernels.norm_quant`), the one
-the unfused path runs: the same bits as the unfused fast path.
+the unfused path runs, which also rounds the fp32 sum (switch `fuse_out_cast`; off: a cast launch before it): the
+same bits as the unfused fast path. Under NCCL `FastBlock` hands o_proj's partial to a `Pending` for this alone.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.norm_quant import add_rms_norm_quant
+from ..kernels.norm_quant import add_rms_norm_quant, add_rounded
 from ..model.layers import RMSNorm
 from ..parallel.comm import AddNorm, Comm
 
@@ -33,12 +34,14 @@ class Pending:
 
     h_BTD: the fp32 residual stream [B, T, D]; partial: this rank's share [B, T, D] in the accumulation dtype
     (overwritten when resolved); round_dtype: the dtype the reduced sum is rounded to first (None: none);
-    comm: the group that sums it."""
+    comm: the group that sums it; fold (switch `fuse_out_cast`): where the one-shot kernel does not take it, the
+    rounding happens in the kernel that adds the sum (no cast launch), else as a `.to` before it."""
 
     h_BTD: torch.Tensor
     partial: torch.Tensor
     round_dtype: torch.dtype | None
     comm: Comm
+    fold: bool = True
 
     def __post_init__(self) -> None:
         if self.partial.shape != self.h_BTD.shape:
@@ -50,8 +53,12 @@ class Pending:
         if self.comm.fuses(self.partial, self.h_BTD):
             return self.comm.all_reduce_add_norm(self.partial, self.h_BTD, norm.weight, norm.eps, out_dtype,
                                                  round_dtype=self.round_dtype, quant=quant)
-        h, y, x8, sx = add_rms_norm_quant(self.h_BTD, self._reduced(), norm.weight, norm.eps, out_dtype,
-                                          quant=quant, pdl=pdl)
+        if self.fold:  # the reduced fp32 sum, rounded inside the add + norm + quant kernel
+            h, y, x8, sx = add_rms_norm_quant(self.h_BTD, self._summed(), norm.weight, norm.eps, out_dtype,
+                                              quant=quant, pdl=pdl, round_dtype=self.round_dtype)
+        else:
+            h, y, x8, sx = add_rms_norm_quant(self.h_BTD, self._reduced(), norm.weight, norm.eps, out_dtype,
+                                              quant=quant, pdl=pdl)
         return AddNorm(y, h, x8, sx)
 
     def resolve(self) -> torch.Tensor:
@@ -60,10 +67,15 @@ class Pending:
         if self.comm.fuses(self.partial, self.h_BTD):
             return self.comm.all_reduce_add_norm(self.partial, self.h_BTD, None, 0.0,
                                                  round_dtype=self.round_dtype).residual
+        if self.fold and self.h_BTD.dtype == self.partial.dtype == torch.float32:  # one kernel, rounding inside
+            return add_rounded(self.h_BTD, self._summed(), self.round_dtype or torch.float32)
         return self.h_BTD + self._reduced().to(self.h_BTD.dtype)
 
+    def _summed(self) -> torch.Tensor:
+        return self.comm.all_reduce(self.partial.contiguous())
+
     def _reduced(self) -> torch.Tensor:
-        s = self.comm.all_reduce(self.partial.contiguous())
+        s = self._summed()
         return s if self.round_dtype is None else s.to(self.round_dtype)
 
 

@@ -175,6 +175,9 @@ KERNEL_VARIANTS = {
     # the experts' layout by size (persistent for T * J <= 64) on every MoE, also on a rank holding every expert's
     # slice ('split'), which `fast_module` gives the pair grid (at w = 1 split's gate / up is 16 programs)
     "moe_by_size": (dict(), dict(moe_layout=None)),
+    # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
+    "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),
+    "unfused_out_cast": (dict(fuse_out_cast=False), dict()),
 }
 
 

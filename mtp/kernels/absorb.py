@@ -19,7 +19,7 @@ import torch
 
 from mtp.kernels._triton import require, tl, triton
 
-__all__ = ["absorb_q", "absorb_q_ref", "absorb_out", "absorb_out_ref", "MAX_TOKENS"]
+__all__ = ["absorb_q", "absorb_q_ref", "absorb_out", "absorb_out_ref", "MAX_TOKENS", "out_block", "token_block"]
 
 MAX_TOKENS = 64
 
@@ -30,6 +30,17 @@ def absorb_q_ref(q_nope_BTHP: torch.Tensor, w_kb_HPC: torch.Tensor) -> torch.Ten
 
 def absorb_out_ref(o_lat_BTHC: torch.Tensor, w_vb_HVC: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bthc,hvc->bthv", o_lat_BTHC, w_vb_HVC)
+
+
+@triton.jit
+def dot_acc(acc, x, w, IEEE: tl.constexpr):
+    """acc + x . w, x rounded to w's dtype first (tensor cores, fp32 accumulate; IEEE: fp32 weights, exact fp32
+    products). Shared with `mla_out`'s fused stage 2, so that its product is this kernel's bit for bit."""
+    if IEEE:
+        d = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    else:
+        d = tl.dot(x.to(w.dtype), w)
+    return acc + d
 
 
 @triton.jit
@@ -47,12 +58,24 @@ def _absorb_kernel(x_ptr, w_ptr, y_ptr, n_tok, stride_xn, stride_xh, stride_wh, 
         k = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + t[:, None] * stride_xn + h * stride_xh + k[None, :], mask=tmask[:, None], other=0.0)
         w = tl.load(w_ptr + h * stride_wh + k[:, None] * stride_wk + o[None, :] * stride_wo)
-        if IEEE:
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(x.to(w.dtype), w)
+        acc = dot_acc(acc, x, w, IEEE)
     y = y_ptr + (t[:, None] * H + h) * OD + o[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=tmask[:, None])
+
+
+def out_block(H: int, OD: int) -> int:
+    """Output channels per program: 128, narrowed until there are >= 128 programs (H x OD / block) to stream the
+    weight from many SMs. At one TP=8 rank (16 heads) latent -> v had 16 programs of 128 KB each (grid H x V / 128),
+    the slower of the two launches; the sum over k per output element is the same at every width."""
+    bo = min(128, OD)
+    while bo // 2 >= 16 and OD % (bo // 2) == 0 and H * (OD // bo) < 128:
+        bo //= 2
+    return bo
+
+
+def token_block(n: int) -> int:
+    """Token rows of the tensor-core tile for n tokens (the dot's M: at least 16)."""
+    return max(16, triton.next_power_of_2(n))
 
 
 def _launch(x_BTHK, w, stride_wk, stride_wo, OD, out_dtype):
@@ -67,18 +90,13 @@ def _launch(x_BTHK, w, stride_wk, stride_wo, OD, out_dtype):
     # a slice of the q_b output, must not be copied for it), else tokens'
     stride_t = x_BTHK.stride(0) if T == 1 else x_BTHK.stride(1)
     y = torch.empty(B, T, H, OD, dtype=out_dtype, device=x_BTHK.device)
-    bo = min(128, OD)
-    # Enough programs to stream the weight from many SMs: at one TP=8 rank (16 heads) latent -> v had 16
-    # programs of 128 KB each (grid H x V / 128), the slower of the two launches. Narrower output blocks until
-    # there are >= 128 programs (the sum over k per output element is the same).
-    while bo // 2 >= 16 and OD % (bo // 2) == 0 and H * (OD // bo) < 128:
-        bo //= 2
+    bo = out_block(H, OD)
     bk = min(128, KD)
     if OD % bo or KD % bk:
         raise ValueError(f"absorb: dims {KD} -> {OD} must be multiples of {bk} / {bo}")
     ieee = w.dtype == torch.float32
     _absorb_kernel[(H, OD // bo)](x_BTHK, w, y, n, stride_t, x_BTHK.stride(2), w.stride(0), stride_wk,
-                                  stride_wo, H=H, KD=KD, OD=OD, BO=bo, BK=bk, BT=max(16, triton.next_power_of_2(n)),
+                                  stride_wo, H=H, KD=KD, OD=OD, BO=bo, BK=bk, BT=token_block(n),
                                   IEEE=ieee, num_warps=4)
     return y
 

@@ -15,6 +15,12 @@ version, so the engine captures its kept graphs again).
   q_pe rotary, indexer queries' rotary + Hadamard + quant); off: ~12 torch / compiled elementwise launches.
 - absorb: MLA's absorbed kv_b projections (q_nope -> latent, latent -> v) in one launch each (`absorb`);
   off: two torch einsums (~3 launches each).
+- fuse_absorb_out (with absorb, up to its token limit): `mla_decode`'s stage 2 (the merge of its key splits) and the
+  absorbed output projection in one launch (`mla_out.stage2_absorb`, bit-identical); off: stage 2, then `absorb_out`.
+- fuse_out_cast: tensor parallel under allreduce='nccl' (or where the one-shot kernel does not take the message),
+  a row-parallel sublayer's all-reduced fp32 sum is rounded to the model dtype inside the kernel that adds it to the
+  residual (o_proj: the post-attention add + norm + quant; the dense MLP: `norm_quant.add_rounded`), bit-identical;
+  off: the sublayer's `.to(x.dtype)` is a launch of its own (2 launches per layer).
 - index_weights: the lightning indexer's head weights (x @ weights_proj^T, scaled) in one launch
   (`index_weights.index_weights`), read from the weight in place; off: cuBLAS's bf16 GEMM with fp32 output (split-K
   with a reduce kernel, 2-3 launches by the rows) + the scale, or an fp32 linear (only past the indexer's top-k).
@@ -53,6 +59,8 @@ class FastPathOptions:
     index_weights: bool = True
     pdl: bool = False
     mlp_reduce_norm: bool = True
+    fuse_absorb_out: bool = True
+    fuse_out_cast: bool = True
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)

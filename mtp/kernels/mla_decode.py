@@ -15,7 +15,9 @@ causal range; sparse: the top-k list, keys gathered by index) and runs an online
 tiles; K and V are the same fp8 latent tile, loaded once, scaled exactly into bf16 and used for both
 dots (bf16 tensor cores, fp32 accumulate; q_lat and p are rounded to bf16: ~2e-3 relative error vs the
 fp32 reference). Stage 2
-merges the NS partial results by their log-sum-exp. The number of slices comes from the static capacity
+merges the NS partial results by their log-sum-exp (`mla_out.merge_splits`); given W_vb it also applies the absorbed
+output projection in the same launch (`mla_out.stage2_absorb`: o [B, T, H, V], bit-identical to stage 2 +
+`absorb.absorb_out`). The number of slices comes from the static capacity
 (S or J) so the launch is the same on every step (CUDA-graph friendly). Under the Triton interpreter (CPU
 tests) the dots take fp32 operands: its bf16 tl.dot is wrong.
 """
@@ -26,6 +28,7 @@ import torch
 
 from mtp.model.fp8 import BLOCK, FP8_DTYPE
 from mtp.kernels._triton import device_lens, interpreting, require, tl, triton
+from mtp.kernels.mla_out import merge_splits, stage2_absorb
 
 __all__ = ["mla_decode", "mla_decode_ref"]
 
@@ -224,18 +227,9 @@ def _mla_stage1_fused(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr
 
 @triton.jit
 def _mla_stage2(o_ptr, lse_ptr, out_ptr, NS, NSP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # (b, t, h)
-    sidx = tl.arange(0, NSP)
-    c = tl.arange(0, 512)
-    lse = tl.load(lse_ptr + row * NS + sidx, mask=sidx < NS, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    tot = tl.sum(tl.exp2(lse - m_safe), 0)  # empty slices weigh 0
-    acc = tl.zeros((512,), dtype=tl.float32)
-    for s in range(NS):
-        w = tl.exp2(tl.load(lse_ptr + row * NS + s) - m_safe)
-        acc += w * tl.load(o_ptr + (row * NS + s) * 512 + c)
-    res = acc / tl.where(tot > 0, tot, 1.0)
+    row = tl.program_id(0).to(tl.int64) + tl.zeros((1, 1), dtype=tl.int64)  # (b, t, h)
+    c = tl.arange(0, 512)[None, :]
+    res = merge_splits(o_ptr, lse_ptr, row, c, NS, NSP, 1, 512)
     tl.store(out_ptr + row * 512 + c, res.to(out_ptr.dtype.element_ty))
 
 
@@ -255,8 +249,12 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
                out_dtype: torch.dtype = torch.float32, visible: torch.Tensor | None = None,
                splits: int | None = None, variant: str = "fused",
                block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int | None = None,
-               min_block_h: int | None = None) -> torch.Tensor:
-    """Kernel twin of `mla_decode_ref`: o_lat [B, T, H, 512] in out_dtype. The keyword knobs are for benchmarks:
+               min_block_h: int | None = None, w_vb: torch.Tensor | None = None,
+               block_v: int | None = None) -> torch.Tensor:
+    """Kernel twin of `mla_decode_ref`: o_lat [B, T, H, 512] in out_dtype. w_vb [H, V, 512] (in out_dtype, at most
+    absorb.MAX_TOKENS tokens): o = absorb_out(o_lat, w_vb) [B, T, H, V] instead, stage 2 and the projection in one
+    launch (`mla_out.stage2_absorb`, the same bits; block_v: its output channels per program). The keyword knobs
+    are for benchmarks:
     variant "fused" (one 512-wide dot on the scaled tile; default: 1.2-1.7x faster on an H200) or "split4"
     (4 dots of 128 channels, scales folded into scores / probabilities). Default tile: 64 heads x 64 keys,
     8 warps (wgmma; the 16/32-head mma.sync tiles spilled: 255 registers), 3 stages dense / 2 sparse
@@ -289,6 +287,9 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
     nhb = triton.cdiv(H, bh)
     if splits is None:
         splits = default_splits(B * T * nhb, J if sparse else S)
+    if w_vb is not None and (w_vb.dtype != out_dtype or tuple(w_vb.shape[::2]) != (H, 512)):
+        raise ValueError(f"mla_decode: w_vb must be [{H}, V, 512] in out_dtype {out_dtype} (o_lat's rounding), got "
+                         f"{w_vb.dtype} {list(w_vb.shape)}")
     dev = q_lat.device
     o_part = torch.empty(B * T * H * splits, 512, dtype=torch.float32, device=dev)
     lse = torch.empty(B * T * H * splits, dtype=torch.float32, device=dev)
@@ -302,6 +303,8 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
         kv8.stride(0), kv8.stride(1), kv_scale.stride(0), kv_scale.stride(1), pe.stride(0), pe.stride(1),
         SPARSE=sparse, VIS=visible is not None, DOT=tl.float32 if interpreting() else tl.bfloat16, BH=bh,
         BN=block_n, num_warps=num_warps, num_stages=num_stages)
+    if w_vb is not None:
+        return stage2_absorb(o_part, lse, splits, w_vb, B, T, block_v)
     out = torch.empty(B, T, H, 512, dtype=out_dtype, device=dev)
     _mla_stage2[(B * T * H,)](o_part, lse, out, splits, NSP=triton.next_power_of_2(splits), num_warps=4)
     return out

@@ -8,7 +8,8 @@ A decoder block today spends 3-4 launches per norm site on a CUDA-graph step: th
 output to the residual dtype, the add, the (compiled) norm, and the act_quant in front of the next FP8 GEMV
 (or inside it, per program, redone by every split-K slice). Here one program per row
 - adds delta to the residual in the residual's dtype (the reference's `h + delta.to(h.dtype)`, the same
-  fp32 add, so h_new is bit-identical) and stores h_new,
+  fp32 add, so h_new is bit-identical; with round_dtype an fp32 delta, a row-parallel sublayer's all-reduced sum,
+  is first rounded to the model dtype, the sublayer's `.to(x.dtype)` without its launch) and stores h_new,
 - normalizes in fp32 (`w * x * rsqrt(mean(x^2) + eps)`; the sum of squares is a tree sum, not torch's order,
   so y can differ from the reference in its last bit, as the compiled elementwise norm already may),
 - stores y in out_dtype (bf16: the gate, the indexer weights and the MoE read it), and
@@ -28,13 +29,20 @@ from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 
 __all__ = ["add_rms_norm_quant", "add_rms_norm_quant_ref", "add_rounded", "add_rounded_ref"]
 
+# the dtype a sublayer's fp32 output is rounded to before its residual add, as the kernels' ROUND constexpr
+_ROUND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
 
 def add_rms_norm_quant_ref(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                           out_dtype: torch.dtype = torch.bfloat16, quant: bool = True):
-    """(h_new, y, x8, sx): h_new = h + delta.to(h.dtype) (h itself when delta is None), y = RMSNorm(h_new) in
-    out_dtype, (x8, sx) = act_quant(y) (None when quant is False)."""
+                           out_dtype: torch.dtype = torch.bfloat16, quant: bool = True,
+                           round_dtype: torch.dtype | None = None):
+    """(h_new, y, x8, sx): h_new = h + delta.to(round_dtype).to(h.dtype) (no rounding when round_dtype is None; h
+    itself when delta is None), y = RMSNorm(h_new) in out_dtype, (x8, sx) = act_quant(y) (None when quant is
+    False)."""
     from mtp.model.layers import rms_norm
 
+    if delta is not None and round_dtype is not None:
+        delta = delta.to(round_dtype)
     hn = h if delta is None else h + delta.to(h.dtype)
     y = rms_norm(hn, weight, eps, out_dtype)
     x8, sx = act_quant_ref(y) if quant else (None, None)
@@ -45,7 +53,7 @@ def add_rms_norm_quant_ref(h: torch.Tensor, delta: torch.Tensor | None, weight: 
 def _add_norm_quant_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, x8_ptr, sx_ptr, D, eps,
                            stride_h, stride_d, stride_ho, stride_y, stride_x8, stride_sx,
                            ADD: tl.constexpr, STORE_H: tl.constexpr, STORE_Y: tl.constexpr,
-                           QUANT: tl.constexpr, BG: tl.constexpr, PDL: tl.constexpr):
+                           QUANT: tl.constexpr, BG: tl.constexpr, PDL: tl.constexpr, ROUND: tl.constexpr):
     if PDL:  # every input may come from the previous kernel: only the launch overlaps it
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -56,7 +64,12 @@ def _add_norm_quant_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, x8_ptr, sx_ptr,
     mask = offs < D
     h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0)
     if ADD:
-        h = h + tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0).to(h.dtype)
+        d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+        if ROUND == 0:  # the sublayer's `.to(x.dtype)` of its fp32 sum (`_ROUND`)
+            d = d.to(tl.bfloat16)
+        elif ROUND == 1:
+            d = d.to(tl.float16)
+        h = h + d.to(h.dtype)
         if STORE_H:
             tl.store(hout_ptr + row * stride_ho + offs, h, mask=mask)
     xf = h.to(tl.float32)
@@ -80,10 +93,12 @@ def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
 
 def add_rms_norm_quant(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                        out_dtype: torch.dtype = torch.bfloat16, quant: bool = True, store_y: bool = True,
-                       store_h: bool = True, pdl: bool = False):
+                       store_h: bool = True, pdl: bool = False, round_dtype: torch.dtype | None = None):
     """Kernel twin of `add_rms_norm_quant_ref`: returns (h_new, y, x8, sx) with None for what is not asked
     (h_new is h when delta is None; y when store_y is False; x8, sx when quant is False). pdl: programmatic
-    dependent launch (`_triton.pdl_kwargs`)."""
+    dependent launch (`_triton.pdl_kwargs`). round_dtype (bf16 / fp16 / fp32 / None): delta, a row-parallel
+    sublayer's fp32 sum, rounded to it before the add, in this kernel instead of a cast launch before it (the
+    same bits: round to nearest even, then an exact widening)."""
     require(h, "add_rms_norm_quant")
     D = h.shape[-1]
     lead = h.shape[:-1]
@@ -96,6 +111,8 @@ def add_rms_norm_quant(h: torch.Tensor, delta: torch.Tensor | None, weight: torc
     if h.dtype != torch.float32 and (delta is not None or h.dtype not in (torch.bfloat16, torch.float16)):
         raise TypeError(f"add_rms_norm_quant: h must be fp32 (the residual stream), or bf16 / fp16 without a "
                         f"delta; got {h.dtype}" + (" with a delta" if delta is not None else ""))
+    if round_dtype is not None and round_dtype not in _ROUND:
+        raise ValueError(f"add_rms_norm_quant: round_dtype must be one of {list(_ROUND)} or None, got {round_dtype}")
     h2 = _rows(h, D)
     M = h2.shape[0]
     dev = h.device
@@ -114,7 +131,8 @@ def add_rms_norm_quant(h: torch.Tensor, delta: torch.Tensor | None, weight: torc
                                      h2.stride(0), d2.stride(0), hout.stride(0), y_arg.stride(0),
                                      x8.stride(0) if quant else 0, sx.stride(0) if quant else 0,
                                      ADD=add, STORE_H=add and store_h, STORE_Y=store_y, QUANT=quant, BG=bg,
-                                     PDL=bool(launch), num_warps=8 if bg >= 32 else 4, **launch)
+                                     PDL=bool(launch), ROUND=_ROUND.get(round_dtype, 2),
+                                     num_warps=8 if bg >= 32 else 4, **launch)
     G = D // BLOCK
     return (hout.view(*lead, D) if add and store_h else (h if not add else None),
             y.view(*lead, D) if y is not None else None,
@@ -123,7 +141,6 @@ def add_rms_norm_quant(h: torch.Tensor, delta: torch.Tensor | None, weight: torc
 
 
 # ----------------------------------------------------------------------------- the block's last residual add
-_ROUND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def add_rounded_ref(h: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -51,6 +51,8 @@ class Limits:
     kernel_route: int  # FastMoE.kernel_route_tokens: the router kernels up to this many tokens
     grouped_above: int  # FastMoE.grouped_above: the grouped expert GEMM above this many tokens
     moe_chunk: int  # FastMoE.max_tokens: tokens per grouped expert call
+    fuse_absorb_out: bool = True  # FastPathOptions.fuse_absorb_out: absorb out inside mla_decode's stage 2
+    fuse_out_cast: bool = True  # FastPathOptions.fuse_out_cast: no cast launch after a row-parallel all-reduce
 
     @classmethod
     def current(cls) -> Limits:
@@ -58,9 +60,10 @@ class Limits:
         from ..kernels import fp8_gemm
         from ..kernels.dispatch import FastPathOptions
 
-        return cls(FastPathOptions().gemv_rows, fp8_gemm.FUSE_M, fp8_gemm.SMALL_N, fp.SMALL_M, fp.ABSORB_MAX_TOKENS,
+        o = FastPathOptions()
+        return cls(o.gemv_rows, fp8_gemm.FUSE_M, fp8_gemm.SMALL_N, fp.SMALL_M, fp.ABSORB_MAX_TOKENS,
                    fp.ROUTER_MAX_TOKENS, fp.FastMoE.kernel_route_tokens, fp.FastMoE.grouped_above,
-                   fp.FastMoE.max_tokens)
+                   fp.FastMoE.max_tokens, o.fuse_absorb_out, o.fuse_out_cast)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -96,15 +99,19 @@ class StepShape:
 def attention(cfg: ModelConfig, sh: StepShape, lim: Limits) -> tuple[int, int]:
     """(attention, indexer) launches of `FastBlock` up to the FFN: input norm + quant, q_a | wk | kv_a, the kv
     prologue (norm, rotary, cache write), q_a norm + quant, q_b | wq_b, the q prologue, absorb q, mla_decode (2
-    stages), absorb out, o_proj (+ its cast to the model dtype after the all-reduce when row-parallel),
-    post-attention norm + quant; and the indexer's when it chooses (S > top-k, `mla_attend_fast`)."""
+    stages), absorb out (inside mla_decode's stage 2 with fuse_absorb_out up to absorb_max tokens,
+    `kernels.mla_out`), o_proj (+ its cast to the model dtype after the all-reduce when row-parallel, unless fuse_out_cast: the
+    post-attention norm rounds the fp32 sum, `Pending`), post-attention norm + quant; and the indexer's when it
+    chooses (S > top-k, `mla_attend_fast`)."""
     N, D = sh.tokens, cfg.hidden_size
     quant = N <= lim.small_m
     n = 1 + linear(N, cfg.q_lora_rank + cfg.index_head_dim + cfg.kv_lora_rank + cfg.qk_rope_head_dim, lim, quant)
     n += 1 + 1 + 1 + 1  # kv prologue, q_a norm + quant, q_b | wq_b (fed quantized), q prologue
-    n += 2 if N <= lim.absorb_max else 4  # absorb kernels, or two einsums (a bmm and a copy each)
-    n += 2  # mla_decode: stage 1, stage 2
-    n += linear(N, D, lim, False) + (1 if sh.tp > 1 else 0)  # o_proj; RowParallelLinear's `.to(x.dtype)`
+    absorb = N <= lim.absorb_max
+    n += 2 if absorb else 4  # absorb kernels, or two einsums (a bmm and a copy each)
+    n += 2 - (1 if absorb and lim.fuse_absorb_out else 0)  # mla_decode: stage 1, stage 2 (absorb out in it)
+    # o_proj; RowParallelLinear's `.to(x.dtype)`, or its rounding in the post-attention norm
+    n += linear(N, D, lim, False) + (1 if sh.tp > 1 and not lim.fuse_out_cast else 0)
     n += 1  # post-attention add + norm + quant
     ix = 0
     if cfg.index_topk < sh.context:
@@ -122,11 +129,12 @@ def indexer_select(sh: StepShape) -> int:
 
 def dense_mlp(cfg: ModelConfig, sh: StepShape, lim: Limits) -> int:
     """`FastParallelMLP` (tp > 1: fp32 partial, all-reduce, `.to(x.dtype)`) or `FastMLP`: gate | up (fed the block's
-    quantized x up to SMALL_M rows), silu * up, down; then the block's `h + y`."""
+    quantized x up to SMALL_M rows), silu * up, down; then the block's `h + y` (tp > 1 with fuse_out_cast: the cast
+    and the add as one `add_rounded`)."""
     N = sh.tokens
     inter = cfg.intermediate_size // sh.tp
     n = linear(N, 2 * inter, lim, N <= lim.small_m) + 1 + linear(N, cfg.hidden_size, lim, False)
-    return n + (1 if sh.tp > 1 else 0) + 1
+    return n + (1 if sh.tp > 1 and not lim.fuse_out_cast else 0) + 1
 
 
 def router(N: int, lim: Limits) -> int:

@@ -379,6 +379,54 @@ def _absorb_checks() -> None:
         assert _rel(absorb_out(o_lat, wvb), absorb_out_ref(o_lat, wvb)) < 1e-6
 
 
+def _stage2_absorb_checks() -> None:
+    """mla_decode's stage 2 with the absorbed output projection (`mla_out.stage2_absorb`) equals stage 2 +
+    absorb_out bit for bit (the same wrong bf16 tl.dot of the interpreter on both sides, the same merge): 1..5
+    tokens, 1-3 rows, odd head counts, dense / top-k / tree visibility, forced split counts and the default, bf16 and
+    fp32 weights, absorb_out's output block and a wider one; and both near the fp32 einsum."""
+    from tests.interp import patch_interpreter_bf16_dot, patch_interpreter_loop_bounds
+
+    from mtp.kernels.absorb import absorb_out, absorb_out_ref
+    from mtp.kernels.mla_decode import mla_decode
+    from mtp.model.fp8 import act_quant
+
+    patch_interpreter_loop_bounds()  # the merge loops over a runtime split count
+    patch_interpreter_bf16_dot()  # else the bf16 products are garbage, on both sides alike
+    g = torch.Generator().manual_seed(5)
+    S = 40
+    cases = [(1, 1, 3, None, "dense", torch.bfloat16, None), (3, 1, 2, 3, "topk", torch.bfloat16, None),
+             (2, 2, 3, 2, "vis", torch.bfloat16, None), (1, 5, 1, 4, "topk", torch.float32, None),
+             (1, 3, 2, 1, "dense", torch.bfloat16, 64), (2, 5, 3, 5, "topk", torch.bfloat16, None)]
+    for B, T, H, splits, kind, dt, block_v in cases:
+        q = torch.randn(B, T, H, 512, generator=g)
+        qpe = torch.randn(B, T, H, 64, generator=g)
+        kv8, kvs = act_quant(torch.randn(B, S, 512, generator=g))
+        pe = torch.randn(B, S, 64, generator=g)
+        L = torch.randint(0, S - T, (B,), generator=g, dtype=torch.int32)
+        L[0] = 0  # token 0 of row 0 sees one key; some splits see none
+        kw = {}
+        if kind == "topk":  # 7 picks among the keys each token sees, some -1 (padding)
+            seen = L.view(B, 1, 1) + torch.arange(T).view(1, T, 1) + 1
+            idx = (torch.randint(0, 1 << 20, (B, T, 7), generator=g) % seen).int()
+            kw["topk_idx"] = torch.where(torch.rand(B, T, 7, generator=g) < 0.2, -1, idx)
+        elif kind == "vis":
+            kw["visible"] = torch.rand(B, T, S, generator=g) < 0.6
+        w_vb = (torch.randn(H, 128, 512, generator=g) * 0.05).to(dt)
+        lat = mla_decode(q, qpe, kv8, kvs, pe, L, 0.07, out_dtype=dt, splits=splits, **kw)
+        want = absorb_out(lat, w_vb)
+        got = mla_decode(q, qpe, kv8, kvs, pe, L, 0.07, out_dtype=dt, splits=splits, w_vb=w_vb, block_v=block_v,
+                         **kw)
+        assert got.dtype == want.dtype and got.shape == (B, T, H, 128), (got.dtype, got.shape)
+        assert torch.equal(got, want), (B, T, H, kind, dt, (got.float() - want.float()).abs().max())
+        assert _rel(got.float(), absorb_out_ref(lat.float(), w_vb.float())) < 1e-2  # bf16 output's rounding
+    for bad in (dict(w_vb=torch.zeros(2, 128, 512)), dict(w_vb=torch.zeros(3, 128, 256, dtype=torch.bfloat16))):
+        try:
+            mla_decode(q, qpe, kv8, kvs, pe, L, 0.07, out_dtype=torch.bfloat16, **bad)
+            raise AssertionError(f"a w_vb of {bad['w_vb'].dtype} {list(bad['w_vb'].shape)} was taken")
+        except ValueError as e:
+            assert "mla_decode: w_vb must be" in str(e)
+
+
 def _model_checks() -> None:
     """A tiny fp32 model with every fast-path module installed: the new kernels (switches on) give the old
     kernels' logits (switches off) within fp32 summation order, both under the interpreter."""
@@ -443,9 +491,15 @@ def _model_checks() -> None:
         assert any(type(m) is FastParallelMLP and m.fused_gate_up is not None for m in rank.modules())
         out = {}
         for on in (False, True):
-            set_kernels(rank, gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
+            set_kernels(rank, gemv=on, norm_quant=on, router=on, prologue=on, absorb=on, fuse_absorb_out=on,
+                        fuse_out_cast=on)
             out[on] = rank(ids, rank.new_cache(2, 16)).logits
         assert _rel(out[True], out[False]) < 1e-5, _rel(out[True], out[False])
+        # the fused block under the stand-in's 'nccl': o_proj's partial through a `Pending`, the dense MLP's reduced
+        # sum through add_rounded (fp32 here: the wiring; the bf16 rounding is tests/parallel/test_mlp_handoff.py)
+        set_kernels(rank, fuse_out_cast=False)
+        off = rank(ids, rank.new_cache(2, 16)).logits
+        assert torch.equal(off, out[True])
 
 
 if __name__ == "__main__":
@@ -457,6 +511,7 @@ if __name__ == "__main__":
         _router_checks()
         _prologue_checks()
         _absorb_checks()
+        _stage2_absorb_checks()
     else:
         _model_checks()
     print(f"{sys.argv[1]} ok")

@@ -370,6 +370,44 @@ def test_absorb(B, T):
     check_close(f"absorb_out B={B} T={T}", absorb_out(o_lat, wvb).float(), absorb_out_ref(o_lat, wvb).float(), 1e-2)
 
 
+@pytest.mark.parametrize("B,T,S,lens,J,tree", [(1, 1, 4100, [4099], 0, False), (1, 1, 9000, [8999], 2048, False),
+                                               (1, 3, 700, [500], 0, False), (2, 2, 3000, [100, 2990], 2048, False),
+                                               (1, 5, 9000, [8990], 2048, False), (3, 4, 1200, [7, 600, 1190], 0, True),
+                                               (16, 4, 300, [290] * 16, 0, False)])
+@pytest.mark.parametrize("block_v", [None, 32, 128])
+def test_mla_stage2_absorb_bit_identical(B, T, S, lens, J, tree, block_v):
+    """One TP=8 rank (16 heads, latent 512, V 128): mla_decode with W_vb (stage 2 + absorb_out in one launch,
+    `mla_out.stage2_absorb`) equals mla_decode's o_lat then `absorb_out` bit for bit, dense / top-k / a tree's
+    visibility, 1..5 tokens and 64, absorb_out's output block and others; and is near the fp32 einsum."""
+    from mtp.kernels.absorb import absorb_out, absorb_out_ref
+    from mtp.kernels.mla_decode import mla_decode
+
+    from .test_kernels_gpu import mla_inputs
+
+    H = 16
+    q, qpe, kv8, kvs, pe, L = mla_inputs(B, T, H, S, lens)
+    q, qpe = q.bfloat16(), qpe.bfloat16()
+    kw = {}
+    if J:
+        idx = torch.full((B, T, J), -1, dtype=torch.int32, device=DEV)
+        for b in range(B):
+            for t in range(T):
+                n = min(J, lens[b] + t + 1) - (t % 2)  # some rows keep -1 padding
+                idx[b, t, :n] = torch.randperm(lens[b] + t + 1, device=DEV)[:n].int()
+        kw["topk_idx"] = idx
+    if tree:
+        kw["visible"] = torch.rand(B, T, S, device=DEV) < 0.5
+    wvb = (torch.randn(H, 128, 512, device=DEV) * 0.05).bfloat16()
+    want = absorb_out(mla_decode(q, qpe, kv8, kvs, pe, L, 0.0723, out_dtype=torch.bfloat16, **kw), wvb)
+    poison()
+    got = mla_decode(q, qpe, kv8, kvs, pe, L, 0.0723, out_dtype=torch.bfloat16, w_vb=wvb, block_v=block_v, **kw)
+    assert got.shape == (B, T, H, 128) and got.dtype == torch.bfloat16
+    # other output blocks than absorb_out's: the same MMA instruction per element (m16n8k16 up to 16 tokens)
+    assert torch.equal(got, want), f"block_v={block_v}: {int((got != want).sum())} of {got.numel()} differ"
+    lat = mla_decode(q, qpe, kv8, kvs, pe, L, 0.0723, out_dtype=torch.bfloat16, **kw)
+    check_close(f"stage2_absorb B={B} T={T}", got.float(), absorb_out_ref(lat.float(), wvb.float()), 1e-2)
+
+
 # ----------------------------------------------------------------------------- the fast path, old vs new kernels
 def test_fast_path_new_kernels_match_old():
     """A random gpu_test_config model on the fast path, new kernels (all switches on) vs old (all off), both held
@@ -406,6 +444,35 @@ def test_fast_path_new_kernels_match_old():
         prompts = [list(range(3, 40)), list(range(50, 61))]
         eager = generate(model, prompts, 12, mode="eager").tokens
         assert generate(model, prompts, 12, mode="graph").tokens == eager
+    finally:
+        disable_fast_path(model)
+
+
+def test_fast_path_fused_absorb_out_bit_identical():
+    """The fast path with mla_decode's stage 2 and absorb_out in one launch (switch fuse_absorb_out) gives the two
+    launches' verify logits bit for bit at widths 1..5 past the indexer's top-k, and eager greedy tokens."""
+    _needs_cuda()
+    from mtp.decode.engine import generate
+    from mtp.backends.fast_path import FastMLA, disable_fast_path, enable_fast_path, set_kernels
+    from mtp.checkpoint.synthetic import random_model
+    from mtp.model.presets import gpu_test_config
+
+    from ..decode.test_engine_gpu import _verify_logits
+
+    model = random_model(gpu_test_config(layers=3, mtp_modules=1), device=DEV, dtype=torch.bfloat16, seed=3)
+    ids = torch.randint(0, 2048, (1, 70), device=DEV, generator=torch.Generator(device=DEV).manual_seed(0))
+    enable_fast_path(model)
+    try:
+        assert any(isinstance(m, FastMLA) for m in model.modules()), "the MLA kernels must run in this model"
+        prompts = [list(range(3, 40)), list(range(50, 61))]
+        out, toks = {}, {}
+        for on in (False, True):
+            set_kernels(model, fuse_absorb_out=on)
+            out[on] = [_verify_logits(model, ids, w) for w in range(1, 6)]
+            toks[on] = generate(model, prompts, 12, mode="eager").tokens
+        for w, (a, b) in enumerate(zip(out[False], out[True]), start=1):
+            assert torch.equal(a, b), f"w={w}: max |diff| {(a - b).abs().max().item():.3g}"
+        assert toks[True] == toks[False]
     finally:
         disable_fast_path(model)
 

@@ -2,7 +2,9 @@
 `mtp.backends.pending.Pending`; switch `mlp_reduce_norm`) on 2 CPU ranks over gloo, the kernels under the
 Triton interpreter: a bf16 TP=2 model (a dense and an MoE layer) with the hand-off gives the unfused fast path's
 logits (so its greedy tokens), normed hidden and pre-norm hidden (what the MTP modules read) bit for bit, with
-the same collectives; bf16, so that every rounding of a reduced sum before its residual add is exercised.
+the same collectives; bf16, so that every rounding of a reduced sum before its residual add is exercised. So does
+the casts' fold (switch `fuse_out_cast`: a reduced fp32 sum rounded to bf16 inside the kernel that adds it, under
+'nccl' and in each `Pending`'s fallback) against the cast launches.
 
 Over gloo the one-shot kernel cannot run (`Comm.fuses` is False), so each `Pending` takes its own fallback: the
 all-reduce alone, then the fast path's add + norm + quant kernel -- the code path of the hand-off (which block
@@ -27,9 +29,13 @@ import torch
 from tests.interp import patch_interpreter_bf16_rounding, patch_interpreter_loop_bounds
 
 WORLD = 2
-# (all-reduce, switch mlp_reduce_norm): 'nccl' is the group's own all-reduce (gloo here); 'oneshot' with the
-# switch off is today's fast path (o_proj fused only); on, the FFN's all-reduce moves to the next block
-RUNS = (("nccl", True), ("oneshot", False), ("oneshot", True))
+# (all-reduce, switch mlp_reduce_norm, switch fuse_out_cast): 'nccl' is the group's own all-reduce (gloo here);
+# 'oneshot' with mlp_reduce_norm off is the fast path before the hand-off (o_proj fused only); on, the FFN's
+# all-reduce moves to the next block. fuse_out_cast off: the reduced sums' casts to the model dtype are launches of
+# their own (under 'nccl': o_proj's `.to` and the dense MLP's, then the adds), the base every run must equal
+RUNS = (("oneshot", False, False), ("nccl", True, False), ("nccl", True, True), ("oneshot", False, True),
+        ("oneshot", True, False), ("oneshot", True, True))
+BASE = RUNS[0]
 
 
 @pytest.mark.slow
@@ -80,12 +86,12 @@ def _worker(rank: int, init: str, out: str) -> None:
         install_fast_modules(model)
         assert isinstance(model.model, FastTrunk)
         res = {}
-        for allreduce, on in RUNS:
+        for allreduce, on, cast in RUNS:
             # set directly: gloo refuses `set_allreduce('oneshot')`; without its buffers `fuses` is False, so
             # every fused call takes the formulas after the group's all-reduce (module docstring)
             comm.allreduce = allreduce
-            set_kernels(model, mlp_reduce_norm=on)
-            res[allreduce, on] = _run(model, comm)
+            set_kernels(model, mlp_reduce_norm=on, fuse_out_cast=cast)
+            res[allreduce, on, cast] = _run(model, comm)
         torch.save(res, f"{out}/rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
@@ -113,13 +119,14 @@ def _checks(d: Path) -> None:
     got = [torch.load(d / f"rank{r}.pt") for r in range(WORLD)]
     layers = 2
     for rank, res in enumerate(got):
-        base = res["oneshot", False]
+        base = res[BASE]
         for run in RUNS:
-            _same(f"rank {rank} {run} vs ('oneshot', False)", res[run], {**base, "hand_offs": res[run]["hand_offs"]})
+            _same(f"rank {rank} {run} vs {BASE}", res[run], {**base, "hand_offs": res[run]["hand_offs"]})
         # the hand-off happens where it should: every trunk block under 'oneshot' with the switch on, none else
-        assert res["oneshot", True]["hand_offs"] == ["Pending"] * layers, res["oneshot", True]["hand_offs"]
-        assert res["oneshot", False]["hand_offs"] == ["Tensor"] * layers
-        assert res["nccl", True]["hand_offs"] == ["Tensor"] * layers
+        for cast in (False, True):
+            assert res["oneshot", True, cast]["hand_offs"] == ["Pending"] * layers, res["oneshot", True, cast]
+            assert res["oneshot", False, cast]["hand_offs"] == ["Tensor"] * layers
+            assert res["nccl", True, cast]["hand_offs"] == ["Tensor"] * layers
         # the same collectives: the embedding's, then 2 per block (o_proj, FFN); none fused over gloo
         c = base["collectives"]
         assert c["all_reduce"] == 1 + 2 * layers and c["all_reduce_fused"] == 0, c
