@@ -171,6 +171,8 @@ KERNEL_VARIANTS = {
     "gemv1+pdl": (dict(gemv_rows=1, pdl=True), dict()),
     # the indexer's head weights as cuBLAS mm (+ its split-K reduce) + scale instead of `kernels.index_weights`
     "cublas_ixw": (dict(index_weights=False), dict()),
+    # the MLA prologue's pairs of launches (kv prologue, q_a norm; q prologue, absorb q) apart: 2 launches more
+    "unfused_prologue": (dict(fuse_prologue=False), dict()),
 }
 
 

@@ -51,16 +51,22 @@ class Limits:
     kernel_route: int  # FastMoE.kernel_route_tokens: the router kernels up to this many tokens
     grouped_above: int  # FastMoE.grouped_above: the grouped expert GEMM above this many tokens
     moe_chunk: int  # FastMoE.max_tokens: tokens per grouped expert call
+    # dispatch.FastPathOptions.fuse_prologue (the default): the MLA prologue's launch pairs as one each
+    # (`mla_prologue_fused`), the kv one up to norm_max_q q_lora channels (`mla_prologue_fused.NORM_MAX_Q`)
+    fuse_prologue: bool
+    norm_max_q: int
 
     @classmethod
     def current(cls) -> Limits:
         from ..backends import fast_path as fp
         from ..kernels import fp8_gemm
         from ..kernels.dispatch import FastPathOptions
+        from ..kernels.mla_prologue_fused import NORM_MAX_Q
 
-        return cls(FastPathOptions().gemv_rows, fp8_gemm.FUSE_M, fp8_gemm.SMALL_N, fp.SMALL_M, fp.ABSORB_MAX_TOKENS,
+        opts = FastPathOptions()
+        return cls(opts.gemv_rows, fp8_gemm.FUSE_M, fp8_gemm.SMALL_N, fp.SMALL_M, fp.ABSORB_MAX_TOKENS,
                    fp.ROUTER_MAX_TOKENS, fp.FastMoE.kernel_route_tokens, fp.FastMoE.grouped_above,
-                   fp.FastMoE.max_tokens)
+                   fp.FastMoE.max_tokens, opts.fuse_prologue, NORM_MAX_Q)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -97,12 +103,18 @@ def attention(cfg: ModelConfig, sh: StepShape, lim: Limits) -> tuple[int, int]:
     """(attention, indexer) launches of `FastBlock` up to the FFN: input norm + quant, q_a | wk | kv_a, the kv
     prologue (norm, rotary, cache write), q_a norm + quant, q_b | wq_b, the q prologue, absorb q, mla_decode (2
     stages), absorb out, o_proj (+ its cast to the model dtype after the all-reduce when row-parallel),
-    post-attention norm + quant; and the indexer's when it chooses (S > top-k, `mla_attend_fast`)."""
+    post-attention norm + quant; and the indexer's when it chooses (S > top-k, `mla_attend_fast`). With
+    fuse_prologue (`mla_prologue_fused`): the kv prologue and the q_a norm + quant are one launch (q_lora <=
+    norm_max_q), and up to absorb_max tokens the q prologue and absorb q are one."""
     N, D = sh.tokens, cfg.hidden_size
     quant = N <= lim.small_m
+    absorb = N <= lim.absorb_max
     n = 1 + linear(N, cfg.q_lora_rank + cfg.index_head_dim + cfg.kv_lora_rank + cfg.qk_rope_head_dim, lim, quant)
-    n += 1 + 1 + 1 + 1  # kv prologue, q_a norm + quant, q_b | wq_b (fed quantized), q prologue
-    n += 2 if N <= lim.absorb_max else 4  # absorb kernels, or two einsums (a bmm and a copy each)
+    fuse_kv = lim.fuse_prologue and cfg.q_lora_rank <= lim.norm_max_q
+    n += 1 if fuse_kv else 2  # kv prologue, q_a norm + quant
+    n += 1  # q_b | wq_b (fed quantized)
+    n += 1 if lim.fuse_prologue and absorb else 2  # q prologue, absorb q (or the einsum's bmm)
+    n += 1 if absorb else 3  # absorb out, or the einsums' copies (q's, out's) and out's bmm
     n += 2  # mla_decode: stage 1, stage 2
     n += linear(N, D, lim, False) + (1 if sh.tp > 1 else 0)  # o_proj; RowParallelLinear's `.to(x.dtype)`
     n += 1  # post-attention add + norm + quant

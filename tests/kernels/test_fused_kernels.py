@@ -365,6 +365,68 @@ def _prologue_checks() -> None:
         assert "mla_q_prologue: qq must be" in str(e)
 
 
+def _prologue_fused_checks() -> None:
+    """The fused prologue launches (`mla_prologue_fused`) against the two launches each replaces, bit for bit
+    (torch.equal on every byte written): the kv prologue + q_a norm-quant, and the q prologue + absorb q, with and
+    without the indexer's queries (the q_b output alone), at 1..5 tokens on 1-3 rows, fp32 (tensor-core dots as IEEE
+    fp32) and bf16, over the tiny layout (4 heads < 8 indexer heads) and a wider one (12 heads > 8 indexer heads,
+    as TP=1's 128 > 64; q_lora 256)."""
+    import dataclasses
+
+    from mtp.kernels.absorb import absorb_q
+    from mtp.kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
+    from mtp.kernels.mla_prologue_fused import mla_kv_prologue_norm, mla_q_prologue_absorb
+    from mtp.kernels.norm_quant import add_rms_norm_quant
+    from mtp.model.attention import MLA
+    from mtp.model.cache import KVCache
+    from mtp.model.layers import Rotary
+    from mtp.model.presets import tiny_config
+
+    def same(x, y) -> bool:  # fp8 compared as bytes (NaN codes included)
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        return torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if x.element_size() == 1 else torch.equal(x, y)
+
+    g = torch.Generator().manual_seed(5)
+    # (config, dtype, rows, tokens per row, the q side without the indexer's queries too); few programs: each
+    # interpreted one costs ~25 ms, and the absorb tiles narrow to >= 128 programs (32 here, 96 at 12 heads)
+    wide = dataclasses.replace(tiny_config(), num_attention_heads=12, q_lora_rank=256)
+    cases = [(tiny_config(), torch.float32, 1, 5, False), (tiny_config(), torch.float32, 3, 1, True),
+             (tiny_config(), torch.bfloat16, 2, 2, True), (wide, torch.bfloat16, 1, 1, False)]
+    for cfg, dt, B, T, unindexed in cases:
+        mla = MLA(cfg, dt)
+        ix = mla.indexer
+        mla.kv_a_layernorm.weight.data = (torch.rand(cfg.kv_lora_rank, generator=g) + 0.5).to(dt)
+        mla.q_a_layernorm.weight.data = (torch.rand(cfg.q_lora_rank, generator=g) + 0.5).to(dt)
+        ix.k_norm.weight.data = torch.rand(128, generator=g) + 0.5
+        ix.k_norm.bias.data = torch.randn(128, generator=g) * 0.1
+        H, P, R, C, Q = mla.H, mla.P, mla.R, mla.C, cfg.q_lora_rank
+        mla.w_kb = (torch.randn(H, P, C, generator=g) * 0.05).to(dt)
+        a = (torch.randn(B, T, Q + 128 + C + R, generator=g) * 2).to(dt)
+        pos = torch.randint(0, 8, (B, 1), generator=g) + torch.arange(T)
+        cos, sin = Rotary(cfg).angles(pos)
+        caches = [KVCache(cfg, 1, B, 16, device="cpu", dtype=dt, quantized=True).layer(0) for _ in range(2)]
+        mla_kv_prologue(mla, caches[0], pos, a, cos, sin)
+        n = mla.q_a_layernorm
+        _, _, r8, rs = add_rms_norm_quant(a[..., :Q], None, n.weight, n.eps, dt, store_y=False)
+        q8, qs = mla_kv_prologue_norm(mla, caches[1], pos, a, cos, sin, dt)
+        for name in ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale"):
+            assert same(getattr(caches[0], name), getattr(caches[1], name)), (name, dt, B, T)
+        assert same(q8, r8) and same(qs, rs), (dt, B, T)
+        qq = torch.randn(B, T, H * (P + R) + ix.n_heads * 128, generator=g).to(dt)
+        q_lat = absorb_q(qq[..., :H * (P + R)].view(B, T, H, P + R)[..., :P], mla.w_kb)
+        for index in (True, False) if unindexed else (True,):  # S > top-k; S <= top-k (the q_b output alone)
+            x = qq if index else qq[..., :H * (P + R)]
+            want = (*mla_q_prologue(mla, x, cos, sin, index=index), q_lat)
+            got = mla_q_prologue_absorb(mla, x, cos, sin, index=index)
+            for w, o, name in zip(want, got, ("q_pe", "iq8", "iqs", "q_lat")):
+                assert (w is None and o is None) if not index and name in ("iq8", "iqs") else same(w, o), \
+                    (name, dt, B, T, index)
+    _expect_errors("mla_prologue_fused", (
+        (lambda: mla_q_prologue_absorb(mla, torch.zeros(1, 65, H * (P + R)), *Rotary(cfg).angles(
+            torch.arange(65)[None]), index=False), "tokens 1..64"),))
+
+
 def _absorb_checks() -> None:
     """The absorbed kv_b projections (fp32: the interpreter's bf16 tl.dot is wrong) on a strided q_nope."""
     from mtp.kernels.absorb import absorb_out, absorb_out_ref, absorb_q, absorb_q_ref
@@ -456,6 +518,7 @@ if __name__ == "__main__":
         _norm_checks()
         _router_checks()
         _prologue_checks()
+        _prologue_fused_checks()
         _absorb_checks()
     else:
         _model_checks()

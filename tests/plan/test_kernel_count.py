@@ -41,34 +41,45 @@ def _real_limits() -> Limits:
 
 def test_hand_derivation_real_rank_one_token_1k():
     """TP=8 rank, 1 token, S = 1025 <= top-k 2048 (no indexer). Read from fast_path.FastBlock / mla_forward_fast:
-    attention = input norm-quant 1 + q_a|wk|kv_a GEMV 1 + kv prologue 1 + q_a norm-quant 1 + q_b|wq_b GEMV 1
-    + q prologue 1 + absorb q 1 + mla_decode 2 + absorb out 1 + o_proj GEMV 1 + its cast 1 + post norm-quant 1 = 13.
+    attention = input norm-quant 1 + q_a|wk|kv_a GEMV 1 + kv prologue with the q_a norm-quant 1 + q_b|wq_b GEMV 1
+    + q prologue with absorb q 1 + mla_decode 2 + absorb out 1 + o_proj GEMV 1 + its cast 1 + post norm-quant 1
+    = 11 (13 with fuse_prologue off: the session-4 profile's 183 norm-quants = 3 x 61).
     dense MLP = gate|up GEMV 1 + silu*up 1 + down GEMV 1 + cast after the all-reduce 1 + residual add 1 = 5.
     MoE = shared gate|up 1 + silu*up 1 + shared down 1 + router 1 + experts (persistent: gate-up, down, combine) 3
-    + add_rounded 1 = 8. So dense 18, MoE 21 (the session-4 profile: 305 GEMVs = 5 x 61, 183 norm-quants = 3 x 61,
-    58 routers, 58 x 3 expert kernels, 64 bf16 casts = 61 + 3); 61 layers: 3 x 18 + 58 x 21 = 1272, head 2,
-    glue 18."""
+    + add_rounded 1 = 8. So dense 16, MoE 19 (unfused prologue 18, 21: the session-4 profile: 305 GEMVs = 5 x 61,
+    58 routers, 58 x 3 expert kernels, 64 bf16 casts = 61 + 3); 61 layers: 3 x 16 + 58 x 19 = 1150 (1272 unfused),
+    head 2, glue 18."""
     cfg = real_config(layers=61, dense_layers=3)
     p = per_layer(cfg, StepShape(1, 1, 1025, tp=8), _real_limits())
-    assert (p["dense"], p["moe"], p["head"], p["glue"]) == (18, 21, 2, 18)
-    assert sum(step_launches(cfg, StepShape(1, 1, 1025, tp=8), _real_limits()).values()) == 1272 + 2 + 18
+    assert (p["dense"], p["moe"], p["head"], p["glue"]) == (16, 19, 2, 18)
+    assert sum(step_launches(cfg, StepShape(1, 1, 1025, tp=8), _real_limits()).values()) == 1150 + 2 + 18
+    unfused = dataclasses.replace(_real_limits(), fuse_prologue=False)
+    p = per_layer(cfg, StepShape(1, 1, 1025, tp=8), unfused)
+    assert (p["dense"], p["moe"]) == (18, 21)
+    assert sum(step_launches(cfg, StepShape(1, 1, 1025, tp=8), unfused).values()) == 1272 + 2 + 18
 
 
 def test_hand_derivation_real_rank_few_tokens_and_grouped():
     """2..16 tokens: no split-K GEMV; the GEMVs fed a quantized x (q_a|wk|kv_a, q_b|wq_b, gate|up) stay one launch,
-    o_proj and the down projections (7168 rows > SMALL_N 4096) get an act_quant each: dense 18 + 2 = 20, MoE
-    21 + 2 = 23, head + the gathered logits' copy = 3. 17..64 tokens: the grouped expert GEMM (count, align,
-    act_quant, gate-up, down, combine: 6 instead of 3): MoE 26. 96 tokens (> SMALL_M 64): the block's norm does not
-    quantize: q_a|wk|kv_a gets an act_quant (+1), the einsum absorb (4 instead of 2: +2), the dense gate|up an
-    act_quant (+1): dense 20 + 1 + 2 + 1 = 24; MoE: attention 13 + 1 + 1 + 2 = 17, shared gate|up 2 + silu 1 + down
-    2, router 2 launches of 64 + 2 cats = 4, grouped 6, routed + shared 1, cast 1, residual add 1: 17 + 18 = 35.
-    192 tokens: 3 router launches (+1): 36."""
+    o_proj and the down projections (7168 rows > SMALL_N 4096) get an act_quant each: dense 16 + 2 = 18, MoE
+    19 + 2 = 21, head + the gathered logits' copy = 3. 17..64 tokens: the grouped expert GEMM (count, align,
+    act_quant, gate-up, down, combine: 6 instead of 3): MoE 24. 96 tokens (> SMALL_M = ABSORB_MAX_TOKENS 64): the
+    block's norm does not quantize: q_a|wk|kv_a gets an act_quant (+1), the einsum absorb (4 instead of 2: +2) and
+    the q prologue apart from it (+1), the dense gate|up an act_quant (+1): dense 18 + 1 + 2 + 1 + 1 = 23; MoE:
+    attention 11 + 1 + 1 + 2 + 1 = 16, shared gate|up 2 + silu 1 + down 2, router 2 launches of 64 + 2 cats = 4,
+    grouped 6, routed + shared 1, cast 1, residual add 1: 16 + 18 = 34. 192 tokens: 3 router launches (+1): 35.
+    With fuse_prologue off: 2 more up to 64 tokens, 1 more above (the kv prologue and q_a norm apart)."""
     cfg = real_config(layers=61, dense_layers=3)
     lim = _real_limits()
-    got = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), lim) for N in (2, 16, 17, 64, 96, 192)}
-    assert [(got[N]["dense"], got[N]["moe"]) for N in (2, 16, 17, 64, 96, 192)] == \
-        [(20, 23), (20, 23), (20, 26), (20, 26), (24, 35), (24, 36)]
+    Ns = (2, 16, 17, 64, 96, 192)
+    got = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), lim) for N in Ns}
+    assert [(got[N]["dense"], got[N]["moe"]) for N in Ns] == \
+        [(18, 21), (18, 21), (18, 24), (18, 24), (23, 34), (23, 35)]
     assert got[2]["head"] == 3
+    unfused = dataclasses.replace(lim, fuse_prologue=False)
+    old = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), unfused) for N in Ns}
+    assert [(old[N]["dense"], old[N]["moe"]) for N in Ns] == \
+        [(20, 23), (20, 23), (20, 26), (20, 26), (24, 35), (24, 36)]
 
 
 def test_hand_derivation_indexer():
