@@ -487,6 +487,7 @@ def _model_checks() -> None:
         assert _rel(out[True, "mtp"], out[False, "mtp"]) < 1e-5
         disable_fast_path(model)
         assert not any(isinstance(m, FAST_CLASSES) for m in model.modules()), "disable must restore the classes"
+    _fused_prologue_wiring()
     # one rank of a TP=2 model (collectives the identity): the per-rank MLP / expert-parallel MoE paths
     from tests.parallel.test_moe_ep import SumLaterComm
 
@@ -508,6 +509,73 @@ def _model_checks() -> None:
             set_kernels(rank, gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
             out[on] = rank(ids, rank.new_cache(2, 16)).logits
         assert _rel(out[True], out[False]) < 1e-5, _rel(out[True], out[False])
+
+
+def _fused_prologue_wiring() -> None:
+    """A model whose MLA takes the kernels (latent 512, rope 64, 16 indexer heads; fp32, FP8 numerics): its decode
+    and verify blocks run the fused prologue launches (counted), and switch fuse_prologue off gives the same logits
+    bit for bit, with the indexer's queries (S > top-k 16) and without (S <= 16); absorb off, or more tokens than
+    ABSORB_MAX_TOKENS, keeps the q prologue's own launch and absorbs in `mla_attend_fast`."""
+    import dataclasses
+    import tempfile
+
+    import mtp.backends.fast_path as fp
+    from mtp.backends.fast_path import FastMLA, install_fast_modules, set_kernels
+    from mtp.checkpoint.files import load_model, save_checkpoint
+    from mtp.checkpoint.random_weights import random_tensors
+    from mtp.model.presets import tiny_config
+
+    cfg = dataclasses.replace(tiny_config(), kv_lora_rank=512, index_n_heads=16, num_hidden_layers=2,
+                              first_k_dense_replace=2, num_nextn_predict_layers=0)
+    path = save_checkpoint(random_tensors(cfg, seed=1), cfg, Path(tempfile.mkdtemp()) / "m")
+    model = load_model(path, dtype=torch.float32, numerics="fp8")
+    install_fast_modules(model)
+    assert all(isinstance(layer.self_attn, FastMLA) for layer in model.model.layers)
+    calls = {"kv": 0, "q": 0}
+
+    def counted(key, fn):
+        def run(*args, **kw):
+            calls[key] += 1
+            return fn(*args, **kw)
+        return run
+
+    kv_fn, q_fn = fp.mla_kv_prologue_norm, fp.mla_q_prologue_absorb
+    fp.mla_kv_prologue_norm, fp.mla_q_prologue_absorb = counted("kv", kv_fn), counted("q", q_fn)
+    g = torch.Generator().manual_seed(2)
+    try:
+        with torch.no_grad():
+            for P, w in ((5, 2), (20, 1)):  # S <= 16: no indexer queries; S > 16: the indexer scores
+                prompt = torch.randint(0, cfg.vocab_size, (2, P + w), generator=g)
+                cache = model.new_cache(2, P + w + 2)
+                model(prompt[:, :P], cache)
+                base = cache.seq_lens.clone()
+                out = {}
+                for flags in (dict(fuse_prologue=True), dict(fuse_prologue=False), dict(absorb=False)):
+                    set_kernels(model, **{"fuse_prologue": True, "absorb": True, **flags})
+                    cache.truncate(base)  # each block writes past the prompt only
+                    before = dict(calls)
+                    out[tuple(flags.items())] = model(prompt[:, P:], cache, kv_len=P + w).logits
+                    fused_kv = 2 if "fuse_prologue" not in flags or flags["fuse_prologue"] else 0  # per layer
+                    fused_q = 2 if flags == dict(fuse_prologue=True) else 0
+                    assert (calls["kv"] - before["kv"], calls["q"] - before["q"]) == (fused_kv, fused_q), \
+                        (P, w, flags, calls, before)
+                fused, unfused, no_absorb = out.values()
+                assert torch.equal(fused, unfused), (P, w, _rel(fused, unfused))
+                # absorb off: the einsum (not comparable here: the interpreter's bf16 tl.dot is wrong)
+                assert torch.isfinite(no_absorb).all()
+            fp_max = fp.ABSORB_MAX_TOKENS
+            fp.ABSORB_MAX_TOKENS = 1  # a 2-token verify past the absorb kernels: the q prologue's own launch
+            try:
+                set_kernels(model, fuse_prologue=True, absorb=True)
+                cache = model.new_cache(2, 24)
+                model(prompt[:, :19], cache)
+                before = dict(calls)
+                assert torch.isfinite(model(prompt[:, 19:21], cache).logits).all()
+                assert calls["q"] == before["q"] and calls["kv"] == before["kv"] + 2
+            finally:
+                fp.ABSORB_MAX_TOKENS = fp_max
+    finally:
+        fp.mla_kv_prologue_norm, fp.mla_q_prologue_absorb = kv_fn, q_fn
 
 
 if __name__ == "__main__":
