@@ -22,7 +22,9 @@
   (`fuse_rows`), the kv_a norm + rotary + indexer key + FP8 cache write and the q_pe rotary + indexer queries'
   rotary, Hadamard and quant in one kernel each (`kernels.mla_prologue`), the absorbed kv_b projections in one
   launch each (`kernels.absorb`; the output one inside `mla_decode`'s stage 2, `kernels.mla_out`), the indexer's
-  head weights in one (`kernels.index_weights`, from weights_proj in place: no per-layer copy);
+  head weights in one (`kernels.index_weights`, from weights_proj in place: no per-layer copy); the kv prologue
+  shares its launch with the q_a norm + quant, the q prologue with the absorbed q (`kernels.mla_prologue_fused`,
+  switch `fuse_prologue`);
 - dense MLPs and shared experts (also tensor-parallel ones: `FastParallelMLP`) with gate and up stacked into one
   GEMV (`fuse_rows`);
 - every decoder `Block` (`FastBlock`): residual add + RMSNorm + FP8 quant in one kernel (`kernels.norm_quant`)
@@ -62,6 +64,7 @@ from ..kernels.index_weights import index_weights, index_weights_ref
 from ..kernels.indexer import TOPK_IMPLS, indexer_topk
 from ..kernels.mla_decode import mla_decode
 from ..kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
+from ..kernels.mla_prologue_fused import kv_norm_fits, mla_kv_prologue_norm, mla_q_prologue_absorb
 from ..kernels.moe import GROUPED_ABOVE, MAX_TOKENS as MOE_KERNEL_MAX_TOKENS
 from ..kernels.moe import moe_experts
 from ..kernels.moe_grouped import default_block_m
@@ -612,7 +615,9 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
     """The whole MLA block of a decode / verify step on the kernels: the fused input projections
     (q_a | indexer wk | kv_a, then q_b | indexer wq_b), the FP8 cache write in one launch (switch `prologue`:
     with the kv_a norm, rotary and indexer key), the indexer top-k and absorbed attention over the cache, o_proj.
-    Same formulas as `MLA.forward`'s absorbed path.
+    Same formulas as `MLA.forward`'s absorbed path. Switch `fuse_prologue`: the kv prologue with the q_a norm +
+    quant, and the q prologue with the absorbed q (up to ABSORB_MAX_TOKENS, switch `absorb`), one launch per pair
+    (`kernels.mla_prologue_fused`, bit-identical to the two launches).
     xq = (x8, sx): x_BTD already quantized per 128 (by the block's fused norm), fed to the first GEMV.
     visible_BTS: a draft tree's visibility (`MLA.forward`), or None (causal)."""
     B, T, _ = x_BTD.shape
@@ -626,7 +631,13 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
         qa, k_idx, kv = mla.q_a_proj(x_BTD), ix.wk(x_BTD), mla.kv_a_proj_with_mqa(x_BTD)
     fo = mla.fast_options
     prologue = fo.prologue and mla.fused_a is not None and mla.fused_qb is not None
-    if prologue:  # kv_a norm, rotary, indexer key and the cache write in one launch
+    # switch fuse_prologue: each pair of launches that reads one GEMV output as one launch, the same bits
+    fuse_kv = prologue and fo.fuse_prologue and fo.norm_quant and kv_norm_fits(Q)
+    fuse_q = prologue and fo.fuse_prologue and fo.absorb and B * T <= ABSORB_MAX_TOKENS
+    q8 = None
+    if fuse_kv:  # the kv prologue below and the q_a norm + quant (y not stored)
+        q8, qs = mla_kv_prologue_norm(mla, cache, pos_BT, a, cos, sin, dt, pdl=fo.pdl)
+    elif prologue:  # kv_a norm, rotary, indexer key and the cache write in one launch
         mla_kv_prologue(mla, cache, pos_BT, a, cos, sin)
     else:
         c = mla.kv_a_layernorm(kv[..., : mla.C], dt)
@@ -638,7 +649,8 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
     score = ix.topk < S
     if mla.fused_qb is not None and fo.norm_quant:  # the q_a norm + quant in one launch, y not stored
         n = mla.q_a_layernorm
-        _, _, q8, qs = add_rms_norm_quant(qa, None, n.weight, n.eps, dt, store_y=False, pdl=fo.pdl)
+        if q8 is None:
+            _, _, q8, qs = add_rms_norm_quant(qa, None, n.weight, n.eps, dt, store_y=False, pdl=fo.pdl)
         wq = mla.fused_qb if score else (mla.q_b_proj.weight, mla.q_b_proj.weight_scale_inv)  # rows of fused_qb
         qq = linear(None, *wq, fo, out_dtype=dt, xq=(q8, qs))
         q, iq = qq[..., : H * (P + R)], qq[..., H * (P + R):]
@@ -650,9 +662,13 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
         q, iq = mla.q_b_proj(qr), (ix.wq_b(qr) if score else None)
     q = q.view(B, T, H, P + R)
     if prologue:  # q_pe rotary and the indexer queries' rotary, Hadamard and quant in one launch
-        q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin, index=score)
+        q_lat = None
+        if fuse_q:  # with the absorbed q
+            q_pe, iq8, iqs, q_lat = mla_q_prologue_absorb(mla, qq, cos, sin, index=score)
+        else:
+            q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin, index=score)
         o = mla_attend_fast(mla, x_BTD, None, q[..., :P], q_pe, cache, S, out_dtype=dt,
-                            iq_quant=(iq8, iqs) if score else None, visible_BTS=visible_BTS)
+                            iq_quant=(iq8, iqs) if score else None, visible_BTS=visible_BTS, q_lat=q_lat)
         return mla.o_proj(o.reshape(B, T, H * mla.V))
     q_nope, q_pe = q[..., :P], mla.ops.rope_interleaved(q[..., P:], cos, sin)
     iq = ix.rotate(iq.view(B, T, ix.n_heads, Dk), cos, sin) if score else None
@@ -677,10 +693,13 @@ def indexer_head_weights(mla: MLA, x_BTD: torch.Tensor) -> torch.Tensor:
 
 
 def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
-                    out_dtype: torch.dtype = torch.float32, iq_quant=None, visible_BTS=None) -> torch.Tensor:
+                    out_dtype: torch.dtype = torch.float32, iq_quant=None, visible_BTS=None,
+                    q_lat=None) -> torch.Tensor:
     """Absorbed MLA over the FP8 cache with the indexer's top-k: returns o [B, T, H, V] in out_dtype.
     iq_BTHD: the indexer queries, rotated (`Indexer.queries`), before quantization; or iq_quant = (iq8, iqs
-    [B, T, Hi, 1]) already quantized (`mla_prologue.mla_q_prologue`). visible_BTS: a draft tree's visibility
+    [B, T, Hi, 1]) already quantized (`mla_prologue.mla_q_prologue`). q_lat [B, T, H, C]: q_nope . W_kb already
+    computed (`mla_prologue_fused.mla_q_prologue_absorb`, with the q prologue), else done here from q_nope.
+    visible_BTS: a draft tree's visibility
     [B, T, S]: the indexer scores only the keys each node sees (its top-k is then per node and never holds an
     unseen key), and without an indexer (S <= top-k) the attention masks by it directly."""
     ix = mla.indexer
@@ -695,9 +714,9 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
         topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
                                    topk=ix.topk, impl=mla.topk_impl, visible=visible_BTS)
     absorb = mla.fast_options.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS
-    if absorb:  # one launch each instead of copy + batched GEMM + copy
+    if q_lat is None and absorb:  # one launch each instead of copy + batched GEMM + copy
         q_lat = absorb_q(q_nope, mla.w_kb)
-    else:
+    elif q_lat is None:
         q_lat = torch.einsum("bthp,hpc->bthc", q_nope.to(torch.bfloat16), mla.w_kb).contiguous()
     # switch fuse_absorb_out: stage 2 of the attention and absorb_out in one launch (the same bits)
     fuse_out = absorb and mla.fast_options.fuse_absorb_out

@@ -178,6 +178,8 @@ KERNEL_VARIANTS = {
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
     "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),
     "unfused_out_cast": (dict(fuse_out_cast=False), dict()),
+    # the MLA prologue's pairs of launches (kv prologue, q_a norm; q prologue, absorb q) apart: 2 launches more
+    "unfused_prologue": (dict(fuse_prologue=False), dict()),
 }
 
 

@@ -19,7 +19,8 @@ import torch
 
 from mtp.kernels._triton import require, tl, triton
 
-__all__ = ["absorb_q", "absorb_q_ref", "absorb_out", "absorb_out_ref", "MAX_TOKENS", "out_block", "token_block"]
+__all__ = ["absorb_q", "absorb_q_ref", "absorb_out", "absorb_out_ref", "absorb_tiles", "MAX_TOKENS", "out_block",
+           "token_block"]
 
 MAX_TOKENS = 64
 
@@ -48,8 +49,15 @@ def _absorb_kernel(x_ptr, w_ptr, y_ptr, n_tok, stride_xn, stride_xh, stride_wh, 
                    H: tl.constexpr, KD: tl.constexpr, OD: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr,
                    BT: tl.constexpr, IEEE: tl.constexpr):
     """y[n, h, o] = sum_k x[n, h, k] * w[h, k, o] (strides say how w is laid out), o in this program's block."""
-    h = tl.program_id(0)
-    ob = tl.program_id(1)
+    _absorb_block(tl.program_id(0), tl.program_id(1), x_ptr, w_ptr, y_ptr, n_tok, stride_xn, stride_xh, stride_wh,
+                  stride_wk, stride_wo, H, KD, OD, BO, BK, BT, IEEE)
+
+
+@triton.jit
+def _absorb_block(h, ob, x_ptr, w_ptr, y_ptr, n_tok, stride_xn, stride_xh, stride_wh, stride_wk, stride_wo,
+                  H: tl.constexpr, KD: tl.constexpr, OD: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr,
+                  BT: tl.constexpr, IEEE: tl.constexpr):
+    """Head h, output block ob of `_absorb_kernel`; also `mla_prologue_fused`'s absorb programs (the same code)."""
     t = tl.arange(0, BT)
     o = ob * BO + tl.arange(0, BO)
     tmask = t < n_tok
@@ -90,15 +98,20 @@ def _launch(x_BTHK, w, stride_wk, stride_wo, OD, out_dtype):
     # a slice of the q_b output, must not be copied for it), else tokens'
     stride_t = x_BTHK.stride(0) if T == 1 else x_BTHK.stride(1)
     y = torch.empty(B, T, H, OD, dtype=out_dtype, device=x_BTHK.device)
+    consts = absorb_tiles(H, KD, OD, n, w.dtype)
+    _absorb_kernel[(H, OD // consts["BO"])](x_BTHK, w, y, n, stride_t, x_BTHK.stride(2), w.stride(0), stride_wk,
+                                            stride_wo, **consts, num_warps=4)
+    return y
+
+
+def absorb_tiles(H: int, KD: int, OD: int, n: int, w_dtype: torch.dtype) -> dict:
+    """The constexprs of `_absorb_block` for H heads, KD -> OD dims, n tokens (grid H x OD / BO, 4 warps): what
+    `absorb_q` / `absorb_out` launch, and `mla_prologue_fused` with the same tiles (so the same sums)."""
     bo = out_block(H, OD)
     bk = min(128, KD)
     if OD % bo or KD % bk:
         raise ValueError(f"absorb: dims {KD} -> {OD} must be multiples of {bk} / {bo}")
-    ieee = w.dtype == torch.float32
-    _absorb_kernel[(H, OD // bo)](x_BTHK, w, y, n, stride_t, x_BTHK.stride(2), w.stride(0), stride_wk,
-                                  stride_wo, H=H, KD=KD, OD=OD, BO=bo, BK=bk, BT=token_block(n),
-                                  IEEE=ieee, num_warps=4)
-    return y
+    return dict(H=H, KD=KD, OD=OD, BO=bo, BK=bk, BT=token_block(n), IEEE=w_dtype == torch.float32)
 
 
 def absorb_q(q_nope_BTHP: torch.Tensor, w_kb_HPC: torch.Tensor) -> torch.Tensor:

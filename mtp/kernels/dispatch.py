@@ -13,6 +13,9 @@ version, so the engine captures its kept graphs again).
 - router: the MoE router in one kernel (`router.moe_route_fused`); off: `moe.moe_route` (2 launches).
 - prologue: the MLA prologue in two kernels (`mla_prologue`: kv_a norm, rotary, indexer key + cache write;
   q_pe rotary, indexer queries' rotary + Hadamard + quant); off: ~12 torch / compiled elementwise launches.
+- fuse_prologue: with prologue, the kv prologue and the q_a norm + quant in one launch, and with absorb, the q
+  prologue and the absorbed q in one (`mla_prologue_fused`: two launches fewer per layer, the same bits); off: one
+  launch each.
 - absorb: MLA's absorbed kv_b projections (q_nope -> latent, latent -> v) in one launch each (`absorb`);
   off: two torch einsums (~3 launches each).
 - fuse_absorb_out (with absorb, up to its token limit): `mla_decode`'s stage 2 (the merge of its key splits) and the
@@ -55,6 +58,7 @@ class FastPathOptions:
     norm_quant: bool = True
     router: bool = True
     prologue: bool = True
+    fuse_prologue: bool = True
     absorb: bool = True
     index_weights: bool = True
     pdl: bool = False

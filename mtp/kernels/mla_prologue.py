@@ -84,7 +84,19 @@ def _kv_prologue_kernel(a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_pt
                         T, stride_a, stride_pos_b, stride_pos_t, stride_cs, eps_kv, eps_k,
                         sb_kv, ss_kv, sb_kvs, ss_kvs, sb_pe, ss_pe, sb_ik, ss_ik, sb_iks, ss_iks,
                         Q: tl.constexpr, DK: tl.constexpr, C: tl.constexpr, R: tl.constexpr, HSCALE: tl.constexpr):
-    n = tl.program_id(0)
+    _kv_prologue_token(tl.program_id(0), a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_ptr,
+                       kv_ptr, kvs_ptr, pec_ptr, ik_ptr, iks_ptr,
+                       T, stride_a, stride_pos_b, stride_pos_t, stride_cs, eps_kv, eps_k,
+                       sb_kv, ss_kv, sb_kvs, ss_kvs, sb_pe, ss_pe, sb_ik, ss_ik, sb_iks, ss_iks, Q, DK, C, R, HSCALE)
+
+
+@triton.jit
+def _kv_prologue_token(n, a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_ptr,
+                       kv_ptr, kvs_ptr, pec_ptr, ik_ptr, iks_ptr,
+                       T, stride_a, stride_pos_b, stride_pos_t, stride_cs, eps_kv, eps_k,
+                       sb_kv, ss_kv, sb_kvs, ss_kvs, sb_pe, ss_pe, sb_ik, ss_ik, sb_iks, ss_iks,
+                       Q: tl.constexpr, DK: tl.constexpr, C: tl.constexpr, R: tl.constexpr, HSCALE: tl.constexpr):
+    """Token n (of B*T) of `_kv_prologue_kernel`; also `mla_prologue_fused`'s kv programs (the same code)."""
     b = n // T
     t = n - b * T
     pos = tl.load(pos_ptr + b * stride_pos_b + t * stride_pos_t).to(tl.int64)
@@ -154,24 +166,31 @@ def mla_kv_prologue(mla, cache, pos_BT: torch.Tensor, a_BTX: torch.Tensor, cos: 
                     sin: torch.Tensor) -> None:
     """Kernel twin of `mla_kv_prologue_ref`: a_BTX [B, T, Q + Dk + C + R] the q_a | wk | kv_a output (model
     dtype); cos / sin [B, T, R/2] fp32. Writes the cache slots at pos_BT in one launch."""
-    require(a_BTX, "mla_kv_prologue")
+    a, args, consts = kv_prologue_args(mla, cache, pos_BT, a_BTX, cos, sin, "mla_kv_prologue")
+    _kv_prologue_kernel[(a.shape[0],)](*args, **consts, num_warps=4)
+
+
+def kv_prologue_args(mla, cache, pos_BT, a_BTX, cos, sin, name: str):
+    """(a as [B*T, X] rows, the runtime arguments of `_kv_prologue_token` after n, its constexprs), checked:
+    what `mla_kv_prologue` launches, and `mla_prologue_fused` with the same values."""
+    require(a_BTX, name)
     _check_mla(mla, cache)
     ix = mla.indexer
     B, T, X = a_BTX.shape
     Q, DK, C, R = mla.q_a_proj.out_features, ix.head_dim, mla.C, mla.R
     if X != Q + DK + C + R or tuple(pos_BT.shape) != (B, T) or tuple(cos.shape) != (B, T, R // 2):
-        raise ValueError(f"mla_kv_prologue: a must be [B, T, {Q + DK + C + R}], pos [B, T], cos [B, T, {R // 2}]; "
+        raise ValueError(f"{name}: a must be [B, T, {Q + DK + C + R}], pos [B, T], cos [B, T, {R // 2}]; "
                          f"got {list(a_BTX.shape)}, {list(pos_BT.shape)}, {list(cos.shape)}")
     a, cs, sn = _token_rows(a_BTX, cos, sin)
     kv, kvs, pec, ik, iks = cache.kv, cache.kv_scale, cache.pe, cache.idx_k, cache.idx_k_scale
     if kv.dtype != FP8_DTYPE or ik.dtype != FP8_DTYPE:
-        raise ValueError(f"mla_kv_prologue: cache buffers must be {FP8_DTYPE}, got {kv.dtype} / {ik.dtype}")
+        raise ValueError(f"{name}: cache buffers must be {FP8_DTYPE}, got {kv.dtype} / {ik.dtype}")
     n_kv, k_n = mla.kv_a_layernorm, ix.k_norm
-    _kv_prologue_kernel[(B * T,)](a, pos_BT, cs, sn, n_kv.weight, k_n.weight, k_n.bias, kv, kvs, pec, ik, iks,
-                                  T, a.stride(0), pos_BT.stride(0), pos_BT.stride(1), cs.stride(0), n_kv.eps, k_n.eps,
-                                  kv.stride(0), kv.stride(1), kvs.stride(0), kvs.stride(1), pec.stride(0),
-                                  pec.stride(1), ik.stride(0), ik.stride(1), iks.stride(0), iks.stride(1),
-                                  Q=Q, DK=DK, C=C, R=R, HSCALE=DK ** -0.5, num_warps=4)
+    args = (a, pos_BT, cs, sn, n_kv.weight, k_n.weight, k_n.bias, kv, kvs, pec, ik, iks,
+            T, a.stride(0), pos_BT.stride(0), pos_BT.stride(1), cs.stride(0), n_kv.eps, k_n.eps,
+            kv.stride(0), kv.stride(1), kvs.stride(0), kvs.stride(1), pec.stride(0),
+            pec.stride(1), ik.stride(0), ik.stride(1), iks.stride(0), iks.stride(1))
+    return a, args, dict(Q=Q, DK=DK, C=C, R=R, HSCALE=DK ** -0.5)
 
 
 # ----------------------------------------------------------------------------- q side
@@ -179,8 +198,16 @@ def mla_kv_prologue(mla, cache, pos_BT: torch.Tensor, a_BTX: torch.Tensor, cos: 
 def _q_prologue_kernel(qq_ptr, cos_ptr, sin_ptr, qpe_ptr, iq8_ptr, iqs_ptr, stride_q, stride_cs,
                        H: tl.constexpr, P: tl.constexpr, R: tl.constexpr, HI: tl.constexpr, DK: tl.constexpr,
                        HSCALE: tl.constexpr, INDEX: tl.constexpr):
-    n = tl.program_id(0)
-    h = tl.program_id(1)
+    _q_prologue_head(tl.program_id(0), tl.program_id(1), qq_ptr, cos_ptr, sin_ptr, qpe_ptr, iq8_ptr, iqs_ptr,
+                     stride_q, stride_cs, H, P, R, HI, DK, HSCALE, INDEX)
+
+
+@triton.jit
+def _q_prologue_head(n, h, qq_ptr, cos_ptr, sin_ptr, qpe_ptr, iq8_ptr, iqs_ptr, stride_q, stride_cs,
+                     H: tl.constexpr, P: tl.constexpr, R: tl.constexpr, HI: tl.constexpr, DK: tl.constexpr,
+                     HSCALE: tl.constexpr, INDEX: tl.constexpr):
+    """Token n, head h of `_q_prologue_kernel` (q_pe of head h < H, the indexer query of head h < HI); also
+    `mla_prologue_fused`'s q programs (the same code)."""
     row = qq_ptr + n.to(tl.int64) * stride_q
     dt = qq_ptr.dtype.element_ty
     cos_row = cos_ptr + n * stride_cs
@@ -217,25 +244,31 @@ def mla_q_prologue(mla, qq_BTX: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     dtype). Returns (q_pe [B, T, H, R] model dtype, contiguous; iq8 [B, T, Hi, Dk] fp8; iqs [B, T, Hi, 1]).
     index=False: the indexer will not score (it keeps every key when S <= its top-k), so qq_BTX may be the q_b
     output alone [B, T, H (P + R)] and (q_pe, None, None) is returned."""
-    require(qq_BTX, "mla_q_prologue")
+    q, args, consts, outs = q_prologue_args(mla, qq_BTX, cos, sin, index, "mla_q_prologue")
+    heads = max(consts["H"], consts["HI"]) if index else consts["H"]
+    _q_prologue_kernel[(q.shape[0], heads)](*args, **consts, num_warps=4)
+    return outs
+
+
+def q_prologue_args(mla, qq_BTX, cos, sin, index: bool, name: str):
+    """(qq as [B*T, X] rows, the runtime arguments of `_q_prologue_head` after (n, h), its constexprs, the
+    outputs (q_pe, iq8, iqs), with None for the queries when not index), checked and allocated: what
+    `mla_q_prologue` launches, and `mla_prologue_fused` with the same values."""
+    require(qq_BTX, name)
     _check_mla(mla)
     ix = mla.indexer
     B, T, X = qq_BTX.shape
     H, P, R, HI, DK = mla.H, mla.P, mla.R, ix.n_heads, ix.head_dim
     widths = (H * (P + R) + HI * DK,) if index else (H * (P + R), H * (P + R) + HI * DK)
     if X not in widths or tuple(cos.shape) != (B, T, R // 2):
-        raise ValueError(f"mla_q_prologue: qq must be [B, T, {' or '.join(map(str, widths))}] and cos "
+        raise ValueError(f"{name}: qq must be [B, T, {' or '.join(map(str, widths))}] and cos "
                          f"[B, T, {R // 2}], got {list(qq_BTX.shape)}, {list(cos.shape)}")
     q, cs, sn = _token_rows(qq_BTX, cos, sin)
     dev = q.device
     q_pe = torch.empty(B, T, H, R, dtype=q.dtype, device=dev)
+    consts = dict(H=H, P=P, R=R, HI=HI, DK=DK, HSCALE=DK ** -0.5, INDEX=bool(index))
     if not index:
-        _q_prologue_kernel[(B * T, H)](q, cs, sn, q_pe, q_pe, q_pe, q.stride(0), cs.stride(0),
-                                       H=H, P=P, R=R, HI=HI, DK=DK, HSCALE=DK ** -0.5, INDEX=False, num_warps=4)
-        return q_pe, None, None
+        return q, (q, cs, sn, q_pe, q_pe, q_pe, q.stride(0), cs.stride(0)), consts, (q_pe, None, None)
     iq8 = torch.empty(B, T, HI, DK, dtype=FP8_DTYPE, device=dev)
     iqs = torch.empty(B, T, HI, 1, dtype=torch.float32, device=dev)
-    _q_prologue_kernel[(B * T, max(H, HI))](q, cs, sn, q_pe, iq8, iqs, q.stride(0), cs.stride(0),
-                                            H=H, P=P, R=R, HI=HI, DK=DK, HSCALE=DK ** -0.5, INDEX=True,
-                                            num_warps=4)
-    return q_pe, iq8, iqs
+    return q, (q, cs, sn, q_pe, iq8, iqs, q.stride(0), cs.stride(0)), consts, (q_pe, iq8, iqs)

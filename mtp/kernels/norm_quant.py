@@ -57,7 +57,18 @@ def _add_norm_quant_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, x8_ptr, sx_ptr,
     if PDL:  # every input may come from the previous kernel: only the launch overlaps it
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
+    _add_norm_quant_row(tl.program_id(0).to(tl.int64), h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, x8_ptr, sx_ptr, D,
+                        eps, stride_h, stride_d, stride_ho, stride_y, stride_x8, stride_sx,
+                        ADD, STORE_H, STORE_Y, QUANT, BG, ROUND)
+
+
+@triton.jit
+def _add_norm_quant_row(row, h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, x8_ptr, sx_ptr, D, eps,
+                        stride_h, stride_d, stride_ho, stride_y, stride_x8, stride_sx,
+                        ADD: tl.constexpr, STORE_H: tl.constexpr, STORE_Y: tl.constexpr,
+                        QUANT: tl.constexpr, BG: tl.constexpr, ROUND: tl.constexpr):
+    """One row (int64 index) of `_add_norm_quant_kernel`; also the q_a norm's programs of
+    `mla_prologue_fused`'s kv launch (the same code, so the same bits)."""
     g = tl.arange(0, BG)
     k = tl.arange(0, 128)
     offs = g[:, None] * 128 + k[None, :]  # [BG, 128]: the row viewed as its 128-groups
@@ -84,6 +95,13 @@ def _add_norm_quant_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, x8_ptr, sx_ptr,
         gmask = g * 128 < D
         tl.store(x8_ptr + row * stride_x8 + offs, quant_e4m3(yf, inv[:, None]), mask=mask)
         tl.store(sx_ptr + row * stride_sx + g, s, mask=gmask)
+
+
+def row_tiles(D: int) -> tuple[int, int]:
+    """(BG, num_warps) of a row of D channels: its 128-groups rounded up to a power of two, and 8 warps from 32
+    groups (a launch that runs `_add_norm_quant_row` must use these to keep its bits: the warps set the sums' order)."""
+    bg = triton.next_power_of_2(triton.cdiv(D, BLOCK))
+    return bg, 8 if bg >= 32 else 4
 
 
 def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
@@ -123,7 +141,7 @@ def add_rms_norm_quant(h: torch.Tensor, delta: torch.Tensor | None, weight: torc
     x8 = torch.empty(M, D, dtype=FP8_DTYPE, device=dev) if quant else None
     sx = torch.empty(M, D // BLOCK, dtype=torch.float32, device=dev) if quant else None
     if M:
-        bg = triton.next_power_of_2(triton.cdiv(D, BLOCK))
+        bg, warps = row_tiles(D)
         # a y buffer is needed for its dtype even when it is not stored: point at a 1-element stand-in
         y_arg = y if y is not None else torch.empty(1, 1, dtype=out_dtype, device=dev)
         launch = pdl_kwargs(pdl, h2)
@@ -131,8 +149,7 @@ def add_rms_norm_quant(h: torch.Tensor, delta: torch.Tensor | None, weight: torc
                                      h2.stride(0), d2.stride(0), hout.stride(0), y_arg.stride(0),
                                      x8.stride(0) if quant else 0, sx.stride(0) if quant else 0,
                                      ADD=add, STORE_H=add and store_h, STORE_Y=store_y, QUANT=quant, BG=bg,
-                                     PDL=bool(launch), ROUND=_ROUND.get(round_dtype, 2),
-                                     num_warps=8 if bg >= 32 else 4, **launch)
+                                     PDL=bool(launch), ROUND=_ROUND.get(round_dtype, 2), num_warps=warps, **launch)
     G = D // BLOCK
     return (hout.view(*lead, D) if add and store_h else (h if not add else None),
             y.view(*lead, D) if y is not None else None,

@@ -51,6 +51,10 @@ class Limits:
     kernel_route: int  # FastMoE.kernel_route_tokens: the router kernels up to this many tokens
     grouped_above: int  # FastMoE.grouped_above: the grouped expert GEMM above this many tokens
     moe_chunk: int  # FastMoE.max_tokens: tokens per grouped expert call
+    # dispatch.FastPathOptions.fuse_prologue (the default): the MLA prologue's launch pairs as one each
+    # (`mla_prologue_fused`), the kv one up to norm_max_q q_lora channels (`mla_prologue_fused.NORM_MAX_Q`)
+    fuse_prologue: bool = True
+    norm_max_q: int = 2048
     fuse_absorb_out: bool = True  # FastPathOptions.fuse_absorb_out: absorb out inside mla_decode's stage 2
     fuse_out_cast: bool = True  # FastPathOptions.fuse_out_cast: no cast launch after a row-parallel all-reduce
 
@@ -59,11 +63,13 @@ class Limits:
         from ..backends import fast_path as fp
         from ..kernels import fp8_gemm
         from ..kernels.dispatch import FastPathOptions
+        from ..kernels.mla_prologue_fused import NORM_MAX_Q
 
         o = FastPathOptions()
         return cls(o.gemv_rows, fp8_gemm.FUSE_M, fp8_gemm.SMALL_N, fp.SMALL_M, fp.ABSORB_MAX_TOKENS,
                    fp.ROUTER_MAX_TOKENS, fp.FastMoE.kernel_route_tokens, fp.FastMoE.grouped_above,
-                   fp.FastMoE.max_tokens, o.fuse_absorb_out, o.fuse_out_cast)
+                   fp.FastMoE.max_tokens, fuse_prologue=o.fuse_prologue, norm_max_q=NORM_MAX_Q,
+                   fuse_absorb_out=o.fuse_absorb_out, fuse_out_cast=o.fuse_out_cast)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -100,16 +106,22 @@ def attention(cfg: ModelConfig, sh: StepShape, lim: Limits) -> tuple[int, int]:
     """(attention, indexer) launches of `FastBlock` up to the FFN: input norm + quant, q_a | wk | kv_a, the kv
     prologue (norm, rotary, cache write), q_a norm + quant, q_b | wq_b, the q prologue, absorb q, mla_decode (2
     stages), absorb out (inside mla_decode's stage 2 with fuse_absorb_out up to absorb_max tokens,
-    `kernels.mla_out`), o_proj (+ its cast to the model dtype after the all-reduce when row-parallel, unless fuse_out_cast: the
-    post-attention norm rounds the fp32 sum, `Pending`), post-attention norm + quant; and the indexer's when it
-    chooses (S > top-k, `mla_attend_fast`)."""
+    `kernels.mla_out`), o_proj (+ its cast to the model dtype after the all-reduce when row-parallel, unless
+    fuse_out_cast: the post-attention norm rounds the fp32 sum, `Pending`), post-attention norm + quant; and the
+    indexer's when it chooses (S > top-k, `mla_attend_fast`). With fuse_prologue (`mla_prologue_fused`): the kv
+    prologue and the q_a norm + quant are one launch (q_lora <= norm_max_q), and up to absorb_max tokens the q
+    prologue and absorb q are one."""
     N, D = sh.tokens, cfg.hidden_size
     quant = N <= lim.small_m
-    n = 1 + linear(N, cfg.q_lora_rank + cfg.index_head_dim + cfg.kv_lora_rank + cfg.qk_rope_head_dim, lim, quant)
-    n += 1 + 1 + 1 + 1  # kv prologue, q_a norm + quant, q_b | wq_b (fed quantized), q prologue
     absorb = N <= lim.absorb_max
-    n += 2 if absorb else 4  # absorb kernels, or two einsums (a bmm and a copy each)
-    n += 2 - (1 if absorb and lim.fuse_absorb_out else 0)  # mla_decode: stage 1, stage 2 (absorb out in it)
+    n = 1 + linear(N, cfg.q_lora_rank + cfg.index_head_dim + cfg.kv_lora_rank + cfg.qk_rope_head_dim, lim, quant)
+    fuse_kv = lim.fuse_prologue and cfg.q_lora_rank <= lim.norm_max_q
+    n += 1 if fuse_kv else 2  # kv prologue, q_a norm + quant
+    n += 1  # q_b | wq_b (fed quantized)
+    n += 1 if lim.fuse_prologue and absorb else 2  # q prologue, absorb q (or the einsum's bmm)
+    # absorb out (inside mla_decode's stage 2 with fuse_absorb_out), or the einsums' copies (q's, out's) and out's bmm
+    n += (0 if lim.fuse_absorb_out else 1) if absorb else 3
+    n += 2  # mla_decode: stage 1, stage 2
     # o_proj; RowParallelLinear's `.to(x.dtype)`, or its rounding in the post-attention norm
     n += linear(N, D, lim, False) + (1 if sh.tp > 1 and not lim.fuse_out_cast else 0)
     n += 1  # post-attention add + norm + quant

@@ -365,6 +365,68 @@ def _prologue_checks() -> None:
         assert "mla_q_prologue: qq must be" in str(e)
 
 
+def _prologue_fused_checks() -> None:
+    """The fused prologue launches (`mla_prologue_fused`) against the two launches each replaces, bit for bit
+    (torch.equal on every byte written): the kv prologue + q_a norm-quant, and the q prologue + absorb q, with and
+    without the indexer's queries (the q_b output alone), at 1..5 tokens on 1-3 rows, fp32 (tensor-core dots as IEEE
+    fp32) and bf16, over the tiny layout (4 heads < 8 indexer heads) and a wider one (12 heads > 8 indexer heads,
+    as TP=1's 128 > 64; q_lora 256)."""
+    import dataclasses
+
+    from mtp.kernels.absorb import absorb_q
+    from mtp.kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
+    from mtp.kernels.mla_prologue_fused import mla_kv_prologue_norm, mla_q_prologue_absorb
+    from mtp.kernels.norm_quant import add_rms_norm_quant
+    from mtp.model.attention import MLA
+    from mtp.model.cache import KVCache
+    from mtp.model.layers import Rotary
+    from mtp.model.presets import tiny_config
+
+    def same(x, y) -> bool:  # fp8 compared as bytes (NaN codes included)
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        return torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if x.element_size() == 1 else torch.equal(x, y)
+
+    g = torch.Generator().manual_seed(5)
+    # (config, dtype, rows, tokens per row, the q side without the indexer's queries too); few programs: each
+    # interpreted one costs ~25 ms, and the absorb tiles narrow to >= 128 programs (32 here, 96 at 12 heads)
+    wide = dataclasses.replace(tiny_config(), num_attention_heads=12, q_lora_rank=256)
+    cases = [(tiny_config(), torch.float32, 1, 5, False), (tiny_config(), torch.float32, 3, 1, True),
+             (tiny_config(), torch.bfloat16, 2, 2, True), (wide, torch.bfloat16, 1, 1, False)]
+    for cfg, dt, B, T, unindexed in cases:
+        mla = MLA(cfg, dt)
+        ix = mla.indexer
+        mla.kv_a_layernorm.weight.data = (torch.rand(cfg.kv_lora_rank, generator=g) + 0.5).to(dt)
+        mla.q_a_layernorm.weight.data = (torch.rand(cfg.q_lora_rank, generator=g) + 0.5).to(dt)
+        ix.k_norm.weight.data = torch.rand(128, generator=g) + 0.5
+        ix.k_norm.bias.data = torch.randn(128, generator=g) * 0.1
+        H, P, R, C, Q = mla.H, mla.P, mla.R, mla.C, cfg.q_lora_rank
+        mla.w_kb = (torch.randn(H, P, C, generator=g) * 0.05).to(dt)
+        a = (torch.randn(B, T, Q + 128 + C + R, generator=g) * 2).to(dt)
+        pos = torch.randint(0, 8, (B, 1), generator=g) + torch.arange(T)
+        cos, sin = Rotary(cfg).angles(pos)
+        caches = [KVCache(cfg, 1, B, 16, device="cpu", dtype=dt, quantized=True).layer(0) for _ in range(2)]
+        mla_kv_prologue(mla, caches[0], pos, a, cos, sin)
+        n = mla.q_a_layernorm
+        _, _, r8, rs = add_rms_norm_quant(a[..., :Q], None, n.weight, n.eps, dt, store_y=False)
+        q8, qs = mla_kv_prologue_norm(mla, caches[1], pos, a, cos, sin, dt)
+        for name in ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale"):
+            assert same(getattr(caches[0], name), getattr(caches[1], name)), (name, dt, B, T)
+        assert same(q8, r8) and same(qs, rs), (dt, B, T)
+        qq = torch.randn(B, T, H * (P + R) + ix.n_heads * 128, generator=g).to(dt)
+        q_lat = absorb_q(qq[..., :H * (P + R)].view(B, T, H, P + R)[..., :P], mla.w_kb)
+        for index in (True, False) if unindexed else (True,):  # S > top-k; S <= top-k (the q_b output alone)
+            x = qq if index else qq[..., :H * (P + R)]
+            want = (*mla_q_prologue(mla, x, cos, sin, index=index), q_lat)
+            got = mla_q_prologue_absorb(mla, x, cos, sin, index=index)
+            for w, o, name in zip(want, got, ("q_pe", "iq8", "iqs", "q_lat")):
+                assert (w is None and o is None) if not index and name in ("iq8", "iqs") else same(w, o), \
+                    (name, dt, B, T, index)
+    _expect_errors("mla_prologue_fused", (
+        (lambda: mla_q_prologue_absorb(mla, torch.zeros(1, 65, H * (P + R)), *Rotary(cfg).angles(
+            torch.arange(65)[None]), index=False), "tokens 1..64"),))
+
+
 def _absorb_checks() -> None:
     """The absorbed kv_b projections (fp32: the interpreter's bf16 tl.dot is wrong) on a strided q_nope."""
     from mtp.kernels.absorb import absorb_out, absorb_out_ref, absorb_q, absorb_q_ref
@@ -473,6 +535,7 @@ def _model_checks() -> None:
         assert _rel(out[True, "mtp"], out[False, "mtp"]) < 1e-5
         disable_fast_path(model)
         assert not any(isinstance(m, FAST_CLASSES) for m in model.modules()), "disable must restore the classes"
+    _fused_prologue_wiring()
     # one rank of a TP=2 model (collectives the identity): the per-rank MLP / expert-parallel MoE paths
     from tests.parallel.test_moe_ep import SumLaterComm
 
@@ -502,6 +565,73 @@ def _model_checks() -> None:
         assert torch.equal(off, out[True])
 
 
+def _fused_prologue_wiring() -> None:
+    """A model whose MLA takes the kernels (latent 512, rope 64, 16 indexer heads; fp32, FP8 numerics): its decode
+    and verify blocks run the fused prologue launches (counted), and switch fuse_prologue off gives the same logits
+    bit for bit, with the indexer's queries (S > top-k 16) and without (S <= 16); absorb off, or more tokens than
+    ABSORB_MAX_TOKENS, keeps the q prologue's own launch and absorbs in `mla_attend_fast`."""
+    import dataclasses
+    import tempfile
+
+    import mtp.backends.fast_path as fp
+    from mtp.backends.fast_path import FastMLA, install_fast_modules, set_kernels
+    from mtp.checkpoint.files import load_model, save_checkpoint
+    from mtp.checkpoint.random_weights import random_tensors
+    from mtp.model.presets import tiny_config
+
+    cfg = dataclasses.replace(tiny_config(), kv_lora_rank=512, index_n_heads=16, num_hidden_layers=2,
+                              first_k_dense_replace=2, num_nextn_predict_layers=0)
+    path = save_checkpoint(random_tensors(cfg, seed=1), cfg, Path(tempfile.mkdtemp()) / "m")
+    model = load_model(path, dtype=torch.float32, numerics="fp8")
+    install_fast_modules(model)
+    assert all(isinstance(layer.self_attn, FastMLA) for layer in model.model.layers)
+    calls = {"kv": 0, "q": 0}
+
+    def counted(key, fn):
+        def run(*args, **kw):
+            calls[key] += 1
+            return fn(*args, **kw)
+        return run
+
+    kv_fn, q_fn = fp.mla_kv_prologue_norm, fp.mla_q_prologue_absorb
+    fp.mla_kv_prologue_norm, fp.mla_q_prologue_absorb = counted("kv", kv_fn), counted("q", q_fn)
+    g = torch.Generator().manual_seed(2)
+    try:
+        with torch.no_grad():
+            for P, w in ((5, 2), (20, 1)):  # S <= 16: no indexer queries; S > 16: the indexer scores
+                prompt = torch.randint(0, cfg.vocab_size, (2, P + w), generator=g)
+                cache = model.new_cache(2, P + w + 2)
+                model(prompt[:, :P], cache)
+                base = cache.seq_lens.clone()
+                out = {}
+                for flags in (dict(fuse_prologue=True), dict(fuse_prologue=False), dict(absorb=False)):
+                    set_kernels(model, **{"fuse_prologue": True, "absorb": True, **flags})
+                    cache.truncate(base)  # each block writes past the prompt only
+                    before = dict(calls)
+                    out[tuple(flags.items())] = model(prompt[:, P:], cache, kv_len=P + w).logits
+                    fused_kv = 2 if "fuse_prologue" not in flags or flags["fuse_prologue"] else 0  # per layer
+                    fused_q = 2 if flags == dict(fuse_prologue=True) else 0
+                    assert (calls["kv"] - before["kv"], calls["q"] - before["q"]) == (fused_kv, fused_q), \
+                        (P, w, flags, calls, before)
+                fused, unfused, no_absorb = out.values()
+                assert torch.equal(fused, unfused), (P, w, _rel(fused, unfused))
+                # absorb off: the einsum (not comparable here: the interpreter's bf16 tl.dot is wrong)
+                assert torch.isfinite(no_absorb).all()
+            fp_max = fp.ABSORB_MAX_TOKENS
+            fp.ABSORB_MAX_TOKENS = 1  # a 2-token verify past the absorb kernels: the q prologue's own launch
+            try:
+                set_kernels(model, fuse_prologue=True, absorb=True)
+                cache = model.new_cache(2, 24)
+                model(prompt[:, :19], cache)
+                before = dict(calls)
+                assert torch.isfinite(model(prompt[:, 19:21], cache).logits).all()
+                assert calls["q"] == before["q"] and calls["kv"] == before["kv"] + 2
+            finally:
+                fp.ABSORB_MAX_TOKENS = fp_max
+    finally:
+        fp.mla_kv_prologue_norm, fp.mla_q_prologue_absorb = kv_fn, q_fn
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     torch.manual_seed(0)
@@ -510,6 +640,7 @@ if __name__ == "__main__":
         _norm_checks()
         _router_checks()
         _prologue_checks()
+        _prologue_fused_checks()
         _absorb_checks()
         _stage2_absorb_checks()
     else:

@@ -408,6 +408,100 @@ def test_mla_stage2_absorb_bit_identical(B, T, S, lens, J, tree, block_v):
     check_close(f"stage2_absorb B={B} T={T}", got.float(), absorb_out_ref(lat.float(), wvb.float()), 1e-2)
 
 
+# ----------------------------------------------------------------------------- the fused prologue launches
+def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Bit equality (fp8 as bytes)."""
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    return torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if x.element_size() == 1 else torch.equal(x, y)
+
+
+def _fused_vs_unfused(mla, cfg, g, B: int, T: int):
+    """Both fused launches (`mla_prologue_fused`) and the two launches each replaces on the same random inputs at
+    one rank's shapes: [(name, fused output, unfused output)], the cache buffers included."""
+    from mtp.kernels.absorb import absorb_q
+    from mtp.kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
+    from mtp.kernels.mla_prologue_fused import mla_kv_prologue_norm, mla_q_prologue_absorb
+    from mtp.model.cache import KVCache
+    from mtp.model.layers import Rotary
+
+    ix = mla.indexer
+    H, P, R, C, Q = mla.H, mla.P, mla.R, mla.C, cfg.q_lora_rank
+    a = (torch.randn(B, T, Q + 128 + C + R, device=DEV, generator=g) * 2).bfloat16()
+    pos = torch.randint(0, 60, (B, 1), device=DEV, generator=g) + torch.arange(T, device=DEV)
+    cos, sin = Rotary(cfg).to(DEV).angles(pos)
+    caches = [KVCache(cfg, 1, B, 72, device=DEV, dtype=torch.bfloat16, quantized=True).layer(0) for _ in range(2)]
+    n = mla.q_a_layernorm
+    poison()
+    mla_kv_prologue(mla, caches[0], pos, a, cos, sin)
+    _, _, r8, rs = add_rms_norm_quant(a[..., :Q], None, n.weight, n.eps, torch.bfloat16, store_y=False)
+    q8, qs = mla_kv_prologue_norm(mla, caches[1], pos, a, cos, sin, torch.bfloat16)
+    out = [(name, getattr(caches[1], name), getattr(caches[0], name))
+           for name in ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale")]
+    out += [("q8", q8, r8), ("qs", qs, rs)]
+    qq = torch.randn(B, T, H * (P + R) + ix.n_heads * 128, device=DEV, generator=g).bfloat16()
+    for index, x in ((True, qq), (False, qq[..., :H * (P + R)].contiguous())):  # S > top-k; S <= top-k
+        want = (*mla_q_prologue(mla, x, cos, sin, index=index),
+                absorb_q(x[..., :H * (P + R)].view(B, T, H, P + R)[..., :P], mla.w_kb))
+        got = mla_q_prologue_absorb(mla, x, cos, sin, index=index)
+        out += [(f"{name} index={index}", o, w) for name, o, w in zip(("q_pe", "iq8", "iqs", "q_lat"), got, want)
+                if w is not None or o is not None]
+    return out
+
+
+def _rank_mla_absorbed(seed: int):
+    cfg, mla, g = _rank_mla(seed)
+    mla.q_a_layernorm.weight.data = (torch.rand(cfg.q_lora_rank, device=DEV, generator=g) + 0.5).bfloat16()
+    mla.w_kb = (torch.randn(mla.H, mla.P, mla.C, device=DEV, generator=g) * 0.05).bfloat16()
+    return cfg, mla, g
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (3, 2), (2, 5)])
+def test_mla_prologue_fused(B, T):
+    """One TP=8 rank (16 heads, latent 512, rope 64, q_lora 1536, indexer 64 heads x 128): the kv prologue +
+    q_a norm-quant launch and the q prologue + absorb q launch write the two launches' bits (torch.equal)."""
+    cfg, mla, g = _rank_mla_absorbed(B * 10 + T)
+    assert (mla.H, mla.C, mla.R, cfg.q_lora_rank, mla.indexer.n_heads) == (16, 512, 64, 1536, 64)
+    for name, got, want in _fused_vs_unfused(mla, cfg, g, B, T):
+        assert _same(got, want), f"{name} B={B} T={T}: fused differs from the two launches"
+
+
+def test_mla_prologue_fused_graph_and_pdl():
+    """The fused launches replay from a CUDA graph with the eager bits, and with PDL (Hopper) as without."""
+    _needs_cuda()
+    from mtp.kernels.mla_prologue_fused import mla_kv_prologue_norm, mla_q_prologue_absorb
+    from mtp.model.cache import KVCache
+    from mtp.model.layers import Rotary
+
+    cfg, mla, g = _rank_mla_absorbed(7)
+    B, T = 2, 3
+    H, P, R, C, Q = mla.H, mla.P, mla.R, mla.C, cfg.q_lora_rank
+    a = (torch.randn(B, T, Q + 128 + C + R, device=DEV, generator=g) * 2).bfloat16()
+    qq = torch.randn(B, T, H * (P + R) + mla.indexer.n_heads * 128, device=DEV, generator=g).bfloat16()
+    pos = torch.randint(0, 60, (B, 1), device=DEV, generator=g) + torch.arange(T, device=DEV)
+    cos, sin = Rotary(cfg).to(DEV).angles(pos)
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    caches = [KVCache(cfg, 1, B, 72, device=DEV, dtype=torch.bfloat16, quantized=True).layer(0) for _ in range(2)]
+
+    def step(cache, use_pdl):
+        return (*mla_kv_prologue_norm(mla, cache, pos, a, cos, sin, torch.bfloat16, pdl=use_pdl),
+                *mla_q_prologue_absorb(mla, qq, cos, sin))
+
+    eager = step(caches[0], False)
+    step(caches[1], pdl)  # warm-up (compiles the PDL variant)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = step(caches[1], pdl)
+    for buf in ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale"):
+        getattr(caches[1], buf).zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for i, (u, v) in enumerate(zip(eager, replayed)):
+        assert _same(u, v), f"output {i} differs on replay"
+    for buf in ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale"):
+        assert _same(getattr(caches[0], buf), getattr(caches[1], buf)), f"cache {buf} differs on replay"
+
+
 # ----------------------------------------------------------------------------- the fast path, old vs new kernels
 def test_fast_path_new_kernels_match_old():
     """A random gpu_test_config model on the fast path, new kernels (all switches on) vs old (all off), both held
@@ -473,6 +567,32 @@ def test_fast_path_fused_absorb_out_bit_identical():
         for w, (a, b) in enumerate(zip(out[False], out[True]), start=1):
             assert torch.equal(a, b), f"w={w}: max |diff| {(a - b).abs().max().item():.3g}"
         assert toks[True] == toks[False]
+    finally:
+        disable_fast_path(model)
+
+
+def test_fast_path_fused_prologue_bitwise():
+    """The fast path with fuse_prologue on and off gives the same logits bit for bit (the fused launches run the
+    same code with the same tiles) at verify widths 1..5 after a 65-69 token prompt (past the indexer's top-k 64:
+    its queries from the fused q launch) and at 1..5 tokens from an empty cache (the indexer's query side off)."""
+    _needs_cuda()
+    from mtp.backends.fast_path import disable_fast_path, enable_fast_path, set_kernels
+    from mtp.checkpoint.synthetic import random_model
+    from mtp.model.presets import gpu_test_config
+
+    from ..decode.test_engine_gpu import _verify_logits
+
+    model = random_model(gpu_test_config(layers=3, mtp_modules=1), device=DEV, dtype=torch.bfloat16, seed=4)
+    ids = torch.randint(0, 2048, (1, 70), device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
+    enable_fast_path(model)
+    try:
+        for w in range(1, 6):
+            out = {}
+            for fused in (False, True):
+                set_kernels(model, fuse_prologue=fused)
+                out[fused] = (_verify_logits(model, ids, w), model(ids[:, :w], model.new_cache(1, 16)).logits)
+            assert torch.equal(out[True][0], out[False][0]), f"w={w}: fused prologue changed the verify logits"
+            assert torch.equal(out[True][1], out[False][1]), f"w={w}: fused prologue changed the short forward"
     finally:
         disable_fast_path(model)
 

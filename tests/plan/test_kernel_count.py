@@ -41,41 +41,59 @@ def _real_limits() -> Limits:
 
 def test_hand_derivation_real_rank_one_token_1k():
     """TP=8 rank, 1 token, S = 1025 <= top-k 2048 (no indexer). Read from fast_path.FastBlock / mla_forward_fast:
-    attention = input norm-quant 1 + q_a|wk|kv_a GEMV 1 + kv prologue 1 + q_a norm-quant 1 + q_b|wq_b GEMV 1
-    + q prologue 1 + absorb q 1 + mla_decode 2 (absorb out inside stage 2) + o_proj GEMV 1 + post norm-quant 1 (o_proj's
-    cast after the all-reduce inside it) = 11. dense MLP = gate|up GEMV 1 + silu*up 1 + down GEMV 1 + add_rounded 1
-    (the cast after the all-reduce and the residual add) = 4. MoE = shared gate|up 1 + silu*up 1 + shared down 1 +
-    router 1 + experts (persistent: gate-up, down, combine) 3 + add_rounded 1 = 8. So dense 15, MoE 19; 61 layers:
-    3 x 15 + 58 x 19 = 1147, head 2, glue 18. Unfused (switches fuse_absorb_out, fuse_out_cast off): attention 13,
-    dense MLP 5, so dense 18, MoE 21 (the session-4 profile: 305 GEMVs = 5 x 61, 183 norm-quants = 3 x 61, 58
-    routers, 58 x 3 expert kernels, 64 bf16 casts = 61 + 3): 1272."""
+    attention = input norm-quant 1 + q_a|wk|kv_a GEMV 1 + kv prologue with the q_a norm-quant 1 + q_b|wq_b GEMV 1
+    + q prologue with absorb q 1 + mla_decode 2 (absorb out inside stage 2) + o_proj GEMV 1 + post norm-quant 1
+    (o_proj's cast after the all-reduce inside it) = 9. dense MLP = gate|up GEMV 1 + silu*up 1 + down GEMV 1 +
+    add_rounded 1 (the cast after the all-reduce and the residual add) = 4. MoE = shared gate|up 1 + silu*up 1 +
+    shared down 1 + router 1 + experts (persistent: gate-up, down, combine) 3 + add_rounded 1 = 8. So dense 13, MoE
+    17; 61 layers: 3 x 13 + 58 x 17 = 1025, head 2, glue 18.
+    Switch fuse_prologue off: attention + 2 (the kv prologue and q_a norm, q prologue and absorb q apart): dense 15,
+    MoE 19, 1147. fuse_absorb_out and fuse_out_cast off: attention + 2 (absorb out, o_proj's cast), dense MLP + 1
+    (its cast): dense 16, MoE 19, 1150. All three off: attention 13, dense MLP 5, so dense 18, MoE 21 (the
+    session-4 profile: 305 GEMVs = 5 x 61, 183 norm-quants = 3 x 61, 58 routers, 58 x 3 expert kernels, 64 bf16
+    casts = 61 + 3): 1272."""
     cfg = real_config(layers=61, dense_layers=3)
-    p = per_layer(cfg, StepShape(1, 1, 1025, tp=8), _real_limits())
-    assert (p["dense"], p["moe"], p["head"], p["glue"]) == (15, 19, 2, 18)
-    assert sum(step_launches(cfg, StepShape(1, 1, 1025, tp=8), _real_limits()).values()) == 1147 + 2 + 18
-    unfused = dataclasses.replace(_real_limits(), fuse_absorb_out=False, fuse_out_cast=False)
-    p = per_layer(cfg, StepShape(1, 1, 1025, tp=8), unfused)
-    assert (p["dense"], p["moe"]) == (18, 21)
-    assert sum(step_launches(cfg, StepShape(1, 1, 1025, tp=8), unfused).values()) == 1272 + 2 + 18
-    one = per_layer(cfg, StepShape(1, 1, 1025, tp=1), _real_limits())  # no all-reduce: only absorb out is fused
-    assert one["dense"] == per_layer(cfg, StepShape(1, 1, 1025, tp=1), unfused)["dense"] - 1
+    sh = StepShape(1, 1, 1025, tp=8)
+    lim = _real_limits()
+
+    def count(lim_):
+        p = per_layer(cfg, sh, lim_)
+        return p["dense"], p["moe"], sum(step_launches(cfg, sh, lim_).values()) - p["head"] - p["glue"]
+
+    p = per_layer(cfg, sh, lim)
+    assert (p["head"], p["glue"]) == (2, 18)
+    assert count(lim) == (13, 17, 1025)
+    assert count(dataclasses.replace(lim, fuse_prologue=False)) == (15, 19, 1147)
+    assert count(dataclasses.replace(lim, fuse_absorb_out=False, fuse_out_cast=False)) == (16, 19, 1150)
+    none = dataclasses.replace(lim, fuse_prologue=False, fuse_absorb_out=False, fuse_out_cast=False)
+    assert count(none) == (18, 21, 1272)
+    one = per_layer(cfg, StepShape(1, 1, 1025, tp=1), lim)  # no all-reduce: of the output side only absorb out
+    assert one["dense"] == per_layer(cfg, StepShape(1, 1, 1025, tp=1),
+                                     dataclasses.replace(lim, fuse_absorb_out=False, fuse_out_cast=False))["dense"] - 1
 
 
 def test_hand_derivation_real_rank_few_tokens_and_grouped():
     """2..16 tokens: no split-K GEMV; the GEMVs fed a quantized x (q_a|wk|kv_a, q_b|wq_b, gate|up) stay one launch,
-    o_proj and the down projections (7168 rows > SMALL_N 4096) get an act_quant each: dense 15 + 2 = 17, MoE
-    19 + 2 = 21, head + the gathered logits' copy = 3. 17..64 tokens: the grouped expert GEMM (count, align,
-    act_quant, gate-up, down, combine: 6 instead of 3): MoE 24. 96 tokens (> SMALL_M 64 = ABSORB_MAX_TOKENS): the
-    block's norm does not quantize: q_a|wk|kv_a gets an act_quant (+1), the einsum absorb (4 instead of absorb q and
-    absorb out in stage 2: +3), the dense gate|up an act_quant (+1): dense 17 + 1 + 3 + 1 = 22; MoE: attention 12 + 1
-    + 3 = 16, shared gate|up 2 + silu 1 + down 2, router 2 launches of 64 + 2 cats = 4, grouped 6, routed + shared 1,
-    cast 1, residual add 1: 16 + 18 = 34. 192 tokens: 3 router launches (+1): 35."""
+    o_proj and the down projections (7168 rows > SMALL_N 4096) get an act_quant each: dense 13 + 2 = 15, MoE
+    17 + 2 = 19, head + the gathered logits' copy = 3. 17..64 tokens: the grouped expert GEMM (count, align,
+    act_quant, gate-up, down, combine: 6 instead of 3): MoE 22. 96 tokens (> SMALL_M = ABSORB_MAX_TOKENS 64): the
+    block's norm does not quantize: q_a|wk|kv_a gets an act_quant (+1), the einsum absorb (q's bmm + copy, out's
+    bmm + copy instead of absorb q inside the q prologue and absorb out inside stage 2: +4), the dense gate|up an
+    act_quant (+1): dense 15 + 1 + 4 + 1 = 21; MoE: attention 10 + 1 + 4 = 15, shared gate|up 2 + silu 1 + down 2,
+    router 2 launches of 64 + 2 cats = 4, grouped 6, routed + shared 1, cast 1, residual add 1: 15 + 18 = 33. 192
+    tokens: 3 router launches (+1): 34. With fuse_prologue off: 2 more up to 64 tokens, 1 more above (the kv
+    prologue and q_a norm apart)."""
     cfg = real_config(layers=61, dense_layers=3)
     lim = _real_limits()
-    got = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), lim) for N in (2, 16, 17, 64, 96, 192)}
-    assert [(got[N]["dense"], got[N]["moe"]) for N in (2, 16, 17, 64, 96, 192)] == \
-        [(17, 21), (17, 21), (17, 24), (17, 24), (22, 34), (22, 35)]
+    Ns = (2, 16, 17, 64, 96, 192)
+    got = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), lim) for N in Ns}
+    assert [(got[N]["dense"], got[N]["moe"]) for N in Ns] == \
+        [(15, 19), (15, 19), (15, 22), (15, 22), (21, 33), (21, 34)]
     assert got[2]["head"] == 3
+    unfused = dataclasses.replace(lim, fuse_prologue=False)
+    old = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), unfused) for N in Ns}
+    assert [(old[N]["dense"], old[N]["moe"]) for N in Ns] == \
+        [(17, 21), (17, 21), (17, 24), (17, 24), (22, 34), (22, 35)]
 
 
 def test_hand_derivation_indexer():

@@ -1,0 +1,129 @@
+"""The MLA prologue's launches that read one GEMV output, two per launch (Triton): horizontal fusions.
+
+Two pairs of a decode block's launches (`fast_path.mla_forward_fast`) read only the output of the GEMV before
+them and nothing the other writes:
+- after q_a | wk | kv_a, `mla_prologue.mla_kv_prologue` (kv_a norm, rotary, indexer key, FP8 cache write) and
+  `norm_quant.add_rms_norm_quant` of the q_a slice (q_a_layernorm + FP8 quant, y not stored);
+- after q_b | wq_b, `mla_prologue.mla_q_prologue` (q_pe rotary, the indexer queries' rotary + Hadamard + quant)
+  and `absorb.absorb_q` (q_nope . W_kb per head).
+Here each pair is one launch whose grid is the two grids side by side (1-D, the first programs one job, the rest
+the other): `mla_kv_prologue_norm` (B*T kv programs, then B*T norm rows) and `mla_q_prologue_absorb` (H x C/BO
+absorb programs first, the longer ones, then B*T x heads q programs). Each program runs the unfused kernel's own
+body (`_kv_prologue_token`, `_add_norm_quant_row`, `_absorb_block`, `_q_prologue_head`: @triton.jit functions the
+unfused kernels call too) with the same arguments, tiles and warps (4), so every output is bit-identical to the
+two launches': same formulas, same rounding points, same sum order (tests/kernels/test_fused_kernels.py under the
+interpreter, tests/kernels/test_fused_kernels_gpu.py on the GPU, both with torch.equal). The norm's warps grow to 8
+past 16 groups of 128 (`norm_quant.row_tiles`), which would change its sums' order: the kv launch takes
+q_lora <= NORM_MAX_Q (DeepSeek's 1536).
+Saves 2 launches per layer (2-6 us each on a CUDA-graph step; the programs were already concurrent-sized).
+Shape legend as `mla_prologue`: n = B*T tokens, Q q_lora, H heads, P nope dims, C latent, Hi indexer heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp.model.fp8 import BLOCK, FP8_DTYPE
+from mtp.kernels._triton import pdl_kwargs, tl, triton
+from mtp.kernels.absorb import MAX_TOKENS as ABSORB_MAX_TOKENS
+from mtp.kernels.absorb import _absorb_block, absorb_tiles
+from mtp.kernels.mla_prologue import _kv_prologue_token, _q_prologue_head, kv_prologue_args, q_prologue_args
+from mtp.kernels.norm_quant import _add_norm_quant_row, row_tiles
+
+__all__ = ["NORM_MAX_Q", "kv_norm_fits", "mla_kv_prologue_norm", "mla_q_prologue_absorb"]
+
+NORM_MAX_Q = 16 * BLOCK  # q_lora up to which the q_a norm runs on 4 warps (`row_tiles`), the kv programs' count
+
+
+def kv_norm_fits(q_lora: int) -> bool:
+    """Whether `mla_kv_prologue_norm` takes a q_a of q_lora channels (else the two launches run)."""
+    return q_lora % BLOCK == 0 and q_lora <= NORM_MAX_Q
+
+
+# ----------------------------------------------------------------------------- kv prologue + q_a norm
+@triton.jit
+def _kv_norm_kernel(a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_ptr,
+                    kv_ptr, kvs_ptr, pec_ptr, ik_ptr, iks_ptr,
+                    T, stride_a, stride_pos_b, stride_pos_t, stride_cs, eps_kv, eps_k,
+                    sb_kv, ss_kv, sb_kvs, ss_kvs, sb_pe, ss_pe, sb_ik, ss_ik, sb_iks, ss_iks,
+                    n_tok, wq_ptr, y_ptr, x8_ptr, sx_ptr, eps_q, stride_x8, stride_sx,
+                    Q: tl.constexpr, DK: tl.constexpr, C: tl.constexpr, R: tl.constexpr, HSCALE: tl.constexpr,
+                    BG: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # as the norm's launch: every input may come from the GEMV before; only the launch overlaps it
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    if pid < n_tok:
+        _kv_prologue_token(pid, a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_ptr,
+                           kv_ptr, kvs_ptr, pec_ptr, ik_ptr, iks_ptr,
+                           T, stride_a, stride_pos_b, stride_pos_t, stride_cs, eps_kv, eps_k,
+                           sb_kv, ss_kv, sb_kvs, ss_kvs, sb_pe, ss_pe, sb_ik, ss_ik, sb_iks, ss_iks, Q, DK, C, R, HSCALE)
+    else:  # the q_a slice (the row's first Q channels): RMSNorm, rounded to y's dtype, FP8 per 128; y not stored
+        _add_norm_quant_row((pid - n_tok).to(tl.int64), a_ptr, a_ptr, wq_ptr, a_ptr, y_ptr, x8_ptr, sx_ptr, Q,
+                            eps_q, stride_a, stride_a, stride_a, 0, stride_x8, stride_sx,
+                            False, False, False, True, BG, 2)
+
+
+def mla_kv_prologue_norm(mla, cache, pos_BT: torch.Tensor, a_BTX: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, out_dtype: torch.dtype, pdl: bool = False):
+    """`mla_prologue.mla_kv_prologue(mla, cache, pos_BT, a_BTX, cos, sin)` and
+    `add_rms_norm_quant(a_BTX[..., :Q], None, q_a_layernorm.weight, eps, out_dtype, store_y=False, pdl=pdl)` in
+    one launch: writes the cache slots and returns the quantized q_a norm (q8 [B, T, Q] fp8, qs [B, T, Q/128]
+    fp32), the same bits as the two launches."""
+    name = "mla_kv_prologue_norm"
+    a, args, consts = kv_prologue_args(mla, cache, pos_BT, a_BTX, cos, sin, name)
+    norm = mla.q_a_layernorm
+    Q = consts["Q"]
+    if not kv_norm_fits(Q) or tuple(norm.weight.shape) != (Q,):
+        raise ValueError(f"{name}: q_lora must be a multiple of {BLOCK} up to {NORM_MAX_Q} (the norm's 4 warps) "
+                         f"with q_a_layernorm.weight [{Q}]; got {Q}, {list(norm.weight.shape)}")
+    B, T = pos_BT.shape
+    n = a.shape[0]
+    dev = a.device
+    x8 = torch.empty(n, Q, dtype=FP8_DTYPE, device=dev)
+    sx = torch.empty(n, Q // BLOCK, dtype=torch.float32, device=dev)
+    y = torch.empty(1, 1, dtype=out_dtype, device=dev)  # not stored: its dtype is where y is rounded
+    launch = pdl_kwargs(pdl, a)
+    _kv_norm_kernel[(2 * n,)](*args, n, norm.weight, y, x8, sx, norm.eps, x8.stride(0), sx.stride(0), **consts,
+                              BG=row_tiles(Q)[0], PDL=bool(launch), num_warps=4, **launch)
+    return x8.view(B, T, Q), sx.view(B, T, Q // BLOCK)
+
+
+# ----------------------------------------------------------------------------- q prologue + absorb q
+@triton.jit
+def _q_absorb_kernel(qq_ptr, cos_ptr, sin_ptr, qpe_ptr, iq8_ptr, iqs_ptr, stride_q, stride_cs,
+                     w_ptr, ql_ptr, n_tok, stride_wh, stride_wk, stride_wo,
+                     H: tl.constexpr, P: tl.constexpr, R: tl.constexpr, HI: tl.constexpr, DK: tl.constexpr,
+                     HSCALE: tl.constexpr, INDEX: tl.constexpr, HQ: tl.constexpr, C: tl.constexpr,
+                     BO: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    NB: tl.constexpr = C // BO
+    if pid < H * NB:  # q_lat = q_nope . W_kb: q_nope read in place from the q_b rows (head stride P + R)
+        _absorb_block(pid // NB, pid % NB, qq_ptr, w_ptr, ql_ptr, n_tok, stride_q, P + R, stride_wh, stride_wk,
+                      stride_wo, H, P, C, BO, BK, BT, IEEE)
+    else:
+        m = pid - H * NB
+        _q_prologue_head(m // HQ, m % HQ, qq_ptr, cos_ptr, sin_ptr, qpe_ptr, iq8_ptr, iqs_ptr, stride_q, stride_cs,
+                         H, P, R, HI, DK, HSCALE, INDEX)
+
+
+def mla_q_prologue_absorb(mla, qq_BTX: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: bool = True):
+    """`mla_prologue.mla_q_prologue(mla, qq_BTX, cos, sin, index)` and `absorb.absorb_q(q_nope, mla.w_kb)` (q_nope
+    the q_b output's nope channels) in one launch: returns (q_pe, iq8, iqs, q_lat [B, T, H, C] in w_kb's dtype),
+    the same bits as the two launches (iq8, iqs None when not index). 1..absorb.MAX_TOKENS tokens."""
+    name = "mla_q_prologue_absorb"
+    q, args, consts, (q_pe, iq8, iqs) = q_prologue_args(mla, qq_BTX, cos, sin, index, name)
+    w = mla.w_kb
+    H, P, C = w.shape
+    B, T = qq_BTX.shape[:2]
+    n = q.shape[0]
+    if (H, P) != (consts["H"], consts["P"]) or not 1 <= n <= ABSORB_MAX_TOKENS:
+        raise ValueError(f"{name}: w_kb must be [{consts['H']}, {consts['P']}, C] and tokens 1..{ABSORB_MAX_TOKENS}; "
+                         f"got {list(w.shape)}, {n} tokens")
+    tiles = absorb_tiles(H, P, C, n, w.dtype)
+    q_lat = torch.empty(B, T, H, C, dtype=w.dtype, device=q.device)
+    heads = max(H, consts["HI"]) if index else H
+    grid = H * (C // tiles["BO"]) + n * heads
+    _q_absorb_kernel[(grid,)](*args, w, q_lat, n, w.stride(0), w.stride(1), w.stride(2), **consts, HQ=heads, C=C,
+                              BO=tiles["BO"], BK=tiles["BK"], BT=tiles["BT"], IEEE=tiles["IEEE"], num_warps=4)
+    return q_pe, iq8, iqs, q_lat
