@@ -12,7 +12,9 @@ pair of the k-th kept position. Output: [B, T, k] int32, the kept positions in a
 mla_decode attends over the index set in any order; ascending order is deterministic (the attention sums in
 that order) and walks the cache forward.
 
-Kernels (a zeroed workspace, then three launches over R x C programs; no host sync, CUDA-graph capturable):
+Kernels (a zeroed workspace, then three launches over R x C programs; no host sync, CUDA-graph capturable). The
+workspace is a fresh one per call (one memset launch) or, with `rearm`, the one kept per (device, rows)
+(`kept_workspace`), which the write kernel leaves zeroed for the next call: no memset launch.
 1. `_topk_hist_kernel`: per candidate, its 16-bit key prefix (sign, exponent, 7 mantissa bits) into a
    65536-bin histogram of the row (global atomics, spread over many bins) and its top byte into a 256-bin
    one (tl.histogram per block, then one atomic per non-empty bin).
@@ -22,7 +24,9 @@ Kernels (a zeroed workspace, then three launches over R x C programs; no host sy
    k-th key among the candidates alone (<= 128: ranked by one pairwise compare; more: radix select on key
    bits 15..8 and 7..0, then position bytes only when keys tie at the boundary), and turns per-chunk counts
    into each chunk's output offset.
-3. `_topk_write_kernel`: each program writes its chunk's kept positions at its offset, in ascending order.
+3. `_topk_write_kernel`: each program writes its chunk's kept positions at its offset, in ascending order;
+   with `rearm` it then zeroes its share of the row's workspace (nothing reads it after the split kernel), as
+   `mtp.kernels.moe`'s persistent counters are re-armed by their last user.
 One program per row would re-read the row for every pass on one SM; a single SM histograms ~32k keys per
 ~10 us (tl.histogram costs ~3 warp instructions per element): hence the spread over R x C programs.
 """
@@ -33,7 +37,8 @@ import torch
 
 from mtp.kernels._triton import device_lens, require, tl, triton
 
-__all__ = ["add_to_histograms", "histograms", "radix_topk", "score_keys", "topk_select_ref", "topk_workspace"]
+__all__ = ["add_to_histograms", "drop_kept_workspace", "histograms", "kept_workspace", "radix_topk", "score_keys",
+           "topk_select_ref", "topk_workspace"]
 
 HIST = 65536  # bins of the 16-bit key prefix
 SMALL = 128  # up to this many candidates, the last stage ranks them in one pairwise compare
@@ -233,7 +238,8 @@ def _topk_split_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive_ptr,
 
 
 @triton.jit
-def _topk_write_kernel(sc_ptr, lens_ptr, off_ptr, thr_ptr, out_ptr, S, T, CH, C, K, BLK: tl.constexpr):
+def _topk_write_kernel(sc_ptr, lens_ptr, off_ptr, thr_ptr, out_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive_ptr,
+                       S, T, CH, C, K, BLK: tl.constexpr, REARM: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1)
     tk = tl.load(thr_ptr + r * 2)
@@ -247,6 +253,17 @@ def _topk_write_kernel(sc_ptr, lens_ptr, off_ptr, thr_ptr, out_ptr, S, T, CH, C,
         k32 = keep.to(tl.int32)
         tl.store(dst + o + tl.cumsum(k32, 0) - 1, pos, mask=keep)
         o += tl.sum(k32, 0)
+    if REARM:  # the workspace's last reader (the split kernel ended before this launch): zero it for the next call
+        ZB: tl.constexpr = 4096
+        span = tl.cdiv(tl.cdiv(65536, C), ZB) * ZB  # the row's 16-bit bins, whole blocks per program
+        h16 = h16_ptr + r.to(tl.int64) * 65536
+        for z0 in range(c * span, tl.minimum(c * span + span, 65536), ZB):
+            z = z0 + tl.arange(0, ZB)
+            tl.store(h16 + z, tl.zeros((ZB,), dtype=tl.int32), mask=z < 65536)
+        if c == 0:
+            tl.store(h8_ptr + r * 256 + tl.arange(0, 256), tl.zeros((256,), dtype=tl.int32))
+            tl.store(ncand_ptr + r, 0)
+            tl.store(arrive_ptr + r, 0)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -259,18 +276,51 @@ def topk_workspace(rows: int, device) -> torch.Tensor:
     return torch.zeros(rows * (HIST + 256 + 2), dtype=torch.int32, device=device)
 
 
+_KEPT: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def kept_workspace(rows: int, device) -> torch.Tensor:
+    """The workspace kept for (device, rows), zero between calls: `radix_topk(..., rearm=True)` leaves it zeroed
+    (its write kernel, the last reader, clears what the call used), so a call, or a CUDA graph replay, needs no
+    memset launch. Calls in one stream run one after the other (layers, draft and verify steps, graph replays):
+    each finds it zeroed by the one before. Not safe for two calls with the same rows in flight at once on two
+    streams (the engine's graphs and warm-ups are ordered on one). First asked for during a graph capture, it is
+    a fresh zeroed workspace captured with its memset and not kept (the memset has not run yet, so keeping it
+    would hand an eager call non-zero memory); the engine's warm-up runs first and creates it outside the capture.
+    A call interrupted between its launches (an exception in `radix_topk` / `indexer_topk`) drops it
+    (`drop_kept_workspace`), so the next call starts from a fresh one; a device fault ends the CUDA context anyway."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    ws = _KEPT.get((device, rows))
+    if ws is None:
+        ws = topk_workspace(rows, device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return ws
+        _KEPT[(device, rows)] = ws
+    return ws
+
+
+def drop_kept_workspace(ws: torch.Tensor | None = None) -> None:
+    """Forget the kept workspace `ws` (all of them for None): the next call allocates a zeroed one."""
+    for key in [k for k, v in _KEPT.items() if ws is None or v is ws]:
+        del _KEPT[key]
+
+
 def histograms(ws: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The (16-bit, 8-bit) histogram views of a `topk_workspace`, for a scores kernel that fills them."""
     return ws[:rows * HIST], ws[rows * HIST:rows * (HIST + 256)]
 
 
 def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunks: int | None = None,
-               block: int = 1024, workspace: torch.Tensor | None = None) -> torch.Tensor:
+               block: int = 1024, workspace: torch.Tensor | None = None, rearm: bool = False) -> torch.Tensor:
     """Kernel twin of `topk_select_ref`: [B, T, k] int32 kept positions (ascending, then -1).
 
     chunks: programs per score row (default: about two per SM over all rows, at least one block each).
-    workspace: a `topk_workspace` whose histograms the scores kernel already filled (`indexer_scores(hist=)`):
-    the histogram launch is skipped."""
+    workspace: a workspace whose histograms the scores kernel already filled (`indexer_scores(hist=)`): the
+    histogram launch is skipped. rearm: the workspace is the kept one (`kept_workspace`, taken here when
+    workspace is None) and the write kernel zeroes it after use: no memset launch; off, a fresh `topk_workspace`
+    per call unless given (one memset)."""
     require(scores_BTS, "radix_topk")
     if scores_BTS.dim() != 3 or scores_BTS.dtype != torch.float32:
         raise ValueError(f"radix_topk: scores must be float32 [B, T, S], got {scores_BTS.dtype} "
@@ -282,6 +332,9 @@ def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunk
         raise ValueError(f"radix_topk: want 0 < k < 2^24 and S < 2^24 (position bytes), got k = {k}, S = {S}")
     dev = scores_BTS.device
     R = B * T
+    if workspace is not None and workspace.numel() != R * (HIST + 256 + 2):
+        raise ValueError(f"radix_topk: workspace must hold {R} rows ({R * (HIST + 256 + 2)} int32), got "
+                         f"{workspace.numel()}")
     blk = max(64, min(block, triton.next_power_of_2(S)))
     if chunks is None:
         chunks = max(1, min(triton.cdiv(S, blk), 2 * _sm_count(dev) // max(1, R)))
@@ -289,19 +342,27 @@ def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunk
     C = triton.cdiv(S, ch)
     sc = scores_BTS.contiguous()
     lens = device_lens(seq_lens_B, dev)  # int32 or int64 (the cache's): read as is, no conversion launch
-    ws = topk_workspace(R, dev) if workspace is None else workspace
-    h16, h8 = histograms(ws, R)
-    ncand, arrive = ws[R * (HIST + 256):R * (HIST + 257)], ws[R * (HIST + 257):]
+    filled = workspace is not None
+    if workspace is None:
+        workspace = kept_workspace(R, dev) if rearm else topk_workspace(R, dev)
+    h16, h8 = histograms(workspace, R)
+    ncand, arrive = workspace[R * (HIST + 256):R * (HIST + 257)], workspace[R * (HIST + 257):]
     ck = torch.empty(R, S, dtype=torch.int32, device=dev)  # candidates: keys and positions
     ci = torch.empty(R, S, dtype=torch.int32, device=dev)
     small = torch.empty(R * (2 * C + 2), dtype=torch.int32, device=dev)
     gt, off, thr = small[:R * C], small[R * C:2 * R * C], small[2 * R * C:]  # per chunk: n above P, offset; (Tk, Ts)
     out = torch.empty(B, T, k, dtype=torch.int32, device=dev)
     grid = (R, C)
-    if workspace is None:
-        _topk_hist_kernel[grid](sc, lens, h16, h8, S, T, ch, BLK=blk, num_warps=4)
-    _topk_split_kernel[grid](sc, lens, h16, h8, ncand, arrive, ck, ci, gt, off, thr, out, S, T, ch, C, k,
-                             BLK=blk, NB=1024, CPAD=max(32, triton.next_power_of_2(C)), KB=1024, SMALL=SMALL,
-                             num_warps=4)
-    _topk_write_kernel[grid](sc, lens, off, thr, out, S, T, ch, C, k, BLK=blk, num_warps=4)
+    try:
+        if not filled:
+            _topk_hist_kernel[grid](sc, lens, h16, h8, S, T, ch, BLK=blk, num_warps=4)
+        _topk_split_kernel[grid](sc, lens, h16, h8, ncand, arrive, ck, ci, gt, off, thr, out, S, T, ch, C, k,
+                                 BLK=blk, NB=1024, CPAD=max(32, triton.next_power_of_2(C)), KB=1024, SMALL=SMALL,
+                                 num_warps=4)
+        _topk_write_kernel[grid](sc, lens, off, thr, out, h16, h8, ncand, arrive, S, T, ch, C, k, BLK=blk,
+                                 REARM=rearm, num_warps=4)
+    except BaseException:
+        if rearm:  # stopped between launches: the histograms may hold counts
+            drop_kept_workspace(workspace)
+        raise
     return out

@@ -1,0 +1,146 @@
+"""The indexer scores kernel's launch settings and the top-k's kept, re-armed workspace, under the Triton
+interpreter (a subprocess started with TRITON_INTERPRET=1, this file as a script): every setting of
+`indexer_scores` (block_s, programs: the looping kernel) gives today's scores and histograms bit for bit, and the
+kept workspace (`topk.kept_workspace`, `rearm`) gives the fresh workspace's index sets over many calls, rows and
+layers, is zero after each, and is dropped when a call stops between its launches. tests/kernels/test_kernels_gpu.py
+holds the same on a GPU at S = 32768."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
+from tests.interp import patch_interpreter_loop_bounds, run_interpreted  # noqa: E402
+
+
+def test_indexer_settings_and_kept_workspace_interpreted():
+    run_interpreted(__file__)
+
+
+def test_indexer_scores_refuses_bad_settings():
+    from mtp.kernels.indexer import indexer_scores
+
+    pytest.importorskip("triton")
+    q8, qs, w, k8, ks, L = inputs(torch.Generator().manual_seed(0), 1, 2, 40, 16, 32)
+    with pytest.raises(ValueError, match="block_s"):
+        indexer_scores(q8, qs, w, k8, ks, L, block_s=48)
+    with pytest.raises(ValueError, match="programs"):
+        indexer_scores(q8, qs, w, k8, ks, L, programs=0)
+
+
+def inputs(g: torch.Generator, B: int, T: int, S: int, H: int, D: int, lens=None):
+    """FP8 queries and keys with positive scales, head weights of both signs, lens (default S - T)."""
+    from mtp.model.fp8 import FP8_DTYPE
+
+    q8 = (torch.randn(B, T, H, D, generator=g) * 4).to(FP8_DTYPE)
+    k8 = (torch.randn(B, S, D, generator=g) * 4).to(FP8_DTYPE)
+    qs = torch.rand(B, T, H, generator=g) + 0.01
+    ks = torch.rand(B, S, generator=g) + 0.01
+    w = torch.randn(B, T, H, generator=g)
+    L = torch.tensor(lens if lens is not None else [S - T] * B, dtype=torch.int32)
+    return q8, qs, w, k8, ks, L
+
+
+def tree_visible(g: torch.Generator, B: int, T: int, S: int, L: torch.Tensor) -> torch.Tensor:
+    """A tree verify's visibility: the committed keys, and a random subset of the block's own keys per node."""
+    vis = torch.arange(S).view(1, 1, S) < L.long().view(B, 1, 1)
+    own = torch.rand(B, T, S, generator=g) < 0.5
+    inblock = (torch.arange(S).view(1, 1, S) >= L.long().view(B, 1, 1)) & \
+              (torch.arange(S).view(1, 1, S) < L.long().view(B, 1, 1) + torch.arange(T).view(1, T, 1) + 1)
+    return vis | (own & inblock)
+
+
+def _scores_checks(g: torch.Generator) -> None:
+    from mtp.kernels.indexer import indexer_scores
+    from mtp.kernels.topk import topk_workspace
+
+    H, D = 16, 32
+    settings = [dict(block_s=128), dict(programs=1), dict(programs=3, num_stages=2, block_s=32),
+                dict(programs=1000, block_s=16, num_warps=8)]
+    cases = [(1, 1, 97, None, False), (2, 3, 301, [5, 290], True), (3, 2, 200, [197, 60, 0], False)]
+    for B, T, S, lens, tree in cases:
+        q8, qs, w, k8, ks, L = inputs(g, B, T, S, H, D, lens)
+        for vis in (None, tree_visible(g, B, T, S, L)) if tree else (None,):
+            want = indexer_scores(q8, qs, w, k8, ks, L, visible=vis)
+            ws0 = topk_workspace(B * T, "cpu")
+            indexer_scores(q8, qs, w, k8, ks, L, visible=vis, hist=ws0)
+            for kw in settings:
+                got = indexer_scores(q8, qs, w, k8, ks, L, visible=vis, **kw)
+                where = f"B={B} T={T} S={S} tree={vis is not None} {kw}"
+                assert torch.equal(got, want), f"scores differ at {where}: {(got != want).sum()} entries"
+                if "programs" not in kw:
+                    continue
+                ws = topk_workspace(B * T, "cpu")
+                indexer_scores(q8, qs, w, k8, ks, L, visible=vis, hist=ws, **kw)
+                assert torch.equal(ws, ws0), f"histograms differ at {where}"
+
+
+def _kept_checks(g: torch.Generator) -> None:
+    from mtp.kernels import topk as tk
+    from mtp.kernels.indexer import indexer_topk
+    from mtp.kernels.topk import kept_workspace, radix_topk, topk_select_ref
+
+    H, D, k = 16, 32, 24
+    # several layers of one step, then a step of other rows, then the first again: each call finds zeros
+    seq = [(2, 1, 301, [150, 299]), (1, 3, 120, [117]), (2, 1, 301, [300, 31]), (1, 3, 120, [50])]
+    for i, (B, T, S, lens) in enumerate(seq):
+        q8, qs, w, k8, ks, L = inputs(g, B, T, S, H, D, lens)
+        vis = tree_visible(g, B, T, S, L) if i == 1 else None
+        want, sc0 = indexer_topk(q8, qs, w, k8, ks, L, k, impl="radix", visible=vis)
+        for impl, scores in (("radix", None), ("radix_fused", None), ("radix_fused", dict(programs=2))):
+            idx, sc = indexer_topk(q8, qs, w, k8, ks, L, k, impl=impl, visible=vis, rearm=True, scores=scores)
+            where = f"call {i} {impl} scores={scores}"
+            assert torch.equal(sc, sc0), where
+            assert torch.equal(idx, want) and torch.equal(idx, topk_select_ref(sc, L, k)), where
+            assert not kept_workspace(B * T, "cpu").any(), f"workspace not re-armed after {where}"
+    # the radix top-k alone: chunks whose zeroing spans are not whole (C = 5, 7), ties, fewer candidates than k
+    for chunks in (5, 7):
+        sc = torch.randint(0, 6, (2, 2, 900), generator=g).float()
+        sc[1, :, 400:] = float("-inf")
+        L = torch.tensor([899, 600])
+        for _ in range(2):
+            assert torch.equal(radix_topk(sc, L, 40, chunks=chunks, rearm=True), topk_select_ref(sc, L, 40))
+            assert not kept_workspace(4, "cpu").any(), f"chunks={chunks}"
+    # a call stopped between its launches drops the kept workspace; the next call gets a fresh, zeroed one
+    B, T, S = 1, 2, 150
+    q8, qs, w, k8, ks, L = inputs(g, B, T, S, H, D)
+    before = kept_workspace(B * T, "cpu")
+    split = tk._topk_split_kernel
+
+    class Stop:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                raise RuntimeError("stopped")
+            return launch
+
+    tk._topk_split_kernel = Stop()
+    try:
+        indexer_topk(q8, qs, w, k8, ks, L, k, impl="radix_fused", rearm=True)
+        raise AssertionError("the stopped launch did not raise")
+    except RuntimeError as e:
+        assert str(e) == "stopped"
+    finally:
+        tk._topk_split_kernel = split
+    assert before.any(), "the scores kernel should have counted into the workspace before the stop"
+    after = kept_workspace(B * T, "cpu")
+    assert after is not before and not after.any()
+    idx, sc = indexer_topk(q8, qs, w, k8, ks, L, k, impl="radix_fused", rearm=True)
+    assert torch.equal(idx, topk_select_ref(sc, L, k))
+
+
+def _interpreted_checks() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    patch_interpreter_loop_bounds()
+    g = torch.Generator().manual_seed(3)
+    _scores_checks(g)
+    _kept_checks(g)
+    print("interpreted checks ok")
+
+
+if __name__ == "__main__":
+    _interpreted_checks()
