@@ -180,6 +180,8 @@ KERNEL_VARIANTS = {
     "unfused_out_cast": (dict(fuse_out_cast=False), dict()),
     # the MLA prologue's pairs of launches (kv prologue, q_a norm; q prologue, absorb q) apart: 2 launches more
     "unfused_prologue": (dict(fuse_prologue=False), dict()),
+    # the indexer top-k's zeroed workspace per call (a memset launch per layer) instead of the kept, re-armed one
+    "topk_memset": (dict(topk_rearm=False), dict()),
 }
 
 

@@ -5,7 +5,10 @@
 topk: torch.topk (`topk_from_scores`, sorted=False: the old fast path) vs `radix_topk`, the indexer scores
 kernel alone, the whole `indexer_topk` per impl (torch / radix / radix_fused: histograms in the scores
 kernel), at S = 8192 / 32768 / 131072 and T = 1..4 score rows (B = 1), plus a sweep of the radix select's
-chunks per row. Each result is first checked against `topk_select_ref` (exact set; ties included).
+chunks per row; at S = 8192 / 32768 each impl with a zeroed top-k workspace per call (a memset) and with the kept,
+re-armed one, and a sweep of the scores kernel's launch settings (`indexer_scores`: block_s, num_warps,
+num_stages, programs) x radix / radix_fused, each checked bit for bit against the default kernel's scores,
+ranked by mean us over T = 1..4 (`best_settings`: printed after the section, the best per S and impl). Each result is first checked against `topk_select_ref` (exact set; ties included).
 Timing as in `mtp.bench.kernels`: CUDA-graph replays timed with CUDA events, median of 15. The scores a top-k
 reads were just written by the scores kernel, so they sit in L2 here as in the decode step.
 moe: `moe_experts` layout 'pairs' (old) vs 'persistent' (new) at one rank of TP=8 and at TP=1, T = 1..4, with
@@ -28,7 +31,7 @@ import torch
 
 from mtp.bench.kernels import graph_us, report
 from mtp.model.fp8 import act_quant as act_quant_ref
-from mtp.kernels.indexer import indexer_scores, indexer_topk, topk_from_scores
+from mtp.kernels.indexer import SCORES_DEFAULT, indexer_scores, indexer_topk, topk_from_scores
 from mtp.kernels.topk import radix_topk, topk_select_ref
 
 DEV = "cuda"
@@ -85,6 +88,8 @@ def topk_section(quick: bool, sizes: tuple[int, ...] | None = None, H: int = 64,
                     row("topk", shape, f"indexer_topk impl={impl}", graph_us([lambda: indexer_topk(*args, impl=impl)]))
                 except Exception as e:  # the fused epilogue may not compile: keep the other numbers
                     check(f"indexer_topk {impl} {shape}", False, f"{type(e).__name__}: {str(e)[:300]}")
+            if S in SWEEP_S:
+                sweep_scores(S, T, args, want_scores=sc, quick=quick)
             if not quick and T in (1, 4):
                 for chunks in (16, 32, 64, 128, 256):
                     for blk in (512, 1024, 2048):
@@ -98,6 +103,82 @@ def topk_section(quick: bool, sizes: tuple[int, ...] | None = None, H: int = 64,
                         row("topk", shape, f"radix chunks={chunks} blk={blk}", us)
         del k8, ks
         torch.cuda.empty_cache()
+    log(best_settings())
+
+
+SWEEP_S = (8192, 32768)
+SWEEP: dict[tuple[int, str, str], dict[int, float]] = {}  # (S, impl, setting) -> {T: us}
+
+
+def scores_settings(quick: bool) -> list[dict]:
+    """The scores kernel's launch settings the sweep times (`indexer.indexer_scores`): today's kernel (one
+    program per block) at other tile widths and warps, and the looping kernel at 1-4 programs per SM, 64- and
+    128-key tiles, 2-4 tiles in flight."""
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    out = [dict(SCORES_DEFAULT)]
+    out += [dict(block_s=bs, num_warps=nw, num_stages=3, programs=None)
+            for bs, nw in ((32, 4), (128, 4), (128, 8))]
+    loops = [(1, 64, 3, 4), (2, 64, 3, 4), (2, 128, 3, 4)] if quick else \
+        [(m, bs, st, 4) for m in (1, 2) for bs in (64, 128) for st in (2, 3, 4)] + [(4, 64, 3, 4), (2, 128, 3, 8)]
+    out += [dict(block_s=bs, num_warps=nw, num_stages=st, programs=m * sm) for m, bs, st, nw in loops]
+    return out
+
+
+def setting_name(kw: dict) -> str:
+    return f"bs={kw['block_s']} nw={kw['num_warps']} st={kw['num_stages']} P={kw['programs']}"
+
+
+def sweep_scores(S: int, T: int, args: tuple, want_scores: torch.Tensor, quick: bool) -> None:
+    """`indexer_topk` graph-timed at every scores setting, radix and radix_fused, with the kept (re-armed) top-k
+    workspace; and at the default setting with a zeroed workspace per call (the memset launch). Checked: scores bit
+    for bit against the default kernel's, index sets against `topk_select_ref`."""
+    q8, qs, w, k8, ks, lens, k = args
+    shape = f"S={S} T={T}"
+    for impl in ("radix", "radix_fused"):
+        for rearm in (False, True):
+            try:
+                idx, sc = indexer_topk(*args, impl=impl, rearm=rearm)
+                check(f"indexer_topk {impl} rearm={rearm} {shape}", torch.equal(idx, topk_select_ref(sc, lens, k)))
+                us = graph_us([lambda: indexer_topk(*args, impl=impl, rearm=rearm)])
+            except Exception as e:
+                check(f"indexer_topk {impl} rearm={rearm} {shape}", False, f"{type(e).__name__}: {str(e)[:300]}")
+                continue
+            row("topk", shape, f"{impl} {'kept ws' if rearm else 'memset ws'}", us)
+        for kw in scores_settings(quick):
+            name = setting_name(kw)
+            try:
+                idx, sc = indexer_topk(*args, impl=impl, rearm=True, scores=kw)
+                ok = torch.equal(idx, topk_select_ref(sc, lens, k))
+                bits = torch.equal(sc, want_scores)
+                us = graph_us([lambda: indexer_topk(*args, impl=impl, rearm=True, scores=kw)])
+            except Exception as e:  # a setting that does not compile or fit is skipped
+                log(f"[topk] {shape} {impl} {name} failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            check(f"sweep {impl} {name} {shape} index set", ok)
+            check(f"sweep {impl} {name} {shape} scores bit-identical to the default kernel", bits)
+            row("topk", shape, f"sweep {impl} {name}", us)
+            SWEEP.setdefault((S, impl, name), {})[T] = us
+
+
+def best_settings() -> str:
+    """Per S: each impl's settings ranked by their mean over T (only those timed at every T), best first."""
+    lines = ["[topk sweep] indexer_topk us (kept workspace), mean over T; best 5 per (S, impl) and the default"]
+    for S in SWEEP_S:
+        for impl in ("radix", "radix_fused"):
+            ts = {n: v for (s, i, n), v in SWEEP.items() if s == S and i == impl}
+            if not ts:
+                continue
+            n_t = max(len(v) for v in ts.values())
+            mean = {n: sum(v.values()) / len(v) for n, v in ts.items() if len(v) == n_t}
+            ranked = sorted(mean, key=mean.get)
+            default = setting_name(SCORES_DEFAULT)
+            for n in ranked[:5] + ([default] if default in mean and default not in ranked[:5] else []):
+                per_t = " ".join(f"T{t}={us:.1f}" for t, us in sorted(ts[n].items()))
+                tag = " (default)" if n == default else ""
+                lines.append(f"S={S:<6} {impl:<11} {n:<32} mean {mean[n]:7.2f} us  {per_t}{tag}")
+            if ranked:
+                lines.append(f"S={S:<6} {impl:<11} BEST {ranked[0]}")
+    return "\n".join(lines)
 
 
 def copy_bandwidth() -> float:
@@ -296,7 +377,7 @@ def _moe_batch_rank(quick: bool, E: int, e_loc: int, tag: str, bw: float, g: tor
 def table() -> str:
     lines = [f"{'section':<6} {'shape':<28} {'variant':<28} {'us':>9}  extra"]
     for r in ROWS:
-        if "chunks=" in r["variant"] or "splits=" in r["variant"] or "/SM" in r["variant"]:
+        if any(m in r["variant"] for m in ("chunks=", "splits=", "/SM", "sweep ")):
             continue
         extra = {k: v for k, v in r.items() if k not in ("section", "shape", "variant", "us")}
         lines.append(f"{r['section']:<6} {r['shape']:<28} {r['variant']:<28} {r['us']:9.2f}  {extra if extra else ''}")

@@ -57,6 +57,7 @@ class Limits:
     norm_max_q: int = 2048
     fuse_absorb_out: bool = True  # FastPathOptions.fuse_absorb_out: absorb out inside mla_decode's stage 2
     fuse_out_cast: bool = True  # FastPathOptions.fuse_out_cast: no cast launch after a row-parallel all-reduce
+    topk_rearm: bool = True  # dispatch.FastPathOptions.topk_rearm: the top-k's kept workspace, no memset per call
 
     @classmethod
     def current(cls) -> Limits:
@@ -69,7 +70,7 @@ class Limits:
         return cls(o.gemv_rows, fp8_gemm.FUSE_M, fp8_gemm.SMALL_N, fp.SMALL_M, fp.ABSORB_MAX_TOKENS,
                    fp.ROUTER_MAX_TOKENS, fp.FastMoE.kernel_route_tokens, fp.FastMoE.grouped_above,
                    fp.FastMoE.max_tokens, fuse_prologue=o.fuse_prologue, norm_max_q=NORM_MAX_Q,
-                   fuse_absorb_out=o.fuse_absorb_out, fuse_out_cast=o.fuse_out_cast)
+                   fuse_absorb_out=o.fuse_absorb_out, fuse_out_cast=o.fuse_out_cast, topk_rearm=o.topk_rearm)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -127,16 +128,18 @@ def attention(cfg: ModelConfig, sh: StepShape, lim: Limits) -> tuple[int, int]:
     n += 1  # post-attention add + norm + quant
     ix = 0
     if cfg.index_topk < sh.context:
-        ix = 1 + indexer_select(sh)  # head weights: one kernel (`fast_path.indexer_head_weights`)
+        ix = 1 + indexer_select(sh, lim)  # head weights: one kernel (`fast_path.indexer_head_weights`)
     return n, ix
 
 
-def indexer_select(sh: StepShape) -> int:
-    """The indexer's scores and top-k (`kernels.indexer.indexer_topk`, radix): the zeroed workspace, the scores
-    kernel, histogram + split + write, and the keys' contiguous copies (rows > 1, cache longer than S). What
-    `mtp-bench` times as 'the indexer alone' (`rank_steps.indexer_alone`)."""
+def indexer_select(sh: StepShape, lim: Limits | None = None) -> int:
+    """The indexer's scores and top-k (`kernels.indexer.indexer_topk`, radix): the zeroed workspace (a memset per
+    call, unless `topk_rearm` keeps one that the top-k's write kernel re-arms), the scores kernel, histogram +
+    split + write, and the keys' contiguous copies (rows > 1, cache longer than S). What `mtp-bench` times as 'the
+    indexer alone' (`rank_steps.indexer_alone`)."""
+    lim = lim or Limits.current()
     copies = 2 if sh.rows > 1 and sh.context < (sh.cache_len or sh.context) else 0
-    return 1 + 1 + 3 + copies
+    return (0 if lim.topk_rearm else 1) + 1 + 3 + copies
 
 
 def dense_mlp(cfg: ModelConfig, sh: StepShape, lim: Limits) -> int:

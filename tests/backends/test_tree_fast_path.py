@@ -107,6 +107,7 @@ def _model_checks() -> None:
     from mtp.backends.fast_path import FastMLA, FastPathOptions, install_fast_modules
     from mtp.checkpoint.files import load_model, save_checkpoint
     from mtp.checkpoint.tiny import random_tensors, tiny_config
+    from mtp.kernels import topk
     from mtp.spec.tree_shape import TreeShape
 
     # the MLA kernels need latent 512, rope 64 and >= 16 indexer heads; 2 dense layers keep it quick
@@ -144,6 +145,11 @@ def _model_checks() -> None:
                 assert err < 1e-4 and (p == list(range(len(p))) or off > 1e-2), (lens, p, err, off)
             chain = TreeShape.chain(N - 1)  # a chain written as a tree: the causal kernels' rows, bit for bit
             assert torch.equal(verify(nodes, chain), causal), lens
+            if P + N > cfg.index_topk:  # the top-k ran on its kept workspaces, left zeroed
+                assert topk._KEPT and not any(ws.any() for ws in topk._KEPT.values())
+                model.fast_options.set(topk_rearm=False)  # a zeroed workspace per call: the same logits
+                assert torch.equal(verify(nodes, tree), got), lens
+                model.fast_options.set(topk_rearm=True)
 
 
 if __name__ == "__main__":

@@ -446,3 +446,74 @@ def test_radix_topk_chunks_graph(chunks):
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+# ----------------------------------------------------------------------------- indexer launch settings, kept workspace
+SCORES_SETTINGS = [dict(block_s=32), dict(block_s=128), dict(block_s=128, num_warps=8), dict(programs=132),
+                   dict(programs=264, num_stages=2), dict(programs=264, block_s=128, num_stages=4),
+                   dict(programs=528, num_stages=3), dict(programs=264, block_s=128, num_warps=8)]
+
+
+def indexer_inputs(B, T, S, lens, H=64, D=128):
+    q8, qs = act_quant_ref(torch.randn(B, T, H, D, device=DEV))
+    k8, ks = act_quant_ref(torch.randn(B, S, D, device=DEV))
+    w = torch.randn(B, T, H, device=DEV) * H ** -0.5 * D ** -0.5
+    return q8, qs[..., 0], w, k8, ks[..., 0], torch.tensor(lens, device=DEV, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("B,T,S,lens", [(1, 1, 32768, [32767]), (1, 4, 32768, [32764]), (2, 3, 32768 + 5, [32770, 900])])
+def test_indexer_scores_settings_bit_identical(B, T, S, lens):
+    """Every launch setting of the scores kernel (tile width, warps, the looping kernel's programs and stages) gives
+    the default kernel's scores and radix_fused histograms bit for bit, at the TP=8 rank's S = 32768, a tree too."""
+    from mtp.kernels.indexer import indexer_scores
+    from mtp.kernels.topk import topk_workspace
+
+    args = indexer_inputs(B, T, S, lens)
+    L = args[-1]
+    vis = torch.arange(S, device=DEV).view(1, 1, S) < L.long().view(B, 1, 1)
+    vis = vis | (torch.rand(B, T, S, device=DEV) < 0.3)
+    for visible in (None, vis):
+        want = indexer_scores(*args, visible=visible)
+        ws0 = topk_workspace(B * T, DEV)
+        indexer_scores(*args, visible=visible, hist=ws0)
+        for kw in SCORES_SETTINGS:
+            poison()
+            got = indexer_scores(*args, visible=visible, **kw)
+            assert torch.equal(got, want), f"{kw} tree={visible is not None}: {(got != want).sum()} scores differ"
+            ws = topk_workspace(B * T, DEV)
+            indexer_scores(*args, visible=visible, hist=ws, **kw)
+            assert torch.equal(ws, ws0), f"{kw}: histograms differ"
+
+
+@pytest.mark.parametrize("impl", ["radix", "radix_fused"])
+def test_indexer_topk_kept_workspace_graph(impl):
+    """The kept top-k workspace (rearm): eager calls over rows 1 and 4, three 'layers' in one captured graph
+    replayed with new inputs, each giving the fresh workspace's index set; zero after every call and replay."""
+    from mtp.kernels.topk import kept_workspace
+
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs")
+    S, k = 32768, 2048
+    for T in (1, 4, 1):
+        args = indexer_inputs(1, T, S, [S - T])
+        idx, sc = indexer_topk(*args, k, impl=impl, rearm=True)
+        assert torch.equal(idx, topk_select_ref(sc, args[-1], k))
+        assert torch.equal(idx, indexer_topk(*args, k, impl=impl)[0])
+        assert not kept_workspace(T, DEV).any()
+    layers = [indexer_inputs(1, 2, S, [S - 2 - 100 * i]) for i in range(3)]
+    kw = dict(impl=impl, rearm=True, scores=dict(programs=264))
+    for a in layers:  # warm-up outside the capture: compiles, and the kept workspace exists
+        indexer_topk(*a, k, **kw)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [indexer_topk(*a, k, **kw) for a in layers]
+    for _ in range(3):
+        for a in layers:
+            for t, new in zip(a[:4], indexer_inputs(1, 2, S, [0])[:4]):
+                t.copy_(new)
+        g.replay()
+        torch.cuda.synchronize()
+        for a, (idx, sc) in zip(layers, outs):
+            assert torch.equal(idx, topk_select_ref(sc, a[-1], k))
+            assert torch.equal(idx, indexer_topk(*a, k, impl=impl)[0])
+        assert not kept_workspace(2, DEV).any()

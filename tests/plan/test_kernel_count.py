@@ -97,16 +97,19 @@ def test_hand_derivation_real_rank_few_tokens_and_grouped():
 
 
 def test_hand_derivation_indexer():
-    """S = 8193 > top-k 2048, 1 row: the indexer adds the head weights 1 (`kernels.index_weights`), the zeroed top-k
-    workspace 1, scores 1, radix histogram + split + write 3 = 6 per layer, on a GPU as on the CPU counter (the
-    session-4 32k profile had 8: the head weights were cuBLAS's split-K GEMM, its reduce kernel and a float mul,
-    with _indexer_kernel, the 3 top-k kernels and FillFunctor). Rows > 1 with the cache longer than S: + 2
-    contiguous copies of the keys and their scales."""
+    """S = 8193 > top-k 2048, 1 row: the indexer adds the head weights 1 (`kernels.index_weights`), scores 1, radix
+    histogram + split + write 3 = 5 per layer, on a GPU as on the CPU counter; the top-k's workspace is the kept one,
+    which its write kernel re-arms (`topk_rearm`; off: a zeroed workspace per call, + 1 memset = 6). The session-4
+    32k profile had 8: the head weights were cuBLAS's split-K GEMM, its reduce kernel and a float mul, with
+    _indexer_kernel, the 3 top-k kernels and FillFunctor. Rows > 1 with the cache longer than S: + 2 contiguous
+    copies of the keys and their scales."""
     cfg = real_config(layers=61, dense_layers=3)
     lim = _real_limits()
     base = per_layer(cfg, StepShape(1, 1, 1025, tp=8), lim)
     long = per_layer(cfg, StepShape(1, 1, 8193, tp=8), lim)
-    assert long["moe"] - base["moe"] == 6 and long["dense"] - base["dense"] == 6
+    assert long["moe"] - base["moe"] == 5 and long["dense"] - base["dense"] == 5
+    memset = per_layer(cfg, StepShape(1, 1, 8193, tp=8), dataclasses.replace(lim, topk_rearm=False))
+    assert memset["moe"] - base["moe"] == 6
     two = per_layer(cfg, StepShape(2, 1, 8193, tp=8, cache_len=8196), lim)
     assert two["moe"] - per_layer(cfg, StepShape(2, 1, 8193, tp=8), lim)["moe"] == 2
 
@@ -171,6 +174,7 @@ def _count(world: int, layout: str = "contiguous") -> dict:
     from mtp.backends import fast_path as fp
     from mtp.checkpoint.synthetic import fill_cache_random
     from mtp.kernels import fp8_gemm
+    from mtp.kernels.topk import kept_workspace
     from mtp.parallel.layout import ParallelPlan
     from mtp.parallel.simulate import simulated_rank
     from mtp.parallel.synthetic import random_parallel_model
@@ -201,6 +205,7 @@ def _count(world: int, layout: str = "contiguous") -> dict:
                 return model(ids, cache, kv_len=L + w)
 
             mcache = fill_cache_random(model.new_cache(B, L + max(w, CACHE_EXTRA), n_layers=1), L)
+            kept_workspace(B * w, "cpu")  # the indexer top-k's kept workspace: allocated once per process and rows
             with torch.no_grad():
                 if not out:  # the first forwards allocate the kernels' split-K counters, once per process
                     model.mtp_forward(0, ids, fwd().hidden, mcache, kv_len=L + w)
