@@ -11,7 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
@@ -20,17 +19,6 @@ from tests.interp import patch_interpreter_loop_bounds, run_interpreted  # noqa:
 
 def test_indexer_settings_and_kept_workspace_interpreted():
     run_interpreted(__file__)
-
-
-def test_indexer_scores_refuses_bad_settings():
-    from mtp.kernels.indexer import indexer_scores
-
-    pytest.importorskip("triton")
-    q8, qs, w, k8, ks, L = inputs(torch.Generator().manual_seed(0), 1, 2, 40, 16, 32)
-    with pytest.raises(ValueError, match="block_s"):
-        indexer_scores(q8, qs, w, k8, ks, L, block_s=48)
-    with pytest.raises(ValueError, match="programs"):
-        indexer_scores(q8, qs, w, k8, ks, L, programs=0)
 
 
 def inputs(g: torch.Generator, B: int, T: int, S: int, H: int, D: int, lens=None):
@@ -78,6 +66,24 @@ def _scores_checks(g: torch.Generator) -> None:
                 ws = topk_workspace(B * T, "cpu")
                 indexer_scores(q8, qs, w, k8, ks, L, visible=vis, hist=ws, **kw)
                 assert torch.equal(ws, ws0), f"histograms differ at {where}"
+
+
+def _refusal_checks(g: torch.Generator) -> None:
+    from mtp.kernels.indexer import indexer_scores
+
+    q8, qs, w, k8, ks, L = inputs(g, 1, 2, 40, 16, 32)
+    for kw, word in ((dict(block_s=48), "block_s"), (dict(programs=0), "programs")):
+        try:
+            indexer_scores(q8, qs, w, k8, ks, L, **kw)
+            raise AssertionError(f"{kw} was not refused")
+        except ValueError as e:
+            assert word in str(e), e
+    q8, qs, w, k8, ks, L = inputs(g, 1, 9, 40, 16, 32)  # the looping kernel unrolls T <= MAX_LOOP_T = 8
+    try:
+        indexer_scores(q8, qs, w, k8, ks, L, programs=4)
+        raise AssertionError("T = 9 with programs was not refused")
+    except ValueError as e:
+        assert "T = 9" in str(e), e
 
 
 def _kept_checks(g: torch.Generator) -> None:
@@ -137,6 +143,7 @@ def _interpreted_checks() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     patch_interpreter_loop_bounds()
     g = torch.Generator().manual_seed(3)
+    _refusal_checks(g)
     _scores_checks(g)
     _kept_checks(g)
     print("interpreted checks ok")
