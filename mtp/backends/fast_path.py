@@ -61,7 +61,7 @@ from ..kernels.dispatch import ELEMENTWISE_IMPLS, ExpertMap, FastPathOptions, ex
 from ..kernels.elementwise import triton_ops
 from ..kernels.fp8_gemm import SMALL_M
 from ..kernels.index_weights import index_weights, index_weights_ref
-from ..kernels.indexer import TOPK_IMPLS, indexer_topk
+from ..kernels.indexer import SCORES_DEFAULT, TOPK_IMPLS, indexer_topk
 from ..kernels.mla_decode import mla_decode
 from ..kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
 from ..kernels.mla_prologue_fused import kv_norm_fits, mla_kv_prologue_norm, mla_q_prologue_absorb
@@ -241,6 +241,7 @@ class FastMLA(MLA):
     fused_a = fused_qb = None  # stacked FP8 weights of the projections that read one input (`fuse_rows`)
     mm_fp32 = False  # cuBLAS bf16 x bf16 -> fp32 for the indexer's head weights (switch `index_weights` off)
     topk_impl = "radix"  # the indexer's top-k (`kernels.indexer.TOPK_IMPLS`): enable_fast_path / set_kernel_options
+    scores_tune: dict = {}  # the indexer scores kernel's launch settings over `indexer.SCORES_DEFAULT` (set_kernel_options)
     fast_options: FastPathOptions
 
     def absorbed_fast(self, T: int, cache, opts) -> bool:
@@ -519,19 +520,27 @@ def set_kernels(model: DeepseekV32, **flags: bool) -> FastPathOptions:
 
 
 def set_kernel_options(model: torch.nn.Module, indexer_topk: str | None = None,
-                       moe_layout: str | None = "keep") -> None:
+                       moe_layout: str | None = "keep", indexer_scores: dict | None = None) -> None:
     """Switch kernel variants of a fast-path model, so that old and new can be timed side by side:
-    indexer_topk 'radix' | 'radix_fused' | 'torch' (every FastMLA; None keeps it); moe_layout for every
+    indexer_topk 'radix' | 'radix_fused' | 'torch' (every FastMLA; None keeps it); indexer_scores: the scores
+    kernel's launch settings (`kernels.indexer.indexer_scores`' block_s, num_warps, num_stages, programs; {}: its
+    `SCORES_DEFAULT`; None keeps them); moe_layout for every
     FastMoE's expert kernels: 'pairs' (the pair grid at every size) or None (by size: persistent for
     T * J <= 64); 'keep' leaves it. Modules on the reference path are left alone. Bumps the model's version, so
     CUDA graphs captured before are not replayed."""
     if indexer_topk is not None and indexer_topk not in TOPK_IMPLS:
         raise ValueError(f"set_kernel_options: indexer_topk must be one of {TOPK_IMPLS}, got {indexer_topk!r}")
+    bad = set(indexer_scores or {}) - set(SCORES_DEFAULT)
+    if bad:
+        raise ValueError(f"set_kernel_options: indexer_scores takes {sorted(SCORES_DEFAULT)}, got {sorted(bad)}")
     if moe_layout not in ("pairs", None, "keep"):
         raise ValueError(f"set_kernel_options: moe_layout must be 'pairs' or None, got {moe_layout!r}")
     for mod in model.modules():
-        if isinstance(mod, FastMLA) and indexer_topk is not None:
-            mod.topk_impl = indexer_topk
+        if isinstance(mod, FastMLA):
+            if indexer_topk is not None:
+                mod.topk_impl = indexer_topk
+            if indexer_scores is not None:
+                mod.scores_tune = dict(indexer_scores)
         elif isinstance(mod, FastMoE) and moe_layout != "keep":
             mod.expert_layout = moe_layout
     if isinstance(model, DeepseekV32):
@@ -713,7 +722,7 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
         w = indexer_head_weights(mla, x_BTD)
         topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
                                    topk=ix.topk, impl=mla.topk_impl, visible=visible_BTS,
-                                   rearm=mla.fast_options.topk_rearm)
+                                   rearm=mla.fast_options.topk_rearm, scores=mla.scores_tune)
     absorb = mla.fast_options.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS
     if q_lat is None and absorb:  # one launch each instead of copy + batched GEMM + copy
         q_lat = absorb_q(q_nope, mla.w_kb)

@@ -182,6 +182,8 @@ KERNEL_VARIANTS = {
     "unfused_prologue": (dict(fuse_prologue=False), dict()),
     # the indexer top-k's zeroed workspace per call (a memset launch per layer) instead of the kept, re-armed one
     "topk_memset": (dict(topk_rearm=False), dict()),
+    # the indexer scores kernel looping over its key blocks, 2 programs per SM of an H100 / H200 (132 SMs)
+    "ix_loop": (dict(), dict(indexer_scores=dict(programs=264, num_stages=3))),
 }
 
 
@@ -196,6 +198,7 @@ def kernel_variants(model, comm, args, cuda: bool, bw, time_fn, world: int, res:
             raise SystemExit(f"--kernel-variants: unknown variant {name!r}; known: {sorted(KERNEL_VARIANTS)}")
         flags, options = KERNEL_VARIANTS[name]
         topk0 = next((m.topk_impl for m in model.modules() if hasattr(m, "topk_impl")), None)
+        scores0 = next((m.scores_tune for m in model.modules() if hasattr(m, "scores_tune")), None)
         old = set_kernels(model, **flags)
         if options:
             set_kernel_options(model, **options)
@@ -210,7 +213,8 @@ def kernel_variants(model, comm, args, cuda: bool, bw, time_fn, world: int, res:
             log(f"kernel variant {name!r} failed: {out[name]['error']}")
         finally:
             set_kernels(model, **vars(old))
-            set_kernel_options(model, indexer_topk=topk0, moe_layout=None if world > 1 else "pairs")
+            set_kernel_options(model, indexer_topk=topk0, moe_layout=None if world > 1 else "pairs",
+                               indexer_scores=scores0)
     return out
 
 

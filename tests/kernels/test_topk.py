@@ -66,6 +66,12 @@ def test_set_kernel_options_switches_and_refuses_unknown():
     assert model[0].topk_impl == "torch" and model[1].expert_layout is None
     set_kernel_options(model, indexer_topk="radix")  # the layout is kept
     assert model[0].topk_impl == "radix" and model[1].expert_layout is None
+    assert model[0].scores_tune == {}  # the scores kernel's `SCORES_DEFAULT`
+    set_kernel_options(model, indexer_scores=dict(programs=264, num_stages=2))
+    set_kernel_options(model, indexer_topk="torch")  # the settings are kept
+    assert model[0].scores_tune == dict(programs=264, num_stages=2) and model[0].topk_impl == "torch"
+    with pytest.raises(ValueError, match="indexer_scores"):
+        set_kernel_options(model, indexer_scores=dict(stages=2))
     with pytest.raises(ValueError, match="indexer_topk"):
         set_kernel_options(model, indexer_topk="bitonic")
     with pytest.raises(ValueError, match="moe_layout"):
