@@ -180,6 +180,8 @@ KERNEL_VARIANTS = {
     "unfused_out_cast": (dict(fuse_out_cast=False), dict()),
     # the MLA prologue's pairs of launches (kv prologue, q_a norm; q prologue, absorb q) apart: 2 launches more
     "unfused_prologue": (dict(fuse_prologue=False), dict()),
+    # the shared expert's own gate | up GEMV, silu * up and down instead of the experts' implicit last slot
+    "unfused_shared": (dict(shared_in_experts=False), dict()),
 }
 
 
