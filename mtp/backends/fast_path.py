@@ -628,10 +628,14 @@ def shared_fits_stack(moe: MoE) -> bool:
     weight and scale shapes. So on one process with n_shared = 1 (moe_intermediate wide, as each routed expert)
     and on a 'split' rank (1/W of every routed expert and 1/W of the shared one, both moe_intermediate / W wide;
     a rank without a 128-block of the width has both zero-wide). Not a contiguous / interleaved / permuted rank,
-    whose shared slice (n_shared * moe_intermediate / W) is narrower than its whole experts, nor n_shared > 1."""
+    whose shared slice (n_shared * moe_intermediate / W) is narrower than its whole experts, nor n_shared > 1 (nor
+    the rank of such a layout that holds a 1-block shared expert whole: the ranks of a layout fuse alike, as
+    `mtp.plan.kernels.shared_in_experts` counts)."""
     se = getattr(moe, "shared_experts", None)
     ids = list(moe.local_ids())
     if se is None or not ids or not isinstance(se, MLP):
+        return False
+    if isinstance(moe, ExpertParallelMoE) and moe.layout_name != "split":
         return False
     ex = moe.expert(ids[0])
     projs = ("gate_proj", "up_proj", "down_proj")
