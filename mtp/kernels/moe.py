@@ -28,6 +28,12 @@ adds exactly 0, so a token may hold any number of -1 slots.
 3. `_moe_combine_kernel`: y[t] = sum over slots j = 0..J-1 in order (deterministic, no atomics), skipping
    the -1 slots (their rows of the per-slot buffer are never written).
 H200, 256 experts of 7168 x 2048: 105 us for one token (79% of copy bandwidth), 89-94% from two tokens on.
+Shared expert as a slot (`shared=True`): the stack's last entry S is every token's implicit slot J (weight 1), so
+the three kernels above run it with the routed experts (its weights read once by the leader of the first token's
+slot J) instead of its own gate | up GEMV, silu * up and down: 3 launches fewer per MoE layer, the same weight
+bytes. No [T, J + 1] id tensor is built (that would be a launch): the kernels read S where a pair's slot is J
+(`_ids`, `_slot_weights`); the combine sums that slot's K slices apart and adds them after the routed slots, as
+it adds `add`, so the routed slots' bits are unchanged.
 
 Persistent layout (default for T * J <= 64, `layout=`): at TP=8 a rank computes ~1 (T=1) to ~3.5 (T=4) of its
 32 experts, and the pair grid above gives them only 16 gate/up (56 down) working programs of 132 SMs (gate/up
