@@ -178,7 +178,8 @@ class FastMoE(MoE):
         """rounded=False: the reduced routed + shared sum in fp32, before `MoE.forward`'s final rounding to x's
         dtype (`FastBlock` rounds it inside the residual add; called through the module, so hooks still see
         the call). reduce=False (with xq): this rank's fp32 sum before the all-reduce, which `FastBlock` hands
-        to the next block's norm (`Pending`). The shared expert's output is added in the experts' combine launch."""
+        to the next block's norm (`Pending`). The shared expert runs in the experts' kernels as their last slot
+        (`shared_in_stack`), or its output is added in their combine launch."""
         if xq is None:
             if not reduce:
                 raise ValueError("FastMoE: reduce=False needs xq, the block's quantized input")
