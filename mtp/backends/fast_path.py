@@ -26,7 +26,9 @@
   shares its launch with the q_a norm + quant, the q prologue with the absorbed q (`kernels.mla_prologue_fused`,
   switch `fuse_prologue`);
 - dense MLPs and shared experts (also tensor-parallel ones: `FastParallelMLP`) with gate and up stacked into one
-  GEMV (`fuse_rows`);
+  GEMV (`fuse_rows`); where a shared expert has the routed experts' shapes (one process, n_shared = 1; a 'split'
+  rank) it is also stacked last with them and runs in their kernels as every token's extra slot (`FastMoE`,
+  switch `shared_in_experts`: 3 launches fewer per MoE layer), its gate | up stack a copy for the switch's off path;
 - every decoder `Block` (`FastBlock`): residual add + RMSNorm + FP8 quant in one kernel (`kernels.norm_quant`)
   whose quantized output feeds the next GEMV directly (q_a | wk | kv_a; gate | up); tensor parallel under
   allreduce='oneshot', o_proj's all-reduce joins the post-attention one, and the FFN's the next block's input one
