@@ -93,8 +93,8 @@ class StepShape:
     """One decode forward on one rank: `rows` x `width` new tokens over `context` keys (S, after them);
     `cache_len`: the cache's capacity per row (None: exactly S), since the indexer copies its keys to a
     contiguous buffer when rows > 1 and S < capacity. `expert_layout`: the rank's (`mtp.placement`; 'auto' as the
-    runtime and `mtp-bench` resolve it: 'split' for DeepSeek-V3.2 at tp = 2..16), which decides whether the shared
-    expert runs inside the experts' kernels (`shared_in_experts`)."""
+    runtime and `mtp-bench --tp N` (--layout auto) resolve it: 'split' for DeepSeek-V3.2 at tp = 2..16), which
+    decides whether the shared expert runs inside the experts' kernels (`shared_in_experts`: 'split' yes)."""
 
     rows: int
     width: int
