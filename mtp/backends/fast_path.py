@@ -26,7 +26,9 @@
   shares its launch with the q_a norm + quant, the q prologue with the absorbed q (`kernels.mla_prologue_fused`,
   switch `fuse_prologue`);
 - dense MLPs and shared experts (also tensor-parallel ones: `FastParallelMLP`) with gate and up stacked into one
-  GEMV (`fuse_rows`);
+  GEMV (`fuse_rows`); where a shared expert has the routed experts' shapes (one process, n_shared = 1; a 'split'
+  rank) it is also stacked last with them and runs in their kernels as every token's extra slot (`FastMoE`,
+  switch `shared_in_experts`: 3 launches fewer per MoE layer), its gate | up stack a copy for the switch's off path;
 - every decoder `Block` (`FastBlock`): residual add + RMSNorm + FP8 quant in one kernel (`kernels.norm_quant`)
   whose quantized output feeds the next GEMV directly (q_a | wk | kv_a; gate | up); tensor parallel under
   allreduce='oneshot', o_proj's all-reduce joins the post-attention one, and the FFN's the next block's input one
@@ -142,8 +144,10 @@ class FastMoE(MoE):
     """The module's routed experts (`local_ids()`) through the router (`kernels.dispatch.route`: one fused launch
     with switch `router`, which also maps ids to this rank's stack indices by `id_map`) + `moe_experts` on the
     stacked experts (`stack_experts`): reads only the chosen experts, no host sync, capturable; other ranks'
-    experts are -1 slots, which the kernel skips. `forward(x, xq)` feeds x's quantized form to the shared
-    expert's gate | up GEMV.
+    experts are -1 slots, which the kernel skips. `forward(x, xq)`: up to `grouped_above` tokens the shared expert is
+    one more entry of the stack, run by the expert kernels for every token (weight 1, after the routed slots:
+    `shared_in_stack`, switch `shared_in_experts`; one process with n_shared = 1, or a 'split' rank: 3 launches fewer
+    per layer); elsewhere x's quantized form feeds the shared expert's own gate | up GEMV.
 
     Every expert layout of an expert-parallel rank (`mtp.placement`) runs here; per rank and MoE layer it costs:
     'contiguous' a range [e0, e1) (E/W experts; the mapping is arithmetic in the router's last program);
@@ -162,6 +166,7 @@ class FastMoE(MoE):
     the grouped GEMM (`kernels.moe_grouped`), `max_tokens` per call."""
 
     stacked: dict[str, torch.Tensor] | None = None
+    shared_index: int | None = None  # the shared expert's index in `stacked` (`stack_experts`), or None
     id_map = ExpertMap()  # global id -> stack index (`kernels.dispatch.expert_map`), set by `stack_experts`
     expert_layout: str | None = "pairs"
     fast_options: FastPathOptions
@@ -175,7 +180,8 @@ class FastMoE(MoE):
         """rounded=False: the reduced routed + shared sum in fp32, before `MoE.forward`'s final rounding to x's
         dtype (`FastBlock` rounds it inside the residual add; called through the module, so hooks still see
         the call). reduce=False (with xq): this rank's fp32 sum before the all-reduce, which `FastBlock` hands
-        to the next block's norm (`Pending`). The shared expert's output is added in the experts' combine launch."""
+        to the next block's norm (`Pending`). The shared expert runs in the experts' kernels as their last slot
+        (`shared_in_stack`), or its output is added in their combine launch."""
         if xq is None:
             if not reduce:
                 raise ValueError("FastMoE: reduce=False needs xq, the block's quantized input")
@@ -184,14 +190,30 @@ class FastMoE(MoE):
         return y.to(x.dtype) if rounded and reduce else y
 
     def forward_acc(self, x: torch.Tensor, xq, reduce: bool = True) -> torch.Tensor:
+        """The routed + shared sum [.., D] fp32 (all-reduced when `reduce`). The shared expert runs inside the
+        experts' kernels where `shared_in_stack(N)` says so (no launch of its own), else as its own 3 launches
+        (gate | up GEMV on xq, silu * up, down) whose output the experts' combine adds."""
         shape = x.shape
         D = shape[-1]
         x_ND = x.reshape(-1, D)
-        shared = None
-        if self.shared_experts is not None:
-            shared = self._shared_q(x_ND, (xq[0].reshape(-1, D), xq[1].reshape(-1, D // 128)))
-        out = self.routed(x_ND, add=shared)
+        if self.shared_in_stack(x_ND.shape[0]):
+            out = self.routed(x_ND, shared=True)
+        else:
+            shared = None
+            if self.shared_experts is not None:
+                shared = self._shared_q(x_ND, (xq[0].reshape(-1, D), xq[1].reshape(-1, D // 128)))
+            out = self.routed(x_ND, add=shared)
         return (self.reduce(out) if reduce else out).view(shape)
+
+    def shared_in_stack(self, N: int) -> bool:
+        """Whether N tokens run the shared expert as the experts' implicit extra slot (`moe_experts(shared=)`):
+        switch `shared_in_experts` on, the shared expert stacked with the routed ones (`stack_experts`: one
+        process with n_shared = 1, or a 'split' rank), and the pair / persistent layouts (N <= grouped_above; the
+        grouped GEMM above keeps the separate shared expert). Numerics: the same FP8 formulas; its g, u and
+        silu(g) * u stay fp32 in the kernel where `_gate_up` rounds g | u and silu * up to the model dtype (bf16),
+        and its GEMVs sum in the expert kernels' order, not the split-K GEMV's; it is summed after the routed
+        slots, as `add` was (tests/kernels/test_moe_shared.py)."""
+        return self.shared_index is not None and self.fast_options.shared_in_experts and N <= self.grouped_above
 
     def _shared_q(self, x_ND: torch.Tensor, xq_ND) -> torch.Tensor:
         """`shared(x_ND)` with the quantized x fed to the fused gate | up GEMV where the shared expert has one."""
@@ -202,14 +224,19 @@ class FastMoE(MoE):
             return se(x_ND, xq_ND).to(acc_dtype(x_ND.dtype))  # as MoE.shared
         return self.shared(x_ND)
 
-    def routed(self, x_ND: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed sum [N, D] fp32, plus `add` (fp32 [N, D], the shared expert's output) when given.
+    def routed(self, x_ND: torch.Tensor, add: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:
+        """The routed sum [N, D] fp32, plus `add` (fp32 [N, D], the shared expert's output) when given; shared:
+        plus the stacked shared expert, run by the expert kernels as every token's last slot (`shared_in_stack`).
         Up to `grouped_above` tokens the `expert_layout` kernels, above it the grouped GEMM, in chunks of
         `max_tokens` (one M-block size for all chunks, so a token's result does not depend on its chunk)."""
         N = x_ND.shape[0]
         s = self.stacked
+        if shared and not self.shared_in_stack(N):
+            raise ValueError(f"FastMoE.routed: shared=True needs the shared expert in the stack (shared_index "
+                             f"{self.shared_index}), switch shared_in_experts on and N = {N} <= grouped_above = "
+                             f"{self.grouped_above}")
         if s["gate_proj.weight"].shape[1] == 0:  # 'split': this rank holds no 128-block of the experts' width
-            out = torch.zeros(x_ND.shape, dtype=torch.float32, device=x_ND.device)
+            out = torch.zeros(x_ND.shape, dtype=torch.float32, device=x_ND.device)  # nor of the stacked shared one
             return out if add is None else out + add
         # the router kernels compute `Gate.forward` from the gate's weights; a gate whose class replaces forward
         # (the bench's forced routes, `mtp.bench.forced_route`) is called as a module, as for a prefill
@@ -225,7 +252,8 @@ class FastMoE(MoE):
               s["up_proj.weight_scale_inv"], s["down_proj.weight"], s["down_proj.weight_scale_inv"])
         add = add if add is None or (add.dtype == torch.float32 and add.is_contiguous()) else add.float().contiguous()
         if N <= self.grouped_above:
-            return moe_experts(x_ND, ids_NK, w_NK, *ws, out_dtype=torch.float32, layout=self.expert_layout, add=add)
+            return moe_experts(x_ND, ids_NK, w_NK, *ws, out_dtype=torch.float32, layout=self.expert_layout, add=add,
+                               shared=shared)
         C = self.max_tokens
         bm = default_block_m(min(N, C))
         outs = [moe_experts(x_ND[a:a + C], ids_NK[a:a + C], w_NK[a:a + C], *ws, out_dtype=torch.float32,
@@ -428,10 +456,10 @@ def fast_module(mod: torch.nn.Module, options: FastPathOptions | None = None, mm
     elif type(mod) is ParallelMLP:  # this rank's gate and up rows as one
         _swap(mod, FastParallelMLP)
         if mod.gate_proj.out_features:
-            mod.fused_gate_up = fuse_rows([mod.gate_proj, mod.up_proj])
+            mod.fused_gate_up = fuse_rows([mod.gate_proj, mod.up_proj], repoint=not _in_expert_stack(mod))
     elif type(mod) is MLP:  # dense MLPs and shared experts (callers skip routed experts): gate and up as one
         _swap(mod, FastMLP)
-        mod.fused_gate_up = fuse_rows([mod.gate_proj, mod.up_proj])
+        mod.fused_gate_up = fuse_rows([mod.gate_proj, mod.up_proj], repoint=not _in_expert_stack(mod))
     elif isinstance(mod, Block):
         _swap(mod, FastBlock)
     elif isinstance(mod, Trunk):
@@ -558,10 +586,12 @@ def disable_fast_path(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def fuse_rows(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def fuse_rows(linears: list[Linear], repoint: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One FP8 weight (and its block scales) holding the given linears' rows one after the other, for one
     GEMV/GEMM launch where several projections read the same input. Each linear's parameters are re-pointed at
     its rows of the stacked tensors, so no memory is added and the reference path reads the same bytes.
+    repoint=False: the parameters stay where they are and the stack is a copy (a shared expert stacked with the
+    routed experts, `stack_experts`, whose gate | up GEMV only the switch `shared_in_experts` off reads).
     Exact: output row n of the stacked product is row n of the part it came from (same activation quant,
     same 128-block scales), provided every part but the last has a multiple of 128 rows, so that no scale
     block straddles two parts; otherwise (and for non-FP8 or mismatched inputs) returns None."""
@@ -571,6 +601,8 @@ def fuse_rows(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor] | None
         return None
     w = torch.cat([lin.weight.data for lin in linears])
     s = torch.cat([lin.weight_scale_inv.data for lin in linears])
+    if not repoint:
+        return w, s
     r, b = 0, 0
     for lin in linears:
         n, nb = lin.out_features, lin.weight_scale_inv.shape[0]
@@ -578,6 +610,12 @@ def fuse_rows(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor] | None
         lin.weight_scale_inv = torch.nn.Parameter(s[b:b + nb], requires_grad=False)
         r, b = r + n, b + nb
     return w, s
+
+
+def _in_expert_stack(mlp: MLP) -> bool:
+    """Whether `mlp` is a shared expert stacked with its MoE's routed experts (`stack_experts` ran on its parent
+    first: `install_fast_modules` visits a module before its children)."""
+    return getattr(mlp, "_stacked_shared", False)
 
 
 def _mm_out_fp32() -> bool:
@@ -597,17 +635,46 @@ def _mla_kernel_fits(mla: MLA) -> bool:
     return mla.C == 512 and mla.R == 64 and hi >= 16 and hi & (hi - 1) == 0 and blocks
 
 
+def shared_fits_stack(moe: MoE) -> bool:
+    """Whether the shared expert can be one more entry of the routed experts' stack: an FP8 MLP with exactly their
+    weight and scale shapes. So on one process with n_shared = 1 (moe_intermediate wide, as each routed expert)
+    and on a 'split' rank (1/W of every routed expert and 1/W of the shared one, both moe_intermediate / W wide;
+    a rank without a 128-block of the width has both zero-wide). Not a contiguous / interleaved / permuted rank,
+    whose shared slice (n_shared * moe_intermediate / W) is narrower than its whole experts, nor n_shared > 1 (nor
+    the rank of such a layout that holds a 1-block shared expert whole: the ranks of a layout fuse alike, as
+    `mtp.plan.kernels.shared_in_experts` counts)."""
+    se = getattr(moe, "shared_experts", None)
+    ids = list(moe.local_ids())
+    if se is None or not ids or not isinstance(se, MLP):
+        return False
+    if isinstance(moe, ExpertParallelMoE) and moe.layout_name != "split":
+        return False
+    ex = moe.expert(ids[0])
+    projs = ("gate_proj", "up_proj", "down_proj")
+    if not all(getattr(se, p).is_fp8 and getattr(ex, p).is_fp8 for p in projs):
+        return False
+    return all(getattr(getattr(se, p), a).shape == getattr(getattr(ex, p), a).shape and
+               getattr(getattr(se, p), a).dtype == getattr(getattr(ex, p), a).dtype
+               for p in projs for a in ("weight", "weight_scale_inv"))
+
+
 def stack_experts(moe: MoE) -> None:
     """Stack the module's experts (`moe.local_ids()`, ascending global ids) per projection into [E_local, N, K]
     weights / scales for `moe_experts`, in that order, and set `moe.id_map` (`kernels.dispatch.expert_map`: global
     id -> stack index); re-point each expert's parameters at its slice: memory is not doubled (peak: one
-    projection of one layer), names and `state_dict` are unchanged. Idempotent; FP8 experts only."""
+    projection of one layer), names and `state_dict` are unchanged. Idempotent; FP8 experts only.
+    Where the shared expert has the routed experts' shapes (`shared_fits_stack`) it is stacked last, at index
+    `moe.shared_index` = E_local (its parameters re-pointed too), so that `moe_experts(shared=True)` runs it as
+    every token's implicit extra slot (`FastMoE`); else `moe.shared_index` is None. The router never names it."""
     if getattr(moe, "stacked", None) is not None:
         return
     ids = list(moe.local_ids())
     experts = [moe.expert(e) for e in ids]
     if not all(getattr(ex, p).is_fp8 for ex in experts for p in ("gate_proj", "up_proj", "down_proj")):
         raise ValueError("stack_experts: the Triton expert kernels need FP8 experts")
+    shared = shared_fits_stack(moe)
+    if shared:
+        experts.append(moe.shared_experts)
     stacked = {}
     for proj in ("gate_proj", "up_proj", "down_proj"):
         for attr in ("weight", "weight_scale_inv"):
@@ -617,6 +684,9 @@ def stack_experts(moe: MoE) -> None:
                 setattr(p, attr, torch.nn.Parameter(big[i], requires_grad=False))
             stacked[f"{proj}.{attr}"] = big
     moe.id_map = expert_map(ids, moe.gate.n_experts, stacked["gate_proj.weight"].device)
+    moe.shared_index = len(ids) if shared else None
+    if shared:
+        moe.shared_experts._stacked_shared = True  # its gate | up GEMV (switch off) reads a copy (`fuse_rows`)
     moe.stacked = stacked
 
 

@@ -180,12 +180,15 @@ KERNEL_VARIANTS = {
     "unfused_out_cast": (dict(fuse_out_cast=False), dict()),
     # the MLA prologue's pairs of launches (kv prologue, q_a norm; q prologue, absorb q) apart: 2 launches more
     "unfused_prologue": (dict(fuse_prologue=False), dict()),
+    # the shared expert's own gate | up GEMV, silu * up and down instead of the experts' implicit last slot
+    "unfused_shared": (dict(shared_in_experts=False), dict()),
     # the indexer top-k's zeroed workspace per call (a memset launch per layer) instead of the kept, re-armed one
     "topk_memset": (dict(topk_rearm=False), dict()),
     # the indexer scores kernel looping over its key blocks, 2 programs per SM of an H100 / H200 (132 SMs)
     "ix_loop": (dict(), dict(indexer_scores=dict(programs=264, num_stages=3))),
     # every fusion switch of session 11 off: the launches the session started from, on the same rank
-    "s10": (dict(fuse_prologue=False, fuse_absorb_out=False, fuse_out_cast=False, topk_rearm=False), dict()),
+    "s10": (dict(fuse_prologue=False, fuse_absorb_out=False, fuse_out_cast=False, topk_rearm=False,
+                 shared_in_experts=False), dict()),
 }
 
 

@@ -33,6 +33,10 @@ version, so the engine captures its kept graphs again).
   its output, the block adds it, and the next block norms (3 launches instead of 1 per layer).
 - topk_rearm: the indexer top-k's workspace kept per (device, rows) and left zeroed by its last kernel
   (`topk.kept_workspace`, `indexer_topk(rearm=True)`); off: a fresh zeroed workspace per call (one memset launch).
+- shared_in_experts: the MoE's shared expert as one more expert of the routed experts' kernels (stacked last,
+  every token's implicit extra slot with weight 1: `moe.moe_experts(shared=)`, `fast_path.FastMoE.shared_in_stack`)
+  where its slice has the routed experts' shapes (one process with n_shared = 1; a 'split' expert-parallel rank)
+  and the pair / persistent layouts run; off: its own gate | up GEMV, silu * up and down (3 launches per layer).
 - pdl (off by default: not yet measured): launch the new kernels with programmatic dependent launch (Hopper),
   so that each may start while the previous kernel finishes (the GEMV requests its weights before waiting).
   the torch.compile'd elementwise ops join in only when TORCHINDUCTOR_ENABLE_PDL=1 is set before it compiles.
@@ -68,6 +72,7 @@ class FastPathOptions:
     fuse_absorb_out: bool = True
     fuse_out_cast: bool = True
     topk_rearm: bool = True
+    shared_in_experts: bool = True
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)

@@ -28,6 +28,12 @@ adds exactly 0, so a token may hold any number of -1 slots.
 3. `_moe_combine_kernel`: y[t] = sum over slots j = 0..J-1 in order (deterministic, no atomics), skipping
    the -1 slots (their rows of the per-slot buffer are never written).
 H200, 256 experts of 7168 x 2048: 105 us for one token (79% of copy bandwidth), 89-94% from two tokens on.
+Shared expert as a slot (`shared=True`): the stack's last entry S is every token's implicit slot J (weight 1), so
+the three kernels above run it with the routed experts (its weights read once by the leader of the first token's
+slot J) instead of its own gate | up GEMV, silu * up and down: 3 launches fewer per MoE layer, the same weight
+bytes. No [T, J + 1] id tensor is built (that would be a launch): the kernels read S where a pair's slot is J
+(`_ids`, `_slot_weights`); the combine sums that slot's K slices apart and adds them after the routed slots, as
+it adds `add`, so the routed slots' bits are unchanged.
 
 Persistent layout (default for T * J <= 64, `layout=`): at TP=8 a rank computes ~1 (T=1) to ~3.5 (T=4) of its
 32 experts, and the pair grid above gives them only 16 gate/up (56 down) working programs of 132 SMs (gate/up
@@ -217,19 +223,44 @@ def moe_route(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_g
 
 # ----------------------------------------------------------------------------- expert kernels
 @triton.jit
-def _slot_info(idx_ptr, p, T, TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr, KPAD: tl.constexpr):
+def _ids(idx_ptr, q, mask, S, TOPK: tl.constexpr, J: tl.constexpr):
+    """Expert ids of flat pairs q (token q // TOPK, slot q % TOPK), -2 where not mask. TOPK == J: idx_TJ's own.
+    TOPK == J + 1: slot J is the implicit shared slot, stack entry S for every token (`moe_experts(shared=)`),
+    read from no tensor: the ids stay the router's [T, J], so no launch builds a [T, J + 1] copy."""
+    if TOPK == J:
+        return tl.load(idx_ptr + q, mask=mask, other=-2)
+    j = q % TOPK
+    e = tl.load(idx_ptr + (q // TOPK) * J + j, mask=mask & (j < J), other=-2)
+    return tl.where(mask & (j == J), S, e)
+
+
+@triton.jit
+def _slot_weights(rw_ptr, slot, active, TOPK: tl.constexpr, J: tl.constexpr):
+    """Routing weights of flat slots (0 where not active); the implicit shared slot (TOPK == J + 1) weighs 1.0,
+    so its product is the expert's output exactly."""
+    if TOPK == J:
+        return tl.load(rw_ptr + slot, mask=active, other=0.0)
+    j = slot % TOPK
+    w = tl.load(rw_ptr + (slot // TOPK) * J + j, mask=active & (j < J), other=0.0)
+    return tl.where(active & (j == J), 1.0, w)
+
+
+@triton.jit
+def _slot_info(idx_ptr, p, T, S, TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
+               KPAD: tl.constexpr):
     """For pair p: its expert e, whether p is the first pair naming e, and per token row m whether it is
     routed to e and at which flat slot m * TOPK + j. A pair with e < 0 (skipped slot) is never a leader and
-    has no active rows: a token may hold several -1 slots, which must not count as one shared expert."""
-    e = tl.load(idx_ptr + p)
+    has no active rows: a token may hold several -1 slots, which must not count as one shared expert.
+    Slots per token TOPK: the router's J, + 1 for the implicit shared slot (`_ids`)."""
+    e = _ids(idx_ptr, p, p >= 0, S, TOPK, J)
     valid = e >= 0
     q = tl.arange(0, PPAD)
     # padding loads -2: never an expert, nor the -1 of a skipped slot
-    all_idx = tl.load(idx_ptr + q, mask=q < T * TOPK, other=-2)
+    all_idx = _ids(idx_ptr, q, q < T * TOPK, S, TOPK, J)
     is_leader = valid & (tl.sum(((all_idx == e) & (q < p)).to(tl.int32), 0) == 0)
     m = tl.arange(0, BM)
     j = tl.arange(0, KPAD)
-    idx2 = tl.load(idx_ptr + m[:, None] * TOPK + j[None, :], mask=(m[:, None] < T) & (j[None, :] < TOPK), other=-2)
+    idx2 = _ids(idx_ptr, m[:, None] * TOPK + j[None, :], (m[:, None] < T) & (j[None, :] < TOPK), S, TOPK, J)
     eq = (idx2 == e) & valid  # e < 0: no row is active, so `slot` is never used to load or store
     active = tl.sum(eq.to(tl.int32), 1) > 0
     slot = m * TOPK + tl.sum(tl.where(eq, j[None, :], 0), 1)
@@ -299,11 +330,12 @@ def _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I
 
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr,
-                        T, D, I, stride_xm, stride_we, stride_se, stride_sn,
-                        TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr, KPAD: tl.constexpr):
+                        T, D, I, stride_xm, stride_we, stride_se, stride_sn, S,
+                        TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
+                        KPAD: tl.constexpr):
     p = tl.program_id(0)
     nb = tl.program_id(1)
-    e, is_leader, active, slot = _slot_info(idx_ptr, p, T, TOPK, BM, PPAD, KPAD)
+    e, is_leader, active, slot = _slot_info(idx_ptr, p, T, S, TOPK, J, BM, PPAD, KPAD)
     n_iter = tl.where(is_leader, D // 128, 0)
     acc1, acc3 = _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, 0, n_iter, D, stride_xm,
                                stride_we, stride_se, stride_sn, BM)
@@ -312,15 +344,16 @@ def _moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, 
 
 @triton.jit
 def _moe_down_kernel(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
-                     T, D, I, stride_we, stride_se, stride_sn,
-                     TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr, KPAD: tl.constexpr):
+                     T, D, I, stride_we, stride_se, stride_sn, S,
+                     TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
+                     KPAD: tl.constexpr):
     p = tl.program_id(0)
     nb = tl.program_id(1)
-    e, is_leader, active, slot = _slot_info(idx_ptr, p, T, TOPK, BM, PPAD, KPAD)
+    e, is_leader, active, slot = _slot_info(idx_ptr, p, T, S, TOPK, J, BM, PPAD, KPAD)
     n_iter = tl.where(is_leader, I // 128, 0)
     acc = _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, 0, n_iter, D, I, stride_we, stride_se,
                      stride_sn, BM)
-    rw = tl.load(rw_ptr + slot, mask=active, other=0.0)
+    rw = _slot_weights(rw_ptr, slot, active, TOPK, J)
     acc = acc * rw[None, :]
     offs_n = nb * 128 + tl.arange(0, 128)
     smask = active & is_leader
@@ -330,11 +363,11 @@ def _moe_down_kernel(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
 
 # ----------------------------------------------------------------------------- persistent expert kernels
 @triton.jit
-def _leader_pairs(idx_ptr, P, PPAD: tl.constexpr):
+def _leader_pairs(idx_ptr, P, S, TOPK: tl.constexpr, J: tl.constexpr, PPAD: tl.constexpr):
     """Pairs q in [0, PPAD), which of them lead (a valid expert no earlier pair names), each leader's rank
     among the leaders, and the number of leaders (distinct experts to compute). [PPAD, PPAD] compares: small P."""
     q = tl.arange(0, PPAD)
-    iq = tl.load(idx_ptr + q, mask=q < P, other=-2)
+    iq = _ids(idx_ptr, q, q < P, S, TOPK, J)
     earlier = (iq[:, None] == iq[None, :]) & (q[None, :] < q[:, None])
     lead = (iq >= 0) & (tl.sum(earlier.to(tl.int32), 1) == 0)
     rank = tl.cumsum(lead.to(tl.int32), 0) - 1
@@ -342,15 +375,15 @@ def _leader_pairs(idx_ptr, P, PPAD: tl.constexpr):
 
 
 @triton.jit
-def _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, G, TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
-               KPAD: tl.constexpr):
+def _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, G, S, TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr,
+               PPAD: tl.constexpr, KPAD: tl.constexpr):
     """Work item w = (a, nb, ks): the a-th distinct expert e (its routed token rows and their slots), N-block
     nb, and the K groups [g0, g1) of slice ks of G groups."""
     a = w // (NB * KS)
     nb = (w // KS) % NB
     ks = w % KS
     p = tl.sum(tl.where(lead & (rank == a), q, 0), 0)  # the pair that leads expert a
-    e, _, active, slot = _slot_info(idx_ptr, p, T, TOPK, BM, PPAD, KPAD)
+    e, _, active, slot = _slot_info(idx_ptr, p, T, S, TOPK, J, BM, PPAD, KPAD)
     gps = tl.cdiv(G, KS)
     g0 = ks * gps
     return a, nb, ks, e, active, slot, g0, tl.minimum(g0 + gps, G)
@@ -358,17 +391,18 @@ def _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, G, TOPK: tl.constexpr, BM: 
 
 @triton.jit
 def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr, part_ptr, cnt_ptr,
-                            T, D, I, stride_xm, stride_we, stride_se, stride_sn, KS,
-                            TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr, KPAD: tl.constexpr):
+                            T, D, I, stride_xm, stride_we, stride_se, stride_sn, KS, S,
+                            TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
+                            KPAD: tl.constexpr):
     """Work item (a, nb, ks): the a-th distinct expert, N-block nb, K slice ks, handed out round-robin over a
     grid of ~one program per SM, so the few experts a rank computes at decode still fill every SM. The last
     slice of (a, nb) to finish (atomic counter) sums the fp32 partials in slice order (deterministic) and
     writes h; it re-arms the counter."""
-    q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, PPAD)
+    q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, S, TOPK, J, PPAD)
     NB = I // 128
     for w in range(tl.program_id(0), n_act * NB * KS, tl.num_programs(0)):
-        a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, D // 128,
-                                                        TOPK, BM, PPAD, KPAD)
+        a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, D // 128, S,
+                                                        TOPK, J, BM, PPAD, KPAD)
         acc1, acc3 = _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
                                    D, stride_xm, stride_we, stride_se, stride_sn, BM)
         # fp32 partials [2, 128, T] per (a, nb, ks): the T token columns only
@@ -392,35 +426,41 @@ def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_p
 
 @triton.jit
 def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
-                         T, D, I, stride_we, stride_se, stride_sn, KS,
-                         TOPK: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr, KPAD: tl.constexpr):
+                         T, D, I, stride_we, stride_se, stride_sn, KS, S,
+                         TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
+                         KPAD: tl.constexpr):
     """Work item (a, nb, ks) as in `_moe_gate_up_persistent`; slice ks writes its weighted partial to
     out[ks, slot], which the combine kernel sums in a fixed order."""
-    q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, PPAD)
+    q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, S, TOPK, J, PPAD)
     NB = tl.cdiv(D, 128)
     P = T * TOPK
     for w in range(tl.program_id(0), n_act * NB * KS, tl.num_programs(0)):
-        a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, I // 128,
-                                                        TOPK, BM, PPAD, KPAD)
+        a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, I // 128, S,
+                                                        TOPK, J, BM, PPAD, KPAD)
         acc = _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I,
                          stride_we, stride_se, stride_sn, BM)
-        acc = acc * tl.load(rw_ptr + slot, mask=active, other=0.0)[None, :]
+        acc = acc * _slot_weights(rw_ptr, slot, active, TOPK, J)[None, :]
         offs_n = nb * 128 + tl.arange(0, 128)
         dst = out_ptr + (ks * P + slot).to(tl.int64)[None, :] * D + offs_n[:, None]
         tl.store(dst, acc, mask=active[None, :] & (offs_n < D)[:, None])
 
 
 @triton.jit
-def _moe_combine_kernel(part_ptr, idx_ptr, add_ptr, y_ptr, D, P, TOPK: tl.constexpr, KS: tl.constexpr,
-                        BLOCK_D: tl.constexpr, ADD: tl.constexpr):
+def _moe_combine_kernel(part_ptr, idx_ptr, add_ptr, y_ptr, D, P, TOPK: tl.constexpr, J: tl.constexpr,
+                        KS: tl.constexpr, BLOCK_D: tl.constexpr, ADD: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):  # slot order, then K-slice order: deterministic
-        used = tl.load(idx_ptr + t * TOPK + j) >= 0  # a -1 slot's rows of `part` were never written
+    for j in tl.static_range(J):  # slot order, then K-slice order: deterministic
+        used = tl.load(idx_ptr + t * J + j) >= 0  # a -1 slot's rows of `part` were never written
         for s in tl.static_range(KS):
             acc += tl.load(part_ptr + (s * P + t * TOPK + j).to(tl.int64) * D + offs, mask=mask & used, other=0.0)
+    if TOPK > J:  # the implicit shared slot: its K slices summed apart, then added (routed + shared, as `add`)
+        sh = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for s in tl.static_range(KS):
+            sh += tl.load(part_ptr + (s * P + t * TOPK + J).to(tl.int64) * D + offs, mask=mask, other=0.0)
+        acc += sh
     if ADD:  # the shared expert's output, after the routed sum (the reference's routed + shared)
         acc += tl.load(add_ptr + t.to(tl.int64) * D + offs, mask=mask, other=0.0)
     tl.store(y_ptr + t.to(tl.int64) * D + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
@@ -463,7 +503,7 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                 out_dtype: torch.dtype | None = None, gate_up_stages: int | None = None, down_stages: int | None = None,
                 layout: str | None = None, splits: tuple[int, int] | None = None,
                 programs: tuple[int, int] | None = None, add: torch.Tensor | None = None,
-                block_m: int | None = None) -> torch.Tensor:
+                block_m: int | None = None, shared: bool = False) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
@@ -480,6 +520,12 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     M-block (`moe_grouped.BLOCK_MS`; default `moe_grouped.default_block_m`). add: fp32 [T, D] added to each
     token's routed sum in the combine launch (the shared expert's output: y = routed + add, as the
     reference's `out + shared`).
+    shared: the last stack entry S = E - 1 is the shared expert (stacked after the routed ones,
+    `fast_path.stack_experts`), applied to every token with weight 1.0 as an implicit slot J after the routed ones:
+    pairs / persistent layouts only, no launch more (the kernels read S where a pair's slot is J; idx_TJ keeps the
+    router's J columns, ids in [0, E - 1)). y = (routed slots in order) + shared expert (+ add): the order of
+    `add`, the shared slot's K slices summed apart, and the routed slots' bits are those of the call without it.
+    The persistent layout then holds T * (J + 1) pairs.
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
@@ -490,20 +536,29 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     if tuple(idx_TJ.shape) != (T, J) or tuple(w_TJ.shape) != (T, J) or idx_TJ.is_floating_point():
         raise ValueError(f"moe_experts: idx (integer) and weights must be [{T}, J], got {idx_TJ.dtype} "
                          f"{list(idx_TJ.shape)} and {list(w_TJ.shape)}")
-    if not idx_TJ.is_cuda and idx_TJ.numel() and not (-1 <= int(idx_TJ.min()) and int(idx_TJ.max()) < E):
-        raise ValueError(f"moe_experts: expert ids must be in [0, {E}) or -1, got {idx_TJ.tolist()}")
+    if not isinstance(shared, bool) or (shared and E < 2):
+        raise ValueError(f"moe_experts: shared must be a bool (the last of >= 2 stack entries is the shared expert), "
+                         f"got {shared!r} with {E} entries")
+    E_routed = E - shared  # the shared expert is no router's choice: every token gets it as its implicit slot J
+    if not idx_TJ.is_cuda and idx_TJ.numel() and not (-1 <= int(idx_TJ.min()) and int(idx_TJ.max()) < E_routed):
+        raise ValueError(f"moe_experts: expert ids must be in [0, {E_routed}) or -1"
+                         f"{' (the last stack entry is the shared expert)' if shared else ''}, got {idx_TJ.tolist()}")
     if D % BLOCK or I % BLOCK:
         raise ValueError(f"moe_experts: D = {D} and I = {I} must be multiples of {BLOCK}")
     _check_experts("w_gate", w_gate, s_gate, E, I, D)
     _check_experts("w_up", w_up, s_up, E, I, D)
     _check_experts("w_down", w_down, s_down, E, D, I)
-    P = T * J
-    layout = layout or default_layout(T, J)
+    TOPK = J + shared  # slots per token: the router's J, then the implicit shared slot
+    P = T * TOPK
+    layout = layout or default_layout(T, TOPK)
     if layout not in LAYOUTS or (layout == "persistent" and P > PERSISTENT_MAX_PAIRS) or \
             (layout != "grouped" and T > PAIRS_MAX_TOKENS):
-        raise ValueError(f"moe_experts: layout must be one of {LAYOUTS} ('persistent' for T * J <= "
+        raise ValueError(f"moe_experts: layout must be one of {LAYOUTS} ('persistent' for T * slots <= "
                          f"{PERSISTENT_MAX_PAIRS}, 'pairs' for T <= {PAIRS_MAX_TOKENS}), got {layout!r} with T = {T}, "
-                         f"J = {J}")
+                         f"slots = {TOPK} (J = {J}{' + the shared one' if shared else ''})")
+    if shared and layout == "grouped":
+        raise ValueError("moe_experts: shared (the implicit shared slot) is for the 'pairs' and 'persistent' "
+                         "layouts; the grouped one takes the shared expert's output as add")
     if block_m is not None and (layout != "grouped" or block_m not in BLOCK_MS):
         raise ValueError(f"moe_experts: block_m is the grouped layout's, one of {BLOCK_MS}; got {block_m} with "
                          f"layout {layout!r}")
@@ -515,14 +570,15 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     if layout == "grouped":
         part = grouped_partials(x, idx, rw, w_gate, s_gate, w_up, s_up, w_down, s_down, block_m=block_m,
                                 stages=(gate_up_stages or 3, down_stages or 4), programs=programs)
-        return _combine(part, idx, add, T, D, J, 1, out_dtype or x_TD.dtype)
+        return _combine(part, idx, add, T, D, J, 1, out_dtype or x_TD.dtype, False)
     bm = max(16, triton.next_power_of_2(T))
-    ppad, kpad = triton.next_power_of_2(P), triton.next_power_of_2(J)
+    ppad, kpad = triton.next_power_of_2(P), triton.next_power_of_2(TOPK)
     dev = x.device
     h8 = torch.empty(P, I, dtype=FP8_DTYPE, device=dev)
     hs = torch.empty(P, I // BLOCK, dtype=torch.float32, device=dev)
     wargs = (w_gate, s_gate, w_up, s_up)
-    kw = dict(TOPK=J, BM=bm, PPAD=ppad, KPAD=kpad, num_warps=4)
+    S = E - 1 if shared else -3  # read only where TOPK = J + 1
+    kw = dict(TOPK=TOPK, J=J, BM=bm, PPAD=ppad, KPAD=kpad, num_warps=4)
     if layout == "pairs":
         if gate_up_stages is None:
             # H200 sweep (T=1 / T=4): 4 stages (145 KB smem, 1 program per SM) won when the leaders' programs
@@ -531,11 +587,11 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
             # the 227 KB a block may hold (seen: OutOfResources on the bundled model at 64 tokens, 2 x H200).
             gate_up_stages = 4 if bm <= 16 and P * (I // BLOCK) <= _sm_count(dev) else 3
         _moe_gate_up_kernel[(P, I // BLOCK)](x, idx, *wargs, h8, hs, T, D, I, x.stride(0), w_gate.stride(0),
-                                             s_gate.stride(0), s_gate.stride(1), num_stages=gate_up_stages, **kw)
+                                             s_gate.stride(0), s_gate.stride(1), S, num_stages=gate_up_stages, **kw)
         ks_down = 1
         part = torch.empty(P, D, dtype=torch.float32, device=dev)
         _moe_down_kernel[(P, triton.cdiv(D, BLOCK))](h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0),
-                                                     s_down.stride(0), s_down.stride(1),
+                                                     s_down.stride(0), s_down.stride(1), S,
                                                      num_stages=down_stages or 5, **kw)
     else:
         ks_gu, ks_down = splits or default_splits(T, D // BLOCK, I // BLOCK)
@@ -547,19 +603,21 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         cnt = _counters(dev, n_act * nb)
         _moe_gate_up_persistent[(min(g_gu, n_act * nb * ks_gu),)](
             x, idx, *wargs, h8, hs, gu_part, cnt, T, D, I, x.stride(0), w_gate.stride(0), s_gate.stride(0),
-            s_gate.stride(1), ks_gu, num_stages=gate_up_stages or 4, **kw)
+            s_gate.stride(1), ks_gu, S, num_stages=gate_up_stages or 4, **kw)
         part = torch.empty(ks_down, P, D, dtype=torch.float32, device=dev)
         _moe_down_persistent[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
             h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0), s_down.stride(0), s_down.stride(1),
-            ks_down, num_stages=down_stages or 5, **kw)
-    return _combine(part, idx, add, T, D, J, ks_down, out_dtype or x_TD.dtype)
+            ks_down, S, num_stages=down_stages or 5, **kw)
+    return _combine(part, idx, add, T, D, J, ks_down, out_dtype or x_TD.dtype, shared)
 
 
 def _combine(part: torch.Tensor, idx: torch.Tensor, add: torch.Tensor | None, T: int, D: int, J: int, ks: int,
-             out_dtype: torch.dtype) -> torch.Tensor:
-    """y [T, D] = sum over slots (in order) and K slices of the per-pair partials part [ks, T * J, D], + add."""
+             out_dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """y [T, D] = sum over slots (in order; the implicit shared slot J last when `shared`) and K slices of the
+    per-pair partials part [ks, T * slots, D], + add."""
     y = torch.empty(T, D, dtype=out_dtype, device=part.device)
     bd = 1024
-    _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, idx, y if add is None else add, y, D, T * J, TOPK=J,
-                                                 KS=ks, BLOCK_D=bd, ADD=add is not None, num_warps=4)
+    topk = J + shared
+    _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, idx, y if add is None else add, y, D, T * topk, TOPK=topk,
+                                                 J=J, KS=ks, BLOCK_D=bd, ADD=add is not None, num_warps=4)
     return y

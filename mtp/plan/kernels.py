@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model.config import ModelConfig
+from ..placement import choose_layout
 
 # launches of the reference router (`Gate.forward`: an fp32 GEMM, sigmoid, group top-k, sort, gather, scatter ...)
 # that `FastMoE.routed` runs above `kernel_route_tokens` tokens, with its ids' int32 cast, or on an expert-parallel
@@ -58,6 +59,7 @@ class Limits:
     fuse_absorb_out: bool = True  # FastPathOptions.fuse_absorb_out: absorb out inside mla_decode's stage 2
     fuse_out_cast: bool = True  # FastPathOptions.fuse_out_cast: no cast launch after a row-parallel all-reduce
     topk_rearm: bool = True  # dispatch.FastPathOptions.topk_rearm: the top-k's kept workspace, no memset per call
+    shared_in_experts: bool = True  # dispatch.FastPathOptions.shared_in_experts: the shared expert in the experts' kernels
 
     @classmethod
     def current(cls) -> Limits:
@@ -70,7 +72,8 @@ class Limits:
         return cls(o.gemv_rows, fp8_gemm.FUSE_M, fp8_gemm.SMALL_N, fp.SMALL_M, fp.ABSORB_MAX_TOKENS,
                    fp.ROUTER_MAX_TOKENS, fp.FastMoE.kernel_route_tokens, fp.FastMoE.grouped_above,
                    fp.FastMoE.max_tokens, fuse_prologue=o.fuse_prologue, norm_max_q=NORM_MAX_Q,
-                   fuse_absorb_out=o.fuse_absorb_out, fuse_out_cast=o.fuse_out_cast, topk_rearm=o.topk_rearm)
+                   fuse_absorb_out=o.fuse_absorb_out, fuse_out_cast=o.fuse_out_cast, topk_rearm=o.topk_rearm,
+                   shared_in_experts=o.shared_in_experts)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -90,13 +93,16 @@ def linear(M: int, n_out: int, lim: Limits, xq: bool) -> int:
 class StepShape:
     """One decode forward on one rank: `rows` x `width` new tokens over `context` keys (S, after them);
     `cache_len`: the cache's capacity per row (None: exactly S), since the indexer copies its keys to a
-    contiguous buffer when rows > 1 and S < capacity."""
+    contiguous buffer when rows > 1 and S < capacity. `expert_layout`: the rank's (`mtp.placement`; 'auto' as the
+    runtime and `mtp-bench --tp N` (--layout auto) resolve it: 'split' for DeepSeek-V3.2 at tp = 2..16), which
+    decides whether the shared expert runs inside the experts' kernels (`shared_in_experts`: 'split' yes)."""
 
     rows: int
     width: int
     context: int
     tp: int = 1
     cache_len: int | None = None
+    expert_layout: str = "auto"
 
     @property
     def tokens(self) -> int:
@@ -170,15 +176,29 @@ def experts(N: int, lim: Limits) -> int:
     return 6 * c + (1 if c > 1 else 0)
 
 
+def shared_in_experts(cfg: ModelConfig, sh: StepShape, lim: Limits) -> bool:
+    """`FastMoE.shared_in_stack`: the shared expert as the experts' implicit extra slot (0 launches of its own) with
+    the switch on, where its slice has the routed experts' shapes (`fast_path.shared_fits_stack`: tp = 1 with
+    n_shared = 1, or a 'split' rank, n_shared = 1), on the block's quantized path (<= SMALL_M tokens, `forward_acc`)
+    and the pair / persistent layouts (<= grouped_above tokens; the grouped GEMM keeps the separate shared expert)."""
+    N = sh.tokens
+    if not (lim.shared_in_experts and cfg.n_shared_experts == 1 and N <= lim.small_m and N <= lim.grouped_above):
+        return False
+    return sh.tp == 1 or choose_layout(sh.expert_layout, cfg.moe_intermediate_size, sh.tp) == "split"
+
+
 def moe_ffn(cfg: ModelConfig, sh: StepShape, lim: Limits) -> dict[str, int]:
     """The MoE sublayer of `FastBlock` as {shared_expert, router, routed_experts}. Up to SMALL_M tokens (the block's
-    norm quantizes): the shared expert's gate | up on the quantized x, silu * up, down; router; experts (the shared
-    output added in their combine); `add_rounded` into the residual. Above: `MoE.forward` (its routed part still
+    norm quantizes): the shared expert's gate | up on the quantized x, silu * up, down (none where it runs inside
+    the experts' kernels: `shared_in_experts`); router; experts (the shared output added in their combine, or the
+    shared expert their last slot); `add_rounded` into the residual. Above: `MoE.forward` (its routed part still
     `FastMoE.routed`): the shared expert on x, routed + shared, `.to(x.dtype)`, and the block's `h + y`. The
     residual's add is booked to the routed experts."""
     N, D = sh.tokens, cfg.hidden_size
     inter = cfg.moe_intermediate_size * cfg.n_shared_experts // sh.tp
     quant = N <= lim.small_m
+    if shared_in_experts(cfg, sh, lim):
+        inter = 0  # the experts' kernels run it: no launch of its own
     shared = linear(N, 2 * inter, lim, quant) + 1 + linear(N, D, lim, False) if inter else 0
     if inter and sh.tp == 1:
         shared += 1  # `FastMLP` / `MoE.shared`: the shared expert's model-dtype output cast to fp32

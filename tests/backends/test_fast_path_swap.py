@@ -78,6 +78,8 @@ def test_swap_back_restores_reference_outputs():
     want = moe(x)
     assert torch.isfinite(want).all()
     fast_module(moe)
-    assert isinstance(moe, FastMoE) and moe.stacked["down_proj.weight"].shape[0] == cfg.n_routed_experts
+    # n_shared = 1 at one process: the shared expert is the stack's last entry (`stack_experts`)
+    assert isinstance(moe, FastMoE) and moe.stacked["down_proj.weight"].shape[0] == cfg.n_routed_experts + 1
+    assert moe.shared_index == cfg.n_routed_experts
     disable_fast_path(moe)
     assert type(moe) is MoE and torch.equal(moe(x), want)

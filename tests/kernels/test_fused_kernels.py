@@ -490,8 +490,9 @@ def _stage2_absorb_checks() -> None:
 
 
 def _model_checks() -> None:
-    """A tiny fp32 model with every fast-path module installed: the new kernels (switches on) give the old
-    kernels' logits (switches off) within fp32 summation order, both under the interpreter."""
+    """A tiny fp32 model with every fast-path module installed: the new kernels (switches on; the shared expert
+    inside the experts' kernels, which the test sees run) give the old kernels' logits (switches off) within fp32
+    summation order, both under the interpreter."""
     import tempfile
 
     from tests.interp import patch_interpreter_loop_bounds
@@ -515,19 +516,27 @@ def _model_checks() -> None:
         calls = []  # module hooks (mtp-bench counts experts with one) must see the fused block's MoE call too
         hooks = [m.register_forward_pre_hook(lambda mod, inp: calls.append(mod)) for m in model.model.layers.modules()
                  if isinstance(m, MoE)]
+        # switch shared_in_experts: the shared expert (stacked with the routed ones: one process, n_shared = 1) runs
+        # inside the experts' kernels, so its own module is never called; off, once per MoE forward
+        moes = [m for m in model.model.layers.modules() if isinstance(m, MoE)]
+        assert all(m.shared_index is not None for m in moes)
+        shared_calls = []
+        hooks += [m.shared_experts.register_forward_pre_hook(lambda mod, inp: shared_calls.append(mod)) for m in moes]
         for on in (False, True):
-            set_kernels(model, gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
+            set_kernels(model, gemv=on, norm_quant=on, router=on, prologue=on, absorb=on, shared_in_experts=on)
             cache = model.new_cache(2, 16)
             calls.clear()
+            shared_calls.clear()
             out[on] = model(ids, cache).logits
-            assert len(calls) == len(hooks) > 0, (on, len(calls), len(hooks))
+            assert len(calls) == len(moes) > 0, (on, len(calls), len(moes))
             out[on, "decode"] = model(ids[:, :1], cache).logits  # one token: the absorbed, fused block path
-            assert len(calls) == 2 * len(hooks)
+            assert len(calls) == 2 * len(moes)
+            assert len(shared_calls) == (0 if on else 2 * len(moes)), (on, len(shared_calls))
         for hk in hooks:
             hk.remove()
         assert _rel(out[True, "decode"], out[False, "decode"]) < 1e-5, _rel(out[True, "decode"], out[False, "decode"])
         for on in (False, True):
-            set_kernels(model, gemv=on, norm_quant=on, router=on, prologue=on, absorb=on)
+            set_kernels(model, gemv=on, norm_quant=on, router=on, prologue=on, absorb=on, shared_in_experts=on)
             out[on, "mtp"] = model.mtp_forward(0, ids, torch.randn(2, 3, cfg.hidden_size,
                                                                     generator=torch.Generator().manual_seed(1)),
                                                model.new_cache(2, 16, n_layers=1)).logits

@@ -214,6 +214,64 @@ def test_moe_experts_add(T):
         assert torch.equal(got, base + add), layout
 
 
+@pytest.fixture(scope="module")
+def split_rank_stack():
+    """The TP=8 'split' rank's stack of one MoE layer: 256 routed experts + the shared one (last), each 256 wide
+    (2 blocks of DeepSeek-V3.2's 2048), D = 7168: 1.4 GB of FP8."""
+    E, D, I = 257, 7168, 256
+    g = torch.Generator(device=DEV).manual_seed(0)
+    st = []
+    for N, K in ((I, D), (I, D), (D, I)):
+        w8 = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=DEV)
+        s = torch.empty(E, N // 128, K // 128, dtype=torch.float32, device=DEV)
+        for e in range(E):
+            w8[e], s[e] = weight_quant(torch.randn(N, K, device=DEV, generator=g) * 0.02)
+        st += [w8, s]
+    return st
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5])
+def test_moe_experts_shared_slot(split_rank_stack, T):
+    """moe_experts(shared=True) at the TP=8 'split' rank's shapes (8 of 256 routed + the shared expert, 256 wide):
+    bit for bit the routed call + the shared expert alone as `add` (pair and persistent grids), the float64
+    reference (the shared expert an explicit 9th slot) within the expert kernels' fp8-flip bound, and a CUDA
+    graph's replay equal to the eager call (no host sync, static grids)."""
+    from mtp.kernels.moe import moe_experts
+
+    from .test_kernels_gpu import moe_flip_bound
+
+    st = split_rank_stack
+    S = st[0].shape[0] - 1
+    g = torch.Generator(device=DEV).manual_seed(T)
+    x = torch.randn(T, 7168, device=DEV, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(S, device=DEV, generator=g)[:8] for _ in range(T)]).int()
+    w = torch.rand(T, 8, device=DEV, generator=g)
+    kw = dict(out_dtype=torch.float32)
+    for layout in ("pairs", "persistent"):
+        poison()
+        alone = moe_experts(x, torch.full((T, 1), S, dtype=torch.int32, device=DEV), torch.ones(T, 1, device=DEV),
+                            *st, layout=layout, **kw)
+        want = moe_experts(x, ids, w, *st, layout=layout, add=alone, **kw)
+        got = moe_experts(x, ids, w, *st, layout=layout, shared=True, **kw)
+        assert torch.equal(got, want), (layout, (got - want).abs().max().item())
+    # the reference with the shared expert as an explicit 9th slot, held as `test_moe_experts` holds the experts:
+    # within what fp8 flips of h (the wgmma's reduced-precision accumulation) can explain, element by element
+    y64, bound = moe_flip_bound(x, torch.cat([ids, torch.full((T, 1), S, dtype=torch.int32, device=DEV)], 1),
+                                torch.cat([w, torch.ones(T, 1, device=DEV)], 1), *st)
+    err = (got.double() - y64).abs()
+    slack = bound + 2e-3 * y64.abs().max()
+    assert bool((err <= slack).all()), f"T={T}: {int((err > slack).sum())} outputs beyond the fp8-flip bound"
+    if DEV == "cuda":
+        eager = moe_experts(x, ids, w, *st, shared=True, **kw)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe_experts(x, ids, w, *st, shared=True, **kw)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
 # ----------------------------------------------------------------------------- router
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 33, 64])
 def test_moe_route_fused(T):

@@ -183,7 +183,7 @@ def test_fast_path_stacks_every_layout(layout, world):
     `id_map` sends each held expert's global id to its stack index and the others to -1, by its table (torch) and by
     what the router kernel takes (a range for 'contiguous', the table for the scattered layouts, none for 'split'),
     and the expert kernels' default grid follows (the persistent one for a rank's share of the experts, the pair
-    grid where every expert is held)."""
+    grid where every expert is held). A 'split' rank stacks its shared slice last (the routed experts' shapes)."""
     cfg = layout_config()
     E = cfg.n_routed_experts
     moe = random_model(cfg, device="cpu", dtype=torch.float32, seed=3).model.layers[1].mlp
@@ -195,8 +195,10 @@ def test_fast_path_stacks_every_layout(layout, world):
         s = ep.stacked
         i0, i1 = RankLayout(cfg, plan, ep.comm.rank).expert_inter  # 'split' at 4 ranks: 128 or none (2 blocks)
         I_loc = i1 - i0
-        assert s["gate_proj.weight"].shape[:2] == (len(ids), I_loc)
-        assert s["down_proj.weight"].shape[:2] == (len(ids), cfg.hidden_size)
+        n = len(ids) + (layout == "split")  # a 'split' rank's shared slice has its experts' shapes: stacked last
+        assert ep.shared_index == (len(ids) if layout == "split" else None), (layout, ep.shared_index)
+        assert s["gate_proj.weight"].shape[:2] == (n, I_loc)
+        assert s["down_proj.weight"].shape[:2] == (n, cfg.hidden_size)
         for i, e in enumerate(ids):
             assert ep.experts[str(e)].up_proj.weight.data_ptr() == s["up_proj.weight"][i].data_ptr(), (layout, e)
         want = torch.tensor([ids.index(e) if e in ids else -1 for e in range(E)])

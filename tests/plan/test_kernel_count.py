@@ -44,29 +44,38 @@ def test_hand_derivation_real_rank_one_token_1k():
     attention = input norm-quant 1 + q_a|wk|kv_a GEMV 1 + kv prologue with the q_a norm-quant 1 + q_b|wq_b GEMV 1
     + q prologue with absorb q 1 + mla_decode 2 (absorb out inside stage 2) + o_proj GEMV 1 + post norm-quant 1
     (o_proj's cast after the all-reduce inside it) = 9. dense MLP = gate|up GEMV 1 + silu*up 1 + down GEMV 1 +
-    add_rounded 1 (the cast after the all-reduce and the residual add) = 4. MoE = shared gate|up 1 + silu*up 1 +
-    shared down 1 + router 1 + experts (persistent: gate-up, down, combine) 3 + add_rounded 1 = 8. So dense 13, MoE
-    17; 61 layers: 3 x 13 + 58 x 17 = 1025, head 2, glue 18.
+    add_rounded 1 (the cast after the all-reduce and the residual add) = 4. MoE on the 'split' rank `mtp-bench --tp 8`
+    builds (the runtime's layout, 'auto') = router 1 + experts (gate-up, down, combine; the shared expert their last
+    slot) 3 + add_rounded 1 = 5; with the shared expert's own launches (switch shared_in_experts off, or a
+    'contiguous' rank, whose shared slice is narrower than its experts) + shared gate|up 1 + silu*up 1 + shared
+    down 1 = 8. So dense 13, MoE 14; 61 layers: 3 x 13 + 58 x 14 = 851, head 2, glue 18 (shared_in_experts off or
+    'contiguous': MoE 17, 1025).
     Switch fuse_prologue off: attention + 2 (the kv prologue and q_a norm, q prologue and absorb q apart): dense 15,
-    MoE 19, 1147. fuse_absorb_out and fuse_out_cast off: attention + 2 (absorb out, o_proj's cast), dense MLP + 1
-    (its cast): dense 16, MoE 19, 1150. All three off: attention 13, dense MLP 5, so dense 18, MoE 21 (the
+    MoE 16, 973. fuse_absorb_out and fuse_out_cast off: attention + 2 (absorb out, o_proj's cast), dense MLP + 1
+    (its cast): dense 16, MoE 16, 976. All four off: attention 13, dense MLP 5, so dense 18, MoE 21 (the
     session-4 profile: 305 GEMVs = 5 x 61, 183 norm-quants = 3 x 61, 58 routers, 58 x 3 expert kernels, 64 bf16
     casts = 61 + 3): 1272."""
     cfg = real_config(layers=61, dense_layers=3)
     sh = StepShape(1, 1, 1025, tp=8)
     lim = _real_limits()
 
-    def count(lim_):
+    def count(lim_, sh=sh):
         p = per_layer(cfg, sh, lim_)
         return p["dense"], p["moe"], sum(step_launches(cfg, sh, lim_).values()) - p["head"] - p["glue"]
 
     p = per_layer(cfg, sh, lim)
     assert (p["head"], p["glue"]) == (2, 18)
-    assert count(lim) == (13, 17, 1025)
-    assert count(dataclasses.replace(lim, fuse_prologue=False)) == (15, 19, 1147)
-    assert count(dataclasses.replace(lim, fuse_absorb_out=False, fuse_out_cast=False)) == (16, 19, 1150)
-    none = dataclasses.replace(lim, fuse_prologue=False, fuse_absorb_out=False, fuse_out_cast=False)
+    assert count(lim) == count(lim, StepShape(1, 1, 1025, tp=8, expert_layout="split")) == (13, 14, 851)
+    assert count(dataclasses.replace(lim, shared_in_experts=False)) == (13, 17, 1025)
+    assert count(lim, StepShape(1, 1, 1025, tp=8, expert_layout="contiguous")) == (13, 17, 1025)
+    assert count(dataclasses.replace(lim, fuse_prologue=False)) == (15, 16, 973)
+    assert count(dataclasses.replace(lim, fuse_absorb_out=False, fuse_out_cast=False)) == (16, 16, 976)
+    none = dataclasses.replace(lim, fuse_prologue=False, fuse_absorb_out=False, fuse_out_cast=False,
+                               shared_in_experts=False)
     assert count(none) == (18, 21, 1272)
+    # one process (n_shared = 1): the shared expert's 3 launches and its output's fp32 cast, 4 fewer
+    assert per_layer(cfg, StepShape(1, 1, 1025, tp=1), lim)["moe"] == \
+        per_layer(cfg, StepShape(1, 1, 1025, tp=1), dataclasses.replace(lim, shared_in_experts=False))["moe"] - 4
     one = per_layer(cfg, StepShape(1, 1, 1025, tp=1), lim)  # no all-reduce: of the output side only absorb out
     assert one["dense"] == per_layer(cfg, StepShape(1, 1, 1025, tp=1),
                                      dataclasses.replace(lim, fuse_absorb_out=False, fuse_out_cast=False))["dense"] - 1
@@ -75,8 +84,10 @@ def test_hand_derivation_real_rank_one_token_1k():
 def test_hand_derivation_real_rank_few_tokens_and_grouped():
     """2..16 tokens: no split-K GEMV; the GEMVs fed a quantized x (q_a|wk|kv_a, q_b|wq_b, gate|up) stay one launch,
     o_proj and the down projections (7168 rows > SMALL_N 4096) get an act_quant each: dense 13 + 2 = 15, MoE
-    17 + 2 = 19, head + the gathered logits' copy = 3. 17..64 tokens: the grouped expert GEMM (count, align,
-    act_quant, gate-up, down, combine: 6 instead of 3): MoE 22. 96 tokens (> SMALL_M = ABSORB_MAX_TOKENS 64): the
+    14 + 1 = 15 on the 'split' rank (shared expert in the experts' kernels; 17 + 2 = 19 with its own launches, on a
+    'contiguous' rank), head + the gathered logits' copy = 3. 17..64 tokens: the grouped expert GEMM (count, align,
+    act_quant, gate-up, down, combine: 6 instead of 3), which keeps the shared expert's own launches on every rank:
+    MoE 22. 96 tokens (> SMALL_M = ABSORB_MAX_TOKENS 64): the
     block's norm does not quantize: q_a|wk|kv_a gets an act_quant (+1), the einsum absorb (q's bmm + copy, out's
     bmm + copy instead of absorb q inside the q prologue and absorb out inside stage 2: +4), the dense gate|up an
     act_quant (+1): dense 15 + 1 + 4 + 1 = 21; MoE: attention 10 + 1 + 4 = 15, shared gate|up 2 + silu 1 + down 2,
@@ -88,9 +99,11 @@ def test_hand_derivation_real_rank_few_tokens_and_grouped():
     Ns = (2, 16, 17, 64, 96, 192)
     got = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), lim) for N in Ns}
     assert [(got[N]["dense"], got[N]["moe"]) for N in Ns] == \
-        [(15, 19), (15, 19), (15, 22), (15, 22), (21, 33), (21, 34)]
+        [(15, 15), (15, 15), (15, 22), (15, 22), (21, 33), (21, 34)]
     assert got[2]["head"] == 3
-    unfused = dataclasses.replace(lim, fuse_prologue=False)
+    contiguous = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8, expert_layout="contiguous"), lim) for N in Ns}
+    assert [contiguous[N]["moe"] for N in Ns] == [19, 19, 22, 22, 33, 34]
+    unfused = dataclasses.replace(lim, fuse_prologue=False, shared_in_experts=False)
     old = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), unfused) for N in Ns}
     assert [(old[N]["dense"], old[N]["moe"]) for N in Ns] == \
         [(17, 21), (17, 21), (17, 24), (17, 24), (22, 34), (22, 35)]
@@ -123,12 +136,13 @@ def test_model_equals_counted_launches_tiny_rank(world):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["interleaved", "split"])
 def test_model_equals_counted_launches_every_expert_layout(layout):
-    """A rank of scattered experts (a global -> local table) and a 'split' rank launch what the model says, which
-    does not depend on the layout, at the points where routing runs: the router kernel maps ids itself (a table
-    is one more load in it, not a launch), and after the reference router every expert-parallel rank gathers from
-    its table (`kernels.dispatch.expert_map`, 'contiguous' too), which also makes the ids int32, so it takes the
-    place of the int32 cast of a process holding every expert ('split'). 'permuted' maps by a table as
-    'interleaved' does."""
+    """A rank of scattered experts (a global -> local table) and a 'split' rank launch what the model says, at the
+    points where routing runs: the router kernel maps ids itself (a table is one more load in it, not a launch),
+    and after the reference router every expert-parallel rank gathers from its table (`kernels.dispatch.expert_map`,
+    'contiguous' too), which also makes the ids int32, so it takes the place of the int32 cast of a process holding
+    every expert ('split'). 'permuted' maps by a table as 'interleaved' does. The layout shows in one place: a
+    'split' rank runs its shared expert inside the experts' kernels (`FastMoE.shared_in_stack`) up to
+    grouped_above tokens, 3 launches fewer."""
     _check_counts(2, layout)
 
 
@@ -146,7 +160,7 @@ def _check_counts(world: int, layout: str) -> None:
     bad = []
     for key, got in counted.items():
         B, w, L = (int(v) for v in key.split(","))
-        sh = StepShape(B, w, L + w, tp=world, cache_len=L + max(w, CACHE_EXTRA))
+        sh = StepShape(B, w, L + w, tp=world, cache_len=L + max(w, CACHE_EXTRA), expert_layout=layout)
         want = per_layer(cfg, sh, lim)
         for kind, n in got.items():
             if want[kind] != n:
