@@ -550,8 +550,9 @@ def test_mla_prologue_fused_graph_and_pdl():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = step(caches[1], pdl)
-    for buf in ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale"):
-        getattr(caches[1], buf).zero_()
+    for buf in ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale"):  # back to a fresh cache's state (scales are ones)
+        t = getattr(caches[1], buf)
+        t.fill_(1.0) if buf.endswith("scale") else t.zero_()
     graph.replay()
     torch.cuda.synchronize()
     for i, (u, v) in enumerate(zip(eager, replayed)):
