@@ -186,6 +186,8 @@ KERNEL_VARIANTS = {
     "topk_memset": (dict(topk_rearm=False), dict()),
     # the indexer scores kernel looping over its key blocks, 2 programs per SM of an H100 / H200 (132 SMs)
     "ix_loop": (dict(), dict(indexer_scores=dict(programs=264, num_stages=3))),
+    # the default switches again: listed between others, it shows the drift of one run's timings
+    "defaults": (dict(), dict()),
     # every fusion switch of session 11 off: the launches the session started from, on the same rank
     "s10": (dict(fuse_prologue=False, fuse_absorb_out=False, fuse_out_cast=False, topk_rearm=False,
                  shared_in_experts=False), dict()),
