@@ -176,7 +176,8 @@ KERNEL_VARIANTS = {
     # slice ('split'), which `fast_module` gives the pair grid (at w = 1 split's gate / up is 16 programs)
     "moe_by_size": (dict(), dict(moe_layout=None)),
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
-    "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),
+    "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),  # the default since it measured faster
+    "fused_absorb_out": (dict(fuse_absorb_out=True), dict()),
     "unfused_out_cast": (dict(fuse_out_cast=False), dict()),
     # the MLA prologue's pairs of launches (kv prologue, q_a norm; q prologue, absorb q) apart: 2 launches more
     "unfused_prologue": (dict(fuse_prologue=False), dict()),

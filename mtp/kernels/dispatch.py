@@ -19,7 +19,10 @@ version, so the engine captures its kept graphs again).
 - absorb: MLA's absorbed kv_b projections (q_nope -> latent, latent -> v) in one launch each (`absorb`);
   off: two torch einsums (~3 launches each).
 - fuse_absorb_out (with absorb, up to its token limit): `mla_decode`'s stage 2 (the merge of its key splits) and the
-  absorbed output projection in one launch (`mla_out.stage2_absorb`, bit-identical); off: stage 2, then `absorb_out`.
+  absorbed output projection in one launch (`mla_out.stage2_absorb`, bit-identical); off (the default): stage 2,
+  then `absorb_out`. Off because it measured slower: one TP=8 rank on an H200, 61 layers, the fused launch cost
+  0.3-0.6 ms a step at 1k and 0.9-1.6 ms at 32k more than the two launches (BENCHMARKS.md, session 11): each of its
+  programs redoes its head's merge of the key splits, and the split count grows with the context.
 - fuse_out_cast: tensor parallel under allreduce='nccl' (or where the one-shot kernel does not take the message),
   a row-parallel sublayer's all-reduced fp32 sum is rounded to the model dtype inside the kernel that adds it to the
   residual (o_proj: the post-attention add + norm + quant; the dense MLP: `norm_quant.add_rounded`), bit-identical;
@@ -69,7 +72,7 @@ class FastPathOptions:
     index_weights: bool = True
     pdl: bool = False
     mlp_reduce_norm: bool = True
-    fuse_absorb_out: bool = True
+    fuse_absorb_out: bool = False
     fuse_out_cast: bool = True
     topk_rearm: bool = True
     shared_in_experts: bool = True

@@ -56,7 +56,7 @@ class Limits:
     # (`mla_prologue_fused`), the kv one up to norm_max_q q_lora channels (`mla_prologue_fused.NORM_MAX_Q`)
     fuse_prologue: bool = True
     norm_max_q: int = 2048
-    fuse_absorb_out: bool = True  # FastPathOptions.fuse_absorb_out: absorb out inside mla_decode's stage 2
+    fuse_absorb_out: bool = False  # FastPathOptions.fuse_absorb_out: absorb out inside mla_decode's stage 2
     fuse_out_cast: bool = True  # FastPathOptions.fuse_out_cast: no cast launch after a row-parallel all-reduce
     topk_rearm: bool = True  # dispatch.FastPathOptions.topk_rearm: the top-k's kept workspace, no memset per call
     shared_in_experts: bool = True  # dispatch.FastPathOptions.shared_in_experts: the shared expert in the experts' kernels

@@ -63,6 +63,11 @@ def test_hand_derivation_real_rank_one_token_1k():
         p = per_layer(cfg, sh, lim_)
         return p["dense"], p["moe"], sum(step_launches(cfg, sh, lim_).values()) - p["head"] - p["glue"]
 
+    # the default keeps absorb out as its own launch (fuse_absorb_out off: measured slower fused, session 11): + 1
+    # per layer against the derivation below, which has every fusion on
+    assert not lim.fuse_absorb_out and count(lim) == (14, 15, 851 + 61)
+    lim = dataclasses.replace(lim, fuse_absorb_out=True)
+
     p = per_layer(cfg, sh, lim)
     assert (p["head"], p["glue"]) == (2, 18)
     assert count(lim) == count(lim, StepShape(1, 1, 1025, tp=8, expert_layout="split")) == (13, 14, 851)
@@ -95,7 +100,8 @@ def test_hand_derivation_real_rank_few_tokens_and_grouped():
     tokens: 3 router launches (+1): 34. With fuse_prologue off: 2 more up to 64 tokens, 1 more above (the kv
     prologue and q_a norm apart)."""
     cfg = real_config(layers=61, dense_layers=3)
-    lim = _real_limits()
+    # every fusion on (the default keeps absorb out apart up to 64 tokens: + 1, checked at the end)
+    lim = dataclasses.replace(_real_limits(), fuse_absorb_out=True)
     Ns = (2, 16, 17, 64, 96, 192)
     got = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), lim) for N in Ns}
     assert [(got[N]["dense"], got[N]["moe"]) for N in Ns] == \
@@ -107,6 +113,9 @@ def test_hand_derivation_real_rank_few_tokens_and_grouped():
     old = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), unfused) for N in Ns}
     assert [(old[N]["dense"], old[N]["moe"]) for N in Ns] == \
         [(17, 21), (17, 21), (17, 24), (17, 24), (22, 34), (22, 35)]
+    default = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), _real_limits()) for N in Ns}
+    assert [(default[N]["dense"], default[N]["moe"]) for N in Ns] == \
+        [(16, 16), (16, 16), (16, 23), (16, 23), (21, 33), (21, 34)]
 
 
 def test_hand_derivation_indexer():
