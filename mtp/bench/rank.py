@@ -37,6 +37,7 @@ from ..model.config import ModelConfig
 from .timing import copy_bandwidth, timer
 from ..parallel.layout import ParallelPlan
 from ..placement import choose_layout
+from ..kernels.dispatch import FastPathOptions
 from ..parallel.memory import GIB
 from .rank_model import extrapolate, memory_need, project
 from .rank_report import log, print_table, save
@@ -115,7 +116,7 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
         part["build_s"] = time.perf_counter() - t0
         part["param_gib"] = param_bytes(model) / GIB
         if cuda:
-            from ..backends.fast_path import FastPathOptions, enable_fast_path
+            from ..backends.fast_path import enable_fast_path
 
             # mtp-bench --kernels, --elementwise
             enable_fast_path(model, elementwise=args.elementwise, options=FastPathOptions(**(args.kernels or {})))
@@ -245,6 +246,8 @@ def run(args) -> dict:
                  "rank_choice": "given (--rank)" if args.rank is not None else "default: most weight bytes",
                  "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "fast_path": cuda,
+                 # the switches its fast path had (`mtp.plan.calibrate.measured_code` counts its launches by them)
+                 "fast_path_options": vars(FastPathOptions(**(getattr(args, "kernels", None) or {}))) if cuda else None,
                  "config": {f: getattr(cfg, f) for f in (
                      "num_hidden_layers", "first_k_dense_replace", "hidden_size", "vocab_size", "num_attention_heads",
                      "n_routed_experts", "index_topk")}}

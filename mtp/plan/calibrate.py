@@ -139,6 +139,25 @@ def _field(d: dict, key: str, path: str, where: str):
         raise ValueError(f"--calibrate {path}: missing field {where}{key!r}") from None
 
 
+# the switches session 11 added, all off: how the fast path launched before them (a file without
+# 'fast_path_options' was written by that code)
+BEFORE_SESSION_11 = dict(fuse_prologue=False, fuse_absorb_out=False, fuse_out_cast=False, topk_rearm=False,
+                         shared_in_experts=False)
+
+
+def measured_code(d: dict) -> tuple[object, str]:
+    """(launch limits, expert layout) of the code that wrote the mtp-bench JSON `d` (or its 'ours' part): its
+    recorded `fast_path_options` over this code's thresholds, else the switches before session 11 (which recorded
+    neither); the layout it recorded ('expert_layout'), else 'contiguous' (mtp-bench --tp N before 'auto')."""
+    from .kernels import Limits
+
+    lim = Limits.current()
+    known = {f.name for f in dataclasses.fields(lim)}
+    opts = d.get("fast_path_options")
+    flags = BEFORE_SESSION_11 if opts is None else {k: v for k, v in opts.items() if k in known}
+    return dataclasses.replace(lim, **flags), d.get("expert_layout", "contiguous")
+
+
 def rows_from(spec: str, base: ModelConfig) -> tuple[str, list[Row], dict | None]:
     path, keep = parse_spec(spec)
     d = read_json_object(path, f"--calibrate {path}")
@@ -149,8 +168,10 @@ def rows_from(spec: str, base: ModelConfig) -> tuple[str, list[Row], dict | None
     if "ours" in d:  # TP=1 mtp-bench: a few layers at full width
         c = _field(d["ours"], "config", path, "ours.")
         cfg = dataclasses.replace(base, num_hidden_layers=c["layers"], first_k_dense_replace=c["dense_layers"])
+        lim, lay = measured_code(d["ours"])
         rows = [Row(src, f"TP1 {c['layers']}L b{c['batch']} ctx {c['prompt_len']} w{w}", cfg, Layout(),
-                    Shape(c["batch"], int(w), c["prompt_len"] + int(w), touched=_touched(v.get("experts_touched"))),
+                    Shape(c["batch"], int(w), c["prompt_len"] + int(w), touched=_touched(v.get("experts_touched")),
+                          expert_layout=lay, launch_limits=lim),
                     _ms(v, "graph_ms", path, f"ours.target_step.{w}."))
                 for w, v in _field(d["ours"], "target_step", path, "ours.").items() if "graph_ms" in v]
         return dev, _select(rows, keep, spec), None
@@ -163,6 +184,7 @@ def rows_from(spec: str, base: ModelConfig) -> tuple[str, list[Row], dict | None
     tp = int(_field(d, "tp", path, ""))
     verify = int((d.get("args") or {}).get("k") or 0) + 1  # mtp-bench's cache holds the context + k + 1 keys
     batches = d["batches"] if "batches" in d else {str(d["args"]["batch"]): {"contexts": d["contexts"]}}
+    lim, lay = measured_code(d)
     rows = []
     for B, entry in batches.items():
         for L, ctx in _field(entry, "contexts", path, f"batches.{B}.").items():
@@ -171,13 +193,14 @@ def rows_from(spec: str, base: ModelConfig) -> tuple[str, list[Row], dict | None
                     routed = v.get("local_experts_touched") or {}
                     rows.append(Row(src, f"TP{tp} rank b{B} ctx {L} w{w}", cfg, Layout(tp, tp),
                                     Shape(int(B), int(w), int(L) + int(w), touched=routed.get("mean"),
-                                          cache_len=int(L) + max(verify, int(w))),
+                                          cache_len=int(L) + max(verify, int(w)), expert_layout=lay,
+                                          launch_limits=lim),
                                     _ms(v, "graph_ms", path, f"batches.{B}.contexts.{L}.widths.{w}."),
                                     measured_kernels=v.get("kernels_per_step")))
             for w, v in (ctx.get("indexer") or {}).items():
                 if "ms_per_step" in v:
                     rows.append(Row(src, f"TP{tp} indexer b{B} ctx {L} w{w}", cfg, Layout(tp, tp),
-                                    Shape(int(B), int(w), int(L) + int(w)),
+                                    Shape(int(B), int(w), int(L) + int(w), expert_layout=lay, launch_limits=lim),
                                     _ms(v, "ms_per_step", path, f"batches.{B}.contexts.{L}.indexer.{w}."),
                                     only=("indexer",)))
     return dev, _select(rows, keep, spec), None
@@ -210,7 +233,7 @@ def _terms(r: Row):
     if r.only == ("indexer",):  # timed alone: its scores and top-k, not the head weights of the step
         from .kernels import StepShape, indexer_select
 
-        n = indexer_select(StepShape(r.shape.rows, r.shape.width, r.shape.context, r.layout.tp))
+        n = indexer_select(StepShape(r.shape.rows, r.shape.width, r.shape.context, r.layout.tp), r.shape.launch_limits)
         return [dataclasses.replace(x, launches=n) for x in t if x.name == "indexer"]
     return [x for x in t if x.name in r.only] if r.only else t
 

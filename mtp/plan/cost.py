@@ -180,6 +180,10 @@ class Shape:
     causal: bool = True
     touched: float | None = None  # routed experts a rank reads per MoE layer (None: uniform-routing expectation)
     cache_len: int | None = None  # keys the cache holds per row (None: exactly context; `kernels.StepShape`)
+    expert_layout: str = "auto"  # the rank's expert layout (`kernels.StepShape`)
+    # the launch structure's switches and thresholds of the code that ran (`kernels.Limits`; None: this code's), so a
+    # measurement of older code is counted as it launched (`calibrate.measured_code`)
+    launch_limits: object | None = None
 
 
 # a prefill's launches per layer (it runs the reference path, whose launch count is not modelled; its time is
@@ -194,7 +198,8 @@ def launches_of(cfg: ModelConfig, lay: Layout, sh: Shape) -> dict[str, int]:
         return PREFILL_LAUNCHES
     from .kernels import StepShape, terms
 
-    return terms(cfg, StepShape(sh.rows, sh.width, sh.context, lay.tp, sh.cache_len))
+    return terms(cfg, StepShape(sh.rows, sh.width, sh.context, lay.tp, sh.cache_len, sh.expert_layout),
+                 sh.launch_limits)
 
 
 def forward_terms(cfg: ModelConfig, lay: Layout, sh: Shape, act_bytes_per: int = 2) -> list[Term]:

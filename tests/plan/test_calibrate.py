@@ -45,8 +45,12 @@ def synth_ms(B, L, w, touched, eff, only=(), tp=8):
 
 def rank_json(tmp_path, eff, batches=(1, 8, 32, 64), contexts=(1024, 8192, 32768)):
     """A 4-layer TP=8 rank of the real model in `mtp-bench --tp 8 --batch ...`'s format."""
+    from mtp.kernels.dispatch import FastPathOptions
+
+    # written by this code: its switches and the layout 'auto' gives the real model at TP=8 (synth_ms counts so)
     d = {"device": "NVIDIA H200", "tp": 8, "args": {"batch": 1}, "batches": {},
-         "config": {"num_hidden_layers": 4, "first_k_dense_replace": 1}}
+         "config": {"num_hidden_layers": 4, "first_k_dense_replace": 1},
+         "fast_path_options": vars(FastPathOptions()), "expert_layout": "split"}
     for B in batches:
         ctx = {}
         for L in contexts:
@@ -168,3 +172,21 @@ def test_cli_calibrate_missing_file_exits_2(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["--speed", "--calibrate", str(tmp_path / "nope.json")])
     assert e.value.code == 2 and "--calibrate" in capsys.readouterr().err
+
+
+def test_a_file_is_counted_as_the_code_that_wrote_it_launched():
+    """A measurement of older code is counted by that code's launch structure (`measured_code`): session 9's file
+    records no `fast_path_options`, so its rows are counted with session 11's fusions off on a 'contiguous' rank,
+    and the profiler's count is the structure's + 9 at every shape (BENCHMARKS.md, session 10); counted as this
+    code launches, each row would be hundreds of kernels short."""
+    from mtp.model.config import ModelConfig
+    from mtp.plan.calibrate import BEFORE_SESSION_11, _kernels, measured_code
+
+    lim, lay = measured_code({})
+    assert lay == "contiguous" and all(getattr(lim, k) == v for k, v in BEFORE_SESSION_11.items())
+    cal = calibrate(ModelConfig(), ["eval/results/s9/h200/bench_tp8_batch.json"])
+    rows = [r for r in cal.rows if r.measured_kernels]
+    assert len(rows) == 16 and all(r.measured_kernels - _kernels(r) == 9 for r in rows)
+    now, lay_now = measured_code({"fast_path_options": {"shared_in_experts": True, "fuse_prologue": True},
+                                  "expert_layout": "split"})
+    assert now.shared_in_experts and now.fuse_prologue and lay_now == "split"
