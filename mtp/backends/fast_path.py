@@ -21,7 +21,8 @@
   The block runs in `mla_forward_fast`: q_a | indexer wk | kv_a and q_b | indexer wq_b as one GEMV each
   (`fuse_rows`), the kv_a norm + rotary + indexer key + FP8 cache write and the q_pe rotary + indexer queries'
   rotary, Hadamard and quant in one kernel each (`kernels.mla_prologue`), the absorbed kv_b projections in one
-  launch each (`kernels.absorb`; the output one inside `mla_decode`'s stage 2, `kernels.mla_out`), the indexer's
+  launch each (`kernels.absorb`; the output one can run inside `mla_decode`'s stage 2, `kernels.mla_out`, switch
+  `fuse_absorb_out`, off by default: measured slower), the indexer's
   head weights in one (`kernels.index_weights`, from weights_proj in place: no per-layer copy); the kv prologue
   shares its launch with the q_a norm + quant, the q prologue with the absorbed q (`kernels.mla_prologue_fused`,
   switch `fuse_prologue`);
@@ -798,7 +799,7 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
         q_lat = absorb_q(q_nope, mla.w_kb)
     elif q_lat is None:
         q_lat = torch.einsum("bthp,hpc->bthc", q_nope.to(torch.bfloat16), mla.w_kb).contiguous()
-    # switch fuse_absorb_out: stage 2 of the attention and absorb_out in one launch (the same bits)
+    # switch fuse_absorb_out (off by default: measured slower): stage 2 and absorb_out in one launch (the same bits)
     fuse_out = absorb and mla.fast_options.fuse_absorb_out
     o_lat = mla_decode(q_lat, q_pe.to(torch.bfloat16).contiguous(), cache.kv[:, :S], cache.kv_scale[:, :S],
                        cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.bfloat16,

@@ -14,7 +14,9 @@ runs too (elementwise per row and channel, the weights summed in split order: th
 
 A program merges its head's rows for every one of its head's V / block output programs (8 at a TP=8 rank, 16 heads,
 block 16): the partial results are re-read from L2 (n x NS x 2 KB per program) instead of written and read back
-as o_lat; `block_v` trades programs for re-reads.
+as o_lat; `block_v` trades programs for re-reads. Measured (BENCHMARKS.md, session 11; one TP=8 rank on an H200, 61
+layers): the re-reads cost more than the launch saves, 0.3-0.6 ms a step at 1k and 0.9-1.6 ms at 32k (more key
+splits), so the fast path keeps the two launches by default (`FastPathOptions.fuse_absorb_out` off).
 """
 
 from __future__ import annotations
