@@ -176,6 +176,7 @@ KERNEL_VARIANTS = {
     # the experts' layout by size (persistent for T * J <= 64) on every MoE, also on a rank holding every expert's
     # slice ('split'), which `fast_module` gives the pair grid (at w = 1 split's gate / up is 16 programs)
     "moe_by_size": (dict(), dict(moe_layout=None)),
+    "moe_pairs": (dict(), dict(moe_layout="pairs")),  # the pair grid on every MoE, whatever its rank holds
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
     "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),  # the default since it measured faster
     "fused_absorb_out": (dict(fuse_absorb_out=True), dict()),
@@ -197,33 +198,38 @@ KERNEL_VARIANTS = {
 
 
 def kernel_variants(model, comm, args, cuda: bool, bw, time_fn, world: int, res: dict) -> dict:
-    """Each named variant's target steps at every context (no speculative steps); the switches are restored
-    afterwards. A variant that fails is recorded and the others still run."""
-    from ..backends.fast_path import set_kernel_options, set_kernels
+    """Each named variant's target steps at every context (no speculative steps); every module's switches, top-k,
+    scores settings and expert layout are restored afterwards, so each variant starts from the defaults. A name
+    listed again is timed again and kept as 'name#2', 'name#3'... (alternating variants shows a run's drift). A
+    variant that fails is recorded and the others still run."""
+    from ..backends.fast_path import FastMLA, FastMoE, set_kernel_options, set_kernels
 
     out: dict = {}
     for name in args.kernel_variants:
         if name not in KERNEL_VARIANTS:
             raise SystemExit(f"--kernel-variants: unknown variant {name!r}; known: {sorted(KERNEL_VARIANTS)}")
+        key = name if name not in out else f"{name}#{sum(k.split('#')[0] == name for k in out) + 1}"
         flags, options = KERNEL_VARIANTS[name]
-        topk0 = next((m.topk_impl for m in model.modules() if hasattr(m, "topk_impl")), None)
-        scores0 = next((m.scores_tune for m in model.modules() if hasattr(m, "scores_tune")), None)
+        kept = [(m, m.topk_impl, m.scores_tune) for m in model.modules() if isinstance(m, FastMLA)]
+        layouts = [(m, m.expert_layout) for m in model.modules() if isinstance(m, FastMoE)]
         old = set_kernels(model, **flags)
         if options:
             set_kernel_options(model, **options)
-        log(f"kernel variant {name!r}: switches {flags}, options {options}")
+        log(f"kernel variant {key!r}: switches {flags}, options {options}")
         try:
-            out[name] = {"switches": flags, "options": options, "contexts": {}}
+            out[key] = {"switches": flags, "options": options, "contexts": {}}
             for L in args.prompt_len:
-                out[name]["contexts"][L] = target_steps(model, comm, args, L, cuda, bw, time_fn, world)
+                out[key]["contexts"][L] = target_steps(model, comm, args, L, cuda, bw, time_fn, world)
                 save(res, args.out)
         except Exception as e:  # keep the default run's numbers
-            out[name]["error"] = repr(e)[:1000]
-            log(f"kernel variant {name!r} failed: {out[name]['error']}")
+            out[key]["error"] = repr(e)[:1000]
+            log(f"kernel variant {key!r} failed: {out[key]['error']}")
         finally:
-            set_kernels(model, **vars(old))
-            set_kernel_options(model, indexer_topk=topk0, moe_layout=None if world > 1 else "pairs",
-                               indexer_scores=scores0)
+            set_kernels(model, **vars(old))  # bumps the model's version: graphs are captured again
+            for m, topk, scores in kept:
+                m.topk_impl, m.scores_tune = topk, scores
+            for m, lay in layouts:
+                m.expert_layout = lay
     return out
 
 
