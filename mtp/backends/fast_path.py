@@ -83,6 +83,14 @@ from ..parallel.modules import ExpertParallelMoE, ParallelMLP, RowParallelLinear
 from .pending import Pending, resolved
 
 
+# Tokens up to which a 'split' rank's experts run the persistent layout (`FastMoE.persistent_tokens`). Its pair grid
+# has I / W / 128 = 2 N-blocks per (token, slot) pair at TP=8: 18 gate / up programs for one token (8 routed + the
+# shared slot) on 132 SMs. Measured (BENCHMARKS.md, session 11; one TP=8 split rank on an H200, 61 layers, 1k,
+# variants moe_by_size / moe_pairs alternated twice): persistent -0.3 to -0.9 ms a step at w = 1 and -0.5 to -0.7 at
+# w = 2, even at w = 3, +0.5 to +0.9 at w = 4.
+SPLIT_PERSISTENT_TOKENS = 2
+
+
 class FastLinear(Linear):
     """FP8 weights through `kernels.dispatch.linear`: the split-K GEMV for 1..gemv_rows rows (switches `gemv`,
     `gemv_rows`), else `fp8_linear` (weight-streaming GEMV for <= 64 rows, tiled GEMM above)."""
@@ -163,10 +171,14 @@ class FastMoE(MoE):
     size: persistent for T * J <= 64). A whole MoE picks 8 of its own experts per token, which the pair grid
     already spreads over the GPU (79-94% of copy bandwidth), so it keeps 'pairs'; one rank's range of an
     expert-parallel MoE gets None from `fast_module` (its few active experts are what the persistent layout is
-    for). `set_kernel_options` switches. Above `grouped_above` tokens (verify batches, prefill) every MoE runs
+    for); a 'split' rank keeps 'pairs' but runs the persistent layout up to `persistent_tokens`
+    (SPLIT_PERSISTENT_TOKENS: its pair grid has 2 N-blocks per pair at TP=8). `set_kernel_options` switches. Above `grouped_above` tokens (verify batches, prefill) every MoE runs
     the grouped GEMM (`kernels.moe_grouped`), `max_tokens` per call."""
 
     stacked: dict[str, torch.Tensor] | None = None
+    # up to this many tokens the persistent layout runs whatever expert_layout says ('split' ranks:
+    # SPLIT_PERSISTENT_TOKENS from `fast_module`; 0: none; an explicit `set_kernel_options(moe_layout=)` sets 0)
+    persistent_tokens: int = 0
     shared_index: int | None = None  # the shared expert's index in `stacked` (`stack_experts`), or None
     id_map = ExpertMap()  # global id -> stack index (`kernels.dispatch.expert_map`), set by `stack_experts`
     expert_layout: str | None = "pairs"
@@ -205,6 +217,11 @@ class FastMoE(MoE):
                 shared = self._shared_q(x_ND, (xq[0].reshape(-1, D), xq[1].reshape(-1, D // 128)))
             out = self.routed(x_ND, add=shared)
         return (self.reduce(out) if reduce else out).view(shape)
+
+    def kernel_layout(self, N: int) -> str | None:
+        """`moe_experts`' layout for N <= grouped_above tokens: the persistent one up to `persistent_tokens`, else
+        `expert_layout`."""
+        return "persistent" if N <= self.persistent_tokens else self.expert_layout
 
     def shared_in_stack(self, N: int) -> bool:
         """Whether N tokens run the shared expert as the experts' implicit extra slot (`moe_experts(shared=)`):
@@ -253,7 +270,7 @@ class FastMoE(MoE):
               s["up_proj.weight_scale_inv"], s["down_proj.weight"], s["down_proj.weight_scale_inv"])
         add = add if add is None or (add.dtype == torch.float32 and add.is_contiguous()) else add.float().contiguous()
         if N <= self.grouped_above:
-            return moe_experts(x_ND, ids_NK, w_NK, *ws, out_dtype=torch.float32, layout=self.expert_layout, add=add,
+            return moe_experts(x_ND, ids_NK, w_NK, *ws, out_dtype=torch.float32, layout=self.kernel_layout(N), add=add,
                                shared=shared)
         C = self.max_tokens
         bm = default_block_m(min(N, C))
@@ -441,8 +458,11 @@ def fast_module(mod: torch.nn.Module, options: FastPathOptions | None = None, mm
         stack_experts(mod)
         _swap(mod, FastMoE)
         # the default on every enable: one rank's few active experts take the persistent layout (by size); a module
-        # holding every expert (one process, or a rank's slices under 'split': K active per token) the pair grid
+        # holding every expert (one process, or a rank's slices under 'split': K active per token) the pair grid,
+        # a 'split' rank the persistent one up to SPLIT_PERSISTENT_TOKENS
         mod.expert_layout = "pairs" if mod.id_map.table is None else None
+        split = isinstance(mod, ExpertParallelMoE) and mod.layout_name == "split"
+        mod.persistent_tokens = SPLIT_PERSISTENT_TOKENS if split else 0
     elif isinstance(mod, MLA) and _mla_kernel_fits(mod):
         w = mod.kv_b_proj.dequantized_weight(torch.bfloat16).view(mod.H, mod.P + mod.V, mod.C)
         mod.w_kb = w[:, : mod.P].contiguous()  # [H, P, C]
@@ -571,7 +591,7 @@ def set_kernel_options(model: torch.nn.Module, indexer_topk: str | None = None,
             if indexer_scores is not None:
                 mod.scores_tune = dict(indexer_scores)
         elif isinstance(mod, FastMoE) and moe_layout != "keep":
-            mod.expert_layout = moe_layout
+            mod.expert_layout, mod.persistent_tokens = moe_layout, 0
     if isinstance(model, DeepseekV32):
         model.bump_version()
 

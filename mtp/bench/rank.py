@@ -191,7 +191,8 @@ KERNEL_VARIANTS = {
     "ix_loop": (dict(), dict(indexer_scores=dict(programs=264, num_stages=3))),
     # the default switches again: listed between others, it shows the drift of one run's timings
     "defaults": (dict(), dict()),
-    # every fusion switch of session 11 off: the launches the session started from, on the same rank
+    # every fusion switch of session 11 off: the launches the session started from, on the same rank (not the split
+    # rank's persistent experts up to 2 tokens, FastMoE.persistent_tokens: variant moe_pairs times the pair grid)
     "s10": (dict(fuse_prologue=False, fuse_absorb_out=False, fuse_out_cast=False, topk_rearm=False,
                  shared_in_experts=False), dict()),
 }
@@ -211,7 +212,7 @@ def kernel_variants(model, comm, args, cuda: bool, bw, time_fn, world: int, res:
         key = name if name not in out else f"{name}#{sum(k.split('#')[0] == name for k in out) + 1}"
         flags, options = KERNEL_VARIANTS[name]
         kept = [(m, m.topk_impl, m.scores_tune) for m in model.modules() if isinstance(m, FastMLA)]
-        layouts = [(m, m.expert_layout) for m in model.modules() if isinstance(m, FastMoE)]
+        layouts = [(m, m.expert_layout, m.persistent_tokens) for m in model.modules() if isinstance(m, FastMoE)]
         old = set_kernels(model, **flags)
         if options:
             set_kernel_options(model, **options)
@@ -228,8 +229,8 @@ def kernel_variants(model, comm, args, cuda: bool, bw, time_fn, world: int, res:
             set_kernels(model, **vars(old))  # bumps the model's version: graphs are captured again
             for m, topk, scores in kept:
                 m.topk_impl, m.scores_tune = topk, scores
-            for m, lay in layouts:
-                m.expert_layout = lay
+            for m, lay, pt in layouts:
+                m.expert_layout, m.persistent_tokens = lay, pt
     return out
 
 

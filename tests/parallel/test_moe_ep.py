@@ -364,6 +364,13 @@ def _layout_checks() -> None:
             want = {T: ep(x) for T, x in xs.items()}
             fast_module(ep)
             grid, r = ep.expert_layout, ep.comm.rank
+            # a 'split' rank: the pair grid, but the persistent layout up to SPLIT_PERSISTENT_TOKENS tokens
+            from mtp.backends.fast_path import SPLIT_PERSISTENT_TOKENS
+
+            split = layout == "split"
+            assert ep.persistent_tokens == (SPLIT_PERSISTENT_TOKENS if split else 0), (layout, ep.persistent_tokens)
+            assert ep.kernel_layout(1) == ("persistent" if split else grid)
+            assert ep.kernel_layout(SPLIT_PERSISTENT_TOKENS + 1) == grid
             for what, (T, kernels, router, route_tokens) in variants.items():
                 if world == 4 and what != "router kernel":
                     continue
