@@ -174,11 +174,12 @@ KERNEL_VARIANTS = {
     # the indexer's head weights as cuBLAS mm (+ its split-K reduce) + scale instead of `kernels.index_weights`
     "cublas_ixw": (dict(index_weights=False), dict()),
     # the experts' layout by size (persistent for T * J <= 64) on every MoE, also on a rank holding every expert's
-    # slice ('split'), which `fast_module` gives the pair grid (at w = 1 split's gate / up is 16 programs)
+    # slice ('split'), which `fast_module` gives the pair grid above SPLIT_PERSISTENT_TOKENS (2) tokens
     "moe_by_size": (dict(), dict(moe_layout=None)),
     "moe_pairs": (dict(), dict(moe_layout="pairs")),  # the pair grid on every MoE, whatever its rank holds
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
-    "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),  # the default since it measured faster
+    "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),  # = defaults since fa04e59 (kept: its name is in
+    # session 11's BENCHMARKS commands)
     "fused_absorb_out": (dict(fuse_absorb_out=True), dict()),
     "unfused_out_cast": (dict(fuse_out_cast=False), dict()),
     # the MLA prologue's pairs of launches (kv prologue, q_a norm; q prologue, absorb q) apart: 2 launches more
@@ -189,7 +190,7 @@ KERNEL_VARIANTS = {
     "topk_memset": (dict(topk_rearm=False), dict()),
     # the indexer scores kernel looping over its key blocks, 2 programs per SM of an H100 / H200 (132 SMs)
     "ix_loop": (dict(), dict(indexer_scores=dict(programs=264, num_stages=3))),
-    # the default switches again: listed between others, it shows the drift of one run's timings
+    # the default switches again: listed between others (kept as defaults#2, ...), it shows one run's spread
     "defaults": (dict(), dict()),
     # every fusion switch of session 11 off: the launches the session started from, on the same rank (not the split
     # rank's persistent experts up to 2 tokens, FastMoE.persistent_tokens: variant moe_pairs times the pair grid)
