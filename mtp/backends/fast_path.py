@@ -180,6 +180,9 @@ class FastMoE(MoE):
     # SPLIT_PERSISTENT_TOKENS from `fast_module`; 0: none; an explicit `set_kernel_options(moe_layout=)` sets 0)
     persistent_tokens: int = 0
     shared_index: int | None = None  # the shared expert's index in `stacked` (`stack_experts`), or None
+    # every routed slot names an expert of the stack (one process; a 'split' rank), so that the persistent layout
+    # sizes its K slices for T * slots distinct experts (switch `moe_wave_splits`, `moe.wave_splits`)
+    all_local: bool = False
     id_map = ExpertMap()  # global id -> stack index (`kernels.dispatch.expert_map`), set by `stack_experts`
     expert_layout: str | None = "pairs"
     fast_options: FastPathOptions
@@ -270,8 +273,10 @@ class FastMoE(MoE):
               s["up_proj.weight_scale_inv"], s["down_proj.weight"], s["down_proj.weight_scale_inv"])
         add = add if add is None or (add.dtype == torch.float32 and add.is_contiguous()) else add.float().contiguous()
         if N <= self.grouped_above:
-            return moe_experts(x_ND, ids_NK, w_NK, *ws, out_dtype=torch.float32, layout=self.kernel_layout(N), add=add,
-                               shared=shared)
+            layout = self.kernel_layout(N)
+            waves = layout == "persistent" and self.all_local and self.fast_options.moe_wave_splits
+            return moe_experts(x_ND, ids_NK, w_NK, *ws, out_dtype=torch.float32, layout=layout, add=add,
+                               shared=shared, splits="waves" if waves else None)
         C = self.max_tokens
         bm = default_block_m(min(N, C))
         outs = [moe_experts(x_ND[a:a + C], ids_NK[a:a + C], w_NK[a:a + C], *ws, out_dtype=torch.float32,
@@ -463,6 +468,7 @@ def fast_module(mod: torch.nn.Module, options: FastPathOptions | None = None, mm
         mod.expert_layout = "pairs" if mod.id_map.table is None else None
         split = isinstance(mod, ExpertParallelMoE) and mod.layout_name == "split"
         mod.persistent_tokens = SPLIT_PERSISTENT_TOKENS if split else 0
+        mod.all_local = split or mod.id_map.table is None  # every routed slot names an expert of this stack
     elif isinstance(mod, MLA) and _mla_kernel_fits(mod):
         w = mod.kv_b_proj.dequantized_weight(torch.bfloat16).view(mod.H, mod.P + mod.V, mod.C)
         mod.w_kb = w[:, : mod.P].contiguous()  # [H, P, C]

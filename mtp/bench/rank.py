@@ -177,6 +177,10 @@ KERNEL_VARIANTS = {
     # slice ('split'), which `fast_module` gives the pair grid above SPLIT_PERSISTENT_TOKENS (2) tokens
     "moe_by_size": (dict(), dict(moe_layout=None)),
     "moe_pairs": (dict(), dict(moe_layout="pairs")),  # the pair grid on every MoE, whatever its rank holds
+    # the persistent experts' K slices sized for every pair a distinct local expert (`moe.wave_splits`; a split
+    # rank up to its persistent_tokens), and the same with the persistent layout at every width
+    "moe_waves": (dict(moe_wave_splits=True), dict()),
+    "moe_waves_by_size": (dict(moe_wave_splits=True), dict(moe_layout=None)),
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
     "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),  # = defaults since fa04e59 (kept: its name is in
     # session 11's BENCHMARKS commands)

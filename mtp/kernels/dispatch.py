@@ -40,6 +40,11 @@ version, so the engine captures its kept graphs again).
   every token's implicit extra slot with weight 1: `moe.moe_experts(shared=)`, `fast_path.FastMoE.shared_in_stack`)
   where its slice has the routed experts' shapes (one process with n_shared = 1; a 'split' expert-parallel rank)
   and the pair / persistent layouts run; off: its own gate | up GEMV, silu * up and down (3 launches per layer).
+- moe_wave_splits: where every routed slot of a MoE is local (a 'split' expert-parallel rank, one process) and its
+  experts run the persistent layout, the K slices are sized for T * slots distinct experts so that the work items
+  fill whole rounds of the grid (`moe.wave_splits`: 7 gate / up slices at one token on a TP=8 split rank, one round
+  of 126 items, where the default's 8 give 144 items on 132 SMs); off: `moe.default_splits`, which assumes ~1
+  active expert per token (a contiguous expert-parallel rank). Other sums' order (K slices), same formulas.
 - pdl (off by default: not yet measured): launch the new kernels with programmatic dependent launch (Hopper),
   so that each may start while the previous kernel finishes (the GEMV requests its weights before waiting).
   the torch.compile'd elementwise ops join in only when TORCHINDUCTOR_ENABLE_PDL=1 is set before it compiles.
@@ -76,6 +81,7 @@ class FastPathOptions:
     fuse_out_cast: bool = True
     topk_rearm: bool = True
     shared_in_experts: bool = True
+    moe_wave_splits: bool = False
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)

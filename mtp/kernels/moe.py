@@ -64,7 +64,7 @@ from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
 
-__all__ = ["moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts", "moe_experts_ref", "gate_logits",
+__all__ = ["wave_splits", "moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts", "moe_experts_ref", "gate_logits",
            "default_layout", "MAX_TOKENS", "PAIRS_MAX_TOKENS", "GROUPED_ABOVE"]
 
 # Tokens per `moe_experts` call. The grouped layout keeps a [T * J, D] fp32 buffer of per-pair outputs (0.94 GB at
@@ -499,9 +499,24 @@ def default_splits(T: int, G: int, GI: int) -> tuple[int, int]:
     return min(G, 8 if T == 1 else 4), min(GI, 4 if T == 1 else 2)
 
 
+WAVE_ITEM_GROUPS = 2  # a work item's fixed cost (tile set-up, its partial's store and counter) in K groups' time
+
+
+def wave_splits(items: int, G: int, programs: int) -> int:
+    """K slices of a persistent kernel whose work items are `items` x slices, each slice ~G / slices K groups long,
+    on `programs` programs: the count that minimizes (rounds of work items) x (groups per item + the item's fixed
+    cost, WAVE_ITEM_GROUPS: an assumption, not a measurement), the fewest slices among equals. `default_splits`
+    assumes ~1 active expert per token (a contiguous expert-parallel rank); where every pair names a distinct expert
+    of the stack (a 'split' rank: 8 routed + the shared one per token, 2 N-blocks each at TP=8) its 8 gate/up slices
+    give 144 items on 132 SMs, two rounds of 7 groups, where 7 slices give one round of 8."""
+    if items < 1 or G < 1 or programs < 1:
+        raise ValueError(f"wave_splits: items, G and programs must be >= 1, got {items}, {G}, {programs}")
+    return min(range(1, G + 1), key=lambda ks: (-(-items * ks // programs) * (-(-G // ks) + WAVE_ITEM_GROUPS), ks))
+
+
 def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_gate, s_gate, w_up, s_up, w_down, s_down,
                 out_dtype: torch.dtype | None = None, gate_up_stages: int | None = None, down_stages: int | None = None,
-                layout: str | None = None, splits: tuple[int, int] | None = None,
+                layout: str | None = None, splits: tuple[int, int] | str | None = None,
                 programs: tuple[int, int] | None = None, add: torch.Tensor | None = None,
                 block_m: int | None = None, shared: bool = False) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
@@ -514,7 +529,9 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     'persistent' (~one program per SM looping over (distinct expert, N-block, K-slice) work items, so that a
     few experts still fill the GPU; T * J <= 64), both for T <= PAIRS_MAX_TOKENS; or 'grouped' (pairs sorted by
     expert into M-blocks, a grouped FP8 GEMM: `mtp.kernels.moe_grouped`; any T <= MAX_TOKENS); default
-    `default_layout`. splits: (gate/up, down) K slices of the persistent layout (default `default_splits`);
+    `default_layout`. splits: (gate/up, down) K slices of the persistent layout (default `default_splits`), or
+    "waves": chosen by `wave_splits` for every one of the T * slots pairs a distinct expert of the stack (where
+    every routed slot is local: a 'split' rank), so that the work items fill whole rounds of the grid;
     programs: the persistent / grouped grid sizes (default one and two programs per SM; grouped: two and two);
     gate_up_stages / down_stages: pipeline depths (down: default 5; grouped: 3 and 4); block_m: the grouped layout's
     M-block (`moe_grouped.BLOCK_MS`; default `moe_grouped.default_block_m`). add: fp32 [T, D] added to each
@@ -594,9 +611,16 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                                                      s_down.stride(0), s_down.stride(1), S,
                                                      num_stages=down_stages or 5, **kw)
     else:
-        ks_gu, ks_down = splits or default_splits(T, D // BLOCK, I // BLOCK)
         sm = _sm_count(dev)
         g_gu, g_down = programs or (sm, 2 * sm)
+        if splits is not None and splits != "waves" and not (
+                isinstance(splits, tuple) and len(splits) == 2 and all(isinstance(k, int) and k >= 1 for k in splits)):
+            raise ValueError(f"moe_experts: splits must be 'waves' or (gate/up, down) K slices >= 1, got {splits!r}")
+        if splits == "waves":  # the bound: every pair a distinct expert (the kernels' n_act <= P)
+            n_pairs = min(P, E)
+            splits = (wave_splits(n_pairs * (I // BLOCK), D // BLOCK, g_gu),
+                      wave_splits(n_pairs * triton.cdiv(D, BLOCK), I // BLOCK, g_down))
+        ks_gu, ks_down = splits or default_splits(T, D // BLOCK, I // BLOCK)
         n_act = min(P, E)  # distinct experts, at most
         nb = I // BLOCK
         gu_part = torch.empty(n_act * nb * ks_gu * 2 * BLOCK * T, dtype=torch.float32, device=dev)

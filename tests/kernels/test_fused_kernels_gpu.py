@@ -234,7 +234,8 @@ def split_rank_stack():
 def test_moe_experts_shared_slot(split_rank_stack, T):
     """moe_experts(shared=True) at the TP=8 'split' rank's shapes (8 of 256 routed + the shared expert, 256 wide):
     bit for bit the routed call + the shared expert alone as `add` (pair and persistent grids), the float64
-    reference (the shared expert an explicit 9th slot) within the expert kernels' fp8-flip bound, and a CUDA
+    reference (the shared expert an explicit 9th slot) within the expert kernels' fp8-flip bound (also the
+    persistent grid with splits='waves'), and a CUDA
     graph's replay equal to the eager call (no host sync, static grids)."""
     from mtp.kernels.moe import moe_experts
 
@@ -258,9 +259,13 @@ def test_moe_experts_shared_slot(split_rank_stack, T):
     # within what fp8 flips of h (the wgmma's reduced-precision accumulation) can explain, element by element
     y64, bound = moe_flip_bound(x, torch.cat([ids, torch.full((T, 1), S, dtype=torch.int32, device=DEV)], 1),
                                 torch.cat([w, torch.ones(T, 1, device=DEV)], 1), *st)
-    err = (got.double() - y64).abs()
     slack = bound + 2e-3 * y64.abs().max()
-    assert bool((err <= slack).all()), f"T={T}: {int((err > slack).sum())} outputs beyond the fp8-flip bound"
+    # the persistent grid with its K slices sized for 9 distinct experts a token (splits='waves', switch
+    # moe_wave_splits) held to the same bound
+    waves = moe_experts(x, ids, w, *st, layout="persistent", shared=True, splits="waves", **kw)
+    for name, y in (("default", got), ("waves", waves)):
+        err = (y.double() - y64).abs()
+        assert bool((err <= slack).all()), f"T={T} {name}: {int((err > slack).sum())} outputs beyond the fp8-flip bound"
     if DEV == "cuda":
         eager = moe_experts(x, ids, w, *st, shared=True, **kw)
         torch.cuda.synchronize()

@@ -15,6 +15,8 @@ its e4m3 cast made CUDA's (`tests.interp.patch_interpreter_fp8_rounding`):
   another order); in bf16 the fused path within the expert kernels' tolerance of `moe_experts_ref` (stack entry S
   as an explicit last slot), and within 3e-2 of the separate path, which rounds g | u and silu(g) * u to bf16
   where the expert kernels keep them in fp32 (~1 in 16 of h's e4m3 roundings move a step: 1.4e-2 observed).
+- `moe_experts(splits='waves')` (K slices by `moe.wave_splits`) equals those slices given explicitly, and the switch
+  `moe_wave_splits` hands it to a split rank's persistent experts.
 GPU twin at the real TP=8 split rank's shapes: tests/kernels/test_fused_kernels_gpu.py::test_moe_experts_shared_slot.
 """
 
@@ -168,6 +170,26 @@ def _kernel_checks() -> None:
     else:
         raise AssertionError("the persistent layout must refuse T * (J + 1) > 64")
     assert moe_mod.default_layout(7, 9) == "persistent" and moe_mod.default_layout(8, 9) == "pairs"
+    # splits='waves' (every pair a distinct local expert: `wave_splits` per kernel) = those slices given explicitly,
+    # and within the kernels' tolerance of the reference; bad splits are refused by name
+    for T in (1, 3):
+        x = torch.randn(T, D, generator=g).bfloat16()
+        idx = torch.stack([torch.randperm(E, generator=g)[:J] for _ in range(T)]).int()
+        rw = torch.rand(T, J, generator=g)
+        P = min(T * (J + 1), E + 1)
+        ks = (moe_mod.wave_splits(P * (I // 128), D // 128, 132), moe_mod.wave_splits(P * (D // 128), I // 128, 264))
+        got = moe_experts(x, idx, rw, *ws, layout="persistent", shared=True, splits="waves", **kw)
+        assert torch.equal(got, moe_experts(x, idx, rw, *ws, layout="persistent", shared=True, splits=ks, **kw)), T
+        ref = moe_experts_ref(x, torch.cat([idx, torch.full((T, 1), S, dtype=torch.int32)], 1),
+                              torch.cat([rw, torch.ones(T, 1)], 1), *ws, out_dtype=torch.float32)
+        assert _rel(got, ref) < TOL, ("waves", T, _rel(got, ref))
+    for bad in ("wave", (0, 1), (2,), (1.0, 2)):
+        try:
+            moe_experts(x, idx, rw, *ws, layout="persistent", splits=bad)
+        except ValueError as e:
+            assert "splits must be 'waves'" in str(e), (bad, str(e))
+        else:
+            raise AssertionError(f"moe_experts must refuse splits={bad!r}")
 
 
 def _module_checks() -> None:
@@ -220,8 +242,34 @@ def _module_checks() -> None:
                 assert torch.equal(out[True], out[False]), (name, T, (out[True] - out[False]).abs().max().item())
         del moe._shared_q
 
+    def waves_switch(moe, name: str) -> None:
+        """Switch `moe_wave_splits`: a split rank's persistent experts (T <= persistent_tokens) get
+        splits='waves' with it on, the default slices with it off; the K slices' order only (fp32, 1e-6)."""
+        import mtp.backends.fast_path as fp
+
+        seen, kernel = [], fp.moe_experts
+
+        def spy(*a, **k):
+            seen.append((k.get("layout"), k.get("splits")))
+            return kernel(*a, **k)
+
+        fp.moe_experts = spy
+        try:
+            assert moe.all_local and moe.persistent_tokens >= 1, name
+            x = torch.randn(1, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(5))
+            out = {}
+            for on in (False, True):
+                moe.fast_options.moe_wave_splits = on
+                seen.clear()
+                out[on] = moe(x, act_quant(x), rounded=False, reduce=False)
+                assert seen == [("persistent", "waves" if on else None)], (name, on, seen)
+            assert _rel(out[True], out[False]) < 1e-6, (name, _rel(out[True], out[False]))
+        finally:
+            fp.moe_experts = kernel
+            moe.fast_options.moe_wave_splits = False
+
     moe = swap(random_moe(tiny_config()))
-    assert moe.shared_index is not None
+    assert moe.shared_index is not None and moe.all_local
     on_off(moe, "tp1", (1, 2, 4))
     on_off(moe, "tp1 bf16", (1,), torch.bfloat16)
     cfg = layout_config()
@@ -232,6 +280,7 @@ def _module_checks() -> None:
             assert ep.shared_index is not None
             if world == 2:  # 1..5 tokens over the two ranks
                 on_off(ep, f"split r{ep.comm.rank}", ((1, 3), (2, 5))[ep.comm.rank])
+                waves_switch(ep, f"split r{ep.comm.rank}")
             elif ep.stacked["gate_proj.weight"].shape[1] == 0:  # no block of the experts' width: nor of the shared
                 for T in (2,):
                     x = torch.randn(T, cfg.hidden_size)
@@ -251,3 +300,23 @@ if __name__ == "__main__":
     _kernel_checks()
     _module_checks()
     print("interpreted checks ok")
+
+
+def test_wave_splits():
+    """`moe.wave_splits` at the TP=8 shapes (D = 7168: 56 K groups; 132 SMs): a split rank's token (8 routed + the
+    shared expert, 2 N-blocks each: 18 items a slice) takes 7 gate / up slices, one round of 126 items where the
+    default's 8 make 144 (two rounds); a contiguous rank's one expert (16 N-blocks) keeps the default's 8."""
+    from mtp.kernels.moe import default_splits, wave_splits
+
+    assert wave_splits(18, 56, 132) == 7 and default_splits(1, 56, 2)[0] == 8
+    assert wave_splits(16, 56, 132) == 8
+    assert wave_splits(9 * 56, 2, 264) == 1  # down: 504 items of 2 groups on 264 programs, two rounds either way
+    for ks_items in range(1, 300, 7):  # never more slices than K groups, never fewer than one
+        assert 1 <= wave_splits(ks_items, 56, 132) <= 56
+    for bad in ((0, 56, 132), (18, 0, 132), (18, 56, 0)):
+        try:
+            wave_splits(*bad)
+        except ValueError as e:
+            assert "must be >= 1" in str(e)
+        else:
+            raise AssertionError(f"wave_splits{bad} must be refused")
