@@ -69,7 +69,7 @@ from ..kernels.mla_decode import mla_decode
 from ..kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
 from ..kernels.mla_prologue_fused import kv_norm_fits, mla_kv_prologue_norm, mla_q_prologue_absorb
 from ..kernels.moe import GROUPED_ABOVE, MAX_TOKENS as MOE_KERNEL_MAX_TOKENS
-from ..kernels.moe import moe_experts
+from ..kernels.moe import default_layout, moe_experts
 from ..kernels.moe_grouped import default_block_m
 from ..kernels.router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from ..kernels.norm_quant import add_rms_norm_quant, add_rounded
@@ -273,8 +273,9 @@ class FastMoE(MoE):
               s["up_proj.weight_scale_inv"], s["down_proj.weight"], s["down_proj.weight_scale_inv"])
         add = add if add is None or (add.dtype == torch.float32 and add.is_contiguous()) else add.float().contiguous()
         if N <= self.grouped_above:
-            layout = self.kernel_layout(N)
-            waves = layout == "persistent" and self.all_local and self.fast_options.moe_wave_splits
+            layout = self.kernel_layout(N)  # None: by size (`moe.default_layout`), resolved here for the splits
+            persistent = (layout or default_layout(N, ids_NK.shape[1] + shared)) == "persistent"
+            waves = persistent and self.all_local and self.fast_options.moe_wave_splits
             return moe_experts(x_ND, ids_NK, w_NK, *ws, out_dtype=torch.float32, layout=layout, add=add,
                                shared=shared, splits="waves" if waves else None)
         C = self.max_tokens

@@ -178,9 +178,11 @@ KERNEL_VARIANTS = {
     "moe_by_size": (dict(), dict(moe_layout=None)),
     "moe_pairs": (dict(), dict(moe_layout="pairs")),  # the pair grid on every MoE, whatever its rank holds
     # the persistent experts' K slices sized for every pair a distinct local expert (`moe.wave_splits`; a split
-    # rank up to its persistent_tokens), and the same with the persistent layout at every width
+    # rank up to its persistent_tokens; the default since session 12), the same with the persistent layout at every
+    # width, and the slices of `moe.default_splits` (the switch off)
     "moe_waves": (dict(moe_wave_splits=True), dict()),
     "moe_waves_by_size": (dict(moe_wave_splits=True), dict(moe_layout=None)),
+    "moe_no_waves": (dict(moe_wave_splits=False), dict()),
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
     "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),  # = defaults since fa04e59 (kept: its name is in
     # session 11's BENCHMARKS commands)

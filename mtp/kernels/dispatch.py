@@ -44,7 +44,10 @@ version, so the engine captures its kept graphs again).
   experts run the persistent layout, the K slices are sized for T * slots distinct experts so that the work items
   fill whole rounds of the grid (`moe.wave_splits`: 7 gate / up slices at one token on a TP=8 split rank, one round
   of 126 items, where the default's 8 give 144 items on 132 SMs); off: `moe.default_splits`, which assumes ~1
-  active expert per token (a contiguous expert-parallel rank). Other sums' order (K slices), same formulas.
+  active expert per token (a contiguous expert-parallel rank). Other sums' order (K slices), same formulas. On by
+  default: measured on one TP=8 split rank (H200, 61 layers, BENCHMARKS.md session 12) -1.1 ms a step at w = 1
+  (6.43 vs 7.54 ms at 1k, 9.15-9.19 vs 10.35-10.46 at 32k), -0.25 to -0.57 at w = 2, wider steps unchanged (they
+  run the pair grid).
 - pdl (off by default: not yet measured): launch the new kernels with programmatic dependent launch (Hopper),
   so that each may start while the previous kernel finishes (the GEMV requests its weights before waiting).
   the torch.compile'd elementwise ops join in only when TORCHINDUCTOR_ENABLE_PDL=1 is set before it compiles.
@@ -81,7 +84,7 @@ class FastPathOptions:
     fuse_out_cast: bool = True
     topk_rearm: bool = True
     shared_in_experts: bool = True
-    moe_wave_splits: bool = False
+    moe_wave_splits: bool = True
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)

@@ -254,6 +254,7 @@ def _module_checks() -> None:
             return kernel(*a, **k)
 
         fp.moe_experts = spy
+        before = moe.fast_options.moe_wave_splits
         try:
             assert moe.all_local and moe.persistent_tokens >= 1, name
             x = torch.randn(1, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(5))
@@ -264,9 +265,16 @@ def _module_checks() -> None:
                 out[on] = moe(x, act_quant(x), rounded=False, reduce=False)
                 assert seen == [("persistent", "waves" if on else None)], (name, on, seen)
             assert _rel(out[True], out[False]) < 1e-6, (name, _rel(out[True], out[False]))
+            # the layout by size (set_kernel_options(moe_layout=None)): persistent at 1 token, so 'waves' too
+            kept = moe.expert_layout, moe.persistent_tokens
+            moe.expert_layout, moe.persistent_tokens = None, 0
+            seen.clear()
+            assert torch.equal(moe(x, act_quant(x), rounded=False, reduce=False), out[True]), name
+            assert seen == [(None, "waves")], (name, seen)
+            moe.expert_layout, moe.persistent_tokens = kept
         finally:
             fp.moe_experts = kernel
-            moe.fast_options.moe_wave_splits = False
+            moe.fast_options.moe_wave_splits = before
 
     moe = swap(random_moe(tiny_config()))
     assert moe.shared_index is not None and moe.all_local
