@@ -37,8 +37,8 @@ import torch
 
 from mtp.kernels._triton import device_lens, require, tl, triton
 
-__all__ = ["add_to_histograms", "drop_kept_workspace", "histograms", "kept_workspace", "radix_topk", "score_keys",
-           "topk_select_ref", "topk_workspace"]
+__all__ = ["add_to_histograms", "check_topk_args", "drop_kept_workspace", "histograms", "kept_workspace", "radix_topk",
+           "score_keys", "sm_count", "topk_select_ref", "topk_workspace"]
 
 HIST = 65536  # bins of the 16-bit key prefix
 SMALL = 128  # up to this many candidates, the last stage ranks them in one pairwise compare
@@ -171,6 +171,103 @@ def _threshold_radix(ck, ci, n_c, kp, need, NB: tl.constexpr):
 
 
 @triton.jit
+def _row_prefix(h16_ptr, h8_ptr, r, K):
+    """From the row's two histograms: (P, above, n_valid), the 16-bit prefix holding the k-th key (two 256-bin
+    scans; -1 when every candidate is kept), the candidates with a higher prefix, and all of the row's candidates.
+    Read past L1 (.cg): in the one-launch kernel (`topk_one_launch`) other programs have just counted into them."""
+    r64 = r.to(tl.int64)
+    bins = tl.arange(0, 256)
+    h8 = tl.load(h8_ptr + r * 256 + bins, cache_modifier=".cg")
+    n_valid = tl.sum(h8, 0)
+    P = -1  # 16-bit prefix holding the k-th key; -1: every candidate is kept
+    above = n_valid
+    if n_valid > K:
+        d1, above1, _ = _pick(h8, K)
+        hsub = tl.load(h16_ptr + r64 * 65536 + d1 * 256 + bins, cache_modifier=".cg")
+        d2, above2, _ = _pick(hsub, K - above1)
+        P = d1 * 256 + d2
+        above = above1 + above2
+    return P, above, n_valid
+
+
+@triton.jit
+def _split_block(key, valid, pos, P, ncand_row, ck, ci):
+    """One block of a chunk: the number of its candidates above prefix P; those with prefix P ("candidates of the
+    last stage") appended to the row's list (keys ck, positions ci)."""
+    pre = (key >> 16) + 32768
+    n_gt = tl.sum((valid & (pre > P)).to(tl.int32), 0)
+    eq = valid & (pre == P)
+    n_eq = tl.sum(eq.to(tl.int32), 0)
+    if n_eq > 0:
+        base = tl.atomic_add(ncand_row, n_eq, sem="relaxed")
+        slot = base + tl.cumsum(eq.to(tl.int32), 0) - 1
+        tl.store(ck + slot, key, mask=eq)
+        tl.store(ci + slot, pos, mask=eq)
+    return n_gt
+
+
+@triton.jit
+def _finish_row(r, n_valid, above, P, ncand_ptr, ck, ci, gt_ptr, off_ptr, thr_ptr, out_ptr, CH, C, K,
+                NB: tl.constexpr, CPAD: tl.constexpr, KB: tl.constexpr, SMALL: tl.constexpr):
+    """The last program of row r to end its split: every chunk's count and candidate is visible (read past L1).
+    Finds the k-th key among the candidates alone (<= SMALL: pairwise rank; more: radix select), stores the
+    threshold pair (Tk, Ts) and each chunk's offset in the output, and -1 after the kept positions."""
+    r64 = r.to(tl.int64)
+    tk = -2147483648  # keep every candidate (fewer than k)
+    ts = 2147483647
+    n_c = tl.atomic_add(ncand_ptr + r, 0, sem="acq_rel", scope="gpu")
+    if n_valid > K:
+        need = K - above  # keys to keep among the candidates, >= 1
+        if n_c <= SMALL:
+            tk, ts = _threshold_rank(ck, ci, n_c, need, SMALL)
+        else:
+            tk, ts = _threshold_radix(ck, ci, n_c, P - 32768, need, NB)
+    # kept candidates per chunk, then each chunk's offset in the output
+    kept = tl.zeros((CPAD,), dtype=tl.int32)
+    for i0 in range(0, n_c, NB):
+        i = i0 + tl.arange(0, NB)
+        m = i < n_c
+        key = tl.load(ck + i, mask=m, other=0, cache_modifier=".cg")
+        pos = tl.load(ci + i, mask=m, other=0, cache_modifier=".cg")
+        m = m & ((key > tk) | ((key == tk) & (pos <= ts)))
+        kept += tl.histogram(pos // CH, CPAD, mask=m)
+    cc = tl.arange(0, CPAD)
+    tot = tl.load(gt_ptr + r * C + cc, mask=cc < C, other=0, cache_modifier=".cg") + kept
+    tl.store(off_ptr + r * C + cc, tl.cumsum(tot, 0) - tot, mask=cc < C)
+    tl.store(thr_ptr + r * 2, tk)
+    tl.store(thr_ptr + r * 2 + 1, ts)
+    n_keep = tl.sum(tot, 0)
+    for j0 in range(0, K, KB):  # -1 after the kept positions
+        j = j0 + tl.arange(0, KB)
+        tl.store(out_ptr + r64 * K + j, -1, mask=(j >= n_keep) & (j < K))
+
+
+@triton.jit
+def _write_block(key, valid, pos, tk, ts, dst, o):
+    """One block of a chunk: its kept positions (key > Tk, or key == Tk and position <= Ts) at dst + o on, in
+    ascending order; returns the offset after them."""
+    keep = valid & ((key > tk) | ((key == tk) & (pos <= ts)))
+    k32 = keep.to(tl.int32)
+    tl.store(dst + o + tl.cumsum(k32, 0) - 1, pos, mask=keep)
+    return o + tl.sum(k32, 0)
+
+
+@triton.jit
+def _zero_row(h16_ptr, h8_ptr, ncand_ptr, r, c, C):
+    """Program c's share of re-arming row r's workspace (its 16-bit bins in whole blocks; program 0 the 8-bit bins
+    and the candidate count) once nothing reads them any more. The arrival counter is the caller's."""
+    ZB: tl.constexpr = 4096
+    span = tl.cdiv(tl.cdiv(65536, C), ZB) * ZB  # the row's 16-bit bins, whole blocks per program
+    h16 = h16_ptr + r.to(tl.int64) * 65536
+    for z0 in range(c * span, tl.minimum(c * span + span, 65536), ZB):
+        z = z0 + tl.arange(0, ZB)
+        tl.store(h16 + z, tl.zeros((ZB,), dtype=tl.int32), mask=z < 65536)
+    if c == 0:
+        tl.store(h8_ptr + r * 256 + tl.arange(0, 256), tl.zeros((256,), dtype=tl.int32))
+        tl.store(ncand_ptr + r, 0)
+
+
+@triton.jit
 def _topk_split_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive_ptr, ck_ptr, ci_ptr, gt_ptr,
                        off_ptr, thr_ptr, out_ptr, S, T, CH, C, K,
                        BLK: tl.constexpr, NB: tl.constexpr, CPAD: tl.constexpr, KB: tl.constexpr,
@@ -178,63 +275,19 @@ def _topk_split_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive_ptr,
     r = tl.program_id(0)
     c = tl.program_id(1)
     r64 = r.to(tl.int64)
-    bins = tl.arange(0, 256)
-    h8 = tl.load(h8_ptr + r * 256 + bins)
-    n_valid = tl.sum(h8, 0)
-    P = -1  # 16-bit prefix holding the k-th key; -1: every candidate is kept
-    above = n_valid
-    if n_valid > K:
-        d1, above1, _ = _pick(h8, K)
-        hsub = tl.load(h16_ptr + r64 * 65536 + d1 * 256 + bins)
-        d2, above2, _ = _pick(hsub, K - above1)
-        P = d1 * 256 + d2
-        above = above1 + above2
+    P, above, n_valid = _row_prefix(h16_ptr, h8_ptr, r, K)
     ck = ck_ptr + r64 * S
     ci = ci_ptr + r64 * S
     n_gt = 0
     for p0 in range(c * CH, tl.minimum(c * CH + CH, S), BLK):
         pos = p0 + tl.arange(0, BLK)
         key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T)
-        pre = (key >> 16) + 32768
-        n_gt += tl.sum((valid & (pre > P)).to(tl.int32), 0)
-        eq = valid & (pre == P)
-        n_eq = tl.sum(eq.to(tl.int32), 0)
-        if n_eq > 0:
-            base = tl.atomic_add(ncand_ptr + r, n_eq, sem="relaxed")
-            slot = base + tl.cumsum(eq.to(tl.int32), 0) - 1
-            tl.store(ck + slot, key, mask=eq)
-            tl.store(ci + slot, pos, mask=eq)
+        n_gt += _split_block(key, valid, pos, P, ncand_ptr + r, ck, ci)
     tl.store(gt_ptr + r * C + c, n_gt)
     tl.debug_barrier()
     if tl.atomic_add(arrive_ptr + r, 1, sem="acq_rel", scope="gpu") == C - 1:
-        # last program of the row: every chunk's count and candidate is visible (read past L1)
-        tk = -2147483648  # keep every candidate (fewer than k)
-        ts = 2147483647
-        n_c = tl.atomic_add(ncand_ptr + r, 0, sem="acq_rel", scope="gpu")
-        if n_valid > K:
-            need = K - above  # keys to keep among the candidates, >= 1
-            if n_c <= SMALL:
-                tk, ts = _threshold_rank(ck, ci, n_c, need, SMALL)
-            else:
-                tk, ts = _threshold_radix(ck, ci, n_c, P - 32768, need, NB)
-        # kept candidates per chunk, then each chunk's offset in the output
-        kept = tl.zeros((CPAD,), dtype=tl.int32)
-        for i0 in range(0, n_c, NB):
-            i = i0 + tl.arange(0, NB)
-            m = i < n_c
-            key = tl.load(ck + i, mask=m, other=0, cache_modifier=".cg")
-            pos = tl.load(ci + i, mask=m, other=0, cache_modifier=".cg")
-            m = m & ((key > tk) | ((key == tk) & (pos <= ts)))
-            kept += tl.histogram(pos // CH, CPAD, mask=m)
-        cc = tl.arange(0, CPAD)
-        tot = tl.load(gt_ptr + r * C + cc, mask=cc < C, other=0, cache_modifier=".cg") + kept
-        tl.store(off_ptr + r * C + cc, tl.cumsum(tot, 0) - tot, mask=cc < C)
-        tl.store(thr_ptr + r * 2, tk)
-        tl.store(thr_ptr + r * 2 + 1, ts)
-        n_keep = tl.sum(tot, 0)
-        for j0 in range(0, K, KB):  # -1 after the kept positions
-            j = j0 + tl.arange(0, KB)
-            tl.store(out_ptr + r64 * K + j, -1, mask=(j >= n_keep) & (j < K))
+        _finish_row(r, n_valid, above, P, ncand_ptr, ck, ci, gt_ptr, off_ptr, thr_ptr, out_ptr, CH, C, K,
+                    NB, CPAD, KB, SMALL)
 
 
 @triton.jit
@@ -249,24 +302,15 @@ def _topk_write_kernel(sc_ptr, lens_ptr, off_ptr, thr_ptr, out_ptr, h16_ptr, h8_
     for p0 in range(c * CH, tl.minimum(c * CH + CH, S), BLK):
         pos = p0 + tl.arange(0, BLK)
         key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T)
-        keep = valid & ((key > tk) | ((key == tk) & (pos <= ts)))
-        k32 = keep.to(tl.int32)
-        tl.store(dst + o + tl.cumsum(k32, 0) - 1, pos, mask=keep)
-        o += tl.sum(k32, 0)
+        o = _write_block(key, valid, pos, tk, ts, dst, o)
     if REARM:  # the workspace's last reader (the split kernel ended before this launch): zero it for the next call
-        ZB: tl.constexpr = 4096
-        span = tl.cdiv(tl.cdiv(65536, C), ZB) * ZB  # the row's 16-bit bins, whole blocks per program
-        h16 = h16_ptr + r.to(tl.int64) * 65536
-        for z0 in range(c * span, tl.minimum(c * span + span, 65536), ZB):
-            z = z0 + tl.arange(0, ZB)
-            tl.store(h16 + z, tl.zeros((ZB,), dtype=tl.int32), mask=z < 65536)
+        _zero_row(h16_ptr, h8_ptr, ncand_ptr, r, c, C)
         if c == 0:
-            tl.store(h8_ptr + r * 256 + tl.arange(0, 256), tl.zeros((256,), dtype=tl.int32))
-            tl.store(ncand_ptr + r, 0)
             tl.store(arrive_ptr + r, 0)
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; 132 (an H100 / H200) elsewhere: the interpreter plans the grids of those GPUs."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
@@ -312,6 +356,24 @@ def histograms(ws: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]
     return ws[:rows * HIST], ws[rows * HIST:rows * (HIST + 256)]
 
 
+def check_topk_args(name: str, scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int,
+                    workspace: torch.Tensor | None) -> tuple[int, int, int]:
+    """(B, T, S) of a top-k call's scores, after checking what the kernels assume (errors name `name`)."""
+    require(scores_BTS, name)
+    if scores_BTS.dim() != 3 or scores_BTS.dtype != torch.float32:
+        raise ValueError(f"{name}: scores must be float32 [B, T, S], got {scores_BTS.dtype} {list(scores_BTS.shape)}")
+    B, T, S = scores_BTS.shape
+    if tuple(seq_lens_B.shape) != (B,):
+        raise ValueError(f"{name}: seq_lens must be [B] = [{B}], got {list(seq_lens_B.shape)}")
+    if not 0 < k < 2 ** 24 or S >= 2 ** 24:
+        raise ValueError(f"{name}: want 0 < k < 2^24 and S < 2^24 (position bytes), got k = {k}, S = {S}")
+    R = B * T
+    if workspace is not None and workspace.numel() != R * (HIST + 256 + 2):
+        raise ValueError(f"{name}: workspace must hold {R} rows ({R * (HIST + 256 + 2)} int32), got "
+                         f"{workspace.numel()}")
+    return B, T, S
+
+
 def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunks: int | None = None,
                block: int = 1024, workspace: torch.Tensor | None = None, rearm: bool = False) -> torch.Tensor:
     """Kernel twin of `topk_select_ref`: [B, T, k] int32 kept positions (ascending, then -1).
@@ -321,23 +383,12 @@ def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunk
     histogram launch is skipped. rearm: the workspace is the kept one (`kept_workspace`, taken here when
     workspace is None) and the write kernel zeroes it after use: no memset launch; off, a fresh `topk_workspace`
     per call unless given (one memset)."""
-    require(scores_BTS, "radix_topk")
-    if scores_BTS.dim() != 3 or scores_BTS.dtype != torch.float32:
-        raise ValueError(f"radix_topk: scores must be float32 [B, T, S], got {scores_BTS.dtype} "
-                         f"{list(scores_BTS.shape)}")
-    B, T, S = scores_BTS.shape
-    if tuple(seq_lens_B.shape) != (B,):
-        raise ValueError(f"radix_topk: seq_lens must be [B] = [{B}], got {list(seq_lens_B.shape)}")
-    if not 0 < k < 2 ** 24 or S >= 2 ** 24:
-        raise ValueError(f"radix_topk: want 0 < k < 2^24 and S < 2^24 (position bytes), got k = {k}, S = {S}")
+    B, T, S = check_topk_args("radix_topk", scores_BTS, seq_lens_B, k, workspace)
     dev = scores_BTS.device
     R = B * T
-    if workspace is not None and workspace.numel() != R * (HIST + 256 + 2):
-        raise ValueError(f"radix_topk: workspace must hold {R} rows ({R * (HIST + 256 + 2)} int32), got "
-                         f"{workspace.numel()}")
     blk = max(64, min(block, triton.next_power_of_2(S)))
     if chunks is None:
-        chunks = max(1, min(triton.cdiv(S, blk), 2 * _sm_count(dev) // max(1, R)))
+        chunks = max(1, min(triton.cdiv(S, blk), 2 * sm_count(dev) // max(1, R)))
     ch = triton.cdiv(triton.cdiv(S, chunks), blk) * blk  # positions per program, whole blocks
     C = triton.cdiv(S, ch)
     sc = scores_BTS.contiguous()
