@@ -820,7 +820,8 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
         w = indexer_head_weights(mla, x_BTD)
         topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
                                    topk=ix.topk, impl=mla.topk_impl, visible=visible_BTS,
-                                   rearm=mla.fast_options.topk_rearm, scores=mla.scores_tune)
+                                   rearm=mla.fast_options.topk_rearm, scores=mla.scores_tune,
+                                   one_launch=mla.fast_options.topk_one_launch)
     absorb = mla.fast_options.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS
     if q_lat is None and absorb:  # one launch each instead of copy + batched GEMM + copy
         q_lat = absorb_q(q_nope, mla.w_kb)

@@ -202,6 +202,10 @@ KERNEL_VARIANTS = {
     # rank's persistent experts up to 2 tokens, FastMoE.persistent_tokens: variant moe_pairs times the pair grid)
     "s10": (dict(fuse_prologue=False, fuse_absorb_out=False, fuse_out_cast=False, topk_rearm=False,
                  shared_in_experts=False), dict()),
+    # the indexer top-k's three radix phases in one cooperative launch (`topk_one_launch`), and the same with its
+    # histogram phase in the scores kernel's epilogue (radix_fused: scores + one top-k launch per layer)
+    "topk_one_launch": (dict(topk_one_launch=True), dict()),
+    "topk_one_launch_fused": (dict(topk_one_launch=True), dict(indexer_topk="radix_fused")),
 }
 
 

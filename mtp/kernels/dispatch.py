@@ -51,6 +51,10 @@ version, so the engine captures its kept graphs again).
 - pdl (off by default: not yet measured): launch the new kernels with programmatic dependent launch (Hopper),
   so that each may start while the previous kernel finishes (the GEMV requests its weights before waiting).
   the torch.compile'd elementwise ops join in only when TORCHINDUCTOR_ENABLE_PDL=1 is set before it compiles.
+- topk_one_launch (off until measured on a GPU): the indexer top-k's three radix phases (histogram, split, write) in
+  one cooperative launch whose programs meet at a barrier per row between them (`topk_one_launch`), where its grid
+  fits the SMs (every decode shape: R x C <= the SM count, else the three launches); the same index sets. Off: three
+  launches (`topk.radix_topk`).
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -85,6 +89,7 @@ class FastPathOptions:
     topk_rearm: bool = True
     shared_in_experts: bool = True
     moe_wave_splits: bool = True
+    topk_one_launch: bool = False
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)

@@ -25,6 +25,7 @@ from mtp.model.fp8 import FP8_DTYPE
 from mtp.kernels._triton import device_lens, require, tl, triton
 from mtp.kernels.topk import (add_to_histograms, drop_kept_workspace, histograms, kept_workspace, radix_topk,
                               score_keys, topk_workspace)
+from mtp.kernels.topk_one_launch import radix_topk_one_launch
 
 __all__ = ["SCORES_DEFAULT", "TOPK_IMPLS", "indexer_scores", "indexer_scores_ref", "indexer_topk", "indexer_topk_ref", "topk_from_scores"]
 
@@ -185,17 +186,21 @@ TOPK_IMPLS = ("radix", "radix_fused", "torch")
 
 
 def indexer_topk(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2048, impl: str = "radix",
-                 visible: torch.Tensor | None = None, rearm: bool = False, scores: dict | None = None):
+                 visible: torch.Tensor | None = None, rearm: bool = False, scores: dict | None = None,
+                 one_launch: bool = False):
     """(idx [B, T, topk] int32 with -1 padding, scores [B, T, S]) from the kernel's scores.
     impl: 'radix' (`mtp.kernels.topk.radix_topk`), 'radix_fused' (the same with its histogram pass done by the
     scores kernel: one launch fewer) or 'torch' (`topk_from_scores`). visible: as `indexer_scores` (the
     top-k then never picks a key the query may not see: its score is -inf, not a candidate). rearm (radix
     impls): the top-k workspace kept per (device, rows) and left zeroed by the top-k's last kernel
     (`topk.kept_workspace`): no memset launch per call. scores: the scores kernel's launch settings
-    (`indexer_scores`' block_s, num_warps, num_stages, programs), over `SCORES_DEFAULT`."""
+    (`indexer_scores`' block_s, num_warps, num_stages, programs), over `SCORES_DEFAULT`. one_launch (radix impls):
+    the radix select's three phases in one launch (`topk_one_launch.radix_topk_one_launch`, where the grid fits the
+    SMs; the same index sets)."""
     if impl not in TOPK_IMPLS:
         raise ValueError(f"indexer_topk: impl must be one of {TOPK_IMPLS}, got {impl!r}")
     tune = dict(SCORES_DEFAULT, **(scores or {}))
+    select = radix_topk_one_launch if one_launch else radix_topk
     if impl == "radix_fused":
         R = q8.shape[0] * q8.shape[1]
         ws = kept_workspace(R, q8.device) if rearm else topk_workspace(R, q8.device)
@@ -205,8 +210,8 @@ def indexer_topk(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2048, impl: 
             if rearm:  # the scores kernel may have counted into it before failing
                 drop_kept_workspace(ws)
             raise
-        return radix_topk(sc, seq_lens, topk, workspace=ws, rearm=rearm), sc
+        return select(sc, seq_lens, topk, workspace=ws, rearm=rearm), sc
     sc = indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, visible=visible, **tune)
     if impl == "radix":
-        return radix_topk(sc, seq_lens, topk, rearm=rearm), sc
+        return select(sc, seq_lens, topk, rearm=rearm), sc
     return topk_from_scores(sc, topk), sc

@@ -39,6 +39,10 @@ NO_KERNEL = frozenset({
 # profiled runs; a real group launches one NCCL kernel each (counted apart, `LaunchCount.collectives`)
 COLLECTIVES = frozenset({"allreduce_", "_allgather_base_", "allgather_", "_reduce_scatter_base_", "broadcast_",
                          "allgather_into_tensor_coalesced_", "allreduce_coalesced_"})
+# kernels whose phases the interpreter runs as launches of their own (a constexpr PHASE; on a GPU one launch, PHASE 0,
+# its programs meeting at barriers the interpreter's one-after-another programs would never pass): the launch of
+# the phase named here stands for the GPU's one launch, the others are not counted (`kernels.topk_one_launch`)
+SPLIT_PHASES = {"_topk_one_launch_kernel": 3}
 # host reads only the interpreter's CPU tensors make (`moe.moe_experts` checks expert ids when they live on the
 # CPU, `if not idx.is_cuda`): ops of that check are not launches on the GPU
 CPU_ONLY = frozenset({"min", "max", "aminmax"})
@@ -97,8 +101,9 @@ def counting(model):
     run = InterpretedFunction.run
 
     def counted_run(self, *args, **kwargs):
-        if not mode.inside:
-            count.by_name[(mode.kind[-1], self.fn.__name__)] += 1
+        name, phase = self.fn.__name__, SPLIT_PHASES.get(self.fn.__name__)
+        if not mode.inside and (phase is None or kwargs.get("PHASE") == phase):
+            count.by_name[(mode.kind[-1], name)] += 1
         mode.inside += 1
         try:
             return run(self, *args, **kwargs)

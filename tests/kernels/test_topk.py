@@ -1,7 +1,9 @@
-"""The indexer's radix top-k (`mtp.kernels.topk`) on the CPU: its reference against the stable-sort rule of
-`Indexer.select`, and the kernels under the Triton interpreter (a subprocess started with TRITON_INTERPRET=1,
-this file as a script: the interpreter is chosen when the kernels are decorated). tests/kernels/test_kernels_gpu.py
-holds the kernels to the reference on a GPU at full sizes."""
+"""The indexer's radix top-k (`mtp.kernels.topk`, and in one launch `mtp.kernels.topk_one_launch`) on the CPU: its
+reference against the stable-sort rule of `Indexer.select`, the one-launch grid's host decision, and the kernels
+under the Triton interpreter (a subprocess started with TRITON_INTERPRET=1, this file as a script: the interpreter
+is chosen when the kernels are decorated; there the one-launch kernel runs its phases as three launches).
+tests/kernels/test_kernels_gpu.py and test_topk_one_launch_gpu.py hold the kernels to the reference on a GPU at full
+sizes."""
 
 from __future__ import annotations
 
@@ -49,6 +51,32 @@ def test_radix_topk_interpreted():
     run_interpreted(__file__)
 
 
+def test_one_launch_grid_fits_the_sms_or_declines():
+    """R x C never exceeds the SMs (co-residency: the barriers cannot deadlock); a chunk is a power of two of at
+    most MAX_TILE positions, MIN_TILE at least by default; shapes that cannot fit get None (three launches)."""
+    from mtp.kernels.topk_one_launch import MAX_TILE, MIN_TILE, one_launch_grid
+
+    assert one_launch_grid(1, 32768, 132) == (1024, 32)
+    assert one_launch_grid(4, 32768, 132) == (1024, 32)  # 128 programs
+    assert one_launch_grid(8, 32768, 132) == (2048, 16)
+    assert one_launch_grid(8, 65536, 132) == (4096, 16)
+    assert one_launch_grid(1, 777, 132) == (1024, 1)
+    assert one_launch_grid(1, 5, 132) == (64, 1)
+    assert one_launch_grid(1, 32768, 132, chunks=128) == (256, 128)
+    assert one_launch_grid(2, 32768, 132, chunks=128) is None  # 256 programs on 132 SMs
+    assert one_launch_grid(133, 4096, 132) is None and one_launch_grid(0, 4096, 132) is None
+    assert one_launch_grid(8, 16 * MAX_TILE + 1, 132) is None  # a chunk past MAX_TILE
+    for R in range(1, 140, 3):
+        for S in (1, 63, 1000, 2049, 32768 + 5, 131072, 10 ** 6):
+            for chunks in (None, 1, 7, 64, 200):
+                g = one_launch_grid(R, S, 132, chunks)
+                if g is None:
+                    continue
+                tile, C = g
+                assert R * C <= 132 and C == -(-S // tile) and tile & (tile - 1) == 0 and 64 <= tile <= MAX_TILE
+                assert chunks is not None or tile >= MIN_TILE or tile >= S
+
+
 def test_set_kernel_options_switches_and_refuses_unknown():
     from mtp.backends.fast_path import FastMLA, _swap, disable_fast_path, fast_module, set_kernel_options
     from mtp.model.presets import tiny_config
@@ -78,6 +106,77 @@ def test_set_kernel_options_switches_and_refuses_unknown():
         set_kernel_options(model, moe_layout="grouped")
     disable_fast_path(model)
     assert type(model[0]) is MLA and type(model[1]) is MoE
+
+
+def _one_launch_checks(g: torch.Generator) -> None:
+    """`radix_topk_one_launch`, its phases as three launches of one kernel here, against the reference and the
+    three-launch kernels: odd S, 1..5 rows, ties, -inf, short rows, k > S, > 128 candidates of the last stage (the
+    radix threshold), chunkings; with the kept workspace it is zero after every call; the histograms filled by the
+    scores kernel (no histogram phase); a grid past the SMs falls back to the three launches."""
+    from mtp.kernels import topk_one_launch as tol
+    from mtp.kernels.indexer import indexer_topk
+    from mtp.kernels.topk import kept_workspace, radix_topk
+    from mtp.model.fp8 import act_quant
+
+    narrow = 1.0 + torch.randint(0, 3000, (1, 2, 3001), generator=g).float() * 1e-7  # one prefix: radix threshold
+    few = torch.randn(1, 1, 2500, generator=g).clamp(max=0.9)
+    few[..., 7:90] = 1.0 + torch.randint(0, 4, (1, 1, 83), generator=g).float() * 1e-7  # <= 128, ties at the edge
+    cases = [  # (scores, lens, k, chunks, rearm)
+        (tie_scores(1, 1, 3001, g), [3000], 256, None, False),
+        (tie_scores(1, 2, 2999, g), [2997], 100, 3, True),
+        (narrow, [2999], 512, None, True),
+        (few, [2499], 50, 5, False),
+        (torch.randn(1, 3, 2001, generator=g), [1500], 300, 8, True),
+        (torch.randn(2, 2, 1111, generator=g), [1109, 40], 64, None, True),  # a short row: fewer than k
+        (tie_scores(5, 1, 700, g), [699, 0, 350, 698, 12], 48, 3, True),
+        (torch.randn(1, 4, 300, generator=g), [0], 512, None, False),  # k > S
+        (torch.full((1, 1, 500), float("-inf")), [499], 64, 2, True),
+    ]
+    for sc, lens, k, chunks, rearm in cases:
+        L = torch.tensor(lens)
+        where = f"S={sc.shape[-1]} rows={sc.shape[0] * sc.shape[1]} k={k} chunks={chunks} rearm={rearm}"
+        assert tol.one_launch_grid(sc.shape[0] * sc.shape[1], sc.shape[-1], 132, chunks) is not None, where
+        got, want = tol.radix_topk_one_launch(sc, L, k, chunks=chunks, rearm=rearm), topk_select_ref(sc, L, k)
+        assert torch.equal(got, want), f"{where}: {(got != want).sum()} entries differ"
+        assert torch.equal(got, radix_topk(sc, L, k, chunks=chunks)), where
+        if rearm:
+            assert not kept_workspace(sc.shape[0] * sc.shape[1], "cpu").any(), f"workspace not re-armed: {where}"
+    # the histograms from the scores kernel's epilogue (indexer radix_fused), kept and fresh workspaces
+    q8, qs = act_quant(torch.randn(2, 3, 16, 128, generator=g))
+    k8, ks = act_quant(torch.randn(2, 1500, 128, generator=g))
+    L = torch.tensor([1000, 1497], dtype=torch.int32)
+    w = torch.randn(2, 3, 16, generator=g)
+    for impl in ("radix", "radix_fused"):
+        for rearm in (False, True):
+            idx, sc = indexer_topk(q8, qs[..., 0], w, k8, ks[..., 0], L, 200, impl=impl, rearm=rearm, one_launch=True)
+            assert torch.equal(idx, topk_select_ref(sc, L, 200)), f"indexer_topk {impl} rearm={rearm} one launch"
+            assert not rearm or not kept_workspace(6, "cpu").any(), f"{impl}: workspace not re-armed"
+    # the launch counter (`mtp.plan.launches`) books the phased launches as the GPU's one launch
+    from mtp.plan.launches import counting
+
+    holder = torch.nn.Module()  # what `counting` hooks: a model's layers, final norm and head (none here)
+    holder.model, holder.lm_head = torch.nn.Module(), torch.nn.Identity()
+    holder.model.layers, holder.model.norm = torch.nn.ModuleList(), torch.nn.Identity()
+    sc, L = tie_scores(1, 2, 1500, g), torch.tensor([1498])
+    for one, names in ((True, {"_topk_one_launch_kernel": 1}),
+                       (False, {"_topk_hist_kernel": 1, "_topk_split_kernel": 1, "_topk_write_kernel": 1})):
+        with counting(holder) as n:
+            (tol.radix_topk_one_launch if one else radix_topk)(sc, L, 40, rearm=True)
+        assert n.names("glue") == names, (one, n.names("glue"))
+    # a grid past the SMs (5 rows x 63 chunks > 132) never launches the one-launch kernel
+    kernel = tol._topk_one_launch_kernel
+
+    class Refuse:
+        def __getitem__(self, grid):
+            raise AssertionError(f"the one-launch kernel was launched on grid {grid}")
+
+    sc, L = tie_scores(1, 5, 4000, g), torch.tensor([3995])
+    tol._topk_one_launch_kernel = Refuse()
+    try:
+        assert tol.one_launch_grid(5, 4000, 132, 64) is None
+        assert torch.equal(tol.radix_topk_one_launch(sc, L, 90, chunks=64, rearm=True), topk_select_ref(sc, L, 90))
+    finally:
+        tol._topk_one_launch_kernel = kernel
 
 
 def _interpreted_checks() -> None:
@@ -111,6 +210,7 @@ def _interpreted_checks() -> None:
     w = torch.randn(2, 3, 16, generator=g)
     idx, sc = indexer_topk(q8, qs[..., 0], w, k8, ks[..., 0], L, 64, impl="radix_fused")
     assert torch.equal(idx, topk_select_ref(sc, L, 64)), "radix_fused"
+    _one_launch_checks(g)
     print("interpreted checks ok")
 
 

@@ -126,7 +126,8 @@ def test_hand_derivation_real_rank_few_tokens_and_grouped():
 def test_hand_derivation_indexer():
     """S = 8193 > top-k 2048, 1 row: the indexer adds the head weights 1 (`kernels.index_weights`), scores 1, radix
     histogram + split + write 3 = 5 per layer, on a GPU as on the CPU counter; the top-k's workspace is the kept one,
-    which its write kernel re-arms (`topk_rearm`; off: a zeroed workspace per call, + 1 memset = 6). The session-4
+    which its write kernel re-arms (`topk_rearm`; off: a zeroed workspace per call, + 1 memset = 6); with
+    `topk_one_launch` the three top-k launches are one (2 fewer) where its grid fits the SMs. The session-4
     32k profile had 8: the head weights were cuBLAS's split-K GEMM, its reduce kernel and a float mul, with
     _indexer_kernel, the 3 top-k kernels and FillFunctor. Rows > 1 with the cache longer than S: + 2 contiguous
     copies of the keys and their scales."""
@@ -137,6 +138,15 @@ def test_hand_derivation_indexer():
     assert long["moe"] - base["moe"] == 5 and long["dense"] - base["dense"] == 5
     memset = per_layer(cfg, StepShape(1, 1, 8193, tp=8), dataclasses.replace(lim, topk_rearm=False))
     assert memset["moe"] - base["moe"] == 6
+    # topk_one_launch: the radix top-k's three phases in one launch where its grid fits 132 SMs (every decode shape)
+    one = dataclasses.replace(lim, topk_one_launch=True)
+    for rows, width, S in ((1, 1, 8193), (1, 4, 32772), (2, 4, 65540)):
+        sh = StepShape(rows, width, S, tp=8)
+        assert per_layer(cfg, sh, one)["moe"] == per_layer(cfg, sh, lim)["moe"] - 2
+    assert per_layer(cfg, StepShape(1, 1, 8193, tp=8), dataclasses.replace(one, topk_rearm=False))["moe"] == 4 + \
+        base["moe"]
+    past = StepShape(8, 1, 16 * 8192 + 10, tp=8)  # a chunk past MAX_TILE: the three launches
+    assert per_layer(cfg, past, one)["moe"] == per_layer(cfg, past, lim)["moe"]
     two = per_layer(cfg, StepShape(2, 1, 8193, tp=8, cache_len=8196), lim)
     assert two["moe"] - per_layer(cfg, StepShape(2, 1, 8193, tp=8), lim)["moe"] == 2
 
