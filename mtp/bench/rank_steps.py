@@ -85,11 +85,14 @@ def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
 
     impl = getattr(next((m for m in model.modules() if hasattr(m, "topk_impl")), None), "topk_impl", "torch")
 
-    def topk():  # the top-k the fast path runs (`FastMLA.topk_impl`); torch.topk on the reference path
+    one = bool(getattr(getattr(model, "fast_options", None), "topk_one_launch", False))
+
+    def topk():  # the top-k the fast path runs (`FastMLA.topk_impl`, switch topk_one_launch); torch.topk on reference
         if cuda and impl != "torch":
             from ..kernels.topk import radix_topk
+            from ..kernels.topk_one_launch import radix_topk_one_launch
 
-            out["i"] = radix_topk(out["s"], lens, cfg.index_topk)
+            out["i"] = (radix_topk_one_launch if one else radix_topk)(out["s"], lens, cfg.index_topk)
         else:
             out["i"] = ix.topk_from_scores(out["s"], cfg.index_topk)
 
@@ -103,6 +106,7 @@ def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
         else:
             res[f"{name}_us_per_layer"] = time_fn(fn) * 1e3
     res["topk_impl"] = impl if cuda else "torch"
+    res["topk_one_launch"] = cuda and impl != "torch" and one
     res["layers"] = cfg.num_hidden_layers
     res["ms_per_step"] = (res["scores_us_per_layer"] + res["topk_us_per_layer"]) * cfg.num_hidden_layers / 1e3
     return res

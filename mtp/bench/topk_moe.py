@@ -9,6 +9,8 @@ chunks per row; at S = 8192 / 32768 each impl with a zeroed top-k workspace per 
 re-armed one, and a sweep of the scores kernel's launch settings (`indexer_scores`: block_s, num_warps,
 num_stages, programs) x radix / radix_fused, each checked bit for bit against the default kernel's scores,
 ranked by mean us over T = 1..4 (`best_settings`: printed after the section, the best per S and impl). Each result is first checked against `topk_select_ref` (exact set; ties included).
+Then (rows 'topk1', `one_launch_section`) the radix top-k's phases in one cooperative launch beside its three
+launches at T = 1, 2, 4, 8: alone, inside `indexer_topk` (radix, radix_fused), and a sweep of its chunks and warps.
 Timing as in `mtp.bench.kernels`: CUDA-graph replays timed with CUDA events, median of 15. The scores a top-k
 reads were just written by the scores kernel, so they sit in L2 here as in the decode step.
 moe: `moe_experts` layout 'pairs' (old) vs 'persistent' (new) at one rank of TP=8 and at TP=1, T = 1..4, with
@@ -104,6 +106,63 @@ def topk_section(quick: bool, sizes: tuple[int, ...] | None = None, H: int = 64,
         del k8, ks
         torch.cuda.empty_cache()
     log(best_settings())
+    one_launch_section(quick, sizes, H, k)
+
+
+def one_launch_section(quick: bool, sizes: tuple[int, ...], H: int = 64, k: int = 2048):
+    """The radix top-k's phases in one cooperative launch (`topk_one_launch.radix_topk_one_launch`) beside its three
+    launches (`radix_topk`), at T = 1, 2, 4, 8 score rows (B = 1): the top-k alone, and the whole `indexer_topk`
+    (radix and radix_fused, kept workspace) with one_launch off / on; then (not --quick, T = 1, 4, 8) the one-launch
+    kernel's chunks per row and warps. Each result checked against `topk_select_ref` first."""
+    from mtp.kernels.topk_one_launch import one_launch_grid, radix_topk_one_launch
+
+    D = 128
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for S in sizes:
+        k8, ks = act_quant_ref(torch.randn(1, S, D, device=DEV))
+        for T in (1, 2, 4, 8):
+            shape = f"S={S} T={T}"
+            q8, qs = act_quant_ref(torch.randn(1, T, H, D, device=DEV))
+            w = torch.randn(1, T, H, device=DEV) * H ** -0.5 * D ** -0.5
+            lens = torch.tensor([S - T], device=DEV, dtype=torch.int32)
+            sc = indexer_scores(q8, qs[..., 0], w, k8, ks[..., 0], lens)
+            want = topk_select_ref(sc, lens, k)
+            grid = one_launch_grid(T, S, sms)
+            check(f"one launch {shape} grid {grid}", torch.equal(radix_topk_one_launch(sc, lens, k), want))
+            t3 = graph_us([lambda: radix_topk(sc, lens, k, rearm=True)])
+            t1 = graph_us([lambda: radix_topk_one_launch(sc, lens, k, rearm=True)])
+            row("topk1", shape, "radix_topk 3 launches", t3)
+            row("topk1", shape, "radix_topk one launch", t1, speedup=round(t3 / t1, 2), grid=str(grid))
+            args = (q8, qs[..., 0], w, k8, ks[..., 0], lens, k)
+            for impl in ("radix", "radix_fused"):
+                for one in (False, True):
+                    name = f"indexer_topk {impl} {'one launch' if one else '3 launches'}"
+                    try:
+                        idx, sc2 = indexer_topk(*args, impl=impl, rearm=True, one_launch=one)
+                        check(f"{name} {shape}", torch.equal(idx, topk_select_ref(sc2, lens, k)))
+                        us = graph_us([lambda: indexer_topk(*args, impl=impl, rearm=True, one_launch=one)])
+                    except Exception as e:  # keep the other numbers
+                        check(f"{name} {shape}", False, f"{type(e).__name__}: {str(e)[:300]}")
+                        continue
+                    row("topk1", shape, name, us)
+            if quick or T not in (1, 4, 8):
+                continue
+            for chunks in (8, 16, 32, 64, 128):
+                for nw in (None, 4, 8, 16):
+                    g = one_launch_grid(T, S, sms, chunks)
+                    if g is None:
+                        continue
+                    try:
+                        ok = torch.equal(radix_topk_one_launch(sc, lens, k, chunks=chunks, num_warps=nw), want)
+                        us = graph_us([lambda: radix_topk_one_launch(sc, lens, k, chunks=chunks, rearm=True,
+                                                                     num_warps=nw)])
+                    except Exception as e:  # a config that does not compile or fit is skipped
+                        log(f"[topk1] chunks={chunks} nw={nw} failed: {type(e).__name__}: {str(e)[:200]}")
+                        continue
+                    check(f"one launch {shape} chunks={chunks} nw={nw}", ok)
+                    row("topk1", shape, f"one launch chunks={chunks} nw={nw}", us, grid=str(g))
+        del k8, ks
+        torch.cuda.empty_cache()
 
 
 SWEEP_S = (8192, 32768)
