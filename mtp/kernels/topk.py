@@ -29,6 +29,9 @@ workspace is a fresh one per call (one memset launch) or, with `rearm`, the one 
    `mtp.kernels.moe`'s persistent counters are re-armed by their last user.
 One program per row would re-read the row for every pass on one SM; a single SM histograms ~32k keys per
 ~10 us (tl.histogram costs ~3 warp instructions per element): hence the spread over R x C programs.
+The phases are jit functions (`add_to_histograms`, `_row_prefix`, `_split_block`, `_finish_row`, `_write_block`,
+`_zero_row`) that `mtp.kernels.topk_one_launch` runs in one launch, its programs meeting at a barrier per row
+between them (switch `topk_one_launch`).
 """
 
 from __future__ import annotations

@@ -152,6 +152,9 @@ def radix_topk_one_launch(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k:
         return radix_topk(scores_BTS, seq_lens_B, k, chunks=chunks, workspace=workspace, rearm=rearm)
     tile, C = grid_plan
     split = interpreting() if split_phases is None else split_phases
+    if interpreting() and not split:
+        raise ValueError("radix_topk_one_launch: split_phases=False under the Triton interpreter, which runs programs "
+                         "one after another: the first program would wait at its row's barrier for ever")
     sc = scores_BTS.contiguous()
     lens = device_lens(seq_lens_B, dev)
     filled = workspace is not None

@@ -163,6 +163,11 @@ def _one_launch_checks(g: torch.Generator) -> None:
         with counting(holder) as n:
             (tol.radix_topk_one_launch if one else radix_topk)(sc, L, 40, rearm=True)
         assert n.names("glue") == names, (one, n.names("glue"))
+    try:  # the one launch's barriers would never open here: refused, not a hang
+        tol.radix_topk_one_launch(sc, L, 40, split_phases=False)
+        raise AssertionError("split_phases=False was not refused under the interpreter")
+    except ValueError as e:
+        assert "split_phases=False" in str(e), e
     # a grid past the SMs (5 rows x 63 chunks > 132) never launches the one-launch kernel
     kernel = tol._topk_one_launch_kernel
 
