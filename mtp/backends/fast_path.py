@@ -65,6 +65,7 @@ from ..kernels.elementwise import triton_ops
 from ..kernels.fp8_gemm import SMALL_M
 from ..kernels.index_weights import index_weights, index_weights_ref
 from ..kernels.indexer import SCORES_DEFAULT, TOPK_IMPLS, indexer_topk
+from ..kernels.indexer_one_launch import indexer_topk_one_launch
 from ..kernels.mla_decode import mla_decode
 from ..kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
 from ..kernels.mla_prologue_fused import kv_norm_fits, mla_kv_prologue_norm, mla_q_prologue_absorb
@@ -818,10 +819,15 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
                              f"indexer queries (iq_BTHD or iq_quant)")
         q8, qs = mla.ops.act_quant(iq_BTHD) if iq_quant is None else iq_quant  # qs [B, T, Hi, 1]
         w = indexer_head_weights(mla, x_BTD)
-        topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
-                                   topk=ix.topk, impl=mla.topk_impl, visible=visible_BTS,
-                                   rearm=mla.fast_options.topk_rearm, scores=mla.scores_tune,
-                                   one_launch=mla.fast_options.topk_one_launch)
+        if mla.fast_options.indexer_one_launch and mla.topk_impl != "torch":  # scores and top-k in one launch
+            topk_idx, _ = indexer_topk_one_launch(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S],
+                                                  lens, topk=ix.topk, visible=visible_BTS,
+                                                  rearm=mla.fast_options.topk_rearm)
+        else:
+            topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
+                                       topk=ix.topk, impl=mla.topk_impl, visible=visible_BTS,
+                                       rearm=mla.fast_options.topk_rearm, scores=mla.scores_tune,
+                                       one_launch=mla.fast_options.topk_one_launch)
     absorb = mla.fast_options.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS
     if q_lat is None and absorb:  # one launch each instead of copy + batched GEMM + copy
         q_lat = absorb_q(q_nope, mla.w_kb)

@@ -206,6 +206,8 @@ KERNEL_VARIANTS = {
     # histogram phase in the scores kernel's epilogue (radix_fused: scores + one top-k launch per layer)
     "topk_one_launch": (dict(topk_one_launch=True), dict()),
     "topk_one_launch_fused": (dict(topk_one_launch=True), dict(indexer_topk="radix_fused")),
+    # the indexer's scores and top-k in one cooperative launch (`indexer_one_launch`)
+    "indexer_one_launch": (dict(indexer_one_launch=True), dict()),
 }
 
 

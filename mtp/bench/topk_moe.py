@@ -1,6 +1,6 @@
 """Time the indexer top-k and the routed-expert kernels, old vs new, side by side in one run on one GPU.
 
-    python -m mtp.bench.topk_moe [--out DIR] [--only topk,moe,moe_batch] [--quick]
+    python -m mtp.bench.topk_moe [--out DIR] [--only topk,topk1,moe,moe_batch] [--quick]
 
 topk: torch.topk (`topk_from_scores`, sorted=False: the old fast path) vs `radix_topk`, the indexer scores
 kernel alone, the whole `indexer_topk` per impl (torch / radix / radix_fused: histograms in the scores
@@ -9,8 +9,10 @@ chunks per row; at S = 8192 / 32768 each impl with a zeroed top-k workspace per 
 re-armed one, and a sweep of the scores kernel's launch settings (`indexer_scores`: block_s, num_warps,
 num_stages, programs) x radix / radix_fused, each checked bit for bit against the default kernel's scores,
 ranked by mean us over T = 1..4 (`best_settings`: printed after the section, the best per S and impl). Each result is first checked against `topk_select_ref` (exact set; ties included).
-Then (rows 'topk1', `one_launch_section`) the radix top-k's phases in one cooperative launch beside its three
-launches at T = 1, 2, 4, 8: alone, inside `indexer_topk` (radix, radix_fused), and a sweep of its chunks and warps.
+Then (rows 'topk1', `one_launch_section`; --only topk1 runs it alone, at S = 8192 / 32768 / 65536) the radix
+top-k's phases in one cooperative launch beside its three launches at T = 1, 2, 4, 8: alone, inside `indexer_topk`
+(radix, radix_fused), the scores and the top-k in one launch (`indexer_one_launch`), and sweeps of their chunks (and
+warps).
 Timing as in `mtp.bench.kernels`: CUDA-graph replays timed with CUDA events, median of 15. The scores a top-k
 reads were just written by the scores kernel, so they sit in L2 here as in the decode step.
 moe: `moe_experts` layout 'pairs' (old) vs 'persistent' (new) at one rank of TP=8 and at TP=1, T = 1..4, with
@@ -109,16 +111,19 @@ def topk_section(quick: bool, sizes: tuple[int, ...] | None = None, H: int = 64,
     one_launch_section(quick, sizes, H, k)
 
 
-def one_launch_section(quick: bool, sizes: tuple[int, ...], H: int = 64, k: int = 2048):
+def one_launch_section(quick: bool, sizes: tuple[int, ...] | None = None, H: int = 64, k: int = 2048):
     """The radix top-k's phases in one cooperative launch (`topk_one_launch.radix_topk_one_launch`) beside its three
-    launches (`radix_topk`), at T = 1, 2, 4, 8 score rows (B = 1): the top-k alone, and the whole `indexer_topk`
-    (radix and radix_fused, kept workspace) with one_launch off / on; then (not --quick, T = 1, 4, 8) the one-launch
-    kernel's chunks per row and warps. Each result checked against `topk_select_ref` first."""
+    launches (`radix_topk`), at T = 1, 2, 4, 8 score rows (B = 1): the top-k alone, the whole `indexer_topk`
+    (radix and radix_fused, kept workspace) with one_launch off / on, and the scores with the top-k in one launch
+    (`indexer_one_launch.indexer_topk_one_launch`); then (not --quick, T = 1, 4, 8) the one-launch kernel's chunks
+    per row and warps, and the scores + top-k launch's chunks. Each result checked against `topk_select_ref` first
+    (and the scores against the default scores kernel's, bit for bit)."""
+    from mtp.kernels.indexer_one_launch import indexer_grid, indexer_topk_one_launch
     from mtp.kernels.topk_one_launch import one_launch_grid, radix_topk_one_launch
 
     D = 128
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for S in sizes:
+    for S in sizes or ((8192, 32768) if quick else (8192, 32768, 65536)):
         k8, ks = act_quant_ref(torch.randn(1, S, D, device=DEV))
         for T in (1, 2, 4, 8):
             shape = f"S={S} T={T}"
@@ -145,6 +150,14 @@ def one_launch_section(quick: bool, sizes: tuple[int, ...], H: int = 64, k: int 
                         check(f"{name} {shape}", False, f"{type(e).__name__}: {str(e)[:300]}")
                         continue
                     row("topk1", shape, name, us)
+            try:  # the scores and the top-k in one launch
+                idx, sc2 = indexer_topk_one_launch(*args, rearm=True)
+                check(f"indexer one launch {shape} scores bit-identical to the default kernel", torch.equal(sc2, sc))
+                check(f"indexer one launch {shape} index set", torch.equal(idx, want))
+                us = graph_us([lambda: indexer_topk_one_launch(*args, rearm=True)])
+                row("topk1", shape, "indexer scores + top-k one launch", us, grid=str(indexer_grid(1, T, S, sms)))
+            except Exception as e:  # keep the other numbers
+                check(f"indexer one launch {shape}", False, f"{type(e).__name__}: {str(e)[:300]}")
             if quick or T not in (1, 4, 8):
                 continue
             for chunks in (8, 16, 32, 64, 128):
@@ -161,6 +174,19 @@ def one_launch_section(quick: bool, sizes: tuple[int, ...], H: int = 64, k: int 
                         continue
                     check(f"one launch {shape} chunks={chunks} nw={nw}", ok)
                     row("topk1", shape, f"one launch chunks={chunks} nw={nw}", us, grid=str(g))
+            for chunks in (16, 32, 64, 128):  # the scores + top-k launch's programs per row
+                g = indexer_grid(1, T, S, sms, chunks)
+                if g is None:
+                    continue
+                try:
+                    idx, sc2 = indexer_topk_one_launch(*args, rearm=True, chunks=chunks)
+                    ok = torch.equal(idx, want) and torch.equal(sc2, sc)
+                    us = graph_us([lambda: indexer_topk_one_launch(*args, rearm=True, chunks=chunks)])
+                except Exception as e:
+                    log(f"[topk1] indexer chunks={chunks} failed: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                check(f"indexer one launch {shape} chunks={chunks}", ok)
+                row("topk1", shape, f"indexer one launch chunks={chunks}", us, grid=str(g))
         del k8, ks
         torch.cuda.empty_cache()
 
@@ -454,7 +480,8 @@ def main():
     import triton
 
     out["triton"] = triton.__version__
-    sections = [("topk", topk_section), ("moe", moe_section), ("moe_batch", moe_batch_section)]
+    sections = [("topk", topk_section), ("topk1", one_launch_section), ("moe", moe_section),
+                ("moe_batch", moe_batch_section)]
     for name, fn in sections:
         if name not in args.only.split(","):
             continue

@@ -55,6 +55,10 @@ version, so the engine captures its kept graphs again).
   one cooperative launch whose programs meet at a barrier per row between them (`topk_one_launch`), where its grid
   fits the SMs (every decode shape: R x C <= the SM count, else the three launches); the same index sets. Off: three
   launches (`topk.radix_topk`).
+- indexer_one_launch (off until measured on a GPU; radix top-k impls): the indexer's scores and its top-k in one
+  cooperative launch (`indexer_one_launch`: each program scores its chunk of keys for a batch row's queries, then
+  runs the top-k's phases on them), where its grid fits the SMs (else scores + the one-launch top-k); the same
+  scores and index sets. The scores kernel's launch settings (`set_kernel_options(indexer_scores=)`) do not apply.
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -90,6 +94,7 @@ class FastPathOptions:
     shared_in_experts: bool = True
     moe_wave_splits: bool = True
     topk_one_launch: bool = False
+    indexer_one_launch: bool = False
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)

@@ -27,7 +27,7 @@ from mtp.kernels.topk import (add_to_histograms, drop_kept_workspace, histograms
                               score_keys, topk_workspace)
 from mtp.kernels.topk_one_launch import radix_topk_one_launch
 
-__all__ = ["SCORES_DEFAULT", "TOPK_IMPLS", "indexer_scores", "indexer_scores_ref", "indexer_topk", "indexer_topk_ref", "topk_from_scores"]
+__all__ = ["SCORES_DEFAULT", "TOPK_IMPLS", "check_indexer_args", "indexer_scores", "indexer_scores_ref", "indexer_topk", "indexer_topk_ref", "topk_from_scores"]
 
 
 def indexer_scores_ref(q8, q_scale, w, k8, k_scale, seq_lens, visible=None) -> torch.Tensor:
@@ -128,6 +128,25 @@ def _indexer_loop_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, lens_ptr, vis_ptr,
                          offs_s, smask, S, H, D, HIST, VIS)
 
 
+def check_indexer_args(name: str, q8, q_scale, w, k8, k_scale, visible) -> tuple[int, int, int, int, int]:
+    """(B, T, H, D, S) of an indexer call's inputs, after checking what the scores kernels assume (errors name
+    `name`)."""
+    require(q8, name)
+    B, T, H, D = q8.shape
+    S = k8.shape[1]
+    if q8.dtype != FP8_DTYPE or k8.dtype != FP8_DTYPE:
+        raise TypeError(f"{name}: q8 and k8 must be {FP8_DTYPE}, got {q8.dtype}, {k8.dtype}")
+    if k8.shape != (B, S, D) or k_scale.shape != (B, S) or q_scale.shape != (B, T, H) or w.shape != (B, T, H):
+        raise ValueError(f"{name}: want k8 [B, S, {D}], k_scale [B, S], q_scale and w [B, T, H]; got "
+                         f"{list(k8.shape)}, {list(k_scale.shape)}, {list(q_scale.shape)}, {list(w.shape)}")
+    if H & (H - 1) or H < 16 or D & (D - 1) or D < 32:
+        raise ValueError(f"{name}: H (>= 16) and D (>= 32) must be powers of two, got H = {H}, D = {D}")
+    if visible is not None and (visible.dtype != torch.bool or tuple(visible.shape) != (B, T, S)):
+        raise ValueError(f"{name}: visible must be bool [B, T, S] = [{B}, {T}, {S}], got {visible.dtype} "
+                         f"{list(visible.shape)}")
+    return B, T, H, D, S
+
+
 # today's launch: one program per 64-key block, no loop (`_indexer_kernel`); what `indexer_topk` runs unless told
 SCORES_DEFAULT = dict(block_s=64, num_warps=4, num_stages=3, programs=None)
 MAX_LOOP_T = 8  # the looping kernel unrolls its T queries (a constexpr): one compile per T up to this
@@ -147,19 +166,7 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, block_s: int = 64,
     code (`_score_query`) on the same tile shape per block_s: scores bit-identical to the default's wherever the
     compiler keeps the head sum's order for that block_s / num_warps (held on a GPU by the tests and the sweep's
     checks)."""
-    require(q8, "indexer_scores")
-    B, T, H, D = q8.shape
-    S = k8.shape[1]
-    if q8.dtype != FP8_DTYPE or k8.dtype != FP8_DTYPE:
-        raise TypeError(f"indexer_scores: q8 and k8 must be {FP8_DTYPE}, got {q8.dtype}, {k8.dtype}")
-    if k8.shape != (B, S, D) or k_scale.shape != (B, S) or q_scale.shape != (B, T, H) or w.shape != (B, T, H):
-        raise ValueError(f"indexer_scores: want k8 [B, S, {D}], k_scale [B, S], q_scale and w [B, T, H]; got "
-                         f"{list(k8.shape)}, {list(k_scale.shape)}, {list(q_scale.shape)}, {list(w.shape)}")
-    if H & (H - 1) or H < 16 or D & (D - 1) or D < 32:
-        raise ValueError(f"indexer_scores: H (>= 16) and D (>= 32) must be powers of two, got H = {H}, D = {D}")
-    if visible is not None and (visible.dtype != torch.bool or tuple(visible.shape) != (B, T, S)):
-        raise ValueError(f"indexer_scores: visible must be bool [B, T, S] = [{B}, {T}, {S}], got {visible.dtype} "
-                         f"{list(visible.shape)}")
+    B, T, H, D, S = check_indexer_args("indexer_scores", q8, q_scale, w, k8, k_scale, visible)
     if block_s < 16 or block_s & (block_s - 1):
         raise ValueError(f"indexer_scores: block_s must be a power of two >= 16, got {block_s}")
     if programs is not None and (programs < 1 or T > MAX_LOOP_T):

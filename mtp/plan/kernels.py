@@ -61,6 +61,7 @@ class Limits:
     topk_rearm: bool = True  # dispatch.FastPathOptions.topk_rearm: the top-k's kept workspace, no memset per call
     shared_in_experts: bool = True  # dispatch.FastPathOptions.shared_in_experts: the shared expert in the experts' kernels
     topk_one_launch: bool = False  # dispatch.FastPathOptions.topk_one_launch: the radix top-k's phases in one launch
+    indexer_one_launch: bool = False  # dispatch.FastPathOptions.indexer_one_launch: scores and top-k in one launch
 
     @classmethod
     def current(cls) -> Limits:
@@ -74,7 +75,8 @@ class Limits:
                    fp.ROUTER_MAX_TOKENS, fp.FastMoE.kernel_route_tokens, fp.FastMoE.grouped_above,
                    fp.FastMoE.max_tokens, fuse_prologue=o.fuse_prologue, norm_max_q=NORM_MAX_Q,
                    fuse_absorb_out=o.fuse_absorb_out, fuse_out_cast=o.fuse_out_cast, topk_rearm=o.topk_rearm,
-                   shared_in_experts=o.shared_in_experts, topk_one_launch=o.topk_one_launch)
+                   shared_in_experts=o.shared_in_experts, topk_one_launch=o.topk_one_launch,
+                   indexer_one_launch=o.indexer_one_launch)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -143,15 +145,22 @@ def indexer_select(sh: StepShape, lim: Limits | None = None) -> int:
     """The indexer's scores and top-k (`kernels.indexer.indexer_topk`, radix): the zeroed workspace (a memset per
     call, unless `topk_rearm` keeps one that the top-k's write kernel re-arms), the scores kernel, histogram +
     split + write (one launch with `topk_one_launch` where its grid fits an H100's / H200's 132 SMs:
-    `topk_one_launch.one_launch_grid`, which the interpreter's count plans the same), and the keys' contiguous
-    copies (rows > 1, cache longer than S). What `mtp-bench` times as 'the indexer alone'
-    (`rank_steps.indexer_alone`)."""
+    `topk_one_launch.one_launch_grid`, which the interpreter's count plans the same; with `indexer_one_launch` the
+    scores and the top-k are one launch where `indexer_one_launch.indexer_grid` fits, else the scores kernel with the
+    histograms and the one-launch top-k), and the keys' contiguous copies (rows > 1, cache longer than S). What
+    `mtp-bench` times as 'the indexer alone' (`rank_steps.indexer_alone`)."""
+    from ..kernels.indexer_one_launch import indexer_grid
     from ..kernels.topk_one_launch import one_launch_grid
 
     lim = lim or Limits.current()
     copies = 2 if sh.rows > 1 and sh.context < (sh.cache_len or sh.context) else 0
+    memset = 0 if lim.topk_rearm else 1
+    if lim.indexer_one_launch:
+        fits = indexer_grid(sh.rows, sh.width, sh.context, 132) is not None
+        return memset + (1 if fits else 2 + (1 if one_launch_grid(sh.tokens, sh.context, 132) is None else 0)) + \
+            copies
     one = lim.topk_one_launch and one_launch_grid(sh.tokens, sh.context, 132) is not None
-    return (0 if lim.topk_rearm else 1) + 1 + (1 if one else 3) + copies
+    return memset + 1 + (1 if one else 3) + copies
 
 
 def dense_mlp(cfg: ModelConfig, sh: StepShape, lim: Limits) -> int:

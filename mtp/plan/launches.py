@@ -41,8 +41,9 @@ COLLECTIVES = frozenset({"allreduce_", "_allgather_base_", "allgather_", "_reduc
                          "allgather_into_tensor_coalesced_", "allreduce_coalesced_"})
 # kernels whose phases the interpreter runs as launches of their own (a constexpr PHASE; on a GPU one launch, PHASE 0,
 # its programs meeting at barriers the interpreter's one-after-another programs would never pass): the launch of
-# the phase named here stands for the GPU's one launch, the others are not counted (`kernels.topk_one_launch`)
-SPLIT_PHASES = {"_topk_one_launch_kernel": 3}
+# the phase named here stands for the GPU's one launch, the others are not counted (`kernels.topk_one_launch`,
+# `kernels.indexer_one_launch`)
+SPLIT_PHASES = {"_topk_one_launch_kernel": 3, "_indexer_topk_kernel": 3}
 # host reads only the interpreter's CPU tensors make (`moe.moe_experts` checks expert ids when they live on the
 # CPU, `if not idx.is_cuda`): ops of that check are not launches on the GPU
 CPU_ONLY = frozenset({"min", "max", "aminmax"})

@@ -2,8 +2,9 @@
 interpreter (a subprocess started with TRITON_INTERPRET=1, this file as a script): every setting of
 `indexer_scores` (block_s, programs: the looping kernel) gives today's scores and histograms bit for bit, and the
 kept workspace (`topk.kept_workspace`, `rearm`) gives the fresh workspace's index sets over many calls, rows and
-layers, is zero after each, and is dropped when a call stops between its launches. tests/kernels/test_kernels_gpu.py
-holds the same on a GPU at S = 32768."""
+layers, is zero after each, and is dropped when a call stops between its launches; the scores and the top-k in one
+launch (`indexer_one_launch`) give both bit for bit. tests/kernels/test_kernels_gpu.py and test_topk_one_launch_gpu.py
+hold the same on a GPU at S = 32768."""
 
 from __future__ import annotations
 
@@ -19,6 +20,27 @@ from tests.interp import patch_interpreter_loop_bounds, run_interpreted  # noqa:
 
 def test_indexer_settings_and_kept_workspace_interpreted():
     run_interpreted(__file__)
+
+
+def test_indexer_grid_fits_the_sms_or_declines():
+    """The scores + top-k launch: B x C never past the SMs, whole 64-key score tiles, at most MAX_TILE keys and
+    MAX_T queries a program; else None (the fallback)."""
+    from mtp.kernels.indexer_one_launch import MAX_T, MAX_TILE, indexer_grid
+
+    assert indexer_grid(1, 1, 32768, 132) == (256, 128)
+    assert indexer_grid(1, 8, 32768, 132) == (256, 128)
+    assert indexer_grid(2, 4, 32768, 132) == (512, 64)
+    assert indexer_grid(8, 1, 65536, 132) == (4096, 16)
+    assert indexer_grid(8, 1, 65537, 132) is None and indexer_grid(1, MAX_T + 1, 4096, 132) is None
+    assert indexer_grid(2, 1, 6400, 132, chunks=100) is None and indexer_grid(133, 1, 4096, 132) is None
+    for B in range(1, 134, 4):
+        for T in (1, 3, 8):
+            for S in (1, 100, 2049, 32768 + 5, 131072):
+                for chunks in (None, 1, 50, 200):
+                    got = indexer_grid(B, T, S, 132, chunks)
+                    if got is not None:
+                        tile, C = got
+                        assert B * C <= 132 and C == -(-S // tile) and tile & (tile - 1) == 0 and 64 <= tile <= MAX_TILE
 
 
 def inputs(g: torch.Generator, B: int, T: int, S: int, H: int, D: int, lens=None):
@@ -139,6 +161,46 @@ def _kept_checks(g: torch.Generator) -> None:
     assert torch.equal(idx, topk_select_ref(sc, L, k))
 
 
+def _one_launch_checks(g: torch.Generator) -> None:
+    """The scores and the top-k in one launch (`indexer_one_launch`; its phases as three launches here): the
+    default scores kernel's scores and the three-launch top-k's index sets bit for bit, over 1..3 batch rows, 1..3
+    queries, a tree's visibility, short rows, chunkings; the kept workspace zero after each call; shapes whose grid
+    does not fit (past the SMs, more than MAX_T queries) take the fallback; the launch counter books one launch."""
+    from mtp.kernels import indexer_one_launch as iol
+    from mtp.kernels.indexer import indexer_topk
+    from mtp.kernels.topk import kept_workspace, topk_select_ref
+    from mtp.plan.launches import counting
+
+    H, D, k = 16, 32, 24
+    cases = [(1, 1, 301, None, False, None), (2, 3, 333, [5, 330], True, 3), (3, 2, 200, [197, 60, 0], False, 2),
+             (1, 3, 700, [697], True, None)]
+    for i, (B, T, S, lens, tree, chunks) in enumerate(cases):
+        q8, qs, w, k8, ks, L = inputs(g, B, T, S, H, D, lens)
+        vis = tree_visible(g, B, T, S, L) if tree else None
+        assert iol.indexer_grid(B, T, S, 132, chunks) is not None
+        want, sc0 = indexer_topk(q8, qs, w, k8, ks, L, k, impl="radix", visible=vis)
+        for rearm in (False, True) if i == 0 else (True,):
+            idx, sc = iol.indexer_topk_one_launch(q8, qs, w, k8, ks, L, k, visible=vis, rearm=rearm, chunks=chunks)
+            where = f"B={B} T={T} S={S} tree={tree} chunks={chunks} rearm={rearm}"
+            assert torch.equal(sc, sc0), f"scores differ at {where}: {(sc != sc0).sum()}"
+            assert torch.equal(idx, want) and torch.equal(idx, topk_select_ref(sc, L, k)), where
+            assert not rearm or not kept_workspace(B * T, "cpu").any(), f"workspace not re-armed after {where}"
+    holder = torch.nn.Module()  # what `counting` hooks: a model's layers, final norm and head (none here)
+    holder.model, holder.lm_head = torch.nn.Module(), torch.nn.Identity()
+    holder.model.layers, holder.model.norm = torch.nn.ModuleList(), torch.nn.Identity()
+    q8, qs, w, k8, ks, L = inputs(g, 1, 2, 150, H, D)
+    with counting(holder) as n:
+        iol.indexer_topk_one_launch(q8, qs, w, k8, ks, L, k, rearm=True)
+    assert n.names("glue") == {"_indexer_topk_kernel": 1}, n.names("glue")
+    # more queries than the unrolled loop takes: the fallback's launches (the grid's other limits: test_indexer_grid)
+    q8, qs, w, k8, ks, L = inputs(g, 1, 9, 100, H, D)
+    assert iol.indexer_grid(1, 9, 100, 132) is None
+    want, sc0 = indexer_topk(q8, qs, w, k8, ks, L, k, impl="radix")
+    with counting(holder) as n:
+        idx, sc = iol.indexer_topk_one_launch(q8, qs, w, k8, ks, L, k, rearm=True)
+    assert "_indexer_topk_kernel" not in n.names("glue") and torch.equal(idx, want) and torch.equal(sc, sc0)
+
+
 def _interpreted_checks() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     patch_interpreter_loop_bounds()
@@ -146,6 +208,7 @@ def _interpreted_checks() -> None:
     _refusal_checks(g)
     _scores_checks(g)
     _kept_checks(g)
+    _one_launch_checks(g)
     print("interpreted checks ok")
 
 

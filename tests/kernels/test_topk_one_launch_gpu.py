@@ -1,9 +1,11 @@
-"""The indexer's radix top-k in one cooperative launch (`mtp.kernels.topk_one_launch`) on the GPU (pytest -m gpu):
-the exact index sets of `topk_select_ref` and of the three-launch `radix_topk` at S = 1k..64k and 1..8 score rows
-(the TP=8 rank's decode shapes, ties, -inf, short rows, every program of the grid on its own SM), the phases as
-three launches of the same kernel, the kept workspace zero after every call, CUDA-graph replays equal to the eager
-call 50 times in a row (a barrier race would show up as a flaky replay), and the fast path with the switch
-`topk_one_launch` on giving the same logits bit for bit.
+"""The indexer's radix top-k in one cooperative launch (`mtp.kernels.topk_one_launch`), and the indexer's scores
+with it in one (`mtp.kernels.indexer_one_launch`), on the GPU (pytest -m gpu): the exact index sets of
+`topk_select_ref` and of the three-launch `radix_topk` at S = 1k..64k and 1..8 score rows (the TP=8 rank's decode
+shapes, ties, -inf, short rows, a tree's visibility, every program of the grid on its own SM), the default scores
+kernel's scores bit for bit, the phases as three launches of the same kernel, the kept workspace zero after every
+call, CUDA-graph replays equal to the eager call 50 times in a row (a barrier race would show up as a flaky
+replay), and the fast path with the switches `topk_one_launch` / `indexer_one_launch` on giving the same logits bit
+for bit.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ DEV = os.environ.get("MTP_TEST_DEVICE", "cuda")
 if not available() or DEV != "cuda":
     pytest.skip("needs triton and a CUDA device (cooperative launches)", allow_module_level=True)
 
-from mtp.kernels.indexer import indexer_topk  # noqa: E402
+from mtp.kernels.indexer import indexer_scores, indexer_topk  # noqa: E402
+from mtp.kernels.indexer_one_launch import indexer_grid, indexer_topk_one_launch  # noqa: E402
 from mtp.kernels.topk import kept_workspace, radix_topk, sm_count, topk_select_ref  # noqa: E402
 from mtp.kernels.topk_one_launch import one_launch_grid, radix_topk_one_launch  # noqa: E402
 
@@ -132,9 +135,71 @@ def test_one_launch_eager_loop_is_stable():
     assert not bad, f"calls {bad[:8]} differ"
 
 
-def test_fast_path_topk_one_launch_bit_identical():
-    """The fast path with the switch `topk_one_launch` gives the three launches' verify logits bit for bit at widths
-    1..5 past the indexer's top-k (the same index sets, so the same attention), and graph greedy tokens = eager."""
+@pytest.mark.parametrize("S", [2048 + 5, 8192 + 3, 32768, 65536])
+@pytest.mark.parametrize("BT", ROWS + [(8, 1)])
+def test_indexer_one_launch_equals_scores_and_topk(S, BT):
+    """Scores and top-k in one launch: the default scores kernel's scores bit for bit and the three-launch top-k's
+    index sets, causal and with a tree's visibility, kept workspace zero after each call."""
+    from .test_kernels_gpu import indexer_inputs
+
+    B, T = BT
+    k = 2048
+    L = _lens(B, T, S)
+    args = indexer_inputs(B, T, S, L.tolist())
+    fits = indexer_grid(B, T, S, SMS) is not None  # every shape here on 132 SMs (8 rows of 64k: 4096-key chunks)
+    assert fits or SMS < 132
+    vis = torch.arange(S, device=DEV).view(1, 1, S) < L.long().view(B, 1, 1)
+    vis = vis | (torch.rand(B, T, S, device=DEV) < 0.3)
+    for visible in (None, vis):
+        want_sc = indexer_scores(*args, visible=visible)
+        want_idx = indexer_topk(*args, k, impl="radix", visible=visible)[0]
+        assert torch.equal(want_idx, topk_select_ref(want_sc, L, k))
+        for rearm in (False, True):
+            poison()
+            idx, sc = indexer_topk_one_launch(*args, k, visible=visible, rearm=rearm)
+            where = f"tree={visible is not None} rearm={rearm} one launch={fits}"
+            assert torch.equal(sc, want_sc), f"{where}: {(sc != want_sc).sum()} scores differ"
+            assert torch.equal(idx, want_idx), f"{where}: {_differ(idx, want_idx)}"
+            assert not rearm or not kept_workspace(B * T, DEV).any(), f"{where}: the kept workspace was not re-armed"
+    idx, sc = indexer_topk_one_launch(*args, k, visible=vis, split_phases=True)  # the interpreter's launches
+    assert torch.equal(sc, want_sc) and torch.equal(idx, want_idx)
+
+
+@pytest.mark.parametrize("T", [1, 4, 8])
+def test_indexer_one_launch_graph_replays(T):
+    """Scores + top-k in one launch, three 'layers' in one captured graph, 50 replays in a row (new inputs every 10th),
+    each equal to the eager three-launch path's scores and index sets; the kept workspace zero after each."""
+    from .test_kernels_gpu import indexer_inputs
+
+    S, k = 32768, 2048
+    layers = [indexer_inputs(1, T, S, [S - T - 100 * i]) for i in range(3)]
+    for a in layers:  # warm-up outside the capture: compiles, and the kept workspace exists
+        indexer_topk_one_launch(*a, k, rearm=True)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [indexer_topk_one_launch(*a, k, rearm=True) for a in layers]
+    want = None
+    for i in range(50):
+        if i % 10 == 0:
+            for a in layers:
+                for t, new in zip(a[:4], indexer_inputs(1, T, S, [0])[:4]):
+                    t.copy_(new)
+            want = [tuple(x.clone() for x in indexer_topk(*a, k, impl="radix")) for a in layers]
+        for idx, sc in outs:
+            idx.fill_(-7)
+            sc.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for j, ((idx, sc), (w_idx, w_sc)) in enumerate(zip(outs, want)):
+            assert torch.equal(sc, w_sc), f"replay {i} layer {j}: scores differ"
+            assert torch.equal(idx, w_idx), f"replay {i} layer {j}: {_differ(idx, w_idx)}"
+        assert not kept_workspace(T, DEV).any(), f"replay {i}: the kept workspace was not re-armed"
+
+
+@pytest.mark.parametrize("switch", ["topk_one_launch", "indexer_one_launch"])
+def test_fast_path_one_launch_bit_identical(switch):
+    """The fast path with the switch on gives the three launches' verify logits bit for bit at widths 1..5 past the
+    indexer's top-k (the same scores and index sets, so the same attention), and graph greedy tokens = eager."""
     from mtp.backends.fast_path import disable_fast_path, enable_fast_path, set_kernels
     from mtp.checkpoint.synthetic import random_model
     from mtp.decode.engine import generate
@@ -149,7 +214,7 @@ def test_fast_path_topk_one_launch_bit_identical():
         prompts = [list(range(3, 90)), list(range(50, 140))]  # past the top-k 64: the indexer selects
         out, toks = {}, {}
         for on in (False, True):
-            set_kernels(model, topk_one_launch=on)
+            set_kernels(model, **{switch: on})
             out[on] = [_verify_logits(model, ids, w) for w in range(1, 6)]
             toks[on] = generate(model, prompts, 12, mode="eager").tokens
         for w, (a, b) in enumerate(zip(out[False], out[True]), start=1):

@@ -127,7 +127,8 @@ def test_hand_derivation_indexer():
     """S = 8193 > top-k 2048, 1 row: the indexer adds the head weights 1 (`kernels.index_weights`), scores 1, radix
     histogram + split + write 3 = 5 per layer, on a GPU as on the CPU counter; the top-k's workspace is the kept one,
     which its write kernel re-arms (`topk_rearm`; off: a zeroed workspace per call, + 1 memset = 6); with
-    `topk_one_launch` the three top-k launches are one (2 fewer) where its grid fits the SMs. The session-4
+    `topk_one_launch` the three top-k launches are one (2 fewer) where its grid fits the SMs, with
+    `indexer_one_launch` the scores and the top-k are one launch (3 fewer). The session-4
     32k profile had 8: the head weights were cuBLAS's split-K GEMM, its reduce kernel and a float mul, with
     _indexer_kernel, the 3 top-k kernels and FillFunctor. Rows > 1 with the cache longer than S: + 2 contiguous
     copies of the keys and their scales."""
@@ -147,6 +148,17 @@ def test_hand_derivation_indexer():
         base["moe"]
     past = StepShape(8, 1, 16 * 8192 + 10, tp=8)  # a chunk past MAX_TILE: the three launches
     assert per_layer(cfg, past, one)["moe"] == per_layer(cfg, past, lim)["moe"]
+    # indexer_one_launch: scores and top-k in one launch (head weights + 1); where its grid does not fit, the scores
+    # kernel with the histograms + the one-launch top-k (2), or + split and write when that does not fit either (3)
+    both = dataclasses.replace(lim, indexer_one_launch=True)
+    for rows, width, S in ((1, 1, 8193), (1, 4, 32772), (2, 4, 65540), (8, 1, 65536)):
+        sh = StepShape(rows, width, S, tp=8)
+        assert per_layer(cfg, sh, both)["moe"] == per_layer(cfg, sh, lim)["moe"] - 3, (rows, width, S)
+    assert per_layer(cfg, StepShape(1, 9, 8201, tp=8), both)["moe"] == \
+        per_layer(cfg, StepShape(1, 9, 8201, tp=8), lim)["moe"] - 2  # 9 queries: past MAX_T
+    assert per_layer(cfg, past, both)["moe"] == per_layer(cfg, past, lim)["moe"] - 1
+    mid = StepShape(8, 1, 65544, tp=8)  # 8 rows past 64k: 8192-key chunks, too long for the scores, not the top-k
+    assert per_layer(cfg, mid, both)["moe"] == per_layer(cfg, mid, lim)["moe"] - 2
     two = per_layer(cfg, StepShape(2, 1, 8193, tp=8, cache_len=8196), lim)
     assert two["moe"] - per_layer(cfg, StepShape(2, 1, 8193, tp=8), lim)["moe"] == 2
 
