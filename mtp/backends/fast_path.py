@@ -12,7 +12,8 @@
   experts' weights are restacked per projection into [E, N, K] tensors, and each expert's parameters become views
   of the stack, so memory is not doubled (peak: one projection of one layer);
 - `MLA` blocks of <= absorb_max_tokens new tokens through the indexer kernel + top-k (`kernels.topk` radix
-  select, or torch.topk: `FastMLA.topk_impl`, `set_kernel_options`) and `mla_decode` over the
+  select, or torch.topk: `FastMLA.topk_impl`, `set_kernel_options`; the radix select's phases in one launch with
+  switch `topk_one_launch`, the scores with them with `indexer_one_launch`) and `mla_decode` over the
   real-FP8 latent cache; kv_b_proj is dequantized once to bf16 for the absorbed q / output projections
   (DeepSeek's reference keeps the same dequantized copy). Longer blocks (prefill) stay on the reference path.
   A draft tree's verify passes the visibility [B, T, S] (the committed keys plus each node's ancestors): the
