@@ -14,7 +14,8 @@ Kernel: one program per (b, BS-key block) loads the key tile once and loops over
 each walking its key blocks with the next tiles' loads in flight, on the same per-key code (`_score_query`). Top-k: `impl="radix"` (default) is the radix select
 of `mtp.kernels.topk` (the reference's rule: ties to the lower position; positions ascending), `"radix_fused"`
 the same with its histogram pass in the scores kernel's epilogue; `impl="torch"` is torch.topk on the scores
-(ties in torch's order, 48-65 us at S = 32768 on an H200).
+(ties in torch's order, 48-65 us at S = 32768 on an H200). `one_launch`: the radix select's three phases in one
+launch (`topk_one_launch`); the scores with them in one launch: `indexer_one_launch` (which imports this module).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from mtp.kernels.topk import (add_to_histograms, drop_kept_workspace, histograms
                               score_keys, topk_workspace)
 from mtp.kernels.topk_one_launch import radix_topk_one_launch
 
-__all__ = ["SCORES_DEFAULT", "TOPK_IMPLS", "check_indexer_args", "indexer_scores", "indexer_scores_ref", "indexer_topk", "indexer_topk_ref", "topk_from_scores"]
+__all__ = ["SCORES_DEFAULT", "TOPK_IMPLS", "check_indexer_args", "indexer_scores", "indexer_scores_ref", "indexer_topk",
+           "indexer_topk_ref", "topk_from_scores"]
 
 
 def indexer_scores_ref(q8, q_scale, w, k8, k_scale, seq_lens, visible=None) -> torch.Tensor:

@@ -15,9 +15,9 @@ What makes the barriers safe:
   runs the whole grid at once or fails the launch, never a partial grid spinning on absent programs). Which shapes
   take it is decided on the host from the shapes and the SM count only (`one_launch_grid`); others, and chunks
   too long to hold in registers, fall back to `radix_topk`'s three launches;
-- a barrier is one arrival counter per row in the workspace (its `arrive` word): a program arrives (`_arrive`)
-  after a CTA barrier (its threads' writes done) and a release add, and waits (`_wait`) spinning on an acquire load of the counter
-  until every program of the row has arrived; what other programs wrote is then read past L1 (.cg). The counter
+- a barrier is one arrival counter per row in the workspace (its `arrive` word): a program arrives (`_arrive`: a
+  CTA barrier, its threads' writes done, then a release add) and waits (`_wait`: a spin on an acquire load of the
+  counter) until every program of the row has arrived; what other programs wrote is then read past L1 (.cg). The counter
   only grows during a call: arrivals after the histogram (C), after the split (C, the last of which finds the
   threshold, `topk._finish_row`, then publishes it: + 1), after the write (C, with `rearm`: the last to leave zeroes
   the counter, so the kept workspace needs no memset for the next call; the histograms and the candidate count are
