@@ -68,10 +68,73 @@ def pdl_kwargs(pdl: bool, t: torch.Tensor) -> dict:
     """Launch options for programmatic dependent launch (Hopper+): the kernel may start while the previous one
     in the stream finishes, and must `gdc_wait` before touching anything that kernel writes (the fused kernels
     load only constant weights before it, and store nothing). Empty unless asked for and on a CUDA device of
-    compute capability >= 9 (the interpreter and older GPUs run the kernel without it: its PDL branch is off)."""
+    compute capability >= 9 (the interpreter and older GPUs run the kernel without it: its PDL branch is off).
+    A kernel launched with it takes `PDL=bool(launch)` and follows the contract of `pdl_launch` / `pdl_wait`."""
     if not pdl or not t.is_cuda or torch.cuda.get_device_capability(t.device)[0] < 9:
         return {}
     return {"launch_pdl": True}
+
+
+# The PDL contract every kernel of the decode step keeps when launched with `pdl_kwargs` (switch
+# `FastPathOptions.pdl`). A kernel starts early only if the one before it let it (`launch_dependents`, or that
+# kernel's end), so each calls `pdl_launch` first: the next launch then overlaps this one's whole run, not only
+# its tail. Before `pdl_wait` a kernel reads only what no kernel of the step writes (weights, scales, constant
+# tables; or asks L2 for them, `prefetch_l2`), and stores nothing: the previous kernel may still be reading a
+# buffer this one writes (a freed and re-used allocation, a re-armed counter). Every program waits (before its
+# first read of an earlier kernel's output and its first store or atomic), so no grid completes before the one
+# it follows: completion is transitive along the chain, and a kernel may read what any earlier kernel wrote.
+@triton.jit
+def pdl_launch(PDL: tl.constexpr):
+    """Let the next kernel in the stream launch now (`griddepcontrol.launch_dependents`); nothing without PDL."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait until the previous kernel in the stream has finished and its writes are visible
+    (`griddepcontrol.wait`); nothing without PDL."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line holding each pointer (`prefetch.global.L2`, sm_70+): a hint with no result, so
+    a later load of the same bytes reads what it would have read (bit-identical), only sooner. For constant
+    weights a kernel reads after `pdl_wait` in a loop, requested while the previous kernel still runs. One
+    instruction per element: give one pointer per line."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def prefetch_rows_l2(rows, n, LINE: tl.constexpr):
+    """`prefetch_l2` of the n elements from each pointer of `rows` (a tensor of row starts; n a number or a
+    constexpr), one pointer per LINE elements (`line_elems`: 128 bytes), none past them: n / LINE instructions
+    per row."""
+    for i in range(0, n, LINE):
+        prefetch_l2(rows + i)
+
+
+@triton.jit
+def prefetch_span_l2(base, n, LINE: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's share of n contiguous elements from `base` asked of L2 (`prefetch_l2`): the grid's programs
+    take equal runs of its lines (LINE elements each), BLOCK lines per instruction. For a constant every program of
+    the kernel will want some of, whoever reads it (the shared expert's weights in the experts' kernels)."""
+    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    lines = tl.cdiv(n, LINE)
+    per = tl.cdiv(lines, tl.num_programs(0) * tl.num_programs(1))
+    l0 = pid * per
+    l1 = tl.minimum(l0 + per, lines)
+    for j in range(l0, l1, BLOCK):
+        line = j + tl.arange(0, BLOCK)
+        prefetch_l2(base + tl.where(line < l1, line, j).to(tl.int64) * LINE)
+
+
+def line_elems(t: torch.Tensor) -> int:
+    """Elements of `t` in one 128-byte cache line (`prefetch_rows_l2`' LINE)."""
+    return max(1, 128 // t.element_size())
 
 
 def device_lens(seq_lens: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp.kernels._triton import require, tl, triton
+from mtp.kernels._triton import line_elems, pdl_kwargs, pdl_launch, pdl_wait, prefetch_rows_l2, require, tl, triton
 
 __all__ = ["absorb_q", "absorb_q_ref", "absorb_out", "absorb_out_ref", "absorb_tiles", "MAX_TOKENS", "out_block",
            "token_block"]
@@ -47,20 +47,45 @@ def dot_acc(acc, x, w, IEEE: tl.constexpr):
 @triton.jit
 def _absorb_kernel(x_ptr, w_ptr, y_ptr, n_tok, stride_xn, stride_xh, stride_wh, stride_wk, stride_wo,
                    H: tl.constexpr, KD: tl.constexpr, OD: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr,
-                   BT: tl.constexpr, IEEE: tl.constexpr):
+                   BT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, LINE: tl.constexpr):
     """y[n, h, o] = sum_k x[n, h, k] * w[h, k, o] (strides say how w is laid out), o in this program's block."""
+    pdl_launch(PDL)
     _absorb_block(tl.program_id(0), tl.program_id(1), x_ptr, w_ptr, y_ptr, n_tok, stride_xn, stride_xh, stride_wh,
-                  stride_wk, stride_wo, H, KD, OD, BO, BK, BT, IEEE)
+                  stride_wk, stride_wo, H, KD, OD, BO, BK, BT, IEEE, PDL, PF, LINE)
+
+
+@triton.jit
+def prefetch_weight_tile(w_ptr, h, o0, stride_wh, stride_wk, stride_wo, KD: tl.constexpr, BO: tl.constexpr,
+                         PF: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for head h's weight tile (all KD k, output channels o0 .. o0 + BO) along its contiguous dim
+    (`weight_prefetch`): PF 1 rows over k (o contiguous: W_kb [H, P, C]), 2 rows over o (k contiguous: W_vb
+    [H, V, C]), 0 none."""
+    if PF == 1:
+        k = tl.arange(0, KD).to(tl.int64)
+        prefetch_rows_l2(w_ptr + h * stride_wh + k * stride_wk + o0 * stride_wo, BO, LINE)
+    elif PF == 2:
+        o = (o0 + tl.arange(0, BO)).to(tl.int64)
+        prefetch_rows_l2(w_ptr + h * stride_wh + o * stride_wo, KD, LINE)
+
+
+def weight_prefetch(stride_wk: int, stride_wo: int) -> int:
+    """`prefetch_weight_tile`'s PF for a weight of these strides (1: o contiguous, 2: k contiguous, 0: neither)."""
+    return 1 if stride_wo == 1 else 2 if stride_wk == 1 else 0
 
 
 @triton.jit
 def _absorb_block(h, ob, x_ptr, w_ptr, y_ptr, n_tok, stride_xn, stride_xh, stride_wh, stride_wk, stride_wo,
                   H: tl.constexpr, KD: tl.constexpr, OD: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr,
-                  BT: tl.constexpr, IEEE: tl.constexpr):
-    """Head h, output block ob of `_absorb_kernel`; also `mla_prologue_fused`'s absorb programs (the same code)."""
+                  BT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, LINE: tl.constexpr):
+    """Head h, output block ob of `_absorb_kernel`; also `mla_prologue_fused`'s absorb programs (the same code).
+    PDL: the weight tile (constant) is asked of L2 (`prefetch_weight_tile`), then the wait for x (the previous
+    kernel's) and the store; the product is the same."""
     t = tl.arange(0, BT)
     o = ob * BO + tl.arange(0, BO)
     tmask = t < n_tok
+    if PDL:
+        prefetch_weight_tile(w_ptr, h, ob * BO, stride_wh, stride_wk, stride_wo, KD, BO, PF, LINE)
+    pdl_wait(PDL)
     acc = tl.zeros((BT, BO), dtype=tl.float32)
     for k0 in tl.static_range(0, KD, BK):  # unrolled: every tile of the head requested at once
         k = k0 + tl.arange(0, BK)
@@ -86,7 +111,7 @@ def token_block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _launch(x_BTHK, w, stride_wk, stride_wo, OD, out_dtype):
+def _launch(x_BTHK, w, stride_wk, stride_wo, OD, out_dtype, pdl):
     require(x_BTHK, "absorb")
     B, T, H, KD = x_BTHK.shape
     n = B * T
@@ -99,8 +124,11 @@ def _launch(x_BTHK, w, stride_wk, stride_wo, OD, out_dtype):
     stride_t = x_BTHK.stride(0) if T == 1 else x_BTHK.stride(1)
     y = torch.empty(B, T, H, OD, dtype=out_dtype, device=x_BTHK.device)
     consts = absorb_tiles(H, KD, OD, n, w.dtype)
+    launch = pdl_kwargs(pdl, x_BTHK)
     _absorb_kernel[(H, OD // consts["BO"])](x_BTHK, w, y, n, stride_t, x_BTHK.stride(2), w.stride(0), stride_wk,
-                                            stride_wo, **consts, num_warps=4)
+                                            stride_wo, **consts, PDL=bool(launch),
+                                            PF=weight_prefetch(stride_wk, stride_wo), LINE=line_elems(w), num_warps=4,
+                                            **launch)
     return y
 
 
@@ -114,19 +142,21 @@ def absorb_tiles(H: int, KD: int, OD: int, n: int, w_dtype: torch.dtype) -> dict
     return dict(H=H, KD=KD, OD=OD, BO=bo, BK=bk, BT=token_block(n), IEEE=w_dtype == torch.float32)
 
 
-def absorb_q(q_nope_BTHP: torch.Tensor, w_kb_HPC: torch.Tensor) -> torch.Tensor:
+def absorb_q(q_nope_BTHP: torch.Tensor, w_kb_HPC: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """Kernel twin of `absorb_q_ref`: q_lat [B, T, H, C] contiguous in w_kb's dtype; q_nope may be a strided
-    view (the q_b output's nope channels)."""
+    view (the q_b output's nope channels). pdl: programmatic dependent launch (`_triton.pdl_kwargs`; the weight
+    tile is asked of L2 before the wait)."""
     H, P, C = w_kb_HPC.shape
     if q_nope_BTHP.shape[2:] != (H, P):
         raise ValueError(f"absorb_q: q_nope must be [B, T, {H}, {P}], got {list(q_nope_BTHP.shape)}")
-    return _launch(q_nope_BTHP, w_kb_HPC, w_kb_HPC.stride(1), w_kb_HPC.stride(2), C, w_kb_HPC.dtype)
+    return _launch(q_nope_BTHP, w_kb_HPC, w_kb_HPC.stride(1), w_kb_HPC.stride(2), C, w_kb_HPC.dtype, pdl)
 
 
-def absorb_out(o_lat_BTHC: torch.Tensor, w_vb_HVC: torch.Tensor) -> torch.Tensor:
-    """Kernel twin of `absorb_out_ref`: o [B, T, H, V] contiguous in the einsum's dtype (o_lat's / W_vb's)."""
+def absorb_out(o_lat_BTHC: torch.Tensor, w_vb_HVC: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """Kernel twin of `absorb_out_ref`: o [B, T, H, V] contiguous in the einsum's dtype (o_lat's / W_vb's).
+    pdl: as `absorb_q`'s."""
     H, V, C = w_vb_HVC.shape
     if o_lat_BTHC.shape[2:] != (H, C) or o_lat_BTHC.dtype != w_vb_HVC.dtype:
         raise ValueError(f"absorb_out: o_lat must be [B, T, {H}, {C}] in {w_vb_HVC.dtype}, got "
                          f"{list(o_lat_BTHC.shape)} {o_lat_BTHC.dtype}")
-    return _launch(o_lat_BTHC, w_vb_HVC, w_vb_HVC.stride(2), w_vb_HVC.stride(1), V, w_vb_HVC.dtype)
+    return _launch(o_lat_BTHC, w_vb_HVC, w_vb_HVC.stride(2), w_vb_HVC.stride(1), V, w_vb_HVC.dtype, pdl)

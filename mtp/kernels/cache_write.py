@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from mtp.model.fp8 import BLOCK, FP8_DTYPE
-from mtp.kernels._triton import require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 
 __all__ = ["cache_write"]
@@ -22,7 +22,9 @@ __all__ = ["cache_write"]
 def _cache_write_kernel(c_ptr, pe_ptr, k_ptr, pos_ptr, kv_ptr, kvs_ptr, pec_ptr, ik_ptr, iks_ptr,
                         T, stride_c, stride_pe, stride_k, stride_pos_b, stride_pos_t,
                         sb_kv, ss_kv, sb_kvs, ss_kvs, sb_pe, ss_pe, sb_ik, ss_ik, sb_iks, ss_iks,
-                        C: tl.constexpr, R: tl.constexpr, DK: tl.constexpr):
+                        C: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # the latent, keys and positions all come from earlier kernels
     n = tl.program_id(0)  # token n = b * T + t of the block
     b = n // T
     t = n - b * T
@@ -54,8 +56,10 @@ def _rows(x: torch.Tensor, name: str, width: int, n: int) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def cache_write(cache, pos_BT: torch.Tensor, c_BTC: torch.Tensor, pe_BTR: torch.Tensor, k_BTD: torch.Tensor) -> None:
-    """Kernel twin of `LayerCache.write` for a quantized (FP8) layer cache: same bytes in the same slots."""
+def cache_write(cache, pos_BT: torch.Tensor, c_BTC: torch.Tensor, pe_BTR: torch.Tensor, k_BTD: torch.Tensor,
+                pdl: bool = False) -> None:
+    """Kernel twin of `LayerCache.write` for a quantized (FP8) layer cache: same bytes in the same slots. pdl:
+    programmatic dependent launch (`_triton.pdl_kwargs`)."""
     require(c_BTC, "cache_write")
     if not cache.quantized:
         raise ValueError("cache_write: the kernel writes the FP8 cache layout; this cache is not quantized")
@@ -72,8 +76,9 @@ def cache_write(cache, pos_BT: torch.Tensor, c_BTC: torch.Tensor, pe_BTR: torch.
     for t, name in ((kv, "kv"), (kvs, "kv_scale"), (pec, "pe"), (ik, "idx_k")):
         if t.stride(-1) != 1:
             raise ValueError(f"cache_write: cache.{name} must be contiguous in its last dim")
+    launch = pdl_kwargs(pdl, c)
     _cache_write_kernel[(n,)](c, pe, k, pos_BT, kv, kvs, pec, ik, iks,
                               T, c.stride(0), pe.stride(0), k.stride(0), pos_BT.stride(0), pos_BT.stride(1),
                               kv.stride(0), kv.stride(1), kvs.stride(0), kvs.stride(1), pec.stride(0), pec.stride(1),
                               ik.stride(0), ik.stride(1), iks.stride(0), iks.stride(1),
-                              C=C, R=R, DK=DK, num_warps=4)
+                              C=C, R=R, DK=DK, PDL=bool(launch), num_warps=4, **launch)

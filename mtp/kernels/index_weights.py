@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp.kernels._triton import require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
 
 __all__ = ["index_weights", "index_weights_plan", "index_weights_ref"]
 
@@ -63,7 +63,9 @@ def index_weights_plan(N: int, H: int = 64, K: int = 7168, vec: int = 8) -> tupl
 
 @triton.jit
 def _index_weights_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_w, scale, H: tl.constexpr, K: tl.constexpr,
-                          BM: tl.constexpr, BH: tl.constexpr, KV: tl.constexpr, VEC: tl.constexpr):
+                          BM: tl.constexpr, BH: tl.constexpr, KV: tl.constexpr, VEC: tl.constexpr,
+                          PDL: tl.constexpr):
+    pdl_launch(PDL)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     heads = tl.program_id(0) * BH + tl.arange(0, BH)
     rmask = rows < N
@@ -78,18 +80,30 @@ def _index_weights_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_w, scale, H
     acc = tl.zeros([KV, BM, BH], dtype=tl.float32)
     for k0 in tl.static_range(0, K, KV * VEC):  # one chunk for a bf16 K of 7168 (unrolled when more)
         k = k0 + koff
-        x = tl.load(xrow + k, mask=rmask[None, :, None, None] & (k < K), other=0.0).to(tl.float32)
-        w = tl.load(wrow + k, mask=hmask[None, None, :, None] & (k < K), other=0.0).to(tl.float32)
+        wmask = hmask[None, None, :, None] & (k < K)
+        xmask = rmask[None, :, None, None] & (k < K)
+        if PDL and k0 == 0 and BM * BH <= 16:
+            # W's first chunk (constant; all of it for a bf16 K of 7168) in flight before the wait; up to 32 rows
+            # (the 8 x 4 tile spilled 24 bytes with W first, compiled for sm_90)
+            w = tl.load(wrow + k, mask=wmask, other=0.0).to(tl.float32)
+            pdl_wait(PDL)  # x comes from the block's norm, several kernels before
+            x = tl.load(xrow + k, mask=xmask, other=0.0).to(tl.float32)
+        else:
+            if k0 == 0:
+                pdl_wait(PDL)
+            x = tl.load(xrow + k, mask=xmask, other=0.0).to(tl.float32)
+            w = tl.load(wrow + k, mask=wmask, other=0.0).to(tl.float32)
         acc += tl.sum(x * w, axis=3)  # within a lane
     y = tl.sum(acc, axis=0) * scale  # [BM, BH]: across lanes and warps, once
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + heads[None, :], y, mask=rmask[:, None] & hmask[None, :])
 
 
 def index_weights(x: torch.Tensor, weight_HK: torch.Tensor, scale: float,
-                  plan: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                  plan: tuple[int, int, int, int] | None = None, pdl: bool = False) -> torch.Tensor:
     """Kernel twin of `index_weights_ref`: w [*x.shape[:-1], H] fp32 in one launch. x: any rows of K features
     (bf16, fp16, fp32 or fp64); weight_HK: [H, K] in one of those dtypes (the model's `weights_proj.weight`,
-    read in place: no copy). plan: (BM, BH, KV, warps) instead of `index_weights_plan` (the benchmark's sweep)."""
+    read in place: no copy). plan: (BM, BH, KV, warps) instead of `index_weights_plan` (the benchmark's sweep).
+    pdl: programmatic dependent launch (`_triton.pdl_kwargs`): W's first chunk is loaded before the wait."""
     require(x, "index_weights")
     if weight_HK.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight_HK.shape[1] or x.shape[-1] == 0:
         raise ValueError(f"index_weights: x must be [..., K] and weight_HK [H, K] with K >= 1; got x "
@@ -110,7 +124,8 @@ def index_weights(x: torch.Tensor, weight_HK: torch.Tensor, scale: float,
         return out
     vec = 16 // max(x2.element_size(), weight_HK.element_size(), 2)  # 16-byte loads of the wider dtype
     bm, bh, kv, nw = plan or index_weights_plan(N, H, K, vec)
+    launch = pdl_kwargs(pdl, x2)
     _index_weights_kernel[(triton.cdiv(H, bh), triton.cdiv(N, bm))](
         x2, weight_HK, out, N, x2.stride(0), weight_HK.stride(0), float(scale), H=H, K=K, BM=bm, BH=bh,
-        KV=kv, VEC=vec, num_warps=nw)
+        KV=kv, VEC=vec, PDL=bool(launch), num_warps=nw, **launch)
     return out

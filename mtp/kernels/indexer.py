@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from mtp.model.fp8 import FP8_DTYPE
-from mtp.kernels._triton import device_lens, require, tl, triton
+from mtp.kernels._triton import device_lens, pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
 from mtp.kernels.topk import (add_to_histograms, drop_kept_workspace, histograms, kept_workspace, radix_topk,
                               score_keys, topk_workspace)
 from mtp.kernels.topk_one_launch import radix_topk_one_launch
@@ -98,8 +98,11 @@ def _score_query(q_ptr, qs_ptr, w_ptr, vis_ptr, out_ptr, h16_ptr, h8_ptr, kt, ks
 
 @triton.jit
 def _indexer_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, lens_ptr, vis_ptr, out_ptr, h16_ptr, h8_ptr, T, S,
-                    H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, HIST: tl.constexpr, VIS: tl.constexpr):
+                    H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, HIST: tl.constexpr, VIS: tl.constexpr,
+                    PDL: tl.constexpr):
     """One program per (row b, BS-key block): one key tile, no loop."""
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # queries, weights, this step's keys, the re-armed histograms: earlier kernels'
     b = tl.program_id(0)
     offs_s = tl.program_id(1) * BS + tl.arange(0, BS)
     smask = offs_s < S
@@ -114,10 +117,12 @@ def _indexer_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, lens_ptr, vis_ptr, out_
 @triton.jit
 def _indexer_loop_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, lens_ptr, vis_ptr, out_ptr, h16_ptr, h8_ptr, S,
                          T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, HIST: tl.constexpr,
-                         VIS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                         VIS: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     """Programs (b, p) of a grid of P per row: program p walks key blocks p, p + P, ... with the next tiles'
     loads in flight (NUM_STAGES). T is a constexpr so that the queries' loop unrolls: Triton pipelines only
     loops without a nested loop."""
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # as _indexer_kernel
     b = tl.program_id(0)
     b64 = b.to(tl.int64)
     L = tl.load(lens_ptr + b).to(tl.int32)
@@ -156,7 +161,7 @@ MAX_LOOP_T = 8  # the looping kernel unrolls its T queries (a constexpr): one co
 
 def indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, block_s: int = 64,
                    hist: torch.Tensor | None = None, visible: torch.Tensor | None = None, num_warps: int = 4,
-                   num_stages: int = 3, programs: int | None = None) -> torch.Tensor:
+                   num_stages: int = 3, programs: int | None = None, pdl: bool = False) -> torch.Tensor:
     """Kernel twin of `indexer_scores_ref`: scores [B, T, S] fp32. hist: a `topk.topk_workspace(B * T)`
     whose histograms the kernel fills for `radix_topk(..., workspace=hist)` (one launch fewer). visible: bool
     [B, T, S], the keys each query may see (a draft tree's verify), or None (causal).
@@ -167,7 +172,7 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, block_s: int = 64,
     num_stages tiles in flight (`_indexer_loop_kernel`, T <= MAX_LOOP_T). Every setting runs the same per-key
     code (`_score_query`) on the same tile shape per block_s: scores bit-identical to the default's wherever the
     compiler keeps the head sum's order for that block_s / num_warps (held on a GPU by the tests and the sweep's
-    checks)."""
+    checks). pdl: programmatic dependent launch (`_triton.pdl_kwargs`)."""
     B, T, H, D, S = check_indexer_args("indexer_scores", q8, q_scale, w, k8, k_scale, visible)
     if block_s < 16 or block_s & (block_s - 1):
         raise ValueError(f"indexer_scores: block_s must be a power of two >= 16, got {block_s}")
@@ -180,8 +185,9 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, block_s: int = 64,
     h16, h8 = histograms(hist, B * T) if hist is not None else (out, out)  # (unused pointers without hist)
     args = (q8.contiguous(), q_scale.float().contiguous(), w.float().contiguous(), k8.contiguous(),
             k_scale.float().contiguous(), lens, vis, out, h16, h8)
+    launch = pdl_kwargs(pdl, q8)
     flags = dict(H=H, D=D, BS=block_s, HIST=hist is not None, VIS=visible is not None, num_warps=num_warps,
-                 num_stages=num_stages)
+                 num_stages=num_stages, PDL=bool(launch), **launch)
     blocks = triton.cdiv(S, block_s)
     if programs is None:
         _indexer_kernel[(B, blocks)](*args, T, S, **flags)
@@ -196,7 +202,7 @@ TOPK_IMPLS = ("radix", "radix_fused", "torch")
 
 def indexer_topk(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2048, impl: str = "radix",
                  visible: torch.Tensor | None = None, rearm: bool = False, scores: dict | None = None,
-                 one_launch: bool = False):
+                 one_launch: bool = False, pdl: bool = False):
     """(idx [B, T, topk] int32 with -1 padding, scores [B, T, S]) from the kernel's scores.
     impl: 'radix' (`mtp.kernels.topk.radix_topk`), 'radix_fused' (the same with its histogram pass done by the
     scores kernel: one launch fewer) or 'torch' (`topk_from_scores`). visible: as `indexer_scores` (the
@@ -205,22 +211,24 @@ def indexer_topk(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2048, impl: 
     (`topk.kept_workspace`): no memset launch per call. scores: the scores kernel's launch settings
     (`indexer_scores`' block_s, num_warps, num_stages, programs), over `SCORES_DEFAULT`. one_launch (radix impls):
     the radix select's three phases in one launch (`topk_one_launch.radix_topk_one_launch`, where the grid fits the
-    SMs; the same index sets)."""
+    SMs; the same index sets). pdl: the scores and the three-launch radix top-k with programmatic
+    dependent launch (`_triton.pdl_kwargs`; torch.topk, the memset and the cooperative one-launch top-k stay plain)."""
     if impl not in TOPK_IMPLS:
         raise ValueError(f"indexer_topk: impl must be one of {TOPK_IMPLS}, got {impl!r}")
     tune = dict(SCORES_DEFAULT, **(scores or {}))
     select = radix_topk_one_launch if one_launch else radix_topk
+    chain = {} if one_launch else dict(pdl=pdl)  # (the cooperative one-launch top-k takes no PDL)
     if impl == "radix_fused":
         R = q8.shape[0] * q8.shape[1]
         ws = kept_workspace(R, q8.device) if rearm else topk_workspace(R, q8.device)
         try:
-            sc = indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, hist=ws, visible=visible, **tune)
+            sc = indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, hist=ws, visible=visible, pdl=pdl, **tune)
         except BaseException:
             if rearm:  # the scores kernel may have counted into it before failing
                 drop_kept_workspace(ws)
             raise
-        return select(sc, seq_lens, topk, workspace=ws, rearm=rearm), sc
-    sc = indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, visible=visible, **tune)
+        return select(sc, seq_lens, topk, workspace=ws, rearm=rearm, **chain), sc
+    sc = indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, visible=visible, pdl=pdl, **tune)
     if impl == "radix":
-        return select(sc, seq_lens, topk, rearm=rearm), sc
+        return select(sc, seq_lens, topk, rearm=rearm, **chain), sc
     return topk_from_scores(sc, topk), sc

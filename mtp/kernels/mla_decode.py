@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from mtp.model.fp8 import BLOCK, FP8_DTYPE
-from mtp.kernels._triton import device_lens, interpreting, require, tl, triton
+from mtp.kernels._triton import device_lens, interpreting, pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
 from mtp.kernels.mla_out import merge_splits, stage2_absorb
 
 __all__ = ["mla_decode", "mla_decode_ref"]
@@ -67,10 +67,13 @@ def mla_decode_ref(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, to
 def _mla_stage1(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr, vis_ptr, o_ptr, lse_ptr,
                 T, H, S, J, qk_scale, NS,
                 s_qb, s_qt, s_qh, s_pb, s_pt, s_ph, s_kvb, s_kvs, s_scb, s_scs, s_peb, s_pes,
-                SPARSE: tl.constexpr, VIS: tl.constexpr, DOT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
+                SPARSE: tl.constexpr, VIS: tl.constexpr, DOT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                PDL: tl.constexpr):
     # The 512 latent channels are handled as 4 groups of 128 (one fp8 scale each): the scale multiplies the
     # group's score contribution and, for the value side, the probabilities, so the fp8 tile only needs an
     # exact fp8 -> bf16 conversion and no per-element scale gather.
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # the queries, the cache's new keys, the top-k: earlier kernels' (nothing here is constant)
     pid_bt = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -161,9 +164,11 @@ def _mla_stage1_fused(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr
                       T, H, S, J, qk_scale, NS,
                       s_qb, s_qt, s_qh, s_pb, s_pt, s_ph, s_kvb, s_kvs, s_scb, s_scs, s_peb, s_pes,
                       SPARSE: tl.constexpr, VIS: tl.constexpr, DOT: tl.constexpr, BH: tl.constexpr,
-                      BN: tl.constexpr):
+                      BN: tl.constexpr, PDL: tl.constexpr):
     # Same math as _mla_stage1, one 512-wide dot per side: the fp8 tile is loaded as [BN, 4, 128], scaled by
     # its 4 group scales (exact: powers of two) and flattened to a bf16 [BN, 512] K = V tile.
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # as _mla_stage1
     pid_bt = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -226,7 +231,9 @@ def _mla_stage1_fused(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr
 
 
 @triton.jit
-def _mla_stage2(o_ptr, lse_ptr, out_ptr, NS, NSP: tl.constexpr):
+def _mla_stage2(o_ptr, lse_ptr, out_ptr, NS, NSP: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # stage 1's partial results
     row = tl.program_id(0).to(tl.int64) + tl.zeros((1, 1), dtype=tl.int64)  # (b, t, h)
     c = tl.arange(0, 512)[None, :]
     res = merge_splits(o_ptr, lse_ptr, row, c, NS, NSP, 1, 512)
@@ -250,7 +257,7 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
                splits: int | None = None, variant: str = "fused",
                block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int | None = None,
                min_block_h: int | None = None, w_vb: torch.Tensor | None = None,
-               block_v: int | None = None) -> torch.Tensor:
+               block_v: int | None = None, pdl: bool = False) -> torch.Tensor:
     """Kernel twin of `mla_decode_ref`: o_lat [B, T, H, 512] in out_dtype. w_vb [H, V, 512] (in out_dtype, at most
     absorb.MAX_TOKENS tokens): o = absorb_out(o_lat, w_vb) [B, T, H, V] instead, stage 2 and the projection in one
     launch (`mla_out.stage2_absorb`, the same bits; block_v: its output channels per program). The keyword knobs
@@ -259,7 +266,8 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
     (4 dots of 128 channels, scales folded into scores / probabilities). Default tile: 64 heads x 64 keys,
     8 warps (wgmma; the 16/32-head mma.sync tiles spilled: 255 registers), 3 stages dense / 2 sparse
     (S = 32768, T = 1: 54 vs 60 us; top-k: 20.7 vs 21.8 us). min_block_h: fewest heads per program (default
-    MIN_BLOCK_H); a rank's 16 heads may run in a 64-head tile (masked) to take the wgmma tile."""
+    MIN_BLOCK_H); a rank's 16 heads may run in a 64-head tile (masked) to take the wgmma tile. pdl: both launches
+    with programmatic dependent launch (`_triton.pdl_kwargs`)."""
     require(q_lat, "mla_decode")
     B, T, H, C = q_lat.shape
     S = kv8.shape[1]
@@ -297,14 +305,16 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
     if variant not in ("split4", "fused"):
         raise ValueError(f"mla_decode: variant must be 'split4' or 'fused', got {variant!r}")
     stage1 = _mla_stage1 if variant == "split4" else _mla_stage1_fused
+    launch = pdl_kwargs(pdl, q_lat)
     stage1[(B * T, nhb, splits)](
         q_lat, q_pe, kv8, kv_scale, pe, lens, idx, vis, o_part, lse, T, H, S, J, float(sm_scale) * LOG2E, splits,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
         kv8.stride(0), kv8.stride(1), kv_scale.stride(0), kv_scale.stride(1), pe.stride(0), pe.stride(1),
         SPARSE=sparse, VIS=visible is not None, DOT=tl.float32 if interpreting() else tl.bfloat16, BH=bh,
-        BN=block_n, num_warps=num_warps, num_stages=num_stages)
+        BN=block_n, PDL=bool(launch), num_warps=num_warps, num_stages=num_stages, **launch)
     if w_vb is not None:
-        return stage2_absorb(o_part, lse, splits, w_vb, B, T, block_v)
+        return stage2_absorb(o_part, lse, splits, w_vb, B, T, block_v, pdl=pdl)
     out = torch.empty(B, T, H, 512, dtype=out_dtype, device=dev)
-    _mla_stage2[(B * T * H,)](o_part, lse, out, splits, NSP=triton.next_power_of_2(splits), num_warps=4)
+    _mla_stage2[(B * T * H,)](o_part, lse, out, splits, NSP=triton.next_power_of_2(splits), PDL=bool(launch),
+                              num_warps=4, **launch)
     return out

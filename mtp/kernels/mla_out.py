@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from mtp.kernels._triton import require, tl, triton
-from mtp.kernels.absorb import MAX_TOKENS, dot_acc, out_block, token_block
+from mtp.kernels._triton import line_elems, pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
+from mtp.kernels.absorb import MAX_TOKENS, dot_acc, out_block, prefetch_weight_tile, token_block, weight_prefetch
 
 __all__ = ["merge_splits", "stage2_absorb"]
 
@@ -53,11 +53,16 @@ def merge_splits(o_ptr, lse_ptr, row, c, NS, NSP: tl.constexpr, R: tl.constexpr,
 @triton.jit
 def _stage2_absorb_kernel(o_ptr, lse_ptr, w_ptr, y_ptr, n_tok, NS, stride_wh, stride_wk, stride_wo,
                           H: tl.constexpr, V: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                          NSP: tl.constexpr, IEEE: tl.constexpr):
+                          NSP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
+                          LINE: tl.constexpr):
     """y[n, h, o] = sum_k round(merge(n, h)[k]) * w[h, o, k], o in this program's block (absorb's kernel, its x
-    merged here instead of loaded)."""
+    merged here instead of loaded). PDL: the W_vb tile asked of L2 before the wait for stage 1's results."""
+    pdl_launch(PDL)
     h = tl.program_id(0)
     ob = tl.program_id(1)
+    if PDL:
+        prefetch_weight_tile(w_ptr, h, ob * BO, stride_wh, stride_wk, stride_wo, 512, BO, PF, LINE)
+    pdl_wait(PDL)
     t = tl.arange(0, BT)
     o = ob * BO + tl.arange(0, BO)
     tmask = t < n_tok
@@ -74,11 +79,11 @@ def _stage2_absorb_kernel(o_ptr, lse_ptr, w_ptr, y_ptr, n_tok, NS, stride_wh, st
 
 
 def stage2_absorb(o_part: torch.Tensor, lse: torch.Tensor, splits: int, w_vb_HVC: torch.Tensor, B: int, T: int,
-                  block_v: int | None = None) -> torch.Tensor:
+                  block_v: int | None = None, pdl: bool = False) -> torch.Tensor:
     """o [B, T, H, V] in W_vb's dtype from stage 1's partial results (o_part [B*T*H*splits, 512] fp32, lse
     [B*T*H*splits] fp32, base 2): `absorb_out(stage 2's o_lat in W_vb's dtype, w_vb)` in one launch, the same bits.
     block_v: output channels per program (default `absorb.out_block`, absorb_out's; a power of two >= 16
-    dividing V)."""
+    dividing V). pdl: programmatic dependent launch (`_triton.pdl_kwargs`)."""
     require(o_part, "stage2_absorb")
     H, V, C = w_vb_HVC.shape
     n = B * T
@@ -92,8 +97,10 @@ def stage2_absorb(o_part: torch.Tensor, lse: torch.Tensor, splits: int, w_vb_HVC
     if bo < 16 or bo & (bo - 1) or V % bo:
         raise ValueError(f"stage2_absorb: block_v must be a power of two >= 16 dividing V = {V}, got {bo}")
     y = torch.empty(B, T, H, V, dtype=w_vb_HVC.dtype, device=o_part.device)
+    launch = pdl_kwargs(pdl, o_part)
     _stage2_absorb_kernel[(H, V // bo)](o_part, lse, w_vb_HVC, y, n, splits, w_vb_HVC.stride(0), w_vb_HVC.stride(2),
                                         w_vb_HVC.stride(1), H=H, V=V, BO=bo, BK=128, BT=token_block(n),
                                         NSP=triton.next_power_of_2(splits), IEEE=w_vb_HVC.dtype == torch.float32,
-                                        num_warps=4)
+                                        PDL=bool(launch), PF=weight_prefetch(w_vb_HVC.stride(2), w_vb_HVC.stride(1)),
+                                        LINE=line_elems(w_vb_HVC), num_warps=4, **launch)
     return y

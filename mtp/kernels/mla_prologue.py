@@ -27,7 +27,7 @@ import torch
 
 from mtp.model.fp8 import FP8_DTYPE
 from mtp.model.fp8 import act_quant as act_quant_ref
-from mtp.kernels._triton import require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 
 __all__ = ["mla_kv_prologue", "mla_kv_prologue_ref", "mla_q_prologue", "mla_q_prologue_ref"]
@@ -83,7 +83,10 @@ def _kv_prologue_kernel(a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_pt
                         kv_ptr, kvs_ptr, pec_ptr, ik_ptr, iks_ptr,
                         T, stride_a, stride_pos_b, stride_pos_t, stride_cs, eps_kv, eps_k,
                         sb_kv, ss_kv, sb_kvs, ss_kvs, sb_pe, ss_pe, sb_ik, ss_ik, sb_iks, ss_iks,
-                        Q: tl.constexpr, DK: tl.constexpr, C: tl.constexpr, R: tl.constexpr, HSCALE: tl.constexpr):
+                        Q: tl.constexpr, DK: tl.constexpr, C: tl.constexpr, R: tl.constexpr, HSCALE: tl.constexpr,
+                        PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # the GEMV's output, positions, cos / sin: earlier kernels'
     _kv_prologue_token(tl.program_id(0), a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_ptr,
                        kv_ptr, kvs_ptr, pec_ptr, ik_ptr, iks_ptr,
                        T, stride_a, stride_pos_b, stride_pos_t, stride_cs, eps_kv, eps_k,
@@ -163,11 +166,13 @@ def _token_rows(x_BTX: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
 
 
 def mla_kv_prologue(mla, cache, pos_BT: torch.Tensor, a_BTX: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor) -> None:
+                    sin: torch.Tensor, pdl: bool = False) -> None:
     """Kernel twin of `mla_kv_prologue_ref`: a_BTX [B, T, Q + Dk + C + R] the q_a | wk | kv_a output (model
-    dtype); cos / sin [B, T, R/2] fp32. Writes the cache slots at pos_BT in one launch."""
+    dtype); cos / sin [B, T, R/2] fp32. Writes the cache slots at pos_BT in one launch. pdl: programmatic
+    dependent launch (`_triton.pdl_kwargs`)."""
     a, args, consts = kv_prologue_args(mla, cache, pos_BT, a_BTX, cos, sin, "mla_kv_prologue")
-    _kv_prologue_kernel[(a.shape[0],)](*args, **consts, num_warps=4)
+    launch = pdl_kwargs(pdl, a)
+    _kv_prologue_kernel[(a.shape[0],)](*args, **consts, PDL=bool(launch), num_warps=4, **launch)
 
 
 def kv_prologue_args(mla, cache, pos_BT, a_BTX, cos, sin, name: str):
@@ -197,7 +202,9 @@ def kv_prologue_args(mla, cache, pos_BT, a_BTX, cos, sin, name: str):
 @triton.jit
 def _q_prologue_kernel(qq_ptr, cos_ptr, sin_ptr, qpe_ptr, iq8_ptr, iqs_ptr, stride_q, stride_cs,
                        H: tl.constexpr, P: tl.constexpr, R: tl.constexpr, HI: tl.constexpr, DK: tl.constexpr,
-                       HSCALE: tl.constexpr, INDEX: tl.constexpr):
+                       HSCALE: tl.constexpr, INDEX: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # the q_b GEMV's output, cos / sin: earlier kernels'
     _q_prologue_head(tl.program_id(0), tl.program_id(1), qq_ptr, cos_ptr, sin_ptr, qpe_ptr, iq8_ptr, iqs_ptr,
                      stride_q, stride_cs, H, P, R, HI, DK, HSCALE, INDEX)
 
@@ -239,14 +246,17 @@ def _q_prologue_head(n, h, qq_ptr, cos_ptr, sin_ptr, qpe_ptr, iq8_ptr, iqs_ptr, 
         tl.store(iqs_ptr + n64 * HI + h, s)
 
 
-def mla_q_prologue(mla, qq_BTX: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: bool = True):
+def mla_q_prologue(mla, qq_BTX: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: bool = True,
+                   pdl: bool = False):
     """Kernel twin of `mla_q_prologue_ref`: qq_BTX [B, T, H (P + R) + Hi Dk] the q_b | wq_b output (model
     dtype). Returns (q_pe [B, T, H, R] model dtype, contiguous; iq8 [B, T, Hi, Dk] fp8; iqs [B, T, Hi, 1]).
     index=False: the indexer will not score (it keeps every key when S <= its top-k), so qq_BTX may be the q_b
-    output alone [B, T, H (P + R)] and (q_pe, None, None) is returned."""
+    output alone [B, T, H (P + R)] and (q_pe, None, None) is returned. pdl: programmatic dependent launch
+    (`_triton.pdl_kwargs`)."""
     q, args, consts, outs = q_prologue_args(mla, qq_BTX, cos, sin, index, "mla_q_prologue")
     heads = max(consts["H"], consts["HI"]) if index else consts["H"]
-    _q_prologue_kernel[(q.shape[0], heads)](*args, **consts, num_warps=4)
+    launch = pdl_kwargs(pdl, q)
+    _q_prologue_kernel[(q.shape[0], heads)](*args, **consts, PDL=bool(launch), num_warps=4, **launch)
     return outs
 
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 
 from mtp.model.fp8 import BLOCK, FP8_DTYPE
-from mtp.kernels._triton import pdl_kwargs, tl, triton
+from mtp.kernels._triton import line_elems, pdl_kwargs, pdl_launch, pdl_wait, tl, triton
 from mtp.kernels.absorb import MAX_TOKENS as ABSORB_MAX_TOKENS
-from mtp.kernels.absorb import _absorb_block, absorb_tiles
+from mtp.kernels.absorb import _absorb_block, absorb_tiles, weight_prefetch
 from mtp.kernels.mla_prologue import _kv_prologue_token, _q_prologue_head, kv_prologue_args, q_prologue_args
 from mtp.kernels.norm_quant import _add_norm_quant_row, row_tiles
 
@@ -49,9 +49,8 @@ def _kv_norm_kernel(a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_ptr,
                     n_tok, wq_ptr, y_ptr, x8_ptr, sx_ptr, eps_q, stride_x8, stride_sx,
                     Q: tl.constexpr, DK: tl.constexpr, C: tl.constexpr, R: tl.constexpr, HSCALE: tl.constexpr,
                     BG: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # as the norm's launch: every input may come from the GEMV before; only the launch overlaps it
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # as the norm's launch: every input may come from the GEMV before; only the launch overlaps it
     pid = tl.program_id(0)
     if pid < n_tok:
         _kv_prologue_token(pid, a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_ptr,
@@ -95,22 +94,28 @@ def _q_absorb_kernel(qq_ptr, cos_ptr, sin_ptr, qpe_ptr, iq8_ptr, iqs_ptr, stride
                      w_ptr, ql_ptr, n_tok, stride_wh, stride_wk, stride_wo,
                      H: tl.constexpr, P: tl.constexpr, R: tl.constexpr, HI: tl.constexpr, DK: tl.constexpr,
                      HSCALE: tl.constexpr, INDEX: tl.constexpr, HQ: tl.constexpr, C: tl.constexpr,
-                     BO: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr):
+                     BO: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                     PF: tl.constexpr, LINE: tl.constexpr):
+    pdl_launch(PDL)
     pid = tl.program_id(0)
     NB: tl.constexpr = C // BO
     if pid < H * NB:  # q_lat = q_nope . W_kb: q_nope read in place from the q_b rows (head stride P + R)
         _absorb_block(pid // NB, pid % NB, qq_ptr, w_ptr, ql_ptr, n_tok, stride_q, P + R, stride_wh, stride_wk,
-                      stride_wo, H, P, C, BO, BK, BT, IEEE)
+                      stride_wo, H, P, C, BO, BK, BT, IEEE, PDL, PF, LINE)  # (W_kb asked of L2, then the wait)
     else:
+        pdl_wait(PDL)  # everything it reads is the q_b GEMV's
         m = pid - H * NB
         _q_prologue_head(m // HQ, m % HQ, qq_ptr, cos_ptr, sin_ptr, qpe_ptr, iq8_ptr, iqs_ptr, stride_q, stride_cs,
                          H, P, R, HI, DK, HSCALE, INDEX)
 
 
-def mla_q_prologue_absorb(mla, qq_BTX: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: bool = True):
+def mla_q_prologue_absorb(mla, qq_BTX: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: bool = True,
+                          pdl: bool = False):
     """`mla_prologue.mla_q_prologue(mla, qq_BTX, cos, sin, index)` and `absorb.absorb_q(q_nope, mla.w_kb)` (q_nope
     the q_b output's nope channels) in one launch: returns (q_pe, iq8, iqs, q_lat [B, T, H, C] in w_kb's dtype),
-    the same bits as the two launches (iq8, iqs None when not index). 1..absorb.MAX_TOKENS tokens."""
+    the same bits as the two launches (iq8, iqs None when not index). 1..absorb.MAX_TOKENS tokens. pdl:
+    programmatic dependent launch (`_triton.pdl_kwargs`), the absorb programs' W_kb tiles asked of L2 before the
+    wait (`absorb_q`'s)."""
     name = "mla_q_prologue_absorb"
     q, args, consts, (q_pe, iq8, iqs) = q_prologue_args(mla, qq_BTX, cos, sin, index, name)
     w = mla.w_kb
@@ -124,6 +129,8 @@ def mla_q_prologue_absorb(mla, qq_BTX: torch.Tensor, cos: torch.Tensor, sin: tor
     q_lat = torch.empty(B, T, H, C, dtype=w.dtype, device=q.device)
     heads = max(H, consts["HI"]) if index else H
     grid = H * (C // tiles["BO"]) + n * heads
+    launch = pdl_kwargs(pdl, q)
     _q_absorb_kernel[(grid,)](*args, w, q_lat, n, w.stride(0), w.stride(1), w.stride(2), **consts, HQ=heads, C=C,
-                              BO=tiles["BO"], BK=tiles["BK"], BT=tiles["BT"], IEEE=tiles["IEEE"], num_warps=4)
+                              BO=tiles["BO"], BK=tiles["BK"], BT=tiles["BT"], IEEE=tiles["IEEE"], PDL=bool(launch),
+                              PF=weight_prefetch(w.stride(1), w.stride(2)), LINE=line_elems(w), num_warps=4, **launch)
     return q_pe, iq8, iqs, q_lat

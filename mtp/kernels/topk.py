@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp.kernels._triton import device_lens, require, tl, triton
+from mtp.kernels._triton import device_lens, pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
 
 __all__ = ["add_to_histograms", "check_topk_args", "drop_kept_workspace", "histograms", "kept_workspace", "radix_topk",
            "score_keys", "sm_count", "topk_select_ref", "topk_workspace"]
@@ -99,7 +99,9 @@ def _pick(h, need):
 
 
 @triton.jit
-def _topk_hist_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, S, T, CH, BLK: tl.constexpr):
+def _topk_hist_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, S, T, CH, BLK: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # the scores; the workspace's last user (the write kernel re-arming it) ended before
     r = tl.program_id(0)
     c = tl.program_id(1)
     h8 = tl.zeros((256,), dtype=tl.int32)
@@ -274,7 +276,9 @@ def _zero_row(h16_ptr, h8_ptr, ncand_ptr, r, c, C):
 def _topk_split_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive_ptr, ck_ptr, ci_ptr, gt_ptr,
                        off_ptr, thr_ptr, out_ptr, S, T, CH, C, K,
                        BLK: tl.constexpr, NB: tl.constexpr, CPAD: tl.constexpr, KB: tl.constexpr,
-                       SMALL: tl.constexpr):
+                       SMALL: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # the histograms and scores; counters and candidates are written after it
     r = tl.program_id(0)
     c = tl.program_id(1)
     r64 = r.to(tl.int64)
@@ -295,7 +299,9 @@ def _topk_split_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive_ptr,
 
 @triton.jit
 def _topk_write_kernel(sc_ptr, lens_ptr, off_ptr, thr_ptr, out_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive_ptr,
-                       S, T, CH, C, K, BLK: tl.constexpr, REARM: tl.constexpr):
+                       S, T, CH, C, K, BLK: tl.constexpr, REARM: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # the split kernel's thresholds and offsets (and the workspace it read: re-armed after it)
     r = tl.program_id(0)
     c = tl.program_id(1)
     tk = tl.load(thr_ptr + r * 2)
@@ -378,14 +384,16 @@ def check_topk_args(name: str, scores_BTS: torch.Tensor, seq_lens_B: torch.Tenso
 
 
 def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunks: int | None = None,
-               block: int = 1024, workspace: torch.Tensor | None = None, rearm: bool = False) -> torch.Tensor:
+               block: int = 1024, workspace: torch.Tensor | None = None, rearm: bool = False,
+               pdl: bool = False) -> torch.Tensor:
     """Kernel twin of `topk_select_ref`: [B, T, k] int32 kept positions (ascending, then -1).
 
     chunks: programs per score row (default: about two per SM over all rows, at least one block each).
     workspace: a workspace whose histograms the scores kernel already filled (`indexer_scores(hist=)`): the
     histogram launch is skipped. rearm: the workspace is the kept one (`kept_workspace`, taken here when
     workspace is None) and the write kernel zeroes it after use: no memset launch; off, a fresh `topk_workspace`
-    per call unless given (one memset)."""
+    per call unless given (one memset). pdl: the three kernels with programmatic dependent launch
+    (`_triton.pdl_kwargs`; the memset stays a plain launch)."""
     B, T, S = check_topk_args("radix_topk", scores_BTS, seq_lens_B, k, workspace)
     dev = scores_BTS.device
     R = B * T
@@ -407,14 +415,15 @@ def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunk
     gt, off, thr = small[:R * C], small[R * C:2 * R * C], small[2 * R * C:]  # per chunk: n above P, offset; (Tk, Ts)
     out = torch.empty(B, T, k, dtype=torch.int32, device=dev)
     grid = (R, C)
+    launch = pdl_kwargs(pdl, sc)
+    kw = dict(PDL=bool(launch), num_warps=4, **launch)
     try:
         if not filled:
-            _topk_hist_kernel[grid](sc, lens, h16, h8, S, T, ch, BLK=blk, num_warps=4)
+            _topk_hist_kernel[grid](sc, lens, h16, h8, S, T, ch, BLK=blk, **kw)
         _topk_split_kernel[grid](sc, lens, h16, h8, ncand, arrive, ck, ci, gt, off, thr, out, S, T, ch, C, k,
-                                 BLK=blk, NB=1024, CPAD=max(32, triton.next_power_of_2(C)), KB=1024, SMALL=SMALL,
-                                 num_warps=4)
+                                 BLK=blk, NB=1024, CPAD=max(32, triton.next_power_of_2(C)), KB=1024, SMALL=SMALL, **kw)
         _topk_write_kernel[grid](sc, lens, off, thr, out, h16, h8, ncand, arrive, S, T, ch, C, k, BLK=blk,
-                                 REARM=rearm, num_warps=4)
+                                 REARM=rearm, **kw)
     except BaseException:
         if rearm:  # stopped between launches: the histograms may hold counts
             drop_kept_workspace(workspace)
