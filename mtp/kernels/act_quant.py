@@ -16,7 +16,7 @@ import torch
 
 from mtp.model.fp8 import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
 from mtp.model.fp8 import act_quant as act_quant_ref
-from mtp.kernels._triton import require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
 
 __all__ = ["act_quant", "act_quant_ref"]
 
@@ -43,8 +43,10 @@ def quant_e4m3(xf, inv):
 
 
 @triton.jit(do_not_specialize=["n_groups"])  # one compiled kernel for any count (Triton would specialize 1 and 16k)
-def _act_quant_kernel(x_ptr, y_ptr, s_ptr, n_groups, ROWS: tl.constexpr):
+def _act_quant_kernel(x_ptr, y_ptr, s_ptr, n_groups, ROWS: tl.constexpr, PDL: tl.constexpr):
     # x viewed as [n_groups, 128]; each program quantizes ROWS groups.
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # x is the previous kernel's
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, 128)
@@ -57,8 +59,9 @@ def _act_quant_kernel(x_ptr, y_ptr, s_ptr, n_groups, ROWS: tl.constexpr):
     tl.store(s_ptr + rows, s, mask=rmask)
 
 
-def act_quant(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `mtp.model.fp8.act_quant(x, 128, 'ue8m0')`: returns (x8 float8 [..., K], s fp32 [..., K // 128])."""
+def act_quant(x: torch.Tensor, block: int = BLOCK, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `mtp.model.fp8.act_quant(x, 128, 'ue8m0')`: returns (x8 float8 [..., K], s fp32
+    [..., K // 128]). pdl: programmatic dependent launch (`_triton.pdl_kwargs`)."""
     require(x, "act_quant")
     K = x.shape[-1]
     if block != BLOCK:
@@ -72,5 +75,7 @@ def act_quant(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.
     n_groups = xc.numel() // BLOCK
     if n_groups:
         rows = 16
-        _act_quant_kernel[(triton.cdiv(n_groups, rows),)](xc, y, s, n_groups, ROWS=rows, num_warps=4)
+        launch = pdl_kwargs(pdl, xc)
+        _act_quant_kernel[(triton.cdiv(n_groups, rows),)](xc, y, s, n_groups, ROWS=rows, PDL=bool(launch), num_warps=4,
+                                                          **launch)
     return y, s

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp.kernels._triton import HAS_TRITON, interpreting, tl, triton
+from mtp.kernels._triton import HAS_TRITON, interpreting, pdl_kwargs, pdl_launch, pdl_wait, tl, triton
 from mtp.kernels.act_quant import act_quant as act_quant_kernel
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.model.fp8 import BLOCK
@@ -171,7 +171,9 @@ def _row_warps(block: int) -> int:
 
 # ----------------------------------------------------------------------------- rms_norm / layer_norm
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, inv_d, eps, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, inv_d, eps, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # x is an earlier kernel's
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     m = d < D
@@ -182,8 +184,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, inv_d, eps, BLOCK_D: tl.c
     tl.store(y_ptr + row * D + d, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """Kernel twin of `layers.rms_norm` (x [..., D], weight [D]): one program per row."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
+             pdl: bool = False) -> torch.Tensor:
+    """Kernel twin of `layers.rms_norm` (x [..., D], weight [D]): one program per row. pdl: programmatic dependent
+    launch (`_triton.pdl_kwargs`; the fast path's final norm asks for it, switch `pdl`)."""
     if reference_reason("rms_norm", x, weight, eps, out_dtype):
         return rms_norm_ref(x, weight, eps, out_dtype)
     D = x.shape[-1]
@@ -191,8 +195,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if x2.shape[0]:
         bd = triton.next_power_of_2(D)
+        launch = pdl_kwargs(pdl, x2)
         _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, D, x2.stride(0), 1.0 / D, eps, BLOCK_D=bd,
-                                         num_warps=_row_warps(bd), **_LAUNCH)
+                                         PDL=bool(launch), num_warps=_row_warps(bd), **_LAUNCH, **launch)
     return y
 
 
@@ -227,7 +232,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 # ----------------------------------------------------------------------------- silu_mul
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, BLOCK_N: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, BLOCK_N: tl.constexpr, LIBDEVICE: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # g and u are the gate | up GEMV's
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = c < N
@@ -241,9 +249,10 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, BLOCK_N: tl.con
     tl.store(y_ptr + row * N + c, (s * u).to(y_ptr.dtype.element_ty), mask=m)
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def silu_mul(g: torch.Tensor, u: torch.Tensor, out_dtype: torch.dtype, pdl: bool = False) -> torch.Tensor:
     """Kernel twin of `layers.silu_mul`: silu(g) * u in out_dtype (g, u [..., N], e.g. the two halves of a fused
-    gate | up output, read in place)."""
+    gate | up output, read in place). pdl: programmatic dependent launch (`_triton.pdl_kwargs`; the fast path's
+    gate | up asks for it, switch `pdl`)."""
     if reference_reason("silu_mul", g, u, out_dtype):
         return silu_mul_ref(g, u, out_dtype)
     N = g.shape[-1]
@@ -252,8 +261,10 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, out_dtype: torch.dtype) -> torch.
     n = g2.shape[0]
     if n:
         bn = 1024  # whatever N is (a narrow row masks the rest): one compiled kernel per dtype pair
+        launch = pdl_kwargs(pdl, g2)
         _silu_mul_kernel[(n, triton.cdiv(N, bn))](g2, u2, y, N, g2.stride(0), u2.stride(0), BLOCK_N=bn,
-                                                  LIBDEVICE=not interpreting(), num_warps=4, **_LAUNCH)
+                                                  LIBDEVICE=not interpreting(), PDL=bool(launch), num_warps=4,
+                                                  **_LAUNCH, **launch)
     return y
 
 

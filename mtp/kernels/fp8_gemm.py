@@ -25,7 +25,7 @@ import torch
 
 from mtp.model.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
 from mtp.model.fp8 import act_quant as act_quant_ref
-from mtp.kernels._triton import require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, prefetch_rows_l2, require, tl, triton
 from mtp.kernels.act_quant import act_quant, quant_e4m3, ue8m0_scale
 
 __all__ = ["fp8_linear", "fp8_gemm", "fp8_linear_ref", "default_plan", "default_splits", "SMALL_M", "FUSE_M"]
@@ -46,7 +46,9 @@ def fp8_linear_ref(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor) -
 @triton.jit
 def _gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, M, N, G, groups_per_split, n_splits,
                  stride_xm, stride_wn, stride_swn,
-                 QUANT_X: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                 QUANT_X: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl_launch(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -59,6 +61,10 @@ def _gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, M, N, G
     sw_ptrs = sw_ptr + (offs_n // 128) * stride_swn
     g0 = pid_s * groups_per_split
     g1 = tl.minimum(g0 + groups_per_split, G)
+    if PDL:  # the program's weight slab (constant, 1-byte elements: 128 per line) asked of L2 while the
+        # previous kernel finishes; the pipelined loads below then find it there (the same bits)
+        prefetch_rows_l2(w_ptr + tl.where(nmask, offs_n, 0).to(tl.int64) * stride_wn + g0 * 128, (g1 - g0) * 128, 128)
+    pdl_wait(PDL)  # x (and its scales) come from the previous kernel; every store and the counters after it
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for g in range(g0, g1):
         w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
@@ -180,7 +186,7 @@ def default_splits(N: int, G: int, device: torch.device, bn: int = 128) -> int:
     return triton.cdiv(G, triton.cdiv(G, splits))
 
 
-def _gemv(x, sx, w8, sw, out_dtype, quant_x, splits=None, num_stages=3, num_warps=4, bn=None):
+def _gemv(x, sx, w8, sw, out_dtype, quant_x, splits=None, num_stages=3, num_warps=4, bn=None, pdl=False):
     M, K = x.shape
     N = w8.shape[0]
     G = K // BLOCK
@@ -196,10 +202,11 @@ def _gemv(x, sx, w8, sw, out_dtype, quant_x, splits=None, num_stages=3, num_warp
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else y
     cnt = _counters(x.device, nb) if splits > 1 else y
     sw = sw.contiguous()
+    launch = pdl_kwargs(pdl, x)
     _gemv_kernel[(nb, splits)](x, sx if sx is not None else x, w8, sw, part, y, cnt, M, N, G, gps, splits,
                                x.stride(0), w8.stride(0), sw.stride(0),
-                               QUANT_X=quant_x, SPLIT=splits > 1, BM=bm, BN=bn,
-                               num_stages=num_stages, num_warps=num_warps)
+                               QUANT_X=quant_x, SPLIT=splits > 1, BM=bm, BN=bn, PDL=bool(launch),
+                               num_stages=num_stages, num_warps=num_warps, **launch)
     return y
 
 
@@ -215,11 +222,13 @@ def _gemm(x8, sx, w8, sw, out_dtype, bm=128, bn=128, num_stages=4, num_warps=8):
 
 
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype | None = None,
-               fuse_quant: bool | None = None, **tune) -> torch.Tensor:
+               fuse_quant: bool | None = None, pdl: bool = False, **tune) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequant(w8, scale_inv)^T with per-128 activation quant; y in x's dtype by default.
 
     fuse_quant: quantize x inside the weight-streaming kernel rather than in one act_quant launch first
-    (default: `default_plan`). `tune` (splits, num_stages, num_warps, bn) overrides the small-M launch.
+    (default: `default_plan`). `tune` (splits, num_stages, num_warps, bn) overrides the small-M launch. pdl: the
+    small-M path's launches (act_quant, the weight-streaming kernel, which asks L2 for its weight slab before
+    the wait) with programmatic dependent launch (`_triton.pdl_kwargs`); the prefill GEMM stays plain.
     """
     require(x, "fp8_linear")
     K = x.shape[-1]
@@ -232,10 +241,10 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor, out_d
     if fuse_quant is None:
         fuse_quant = default_plan(M, N, K // BLOCK, x.device)["fuse_quant"]
     if M <= SMALL_M and fuse_quant:
-        y = _gemv(x2, None, w8, scale_inv, out_dtype, quant_x=True, **tune)
+        y = _gemv(x2, None, w8, scale_inv, out_dtype, quant_x=True, pdl=pdl, **tune)
     elif M <= SMALL_M:
-        x8, sx = act_quant(x2)
-        y = _gemv(x8, sx, w8, scale_inv, out_dtype, quant_x=False, **tune)
+        x8, sx = act_quant(x2, pdl=pdl)
+        y = _gemv(x8, sx, w8, scale_inv, out_dtype, quant_x=False, pdl=pdl, **tune)
     else:
         x8, sx = act_quant(x2)
         y = _gemm(x8, sx, w8, scale_inv, out_dtype)
@@ -243,8 +252,9 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor, out_d
 
 
 def fp8_gemm(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor,
-             out_dtype: torch.dtype = torch.float32, **tune) -> torch.Tensor:
-    """Kernel twin of `mtp.model.fp8.fp8_gemm_ref` on pre-quantized x8 [M, K] / sx [M, G]: returns [M, N] in out_dtype."""
+             out_dtype: torch.dtype = torch.float32, pdl: bool = False, **tune) -> torch.Tensor:
+    """Kernel twin of `mtp.model.fp8.fp8_gemm_ref` on pre-quantized x8 [M, K] / sx [M, G]: returns [M, N] in out_dtype.
+    pdl: as `fp8_linear`'s (M <= SMALL_M)."""
     require(x8, "fp8_gemm")
     M, K = x8.shape
     _check_weight(w8, sw, K, "fp8_gemm")
@@ -253,5 +263,5 @@ def fp8_gemm(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Ten
     x8 = x8.contiguous()
     sx = sx.contiguous()
     if M <= SMALL_M:
-        return _gemv(x8, sx, w8, sw, out_dtype, quant_x=False, **tune)
+        return _gemv(x8, sx, w8, sw, out_dtype, quant_x=False, pdl=pdl, **tune)
     return _gemm(x8, sx, w8, sw, out_dtype)

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from mtp.model.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
 from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.model.moe import route
-from mtp.kernels._triton import require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, prefetch_span_l2, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
@@ -246,6 +246,16 @@ def _slot_weights(rw_ptr, slot, active, TOPK: tl.constexpr, J: tl.constexpr):
 
 
 @triton.jit
+def _shared_prefetch(w_ptr, S, stride_we, n, TOPK: tl.constexpr, J: tl.constexpr, PDL: tl.constexpr):
+    """With PDL and the implicit shared slot (TOPK == J + 1): the shared expert's n-element weight (stack entry S,
+    contiguous; 1-byte fp8: 128 per line) asked of L2 before the wait, each program a share. Which routed experts
+    run is the router's output, read after the wait; the shared one is every token's, known before it."""
+    if PDL:
+        if TOPK > J:
+            prefetch_span_l2(w_ptr + tl.cast(S, tl.int64) * stride_we, n, 128, 32)
+
+
+@triton.jit
 def _slot_info(idx_ptr, p, T, S, TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
                KPAD: tl.constexpr):
     """For pair p: its expert e, whether p is the first pair naming e, and per token row m whether it is
@@ -332,7 +342,11 @@ def _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I
 def _moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr,
                         T, D, I, stride_xm, stride_we, stride_se, stride_sn, S,
                         TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
-                        KPAD: tl.constexpr):
+                        KPAD: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch(PDL)
+    _shared_prefetch(w1_ptr, S, stride_we, I * D, TOPK, J, PDL)
+    _shared_prefetch(w3_ptr, S, stride_we, I * D, TOPK, J, PDL)
+    pdl_wait(PDL)  # which routed experts (the router's ids) decides which weights: nothing to load before it
     p = tl.program_id(0)
     nb = tl.program_id(1)
     e, is_leader, active, slot = _slot_info(idx_ptr, p, T, S, TOPK, J, BM, PPAD, KPAD)
@@ -346,7 +360,10 @@ def _moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, 
 def _moe_down_kernel(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
                      T, D, I, stride_we, stride_se, stride_sn, S,
                      TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
-                     KPAD: tl.constexpr):
+                     KPAD: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch(PDL)
+    _shared_prefetch(w2_ptr, S, stride_we, D * I, TOPK, J, PDL)
+    pdl_wait(PDL)  # the router's ids and weights, gate / up's h
     p = tl.program_id(0)
     nb = tl.program_id(1)
     e, is_leader, active, slot = _slot_info(idx_ptr, p, T, S, TOPK, J, BM, PPAD, KPAD)
@@ -393,11 +410,15 @@ def _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, G, S, TOPK: tl.constexpr, J
 def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr, part_ptr, cnt_ptr,
                             T, D, I, stride_xm, stride_we, stride_se, stride_sn, KS, S,
                             TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
-                            KPAD: tl.constexpr):
+                            KPAD: tl.constexpr, PDL: tl.constexpr):
     """Work item (a, nb, ks): the a-th distinct expert, N-block nb, K slice ks, handed out round-robin over a
     grid of ~one program per SM, so the few experts a rank computes at decode still fill every SM. The last
     slice of (a, nb) to finish (atomic counter) sums the fp32 partials in slice order (deterministic) and
     writes h; it re-arms the counter."""
+    pdl_launch(PDL)
+    _shared_prefetch(w1_ptr, S, stride_we, I * D, TOPK, J, PDL)
+    _shared_prefetch(w3_ptr, S, stride_we, I * D, TOPK, J, PDL)
+    pdl_wait(PDL)  # the router's ids; the counters, re-armed by their last user, are touched after it
     q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, S, TOPK, J, PPAD)
     NB = I // 128
     for w in range(tl.program_id(0), n_act * NB * KS, tl.num_programs(0)):
@@ -428,9 +449,12 @@ def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_p
 def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
                          T, D, I, stride_we, stride_se, stride_sn, KS, S,
                          TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
-                         KPAD: tl.constexpr):
+                         KPAD: tl.constexpr, PDL: tl.constexpr):
     """Work item (a, nb, ks) as in `_moe_gate_up_persistent`; slice ks writes its weighted partial to
     out[ks, slot], which the combine kernel sums in a fixed order."""
+    pdl_launch(PDL)
+    _shared_prefetch(w2_ptr, S, stride_we, D * I, TOPK, J, PDL)
+    pdl_wait(PDL)  # the router's ids and weights, gate / up's h
     q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, S, TOPK, J, PPAD)
     NB = tl.cdiv(D, 128)
     P = T * TOPK
@@ -447,7 +471,9 @@ def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_pt
 
 @triton.jit
 def _moe_combine_kernel(part_ptr, idx_ptr, add_ptr, y_ptr, D, P, TOPK: tl.constexpr, J: tl.constexpr,
-                        KS: tl.constexpr, BLOCK_D: tl.constexpr, ADD: tl.constexpr):
+                        KS: tl.constexpr, BLOCK_D: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # the down kernel's partials, the router's ids, the shared expert's output
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -518,7 +544,7 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                 out_dtype: torch.dtype | None = None, gate_up_stages: int | None = None, down_stages: int | None = None,
                 layout: str | None = None, splits: tuple[int, int] | str | None = None,
                 programs: tuple[int, int] | None = None, add: torch.Tensor | None = None,
-                block_m: int | None = None, shared: bool = False) -> torch.Tensor:
+                block_m: int | None = None, shared: bool = False, pdl: bool = False) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
@@ -543,6 +569,9 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     router's J columns, ids in [0, E - 1)). y = (routed slots in order) + shared expert (+ add): the order of
     `add`, the shared slot's K slices summed apart, and the routed slots' bits are those of the call without it.
     The persistent layout then holds T * (J + 1) pairs.
+    pdl: the pair / persistent layouts' three launches with programmatic dependent launch (`_triton.pdl_kwargs`:
+    which routed experts' weights they read is the router's output, read after the wait; with `shared` the shared
+    expert's weights are asked of L2 before it, a share per program; the grouped layout's launches stay plain).
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
@@ -587,7 +616,7 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     if layout == "grouped":
         part = grouped_partials(x, idx, rw, w_gate, s_gate, w_up, s_up, w_down, s_down, block_m=block_m,
                                 stages=(gate_up_stages or 3, down_stages or 4), programs=programs)
-        return _combine(part, idx, add, T, D, J, 1, out_dtype or x_TD.dtype, False)
+        return _combine(part, idx, add, T, D, J, 1, out_dtype or x_TD.dtype, False, False)
     bm = max(16, triton.next_power_of_2(T))
     ppad, kpad = triton.next_power_of_2(P), triton.next_power_of_2(TOPK)
     dev = x.device
@@ -595,7 +624,8 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     hs = torch.empty(P, I // BLOCK, dtype=torch.float32, device=dev)
     wargs = (w_gate, s_gate, w_up, s_up)
     S = E - 1 if shared else -3  # read only where TOPK = J + 1
-    kw = dict(TOPK=TOPK, J=J, BM=bm, PPAD=ppad, KPAD=kpad, num_warps=4)
+    launch = pdl_kwargs(pdl, x)
+    kw = dict(TOPK=TOPK, J=J, BM=bm, PPAD=ppad, KPAD=kpad, PDL=bool(launch), num_warps=4, **launch)
     if layout == "pairs":
         if gate_up_stages is None:
             # H200 sweep (T=1 / T=4): 4 stages (145 KB smem, 1 program per SM) won when the leaders' programs
@@ -632,16 +662,18 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         _moe_down_persistent[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
             h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0), s_down.stride(0), s_down.stride(1),
             ks_down, S, num_stages=down_stages or 5, **kw)
-    return _combine(part, idx, add, T, D, J, ks_down, out_dtype or x_TD.dtype, shared)
+    return _combine(part, idx, add, T, D, J, ks_down, out_dtype or x_TD.dtype, shared, pdl)
 
 
 def _combine(part: torch.Tensor, idx: torch.Tensor, add: torch.Tensor | None, T: int, D: int, J: int, ks: int,
-             out_dtype: torch.dtype, shared: bool) -> torch.Tensor:
+             out_dtype: torch.dtype, shared: bool, pdl: bool) -> torch.Tensor:
     """y [T, D] = sum over slots (in order; the implicit shared slot J last when `shared`) and K slices of the
     per-pair partials part [ks, T * slots, D], + add."""
     y = torch.empty(T, D, dtype=out_dtype, device=part.device)
     bd = 1024
     topk = J + shared
+    launch = pdl_kwargs(pdl, part)
     _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, idx, y if add is None else add, y, D, T * topk, TOPK=topk,
-                                                 J=J, KS=ks, BLOCK_D=bd, ADD=add is not None, num_warps=4)
+                                                 J=J, KS=ks, BLOCK_D=bd, ADD=add is not None, PDL=bool(launch),
+                                                 num_warps=4, **launch)
     return y

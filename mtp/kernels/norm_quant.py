@@ -24,7 +24,7 @@ import torch
 
 from mtp.model.fp8 import BLOCK, FP8_DTYPE
 from mtp.model.fp8 import act_quant as act_quant_ref
-from mtp.kernels._triton import pdl_kwargs, require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 
 __all__ = ["add_rms_norm_quant", "add_rms_norm_quant_ref", "add_rounded", "add_rounded_ref"]
@@ -54,9 +54,8 @@ def _add_norm_quant_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, x8_ptr, sx_ptr,
                            stride_h, stride_d, stride_ho, stride_y, stride_x8, stride_sx,
                            ADD: tl.constexpr, STORE_H: tl.constexpr, STORE_Y: tl.constexpr,
                            QUANT: tl.constexpr, BG: tl.constexpr, PDL: tl.constexpr, ROUND: tl.constexpr):
-    if PDL:  # every input may come from the previous kernel: only the launch overlaps it
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # every input may come from the previous kernel: only the launch overlaps it
     _add_norm_quant_row(tl.program_id(0).to(tl.int64), h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, x8_ptr, sx_ptr, D,
                         eps, stride_h, stride_d, stride_ho, stride_y, stride_x8, stride_sx,
                         ADD, STORE_H, STORE_Y, QUANT, BG, ROUND)
@@ -167,7 +166,9 @@ def add_rounded_ref(h: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> tor
 
 
 @triton.jit
-def _add_rounded_kernel(h_ptr, y_ptr, out_ptr, n, ROUND: tl.constexpr, BLOCK_N: tl.constexpr):
+def _add_rounded_kernel(h_ptr, y_ptr, out_ptr, n, ROUND: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # h and y come from earlier kernels
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = offs < n
     y = tl.load(y_ptr + offs, mask=m, other=0.0)
@@ -178,9 +179,10 @@ def _add_rounded_kernel(h_ptr, y_ptr, out_ptr, n, ROUND: tl.constexpr, BLOCK_N: 
     tl.store(out_ptr + offs, tl.load(h_ptr + offs, mask=m, other=0.0) + y, mask=m)
 
 
-def add_rounded(h: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def add_rounded(h: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, pdl: bool = False) -> torch.Tensor:
     """Kernel twin of `add_rounded_ref` in one launch (instead of the cast and a mixed-dtype add): h and y
-    fp32, same shape, contiguous; dtype bf16 / fp16 / fp32 (no rounding)."""
+    fp32, same shape, contiguous; dtype bf16 / fp16 / fp32 (no rounding). pdl: programmatic dependent launch
+    (`_triton.pdl_kwargs`)."""
     require(h, "add_rounded")
     if h.dtype != torch.float32 or y.dtype != torch.float32 or h.shape != y.shape or dtype not in _ROUND:
         raise ValueError(f"add_rounded: h and y must be fp32 of one shape and dtype one of {list(_ROUND)}; got "
@@ -190,5 +192,7 @@ def add_rounded(h: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.T
     out = torch.empty_like(h)
     n = h.numel()
     if n:
-        _add_rounded_kernel[(triton.cdiv(n, 2048),)](h, y, out, n, ROUND=_ROUND[dtype], BLOCK_N=2048, num_warps=4)
+        launch = pdl_kwargs(pdl, h)
+        _add_rounded_kernel[(triton.cdiv(n, 2048),)](h, y, out, n, ROUND=_ROUND[dtype], BLOCK_N=2048,
+                                                     PDL=bool(launch), num_warps=4, **launch)
     return out

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from mtp.model.fp8 import BLOCK
-from mtp.kernels._triton import pdl_kwargs, require, tl, triton
+from mtp.kernels._triton import line_elems, pdl_kwargs, prefetch_rows_l2, require, tl, triton
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe import moe_route_ref, route_from_logits_ref
 
@@ -51,9 +51,10 @@ IMPLS = ("serial", "grouped")
 
 @triton.jit
 def _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
-                GPS: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+                GPS: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr):
     """This program's share of the gate GEMV: its [BE, K-slice] of Wg against all T tokens, stored as fp32
-    partial logits part[slice, t, e]."""
+    partial logits part[slice, t, e]. With PDL its slice of Wg (constant) is asked of L2 before the wait, one
+    request per LINE elements (128 bytes), so that the loads after it find it there (the same bits)."""
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_e = pid_e * BE + tl.arange(0, BE)
@@ -64,7 +65,9 @@ def _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E: tl.constexpr, BE: tl
     x_ptrs = x_ptr + offs_t[:, None] * stride_xm + offs_k[None, :]
     G = D // 128
     acc = tl.zeros((BE, BT), dtype=tl.float32)
-    if PDL:  # x comes from the previous kernel; only the launch overlaps it
+    if PDL:  # x comes from the previous kernel; Wg's slice is requested while it finishes
+        k0 = pid_s * GPS * 128
+        prefetch_rows_l2(w_ptr + offs_e.to(tl.int64) * D + k0, tl.minimum(GPS * 128, D - k0), LINE)
         tl.extra.cuda.gdc_wait()
     for i in tl.static_range(GPS):  # unrolled: every tile of the slice requested at once
         g = pid_s * GPS + i
@@ -102,10 +105,11 @@ def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, id
                         E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
                         KPAD: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BTR: tl.constexpr,
                         GPS: tl.constexpr, SPLITS: tl.constexpr,
-                        BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr):
+                        BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr,
+                        LINE: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL)
+    _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL, LINE)
     tl.debug_barrier()
     n_prog = tl.num_programs(0) * tl.num_programs(1)
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
@@ -165,10 +169,11 @@ def _route_grouped_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_p
                           E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
                           KPAD: tl.constexpr, CPAD: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
                           BTR: tl.constexpr, GPS: tl.constexpr, SPLITS: tl.constexpr,
-                          BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr):
+                          BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr,
+                          LINE: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL)
+    _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL, LINE)
     tl.debug_barrier()
     pid_e = tl.program_id(0)
     nbe = tl.num_programs(0)
@@ -308,7 +313,8 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
             raise ValueError(f"moe_route_fused: local expert range must lie in [0, {E}], got {local}")
     common = dict(E=E, NG=n_group, TOPK_GROUP=topk_group, TOPK=topk, KPAD=triton.next_power_of_2(topk),
                   BE=block_e, BT=bt, BTR=btr, GPS=gps, SPLITS=splits, BF16=bf16, STORE_LOGITS=return_logits,
-                  PDL=bool(launch), TABLE=table, num_warps=num_warps or (8 if grouped else 4), **launch)
+                  PDL=bool(launch), TABLE=table, LINE=line_elems(wg_ED), num_warps=num_warps or (8 if grouped else 4),
+                  **launch)
     args = (T, D, x.stride(0), float(route_scale), e0, e1)
     tab = local if table else idx  # the table, or any pointer the range's code never reads
     wg, bias = wg_ED.contiguous(), bias_E.float().contiguous()
