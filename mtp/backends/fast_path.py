@@ -62,7 +62,7 @@ from ..kernels.absorb import MAX_TOKENS as ABSORB_MAX_TOKENS
 from ..kernels.absorb import absorb_out, absorb_q
 from ..kernels.cache_write import cache_write
 from ..kernels.dispatch import ELEMENTWISE_IMPLS, ExpertMap, FastPathOptions, expert_map, linear, local_ids, route
-from ..kernels.elementwise import triton_ops
+from ..kernels.elementwise import silu_mul, triton_ops
 from ..kernels.fp8_gemm import SMALL_M
 from ..kernels.index_weights import index_weights, index_weights_ref
 from ..kernels.indexer import SCORES_DEFAULT, TOPK_IMPLS, indexer_topk
@@ -109,9 +109,12 @@ class FastLinear(Linear):
 
 
 def _gate_up(mlp: MLP, x: torch.Tensor, xq=None) -> torch.Tensor:
-    """silu(gate x) * up x in x.dtype, gate | up as one GEMV; xq = (x8, sx): x already quantized per 128."""
+    """silu(gate x) * up x in x.dtype, gate | up as one GEMV; xq = (x8, sx): x already quantized per 128. The
+    Triton silu * up launches with PDL under switch `pdl` (its ops object knows no switch: asked here)."""
     gu = linear(x, *mlp.fused_gate_up, mlp.fast_options, xq=xq)
     i = mlp.gate_proj.out_features
+    if mlp.fast_options.pdl and mlp.ops.kind == "triton":
+        return silu_mul(gu[..., :i], gu[..., i:], x.dtype, pdl=True)
     return mlp.ops.silu_mul(gu[..., :i], gu[..., i:], x.dtype)
 
 
@@ -279,7 +282,7 @@ class FastMoE(MoE):
             persistent = (layout or default_layout(N, ids_NK.shape[1] + shared)) == "persistent"
             waves = persistent and self.all_local and self.fast_options.moe_wave_splits
             return moe_experts(x_ND, ids_NK, w_NK, *ws, out_dtype=torch.float32, layout=layout, add=add,
-                               shared=shared, splits="waves" if waves else None)
+                               shared=shared, splits="waves" if waves else None, pdl=self.fast_options.pdl)
         C = self.max_tokens
         bm = default_block_m(min(N, C))
         outs = [moe_experts(x_ND[a:a + C], ids_NK[a:a + C], w_NK[a:a + C], *ws, out_dtype=torch.float32,
@@ -382,13 +385,13 @@ class FastBlock(Block):
                 return Pending(h_BTD, mlp(x, xq, rounded=False, reduce=False).contiguous(), x.dtype, comm,
                                fo.fuse_out_cast)
             # one kernel: the MoE's fp32 sum rounded to the model dtype (its `.to(x.dtype)`) and added
-            return add_rounded(h_BTD, mlp(x, xq, rounded=False).contiguous(), x.dtype)
+            return add_rounded(h_BTD, mlp(x, xq, rounded=False).contiguous(), x.dtype, pdl)
         if comm is not None and isinstance(mlp, FastParallelMLP):  # every rank, also one without a block
             return Pending(h_BTD, mlp(x, xq, reduce=False), x.dtype, comm, fo.fuse_out_cast)  # as its `.to`
         if isinstance(mlp, FastParallelMLP) and fo.fuse_out_cast and h_BTD.is_contiguous():
             y = mlp(x, xq, rounded=False)  # the all-reduced sum in the accumulation dtype
             if y.dtype == torch.float32:  # one kernel: rounded to the model dtype (its `.to(x.dtype)`) and added
-                return add_rounded(h_BTD, y.contiguous(), x.dtype)
+                return add_rounded(h_BTD, y.contiguous(), x.dtype, pdl)
             return h_BTD + y.to(x.dtype)
         if xq is not None and getattr(mlp, "fused_gate_up", None) is not None:
             y = mlp(x, xq)
@@ -747,11 +750,11 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
     if fuse_kv:  # the kv prologue below and the q_a norm + quant (y not stored)
         q8, qs = mla_kv_prologue_norm(mla, cache, pos_BT, a, cos, sin, dt, pdl=fo.pdl)
     elif prologue:  # kv_a norm, rotary, indexer key and the cache write in one launch
-        mla_kv_prologue(mla, cache, pos_BT, a, cos, sin)
+        mla_kv_prologue(mla, cache, pos_BT, a, cos, sin, pdl=fo.pdl)
     else:
         c = mla.kv_a_layernorm(kv[..., : mla.C], dt)
         k_pe = mla.ops.rope_interleaved(kv[..., mla.C:], cos, sin)
-        cache_write(cache, pos_BT, c, k_pe, ix.rotate(ix.k_norm(k_idx), cos, sin))
+        cache_write(cache, pos_BT, c, k_pe, ix.rotate(ix.k_norm(k_idx), cos, sin), pdl=fo.pdl)
     # The indexer scores only when it must choose (S > its top-k); else every visible key is kept and its query
     # side (the wq_b rows of the stacked GEMV, the queries' rotary / Hadamard / quant, the head weights) is
     # skipped: the keys it caches above are still written for later steps.
@@ -773,9 +776,9 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
     if prologue:  # q_pe rotary and the indexer queries' rotary, Hadamard and quant in one launch
         q_lat = None
         if fuse_q:  # with the absorbed q
-            q_pe, iq8, iqs, q_lat = mla_q_prologue_absorb(mla, qq, cos, sin, index=score)
+            q_pe, iq8, iqs, q_lat = mla_q_prologue_absorb(mla, qq, cos, sin, index=score, pdl=fo.pdl)
         else:
-            q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin, index=score)
+            q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin, index=score, pdl=fo.pdl)
         o = mla_attend_fast(mla, x_BTD, None, q[..., :P], q_pe, cache, S, out_dtype=dt,
                             iq_quant=(iq8, iqs) if score else None, visible_BTS=visible_BTS, q_lat=q_lat)
         return mla.o_proj(o.reshape(B, T, H * mla.V))
@@ -794,7 +797,7 @@ def indexer_head_weights(mla: MLA, x_BTD: torch.Tensor) -> torch.Tensor:
     W = ix.weights_proj.weight
     scale = ix.n_heads ** -0.5 * ix.head_dim ** -0.5
     if mla.fast_options.index_weights:
-        return index_weights(x_BTD, W, scale)
+        return index_weights(x_BTD, W, scale, pdl=mla.fast_options.pdl)
     if mla.mm_fp32 and x_BTD.dtype == torch.bfloat16:
         w = torch.mm(x_BTD.reshape(-1, x_BTD.shape[-1]), W.t(), out_dtype=torch.float32).mul_(scale)
         return w.view(*x_BTD.shape[:-1], ix.n_heads)
@@ -813,6 +816,7 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
     unseen key), and without an indexer (S <= top-k) the attention masks by it directly."""
     ix = mla.indexer
     lens = cache.seq_lens  # keys before this block; query t sees < lens + t + 1
+    pdl = mla.fast_options.pdl
     topk_idx = None
     if ix.topk < S:  # else every visible key is kept (the reference's select): no scores needed
         if iq_quant is None and iq_BTHD is None:
@@ -828,10 +832,10 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
             topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
                                        topk=ix.topk, impl=mla.topk_impl, visible=visible_BTS,
                                        rearm=mla.fast_options.topk_rearm, scores=mla.scores_tune,
-                                       one_launch=mla.fast_options.topk_one_launch)
+                                       one_launch=mla.fast_options.topk_one_launch, pdl=pdl)
     absorb = mla.fast_options.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS
     if q_lat is None and absorb:  # one launch each instead of copy + batched GEMM + copy
-        q_lat = absorb_q(q_nope, mla.w_kb)
+        q_lat = absorb_q(q_nope, mla.w_kb, pdl=pdl)
     elif q_lat is None:
         q_lat = torch.einsum("bthp,hpc->bthc", q_nope.to(torch.bfloat16), mla.w_kb).contiguous()
     # switch fuse_absorb_out (off by default: measured slower): stage 2 and absorb_out in one launch (the same bits)
@@ -839,9 +843,9 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
     o_lat = mla_decode(q_lat, q_pe.to(torch.bfloat16).contiguous(), cache.kv[:, :S], cache.kv_scale[:, :S],
                        cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.bfloat16,
                        visible=visible_BTS if topk_idx is None else None,  # a top-k holds seen keys only
-                       w_vb=mla.w_vb if fuse_out else None)
+                       w_vb=mla.w_vb if fuse_out else None, pdl=pdl)
     if fuse_out:  # o_lat is o [B, T, H, V] here, in W_vb's dtype as absorb_out's
         return o_lat.to(out_dtype)
     if absorb:
-        return absorb_out(o_lat, mla.w_vb).to(out_dtype)
+        return absorb_out(o_lat, mla.w_vb, pdl=pdl).to(out_dtype)
     return torch.einsum("bthc,hvc->bthv", o_lat, mla.w_vb).to(out_dtype)

@@ -208,6 +208,11 @@ KERNEL_VARIANTS = {
     "topk_one_launch_fused": (dict(topk_one_launch=True), dict(indexer_topk="radix_fused")),
     # the indexer's scores and top-k in one cooperative launch (`indexer_one_launch`)
     "indexer_one_launch": (dict(indexer_one_launch=True), dict()),
+    # programmatic dependent launch on every Triton kernel of the decode step (as new+pdl since session 12: each
+    # triggers its successor at its start, loads / L2-prefetches its constant weights, then waits): attention,
+    # indexer, top-k, MoE, norms, adds, silu * up, the few-row GEMM; not the NCCL all-reduce, the cuBLAS lm_head,
+    # torch glue or the final norm (the chain restarts after each)
+    "pdl_all": (dict(pdl=True), dict()),
 }
 
 

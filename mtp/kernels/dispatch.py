@@ -48,9 +48,15 @@ version, so the engine captures its kept graphs again).
   default: measured on one TP=8 split rank (H200, 61 layers, BENCHMARKS.md session 12) -1.1 ms a step at w = 1
   (6.43 vs 7.54 ms at 1k, 9.15-9.19 vs 10.35-10.46 at 32k), -0.25 to -0.57 at w = 2, wider steps unchanged (they
   run the pair grid).
-- pdl (off by default: not yet measured): launch the new kernels with programmatic dependent launch (Hopper),
-  so that each may start while the previous kernel finishes (the GEMV requests its weights before waiting).
-  the torch.compile'd elementwise ops join in only when TORCHINDUCTOR_ENABLE_PDL=1 is set before it compiles.
+- pdl (off by default: not yet measured): launch every Triton kernel of the decode step with programmatic
+  dependent launch (Hopper; `_triton.pdl_kwargs`), so that each launches while the one before runs: each triggers
+  its successor first thing (`pdl_launch`), loads or asks L2 for its constant weights (the GEMV's tile, W_kb / W_vb,
+  the gate, the indexer's weights_proj, the few-row GEMM's slab), then waits for the previous kernel
+  (`pdl_wait`) before it reads an earlier kernel's output or stores anything: the same bits as without. Not in the
+  chain: NCCL / one-shot all-reduces, cuBLAS (lm_head), torch glue, the final norm, the grouped MoE layout (> 16
+  tokens), the prefill GEMM and the cooperative one-launch top-k / indexer (switches topk_one_launch,
+  indexer_one_launch). The torch.compile'd elementwise ops join in only when TORCHINDUCTOR_ENABLE_PDL=1
+  is set before it compiles.
 - topk_one_launch (off until measured on a GPU): the indexer top-k's three radix phases (histogram, split, write) in
   one cooperative launch whose programs meet at a barrier per row between them (`topk_one_launch`), where its grid
   fits the SMs (every decode shape: R x C <= the SM count, else the three launches); the same index sets. Off: three
@@ -136,9 +142,9 @@ def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, opts: Fas
     if xq is not None:
         x8, sx = xq
         y = fp8_gemm(x8.reshape(-1, K), sx.reshape(-1, K // 128), w8, sw,
-                     out_dtype=out_dtype or (x.dtype if x is not None else torch.float32))
+                     out_dtype=out_dtype or (x.dtype if x is not None else torch.float32), pdl=opts.pdl)
         return y.reshape(*src.shape[:-1], w8.shape[0])
-    return fp8_linear(x, w8, sw, out_dtype=out_dtype)
+    return fp8_linear(x, w8, sw, out_dtype=out_dtype, pdl=opts.pdl)
 
 
 @dataclass(frozen=True, eq=False)
