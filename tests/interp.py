@@ -130,3 +130,54 @@ def patch_interpreter_bf16_dot() -> None:
 
     builder.create_dot = create_dot
     builder._bf16_dot = True
+
+
+PREFETCHED: list = []  # the addresses of each interpreted `prefetch_l2` (`patch_interpreter_pdl`), flat int64 arrays
+
+
+def patch_interpreter_pdl() -> None:
+    """Run the kernels' PDL branches (`FastPathOptions.pdl`) under the interpreter, which has no inline asm and no
+    launch options: `gdc_launch_dependents` / `gdc_wait` (`pdl_launch`, `pdl_wait`) and `prefetch.global.L2`
+    (`prefetch_l2`) become no-ops, each prefetch's addresses appended to `PREFETCHED` (the interpreter's pointers
+    are the CPU tensors' own addresses: a caller can check they lie in the weight it meant); and `pdl_kwargs` of
+    every loaded `mtp.kernels` module grants PDL on the CPU too ({"launch_pdl": True}, which the interpreter's
+    launcher drops), so that a kernel asked for it takes PDL=True. Call after importing the kernel modules."""
+    import sys
+
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as ti
+
+    builder = getattr(ti, "InterpreterBuilder", None)
+    if builder is not None and not getattr(builder, "_pdl_asm", False):
+        orig = builder.create_inline_asm
+
+        class _Result:
+            def __init__(self, handle):
+                self.handle = handle
+
+            def get_result(self, i):
+                return self.handle
+
+        def create_inline_asm(self, inlineAsm, constraints, values, type, isPure, pack):
+            if inlineAsm.startswith("griddepcontrol.") or inlineAsm.startswith("prefetch.global.L2"):
+                shape = np.shape(values[0].data) if values else ()
+                if values:
+                    PREFETCHED.append(np.asarray(values[0].data, dtype=np.uint64).astype(np.int64).reshape(-1))
+                return _Result(ti.TensorHandle(np.zeros(shape, dtype=np.int32), tl.int32))
+            return orig(self, inlineAsm, constraints, values, type, isPure, pack)
+
+        builder.create_inline_asm = create_inline_asm
+        builder._pdl_asm = True
+
+    # the interpreter hands `_semantic` to triton.language's own builtins only, not to `tl.extra.cuda`'s: as no-ops
+    import triton.language.extra.cuda as cuda
+
+    cuda.gdc_wait = cuda.gdc_launch_dependents = lambda *args, **kwargs: None
+
+    def granted(pdl, t):
+        return {"launch_pdl": True} if pdl else {}
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("mtp.kernels") and hasattr(mod, "pdl_kwargs"):
+            mod.pdl_kwargs = granted
