@@ -9,9 +9,9 @@ constants (or ask L2 for them) before the wait, and wait before reading an earli
 - Under the Triton interpreter with the PDL branches run (`tests.interp.patch_interpreter_pdl`: the wait and the
   prefetches no-ops, PDL granted on the CPU), each kernel gives the same bits as without, every launch of the call
   took PDL, and its L2 prefetches lie inside the weight they are for and cover all of it.
-- A tiny simulated TP=2 'split' rank's decode forward (dense attention; the indexer and its top-k): with the switch
-  on every Triton kernel launched took PDL but the final norm (`NOT_CHAINED`), and logits, hidden and the cache's
-  bytes equal the switch off's.
+- A tiny simulated TP=2 'split' rank's decode forward with the indexer and its top-k (every kernel a dense step
+  runs, and more): with the switch on every Triton kernel launched took PDL but the final and the MTP module's
+  norms (`NOT_CHAINED`), and logits, hidden and the cache's bytes equal the switch off's.
 Real launches, CUDA-graph replays and races: tests/kernels/test_pdl_gpu.py.
 """
 
@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 from tests.interp import run_interpreted  # noqa: E402
 
 # Triton kernels a decode forward of the fast path launches without PDL, with the switch on (the chain restarts
-# after each): the final norm (an elementwise op the trunk calls through its ops object, which knows no switch)
+# after each): the final norm and an MTP module's norms (elementwise ops called through the model's ops object,
+# which knows no switch; once per step, next to cuBLAS / torch launches that break the chain anyway)
 NOT_CHAINED = {"_rms_norm_kernel"}
 CACHE = ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale")
 
