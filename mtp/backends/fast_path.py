@@ -89,8 +89,10 @@ from .pending import Pending, resolved
 # has I / W / 128 = 2 N-blocks per (token, slot) pair at TP=8: 18 gate / up programs for one token (8 routed + the
 # shared slot) on 132 SMs. Measured (BENCHMARKS.md, session 11; one TP=8 split rank on an H200, 61 layers, 1k,
 # variants moe_by_size / moe_pairs alternated twice): persistent -0.3 to -0.9 ms a step at w = 1 and -0.5 to -0.7 at
-# w = 2, even at w = 3, +0.5 to +0.9 at w = 4.
-SPLIT_PERSISTENT_TOKENS = 2
+# w = 2, even at w = 3, +0.5 to +0.9 at w = 4. With its K slices in whole waves (`moe_wave_splits`, session 12, one
+# run, eval/results/s12/h200b, variant moe_waves_by_size against defaults): w = 3 -0.83 ms at 1k, -0.38 at 32k; w = 4
+# -0.08 at 1k, +0.96 at 32k. Hence 3.
+SPLIT_PERSISTENT_TOKENS = 3
 
 
 class FastLinear(Linear):

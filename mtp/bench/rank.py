@@ -174,7 +174,7 @@ KERNEL_VARIANTS = {
     # the indexer's head weights as cuBLAS mm (+ its split-K reduce) + scale instead of `kernels.index_weights`
     "cublas_ixw": (dict(index_weights=False), dict()),
     # the experts' layout by size (persistent for T * J <= 64) on every MoE, also on a rank holding every expert's
-    # slice ('split'), which `fast_module` gives the pair grid above SPLIT_PERSISTENT_TOKENS (2) tokens
+    # slice ('split'), which `fast_module` gives the pair grid above SPLIT_PERSISTENT_TOKENS (3) tokens
     "moe_by_size": (dict(), dict(moe_layout=None)),
     "moe_pairs": (dict(), dict(moe_layout="pairs")),  # the pair grid on every MoE, whatever its rank holds
     # the persistent experts' K slices sized for every pair a distinct local expert (`moe.wave_splits`; a split
