@@ -48,7 +48,8 @@ version, so the engine captures its kept graphs again).
   default: measured on one TP=8 split rank (H200, 61 layers, BENCHMARKS.md session 12) -1.1 ms a step at w = 1
   (6.43 vs 7.54 ms at 1k, 9.15-9.19 vs 10.35-10.46 at 32k), -0.25 to -0.57 at w = 2, wider steps unchanged (they
   run the pair grid).
-- pdl (off by default: not yet measured): launch every Triton kernel of the decode step with programmatic
+- pdl (off by default: measured on one TP=8 split rank, H200, BENCHMARKS.md session 12: -0.4 to -0.6 ms a step at
+  w = 1, within the run-to-run spread; +0.3 to +0.9 ms at w = 2..4, both repeats, 1k and 32k): launch every Triton kernel of the decode step with programmatic
   dependent launch (Hopper; `_triton.pdl_kwargs`), so that each launches while the one before runs: each triggers
   its successor first thing (`pdl_launch`), loads or asks L2 for its constant weights (the GEMV's tile, W_kb / W_vb,
   the gate, the indexer's weights_proj, the few-row GEMM's slab), then waits for the previous kernel
@@ -57,11 +58,13 @@ version, so the engine captures its kept graphs again).
   tokens), the prefill GEMM and the cooperative one-launch top-k / indexer (switches topk_one_launch,
   indexer_one_launch). The torch.compile'd elementwise ops join in only when TORCHINDUCTOR_ENABLE_PDL=1
   is set before it compiles.
-- topk_one_launch (off until measured on a GPU): the indexer top-k's three radix phases (histogram, split, write) in
+- topk_one_launch (off: measured no gain on the TP=8 rank at 32k, H200, session 12; alone 16.9 vs 17.3 us at 8k
+  keys, 2 rows): the indexer top-k's three radix phases (histogram, split, write) in
   one cooperative launch whose programs meet at a barrier per row between them (`topk_one_launch`), where its grid
   fits the SMs (every decode shape: R x C <= the SM count, else the three launches); the same index sets. Off: three
   launches (`topk.radix_topk`).
-- indexer_one_launch (off until measured on a GPU; radix top-k impls): the indexer's scores and its top-k in one
+- indexer_one_launch (off: measured slower alone, 31.7 vs 20.7 us at 8k keys, 2 rows, H200, session 12; radix
+  top-k impls): the indexer's scores and its top-k in one
   cooperative launch (`indexer_one_launch`: each program scores its chunk of keys for a batch row's queries, then
   runs the top-k's phases on them), where its grid fits the SMs (else scores + the one-launch top-k); the same
   scores and index sets. The scores kernel's launch settings (`set_kernel_options(indexer_scores=)`) do not apply.
