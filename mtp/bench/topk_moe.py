@@ -349,6 +349,61 @@ def moe_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, ranks=(
         torch.cuda.empty_cache()
 
 
+def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, world: int = 8):
+    """moe_experts on one 'split' rank of TP=`world` (every expert at 1/world of its width, the shared expert
+    stacked last and run as every token's implicit slot: `shared=True`), T = 1..4 tokens of 8 routed experts each:
+    the pair grid, the persistent layout with `default_splits` and with `wave_splits` ('waves'), and a sweep of the
+    persistent K slices, so that each width's choice is a measurement (the step's gate/up + down + combine
+    launches, one `moe_experts` call). Bytes: the distinct experts' slices (routed + shared) over the measured
+    copy bandwidth. Routings rotate over 8 sets per graph (other experts' weights each call, from HBM)."""
+    from mtp.model.fp8 import weight_quant
+    from mtp.kernels.moe import default_splits, moe_experts, moe_experts_ref, wave_splits
+
+    bw = copy_bandwidth()
+    Is = I // world
+    g = torch.Generator().manual_seed(0)
+    ws = []
+    for N, K in ((Is, D), (Is, D), (D, Is)):  # E routed + 1 shared slice, one stack
+        parts = [weight_quant(torch.randn(N, K, device=DEV) * 0.02) for _ in range(E + 1)]
+        ws += [torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])]
+        del parts
+    slice_bytes = 3 * Is * D + 3 * (Is // 128) * (D // 128) * 4
+    sm = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 4
+    for T in (1, 2, 3, 4):
+        x = torch.randn(T, D, device=DEV).bfloat16()
+        rw = torch.rand(T, 8, device=DEV)
+        sets = [torch.stack([torch.randperm(E, generator=g)[:8] for _ in range(T)]).int().to(DEV) for _ in range(8)]
+        active = sum(len(set(s.flatten().tolist())) + 1 for s in sets) / len(sets)
+        floor_us = active * slice_bytes / bw * 1e6
+        shape = f"split TP={world} T={T} ({active:.1f} slices)"
+        shared = torch.full((T, 1), E, dtype=torch.int32, device=DEV)
+        ref = moe_experts_ref(x, torch.cat([sets[0], shared], 1), torch.cat([rw, torch.ones(T, 1, device=DEV)], 1),
+                              *ws, out_dtype=torch.float32)
+        P = min(T * 9, E + 1)
+        waves = (wave_splits(P * (Is // 128), D // 128, sm), wave_splits(P * (D // 128), Is // 128, 2 * sm))
+        variants = [("pairs", dict(layout="pairs")),
+                    (f"persistent default {default_splits(T, D // 128, Is // 128)}", dict(layout="persistent")),
+                    (f"persistent waves {waves}", dict(layout="persistent", splits="waves"))]
+        if not quick:
+            for sg in (2, 4, 7, 14, 28):
+                for sd in (1, 2):
+                    if (sg, sd) != waves:
+                        variants.append((f"persistent splits=({sg},{sd})", dict(layout="persistent", splits=(sg, sd))))
+        for name, kw in variants:
+            try:
+                y = moe_experts(x, sets[0], rw, *ws, out_dtype=torch.float32, shared=True, **kw)
+                err = ((y - ref).norm() / ref.norm()).item()
+                us = graph_us([lambda s=s: moe_experts(x, s, rw, *ws, out_dtype=torch.float32, shared=True, **kw)
+                               for s in sets])
+            except Exception as e:  # a config that does not compile is skipped, and said so
+                log(f"[moe_split] {shape} {name} failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            check(f"moe_experts {shape} {name}", err < 0.05, f"rel err {err:.2e}")
+            row("moe_s", shape, name, us, pct_floor=round(100 * floor_us / us, 1), floor_us=round(floor_us, 2))
+    del ws
+    torch.cuda.empty_cache()
+
+
 BATCH_T = (1, 4, 8, 16, 32, 64, 96, 128, 256, 512, 1024, 4096)
 
 
@@ -481,7 +536,7 @@ def main():
 
     out["triton"] = triton.__version__
     sections = [("topk", topk_section), ("topk1", one_launch_section), ("moe", moe_section),
-                ("moe_batch", moe_batch_section)]
+                ("moe_batch", moe_batch_section), ("moe_split", moe_split_section)]
     for name, fn in sections:
         if name not in args.only.split(","):
             continue
