@@ -91,8 +91,11 @@ from .pending import Pending, resolved
 # variants moe_by_size / moe_pairs alternated twice): persistent -0.3 to -0.9 ms a step at w = 1 and -0.5 to -0.7 at
 # w = 2, even at w = 3, +0.5 to +0.9 at w = 4. With its K slices in whole waves (`moe_wave_splits`, session 12, one
 # run, eval/results/s12/h200b, variant moe_waves_by_size against defaults): w = 3 -0.83 ms at 1k, -0.38 at 32k; w = 4
-# -0.08 at 1k, +0.96 at 32k. Hence 3.
-SPLIT_PERSISTENT_TOKENS = 3
+# -0.08 at 1k, +0.96 at 32k, when `wave_splits` gave 7 gate/up slices at 4 tokens. The experts alone at the split
+# rank's shapes (`mtp.bench.topk_moe --only moe_split`, H200, session 12): the pair grid 66.8 / 71.3 / 77.1 / 84.6 us
+# at 1..4 tokens, persistent with the slices `wave_splits` gives now (7 / 4 / 3 / 2; 2 measured at 3 tokens)
+# 31.1 / 57.5 / 63.2 / 77.0. Hence 4.
+SPLIT_PERSISTENT_TOKENS = 4
 
 
 class FastLinear(Linear):
@@ -115,7 +118,7 @@ def _gate_up(mlp: MLP, x: torch.Tensor, xq=None) -> torch.Tensor:
     Triton silu * up launches with PDL under switch `pdl` (its ops object knows no switch: asked here)."""
     gu = linear(x, *mlp.fused_gate_up, mlp.fast_options, xq=xq)
     i = mlp.gate_proj.out_features
-    if mlp.fast_options.pdl and mlp.ops.kind == "triton":
+    if mlp.fast_options.pdl_at(gu.numel() // max(gu.shape[-1], 1)) and mlp.ops.kind == "triton":
         return silu_mul(gu[..., :i], gu[..., i:], x.dtype, pdl=True)
     return mlp.ops.silu_mul(gu[..., :i], gu[..., i:], x.dtype)
 
@@ -284,7 +287,7 @@ class FastMoE(MoE):
             persistent = (layout or default_layout(N, ids_NK.shape[1] + shared)) == "persistent"
             waves = persistent and self.all_local and self.fast_options.moe_wave_splits
             return moe_experts(x_ND, ids_NK, w_NK, *ws, out_dtype=torch.float32, layout=layout, add=add,
-                               shared=shared, splits="waves" if waves else None, pdl=self.fast_options.pdl)
+                               shared=shared, splits="waves" if waves else None, pdl=self.fast_options.pdl_at(N))
         C = self.max_tokens
         bm = default_block_m(min(N, C))
         outs = [moe_experts(x_ND[a:a + C], ids_NK[a:a + C], w_NK[a:a + C], *ws, out_dtype=torch.float32,
@@ -352,7 +355,7 @@ class FastBlock(Block):
         B, T, D = h0.shape
         quant = B * T <= SMALL_M and D % 128 == 0
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        pdl = self.fast_options.pdl
+        pdl = self.fast_options.pdl_at(B * T)
         if isinstance(h_BTD, Pending):  # the previous block's FFN all-reduce, with this add + norm + quant
             x, h_BTD, x8, sx = h_BTD.add_norm(n1, dtype, quant, pdl)
         else:
@@ -750,13 +753,13 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
     fuse_q = prologue and fo.fuse_prologue and fo.absorb and B * T <= ABSORB_MAX_TOKENS
     q8 = None
     if fuse_kv:  # the kv prologue below and the q_a norm + quant (y not stored)
-        q8, qs = mla_kv_prologue_norm(mla, cache, pos_BT, a, cos, sin, dt, pdl=fo.pdl)
+        q8, qs = mla_kv_prologue_norm(mla, cache, pos_BT, a, cos, sin, dt, pdl=fo.pdl_at(B * T))
     elif prologue:  # kv_a norm, rotary, indexer key and the cache write in one launch
-        mla_kv_prologue(mla, cache, pos_BT, a, cos, sin, pdl=fo.pdl)
+        mla_kv_prologue(mla, cache, pos_BT, a, cos, sin, pdl=fo.pdl_at(B * T))
     else:
         c = mla.kv_a_layernorm(kv[..., : mla.C], dt)
         k_pe = mla.ops.rope_interleaved(kv[..., mla.C:], cos, sin)
-        cache_write(cache, pos_BT, c, k_pe, ix.rotate(ix.k_norm(k_idx), cos, sin), pdl=fo.pdl)
+        cache_write(cache, pos_BT, c, k_pe, ix.rotate(ix.k_norm(k_idx), cos, sin), pdl=fo.pdl_at(B * T))
     # The indexer scores only when it must choose (S > its top-k); else every visible key is kept and its query
     # side (the wq_b rows of the stacked GEMV, the queries' rotary / Hadamard / quant, the head weights) is
     # skipped: the keys it caches above are still written for later steps.
@@ -764,7 +767,7 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
     if mla.fused_qb is not None and fo.norm_quant:  # the q_a norm + quant in one launch, y not stored
         n = mla.q_a_layernorm
         if q8 is None:
-            _, _, q8, qs = add_rms_norm_quant(qa, None, n.weight, n.eps, dt, store_y=False, pdl=fo.pdl)
+            _, _, q8, qs = add_rms_norm_quant(qa, None, n.weight, n.eps, dt, store_y=False, pdl=fo.pdl_at(B * T))
         wq = mla.fused_qb if score else (mla.q_b_proj.weight, mla.q_b_proj.weight_scale_inv)  # rows of fused_qb
         qq = linear(None, *wq, fo, out_dtype=dt, xq=(q8, qs))
         q, iq = qq[..., : H * (P + R)], qq[..., H * (P + R):]
@@ -778,9 +781,9 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
     if prologue:  # q_pe rotary and the indexer queries' rotary, Hadamard and quant in one launch
         q_lat = None
         if fuse_q:  # with the absorbed q
-            q_pe, iq8, iqs, q_lat = mla_q_prologue_absorb(mla, qq, cos, sin, index=score, pdl=fo.pdl)
+            q_pe, iq8, iqs, q_lat = mla_q_prologue_absorb(mla, qq, cos, sin, index=score, pdl=fo.pdl_at(B * T))
         else:
-            q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin, index=score, pdl=fo.pdl)
+            q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin, index=score, pdl=fo.pdl_at(B * T))
         o = mla_attend_fast(mla, x_BTD, None, q[..., :P], q_pe, cache, S, out_dtype=dt,
                             iq_quant=(iq8, iqs) if score else None, visible_BTS=visible_BTS, q_lat=q_lat)
         return mla.o_proj(o.reshape(B, T, H * mla.V))
@@ -799,7 +802,7 @@ def indexer_head_weights(mla: MLA, x_BTD: torch.Tensor) -> torch.Tensor:
     W = ix.weights_proj.weight
     scale = ix.n_heads ** -0.5 * ix.head_dim ** -0.5
     if mla.fast_options.index_weights:
-        return index_weights(x_BTD, W, scale, pdl=mla.fast_options.pdl)
+        return index_weights(x_BTD, W, scale, pdl=mla.fast_options.pdl_at(x_BTD.numel() // x_BTD.shape[-1]))
     if mla.mm_fp32 and x_BTD.dtype == torch.bfloat16:
         w = torch.mm(x_BTD.reshape(-1, x_BTD.shape[-1]), W.t(), out_dtype=torch.float32).mul_(scale)
         return w.view(*x_BTD.shape[:-1], ix.n_heads)
@@ -818,7 +821,7 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
     unseen key), and without an indexer (S <= top-k) the attention masks by it directly."""
     ix = mla.indexer
     lens = cache.seq_lens  # keys before this block; query t sees < lens + t + 1
-    pdl = mla.fast_options.pdl
+    pdl = mla.fast_options.pdl_at(x_BTD.shape[0] * x_BTD.shape[1])
     topk_idx = None
     if ix.topk < S:  # else every visible key is kept (the reference's select): no scores needed
         if iq_quant is None and iq_BTHD is None:

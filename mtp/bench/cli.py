@@ -192,8 +192,9 @@ def bench_hf(args) -> dict:
 
 
 def parse_switches(items: list[str]) -> dict:
-    """NAME=VALUE pairs of `FastPathOptions` switches: gemv_rows an integer, the others 0 / 1 / true / false."""
-    from ..kernels.dispatch import FastPathOptions
+    """NAME=VALUE pairs of `FastPathOptions` switches: gemv_rows and pdl_tokens integers, the others 0 / 1 / true /
+    false."""
+    from ..kernels.dispatch import INT_FIELDS, FastPathOptions
 
     names = set(FastPathOptions.__dataclass_fields__)
     out: dict = {}
@@ -201,11 +202,11 @@ def parse_switches(items: list[str]) -> dict:
         name, sep, value = item.partition("=")
         if not sep or name not in names:
             raise ValueError(f"expected NAME=VALUE with NAME one of {sorted(names)}, got {item!r}")
-        if name == "gemv_rows":
+        if name in INT_FIELDS:
             if not value.isdigit():
-                raise ValueError(f"gemv_rows takes an integer, got {value!r}")
+                raise ValueError(f"{name} takes an integer, got {value!r}")
             out[name] = int(value)
-            FastPathOptions(gemv_rows=out[name])  # its range, before anything is built
+            FastPathOptions(**{name: out[name]})  # its range, before anything is built
         elif value.lower() in ("1", "true", "on"):
             out[name] = True
         elif value.lower() in ("0", "false", "off"):

@@ -166,7 +166,7 @@ KERNEL_VARIANTS = {
     "old": (dict(gemv=False, norm_quant=False, router=False, prologue=False, absorb=False, index_weights=False,
                  pdl=False),
             dict(indexer_topk="torch", moe_layout="pairs")),
-    "new+pdl": (dict(pdl=True), dict()),
+    "new+pdl": (dict(pdl=True, pdl_tokens=64), dict()),
     # the split-K CUDA-core GEMV only up to 1 / 2 rows, the tensor-core GEMM above (its cost grows with the rows)
     "gemv1": (dict(gemv_rows=1), dict()),
     "gemv2": (dict(gemv_rows=2), dict()),
@@ -174,7 +174,7 @@ KERNEL_VARIANTS = {
     # the indexer's head weights as cuBLAS mm (+ its split-K reduce) + scale instead of `kernels.index_weights`
     "cublas_ixw": (dict(index_weights=False), dict()),
     # the experts' layout by size (persistent for T * J <= 64) on every MoE, also on a rank holding every expert's
-    # slice ('split'), which `fast_module` gives the pair grid above SPLIT_PERSISTENT_TOKENS (3) tokens
+    # slice ('split'), which `fast_module` gives the pair grid above SPLIT_PERSISTENT_TOKENS (4) tokens
     "moe_by_size": (dict(), dict(moe_layout=None)),
     "moe_pairs": (dict(), dict(moe_layout="pairs")),  # the pair grid on every MoE, whatever its rank holds
     # the persistent experts' K slices sized for every pair a distinct local expert (`moe.wave_splits`; a split
@@ -211,8 +211,10 @@ KERNEL_VARIANTS = {
     # programmatic dependent launch on every Triton kernel of the decode step (as new+pdl since session 12: each
     # triggers its successor at its start, loads / L2-prefetches its constant weights, then waits): attention,
     # indexer, top-k, MoE, norms, adds, silu * up, the few-row GEMM; not the NCCL all-reduce, the cuBLAS lm_head,
-    # torch glue or the final norm (the chain restarts after each)
-    "pdl_all": (dict(pdl=True), dict()),
+    # torch glue or the final norm (the chain restarts after each); at every width (the default: pdl_tokens 1, one
+    # token's launches only), and no PDL at all
+    "pdl_all": (dict(pdl=True, pdl_tokens=64), dict()),
+    "no_pdl": (dict(pdl=False), dict()),
 }
 
 

@@ -48,9 +48,9 @@ version, so the engine captures its kept graphs again).
   default: measured on one TP=8 split rank (H200, 61 layers, BENCHMARKS.md session 12) -1.1 ms a step at w = 1
   (6.43 vs 7.54 ms at 1k, 9.15-9.19 vs 10.35-10.46 at 32k), -0.25 to -0.57 at w = 2, wider steps unchanged (they
   run the pair grid).
-- pdl (off by default: measured on one TP=8 split rank, H200, BENCHMARKS.md session 12: -0.4 to -0.6 ms a step at
-  w = 1, within the run-to-run spread; +0.3 to +0.9 ms at w = 2..4, both repeats, 1k and 32k): launch every Triton kernel of the decode step with programmatic
-  dependent launch (Hopper; `_triton.pdl_kwargs`), so that each launches while the one before runs: each triggers
+- pdl (on, for calls of up to `pdl_tokens` tokens: 1 by default; measured on one TP=8 split rank, H200,
+  BENCHMARKS.md session 12, 3 alternations: -0.5 to -0.6 ms a step at w = 1, +0.3 to +0.9 ms at w = 2..4): launch
+  every Triton kernel of the decode step with programmatic dependent launch (Hopper; `_triton.pdl_kwargs`), so that each launches while the one before runs: each triggers
   its successor first thing (`pdl_launch`), loads or asks L2 for its constant weights (the GEMV's tile, W_kb / W_vb,
   the gate, the indexer's weights_proj, the few-row GEMM's slab), then waits for the previous kernel
   (`pdl_wait`) before it reads an earlier kernel's output or stores anything: the same bits as without. Not in the
@@ -86,6 +86,9 @@ __all__ = ["ELEMENTWISE_IMPLS", "ExpertMap", "FastPathOptions", "expert_map", "l
 ELEMENTWISE_IMPLS = ("triton", "compile", "eager")
 
 
+INT_FIELDS = ("gemv_rows", "pdl_tokens")  # the options that are integers; every other field is an on / off switch
+
+
 @dataclass
 class FastPathOptions:
     gemv: bool = True
@@ -95,7 +98,7 @@ class FastPathOptions:
     fuse_prologue: bool = True
     absorb: bool = True
     index_weights: bool = True
-    pdl: bool = False
+    pdl: bool = True
     mlp_reduce_norm: bool = True
     fuse_absorb_out: bool = False
     fuse_out_cast: bool = True
@@ -108,6 +111,10 @@ class FastPathOptions:
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)
     gemv_rows: int = 1
+    # with switch pdl: PDL on the launches of calls of at most this many tokens (rows). 1: measured on one TP=8
+    # split rank (H200, BENCHMARKS.md session 12, 3 alternations): the whole chain -0.5 to -0.6 ms a step at w = 1,
+    # +0.3 to +0.9 at w = 2..4
+    pdl_tokens: int = 1
 
     def __post_init__(self) -> None:
         from mtp.kernels.gemv_splitk import MAX_M
@@ -115,6 +122,13 @@ class FastPathOptions:
         rows = self.gemv_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_M:
             raise ValueError(f"FastPathOptions: gemv_rows must be an integer in 0..{MAX_M}, got {rows!r}")
+        n = self.pdl_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"FastPathOptions: pdl_tokens must be an integer >= 0, got {n!r}")
+
+    def pdl_at(self, tokens: int) -> bool:
+        """Whether a launch for `tokens` rows takes PDL: switch pdl, and tokens <= pdl_tokens."""
+        return self.pdl and tokens <= self.pdl_tokens
 
     def set(self, **flags) -> FastPathOptions:
         """Set some switches in place (names of the fields, all checked before any is set); returns a copy of the
@@ -123,7 +137,7 @@ class FastPathOptions:
         bad = set(flags) - names
         if bad:
             raise ValueError(f"FastPathOptions: unknown switch {sorted(bad)}; known: {sorted(names)}")
-        new = replace(self, **{k: v if k == "gemv_rows" else bool(v) for k, v in flags.items()})
+        new = replace(self, **{k: v if k in INT_FIELDS else bool(v) for k, v in flags.items()})
         old = replace(self)
         for f in fields(self):
             setattr(self, f.name, getattr(new, f.name))
@@ -141,13 +155,13 @@ def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, opts: Fas
     K = src.shape[-1]
     M = src.numel() // K if K else 0
     if opts.gemv and 1 <= M <= min(opts.gemv_rows, MAX_M) and w8.shape[0] > 0:
-        return fp8_gemv(x, w8, sw, xq=xq, out_dtype=out_dtype, pdl=opts.pdl)
+        return fp8_gemv(x, w8, sw, xq=xq, out_dtype=out_dtype, pdl=opts.pdl_at(M))
     if xq is not None:
         x8, sx = xq
         y = fp8_gemm(x8.reshape(-1, K), sx.reshape(-1, K // 128), w8, sw,
-                     out_dtype=out_dtype or (x.dtype if x is not None else torch.float32), pdl=opts.pdl)
+                     out_dtype=out_dtype or (x.dtype if x is not None else torch.float32), pdl=opts.pdl_at(M))
         return y.reshape(*src.shape[:-1], w8.shape[0])
-    return fp8_linear(x, w8, sw, out_dtype=out_dtype, pdl=opts.pdl)
+    return fp8_linear(x, w8, sw, out_dtype=out_dtype, pdl=opts.pdl_at(M))
 
 
 @dataclass(frozen=True, eq=False)
@@ -194,7 +208,7 @@ def route(x_ND: torch.Tensor, gate, opts: FastPathOptions,
     if opts.router:
         from mtp.kernels.router import moe_route_fused
 
-        return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, local=local, pdl=opts.pdl, **kw)
+        return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, local=local, pdl=opts.pdl_at(x_ND.shape[0]), **kw)
     from mtp.kernels.moe import moe_route
 
     w, ids = moe_route(x_ND, gate.weight, gate.e_score_correction_bias, **kw)

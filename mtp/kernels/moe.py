@@ -525,19 +525,23 @@ def default_splits(T: int, G: int, GI: int) -> tuple[int, int]:
     return min(G, 8 if T == 1 else 4), min(GI, 4 if T == 1 else 2)
 
 
-WAVE_ITEM_GROUPS = 2  # a work item's fixed cost (tile set-up, its partial's store and counter) in K groups' time
+WAVE_FILL = 0.9  # the fraction of the grid's programs the work items must reach (fitted to a sweep, see below)
 
 
 def wave_splits(items: int, G: int, programs: int) -> int:
-    """K slices of a persistent kernel whose work items are `items` x slices, each slice ~G / slices K groups long,
-    on `programs` programs: the count that minimizes (rounds of work items) x (groups per item + the item's fixed
-    cost, WAVE_ITEM_GROUPS: an assumption, not a measurement), the fewest slices among equals. `default_splits`
-    assumes ~1 active expert per token (a contiguous expert-parallel rank); where every pair names a distinct expert
-    of the stack (a 'split' rank: 8 routed + the shared one per token, 2 N-blocks each at TP=8) its 8 gate/up slices
-    give 144 items on 132 SMs, two rounds of 7 groups, where 7 slices give one round of 8."""
+    """K slices of a persistent kernel whose work items are `items` x slices (each slice ~G / slices K groups long)
+    on `programs` programs: the fewest slices whose items reach WAVE_FILL of the programs (at most G). Fewer, longer
+    items cost less than whole rounds of short ones (each item pays its pipeline fill, its partial's store and
+    counter); too few leave SMs idle. Fitted to `mtp.bench.topk_moe --only moe_split` (one TP=8 split rank, H200,
+    BENCHMARKS.md session 12: gate/up + down + combine, 8 routed + the shared slot per token, 2 N-blocks each), where
+    the fastest gate/up slices were 7 / 2 / 2 / 2 at 1 / 2 / 3 / 4 tokens (31.1 / 53.6 / 63.2 / 77.0 us; this rule:
+    7 / 4 / 3 / 2, where 4 slices at 2 tokens took 57.5 and 3 at 3 tokens was not timed) and the down kernel's
+    fastest was always 1 slice (this rule: 1). `default_splits` assumes ~1 active expert per token (a
+    contiguous expert-parallel rank); where every pair names a distinct expert of the stack (a 'split' rank) its 8
+    gate/up slices at one token give 144 items on 132 SMs, two rounds of 7 groups, where 7 give one round of 8."""
     if items < 1 or G < 1 or programs < 1:
         raise ValueError(f"wave_splits: items, G and programs must be >= 1, got {items}, {G}, {programs}")
-    return min(range(1, G + 1), key=lambda ks: (-(-items * ks // programs) * (-(-G // ks) + WAVE_ITEM_GROUPS), ks))
+    return min(G, -(-int(WAVE_FILL * programs) // items))
 
 
 def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_gate, s_gate, w_up, s_up, w_down, s_down,

@@ -96,3 +96,28 @@ def test_version_has_one_writer():
     assert model.version == v + 2
     with pytest.raises(AttributeError):
         model.version = 0
+
+
+def test_pdl_takes_the_launches_of_calls_up_to_pdl_tokens():
+    """Switch pdl with `pdl_tokens` (1 by default: measured faster at one token, slower at 2..4): `pdl_at(n)` says
+    whether a call of n tokens launches with PDL; bad values are refused by name, also through `set`."""
+    o = FastPathOptions()
+    assert o.pdl and o.pdl_tokens == 1
+    assert o.pdl_at(1) and not o.pdl_at(2) and not o.pdl_at(4)
+    o.set(pdl_tokens=64)
+    assert o.pdl_at(4) and o.pdl_at(64) and not o.pdl_at(65)
+    o.set(pdl=False)
+    assert not o.pdl_at(1)
+    for bad in (-1, True, 1.5):
+        try:
+            FastPathOptions(pdl_tokens=bad)
+        except ValueError as e:
+            assert "pdl_tokens" in str(e)
+        else:
+            raise AssertionError(f"pdl_tokens={bad!r} must be refused")
+    try:
+        FastPathOptions().set(pdl_tokens=-2)
+    except ValueError as e:
+        assert "pdl_tokens" in str(e)
+    else:
+        raise AssertionError("set(pdl_tokens=-2) must be refused")

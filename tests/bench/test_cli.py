@@ -258,10 +258,11 @@ def test_kernel_switches_argument(capsys):
     """--kernels NAME=VALUE sets fast-path switches for the run; bad names and values are refused by name."""
     from mtp.bench.cli import parse_args
 
-    assert parse_args(["--kernels", "gemv_rows=1", "pdl=1", "router=off"]).kernels == dict(
-        gemv_rows=1, pdl=True, router=False)
+    assert parse_args(["--kernels", "gemv_rows=1", "pdl=1", "router=off", "pdl_tokens=4"]).kernels == dict(
+        gemv_rows=1, pdl=True, router=False, pdl_tokens=4)
     assert parse_args([]).kernels == {}
     for bad, said in (("gemv_rows=x", "gemv_rows takes an integer"), ("pdl=maybe", "pdl takes 0 / 1"),
+                      ("pdl_tokens=on", "pdl_tokens takes an integer"),
                       ("gemv", "expected NAME=VALUE"), ("gmev=1", "expected NAME=VALUE")):
         with pytest.raises(SystemExit):
             parse_args(["--kernels", bad])
