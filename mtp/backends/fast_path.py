@@ -93,8 +93,8 @@ from .pending import Pending, resolved
 # run, eval/results/s12/h200b, variant moe_waves_by_size against defaults): w = 3 -0.83 ms at 1k, -0.38 at 32k; w = 4
 # -0.08 at 1k, +0.96 at 32k, when `wave_splits` gave 7 gate/up slices at 4 tokens. The experts alone at the split
 # rank's shapes (`mtp.bench.topk_moe --only moe_split`, H200, session 12): the pair grid 66.8 / 71.3 / 77.1 / 84.6 us
-# at 1..4 tokens, persistent with the slices `wave_splits` gives now (7 / 4 / 3 / 2; 2 measured at 3 tokens)
-# 31.1 / 57.5 / 63.2 / 77.0. Hence 4.
+# at 1..4 tokens, persistent with the slices `wave_splits` gives now (7 / 4 / 2 / 2) 31.1 / 56.4-57.5 / 63.2 / 77.0;
+# the whole step at w = 4 (eval/results/s12/h200e) -0.6 to -0.9 ms against the pair grid. Hence 4.
 SPLIT_PERSISTENT_TOKENS = 4
 
 

@@ -525,23 +525,27 @@ def default_splits(T: int, G: int, GI: int) -> tuple[int, int]:
     return min(G, 8 if T == 1 else 4), min(GI, 4 if T == 1 else 2)
 
 
-WAVE_FILL = 0.9  # the fraction of the grid's programs the work items must reach (fitted to a sweep, see below)
+# a work item's fixed cost (its pipeline fill, its partial's store, counter and fix-up) in K groups' streaming time:
+# fitted to the sweep below (20 would pick 3 gate/up slices at 3 tokens, measured 14 us slower than 2; 22 keeps
+# every measured choice), not derived
+WAVE_ITEM_GROUPS = 22
 
 
 def wave_splits(items: int, G: int, programs: int) -> int:
     """K slices of a persistent kernel whose work items are `items` x slices (each slice ~G / slices K groups long)
-    on `programs` programs: the fewest slices whose items reach WAVE_FILL of the programs (at most G). Fewer, longer
-    items cost less than whole rounds of short ones (each item pays its pipeline fill, its partial's store and
-    counter); too few leave SMs idle. Fitted to `mtp.bench.topk_moe --only moe_split` (one TP=8 split rank, H200,
-    BENCHMARKS.md session 12: gate/up + down + combine, 8 routed + the shared slot per token, 2 N-blocks each), where
-    the fastest gate/up slices were 7 / 2 / 2 / 2 at 1 / 2 / 3 / 4 tokens (31.1 / 53.6 / 63.2 / 77.0 us; this rule:
-    7 / 4 / 3 / 2, where 4 slices at 2 tokens took 57.5 and 3 at 3 tokens was not timed) and the down kernel's
-    fastest was always 1 slice (this rule: 1). `default_splits` assumes ~1 active expert per token (a
-    contiguous expert-parallel rank); where every pair names a distinct expert of the stack (a 'split' rank) its 8
-    gate/up slices at one token give 144 items on 132 SMs, two rounds of 7 groups, where 7 give one round of 8."""
+    on `programs` programs: the count that minimizes (rounds of items, fractional, at least one: a thin last round
+    costs little) x (groups per item + WAVE_ITEM_GROUPS), the fewest slices among equals. Fitted to `mtp.bench.
+    topk_moe --only moe_split` (one TP=8 split rank, H200, BENCHMARKS.md session 12: gate/up + down + combine, 8
+    routed + the shared slot per token, 2 N-blocks each), where the fastest gate/up slices were 7 / 2 / 2 / 2 at
+    1 / 2 / 3 / 4 tokens (31.1 / 53.6 / 63.2 / 77.0 us; this rule: 7 / 4 / 2 / 2, 4 slices at 2 tokens took 56.4-57.5)
+    and the down kernel's fastest was always 1 slice (this rule: 1). `default_splits` assumes ~1 active expert per
+    token (a contiguous expert-parallel rank: this rule gives its 8 too); where every pair names a distinct expert
+    of the stack (a 'split' rank) its 8 gate/up slices at one token give 144 items on 132 SMs, two rounds of 7
+    groups, where 7 give one round of 8."""
     if items < 1 or G < 1 or programs < 1:
         raise ValueError(f"wave_splits: items, G and programs must be >= 1, got {items}, {G}, {programs}")
-    return min(G, -(-int(WAVE_FILL * programs) // items))
+    return min(range(1, G + 1),
+               key=lambda ks: (max(1.0, items * ks / programs) * (-(-G // ks) + WAVE_ITEM_GROUPS), ks))
 
 
 def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_gate, s_gate, w_up, s_up, w_down, s_down,

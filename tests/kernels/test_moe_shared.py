@@ -311,16 +311,16 @@ if __name__ == "__main__":
 
 
 def test_wave_splits():
-    """`moe.wave_splits` at the TP=8 shapes (D = 7168: 56 K groups; 132 SMs; the fewest slices whose items reach 90%
-    of the programs): a split rank's tokens (8 routed + the shared expert, 2 N-blocks each: 18 items a slice per
-    token) take 7 / 4 / 3 / 2 gate/up slices at 1..4 tokens (126 / 144 / 162 / 144 items; the measured fastest at 1
-    and 4 tokens) and 1 down slice; a contiguous rank's one expert (16 N-blocks) 8, the default's."""
+    """`moe.wave_splits` at the TP=8 shapes (D = 7168: 56 K groups; 132 SMs): a split rank's tokens (8 routed + the
+    shared expert, 2 N-blocks each: 18 items a slice per token) take 7 / 4 / 2 / 2 gate/up slices at 1..4 tokens
+    (the measured fastest at 1, 3 and 4 tokens) and 1 down slice; a contiguous rank's one expert (16 N-blocks) 8,
+    the default's; one item a slice takes every group as its own slice, many items one slice."""
     from mtp.kernels.moe import default_splits, wave_splits
 
-    assert [wave_splits(18 * T, 56, 132) for T in (1, 2, 3, 4)] == [7, 4, 3, 2]
+    assert [wave_splits(18 * T, 56, 132) for T in (1, 2, 3, 4)] == [7, 4, 2, 2]
     assert wave_splits(16, 56, 132) == default_splits(1, 56, 16)[0] == 8
     assert all(wave_splits(9 * T * 56, 2, 264) == 1 for T in (1, 2, 3, 4))  # down: >= 504 items on 264 programs
-    assert wave_splits(1, 56, 132) == 56 and wave_splits(1000, 56, 132) == 1  # the bounds: G slices, one slice
+    assert wave_splits(1, 56, 132) == 56 and wave_splits(1000, 56, 132) == 1
     for ks_items in range(1, 300, 7):  # never more slices than K groups, never fewer than one
         assert 1 <= wave_splits(ks_items, 56, 132) <= 56
     for bad in ((0, 56, 132), (18, 0, 132), (18, 56, 0)):
