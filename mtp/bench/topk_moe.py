@@ -58,6 +58,16 @@ def row(section: str, shape: str, variant: str, us: float, **extra):
     log(f"[time] {section:<6} {shape:<28} {variant:<28} {us:9.2f} us {extra if extra else ''}")
 
 
+def _indexer_case(k8, ks, S: int, T: int, H: int, D: int, k: int):
+    """One row's indexer inputs over the keys (k8, ks): T random quantized queries of H heads, their head weights,
+    the row length S - T, the default kernel's scores and the reference top-k of them."""
+    q8, qs = act_quant_ref(torch.randn(1, T, H, D, device=DEV))
+    w = torch.randn(1, T, H, device=DEV) * H ** -0.5 * D ** -0.5
+    lens = torch.tensor([S - T], device=DEV, dtype=torch.int32)
+    sc = indexer_scores(q8, qs[..., 0], w, k8, ks[..., 0], lens)
+    return q8, qs, w, lens, sc, topk_select_ref(sc, lens, k)
+
+
 def topk_section(quick: bool, sizes: tuple[int, ...] | None = None, H: int = 64, k: int = 2048):
     D = 128
     sizes = sizes or ((8192, 32768) if quick else (8192, 32768, 131072))
@@ -65,11 +75,7 @@ def topk_section(quick: bool, sizes: tuple[int, ...] | None = None, H: int = 64,
         k8, ks = act_quant_ref(torch.randn(1, S, D, device=DEV))
         for T in (1, 2, 3, 4):
             shape = f"S={S} T={T}"
-            q8, qs = act_quant_ref(torch.randn(1, T, H, D, device=DEV))
-            w = torch.randn(1, T, H, device=DEV) * H ** -0.5 * D ** -0.5
-            lens = torch.tensor([S - T], device=DEV, dtype=torch.int32)
-            sc = indexer_scores(q8, qs[..., 0], w, k8, ks[..., 0], lens)
-            want = topk_select_ref(sc, lens, k)
+            q8, qs, w, lens, sc, want = _indexer_case(k8, ks, S, T, H, D, k)
             got = radix_topk(sc, lens, k)
             check(f"radix_topk {shape}", torch.equal(got, want))
             ties = sc.clone()
@@ -127,11 +133,7 @@ def one_launch_section(quick: bool, sizes: tuple[int, ...] | None = None, H: int
         k8, ks = act_quant_ref(torch.randn(1, S, D, device=DEV))
         for T in (1, 2, 4, 8):
             shape = f"S={S} T={T}"
-            q8, qs = act_quant_ref(torch.randn(1, T, H, D, device=DEV))
-            w = torch.randn(1, T, H, device=DEV) * H ** -0.5 * D ** -0.5
-            lens = torch.tensor([S - T], device=DEV, dtype=torch.int32)
-            sc = indexer_scores(q8, qs[..., 0], w, k8, ks[..., 0], lens)
-            want = topk_select_ref(sc, lens, k)
+            q8, qs, w, lens, sc, want = _indexer_case(k8, ks, S, T, H, D, k)
             grid = one_launch_grid(T, S, sms)
             check(f"one launch {shape} grid {grid}", torch.equal(radix_topk_one_launch(sc, lens, k), want))
             t3 = graph_us([lambda: radix_topk(sc, lens, k, rearm=True)])

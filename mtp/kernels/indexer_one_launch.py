@@ -30,9 +30,9 @@ import torch
 
 from mtp.kernels._triton import device_lens, interpreting, tl, triton
 from mtp.kernels.indexer import SCORES_DEFAULT, _key_tile, _score_query, check_indexer_args, indexer_topk
-from mtp.kernels.topk import (HIST, SMALL, _finish_row, _row_prefix, _split_block, _write_block, _zero_row,
-                              drop_kept_workspace, histograms, kept_workspace, score_keys, sm_count, topk_workspace)
-from mtp.kernels.topk_one_launch import _arrive, _wait
+from mtp.kernels.topk import (SMALL, _finish_row, _row_prefix, _split_block, _write_block, _zero_row,
+                              kept_workspace, score_keys, sm_count, topk_workspace)
+from mtp.kernels.topk_one_launch import _arrive, _wait, launch_phases, phase_buffers
 
 __all__ = ["MAX_T", "MAX_TILE", "indexer_grid", "indexer_topk_one_launch"]
 
@@ -150,25 +150,10 @@ def indexer_topk_one_launch(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2
     vis = visible.contiguous().view(torch.uint8) if visible is not None else sc  # (unused pointer: no tree)
     lens = device_lens(seq_lens, dev)
     ws = kept_workspace(R, dev) if rearm else topk_workspace(R, dev)
-    h16, h8 = histograms(ws, R)
-    ncand, arrive = ws[R * (HIST + 256):R * (HIST + 257)], ws[R * (HIST + 257):]
-    ck = torch.empty(R, S, dtype=torch.int32, device=dev)  # candidates of the last stage: keys and positions
-    ci = torch.empty(R, S, dtype=torch.int32, device=dev)
-    small = torch.empty(R * (2 * C + 2), dtype=torch.int32, device=dev)
-    gt, off, thr = small[:R * C], small[R * C:2 * R * C], small[2 * R * C:]  # per chunk: n above P, offset; (Tk, Ts)
     out = torch.empty(B, T, topk, dtype=torch.int32, device=dev)
     args = (q8.contiguous(), q_scale.float().contiguous(), w.float().contiguous(), k8.contiguous(),
-            k_scale.float().contiguous(), lens, vis, sc, h16, h8, ncand, arrive, ck, ci, gt, off, thr, out, S, C, topk)
+            k_scale.float().contiguous(), lens, vis, sc, *phase_buffers(ws, R, S, C), out, S, C, topk)
     meta = dict(T=T, H=H, D=D, BS=BS, TILE=tile, VIS=visible is not None, REARM=rearm, NB=1024,
                 CPAD=max(32, triton.next_power_of_2(C)), KB=1024, SMALL=SMALL, num_warps=WARPS)
-    try:
-        if split:
-            for phase in (1, 2, 3):
-                _indexer_topk_kernel[(B, C)](*args, PHASE=phase, **meta)
-        else:
-            _indexer_topk_kernel[(B, C)](*args, PHASE=0, launch_cooperative_grid=True, **meta)
-    except BaseException:
-        if rearm:  # stopped between launches (or a launch refused): the workspace may hold counts
-            drop_kept_workspace(ws)
-        raise
+    launch_phases(_indexer_topk_kernel, (B, C), args, meta, (1, 2, 3), split, ws, rearm)
     return out, sc

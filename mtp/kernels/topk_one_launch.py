@@ -40,7 +40,7 @@ from mtp.kernels.topk import (HIST, SMALL, _finish_row, _row_keys, _row_prefix, 
                               add_to_histograms, check_topk_args, drop_kept_workspace, histograms, kept_workspace,
                               radix_topk, sm_count, topk_workspace)
 
-__all__ = ["MAX_TILE", "MIN_TILE", "one_launch_grid", "radix_topk_one_launch"]
+__all__ = ["MAX_TILE", "MIN_TILE", "launch_phases", "one_launch_grid", "phase_buffers", "radix_topk_one_launch"]
 
 MIN_TILE = 1024  # positions per program at least (default chunking): as `radix_topk`'s default block
 MAX_TILE = 8192  # at most (16 warps, 16 keys a thread kept in registers); longer chunks take the three launches
@@ -132,6 +132,34 @@ def _topk_one_launch_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive
                 tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
+def phase_buffers(ws: torch.Tensor, R: int, S: int, C: int) -> tuple:
+    """The buffers the top-k's phases share, for R rows of S keys in C chunks: the row histograms, candidate counts
+    and barrier words (views of the workspace `ws`), the last stage's candidate keys and positions [R, S], and per
+    chunk its count above the prefix and its output offset, then each row's threshold (Tk, Ts)."""
+    h16, h8 = histograms(ws, R)
+    ncand, arrive = ws[R * (HIST + 256):R * (HIST + 257)], ws[R * (HIST + 257):]
+    ck = torch.empty(R, S, dtype=torch.int32, device=ws.device)
+    ci = torch.empty(R, S, dtype=torch.int32, device=ws.device)
+    small = torch.empty(R * (2 * C + 2), dtype=torch.int32, device=ws.device)
+    return h16, h8, ncand, arrive, ck, ci, small[:R * C], small[R * C:2 * R * C], small[2 * R * C:]
+
+
+def launch_phases(kernel, grid, args, meta: dict, phases, split: bool, ws: torch.Tensor, rearm: bool) -> None:
+    """`kernel` as one launch per phase of `phases` (split: the interpreter, or a forced check) or as one
+    cooperative launch (PHASE 0: every phase, barriers between); a kept workspace is dropped when anything stops
+    the launches (between them it may hold counts, which the next call must not inherit)."""
+    try:
+        if split:
+            for phase in phases:
+                kernel[grid](*args, PHASE=phase, **meta)
+        else:
+            kernel[grid](*args, PHASE=0, launch_cooperative_grid=True, **meta)
+    except BaseException:
+        if rearm:
+            drop_kept_workspace(ws)
+        raise
+
+
 def radix_topk_one_launch(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunks: int | None = None,
                           workspace: torch.Tensor | None = None, rearm: bool = False,
                           split_phases: bool | None = None, num_warps: int | None = None) -> torch.Tensor:
@@ -160,24 +188,10 @@ def radix_topk_one_launch(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k:
     filled = workspace is not None
     if workspace is None:
         workspace = kept_workspace(R, dev) if rearm else topk_workspace(R, dev)
-    h16, h8 = histograms(workspace, R)
-    ncand, arrive = workspace[R * (HIST + 256):R * (HIST + 257)], workspace[R * (HIST + 257):]
-    ck = torch.empty(R, S, dtype=torch.int32, device=dev)  # candidates of the last stage: keys and positions
-    ci = torch.empty(R, S, dtype=torch.int32, device=dev)
-    small = torch.empty(R * (2 * C + 2), dtype=torch.int32, device=dev)
-    gt, off, thr = small[:R * C], small[R * C:2 * R * C], small[2 * R * C:]  # per chunk: n above P, offset; (Tk, Ts)
     out = torch.empty(B, T, k, dtype=torch.int32, device=dev)
-    args = (sc, lens, h16, h8, ncand, arrive, ck, ci, gt, off, thr, out, S, T, C, k)
+    args = (sc, lens, *phase_buffers(workspace, R, S, C), out, S, T, C, k)
     meta = dict(TILE=tile, HIST=not filled, REARM=rearm, NB=1024, CPAD=max(32, triton.next_power_of_2(C)), KB=1024,
                 SMALL=SMALL, num_warps=num_warps or default_warps(tile))
-    try:
-        if split:
-            for phase in (1, 2, 3) if not filled else (2, 3):
-                _topk_one_launch_kernel[(R, C)](*args, PHASE=phase, **meta)
-        else:
-            _topk_one_launch_kernel[(R, C)](*args, PHASE=0, launch_cooperative_grid=True, **meta)
-    except BaseException:
-        if rearm:  # stopped between launches (or a launch refused): the workspace may hold counts
-            drop_kept_workspace(workspace)
-        raise
+    launch_phases(_topk_one_launch_kernel, (R, C), args, meta, (1, 2, 3) if not filled else (2, 3), split, workspace,
+                  rearm)
     return out

@@ -90,6 +90,13 @@ def test_one_launch_every_sm_one_program():
         assert torch.equal(radix_topk_one_launch(sc, L, 2048, chunks=SMS, rearm=True), topk_select_ref(sc, L, 2048))
 
 
+def _new_inputs(layers, T: int, S: int) -> None:
+    """New random queries, scales, head weights and keys in place of each captured layer's (lengths kept)."""
+    for a in layers:
+        for t, new in zip(a[:4], indexer_inputs(1, T, S, [0])[:4]):
+            t.copy_(new)
+
+
 @pytest.mark.parametrize("impl", ["radix", "radix_fused"])
 @pytest.mark.parametrize("T", [1, 4, 8])
 def test_one_launch_graph_replays(impl, T):
@@ -109,9 +116,7 @@ def test_one_launch_graph_replays(impl, T):
     want = None
     for i in range(50):
         if i % 10 == 0:
-            for a in layers:
-                for t, new in zip(a[:4], indexer_inputs(1, T, S, [0])[:4]):
-                    t.copy_(new)
+            _new_inputs(layers, T, S)
             want = [indexer_topk(*a, k, impl=impl)[0].clone() for a in layers]  # eager, three launches
         for idx, _ in outs:
             idx.fill_(-7)
@@ -181,9 +186,7 @@ def test_indexer_one_launch_graph_replays(T):
     want = None
     for i in range(50):
         if i % 10 == 0:
-            for a in layers:
-                for t, new in zip(a[:4], indexer_inputs(1, T, S, [0])[:4]):
-                    t.copy_(new)
+            _new_inputs(layers, T, S)
             want = [tuple(x.clone() for x in indexer_topk(*a, k, impl="radix")) for a in layers]
         for idx, sc in outs:
             idx.fill_(-7)
