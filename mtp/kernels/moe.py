@@ -53,6 +53,8 @@ tiles in one MMA instead of masked rows of a next_pow2(T) tile.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -64,8 +66,8 @@ from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
 
-__all__ = ["wave_splits", "moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts", "moe_experts_ref", "gate_logits",
-           "default_layout", "MAX_TOKENS", "PAIRS_MAX_TOKENS", "GROUPED_ABOVE"]
+__all__ = ["wave_splits", "waves_for", "moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts",
+           "moe_experts_ref", "gate_logits", "default_layout", "MAX_TOKENS", "PAIRS_MAX_TOKENS", "GROUPED_ABOVE"]
 
 # Tokens per `moe_experts` call. The grouped layout keeps a [T * J, D] fp32 buffer of per-pair outputs (0.94 GB at
 # 4096 tokens, J = 8, D = 7168), and 4096 tokens are already compute-bound at TP=8 (~128 local pairs per expert),
@@ -531,6 +533,7 @@ def default_splits(T: int, G: int, GI: int) -> tuple[int, int]:
 WAVE_ITEM_GROUPS = 22
 
 
+@functools.lru_cache(maxsize=None)  # a function of shapes, asked per MoE layer and call: computed once per shape
 def wave_splits(items: int, G: int, programs: int) -> int:
     """K slices of a persistent kernel whose work items are `items` x slices (each slice ~G / slices K groups long)
     on `programs` programs: the count that minimizes (rounds of items, fractional, at least one: a thin last round
@@ -546,6 +549,15 @@ def wave_splits(items: int, G: int, programs: int) -> int:
         raise ValueError(f"wave_splits: items, G and programs must be >= 1, got {items}, {G}, {programs}")
     return min(range(1, G + 1),
                key=lambda ks: (max(1.0, items * ks / programs) * (-(-G // ks) + WAVE_ITEM_GROUPS), ks))
+
+
+def waves_for(P: int, E: int, D: int, I: int, programs: tuple[int, int]) -> tuple[int, int]:
+    """(gate/up, down) K slices of `moe_experts(splits='waves')`: `wave_splits` with every one of the P pairs a
+    distinct expert of the E-entry stack (the bound: the kernels compute n_act <= P experts), on the persistent
+    kernels' (gate/up, down) programs."""
+    n = min(P, E)
+    return (wave_splits(n * (I // BLOCK), D // BLOCK, programs[0]),
+            wave_splits(n * triton.cdiv(D, BLOCK), I // BLOCK, programs[1]))
 
 
 def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_gate, s_gate, w_up, s_up, w_down, s_down,
@@ -616,6 +628,9 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     if block_m is not None and (layout != "grouped" or block_m not in BLOCK_MS):
         raise ValueError(f"moe_experts: block_m is the grouped layout's, one of {BLOCK_MS}; got {block_m} with "
                          f"layout {layout!r}")
+    if splits is not None and splits != "waves" and not (
+            isinstance(splits, tuple) and len(splits) == 2 and all(isinstance(k, int) and k >= 1 for k in splits)):
+        raise ValueError(f"moe_experts: splits must be 'waves' or (gate/up, down) K slices >= 1, got {splits!r}")
     if add is not None and (add.dtype != torch.float32 or tuple(add.shape) != (T, D) or not add.is_contiguous()):
         raise ValueError(f"moe_experts: add must be contiguous fp32 [{T}, {D}], got {add.dtype} {list(add.shape)}")
     idx = idx_TJ.to(torch.int32).contiguous()
@@ -651,13 +666,8 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     else:
         sm = _sm_count(dev)
         g_gu, g_down = programs or (sm, 2 * sm)
-        if splits is not None and splits != "waves" and not (
-                isinstance(splits, tuple) and len(splits) == 2 and all(isinstance(k, int) and k >= 1 for k in splits)):
-            raise ValueError(f"moe_experts: splits must be 'waves' or (gate/up, down) K slices >= 1, got {splits!r}")
-        if splits == "waves":  # the bound: every pair a distinct expert (the kernels' n_act <= P)
-            n_pairs = min(P, E)
-            splits = (wave_splits(n_pairs * (I // BLOCK), D // BLOCK, g_gu),
-                      wave_splits(n_pairs * triton.cdiv(D, BLOCK), I // BLOCK, g_down))
+        if splits == "waves":
+            splits = waves_for(P, E, D, I, (g_gu, g_down))
         ks_gu, ks_down = splits or default_splits(T, D // BLOCK, I // BLOCK)
         n_act = min(P, E)  # distinct experts, at most
         nb = I // BLOCK

@@ -176,16 +176,16 @@ def _kernel_checks() -> None:
         x = torch.randn(T, D, generator=g).bfloat16()
         idx = torch.stack([torch.randperm(E, generator=g)[:J] for _ in range(T)]).int()
         rw = torch.rand(T, J, generator=g)
-        P = min(T * (J + 1), E + 1)
-        ks = (moe_mod.wave_splits(P * (I // 128), D // 128, 132), moe_mod.wave_splits(P * (D // 128), I // 128, 264))
+        ks = moe_mod.waves_for(T * (J + 1), E + 1, D, I, (132, 264))  # the interpreter's grid: 132 SMs
         got = moe_experts(x, idx, rw, *ws, layout="persistent", shared=True, splits="waves", **kw)
         assert torch.equal(got, moe_experts(x, idx, rw, *ws, layout="persistent", shared=True, splits=ks, **kw)), T
         ref = moe_experts_ref(x, torch.cat([idx, torch.full((T, 1), S, dtype=torch.int32)], 1),
                               torch.cat([rw, torch.ones(T, 1)], 1), *ws, out_dtype=torch.float32)
         assert _rel(got, ref) < TOL, ("waves", T, _rel(got, ref))
-    for bad in ("wave", (0, 1), (2,), (1.0, 2)):
+    for bad, layout in (("wave", "persistent"), ((0, 1), "persistent"), ((2,), "persistent"),
+                        ((1.0, 2), "persistent"), ((0, 1), "pairs")):  # refused whatever the layout
         try:
-            moe_experts(x, idx, rw, *ws, layout="persistent", splits=bad)
+            moe_experts(x, idx, rw, *ws, layout=layout, splits=bad)
         except ValueError as e:
             assert "splits must be 'waves'" in str(e), (bad, str(e))
         else:
@@ -315,9 +315,11 @@ def test_wave_splits():
     shared expert, 2 N-blocks each: 18 items a slice per token) take 7 / 4 / 2 / 2 gate/up slices at 1..4 tokens
     (the measured fastest at 1, 3 and 4 tokens) and 1 down slice; a contiguous rank's one expert (16 N-blocks) 8,
     the default's; one item a slice takes every group as its own slice, many items one slice."""
-    from mtp.kernels.moe import default_splits, wave_splits
+    from mtp.kernels.moe import default_splits, wave_splits, waves_for
 
     assert [wave_splits(18 * T, 56, 132) for T in (1, 2, 3, 4)] == [7, 4, 2, 2]
+    # what moe_experts(splits='waves') runs there: 257 stack entries (256 routed + the shared one), I = 256 a rank
+    assert [waves_for(9 * T, 257, 7168, 256, (132, 264)) for T in (1, 2, 3, 4)] == [(7, 1), (4, 1), (2, 1), (2, 1)]
     assert wave_splits(16, 56, 132) == default_splits(1, 56, 16)[0] == 8
     assert all(wave_splits(9 * T * 56, 2, 264) == 1 for T in (1, 2, 3, 4))  # down: >= 504 items on 264 programs
     assert wave_splits(1, 56, 132) == 56 and wave_splits(1000, 56, 132) == 1
