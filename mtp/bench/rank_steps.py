@@ -86,13 +86,14 @@ def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
     impl = getattr(next((m for m in model.modules() if hasattr(m, "topk_impl")), None), "topk_impl", "torch")
 
     one = bool(getattr(getattr(model, "fast_options", None), "topk_one_launch", False))
+    from ..kernels.topk import radix_topk
+    from ..kernels.topk_one_launch import radix_topk_one_launch
+
+    select = radix_topk_one_launch if one else radix_topk  # chosen once, not in the timed call
 
     def topk():  # the top-k the fast path runs (`FastMLA.topk_impl`, switch topk_one_launch); torch.topk on reference
         if cuda and impl != "torch":
-            from ..kernels.topk import radix_topk
-            from ..kernels.topk_one_launch import radix_topk_one_launch
-
-            out["i"] = (radix_topk_one_launch if one else radix_topk)(out["s"], lens, cfg.index_topk)
+            out["i"] = select(out["s"], lens, cfg.index_topk)
         else:
             out["i"] = ix.topk_from_scores(out["s"], cfg.index_topk)
 

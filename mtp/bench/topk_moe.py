@@ -292,26 +292,62 @@ def routing_sets(T: int, E: int, e_loc: int, n: int, g: torch.Generator) -> list
     return sets
 
 
+def _expert_stack(n: int, I: int, D: int) -> list[torch.Tensor]:
+    """n random experts' FP8 gate, up and down weights and scales, stacked: [w_gate, s_gate, w_up, s_up, w_down,
+    s_down] as `moe_experts` takes them."""
+    from mtp.model.fp8 import weight_quant
+
+    ws = []
+    for N, K in ((I, D), (I, D), (D, I)):
+        parts = [weight_quant(torch.randn(N, K, device=DEV) * 0.02) for _ in range(n)]
+        ws += [torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])]
+        del parts
+    return ws
+
+
+def _expert_bytes(I: int, D: int) -> int:
+    """One expert's gate + up + down FP8 weights and fp32 block scales."""
+    return 3 * I * D + 3 * (I // 128) * (D // 128) * 4
+
+
+def _sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 4
+
+
+def _time_moe_variants(section: str, shape: str, variants, call, sets, ref, floor_us: float) -> dict:
+    """Each (name, kwargs) of `variants` as call(routing, **kwargs): checked on sets[0] against `ref` (5% relative),
+    then timed over every routing of `sets` in one graph; a config that does not compile is skipped, and said so.
+    {name: us} of those timed."""
+    res = {}
+    for name, kw in variants:
+        try:
+            y = call(sets[0], **kw)
+            err = ((y - ref).norm() / ref.norm()).item()
+            us = graph_us([lambda s=s: call(s, **kw) for s in sets])
+        except Exception as e:
+            log(f"[{section}] {shape} {name} failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        check(f"moe_experts {shape} {name}", err < 0.05, f"rel err {err:.2e}")
+        res[name] = us
+        row(section, shape, name, us, pct_floor=round(100 * floor_us / us, 1), floor_us=round(floor_us, 2))
+    return res
+
+
 def moe_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, ranks=((32, "TP=8"), (256, "TP=1"))):
     """moe_experts at one rank of TP=8 (32 local experts of 256) and at TP=1 (256), T = 1..4: the pairs layout
     (old) vs the persistent one (new), and a sweep of the new one's K slices and grid. Bytes: the distinct
     experts' gate + up + down FP8 weights and scales, over the measured copy bandwidth (% of the HBM floor).
     Routings rotate over 8 sets per graph, so each call reads other experts' weights (from HBM)."""
-    from mtp.model.fp8 import weight_quant
     from mtp.kernels.moe import default_splits, moe_experts, moe_experts_ref
 
     bw = copy_bandwidth()
     log(f"[bw] copy {bw / 1e9:.0f} GB/s")
     g = torch.Generator().manual_seed(0)
-    expert_bytes = 3 * I * D + 3 * (I // 128) * (D // 128) * 4
+    expert_bytes = _expert_bytes(I, D)
     for e_loc, tag in ranks:
         if quick and e_loc == E:
             continue
-        ws = []
-        for N, K in ((I, D), (I, D), (D, I)):
-            parts = [weight_quant(torch.randn(N, K, device=DEV) * 0.02) for _ in range(e_loc)]
-            ws += [torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])]
-            del parts
+        ws = _expert_stack(e_loc, I, D)
         for T in (1, 2, 3, 4):
             x = torch.randn(T, D, device=DEV).bfloat16()
             rw = torch.rand(T, 8, device=DEV)
@@ -320,7 +356,6 @@ def moe_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, ranks=(
             floor_us = active * expert_bytes / bw * 1e6
             shape = f"{tag} T={T} ({active:.2f} experts)"
             ref = moe_experts_ref(x, sets[0], rw, *ws, out_dtype=torch.float32)
-            res = {}
             variants = [("pairs (old)", dict(layout="pairs")), ("persistent (new)", dict(layout="persistent"))]
             if not quick:
                 G, GI = D // 128, I // 128
@@ -330,21 +365,12 @@ def moe_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, ranks=(
                         if (sg, sd) != dflt:
                             variants.append((f"persistent splits=({sg},{sd})",
                                              dict(layout="persistent", splits=(sg, sd))))
-                sm = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 4
+                sm = _sms()
                 variants += [("persistent 2/SM gu, 3 stages", dict(layout="persistent", programs=(2 * sm, 2 * sm),
                                                                    gate_up_stages=3)),
                              ("persistent 1/SM down", dict(layout="persistent", programs=(sm, sm)))]
-            for name, kw in variants:
-                try:
-                    y = moe_experts(x, sets[0], rw, *ws, out_dtype=torch.float32, **kw)
-                    err = ((y - ref).norm() / ref.norm()).item()
-                    us = graph_us([lambda s=s: moe_experts(x, s, rw, *ws, out_dtype=torch.float32, **kw) for s in sets])
-                except Exception as e:  # a config that does not compile is skipped
-                    log(f"[moe] {shape} {name} failed: {type(e).__name__}: {str(e)[:200]}")
-                    continue
-                check(f"moe_experts {shape} {name}", err < 0.05, f"rel err {err:.2e}")
-                res[name] = us
-                row("moe", shape, name, us, pct_floor=round(100 * floor_us / us, 1), floor_us=round(floor_us, 2))
+            res = _time_moe_variants("moe", shape, variants, lambda s, **kw: moe_experts(
+                x, s, rw, *ws, out_dtype=torch.float32, **kw), sets, ref, floor_us)
             if "pairs (old)" in res and "persistent (new)" in res:
                 log(f"[moe] {shape}: speedup {res['pairs (old)'] / res['persistent (new)']:.2f}x")
         del ws
@@ -358,19 +384,14 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
     persistent K slices, so that each width's choice is a measurement (the step's gate/up + down + combine
     launches, one `moe_experts` call). Bytes: the distinct experts' slices (routed + shared) over the measured
     copy bandwidth. Routings rotate over 8 sets per graph (other experts' weights each call, from HBM)."""
-    from mtp.model.fp8 import weight_quant
-    from mtp.kernels.moe import default_splits, moe_experts, moe_experts_ref, wave_splits
+    from mtp.kernels.moe import default_splits, moe_experts, moe_experts_ref, waves_for
 
     bw = copy_bandwidth()
     Is = I // world
     g = torch.Generator().manual_seed(0)
-    ws = []
-    for N, K in ((Is, D), (Is, D), (D, Is)):  # E routed + 1 shared slice, one stack
-        parts = [weight_quant(torch.randn(N, K, device=DEV) * 0.02) for _ in range(E + 1)]
-        ws += [torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])]
-        del parts
-    slice_bytes = 3 * Is * D + 3 * (Is // 128) * (D // 128) * 4
-    sm = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 4
+    ws = _expert_stack(E + 1, Is, D)  # E routed + 1 shared slice, one stack
+    slice_bytes = _expert_bytes(Is, D)
+    sm = _sms()
     for T in (1, 2, 3, 4):
         x = torch.randn(T, D, device=DEV).bfloat16()
         rw = torch.rand(T, 8, device=DEV)
@@ -381,8 +402,7 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
         shared = torch.full((T, 1), E, dtype=torch.int32, device=DEV)
         ref = moe_experts_ref(x, torch.cat([sets[0], shared], 1), torch.cat([rw, torch.ones(T, 1, device=DEV)], 1),
                               *ws, out_dtype=torch.float32)
-        P = min(T * 9, E + 1)
-        waves = (wave_splits(P * (Is // 128), D // 128, sm), wave_splits(P * (D // 128), Is // 128, 2 * sm))
+        waves = waves_for(T * 9, E + 1, D, Is, (sm, 2 * sm))  # what splits='waves' runs
         variants = [("pairs", dict(layout="pairs")),
                     (f"persistent default {default_splits(T, D // 128, Is // 128)}", dict(layout="persistent")),
                     (f"persistent waves {waves}", dict(layout="persistent", splits="waves"))]
@@ -391,17 +411,8 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
                 for sd in (1, 2):
                     if (sg, sd) != waves:
                         variants.append((f"persistent splits=({sg},{sd})", dict(layout="persistent", splits=(sg, sd))))
-        for name, kw in variants:
-            try:
-                y = moe_experts(x, sets[0], rw, *ws, out_dtype=torch.float32, shared=True, **kw)
-                err = ((y - ref).norm() / ref.norm()).item()
-                us = graph_us([lambda s=s: moe_experts(x, s, rw, *ws, out_dtype=torch.float32, shared=True, **kw)
-                               for s in sets])
-            except Exception as e:  # a config that does not compile is skipped, and said so
-                log(f"[moe_split] {shape} {name} failed: {type(e).__name__}: {str(e)[:200]}")
-                continue
-            check(f"moe_experts {shape} {name}", err < 0.05, f"rel err {err:.2e}")
-            row("moe_s", shape, name, us, pct_floor=round(100 * floor_us / us, 1), floor_us=round(floor_us, 2))
+        _time_moe_variants("moe_s", shape, variants, lambda s, **kw: moe_experts(
+            x, s, rw, *ws, out_dtype=torch.float32, shared=True, **kw), sets, ref, floor_us)
     del ws
     torch.cuda.empty_cache()
 
@@ -464,15 +475,11 @@ def moe_batch_section(quick: bool, E: int = 256, ranks=((32, "TP=8"), (256, "TP=
 def _moe_batch_rank(quick: bool, E: int, e_loc: int, tag: str, bw: float, g: torch.Generator,
                     D: int = 7168, I: int = 2048) -> list[tuple[str, float, dict]]:
     """`moe_batch_section` for one rank of e_loc experts: (shape, floor us, {variant: us}) per T."""
-    from mtp.model.fp8 import weight_quant
     from mtp.kernels.moe import PAIRS_MAX_TOKENS, PERSISTENT_MAX_PAIRS, moe_experts, moe_experts_ref
     from mtp.kernels.moe_grouped import BLOCK_MS, default_block_m
 
-    expert_bytes = 3 * I * D + 3 * (I // 128) * (D // 128) * 4
-    ws = []
-    for N, K in ((I, D), (I, D), (D, I)):
-        parts = [weight_quant(torch.randn(N, K, device=DEV) * 0.02) for _ in range(e_loc)]
-        ws += [torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])]
+    expert_bytes = _expert_bytes(I, D)
+    ws = _expert_stack(e_loc, I, D)
     out = []
     for T in ((1, 16, 64, 128, 512) if quick else BATCH_T):
         x = torch.randn(T, D, device=DEV).bfloat16()
