@@ -182,8 +182,10 @@ class FastMoE(MoE):
     already spreads over the GPU (79-94% of copy bandwidth), so it keeps 'pairs'; one rank's range of an
     expert-parallel MoE gets None from `fast_module` (its few active experts are what the persistent layout is
     for); a 'split' rank keeps 'pairs' but runs the persistent layout up to `persistent_tokens`
-    (SPLIT_PERSISTENT_TOKENS: its pair grid has 2 N-blocks per pair at TP=8). `set_kernel_options` switches. Above `grouped_above` tokens (verify batches, prefill) every MoE runs
-    the grouped GEMM (`kernels.moe_grouped`), `max_tokens` per call."""
+    (SPLIT_PERSISTENT_TOKENS: its pair grid has 2 N-blocks per pair at TP=8), its K slices sized for every pair a
+    distinct local expert (`all_local`, switch `moe_wave_splits`). `set_kernel_options` switches. Above
+    `grouped_above` tokens (verify batches, prefill) every MoE runs the grouped GEMM (`kernels.moe_grouped`),
+    `max_tokens` per call."""
 
     stacked: dict[str, torch.Tensor] | None = None
     # up to this many tokens the persistent layout runs whatever expert_layout says ('split' ranks:
@@ -802,7 +804,7 @@ def indexer_head_weights(mla: MLA, x_BTD: torch.Tensor) -> torch.Tensor:
     W = ix.weights_proj.weight
     scale = ix.n_heads ** -0.5 * ix.head_dim ** -0.5
     if mla.fast_options.index_weights:
-        return index_weights(x_BTD, W, scale, pdl=mla.fast_options.pdl_at(x_BTD.numel() // x_BTD.shape[-1]))
+        return index_weights(x_BTD, W, scale, pdl=mla.fast_options.pdl_at(x_BTD.shape[0] * x_BTD.shape[1]))
     if mla.mm_fp32 and x_BTD.dtype == torch.bfloat16:
         w = torch.mm(x_BTD.reshape(-1, x_BTD.shape[-1]), W.t(), out_dtype=torch.float32).mul_(scale)
         return w.view(*x_BTD.shape[:-1], ix.n_heads)

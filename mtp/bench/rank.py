@@ -199,7 +199,8 @@ KERNEL_VARIANTS = {
     # the default switches again: listed between others (kept as defaults#2, ...), it shows one run's spread
     "defaults": (dict(), dict()),
     # every fusion switch of session 11 off: the launches the session started from, on the same rank (not the split
-    # rank's persistent experts up to SPLIT_PERSISTENT_TOKENS, FastMoE.persistent_tokens: variant moe_pairs times the pair grid)
+    # rank's persistent experts up to SPLIT_PERSISTENT_TOKENS, FastMoE.persistent_tokens: variant moe_pairs times
+    # the pair grid)
     "s10": (dict(fuse_prologue=False, fuse_absorb_out=False, fuse_out_cast=False, topk_rearm=False,
                  shared_in_experts=False), dict()),
     # the indexer top-k's three radix phases in one cooperative launch (`topk_one_launch`), and the same with its

@@ -50,14 +50,14 @@ version, so the engine captures its kept graphs again).
   run the pair grid).
 - pdl (on, for calls of up to `pdl_tokens` tokens: 1 by default; measured on one TP=8 split rank, H200,
   BENCHMARKS.md session 12, 3 alternations: -0.5 to -0.6 ms a step at w = 1, +0.3 to +0.9 ms at w = 2..4): launch
-  every Triton kernel of the decode step with programmatic dependent launch (Hopper; `_triton.pdl_kwargs`), so that each launches while the one before runs: each triggers
-  its successor first thing (`pdl_launch`), loads or asks L2 for its constant weights (the GEMV's tile, W_kb / W_vb,
-  the gate, the indexer's weights_proj, the few-row GEMM's slab), then waits for the previous kernel
-  (`pdl_wait`) before it reads an earlier kernel's output or stores anything: the same bits as without. Not in the
-  chain: NCCL / one-shot all-reduces, cuBLAS (lm_head), torch glue, the final norm, the grouped MoE layout (> 16
-  tokens), the prefill GEMM and the cooperative one-launch top-k / indexer (switches topk_one_launch,
-  indexer_one_launch). The torch.compile'd elementwise ops join in only when TORCHINDUCTOR_ENABLE_PDL=1
-  is set before it compiles.
+  every Triton kernel of the decode step with programmatic dependent launch (Hopper; `_triton.pdl_kwargs`), so that
+  each launches while the one before runs: each triggers its successor first thing (`pdl_launch`), loads or asks
+  L2 for its constant weights (the GEMV's tile, W_kb / W_vb, the gate, the indexer's weights_proj, the few-row
+  GEMM's slab), then waits for the previous kernel (`pdl_wait`) before it reads an earlier kernel's output or
+  stores anything: the same bits as without. Not in the chain: NCCL / one-shot all-reduces, cuBLAS (lm_head), torch
+  glue, the final norm, the grouped MoE layout (> 16 tokens), the prefill GEMM and the cooperative one-launch top-k /
+  indexer (switches topk_one_launch, indexer_one_launch). The torch.compile'd elementwise ops join in only when
+  TORCHINDUCTOR_ENABLE_PDL=1 is set before it compiles.
 - topk_one_launch (off: measured no gain on the TP=8 rank at 32k, H200, session 12; alone 16.9 vs 17.3 us at 8k
   keys, 2 rows): the indexer top-k's three radix phases (histogram, split, write) in
   one cooperative launch whose programs meet at a barrier per row between them (`topk_one_launch`), where its grid
@@ -208,7 +208,8 @@ def route(x_ND: torch.Tensor, gate, opts: FastPathOptions,
     if opts.router:
         from mtp.kernels.router import moe_route_fused
 
-        return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, local=local, pdl=opts.pdl_at(x_ND.shape[0]), **kw)
+        return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, local=local,
+                               pdl=opts.pdl_at(x_ND.shape[0]), **kw)
     from mtp.kernels.moe import moe_route
 
     w, ids = moe_route(x_ND, gate.weight, gate.e_score_correction_bias, **kw)
