@@ -68,8 +68,11 @@ def prefetch_weight_tile(w_ptr, h, o0, stride_wh, stride_wk, stride_wo, KD: tl.c
         prefetch_rows_l2(w_ptr + h * stride_wh + o * stride_wo, KD, LINE)
 
 
-def weight_prefetch(stride_wk: int, stride_wo: int) -> int:
-    """`prefetch_weight_tile`'s PF for a weight of these strides (1: o contiguous, 2: k contiguous, 0: neither)."""
+def weight_prefetch(stride_wk: int, stride_wo: int, on: bool = True) -> int:
+    """`prefetch_weight_tile`'s PF for a weight of these strides (1: o contiguous, 2: k contiguous, 0: neither);
+    0 when not on (a launch without PDL, or switch `FastPathOptions.pdl_prefetch` off: the prefetch compiled out)."""
+    if not on:
+        return 0
     return 1 if stride_wo == 1 else 2 if stride_wk == 1 else 0
 
 
@@ -78,8 +81,8 @@ def _absorb_block(h, ob, x_ptr, w_ptr, y_ptr, n_tok, stride_xn, stride_xh, strid
                   H: tl.constexpr, KD: tl.constexpr, OD: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr,
                   BT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr, LINE: tl.constexpr):
     """Head h, output block ob of `_absorb_kernel`; also `mla_prologue_fused`'s absorb programs (the same code).
-    PDL: the weight tile (constant) is asked of L2 (`prefetch_weight_tile`), then the wait for x (the previous
-    kernel's) and the store; the product is the same."""
+    PDL: the weight tile (constant) is asked of L2 (`prefetch_weight_tile`; none with PF 0), then the wait for x (the
+    previous kernel's) and the store; the product is the same."""
     t = tl.arange(0, BT)
     o = ob * BO + tl.arange(0, BO)
     tmask = t < n_tok
@@ -111,7 +114,7 @@ def token_block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _launch(x_BTHK, w, stride_wk, stride_wo, OD, out_dtype, pdl):
+def _launch(x_BTHK, w, stride_wk, stride_wo, OD, out_dtype, pdl, prefetch):
     require(x_BTHK, "absorb")
     B, T, H, KD = x_BTHK.shape
     n = B * T
@@ -127,8 +130,8 @@ def _launch(x_BTHK, w, stride_wk, stride_wo, OD, out_dtype, pdl):
     launch = pdl_kwargs(pdl, x_BTHK)
     _absorb_kernel[(H, OD // consts["BO"])](x_BTHK, w, y, n, stride_t, x_BTHK.stride(2), w.stride(0), stride_wk,
                                             stride_wo, **consts, PDL=bool(launch),
-                                            PF=weight_prefetch(stride_wk, stride_wo), LINE=line_elems(w), num_warps=4,
-                                            **launch)
+                                            PF=weight_prefetch(stride_wk, stride_wo, bool(launch) and prefetch),
+                                            LINE=line_elems(w), num_warps=4, **launch)
     return y
 
 
@@ -142,21 +145,24 @@ def absorb_tiles(H: int, KD: int, OD: int, n: int, w_dtype: torch.dtype) -> dict
     return dict(H=H, KD=KD, OD=OD, BO=bo, BK=bk, BT=token_block(n), IEEE=w_dtype == torch.float32)
 
 
-def absorb_q(q_nope_BTHP: torch.Tensor, w_kb_HPC: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def absorb_q(q_nope_BTHP: torch.Tensor, w_kb_HPC: torch.Tensor, pdl: bool = False,
+             prefetch: bool = True) -> torch.Tensor:
     """Kernel twin of `absorb_q_ref`: q_lat [B, T, H, C] contiguous in w_kb's dtype; q_nope may be a strided
     view (the q_b output's nope channels). pdl: programmatic dependent launch (`_triton.pdl_kwargs`; the weight
-    tile is asked of L2 before the wait)."""
+    tile is asked of L2 before the wait, unless not prefetch: switch `FastPathOptions.pdl_prefetch`, the same
+    bits)."""
     H, P, C = w_kb_HPC.shape
     if q_nope_BTHP.shape[2:] != (H, P):
         raise ValueError(f"absorb_q: q_nope must be [B, T, {H}, {P}], got {list(q_nope_BTHP.shape)}")
-    return _launch(q_nope_BTHP, w_kb_HPC, w_kb_HPC.stride(1), w_kb_HPC.stride(2), C, w_kb_HPC.dtype, pdl)
+    return _launch(q_nope_BTHP, w_kb_HPC, w_kb_HPC.stride(1), w_kb_HPC.stride(2), C, w_kb_HPC.dtype, pdl, prefetch)
 
 
-def absorb_out(o_lat_BTHC: torch.Tensor, w_vb_HVC: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+def absorb_out(o_lat_BTHC: torch.Tensor, w_vb_HVC: torch.Tensor, pdl: bool = False,
+               prefetch: bool = True) -> torch.Tensor:
     """Kernel twin of `absorb_out_ref`: o [B, T, H, V] contiguous in the einsum's dtype (o_lat's / W_vb's).
-    pdl: as `absorb_q`'s."""
+    pdl, prefetch: as `absorb_q`'s."""
     H, V, C = w_vb_HVC.shape
     if o_lat_BTHC.shape[2:] != (H, C) or o_lat_BTHC.dtype != w_vb_HVC.dtype:
         raise ValueError(f"absorb_out: o_lat must be [B, T, {H}, {C}] in {w_vb_HVC.dtype}, got "
                          f"{list(o_lat_BTHC.shape)} {o_lat_BTHC.dtype}")
-    return _launch(o_lat_BTHC, w_vb_HVC, w_vb_HVC.stride(2), w_vb_HVC.stride(1), V, w_vb_HVC.dtype, pdl)
+    return _launch(o_lat_BTHC, w_vb_HVC, w_vb_HVC.stride(2), w_vb_HVC.stride(1), V, w_vb_HVC.dtype, pdl, prefetch)

@@ -47,7 +47,7 @@ def fp8_linear_ref(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor) -
 def _gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, M, N, G, groups_per_split, n_splits,
                  stride_xm, stride_wn, stride_swn,
                  QUANT_X: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pdl_launch(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -61,8 +61,8 @@ def _gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, M, N, G
     sw_ptrs = sw_ptr + (offs_n // 128) * stride_swn
     g0 = pid_s * groups_per_split
     g1 = tl.minimum(g0 + groups_per_split, G)
-    if PDL:  # the program's weight slab (constant, 1-byte elements: 128 per line) asked of L2 while the
-        # previous kernel finishes; the pipelined loads below then find it there (the same bits)
+    if PDL and PREFETCH:  # the program's weight slab (constant, 1-byte elements: 128 per line) asked of L2 while
+        # the previous kernel finishes; the pipelined loads below then find it there (the same bits)
         prefetch_rows_l2(w_ptr + tl.where(nmask, offs_n, 0).to(tl.int64) * stride_wn + g0 * 128, (g1 - g0) * 128, 128)
     pdl_wait(PDL)  # x (and its scales) come from the previous kernel; every store and the counters after it
     acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -186,7 +186,8 @@ def default_splits(N: int, G: int, device: torch.device, bn: int = 128) -> int:
     return triton.cdiv(G, triton.cdiv(G, splits))
 
 
-def _gemv(x, sx, w8, sw, out_dtype, quant_x, splits=None, num_stages=3, num_warps=4, bn=None, pdl=False):
+def _gemv(x, sx, w8, sw, out_dtype, quant_x, splits=None, num_stages=3, num_warps=4, bn=None, pdl=False,
+          prefetch=True):
     M, K = x.shape
     N = w8.shape[0]
     G = K // BLOCK
@@ -206,7 +207,7 @@ def _gemv(x, sx, w8, sw, out_dtype, quant_x, splits=None, num_stages=3, num_warp
     _gemv_kernel[(nb, splits)](x, sx if sx is not None else x, w8, sw, part, y, cnt, M, N, G, gps, splits,
                                x.stride(0), w8.stride(0), sw.stride(0),
                                QUANT_X=quant_x, SPLIT=splits > 1, BM=bm, BN=bn, PDL=bool(launch),
-                               num_stages=num_stages, num_warps=num_warps, **launch)
+                               PREFETCH=bool(launch) and prefetch, num_stages=num_stages, num_warps=num_warps, **launch)
     return y
 
 
@@ -222,13 +223,15 @@ def _gemm(x8, sx, w8, sw, out_dtype, bm=128, bn=128, num_stages=4, num_warps=8):
 
 
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype | None = None,
-               fuse_quant: bool | None = None, pdl: bool = False, **tune) -> torch.Tensor:
+               fuse_quant: bool | None = None, pdl: bool = False, prefetch: bool = True, **tune) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequant(w8, scale_inv)^T with per-128 activation quant; y in x's dtype by default.
 
     fuse_quant: quantize x inside the weight-streaming kernel rather than in one act_quant launch first
     (default: `default_plan`). `tune` (splits, num_stages, num_warps, bn) overrides the small-M launch. pdl: the
     small-M path's launches (act_quant, the weight-streaming kernel, which asks L2 for its weight slab before
-    the wait) with programmatic dependent launch (`_triton.pdl_kwargs`); the prefill GEMM stays plain.
+    the wait) with programmatic dependent launch (`_triton.pdl_kwargs`); the prefill GEMM stays plain. prefetch
+    (with pdl; switch `FastPathOptions.pdl_prefetch`): False compiles that L2 prefetch out (constexpr PREFETCH), the
+    launch and the wait stay; the same bits either way (a prefetch is a hint).
     """
     require(x, "fp8_linear")
     K = x.shape[-1]
@@ -241,10 +244,10 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor, out_d
     if fuse_quant is None:
         fuse_quant = default_plan(M, N, K // BLOCK, x.device)["fuse_quant"]
     if M <= SMALL_M and fuse_quant:
-        y = _gemv(x2, None, w8, scale_inv, out_dtype, quant_x=True, pdl=pdl, **tune)
+        y = _gemv(x2, None, w8, scale_inv, out_dtype, quant_x=True, pdl=pdl, prefetch=prefetch, **tune)
     elif M <= SMALL_M:
         x8, sx = act_quant(x2, pdl=pdl)
-        y = _gemv(x8, sx, w8, scale_inv, out_dtype, quant_x=False, pdl=pdl, **tune)
+        y = _gemv(x8, sx, w8, scale_inv, out_dtype, quant_x=False, pdl=pdl, prefetch=prefetch, **tune)
     else:
         x8, sx = act_quant(x2)
         y = _gemm(x8, sx, w8, scale_inv, out_dtype)
@@ -252,9 +255,10 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor, out_d
 
 
 def fp8_gemm(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor,
-             out_dtype: torch.dtype = torch.float32, pdl: bool = False, **tune) -> torch.Tensor:
+             out_dtype: torch.dtype = torch.float32, pdl: bool = False, prefetch: bool = True,
+             **tune) -> torch.Tensor:
     """Kernel twin of `mtp.model.fp8.fp8_gemm_ref` on pre-quantized x8 [M, K] / sx [M, G]: returns [M, N] in out_dtype.
-    pdl: as `fp8_linear`'s (M <= SMALL_M)."""
+    pdl, prefetch: as `fp8_linear`'s (M <= SMALL_M)."""
     require(x8, "fp8_gemm")
     M, K = x8.shape
     _check_weight(w8, sw, K, "fp8_gemm")
@@ -263,5 +267,5 @@ def fp8_gemm(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Ten
     x8 = x8.contiguous()
     sx = sx.contiguous()
     if M <= SMALL_M:
-        return _gemv(x8, sx, w8, sw, out_dtype, quant_x=False, pdl=pdl, **tune)
+        return _gemv(x8, sx, w8, sw, out_dtype, quant_x=False, pdl=pdl, prefetch=prefetch, **tune)
     return _gemm(x8, sx, w8, sw, out_dtype)

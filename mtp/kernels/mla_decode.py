@@ -257,7 +257,7 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
                splits: int | None = None, variant: str = "fused",
                block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int | None = None,
                min_block_h: int | None = None, w_vb: torch.Tensor | None = None,
-               block_v: int | None = None, pdl: bool = False) -> torch.Tensor:
+               block_v: int | None = None, pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
     """Kernel twin of `mla_decode_ref`: o_lat [B, T, H, 512] in out_dtype. w_vb [H, V, 512] (in out_dtype, at most
     absorb.MAX_TOKENS tokens): o = absorb_out(o_lat, w_vb) [B, T, H, V] instead, stage 2 and the projection in one
     launch (`mla_out.stage2_absorb`, the same bits; block_v: its output channels per program). The keyword knobs
@@ -267,7 +267,8 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
     8 warps (wgmma; the 16/32-head mma.sync tiles spilled: 255 registers), 3 stages dense / 2 sparse
     (S = 32768, T = 1: 54 vs 60 us; top-k: 20.7 vs 21.8 us). min_block_h: fewest heads per program (default
     MIN_BLOCK_H); a rank's 16 heads may run in a 64-head tile (masked) to take the wgmma tile. pdl: both launches
-    with programmatic dependent launch (`_triton.pdl_kwargs`)."""
+    with programmatic dependent launch (`_triton.pdl_kwargs`); prefetch: with w_vb, `stage2_absorb`'s (its W_vb tile
+    asked of L2 before the wait; False: compiled out, switch `FastPathOptions.pdl_prefetch`)."""
     require(q_lat, "mla_decode")
     B, T, H, C = q_lat.shape
     S = kv8.shape[1]
@@ -313,7 +314,7 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
         SPARSE=sparse, VIS=visible is not None, DOT=tl.float32 if interpreting() else tl.bfloat16, BH=bh,
         BN=block_n, PDL=bool(launch), num_warps=num_warps, num_stages=num_stages, **launch)
     if w_vb is not None:
-        return stage2_absorb(o_part, lse, splits, w_vb, B, T, block_v, pdl=pdl)
+        return stage2_absorb(o_part, lse, splits, w_vb, B, T, block_v, pdl=pdl, prefetch=prefetch)
     out = torch.empty(B, T, H, 512, dtype=out_dtype, device=dev)
     _mla_stage2[(B * T * H,)](o_part, lse, out, splits, NSP=triton.next_power_of_2(splits), PDL=bool(launch),
                               num_warps=4, **launch)

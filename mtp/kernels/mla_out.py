@@ -56,7 +56,8 @@ def _stage2_absorb_kernel(o_ptr, lse_ptr, w_ptr, y_ptr, n_tok, NS, stride_wh, st
                           NSP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PF: tl.constexpr,
                           LINE: tl.constexpr):
     """y[n, h, o] = sum_k round(merge(n, h)[k]) * w[h, o, k], o in this program's block (absorb's kernel, its x
-    merged here instead of loaded). PDL: the W_vb tile asked of L2 before the wait for stage 1's results."""
+    merged here instead of loaded). PDL: the W_vb tile asked of L2 (PF: how; 0 none) before the wait for stage 1's
+    results."""
     pdl_launch(PDL)
     h = tl.program_id(0)
     ob = tl.program_id(1)
@@ -79,11 +80,12 @@ def _stage2_absorb_kernel(o_ptr, lse_ptr, w_ptr, y_ptr, n_tok, NS, stride_wh, st
 
 
 def stage2_absorb(o_part: torch.Tensor, lse: torch.Tensor, splits: int, w_vb_HVC: torch.Tensor, B: int, T: int,
-                  block_v: int | None = None, pdl: bool = False) -> torch.Tensor:
+                  block_v: int | None = None, pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
     """o [B, T, H, V] in W_vb's dtype from stage 1's partial results (o_part [B*T*H*splits, 512] fp32, lse
     [B*T*H*splits] fp32, base 2): `absorb_out(stage 2's o_lat in W_vb's dtype, w_vb)` in one launch, the same bits.
     block_v: output channels per program (default `absorb.out_block`, absorb_out's; a power of two >= 16
-    dividing V). pdl: programmatic dependent launch (`_triton.pdl_kwargs`)."""
+    dividing V). pdl: programmatic dependent launch (`_triton.pdl_kwargs`), the W_vb tile asked of L2 before the
+    wait unless not prefetch (switch `FastPathOptions.pdl_prefetch`: compiled out, the same bits)."""
     require(o_part, "stage2_absorb")
     H, V, C = w_vb_HVC.shape
     n = B * T
@@ -101,6 +103,8 @@ def stage2_absorb(o_part: torch.Tensor, lse: torch.Tensor, splits: int, w_vb_HVC
     _stage2_absorb_kernel[(H, V // bo)](o_part, lse, w_vb_HVC, y, n, splits, w_vb_HVC.stride(0), w_vb_HVC.stride(2),
                                         w_vb_HVC.stride(1), H=H, V=V, BO=bo, BK=128, BT=token_block(n),
                                         NSP=triton.next_power_of_2(splits), IEEE=w_vb_HVC.dtype == torch.float32,
-                                        PDL=bool(launch), PF=weight_prefetch(w_vb_HVC.stride(2), w_vb_HVC.stride(1)),
+                                        PDL=bool(launch),
+                                        PF=weight_prefetch(w_vb_HVC.stride(2), w_vb_HVC.stride(1),
+                                                           bool(launch) and prefetch),
                                         LINE=line_elems(w_vb_HVC), num_warps=4, **launch)
     return y

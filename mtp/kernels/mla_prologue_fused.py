@@ -110,12 +110,12 @@ def _q_absorb_kernel(qq_ptr, cos_ptr, sin_ptr, qpe_ptr, iq8_ptr, iqs_ptr, stride
 
 
 def mla_q_prologue_absorb(mla, qq_BTX: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: bool = True,
-                          pdl: bool = False):
+                          pdl: bool = False, prefetch: bool = True):
     """`mla_prologue.mla_q_prologue(mla, qq_BTX, cos, sin, index)` and `absorb.absorb_q(q_nope, mla.w_kb)` (q_nope
     the q_b output's nope channels) in one launch: returns (q_pe, iq8, iqs, q_lat [B, T, H, C] in w_kb's dtype),
     the same bits as the two launches (iq8, iqs None when not index). 1..absorb.MAX_TOKENS tokens. pdl:
     programmatic dependent launch (`_triton.pdl_kwargs`), the absorb programs' W_kb tiles asked of L2 before the
-    wait (`absorb_q`'s)."""
+    wait (`absorb_q`'s) unless not prefetch (switch `FastPathOptions.pdl_prefetch`: compiled out, the same bits)."""
     name = "mla_q_prologue_absorb"
     q, args, consts, (q_pe, iq8, iqs) = q_prologue_args(mla, qq_BTX, cos, sin, index, name)
     w = mla.w_kb
@@ -132,5 +132,6 @@ def mla_q_prologue_absorb(mla, qq_BTX: torch.Tensor, cos: torch.Tensor, sin: tor
     launch = pdl_kwargs(pdl, q)
     _q_absorb_kernel[(grid,)](*args, w, q_lat, n, w.stride(0), w.stride(1), w.stride(2), **consts, HQ=heads, C=C,
                               BO=tiles["BO"], BK=tiles["BK"], BT=tiles["BT"], IEEE=tiles["IEEE"], PDL=bool(launch),
-                              PF=weight_prefetch(w.stride(1), w.stride(2)), LINE=line_elems(w), num_warps=4, **launch)
+                              PF=weight_prefetch(w.stride(1), w.stride(2), bool(launch) and prefetch),
+                              LINE=line_elems(w), num_warps=4, **launch)
     return q_pe, iq8, iqs, q_lat

@@ -248,11 +248,12 @@ def _slot_weights(rw_ptr, slot, active, TOPK: tl.constexpr, J: tl.constexpr):
 
 
 @triton.jit
-def _shared_prefetch(w_ptr, S, stride_we, n, TOPK: tl.constexpr, J: tl.constexpr, PDL: tl.constexpr):
-    """With PDL and the implicit shared slot (TOPK == J + 1): the shared expert's n-element weight (stack entry S,
-    contiguous; 1-byte fp8: 128 per line) asked of L2 before the wait, each program a share. Which routed experts
-    run is the router's output, read after the wait; the shared one is every token's, known before it."""
-    if PDL:
+def _shared_prefetch(w_ptr, S, stride_we, n, TOPK: tl.constexpr, J: tl.constexpr, PDL: tl.constexpr,
+                     PREFETCH: tl.constexpr):
+    """With PDL, PREFETCH and the implicit shared slot (TOPK == J + 1): the shared expert's n-element weight (stack
+    entry S, contiguous; 1-byte fp8: 128 per line) asked of L2 before the wait, each program a share. Which routed
+    experts run is the router's output, read after the wait; the shared one is every token's, known before it."""
+    if PDL and PREFETCH:
         if TOPK > J:
             prefetch_span_l2(w_ptr + tl.cast(S, tl.int64) * stride_we, n, 128, 32)
 
@@ -344,10 +345,10 @@ def _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I
 def _moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr,
                         T, D, I, stride_xm, stride_we, stride_se, stride_sn, S,
                         TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
-                        KPAD: tl.constexpr, PDL: tl.constexpr):
+                        KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pdl_launch(PDL)
-    _shared_prefetch(w1_ptr, S, stride_we, I * D, TOPK, J, PDL)
-    _shared_prefetch(w3_ptr, S, stride_we, I * D, TOPK, J, PDL)
+    _shared_prefetch(w1_ptr, S, stride_we, I * D, TOPK, J, PDL, PREFETCH)
+    _shared_prefetch(w3_ptr, S, stride_we, I * D, TOPK, J, PDL, PREFETCH)
     pdl_wait(PDL)  # which routed experts (the router's ids) decides which weights: nothing to load before it
     p = tl.program_id(0)
     nb = tl.program_id(1)
@@ -362,9 +363,9 @@ def _moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, 
 def _moe_down_kernel(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
                      T, D, I, stride_we, stride_se, stride_sn, S,
                      TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
-                     KPAD: tl.constexpr, PDL: tl.constexpr):
+                     KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     pdl_launch(PDL)
-    _shared_prefetch(w2_ptr, S, stride_we, D * I, TOPK, J, PDL)
+    _shared_prefetch(w2_ptr, S, stride_we, D * I, TOPK, J, PDL, PREFETCH)
     pdl_wait(PDL)  # the router's ids and weights, gate / up's h
     p = tl.program_id(0)
     nb = tl.program_id(1)
@@ -412,14 +413,14 @@ def _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, G, S, TOPK: tl.constexpr, J
 def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr, part_ptr, cnt_ptr,
                             T, D, I, stride_xm, stride_we, stride_se, stride_sn, KS, S,
                             TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
-                            KPAD: tl.constexpr, PDL: tl.constexpr):
+                            KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Work item (a, nb, ks): the a-th distinct expert, N-block nb, K slice ks, handed out round-robin over a
     grid of ~one program per SM, so the few experts a rank computes at decode still fill every SM. The last
     slice of (a, nb) to finish (atomic counter) sums the fp32 partials in slice order (deterministic) and
     writes h; it re-arms the counter."""
     pdl_launch(PDL)
-    _shared_prefetch(w1_ptr, S, stride_we, I * D, TOPK, J, PDL)
-    _shared_prefetch(w3_ptr, S, stride_we, I * D, TOPK, J, PDL)
+    _shared_prefetch(w1_ptr, S, stride_we, I * D, TOPK, J, PDL, PREFETCH)
+    _shared_prefetch(w3_ptr, S, stride_we, I * D, TOPK, J, PDL, PREFETCH)
     pdl_wait(PDL)  # the router's ids; the counters, re-armed by their last user, are touched after it
     q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, S, TOPK, J, PPAD)
     NB = I // 128
@@ -451,11 +452,11 @@ def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_p
 def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
                          T, D, I, stride_we, stride_se, stride_sn, KS, S,
                          TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
-                         KPAD: tl.constexpr, PDL: tl.constexpr):
+                         KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Work item (a, nb, ks) as in `_moe_gate_up_persistent`; slice ks writes its weighted partial to
     out[ks, slot], which the combine kernel sums in a fixed order."""
     pdl_launch(PDL)
-    _shared_prefetch(w2_ptr, S, stride_we, D * I, TOPK, J, PDL)
+    _shared_prefetch(w2_ptr, S, stride_we, D * I, TOPK, J, PDL, PREFETCH)
     pdl_wait(PDL)  # the router's ids and weights, gate / up's h
     q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, S, TOPK, J, PPAD)
     NB = tl.cdiv(D, 128)
@@ -564,7 +565,8 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                 out_dtype: torch.dtype | None = None, gate_up_stages: int | None = None, down_stages: int | None = None,
                 layout: str | None = None, splits: tuple[int, int] | str | None = None,
                 programs: tuple[int, int] | None = None, add: torch.Tensor | None = None,
-                block_m: int | None = None, shared: bool = False, pdl: bool = False) -> torch.Tensor:
+                block_m: int | None = None, shared: bool = False, pdl: bool = False,
+                prefetch: bool = True) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
@@ -591,7 +593,9 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     The persistent layout then holds T * (J + 1) pairs.
     pdl: the pair / persistent layouts' three launches with programmatic dependent launch (`_triton.pdl_kwargs`:
     which routed experts' weights they read is the router's output, read after the wait; with `shared` the shared
-    expert's weights are asked of L2 before it, a share per program; the grouped layout's launches stay plain).
+    expert's weights are asked of L2 before it, a share per program, unless not prefetch: switch
+    `FastPathOptions.pdl_prefetch`, the prefetch compiled out, the same bits; the grouped layout's launches stay
+    plain).
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
@@ -648,7 +652,8 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     wargs = (w_gate, s_gate, w_up, s_up)
     S = E - 1 if shared else -3  # read only where TOPK = J + 1
     launch = pdl_kwargs(pdl, x)
-    kw = dict(TOPK=TOPK, J=J, BM=bm, PPAD=ppad, KPAD=kpad, PDL=bool(launch), num_warps=4, **launch)
+    kw = dict(TOPK=TOPK, J=J, BM=bm, PPAD=ppad, KPAD=kpad, PDL=bool(launch), PREFETCH=bool(launch) and prefetch,
+              num_warps=4, **launch)
     if layout == "pairs":
         if gate_up_stages is None:
             # H200 sweep (T=1 / T=4): 4 stages (145 KB smem, 1 program per SM) won when the leaders' programs

@@ -51,10 +51,11 @@ IMPLS = ("serial", "grouped")
 
 @triton.jit
 def _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
-                GPS: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr):
+                GPS: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr,
+                PREFETCH: tl.constexpr):
     """This program's share of the gate GEMV: its [BE, K-slice] of Wg against all T tokens, stored as fp32
-    partial logits part[slice, t, e]. With PDL its slice of Wg (constant) is asked of L2 before the wait, one
-    request per LINE elements (128 bytes), so that the loads after it find it there (the same bits)."""
+    partial logits part[slice, t, e]. With PDL (and PREFETCH) its slice of Wg (constant) is asked of L2 before the
+    wait, one request per LINE elements (128 bytes), so that the loads after it find it there (the same bits)."""
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_e = pid_e * BE + tl.arange(0, BE)
@@ -66,8 +67,9 @@ def _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E: tl.constexpr, BE: tl
     G = D // 128
     acc = tl.zeros((BE, BT), dtype=tl.float32)
     if PDL:  # x comes from the previous kernel; Wg's slice is requested while it finishes
-        k0 = pid_s * GPS * 128
-        prefetch_rows_l2(w_ptr + offs_e.to(tl.int64) * D + k0, tl.minimum(GPS * 128, D - k0), LINE)
+        if PREFETCH:
+            k0 = pid_s * GPS * 128
+            prefetch_rows_l2(w_ptr + offs_e.to(tl.int64) * D + k0, tl.minimum(GPS * 128, D - k0), LINE)
         tl.extra.cuda.gdc_wait()
     for i in tl.static_range(GPS):  # unrolled: every tile of the slice requested at once
         g = pid_s * GPS + i
@@ -106,10 +108,10 @@ def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, id
                         KPAD: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BTR: tl.constexpr,
                         GPS: tl.constexpr, SPLITS: tl.constexpr,
                         BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr,
-                        LINE: tl.constexpr):
+                        LINE: tl.constexpr, PREFETCH: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL, LINE)
+    _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL, LINE, PREFETCH)
     tl.debug_barrier()
     n_prog = tl.num_programs(0) * tl.num_programs(1)
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
@@ -170,10 +172,10 @@ def _route_grouped_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_p
                           KPAD: tl.constexpr, CPAD: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
                           BTR: tl.constexpr, GPS: tl.constexpr, SPLITS: tl.constexpr,
                           BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr,
-                          LINE: tl.constexpr):
+                          LINE: tl.constexpr, PREFETCH: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL, LINE)
+    _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL, LINE, PREFETCH)
     tl.debug_barrier()
     pid_e = tl.program_id(0)
     nbe = tl.num_programs(0)
@@ -240,16 +242,18 @@ def _route_grouped_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_p
 def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_group: int = 8,
                     topk_group: int = 4, topk: int = 8, route_scale: float = 2.5, return_logits: bool = False,
                     block_e: int = 32, splits: int | None = None, local: tuple[int, int] | torch.Tensor | None = None,
-                    pdl: bool = False, impl: str = "auto", num_warps: int | None = None):
+                    pdl: bool = False, impl: str = "auto", num_warps: int | None = None, prefetch: bool = True):
     """Kernel twin of `moe_route_ref` in one launch: (weights [T, J] fp32, idx [T, J] int32), plus the fp32
     gate logits [T, E] the choice was made on when return_logits (for tests: `route_from_logits_ref` on them
     must choose the same experts exactly). local = (e0, e1): return ids as an expert-parallel rank holding
     experts [e0, e1) sees them: e - e0, or -1 for an expert on another rank (no separate mapping launches); or
     local = an int32 table [E] on x's device (`dispatch.expert_map`: a rank holding scattered experts): table[e],
     -1 where e is on another rank, gathered in the same launch (a kernel variant: the range's code is unchanged).
-    pdl: programmatic dependent launch (`_triton.pdl_kwargs`). impl: "serial" (the last program routes on
-    [T, E]) or "grouped" (each E-block's last slice ranks its groups, the last block merges; <= GROUPED_MAX_TOKENS
-    tokens, topk <= topk_group x E / n_group); both give the same logits, ids and weights bit for bit.
+    pdl: programmatic dependent launch (`_triton.pdl_kwargs`), each program's slice of the gate weight asked of L2
+    before the wait; prefetch False (switch `FastPathOptions.pdl_prefetch`) compiles that prefetch out (the same
+    bits). impl: "serial" (the last program routes on [T, E]) or "grouped" (each E-block's last slice ranks its
+    groups, the last block merges; <= GROUPED_MAX_TOKENS tokens, topk <= topk_group x E / n_group); both give the
+    same logits, ids and weights bit for bit.
     num_warps: default 4 (serial, and grouped chosen by "auto") / 8 (grouped: its rank comparisons spread over
     more threads). impl "auto" (default): the faster of the two at T tokens as measured on an H200."""
     require(x_TD, "moe_route_fused")
@@ -313,8 +317,8 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
             raise ValueError(f"moe_route_fused: local expert range must lie in [0, {E}], got {local}")
     common = dict(E=E, NG=n_group, TOPK_GROUP=topk_group, TOPK=topk, KPAD=triton.next_power_of_2(topk),
                   BE=block_e, BT=bt, BTR=btr, GPS=gps, SPLITS=splits, BF16=bf16, STORE_LOGITS=return_logits,
-                  PDL=bool(launch), TABLE=table, LINE=line_elems(wg_ED), num_warps=num_warps or (8 if grouped else 4),
-                  **launch)
+                  PDL=bool(launch), PREFETCH=bool(launch) and prefetch, TABLE=table, LINE=line_elems(wg_ED),
+                  num_warps=num_warps or (8 if grouped else 4), **launch)
     args = (T, D, x.stride(0), float(route_scale), e0, e1)
     tab = local if table else idx  # the table, or any pointer the range's code never reads
     wg, bias = wg_ED.contiguous(), bias_E.float().contiguous()

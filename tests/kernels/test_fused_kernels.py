@@ -99,7 +99,7 @@ def test_new_kernels_compile_for_hopper():
                                (_route_fused_kernel, 2, True)):
         grouped = {"CPAD": 8} if kernel is _route_grouped_kernel else {}
         consts = dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, BE=32, BT=16, BTR=btr, GPS=4, SPLITS=14, BF16=True,
-                      STORE_LOGITS=False, PDL=True, TABLE=table, LINE=64, **grouped)
+                      STORE_LOGITS=False, PDL=True, TABLE=table, LINE=64, PREFETCH=True, **grouped)
         names = set(inspect.signature(kernel.fn).parameters)
         k = _compile_for_hopper(kernel, {n: t for n, t in ptrs.items() if n in names}, consts, num_warps=8)
         read = _params_read(kernel, k.asm["ptx"], consts)

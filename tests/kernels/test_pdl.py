@@ -67,7 +67,7 @@ def _kernels() -> dict:
         "router": (rt._route_grouped_kernel, dict(x_ptr=bf, w_ptr=bf, ci_ptr=i32, cnt_ptr=i32, idx_out_ptr=i32,
                                                   table_ptr=i32),
                    dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, CPAD=8, BE=32, BT=16, BTR=1, GPS=4, SPLITS=14,
-                        BF16=True, STORE_LOGITS=False, TABLE=False, LINE=64), 4, False),
+                        BF16=True, STORE_LOGITS=False, TABLE=False, LINE=64, PREFETCH=True), 4, False),
         "q_absorb": (mpf._q_absorb_kernel, dict(qq_ptr=bf, qpe_ptr=bf, iq8_ptr=f8, w_ptr=bf, ql_ptr=bf),
                      dict(H=16, P=128, R=64, HI=64, DK=128, HSCALE=hs, INDEX=True, HQ=64, C=512, BO=64, BK=128,
                           BT=16, IEEE=False, PF=1, LINE=64), 4, False),
@@ -86,13 +86,14 @@ def _kernels() -> dict:
         "topk_write": (tk._topk_write_kernel, dict(lens_ptr=i64, **{f"{n}_ptr": i32 for n in (
             "off", "thr", "out", "h16", "h8", "ncand", "arrive")}), dict(BLK=1024, REARM=True), 4, False),
         "moe_gate_up": (moe._moe_gate_up_persistent, dict(x_ptr=bf, idx_ptr=i32, w1_ptr=f8, w3_ptr=f8, h8_ptr=f8,
-                                                          cnt_ptr=i32), dict(PPAD=16, **mo_), 4, False),
-        "moe_down": (moe._moe_down_persistent, dict(h8_ptr=f8, idx_ptr=i32, w2_ptr=f8), dict(PPAD=16, **mo_), 4,
-                     False),
+                                                          cnt_ptr=i32), dict(PPAD=16, PREFETCH=True, **mo_), 4,
+                        False),
+        "moe_down": (moe._moe_down_persistent, dict(h8_ptr=f8, idx_ptr=i32, w2_ptr=f8),
+                     dict(PPAD=16, PREFETCH=True, **mo_), 4, False),
         "moe_combine": (moe._moe_combine_kernel, dict(idx_ptr=i32), dict(TOPK=9, J=8, KS=2, BLOCK_D=1024, ADD=False),
                         4, False),
         "fp8_gemm": (fg._gemv_kernel, dict(x_ptr=f8, w_ptr=f8, y_ptr=bf, cnt_ptr=i32),
-                     dict(QUANT_X=False, SPLIT=True, BM=16, BN=64), 4, False),
+                     dict(QUANT_X=False, SPLIT=True, BM=16, BN=64, PREFETCH=True), 4, False),
     }
 
 
