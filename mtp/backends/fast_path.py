@@ -289,7 +289,8 @@ class FastMoE(MoE):
             persistent = (layout or default_layout(N, ids_NK.shape[1] + shared)) == "persistent"
             waves = persistent and self.all_local and self.fast_options.moe_wave_splits
             return moe_experts(x_ND, ids_NK, w_NK, *ws, out_dtype=torch.float32, layout=layout, add=add,
-                               shared=shared, splits="waves" if waves else None, pdl=self.fast_options.pdl_at(N))
+                               shared=shared, splits="waves" if waves else None, pdl=self.fast_options.pdl_at(N),
+                               prefetch=self.fast_options.pdl_prefetch)
         C = self.max_tokens
         bm = default_block_m(min(N, C))
         outs = [moe_experts(x_ND[a:a + C], ids_NK[a:a + C], w_NK[a:a + C], *ws, out_dtype=torch.float32,
@@ -783,7 +784,8 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
     if prologue:  # q_pe rotary and the indexer queries' rotary, Hadamard and quant in one launch
         q_lat = None
         if fuse_q:  # with the absorbed q
-            q_pe, iq8, iqs, q_lat = mla_q_prologue_absorb(mla, qq, cos, sin, index=score, pdl=fo.pdl_at(B * T))
+            q_pe, iq8, iqs, q_lat = mla_q_prologue_absorb(mla, qq, cos, sin, index=score, pdl=fo.pdl_at(B * T),
+                                                          prefetch=fo.pdl_prefetch)
         else:
             q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin, index=score, pdl=fo.pdl_at(B * T))
         o = mla_attend_fast(mla, x_BTD, None, q[..., :P], q_pe, cache, S, out_dtype=dt,
@@ -824,6 +826,7 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
     ix = mla.indexer
     lens = cache.seq_lens  # keys before this block; query t sees < lens + t + 1
     pdl = mla.fast_options.pdl_at(x_BTD.shape[0] * x_BTD.shape[1])
+    pf = mla.fast_options.pdl_prefetch  # with pdl: W_kb / W_vb asked of L2 before the wait
     topk_idx = None
     if ix.topk < S:  # else every visible key is kept (the reference's select): no scores needed
         if iq_quant is None and iq_BTHD is None:
@@ -842,7 +845,7 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
                                        one_launch=mla.fast_options.topk_one_launch, pdl=pdl)
     absorb = mla.fast_options.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS
     if q_lat is None and absorb:  # one launch each instead of copy + batched GEMM + copy
-        q_lat = absorb_q(q_nope, mla.w_kb, pdl=pdl)
+        q_lat = absorb_q(q_nope, mla.w_kb, pdl=pdl, prefetch=pf)
     elif q_lat is None:
         q_lat = torch.einsum("bthp,hpc->bthc", q_nope.to(torch.bfloat16), mla.w_kb).contiguous()
     # switch fuse_absorb_out (off by default: measured slower): stage 2 and absorb_out in one launch (the same bits)
@@ -850,9 +853,9 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
     o_lat = mla_decode(q_lat, q_pe.to(torch.bfloat16).contiguous(), cache.kv[:, :S], cache.kv_scale[:, :S],
                        cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.bfloat16,
                        visible=visible_BTS if topk_idx is None else None,  # a top-k holds seen keys only
-                       w_vb=mla.w_vb if fuse_out else None, pdl=pdl)
+                       w_vb=mla.w_vb if fuse_out else None, pdl=pdl, prefetch=pf)
     if fuse_out:  # o_lat is o [B, T, H, V] here, in W_vb's dtype as absorb_out's
         return o_lat.to(out_dtype)
     if absorb:
-        return absorb_out(o_lat, mla.w_vb, pdl=pdl).to(out_dtype)
+        return absorb_out(o_lat, mla.w_vb, pdl=pdl, prefetch=pf).to(out_dtype)
     return torch.einsum("bthc,hvc->bthv", o_lat, mla.w_vb).to(out_dtype)

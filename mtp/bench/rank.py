@@ -216,6 +216,11 @@ KERNEL_VARIANTS = {
     # token's launches only), and no PDL at all
     "pdl_all": (dict(pdl=True, pdl_tokens=64), dict()),
     "no_pdl": (dict(pdl=False), dict()),
+    # PDL without the kernels' explicit L2 prefetches of their constant weights before the wait (switch pdl_prefetch
+    # off: compiled out; launch and wait as before, the same bits): at the default widths, and at every width (a
+    # guess for why pdl_all loses at w >= 2: the few-row GEMM's slab prefetch competing with the running kernel)
+    "pdl_nopf": (dict(pdl=True, pdl_prefetch=False), dict()),
+    "pdl_all_nopf": (dict(pdl=True, pdl_tokens=64, pdl_prefetch=False), dict()),
 }
 
 
