@@ -12,6 +12,9 @@ constants (or ask L2 for them) before the wait, and wait before reading an earli
 - A tiny simulated TP=2 'split' rank's decode forward with the indexer and its top-k (every kernel a dense step
   runs, and more): with the switch on every Triton kernel launched took PDL but the final and the MTP module's
   norms (`NOT_CHAINED`), and logits, hidden and the cache's bytes equal the switch off's.
+- Switch pdl_prefetch off: the prefetching kernels compiled for sm_90 hold no prefetch and otherwise the same
+  griddepcontrol / memory instruction order; under the interpreter each such entry point gives the same bits at 1..4
+  rows with no prefetch launched or run, and the decode forward above neither launches nor runs one, same bits.
 Real launches, CUDA-graph replays and races: tests/kernels/test_pdl_gpu.py.
 """
 
@@ -35,6 +38,11 @@ from tests.interp import run_interpreted  # noqa: E402
 # which knows no switch; once per step, next to cuBLAS / torch launches that break the chain anyway)
 NOT_CHAINED = {"_rms_norm_kernel"}
 CACHE = ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale")
+# the Triton kernels of that decode forward (`_step_checks`: one token, default switches) that ask L2 for their
+# constant weights before the wait (switch pdl_prefetch): the router's gate slice, W_kb in the fused q prologue, W_vb
+# in absorb_out, the shared expert's span in the persistent experts' kernels
+STEP_PREFETCHING = {"_route_grouped_kernel", "_q_absorb_kernel", "_absorb_kernel", "_moe_gate_up_persistent",
+                    "_moe_down_persistent"}
 
 
 # ----------------------------------------------------------------------------- compiled for sm_90
@@ -137,6 +145,34 @@ def test_pdl_kernels_compile_for_hopper_in_order():
     assert not bad, "\n".join(bad)
 
 
+# the constexpr that compiles each prefetching kernel's L2 prefetches out (switch `FastPathOptions.pdl_prefetch` off):
+# PREFETCH, or the absorb kernels' PF (how the tile is walked; 0: not asked of L2)
+PREFETCH_OFF = {name: dict(PF=0) if name in ("q_absorb", "absorb_out", "stage2_absorb") else dict(PREFETCH=False)
+                for name in PREFETCHING}
+
+
+def test_pdl_prefetch_off_compiles_the_prefetches_out():
+    """Switch pdl_prefetch off: each kernel that asks L2 for its weights before the wait, compiled for sm_90 with PDL,
+    holds no `prefetch.global.L2`, and its griddepcontrol and global memory instructions are the prefetching build's,
+    in the same order, less the prefetches: it still triggers its successor first, loads nothing before the wait and
+    waits before its first store or atomic."""
+    pytest.importorskip("triton")
+    from .test_fused_kernels import _compile_for_hopper
+
+    bad = []
+    kernels = _kernels()
+    for name in PREFETCHING:
+        kernel, ptrs, consts, warps, _ = kernels[name]
+        on, off = (_order(_compile_for_hopper(kernel, ptrs, dict(consts, PDL=True, **extra), num_warps=warps)
+                          .asm["ptx"]) for extra in ({}, PREFETCH_OFF[name]))
+        if "prefetch.global.L2" not in on or "prefetch.global.L2" in off:
+            bad.append(f"{name}: prefetches with the switch on / off: {on.count('prefetch.global.L2')} / "
+                       f"{off.count('prefetch.global.L2')}")
+        if off != [op for op in on if op != "prefetch.global.L2"]:
+            bad.append(f"{name}: without the prefetches the order changed: {off[:8]} vs {on[:8]}")
+    assert not bad, "\n".join(bad)
+
+
 # ----------------------------------------------------------------------------- under the interpreter
 def test_pdl_interpreted():
     """Each kernel's PDL branch against its plain one, then a decode forward's wiring (one subprocess: ~25 s)."""
@@ -144,8 +180,9 @@ def test_pdl_interpreted():
 
 
 @contextmanager
-def _launches():
-    """The Triton launches inside the block, as (kernel name, whether it took PDL: PDL=True and launch_pdl)."""
+def _launches(prefetch: list | None = None):
+    """The Triton launches inside the block, as (kernel name, whether it took PDL: PDL=True and launch_pdl); and in
+    `prefetch` the names of those launched with their L2 prefetch compiled in (PREFETCH=True, or absorb's PF > 0)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     seen: list[tuple[str, bool]] = []
@@ -153,6 +190,8 @@ def _launches():
 
     def recorded(self, *args, **kwargs):
         seen.append((self.fn.__name__, kwargs.get("PDL") is True and kwargs.get("launch_pdl") is True))
+        if prefetch is not None and (kwargs.get("PREFETCH") is True or kwargs.get("PF", 0) > 0):
+            prefetch.append(self.fn.__name__)
         return run(self, *args, **kwargs)
 
     InterpretedFunction.run = recorded
@@ -348,17 +387,118 @@ def _kernel_checks() -> None:
                launches=1)
 
 
+def _pf_equal(what: str, call, weights: list, launches: int) -> None:
+    """call(prefetch) with PDL and its L2 prefetches, then with PDL and them compiled out (switch pdl_prefetch off):
+    the same bits; every launch (`launches` of them) took PDL; with prefetch they ask L2 for exactly `weights`
+    (`_covers`), without, none is launched with its prefetch constexpr on and none runs."""
+    from tests.interp import PREFETCHED
+
+    out = {}
+    for pf in (True, False):
+        PREFETCHED.clear()
+        flagged: list[str] = []
+        with _launches(flagged) as runs:
+            out[pf] = call(pf)
+        assert len(runs) == launches and all(p for _, p in runs), (what, pf, runs)
+        if pf:
+            assert flagged, (what, "no launch asked for its prefetch")
+            why = _covers(weights)
+            assert why is None, (what, why)
+        else:
+            assert not flagged and not PREFETCHED, (what, flagged, len(PREFETCHED))
+    assert _same(out[True], out[False]), what
+
+
+def _prefetch_checks() -> None:
+    """Each entry point whose kernels ask L2 for their weights before the wait, at 1..4 rows (tokens): the prefetches
+    off (`prefetch=False`, what switch pdl_prefetch passes) give the bits of PDL with them (`_kernel_checks` holds
+    those to no PDL's, `_step_checks` a whole forward without them). mla_decode hands prefetch to its fused stage 2
+    (`stage2_absorb`, called directly at 2..4 rows: stage 1 takes no prefetch). ~7 s."""
+    from mtp.kernels.absorb import absorb_out, absorb_q
+    from mtp.kernels.fp8_gemm import fp8_gemm, fp8_linear
+    from mtp.kernels.mla_decode import mla_decode
+    from mtp.kernels.mla_out import stage2_absorb
+    from mtp.kernels.mla_prologue_fused import mla_q_prologue_absorb
+    from mtp.kernels.moe import moe_experts
+    from mtp.kernels.router import moe_route_fused
+    from mtp.model.attention import MLA
+    from mtp.model.fp8 import act_quant, weight_quant
+    from mtp.model.layers import Rotary
+    from mtp.model.presets import tiny_config
+    from tests.interp import patch_interpreter_bf16_dot, patch_interpreter_loop_bounds, patch_interpreter_pdl
+
+    patch_interpreter_loop_bounds()
+    patch_interpreter_bf16_dot()
+    patch_interpreter_pdl()
+    g = torch.Generator().manual_seed(5)
+
+    def rn(*shape, s=1.0):
+        return torch.randn(*shape, generator=g) * s
+
+    w8, sw = weight_quant(rn(130, 512, s=0.05))
+    wg, bias = rn(64, 384, s=0.05), rn(64, s=0.05)
+    E, D, inner, H = 5, 128, 128, 1  # the smallest shapes the kernels take: few programs under the interpreter
+    ws = [weight_quant(rn(inner, D, s=0.05)) for _ in range(2 * E)] + [weight_quant(rn(D, inner, s=0.05))
+                                                                       for _ in range(E)]
+    stack = [torch.stack([w[k] for w in ws[a:a + E]]) for a in (0, E, 2 * E) for k in (0, 1)]
+    shared_w = [stack[0][-1], stack[2][-1], stack[4][-1]]  # the shared expert's gate, up, down
+    w_kb, w_vb = rn(1, 128, 128, s=0.05), rn(H, 64, 512, s=0.05).bfloat16()
+    S = 24
+    kv8, kvs = act_quant(rn(1, S, 512))
+    pe, lens = rn(1, S, 64), torch.tensor([S - 2], dtype=torch.int32)
+    cfg = tiny_config()
+    mla = MLA(cfg, torch.float32)
+    mla.w_kb = rn(mla.H, mla.P, mla.C, s=0.05)
+    width = mla.H * (mla.P + mla.R) + mla.indexer.n_heads * 128
+    for n in (1, 2, 3, 4):
+        one = n == 1
+        x = rn(n, 512)
+        _pf_equal(f"fp8_gemm M={n}", lambda f: fp8_gemm(*act_quant(x), w8, sw, pdl=True, prefetch=f), [w8], 1)
+        _pf_equal(f"fp8_linear M={n}", lambda f: fp8_linear(x, w8, sw, fuse_quant=n != 2, pdl=True, prefetch=f),
+                  [w8], 1 if n != 2 else 2)  # x quantized in the GEMM, or by act_quant first (2 rows)
+        xr = rn(n, 384)
+        _pf_equal(f"router T={n}", lambda f: moe_route_fused(xr, wg, bias, n_group=4, topk_group=2, topk=6, pdl=True,
+                                                             prefetch=f), [wg], 1)  # 'serial' at 2 tokens
+        xe = rn(n, D).bfloat16()
+        ids = torch.tensor([[0, 3], [3, -1], [1, 2], [-1, -1]], dtype=torch.int32)[:n]
+        wts = torch.rand(n, 2, generator=g)
+        layout = "pairs" if n == 3 else "persistent"
+        _pf_equal(f"moe_experts {layout} T={n}", lambda f: moe_experts(
+            xe, ids, wts, *stack, out_dtype=torch.float32, layout=layout, shared=True, programs=(8, 8), pdl=True,
+            prefetch=f), shared_w, 3)
+        qq = rn(n, 1, 192)
+        _pf_equal(f"absorb_q n={n}", lambda f: absorb_q(qq.view(n, 1, 1, 192)[..., :128], w_kb, pdl=True,
+                                                        prefetch=f), [w_kb], 1)
+        o_lat = rn(n, 1, H, 512).bfloat16()
+        _pf_equal(f"absorb_out n={n}", lambda f: absorb_out(o_lat, w_vb, pdl=True, prefetch=f), [w_vb], 1)
+        if one:
+            q, qpe = rn(1, n, H, 512), rn(1, n, H, 64)
+            _pf_equal(f"mla_decode w_vb T={n}", lambda f: mla_decode(
+                q, qpe, kv8, kvs, pe, lens, 0.07, out_dtype=torch.bfloat16, w_vb=w_vb, splits=2, pdl=True,
+                prefetch=f), [w_vb], 2)
+        else:
+            o_part, lse = rn(n * H * 2, 512), rn(n * H * 2)
+            _pf_equal(f"stage2_absorb n={n}", lambda f: stage2_absorb(o_part, lse, 2, w_vb, 1, n, pdl=True,
+                                                                      prefetch=f), [w_vb], 1)
+        pos = torch.arange(3, 3 + n).view(n, 1)
+        cos, sin = Rotary(cfg).angles(pos)
+        qb = rn(n, 1, width)
+        _pf_equal(f"mla_q_prologue_absorb B={n}", lambda f: mla_q_prologue_absorb(
+            mla, qb, cos, sin, index=one, pdl=True, prefetch=f), [mla.w_kb], 1)  # the indexer's queries: once
+
+
 def _step_checks() -> None:
     """A tiny simulated TP=2 'split' rank (the smallest whose MLA takes the kernels), one decode forward of its
     trunk, head and MTP module at 1 token over 40 keys (the indexer and its top-k 16: every kernel of a dense step
-    and more), the switch off then on: the same logits, hidden and cache bytes, every Triton launch with PDL but
-    NOT_CHAINED's."""
+    and more), the switch off, then on, then on with pdl_prefetch off: the same logits, hidden and cache bytes, every
+    Triton launch with PDL but NOT_CHAINED's; STEP_PREFETCHING's kernels launched with their L2 prefetches compiled in
+    (and run) with pdl_prefetch on, none with it off (the option reaches every call site)."""
     from mtp.backends import fast_path as fp
     from mtp.checkpoint.synthetic import fill_cache_random
     from mtp.parallel.layout import ParallelPlan
     from mtp.parallel.simulate import simulated_rank
     from mtp.parallel.synthetic import random_parallel_model
-    from tests.interp import patch_interpreter_loop_bounds, patch_interpreter_pdl
+    from tests.interp import PREFETCHED, patch_interpreter_loop_bounds, patch_interpreter_pdl
     from tests.plan.test_kernel_count import _tiny
 
     patch_interpreter_loop_bounds()
@@ -372,25 +512,32 @@ def _step_checks() -> None:
         fp.set_elementwise(model, "triton")
         for L in (40,):
             ids = torch.randint(0, cfg.vocab_size, (1, 1), generator=g)
-            out, names = {}, {}
-            for pdl in (False, True):
-                fp.set_kernels(model, pdl=pdl)
+            out, names, pf_names = {}, {}, {}
+            for pdl, pf in ((False, True), (True, True), (True, False)):
+                fp.set_kernels(model, pdl=pdl, pdl_prefetch=pf)
                 cache = fill_cache_random(model.new_cache(1, L + 4), L)
                 mcache = fill_cache_random(model.new_cache(1, L + 4, n_layers=1), L)
-                with _launches() as runs:
+                PREFETCHED.clear()
+                flagged: list[str] = []
+                with _launches(flagged) as runs:
                     res = model(ids, cache, kv_len=L + 1)
                     mres = model.mtp_forward(0, ids, res.hidden, mcache, kv_len=L + 1)
                 bufs = [getattr(c, n) for c in (cache, mcache) for n in CACHE]
-                out[pdl] = [res.logits, res.hidden, mres.logits, *bufs]
-                names[pdl] = {n for n, p in runs if p != pdl}  # kernels that did not follow the switch
-            assert _same(out[False], out[True]), L
-            assert not names[False], (L, names[False])
-            assert names[True] == NOT_CHAINED, (L, names[True])
+                out[pdl, pf] = [res.logits, res.hidden, mres.logits, *bufs]
+                names[pdl, pf] = {n for n, p in runs if p != pdl}  # kernels that did not follow the switch
+                pf_names[pdl, pf] = set(flagged)
+                assert bool(PREFETCHED) == (pdl and pf), (L, pdl, pf, len(PREFETCHED))
+            assert _same(out[False, True], out[True, True]) and _same(out[False, True], out[True, False]), L
+            assert not names[False, True], (L, names[False, True])
+            assert names[True, True] == names[True, False] == NOT_CHAINED, (L, names)
+            assert pf_names[True, True] == STEP_PREFETCHING, (L, pf_names[True, True])
+            assert not pf_names[False, True] and not pf_names[True, False], (L, pf_names)
 
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     torch.manual_seed(0)
     _kernel_checks()
+    _prefetch_checks()
     _step_checks()
     print("interpreted checks ok")

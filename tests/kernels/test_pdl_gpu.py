@@ -6,11 +6,14 @@
   on each of 50 replays in a row (a kernel reading before its wait, or storing before it, shows up as a flaky
   difference), and eagerly; at 1k keys (dense attention) and 3k (the indexer's top-k), 1, 2 and 4 tokens
   (the split-K GEMV and the persistent experts; the few-row GEMM, act_quant; the experts' pair grid), radix and
-  radix_fused top-k.
+  radix_fused top-k; and with switch pdl_prefetch off (the kernels' L2 prefetches of their weights compiled out) at
+  1..4 tokens.
 - Each PDL entry point at the rank's shapes, eagerly with pdl on and off (the same bits), and all of them as one
-  chain of PDL launches captured in a graph, replayed 50 times against the plain launches' bits.
+  chain of PDL launches captured in a graph, replayed 50 times against the plain launches' bits; with and without
+  the L2 prefetches (`prefetch=`).
 The CPU side (PTX order, the interpreter's PDL branches, every launch of a step asking for PDL):
-tests/kernels/test_pdl.py. ~2-3 minutes on an H100, most of it compiling both variants of every kernel.
+tests/kernels/test_pdl.py. ~2-3 minutes on an H100 (measured before the pdl_prefetch cases), most of it compiling
+both variants of every kernel.
 """
 
 from __future__ import annotations
@@ -57,10 +60,13 @@ def rank():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("L,w,topk", [(1024, 1, "radix"), (3000, 1, "radix"), (3000, 2, "radix"),
-                                      (3000, 4, "radix"), (3000, 1, "radix_fused")])
+@pytest.mark.parametrize("L,w,topk,prefetch", [(1024, 1, "radix", True), (3000, 1, "radix", True),
+                                               (3000, 2, "radix", True), (3000, 4, "radix", True),
+                                               (3000, 1, "radix_fused", True), (1024, 1, "radix", False),
+                                               (3000, 2, "radix", False), (3000, 3, "radix", False),
+                                               (3000, 4, "radix", False)])
 @torch.no_grad()
-def test_decode_step_graph_with_pdl_equals_plain(rank, L, w, topk):
+def test_decode_step_graph_with_pdl_equals_plain(rank, L, w, topk, prefetch):
     model, cfg = rank, rank.cfg
     set_kernel_options(model, indexer_topk=topk)
     cache = fill_cache_random(model.new_cache(1, L + 8), L, seed=L)
@@ -84,7 +90,9 @@ def test_decode_step_graph_with_pdl_equals_plain(rank, L, w, topk):
     graphs, want = {}, None
     try:
         for pdl in (False, True):
-            set_kernels(model, pdl=pdl, pdl_tokens=64)  # every width (the default chains 1-token calls only)
+            # every width (the default chains 1-token calls only); prefetch False: the weights' L2 prefetches
+            # compiled out (variant pdl_all_nopf)
+            set_kernels(model, pdl=pdl, pdl_tokens=64, pdl_prefetch=prefetch)
             step()  # eager
             eager = snapshot()
             graphs[pdl] = capture_graph(step)
@@ -104,16 +112,18 @@ def test_decode_step_graph_with_pdl_equals_plain(rank, L, w, topk):
             bad += [(i, j) for j, (a, b) in enumerate(zip(got, want)) if not _same(a, b)]
         assert not bad, f"PDL replays differ (replay, output): {bad[:10]} of {REPLAYS} replays"
     finally:
-        set_kernels(model, pdl=False)
+        set_kernels(model, pdl=False, pdl_prefetch=True)
         set_kernel_options(model, indexer_topk="radix")
         graphs.clear()
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
 @torch.no_grad()
-def test_pdl_entry_points_chained_in_a_graph_equal_plain():
+def test_pdl_entry_points_chained_in_a_graph_equal_plain(prefetch):
     """Every PDL entry point at the TP=8 rank's shapes (16 heads, the indexer's 64, a split rank's experts at
     1/8 width), chained as a decode block chains them, each reading the one before: eagerly and on 50 graph
-    replays the PDL chain gives the plain chain's bits."""
+    replays the PDL chain gives the plain chain's bits, with the weights' L2 prefetches and without (`prefetch`,
+    switch pdl_prefetch)."""
     from mtp.kernels.absorb import absorb_out, absorb_q
     from mtp.kernels.elementwise import silu_mul
     from mtp.kernels.fp8_gemm import fp8_linear
@@ -149,20 +159,22 @@ def test_pdl_entry_points_chained_in_a_graph_equal_plain():
     w_gu, s_gu = rand_weight(2 * 2304, D)
     w_dn, s_dn = rand_weight(D, 2304)
 
+    pf = prefetch
+
     def chain(pdl):
         hn, y, x8, sx = add_rms_norm_quant(h, None, wn, 1e-6, pdl=pdl)
         q = fp8_gemv(None, w_qa, s_qa, xq=(x8, sx), out_dtype=torch.bfloat16, pdl=pdl).view(1, 1, H, 128)
-        q_lat = absorb_q(q, w_kb, pdl=pdl)
+        q_lat = absorb_q(q, w_kb, pdl=pdl, prefetch=pf)
         iq8, iqs = act_quant(q.repeat(1, 1, 4, 1).float())  # 64 indexer heads from q (a stand-in, in torch)
         wts = index_weights(y.view(1, 1, D), wi, 0.01, pdl=pdl)
         idx, _ = indexer_topk(iq8, iqs.squeeze(-1), wts, ik8, iks.squeeze(-1), lens, topk=2048, rearm=True, pdl=pdl)
         o_lat = mla_decode(q_lat, q_lat[..., :64].contiguous(), kv8, kvs, pe, lens, 0.07, topk_idx=idx,
                            out_dtype=torch.bfloat16, pdl=pdl)
-        o = absorb_out(o_lat, w_vb, pdl=pdl)
-        a = fp8_linear(o.view(1, H * 128).repeat(2, 1), w_o, s_o, out_dtype=torch.float32, pdl=pdl)[:1]
+        o = absorb_out(o_lat, w_vb, pdl=pdl, prefetch=pf)
+        a = fp8_linear(o.view(1, H * 128).repeat(2, 1), w_o, s_o, out_dtype=torch.float32, pdl=pdl, prefetch=pf)[:1]
         h2, y2, x28, sx2 = add_rms_norm_quant(h, a, wn, 1e-6, round_dtype=torch.bfloat16, pdl=pdl)
-        wr, ir = moe_route_fused(y2, wg, bias, pdl=pdl)
-        m = moe_experts(y2, ir, wr, *stack, out_dtype=torch.float32, shared=True, pdl=pdl)
+        wr, ir = moe_route_fused(y2, wg, bias, pdl=pdl, prefetch=pf)
+        m = moe_experts(y2, ir, wr, *stack, out_dtype=torch.float32, shared=True, pdl=pdl, prefetch=pf)
         h3 = add_rounded(h2, m, torch.bfloat16, pdl=pdl)
         gu = fp8_gemv(None, w_gu, s_gu, xq=(x28, sx2), out_dtype=torch.bfloat16, pdl=pdl)
         d = fp8_gemv(silu_mul(gu[:, :2304], gu[:, 2304:], torch.bfloat16, pdl=pdl), w_dn, s_dn,
