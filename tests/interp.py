@@ -181,3 +181,42 @@ def patch_interpreter_pdl() -> None:
     for name, mod in list(sys.modules.items()):
         if name.startswith("mtp.kernels") and hasattr(mod, "pdl_kwargs"):
             mod.pdl_kwargs = granted
+
+
+L2_REQUESTS: list = []  # (instruction, addresses, bytes) of each interpreted L2 request (`patch_interpreter_l2`)
+
+
+def patch_interpreter_l2() -> None:
+    """Run `kernels.l2_prefetch` under the interpreter, which has no inline asm: its predicated L2 requests
+    (`prefetch.global.L2[::evict_last]`, `cp.async.bulk.prefetch.L2`) become no-ops, each call's lanes whose
+    predicate (bytes != 0) is on appended to `L2_REQUESTS` as (the request's instruction, int64 addresses, int64
+    bytes). Call before running the kernel."""
+    import re
+
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as ti
+
+    builder = getattr(ti, "InterpreterBuilder", None)
+    if builder is None or getattr(builder, "_l2_asm", False):
+        return
+    orig = builder.create_inline_asm
+
+    class _Result:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def get_result(self, i):
+            return self.handle
+
+    def create_inline_asm(self, inlineAsm, constraints, values, type, isPure, pack):
+        op = re.search(r"@p ((?:cp\.async\.bulk\.)?prefetch\.\S+)", inlineAsm)
+        if op is None or len(values) != 2:
+            return orig(self, inlineAsm, constraints, values, type, isPure, pack)
+        addr = np.asarray(values[0].data, dtype=np.uint64).astype(np.int64).reshape(-1)
+        n = np.asarray(values[1].data).astype(np.int64).reshape(-1)
+        L2_REQUESTS.append((op.group(1), addr[n != 0], n[n != 0]))
+        return _Result(ti.TensorHandle(np.zeros(np.shape(values[0].data), dtype=np.int32), tl.int32))
+
+    builder.create_inline_asm = create_inline_asm
+    builder._l2_asm = True
