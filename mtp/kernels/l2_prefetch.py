@@ -87,15 +87,16 @@ def _ask_l2(addr, nbytes, EVICT_LAST: tl.constexpr, BULK: tl.constexpr):
 
 
 @triton.jit
-def _l2_prefetch_kernel(starts, lines, N: tl.constexpr, G: tl.constexpr, BLK: tl.constexpr,
+def _l2_prefetch_kernel(starts, ends, N: tl.constexpr, G: tl.constexpr, BLK: tl.constexpr,
                         EVICT_LAST: tl.constexpr, BULK: tl.constexpr):
-    """Span s (of N: `starts[s]` a 128-aligned address, `lines[s]` its lines) in units of G lines: program p asks
-    for units p * BLK .. + BLK, then (p + P) * BLK .., P the programs (`program_units`' partition), the last unit
-    of a span clipped to its end."""
+    """Span s (of N: the lines from `starts[s]` to `ends[s]`, 128-aligned addresses, so that no value is ever
+    specialized as 1 and every call of N spans runs one compiled kernel) in units of G lines: program p asks for
+    units p * BLK .. + BLK, then (p + P) * BLK .., P the programs (`program_units`' partition), the last unit of a
+    span clipped to its end."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     for s in tl.static_range(N):
-        n = lines[s]
+        n = ((ends[s] - starts[s]) // 128).to(tl.int32)
         units = (n + G - 1) // G
         for b in range(pid * BLK, units, P * BLK):
             u = b + tl.arange(0, BLK)
@@ -159,6 +160,7 @@ def l2_prefetch(tensors: Sequence[torch.Tensor], programs: int = PROGRAMS, evict
     with torch.cuda.device(t0.device) if t0.is_cuda and not interpreting() else nullcontext():
         for i in range(0, len(spans), MAX_SPANS):
             part = spans[i:i + MAX_SPANS]
-            _l2_prefetch_kernel[(programs,)](tuple(s for s, _ in part), tuple(n for _, n in part), N=len(part),
-                                             G=G, BLK=blk, EVICT_LAST=bool(evict_last), BULK=bool(bulk), num_warps=4)
+            _l2_prefetch_kernel[(programs,)](tuple(s for s, _ in part), tuple(s + n * LINE for s, n in part),
+                                             N=len(part), G=G, BLK=blk, EVICT_LAST=bool(evict_last), BULK=bool(bulk),
+                                             num_warps=4)
 

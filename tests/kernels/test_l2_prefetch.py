@@ -82,7 +82,7 @@ def test_compiles_for_hopper(bulk, evict_last, op):
     from .test_fused_kernels import _compile_for_hopper
 
     G, blk = (BULK_LINES, BULK_BLOCK) if bulk else (1, BLOCK)
-    k = _compile_for_hopper(_l2_prefetch_kernel, dict(starts=("i64", "i64"), lines=("i32", "i32")),
+    k = _compile_for_hopper(_l2_prefetch_kernel, dict(starts=("i64", "i64"), ends=("i64", "i64")),
                             dict(N=2, G=G, BLK=blk, EVICT_LAST=evict_last, BULK=bulk), num_warps=4)
     ptx = k.asm["ptx"]
     assert k.asm["cubin"] and re.search(op, ptx), f"no {op} in the PTX"
