@@ -34,9 +34,7 @@
 - every decoder `Block` (`FastBlock`): residual add + RMSNorm + FP8 quant in one kernel (`kernels.norm_quant`)
   whose quantized output feeds the next GEMV directly (q_a | wk | kv_a; gate | up); tensor parallel under
   allreduce='oneshot', o_proj's all-reduce joins the post-attention one, and the FFN's the next block's input one
-  (the trunk loop, `FastTrunk`, hands the un-reduced FFN output on as a `backends.pending.Pending`);
-- with switch `l2_prefetch` (off until measured), each decode layer of the trunk asks L2 on a side stream for the
-  weights it reads next (its o_proj, router and shared expert; the next layer's q_a and q_b: `backends.side_prefetch`).
+  (the trunk loop, `FastTrunk`, hands the un-reduced FFN output on as a `backends.pending.Pending`).
 The new fused kernels have run-time switches per model (`kernels.dispatch.FastPathOptions`, carried as
 `model.fast_options` and shared by the model's fast modules; `set_kernels(model, ...)` flips them and bumps the
 model's version), so old and new kernels can be timed side by side in one process (`mtp.bench.fused`), and two
@@ -85,7 +83,6 @@ from ..model.moe import Gate, MoE
 from ..parallel.comm import Comm
 from ..parallel.modules import ExpertParallelMoE, ParallelMLP, RowParallelLinear
 from .pending import Pending, resolved
-from .side_prefetch import SidePrefetch, side_prefetch
 
 
 # Tokens up to which a 'split' rank's experts run the persistent layout (`FastMoE.persistent_tokens`). Its pair grid
@@ -316,12 +313,10 @@ class FastMLA(MLA):
         """Whether `forward` takes `mla_forward_fast` for a block of T tokens."""
         return not self.naive(T, opts) and cache.quantized
 
-    def forward(self, x_BTD, pos_BT, cos, sin, cache, S: int, opts, visible_BTS=None, xq=None,
-                after_qb=None) -> torch.Tensor:
+    def forward(self, x_BTD, pos_BT, cos, sin, cache, S: int, opts, visible_BTS=None, xq=None) -> torch.Tensor:
         if not self.absorbed_fast(x_BTD.shape[1], cache, opts):
             return super().forward(x_BTD, pos_BT, cos, sin, cache, S, opts, visible_BTS)
-        return mla_forward_fast(self, x_BTD, pos_BT, cos, sin, cache, S, xq=xq, visible_BTS=visible_BTS,
-                                after_qb=after_qb)
+        return mla_forward_fast(self, x_BTD, pos_BT, cos, sin, cache, S, xq=xq, visible_BTS=visible_BTS)
 
 
 class FastBlock(Block):
@@ -353,12 +348,10 @@ class FastBlock(Block):
     fast_options: FastPathOptions
 
     def forward(self, h_BTD, pos_BT, cos, sin, cache, S: int, opts, dtype, visible_BTS=None,
-                hand_off: bool = False, side: SidePrefetch | None = None, next_block: Block | None = None):
+                hand_off: bool = False):
         """h_BTD: the fp32 residual stream, or the previous block's `Pending` one (`FastTrunk`). hand_off: the
         caller takes a `Pending` back (the FFN's all-reduce left to the next block) where this block may fuse
-        it; else the new residual stream. side: the trunk's side-stream L2 prefetch (switch `l2_prefetch`), asked
-        at this block's start, after its q_b GEMV and at its FFN half (for `next_block`'s head) where the block is
-        a decode / verify one; None: none."""
+        it; else the new residual stream."""
         h0 = h_BTD.h_BTD if isinstance(h_BTD, Pending) else h_BTD
         if not self.fast_options.norm_quant or h0.dtype != torch.float32:
             return super().forward(resolved(h_BTD), pos_BT, cos, sin, cache, S, opts, dtype, visible_BTS)
@@ -366,16 +359,12 @@ class FastBlock(Block):
         quant = B * T <= SMALL_M and D % 128 == 0
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         pdl = self.fast_options.pdl_at(B * T)
-        attn = self.self_attn
-        absorbed = isinstance(attn, FastMLA) and attn.absorbed_fast(T, cache, opts)
-        side = side if absorbed and quant else None  # a prefill's GEMMs read their weights at their own pace
-        if side is not None:
-            side.at_start(self, B * T)
         if isinstance(h_BTD, Pending):  # the previous block's FFN all-reduce, with this add + norm + quant
             x, h_BTD, x8, sx = h_BTD.add_norm(n1, dtype, quant, pdl)
         else:
             _, x, x8, sx = add_rms_norm_quant(h_BTD, None, n1.weight, n1.eps, dtype, quant=quant, pdl=pdl)
         xq = (x8, sx) if quant else None
+        attn = self.self_attn
         o_proj = getattr(attn, "o_proj", None)
         fo = self.fast_options
         # allreduce='oneshot': o_proj's all-reduce is done here, in one kernel with the add + norm + quant; 'nccl'
@@ -385,9 +374,8 @@ class FastBlock(Block):
         if o_proj is not None:
             o_proj.defer_reduce = True
         try:
-            if absorbed:
-                late = None if side is None else (lambda: side.after_qb(self, B * T))
-                a = attn(x, pos_BT, cos, sin, cache, S, opts, visible_BTS, xq=xq, after_qb=late)
+            if isinstance(attn, FastMLA) and attn.absorbed_fast(T, cache, opts):
+                a = attn(x, pos_BT, cos, sin, cache, S, opts, visible_BTS, xq=xq)
             else:
                 a = attn(x, pos_BT, cos, sin, cache, S, opts, visible_BTS)
         finally:
@@ -398,8 +386,6 @@ class FastBlock(Block):
         else:
             h_BTD, x, x8, sx = add_rms_norm_quant(h_BTD, a, n2.weight, n2.eps, dtype, quant=quant, pdl=pdl)
         xq = (x8, sx) if quant else None
-        if side is not None:
-            side.at_ffn(next_block, S)
         mlp = self.mlp
         comm = self._hand_off_comm(mlp) if hand_off and xq is not None else None
         if xq is not None and isinstance(mlp, FastMoE) and h_BTD.is_contiguous():
@@ -435,25 +421,15 @@ class FastBlock(Block):
 class FastTrunk(Trunk):
     """`Trunk.forward` handing each block's FFN all-reduce to the next block (`FastBlock`, hand_off): the
     residual stream between blocks may be a `Pending`; the last one is resolved before the final norm, whose
-    input is also the pre-norm hidden the MTP modules read. Switch `l2_prefetch`: the blocks ask L2 for weights on
-    the trunk's side stream (`side_prefetch`), which the main stream joins once, after the last block."""
-
-    fast_options: FastPathOptions
+    input is also the pre-norm hidden the MTP modules read."""
 
     def forward(self, h_BTD, pos_BT, cos, sin, cache, S: int, opts, dtype, visible_BTS=None):
         h = h_BTD
-        side = side_prefetch(self, self.fast_options, h_BTD)
-        n = len(self.layers)
-        try:
-            for i, layer in enumerate(self.layers):
-                if isinstance(layer, FastBlock):
-                    h = layer(h, pos_BT, cos, sin, cache.layer(i), S, opts, dtype, visible_BTS, hand_off=True,
-                              side=side, next_block=self.layers[i + 1] if i + 1 < n else None)
-                else:
-                    h = layer(resolved(h), pos_BT, cos, sin, cache.layer(i), S, opts, dtype, visible_BTS)
-        finally:
-            if side is not None:
-                side.join()
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, FastBlock):
+                h = layer(h, pos_BT, cos, sin, cache.layer(i), S, opts, dtype, visible_BTS, hand_off=True)
+            else:
+                h = layer(resolved(h), pos_BT, cos, sin, cache.layer(i), S, opts, dtype, visible_BTS)
         h = resolved(h)
         return self.norm(h, dtype), h
 
@@ -491,7 +467,7 @@ def fast_module(mod: torch.nn.Module, options: FastPathOptions | None = None, mm
     dequantized attention weights); it reads its kernel switches from `options` (its model's, which
     `install_fast_modules` passes; default: the ones it has, else new defaults). Modules without a fast version
     are left alone."""
-    if isinstance(mod, (Linear, MoE, MLA, MLP, Block, Trunk)):  # every class a fast one is made over
+    if isinstance(mod, (Linear, MoE, MLA, MLP, Block)):  # every class a fast one is made over
         mod.fast_options = options or getattr(mod, "fast_options", None) or FastPathOptions()
     if isinstance(mod, Linear) and mod.is_fp8:
         if mod.scale_rows == BLOCK and not mod.in_features % BLOCK:  # the kernels' blocking; small models' odd
@@ -755,8 +731,7 @@ def stack_experts(moe: MoE) -> None:
     moe.stacked = stacked
 
 
-def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, visible_BTS=None,
-                     after_qb=None) -> torch.Tensor:
+def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, visible_BTS=None) -> torch.Tensor:
     """The whole MLA block of a decode / verify step on the kernels: the fused input projections
     (q_a | indexer wk | kv_a, then q_b | indexer wq_b), the FP8 cache write in one launch (switch `prologue`:
     with the kv_a norm, rotary and indexer key), the indexer top-k and absorbed attention over the cache, o_proj.
@@ -764,8 +739,7 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
     quant, and the q prologue with the absorbed q (up to ABSORB_MAX_TOKENS, switch `absorb`), one launch per pair
     (`kernels.mla_prologue_fused`, bit-identical to the two launches).
     xq = (x8, sx): x_BTD already quantized per 128 (by the block's fused norm), fed to the first GEMV.
-    visible_BTS: a draft tree's visibility (`MLA.forward`), or None (causal). after_qb: called once the q_b GEMV
-    is launched (the side-stream L2 prefetch's late tail point, `side_prefetch.SidePrefetch.after_qb`), or None."""
+    visible_BTS: a draft tree's visibility (`MLA.forward`), or None (causal)."""
     B, T, _ = x_BTD.shape
     dt = x_BTD.dtype
     ix = mla.indexer
@@ -806,8 +780,6 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
     else:
         qr = mla.q_a_layernorm(qa, dt)
         q, iq = mla.q_b_proj(qr), (ix.wq_b(qr) if score else None)
-    if after_qb is not None:
-        after_qb()
     q = q.view(B, T, H, P + R)
     if prologue:  # q_pe rotary and the indexer queries' rotary, Hadamard and quant in one launch
         q_lat = None

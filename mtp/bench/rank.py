@@ -221,17 +221,6 @@ KERNEL_VARIANTS = {
     # guess for why pdl_all loses at w >= 2: the few-row GEMM's slab prefetch competing with the running kernel)
     "pdl_nopf": (dict(pdl=True, pdl_prefetch=False), dict()),
     "pdl_all_nopf": (dict(pdl=True, pdl_tokens=64, pdl_prefetch=False), dict()),
-    # side-stream L2 prefetch (`backends.side_prefetch`, switch l2_prefetch): both points (this layer's tail, o_proj +
-    # router gate + shared expert, at its start; the next layer's head, q_a | wk | kv_a + q_b, at its FFN half), the
-    # tail after the q_b GEMV instead (late), each point alone, and the hints evict_last / bulk
-    "l2_prefetch": (dict(l2_prefetch=True), dict()),
-    "l2_prefetch_late": (dict(l2_prefetch=True, l2_prefetch_tail_late=True), dict()),
-    "l2_prefetch_tail": (dict(l2_prefetch=True, l2_prefetch_next=False), dict()),
-    "l2_prefetch_late_tail": (dict(l2_prefetch=True, l2_prefetch_tail_late=True, l2_prefetch_next=False), dict()),
-    "l2_prefetch_next": (dict(l2_prefetch=True, l2_prefetch_tail=False), dict()),
-    "l2_prefetch_evict_last": (dict(l2_prefetch=True, l2_evict_last=True), dict()),
-    "l2_prefetch_late_evict_last": (dict(l2_prefetch=True, l2_prefetch_tail_late=True, l2_evict_last=True), dict()),
-    "l2_prefetch_bulk": (dict(l2_prefetch=True, l2_bulk=True), dict()),
 }
 
 

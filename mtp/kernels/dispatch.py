@@ -76,13 +76,6 @@ version, so the engine captures its kept graphs again).
   A test of one guess for why PDL loses at w >= 2 (the prefetches competing with the running kernel for HBM or
   issue slots): variants pdl_nopf / pdl_all_nopf (`mtp.bench.rank.KERNEL_VARIANTS`). Weight loads issued before the
   wait are not prefetches and stay (the split-K GEMVs' whole tile, `gemv_splitk`; index_weights' first chunk of W).
-- l2_prefetch (off: to be measured; `backends.side_prefetch`, `kernels.l2_prefetch`): per decode layer of the trunk
-  the main stream forks to a side stream (one per trunk) that asks L2 for weights the chain reads next, joined once
-  at the trunk's end; hints only, the same bits. Points: `l2_prefetch_tail` (this layer's o_proj, router gate and
-  shared expert, at the layer's start, or after its q_b GEMV with `l2_prefetch_tail_late`), `l2_prefetch_next` (the
-  next layer's q_a | wk | kv_a and q_b, at the start of the FFN half); the kernel's hint: `l2_evict_last`
-  (`prefetch.global.L2::evict_last`), `l2_bulk` (`cp.async.bulk.prefetch.L2`, 4 KB a request); its grid:
-  `l2_prefetch_programs` programs.
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -94,8 +87,6 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from mtp.kernels.l2_prefetch import PROGRAMS as L2_PROGRAMS
-
 __all__ = ["ELEMENTWISE_IMPLS", "ExpertMap", "FastPathOptions", "expert_map", "linear", "local_ids", "route"]
 
 # the fast path's elementwise ops: 'triton' (one Triton kernel each, `kernels.elementwise`; the default), 'compile'
@@ -103,8 +94,7 @@ __all__ = ["ELEMENTWISE_IMPLS", "ExpertMap", "FastPathOptions", "expert_map", "l
 ELEMENTWISE_IMPLS = ("triton", "compile", "eager")
 
 
-# the options that are integers; every other field is an on / off switch
-INT_FIELDS = ("gemv_rows", "pdl_tokens", "l2_prefetch_programs")
+INT_FIELDS = ("gemv_rows", "pdl_tokens")  # the options that are integers; every other field is an on / off switch
 
 
 @dataclass
@@ -135,14 +125,6 @@ class FastPathOptions:
     pdl_tokens: int = 1
     # with switch pdl: the explicit L2 prefetches of constant weights before the wait (off: compiled out, the same bits)
     pdl_prefetch: bool = True
-    # side-stream L2 prefetch (`backends.side_prefetch`): off until measured; its points, hint and grid
-    l2_prefetch: bool = False
-    l2_prefetch_tail: bool = True
-    l2_prefetch_tail_late: bool = False
-    l2_prefetch_next: bool = True
-    l2_evict_last: bool = False
-    l2_bulk: bool = False
-    l2_prefetch_programs: int = L2_PROGRAMS
 
     def __post_init__(self) -> None:
         from mtp.kernels.gemv_splitk import MAX_M
@@ -155,9 +137,6 @@ class FastPathOptions:
             raise ValueError(f"FastPathOptions: pdl_tokens must be an integer >= 0, got {n!r}")
         if not isinstance(self.pdl_prefetch, bool):
             raise ValueError(f"FastPathOptions: pdl_prefetch must be a bool, got {self.pdl_prefetch!r}")
-        n = self.l2_prefetch_programs
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"FastPathOptions: l2_prefetch_programs must be an integer >= 1, got {n!r}")
 
     def pdl_at(self, tokens: int) -> bool:
         """Whether a launch for `tokens` rows takes PDL: switch pdl, and tokens <= pdl_tokens."""
