@@ -290,7 +290,7 @@ class FastMoE(MoE):
             waves = persistent and self.all_local and self.fast_options.moe_wave_splits
             return moe_experts(x_ND, ids_NK, w_NK, *ws, out_dtype=torch.float32, layout=layout, add=add,
                                shared=shared, splits="waves" if waves else None, pdl=self.fast_options.pdl_at(N),
-                               prefetch=self.fast_options.pdl_prefetch)
+                               prefetch=self.fast_options.prefetch_at(N))
         C = self.max_tokens
         bm = default_block_m(min(N, C))
         outs = [moe_experts(x_ND[a:a + C], ids_NK[a:a + C], w_NK[a:a + C], *ws, out_dtype=torch.float32,
@@ -785,7 +785,7 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
         q_lat = None
         if fuse_q:  # with the absorbed q
             q_pe, iq8, iqs, q_lat = mla_q_prologue_absorb(mla, qq, cos, sin, index=score, pdl=fo.pdl_at(B * T),
-                                                          prefetch=fo.pdl_prefetch)
+                                                          prefetch=fo.prefetch_at(B * T))
         else:
             q_pe, iq8, iqs = mla_q_prologue(mla, qq, cos, sin, index=score, pdl=fo.pdl_at(B * T))
         o = mla_attend_fast(mla, x_BTD, None, q[..., :P], q_pe, cache, S, out_dtype=dt,
@@ -826,7 +826,7 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
     ix = mla.indexer
     lens = cache.seq_lens  # keys before this block; query t sees < lens + t + 1
     pdl = mla.fast_options.pdl_at(x_BTD.shape[0] * x_BTD.shape[1])
-    pf = mla.fast_options.pdl_prefetch  # with pdl: W_kb / W_vb asked of L2 before the wait
+    pf = mla.fast_options.prefetch_at(x_BTD.shape[0] * x_BTD.shape[1])  # with pdl: W_kb / W_vb asked of L2 first
     topk_idx = None
     if ix.topk < S:  # else every visible key is kept (the reference's select): no scores needed
         if iq_quant is None and iq_BTHD is None:

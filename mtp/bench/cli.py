@@ -192,7 +192,7 @@ def bench_hf(args) -> dict:
 
 
 def parse_switches(items: list[str]) -> dict:
-    """NAME=VALUE pairs of `FastPathOptions` switches: gemv_rows and pdl_tokens integers, the others 0 / 1 / true /
+    """NAME=VALUE pairs of `FastPathOptions` switches: the INT_FIELDS integers, the others 0 / 1 / true /
     false."""
     from ..kernels.dispatch import INT_FIELDS, FastPathOptions
 

@@ -216,11 +216,14 @@ KERNEL_VARIANTS = {
     # token's launches only), and no PDL at all
     "pdl_all": (dict(pdl=True, pdl_tokens=64), dict()),
     "no_pdl": (dict(pdl=False), dict()),
-    # PDL without the kernels' explicit L2 prefetches of their constant weights before the wait (switch pdl_prefetch
-    # off: compiled out; launch and wait as before, the same bits): at the default widths, and at every width (a
+    # PDL without the kernels' explicit L2 prefetches of their constant weights before the wait (pdl_prefetch_tokens
+    # 0: compiled out; launch and wait as before, the same bits): at the default widths, and at every width (a
     # guess for why pdl_all loses at w >= 2: the few-row GEMM's slab prefetch competing with the running kernel)
-    "pdl_nopf": (dict(pdl=True, pdl_prefetch=False), dict()),
-    "pdl_all_nopf": (dict(pdl=True, pdl_tokens=64, pdl_prefetch=False), dict()),
+    "pdl_nopf": (dict(pdl=True, pdl_prefetch_tokens=0), dict()),
+    "pdl_all_nopf": (dict(pdl=True, pdl_tokens=64, pdl_prefetch_tokens=0), dict()),
+    # PDL at every width, the prefetches for one-token calls only (session 13, h200a: at w = 1 they helped, at
+    # w = 2..4 pdl_all_nopf beat pdl_all by 0.25-0.40 ms)
+    "pdl_all_pf1": (dict(pdl=True, pdl_tokens=64, pdl_prefetch_tokens=1), dict()),
 }
 
 

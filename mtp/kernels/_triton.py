@@ -104,7 +104,7 @@ def prefetch_l2(ptrs):
     a later load of the same bytes reads what it would have read (bit-identical), only sooner. For constant
     weights a kernel reads after `pdl_wait` in a loop, requested while the previous kernel still runs. One
     instruction per element: give one pointer per line. Each caller guards it with a constexpr (PREFETCH, absorb's
-    PF) that switch `FastPathOptions.pdl_prefetch` turns off, so that PDL can be timed without the prefetches."""
+    PF) that `FastPathOptions.prefetch_at` turns off, so that PDL can be timed without the prefetches."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
                               pack=1)
 

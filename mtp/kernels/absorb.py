@@ -70,7 +70,7 @@ def prefetch_weight_tile(w_ptr, h, o0, stride_wh, stride_wk, stride_wo, KD: tl.c
 
 def weight_prefetch(stride_wk: int, stride_wo: int, on: bool = True) -> int:
     """`prefetch_weight_tile`'s PF for a weight of these strides (1: o contiguous, 2: k contiguous, 0: neither);
-    0 when not on (a launch without PDL, or switch `FastPathOptions.pdl_prefetch` off: the prefetch compiled out)."""
+    0 when not on (a launch without PDL, or beyond `FastPathOptions.pdl_prefetch_tokens`: compiled out)."""
     if not on:
         return 0
     return 1 if stride_wo == 1 else 2 if stride_wk == 1 else 0
@@ -149,7 +149,7 @@ def absorb_q(q_nope_BTHP: torch.Tensor, w_kb_HPC: torch.Tensor, pdl: bool = Fals
              prefetch: bool = True) -> torch.Tensor:
     """Kernel twin of `absorb_q_ref`: q_lat [B, T, H, C] contiguous in w_kb's dtype; q_nope may be a strided
     view (the q_b output's nope channels). pdl: programmatic dependent launch (`_triton.pdl_kwargs`; the weight
-    tile is asked of L2 before the wait, unless not prefetch: switch `FastPathOptions.pdl_prefetch`, the same
+    tile is asked of L2 before the wait, unless not prefetch: `FastPathOptions.pdl_prefetch_tokens`, the same
     bits)."""
     H, P, C = w_kb_HPC.shape
     if q_nope_BTHP.shape[2:] != (H, P):

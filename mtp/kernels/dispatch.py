@@ -68,14 +68,15 @@ version, so the engine captures its kept graphs again).
   cooperative launch (`indexer_one_launch`: each program scores its chunk of keys for a batch row's queries, then
   runs the top-k's phases on them), where its grid fits the SMs (else scores + the one-launch top-k); the same
   scores and index sets. The scores kernel's launch settings (`set_kernel_options(indexer_scores=)`) do not apply.
-- pdl_prefetch (on: the behaviour pdl was measured with): with pdl, the kernels that ask L2 for their constant weights
-  before the wait do so (`_triton.prefetch_l2`: the few-row GEMM's slab, the router's gate slice, W_kb / W_vb in
-  absorb_q / absorb_out / the fused q prologue / stage 2 + absorb, the shared expert's span in the experts' kernels);
-  off, those prefetches are compiled out (a constexpr: PREFETCH, or absorb's PF 0) and each kernel still triggers
-  its successor first and waits before reading an earlier output or storing: the same bits (a prefetch is a hint).
-  A test of one guess for why PDL loses at w >= 2 (the prefetches competing with the running kernel for HBM or
-  issue slots): variants pdl_nopf / pdl_all_nopf (`mtp.bench.rank.KERNEL_VARIANTS`). Weight loads issued before the
-  wait are not prefetches and stay (the split-K GEMVs' whole tile, `gemv_splitk`; index_weights' first chunk of W).
+- pdl_prefetch_tokens (64: the behaviour pdl was measured with; an integer): with pdl, for calls of at most this
+  many tokens, the kernels that ask L2 for their constant weights before the wait do so (`_triton.prefetch_l2`: the
+  few-row GEMM's slab, the router's gate slice, W_kb / W_vb in absorb_q / absorb_out / the fused q prologue / stage
+  2 + absorb, the shared expert's span in the experts' kernels); for more tokens (or 0) those prefetches are
+  compiled out (a constexpr: PREFETCH, or absorb's PF 0) and each kernel still triggers its successor first and
+  waits before reading an earlier output or storing: the same bits (a prefetch is a hint). A test of one guess for
+  why PDL loses at w >= 2 (the prefetches competing with the running kernel for HBM or issue slots): variants
+  pdl_nopf / pdl_all_nopf / pdl_all_pf1 (`mtp.bench.rank.KERNEL_VARIANTS`). Weight loads issued before the wait are
+  not prefetches and stay (the split-K GEMVs' whole tile, `gemv_splitk`; index_weights' first chunk of W).
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -94,7 +95,8 @@ __all__ = ["ELEMENTWISE_IMPLS", "ExpertMap", "FastPathOptions", "expert_map", "l
 ELEMENTWISE_IMPLS = ("triton", "compile", "eager")
 
 
-INT_FIELDS = ("gemv_rows", "pdl_tokens")  # the options that are integers; every other field is an on / off switch
+# the options that are integers; every other field is an on / off switch
+INT_FIELDS = ("gemv_rows", "pdl_tokens", "pdl_prefetch_tokens")
 
 
 @dataclass
@@ -123,8 +125,10 @@ class FastPathOptions:
     # split rank (H200, BENCHMARKS.md session 12, 3 alternations): the whole chain -0.5 to -0.6 ms a step at w = 1,
     # +0.3 to +0.9 at w = 2..4
     pdl_tokens: int = 1
-    # with switch pdl: the explicit L2 prefetches of constant weights before the wait (off: compiled out, the same bits)
-    pdl_prefetch: bool = True
+    # with switch pdl: the explicit L2 prefetches of constant weights before the wait for calls of at most this many
+    # tokens (more, or 0: compiled out, the same bits). 64 (= fp8_gemm.SMALL_M, wherever PDL runs): the behaviour PDL
+    # was measured with
+    pdl_prefetch_tokens: int = 64
 
     def __post_init__(self) -> None:
         from mtp.kernels.gemv_splitk import MAX_M
@@ -135,12 +139,18 @@ class FastPathOptions:
         n = self.pdl_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"FastPathOptions: pdl_tokens must be an integer >= 0, got {n!r}")
-        if not isinstance(self.pdl_prefetch, bool):
-            raise ValueError(f"FastPathOptions: pdl_prefetch must be a bool, got {self.pdl_prefetch!r}")
+        n = self.pdl_prefetch_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"FastPathOptions: pdl_prefetch_tokens must be an integer >= 0, got {n!r}")
 
     def pdl_at(self, tokens: int) -> bool:
         """Whether a launch for `tokens` rows takes PDL: switch pdl, and tokens <= pdl_tokens."""
         return self.pdl and tokens <= self.pdl_tokens
+
+    def prefetch_at(self, tokens: int) -> bool:
+        """Whether a PDL launch for `tokens` rows asks L2 for its constant weights before the wait: tokens <=
+        pdl_prefetch_tokens (without PDL no kernel prefetches, whatever this says)."""
+        return tokens <= self.pdl_prefetch_tokens
 
     def set(self, **flags) -> FastPathOptions:
         """Set some switches in place (names of the fields, all checked before any is set); returns a copy of the
@@ -172,9 +182,9 @@ def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, opts: Fas
         x8, sx = xq
         y = fp8_gemm(x8.reshape(-1, K), sx.reshape(-1, K // 128), w8, sw,
                      out_dtype=out_dtype or (x.dtype if x is not None else torch.float32), pdl=opts.pdl_at(M),
-                     prefetch=opts.pdl_prefetch)
+                     prefetch=opts.prefetch_at(M))
         return y.reshape(*src.shape[:-1], w8.shape[0])
-    return fp8_linear(x, w8, sw, out_dtype=out_dtype, pdl=opts.pdl_at(M), prefetch=opts.pdl_prefetch)
+    return fp8_linear(x, w8, sw, out_dtype=out_dtype, pdl=opts.pdl_at(M), prefetch=opts.prefetch_at(M))
 
 
 @dataclass(frozen=True, eq=False)
@@ -222,7 +232,7 @@ def route(x_ND: torch.Tensor, gate, opts: FastPathOptions,
         from mtp.kernels.router import moe_route_fused
 
         return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, local=local,
-                               pdl=opts.pdl_at(x_ND.shape[0]), prefetch=opts.pdl_prefetch, **kw)
+                               pdl=opts.pdl_at(x_ND.shape[0]), prefetch=opts.prefetch_at(x_ND.shape[0]), **kw)
     from mtp.kernels.moe import moe_route
 
     w, ids = moe_route(x_ND, gate.weight, gate.e_score_correction_bias, **kw)

@@ -230,7 +230,7 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor, out_d
     (default: `default_plan`). `tune` (splits, num_stages, num_warps, bn) overrides the small-M launch. pdl: the
     small-M path's launches (act_quant, the weight-streaming kernel, which asks L2 for its weight slab before
     the wait) with programmatic dependent launch (`_triton.pdl_kwargs`); the prefill GEMM stays plain. prefetch
-    (with pdl; switch `FastPathOptions.pdl_prefetch`): False compiles that L2 prefetch out (constexpr PREFETCH), the
+    (with pdl; `FastPathOptions.prefetch_at`): False compiles that L2 prefetch out (constexpr PREFETCH), the
     launch and the wait stay; the same bits either way (a prefetch is a hint).
     """
     require(x, "fp8_linear")

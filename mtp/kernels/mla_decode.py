@@ -268,7 +268,7 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
     (S = 32768, T = 1: 54 vs 60 us; top-k: 20.7 vs 21.8 us). min_block_h: fewest heads per program (default
     MIN_BLOCK_H); a rank's 16 heads may run in a 64-head tile (masked) to take the wgmma tile. pdl: both launches
     with programmatic dependent launch (`_triton.pdl_kwargs`); prefetch: with w_vb, `stage2_absorb`'s (its W_vb tile
-    asked of L2 before the wait; False: compiled out, switch `FastPathOptions.pdl_prefetch`)."""
+    asked of L2 before the wait; False: compiled out, `FastPathOptions.prefetch_at`)."""
     require(q_lat, "mla_decode")
     B, T, H, C = q_lat.shape
     S = kv8.shape[1]

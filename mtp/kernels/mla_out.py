@@ -85,7 +85,7 @@ def stage2_absorb(o_part: torch.Tensor, lse: torch.Tensor, splits: int, w_vb_HVC
     [B*T*H*splits] fp32, base 2): `absorb_out(stage 2's o_lat in W_vb's dtype, w_vb)` in one launch, the same bits.
     block_v: output channels per program (default `absorb.out_block`, absorb_out's; a power of two >= 16
     dividing V). pdl: programmatic dependent launch (`_triton.pdl_kwargs`), the W_vb tile asked of L2 before the
-    wait unless not prefetch (switch `FastPathOptions.pdl_prefetch`: compiled out, the same bits)."""
+    wait unless not prefetch (`FastPathOptions.prefetch_at`: compiled out, the same bits)."""
     require(o_part, "stage2_absorb")
     H, V, C = w_vb_HVC.shape
     n = B * T

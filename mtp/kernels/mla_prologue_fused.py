@@ -115,7 +115,7 @@ def mla_q_prologue_absorb(mla, qq_BTX: torch.Tensor, cos: torch.Tensor, sin: tor
     the q_b output's nope channels) in one launch: returns (q_pe, iq8, iqs, q_lat [B, T, H, C] in w_kb's dtype),
     the same bits as the two launches (iq8, iqs None when not index). 1..absorb.MAX_TOKENS tokens. pdl:
     programmatic dependent launch (`_triton.pdl_kwargs`), the absorb programs' W_kb tiles asked of L2 before the
-    wait (`absorb_q`'s) unless not prefetch (switch `FastPathOptions.pdl_prefetch`: compiled out, the same bits)."""
+    wait (`absorb_q`'s) unless not prefetch (`FastPathOptions.prefetch_at`: compiled out, the same bits)."""
     name = "mla_q_prologue_absorb"
     q, args, consts, (q_pe, iq8, iqs) = q_prologue_args(mla, qq_BTX, cos, sin, index, name)
     w = mla.w_kb

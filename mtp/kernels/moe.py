@@ -593,8 +593,8 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     The persistent layout then holds T * (J + 1) pairs.
     pdl: the pair / persistent layouts' three launches with programmatic dependent launch (`_triton.pdl_kwargs`:
     which routed experts' weights they read is the router's output, read after the wait; with `shared` the shared
-    expert's weights are asked of L2 before it, a share per program, unless not prefetch: switch
-    `FastPathOptions.pdl_prefetch`, the prefetch compiled out, the same bits; the grouped layout's launches stay
+    expert's weights are asked of L2 before it, a share per program, unless not prefetch
+    (`FastPathOptions.prefetch_at`: the prefetch compiled out, the same bits); the grouped layout's launches stay
     plain).
     """
     require(x_TD, "moe_experts")

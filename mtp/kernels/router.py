@@ -250,7 +250,7 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
     local = an int32 table [E] on x's device (`dispatch.expert_map`: a rank holding scattered experts): table[e],
     -1 where e is on another rank, gathered in the same launch (a kernel variant: the range's code is unchanged).
     pdl: programmatic dependent launch (`_triton.pdl_kwargs`), each program's slice of the gate weight asked of L2
-    before the wait; prefetch False (switch `FastPathOptions.pdl_prefetch`) compiles that prefetch out (the same
+    before the wait; prefetch False (`FastPathOptions.prefetch_at`) compiles that prefetch out (the same
     bits). impl: "serial" (the last program routes on [T, E]) or "grouped" (each E-block's last slice ranks its
     groups, the last block merges; <= GROUPED_MAX_TOKENS tokens, topk <= topk_group x E / n_group); both give the
     same logits, ids and weights bit for bit.

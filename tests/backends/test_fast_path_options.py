@@ -123,11 +123,12 @@ def test_pdl_takes_the_launches_of_calls_up_to_pdl_tokens():
         raise AssertionError("set(pdl_tokens=-2) must be refused")
 
 
-def test_pdl_prefetch_is_a_bool_handed_to_the_prefetching_kernels(monkeypatch):
-    """Switch pdl_prefetch (on by default: the PDL that was measured) is a bool, refused otherwise by name (`set` and
-    the bench's `--kernels` take 0 / 1 as the other switches); `linear` hands it to the few-row GEMM (x or x
-    quantized) and `route` to the router kernel as `prefetch` (recorders, no Triton); the bench's variants pdl_nopf
-    / pdl_all_nopf turn it off with PDL on, at the default widths and at every width."""
+def test_pdl_prefetch_tokens_is_an_int_handed_to_the_prefetching_kernels(monkeypatch):
+    """Option pdl_prefetch_tokens (64 by default: the PDL that was measured, prefetches wherever PDL runs) is an integer
+    >= 0, refused otherwise by name (`set` and the bench's `--kernels` take it as an integer); `linear` hands
+    `prefetch_at(rows)` to the few-row GEMM (x or x quantized) and `route` to the router kernel as `prefetch`
+    (recorders, no Triton); the bench's variants pdl_nopf / pdl_all_nopf turn it off with PDL on, at the default
+    widths and at every width, and pdl_all_pf1 keeps it for one-token calls only."""
     import mtp.kernels.fp8_gemm as gemm
     import mtp.kernels.router as router
     from mtp.bench.cli import parse_switches
@@ -135,14 +136,14 @@ def test_pdl_prefetch_is_a_bool_handed_to_the_prefetching_kernels(monkeypatch):
     from mtp.kernels.dispatch import linear, route
     from mtp.model.moe import Gate
 
-    assert FastPathOptions().pdl_prefetch is True
-    for bad in (0, 1, "no", None):
-        with pytest.raises(ValueError, match="pdl_prefetch must be a bool"):
-            FastPathOptions(pdl_prefetch=bad)
+    assert FastPathOptions().pdl_prefetch_tokens == 64 and FastPathOptions().prefetch_at(64)
+    for bad in (-1, True, 1.5, "no", None):
+        with pytest.raises(ValueError, match="pdl_prefetch_tokens must be an integer"):
+            FastPathOptions(pdl_prefetch_tokens=bad)
     o = FastPathOptions()
-    o.set(pdl_prefetch=0)
-    assert o.pdl_prefetch is False and o.pdl_at(1)
-    assert parse_switches(["pdl_prefetch=0"]) == {"pdl_prefetch": False}
+    o.set(pdl_prefetch_tokens=0)
+    assert o.pdl_prefetch_tokens == 0 and not o.prefetch_at(1) and o.pdl_at(1)
+    assert parse_switches(["pdl_prefetch_tokens=1"]) == {"pdl_prefetch_tokens": 1}
     took = []
     monkeypatch.setattr(gemm, "fp8_linear", lambda x, w8, sw, **kw: took.append(("linear", kw["pdl"], kw["prefetch"])))
     monkeypatch.setattr(gemm, "fp8_gemm", lambda x8, sx, w8, sw, **kw: took.append(("gemm", kw["pdl"],
@@ -150,15 +151,16 @@ def test_pdl_prefetch_is_a_bool_handed_to_the_prefetching_kernels(monkeypatch):
     monkeypatch.setattr(router, "moe_route_fused", lambda x, w, b, **kw: took.append(("router", kw["pdl"],
                                                                                       kw["prefetch"])))
     gate = Gate(tiny_config(), torch.float32)
-    for pf in (True, False):
-        opts = FastPathOptions(gemv_rows=0, pdl_prefetch=pf)
-        x = torch.zeros(1, 256)
+    cases = [(64, 1, True), (0, 1, False), (1, 1, True), (1, 2, False)]  # (pdl_prefetch_tokens, rows, prefetch)
+    for n, rows, _ in cases:
+        opts = FastPathOptions(gemv_rows=0, pdl_tokens=64, pdl_prefetch_tokens=n)
+        x = torch.zeros(rows, 256)
         linear(x, torch.zeros(128, 256), torch.ones(1, 2), opts)
-        linear(None, torch.zeros(128, 256), torch.ones(1, 2), opts, xq=(x, torch.ones(1, 2)))
-        route(torch.zeros(1, gate.weight.shape[1]), gate, opts)
-    assert took == [(k, True, pf) for pf in (True, False) for k in ("linear", "gemm", "router")], took
-    for name, every_width in (("pdl_nopf", False), ("pdl_all_nopf", True)):
+        linear(None, torch.zeros(128, 256), torch.ones(1, 2), opts, xq=(x, torch.ones(rows, 2)))
+        route(torch.zeros(rows, gate.weight.shape[1]), gate, opts)
+    assert took == [(k, True, pf) for _, _, pf in cases for k in ("linear", "gemm", "router")], took
+    for name, every_width, pf_tokens in (("pdl_nopf", False, 0), ("pdl_all_nopf", True, 0), ("pdl_all_pf1", True, 1)):
         flags, options = KERNEL_VARIANTS[name]
         v = FastPathOptions()
         v.set(**flags)
-        assert not options and v.pdl and not v.pdl_prefetch and v.pdl_at(4) == every_width, name
+        assert not options and v.pdl and v.pdl_prefetch_tokens == pf_tokens and v.pdl_at(4) == every_width, name

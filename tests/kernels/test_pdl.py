@@ -12,7 +12,7 @@ constants (or ask L2 for them) before the wait, and wait before reading an earli
 - A tiny simulated TP=2 'split' rank's decode forward with the indexer and its top-k (every kernel a dense step
   runs, and more): with the switch on every Triton kernel launched took PDL but the final and the MTP module's
   norms (`NOT_CHAINED`), and logits, hidden and the cache's bytes equal the switch off's.
-- Switch pdl_prefetch off: the prefetching kernels compiled for sm_90 hold no prefetch and otherwise the same
+- pdl_prefetch_tokens 0: the prefetching kernels compiled for sm_90 hold no prefetch and otherwise the same
   griddepcontrol / memory instruction order; under the interpreter each such entry point gives the same bits at 1..4
   rows with no prefetch launched or run, and the decode forward above neither launches nor runs one, same bits.
 Real launches, CUDA-graph replays and races: tests/kernels/test_pdl_gpu.py.
@@ -39,7 +39,7 @@ from tests.interp import run_interpreted  # noqa: E402
 NOT_CHAINED = {"_rms_norm_kernel"}
 CACHE = ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale")
 # the Triton kernels of that decode forward (`_step_checks`: one token, default switches) that ask L2 for their
-# constant weights before the wait (switch pdl_prefetch): the router's gate slice, W_kb in the fused q prologue, W_vb
+# constant weights before the wait (`prefetch_at`): the router's gate slice, W_kb in the fused q prologue, W_vb
 # in absorb_out, the shared expert's span in the persistent experts' kernels
 STEP_PREFETCHING = {"_route_grouped_kernel", "_q_absorb_kernel", "_absorb_kernel", "_moe_gate_up_persistent",
                     "_moe_down_persistent"}
@@ -145,14 +145,14 @@ def test_pdl_kernels_compile_for_hopper_in_order():
     assert not bad, "\n".join(bad)
 
 
-# the constexpr that compiles each prefetching kernel's L2 prefetches out (switch `FastPathOptions.pdl_prefetch` off):
+# the constexpr that compiles each prefetching kernel's L2 prefetches out (`FastPathOptions.prefetch_at` False):
 # PREFETCH, or the absorb kernels' PF (how the tile is walked; 0: not asked of L2)
 PREFETCH_OFF = {name: dict(PF=0) if name in ("q_absorb", "absorb_out", "stage2_absorb") else dict(PREFETCH=False)
                 for name in PREFETCHING}
 
 
 def test_pdl_prefetch_off_compiles_the_prefetches_out():
-    """Switch pdl_prefetch off: each kernel that asks L2 for its weights before the wait, compiled for sm_90 with PDL,
+    """pdl_prefetch_tokens 0: each kernel that asks L2 for its weights before the wait, compiled for sm_90 with PDL,
     holds no `prefetch.global.L2`, and its griddepcontrol and global memory instructions are the prefetching build's,
     in the same order, less the prefetches: it still triggers its successor first, loads nothing before the wait and
     waits before its first store or atomic."""
@@ -388,7 +388,7 @@ def _kernel_checks() -> None:
 
 
 def _pf_equal(what: str, call, weights: list, launches: int) -> None:
-    """call(prefetch) with PDL and its L2 prefetches, then with PDL and them compiled out (switch pdl_prefetch off):
+    """call(prefetch) with PDL and its L2 prefetches, then with PDL and them compiled out (pdl_prefetch_tokens 0):
     the same bits; every launch (`launches` of them) took PDL; with prefetch they ask L2 for exactly `weights`
     (`_covers`), without, none is launched with its prefetch constexpr on and none runs."""
     from tests.interp import PREFETCHED
@@ -411,7 +411,7 @@ def _pf_equal(what: str, call, weights: list, launches: int) -> None:
 
 def _prefetch_checks() -> None:
     """Each entry point whose kernels ask L2 for their weights before the wait, at 1..4 rows (tokens): the prefetches
-    off (`prefetch=False`, what switch pdl_prefetch passes) give the bits of PDL with them (`_kernel_checks` holds
+    off (`prefetch=False`, `prefetch_at` beyond its tokens) give the bits of PDL with them (`_kernel_checks` holds
     those to no PDL's, `_step_checks` a whole forward without them). mla_decode hands prefetch to its fused stage 2
     (`stage2_absorb`, called directly at 2..4 rows: stage 1 takes no prefetch). ~7 s."""
     from mtp.kernels.absorb import absorb_out, absorb_q
@@ -490,9 +490,9 @@ def _prefetch_checks() -> None:
 def _step_checks() -> None:
     """A tiny simulated TP=2 'split' rank (the smallest whose MLA takes the kernels), one decode forward of its
     trunk, head and MTP module at 1 token over 40 keys (the indexer and its top-k 16: every kernel of a dense step
-    and more), the switch off, then on, then on with pdl_prefetch off: the same logits, hidden and cache bytes, every
+    and more), the switch off, then on, then on with no prefetch: the same logits, hidden and cache bytes, every
     Triton launch with PDL but NOT_CHAINED's; STEP_PREFETCHING's kernels launched with their L2 prefetches compiled in
-    (and run) with pdl_prefetch on, none with it off (the option reaches every call site)."""
+    (and run) with prefetches on, none with them off (the option reaches every call site)."""
     from mtp.backends import fast_path as fp
     from mtp.checkpoint.synthetic import fill_cache_random
     from mtp.parallel.layout import ParallelPlan
@@ -514,7 +514,7 @@ def _step_checks() -> None:
             ids = torch.randint(0, cfg.vocab_size, (1, 1), generator=g)
             out, names, pf_names = {}, {}, {}
             for pdl, pf in ((False, True), (True, True), (True, False)):
-                fp.set_kernels(model, pdl=pdl, pdl_prefetch=pf)
+                fp.set_kernels(model, pdl=pdl, pdl_prefetch_tokens=64 if pf else 0)
                 cache = fill_cache_random(model.new_cache(1, L + 4), L)
                 mcache = fill_cache_random(model.new_cache(1, L + 4, n_layers=1), L)
                 PREFETCHED.clear()

@@ -6,13 +6,13 @@
   on each of 50 replays in a row (a kernel reading before its wait, or storing before it, shows up as a flaky
   difference), and eagerly; at 1k keys (dense attention) and 3k (the indexer's top-k), 1, 2 and 4 tokens
   (the split-K GEMV and the persistent experts; the few-row GEMM, act_quant; the experts' pair grid), radix and
-  radix_fused top-k; and with switch pdl_prefetch off (the kernels' L2 prefetches of their weights compiled out) at
+  radix_fused top-k; and with pdl_prefetch_tokens 0 (the kernels' L2 prefetches of their weights compiled out) at
   1..4 tokens.
 - Each PDL entry point at the rank's shapes, eagerly with pdl on and off (the same bits), and all of them as one
   chain of PDL launches captured in a graph, replayed 50 times against the plain launches' bits; with and without
   the L2 prefetches (`prefetch=`).
 The CPU side (PTX order, the interpreter's PDL branches, every launch of a step asking for PDL):
-tests/kernels/test_pdl.py. ~2-3 minutes on an H100 (measured before the pdl_prefetch cases), most of it compiling
+tests/kernels/test_pdl.py. ~2-3 minutes on an H100 (measured before the no-prefetch cases), most of it compiling
 both variants of every kernel.
 """
 
@@ -92,7 +92,7 @@ def test_decode_step_graph_with_pdl_equals_plain(rank, L, w, topk, prefetch):
         for pdl in (False, True):
             # every width (the default chains 1-token calls only); prefetch False: the weights' L2 prefetches
             # compiled out (variant pdl_all_nopf)
-            set_kernels(model, pdl=pdl, pdl_tokens=64, pdl_prefetch=prefetch)
+            set_kernels(model, pdl=pdl, pdl_tokens=64, pdl_prefetch_tokens=64 if prefetch else 0)
             step()  # eager
             eager = snapshot()
             graphs[pdl] = capture_graph(step)
@@ -112,7 +112,7 @@ def test_decode_step_graph_with_pdl_equals_plain(rank, L, w, topk, prefetch):
             bad += [(i, j) for j, (a, b) in enumerate(zip(got, want)) if not _same(a, b)]
         assert not bad, f"PDL replays differ (replay, output): {bad[:10]} of {REPLAYS} replays"
     finally:
-        set_kernels(model, pdl=False, pdl_prefetch=True)
+        set_kernels(model, pdl=False, pdl_prefetch_tokens=64)
         set_kernel_options(model, indexer_topk="radix")
         graphs.clear()
 
@@ -123,7 +123,7 @@ def test_pdl_entry_points_chained_in_a_graph_equal_plain(prefetch):
     """Every PDL entry point at the TP=8 rank's shapes (16 heads, the indexer's 64, a split rank's experts at
     1/8 width), chained as a decode block chains them, each reading the one before: eagerly and on 50 graph
     replays the PDL chain gives the plain chain's bits, with the weights' L2 prefetches and without (`prefetch`,
-    switch pdl_prefetch)."""
+    pdl_prefetch_tokens 0)."""
     from mtp.kernels.absorb import absorb_out, absorb_q
     from mtp.kernels.elementwise import silu_mul
     from mtp.kernels.fp8_gemm import fp8_linear
