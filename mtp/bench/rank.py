@@ -224,9 +224,6 @@ KERNEL_VARIANTS = {
     # PDL at every width, the prefetches for one-token calls only (session 13, h200a: at w = 1 they helped, at
     # w = 2..4 pdl_all_nopf beat pdl_all by 0.25-0.40 ms)
     "pdl_all_pf1": (dict(pdl=True, pdl_tokens=64, pdl_prefetch_tokens=1), dict()),
-    # the persistent experts' gate / up, down and combine in one launch (`kernels.moe_one_launch`; a split rank's MoE
-    # up to its persistent_tokens): 2 launches fewer per MoE layer, the same bits
-    "moe_one_launch": (dict(moe_one_launch=True), dict()),
 }
 
 

@@ -77,11 +77,6 @@ version, so the engine captures its kept graphs again).
   why PDL loses at w >= 2 (the prefetches competing with the running kernel for HBM or issue slots): variants
   pdl_nopf / pdl_all_nopf / pdl_all_pf1 (`mtp.bench.rank.KERNEL_VARIANTS`). Weight loads issued before the wait are
   not prefetches and stay (the split-K GEMVs' whole tile, `gemv_splitk`; index_weights' first chunk of W).
-- moe_one_launch (off until measured): where the experts run the persistent layout (a 'split' rank up to
-  `FastMoE.persistent_tokens`, the layout by size), its gate / up, down and combine in one launch
-  (`moe.moe_experts(one_launch=True)`, `kernels.moe_one_launch`: ~one program per SM takes its gate / up items, then
-  its down items, each spinning until its expert's h is written; the last down item of an output block sums it in
-  the combine's order): 2 launches fewer per MoE layer, the same K slices, the same bits. Off: three launches.
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -134,8 +129,6 @@ class FastPathOptions:
     # tokens (more, or 0: compiled out, the same bits). 64 (= fp8_gemm.SMALL_M, wherever PDL runs): the behaviour PDL
     # was measured with
     pdl_prefetch_tokens: int = 64
-    # the persistent experts' three launches as one (`moe.moe_experts(one_launch=True)`); off until measured
-    moe_one_launch: bool = False
 
     def __post_init__(self) -> None:
         from mtp.kernels.gemv_splitk import MAX_M

@@ -61,12 +61,10 @@ import torch.nn.functional as F
 from mtp.model.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
 from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.model.moe import route
-from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, prefetch_span_l2, require, tl, triton
+from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
-from mtp.kernels.moe_one_launch import experts_one_launch, one_launch_grid
-from mtp.kernels.moe_tiles import (_combine_sum, _down_item, _down_tile, _gate_up_item, _gate_up_store, _gate_up_tile,
-                                   _leader_pairs, _shared_prefetch, _slot_info, _slot_weights)
 
 __all__ = ["wave_splits", "waves_for", "moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts",
            "moe_experts_ref", "gate_logits", "default_layout", "MAX_TOKENS", "PAIRS_MAX_TOKENS", "GROUPED_ABOVE"]
@@ -227,6 +225,123 @@ def moe_route(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_g
 
 # ----------------------------------------------------------------------------- expert kernels
 @triton.jit
+def _ids(idx_ptr, q, mask, S, TOPK: tl.constexpr, J: tl.constexpr):
+    """Expert ids of flat pairs q (token q // TOPK, slot q % TOPK), -2 where not mask. TOPK == J: idx_TJ's own.
+    TOPK == J + 1: slot J is the implicit shared slot, stack entry S for every token (`moe_experts(shared=)`),
+    read from no tensor: the ids stay the router's [T, J], so no launch builds a [T, J + 1] copy."""
+    if TOPK == J:
+        return tl.load(idx_ptr + q, mask=mask, other=-2)
+    j = q % TOPK
+    e = tl.load(idx_ptr + (q // TOPK) * J + j, mask=mask & (j < J), other=-2)
+    return tl.where(mask & (j == J), S, e)
+
+
+@triton.jit
+def _slot_weights(rw_ptr, slot, active, TOPK: tl.constexpr, J: tl.constexpr):
+    """Routing weights of flat slots (0 where not active); the implicit shared slot (TOPK == J + 1) weighs 1.0,
+    so its product is the expert's output exactly."""
+    if TOPK == J:
+        return tl.load(rw_ptr + slot, mask=active, other=0.0)
+    j = slot % TOPK
+    w = tl.load(rw_ptr + (slot // TOPK) * J + j, mask=active & (j < J), other=0.0)
+    return tl.where(active & (j == J), 1.0, w)
+
+
+@triton.jit
+def _shared_prefetch(w_ptr, S, stride_we, n, TOPK: tl.constexpr, J: tl.constexpr, PDL: tl.constexpr,
+                     PREFETCH: tl.constexpr):
+    """With PDL, PREFETCH and the implicit shared slot (TOPK == J + 1): the shared expert's n-element weight (stack
+    entry S, contiguous; 1-byte fp8: 128 per line) asked of L2 before the wait, each program a share. Which routed
+    experts run is the router's output, read after the wait; the shared one is every token's, known before it."""
+    if PDL and PREFETCH:
+        if TOPK > J:
+            prefetch_span_l2(w_ptr + tl.cast(S, tl.int64) * stride_we, n, 128, 32)
+
+
+@triton.jit
+def _slot_info(idx_ptr, p, T, S, TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
+               KPAD: tl.constexpr):
+    """For pair p: its expert e, whether p is the first pair naming e, and per token row m whether it is
+    routed to e and at which flat slot m * TOPK + j. A pair with e < 0 (skipped slot) is never a leader and
+    has no active rows: a token may hold several -1 slots, which must not count as one shared expert.
+    Slots per token TOPK: the router's J, + 1 for the implicit shared slot (`_ids`)."""
+    e = _ids(idx_ptr, p, p >= 0, S, TOPK, J)
+    valid = e >= 0
+    q = tl.arange(0, PPAD)
+    # padding loads -2: never an expert, nor the -1 of a skipped slot
+    all_idx = _ids(idx_ptr, q, q < T * TOPK, S, TOPK, J)
+    is_leader = valid & (tl.sum(((all_idx == e) & (q < p)).to(tl.int32), 0) == 0)
+    m = tl.arange(0, BM)
+    j = tl.arange(0, KPAD)
+    idx2 = _ids(idx_ptr, m[:, None] * TOPK + j[None, :], (m[:, None] < T) & (j[None, :] < TOPK), S, TOPK, J)
+    eq = (idx2 == e) & valid  # e < 0: no row is active, so `slot` is never used to load or store
+    active = tl.sum(eq.to(tl.int32), 1) > 0
+    slot = m * TOPK + tl.sum(tl.where(eq, j[None, :], 0), 1)
+    return e, is_leader, active, slot
+
+
+@triton.jit
+def _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1, D, stride_xm, stride_we, stride_se,
+                  stride_sn, BM: tl.constexpr):
+    """gate and up of expert e, N-block nb, over K groups [g0, g1): fp32 accumulators [128, BM] (x quantized
+    per 128 in registers; rows of tokens not routed to e read as 0)."""
+    offs_n = nb * 128 + tl.arange(0, 128)
+    offs_k = tl.arange(0, 128)
+    m = tl.arange(0, BM)
+    e64 = e.to(tl.int64)
+    w_off = e64 * stride_we + offs_n.to(tl.int64)[:, None] * D + offs_k[None, :]
+    w1_ptrs = w1_ptr + w_off
+    w3_ptrs = w3_ptr + w_off
+    s1_row = s1_ptr + e64 * stride_se + nb * stride_sn
+    s3_row = s3_ptr + e64 * stride_se + nb * stride_sn
+    x_ptrs = x_ptr + m[:, None] * stride_xm + offs_k[None, :]
+    acc1 = tl.zeros((128, BM), dtype=tl.float32)
+    acc3 = tl.zeros((128, BM), dtype=tl.float32)
+    for g in range(g0, g1):
+        w1 = tl.load(w1_ptrs + g * 128)
+        w3 = tl.load(w3_ptrs + g * 128)
+        xf = tl.load(x_ptrs + g * 128, mask=active[:, None], other=0.0).to(tl.float32)
+        sx, inv = ue8m0_scale(tl.max(tl.abs(xf), axis=1))
+        xt = tl.trans(quant_e4m3(xf, inv[:, None]))
+        acc1 += tl.dot(w1, xt) * (sx * tl.load(s1_row + g))[None, :]
+        acc3 += tl.dot(w3, xt) * (sx * tl.load(s3_row + g))[None, :]
+    return acc1, acc3
+
+
+@triton.jit
+def _gate_up_store(acc1, acc3, nb, slot, smask, h8_ptr, hs_ptr, I):
+    """h = silu(gate) * up, quantized per 128 (the N-block is one K group of the down projection), stored
+    as fp8 + scale at each routed token's (token, slot) row."""
+    offs_n = nb * 128 + tl.arange(0, 128)
+    h = acc1 / (1.0 + tl.exp(-acc1)) * acc3  # [128, BM]
+    sh, inv_h = ue8m0_scale(tl.max(tl.abs(h), axis=0))
+    h8 = quant_e4m3(h, inv_h[None, :])
+    tl.store(h8_ptr + slot.to(tl.int64)[None, :] * I + offs_n[:, None], h8, mask=smask[None, :])
+    tl.store(hs_ptr + slot * (I // 128) + nb, sh, mask=smask)
+
+
+@triton.jit
+def _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I, stride_we, stride_se, stride_sn,
+               BM: tl.constexpr):
+    """Down projection of expert e, output block nb, over K groups [g0, g1): fp32 [128, BM]."""
+    GI = I // 128
+    offs_n = nb * 128 + tl.arange(0, 128)
+    offs_k = tl.arange(0, 128)
+    nmask = offs_n < D
+    e64 = e.to(tl.int64)
+    w_ptrs = w2_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * I + offs_k[None, :]
+    s_row = s2_ptr + e64 * stride_se + nb * stride_sn
+    h_ptrs = h8_ptr + slot.to(tl.int64)[:, None] * I + offs_k[None, :]
+    acc = tl.zeros((128, BM), dtype=tl.float32)
+    for g in range(g0, g1):
+        w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
+        h = tl.load(h_ptrs + g * 128, mask=active[:, None], other=0.0)
+        hs = tl.load(hs_ptr + slot * GI + g, mask=active, other=0.0)
+        acc += tl.dot(w, tl.trans(h)) * (hs * tl.load(s_row + g))[None, :]
+    return acc
+
+
+@triton.jit
 def _moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr,
                         T, D, I, stride_xm, stride_we, stride_se, stride_sn, S,
                         TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
@@ -257,7 +372,7 @@ def _moe_down_kernel(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
     e, is_leader, active, slot = _slot_info(idx_ptr, p, T, S, TOPK, J, BM, PPAD, KPAD)
     n_iter = tl.where(is_leader, I // 128, 0)
     acc = _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, 0, n_iter, D, I, stride_we, stride_se,
-                     stride_sn, BM, "")
+                     stride_sn, BM)
     rw = _slot_weights(rw_ptr, slot, active, TOPK, J)
     acc = acc * rw[None, :]
     offs_n = nb * 128 + tl.arange(0, 128)
@@ -268,6 +383,33 @@ def _moe_down_kernel(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
 
 # ----------------------------------------------------------------------------- persistent expert kernels
 @triton.jit
+def _leader_pairs(idx_ptr, P, S, TOPK: tl.constexpr, J: tl.constexpr, PPAD: tl.constexpr):
+    """Pairs q in [0, PPAD), which of them lead (a valid expert no earlier pair names), each leader's rank
+    among the leaders, and the number of leaders (distinct experts to compute). [PPAD, PPAD] compares: small P."""
+    q = tl.arange(0, PPAD)
+    iq = _ids(idx_ptr, q, q < P, S, TOPK, J)
+    earlier = (iq[:, None] == iq[None, :]) & (q[None, :] < q[:, None])
+    lead = (iq >= 0) & (tl.sum(earlier.to(tl.int32), 1) == 0)
+    rank = tl.cumsum(lead.to(tl.int32), 0) - 1
+    return q, lead, rank, tl.sum(lead.to(tl.int32), 0)
+
+
+@triton.jit
+def _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, G, S, TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr,
+               PPAD: tl.constexpr, KPAD: tl.constexpr):
+    """Work item w = (a, nb, ks): the a-th distinct expert e (its routed token rows and their slots), N-block
+    nb, and the K groups [g0, g1) of slice ks of G groups."""
+    a = w // (NB * KS)
+    nb = (w // KS) % NB
+    ks = w % KS
+    p = tl.sum(tl.where(lead & (rank == a), q, 0), 0)  # the pair that leads expert a
+    e, _, active, slot = _slot_info(idx_ptr, p, T, S, TOPK, J, BM, PPAD, KPAD)
+    gps = tl.cdiv(G, KS)
+    g0 = ks * gps
+    return a, nb, ks, e, active, slot, g0, tl.minimum(g0 + gps, G)
+
+
+@triton.jit
 def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr, part_ptr, cnt_ptr,
                             T, D, I, stride_xm, stride_we, stride_se, stride_sn, KS, S,
                             TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
@@ -275,15 +417,35 @@ def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_p
     """Work item (a, nb, ks): the a-th distinct expert, N-block nb, K slice ks, handed out round-robin over a
     grid of ~one program per SM, so the few experts a rank computes at decode still fill every SM. The last
     slice of (a, nb) to finish (atomic counter) sums the fp32 partials in slice order (deterministic) and
-    writes h; it re-arms the counter (`moe_tiles._gate_up_item`)."""
+    writes h; it re-arms the counter."""
     pdl_launch(PDL)
     _shared_prefetch(w1_ptr, S, stride_we, I * D, TOPK, J, PDL, PREFETCH)
     _shared_prefetch(w3_ptr, S, stride_we, I * D, TOPK, J, PDL, PREFETCH)
     pdl_wait(PDL)  # the router's ids; the counters, re-armed by their last user, are touched after it
     q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, S, TOPK, J, PPAD)
-    for w in range(tl.program_id(0), n_act * (I // 128) * KS, tl.num_programs(0)):
-        _gate_up_item(w, q, lead, rank, x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr, part_ptr,
-                      cnt_ptr, T, D, I, stride_xm, stride_we, stride_se, stride_sn, KS, S, TOPK, J, BM, PPAD, KPAD)
+    NB = I // 128
+    for w in range(tl.program_id(0), n_act * NB * KS, tl.num_programs(0)):
+        a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, D // 128, S,
+                                                        TOPK, J, BM, PPAD, KPAD)
+        acc1, acc3 = _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
+                                   D, stride_xm, stride_we, stride_se, stride_sn, BM)
+        # fp32 partials [2, 128, T] per (a, nb, ks): the T token columns only
+        m = tl.arange(0, BM)
+        tile = tl.arange(0, 128)[:, None] * T + m[None, :]
+        tmask = (m < T)[None, :]
+        base = part_ptr + ((a * NB + nb) * KS).to(tl.int64) * (2 * 128 * T)
+        tl.store(base + ks * (2 * 128 * T) + tile, acc1, mask=tmask)
+        tl.store(base + ks * (2 * 128 * T) + 128 * T + tile, acc3, mask=tmask)
+        tl.debug_barrier()
+        if tl.atomic_add(cnt_ptr + a * NB + nb, 1, sem="acq_rel", scope="gpu") == KS - 1:
+            acc1 = tl.zeros((128, BM), dtype=tl.float32)
+            acc3 = tl.zeros((128, BM), dtype=tl.float32)
+            for s in range(KS):
+                acc1 += tl.load(base + s * (2 * 128 * T) + tile, mask=tmask, other=0.0, cache_modifier=".cg")
+                acc3 += tl.load(base + s * (2 * 128 * T) + 128 * T + tile, mask=tmask, other=0.0,
+                                cache_modifier=".cg")
+            _gate_up_store(acc1, acc3, nb, slot, active, h8_ptr, hs_ptr, I)
+            tl.atomic_xchg(cnt_ptr + a * NB + nb, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -292,26 +454,44 @@ def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_pt
                          TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
                          KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Work item (a, nb, ks) as in `_moe_gate_up_persistent`; slice ks writes its weighted partial to
-    out[ks, slot], which the combine kernel sums in a fixed order (`moe_tiles._down_item`)."""
+    out[ks, slot], which the combine kernel sums in a fixed order."""
     pdl_launch(PDL)
     _shared_prefetch(w2_ptr, S, stride_we, D * I, TOPK, J, PDL, PREFETCH)
     pdl_wait(PDL)  # the router's ids and weights, gate / up's h
     q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, S, TOPK, J, PPAD)
-    for w in range(tl.program_id(0), n_act * tl.cdiv(D, 128) * KS, tl.num_programs(0)):
-        _down_item(w, q, lead, rank, h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr, T, D, I, stride_we,
-                   stride_se, stride_sn, KS, S, TOPK, J, BM, PPAD, KPAD, "")
+    NB = tl.cdiv(D, 128)
+    P = T * TOPK
+    for w in range(tl.program_id(0), n_act * NB * KS, tl.num_programs(0)):
+        a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, I // 128, S,
+                                                        TOPK, J, BM, PPAD, KPAD)
+        acc = _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I,
+                         stride_we, stride_se, stride_sn, BM)
+        acc = acc * _slot_weights(rw_ptr, slot, active, TOPK, J)[None, :]
+        offs_n = nb * 128 + tl.arange(0, 128)
+        dst = out_ptr + (ks * P + slot).to(tl.int64)[None, :] * D + offs_n[:, None]
+        tl.store(dst, acc, mask=active[None, :] & (offs_n < D)[:, None])
 
 
 @triton.jit
 def _moe_combine_kernel(part_ptr, idx_ptr, add_ptr, y_ptr, D, P, TOPK: tl.constexpr, J: tl.constexpr,
                         KS: tl.constexpr, BLOCK_D: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
-    """y[t] = the partials summed in `moe_tiles._combine_sum`'s order, + add."""
     pdl_launch(PDL)
     pdl_wait(PDL)  # the down kernel's partials, the router's ids, the shared expert's output
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
-    acc = _combine_sum(part_ptr, idx_ptr, add_ptr, t, None, offs, mask, D, P, KS, TOPK, J, ADD, "")
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(J):  # slot order, then K-slice order: deterministic
+        used = tl.load(idx_ptr + t * J + j) >= 0  # a -1 slot's rows of `part` were never written
+        for s in tl.static_range(KS):
+            acc += tl.load(part_ptr + (s * P + t * TOPK + j).to(tl.int64) * D + offs, mask=mask & used, other=0.0)
+    if TOPK > J:  # the implicit shared slot: its K slices summed apart, then added (routed + shared, as `add`)
+        sh = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for s in tl.static_range(KS):
+            sh += tl.load(part_ptr + (s * P + t * TOPK + J).to(tl.int64) * D + offs, mask=mask, other=0.0)
+        acc += sh
+    if ADD:  # the shared expert's output, after the routed sum (the reference's routed + shared)
+        acc += tl.load(add_ptr + t.to(tl.int64) * D + offs, mask=mask, other=0.0)
     tl.store(y_ptr + t.to(tl.int64) * D + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -386,7 +566,7 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                 layout: str | None = None, splits: tuple[int, int] | str | None = None,
                 programs: tuple[int, int] | None = None, add: torch.Tensor | None = None,
                 block_m: int | None = None, shared: bool = False, pdl: bool = False,
-                prefetch: bool = True, one_launch: bool = False) -> torch.Tensor:
+                prefetch: bool = True) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
@@ -416,12 +596,6 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     expert's weights are asked of L2 before it, a share per program, unless not prefetch
     (`FastPathOptions.prefetch_at`: the prefetch compiled out, the same bits); the grouped layout's launches stay
     plain).
-    one_launch: the persistent layout's gate / up, down and combine in one launch (`moe_one_launch`: its programs
-    take their gate / up items, then their down items, each waiting until its expert's h is written, and the last
-    down item of each output block sums it as the combine does): the same K slices (`splits`, 'waves' sized on the
-    same grids), the same bits. Its grid is at most one program per SM (programs[0], default the SM count; one
-    program under the interpreter); gate_up_stages is its pipeline depth for both loops (default 4), down_stages is
-    refused. Switch `FastPathOptions.moe_one_launch`.
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
@@ -463,9 +637,6 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         raise ValueError(f"moe_experts: splits must be 'waves' or (gate/up, down) K slices >= 1, got {splits!r}")
     if add is not None and (add.dtype != torch.float32 or tuple(add.shape) != (T, D) or not add.is_contiguous()):
         raise ValueError(f"moe_experts: add must be contiguous fp32 [{T}, {D}], got {add.dtype} {list(add.shape)}")
-    if not isinstance(one_launch, bool) or (one_launch and (layout != "persistent" or down_stages is not None)):
-        raise ValueError(f"moe_experts: one_launch (a bool) runs the 'persistent' layout with gate_up_stages for both "
-                         f"of its loops; got one_launch={one_launch!r}, layout {layout!r}, down_stages {down_stages!r}")
     idx = idx_TJ.to(torch.int32).contiguous()
     rw = w_TJ.float().contiguous()
     x = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
@@ -503,10 +674,6 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         if splits == "waves":
             splits = waves_for(P, E, D, I, (g_gu, g_down))
         ks_gu, ks_down = splits or default_splits(T, D // BLOCK, I // BLOCK)
-        if one_launch:
-            grid = one_launch_grid(P, E, D, I, (ks_gu, ks_down), sm, programs[0] if programs else None)
-            return experts_one_launch(x, idx, rw, (*wargs, w_down, s_down), h8, hs, add, out_dtype or x_TD.dtype,
-                                      (ks_gu, ks_down), grid, S, TOPK, J, gate_up_stages or 4, launch, prefetch)
         n_act = min(P, E)  # distinct experts, at most
         nb = I // BLOCK
         gu_part = torch.empty(n_act * nb * ks_gu * 2 * BLOCK * T, dtype=torch.float32, device=dev)

@@ -18,7 +18,6 @@ its e4m3 cast made CUDA's (`tests.interp.patch_interpreter_fp8_rounding`):
 - `moe_experts(splits='waves')` (K slices by `moe.wave_splits`) equals those slices given explicitly, and the switch
   `moe_wave_splits` hands it to a split rank's persistent experts.
 GPU twin at the real TP=8 split rank's shapes: tests/kernels/test_fused_kernels_gpu.py::test_moe_experts_shared_slot.
-The subprocess also runs tests/kernels/test_moe_one_launch.py's interpreted checks (one interpreter start for both).
 """
 
 from __future__ import annotations
@@ -308,9 +307,6 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     _kernel_checks()
     _module_checks()
-    from tests.kernels.test_moe_one_launch import interpreted_checks
-
-    interpreted_checks()  # the one-launch experts' (that file's docstring): one interpreter start for both
     print("interpreted checks ok")
 
 
