@@ -261,6 +261,22 @@ def _pdl_equal(what: str, call, weight=None, launches: int | None = None):
     return on
 
 
+def _interpreted_randn(seed: int):
+    """The interpreter patches the kernel checks need (loop bounds, CUDA's bf16 dot, PDL launch recording), and
+    (randn(*shape, s=scale), its generator) seeded for their inputs."""
+    from tests.interp import patch_interpreter_bf16_dot, patch_interpreter_loop_bounds, patch_interpreter_pdl
+
+    patch_interpreter_loop_bounds()
+    patch_interpreter_bf16_dot()
+    patch_interpreter_pdl()
+    g = torch.Generator().manual_seed(seed)
+
+    def rn(*shape, s=1.0):
+        return torch.randn(*shape, generator=g) * s
+
+    return rn, g
+
+
 def _kernel_checks() -> None:
     """Each PDL kernel through its Python entry, pdl off and on, odd small shapes."""
     from mtp.kernels.absorb import absorb_out, absorb_q
@@ -282,15 +298,8 @@ def _kernel_checks() -> None:
     from mtp.model.fp8 import act_quant, weight_quant
     from mtp.model.layers import Rotary
     from mtp.model.presets import tiny_config
-    from tests.interp import patch_interpreter_bf16_dot, patch_interpreter_loop_bounds, patch_interpreter_pdl
 
-    patch_interpreter_loop_bounds()
-    patch_interpreter_bf16_dot()
-    patch_interpreter_pdl()
-    g = torch.Generator().manual_seed(3)
-
-    def rn(*shape, s=1.0):
-        return torch.randn(*shape, generator=g) * s
+    rn, g = _interpreted_randn(3)
 
     # the GEMVs: split-K CUDA-core and tensor-core (weights loaded before the wait), the few-row GEMM (prefetched)
     w8, sw = weight_quant(rn(130, 512, s=0.05))
@@ -425,15 +434,8 @@ def _prefetch_checks() -> None:
     from mtp.model.fp8 import act_quant, weight_quant
     from mtp.model.layers import Rotary
     from mtp.model.presets import tiny_config
-    from tests.interp import patch_interpreter_bf16_dot, patch_interpreter_loop_bounds, patch_interpreter_pdl
 
-    patch_interpreter_loop_bounds()
-    patch_interpreter_bf16_dot()
-    patch_interpreter_pdl()
-    g = torch.Generator().manual_seed(5)
-
-    def rn(*shape, s=1.0):
-        return torch.randn(*shape, generator=g) * s
+    rn, g = _interpreted_randn(5)
 
     w8, sw = weight_quant(rn(130, 512, s=0.05))
     wg, bias = rn(64, 384, s=0.05), rn(64, s=0.05)
