@@ -39,9 +39,12 @@ def print_table(res: dict) -> None:
         for w in (ws[0], ws[-1]):
             top = ctx["widths"][w].get("profile_top")
             if top:
-                print(f"kernels of the target step, context {L}, w={w} (per step):")
+                print(f"kernels of the target step, context {L}, w={w} (per step; exposed = not overlapped by "
+                      f"earlier kernels, the duration counts a PDL launch's wait):")
                 for k in top[:12]:
-                    print(f"  {k['us_per_step']:9.1f} us  x{k['calls_per_step']:6.1f}  {k['name'][:90]}")
+                    ex = k.get("exposed_us_per_step")
+                    ex = f"{ex:9.1f} us exposed" if ex is not None else ""
+                    print(f"  {ex} {k['us_per_step']:9.1f} us  x{k['calls_per_step']:6.1f}  {k['name'][:80]}")
     cfgd = res["config"]
     if res.get("extrapolated"):
         print(f"\n*** {res['extrapolated']} ***")

@@ -107,11 +107,29 @@ def tree_row(shape, ms: dict, total_bytes: dict, absorb_max_tokens: int) -> dict
     return row
 
 
+def exposed_us(spans) -> dict[str, float]:
+    """Per kernel name, the time its kernels add to the device's busy time: spans (name, start, end) in any order,
+    each span counted from the later of its start and the end of every span that started before it (clamped at 0).
+    With programmatic dependent launch a kernel starts while its predecessor runs and waits (`gdc_wait`), so its
+    duration holds its predecessor's tail; the exposed time does not, and the names' exposed times sum to the union
+    of the spans (the step's busy time), where the durations sum to more."""
+    out: dict[str, float] = {}
+    frontier = float("-inf")
+    for name, start, end in sorted(spans, key=lambda t: (t[1], t[2])):
+        out[name] = out.get(name, 0.0) + max(0.0, end - max(start, frontier))
+        frontier = max(frontier, end)
+    return out
+
+
 def kernel_profile(replay, steps: int = 10, top: int = 30) -> dict:
     """Kernel time inside `steps` replays (torch.profiler / CUPTI sees the kernels of a replayed graph):
     per-kernel-name total and count per step, the sum of kernel time per step, and the number of kernels per
     step. Compared with the graph's event time this splits a step into kernel work and the gaps between
-    kernels (launch latency, tails of under-filled kernels)."""
+    kernels (launch latency, tails of under-filled kernels). Each row also has `exposed_us_per_step`
+    (`exposed_us`: the duration less its overlap with kernels that started earlier; under PDL a kernel's duration
+    counts the wait for its predecessor) and the rows are sorted by it; `busy_us_per_step` is their sum, the union
+    of the kernels' spans."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     replay()
@@ -120,6 +138,8 @@ def kernel_profile(replay, steps: int = 10, top: int = 30) -> dict:
         for _ in range(steps):
             replay()
         torch.cuda.synchronize()
+    exposed = exposed_us([(e.key, e.time_range.start, e.time_range.end) for e in prof.events()
+                          if e.device_type == DeviceType.CUDA])
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None)
@@ -127,9 +147,11 @@ def kernel_profile(replay, steps: int = 10, top: int = 30) -> dict:
             t = e.cuda_time_total
         if t <= 0 or e.key.startswith("cuda"):  # runtime API rows, not device work
             continue
-        rows.append({"name": e.key[:120], "us_per_step": t / steps, "calls_per_step": e.count / steps})
-    rows.sort(key=lambda r: -r["us_per_step"])
+        rows.append({"name": e.key[:120], "us_per_step": t / steps, "calls_per_step": e.count / steps,
+                     "exposed_us_per_step": exposed.get(e.key, 0.0) / steps})
+    rows.sort(key=lambda r: -r["exposed_us_per_step"])
     return {"kernel_us_per_step": sum(r["us_per_step"] for r in rows),
+            "busy_us_per_step": sum(r["exposed_us_per_step"] for r in rows),
             "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:top]}
 
 
