@@ -14,7 +14,7 @@ from ..decode.graphs import capture_graph
 from ..draft.modes import drafter
 from .rank_model import expected_local_experts, rank_floor
 from .rank_report import log
-from .timing import kernel_profile, spec_step_times, timer
+from .timing import gpu_state, kernel_profile, spec_step_times, timer
 
 
 def count_local_experts(model) -> tuple[dict[int, set], list]:
@@ -113,6 +113,17 @@ def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
     return res
 
 
+def _state_text(st: dict | None) -> str:
+    """`timing.gpu_state` for the log line: SM clock, temperature, power, throttle mask; '' without a reading."""
+    if not st:
+        return ""
+    if "error" in st:
+        return f", GPU state unread ({st['error']})"
+    f = lambda k, fmt: "?" if st.get(k) is None else format(st[k], fmt)  # noqa: E731
+    return (f", SM {f('sm_mhz', '.0f')} MHz, {f('temp_c', '.0f')} C, {f('power_w', '.0f')} W, throttle "
+            f"{st.get('throttle_reasons') or '?'}")
+
+
 @torch.no_grad()
 def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_fn, world: int) -> dict:
     """One context length: cache filled to L, then per width w = 1..K+1 the counted eager step, the graph
@@ -157,6 +168,7 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
         if cuda:
             graph = capture_graph(fwd)
             r["graph_ms"] = time_fn(graph.replay)
+            r["gpu_state"] = gpu_state(model.device)  # right after the timing: clocks, temperature, power
             prof = kernel_profile(graph.replay, steps=3, top=40)
             del graph
             r["kernels_per_step"] = prof["kernels_per_step"]
@@ -175,7 +187,7 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
         log(f"  L={L} w={w}: {'graph' if cuda else 'eager'} {step_ms:.3f} ms, "
             f"{r['collectives']['all_reduce']} all-reduce + {r['collectives']['all_gather']} all-gather, "
             f"floor {by['total'] / 1e9:.2f} GB" + (f" ({r['pct_of_floor']:.1f}% of it)" if bw else "")
-            + (f", {r['kernels_per_step']:.0f} kernels" if cuda else ""))
+            + (f", {r['kernels_per_step']:.0f} kernels" if cuda else "") + _state_text(r.get("gpu_state")))
     trees = {t.name: tree_verify(model, comm, cache, t, L, cuda, bw, args) for t in shapes}
     del cache
     out = {"cache": f"random valid FP8 entries at {L} positions (fill_cache_random; no prefill was run)",

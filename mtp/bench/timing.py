@@ -107,6 +107,53 @@ def tree_row(shape, ms: dict, total_bytes: dict, absorb_max_tokens: int) -> dict
     return row
 
 
+GPU_STATE_FIELDS = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw", "clocks_throttle_reasons.active")
+GPU_STATE_KEYS = ("sm_mhz", "mem_mhz", "temp_c", "power_w", "throttle_reasons")
+
+
+def parse_gpu_state(line: str) -> dict:
+    """One `nvidia-smi --query-gpu=<GPU_STATE_FIELDS> --format=csv,noheader,nounits` line -> {sm_mhz, mem_mhz, temp_c,
+    power_w, throttle_reasons}: numbers, the throttle bit mask as its hex string; a field nvidia-smi cannot read
+    ('[N/A]', '[Not Supported]') is None. Anything else is refused by name: a wrong reading must not pass as one."""
+    parts = [p.strip() for p in line.strip().split(",")]
+    if len(parts) != len(GPU_STATE_FIELDS):
+        raise ValueError(f"nvidia-smi: expected {len(GPU_STATE_FIELDS)} fields ({', '.join(GPU_STATE_FIELDS)}), "
+                         f"got {line.strip()!r}")
+    out: dict = {}
+    for key, field, raw in zip(GPU_STATE_KEYS, GPU_STATE_FIELDS, parts):
+        if raw.startswith("[") or raw in ("N/A", ""):
+            out[key] = None
+        elif key == "throttle_reasons":
+            int(raw, 16)  # a bit mask such as 0x0000000000000004
+            out[key] = raw
+        else:
+            try:
+                out[key] = float(raw)
+            except ValueError:
+                raise ValueError(f"nvidia-smi: field {field} is not a number: {raw!r} in {line.strip()!r}") from None
+    return out
+
+
+def gpu_state(device: torch.device | None = None) -> dict | None:
+    """The GPU's SM / memory clocks, temperature, power draw and active throttle reasons now (`parse_gpu_state`), read
+    with nvidia-smi for the device's UUID, or None where there is no GPU or no nvidia-smi, or {"error": ...} where
+    nvidia-smi refuses the query (the reading is a diagnostic beside a timing: a run-to-run drift of 0.2-0.5 ms on
+    the TP=8 rank, BENCHMARKS.md session 13, may be clocks). A reading nvidia-smi gives in another form raises."""
+    import shutil
+    import subprocess
+
+    if not torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
+        return None
+    props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+    uuid = str(getattr(props, "uuid", "") or "")
+    sel = ["-i", uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"] if uuid else []
+    res = subprocess.run(["nvidia-smi", *sel, f"--query-gpu={','.join(GPU_STATE_FIELDS)}",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    if res.returncode != 0:  # said beside the timing, not raised: the timing stands without it
+        return {"error": f"nvidia-smi exit {res.returncode}: {(res.stderr or res.stdout).strip()[:200]}"}
+    return parse_gpu_state(res.stdout.strip().splitlines()[0])
+
+
 def exposed_us(spans) -> dict[str, float]:
     """Per kernel name, the time its kernels add to the device's busy time: spans (name, start, end) in any order,
     each span counted from the later of its start and the end of every span that started before it (clamped at 0).

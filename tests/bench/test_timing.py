@@ -42,3 +42,30 @@ def test_exposed_times_sum_to_the_union_of_the_spans():
         for n, s, e in spans:
             durations[n] = durations.get(n, 0.0) + e - s
         assert all(got[n] <= durations[n] + 1e-9 for n in got)
+
+
+def test_gpu_state_lines_parse_or_are_refused_by_name():
+    import pytest
+
+    from mtp.bench.timing import parse_gpu_state
+
+    assert parse_gpu_state("1980, 3201, 45, 512.30, 0x0000000000000000\n") == {
+        "sm_mhz": 1980.0, "mem_mhz": 3201.0, "temp_c": 45.0, "power_w": 512.3, "throttle_reasons": "0x0000000000000000"}
+    got = parse_gpu_state("1755, 3201, [N/A], [Not Supported], 0x0000000000000004")
+    assert got["temp_c"] is None and got["power_w"] is None and got["sm_mhz"] == 1755.0
+    with pytest.raises(ValueError, match="expected 5 fields"):
+        parse_gpu_state("1980, 3201, 45")
+    with pytest.raises(ValueError, match="clocks.sm is not a number"):
+        parse_gpu_state("fast, 3201, 45, 500, 0x0")
+    with pytest.raises(ValueError):
+        parse_gpu_state("1980, 3201, 45, 500, notahexmask")
+
+
+def test_the_log_line_says_the_state_or_why_it_is_missing():
+    from mtp.bench.rank_steps import _state_text
+
+    st = {"sm_mhz": 1980.0, "mem_mhz": 3201.0, "temp_c": 45.0, "power_w": 512.3, "throttle_reasons": "0x4"}
+    assert _state_text(st) == ", SM 1980 MHz, 45 C, 512 W, throttle 0x4"
+    assert _state_text(dict(st, temp_c=None)) == ", SM 1980 MHz, ? C, 512 W, throttle 0x4"
+    assert "nvidia-smi exit 6" in _state_text({"error": "nvidia-smi exit 6: no such field"})
+    assert _state_text(None) == ""
