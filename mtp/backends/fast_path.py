@@ -825,8 +825,9 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
     unseen key), and without an indexer (S <= top-k) the attention masks by it directly."""
     ix = mla.indexer
     lens = cache.seq_lens  # keys before this block; query t sees < lens + t + 1
-    pdl = mla.fast_options.pdl_at(x_BTD.shape[0] * x_BTD.shape[1])
-    pf = mla.fast_options.prefetch_at(x_BTD.shape[0] * x_BTD.shape[1])  # with pdl: W_kb / W_vb asked of L2 first
+    n_tok = x_BTD.shape[0] * x_BTD.shape[1]
+    pdl = mla.fast_options.pdl_at(n_tok)
+    pf = mla.fast_options.prefetch_at(n_tok)  # with pdl: W_kb / W_vb asked of L2 first
     topk_idx = None
     if ix.topk < S:  # else every visible key is kept (the reference's select): no scores needed
         if iq_quant is None and iq_BTHD is None:

@@ -222,7 +222,7 @@ KERNEL_VARIANTS = {
     "pdl_nopf": (dict(pdl=True, pdl_prefetch_tokens=0), dict()),
     "pdl_all_nopf": (dict(pdl=True, pdl_tokens=64, pdl_prefetch_tokens=0), dict()),
     # PDL at every width, the prefetches for one-token calls only (session 13, h200a: at w = 1 they helped, at
-    # w = 2..4 pdl_all_nopf beat pdl_all by 0.25-0.40 ms)
+    # w = 2..4 pdl_all_nopf beat pdl_all by 0.25-0.40 ms; h200b: neither beat no PDL at w >= 2, BENCHMARKS.md)
     "pdl_all_pf1": (dict(pdl=True, pdl_tokens=64, pdl_prefetch_tokens=1), dict()),
 }
 

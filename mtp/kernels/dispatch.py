@@ -136,12 +136,10 @@ class FastPathOptions:
         rows = self.gemv_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_M:
             raise ValueError(f"FastPathOptions: gemv_rows must be an integer in 0..{MAX_M}, got {rows!r}")
-        n = self.pdl_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"FastPathOptions: pdl_tokens must be an integer >= 0, got {n!r}")
-        n = self.pdl_prefetch_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"FastPathOptions: pdl_prefetch_tokens must be an integer >= 0, got {n!r}")
+        for name in ("pdl_tokens", "pdl_prefetch_tokens"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"FastPathOptions: {name} must be an integer >= 0, got {n!r}")
 
     def pdl_at(self, tokens: int) -> bool:
         """Whether a launch for `tokens` rows takes PDL: switch pdl, and tokens <= pdl_tokens."""
