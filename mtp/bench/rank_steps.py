@@ -59,6 +59,18 @@ def force_busiest(model, args, tokens: int, world: int) -> dict:
                     "(realised: counted on the eager step) on the (token, expert) pairs the draw sent it"}
 
 
+def rank_token_ids(model, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Random token ids that this rank's embedding holds: [vocab_start, vocab_start + rows) of a vocabulary-parallel
+    embedding, any id otherwise. On a simulated rank the all-reduce after the embedding adds no other rank's row, so
+    an id outside the rank's shard embeds as zeros where the real group embeds its row: the first layer then sees a
+    zero hidden state, its indexer scores every key 0 and the radix top-k meets its slowest case, every key tied
+    (~250 us at 32k where a real layer's takes ~10: `mtp.bench.topk_data`, BENCHMARKS.md session 14). An id inside
+    the shard embeds exactly as in the real group (the owner's row plus zeros)."""
+    emb = model.model.embed_tokens
+    lo = int(getattr(emb, "vocab_start", 0))
+    return torch.randint(lo, lo + emb.num_embeddings, shape, generator=g)
+
+
 @torch.no_grad()
 def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
     """One layer's lightning indexer at context L for w queries, alone: scores over the L + w keys, then
@@ -138,7 +150,7 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
                               seed=args.seed + L)
     base = cache.seq_lens.clone()
     g = torch.Generator().manual_seed(args.seed + 1)
-    ids = torch.randint(0, cfg.vocab_size, (B, K + 1), generator=g).to(model.device)
+    ids = rank_token_ids(model, (B, K + 1), g).to(model.device)
     widths, indexer = {}, {}
     for w in range(1, K + 2):
         blk = ids[:, :w]
@@ -250,7 +262,7 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
     from ..spec.tree_shape import TreeShape
 
     g = torch.Generator().manual_seed(args.seed + 2)
-    prompts = torch.randint(0, model.cfg.vocab_size, (args.batch, L), generator=g).tolist()
+    prompts = rank_token_ids(model, (args.batch, L), g).tolist()
     modes = args.spec_modes if cuda else ("eager",)
     runs = [("none", 0)] + [(d, k) for d in ("eagle", "vanilla") for k in range(1, args.k + 1)]
     out = {}

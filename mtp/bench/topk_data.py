@@ -46,8 +46,12 @@ def candidate_stats(scores_S: torch.Tensor, k: int) -> dict:
                 mean=float(v.mean()), std=float(v.std()), kth_score=float(v.sort(descending=True).values[k - 1]))
 
 
-def capture_step_scores(layers: int, ctx: int, widths: list[int], seed: int = 0) -> dict[int, list[torch.Tensor]]:
-    """Score rows [T, S] that the radix top-k received in one eager step per width, per width (every layer)."""
+def capture_step_scores(layers: int, ctx: int, widths: list[int], seed: int = 0,
+                        any_ids: bool = False) -> dict[int, list[torch.Tensor]]:
+    """Score rows [T, S] that the radix top-k received in one eager step per width, per width (every layer). Token
+    ids from the rank's vocabulary shard (`rank_steps.rank_token_ids`, as the bench draws them), or any_ids: from the
+    whole vocabulary, as the bench drew them before session 14 (layer 0 then scores every key 0 on this rank)."""
+    from mtp.bench.rank_steps import rank_token_ids
     from mtp.backends.fast_path import enable_fast_path
     from mtp.checkpoint.synthetic import fill_cache_random
     from mtp.kernels import indexer as ix
@@ -65,7 +69,9 @@ def capture_step_scores(layers: int, ctx: int, widths: list[int], seed: int = 0)
         enable_fast_path(model)
         cache = fill_cache_random(model.new_cache(1, ctx + max(widths)), ctx, seed=seed + ctx)
         base = cache.seq_lens.clone()
-        ids = torch.randint(0, cfg.vocab_size, (1, max(widths)), generator=torch.Generator().manual_seed(seed + 1))
+        g = torch.Generator().manual_seed(seed + 1)
+        ids = (torch.randint(0, cfg.vocab_size, (1, max(widths)), generator=g) if any_ids
+               else rank_token_ids(model, (1, max(widths)), g))
         for w in widths:
             rows: list[torch.Tensor] = []
 
@@ -111,6 +117,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--any-ids", action="store_true", help="token ids from the whole vocabulary (the bench before "
+                    "session 14), not the rank's shard")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "eval/results"), "topk_data.json"))
     args = ap.parse_args()
     res: dict = {"args": vars(args), "widths": {}}
@@ -119,7 +127,7 @@ def main() -> None:
         for w in args.widths:
             res["widths"][w] = [candidate_stats(torch.randn(args.ctx, generator=g), args.k) for _ in range(w)]
     else:
-        for w, rows in capture_step_scores(args.layers, args.ctx, args.widths).items():
+        for w, rows in capture_step_scores(args.layers, args.ctx, args.widths, any_ids=args.any_ids).items():
             ent = res["widths"][w] = {"layers": []}
             for li, sc in enumerate(rows):
                 ent["layers"].append({"rows": [candidate_stats(r, args.k) for r in sc],

@@ -226,3 +226,24 @@ def test_bench_tp_extrapolated_on_cpu(tmp_path):
     assert "EXTRAPOLATED" in res["projection"]["deployment"]
     t = res["contexts"]["24"]["trees"]["2"]
     assert t["extrapolated"] and t["tree"]["ms_per_node"] == pytest.approx(t["tree"]["ms"] / 3)
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_bench_token_ids_embed_as_in_the_real_group(rank):
+    """`rank_steps.rank_token_ids`: ids from the simulated rank's own vocabulary shard, whose embedding (no other rank
+    to add) equals the whole table's row; an id from another shard embeds as zeros there (the case it avoids)."""
+    from mtp.bench.rank_steps import rank_token_ids
+    from mtp.checkpoint.synthetic import random_model
+    from mtp.model.presets import tiny_parallel_config
+
+    cfg = tiny_parallel_config(4, 2, 1, 1)
+    full = random_model(cfg, device="cpu", dtype=torch.float32, seed=SEED).model.embed_tokens.weight
+    with simulated_rank(4, rank) as comm:
+        model = random_parallel_model(cfg, comm, device="cpu", dtype=torch.float32, seed=SEED)
+        ids = rank_token_ids(model, (2, 64), torch.Generator().manual_seed(1))
+        emb = model.model.embed_tokens
+        assert ids.min() >= emb.vocab_start and ids.max() < emb.vocab_start + emb.num_embeddings
+        assert len(set(ids.flatten().tolist())) > 16  # drawn, not one id
+        assert torch.equal(emb(ids), full[ids])
+        other = (emb.vocab_start + emb.num_embeddings) % cfg.vocab_size
+        assert emb(torch.tensor([[other]])).abs().sum() == 0
