@@ -209,6 +209,9 @@ KERNEL_VARIANTS = {
     "topk_one_launch_fused": (dict(topk_one_launch=True), dict(indexer_topk="radix_fused")),
     # the indexer's scores and top-k in one cooperative launch (`indexer_one_launch`)
     "indexer_one_launch": (dict(indexer_one_launch=True), dict()),
+    # the top-k's histogram pass in the scores kernel's epilogue, its split and write as their own launches (one launch
+    # fewer per layer past 2048 keys; in isolation 2 us faster at one query row, slower at 2..4: session 11)
+    "radix_fused": (dict(), dict(indexer_topk="radix_fused")),
     # programmatic dependent launch on every Triton kernel of the decode step (as new+pdl since session 12: each
     # triggers its successor at its start, loads / L2-prefetches its constant weights, then waits): attention,
     # indexer, top-k, MoE, norms, adds, silu * up, the few-row GEMM; not the NCCL all-reduce, the cuBLAS lm_head,
