@@ -186,6 +186,7 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
             r["kernels_per_step"] = prof["kernels_per_step"]
             r["kernels_per_layer"] = prof["kernels_per_step"] / cfg.num_hidden_layers
             r["kernel_us_per_step"] = prof["kernel_us_per_step"]
+            r["busy_us_per_step"], r["idle_us_per_step"] = prof["busy_us_per_step"], prof["idle_us_per_step"]
             if args.profile:
                 r["profile_top"] = prof["top"]
         step_ms = r.get("graph_ms", r.get("eager_ms"))
@@ -199,7 +200,8 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
         log(f"  L={L} w={w}: {'graph' if cuda else 'eager'} {step_ms:.3f} ms, "
             f"{r['collectives']['all_reduce']} all-reduce + {r['collectives']['all_gather']} all-gather, "
             f"floor {by['total'] / 1e9:.2f} GB" + (f" ({r['pct_of_floor']:.1f}% of it)" if bw else "")
-            + (f", {r['kernels_per_step']:.0f} kernels" if cuda else "") + _state_text(r.get("gpu_state")))
+            + (f", {r['kernels_per_step']:.0f} kernels, busy {r['busy_us_per_step'] / 1e3:.3f} ms + idle "
+               f"{r['idle_us_per_step'] / 1e3:.3f} ms (profiled replays)" if cuda else "") + _state_text(r.get("gpu_state")))
     trees = {t.name: tree_verify(model, comm, cache, t, L, cuda, bw, args) for t in shapes}
     del cache
     out = {"cache": f"random valid FP8 entries at {L} positions (fill_cache_random; no prefill was run)",

@@ -69,3 +69,47 @@ def test_the_log_line_says_the_state_or_why_it_is_missing():
     assert _state_text(dict(st, temp_c=None)) == ", SM 1980 MHz, ? C, 512 W, throttle 0x4"
     assert "nvidia-smi exit 6" in _state_text({"error": "nvidia-smi exit 6: no such field"})
     assert _state_text(None) == ""
+
+
+def test_kernel_profile_busy_and_idle_from_spans(monkeypatch):
+    """`kernel_profile`'s busy time (union of kernel spans) and idle time (the rest of the replays' span), on spans
+    handed to it in place of the profiler's: two steps of a overlapping b, then a gap, then c."""
+    import types
+
+    from torch.autograd import DeviceType
+
+    from mtp.bench import timing
+
+    ev = lambda k, s, e: types.SimpleNamespace(key=k, time_range=types.SimpleNamespace(start=s, end=e),  # noqa: E731
+                                                 device_type=DeviceType.CUDA)
+    spans = [ev("a", 0, 10), ev("b", 5, 12), ev("c", 15, 20), ev("a", 20, 30), ev("b", 25, 32), ev("c", 40, 45)]
+
+    class Prof:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def events(self):
+            return spans
+
+        def key_averages(self):
+            rows = {}
+            for e in spans:
+                r = rows.setdefault(e.key, types.SimpleNamespace(key=e.key, device_time_total=0.0, count=0))
+                r.device_time_total += e.time_range.end - e.time_range.start
+                r.count += 1
+            return list(rows.values())
+
+    import torch.profiler
+
+    monkeypatch.setattr(torch.profiler, "profile", Prof)
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    out = timing.kernel_profile(lambda: None, steps=2)
+    assert out["busy_us_per_step"] == (12 + 5 + 12 + 5) / 2
+    assert out["idle_us_per_step"] == (45 - 34) / 2  # span 45 over 2 steps, less the busy time
+    assert out["kernel_us_per_step"] == (10 + 7 + 5 + 10 + 7 + 5) / 2
