@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from mtp.model.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
 from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.model.moe import route
-from mtp.kernels._triton import interpreting, pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe_down_flat import _moe_down_flat
@@ -648,10 +648,9 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
             s_gate.stride(1), ks_gu, S, num_stages=gate_up_stages or 4, **kw)
         part = torch.empty(ks_down, P, D, dtype=torch.float32, device=dev)
         down = _moe_down_flat if down_flat else _moe_down_persistent
-        flat_kw = dict(PREFETCH_S2=not interpreting()) if down_flat else {}  # the interpreter runs no inline asm
         down[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
             h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0), s_down.stride(0), s_down.stride(1),
-            ks_down, S, num_stages=down_stages or 5, **kw, **flat_kw)
+            ks_down, S, num_stages=down_stages or 5, **kw)
     return _combine(part, idx, add, T, D, J, ks_down, out_dtype or x_TD.dtype, shared, pdl)
 
 

@@ -13,13 +13,8 @@ after it. For the pipeliner to issue an iteration's tiles stages ahead, their ad
 issued in the loop: the router's ids (each pair's expert iq, the [BM, KPAD] id table of the rows' slots) and the
 route weights are loaded once, before the loop, and each iteration derives its expert, active rows and slots from
 registers (`_flat_step`). The per-group scales (hs of h, s2 of the weight) are not operands of the dot, and the
-pipeliner leaves such loads in their iteration (checked on the sm_90 TTGIR, also as [BM] vectors), where each
-iteration would wait for them: they are loaded one iteration ahead by hand. Not further: a value carried across
-more than one iteration makes triton 3.6's pipeliner give up on the whole loop (seen: no cp.async at all with 2 or
-4). hs was just written by gate/up (in L2); s2, another expert's at each item, would come from DRAM, and at one
-token a program's 2 items' 4 tiles are all asked before its loop, so the second item's s2, asked one iteration
-ahead, would arrive well after its tiles: every item's s2 line is asked of L2 before the loop instead
-(`prefetch_l2`, one per item; PREFETCH_S2, off under the interpreter, which runs no inline asm).
+pipeliner leaves such loads in their iteration (checked on the sm_90 TTGIR): they are loaded one iteration ahead by
+hand, so their latency hides behind the previous iteration instead of stalling the next tile's issue.
 
 Bit-identical to `_moe_down_persistent` (tested with torch.equal under the interpreter and on the GPU): the same
 work items on the same programs, and each output tile the same fp32 sum in the same order: acc from +0 over the
@@ -31,7 +26,7 @@ slots, of which at most one names the expert (ids are distinct within a token): 
 
 from __future__ import annotations
 
-from mtp.kernels._triton import pdl_launch, pdl_wait, prefetch_l2, tl, triton
+from mtp.kernels._triton import pdl_launch, pdl_wait, tl, triton
 from mtp.kernels.moe_slots import _ids, _leader_ids, _shared_prefetch, _slot_weights
 
 __all__: list[str] = []  # kernels only: launched by `moe.moe_experts(down_flat=True)`
@@ -58,42 +53,26 @@ def _flat_step(it, pid, nprog, GPS, NB, KS, iq, lead, rank, id_tab, TOPK: tl.con
 
 
 @triton.jit
-def _iter_scales(it, n_it, pid, nprog, GPS, NB, KS, GI, iq, lead, rank, id_tab, hs_ptr, s2_ptr, stride_se, stride_sn,
-                 TOPK: tl.constexpr, BM: tl.constexpr, KPAD: tl.constexpr):
-    """hs * s2 [BM] of iteration `it`: h's scale per active row times the weight's (expert e, N-block nb, group g)
-    scale, as `moe._down_tile` multiplies them; 0 past the loop (it >= n_it), in a short slice's masked groups and
-    in rows not routed to e."""
-    gl, nb, ks, g, e, eq, active, slot = _flat_step(it, pid, nprog, GPS, NB, KS, iq, lead, rank, id_tab, TOPK, BM,
-                                                    KPAD)
-    ok = (g < GI) & (it < n_it)
+def _group_scales(hs_ptr, s2_ptr, e, nb, g, slot, active, ok, GI, stride_se, stride_sn):
+    """hs * s2 of group g [BM]: h's scale per active row times the weight's (expert e, N-block nb) scale, as
+    `moe._down_tile` multiplies them; 0 where not ok (a masked iteration) or the row is not active."""
     hs = tl.load(hs_ptr + slot * GI + g, mask=active & ok, other=0.0)
     s2 = tl.load(s2_ptr + e.to(tl.int64) * stride_se + nb * stride_sn + g, mask=ok, other=0.0)
     return hs * s2
 
 
 @triton.jit
-def _prefetch_item_scales(it, pid, nprog, GPS, NB, KS, GI, iq, lead, rank, id_tab, s2_ptr, stride_se, stride_sn,
-                          TOPK: tl.constexpr, BM: tl.constexpr, KPAD: tl.constexpr):
-    """Ask L2 for the line of the first weight scale of iteration it's item and slice (GI <= 16 fp32 a row, at a
-    multiple of GI: one line for the slice unless GI is odd)."""
-    gl, nb, ks, g, e, eq, active, slot = _flat_step(it, pid, nprog, GPS, NB, KS, iq, lead, rank, id_tab, TOPK, BM,
-                                                    KPAD)
-    prefetch_l2(s2_ptr + e.to(tl.int64) * stride_se + nb * stride_sn + tl.minimum(g, GI - 1))
-
-
-@triton.jit
 def _moe_down_flat(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
                    T, D, I, stride_we, stride_se, stride_sn, KS, S,
                    TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
-                   KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_S2: tl.constexpr):
+                   KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """`moe._moe_down_persistent`'s arguments and outputs (slice ks of slot s in out[ks, s]); one flattened loop
-    over this program's (item, K group) iterations (module docstring). PREFETCH_S2: each item's weight scales asked
-    of L2 before the loop."""
+    over this program's (item, K group) iterations (module docstring)."""
     pdl_launch(PDL)
     _shared_prefetch(w2_ptr, S, stride_we, D * I, TOPK, J, PDL, PREFETCH)
     pdl_wait(PDL)  # the router's ids and weights, gate / up's h
     P = T * TOPK
-    q, iq, lead, rank, n_act = _leader_ids(idx_ptr, P, S, TOPK, J, PPAD)
+    _, iq, lead, rank, n_act = _leader_ids(idx_ptr, P, S, TOPK, J, PPAD)
     m = tl.arange(0, BM)
     slot_tab = m[:, None] * TOPK + tl.arange(0, KPAD)[None, :]
     in_tab = (m[:, None] < T) & (tl.arange(0, KPAD)[None, :] < TOPK)
@@ -107,12 +86,8 @@ def _moe_down_flat(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
     n_it = tl.cdiv(tl.maximum(n_act * NB * KS - pid, 0), nprog) * GPS
     offs_r = tl.arange(0, 128)
     offs_k = tl.arange(0, 128)
-    if PREFETCH_S2:
-        for it in range(0, n_it, GPS):
-            _prefetch_item_scales(it, pid, nprog, GPS, NB, KS, GI, iq, lead, rank, id_tab, s2_ptr, stride_se,
-                                  stride_sn, TOPK, BM, KPAD)
-    sc = _iter_scales(0, n_it, pid, nprog, GPS, NB, KS, GI, iq, lead, rank, id_tab, hs_ptr, s2_ptr, stride_se,
-                      stride_sn, TOPK, BM, KPAD)
+    _, nb, _, g, e, _, active, slot = _flat_step(0, pid, nprog, GPS, NB, KS, iq, lead, rank, id_tab, TOPK, BM, KPAD)
+    sc = _group_scales(hs_ptr, s2_ptr, e, nb, g, slot, active, (g < GI) & (n_it > 0), GI, stride_se, stride_sn)
     acc = tl.zeros((128, BM), dtype=tl.float32)
     for it in range(0, n_it):
         gl, nb, ks, g, e, eq, active, slot = _flat_step(it, pid, nprog, GPS, NB, KS, iq, lead, rank, id_tab, TOPK,
@@ -124,8 +99,11 @@ def _moe_down_flat(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
                     mask=nmask[:, None] & in_k, other=0.0)
         h = tl.load(h8_ptr + slot.to(tl.int64)[:, None] * I + g * 128 + offs_k[None, :], mask=active[:, None] & in_k,
                     other=0.0)
-        sc1 = _iter_scales(it + 1, n_it, pid, nprog, GPS, NB, KS, GI, iq, lead, rank, id_tab, hs_ptr, s2_ptr,
-                           stride_se, stride_sn, TOPK, BM, KPAD)  # the next iteration's, loaded now
+        # the next iteration's scales, loaded now and used there
+        _, nb1, _, g1, e1, _, active1, slot1 = _flat_step(it + 1, pid, nprog, GPS, NB, KS, iq, lead, rank, id_tab,
+                                                          TOPK, BM, KPAD)
+        sc1 = _group_scales(hs_ptr, s2_ptr, e1, nb1, g1, slot1, active1, (g1 < GI) & (it + 1 < n_it), GI,
+                            stride_se, stride_sn)
         acc += tl.dot(w, tl.trans(h)) * sc[None, :]
         sc = sc1
         if gl == GPS - 1:  # the item's last group: its epilogue, then a fresh sum for the next item
