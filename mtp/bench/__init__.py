@@ -8,6 +8,5 @@ profiles, step bytes);
 the disk's raw read rate), `startup.py` (cold / warm start phases), `experts.py` (busiest rank's expert reads per
 layout, and its drawn routes), `forced_route.py` (an MoE's router output replaced per token: `--route busiest`); the kernel microbenchmarks, each `python -m mtp.bench.<name>`: `kernels.py` (every Triton kernel checked
 and timed against the copy bandwidth), `fused.py` (the fused decode kernels against the path before them, per
-switch), `topk_moe.py` (indexer top-k and expert-kernel layouts, old vs new), `moe_down.py` (the persistent
-experts' down projection as item loop vs one flattened loop).
+switch), `topk_moe.py` (indexer top-k and expert-kernel layouts, old vs new).
 """
