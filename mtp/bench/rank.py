@@ -227,9 +227,6 @@ KERNEL_VARIANTS = {
     # PDL at every width, the prefetches for one-token calls only (session 13, h200a: at w = 1 they helped, at
     # w = 2..4 pdl_all_nopf beat pdl_all by 0.25-0.40 ms; h200b: neither beat no PDL at w >= 2, BENCHMARKS.md)
     "pdl_all_pf1": (dict(pdl=True, pdl_tokens=64, pdl_prefetch_tokens=1), dict()),
-    # the persistent experts' down projection as one flattened (item, K group) loop per program, its weight tiles
-    # pipelined across work items (`moe.moe_experts(down_flat=True)`; bit-identical)
-    "moe_down_flat": (dict(moe_down_flat=True), dict()),
 }
 
 

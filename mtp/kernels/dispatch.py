@@ -77,12 +77,6 @@ version, so the engine captures its kept graphs again).
   why PDL loses at w >= 2 (the prefetches competing with the running kernel for HBM or issue slots): variants
   pdl_nopf / pdl_all_nopf / pdl_all_pf1 (`mtp.bench.rank.KERNEL_VARIANTS`). Weight loads issued before the wait are
   not prefetches and stay (the split-K GEMVs' whole tile, `gemv_splitk`; index_weights' first chunk of W).
-- moe_down_flat (off until measured): where the experts run the persistent layout (a 'split' rank up to its
-  persistent_tokens, an expert-parallel range), their down projection is one flattened loop per program over its
-  (work item, K group) iterations (`moe.moe_experts(down_flat=True)`, `kernels.moe_down_flat`), so the pipeliner keeps
-  weight tiles in flight across items; off: a loop over items, each its own 2-tile loop on a TP=8 split rank (GI = 2),
-  which waits for its tiles from DRAM item after item (10.4 us a layer at w = 1 for ~3.4 us of bytes, H200, session
-  14's profile). Bit-identical (each output tile the same fp32 sum in the same order).
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -123,7 +117,6 @@ class FastPathOptions:
     moe_wave_splits: bool = True
     topk_one_launch: bool = False
     indexer_one_launch: bool = False
-    moe_down_flat: bool = False
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)

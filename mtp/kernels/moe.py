@@ -42,10 +42,7 @@ Persistent layout (default for T * J <= 64, `layout=`): at TP=8 a rank computes 
 a [P, P] compare) so the grid stays static; gate/up slices meet in an fp32 workspace where the last slice of
 an (expert, N-block) to arrive (atomic counter, re-armed) sums them in slice order and writes h; down slices
 write separate partials that the combine kernel sums slot by slot, slice by slice. Deterministic; the slice
-counts depend on the shapes only (`default_splits`). The down kernel also comes as one flattened
-loop per program over its (work item, K group) iterations (`down_flat=True`, `mtp.kernels.moe_down_flat`): the same
-bits, its weight tiles pipelined across items. The pieces that say which pair names which expert are in
-`mtp.kernels.moe_slots`.
+counts depend on the shapes only (`default_splits`).
 
 Grouped layout (default above GROUPED_ABOVE tokens, up to MAX_TOKENS; `mtp.kernels.moe_grouped`): the pairs sorted
 by expert on the device and padded to M-blocks of one expert each, then a grouped FP8 GEMM for gate|up and one for
@@ -67,7 +64,6 @@ from mtp.model.moe import route
 from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
-from mtp.kernels.moe_down_flat import _moe_down_flat
 from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
 from mtp.kernels.moe_slots import _ids, _leader_pairs, _shared_prefetch, _slot_weights
 
@@ -525,7 +521,7 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                 layout: str | None = None, splits: tuple[int, int] | str | None = None,
                 programs: tuple[int, int] | None = None, add: torch.Tensor | None = None,
                 block_m: int | None = None, shared: bool = False, pdl: bool = False,
-                prefetch: bool = True, down_flat: bool = False) -> torch.Tensor:
+                prefetch: bool = True) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
@@ -555,9 +551,6 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     expert's weights are asked of L2 before it, a share per program, unless not prefetch
     (`FastPathOptions.prefetch_at`: the prefetch compiled out, the same bits); the grouped layout's launches stay
     plain).
-    down_flat: the persistent layout's down projection as one flattened loop per program over its (work item, K
-    group) iterations, so that the pipeliner keeps weight tiles in flight across items (`moe_down_flat`;
-    `FastPathOptions.moe_down_flat`): bit-identical to the item loop.
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
@@ -591,9 +584,6 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     if shared and layout == "grouped":
         raise ValueError("moe_experts: shared (the implicit shared slot) is for the 'pairs' and 'persistent' "
                          "layouts; the grouped one takes the shared expert's output as add")
-    if not isinstance(down_flat, bool) or (down_flat and layout != "persistent"):
-        raise ValueError(f"moe_experts: down_flat must be a bool, True only with the 'persistent' layout; got "
-                         f"{down_flat!r} with layout {layout!r}")
     if block_m is not None and (layout != "grouped" or block_m not in BLOCK_MS):
         raise ValueError(f"moe_experts: block_m is the grouped layout's, one of {BLOCK_MS}; got {block_m} with "
                          f"layout {layout!r}")
@@ -647,8 +637,7 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
             x, idx, *wargs, h8, hs, gu_part, cnt, T, D, I, x.stride(0), w_gate.stride(0), s_gate.stride(0),
             s_gate.stride(1), ks_gu, S, num_stages=gate_up_stages or 4, **kw)
         part = torch.empty(ks_down, P, D, dtype=torch.float32, device=dev)
-        down = _moe_down_flat if down_flat else _moe_down_persistent
-        down[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
+        _moe_down_persistent[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
             h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0), s_down.stride(0), s_down.stride(1),
             ks_down, S, num_stages=down_stages or 5, **kw)
     return _combine(part, idx, add, T, D, J, ks_down, out_dtype or x_TD.dtype, shared, pdl)
