@@ -61,11 +61,10 @@ import torch.nn.functional as F
 from mtp.model.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
 from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.model.moe import route
-from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, prefetch_span_l2, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
-from mtp.kernels.moe_slots import _ids, _leader_pairs, _shared_prefetch, _slot_weights
 
 __all__ = ["wave_splits", "waves_for", "moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts",
            "moe_experts_ref", "gate_logits", "default_layout", "MAX_TOKENS", "PAIRS_MAX_TOKENS", "GROUPED_ABOVE"]
@@ -226,6 +225,40 @@ def moe_route(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_g
 
 # ----------------------------------------------------------------------------- expert kernels
 @triton.jit
+def _ids(idx_ptr, q, mask, S, TOPK: tl.constexpr, J: tl.constexpr):
+    """Expert ids of flat pairs q (token q // TOPK, slot q % TOPK), -2 where not mask. TOPK == J: idx_TJ's own.
+    TOPK == J + 1: slot J is the implicit shared slot, stack entry S for every token (`moe_experts(shared=)`),
+    read from no tensor: the ids stay the router's [T, J], so no launch builds a [T, J + 1] copy."""
+    if TOPK == J:
+        return tl.load(idx_ptr + q, mask=mask, other=-2)
+    j = q % TOPK
+    e = tl.load(idx_ptr + (q // TOPK) * J + j, mask=mask & (j < J), other=-2)
+    return tl.where(mask & (j == J), S, e)
+
+
+@triton.jit
+def _slot_weights(rw_ptr, slot, active, TOPK: tl.constexpr, J: tl.constexpr):
+    """Routing weights of flat slots (0 where not active); the implicit shared slot (TOPK == J + 1) weighs 1.0,
+    so its product is the expert's output exactly."""
+    if TOPK == J:
+        return tl.load(rw_ptr + slot, mask=active, other=0.0)
+    j = slot % TOPK
+    w = tl.load(rw_ptr + (slot // TOPK) * J + j, mask=active & (j < J), other=0.0)
+    return tl.where(active & (j == J), 1.0, w)
+
+
+@triton.jit
+def _shared_prefetch(w_ptr, S, stride_we, n, TOPK: tl.constexpr, J: tl.constexpr, PDL: tl.constexpr,
+                     PREFETCH: tl.constexpr):
+    """With PDL, PREFETCH and the implicit shared slot (TOPK == J + 1): the shared expert's n-element weight (stack
+    entry S, contiguous; 1-byte fp8: 128 per line) asked of L2 before the wait, each program a share. Which routed
+    experts run is the router's output, read after the wait; the shared one is every token's, known before it."""
+    if PDL and PREFETCH:
+        if TOPK > J:
+            prefetch_span_l2(w_ptr + tl.cast(S, tl.int64) * stride_we, n, 128, 32)
+
+
+@triton.jit
 def _slot_info(idx_ptr, p, T, S, TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
                KPAD: tl.constexpr):
     """For pair p: its expert e, whether p is the first pair naming e, and per token row m whether it is
@@ -349,6 +382,18 @@ def _moe_down_kernel(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
 
 
 # ----------------------------------------------------------------------------- persistent expert kernels
+@triton.jit
+def _leader_pairs(idx_ptr, P, S, TOPK: tl.constexpr, J: tl.constexpr, PPAD: tl.constexpr):
+    """Pairs q in [0, PPAD), which of them lead (a valid expert no earlier pair names), each leader's rank
+    among the leaders, and the number of leaders (distinct experts to compute). [PPAD, PPAD] compares: small P."""
+    q = tl.arange(0, PPAD)
+    iq = _ids(idx_ptr, q, q < P, S, TOPK, J)
+    earlier = (iq[:, None] == iq[None, :]) & (q[None, :] < q[:, None])
+    lead = (iq >= 0) & (tl.sum(earlier.to(tl.int32), 1) == 0)
+    rank = tl.cumsum(lead.to(tl.int32), 0) - 1
+    return q, lead, rank, tl.sum(lead.to(tl.int32), 0)
+
+
 @triton.jit
 def _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, G, S, TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr,
                PPAD: tl.constexpr, KPAD: tl.constexpr):
