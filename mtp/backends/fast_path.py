@@ -841,7 +841,8 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
                                                   rearm=mla.fast_options.topk_rearm)
         else:
             topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
-                                       topk=ix.topk, impl=mla.topk_impl, visible=visible_BTS,
+                                       topk=ix.topk, impl=mla.fast_options.topk_impl_at(mla.topk_impl, n_tok),
+                                       visible=visible_BTS,
                                        rearm=mla.fast_options.topk_rearm, scores=mla.scores_tune,
                                        one_launch=mla.fast_options.topk_one_launch, pdl=pdl)
     absorb = mla.fast_options.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS

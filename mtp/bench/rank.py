@@ -210,8 +210,11 @@ KERNEL_VARIANTS = {
     # the indexer's scores and top-k in one cooperative launch (`indexer_one_launch`)
     "indexer_one_launch": (dict(indexer_one_launch=True), dict()),
     # the top-k's histogram pass in the scores kernel's epilogue, its split and write as their own launches (one launch
-    # fewer per layer past 2048 keys; in isolation 2 us faster at one query row, slower at 2..4: session 11)
+    # fewer per layer past 2048 keys; in isolation 2 us faster at one query row, slower at 2..4: session 11), at every
+    # width; and the histogram as its own launch at every width (fused_hist_rows 0: the default before session 14,
+    # which takes radix_fused at one row)
     "radix_fused": (dict(), dict(indexer_topk="radix_fused")),
+    "hist_launch": (dict(fused_hist_rows=0), dict()),
     # programmatic dependent launch on every Triton kernel of the decode step (as new+pdl since session 12: each
     # triggers its successor at its start, loads / L2-prefetches its constant weights, then waits): attention,
     # indexer, top-k, MoE, norms, adds, silu * up, the few-row GEMM; not the NCCL all-reduce, the cuBLAS lm_head,

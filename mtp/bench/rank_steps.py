@@ -74,7 +74,9 @@ def rank_token_ids(model, shape: tuple[int, ...], g: torch.Generator) -> torch.T
 @torch.no_grad()
 def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
     """One layer's lightning indexer at context L for w queries, alone: scores over the L + w keys, then
-    top-k (the kernels the fast path runs; their references on CPU). Per layer, and x layers per step."""
+    top-k (the kernels the fast path runs at the defaults' widths above `FastPathOptions.fused_hist_rows`: the radix
+    top-k's histogram as its own launch; at one row the step folds it into the scores kernel, `radix_fused`; their
+    references on CPU). Per layer, and x layers per step."""
     from ..model import fp8
     from ..kernels import indexer as ix
 

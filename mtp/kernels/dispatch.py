@@ -77,6 +77,12 @@ version, so the engine captures its kept graphs again).
   why PDL loses at w >= 2 (the prefetches competing with the running kernel for HBM or issue slots): variants
   pdl_nopf / pdl_all_nopf / pdl_all_pf1 (`mtp.bench.rank.KERNEL_VARIANTS`). Weight loads issued before the wait are
   not prefetches and stay (the split-K GEMVs' whole tile, `gemv_splitk`; index_weights' first chunk of W).
+- fused_hist_rows (1; an integer): an indexer call of at most this many score rows (batch x queries) whose top-k is
+  'radix' runs 'radix_fused' (`indexer.indexer_topk`: the radix select's histogram pass in the scores kernel's
+  epilogue, one launch fewer per layer past the top-k's 2048 keys; the same scores and index sets bit for bit); more
+  rows, or 0, the histogram launch. Measured on one TP=8 split rank at 32k (H200, session 14, busy kernel time per
+  step): -0.34 ms at one row, +0.17 / +0.48 / +0.75 ms at 2 / 3 / 4 rows (the epilogue's atomics grow with the rows
+  the scores kernel's programs each carry). `topk_impl_at`.
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -96,7 +102,7 @@ ELEMENTWISE_IMPLS = ("triton", "compile", "eager")
 
 
 # the options that are integers; every other field is an on / off switch
-INT_FIELDS = ("gemv_rows", "pdl_tokens", "pdl_prefetch_tokens")
+INT_FIELDS = ("gemv_rows", "pdl_tokens", "pdl_prefetch_tokens", "fused_hist_rows")
 
 
 @dataclass
@@ -129,6 +135,8 @@ class FastPathOptions:
     # tokens (more, or 0: compiled out, the same bits). 64 (= fp8_gemm.SMALL_M, wherever PDL runs): the behaviour PDL
     # was measured with
     pdl_prefetch_tokens: int = 64
+    # indexer calls of at most this many score rows take the 'radix_fused' top-k where 'radix' is set (`topk_impl_at`)
+    fused_hist_rows: int = 1
 
     def __post_init__(self) -> None:
         from mtp.kernels.gemv_splitk import MAX_M
@@ -136,7 +144,7 @@ class FastPathOptions:
         rows = self.gemv_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_M:
             raise ValueError(f"FastPathOptions: gemv_rows must be an integer in 0..{MAX_M}, got {rows!r}")
-        for name in ("pdl_tokens", "pdl_prefetch_tokens"):
+        for name in ("pdl_tokens", "pdl_prefetch_tokens", "fused_hist_rows"):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"FastPathOptions: {name} must be an integer >= 0, got {n!r}")
@@ -149,6 +157,11 @@ class FastPathOptions:
         """Whether a PDL launch for `tokens` rows asks L2 for its constant weights before the wait: tokens <=
         pdl_prefetch_tokens (without PDL no kernel prefetches, whatever this says)."""
         return tokens <= self.pdl_prefetch_tokens
+
+    def topk_impl_at(self, impl: str, rows: int) -> str:
+        """The indexer top-k for a call of `rows` score rows when `impl` is set: 'radix_fused' for 'radix' at rows <=
+        fused_hist_rows (the same index sets, one launch fewer), else impl."""
+        return "radix_fused" if impl == "radix" and rows <= self.fused_hist_rows else impl
 
     def set(self, **flags) -> FastPathOptions:
         """Set some switches in place (names of the fields, all checked before any is set); returns a copy of the

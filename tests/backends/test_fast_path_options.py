@@ -164,3 +164,21 @@ def test_pdl_prefetch_tokens_is_an_int_handed_to_the_prefetching_kernels(monkeyp
         v = FastPathOptions()
         v.set(**flags)
         assert not options and v.pdl and v.pdl_prefetch_tokens == pf_tokens and v.pdl_at(4) == every_width, name
+
+
+def test_fused_histogram_rows():
+    """`FastPathOptions.topk_impl_at`: 'radix' becomes 'radix_fused' (the histogram in the scores kernel) for calls of
+    at most fused_hist_rows score rows (default 1), other impls and wider calls unchanged; 0 turns it off; the field
+    is an integer >= 0, set like the other counts."""
+    o = FastPathOptions()
+    assert o.fused_hist_rows == 1
+    assert o.topk_impl_at("radix", 1) == "radix_fused"
+    assert o.topk_impl_at("radix", 2) == "radix"
+    assert o.topk_impl_at("torch", 1) == "torch" and o.topk_impl_at("radix_fused", 4) == "radix_fused"
+    assert FastPathOptions(fused_hist_rows=0).topk_impl_at("radix", 1) == "radix"
+    assert FastPathOptions(fused_hist_rows=4).topk_impl_at("radix", 4) == "radix_fused"
+    for bad in (-1, True, 1.0, "1"):
+        with pytest.raises(ValueError, match="fused_hist_rows"):
+            FastPathOptions(fused_hist_rows=bad)
+    old = o.set(fused_hist_rows=3)
+    assert o.fused_hist_rows == 3 and old.fused_hist_rows == 1

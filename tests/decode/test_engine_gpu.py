@@ -170,9 +170,10 @@ def test_switching_paths_drops_kept_graphs(model):
 
 def test_kernel_options_switch_and_recapture(model):
     """set_kernel_options on the fast path: 'radix_fused' keeps exactly radix's keys (the same scores, the same
-    rule), so the tokens are equal; each switch bumps model.version, so the kept graph is captured again; the
-    persistent MoE layout's graph replays its eager run. A 90-token prompt: the indexer's top-k is sparse."""
-    from mtp.backends.fast_path import set_kernel_options
+    rule), so the tokens are equal, whether chosen for one-row calls (`fused_hist_rows`, the default) or for every
+    call; each switch bumps model.version, so the kept graph is captured again; the persistent MoE layout's graph
+    replays its eager run. A 90-token prompt: the indexer's top-k is sparse."""
+    from mtp.backends.fast_path import FastPathOptions, set_kernel_options, set_kernels
     from mtp.decode.engine import _ENGINES
 
     def kept_graph():
@@ -182,9 +183,13 @@ def test_kernel_options_switch_and_recapture(model):
 
     prompts = [PROMPTS[2]]
     _ENGINES.pop(model, None)
-    enable_fast_path(model)
+    enable_fast_path(model, options=FastPathOptions(fused_hist_rows=0))  # radix: the histogram as its own launch
     try:
         radix = generate(model, prompts, 8, mode="graph").tokens
+        g = kept_graph()
+        set_kernels(model, fused_hist_rows=1)  # the default: radix_fused at one row (each decode step here)
+        assert generate(model, prompts, 8, mode="graph").tokens == radix
+        assert kept_graph() is not g
         g = kept_graph()
         set_kernel_options(model, indexer_topk="radix_fused")
         assert generate(model, prompts, 8, mode="graph").tokens == radix

@@ -131,14 +131,21 @@ def test_hand_derivation_indexer():
     `indexer_one_launch` the scores and the top-k are one launch (3 fewer). The session-4
     32k profile had 8: the head weights were cuBLAS's split-K GEMM, its reduce kernel and a float mul, with
     _indexer_kernel, the 3 top-k kernels and FillFunctor. Rows > 1 with the cache longer than S: + 2 contiguous
-    copies of the keys and their scales."""
+    copies of the keys and their scales. Up to `fused_hist_rows` tokens (default 1) the histogram runs in the scores
+    kernel (radix_fused): one launch fewer; the counts below that name 5 and 6 are with it off (0)."""
     cfg = real_config(layers=61, dense_layers=3)
-    lim = _real_limits()
+    fused = _real_limits()
+    lim = dataclasses.replace(fused, fused_hist_rows=0)
     base = per_layer(cfg, StepShape(1, 1, 1025, tp=8), lim)
     long = per_layer(cfg, StepShape(1, 1, 8193, tp=8), lim)
     assert long["moe"] - base["moe"] == 5 and long["dense"] - base["dense"] == 5
     memset = per_layer(cfg, StepShape(1, 1, 8193, tp=8), dataclasses.replace(lim, topk_rearm=False))
     assert memset["moe"] - base["moe"] == 6
+    # the default: the histogram in the scores kernel at one token, its own launch from two on
+    assert per_layer(cfg, StepShape(1, 1, 8193, tp=8), fused)["moe"] - base["moe"] == 4
+    for rows, width in ((1, 2), (2, 1), (1, 4)):
+        sh = StepShape(rows, width, 8193, tp=8)
+        assert per_layer(cfg, sh, fused) == per_layer(cfg, sh, lim)
     # topk_one_launch: the radix top-k's three phases in one launch where its grid fits 132 SMs (every decode shape)
     one = dataclasses.replace(lim, topk_one_launch=True)
     for rows, width, S in ((1, 1, 8193), (1, 4, 32772), (2, 4, 65540)):
