@@ -59,6 +59,9 @@ def force_busiest(model, args, tokens: int, world: int) -> dict:
                     "(realised: counted on the eager step) on the (token, expert) pairs the draw sent it"}
 
 
+B2B_REPLAYS = 8  # graph replays per timed call for graph_ms_b2b
+
+
 def rank_token_ids(model, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     """Random token ids that this rank's embedding holds: [vocab_start, vocab_start + rows) of a vocabulary-parallel
     embedding, any id otherwise. On a simulated rank the all-reduce after the embedding adds no other rank's row, so
@@ -182,6 +185,9 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
         if cuda:
             graph = capture_graph(fwd)
             r["graph_ms"] = time_fn(graph.replay)
+            # back to back: the GPU's time per step when the host launches ahead (the engine's overlap scheduler), no
+            # per-replay launch latency in it (graph_ms's one replay per event pair holds it: up to ~0.5 ms, session 14)
+            r["graph_ms_b2b"] = time_fn(lambda: [graph.replay() for _ in range(B2B_REPLAYS)]) / B2B_REPLAYS
             r["gpu_state"] = gpu_state(model.device)  # right after the timing: clocks, temperature, power
             prof = kernel_profile(graph.replay, steps=3, top=40)
             del graph
@@ -199,7 +205,8 @@ def target_steps(model, comm, args, L: int, cuda: bool, bw: float | None, time_f
             r["pct_of_floor"] = 100 * r["floor_ms"] / step_ms
         widths[w] = r
         indexer[w] = indexer_alone(model, cache, L, w, time_fn, cuda)
-        log(f"  L={L} w={w}: {'graph' if cuda else 'eager'} {step_ms:.3f} ms, "
+        log(f"  L={L} w={w}: {'graph' if cuda else 'eager'} {step_ms:.3f} ms"
+            + (f" ({r['graph_ms_b2b']:.3f} back to back)" if cuda else "") + ", "
             f"{r['collectives']['all_reduce']} all-reduce + {r['collectives']['all_gather']} all-gather, "
             f"floor {by['total'] / 1e9:.2f} GB" + (f" ({r['pct_of_floor']:.1f}% of it)" if bw else "")
             + (f", {r['kernels_per_step']:.0f} kernels, busy {r['busy_us_per_step'] / 1e3:.3f} ms + idle "
