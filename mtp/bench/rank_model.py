@@ -29,11 +29,12 @@ REFERENCES = (
 # The deployments the tok/s lines are for: (GPU name fragment, TP)
 TARGETS = (("H200", 8), ("H100", 16))
 # real / (simulated rank + its collectives priced from a measured file), `python -m mtp.bench.overhead`: the largest
-# of the ratios measured, and the N it is carried to is an assumption (BENCHMARKS.md, session 11)
+# of the ratios measured, and the N it is carried to is an assumption (BENCHMARKS.md, sessions 11 and 14)
 REAL_OVERHEAD = 1.08
 REAL_OVERHEAD_SOURCE = ("measured at TP=4 (4 x H200, session 11, `python -m mtp.bench.overhead`): a real step of 12 "
                         "and of 40 layers over NCCL / oneshot against the simulated busiest rank of layout 'split' "
-                        "+ collectives priced from mtp.bench.allreduce: 1.00-1.08 (1.08 at w = 1, nccl); ASSUMED "
+                        "+ collectives priced from mtp.bench.allreduce: 1.00-1.08 (1.08 at w = 1, nccl); session 14's "
+                        "code, 40 layers: 0.99-1.07; ASSUMED "
                         "the same at this N (3 layers, 'contiguous', rank 0 as drawn gave 1.20-1.26: rank skew)")
 
 
