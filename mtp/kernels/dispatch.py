@@ -81,8 +81,8 @@ version, so the engine captures its kept graphs again).
   'radix' runs 'radix_fused' (`indexer.indexer_topk`: the radix select's histogram pass in the scores kernel's
   epilogue, one launch fewer per layer past the top-k's 2048 keys; the same scores and index sets bit for bit); more
   rows, or 0, the histogram launch. Measured on one TP=8 split rank at 32k (H200, session 14, busy kernel time per
-  step): -0.34 ms at one row, +0.17 / +0.48 / +0.75 ms at 2 / 3 / 4 rows (the epilogue's atomics grow with the rows
-  the scores kernel's programs each carry). `topk_impl_at`.
+  step): -0.34 ms at one row, +0.17 / +0.48 / +0.75 ms at 2 / 3 / 4 rows (not profiled why; each scores program
+  loops over the rows, and its histogram epilogue with them). `topk_impl_at`.
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
