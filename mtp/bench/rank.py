@@ -12,7 +12,12 @@ is run) and one target forward per verify width 1..K+1 is CUDA-graph captured an
   experts the step's tokens chose, measured with the reference router; random weights route arbitrarily),
   its lm_head rows, and the cache it must read (the indexer keys of every position once the indexer runs,
   at least top-k latent entries), over the copy bandwidth measured in the same run; and the % of it reached;
-- kernels per step (and per layer) from the profiler; with --profile the per-kernel table;
+- kernels per step (and per layer) from the profiler, with their busy time (the union of their spans) and the idle
+  time between them; with --profile the per-kernel table. The graph's `graph_ms` times one replay per CUDA event
+  pair (a sync after each: it holds the host's launch latency, 0 to ~0.5 ms depending on the captured graph);
+  `graph_ms_b2b` times 8 replays back to back (the GPU's time per step when the host launches ahead). Compare
+  kernel variants on busy (+ idle) or b2b: they repeat within ~0.03 ms where graph_ms does not (BENCHMARKS.md,
+  session 14);
 - the lightning indexer (scores + top-k) of one layer timed alone at that context, and per step;
 - with `--trees chain3,2x2,...` (`TreeShape.parse` names): per tree shape the target verify forward over its N
   nodes with the tree mask, beside the causal verify of a chain of the same N tokens (graph ms, ms per node,
