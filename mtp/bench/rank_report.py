@@ -30,6 +30,11 @@ def save(res: dict, path: str | None) -> None:
     os.replace(tmp, out)
 
 
+def _busy_ms(r: dict) -> str:
+    """A width's busy kernel time in ms from the profiled replays (`timing.kernel_profile`), '-' without one."""
+    return format(r["busy_us_per_step"] / 1e3, "8.3f") if "busy_us_per_step" in r else "-"
+
+
 def print_table(res: dict) -> None:
     """Per-kernel profiles first (long), then the summary lines, so the end of the output is the summary."""
     if res["device"] == "cpu":
@@ -51,14 +56,15 @@ def print_table(res: dict) -> None:
     print(f"\n{res['mode']}\n{res['device']}, torch {res['torch']}, {cfgd['num_hidden_layers']} layers "
           f"({cfgd['first_k_dense_replace']} dense), params {res['param_gib']:.2f} GiB/rank, built in "
           f"{res['build_s']:.0f} s" + (f", copy {res['copy_TBps']:.2f} TB/s" if "copy_TBps" in res else ""))
-    print(f"{'context':>8s} {'w':>2s} {'step ms':>8s} {'floor ms':>9s} {'% floor':>8s} {'kernels':>8s} "
-          f"{'k/layer':>8s} {'AR+AG':>7s} {'experts':>8s} {'indexer ms/step':>16s}")
+    print(f"{'context':>8s} {'w':>2s} {'step ms':>8s} {'b2b ms':>8s} {'busy ms':>8s} {'floor ms':>9s} {'% floor':>8s} "
+          f"{'kernels':>8s} {'k/layer':>8s} {'AR+AG':>7s} {'experts':>8s} {'indexer ms/step':>16s}")
     for L, ctx in res["contexts"].items():
         for w, r in ctx["widths"].items():
             ix = ctx["indexer"][w]
             f = lambda key, fmt: format(r[key], fmt) if key in r else "-"  # noqa: E731
             c = r["collectives"]
-            print(f"{L:>8} {w:>2} {format(r.get('graph_ms', r.get('eager_ms')), '8.3f'):>8s} {f('floor_ms', '9.3f'):>9s} "
+            print(f"{L:>8} {w:>2} {format(r.get('graph_ms', r.get('eager_ms')), '8.3f'):>8s} {f('graph_ms_b2b', '8.3f'):>8s} "
+                  f"{_busy_ms(r):>8s} {f('floor_ms', '9.3f'):>9s} "
                   f"{f('pct_of_floor', '8.1f'):>8s} {f('kernels_per_step', '8.0f'):>8s} {f('kernels_per_layer', '8.1f'):>8s} "
                   f"{c['all_reduce']:>3}+{c['all_gather']:<3} {r['local_experts_touched']['mean']:8.2f} "
                   f"{format(ix['ms_per_step'], '16.3f') if 'ms_per_step' in ix else 'no indexer':>16s}")
@@ -67,7 +73,8 @@ def print_table(res: dict) -> None:
             print(f"kernel variant {name}: FAILED {var['error'][:300]}")
         for L, ctx in var.get("contexts", {}).items():
             for w, r in ctx["widths"].items():
-                print(f"{L:>8} {w:>2} {r.get('graph_ms', float('nan')):8.3f} {r.get('floor_ms', float('nan')):9.3f} "
+                print(f"{L:>8} {w:>2} {r.get('graph_ms', float('nan')):8.3f} {r.get('graph_ms_b2b', float('nan')):8.3f} "
+                      f"{_busy_ms(r):>8s} {r.get('floor_ms', float('nan')):9.3f} "
                       f"{r.get('pct_of_floor', float('nan')):8.1f} {r.get('kernels_per_step', 0):8.0f} "
                       f"{r.get('kernels_per_layer', 0):8.1f}  variant {name}")
     for L, ctx in res["contexts"].items():

@@ -60,6 +60,10 @@ def force_busiest(model, args, tokens: int, world: int) -> dict:
 
 
 B2B_REPLAYS = 8  # graph replays per timed call for graph_ms_b2b
+# calls per captured graph when `indexer_alone` times the scores or the top-k (one call per replay timed ~20 us of
+# launch latency into each: 34.9 us of top-k a layer at 32k where the step's profile holds ~15-20; session 14). The
+# keys then stay in L2 across the calls (~1 us of HBM reads a call at 32k not paid): slightly optimistic.
+INDEXER_REPS = 8
 
 
 def rank_token_ids(model, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
@@ -79,7 +83,7 @@ def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
     """One layer's lightning indexer at context L for w queries, alone: scores over the L + w keys, then
     top-k (the kernels the fast path runs at the defaults' widths above `FastPathOptions.fused_hist_rows`: the radix
     top-k's histogram as its own launch; at one row the step folds it into the scores kernel, `radix_fused`; their
-    references on CPU). Per layer, and x layers per step."""
+    references on CPU), each timed as a graph of INDEXER_REPS calls. Per layer, and x layers per step."""
     from ..model import fp8
     from ..kernels import indexer as ix
 
@@ -117,9 +121,9 @@ def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
     res = {}
     for name, fn in (("scores", scores), ("topk", topk)):
         fn()
-        if cuda:
-            graph = capture_graph(fn)
-            res[f"{name}_us_per_layer"] = time_fn(graph.replay) * 1e3
+        if cuda:  # INDEXER_REPS calls per graph: a replay per timed call would add the host's launch latency to each
+            graph = capture_graph(lambda fn=fn: [fn() for _ in range(INDEXER_REPS)])
+            res[f"{name}_us_per_layer"] = time_fn(graph.replay) * 1e3 / INDEXER_REPS
             del graph
         else:
             res[f"{name}_us_per_layer"] = time_fn(fn) * 1e3
