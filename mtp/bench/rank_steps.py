@@ -60,9 +60,10 @@ def force_busiest(model, args, tokens: int, world: int) -> dict:
 
 
 B2B_REPLAYS = 8  # graph replays per timed call for graph_ms_b2b
-# calls per captured graph when `indexer_alone` times the scores or the top-k (one call per replay timed ~20 us of
-# launch latency into each: 34.9 us of top-k a layer at 32k where the step's profile holds ~15-20; session 14). The
-# keys then stay in L2 across the calls (~1 us of HBM reads a call at 32k not paid): slightly optimistic.
+# calls per captured graph when `indexer_alone` times the scores or the top-k (one call per replay timed ~10 us of
+# launch latency into each, session 14 at 32k w = 1: top-k 34.9 us a layer where the step's profile holds ~24 for
+# its histogram + split + write, scores 15.3 where it holds ~5). The keys then stay in L2 across the calls (~1 us of
+# HBM reads a call at 32k not paid): slightly optimistic.
 INDEXER_REPS = 8
 
 
