@@ -174,8 +174,8 @@ def kernel_profile(replay, steps: int = 10, top: int = 30) -> dict:
     step. Compared with the graph's event time this splits a step into kernel work and the gaps between
     kernels (launch latency, tails of under-filled kernels). Each row also has `exposed_us_per_step`
     (`exposed_us`: the duration less its overlap with kernels that started earlier; under PDL a kernel's duration
-    counts the wait for its predecessor) and the rows are sorted by it; `busy_us_per_step` is their sum, the union
-    of the kernels' spans; `idle_us_per_step` is the rest of the replays' span (first kernel's start to last kernel's
+    counts the wait for its predecessor) and the rows are sorted by it; `busy_us_per_step` is the union of every
+    device span (what the rows' exposed times sum to, unless the filter below drops a row); `idle_us_per_step` is the rest of the replays' span (first kernel's start to last kernel's
     end, per step): the device running no kernel between launches (graph launch gaps, PDL waits not overlapped)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -198,7 +198,7 @@ def kernel_profile(replay, steps: int = 10, top: int = 30) -> dict:
         rows.append({"name": e.key[:120], "us_per_step": t / steps, "calls_per_step": e.count / steps,
                      "exposed_us_per_step": exposed.get(e.key, 0.0) / steps})
     rows.sort(key=lambda r: -r["exposed_us_per_step"])
-    busy = sum(r["exposed_us_per_step"] for r in rows)
+    busy = sum(exposed.values()) / steps  # the union of every device span: idle below is the rest of the same spans
     span = (max(e for _, _, e in spans) - min(s for _, s, _ in spans)) / steps if spans else 0.0
     return {"kernel_us_per_step": sum(r["us_per_step"] for r in rows),
             "busy_us_per_step": busy, "idle_us_per_step": max(0.0, span - busy),
