@@ -338,8 +338,11 @@ class FastBlock(Block):
     MLP, whose cast is a launch).
     Tensor parallel under allreduce='nccl' (switch `fuse_out_cast`): o_proj's partial goes to a `Pending` too, whose
     fallback all-reduces it and rounds the fp32 sum inside the add + norm + quant kernel (no `.to(x.dtype)`
-    launch); the dense `FastParallelMLP`'s reduced fp32 sum is rounded and added by `add_rounded` (one launch
-    instead of its cast and the add). The same bits as the cast launches: round to nearest even, widen, add.
+    launch); so does the FFN's, handed to the next block (switch `mlp_reduce_norm` too: NCCL, then that block's
+    add + norm + quant, instead of NCCL, `add_rounded` and the norm: one launch fewer per block). Where nothing
+    follows to take it (an MTP layer, a block called without hand_off) the FFN's reduced fp32 sum is rounded and
+    added by `add_rounded` (one launch instead of its cast and the add). The same bits as the cast launches:
+    round to nearest even, widen, add.
     Every rank makes the same choices (the one-shot kernels of all ranks must pair up): they read shapes, dtypes,
     classes and options only, never a rank's own module state (a rank without a block of the dense MLP hands off
     its zeros too). An MTP layer (called without hand_off) reduces
@@ -391,11 +394,11 @@ class FastBlock(Block):
         if xq is not None and isinstance(mlp, FastMoE) and h_BTD.is_contiguous():
             if comm is not None:  # the fp32 sum, rounded to the model dtype in the next block's add (its `.to`)
                 return Pending(h_BTD, mlp(x, xq, rounded=False, reduce=False).contiguous(), x.dtype, comm,
-                               fo.fuse_out_cast)
+                               fo.fuse_out_cast, pdl)
             # one kernel: the MoE's fp32 sum rounded to the model dtype (its `.to(x.dtype)`) and added
             return add_rounded(h_BTD, mlp(x, xq, rounded=False).contiguous(), x.dtype, pdl)
         if comm is not None and isinstance(mlp, FastParallelMLP):  # every rank, also one without a block
-            return Pending(h_BTD, mlp(x, xq, reduce=False), x.dtype, comm, fo.fuse_out_cast)  # as its `.to`
+            return Pending(h_BTD, mlp(x, xq, reduce=False), x.dtype, comm, fo.fuse_out_cast, pdl)  # as its `.to`
         if isinstance(mlp, FastParallelMLP) and fo.fuse_out_cast and h_BTD.is_contiguous():
             y = mlp(x, xq, rounded=False)  # the all-reduced sum in the accumulation dtype
             if y.dtype == torch.float32:  # one kernel: rounded to the model dtype (its `.to(x.dtype)`) and added
@@ -410,12 +413,16 @@ class FastBlock(Block):
 
     def _hand_off_comm(self, mlp: torch.nn.Module) -> Comm | None:
         """The group whose all-reduce the FFN may leave to the next block's norm, or None (it reduces itself):
-        a tensor-parallel FFN on the fast path under allreduce='oneshot', switch `mlp_reduce_norm` on."""
-        if not self.fast_options.mlp_reduce_norm:
+        a tensor-parallel FFN on the fast path, switch `mlp_reduce_norm` on, under allreduce='oneshot' (the next
+        norm's one-shot kernel all-reduces it) or with switch `fuse_out_cast` under any other all-reduce (the
+        group's all-reduce alone, then the next block's add + norm + quant kernel rounds and adds the sum: one
+        launch fewer per block than the FFN's own `add_rounded` before that norm, the same bits)."""
+        fo = self.fast_options
+        if not fo.mlp_reduce_norm:
             return None
         if not (isinstance(mlp, FastParallelMLP) or (isinstance(mlp, FastMoE) and isinstance(mlp, ExpertParallelMoE))):
             return None
-        return mlp.comm if mlp.comm.allreduce == "oneshot" else None
+        return mlp.comm if mlp.comm.allreduce == "oneshot" or fo.fuse_out_cast else None
 
 
 class FastTrunk(Trunk):

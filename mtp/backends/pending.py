@@ -35,13 +35,15 @@ class Pending:
     h_BTD: the fp32 residual stream [B, T, D]; partial: this rank's share [B, T, D] in the accumulation dtype
     (overwritten when resolved); round_dtype: the dtype the reduced sum is rounded to first (None: none);
     comm: the group that sums it; fold (switch `fuse_out_cast`): where the one-shot kernel does not take it, the
-    rounding happens in the kernel that adds the sum (no cast launch), else as a `.to` before it."""
+    rounding happens in the kernel that adds the sum (no cast launch), else as a `.to` before it; pdl: the PDL mode
+    of that kernel where `resolve` launches it (`FastPathOptions.pdl_at` of the block that handed it off)."""
 
     h_BTD: torch.Tensor
     partial: torch.Tensor
     round_dtype: torch.dtype | None
     comm: Comm
     fold: bool = True
+    pdl: int = 0
 
     def __post_init__(self) -> None:
         if self.partial.shape != self.h_BTD.shape:
@@ -68,7 +70,7 @@ class Pending:
             return self.comm.all_reduce_add_norm(self.partial, self.h_BTD, None, 0.0,
                                                  round_dtype=self.round_dtype).residual
         if self.fold and self.h_BTD.dtype == self.partial.dtype == torch.float32:  # one kernel, rounding inside
-            return add_rounded(self.h_BTD, self._summed(), self.round_dtype or torch.float32)
+            return add_rounded(self.h_BTD, self._summed(), self.round_dtype or torch.float32, self.pdl)
         return self.h_BTD + self._reduced().to(self.h_BTD.dtype)
 
     def _summed(self) -> torch.Tensor:

@@ -33,7 +33,9 @@ version, so the engine captures its kept graphs again).
 - mlp_reduce_norm: under allreduce='oneshot', a tensor-parallel block's FFN all-reduce is not done in the FFN but
   by the next block, in one kernel with its residual add + input RMSNorm + FP8 quant (`fast_path.FastTrunk`,
   `backends.pending.Pending`), as o_proj's already is with the post-attention norm; off: the FFN all-reduces
-  its output, the block adds it, and the next block norms (3 launches instead of 1 per layer).
+  its output, the block adds it, and the next block norms (3 launches instead of 1 per layer). Under another
+  all-reduce (NCCL) with fuse_out_cast, the next block all-reduces the handed-off sum alone, then rounds and adds
+  it in its add + norm + quant kernel (2 launches instead of 3: no `add_rounded`); the same bits.
 - topk_rearm: the indexer top-k's workspace kept per (device, rows) and left zeroed by its last kernel
   (`topk.kept_workspace`, `indexer_topk(rearm=True)`); off: a fresh zeroed workspace per call (one memset launch).
 - shared_in_experts: the MoE's shared expert as one more expert of the routed experts' kernels (stacked last,

@@ -63,6 +63,7 @@ class Limits:
     topk_one_launch: bool = False  # dispatch.FastPathOptions.topk_one_launch: the radix top-k's phases in one launch
     indexer_one_launch: bool = False  # dispatch.FastPathOptions.indexer_one_launch: scores and top-k in one launch
     fused_hist_rows: int = 1  # dispatch.FastPathOptions.fused_hist_rows: the histogram in the scores kernel up to these rows
+    mlp_reduce_norm: bool = True  # dispatch.FastPathOptions.mlp_reduce_norm: the FFN's sum added by the next block's norm
 
     @classmethod
     def current(cls) -> Limits:
@@ -77,7 +78,8 @@ class Limits:
                    fp.FastMoE.max_tokens, fuse_prologue=o.fuse_prologue, norm_max_q=NORM_MAX_Q,
                    fuse_absorb_out=o.fuse_absorb_out, fuse_out_cast=o.fuse_out_cast, topk_rearm=o.topk_rearm,
                    shared_in_experts=o.shared_in_experts, topk_one_launch=o.topk_one_launch,
-                   indexer_one_launch=o.indexer_one_launch, fused_hist_rows=o.fused_hist_rows)
+                   indexer_one_launch=o.indexer_one_launch, fused_hist_rows=o.fused_hist_rows,
+                   mlp_reduce_norm=o.mlp_reduce_norm)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -166,13 +168,24 @@ def indexer_select(sh: StepShape, lim: Limits | None = None) -> int:
     return memset + 1 + (1 if one else 3 - fused) + copies
 
 
+def ffn_hand_off(sh: StepShape, lim: Limits) -> bool:
+    """Whether a trunk block hands its FFN's un-reduced output to the next block (`FastBlock._hand_off_comm`), whose
+    add + norm + quant then adds it (no `add_rounded` of its own; the trunk's last block's is resolved after the
+    loop, one launch in the glue): tp > 1 with switch mlp_reduce_norm, on the quantized path (<= SMALL_M tokens),
+    under NCCL (the bench's simulated rank) with fuse_out_cast; the one-shot all-reduce hands off without it, as a
+    kernel this model does not count (collectives are priced apart). An MTP module's block keeps its add."""
+    return sh.tp > 1 and lim.mlp_reduce_norm and lim.fuse_out_cast and sh.tokens <= lim.small_m
+
+
 def dense_mlp(cfg: ModelConfig, sh: StepShape, lim: Limits) -> int:
     """`FastParallelMLP` (tp > 1: fp32 partial, all-reduce, `.to(x.dtype)`) or `FastMLP`: gate | up (fed the block's
     quantized x up to SMALL_M rows), silu * up, down; then the block's `h + y` (tp > 1 with fuse_out_cast: the cast
-    and the add as one `add_rounded`)."""
+    and the add as one `add_rounded`; none where the next block adds it, `ffn_hand_off`)."""
     N = sh.tokens
     inter = cfg.intermediate_size // sh.tp
     n = linear(N, 2 * inter, lim, N <= lim.small_m) + 1 + linear(N, cfg.hidden_size, lim, False)
+    if ffn_hand_off(sh, lim):
+        return n
     return n + (1 if sh.tp > 1 and not lim.fuse_out_cast else 0) + 1
 
 
@@ -222,7 +235,8 @@ def moe_ffn(cfg: ModelConfig, sh: StepShape, lim: Limits) -> dict[str, int]:
         shared += 1  # `FastMLP` / `MoE.shared`: the shared expert's model-dtype output cast to fp32
     if inter and not quant:
         shared += 1  # `MoE.forward`: routed + shared
-    routed = experts(N, lim) + (1 if quant else 2)  # add_rounded; or `.to(x.dtype)` and the block's `h + y`
+    # add_rounded (none where the next block adds it: `ffn_hand_off`); or `.to(x.dtype)` and the block's `h + y`
+    routed = experts(N, lim) + (0 if ffn_hand_off(sh, lim) else 1 if quant else 2)
     return {"shared_expert": shared, "router": router(N, lim), "routed_experts": routed}
 
 
@@ -249,17 +263,19 @@ def terms(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None) -> dict[st
     routed_experts; head with the step's glue; mtp_extra per MTP module)."""
     lim = lim or Limits.current()
     a, ix = attention(cfg, sh, lim)
+    hand_off = int(ffn_hand_off(sh, lim))  # the trunk's last FFN resolved in the glue; an MTP block adds its own
     return {"mla": a, "indexer": ix, "dense_mlp": dense_mlp(cfg, sh, lim), **moe_ffn(cfg, sh, lim),
-            "head": head(cfg, sh) + glue(sh), "mtp_extra": mtp_extra(cfg, sh)}
+            "head": head(cfg, sh) + glue(sh) + hand_off, "mtp_extra": mtp_extra(cfg, sh) + hand_off}
 
 
 def per_layer(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None) -> dict[str, int]:
     """Launches per layer of each kind: dense block, MoE block, MTP module (its block and extras), head, glue."""
+    lim = lim or Limits.current()
     t = terms(cfg, sh, lim)
     attn = t["mla"] + t["indexer"]
     moe = attn + t["shared_expert"] + t["router"] + t["routed_experts"]
     return {"dense": attn + t["dense_mlp"], "moe": moe, "mtp": moe + t["mtp_extra"], "head": head(cfg, sh),
-            "glue": glue(sh)}
+            "glue": glue(sh) + int(ffn_hand_off(sh, lim))}
 
 
 def step_launches(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None) -> dict[str, int]:

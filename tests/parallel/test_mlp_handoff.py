@@ -4,7 +4,8 @@ Triton interpreter: a bf16 TP=2 model (a dense and an MoE layer) with the hand-o
 logits (so its greedy tokens), normed hidden and pre-norm hidden (what the MTP modules read) bit for bit, with
 the same collectives; bf16, so that every rounding of a reduced sum before its residual add is exercised. So does
 the casts' fold (switch `fuse_out_cast`: a reduced fp32 sum rounded to bf16 inside the kernel that adds it, under
-'nccl' and in each `Pending`'s fallback) against the cast launches.
+'nccl' and in each `Pending`'s fallback) against the cast launches; under 'nccl' with the fold the FFN's sum is
+handed off too (the group's all-reduce, then the next block's add + norm + quant: no `add_rounded`).
 
 Over gloo the one-shot kernel cannot run (`Comm.fuses` is False), so each `Pending` takes its own fallback: the
 all-reduce alone, then the fast path's add + norm + quant kernel -- the code path of the hand-off (which block
@@ -122,11 +123,12 @@ def _checks(d: Path) -> None:
         base = res[BASE]
         for run in RUNS:
             _same(f"rank {rank} {run} vs {BASE}", res[run], {**base, "hand_offs": res[run]["hand_offs"]})
-        # the hand-off happens where it should: every trunk block under 'oneshot' with the switch on, none else
+        # the hand-off happens where it should: every trunk block with the switch on under 'oneshot', and under
+        # 'nccl' with fuse_out_cast (its add + norm + quant rounds and adds the sum); none else
         for cast in (False, True):
             assert res["oneshot", True, cast]["hand_offs"] == ["Pending"] * layers, res["oneshot", True, cast]
             assert res["oneshot", False, cast]["hand_offs"] == ["Tensor"] * layers
-            assert res["nccl", True, cast]["hand_offs"] == ["Tensor"] * layers
+            assert res["nccl", True, cast]["hand_offs"] == ["Pending" if cast else "Tensor"] * layers
         # the same collectives: the embedding's, then 2 per block (o_proj, FFN); none fused over gloo
         c = base["collectives"]
         assert c["all_reduce"] == 1 + 2 * layers and c["all_reduce_fused"] == 0, c

@@ -59,7 +59,10 @@ def test_hand_derivation_real_rank_one_token_1k():
     MoE 16, 973. fuse_absorb_out and fuse_out_cast off: attention + 2 (absorb out, o_proj's cast), dense MLP + 1
     (its cast): dense 16, MoE 16, 976. All four off: attention 13, dense MLP 5, so dense 18, MoE 21 (the
     session-4 profile: 305 GEMVs = 5 x 61, 183 norm-quants = 3 x 61, 58 routers, 58 x 3 expert kernels, 64 bf16
-    casts = 61 + 3): 1272."""
+    casts = 61 + 3): 1272.
+    The counts above are with switch mlp_reduce_norm off. On (the default), every trunk block hands its FFN's sum to
+    the next block's add + norm + quant (`plan.kernels.ffn_hand_off`: tp > 1, fuse_out_cast, the quantized path):
+    no add_rounded per block (dense and MoE 1 fewer), the last block's resolved in the glue (+ 1)."""
     cfg = real_config(layers=61, dense_layers=3)
     sh = StepShape(1, 1, 1025, tp=8)
     lim = _real_limits()
@@ -69,9 +72,12 @@ def test_hand_derivation_real_rank_one_token_1k():
         return p["dense"], p["moe"], sum(step_launches(cfg, sh, lim_).values()) - p["head"] - p["glue"]
 
     # the default keeps absorb out as its own launch (fuse_absorb_out off: measured slower fused, session 11): + 1
-    # per layer against the derivation below, which has every fusion on
-    assert not lim.fuse_absorb_out and count(lim) == (14, 15, 851 + 61)
-    lim = dataclasses.replace(lim, fuse_absorb_out=True)
+    # per layer against the derivation below, which has every fusion on; and hands the FFN's sum on: - 1
+    assert not lim.fuse_absorb_out and lim.mlp_reduce_norm and count(lim) == (13, 14, 851)
+    assert per_layer(cfg, sh, lim)["glue"] == 18 + 1
+    assert count(dataclasses.replace(lim, mlp_reduce_norm=False)) == (14, 15, 851 + 61)
+    assert count(dataclasses.replace(lim, fuse_absorb_out=True)) == (12, 13, 851 - 61)
+    lim = dataclasses.replace(lim, fuse_absorb_out=True, mlp_reduce_norm=False)
 
     p = per_layer(cfg, sh, lim)
     assert (p["head"], p["glue"]) == (2, 18)
@@ -103,10 +109,11 @@ def test_hand_derivation_real_rank_few_tokens_and_grouped():
     act_quant (+1): dense 15 + 1 + 4 + 1 = 21; MoE: attention 10 + 1 + 4 = 15, shared gate|up 2 + silu 1 + down 2,
     router 2 launches of 64 + 2 cats = 4, grouped 6, routed + shared 1, cast 1, residual add 1: 15 + 18 = 33. 192
     tokens: 3 router launches (+1): 34. With fuse_prologue off: 2 more up to 64 tokens, 1 more above (the kv
-    prologue and q_a norm apart)."""
+    prologue and q_a norm apart). Switch mlp_reduce_norm off here (the FFN's add in its own block); on (the
+    default) the add moves to the next block's norm up to SMALL_M tokens: dense and MoE 1 fewer."""
     cfg = real_config(layers=61, dense_layers=3)
     # every fusion on (the default keeps absorb out apart up to 64 tokens: + 1, checked at the end)
-    lim = dataclasses.replace(_real_limits(), fuse_absorb_out=True)
+    lim = dataclasses.replace(_real_limits(), fuse_absorb_out=True, mlp_reduce_norm=False)
     Ns = (2, 16, 17, 64, 96, 192)
     got = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), lim) for N in Ns}
     assert [(got[N]["dense"], got[N]["moe"]) for N in Ns] == \
@@ -120,7 +127,8 @@ def test_hand_derivation_real_rank_few_tokens_and_grouped():
         [(17, 21), (17, 21), (17, 24), (17, 24), (22, 34), (22, 35)]
     default = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), _real_limits()) for N in Ns}
     assert [(default[N]["dense"], default[N]["moe"]) for N in Ns] == \
-        [(16, 16), (16, 16), (16, 23), (16, 23), (21, 33), (21, 34)]
+        [(15, 15), (15, 15), (15, 22), (15, 22), (21, 33), (21, 34)]
+    assert [default[N]["glue"] for N in Ns] == [19, 19, 19, 19, 18, 18]
 
 
 def test_hand_derivation_indexer():
