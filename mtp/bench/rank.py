@@ -235,6 +235,15 @@ KERNEL_VARIANTS = {
     # PDL at every width, the prefetches for one-token calls only (session 13, h200a: at w = 1 they helped, at
     # w = 2..4 pdl_all_nopf beat pdl_all by 0.25-0.40 ms; h200b: neither beat no PDL at w >= 2, BENCHMARKS.md)
     "pdl_all_pf1": (dict(pdl=True, pdl_tokens=64, pdl_prefetch_tokens=1), dict()),
+    # PDL with each kernel triggering its successor right after its own wait instead of at its start (at most two
+    # grids resident: `_triton.PDL_AFTER_WAIT`): at every width beyond one token (w = 1 as the default), at every
+    # width including one token, and at the default widths (w = 1 only)
+    "pdl_all_aw": (dict(pdl=True, pdl_tokens=64, pdl_early_tokens=1), dict()),
+    "pdl_all_aw1": (dict(pdl=True, pdl_tokens=64, pdl_early_tokens=0), dict()),
+    "pdl_aw": (dict(pdl=True, pdl_early_tokens=0), dict()),
+    # the FFN's all-reduced sum added in its own block (`add_rounded`, then the next block's norm), as under NCCL
+    # before session 15 (the simulated rank's all-reduce is NCCL's): one launch more per layer than the hand-off
+    "ffn_add_in_block": (dict(mlp_reduce_norm=False), dict()),
 }
 
 

@@ -69,7 +69,8 @@ def pdl_kwargs(pdl: bool, t: torch.Tensor) -> dict:
     in the stream finishes, and must `gdc_wait` before touching anything that kernel writes (the fused kernels
     load only constant weights before it, and store nothing). Empty unless asked for and on a CUDA device of
     compute capability >= 9 (the interpreter and older GPUs run the kernel without it: its PDL branch is off).
-    A kernel launched with it takes `PDL=bool(launch)` and follows the contract of `pdl_launch` / `pdl_wait`."""
+    A kernel launched with it takes `PDL=pdl_mode(pdl, launch)` and follows the contract of `pdl_launch` /
+    `pdl_wait`."""
     if not pdl or not t.is_cuda or torch.cuda.get_device_capability(t.device)[0] < 9:
         return {}
     return {"launch_pdl": True}
@@ -83,19 +84,41 @@ def pdl_kwargs(pdl: bool, t: torch.Tensor) -> dict:
 # buffer this one writes (a freed and re-used allocation, a re-armed counter). Every program waits (before its
 # first read of an earlier kernel's output and its first store or atomic), so no grid completes before the one
 # it follows: completion is transitive along the chain, and a kernel may read what any earlier kernel wrote.
+#
+# Where the trigger goes is the kernel's PDL constexpr (`pdl_mode`): PDL_EARLY (1) at the kernel's start, as above;
+# PDL_AFTER_WAIT (2) right after its own wait. Early, a successor may launch while this kernel still waits for its
+# predecessor, and so may the successor's successor: a chain of launched grids can sit in their waits at once,
+# holding SM slots and issuing their weight prefetches while one kernel works. After the wait, at most the running
+# kernel and the next one are resident (the next launches only once this one's predecessor has finished). Either
+# is correct: a trigger only allows the launch; the successor's own wait still waits for this grid to complete.
+PDL_EARLY = 1
+PDL_AFTER_WAIT = 2
+
+
+def pdl_mode(pdl, launch: dict) -> int:
+    """A kernel's PDL constexpr: 0 when launched without PDL (`launch` = `pdl_kwargs`'s empty dict), else
+    PDL_AFTER_WAIT where the caller asked for it (pdl == PDL_AFTER_WAIT, `FastPathOptions.pdl_at`), else PDL_EARLY."""
+    if not launch:
+        return 0
+    return PDL_AFTER_WAIT if not isinstance(pdl, bool) and pdl == PDL_AFTER_WAIT else PDL_EARLY
+
+
 @triton.jit
 def pdl_launch(PDL: tl.constexpr):
-    """Let the next kernel in the stream launch now (`griddepcontrol.launch_dependents`); nothing without PDL."""
-    if PDL:
+    """Let the next kernel in the stream launch now (`griddepcontrol.launch_dependents`) under PDL_EARLY;
+    nothing without PDL or under PDL_AFTER_WAIT (`pdl_wait` triggers then)."""
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """Wait until the previous kernel in the stream has finished and its writes are visible
-    (`griddepcontrol.wait`); nothing without PDL."""
+    (`griddepcontrol.wait`), then under PDL_AFTER_WAIT let the next kernel launch; nothing without PDL."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+        if PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from mtp.kernels._triton import line_elems, pdl_kwargs, pdl_launch, pdl_wait, prefetch_rows_l2, require, tl, triton
+from mtp.kernels._triton import (
+    line_elems, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, prefetch_rows_l2, require, tl, triton,
+)
 
 __all__ = ["absorb_q", "absorb_q_ref", "absorb_out", "absorb_out_ref", "absorb_tiles", "MAX_TOKENS", "out_block",
            "token_block"]
@@ -129,7 +131,7 @@ def _launch(x_BTHK, w, stride_wk, stride_wo, OD, out_dtype, pdl, prefetch):
     consts = absorb_tiles(H, KD, OD, n, w.dtype)
     launch = pdl_kwargs(pdl, x_BTHK)
     _absorb_kernel[(H, OD // consts["BO"])](x_BTHK, w, y, n, stride_t, x_BTHK.stride(2), w.stride(0), stride_wk,
-                                            stride_wo, **consts, PDL=bool(launch),
+                                            stride_wo, **consts, PDL=pdl_mode(pdl, launch),
                                             PF=weight_prefetch(stride_wk, stride_wo, bool(launch) and prefetch),
                                             LINE=line_elems(w), num_warps=4, **launch)
     return y

@@ -16,7 +16,7 @@ import torch
 
 from mtp.model.fp8 import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
 from mtp.model.fp8 import act_quant as act_quant_ref
-from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, require, tl, triton
 
 __all__ = ["act_quant", "act_quant_ref"]
 
@@ -76,6 +76,6 @@ def act_quant(x: torch.Tensor, block: int = BLOCK, pdl: bool = False) -> tuple[t
     if n_groups:
         rows = 16
         launch = pdl_kwargs(pdl, xc)
-        _act_quant_kernel[(triton.cdiv(n_groups, rows),)](xc, y, s, n_groups, ROWS=rows, PDL=bool(launch), num_warps=4,
+        _act_quant_kernel[(triton.cdiv(n_groups, rows),)](xc, y, s, n_groups, ROWS=rows, PDL=pdl_mode(pdl, launch), num_warps=4,
                                                           **launch)
     return y, s

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from mtp.model.fp8 import BLOCK, FP8_DTYPE
-from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 
 __all__ = ["cache_write"]
@@ -81,4 +81,4 @@ def cache_write(cache, pos_BT: torch.Tensor, c_BTC: torch.Tensor, pe_BTR: torch.
                               T, c.stride(0), pe.stride(0), k.stride(0), pos_BT.stride(0), pos_BT.stride(1),
                               kv.stride(0), kv.stride(1), kvs.stride(0), kvs.stride(1), pec.stride(0), pec.stride(1),
                               ik.stride(0), ik.stride(1), iks.stride(0), iks.stride(1),
-                              C=C, R=R, DK=DK, PDL=bool(launch), num_warps=4, **launch)
+                              C=C, R=R, DK=DK, PDL=pdl_mode(pdl, launch), num_warps=4, **launch)

@@ -79,6 +79,13 @@ version, so the engine captures its kept graphs again).
   why PDL loses at w >= 2 (the prefetches competing with the running kernel for HBM or issue slots): variants
   pdl_nopf / pdl_all_nopf / pdl_all_pf1 (`mtp.bench.rank.KERNEL_VARIANTS`). Weight loads issued before the wait are
   not prefetches and stay (the split-K GEMVs' whole tile, `gemv_splitk`; index_weights' first chunk of W).
+- pdl_early_tokens (64: the behaviour pdl was measured with; an integer): with pdl, calls of at most this many
+  tokens trigger their successor's launch at their start (PDL_EARLY), more tokens (or every call, 0) right after
+  their own wait (PDL_AFTER_WAIT; `_triton.pdl_mode`): then a successor cannot launch before its predecessor's
+  predecessor has finished, so at most two grids are resident, not a chain of waiting ones holding SM slots and
+  prefetching. A test of one guess for why PDL loses at w >= 2 (session 14: busy time +0.58 / +0.83 / +0.76 ms at
+  w = 2 / 3 / 4 at 1k, spread over many kernels); variants pdl_all_aw, pdl_aw (`mtp.bench.rank.KERNEL_VARIANTS`).
+  The same bits (a trigger only allows a launch; every kernel still waits for its predecessor).
 - fused_hist_rows (1; an integer): an indexer call of at most this many score rows (batch x queries) whose top-k is
   'radix' runs 'radix_fused' (`indexer.indexer_topk`: the radix select's histogram pass in the scores kernel's
   epilogue, one launch fewer per layer past the top-k's 2048 keys; the same scores and index sets bit for bit); more
@@ -104,7 +111,7 @@ ELEMENTWISE_IMPLS = ("triton", "compile", "eager")
 
 
 # the options that are integers; every other field is an on / off switch
-INT_FIELDS = ("gemv_rows", "pdl_tokens", "pdl_prefetch_tokens", "fused_hist_rows")
+INT_FIELDS = ("gemv_rows", "pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows")
 
 
 @dataclass
@@ -137,6 +144,10 @@ class FastPathOptions:
     # tokens (more, or 0: compiled out, the same bits). 64 (= fp8_gemm.SMALL_M, wherever PDL runs): the behaviour PDL
     # was measured with
     pdl_prefetch_tokens: int = 64
+    # with switch pdl: calls of at most this many tokens trigger their successor's launch at their start
+    # (`_triton.PDL_EARLY`), more tokens right after their own wait (`_triton.PDL_AFTER_WAIT`; 0: every call). 64
+    # (= every PDL width): the behaviour PDL was measured with
+    pdl_early_tokens: int = 64
     # indexer calls of at most this many score rows take the 'radix_fused' top-k where 'radix' is set (`topk_impl_at`)
     fused_hist_rows: int = 1
 
@@ -146,14 +157,20 @@ class FastPathOptions:
         rows = self.gemv_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_M:
             raise ValueError(f"FastPathOptions: gemv_rows must be an integer in 0..{MAX_M}, got {rows!r}")
-        for name in ("pdl_tokens", "pdl_prefetch_tokens", "fused_hist_rows"):
+        for name in ("pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows"):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"FastPathOptions: {name} must be an integer >= 0, got {n!r}")
 
-    def pdl_at(self, tokens: int) -> bool:
-        """Whether a launch for `tokens` rows takes PDL: switch pdl, and tokens <= pdl_tokens."""
-        return self.pdl and tokens <= self.pdl_tokens
+    def pdl_at(self, tokens: int) -> int:
+        """Whether a launch for `tokens` rows takes PDL (switch pdl, and tokens <= pdl_tokens; 0: no) and where its
+        kernel triggers the next launch: `_triton.PDL_EARLY` (1) at its start for tokens <= pdl_early_tokens, else
+        `_triton.PDL_AFTER_WAIT` (2) after its wait. The kernels' wrappers take it as their `pdl` argument."""
+        from mtp.kernels._triton import PDL_AFTER_WAIT, PDL_EARLY
+
+        if not (self.pdl and tokens <= self.pdl_tokens):
+            return 0
+        return PDL_EARLY if tokens <= self.pdl_early_tokens else PDL_AFTER_WAIT
 
     def prefetch_at(self, tokens: int) -> bool:
         """Whether a PDL launch for `tokens` rows asks L2 for its constant weights before the wait: tokens <=

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp.kernels._triton import HAS_TRITON, interpreting, pdl_kwargs, pdl_launch, pdl_wait, tl, triton
+from mtp.kernels._triton import HAS_TRITON, interpreting, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, tl, triton
 from mtp.kernels.act_quant import act_quant as act_quant_kernel
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.model.fp8 import BLOCK
@@ -197,7 +197,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
         bd = triton.next_power_of_2(D)
         launch = pdl_kwargs(pdl, x2)
         _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, D, x2.stride(0), 1.0 / D, eps, BLOCK_D=bd,
-                                         PDL=bool(launch), num_warps=_row_warps(bd), **_LAUNCH, **launch)
+                                         PDL=pdl_mode(pdl, launch), num_warps=_row_warps(bd), **_LAUNCH, **launch)
     return y
 
 
@@ -263,7 +263,7 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, out_dtype: torch.dtype, pdl: bool
         bn = 1024  # whatever N is (a narrow row masks the rest): one compiled kernel per dtype pair
         launch = pdl_kwargs(pdl, g2)
         _silu_mul_kernel[(n, triton.cdiv(N, bn))](g2, u2, y, N, g2.stride(0), u2.stride(0), BLOCK_N=bn,
-                                                  LIBDEVICE=not interpreting(), PDL=bool(launch), num_warps=4,
+                                                  LIBDEVICE=not interpreting(), PDL=pdl_mode(pdl, launch), num_warps=4,
                                                   **_LAUNCH, **launch)
     return y
 

@@ -25,7 +25,7 @@ import torch
 
 from mtp.model.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
 from mtp.model.fp8 import act_quant as act_quant_ref
-from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, prefetch_rows_l2, require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, prefetch_rows_l2, require, tl, triton
 from mtp.kernels.act_quant import act_quant, quant_e4m3, ue8m0_scale
 
 __all__ = ["fp8_linear", "fp8_gemm", "fp8_linear_ref", "default_plan", "default_splits", "SMALL_M", "FUSE_M"]
@@ -206,7 +206,7 @@ def _gemv(x, sx, w8, sw, out_dtype, quant_x, splits=None, num_stages=3, num_warp
     launch = pdl_kwargs(pdl, x)
     _gemv_kernel[(nb, splits)](x, sx if sx is not None else x, w8, sw, part, y, cnt, M, N, G, gps, splits,
                                x.stride(0), w8.stride(0), sw.stride(0),
-                               QUANT_X=quant_x, SPLIT=splits > 1, BM=bm, BN=bn, PDL=bool(launch),
+                               QUANT_X=quant_x, SPLIT=splits > 1, BM=bm, BN=bn, PDL=pdl_mode(pdl, launch),
                                PREFETCH=bool(launch) and prefetch, num_stages=num_stages, num_warps=num_warps, **launch)
     return y
 

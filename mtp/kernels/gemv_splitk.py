@@ -51,7 +51,7 @@ import torch
 
 from mtp.model.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
 from mtp.model.fp8 import act_quant as act_quant_ref
-from mtp.kernels._triton import pdl_kwargs, require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _check_weight, _counters, _num_sms
 
@@ -107,8 +107,7 @@ def _gemv_fma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, 
                      stride_xm, stride_sxm, stride_wn, stride_swn,
                      M: tl.constexpr, PREQUANT: tl.constexpr, SPLIT: tl.constexpr,
                      BN: tl.constexpr, GPS: tl.constexpr, SPAD: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # programmatic dependent launch: let the next kernel start its own weight loads
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_launch(PDL)  # programmatic dependent launch: let the next kernel start its own weight loads
     pid_n, pid_s, offs_n, offs_g, offs_k, nmask, gmask = _tile(N, G, BN, GPS)
     # the whole [BN, GPS, 128] tile in one load: every byte of this program in flight at once
     w_offs = (offs_n.to(tl.int64)[:, None, None] * stride_wn + offs_g[None, :, None] * 128
@@ -116,8 +115,7 @@ def _gemv_fma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, 
     w = tl.load(w_ptr + w_offs, mask=nmask[:, None, None] & gmask[None, :, None], other=0.0)
     sw = tl.load(sw_ptr + (offs_n // 128)[:, None] * stride_swn + offs_g[None, :],
                  mask=nmask[:, None] & gmask[None, :], other=0.0)  # [BN, GPS]
-    if PDL:  # the weights are constant: their loads overlap the previous kernel; x and every store wait for it
-        tl.extra.cuda.gdc_wait()
+    pdl_wait(PDL)  # the weights are constant: their loads overlap the previous kernel; x and every store wait
     wf = w.to(tl.float32)
     x_offs = offs_g[:, None] * 128 + offs_k[None, :]  # [GPS, 128]
     for m in tl.static_range(M):
@@ -147,8 +145,7 @@ def _gemv_mma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, 
     """The tile of `_gemv_fma_kernel`, multiplied on tensor cores: one batched fp8 x fp8 dot, a batch entry
     per 128-group ([GPS, BN, 128] x [GPS, 128, MP] -> [GPS, BN, MP] fp32), the rows padded to MP (8: the
     n of mma.sync's m16n8) with masked (zero) loads. The work per program no longer grows with M."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_launch(PDL)
     pid_n, pid_s, offs_n, offs_g, offs_k, nmask, gmask = _tile(N, G, BN, GPS)
     offs_m = tl.arange(0, MP)
     mmask = offs_m < M
@@ -158,8 +155,7 @@ def _gemv_mma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, 
     w = tl.load(w_ptr + w_offs, mask=gmask[:, None, None] & nmask[None, :, None], other=0.0)
     sw = tl.load(sw_ptr + (offs_n // 128)[None, :] * stride_swn + offs_g[:, None],
                  mask=gmask[:, None] & nmask[None, :], other=0.0)  # [GPS, BN]
-    if PDL:  # the weights are constant: their loads overlap the previous kernel; x and every store wait for it
-        tl.extra.cuda.gdc_wait()
+    pdl_wait(PDL)  # the weights are constant: their loads overlap the previous kernel; x and every store wait
     x_offs = offs_m[None, None, :] * stride_xm + offs_g[:, None, None] * 128 + offs_k[None, :, None]  # [GPS, 128, MP]
     xmask = gmask[:, None, None] & mmask[None, None, :]
     if PREQUANT:
@@ -257,6 +253,6 @@ def fp8_gemv(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=None
     kernel, extra = (_gemv_mma_kernel, dict(MP=MMA_ROWS)) if mma else (_gemv_fma_kernel, {})
     kernel[(nb, splits)](a, s, w8, sw, part, y, cnt, N, G, splits, a.stride(0), s.stride(0), w8.stride(0),
                          sw.stride(0), M=M, PREQUANT=xq is not None, SPLIT=splits > 1, BN=bn, GPS=gps,
-                         SPAD=triton.next_power_of_2(splits), PDL=bool(launch),
+                         SPAD=triton.next_power_of_2(splits), PDL=pdl_mode(pdl, launch),
                          num_warps=num_warps or plan["num_warps"], **extra, **launch)
     return y.reshape(*lead, N)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, require, tl, triton
 
 __all__ = ["index_weights", "index_weights_plan", "index_weights_ref"]
 
@@ -127,5 +127,5 @@ def index_weights(x: torch.Tensor, weight_HK: torch.Tensor, scale: float,
     launch = pdl_kwargs(pdl, x2)
     _index_weights_kernel[(triton.cdiv(H, bh), triton.cdiv(N, bm))](
         x2, weight_HK, out, N, x2.stride(0), weight_HK.stride(0), float(scale), H=H, K=K, BM=bm, BH=bh,
-        KV=kv, VEC=vec, PDL=bool(launch), num_warps=nw, **launch)
+        KV=kv, VEC=vec, PDL=pdl_mode(pdl, launch), num_warps=nw, **launch)
     return out

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from mtp.model.fp8 import FP8_DTYPE
-from mtp.kernels._triton import device_lens, pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
+from mtp.kernels._triton import device_lens, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, require, tl, triton
 from mtp.kernels.topk import (add_to_histograms, drop_kept_workspace, histograms, kept_workspace, radix_topk,
                               score_keys, topk_workspace)
 from mtp.kernels.topk_one_launch import radix_topk_one_launch
@@ -187,7 +187,7 @@ def indexer_scores(q8, q_scale, w, k8, k_scale, seq_lens, block_s: int = 64,
             k_scale.float().contiguous(), lens, vis, out, h16, h8)
     launch = pdl_kwargs(pdl, q8)
     flags = dict(H=H, D=D, BS=block_s, HIST=hist is not None, VIS=visible is not None, num_warps=num_warps,
-                 num_stages=num_stages, PDL=bool(launch), **launch)
+                 num_stages=num_stages, PDL=pdl_mode(pdl, launch), **launch)
     blocks = triton.cdiv(S, block_s)
     if programs is None:
         _indexer_kernel[(B, blocks)](*args, T, S, **flags)

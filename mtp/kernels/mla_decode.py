@@ -27,7 +27,9 @@ from __future__ import annotations
 import torch
 
 from mtp.model.fp8 import BLOCK, FP8_DTYPE
-from mtp.kernels._triton import device_lens, interpreting, pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
+from mtp.kernels._triton import (
+    device_lens, interpreting, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, require, tl, triton,
+)
 from mtp.kernels.mla_out import merge_splits, stage2_absorb
 
 __all__ = ["mla_decode", "mla_decode_ref"]
@@ -312,10 +314,10 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
         kv8.stride(0), kv8.stride(1), kv_scale.stride(0), kv_scale.stride(1), pe.stride(0), pe.stride(1),
         SPARSE=sparse, VIS=visible is not None, DOT=tl.float32 if interpreting() else tl.bfloat16, BH=bh,
-        BN=block_n, PDL=bool(launch), num_warps=num_warps, num_stages=num_stages, **launch)
+        BN=block_n, PDL=pdl_mode(pdl, launch), num_warps=num_warps, num_stages=num_stages, **launch)
     if w_vb is not None:
         return stage2_absorb(o_part, lse, splits, w_vb, B, T, block_v, pdl=pdl, prefetch=prefetch)
     out = torch.empty(B, T, H, 512, dtype=out_dtype, device=dev)
-    _mla_stage2[(B * T * H,)](o_part, lse, out, splits, NSP=triton.next_power_of_2(splits), PDL=bool(launch),
+    _mla_stage2[(B * T * H,)](o_part, lse, out, splits, NSP=triton.next_power_of_2(splits), PDL=pdl_mode(pdl, launch),
                               num_warps=4, **launch)
     return out

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp.kernels._triton import line_elems, pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
+from mtp.kernels._triton import line_elems, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, require, tl, triton
 from mtp.kernels.absorb import MAX_TOKENS, dot_acc, out_block, prefetch_weight_tile, token_block, weight_prefetch
 
 __all__ = ["merge_splits", "stage2_absorb"]
@@ -103,7 +103,7 @@ def stage2_absorb(o_part: torch.Tensor, lse: torch.Tensor, splits: int, w_vb_HVC
     _stage2_absorb_kernel[(H, V // bo)](o_part, lse, w_vb_HVC, y, n, splits, w_vb_HVC.stride(0), w_vb_HVC.stride(2),
                                         w_vb_HVC.stride(1), H=H, V=V, BO=bo, BK=128, BT=token_block(n),
                                         NSP=triton.next_power_of_2(splits), IEEE=w_vb_HVC.dtype == torch.float32,
-                                        PDL=bool(launch),
+                                        PDL=pdl_mode(pdl, launch),
                                         PF=weight_prefetch(w_vb_HVC.stride(2), w_vb_HVC.stride(1),
                                                            bool(launch) and prefetch),
                                         LINE=line_elems(w_vb_HVC), num_warps=4, **launch)

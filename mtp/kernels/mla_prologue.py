@@ -27,7 +27,7 @@ import torch
 
 from mtp.model.fp8 import FP8_DTYPE
 from mtp.model.fp8 import act_quant as act_quant_ref
-from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 
 __all__ = ["mla_kv_prologue", "mla_kv_prologue_ref", "mla_q_prologue", "mla_q_prologue_ref"]
@@ -172,7 +172,7 @@ def mla_kv_prologue(mla, cache, pos_BT: torch.Tensor, a_BTX: torch.Tensor, cos: 
     dependent launch (`_triton.pdl_kwargs`)."""
     a, args, consts = kv_prologue_args(mla, cache, pos_BT, a_BTX, cos, sin, "mla_kv_prologue")
     launch = pdl_kwargs(pdl, a)
-    _kv_prologue_kernel[(a.shape[0],)](*args, **consts, PDL=bool(launch), num_warps=4, **launch)
+    _kv_prologue_kernel[(a.shape[0],)](*args, **consts, PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
 
 
 def kv_prologue_args(mla, cache, pos_BT, a_BTX, cos, sin, name: str):
@@ -256,7 +256,7 @@ def mla_q_prologue(mla, qq_BTX: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     q, args, consts, outs = q_prologue_args(mla, qq_BTX, cos, sin, index, "mla_q_prologue")
     heads = max(consts["H"], consts["HI"]) if index else consts["H"]
     launch = pdl_kwargs(pdl, q)
-    _q_prologue_kernel[(q.shape[0], heads)](*args, **consts, PDL=bool(launch), num_warps=4, **launch)
+    _q_prologue_kernel[(q.shape[0], heads)](*args, **consts, PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
     return outs
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from mtp.model.fp8 import BLOCK, FP8_DTYPE
-from mtp.kernels._triton import line_elems, pdl_kwargs, pdl_launch, pdl_wait, tl, triton
+from mtp.kernels._triton import line_elems, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, tl, triton
 from mtp.kernels.absorb import MAX_TOKENS as ABSORB_MAX_TOKENS
 from mtp.kernels.absorb import _absorb_block, absorb_tiles, weight_prefetch
 from mtp.kernels.mla_prologue import _kv_prologue_token, _q_prologue_head, kv_prologue_args, q_prologue_args
@@ -84,7 +84,7 @@ def mla_kv_prologue_norm(mla, cache, pos_BT: torch.Tensor, a_BTX: torch.Tensor, 
     y = torch.empty(1, 1, dtype=out_dtype, device=dev)  # not stored: its dtype is where y is rounded
     launch = pdl_kwargs(pdl, a)
     _kv_norm_kernel[(2 * n,)](*args, n, norm.weight, y, x8, sx, norm.eps, x8.stride(0), sx.stride(0), **consts,
-                              BG=row_tiles(Q)[0], PDL=bool(launch), num_warps=4, **launch)
+                              BG=row_tiles(Q)[0], PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
     return x8.view(B, T, Q), sx.view(B, T, Q // BLOCK)
 
 
@@ -131,7 +131,7 @@ def mla_q_prologue_absorb(mla, qq_BTX: torch.Tensor, cos: torch.Tensor, sin: tor
     grid = H * (C // tiles["BO"]) + n * heads
     launch = pdl_kwargs(pdl, q)
     _q_absorb_kernel[(grid,)](*args, w, q_lat, n, w.stride(0), w.stride(1), w.stride(2), **consts, HQ=heads, C=C,
-                              BO=tiles["BO"], BK=tiles["BK"], BT=tiles["BT"], IEEE=tiles["IEEE"], PDL=bool(launch),
+                              BO=tiles["BO"], BK=tiles["BK"], BT=tiles["BT"], IEEE=tiles["IEEE"], PDL=pdl_mode(pdl, launch),
                               PF=weight_prefetch(w.stride(1), w.stride(2), bool(launch) and prefetch),
                               LINE=line_elems(w), num_warps=4, **launch)
     return q_pe, iq8, iqs, q_lat

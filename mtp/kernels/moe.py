@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from mtp.model.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
 from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.model.moe import route
-from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, prefetch_span_l2, require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, prefetch_span_l2, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
@@ -652,7 +652,7 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     wargs = (w_gate, s_gate, w_up, s_up)
     S = E - 1 if shared else -3  # read only where TOPK = J + 1
     launch = pdl_kwargs(pdl, x)
-    kw = dict(TOPK=TOPK, J=J, BM=bm, PPAD=ppad, KPAD=kpad, PDL=bool(launch), PREFETCH=bool(launch) and prefetch,
+    kw = dict(TOPK=TOPK, J=J, BM=bm, PPAD=ppad, KPAD=kpad, PDL=pdl_mode(pdl, launch), PREFETCH=bool(launch) and prefetch,
               num_warps=4, **launch)
     if layout == "pairs":
         if gate_up_stages is None:
@@ -697,6 +697,6 @@ def _combine(part: torch.Tensor, idx: torch.Tensor, add: torch.Tensor | None, T:
     topk = J + shared
     launch = pdl_kwargs(pdl, part)
     _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, idx, y if add is None else add, y, D, T * topk, TOPK=topk,
-                                                 J=J, KS=ks, BLOCK_D=bd, ADD=add is not None, PDL=bool(launch),
+                                                 J=J, KS=ks, BLOCK_D=bd, ADD=add is not None, PDL=pdl_mode(pdl, launch),
                                                  num_warps=4, **launch)
     return y

@@ -24,7 +24,7 @@ import torch
 
 from mtp.model.fp8 import BLOCK, FP8_DTYPE
 from mtp.model.fp8 import act_quant as act_quant_ref
-from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
+from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 
 __all__ = ["add_rms_norm_quant", "add_rms_norm_quant_ref", "add_rounded", "add_rounded_ref"]
@@ -148,7 +148,7 @@ def add_rms_norm_quant(h: torch.Tensor, delta: torch.Tensor | None, weight: torc
                                      h2.stride(0), d2.stride(0), hout.stride(0), y_arg.stride(0),
                                      x8.stride(0) if quant else 0, sx.stride(0) if quant else 0,
                                      ADD=add, STORE_H=add and store_h, STORE_Y=store_y, QUANT=quant, BG=bg,
-                                     PDL=bool(launch), ROUND=_ROUND.get(round_dtype, 2), num_warps=warps, **launch)
+                                     PDL=pdl_mode(pdl, launch), ROUND=_ROUND.get(round_dtype, 2), num_warps=warps, **launch)
     G = D // BLOCK
     return (hout.view(*lead, D) if add and store_h else (h if not add else None),
             y.view(*lead, D) if y is not None else None,
@@ -194,5 +194,5 @@ def add_rounded(h: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, pdl: bool 
     if n:
         launch = pdl_kwargs(pdl, h)
         _add_rounded_kernel[(triton.cdiv(n, 2048),)](h, y, out, n, ROUND=_ROUND[dtype], BLOCK_N=2048,
-                                                     PDL=bool(launch), num_warps=4, **launch)
+                                                     PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
     return out

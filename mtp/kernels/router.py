@@ -38,7 +38,9 @@ from __future__ import annotations
 import torch
 
 from mtp.model.fp8 import BLOCK
-from mtp.kernels._triton import line_elems, pdl_kwargs, prefetch_rows_l2, require, tl, triton
+from mtp.kernels._triton import (
+    line_elems, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, prefetch_rows_l2, require, tl, triton,
+)
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe import moe_route_ref, route_from_logits_ref
 
@@ -70,7 +72,7 @@ def _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E: tl.constexpr, BE: tl
         if PREFETCH:
             k0 = pid_s * GPS * 128
             prefetch_rows_l2(w_ptr + offs_e.to(tl.int64) * D + k0, tl.minimum(GPS * 128, D - k0), LINE)
-        tl.extra.cuda.gdc_wait()
+    pdl_wait(PDL)
     for i in tl.static_range(GPS):  # unrolled: every tile of the slice requested at once
         g = pid_s * GPS + i
         gok = g < G
@@ -109,8 +111,7 @@ def _route_fused_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, cnt_ptr, w_out_ptr, id
                         GPS: tl.constexpr, SPLITS: tl.constexpr,
                         BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr,
                         LINE: tl.constexpr, PREFETCH: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_launch(PDL)
     _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL, LINE, PREFETCH)
     tl.debug_barrier()
     n_prog = tl.num_programs(0) * tl.num_programs(1)
@@ -173,8 +174,7 @@ def _route_grouped_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_p
                           BTR: tl.constexpr, GPS: tl.constexpr, SPLITS: tl.constexpr,
                           BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr,
                           LINE: tl.constexpr, PREFETCH: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_launch(PDL)
     _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL, LINE, PREFETCH)
     tl.debug_barrier()
     pid_e = tl.program_id(0)
@@ -317,7 +317,7 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
             raise ValueError(f"moe_route_fused: local expert range must lie in [0, {E}], got {local}")
     common = dict(E=E, NG=n_group, TOPK_GROUP=topk_group, TOPK=topk, KPAD=triton.next_power_of_2(topk),
                   BE=block_e, BT=bt, BTR=btr, GPS=gps, SPLITS=splits, BF16=bf16, STORE_LOGITS=return_logits,
-                  PDL=bool(launch), PREFETCH=bool(launch) and prefetch, TABLE=table, LINE=line_elems(wg_ED),
+                  PDL=pdl_mode(pdl, launch), PREFETCH=bool(launch) and prefetch, TABLE=table, LINE=line_elems(wg_ED),
                   num_warps=num_warps or (8 if grouped else 4), **launch)
     args = (T, D, x.stride(0), float(route_scale), e0, e1)
     tab = local if table else idx  # the table, or any pointer the range's code never reads

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp.kernels._triton import device_lens, pdl_kwargs, pdl_launch, pdl_wait, require, tl, triton
+from mtp.kernels._triton import device_lens, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, require, tl, triton
 
 __all__ = ["add_to_histograms", "check_topk_args", "drop_kept_workspace", "histograms", "kept_workspace", "radix_topk",
            "score_keys", "sm_count", "topk_select_ref", "topk_workspace"]
@@ -416,7 +416,7 @@ def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunk
     out = torch.empty(B, T, k, dtype=torch.int32, device=dev)
     grid = (R, C)
     launch = pdl_kwargs(pdl, sc)
-    kw = dict(PDL=bool(launch), num_warps=4, **launch)
+    kw = dict(PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
     try:
         if not filled:
             _topk_hist_kernel[grid](sc, lens, h16, h8, S, T, ch, BLK=blk, **kw)

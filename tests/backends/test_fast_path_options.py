@@ -123,6 +123,36 @@ def test_pdl_takes_the_launches_of_calls_up_to_pdl_tokens():
         raise AssertionError("set(pdl_tokens=-2) must be refused")
 
 
+def test_pdl_early_tokens_picks_where_kernels_trigger():
+    """Option pdl_early_tokens (64 by default: every PDL call triggers its successor at its start, as measured since
+    session 12): `pdl_at(n)` is 0 without PDL, `_triton.PDL_EARLY` up to pdl_early_tokens tokens, PDL_AFTER_WAIT
+    above; `_triton.pdl_mode` gives a kernel that constexpr (0 without a PDL launch; a bool asks for PDL_EARLY); bad
+    values are refused by name; the bench's variants pdl_all_aw / pdl_all_aw1 / pdl_aw set it."""
+    from mtp.bench.rank import KERNEL_VARIANTS
+    from mtp.kernels._triton import PDL_AFTER_WAIT, PDL_EARLY, pdl_mode
+
+    o = FastPathOptions()
+    assert o.pdl_early_tokens == 64 and o.pdl_at(1) == PDL_EARLY and o.pdl_at(2) == 0
+    o.set(pdl_tokens=64, pdl_early_tokens=1)
+    assert [o.pdl_at(n) for n in (1, 2, 64, 65)] == [PDL_EARLY, PDL_AFTER_WAIT, PDL_AFTER_WAIT, 0]
+    o.set(pdl_early_tokens=0)
+    assert o.pdl_at(1) == PDL_AFTER_WAIT
+    o.set(pdl=False)
+    assert o.pdl_at(1) == 0
+    launch = {"launch_pdl": True}
+    assert [pdl_mode(p, launch) for p in (True, 1, PDL_AFTER_WAIT)] == [PDL_EARLY, PDL_EARLY, PDL_AFTER_WAIT]
+    assert pdl_mode(PDL_AFTER_WAIT, {}) == 0 and pdl_mode(True, {}) == 0
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="pdl_early_tokens must be an integer"):
+            FastPathOptions(pdl_early_tokens=bad)
+    for name, want in (("pdl_all_aw", [PDL_EARLY, PDL_AFTER_WAIT]), ("pdl_all_aw1", [PDL_AFTER_WAIT] * 2),
+                       ("pdl_aw", [PDL_AFTER_WAIT, 0])):
+        flags, options = KERNEL_VARIANTS[name]
+        v = FastPathOptions()
+        v.set(**flags)
+        assert not options and [v.pdl_at(1), v.pdl_at(4)] == want, name
+
+
 def test_pdl_prefetch_tokens_is_an_int_handed_to_the_prefetching_kernels(monkeypatch):
     """Option pdl_prefetch_tokens (64 by default: the PDL that was measured, prefetches wherever PDL runs) is an integer
     >= 0, refused otherwise by name (`set` and the bench's `--kernels` take it as an integer); `linear` hands

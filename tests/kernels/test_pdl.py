@@ -145,6 +145,35 @@ def test_pdl_kernels_compile_for_hopper_in_order():
     assert not bad, "\n".join(bad)
 
 
+# the kernels compiled with PDL_AFTER_WAIT: the two that call griddepcontrol themselves through `pdl_launch` /
+# `pdl_wait` since it came (the GEMV, the router), kernels with loads or prefetches before the wait, and plain ones
+AFTER_WAIT = ("gemv", "router", "index_weights", "topk_split", "moe_down", "add_rounded")
+
+
+def test_pdl_after_wait_compiles_the_trigger_after_the_wait():
+    """PDL constexpr 2 (`_triton.PDL_AFTER_WAIT`, option pdl_early_tokens): compiled for sm_90, no launch_dependents
+    before the wait, one right after it, and otherwise the PDL_EARLY build's griddepcontrol / memory instructions in
+    the same order (the same loads and prefetches before the wait, the same stores after it)."""
+    pytest.importorskip("triton")
+    from .test_fused_kernels import _compile_for_hopper
+
+    bad = []
+    kernels = _kernels()
+    for name in AFTER_WAIT:
+        kernel, ptrs, consts, warps, _ = kernels[name]
+        early, late = (_order(_compile_for_hopper(kernel, ptrs, dict(consts, PDL=mode), num_warps=warps).asm["ptx"])
+                       for mode in (1, 2))
+        wait = late.index("griddepcontrol.wait") if "griddepcontrol.wait" in late else -1
+        if wait < 0 or "griddepcontrol.launch_dependents" in late[:wait]:
+            bad.append(f"{name}: a trigger before the wait (or no wait): {late[:6]}")
+        elif late[wait + 1:wait + 2] != ["griddepcontrol.launch_dependents"]:
+            bad.append(f"{name}: no trigger right after the wait: {late[wait:wait + 3]}")
+        drop = "griddepcontrol.launch_dependents"
+        if [op for op in late if op != drop] != [op for op in early if op != drop]:
+            bad.append(f"{name}: other instructions moved: {late[:8]} vs {early[:8]}")
+    assert not bad, "\n".join(bad)
+
+
 # the constexpr that compiles each prefetching kernel's L2 prefetches out (`FastPathOptions.prefetch_at` False):
 # PREFETCH, or the absorb kernels' PF (how the tile is walked; 0: not asked of L2)
 PREFETCH_OFF = {name: dict(PF=0) if name in ("q_absorb", "absorb_out", "stage2_absorb") else dict(PREFETCH=False)
@@ -181,7 +210,7 @@ def test_pdl_interpreted():
 
 @contextmanager
 def _launches(prefetch: list | None = None):
-    """The Triton launches inside the block, as (kernel name, whether it took PDL: PDL=True and launch_pdl); and in
+    """The Triton launches inside the block, as (kernel name, whether it took PDL: PDL 1 or 2 and launch_pdl); and in
     `prefetch` the names of those launched with their L2 prefetch compiled in (PREFETCH=True, or absorb's PF > 0)."""
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -189,7 +218,7 @@ def _launches(prefetch: list | None = None):
     run = InterpretedFunction.run
 
     def recorded(self, *args, **kwargs):
-        seen.append((self.fn.__name__, kwargs.get("PDL") is True and kwargs.get("launch_pdl") is True))
+        seen.append((self.fn.__name__, kwargs.get("PDL") in (1, 2) and kwargs.get("launch_pdl") is True))
         if prefetch is not None and (kwargs.get("PREFETCH") is True or kwargs.get("PF", 0) > 0):
             prefetch.append(self.fn.__name__)
         return run(self, *args, **kwargs)

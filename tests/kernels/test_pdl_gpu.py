@@ -60,13 +60,15 @@ def rank():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("L,w,topk,prefetch", [(1024, 1, "radix", True), (3000, 1, "radix", True),
-                                               (3000, 2, "radix", True), (3000, 4, "radix", True),
-                                               (3000, 1, "radix_fused", True), (1024, 1, "radix", False),
-                                               (3000, 2, "radix", False), (3000, 3, "radix", False),
-                                               (3000, 4, "radix", False)])
+@pytest.mark.parametrize("L,w,topk,prefetch,early", [(1024, 1, "radix", True, 64), (3000, 1, "radix", True, 64),
+                                                     (3000, 2, "radix", True, 64), (3000, 4, "radix", True, 64),
+                                                     (3000, 1, "radix_fused", True, 64), (1024, 1, "radix", False, 64),
+                                                     (3000, 2, "radix", False, 64), (3000, 3, "radix", False, 64),
+                                                     (3000, 4, "radix", False, 64), (3000, 1, "radix_fused", True, 0),
+                                                     (3000, 4, "radix", True, 0)])
 @torch.no_grad()
-def test_decode_step_graph_with_pdl_equals_plain(rank, L, w, topk, prefetch):
+def test_decode_step_graph_with_pdl_equals_plain(rank, L, w, topk, prefetch, early):
+    """early: pdl_early_tokens (64: every kernel triggers its successor at its start; 0: after its own wait)."""
     model, cfg = rank, rank.cfg
     set_kernel_options(model, indexer_topk=topk)
     cache = fill_cache_random(model.new_cache(1, L + 8), L, seed=L)
@@ -92,7 +94,7 @@ def test_decode_step_graph_with_pdl_equals_plain(rank, L, w, topk, prefetch):
         for pdl in (False, True):
             # every width (the default chains 1-token calls only); prefetch False: the weights' L2 prefetches
             # compiled out (variant pdl_all_nopf)
-            set_kernels(model, pdl=pdl, pdl_tokens=64, pdl_prefetch_tokens=64 if prefetch else 0)
+            set_kernels(model, pdl=pdl, pdl_tokens=64, pdl_prefetch_tokens=64 if prefetch else 0, pdl_early_tokens=early)
             step()  # eager
             eager = snapshot()
             graphs[pdl] = capture_graph(step)
@@ -112,18 +114,19 @@ def test_decode_step_graph_with_pdl_equals_plain(rank, L, w, topk, prefetch):
             bad += [(i, j) for j, (a, b) in enumerate(zip(got, want)) if not _same(a, b)]
         assert not bad, f"PDL replays differ (replay, output): {bad[:10]} of {REPLAYS} replays"
     finally:
-        set_kernels(model, pdl=False, pdl_prefetch_tokens=64)
+        set_kernels(model, pdl=False, pdl_prefetch_tokens=64, pdl_early_tokens=64)
         set_kernel_options(model, indexer_topk="radix")
         graphs.clear()
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("prefetch,mode", [(True, 1), (False, 1), (True, 2)])
 @torch.no_grad()
-def test_pdl_entry_points_chained_in_a_graph_equal_plain(prefetch):
+def test_pdl_entry_points_chained_in_a_graph_equal_plain(prefetch, mode):
     """Every PDL entry point at the TP=8 rank's shapes (16 heads, the indexer's 64, a split rank's experts at
     1/8 width), chained as a decode block chains them, each reading the one before: eagerly and on 50 graph
     replays the PDL chain gives the plain chain's bits, with the weights' L2 prefetches and without (`prefetch`,
-    pdl_prefetch_tokens 0)."""
+    pdl_prefetch_tokens 0), each kernel triggering its successor at its start (mode 1, `_triton.PDL_EARLY`) or
+    after its wait (mode 2, PDL_AFTER_WAIT)."""
     from mtp.kernels.absorb import absorb_out, absorb_q
     from mtp.kernels.elementwise import silu_mul
     from mtp.kernels.fp8_gemm import fp8_linear
@@ -182,9 +185,9 @@ def test_pdl_entry_points_chained_in_a_graph_equal_plain(prefetch):
         return [hn, q_lat, wts, idx, o_lat, o, a, h2, wr, ir, m, h3, d]
 
     want = chain(False)
-    assert all(_same(a, b) for a, b in zip(chain(True), want)), "the eager PDL chain differs"
+    assert all(_same(a, b) for a, b in zip(chain(mode), want)), "the eager PDL chain differs"
     box = {}
-    graph = capture_graph(lambda: box.__setitem__("out", chain(True)))
+    graph = capture_graph(lambda: box.__setitem__("out", chain(mode)))
     bad = []
     for i in range(REPLAYS):
         graph.replay()
