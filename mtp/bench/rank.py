@@ -44,7 +44,7 @@ from ..parallel.layout import ParallelPlan
 from ..placement import choose_layout
 from ..kernels.dispatch import FastPathOptions
 from ..parallel.memory import GIB
-from .rank_model import extrapolate, memory_need, project
+from .rank_model import extrapolate, memory_need, project, step_key
 from .rank_report import log, print_table, save
 from .rank_steps import draft_collectives, spec_steps, target_steps
 
@@ -143,12 +143,12 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
                     part["contexts"][L0] = target_steps(model, comm, args, L0, cuda, bw, time_fn, world)
                 try:
                     sp = spec_steps(model, args, L0, cuda)
-                    key = "graph_ms" if cuda else "eager_ms"
                     for r in sp["runs"].values():  # the verify forward of the same depth, to split off the draft
                         if "tree" in r and "error" not in r:
                             r["verify_ms"] = part["contexts"][L0]["trees"][r["tree"]]["tree"]["ms"]
-                        elif "tree" not in r:
-                            r["verify_ms"] = part["contexts"][L0]["widths"][r["k"] + 1][key]
+                        elif "tree" not in r:  # timed as the projection reads it (back to back on a GPU)
+                            row = part["contexts"][L0]["widths"][r["k"] + 1]
+                            r["verify_ms"] = row[step_key(row)]
                     part["spec_step"] = sp
                 except Exception as e:  # keep the target-step numbers; the error is in the JSON and printed
                     part["spec_step_error"] = repr(e)[:1000]

@@ -146,13 +146,22 @@ def comm_ms(lat: dict, counts: dict, times: int = 1, draft: bool = False) -> flo
     return ms * times
 
 
+def step_key(row: dict) -> str:
+    """Which timing of a target step the projection reads: 'graph_ms_b2b' (replays back to back: the GPU's time per
+    step when the host launches ahead, as the overlap scheduler's decode loop does and as the speculative steps'
+    GPU time is measured), else 'graph_ms' (one replay per event pair: up to ~0.5 ms of host launch latency in it,
+    BENCHMARKS.md session 14; files from before the b2b timing), else 'eager_ms' (no CUDA)."""
+    return next(k for k in ("graph_ms_b2b", "graph_ms", "eager_ms") if row.get(k) is not None)
+
+
 def project(res: dict, args) -> dict:
     """Per context: plain TPOT = step(w=1) + its collectives; MTP k: (step(w=k+1) + draft + collectives of the
     verify and the k draft forwards) / AL(k). draft = measured eagle-k spec step - the target step at w = k+1
     measured with it (same depth, spec context); at longer contexts plus k x (indexer per layer there - at the
     spec context). A tree of depth D with an AL given (--tree-al): (its verify + its draft + collectives) / AL,
     the draft taken from its measured tree step as the chains' (else the eagle-D chain's draft: a lower bound,
-    a tree's draft forwards are wider)."""
+    a tree's draft forwards are wider). Target steps are read back to back (`step_key`: the speculative steps'
+    GPU time has no host launch latency either); a tree's verify is one replay per event pair."""
     lat = collective_latency(args)
     spec = res.get("spec_step", {})
     L0 = spec.get("prompt_len")
@@ -164,9 +173,12 @@ def project(res: dict, args) -> dict:
            "real_overhead": {"factor": ovh, "source": REAL_OVERHEAD_SOURCE if ovh == REAL_OVERHEAD
                              else "ASSUMED (--real-overhead): real / (simulated rank + collectives)"},
            "headline_al": headline, "contexts": {}}
+    first = next(iter(res["contexts"].values()), None)
+    if first is not None:
+        out["target_step_timing"] = step_key(first["widths"][1])
     for L, ctx in res["contexts"].items():
         widths = ctx["widths"]
-        key = "graph_ms" if "graph_ms" in widths[1] else "eager_ms"
+        key = step_key(widths[1])
 
         def ix_ms(ctx_, w):
             r = ctx_["indexer"].get(w, {})

@@ -107,6 +107,10 @@ def print_table(res: dict) -> None:
     if pj:
         print(f"projection ({pj['deployment']}); collectives: {pj['collective_latency']['source']}; "
               f"acceptance per position {pj['accept_per_position']}")
+        if pj.get("target_step_timing"):
+            print(f"  target steps: {pj['target_step_timing']} ("
+                  + ("replays back to back: no host launch latency" if pj["target_step_timing"] == "graph_ms_b2b"
+                     else "one replay per event pair: host launch latency included") + ")")
         if "real_overhead" in pj:
             print(f"  x {pj['real_overhead']['factor']:.2f} real-vs-simulated overhead, {pj['real_overhead']['source']}")
         for L, row in pj["contexts"].items():

@@ -213,6 +213,15 @@ def test_projection_adds_collectives_draft_and_divides_by_al(capsys):
     assert "ASSUMED 10.0 us" in out and "158 tok/s per user" in out and "32768" in out
     best = max(pj["contexts"][1024]["eagle_k1"]["tok_s_per_user"], pj["contexts"][1024]["eagle_k2"]["tok_s_per_user"])
     assert f"8 x H200: this run, context 1024: plain {1e3 / (11.0 + c):.0f} tok/s per user, with MTP {best:.0f}" in out
+    assert pj["target_step_timing"] == "graph_ms" and "one replay per event pair" in out
+    # with back-to-back replays timed (graph_ms_b2b, since session 14) the projection reads those
+    for ctx in res["contexts"].values():
+        for r in ctx["widths"].values():
+            r["graph_ms_b2b"] = r["graph_ms"] - 0.5
+    b2b = rm.project(res, args)
+    assert b2b["target_step_timing"] == "graph_ms_b2b"
+    assert b2b["contexts"][1024]["plain"]["tpot_ms"] == pytest.approx(10.5 + c)
+    assert b2b["contexts"][1024]["eagle_k1"]["verify_ms"] == pytest.approx(11.5)
 
 
 def test_collbench_sizes_and_skip_on_one_gpu(monkeypatch, capsys):
