@@ -23,7 +23,10 @@ workspace is a fresh one per call (one memset launch) or, with `rearm`, the one 
    typically tens) to a list of the row. The last program of the row to arrive (atomic counter) finds the
    k-th key among the candidates alone (<= 128: ranked by one pairwise compare; more: radix select on key
    bits 15..8 and 7..0, then position bytes only when keys tie at the boundary), and turns per-chunk counts
-   into each chunk's output offset.
+   into each chunk's output offset. Its V2 (switch topk_split_v2, the default; V1 kept to time against) issues the
+   loads that do not depend on each other together (the chunk's scores with the histograms; the last program's
+   count, chunk counts and candidates), and resolves boundary ties over thousands of candidates by a walk over the
+   row's scores (`_tied_position`): the same outputs.
 3. `_topk_write_kernel`: each program writes its chunk's kept positions at its offset, in ascending order;
    with `rearm` it then zeroes its share of the row's workspace (nothing reads it after the split kernel), as
    `mtp.kernels.moe`'s persistent counters are re-armed by their last user.
