@@ -845,13 +845,15 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
         if mla.fast_options.indexer_one_launch and mla.topk_impl != "torch":  # scores and top-k in one launch
             topk_idx, _ = indexer_topk_one_launch(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S],
                                                   lens, topk=ix.topk, visible=visible_BTS,
-                                                  rearm=mla.fast_options.topk_rearm)
+                                                  rearm=mla.fast_options.topk_rearm,
+                                                  split_v2=mla.fast_options.topk_split_v2)
         else:
             topk_idx, _ = indexer_topk(q8, qs.squeeze(-1), w, cache.idx_k[:, :S], cache.idx_k_scale[:, :S], lens,
                                        topk=ix.topk, impl=mla.fast_options.topk_impl_at(mla.topk_impl, n_tok),
                                        visible=visible_BTS,
                                        rearm=mla.fast_options.topk_rearm, scores=mla.scores_tune,
-                                       one_launch=mla.fast_options.topk_one_launch, pdl=pdl)
+                                       one_launch=mla.fast_options.topk_one_launch, pdl=pdl,
+                                       split_v2=mla.fast_options.topk_split_v2)
     absorb = mla.fast_options.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS
     if q_lat is None and absorb:  # one launch each instead of copy + batched GEMM + copy
         q_lat = absorb_q(q_nope, mla.w_kb, pdl=pdl, prefetch=pf)

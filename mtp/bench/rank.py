@@ -214,6 +214,10 @@ KERNEL_VARIANTS = {
     "topk_one_launch_fused": (dict(topk_one_launch=True), dict(indexer_topk="radix_fused")),
     # the indexer's scores and top-k in one cooperative launch (`indexer_one_launch`)
     "indexer_one_launch": (dict(indexer_one_launch=True), dict()),
+    # the indexer top-k's kernels before session 15 (V1) and with fewer dependent round trips on the split kernel's
+    # path (V2, the default; `topk._topk_split_kernel`): the same index sets
+    "topk_split_v1": (dict(topk_split_v2=False), dict()),
+    "topk_split_v2": (dict(topk_split_v2=True), dict()),
     # the top-k's histogram pass in the scores kernel's epilogue, its split and write as their own launches (one launch
     # fewer per layer past 2048 keys; in isolation 2 us faster at one query row, slower at 2..4: session 11), at every
     # width; and the histogram as its own launch at every width (fused_hist_rows 0: the default before session 14,

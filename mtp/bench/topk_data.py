@@ -9,7 +9,8 @@ k-th key's 16-bit prefix (pairwise up to `topk.SMALL`, else byte passes over the
 shallow TP=8 'split' rank (real widths, random FP8 weights, `fill_cache_random` cache, as `mtp-bench --tp 8`),
 run one eager step per width with the radix top-k's inputs captured, and per captured score row report the
 candidates (`candidate_stats`); then time the three kernels (profiler, graph replays) on those rows beside rows of
-the same shape drawn from N(0, 1). On CPU (no radix kernels) it checks the stats on random rows only.
+the same shape drawn from N(0, 1) and rows of zeros (every score tied), each with the kernels' V2 and V1 (switch
+topk_split_v2), alternated twice. On CPU (no radix kernels) it checks the stats on random rows only.
 """
 
 from __future__ import annotations
@@ -91,20 +92,20 @@ def capture_step_scores(layers: int, ctx: int, widths: list[int], seed: int = 0,
     return got
 
 
-def profile_topk(sc_TS: torch.Tensor, k: int, calls: int = 20) -> dict:
-    """Per-kernel us per call of `radix_topk` (kept workspace, as the fast path) on these rows: profiler over
-    replays of a graph of `calls` calls."""
+def profile_topk(sc_TS: torch.Tensor, k: int, calls: int = 20, split_v2: bool = True) -> dict:
+    """Per-kernel us per call of `radix_topk` (kept workspace, as the fast path; its kernels' V2 or V1, switch
+    topk_split_v2) on these rows: profiler over replays of a graph of `calls` calls."""
     from mtp.bench.timing import kernel_profile
     from mtp.decode.graphs import capture_graph
     from mtp.kernels.topk import radix_topk
 
     sc = sc_TS.reshape(1, *sc_TS.shape).contiguous()
     lens = torch.full((1,), sc.shape[-1] - sc.shape[1], dtype=torch.long, device=sc.device)
-    radix_topk(sc, lens, k, rearm=True)  # the kept workspace exists before the capture
+    radix_topk(sc, lens, k, rearm=True, split_v2=split_v2)  # the kept workspace exists before the capture
 
     def many():
         for _ in range(calls):
-            radix_topk(sc, lens, k, rearm=True)
+            radix_topk(sc, lens, k, rearm=True, split_v2=split_v2)
 
     g = capture_graph(many)
     prof = kernel_profile(g.replay, steps=3)
@@ -127,20 +128,27 @@ def main() -> None:
         for w in args.widths:
             res["widths"][w] = [candidate_stats(torch.randn(args.ctx, generator=g), args.k) for _ in range(w)]
     else:
+        def timed(sc_TS: torch.Tensor) -> dict:
+            """The kernels' us per call with V2 and V1 (switch topk_split_v2), alternated twice: v2, v1, v2#2, v1#2."""
+            return {f"v{2 - i % 2}" + ("#2" if i >= 2 else ""): profile_topk(sc_TS, args.k, split_v2=i % 2 == 0)
+                    for i in range(4)}
+
         for w, rows in capture_step_scores(args.layers, args.ctx, args.widths, any_ids=args.any_ids).items():
             ent = res["widths"][w] = {"layers": []}
             for li, sc in enumerate(rows):
-                ent["layers"].append({"rows": [candidate_stats(r, args.k) for r in sc],
-                                      "kernels_us": profile_topk(sc, args.k)})
+                ent["layers"].append({"rows": [candidate_stats(r, args.k) for r in sc], "kernels_us": timed(sc)})
             rnd = torch.randn(sc.shape, generator=g).to(sc.device)
-            ent["randn"] = {"rows": [candidate_stats(r, args.k) for r in rnd], "kernels_us": profile_topk(rnd, args.k)}
+            ent["randn"] = {"rows": [candidate_stats(r, args.k) for r in rnd], "kernels_us": timed(rnd)}
+            equal = torch.zeros_like(sc)  # every score tied: the split kernel's slowest rows
+            ent["equal"] = {"rows": [candidate_stats(r, args.k) for r in equal], "kernels_us": timed(equal)}
     for w, ent in res["widths"].items():
         items = ent if isinstance(ent, list) else [r for lay in ent["layers"] for r in lay["rows"]]
         print(f"w={w}: candidates at the k-th key's 16-bit prefix per row: {[r.get('n_prefix') for r in items]}")
         if isinstance(ent, dict):
             for li, lay in enumerate(ent["layers"]):
                 print(f"  layer {li}: {lay['kernels_us']}")
-            print(f"  randn: {[r.get('n_prefix') for r in ent['randn']['rows']]} {ent['randn']['kernels_us']}")
+            for name in ("randn", "equal"):
+                print(f"  {name}: {[r.get('n_prefix') for r in ent[name]['rows']]} {ent[name]['kernels_us']}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:

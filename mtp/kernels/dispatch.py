@@ -86,6 +86,13 @@ version, so the engine captures its kept graphs again).
   prefetching. A test of one guess for why PDL loses at w >= 2 (session 14: busy time +0.58 / +0.83 / +0.76 ms at
   w = 2 / 3 / 4 at 1k, spread over many kernels); variants pdl_all_aw, pdl_aw (`mtp.bench.rank.KERNEL_VARIANTS`).
   The same bits (a trigger only allows a launch; every kernel still waits for its predecessor).
+- topk_split_v2 (on; not yet timed against V1 on a GPU, session 15): the indexer top-k's kernels with fewer
+  dependent global round trips on the split kernel's path (`topk._topk_split_kernel` / `_finish_row` V2: the chunk's
+  scores loaded before the histograms, the scores' load not waiting for the row length's, the last program's
+  candidate count, chunk counts and candidates in one round trip and its per-chunk counts from the same registers),
+  and ties at the boundary over thousands of candidates resolved by a walk over the scores instead of three position
+  passes (`topk._tied_position`); the same index sets bit for bit; in the one-launch top-k and indexer too. Off: V1,
+  the kernels before (variants topk_split_v1 / topk_split_v2).
 - fused_hist_rows (1; an integer): an indexer call of at most this many score rows (batch x queries) whose top-k is
   'radix' runs 'radix_fused' (`indexer.indexer_topk`: the radix select's histogram pass in the scores kernel's
   epilogue, one launch fewer per layer past the top-k's 2048 keys; the same scores and index sets bit for bit); more
@@ -132,6 +139,7 @@ class FastPathOptions:
     moe_wave_splits: bool = True
     topk_one_launch: bool = False
     indexer_one_launch: bool = False
+    topk_split_v2: bool = True
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)

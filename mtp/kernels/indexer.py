@@ -202,7 +202,7 @@ TOPK_IMPLS = ("radix", "radix_fused", "torch")
 
 def indexer_topk(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2048, impl: str = "radix",
                  visible: torch.Tensor | None = None, rearm: bool = False, scores: dict | None = None,
-                 one_launch: bool = False, pdl: bool = False):
+                 one_launch: bool = False, pdl: bool = False, split_v2: bool = True):
     """(idx [B, T, topk] int32 with -1 padding, scores [B, T, S]) from the kernel's scores.
     impl: 'radix' (`mtp.kernels.topk.radix_topk`), 'radix_fused' (the same with its histogram pass done by the
     scores kernel: one launch fewer) or 'torch' (`topk_from_scores`). visible: as `indexer_scores` (the
@@ -212,12 +212,14 @@ def indexer_topk(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2048, impl: 
     (`indexer_scores`' block_s, num_warps, num_stages, programs), over `SCORES_DEFAULT`. one_launch (radix impls):
     the radix select's three phases in one launch (`topk_one_launch.radix_topk_one_launch`, where the grid fits the
     SMs; the same index sets). pdl: the scores and the three-launch radix top-k with programmatic
-    dependent launch (`_triton.pdl_kwargs`; torch.topk, the memset and the cooperative one-launch top-k stay plain)."""
+    dependent launch (`_triton.pdl_kwargs`; torch.topk, the memset and the cooperative one-launch top-k stay plain).
+    split_v2 (radix impls): the top-k kernels' V2 (`topk.radix_topk(split_v2=)`, switch topk_split_v2; the same index
+    sets)."""
     if impl not in TOPK_IMPLS:
         raise ValueError(f"indexer_topk: impl must be one of {TOPK_IMPLS}, got {impl!r}")
     tune = dict(SCORES_DEFAULT, **(scores or {}))
     select = radix_topk_one_launch if one_launch else radix_topk
-    chain = {} if one_launch else dict(pdl=pdl)  # (the cooperative one-launch top-k takes no PDL)
+    chain = dict(split_v2=split_v2) if one_launch else dict(pdl=pdl, split_v2=split_v2)  # (one launch: no PDL)
     if impl == "radix_fused":
         R = q8.shape[0] * q8.shape[1]
         ws = kept_workspace(R, q8.device) if rearm else topk_workspace(R, q8.device)

@@ -70,7 +70,7 @@ def _indexer_topk_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, lens_ptr, vis_ptr,
                          arrive_ptr, ck_ptr, ci_ptr, gt_ptr, off_ptr, thr_ptr, out_ptr, S, C, K,
                          T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
                          VIS: tl.constexpr, PHASE: tl.constexpr, REARM: tl.constexpr, NB: tl.constexpr,
-                         CPAD: tl.constexpr, KB: tl.constexpr, SMALL: tl.constexpr):
+                         CPAD: tl.constexpr, KB: tl.constexpr, SMALL: tl.constexpr, V2: tl.constexpr):
     """Program (b, c): keys c * TILE .. of batch row b, for its T score rows. PHASE 0: scores + histograms, then per
     row split and write with the barriers between (GPU only: a co-resident grid); 1, 2, 3: one phase (the
     interpreter's launches)."""
@@ -103,8 +103,8 @@ def _indexer_topk_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, lens_ptr, vis_ptr,
             tl.store(gt_ptr + r * C + c, n_gt)
             tl.debug_barrier()
             if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == 2 * C - 1:
-                _finish_row(r, n_valid, above, P, ncand_ptr, ck, ci, gt_ptr, off_ptr, thr_ptr, out_ptr, TILE, C, K,
-                            NB, CPAD, KB, SMALL)
+                _finish_row(r, n_valid, above, P, ncand_ptr, ck, ci, gt_ptr, off_ptr, thr_ptr, out_ptr, sc_ptr,
+                            lens_ptr, S, T, TILE, C, K, NB, CPAD, KB, SMALL, V2)
                 _arrive(cnt)  # row r's threshold and offsets are out
     if PHASE == 0 or PHASE == 3:
         for t in range(T):
@@ -125,12 +125,13 @@ def _indexer_topk_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, lens_ptr, vis_ptr,
 
 def indexer_topk_one_launch(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2048,
                             visible: torch.Tensor | None = None, rearm: bool = False, chunks: int | None = None,
-                            split_phases: bool | None = None):
+                            split_phases: bool | None = None, split_v2: bool = True):
     """`indexer.indexer_topk(impl='radix')`'s (idx [B, T, topk] int32, -1 padded; scores [B, T, S]) in one launch
     where the grid fits (`indexer_grid`), else `indexer_topk(impl='radix_fused', one_launch=True)`: the same index
     sets, and the default scores kernel's scores. visible, rearm: as `indexer_topk`. chunks: programs per batch row
     (default: as many as the SMs allow). split_phases: the phases as three launches (default: only under the
-    Triton interpreter, where the barriers would never open)."""
+    Triton interpreter, where the barriers would never open). split_v2: the top-k's last stage as
+    `topk.radix_topk(split_v2=)`."""
     B, T, H, D, S = check_indexer_args("indexer_topk_one_launch", q8, q_scale, w, k8, k_scale, visible)
     if not 0 < topk < 2 ** 24 or S >= 2 ** 24:
         raise ValueError(f"indexer_topk_one_launch: want 0 < topk < 2^24 and S < 2^24 (position bytes), got topk = "
@@ -139,7 +140,7 @@ def indexer_topk_one_launch(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2
     plan = indexer_grid(B, T, S, sm_count(dev), chunks)
     if plan is None:
         return indexer_topk(q8, q_scale, w, k8, k_scale, seq_lens, topk, impl="radix_fused", visible=visible,
-                            rearm=rearm, one_launch=True)
+                            rearm=rearm, one_launch=True, split_v2=split_v2)
     tile, C = plan
     split = interpreting() if split_phases is None else split_phases
     if interpreting() and not split:
@@ -154,6 +155,6 @@ def indexer_topk_one_launch(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2
     args = (q8.contiguous(), q_scale.float().contiguous(), w.float().contiguous(), k8.contiguous(),
             k_scale.float().contiguous(), lens, vis, sc, *phase_buffers(ws, R, S, C), out, S, C, topk)
     meta = dict(T=T, H=H, D=D, BS=BS, TILE=tile, VIS=visible is not None, REARM=rearm, NB=1024,
-                CPAD=max(32, triton.next_power_of_2(C)), KB=1024, SMALL=SMALL, num_warps=WARPS)
+                CPAD=max(32, triton.next_power_of_2(C)), KB=1024, SMALL=SMALL, V2=split_v2, num_warps=WARPS)
     launch_phases(_indexer_topk_kernel, (B, C), args, meta, (1, 2, 3), split, ws, rearm)
     return out, sc

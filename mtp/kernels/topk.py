@@ -23,7 +23,10 @@ workspace is a fresh one per call (one memset launch) or, with `rearm`, the one 
    typically tens) to a list of the row. The last program of the row to arrive (atomic counter) finds the
    k-th key among the candidates alone (<= 128: ranked by one pairwise compare; more: radix select on key
    bits 15..8 and 7..0, then position bytes only when keys tie at the boundary), and turns per-chunk counts
-   into each chunk's output offset.
+   into each chunk's output offset. Its V2 (switch topk_split_v2, the default; V1 kept to time against) issues the
+   loads that do not depend on each other together (the chunk's scores with the histograms; the last program's
+   count, chunk counts and candidates), and resolves boundary ties over thousands of candidates by a walk over the
+   row's scores (`_tied_position`): the same outputs.
 3. `_topk_write_kernel`: each program writes its chunk's kept positions at its offset, in ascending order;
    with `rearm` it then zeroes its share of the row's workspace (nothing reads it after the split kernel), as
    `mtp.kernels.moe`'s persistent counters are re-armed by their last user.
@@ -80,9 +83,16 @@ def add_to_histograms(h16_row, key, valid):
 
 
 @triton.jit
-def _row_keys(sc_ptr, lens_ptr, r, pos, S, T):
-    """Keys of row r at positions pos, and which of them are candidates."""
-    inb = pos < tl.minimum(tl.load(lens_ptr + r // T).to(tl.int32) + r % T + 1, S)
+def _row_keys(sc_ptr, lens_ptr, r, pos, S, T, V2: tl.constexpr):
+    """Keys of row r at positions pos, and which of them are candidates. V2: the scores are loaded up to S, not up
+    to the row's length, so that their load does not wait for the length's (two loads in flight at once instead of
+    one after the other: one global round trip fewer); the keys of non-candidates are then of whatever the row holds
+    there, and every user masks them by `valid` (the same kept sets)."""
+    lim = tl.minimum(tl.load(lens_ptr + r // T).to(tl.int32) + r % T + 1, S)
+    if V2:
+        x = tl.load(sc_ptr + r.to(tl.int64) * S + pos, mask=pos < S, other=float("-inf"))
+        return score_keys(x, pos < lim)
+    inb = pos < lim
     return score_keys(tl.load(sc_ptr + r.to(tl.int64) * S + pos, mask=inb, other=float("-inf")), inb)
 
 
@@ -99,7 +109,8 @@ def _pick(h, need):
 
 
 @triton.jit
-def _topk_hist_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, S, T, CH, BLK: tl.constexpr, PDL: tl.constexpr):
+def _topk_hist_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, S, T, CH, BLK: tl.constexpr, PDL: tl.constexpr,
+                      V2: tl.constexpr):
     pdl_launch(PDL)
     pdl_wait(PDL)  # the scores; the workspace's last user (the write kernel re-arming it) ended before
     r = tl.program_id(0)
@@ -107,7 +118,7 @@ def _topk_hist_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, S, T, CH, BLK: tl.const
     h8 = tl.zeros((256,), dtype=tl.int32)
     for p0 in range(c * CH, tl.minimum(c * CH + CH, S), BLK):
         pos = p0 + tl.arange(0, BLK)
-        key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T)
+        key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T, V2)
         h8 += add_to_histograms(h16_ptr + r.to(tl.int64) * 65536, key, valid)
     bins = tl.arange(0, 256)
     tl.atomic_add(h8_ptr + r * 256 + bins, h8, mask=h8 > 0, sem="relaxed")
@@ -134,14 +145,10 @@ def _cand_hist(ck_ptr, ci_ptr, n, key_sh, key_pref, pos_sh, pos_pref, dig_sh, FR
 
 
 @triton.jit
-def _threshold_rank(ck_ptr, ci_ptr, n, need, SMALL: tl.constexpr):
-    """(key, position) of the need-th kept candidate, for n <= SMALL candidates: each one's rank is the
-    number of candidates ahead of it (higher key, or equal key and lower position), in one [SMALL, SMALL]
+def _rank_select(key, pos, m, need):
+    """(key, position) of the need-th kept of the candidates m of (key, pos) (at most SMALL): each one's rank is
+    the number of candidates ahead of it (higher key, or equal key and lower position), in one [SMALL, SMALL]
     compare instead of the byte passes of `_threshold_radix`."""
-    i = tl.arange(0, SMALL)
-    m = i < n
-    key = tl.load(ck_ptr + i, mask=m, other=0, cache_modifier=".cg")
-    pos = tl.load(ci_ptr + i, mask=m, other=0, cache_modifier=".cg")
     ahead = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (pos[None, :] < pos[:, None]))
     rank = tl.sum((ahead & m[None, :]).to(tl.int32), 1)
     sel = m & (rank == need - 1)
@@ -149,9 +156,44 @@ def _threshold_rank(ck_ptr, ci_ptr, n, need, SMALL: tl.constexpr):
 
 
 @triton.jit
-def _threshold_radix(ck, ci, n_c, kp, need, NB: tl.constexpr):
+def _threshold_rank(ck_ptr, ci_ptr, n, need, SMALL: tl.constexpr):
+    """(key, position) of the need-th kept candidate, for n <= SMALL candidates (`_rank_select`)."""
+    i = tl.arange(0, SMALL)
+    m = i < n
+    key = tl.load(ck_ptr + i, mask=m, other=0, cache_modifier=".cg")
+    pos = tl.load(ci_ptr + i, mask=m, other=0, cache_modifier=".cg")
+    return _rank_select(key, pos, m, need)
+
+
+@triton.jit
+def _tied_position(sc_ptr, lens_ptr, r, S, T, tk, need, NB: tl.constexpr):
+    """The need-th lowest position of row r whose key is tk (need >= 1, and at least need such positions): a walk
+    over the row's scores in ascending order that stops in the block holding it. Read past L1 (.cg): in
+    `indexer_one_launch` other programs of this launch wrote the scores."""
+    lim = tl.minimum(tl.load(lens_ptr + r // T).to(tl.int32) + r % T + 1, S)
+    row = sc_ptr + r.to(tl.int64) * S
+    seen = 0
+    ts = -1
+    p0 = 0
+    while (seen < need) & (p0 < S):
+        pos = p0 + tl.arange(0, NB)
+        key, valid = score_keys(tl.load(row + pos, mask=pos < lim, other=float("-inf"), cache_modifier=".cg"),
+                                pos < lim)
+        tie = (valid & (key == tk)).to(tl.int32)
+        run = seen + tl.cumsum(tie, 0)  # tied positions up to and including each one
+        ts = tl.maximum(ts, tl.max(tl.where((tie > 0) & (run == need), pos, -1), 0))
+        seen += tl.sum(tie, 0)
+        p0 += NB
+    return ts
+
+
+@triton.jit
+def _threshold_radix(ck, ci, n_c, kp, need, sc_ptr, lens_ptr, r, S, T, NB: tl.constexpr, V2: tl.constexpr):
     """(key, position) of the need-th kept candidate by radix select over the candidates, all of whose keys
-    share the top 16 bits kp: key bits 15..8, 7..0, then (only if keys tie at the boundary) position bytes."""
+    share the top 16 bits kp: key bits 15..8, 7..0, then (only if keys tie at the boundary) position bytes. V2:
+    ties at the boundary are resolved by `_tied_position` (an ascending walk over the row's scores that stops at the
+    threshold) where its longest walk, S / NB blocks, is no longer than the three position passes, 3 n_c / NB
+    blocks: many tied candidates (e.g. every score equal: 32k candidates, the threshold in the row's first blocks)."""
     ts = 2147483647  # every candidate with the threshold key is kept
     hA = _cand_hist(ck, ci, n_c, 16, kp, 31, 0, 8, False, NB)
     dA, aboveA, _ = _pick(hA, need)
@@ -161,17 +203,20 @@ def _threshold_radix(ck, ci, n_c, kp, need, NB: tl.constexpr):
     need -= aboveB
     tk = (kp * 256 + dA) * 256 + dB
     if atB > need:  # keys tie at the boundary: keep the `need` lowest positions among them
-        hI = _cand_hist(ck, ci, n_c, 0, tk, 24, 0, 16, True, NB)
-        e1, a1, _ = _pick(hI, need)
-        need -= a1
-        p1 = 255 - e1
-        hI = _cand_hist(ck, ci, n_c, 0, tk, 16, p1, 8, True, NB)
-        e2, a2, _ = _pick(hI, need)
-        need -= a2
-        p2 = p1 * 256 + 255 - e2
-        hI = _cand_hist(ck, ci, n_c, 0, tk, 8, p2, 0, True, NB)
-        e3, _, _ = _pick(hI, need)
-        ts = p2 * 256 + 255 - e3
+        if V2 and 3 * tl.cdiv(n_c, NB) >= tl.cdiv(S, NB):
+            ts = _tied_position(sc_ptr, lens_ptr, r, S, T, tk, need, NB)
+        else:
+            hI = _cand_hist(ck, ci, n_c, 0, tk, 24, 0, 16, True, NB)
+            e1, a1, _ = _pick(hI, need)
+            need -= a1
+            p1 = 255 - e1
+            hI = _cand_hist(ck, ci, n_c, 0, tk, 16, p1, 8, True, NB)
+            e2, a2, _ = _pick(hI, need)
+            need -= a2
+            p2 = p1 * 256 + 255 - e2
+            hI = _cand_hist(ck, ci, n_c, 0, tk, 8, p2, 0, True, NB)
+            e3, _, _ = _pick(hI, need)
+            ts = p2 * 256 + 255 - e3
     return tk, ts
 
 
@@ -212,22 +257,8 @@ def _split_block(key, valid, pos, P, ncand_row, ck, ci):
 
 
 @triton.jit
-def _finish_row(r, n_valid, above, P, ncand_ptr, ck, ci, gt_ptr, off_ptr, thr_ptr, out_ptr, CH, C, K,
-                NB: tl.constexpr, CPAD: tl.constexpr, KB: tl.constexpr, SMALL: tl.constexpr):
-    """The last program of row r to end its split: every chunk's count and candidate is visible (read past L1).
-    Finds the k-th key among the candidates alone (<= SMALL: pairwise rank; more: radix select), stores the
-    threshold pair (Tk, Ts) and each chunk's offset in the output, and -1 after the kept positions."""
-    r64 = r.to(tl.int64)
-    tk = -2147483648  # keep every candidate (fewer than k)
-    ts = 2147483647
-    n_c = tl.atomic_add(ncand_ptr + r, 0, sem="acq_rel", scope="gpu")
-    if n_valid > K:
-        need = K - above  # keys to keep among the candidates, >= 1
-        if n_c <= SMALL:
-            tk, ts = _threshold_rank(ck, ci, n_c, need, SMALL)
-        else:
-            tk, ts = _threshold_radix(ck, ci, n_c, P - 32768, need, NB)
-    # kept candidates per chunk, then each chunk's offset in the output
+def _kept_per_chunk(ck, ci, n_c, tk, ts, CH, NB: tl.constexpr, CPAD: tl.constexpr):
+    """Per chunk, its candidates kept by the threshold (Tk, Ts): one pass over the row's candidate list."""
     kept = tl.zeros((CPAD,), dtype=tl.int32)
     for i0 in range(0, n_c, NB):
         i = i0 + tl.arange(0, NB)
@@ -236,8 +267,60 @@ def _finish_row(r, n_valid, above, P, ncand_ptr, ck, ci, gt_ptr, off_ptr, thr_pt
         pos = tl.load(ci + i, mask=m, other=0, cache_modifier=".cg")
         m = m & ((key > tk) | ((key == tk) & (pos <= ts)))
         kept += tl.histogram(pos // CH, CPAD, mask=m)
+    return kept
+
+
+@triton.jit
+def _finish_row(r, n_valid, above, P, ncand_ptr, ck, ci, gt_ptr, off_ptr, thr_ptr, out_ptr, sc_ptr, lens_ptr, S, T,
+                CH, C, K, NB: tl.constexpr, CPAD: tl.constexpr, KB: tl.constexpr, SMALL: tl.constexpr,
+                V2: tl.constexpr):
+    """The last program of row r to end its split: every chunk's count and candidate is visible (read past L1).
+    Finds the k-th key among the candidates alone (<= SMALL: pairwise rank; more: radix select), stores the
+    threshold pair (Tk, Ts) and each chunk's offset in the output, and -1 after the kept positions.
+
+    V2 (switch topk_split_v2; the same outputs): the candidate count, the chunks' counts above P and the list's
+    first SMALL slots are loaded together, first thing, in one round trip (V1: the count, then the candidates, then
+    the candidates again for the per-chunk counts, then the chunks' counts: four dependent round trips on the usual
+    path of <= SMALL candidates). Why a plain load of the count is enough: every program of the row added to it
+    (relaxed) before its acq_rel arrival, and this program's arrival, the last, acquired all of theirs (the
+    arrivals are RMWs on one word: a release sequence), so the final count, like the candidates and the chunks'
+    counts, happens-before these loads; V1 read it with an acq_rel atomic, a fence that holds back every later load
+    until it returns. The slots past the count hold stale values (the list is not cleared) and are masked off."""
+    r64 = r.to(tl.int64)
+    tk = -2147483648  # keep every candidate (fewer than k)
+    ts = 2147483647
     cc = tl.arange(0, CPAD)
-    tot = tl.load(gt_ptr + r * C + cc, mask=cc < C, other=0, cache_modifier=".cg") + kept
+    if V2:
+        n_c = tl.load(ncand_ptr + r, cache_modifier=".cg")
+        gt = tl.load(gt_ptr + r * C + cc, mask=cc < C, other=0, cache_modifier=".cg")
+        i = tl.arange(0, SMALL)
+        key0 = tl.load(ck + i, mask=i < S, other=0, cache_modifier=".cg")  # (the list holds S slots)
+        pos0 = tl.load(ci + i, mask=i < S, other=0, cache_modifier=".cg")
+        m0 = i < n_c
+        key0 = tl.where(m0, key0, 0)
+        pos0 = tl.where(m0, pos0, 0)
+        if n_valid > K:
+            need = K - above  # keys to keep among the candidates, >= 1
+            if n_c <= SMALL:
+                tk, ts = _rank_select(key0, pos0, m0, need)
+            else:
+                tk, ts = _threshold_radix(ck, ci, n_c, P - 32768, need, sc_ptr, lens_ptr, r, S, T, NB, V2)
+        if n_c <= SMALL:  # the per-chunk counts from the candidates in registers: no second load
+            kept = tl.histogram(pos0 // CH, CPAD, mask=m0 & ((key0 > tk) | ((key0 == tk) & (pos0 <= ts))))
+        else:
+            kept = _kept_per_chunk(ck, ci, n_c, tk, ts, CH, NB, CPAD)
+    else:
+        n_c = tl.atomic_add(ncand_ptr + r, 0, sem="acq_rel", scope="gpu")
+        if n_valid > K:
+            need = K - above  # keys to keep among the candidates, >= 1
+            if n_c <= SMALL:
+                tk, ts = _threshold_rank(ck, ci, n_c, need, SMALL)
+            else:
+                tk, ts = _threshold_radix(ck, ci, n_c, P - 32768, need, sc_ptr, lens_ptr, r, S, T, NB, V2)
+        # kept candidates per chunk, then each chunk's offset in the output
+        kept = _kept_per_chunk(ck, ci, n_c, tk, ts, CH, NB, CPAD)
+        gt = tl.load(gt_ptr + r * C + cc, mask=cc < C, other=0, cache_modifier=".cg")
+    tot = gt + kept
     tl.store(off_ptr + r * C + cc, tl.cumsum(tot, 0) - tot, mask=cc < C)
     tl.store(thr_ptr + r * 2, tk)
     tl.store(thr_ptr + r * 2 + 1, ts)
@@ -276,30 +359,43 @@ def _zero_row(h16_ptr, h8_ptr, ncand_ptr, r, c, C):
 def _topk_split_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive_ptr, ck_ptr, ci_ptr, gt_ptr,
                        off_ptr, thr_ptr, out_ptr, S, T, CH, C, K,
                        BLK: tl.constexpr, NB: tl.constexpr, CPAD: tl.constexpr, KB: tl.constexpr,
-                       SMALL: tl.constexpr, PDL: tl.constexpr):
+                       SMALL: tl.constexpr, PDL: tl.constexpr, V2: tl.constexpr):
+    """V2 (switch topk_split_v2; the same outputs): the chunk's first block of scores (and the row's length) is
+    loaded before the histograms, which it does not depend on, so its round trips overlap the two histogram loads
+    (V1: after the prefix, two more dependent round trips); at decode shapes (S ~ 32k, 1..4 rows: CH = BLK = 1024)
+    that block is the whole chunk. Then `_finish_row`'s V2."""
     pdl_launch(PDL)
     pdl_wait(PDL)  # the histograms and scores; counters and candidates are written after it
     r = tl.program_id(0)
     c = tl.program_id(1)
     r64 = r.to(tl.int64)
-    P, above, n_valid = _row_prefix(h16_ptr, h8_ptr, r, K)
     ck = ck_ptr + r64 * S
     ci = ci_ptr + r64 * S
-    n_gt = 0
-    for p0 in range(c * CH, tl.minimum(c * CH + CH, S), BLK):
+    start = c * CH
+    if V2:
+        pos = start + tl.arange(0, BLK)  # (c * CH < S: every program has a first block)
+        key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T, V2)
+        P, above, n_valid = _row_prefix(h16_ptr, h8_ptr, r, K)
+        n_gt = _split_block(key, valid, pos, P, ncand_ptr + r, ck, ci)
+        start += BLK
+    else:
+        P, above, n_valid = _row_prefix(h16_ptr, h8_ptr, r, K)
+        n_gt = 0
+    for p0 in range(start, tl.minimum(c * CH + CH, S), BLK):
         pos = p0 + tl.arange(0, BLK)
-        key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T)
+        key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T, V2)
         n_gt += _split_block(key, valid, pos, P, ncand_ptr + r, ck, ci)
     tl.store(gt_ptr + r * C + c, n_gt)
     tl.debug_barrier()
     if tl.atomic_add(arrive_ptr + r, 1, sem="acq_rel", scope="gpu") == C - 1:
-        _finish_row(r, n_valid, above, P, ncand_ptr, ck, ci, gt_ptr, off_ptr, thr_ptr, out_ptr, CH, C, K,
-                    NB, CPAD, KB, SMALL)
+        _finish_row(r, n_valid, above, P, ncand_ptr, ck, ci, gt_ptr, off_ptr, thr_ptr, out_ptr, sc_ptr, lens_ptr, S,
+                    T, CH, C, K, NB, CPAD, KB, SMALL, V2)
 
 
 @triton.jit
 def _topk_write_kernel(sc_ptr, lens_ptr, off_ptr, thr_ptr, out_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive_ptr,
-                       S, T, CH, C, K, BLK: tl.constexpr, REARM: tl.constexpr, PDL: tl.constexpr):
+                       S, T, CH, C, K, BLK: tl.constexpr, REARM: tl.constexpr, PDL: tl.constexpr,
+                       V2: tl.constexpr):
     pdl_launch(PDL)
     pdl_wait(PDL)  # the split kernel's thresholds and offsets (and the workspace it read: re-armed after it)
     r = tl.program_id(0)
@@ -310,7 +406,7 @@ def _topk_write_kernel(sc_ptr, lens_ptr, off_ptr, thr_ptr, out_ptr, h16_ptr, h8_
     dst = out_ptr + r.to(tl.int64) * K
     for p0 in range(c * CH, tl.minimum(c * CH + CH, S), BLK):
         pos = p0 + tl.arange(0, BLK)
-        key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T)
+        key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T, V2)
         o = _write_block(key, valid, pos, tk, ts, dst, o)
     if REARM:  # the workspace's last reader (the split kernel ended before this launch): zero it for the next call
         _zero_row(h16_ptr, h8_ptr, ncand_ptr, r, c, C)
@@ -385,7 +481,7 @@ def check_topk_args(name: str, scores_BTS: torch.Tensor, seq_lens_B: torch.Tenso
 
 def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunks: int | None = None,
                block: int = 1024, workspace: torch.Tensor | None = None, rearm: bool = False,
-               pdl: bool = False) -> torch.Tensor:
+               pdl: bool = False, split_v2: bool = True) -> torch.Tensor:
     """Kernel twin of `topk_select_ref`: [B, T, k] int32 kept positions (ascending, then -1).
 
     chunks: programs per score row (default: about two per SM over all rows, at least one block each).
@@ -393,7 +489,9 @@ def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunk
     histogram launch is skipped. rearm: the workspace is the kept one (`kept_workspace`, taken here when
     workspace is None) and the write kernel zeroes it after use: no memset launch; off, a fresh `topk_workspace`
     per call unless given (one memset). pdl: the three kernels with programmatic dependent launch
-    (`_triton.pdl_kwargs`; the memset stays a plain launch)."""
+    (`_triton.pdl_kwargs`; the memset stays a plain launch). split_v2: the kernels' V2 (switch topk_split_v2: fewer
+    dependent round trips on the split kernel's path, ties at the boundary over thousands of candidates resolved by
+    a walk over the scores; the same outputs bit for bit); off: V1, the code before (to time one against the other)."""
     B, T, S = check_topk_args("radix_topk", scores_BTS, seq_lens_B, k, workspace)
     dev = scores_BTS.device
     R = B * T
@@ -416,7 +514,7 @@ def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunk
     out = torch.empty(B, T, k, dtype=torch.int32, device=dev)
     grid = (R, C)
     launch = pdl_kwargs(pdl, sc)
-    kw = dict(PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
+    kw = dict(PDL=pdl_mode(pdl, launch), V2=split_v2, num_warps=4, **launch)
     try:
         if not filled:
             _topk_hist_kernel[grid](sc, lens, h16, h8, S, T, ch, BLK=blk, **kw)

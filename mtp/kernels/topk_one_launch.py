@@ -88,15 +88,16 @@ def _wait(cnt_ptr, target):
 def _topk_one_launch_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive_ptr, ck_ptr, ci_ptr, gt_ptr,
                             off_ptr, thr_ptr, out_ptr, S, T, C, K, TILE: tl.constexpr, HIST: tl.constexpr,
                             PHASE: tl.constexpr, REARM: tl.constexpr, NB: tl.constexpr, CPAD: tl.constexpr,
-                            KB: tl.constexpr, SMALL: tl.constexpr):
+                            KB: tl.constexpr, SMALL: tl.constexpr, V2: tl.constexpr):
     """Program (r, c): positions c * TILE .. of row r. PHASE 0: histogram, barrier, split, barrier, write, in one
     launch (GPU only: co-resident grid); 1, 2, 3: that phase alone (the interpreter's launches). HIST off: the
-    scores kernel filled the histograms (`indexer_scores(hist=)`), no histogram phase and no first barrier."""
+    scores kernel filled the histograms (`indexer_scores(hist=)`), no histogram phase and no first barrier. V2: as
+    `topk._topk_split_kernel`'s (the keys are in registers before the prefix here anyway)."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     r64 = r.to(tl.int64)
     pos = c * TILE + tl.arange(0, TILE)
-    key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T)  # PHASE 0: in registers until the write
+    key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T, V2)  # PHASE 0: in registers until the write
     cnt = arrive_ptr + r
     base = C if HIST else 0  # arrivals of the histogram phase
     if HIST and PHASE <= 1:
@@ -114,8 +115,8 @@ def _topk_one_launch_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive
         tl.store(gt_ptr + r * C + c, n_gt)
         tl.debug_barrier()
         if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == base + C - 1:
-            _finish_row(r, n_valid, above, P, ncand_ptr, ck, ci, gt_ptr, off_ptr, thr_ptr, out_ptr, TILE, C, K,
-                        NB, CPAD, KB, SMALL)
+            _finish_row(r, n_valid, above, P, ncand_ptr, ck, ci, gt_ptr, off_ptr, thr_ptr, out_ptr, sc_ptr, lens_ptr,
+                        S, T, TILE, C, K, NB, CPAD, KB, SMALL, V2)
             _arrive(cnt)  # the threshold and the offsets are out
         if PHASE == 0:
             _wait(cnt, base + C + 1)
@@ -124,7 +125,7 @@ def _topk_one_launch_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, ncand_ptr, arrive
         ts = tl.load(thr_ptr + r * 2 + 1, cache_modifier=".cg")
         o = tl.load(off_ptr + r * C + c, cache_modifier=".cg")
         if PHASE == 3:  # a launch of its own: the keys again
-            key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T)
+            key, valid = _row_keys(sc_ptr, lens_ptr, r, pos, S, T, V2)
         _write_block(key, valid, pos, tk, ts, out_ptr + r64 * K, o)
         if REARM:  # every program of the row is past the split: nothing reads the histograms or the candidates
             _zero_row(h16_ptr, h8_ptr, ncand_ptr, r, c, C)
@@ -162,7 +163,8 @@ def launch_phases(kernel, grid, args, meta: dict, phases, split: bool, ws: torch
 
 def radix_topk_one_launch(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunks: int | None = None,
                           workspace: torch.Tensor | None = None, rearm: bool = False,
-                          split_phases: bool | None = None, num_warps: int | None = None) -> torch.Tensor:
+                          split_phases: bool | None = None, num_warps: int | None = None,
+                          split_v2: bool = True) -> torch.Tensor:
     """`radix_topk` in one launch where the grid fits (`one_launch_grid`), else `radix_topk` itself (three
     launches): the same [B, T, k] int32 kept positions (ascending, then -1), `topk_select_ref`'s bit for bit.
 
@@ -171,13 +173,14 @@ def radix_topk_one_launch(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k:
     kept workspace (`topk.kept_workspace`, taken here when workspace is None), left zeroed for the next call; off,
     a fresh `topk_workspace` unless given (one memset). split_phases: run the phases as three launches of the same
     kernel (default: only under the Triton interpreter, where the barriers would never open). num_warps: default
-    by the tile (`default_warps`)."""
+    by the tile (`default_warps`). split_v2: as `radix_topk`'s."""
     B, T, S = check_topk_args("radix_topk_one_launch", scores_BTS, seq_lens_B, k, workspace)
     dev = scores_BTS.device
     R = B * T
     grid_plan = one_launch_grid(R, S, sm_count(dev), chunks)
     if grid_plan is None:
-        return radix_topk(scores_BTS, seq_lens_B, k, chunks=chunks, workspace=workspace, rearm=rearm)
+        return radix_topk(scores_BTS, seq_lens_B, k, chunks=chunks, workspace=workspace, rearm=rearm,
+                          split_v2=split_v2)
     tile, C = grid_plan
     split = interpreting() if split_phases is None else split_phases
     if interpreting() and not split:
@@ -191,7 +194,7 @@ def radix_topk_one_launch(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k:
     out = torch.empty(B, T, k, dtype=torch.int32, device=dev)
     args = (sc, lens, *phase_buffers(workspace, R, S, C), out, S, T, C, k)
     meta = dict(TILE=tile, HIST=not filled, REARM=rearm, NB=1024, CPAD=max(32, triton.next_power_of_2(C)), KB=1024,
-                SMALL=SMALL, num_warps=num_warps or default_warps(tile))
+                SMALL=SMALL, V2=split_v2, num_warps=num_warps or default_warps(tile))
     launch_phases(_topk_one_launch_kernel, (R, C), args, meta, (1, 2, 3) if not filled else (2, 3), split, workspace,
                   rearm)
     return out

@@ -87,12 +87,13 @@ def _kernels() -> dict:
                           dict(H=64, K=7168, BM=1, BH=1, KV=1024, VEC=8), 16, True),
         "scores": (ix._indexer_kernel, dict(q_ptr=f8, k_ptr=f8, lens_ptr=i64, vis_ptr="*u8", h16_ptr=i32,
                                             h8_ptr=i32), dict(H=64, D=128, BS=64, HIST=False, VIS=False), 4, False),
-        "topk_hist": (tk._topk_hist_kernel, dict(lens_ptr=i64, h16_ptr=i32, h8_ptr=i32), dict(BLK=1024), 4, False),
+        "topk_hist": (tk._topk_hist_kernel, dict(lens_ptr=i64, h16_ptr=i32, h8_ptr=i32), dict(BLK=1024, V2=True), 4,
+                      False),
         "topk_split": (tk._topk_split_kernel, dict(lens_ptr=i64, **{f"{n}_ptr": i32 for n in (
             "h16", "h8", "ncand", "arrive", "ck", "ci", "gt", "off", "thr", "out")}),
-            dict(BLK=1024, NB=1024, CPAD=32, KB=1024, SMALL=128), 4, False),
+            dict(BLK=1024, NB=1024, CPAD=32, KB=1024, SMALL=128, V2=True), 4, False),
         "topk_write": (tk._topk_write_kernel, dict(lens_ptr=i64, **{f"{n}_ptr": i32 for n in (
-            "off", "thr", "out", "h16", "h8", "ncand", "arrive")}), dict(BLK=1024, REARM=True), 4, False),
+            "off", "thr", "out", "h16", "h8", "ncand", "arrive")}), dict(BLK=1024, REARM=True, V2=True), 4, False),
         "moe_gate_up": (moe._moe_gate_up_persistent, dict(x_ptr=bf, idx_ptr=i32, w1_ptr=f8, w3_ptr=f8, h8_ptr=f8,
                                                           cnt_ptr=i32), dict(PPAD=16, PREFETCH=True, **mo_), 4,
                         False),

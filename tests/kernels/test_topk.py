@@ -51,6 +51,30 @@ def test_radix_topk_interpreted():
     run_interpreted(__file__)
 
 
+def test_split_v2_compiles_for_hopper():
+    """The top-k kernels compile for sm_90 with V2 on and off (the interpreter runs neither through the compiler),
+    PDL on; V2's split kernel reads the candidate count with a plain load: one acq_rel atomic (the arrival) where V1
+    has two (the arrival, then the count's read, a fence that holds back the loads after it)."""
+    pytest.importorskip("triton")
+    from mtp.kernels.topk import _topk_hist_kernel, _topk_split_kernel, _topk_write_kernel
+    from mtp.kernels.topk_one_launch import _topk_one_launch_kernel
+
+    from .test_fused_kernels import _compile_for_hopper
+
+    i32 = {n: "*i32" for n in ("lens_ptr", "h16_ptr", "h8_ptr", "ncand_ptr", "arrive_ptr", "ck_ptr", "ci_ptr",
+                               "gt_ptr", "off_ptr", "thr_ptr", "out_ptr")}
+    split = dict(BLK=1024, NB=1024, CPAD=64, KB=1024, SMALL=128, PDL=True)
+    atoms = {}
+    for v2 in (False, True):
+        ptx = _compile_for_hopper(_topk_split_kernel, i32, dict(split, V2=v2), num_warps=4).asm["ptx"]
+        atoms[v2] = len([ln for ln in ptx.splitlines() if "atom.global.gpu.acq_rel" in ln])
+        _compile_for_hopper(_topk_hist_kernel, i32, dict(BLK=1024, PDL=True, V2=v2), num_warps=4)
+        _compile_for_hopper(_topk_write_kernel, i32, dict(BLK=1024, REARM=True, PDL=True, V2=v2), num_warps=4)
+        _compile_for_hopper(_topk_one_launch_kernel, i32, dict(TILE=1024, HIST=True, PHASE=0, REARM=True, NB=1024,
+                                                               CPAD=64, KB=1024, SMALL=128, V2=v2), num_warps=4)
+    assert atoms == {False: 2, True: 1}, atoms
+
+
 def test_one_launch_grid_fits_the_sms_or_declines():
     """R x C never exceeds the SMs (co-residency: the barriers cannot deadlock); a chunk is a power of two of at
     most MAX_TILE positions, MIN_TILE at least by default; shapes that cannot fit get None (three launches)."""
@@ -184,6 +208,56 @@ def _one_launch_checks(g: torch.Generator) -> None:
         tol._topk_one_launch_kernel = kernel
 
 
+def _split_v2_checks(g: torch.Generator) -> None:
+    """Switch topk_split_v2: the kernels' V2 and V1 give the reference's index sets bit for bit: odd S, 1..4 rows,
+    chunk counts, ties at the boundary (pairwise <= 128 candidates; radix above, its position passes and V2's walk over
+    the scores, the threshold early and late in the row), fewer candidates than k, every score equal; three launches,
+    one launch, and the histograms from the scores kernel's epilogue."""
+    from mtp.kernels.indexer import indexer_topk
+    from mtp.kernels.topk import kept_workspace, radix_topk
+    from mtp.kernels.topk_one_launch import radix_topk_one_launch
+    from mtp.model.fp8 import act_quant
+
+    few = torch.randn(1, 1, 4000, generator=g).clamp(max=0.9)
+    few[..., :300] = 1.0 + torch.randint(0, 4, (1, 1, 300), generator=g).float() * 1e-7  # 300 share P: byte passes
+    late = -torch.rand(1, 1, 4000, generator=g)
+    late[..., 2900:] = 1.0  # 1100 tied candidates: V2's walk, the threshold in the row's last block
+    equal = torch.full((1, 3, 2001), 0.5)
+    equal[..., 7] = float("-inf")
+    cases = [  # (scores, lens, k, chunks)
+        (torch.randn(1, 4, 3001, generator=g), [2997], 256, None),  # <= 128 candidates: V2's registers
+        (tie_scores(2, 2, 3000, g), [2999, 100], 256, 5),  # hundreds tied at the boundary: the walk
+        (few, [3999], 60, 5),  # ties among 300: position passes (their blocks fewer than the walk's)
+        (few[..., :2500].clone(), [2499], 50, 3),  # the same 300 in a shorter row: the walk
+        (late, [3999], 1050, None),
+        (late, [3999], 1050, 1),
+        (torch.zeros(1, 1, 3001), [3000], 2500, None),  # every score equal: the walk stops in the third block
+        (torch.zeros(1, 1, 3001), [3000], 700, 3),
+        (equal, [1999], 1500, 2),  # the rows' last candidates: one row short of k
+        (1.0 + torch.randint(0, 3000, (1, 2, 4000), generator=g).float() * 1e-7, [3998], 512, 4),
+        (torch.randn(2, 2, 1111, generator=g), [1109, 40], 64, None),  # a short row: fewer than k
+        (torch.randn(1, 4, 300, generator=g), [0], 512, None),  # k > S
+        (torch.full((1, 1, 500), float("-inf")), [499], 64, 2),
+    ]
+    for sc, lens, k, chunks in cases:
+        L = torch.tensor(lens)
+        where = f"S={sc.shape[-1]} rows={sc.shape[0] * sc.shape[1]} k={k} chunks={chunks}"
+        want = topk_select_ref(sc, L, k)
+        for v2 in (False, True):
+            got = radix_topk(sc, L, k, chunks=chunks, split_v2=v2)
+            assert torch.equal(got, want), f"{where} v2={v2}: {(got != want).sum()} entries differ"
+            got = radix_topk_one_launch(sc, L, k, chunks=chunks, rearm=True, split_v2=v2)
+            assert torch.equal(got, want), f"{where} v2={v2} one launch: {(got != want).sum()} entries differ"
+            assert not kept_workspace(sc.shape[0] * sc.shape[1], "cpu").any(), f"workspace not re-armed: {where}"
+    q8, qs = act_quant(torch.randn(1, 2, 16, 128, generator=g))
+    k8, ks = act_quant(torch.randn(1, 3000, 128, generator=g))
+    L = torch.tensor([2998], dtype=torch.int32)
+    w = torch.randn(1, 2, 16, generator=g)
+    for v2 in (False, True):
+        idx, sc = indexer_topk(q8, qs[..., 0], w, k8, ks[..., 0], L, 300, impl="radix_fused", rearm=True, split_v2=v2)
+        assert torch.equal(idx, topk_select_ref(sc, L, 300)), f"indexer_topk radix_fused v2={v2}"
+
+
 def _interpreted_checks() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     patch_interpreter_loop_bounds()
@@ -216,6 +290,7 @@ def _interpreted_checks() -> None:
     idx, sc = indexer_topk(q8, qs[..., 0], w, k8, ks[..., 0], L, 64, impl="radix_fused")
     assert torch.equal(idx, topk_select_ref(sc, L, 64)), "radix_fused"
     _one_launch_checks(g)
+    _split_v2_checks(g)
     print("interpreted checks ok")
 
 
