@@ -171,7 +171,7 @@ KERNEL_VARIANTS = {
     "old": (dict(gemv=False, norm_quant=False, router=False, prologue=False, absorb=False, index_weights=False,
                  pdl=False),
             dict(indexer_topk="torch", moe_layout="pairs")),
-    "new+pdl": (dict(pdl=True, pdl_tokens=64), dict()),
+    "new+pdl": (dict(pdl=True, pdl_tokens=64, pdl_early_tokens=64), dict()),
     # the split-K CUDA-core GEMV only up to 1 / 2 rows, the tensor-core GEMM above (its cost grows with the rows)
     "gemv1": (dict(gemv_rows=1), dict()),
     "gemv2": (dict(gemv_rows=2), dict()),
@@ -227,24 +227,26 @@ KERNEL_VARIANTS = {
     # programmatic dependent launch on every Triton kernel of the decode step (as new+pdl since session 12: each
     # triggers its successor at its start, loads / L2-prefetches its constant weights, then waits): attention,
     # indexer, top-k, MoE, norms, adds, silu * up, the few-row GEMM; not the NCCL all-reduce, the cuBLAS lm_head,
-    # torch glue or the final norm (the chain restarts after each); at every width (the default: pdl_tokens 1, one
-    # token's launches only), and no PDL at all
-    "pdl_all": (dict(pdl=True, pdl_tokens=64), dict()),
+    # torch glue or the final norm (the chain restarts after each); at every width with the trigger at each kernel's
+    # start (session 12-14's pdl_all; the default since session 15 triggers after the wait past one token), at one
+    # token only (the default of sessions 12-14), and no PDL at all
+    "pdl_all": (dict(pdl=True, pdl_tokens=64, pdl_early_tokens=64), dict()),
+    "pdl_w1": (dict(pdl=True, pdl_tokens=1, pdl_early_tokens=64), dict()),
     "no_pdl": (dict(pdl=False), dict()),
     # PDL without the kernels' explicit L2 prefetches of their constant weights before the wait (pdl_prefetch_tokens
     # 0: compiled out; launch and wait as before, the same bits): at the default widths, and at every width (a
     # guess for why pdl_all loses at w >= 2: the few-row GEMM's slab prefetch competing with the running kernel)
-    "pdl_nopf": (dict(pdl=True, pdl_prefetch_tokens=0), dict()),
-    "pdl_all_nopf": (dict(pdl=True, pdl_tokens=64, pdl_prefetch_tokens=0), dict()),
+    "pdl_nopf": (dict(pdl=True, pdl_tokens=1, pdl_early_tokens=64, pdl_prefetch_tokens=0), dict()),
+    "pdl_all_nopf": (dict(pdl=True, pdl_tokens=64, pdl_early_tokens=64, pdl_prefetch_tokens=0), dict()),
     # PDL at every width, the prefetches for one-token calls only (session 13, h200a: at w = 1 they helped, at
     # w = 2..4 pdl_all_nopf beat pdl_all by 0.25-0.40 ms; h200b: neither beat no PDL at w >= 2, BENCHMARKS.md)
-    "pdl_all_pf1": (dict(pdl=True, pdl_tokens=64, pdl_prefetch_tokens=1), dict()),
+    "pdl_all_pf1": (dict(pdl=True, pdl_tokens=64, pdl_early_tokens=64, pdl_prefetch_tokens=1), dict()),
     # PDL with each kernel triggering its successor right after its own wait instead of at its start (at most two
-    # grids resident: `_triton.PDL_AFTER_WAIT`): at every width beyond one token (w = 1 as the default), at every
-    # width including one token, and at the default widths (w = 1 only)
+    # grids resident: `_triton.PDL_AFTER_WAIT`): at every width beyond one token (= the default since session 15),
+    # at every width including one token, and at one token only
     "pdl_all_aw": (dict(pdl=True, pdl_tokens=64, pdl_early_tokens=1), dict()),
     "pdl_all_aw1": (dict(pdl=True, pdl_tokens=64, pdl_early_tokens=0), dict()),
-    "pdl_aw": (dict(pdl=True, pdl_early_tokens=0), dict()),
+    "pdl_aw": (dict(pdl=True, pdl_tokens=1, pdl_early_tokens=0), dict()),
     # the FFN's all-reduced sum added in its own block (`add_rounded`, then the next block's norm), as under NCCL
     # before session 15 (the simulated rank's all-reduce is NCCL's): one launch more per layer than the hand-off
     "ffn_add_in_block": (dict(mlp_reduce_norm=False), dict()),

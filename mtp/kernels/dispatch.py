@@ -50,8 +50,10 @@ version, so the engine captures its kept graphs again).
   default: measured on one TP=8 split rank (H200, 61 layers, BENCHMARKS.md session 12) -1.1 ms a step at w = 1
   (6.43 vs 7.54 ms at 1k, 9.15-9.19 vs 10.35-10.46 at 32k), -0.25 to -0.57 at w = 2, wider steps unchanged (they
   run the pair grid).
-- pdl (on, for calls of up to `pdl_tokens` tokens: 1 by default; measured on one TP=8 split rank, H200,
-  BENCHMARKS.md session 12, 3 alternations: -0.5 to -0.6 ms a step at w = 1, +0.3 to +0.9 ms at w = 2..4): launch
+- pdl (on, for calls of up to `pdl_tokens` tokens: 64 by default, with the trigger after the wait past one token,
+  pdl_early_tokens 1: measured on one TP=8 split rank, H200, BENCHMARKS.md session 15, back-to-back replays: -0.41
+  to -0.51 ms a step at w = 2..4 at 1k, -0.17 to -0.43 at 32k, against PDL at w = 1 only; before, with the trigger
+  at the start, session 12: -0.5 to -0.6 ms at w = 1, +0.3 to +0.9 ms at w = 2..4, hence one token only): launch
   every Triton kernel of the decode step with programmatic dependent launch (Hopper; `_triton.pdl_kwargs`), so that
   each launches while the one before runs: each triggers its successor first thing (`pdl_launch`), loads or asks
   L2 for its constant weights (the GEMV's tile, W_kb / W_vb, the gate, the indexer's weights_proj, the few-row
@@ -79,13 +81,15 @@ version, so the engine captures its kept graphs again).
   why PDL loses at w >= 2 (the prefetches competing with the running kernel for HBM or issue slots): variants
   pdl_nopf / pdl_all_nopf / pdl_all_pf1 (`mtp.bench.rank.KERNEL_VARIANTS`). Weight loads issued before the wait are
   not prefetches and stay (the split-K GEMVs' whole tile, `gemv_splitk`; index_weights' first chunk of W).
-- pdl_early_tokens (64: the behaviour pdl was measured with; an integer): with pdl, calls of at most this many
+- pdl_early_tokens (1; an integer): with pdl, calls of at most this many
   tokens trigger their successor's launch at their start (PDL_EARLY), more tokens (or every call, 0) right after
   their own wait (PDL_AFTER_WAIT; `_triton.pdl_mode`): then a successor cannot launch before its predecessor's
   predecessor has finished, so at most two grids are resident, not a chain of waiting ones holding SM slots and
-  prefetching. A test of one guess for why PDL loses at w >= 2 (session 14: busy time +0.58 / +0.83 / +0.76 ms at
-  w = 2 / 3 / 4 at 1k, spread over many kernels); variants pdl_all_aw, pdl_aw (`mtp.bench.rank.KERNEL_VARIANTS`).
-  The same bits (a trigger only allows a launch; every kernel still waits for its predecessor).
+  prefetching. The guess for why PDL lost at w >= 2 (session 14: busy time +0.58 / +0.83 / +0.76 ms at w = 2 / 3 / 4
+  at 1k, spread over many kernels); measured (session 15, H200, back to back): PDL at w = 2..4 with the trigger
+  after the wait -0.51 / -0.44 / -0.41 ms a step at 1k against no PDL there (variants pdl_w1, pdl_all, pdl_all_aw1,
+  pdl_aw in `mtp.bench.rank.KERNEL_VARIANTS`). The same bits (a trigger only allows a launch; every kernel still
+  waits for its predecessor).
 - topk_split_v2 (on; not yet timed against V1 on a GPU, session 15): the indexer top-k's kernels with fewer
   dependent global round trips on the split kernel's path (`topk._topk_split_kernel` / `_finish_row` V2: the chunk's
   scores loaded before the histograms, the scores' load not waiting for the row length's, the last program's
@@ -144,18 +148,19 @@ class FastPathOptions:
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)
     gemv_rows: int = 1
-    # with switch pdl: PDL on the launches of calls of at most this many tokens (rows). 1: measured on one TP=8
-    # split rank (H200, BENCHMARKS.md session 12, 3 alternations): the whole chain -0.5 to -0.6 ms a step at w = 1,
-    # +0.3 to +0.9 at w = 2..4
-    pdl_tokens: int = 1
+    # with switch pdl: PDL on the launches of calls of at most this many tokens (rows). 64 (= fp8_gemm.SMALL_M: every
+    # decode width), with pdl_early_tokens 1: measured on one TP=8 split rank (H200, BENCHMARKS.md session 15); 1
+    # (session 12's measure, the trigger at the start: +0.3 to +0.9 ms a step at w = 2..4) before that
+    pdl_tokens: int = 64
     # with switch pdl: the explicit L2 prefetches of constant weights before the wait for calls of at most this many
     # tokens (more, or 0: compiled out, the same bits). 64 (= fp8_gemm.SMALL_M, wherever PDL runs): the behaviour PDL
     # was measured with
     pdl_prefetch_tokens: int = 64
     # with switch pdl: calls of at most this many tokens trigger their successor's launch at their start
-    # (`_triton.PDL_EARLY`), more tokens right after their own wait (`_triton.PDL_AFTER_WAIT`; 0: every call). 64
-    # (= every PDL width): the behaviour PDL was measured with
-    pdl_early_tokens: int = 64
+    # (`_triton.PDL_EARLY`), more tokens right after their own wait (`_triton.PDL_AFTER_WAIT`; 0: every call). 1:
+    # one-token calls as measured since session 12; w = 2..4 after the wait (session 15: 0.41-0.51 ms a step faster
+    # at 1k than without PDL there, where the start trigger was 0.13-0.39 slower than without)
+    pdl_early_tokens: int = 1
     # indexer calls of at most this many score rows take the 'radix_fused' top-k where 'radix' is set (`topk_impl_at`)
     fused_hist_rows: int = 1
 

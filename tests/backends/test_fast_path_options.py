@@ -99,13 +99,14 @@ def test_version_has_one_writer():
 
 
 def test_pdl_takes_the_launches_of_calls_up_to_pdl_tokens():
-    """Switch pdl with `pdl_tokens` (1 by default: measured faster at one token, slower at 2..4): `pdl_at(n)` says
-    whether a call of n tokens launches with PDL; bad values are refused by name, also through `set`."""
+    """Switch pdl with `pdl_tokens` (64 by default since session 15, with the trigger after the wait past one token;
+    1 before): `pdl_at(n)` says whether a call of n tokens launches with PDL; bad values are refused by name, also
+    through `set`."""
     o = FastPathOptions()
-    assert o.pdl and o.pdl_tokens == 1
-    assert o.pdl_at(1) and not o.pdl_at(2) and not o.pdl_at(4)
-    o.set(pdl_tokens=64)
+    assert o.pdl and o.pdl_tokens == 64
     assert o.pdl_at(4) and o.pdl_at(64) and not o.pdl_at(65)
+    o.set(pdl_tokens=1)
+    assert o.pdl_at(1) and not o.pdl_at(2) and not o.pdl_at(4)
     o.set(pdl=False)
     assert not o.pdl_at(1)
     for bad in (-1, True, 1.5):
@@ -124,16 +125,16 @@ def test_pdl_takes_the_launches_of_calls_up_to_pdl_tokens():
 
 
 def test_pdl_early_tokens_picks_where_kernels_trigger():
-    """Option pdl_early_tokens (64 by default: every PDL call triggers its successor at its start, as measured since
-    session 12): `pdl_at(n)` is 0 without PDL, `_triton.PDL_EARLY` up to pdl_early_tokens tokens, PDL_AFTER_WAIT
-    above; `_triton.pdl_mode` gives a kernel that constexpr (0 without a PDL launch; a bool asks for PDL_EARLY); bad
-    values are refused by name; the bench's variants pdl_all_aw / pdl_all_aw1 / pdl_aw set it."""
+    """Option pdl_early_tokens (1 by default since session 15: one-token calls trigger their successor at their start,
+    wider ones after their wait): `pdl_at(n)` is 0 without PDL, `_triton.PDL_EARLY` up to pdl_early_tokens tokens,
+    PDL_AFTER_WAIT above; `_triton.pdl_mode` gives a kernel that constexpr (0 without a PDL launch; a bool asks for
+    PDL_EARLY); bad values are refused by name; the bench's variants set it (pdl_all, pdl_w1: the start trigger of
+    sessions 12-14)."""
     from mtp.bench.rank import KERNEL_VARIANTS
     from mtp.kernels._triton import PDL_AFTER_WAIT, PDL_EARLY, pdl_mode
 
     o = FastPathOptions()
-    assert o.pdl_early_tokens == 64 and o.pdl_at(1) == PDL_EARLY and o.pdl_at(2) == 0
-    o.set(pdl_tokens=64, pdl_early_tokens=1)
+    assert o.pdl_early_tokens == 1
     assert [o.pdl_at(n) for n in (1, 2, 64, 65)] == [PDL_EARLY, PDL_AFTER_WAIT, PDL_AFTER_WAIT, 0]
     o.set(pdl_early_tokens=0)
     assert o.pdl_at(1) == PDL_AFTER_WAIT
@@ -146,7 +147,7 @@ def test_pdl_early_tokens_picks_where_kernels_trigger():
         with pytest.raises(ValueError, match="pdl_early_tokens must be an integer"):
             FastPathOptions(pdl_early_tokens=bad)
     for name, want in (("pdl_all_aw", [PDL_EARLY, PDL_AFTER_WAIT]), ("pdl_all_aw1", [PDL_AFTER_WAIT] * 2),
-                       ("pdl_aw", [PDL_AFTER_WAIT, 0])):
+                       ("pdl_aw", [PDL_AFTER_WAIT, 0]), ("pdl_all", [PDL_EARLY] * 2), ("pdl_w1", [PDL_EARLY, 0])):
         flags, options = KERNEL_VARIANTS[name]
         v = FastPathOptions()
         v.set(**flags)
@@ -183,7 +184,7 @@ def test_pdl_prefetch_tokens_is_an_int_handed_to_the_prefetching_kernels(monkeyp
     gate = Gate(tiny_config(), torch.float32)
     cases = [(64, 1, True), (0, 1, False), (1, 1, True), (1, 2, False)]  # (pdl_prefetch_tokens, rows, prefetch)
     for n, rows, _ in cases:
-        opts = FastPathOptions(gemv_rows=0, pdl_tokens=64, pdl_prefetch_tokens=n)
+        opts = FastPathOptions(gemv_rows=0, pdl_tokens=64, pdl_early_tokens=64, pdl_prefetch_tokens=n)
         x = torch.zeros(rows, 256)
         linear(x, torch.zeros(128, 256), torch.ones(1, 2), opts)
         linear(None, torch.zeros(128, 256), torch.ones(1, 2), opts, xq=(x, torch.ones(rows, 2)))
