@@ -520,7 +520,8 @@ def enable_fast_path(model: DeepseekV32, elementwise: str = "triton", indexer_to
     (`set_elementwise`): 'triton' (one kernel each, `kernels.elementwise`), 'compile' (torch.compile'd: the same
     fusion for ~33 s more start-up on a cold cache, ~13 s warm) or 'eager' (the reference functions).
     compile_elementwise: deprecated (True: 'compile', False: 'eager'); warns, and goes in the next release.
-    options: this model's kernel switches (default: `FastPathOptions()`; flip them later with `set_kernels`).
+    options: this model's kernel switches (default: `FastPathOptions.for_world` of its tensor-parallel group; flip
+    them later with `set_kernels`).
     indexer_topk: the indexer's top-k, 'radix' (Triton radix select, the reference's tie rule), 'radix_fused'
     (its histogram pass in the scores kernel) or 'torch' (torch.topk); switch it and the MoE expert layout
     later with `set_kernel_options`."""
@@ -542,6 +543,12 @@ def enable_fast_path(model: DeepseekV32, elementwise: str = "triton", indexer_to
     set_elementwise(model, elementwise)
     set_kernel_options(model, indexer_topk=indexer_topk)
     return model
+
+
+def model_world(model: torch.nn.Module) -> int:
+    """The size of the tensor-parallel group a model is split over: its first parallel module's `comm.world` (a
+    simulated rank's too), 1 for a model of one process."""
+    return next((m.comm.world for m in model.modules() if isinstance(getattr(m, "comm", None), Comm)), 1)
 
 
 def elementwise_ops(elementwise: str) -> ElementwiseOps:
@@ -570,7 +577,7 @@ def install_fast_modules(model: torch.nn.Module, mm_fp32: bool = False,
     switches of this model's fast modules (default: the model's own if it has some, else the defaults); a
     `DeepseekV32` carries them as `fast_options`. Returns them."""
     if options is None:
-        options = getattr(model, "fast_options", None) or FastPathOptions()
+        options = getattr(model, "fast_options", None) or FastPathOptions.for_world(model_world(model))
     if not isinstance(options, FastPathOptions):
         raise TypeError(f"install_fast_modules: options must be a FastPathOptions, got {type(options).__name__}")
     routed = {id(mod.expert(e)) for mod in model.modules() if isinstance(mod, MoE) for e in mod.local_ids()}

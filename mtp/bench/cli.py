@@ -54,12 +54,13 @@ def bench_ours(args, bw: float) -> dict:
     t0 = time.perf_counter()
     model = random_model(cfg, device="cuda", dtype=torch.bfloat16)
     # --kernels: this model's switches; --elementwise: its ops between the GEMMs
-    enable_fast_path(model, elementwise=args.elementwise, options=FastPathOptions(**(args.kernels or {})))
+    enable_fast_path(model, elementwise=args.elementwise,
+                     options=FastPathOptions.for_world(1, **(args.kernels or {})))
     build_s = time.perf_counter() - t0
     res = {"config": {"layers": args.layers, "dense_layers": args.dense_layers, "mtp_modules": 1,
                       "prompt_len": args.prompt_len, "batch": args.batch}, "build_s": build_s,
            # the switches this run's fast path had (`mtp.plan.calibrate.measured_code` counts its launches by them)
-           "fast_path_options": vars(FastPathOptions(**(args.kernels or {}))),
+           "fast_path_options": vars(FastPathOptions.for_world(1, **(args.kernels or {}))),
            "gpu_mem_gib": torch.cuda.memory_allocated() / 2**30}
     B, L = args.batch, args.prompt_len
     g = torch.Generator(device="cuda").manual_seed(0)

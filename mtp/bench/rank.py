@@ -124,7 +124,8 @@ def measure_depth(args, cfg: ModelConfig, world: int, rank: int, cuda: bool, bw:
             from ..backends.fast_path import enable_fast_path
 
             # mtp-bench --kernels, --elementwise
-            enable_fast_path(model, elementwise=args.elementwise, options=FastPathOptions(**(args.kernels or {})))
+            enable_fast_path(model, elementwise=args.elementwise,
+                             options=FastPathOptions.for_world(world, **(args.kernels or {})))
             part["gpu_mem_gib_after_build"] = torch.cuda.memory_allocated() / GIB
         log(f"built in {part['build_s']:.1f} s: {part['param_gib']:.2f} GiB of parameters")
         part["draft_collectives_per_forward"] = draft_collectives(model, comm)
@@ -309,7 +310,8 @@ def run(args) -> dict:
                  "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(args), "fast_path": cuda,
                  # the switches its fast path had (`mtp.plan.calibrate.measured_code` counts its launches by them)
-                 "fast_path_options": vars(FastPathOptions(**(getattr(args, "kernels", None) or {}))) if cuda else None,
+                 "fast_path_options": vars(FastPathOptions.for_world(world, **(getattr(args, "kernels", None) or {})))
+                 if cuda else None,
                  "config": {f: getattr(cfg, f) for f in (
                      "num_hidden_layers", "first_k_dense_replace", "hidden_size", "vocab_size", "num_attention_heads",
                      "n_routed_experts", "index_topk")}}

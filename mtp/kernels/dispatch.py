@@ -50,10 +50,11 @@ version, so the engine captures its kept graphs again).
   default: measured on one TP=8 split rank (H200, 61 layers, BENCHMARKS.md session 12) -1.1 ms a step at w = 1
   (6.43 vs 7.54 ms at 1k, 9.15-9.19 vs 10.35-10.46 at 32k), -0.25 to -0.57 at w = 2, wider steps unchanged (they
   run the pair grid).
-- pdl (on, for calls of up to `pdl_tokens` tokens: 64 by default, with the trigger after the wait past one token,
-  pdl_early_tokens 1: measured on one TP=8 split rank, H200, BENCHMARKS.md session 15, back-to-back replays: -0.41
-  to -0.51 ms a step at w = 2..4 at 1k, -0.17 to -0.43 at 32k, against PDL at w = 1 only; before, with the trigger
-  at the start, session 12: -0.5 to -0.6 ms at w = 1, +0.3 to +0.9 ms at w = 2..4, hence one token only): launch
+- pdl (on, for calls of up to `pdl_tokens` tokens: 64 by default on a tensor-parallel rank, with the trigger after
+  the wait past one token, pdl_early_tokens 1: measured on one TP=8 split rank, H200, BENCHMARKS.md session 15,
+  back-to-back replays: -0.36 to -0.51 ms a step at w = 2..4 at 1k, -0.14 to -0.43 at 32k, against PDL at w = 1
+  only; 1 in one process, `FastPathOptions.for_world`, where it was 0.11 ms slower at w = 2..4; before, with the
+  trigger at the start, session 12: -0.5 to -0.6 ms at w = 1, +0.3 to +0.9 ms at w = 2..4): launch
   every Triton kernel of the decode step with programmatic dependent launch (Hopper; `_triton.pdl_kwargs`), so that
   each launches while the one before runs: each triggers its successor first thing (`pdl_launch`), loads or asks
   L2 for its constant weights (the GEMV's tile, W_kb / W_vb, the gate, the indexer's weights_proj, the few-row
@@ -150,7 +151,8 @@ class FastPathOptions:
     gemv_rows: int = 1
     # with switch pdl: PDL on the launches of calls of at most this many tokens (rows). 64 (= fp8_gemm.SMALL_M: every
     # decode width), with pdl_early_tokens 1: measured on one TP=8 split rank (H200, BENCHMARKS.md session 15); 1
-    # (session 12's measure, the trigger at the start: +0.3 to +0.9 ms a step at w = 2..4) before that
+    # (session 12's measure, the trigger at the start: +0.3 to +0.9 ms a step at w = 2..4) before that, and still
+    # for one process (`for_world`)
     pdl_tokens: int = 64
     # with switch pdl: the explicit L2 prefetches of constant weights before the wait for calls of at most this many
     # tokens (more, or 0: compiled out, the same bits). 64 (= fp8_gemm.SMALL_M, wherever PDL runs): the behaviour PDL
@@ -174,6 +176,19 @@ class FastPathOptions:
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"FastPathOptions: {name} must be an integer >= 0, got {n!r}")
+
+    @classmethod
+    def for_world(cls, world: int, **flags) -> FastPathOptions:
+        """The defaults for a model split over `world` tensor-parallel ranks, with `flags` set on top. One process
+        (world 1) takes PDL for one-token calls only (pdl_tokens 1): on the full-width 3-layer model (H200,
+        BENCHMARKS.md session 15) PDL past one token, even with the trigger after the wait, made the step 0.11 ms
+        slower at w = 2..4 (graph 1.404 / 1.553 / 1.692 vs 1.298 / 1.440 / 1.580 ms; its kernels' grids run several
+        waves, and an early resident successor holds slots a later wave needs), where a TP=8 rank's step is 0.36-0.49
+        ms faster at 1k."""
+        if world < 1:
+            raise ValueError(f"FastPathOptions.for_world: world must be >= 1, got {world}")
+        base = {"pdl_tokens": 1} if world == 1 else {}
+        return cls(**{**base, **flags})
 
     def pdl_at(self, tokens: int) -> int:
         """Whether a launch for `tokens` rows takes PDL (switch pdl, and tokens <= pdl_tokens; 0: no) and where its

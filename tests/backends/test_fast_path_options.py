@@ -154,6 +154,30 @@ def test_pdl_early_tokens_picks_where_kernels_trigger():
         assert not options and [v.pdl_at(1), v.pdl_at(4)] == want, name
 
 
+def test_defaults_for_world():
+    """`FastPathOptions.for_world`: a tensor-parallel rank takes the defaults (PDL at every decode width), one
+    process PDL for one-token calls only (measured slower past one token at full width, session 15); flags on top;
+    `fast_path.model_world` reads a model's group size (a simulated TP=4 rank: 4; a model of one process: 1), which
+    `install_fast_modules` picks the defaults by."""
+    from mtp.backends.fast_path import model_world
+    from mtp.checkpoint.synthetic import random_model
+    from mtp.model.presets import tiny_parallel_config
+    from mtp.parallel import ParallelPlan
+    from mtp.parallel.simulate import simulated_rank
+    from mtp.parallel.synthetic import random_parallel_model
+
+    assert FastPathOptions.for_world(8) == FastPathOptions() and FastPathOptions().pdl_tokens == 64
+    assert FastPathOptions.for_world(1).pdl_tokens == 1
+    assert FastPathOptions.for_world(1, pdl_tokens=4, gemv=False) == FastPathOptions(pdl_tokens=4, gemv=False)
+    with pytest.raises(ValueError, match="world must be >= 1"):
+        FastPathOptions.for_world(0)
+    assert model_world(random_model(tiny_config(), "cpu", torch.float32, seed=0)) == 1
+    with simulated_rank(4, 1) as comm:
+        m = random_parallel_model(tiny_parallel_config(4, layers=1), comm, ParallelPlan(4), device="cpu",
+                                  dtype=torch.float32, seed=0)
+        assert model_world(m) == 4
+
+
 def test_pdl_prefetch_tokens_is_an_int_handed_to_the_prefetching_kernels(monkeypatch):
     """Option pdl_prefetch_tokens (64 by default: the PDL that was measured, prefetches wherever PDL runs) is an integer
     >= 0, refused otherwise by name (`set` and the bench's `--kernels` take it as an integer); `linear` hands
