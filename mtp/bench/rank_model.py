@@ -34,7 +34,8 @@ REAL_OVERHEAD = 1.08
 REAL_OVERHEAD_SOURCE = ("measured at TP=4 (4 x H200, session 11, `python -m mtp.bench.overhead`): a real step of 12 "
                         "and of 40 layers over NCCL / oneshot against the simulated busiest rank of layout 'split' "
                         "+ collectives priced from mtp.bench.allreduce: 1.00-1.08 (1.08 at w = 1, nccl); session 14's "
-                        "code, 40 layers: 0.99-1.07; ASSUMED "
+                        "code, 40 layers: 0.99-1.07; session 15's, back-to-back replays on both sides (the timing the "
+                        "projection reads), 40 layers: 0.99-1.07; ASSUMED "
                         "the same at this N (3 layers, 'contiguous', rank 0 as drawn gave 1.20-1.26: rank skew)")
 
 
