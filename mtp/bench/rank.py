@@ -248,6 +248,9 @@ KERNEL_VARIANTS = {
     "pdl_all_aw": (dict(pdl=True, pdl_tokens=64, pdl_early_tokens=1), dict()),
     "pdl_all_aw1": (dict(pdl=True, pdl_tokens=64, pdl_early_tokens=0), dict()),
     "pdl_aw": (dict(pdl=True, pdl_tokens=1, pdl_early_tokens=0), dict()),
+    # the default PDL (every width, after the wait past one token) with the weights' L2 prefetches before the wait
+    # for one-token calls only (with the trigger after the wait a kernel's prefetch no longer overlaps a chain)
+    "pf_w1": (dict(pdl_prefetch_tokens=1), dict()),
     # the FFN's all-reduced sum added in its own block (`add_rounded`, then the next block's norm), as under NCCL
     # before session 15 (the simulated rank's all-reduce is NCCL's): one launch more per layer than the hand-off
     "ffn_add_in_block": (dict(mlp_reduce_norm=False), dict()),
