@@ -38,6 +38,33 @@ def test_moe_down_fused_pdl_interpreted():
     run_interpreted(__file__, 300, "pdl")
 
 
+@pytest.mark.slow
+def test_switch_on_a_tiny_split_rank_interpreted():
+    run_interpreted(__file__, 900, "model")
+
+
+def test_plan_counts_one_launch_fewer():
+    """`plan.kernels`: with moe_down_fused the persistent experts are 2 launches, not 3: a TP=8 'split' rank at 1..4
+    tokens (persistent_tokens), a 'contiguous' rank while tokens x 8 slots <= 64; the pair grid (split at 5+ tokens,
+    one process) and the grouped GEMM keep theirs."""
+    import dataclasses
+
+    from mtp.model.presets import real_config
+    from mtp.plan.kernels import Limits, StepShape, per_layer
+
+    cfg = real_config(layers=61, dense_layers=3)
+    lim = Limits.current()
+    assert not lim.moe_down_fused and lim.split_persistent == 4 and lim.persistent_pairs == 64
+    on = dataclasses.replace(lim, moe_down_fused=True)
+    for layout, fewer in (("split", (1, 2, 3, 4)), ("contiguous", (1, 2, 3, 4, 5, 8))):
+        for N in (1, 2, 3, 4, 5, 8, 9, 16, 17):
+            sh = StepShape(1, N, 1024 + N, tp=8, expert_layout=layout)
+            d = per_layer(cfg, sh, lim)["moe"] - per_layer(cfg, sh, on)["moe"]
+            assert d == (1 if N in fewer else 0), (layout, N, d)
+    sh = StepShape(1, 1, 1025, tp=1)
+    assert per_layer(cfg, sh, on) == per_layer(cfg, sh, lim)
+
+
 def _compile_fused(T: int, stages: int):
     from mtp.kernels.moe_down_fused import BN, _moe_down_fused_kernel
     from tests.kernels.test_fused_kernels import _compile_for_hopper
@@ -156,11 +183,60 @@ def _pdl_checks() -> None:
         f"the shared expert's {D * I // 128} lines of down weight not all asked of L2: {len(got)}"
 
 
+def _model_checks() -> None:
+    """A tiny 'split' rank of 2 (the persistent experts up to 4 tokens, the shared one their last slot): switch
+    moe_down_fused takes one launch per MoE layer off at 1 and 3 tokens (the pair grid at 6 keeps its count), the
+    output is bit-equal with 128-row tiles (as `_kernel_checks`) and the greedy tokens are the same with 64."""
+    import mtp.kernels.moe_down_fused as mdf
+    from mtp.backends import fast_path as fp
+    from mtp.checkpoint.synthetic import fill_cache_random
+    from mtp.parallel.layout import ParallelPlan
+    from mtp.parallel.simulate import simulated_rank
+    from mtp.parallel.synthetic import random_parallel_model
+    from mtp.plan.launches import counting
+    from tests.plan.test_kernel_count import _tiny
+
+    cfg = _tiny(2)
+    g = torch.Generator().manual_seed(0)
+    bn = mdf.BN
+    with simulated_rank(2, 0) as comm:
+        model = random_parallel_model(cfg, comm, ParallelPlan(2, expert_layout="split"), device="cpu",
+                                      dtype=torch.bfloat16)
+        fp.install_fast_modules(model)
+        fp.set_elementwise(model, "triton")
+        moes = [m for m in model.model.layers.modules() if isinstance(m, fp.FastMoE)]  # the trunk's
+        assert moes and all(m.persistent_tokens == 4 for m in moes)
+        for w in (1, 3, 6):
+            cache = fill_cache_random(model.new_cache(1, 8 + max(w, 4)), 8)
+            base = cache.seq_lens.clone()
+            ids = torch.randint(0, cfg.vocab_size, (1, w), generator=g)
+            outs, counts = {}, {}
+            for on, rows in ((False, bn), (True, 128), (True, bn)):
+                fp.set_kernels(model, moe_down_fused=on)
+                mdf.BN = rows
+                try:
+                    with torch.no_grad():  # a first forward allocates the kernels' counters (a launch, once)
+                        cache.truncate(base)
+                        model(ids, cache, kv_len=8 + w)
+                    cache.truncate(base)
+                    with torch.no_grad(), counting(model) as c:
+                        outs[on, rows] = model(ids, cache, kv_len=8 + w).logits.float()
+                finally:
+                    mdf.BN = bn
+                counts[on, rows] = c.per_kind()["moe"]
+            fp.set_kernels(model, moe_down_fused=False)
+            fewer = counts[False, bn] - counts[True, bn]
+            assert fewer == (len(moes) if w <= 4 else 0), (w, counts)
+            if w <= 4:
+                assert torch.equal(outs[True, 128], outs[False, bn]), (w, "128-row tiles: the same bits")
+            assert torch.equal(outs[True, bn].argmax(-1), outs[False, bn].argmax(-1)), (w, "greedy tokens")
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from tests.interp import patch_interpreter_fp8_rounding, patch_interpreter_loop_bounds
 
     patch_interpreter_loop_bounds()
     patch_interpreter_fp8_rounding()
-    {"kernels": _kernel_checks, "pdl": _pdl_checks}[sys.argv[1] if len(sys.argv) > 1 else "kernels"]()
+    {"kernels": _kernel_checks, "pdl": _pdl_checks, "model": _model_checks}[sys.argv[1] if len(sys.argv) > 1 else "kernels"]()
     print("interpreted checks ok")
