@@ -189,9 +189,6 @@ KERNEL_VARIANTS = {
     "moe_waves": (dict(moe_wave_splits=True), dict()),
     "moe_waves_by_size": (dict(moe_wave_splits=True), dict(moe_layout=None)),
     "moe_no_waves": (dict(moe_wave_splits=False), dict()),
-    # the persistent experts' down projection and combine in one pipelined launch (`moe_down_fused`; a split rank up
-    # to its persistent_tokens, 4): one launch fewer per MoE layer, the same bits
-    "moe_down_fused": (dict(moe_down_fused=True), dict()),
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
     "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),  # = defaults since fa04e59 (kept: its name is in
     # session 11's BENCHMARKS commands)

@@ -382,8 +382,7 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
     stacked last and run as every token's implicit slot: `shared=True`), T = 1..4 tokens of 8 routed experts each:
     the pair grid, the persistent layout with `default_splits` and with `wave_splits` ('waves'), and a sweep of the
     persistent K slices, so that each width's choice is a measurement (the step's gate/up + down + combine
-    launches, one `moe_experts` call); and with the down projection and combine in one launch (`down_fused`, and a
-    sweep of its pipeline depth). Bytes: the distinct experts' slices (routed + shared) over the measured
+    launches, one `moe_experts` call). Bytes: the distinct experts' slices (routed + shared) over the measured
     copy bandwidth. Routings rotate over 8 sets per graph (other experts' weights each call, from HBM)."""
     from mtp.kernels.moe import default_splits, moe_experts, moe_experts_ref, waves_for
 
@@ -406,13 +405,8 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
         waves = waves_for(T * 9, E + 1, D, Is, (sm, 2 * sm))  # what splits='waves' runs
         variants = [("pairs", dict(layout="pairs")),
                     (f"persistent default {default_splits(T, D // 128, Is // 128)}", dict(layout="persistent")),
-                    (f"persistent waves {waves}", dict(layout="persistent", splits="waves")),
-                    # the down projection and combine in one pipelined launch (switch moe_down_fused)
-                    (f"persistent waves {waves} down_fused", dict(layout="persistent", splits="waves", down_fused=True))]
+                    (f"persistent waves {waves}", dict(layout="persistent", splits="waves"))]
         if not quick:
-            for st in (5, 7, 11, 13):  # down_fused's pipeline depth (default `moe_down_fused.DEFAULT_STAGES`, 9)
-                variants.append((f"persistent waves down_fused stages={st}",
-                                 dict(layout="persistent", splits="waves", down_fused=True, down_stages=st)))
             for sg in (2, 4, 7, 14, 28):
                 for sd in (1, 2):
                     if (sg, sd) != waves:

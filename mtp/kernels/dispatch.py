@@ -50,12 +50,6 @@ version, so the engine captures its kept graphs again).
   default: measured on one TP=8 split rank (H200, 61 layers, BENCHMARKS.md session 12) -1.1 ms a step at w = 1
   (6.43 vs 7.54 ms at 1k, 9.15-9.19 vs 10.35-10.46 at 32k), -0.25 to -0.57 at w = 2, wider steps unchanged (they
   run the pair grid).
-- moe_down_fused (off until measured): where the experts run the persistent layout (a 'split' rank up to
-  `FastMoE.persistent_tokens`, an expert-parallel range by size), their down projection and combine are one launch
-  (`moe.moe_experts(down_fused=True)`, `kernels.moe_down_fused`: a program per 64 output rows streams every (token,
-  slot) pair's weight tiles through one software-pipelined loop and sums them per token in the combine's order; no
-  fp32 partials in memory); the same bits, one launch fewer per MoE layer. Off: the item kernel (one dependent load
-  per (expert, N-block, K slice) item) and the combine.
 - pdl (on, for calls of up to `pdl_tokens` tokens: 64 by default on a tensor-parallel rank, with the trigger after
   the wait past one token, pdl_early_tokens 1: measured on one TP=8 split rank, H200, BENCHMARKS.md session 15,
   back-to-back replays: -0.36 to -0.51 ms a step at w = 2..4 at 1k, -0.14 to -0.43 at 32k, against PDL at w = 1
@@ -148,7 +142,6 @@ class FastPathOptions:
     topk_rearm: bool = True
     shared_in_experts: bool = True
     moe_wave_splits: bool = True
-    moe_down_fused: bool = False
     topk_one_launch: bool = False
     indexer_one_launch: bool = False
     topk_split_v2: bool = True

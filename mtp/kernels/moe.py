@@ -42,9 +42,7 @@ Persistent layout (default for T * J <= 64, `layout=`): at TP=8 a rank computes 
 a [P, P] compare) so the grid stays static; gate/up slices meet in an fp32 workspace where the last slice of
 an (expert, N-block) to arrive (atomic counter, re-armed) sums them in slice order and writes h; down slices
 write separate partials that the combine kernel sums slot by slot, slice by slice. Deterministic; the slice
-counts depend on the shapes only (`default_splits`). With `down_fused` the down projection and the combine are one
-launch (`mtp.kernels.moe_down_fused`: a program per 64 output rows streams every pair's weight tiles through a
-pipelined loop and sums them in the combine's order; bit-identical).
+counts depend on the shapes only (`default_splits`).
 
 Grouped layout (default above GROUPED_ABOVE tokens, up to MAX_TOKENS; `mtp.kernels.moe_grouped`): the pairs sorted
 by expert on the device and padded to M-blocks of one expert each, then a grouped FP8 GEMM for gate|up and one for
@@ -66,7 +64,6 @@ from mtp.model.moe import route
 from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, prefetch_span_l2, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
-from mtp.kernels.moe_down_fused import moe_down_fused
 from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
 
 __all__ = ["wave_splits", "waves_for", "moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts",
@@ -569,7 +566,7 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                 layout: str | None = None, splits: tuple[int, int] | str | None = None,
                 programs: tuple[int, int] | None = None, add: torch.Tensor | None = None,
                 block_m: int | None = None, shared: bool = False, pdl: bool = False,
-                prefetch: bool = True, down_fused: bool = False) -> torch.Tensor:
+                prefetch: bool = True) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
@@ -599,9 +596,6 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     expert's weights are asked of L2 before it, a share per program, unless not prefetch
     (`FastPathOptions.prefetch_at`: the prefetch compiled out, the same bits); the grouped layout's launches stay
     plain).
-    down_fused: the persistent layout's down projection and combine in one launch that streams the weights with
-    software pipelining (`mtp.kernels.moe_down_fused`; down_stages its pipeline depth): two launches instead of three,
-    the same bits.
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
@@ -635,8 +629,6 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     if shared and layout == "grouped":
         raise ValueError("moe_experts: shared (the implicit shared slot) is for the 'pairs' and 'persistent' "
                          "layouts; the grouped one takes the shared expert's output as add")
-    if down_fused and layout != "persistent":
-        raise ValueError(f"moe_experts: down_fused is the persistent layout's, got layout {layout!r}")
     if block_m is not None and (layout != "grouped" or block_m not in BLOCK_MS):
         raise ValueError(f"moe_experts: block_m is the grouped layout's, one of {BLOCK_MS}; got {block_m} with "
                          f"layout {layout!r}")
@@ -689,9 +681,6 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         _moe_gate_up_persistent[(min(g_gu, n_act * nb * ks_gu),)](
             x, idx, *wargs, h8, hs, gu_part, cnt, T, D, I, x.stride(0), w_gate.stride(0), s_gate.stride(0),
             s_gate.stride(1), ks_gu, S, num_stages=gate_up_stages or 4, **kw)
-        if down_fused:
-            return moe_down_fused(h8, hs, idx, rw, w_down, s_down, add, T, J, ks_down, out_dtype or x_TD.dtype,
-                                  shared, pdl, prefetch, down_stages)
         part = torch.empty(ks_down, P, D, dtype=torch.float32, device=dev)
         _moe_down_persistent[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
             h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0), s_down.stride(0), s_down.stride(1),

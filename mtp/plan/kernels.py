@@ -64,10 +64,6 @@ class Limits:
     indexer_one_launch: bool = False  # dispatch.FastPathOptions.indexer_one_launch: scores and top-k in one launch
     fused_hist_rows: int = 1  # dispatch.FastPathOptions.fused_hist_rows: the histogram in the scores kernel up to these rows
     mlp_reduce_norm: bool = True  # dispatch.FastPathOptions.mlp_reduce_norm: the FFN's sum added by the next block's norm
-    # dispatch.FastPathOptions.moe_down_fused: the persistent experts' down projection and combine in one launch
-    moe_down_fused: bool = False
-    split_persistent: int = 4  # fast_path.SPLIT_PERSISTENT_TOKENS: a 'split' rank's persistent experts up to here
-    persistent_pairs: int = 64  # moe.PERSISTENT_MAX_PAIRS: the persistent layout by size up to T * slots pairs
 
     @classmethod
     def current(cls) -> Limits:
@@ -75,7 +71,6 @@ class Limits:
         from ..kernels import fp8_gemm
         from ..kernels.dispatch import FastPathOptions
         from ..kernels.mla_prologue_fused import NORM_MAX_Q
-        from ..kernels.moe import PERSISTENT_MAX_PAIRS
 
         o = FastPathOptions()
         return cls(o.gemv_rows, fp8_gemm.FUSE_M, fp8_gemm.SMALL_N, fp.SMALL_M, fp.ABSORB_MAX_TOKENS,
@@ -84,8 +79,7 @@ class Limits:
                    fuse_absorb_out=o.fuse_absorb_out, fuse_out_cast=o.fuse_out_cast, topk_rearm=o.topk_rearm,
                    shared_in_experts=o.shared_in_experts, topk_one_launch=o.topk_one_launch,
                    indexer_one_launch=o.indexer_one_launch, fused_hist_rows=o.fused_hist_rows,
-                   mlp_reduce_norm=o.mlp_reduce_norm, moe_down_fused=o.moe_down_fused,
-                   split_persistent=fp.SPLIT_PERSISTENT_TOKENS, persistent_pairs=PERSISTENT_MAX_PAIRS)
+                   mlp_reduce_norm=o.mlp_reduce_norm)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -204,12 +198,11 @@ def router(N: int, lim: Limits) -> int:
     return r + (2 if r > 1 else 0)
 
 
-def experts(N: int, lim: Limits, persistent: bool = False) -> int:
-    """`moe_experts`: gate-up, down, combine (pairs / persistent layouts; persistent with moe_down_fused: gate-up
-    and the fused down + combine); above grouped_above tokens, per chunk of max_tokens, the grouped GEMM's count +
-    align, act_quant, gate-up, down, combine (+ a cat of the chunks)."""
+def experts(N: int, lim: Limits) -> int:
+    """`moe_experts`: gate-up, down, combine (pairs / persistent layouts); above grouped_above tokens, per chunk of
+    max_tokens, the grouped GEMM's count + align, act_quant, gate-up, down, combine (+ a cat of the chunks)."""
     if N <= lim.grouped_above:
-        return 2 if persistent and lim.moe_down_fused else 3
+        return 3
     c = _cdiv(N, lim.moe_chunk)
     return 6 * c + (1 if c > 1 else 0)
 
@@ -223,19 +216,6 @@ def shared_in_experts(cfg: ModelConfig, sh: StepShape, lim: Limits) -> bool:
     if not (lim.shared_in_experts and cfg.n_shared_experts == 1 and N <= lim.small_m and N <= lim.grouped_above):
         return False
     return sh.tp == 1 or choose_layout(sh.expert_layout, cfg.moe_intermediate_size, sh.tp) == "split"
-
-
-def persistent_experts(cfg: ModelConfig, sh: StepShape, lim: Limits) -> bool:
-    """Whether `FastMoE.routed` runs the persistent layout (`kernel_layout`, as `fast_module` sets it): never in one
-    process (every expert: the pair grid), up to split_persistent tokens on a 'split' rank, and by size
-    (`moe.default_layout`: N x the router's top-k <= persistent_pairs) on another expert-parallel rank; only up to
-    grouped_above tokens."""
-    N = sh.tokens
-    if sh.tp == 1 or N > lim.grouped_above:
-        return False
-    if choose_layout(sh.expert_layout, cfg.moe_intermediate_size, sh.tp) == "split":
-        return N <= lim.split_persistent
-    return N * cfg.num_experts_per_tok <= lim.persistent_pairs
 
 
 def moe_ffn(cfg: ModelConfig, sh: StepShape, lim: Limits) -> dict[str, int]:
@@ -256,7 +236,7 @@ def moe_ffn(cfg: ModelConfig, sh: StepShape, lim: Limits) -> dict[str, int]:
     if inter and not quant:
         shared += 1  # `MoE.forward`: routed + shared
     # add_rounded (none where the next block adds it: `ffn_hand_off`); or `.to(x.dtype)` and the block's `h + y`
-    routed = experts(N, lim, persistent_experts(cfg, sh, lim)) + (0 if ffn_hand_off(sh, lim) else 1 if quant else 2)
+    routed = experts(N, lim) + (0 if ffn_hand_off(sh, lim) else 1 if quant else 2)
     return {"shared_expert": shared, "router": router(N, lim), "routed_experts": routed}
 
 
