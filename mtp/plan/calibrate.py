@@ -195,7 +195,10 @@ def rows_from(spec: str, base: ModelConfig) -> tuple[str, list[Row], dict | None
                                     Shape(int(B), int(w), int(L) + int(w), touched=routed.get("mean"),
                                           cache_len=int(L) + max(verify, int(w)), expert_layout=lay,
                                           launch_limits=lim),
-                                    _ms(v, "graph_ms", path, f"batches.{B}.contexts.{L}.widths.{w}."),
+                                    # back to back where timed (since session 14): the GPU's time per step, which
+                                    # the model estimates, without one replay's host launch latency
+                                    _ms(v, "graph_ms_b2b" if "graph_ms_b2b" in v else "graph_ms", path,
+                                        f"batches.{B}.contexts.{L}.widths.{w}."),
                                     measured_kernels=v.get("kernels_per_step")))
             for w, v in (ctx.get("indexer") or {}).items():
                 if "ms_per_step" in v:

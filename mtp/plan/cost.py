@@ -16,6 +16,7 @@ from functools import lru_cache
 import torch
 
 from ..model.config import ModelConfig
+from ..placement import choose_layout
 from ..parallel.layout import ParallelPlan, RankLayout
 from ..parallel.memory import comm_bytes_per_forward, kv_bytes_per_token_layer, rank_weight_bytes
 
@@ -254,9 +255,15 @@ def forward_terms(cfg: ModelConfig, lay: Layout, sh: Shape, act_bytes_per: int =
         # with DP attention the dp groups' N tokens each reach the ep ranks by all-to-all
         seen = N * (lay.dp if lay.dp_attention else 1)  # tokens whose routing this rank's experts see
         routed_tokens = seen * cfg.num_experts_per_tok / lay.ep
+        # 'split' (`mtp.placement`): every rank holds a 1 / ep slice of every expert, so any of the E experts may be
+        # touched (a measured `touched` counts them so) and each costs a slice's bytes; else E / ep whole experts.
+        # Under uniform routing both give the same expected bytes; a measured count of a split rank read as whole
+        # experts was ep times too many (session 15: a 16.3 ms roofline for an 8.6 ms step at w = 4)
+        split = lay.ep > 1 and choose_layout(sh.expert_layout, cfg.moe_intermediate_size, lay.ep) == "split"
+        held = cfg.n_routed_experts if split else e_loc
         touched = sh.touched if sh.touched is not None else experts_touched(
-            e_loc, cfg.n_routed_experts, cfg.num_experts_per_tok, seen)
-        per_expert = cat.get("routed experts", 0) / n_moe / max(e_loc, 1)
+            held, cfg.n_routed_experts, cfg.num_experts_per_tok, seen)
+        per_expert = cat.get("routed experts", 0) / n_moe / max(held, 1)
         a2a: tuple[Comm, ...] = ()
         if lay.dp_attention and lay.ep > 1:  # a TP group's ranks each send a 1 / tp share of its tokens
             remote = N / lay.tp * cfg.num_experts_per_tok * (1 - e_loc / cfg.n_routed_experts)

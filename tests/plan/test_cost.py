@@ -122,3 +122,23 @@ def test_draft_is_one_moe_block_and_its_extras():
 def test_layout_errors_name_the_option(kw, bad):
     with pytest.raises(ValueError, match=bad):
         Layout(**kw)
+
+
+def test_split_rank_reads_a_slice_per_touched_expert():
+    """A 'split' rank (every expert's 1/8 slice, `mtp.placement`) reads a slice per expert it touches, out of all E:
+    8 touched slices are one whole expert's bytes, what a 'contiguous' rank touching 1 of its 32 reads; under uniform
+    routing both layouts read the same expected bytes. (Session 15: a split rank's measured count read as whole
+    experts put the calibration's w = 4 roofline at 16.3 ms for an 8.6 ms step.)"""
+    from mtp.model.config import ModelConfig
+
+    cfg = ModelConfig()
+    lay = Layout(8, 8)
+    per_layer = rank_bytes(cfg, lay)["routed experts"] / (cfg.num_hidden_layers - cfg.first_k_dense_replace)
+
+    def routed(**kw):
+        return by_name(forward_terms(cfg, lay, Shape(1, 1, 1025, **kw)))["routed_experts"].weight_bytes
+
+    assert routed(touched=8.0, expert_layout="split") == pytest.approx(8 * per_layer / 256)
+    assert routed(touched=8.0, expert_layout="split") == pytest.approx(routed(touched=1.0, expert_layout="contiguous"))
+    assert routed(expert_layout="split") == pytest.approx(routed(expert_layout="contiguous"))
+    assert routed(expert_layout="auto") == pytest.approx(routed(expert_layout="split"))  # 'auto' picks split here
