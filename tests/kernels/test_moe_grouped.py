@@ -192,10 +192,15 @@ def _experts_checks() -> None:
         idx = cases["random"]
         y = moe_experts(x, idx, rw, *ws, **kw)
         assert torch.equal(moe_experts(x, idx, rw, *ws, **kw), y), f"T={T}: not the same bits twice"
-        if T in (17, 100):  # the M-block and the persistent grids change which program computes what, not the sums
+        if T in (17, 100):  # the persistent grids change which program computes what, not the sums: the same bits;
+            # the M-block changes the interpreter's matmul shapes, whose BLAS (numpy's, by CPU) may sum a row in
+            # another order (an AMD EPYC runner: 1e-8, session 15; on the GPU the bits: test_moe_grouped_gpu.py)
             for bm, programs in ((16, (1, 1)), (16, (3, 5)), (64, None)):
                 got = moe_experts(x, idx, rw, *ws, block_m=bm, programs=programs, **kw)
-                assert torch.equal(got, y), (T, bm, programs, _rel(got, y))
+                if bm == 16:
+                    assert torch.equal(got, y), (T, bm, programs, _rel(got, y))
+                else:
+                    assert _rel(got, y) < 1e-6, (T, bm, programs, _rel(got, y))
             add = torch.randn(T, D, generator=g)
             assert torch.equal(moe_experts(x, idx, rw, *ws, add=add, **kw), y + add), f"T={T}: add is summed last"
         if T in (17, 40):  # the pair layout: the same formulas (and the interpreter's same cast)

@@ -236,10 +236,9 @@ def _module_checks() -> None:
                 # ... and the separate path's bf16 g | u and silu * up move ~1 in 16 of h's e4m3 roundings by a step
                 # (observed 1.4e-2 of the whole MoE output under the interpreter); without the shared expert: ~0.5
                 assert _rel(out[True], out[False]) < 3e-2, (name, T, _rel(out[True], out[False]))
-            elif T == 1:
+            else:  # fp32: the same formulas in other launches, summed by the interpreter's BLAS (numpy's, by CPU:
+                # equal bits past one token on some, 6e-8 apart on an AMD EPYC runner, session 15)
                 assert _rel(out[True], out[False]) < 1e-6, (name, T, _rel(out[True], out[False]))
-            else:
-                assert torch.equal(out[True], out[False]), (name, T, (out[True] - out[False]).abs().max().item())
         del moe._shared_q
 
     def waves_switch(moe, name: str) -> None:
