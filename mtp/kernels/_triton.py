@@ -100,7 +100,7 @@ def pdl_mode(pdl, launch: dict) -> int:
     PDL_AFTER_WAIT where the caller asked for it (pdl == PDL_AFTER_WAIT, `FastPathOptions.pdl_at`), else PDL_EARLY."""
     if not launch:
         return 0
-    return PDL_AFTER_WAIT if not isinstance(pdl, bool) and pdl == PDL_AFTER_WAIT else PDL_EARLY
+    return PDL_AFTER_WAIT if pdl == PDL_AFTER_WAIT else PDL_EARLY
 
 
 @triton.jit
