@@ -29,7 +29,9 @@ def run_interpreted(script: str, timeout: int = 300, *args: str) -> None:
 
 def patch_interpreter_loop_bounds() -> None:
     """The kernels loop over a runtime bound (`range(0, n_iter)`); triton 3.6's interpreter turns that tensor
-    into an int with int() of a 1-element array, which numpy 2.x refuses. Take the element instead."""
+    into an int with int() of a 1-element array, which numpy 2.x refuses. Take the element instead. Every
+    interpreted script calls this first, so it also takes three of the interpreter's own overheads off
+    (`patch_interpreter_device_calls`: the re-patching on device-function calls, the dtype table, eager type names)."""
     import numpy as np
     import triton.runtime.interpreter as ti
 
@@ -42,6 +44,113 @@ def patch_interpreter_loop_bounds() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 
     ti._patch_lang_tensor = patched
+    patch_interpreter_device_calls()
+
+
+def patch_interpreter_device_calls() -> None:
+    """triton 3.6's interpreter patches triton.language's builtins (`_patch_lang`: `inspect.getmembers` over the
+    language modules, a wrapper per builtin) when a kernel launches, and again on every call of a @triton.jit
+    device function inside it, although the launch's patch is still in place (the call's own patch is never
+    restored: it re-wraps nothing, since the builtins are wrappers already). The kernel checks make ~100 device
+    calls per launch: profiled, that re-patching was 60 s of test_fused_kernels' 240 s. Here a device call whose
+    language modules a live launch patched runs without patching again; any other call goes the interpreter's
+    way. The same wrappers run the same numpy code: results are unchanged."""
+    import inspect
+
+    import triton.language as tl
+    import triton.runtime.interpreter as ti
+
+    patch_lang, fn_class = getattr(ti, "_patch_lang", None), getattr(ti, "InterpretedFunction", None)
+    if patch_lang is None or fn_class is None or getattr(fn_class, "_mtp_skips_repatch", False):
+        return  # another triton, or patched already
+    live: list[frozenset] = []  # the language modules each live launch's scope patched, outermost first
+
+    seen: dict = {}
+
+    def langs(fn) -> frozenset:  # a jit function's module globals: looked through once
+        if fn not in seen:
+            seen[fn] = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        return seen[fn]
+
+    class Scope(ti._LangPatchScope):
+        def restore(self) -> None:
+            super().restore()
+            live.remove(self._mtp_langs)
+
+    def launch_patch(fn):
+        scope = patch_lang(fn)
+        tracked = Scope()
+        tracked._changes, tracked._mtp_langs = scope._changes, langs(fn)
+        live.append(tracked._mtp_langs)
+        return tracked
+
+    device_call = fn_class.__call__
+
+    def call(self, *args, **kwargs):
+        if not any(langs(self.fn) <= patched for patched in live):
+            return device_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # as the interpreter's own device call reports it
+            raise ti.InterpreterError(repr(e)) from e
+
+    ti._patch_lang = launch_patch  # GridExecutor looks the name up at each launch
+    fn_class.__call__ = call
+    fn_class._mtp_skips_repatch = True
+    np_dtype = getattr(ti, "_get_np_dtype", None)
+    if np_dtype is not None:  # called per operand of every op, it builds its 17-entry table each time: built once
+        table = {t: np_dtype(t) for t in (tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16,
+                                          tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16,
+                                          tl.float8e5, tl.float8e5b16, tl.float8e4nv, tl.float8e4b8, tl.float8e4b15)}
+
+        def get_np_dtype(tt_dtype):
+            elem = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+            found = table.get(elem) if not isinstance(elem, tl.pointer_type) else None
+            return found if found is not None else np_dtype(tt_dtype)
+
+        ti._get_np_dtype = get_np_dtype
+    _lazy_type_names(tl.core)
+
+
+def _lazy_type_names(core) -> None:
+    """Every interpreted op builds new tensors, each with a block type and a tuple of its shape, and triton 3.6 formats
+    each one's name string at construction (`f'<{shape}, {element}>'`, a join over the tuple's member types): ~10% of
+    an interpreted check, for names that only printing, hashing and equality of dtypes read. Here those two types
+    build their names when first read (the same strings)."""
+    if getattr(core.block_type, "_mtp_lazy_name", False):
+        return
+
+    def lazy_name(make):
+        def get(self):
+            d = self.__dict__
+            if "_mtp_name" not in d:
+                d["_mtp_name"] = make(self)
+            return d["_mtp_name"]
+
+        def put(self, value):
+            self.__dict__["_mtp_name"] = value
+
+        return property(get, put)
+
+    def block_init(self, element_ty, shape):  # triton 3.6's block_type.__init__ without the eager name
+        self.element_ty = element_ty
+        assert isinstance(shape, (list, core.tuple))  # triton's tuple: what the name means in its module
+        self.shape = core.tuple(core._unwrap_shape(shape))
+        if not self.shape:
+            raise TypeError("0d block_type is forbidden")
+        self.numel = core.validate_block_shape(self.shape)
+
+    def tuple_init(self, types, fields=None):  # triton 3.6's tuple_type.__init__ without the eager name
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    core.block_type.__init__ = block_init
+    core.block_type.name = lazy_name(lambda self: f"<{self.shape}, {self.element_ty}>")
+    core.tuple_type.__init__ = tuple_init
+    core.tuple_type.name = lazy_name(
+        lambda self: "[" + ",".join([f"{k}:{v}" for k, v in zip(self.fields, self.types)]) + "]")
+    core.block_type._mtp_lazy_name = True
 
 
 def patch_interpreter_bf16_rounding() -> None:
