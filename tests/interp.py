@@ -133,13 +133,19 @@ def _lazy_type_names(core) -> None:
 
         return property(get, put)
 
+    shapes: dict = {}  # dims -> (triton tuple of them, element count): equal dims share one (never assigned into)
+
     def block_init(self, element_ty, shape):  # triton 3.6's block_type.__init__ without the eager name
         self.element_ty = element_ty
         assert isinstance(shape, (list, core.tuple))  # triton's tuple: what the name means in its module
-        self.shape = core.tuple(core._unwrap_shape(shape))
-        if not self.shape:
-            raise TypeError("0d block_type is forbidden")
-        self.numel = core.validate_block_shape(self.shape)
+        dims = tuple(core._unwrap_shape(shape))
+        pair = shapes.get(dims)
+        if pair is None:
+            if not dims:
+                raise TypeError("0d block_type is forbidden")
+            t = core.tuple(list(dims))
+            pair = shapes[dims] = (t, core.validate_block_shape(t))
+        self.shape, self.numel = pair
 
     def tuple_init(self, types, fields=None):  # triton 3.6's tuple_type.__init__ without the eager name
         self.types = types
@@ -151,6 +157,30 @@ def _lazy_type_names(core) -> None:
     core.tuple_type.name = lazy_name(
         lambda self: "[" + ",".join([f"{k}:{v}" for k, v in zip(self.fields, self.types)]) + "]")
     core.block_type._mtp_lazy_name = True
+    _shared_tensor_shapes(core)
+
+
+def _shared_tensor_shapes(core) -> None:
+    """triton 3.6's tensor.__init__ builds, for every value an interpreted op makes, its element count and a tuple of
+    its dims as constexprs (a triton tuple with its own type); here tensors of equal dims share one such pair. Only
+    the compiler's code generator assigns into a triton tuple (`_utils.set_iterable_path`), never the interpreter."""
+    import builtins
+    import math
+
+    shapes: dict = {}
+
+    def tensor_init(self, handle, type):  # triton 3.6's tensor.__init__, its shape pair looked up
+        self.handle = handle
+        dims = type.shape if type.is_block() else ()
+        key = builtins.tuple(dims)
+        pair = shapes.get(key)
+        if pair is None:
+            pair = shapes[key] = (core.constexpr(math.prod(dims)), core.tuple([core.constexpr(d) for d in dims]))
+        self.numel, self.shape = pair
+        self.type = type
+        self.dtype = type.scalar
+
+    core.tensor.__init__ = tensor_init
 
 
 def patch_interpreter_bf16_rounding() -> None:
