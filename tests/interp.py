@@ -30,8 +30,9 @@ def run_interpreted(script: str, timeout: int = 300, *args: str) -> None:
 def patch_interpreter_loop_bounds() -> None:
     """The kernels loop over a runtime bound (`range(0, n_iter)`); triton 3.6's interpreter turns that tensor
     into an int with int() of a 1-element array, which numpy 2.x refuses. Take the element instead. Every
-    interpreted script calls this first, so it also takes three of the interpreter's own overheads off
-    (`patch_interpreter_device_calls`: the re-patching on device-function calls, the dtype table, eager type names)."""
+    interpreted script calls this first, so it also takes some of the interpreter's own overheads off
+    (`patch_interpreter_device_calls`: the re-patching on device-function calls, the dtype table, eager type names,
+    a shape tuple per value)."""
     import numpy as np
     import triton.runtime.interpreter as ti
 
@@ -57,9 +58,12 @@ def patch_interpreter_device_calls() -> None:
     way. The same wrappers run the same numpy code: results are unchanged."""
     import inspect
 
+    import triton
     import triton.language as tl
     import triton.runtime.interpreter as ti
 
+    if os.environ.get("TRITON_INTERPRET") != "1" or not triton.__version__.startswith("3.6."):
+        return  # the compiler builds these types too (and assigns into its tuples); another triton's internals differ
     patch_lang, fn_class = getattr(ti, "_patch_lang", None), getattr(ti, "InterpretedFunction", None)
     if patch_lang is None or fn_class is None or getattr(fn_class, "_mtp_skips_repatch", False):
         return  # another triton, or patched already
