@@ -31,7 +31,7 @@ def patch_interpreter_loop_bounds() -> None:
     """The kernels loop over a runtime bound (`range(0, n_iter)`); triton 3.6's interpreter turns that tensor
     into an int with int() of a 1-element array, which numpy 2.x refuses. Take the element instead. Every
     interpreted script calls this first, so it also takes some of the interpreter's own overheads off
-    (`patch_interpreter_device_calls`: the re-patching on device-function calls, the dtype table, eager type names,
+    (`patch_interpreter_overheads`: the re-patching on device-function calls, the dtype table, eager type names,
     a shape tuple per value)."""
     import numpy as np
     import triton.runtime.interpreter as ti
@@ -45,17 +45,18 @@ def patch_interpreter_loop_bounds() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 
     ti._patch_lang_tensor = patched
-    patch_interpreter_device_calls()
+    patch_interpreter_overheads()
 
 
-def patch_interpreter_device_calls() -> None:
+def patch_interpreter_overheads() -> None:
     """triton 3.6's interpreter patches triton.language's builtins (`_patch_lang`: `inspect.getmembers` over the
     language modules, a wrapper per builtin) when a kernel launches, and again on every call of a @triton.jit
     device function inside it, although the launch's patch is still in place (the call's own patch is never
     restored: it re-wraps nothing, since the builtins are wrappers already). The kernel checks make ~100 device
     calls per launch: profiled, that re-patching was 60 s of test_fused_kernels' 240 s. Here a device call whose
     language modules a live launch patched runs without patching again; any other call goes the interpreter's
-    way. The same wrappers run the same numpy code: results are unchanged."""
+    way. The same wrappers run the same numpy code: results are unchanged. Then the dtype table (below) and the types'
+    construction (`_lazy_type_names`, `_shared_tensor_shapes`)."""
     import inspect
 
     import triton
@@ -121,7 +122,8 @@ def _lazy_type_names(core) -> None:
     """Every interpreted op builds new tensors, each with a block type and a tuple of its shape, and triton 3.6 formats
     each one's name string at construction (`f'<{shape}, {element}>'`, a join over the tuple's member types): ~10% of
     an interpreted check, for names that only printing, hashing and equality of dtypes read. Here those two types
-    build their names when first read (the same strings)."""
+    build their names when first read (the same strings), and block types of equal dims share one triton tuple of
+    them and its element count, as tensors do (`_shared_tensor_shapes`)."""
     if getattr(core.block_type, "_mtp_lazy_name", False):
         return
 
