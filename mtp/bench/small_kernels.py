@@ -1,0 +1,163 @@
+"""Launch settings of the TP=8 rank's latency-bound kernels, swept at the rank's decode shapes (H200).
+
+Nsight Compute on one TP=8 split rank (`mtp.bench.ncu_step`, BENCHMARKS.md session 17) times each kernel of a MoE
+layer alone at one token: the row norm (`norm_quant`, one program of 8 warps per row) 6.2 us, MLA stage 1
+(`mla_decode`, 17 programs of one 64-key tile each at 1k) 11.1 us at 1.4% of DRAM bandwidth, the o_proj split-K GEMV
+(x quantized in the kernel, 78 registers: 3 programs per SM, its 896 programs in 2.3 waves) 11.2 us, where a kernel
+that does nothing takes ~2 us. Each section here times the default against other settings of the same kernel, in
+graph replays (`kernels.graph_us`), and checks every setting's output against the default's (a reduction in another
+order changes the last bits, so the check is a tolerance, printed):
+- norm: `_add_norm_quant_kernel` at 4 / 8 / 16 / 32 warps (the row's 7168 channels over more threads: a shorter
+  chain per thread);
+- stage1: `mla_decode` (stage 1 + stage 2) at 16 heads with 16 / 32 / 64 keys per tile and 1 / 2 / 4 x the default
+  KV slices, dense 1k and the top-2048 of 32k, T = 1 and 4;
+- gemv: `fp8_gemv` on o_proj (7168 x 2048, x quantized in the kernel) and q_a | wk | kv_a (2240 x 7168, x
+  pre-quantized) at one row, over BN, groups per slice and warps.
+
+    python -m mtp.bench.small_kernels --out DIR [--only norm,stage1,gemv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from mtp.bench import kernels as gk
+from mtp.kernels import available
+
+DEV = "cuda"
+
+
+def norm_section() -> dict:
+    from mtp.kernels.norm_quant import _ROUND, _add_norm_quant_kernel, add_rms_norm_quant, row_tiles
+    from mtp.model.fp8 import FP8_DTYPE
+
+    D = 7168
+    out = {}
+    w = (torch.rand(D, device=DEV) + 0.5).bfloat16()
+    bg, default_warps = row_tiles(D)
+    for M in (1, 4):
+        h = torch.randn(M, D, device=DEV)
+        d = torch.randn(M, D, device=DEV)  # the o_proj's fp32 sum, rounded to bf16 in the kernel
+        want = add_rms_norm_quant(h, d, w, 1e-6, round_dtype=torch.bfloat16)
+
+        def call(nw, h=h, d=d, M=M):
+            hout, y = torch.empty_like(h), torch.empty(M, D, dtype=torch.bfloat16, device=DEV)
+            x8 = torch.empty(M, D, dtype=FP8_DTYPE, device=DEV)
+            sx = torch.empty(M, D // 128, dtype=torch.float32, device=DEV)
+            _add_norm_quant_kernel[(M,)](h, d, w, hout, y, x8, sx, D, 1e-6, h.stride(0), d.stride(0),
+                                         hout.stride(0), y.stride(0), x8.stride(0), sx.stride(0), ADD=True,
+                                         STORE_H=True, STORE_Y=True, QUANT=True, BG=bg, PDL=0,
+                                         ROUND=_ROUND[torch.bfloat16], num_warps=nw)
+            return hout, y, x8, sx
+
+        res = {}
+        for nw in (4, 8, 16, 32):
+            got = call(nw)
+            same_h = torch.equal(got[0], want[0])
+            dy = (got[1].float() - want[1].float()).abs().max().item()
+            gk.check(f"norm M={M} warps={nw}", same_h and dy <= want[1].float().abs().max().item() * 2 ** -7,
+                     f"h equal {same_h}, y max diff {dy:.2e} (a bf16 ulp allowed), x8 equal "
+                     f"{torch.equal(got[2].view(torch.uint8), want[2].view(torch.uint8))}")
+            res[nw] = gk.graph_us([lambda nw=nw: call(nw)])
+            gk.row(f"norm warps={nw}" + (" (default)" if nw == default_warps else ""), f"M={M} D={D}", res[nw],
+                   M * D * 15)
+        out[f"M={M}"] = res
+    return out
+
+
+def stage1_section() -> dict:
+    from mtp.kernels.mla_decode import default_splits, mla_decode
+
+    out = {}
+    H = 16
+    for T in (1, 4):
+        for S, J, tag in ((1024 + T, None, "dense 1k"), (32768 + T, 2048, "top-2048 of 32k")):
+            q, qpe, kv8, kvs, pe, lens, idx, keys, nbytes = gk.mla_case(1, T, H, S, J)
+            base = default_splits(T, J or S)
+            want = mla_decode(q, qpe, kv8, kvs, pe, lens, 0.1, topk_idx=idx)
+            res = {}
+            for bn in (16, 32, 64):
+                for mult in (1, 2, 4):
+                    splits = min(base * mult, (J or S) // bn)
+                    name = f"bn={bn} splits={splits}"
+                    if name in res:
+                        continue
+                    try:
+                        got = mla_decode(q, qpe, kv8, kvs, pe, lens, 0.1, topk_idx=idx, block_n=bn, splits=splits)
+                        err = gk.rel_err(got, want)
+                        gk.check(f"stage1 T={T} {tag} {name}", err < 1e-2, f"rel err vs default {err:.2e}")
+                        res[name] = gk.graph_us([lambda bn=bn, sp=splits: mla_decode(
+                            q, qpe, kv8, kvs, pe, lens, 0.1, topk_idx=idx, block_n=bn, splits=sp)])
+                    except Exception as e:  # a setting that does not compile: record it, go on
+                        gk.check(f"stage1 T={T} {tag} {name}", False, f"{type(e).__name__}: {str(e)[:200]}")
+                        continue
+                    gk.row(f"mla {name}" + (" (default)" if (bn, mult) == (64, 1) else ""), f"T={T} {tag}",
+                           res[name], nbytes)
+            out[f"T={T} {tag}"] = res
+    return out
+
+
+def gemv_section() -> dict:
+    from mtp.kernels.act_quant import act_quant
+    from mtp.kernels.gemv_splitk import fp8_gemv, gemv_plan
+    from mtp.model.fp8 import weight_quant
+
+    out = {}
+    for name, N, K, pre in (("o_proj", 7168, 2048, False), ("q_a|wk|kv_a", 2240, 7168, True)):
+        ws = [weight_quant(torch.randn(N, K, device=DEV) * 0.02) for _ in range(gk.n_sets(N * K))]
+        x = torch.randn(1, K, device=DEV).bfloat16()
+        xq = act_quant(x) if pre else None
+        nbytes = N * K + -(-N // 128) * (K // 128) * 4
+        plan = gemv_plan(N, K // 128, x.device)
+        want = fp8_gemv(x, *ws[0], xq=xq)
+        res = {}
+        for bn in (8, 16, 32):
+            for gps in (4, 8, 16):
+                if (K // 128) % gps:
+                    continue
+                for nw in (2, 4, 8):
+                    key = f"bn={bn} gps={gps} warps={nw}"
+                    try:
+                        got = fp8_gemv(x, *ws[0], xq=xq, bn=bn, gps=gps, num_warps=nw)
+                        err = gk.rel_err(got, want)
+                        gk.check(f"gemv {name} {key}", err < 1e-3, f"rel err vs default {err:.2e}")
+                        res[key] = gk.graph_us([lambda w=w, s=s, bn=bn, gps=gps, nw=nw: fp8_gemv(
+                            x, w, s, xq=xq, bn=bn, gps=gps, num_warps=nw) for w, s in ws])
+                    except Exception as e:
+                        gk.check(f"gemv {name} {key}", False, f"{type(e).__name__}: {str(e)[:200]}")
+                        continue
+                    default = (bn, gps, nw) == (plan["bn"], plan["gps"], plan["num_warps"])
+                    gk.row(f"gemv {key}" + (" (default)" if default else ""), f"{name} M=1 {N}x{K}", res[key],
+                           nbytes)
+        out[name] = dict(sorted(res.items(), key=lambda kv: kv[1]), plan=plan)
+        del ws
+        torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or "eval/results")
+    ap.add_argument("--only", default="norm,stage1,gemv", help="comma list of sections: norm,stage1,gemv")
+    args = ap.parse_args()
+    if not available():
+        sys.exit("mtp.bench.small_kernels: needs triton and a CUDA device")
+    props = torch.cuda.get_device_properties(0)
+    gk.L2 = getattr(props, "L2_cache_size", gk.L2)
+    torch.manual_seed(0)
+    out = dict(meta=dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+                         date=time.strftime("%Y-%m-%d %H:%M")))
+    t0 = time.time()
+    out["bandwidth"] = gk.copy_bandwidth()
+    gk.run_sections([("norm", norm_section), ("stage1", stage1_section), ("gemv", gemv_section)],
+                    set(args.only.split(",")), out)
+    gk.finish(out, t0, os.path.join(args.out, "small_kernels.json"))
+
+
+if __name__ == "__main__":
+    main()
