@@ -254,6 +254,9 @@ KERNEL_VARIANTS = {
     # the FFN's all-reduced sum added in its own block (`add_rounded`, then the next block's norm), as under NCCL
     # before session 15 (the simulated rank's all-reduce is NCCL's): one launch more per layer than the hand-off
     "ffn_add_in_block": (dict(mlp_reduce_norm=False), dict()),
+    # the split-K GEMV's plan before session 17: o_proj's K = 2048 in 2 slices + the fix-up, 8 warps (the default
+    # since: one slice, 4 warps; `gemv_splitk.gemv_plan`)
+    "gemv_split": (dict(gemv_one_slice=0), dict()),
 }
 
 

@@ -8,6 +8,10 @@ version, so the engine captures its kept graphs again).
 - gemv: `gemv_splitk.fp8_gemv` (CUDA-core split-K GEMV, all of a program's weight tile in one load) for
   1..gemv_rows rows (at most MAX_M); more rows, or off: the tensor-core `fp8_gemm.fp8_linear`. Its CUDA-core
   FMAs and lane reductions grow with the rows, so the row limit is a measured choice (BENCHMARKS.md).
+- gemv_one_slice (16; an integer): the split-K GEMV takes the whole K in one slice (no partials, no fix-up; 4 warps)
+  where K / 128 is a power of two above 8 and at most this (`gemv_splitk.gemv_plan`): the TP=8 rank's o_proj (K =
+  2048) 7.41 vs 10.20 us alone (H200, BENCHMARKS.md session 17); 0: the split plan (variant gemv_split). Another sum
+  order of the groups, the same formula.
 - norm_quant: the decoder block's residual add + RMSNorm + FP8 quant in one kernel (`norm_quant`), its
   quantized output fed to the next GEMV (`fast_path.FastBlock`); also the q_a norm + quant.
 - router: the MoE router in one kernel (`router.moe_route_fused`); off: `moe.moe_route` (2 launches).
@@ -123,7 +127,8 @@ ELEMENTWISE_IMPLS = ("triton", "compile", "eager")
 
 
 # the options that are integers; every other field is an on / off switch
-INT_FIELDS = ("gemv_rows", "pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows")
+INT_FIELDS = ("gemv_rows", "pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows",
+              "gemv_one_slice")
 
 
 @dataclass
@@ -165,6 +170,10 @@ class FastPathOptions:
     pdl_early_tokens: int = 1
     # indexer calls of at most this many score rows take the 'radix_fused' top-k where 'radix' is set (`topk_impl_at`)
     fused_hist_rows: int = 1
+    # the split-K GEMV's whole K in one slice (no fix-up; 4 warps) where K / 128 is a power of two in (8, this]
+    # (`gemv_splitk.gemv_plan`); 0: the split plan. 16: the TP=8 rank's o_proj (K = 2048), 7.41 vs 10.20 us alone
+    # on an H200 (`mtp.bench.small_kernels`, BENCHMARKS.md session 17)
+    gemv_one_slice: int = 16
 
     def __post_init__(self) -> None:
         from mtp.kernels.gemv_splitk import MAX_M
@@ -172,7 +181,7 @@ class FastPathOptions:
         rows = self.gemv_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_M:
             raise ValueError(f"FastPathOptions: gemv_rows must be an integer in 0..{MAX_M}, got {rows!r}")
-        for name in ("pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows"):
+        for name in ("pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows", "gemv_one_slice"):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"FastPathOptions: {name} must be an integer >= 0, got {n!r}")
@@ -235,7 +244,7 @@ def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, opts: Fas
     K = src.shape[-1]
     M = src.numel() // K if K else 0
     if opts.gemv and 1 <= M <= min(opts.gemv_rows, MAX_M) and w8.shape[0] > 0:
-        return fp8_gemv(x, w8, sw, xq=xq, out_dtype=out_dtype, pdl=opts.pdl_at(M))
+        return fp8_gemv(x, w8, sw, xq=xq, out_dtype=out_dtype, pdl=opts.pdl_at(M), one_slice=opts.gemv_one_slice)
     if xq is not None:
         x8, sx = xq
         y = fp8_gemm(x8.reshape(-1, K), sx.reshape(-1, K // 128), w8, sw,

@@ -176,14 +176,22 @@ def _gemv_mma_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, part_ptr, y_ptr, cnt_ptr, N, 
         tl.store(y_ptr + offs_m[None, :] * N + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=ymask)
 
 
-def gemv_plan(N: int, G: int, device: torch.device, mma: bool = False) -> dict:
+def gemv_plan(N: int, G: int, device: torch.device, mma: bool = False, one_slice: int = 0) -> dict:
     """Tile of the split-K GEMV: GPS = the largest power of two <= 8 dividing G (no masked groups, so
     K = 7168 -> 8 groups per slice, 7 slices; K = 1536 -> 4, 3 slices; K = 2048 -> 8, 2 slices), BN rows so
     that a tile holds ~16 KB (CUDA cores, 8 warps from 8 KB) or ~32 KB (mma, 4 warps), halved (down to 8, or to
     the 16 rows of mma.sync's m16) while the grid has fewer programs than SMs.
     Why 32 KB / 4 warps for mma: its SASS for sm_90 issues ~135 warp-instructions per KB of weight at M = 8
     (BN 32, GPS 8, 4 warps; 106 registers) against ~290 at the CUDA-core tile (BN 16, 8 warps): 35 us vs 75 us
-    of issue time for a 264 MB weight on 132 SMs, whose HBM time is ~63 us."""
+    of issue time for a 264 MB weight on 132 SMs, whose HBM time is ~63 us.
+    one_slice (CUDA cores; `FastPathOptions.gemv_one_slice`): where G is a power of two above 8 and at most this,
+    the whole K in one slice (GPS = G: no split-K partials, no fix-up), BN for the same ~16 KB tile, 4 warps.
+    Measured on an H200 (`mtp.bench.small_kernels`, BENCHMARKS.md session 17), the TP=8 rank's o_proj (7168 x 2048,
+    G = 16, one row, x quantized in the kernel) in graph replays: 7.41 us (BN 8, GPS 16, 4 warps) against 10.20
+    (BN 16, GPS 8, 8 warps: 78 registers, 3 programs per SM, its 896 programs in 2.3 waves, then the fix-up);
+    8 warps 7.85, 2 warps 8.24; BN 16 x GPS 16 (32 KB) 8.41 at 8 warps, 140 at 2 (spills)."""
+    if not mma and 8 < G <= one_slice and G & (G - 1) == 0:
+        return dict(bn=max(8, TILE_BYTES // (G * BLOCK)), gps=G, num_warps=4)
     gps = 1
     while gps < 8 and G % (2 * gps) == 0:
         gps *= 2
@@ -199,14 +207,15 @@ def gemv_plan(N: int, G: int, device: torch.device, mma: bool = False) -> dict:
 
 def fp8_gemv(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=None,
              out_dtype: torch.dtype | None = None, bn: int | None = None, gps: int | None = None,
-             num_warps: int | None = None, pdl: bool = False, mma: bool = False) -> torch.Tensor:
+             num_warps: int | None = None, pdl: bool = False, mma: bool = False, one_slice: int = 0) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequant(w8, sw)^T with DeepSeek's FP8 numerics, for <= MAX_M rows.
 
     xq = (x8 [..., K] float8, sx [..., G] fp32): the activations already quantized (x may then be None);
     else x is quantized per 128 in the kernel. out_dtype: default x's dtype (fp32 when only xq is given).
     bn / gps / num_warps override `gemv_plan`. pdl: launch with programmatic dependent launch (Hopper; see
     `_triton.pdl_kwargs`): the weight tile is requested while the previous kernel finishes. mma: multiply on
-    tensor cores (`_gemv_mma_kernel`: rows padded to MMA_ROWS, cost flat in M) instead of CUDA-core FMAs."""
+    tensor cores (`_gemv_mma_kernel`: rows padded to MMA_ROWS, cost flat in M) instead of CUDA-core FMAs.
+    one_slice: `gemv_plan`'s (K in one slice where K / 128 is a power of two above 8 and at most this)."""
     src = x if xq is None else xq[0]
     if src is None:
         raise ValueError("fp8_gemv: give x or xq = (x8, sx)")
@@ -238,7 +247,7 @@ def fp8_gemv(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, xq=None
     if not 1 <= M <= MAX_M:
         raise ValueError(f"fp8_gemv: takes 1..{MAX_M} rows, got {M} (use kernels.fp8_gemm.fp8_linear)")
     out_dtype = out_dtype or (x.dtype if x is not None else torch.float32)
-    plan = gemv_plan(N, G, a.device, mma=mma)
+    plan = gemv_plan(N, G, a.device, mma=mma, one_slice=one_slice)
     bn, gps = bn or plan["bn"], gps or plan["gps"]
     if mma and (bn < MMA_MIN_BN or bn & (bn - 1) or gps & (gps - 1)):
         raise ValueError(f"fp8_gemv: mma needs bn a power of two >= {MMA_MIN_BN} and gps a power of two, got bn "

@@ -210,6 +210,21 @@ def _gemv_checks() -> None:
                 assert torch.equal(fp8_gemv(None, w8, sw, xq=xq, mma=True, **tune), y)
             own = fp8_gemv(None, w8, sw, xq=act_quant(x), mma=True, **tune)
             assert torch.equal(fp8_gemv(x, w8, sw, out_dtype=torch.float32, mma=True, **tune), own), ("mma", N, K, M)
+    # one slice (`gemv_plan`'s one_slice: K = 2048, 16 groups, no fix-up) against the reference and the split plan
+    from mtp.kernels.gemv_splitk import gemv_plan
+
+    assert gemv_plan(24, 16, torch.device("cpu"), one_slice=16) == dict(bn=8, gps=16, num_warps=4)
+    assert gemv_plan(24, 16, torch.device("cpu"))["gps"] == 8  # 0: the split plan
+    assert gemv_plan(24, 12, torch.device("cpu"), one_slice=16)["gps"] == 4  # not a power of two: split
+    w8, sw = weight_quant(torch.randn(24, 2048) * 0.05)
+    for M in (1, 3):
+        x = torch.randn(M, 2048) * torch.logspace(-2, 1, 2048)
+        xq = act_quant_ref(x)
+        y = fp8_gemv(None, w8, sw, xq=xq, one_slice=16)
+        assert _rel(y, fp8_gemv_ref(None, w8, sw, xq=xq)) < 1e-5, ("one slice", M)
+        assert _rel(y, fp8_gemv(None, w8, sw, xq=xq)) < 1e-6, ("one slice vs split", M)
+        own = fp8_gemv(None, w8, sw, xq=act_quant(x), one_slice=16)  # x quantized in the kernel: the same bits
+        assert torch.equal(fp8_gemv(x, w8, sw, out_dtype=torch.float32, one_slice=16), own), ("one slice", M)
     xb = torch.randn(2, 3, 256).bfloat16()  # leading dims and a bf16 output
     w8, sw = weight_quant(torch.randn(96, 256) * 0.05)
     y = fp8_gemv(None, w8, sw, xq=act_quant_ref(xb), out_dtype=torch.bfloat16)

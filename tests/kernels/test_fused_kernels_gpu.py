@@ -54,6 +54,23 @@ def test_fp8_gemv(M, NK):
     check_close(f"fp8_gemv bf16 M={M} N={N} K={K}", yb.float(), fp8_gemv_ref(x, w8, sw).float(), 1e-2)
 
 
+@pytest.mark.parametrize("M", WIDTHS)
+@pytest.mark.parametrize("NK", [(7168, 2048), (200, 2048), (1000, 1024)])
+def test_fp8_gemv_one_slice(M, NK):
+    """`gemv_plan`'s one slice (FastPathOptions.gemv_one_slice: K / 128 a power of two above 8, no fix-up) against
+    the reference, x pre-quantized and quantized in the kernel (the same bits), and against the split plan; K = 1024
+    (8 groups) keeps the split plan's tile."""
+    N, K = NK
+    w8, sw = rand_weight(N, K)
+    x = (torch.randn(M, K, device=DEV) * torch.logspace(-3, 1, K, device=DEV)).bfloat16()
+    xq = act_quant_ref(x)
+    poison()
+    y = fp8_gemv(None, w8, sw, xq=xq, one_slice=16)
+    check_close(f"fp8_gemv one slice M={M} N={N} K={K}", y, fp8_gemv_ref(None, w8, sw, xq=xq), 1e-4)
+    assert torch.equal(fp8_gemv(x, w8, sw, out_dtype=torch.float32, one_slice=16), y)
+    check_close(f"fp8_gemv one slice vs split M={M} N={N} K={K}", y, fp8_gemv(None, w8, sw, xq=xq), 1e-5)
+
+
 # TP=1 full width: q_b | wq_b, o_proj, dense gate | up (stacked) and down, shared gate | up, an expert's down
 TP1_SHAPES = [(32768, 1536), (7168, 16384), (36864, 7168), (7168, 18432), (4096, 7168), (7168, 2048)]
 
