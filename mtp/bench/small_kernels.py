@@ -11,6 +11,7 @@ order changes the last bits, so the check is a tolerance, printed):
   chain per thread);
 - stage1: `mla_decode` (stage 1 + stage 2) at 16 heads with 16 / 32 / 64 keys per tile and 1 / 2 / 4 x the default
   KV slices, dense 1k and the top-2048 of 32k, T = 1 and 4;
+- combine: the experts' combine over its channel block and warps (the same bits);
 - gemv: `fp8_gemv` on o_proj (7168 x 2048, x quantized in the kernel) and q_a | wk | kv_a (2240 x 7168, x
   pre-quantized) at one row, over BN, groups per slice and warps.
 
@@ -102,6 +103,40 @@ def stage1_section() -> dict:
     return out
 
 
+def combine_section() -> dict:
+    """The experts' combine (`moe._moe_combine_kernel`: y[t] = the sum over 8 routed slots and the shared one of
+    the down kernel's per-slot rows) at a 'split' rank's shape, over its channel block and warps (each channel's
+    sum in the same order: the same bits)."""
+    from mtp.kernels._triton import triton
+    from mtp.kernels.moe import _moe_combine_kernel
+
+    D, J, topk = 7168, 8, 9
+    out = {}
+    for T in (1, 4):
+        part = torch.randn(1, T * topk, D, device=DEV)
+        idx = torch.randint(0, 256, (T, J), device=DEV, dtype=torch.int32)
+
+        def call(bd, nw, T=T, part=part, idx=idx):
+            y = torch.empty(T, D, device=DEV)
+            _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, idx, y, y, D, T * topk, TOPK=topk, J=J, KS=1,
+                                                         BLOCK_D=bd, ADD=False, PDL=0, num_warps=nw)
+            return y
+
+        want = call(1024, 4)
+        res = {}
+        for bd in (256, 512, 1024, 2048):
+            for nw in (1, 2, 4, 8):
+                if bd < 32 * nw:
+                    continue
+                key = f"block_d={bd} warps={nw}"
+                gk.check(f"combine T={T} {key}", torch.equal(call(bd, nw), want), "bit-equal to the default")
+                res[key] = gk.graph_us([lambda bd=bd, nw=nw: call(bd, nw)])
+                gk.row(f"combine {key}" + (" (default)" if (bd, nw) == (1024, 4) else ""), f"T={T} D={D}",
+                       res[key], T * topk * D * 4 + T * D * 4)
+        out[f"T={T}"] = dict(sorted(res.items(), key=lambda kv: kv[1]))
+    return out
+
+
 def gemv_section() -> dict:
     from mtp.kernels.act_quant import act_quant
     from mtp.kernels.gemv_splitk import fp8_gemv, gemv_plan
@@ -143,7 +178,8 @@ def gemv_section() -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "eval/results")
-    ap.add_argument("--only", default="norm,stage1,gemv", help="comma list of sections: norm,stage1,gemv")
+    ap.add_argument("--only", default="norm,stage1,combine,gemv",
+                    help="comma list of sections: norm,stage1,combine,gemv")
     args = ap.parse_args()
     if not available():
         sys.exit("mtp.bench.small_kernels: needs triton and a CUDA device")
@@ -154,7 +190,8 @@ def main():
                          date=time.strftime("%Y-%m-%d %H:%M")))
     t0 = time.time()
     out["bandwidth"] = gk.copy_bandwidth()
-    gk.run_sections([("norm", norm_section), ("stage1", stage1_section), ("gemv", gemv_section)],
+    gk.run_sections([("norm", norm_section), ("stage1", stage1_section), ("combine", combine_section),
+                     ("gemv", gemv_section)],
                     set(args.only.split(",")), out)
     gk.finish(out, t0, os.path.join(args.out, "small_kernels.json"))
 
