@@ -286,7 +286,8 @@ def patch_interpreter_pdl() -> None:
     (`prefetch_l2`) become no-ops, each prefetch's addresses appended to `PREFETCHED` (the interpreter's pointers
     are the CPU tensors' own addresses: a caller can check they lie in the weight it meant); and `pdl_kwargs` of
     every loaded `mtp.kernels` module grants PDL on the CPU too ({"launch_pdl": True}, which the interpreter's
-    launcher drops), so that a kernel asked for it takes PDL=True. Call after importing the kernel modules."""
+    launcher drops), so that a kernel asked for it takes PDL=True, as `asm_ok` grants the prefetches issued outside
+    PDL (`moe_experts(item_regs=True)`'s next items). Call after importing the kernel modules."""
     import sys
 
     import numpy as np
@@ -326,3 +327,5 @@ def patch_interpreter_pdl() -> None:
     for name, mod in list(sys.modules.items()):
         if name.startswith("mtp.kernels") and hasattr(mod, "pdl_kwargs"):
             mod.pdl_kwargs = granted
+        if name.startswith("mtp.kernels") and hasattr(mod, "asm_ok"):  # the prefetches outside PDL too (no-ops)
+            mod.asm_ok = lambda t: True

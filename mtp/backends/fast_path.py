@@ -183,7 +183,8 @@ class FastMoE(MoE):
     expert-parallel MoE gets None from `fast_module` (its few active experts are what the persistent layout is
     for); a 'split' rank keeps 'pairs' but runs the persistent layout up to `persistent_tokens`
     (SPLIT_PERSISTENT_TOKENS: its pair grid has 2 N-blocks per pair at TP=8), its K slices sized for every pair a
-    distinct local expert (`all_local`, switch `moe_wave_splits`). `set_kernel_options` switches. Above
+    distinct local expert (`all_local`, switch `moe_wave_splits`), its work items without dependent loads with
+    switch `moe_item_regs` (any persistent call; the same bits). `set_kernel_options` switches. Above
     `grouped_above` tokens (verify batches, prefill) every MoE runs the grouped GEMM (`kernels.moe_grouped`),
     `max_tokens` per call."""
 
@@ -290,7 +291,8 @@ class FastMoE(MoE):
             waves = persistent and self.all_local and self.fast_options.moe_wave_splits
             return moe_experts(x_ND, ids_NK, w_NK, *ws, out_dtype=torch.float32, layout=layout, add=add,
                                shared=shared, splits="waves" if waves else None, pdl=self.fast_options.pdl_at(N),
-                               prefetch=self.fast_options.prefetch_at(N))
+                               prefetch=self.fast_options.prefetch_at(N),
+                               item_regs=persistent and self.fast_options.moe_item_regs)
         C = self.max_tokens
         bm = default_block_m(min(N, C))
         outs = [moe_experts(x_ND[a:a + C], ids_NK[a:a + C], w_NK[a:a + C], *ws, out_dtype=torch.float32,

@@ -156,6 +156,12 @@ def prefetch_span_l2(base, n, LINE: tl.constexpr, BLOCK: tl.constexpr):
         prefetch_l2(base + tl.where(line < l1, line, j).to(tl.int64) * LINE)
 
 
+def asm_ok(t: torch.Tensor) -> bool:
+    """Whether kernels on `t` may run inline PTX outside PDL (`prefetch_l2`): on a CUDA device. The interpreter runs
+    none; tests that make it a no-op there (`tests.interp.patch_interpreter_pdl`) grant this too."""
+    return t.is_cuda
+
+
 def line_elems(t: torch.Tensor) -> int:
     """Elements of `t` in one 128-byte cache line (`prefetch_rows_l2`' LINE)."""
     return max(1, 128 // t.element_size())

@@ -54,6 +54,15 @@ version, so the engine captures its kept graphs again).
   default: measured on one TP=8 split rank (H200, 61 layers, BENCHMARKS.md session 12) -1.1 ms a step at w = 1
   (6.43 vs 7.54 ms at 1k, 9.15-9.19 vs 10.35-10.46 at 32k), -0.25 to -0.57 at w = 2, wider steps unchanged (they
   run the pair grid).
+- moe_item_regs (off until timed on a GPU): the persistent experts' kernels with no dependent load before a work
+  item's weight tiles (`moe.moe_experts(item_regs=True)`, `mtp.kernels.moe_items`): the item's expert, rows and
+  slots from the ids the program loaded once (registers) instead of a reload per item; the per-group weight (and h)
+  scales loaded one K group ahead instead of after each wgmma's wait; the down route weights before its loop;
+  gate/up's last-arriving slice with its KS partial loads in flight at once instead of one round trip per slice;
+  the program's next item's weight lines asked of L2 before this item's loop. The same tiles, the same sums in
+  the same order: bit-identical. Off: `moe._work_item` and the item loop as measured in sessions 12-16 (a TP=8
+  split rank's gate/up + down + combine 30.8 us at one token for 11.7 us of HBM bytes; variants moe_item_regs /
+  defaults in `mtp.bench.rank.KERNEL_VARIANTS`, `python -m mtp.bench.topk_moe --only moe_split` alone).
 - pdl (on, for calls of up to `pdl_tokens` tokens: 64 by default on a tensor-parallel rank, with the trigger after
   the wait past one token, pdl_early_tokens 1: measured on one TP=8 split rank, H200, BENCHMARKS.md session 15,
   back-to-back replays: -0.36 to -0.51 ms a step at w = 2..4 at 1k, -0.14 to -0.43 at 32k, against PDL at w = 1
@@ -150,6 +159,7 @@ class FastPathOptions:
     topk_one_launch: bool = False
     indexer_one_launch: bool = False
     topk_split_v2: bool = True
+    moe_item_regs: bool = False
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)

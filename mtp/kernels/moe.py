@@ -42,7 +42,8 @@ Persistent layout (default for T * J <= 64, `layout=`): at TP=8 a rank computes 
 a [P, P] compare) so the grid stays static; gate/up slices meet in an fp32 workspace where the last slice of
 an (expert, N-block) to arrive (atomic counter, re-armed) sums them in slice order and writes h; down slices
 write separate partials that the combine kernel sums slot by slot, slice by slice. Deterministic; the slice
-counts depend on the shapes only (`default_splits`).
+counts depend on the shapes only (`default_splits`). `moe_experts(item_regs=True)`: the same work items with no
+dependent load before their weight tiles (`mtp.kernels.moe_items`), the same bits.
 
 Grouped layout (default above GROUPED_ABOVE tokens, up to MAX_TOKENS; `mtp.kernels.moe_grouped`): the pairs sorted
 by expert on the device and padded to M-blocks of one expert each, then a grouped FP8 GEMM for gate|up and one for
@@ -61,10 +62,13 @@ import torch.nn.functional as F
 from mtp.model.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
 from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.model.moe import route
-from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, prefetch_span_l2, require, tl, triton
+from mtp.kernels._triton import (asm_ok, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, prefetch_span_l2, require, tl,
+                                 triton)
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
+from mtp.kernels.moe_items import (_down_tile_ahead, _fixup_sums, _gate_up_tile_ahead, _item_regs, _item_rows,
+                                   _prefetch_item)
 
 __all__ = ["wave_splits", "waves_for", "moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts",
            "moe_experts_ref", "gate_logits", "default_layout", "MAX_TOKENS", "PAIRS_MAX_TOKENS", "GROUPED_ABOVE"]
@@ -384,14 +388,15 @@ def _moe_down_kernel(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
 # ----------------------------------------------------------------------------- persistent expert kernels
 @triton.jit
 def _leader_pairs(idx_ptr, P, S, TOPK: tl.constexpr, J: tl.constexpr, PPAD: tl.constexpr):
-    """Pairs q in [0, PPAD), which of them lead (a valid expert no earlier pair names), each leader's rank
-    among the leaders, and the number of leaders (distinct experts to compute). [PPAD, PPAD] compares: small P."""
+    """Pairs q in [0, PPAD), their expert ids (-2 past the P pairs), which of them lead (a valid expert no earlier
+    pair names), each leader's rank among the leaders, and the number of leaders (distinct experts to compute).
+    [PPAD, PPAD] compares: small P."""
     q = tl.arange(0, PPAD)
     iq = _ids(idx_ptr, q, q < P, S, TOPK, J)
     earlier = (iq[:, None] == iq[None, :]) & (q[None, :] < q[:, None])
     lead = (iq >= 0) & (tl.sum(earlier.to(tl.int32), 1) == 0)
     rank = tl.cumsum(lead.to(tl.int32), 0) - 1
-    return q, lead, rank, tl.sum(lead.to(tl.int32), 0)
+    return q, iq, lead, rank, tl.sum(lead.to(tl.int32), 0)
 
 
 @triton.jit
@@ -413,22 +418,34 @@ def _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, G, S, TOPK: tl.constexpr, J
 def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr, part_ptr, cnt_ptr,
                             T, D, I, stride_xm, stride_we, stride_se, stride_sn, KS, S,
                             TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
-                            KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                            KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, ITEM_REGS: tl.constexpr,
+                            NEXT_PF: tl.constexpr, KSU: tl.constexpr, TP: tl.constexpr):
     """Work item (a, nb, ks): the a-th distinct expert, N-block nb, K slice ks, handed out round-robin over a
     grid of ~one program per SM, so the few experts a rank computes at decode still fill every SM. The last
     slice of (a, nb) to finish (atomic counter) sums the fp32 partials in slice order (deterministic) and
-    writes h; it re-arms the counter."""
+    writes h; it re-arms the counter. ITEM_REGS: the items without dependent loads (`moe_items`: KSU = KS slices
+    unrolled in the fix-up, on TP = next_pow2(T) columns; NEXT_PF: the next item's weights asked of L2)."""
     pdl_launch(PDL)
     _shared_prefetch(w1_ptr, S, stride_we, I * D, TOPK, J, PDL, PREFETCH)
     _shared_prefetch(w3_ptr, S, stride_we, I * D, TOPK, J, PDL, PREFETCH)
     pdl_wait(PDL)  # the router's ids; the counters, re-armed by their last user, are touched after it
-    q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, S, TOPK, J, PPAD)
+    q, iq, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, S, TOPK, J, PPAD)
     NB = I // 128
-    for w in range(tl.program_id(0), n_act * NB * KS, tl.num_programs(0)):
-        a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, D // 128, S,
-                                                        TOPK, J, BM, PPAD, KPAD)
-        acc1, acc3 = _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
-                                   D, stride_xm, stride_we, stride_se, stride_sn, BM)
+    G = D // 128
+    n_items = n_act * NB * KS
+    for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        if ITEM_REGS:
+            a, nb, ks, e, active, slot, g0, g1 = _item_regs(w, q, iq, lead, rank, NB, KS, G, TOPK, BM)
+            if NEXT_PF:
+                _prefetch_item(w + tl.num_programs(0), n_items, q, iq, lead, rank, NB, KS, G, w1_ptr, w3_ptr,
+                               stride_we, D, True)
+            acc1, acc3 = _gate_up_tile_ahead(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
+                                             D, stride_xm, stride_we, stride_se, stride_sn, BM)
+        else:
+            a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, G, S,
+                                                            TOPK, J, BM, PPAD, KPAD)
+            acc1, acc3 = _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
+                                       D, stride_xm, stride_we, stride_se, stride_sn, BM)
         # fp32 partials [2, 128, T] per (a, nb, ks): the T token columns only
         m = tl.arange(0, BM)
         tile = tl.arange(0, 128)[:, None] * T + m[None, :]
@@ -438,13 +455,18 @@ def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_p
         tl.store(base + ks * (2 * 128 * T) + 128 * T + tile, acc3, mask=tmask)
         tl.debug_barrier()
         if tl.atomic_add(cnt_ptr + a * NB + nb, 1, sem="acq_rel", scope="gpu") == KS - 1:
-            acc1 = tl.zeros((128, BM), dtype=tl.float32)
-            acc3 = tl.zeros((128, BM), dtype=tl.float32)
-            for s in range(KS):
-                acc1 += tl.load(base + s * (2 * 128 * T) + tile, mask=tmask, other=0.0, cache_modifier=".cg")
-                acc3 += tl.load(base + s * (2 * 128 * T) + 128 * T + tile, mask=tmask, other=0.0,
-                                cache_modifier=".cg")
-            _gate_up_store(acc1, acc3, nb, slot, active, h8_ptr, hs_ptr, I)
+            if ITEM_REGS:  # [128, TP] tiles: T columns, not the dot's BM
+                sum1, sum3 = _fixup_sums(base, T, KS, KSU, TP)
+                rows, slots = _item_rows(e, q, iq, TOPK, TP)
+                _gate_up_store(sum1, sum3, nb, slots, rows, h8_ptr, hs_ptr, I)
+            else:
+                acc1 = tl.zeros((128, BM), dtype=tl.float32)
+                acc3 = tl.zeros((128, BM), dtype=tl.float32)
+                for s in range(KS):
+                    acc1 += tl.load(base + s * (2 * 128 * T) + tile, mask=tmask, other=0.0, cache_modifier=".cg")
+                    acc3 += tl.load(base + s * (2 * 128 * T) + 128 * T + tile, mask=tmask, other=0.0,
+                                    cache_modifier=".cg")
+                _gate_up_store(acc1, acc3, nb, slot, active, h8_ptr, hs_ptr, I)
             tl.atomic_xchg(cnt_ptr + a * NB + nb, 0, sem="relaxed", scope="gpu")
 
 
@@ -452,21 +474,35 @@ def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_p
 def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
                          T, D, I, stride_we, stride_se, stride_sn, KS, S,
                          TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
-                         KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                         KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, ITEM_REGS: tl.constexpr,
+                         NEXT_PF: tl.constexpr):
     """Work item (a, nb, ks) as in `_moe_gate_up_persistent`; slice ks writes its weighted partial to
-    out[ks, slot], which the combine kernel sums in a fixed order."""
+    out[ks, slot], which the combine kernel sums in a fixed order. ITEM_REGS: without dependent loads (`moe_items`;
+    the route weights loaded before the loop; NEXT_PF: the next item's weights asked of L2)."""
     pdl_launch(PDL)
     _shared_prefetch(w2_ptr, S, stride_we, D * I, TOPK, J, PDL, PREFETCH)
     pdl_wait(PDL)  # the router's ids and weights, gate / up's h
-    q, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, S, TOPK, J, PPAD)
+    q, iq, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, S, TOPK, J, PPAD)
     NB = tl.cdiv(D, 128)
+    GI = I // 128
     P = T * TOPK
-    for w in range(tl.program_id(0), n_act * NB * KS, tl.num_programs(0)):
-        a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, I // 128, S,
-                                                        TOPK, J, BM, PPAD, KPAD)
-        acc = _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I,
-                         stride_we, stride_se, stride_sn, BM)
-        acc = acc * _slot_weights(rw_ptr, slot, active, TOPK, J)[None, :]
+    n_items = n_act * NB * KS
+    for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        if ITEM_REGS:
+            a, nb, ks, e, active, slot, g0, g1 = _item_regs(w, q, iq, lead, rank, NB, KS, GI, TOPK, BM)
+            rw = _slot_weights(rw_ptr, slot, active, TOPK, J)
+            if NEXT_PF:
+                _prefetch_item(w + tl.num_programs(0), n_items, q, iq, lead, rank, NB, KS, GI, w2_ptr, w2_ptr,
+                               stride_we, I, False)
+            acc = _down_tile_ahead(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I,
+                                   stride_we, stride_se, stride_sn, BM)
+        else:
+            a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, GI, S,
+                                                            TOPK, J, BM, PPAD, KPAD)
+            acc = _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I,
+                             stride_we, stride_se, stride_sn, BM)
+            rw = _slot_weights(rw_ptr, slot, active, TOPK, J)
+        acc = acc * rw[None, :]
         offs_n = nb * 128 + tl.arange(0, 128)
         dst = out_ptr + (ks * P + slot).to(tl.int64)[None, :] * D + offs_n[:, None]
         tl.store(dst, acc, mask=active[None, :] & (offs_n < D)[:, None])
@@ -566,7 +602,7 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                 layout: str | None = None, splits: tuple[int, int] | str | None = None,
                 programs: tuple[int, int] | None = None, add: torch.Tensor | None = None,
                 block_m: int | None = None, shared: bool = False, pdl: bool = False,
-                prefetch: bool = True) -> torch.Tensor:
+                prefetch: bool = True, item_regs: bool = False, item_prefetch: bool = True) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
@@ -596,6 +632,10 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     expert's weights are asked of L2 before it, a share per program, unless not prefetch
     (`FastPathOptions.prefetch_at`: the prefetch compiled out, the same bits); the grouped layout's launches stay
     plain).
+    item_regs: the persistent layout's work items without a dependent load before their weight tiles
+    (`mtp.kernels.moe_items`: ids from registers, the scales one K group ahead, the fix-up's slices in flight at
+    once, with item_prefetch the program's next item's weights asked of L2 on a CUDA device): the same tiles, the
+    same sums in the same order, the same bits (switch `FastPathOptions.moe_item_regs`).
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
@@ -678,13 +718,17 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         nb = I // BLOCK
         gu_part = torch.empty(n_act * nb * ks_gu * 2 * BLOCK * T, dtype=torch.float32, device=dev)
         cnt = _counters(dev, n_act * nb)
+        # item_regs: the fix-up unrolled over the ks_gu slices (a compile per slice count, as per BM) on
+        # next_pow2(T) columns; off: 1s, one compile
+        items = dict(ITEM_REGS=item_regs, NEXT_PF=item_regs and item_prefetch and asm_ok(x))
+        fix = dict(KSU=ks_gu, TP=triton.next_power_of_2(T)) if item_regs else dict(KSU=1, TP=1)
         _moe_gate_up_persistent[(min(g_gu, n_act * nb * ks_gu),)](
             x, idx, *wargs, h8, hs, gu_part, cnt, T, D, I, x.stride(0), w_gate.stride(0), s_gate.stride(0),
-            s_gate.stride(1), ks_gu, S, num_stages=gate_up_stages or 4, **kw)
+            s_gate.stride(1), ks_gu, S, num_stages=gate_up_stages or 4, **kw, **items, **fix)
         part = torch.empty(ks_down, P, D, dtype=torch.float32, device=dev)
         _moe_down_persistent[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
             h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0), s_down.stride(0), s_down.stride(1),
-            ks_down, S, num_stages=down_stages or 5, **kw)
+            ks_down, S, num_stages=down_stages or 5, **kw, **items)
     return _combine(part, idx, add, T, D, J, ks_down, out_dtype or x_TD.dtype, shared, pdl)
 
 

@@ -66,7 +66,9 @@ def _kernels() -> dict:
     import mtp.kernels.topk as tk
 
     bf, f8, i32, i64 = "*bf16", "*fp8e4nv", "*i32", "*i64"
-    mo_ = dict(TOPK=9, J=8, BM=16, KPAD=16)  # a split rank's 8 routed + the shared slot, one token
+    # a split rank's 8 routed + the shared slot, one token; the item loop of sessions 12-16 (its PDL order with
+    # item_regs: tests/kernels/test_moe_items.py)
+    mo_ = dict(TOPK=9, J=8, BM=16, KPAD=16, ITEM_REGS=False, NEXT_PF=False)
     hs = 128 ** -0.5
     return {
         "gemv": (gv._gemv_fma_kernel, dict(x_ptr=f8, w_ptr=f8, y_ptr=bf, cnt_ptr=i32),
@@ -95,8 +97,8 @@ def _kernels() -> dict:
         "topk_write": (tk._topk_write_kernel, dict(lens_ptr=i64, **{f"{n}_ptr": i32 for n in (
             "off", "thr", "out", "h16", "h8", "ncand", "arrive")}), dict(BLK=1024, REARM=True, V2=True), 4, False),
         "moe_gate_up": (moe._moe_gate_up_persistent, dict(x_ptr=bf, idx_ptr=i32, w1_ptr=f8, w3_ptr=f8, h8_ptr=f8,
-                                                          cnt_ptr=i32), dict(PPAD=16, PREFETCH=True, **mo_), 4,
-                        False),
+                                                          cnt_ptr=i32),
+                        dict(PPAD=16, PREFETCH=True, KSU=1, TP=1, **mo_), 4, False),
         "moe_down": (moe._moe_down_persistent, dict(h8_ptr=f8, idx_ptr=i32, w2_ptr=f8),
                      dict(PPAD=16, PREFETCH=True, **mo_), 4, False),
         "moe_combine": (moe._moe_combine_kernel, dict(idx_ptr=i32), dict(TOPK=9, J=8, KS=2, BLOCK_D=1024, ADD=False),

@@ -1,0 +1,166 @@
+"""The persistent experts' work items without a dependent load in their way: `moe.moe_experts(item_regs=True)`
+(switch `FastPathOptions.moe_item_regs`).
+
+Names and shapes as in `mtp.kernels.moe` (P pairs padded to PPAD, BM token rows of the dot, G K groups of 128 in a
+work item's projection, KS K slices, NB N-blocks). What a work item of `moe._moe_gate_up_persistent` /
+`moe._moe_down_persistent` waits on, in program order, as compiled for sm_90 by triton 3.6 (TTGIR and PTX at a TP=8
+split rank's shapes, one token: 8 routed + the shared slot):
+1. `moe._work_item` loads the router's ids again (`moe._slot_info`: the leading pair's id, then the [BM, KPAD] id
+   table) although `moe._leader_pairs` holds every pair's id in registers: the item's tile addresses wait for an L2
+   round trip before its first cp.async is issued.
+2. The per-group weight scales are no dot operand, so the pipeliner leaves their loads in their iteration: gate/up
+   loads s1 after the gate wgmma's wait and s3 after the up one's (`ld.global.b32`, each used at once), down loads
+   h's scales after the tiles' wait and s2 after its wgmma's. At an item's first group they are another expert's
+   lines: two DRAM round trips one after the other (gate/up) on top of the tiles'. Down's route weight is loaded
+   after its loop, one more round trip before the store.
+3. Gate/up's last-arriving slice sums the KS fp32 partials in a loop whose every trip waits for its own 32 loads
+   (the next trip's are issued after the adds): KS L2 round trips (7 at one token) at the end of an (expert,
+   N-block), on [128, BM = 16] tiles of which T columns are real.
+4. A program's next item issues its first load after this item's stores (gate/up: and its atomic, maybe the fix-up).
+Here, each work item's tiles and sums are the same, in the same order (bit-identical):
+1. `_item_regs`: the expert from `_leader_pairs`' registers, its rows and slots from [BM, PPAD] compares with the
+   pairs' ids (ids are distinct within a token: at most one of a row's pairs names the expert), no load;
+2. the scales loaded one group ahead, the first group's before the loop (issued with the pipeline's first tiles), so
+   each has a whole iteration to arrive; not further ahead: triton 3.6's pipeliner drops a loop (no cp.async at all)
+   whose loads feed values carried over 2 or more iterations (seen on helper branch `downflat`, session 14). Down's
+   route weights are loaded before its loop;
+3. the fix-up's KS slices unrolled (KSU = KS, a constexpr), so that their loads can all be in flight at once (one L2
+   round trip), on [128, TP] tiles (TP = next_pow2(T)): at one token 7 slices x 2 tiles are 14 registers a thread,
+   not 224. Its quantization (`moe._gate_up_store`) is per token column: max over the 128 rows, elementwise
+   otherwise, the same bits at any column count;
+4. the program's next item's weight lines asked of L2 (`prefetch_l2`, 128 rows x its groups, one 128-byte line per
+   row and group; gate/up: 16 instructions a thread, down: 2) before this item's loop, so that its tiles come from
+   L2 (NEXT_PF: `moe_experts(item_prefetch=)`, on where inline PTX runs, `_triton.asm_ok`).
+"""
+
+from __future__ import annotations
+
+from mtp.kernels._triton import prefetch_rows_l2, tl, triton
+from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
+
+__all__: list[str] = []  # device functions only: called by `moe`'s persistent kernels
+
+
+@triton.jit
+def _item_rows(e, q, iq, TOPK: tl.constexpr, BM: tl.constexpr):
+    """Which of BM token rows expert e serves (active) and at which flat slot, from the pairs' ids iq [PPAD] (-2 past
+    the P pairs): row m's pairs are q in [m * TOPK, (m + 1) * TOPK). `moe._slot_info`'s, without its loads; a row
+    without e keeps its slot m * TOPK (never read: every use is masked by active)."""
+    m = tl.arange(0, BM)
+    hit = (iq[None, :] == e) & ((q // TOPK)[None, :] == m[:, None])
+    active = tl.sum(hit.to(tl.int32), 1) > 0
+    slot = tl.where(active, tl.sum(tl.where(hit, q[None, :], 0), 1), m * TOPK)
+    return active, slot
+
+
+@triton.jit
+def _item_expert(w, q, iq, lead, rank, NB, KS, G):
+    """Work item w = (a, nb, ks) as `moe._work_item` numbers them: the a-th distinct expert e (the id of the pair
+    leading it, from registers), N-block nb, K slice ks and its groups [g0, g1) of G."""
+    a = w // (NB * KS)
+    nb = (w // KS) % NB
+    ks = w % KS
+    e = tl.sum(tl.where(lead & (rank == a), iq, 0), 0)
+    gps = tl.cdiv(G, KS)
+    g0 = ks * gps
+    return a, nb, ks, e, g0, tl.minimum(g0 + gps, G)
+
+
+@triton.jit
+def _item_regs(w, q, iq, lead, rank, NB, KS, G, TOPK: tl.constexpr, BM: tl.constexpr):
+    """`moe._work_item`'s (a, nb, ks, e, active, slot, g0, g1) from registers only."""
+    a, nb, ks, e, g0, g1 = _item_expert(w, q, iq, lead, rank, NB, KS, G)
+    active, slot = _item_rows(e, q, iq, TOPK, BM)
+    return a, nb, ks, e, active, slot, g0, g1
+
+
+@triton.jit
+def _prefetch_item(w, n_items, q, iq, lead, rank, NB, KS, G, wa_ptr, wb_ptr, stride_we, K, TWO: tl.constexpr):
+    """Ask L2 for work item w's weight rows (if w < n_items): 128 rows of K fp8 from N-block nb of expert e, its K
+    groups [g0, g1), one line (128 elements) per row and group; wb_ptr too where TWO (gate/up: gate and up)."""
+    if w < n_items:
+        a, nb, ks, e, g0, g1 = _item_expert(w, q, iq, lead, rank, NB, KS, G)
+        rows = e.to(tl.int64) * stride_we + (nb * 128 + tl.arange(0, 128)).to(tl.int64) * K + g0 * 128
+        prefetch_rows_l2(wa_ptr + rows, (g1 - g0) * 128, 128)
+        if TWO:
+            prefetch_rows_l2(wb_ptr + rows, (g1 - g0) * 128, 128)
+
+
+@triton.jit
+def _gate_up_tile_ahead(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1, D, stride_xm, stride_we,
+                        stride_se, stride_sn, BM: tl.constexpr):
+    """`moe._gate_up_tile` (the same tiles, the same fp32 sums in the same order) with the weight scales of group
+    g + 1 loaded in iteration g, the first group's before the loop."""
+    offs_n = nb * 128 + tl.arange(0, 128)
+    offs_k = tl.arange(0, 128)
+    m = tl.arange(0, BM)
+    e64 = e.to(tl.int64)
+    w_off = e64 * stride_we + offs_n.to(tl.int64)[:, None] * D + offs_k[None, :]
+    w1_ptrs = w1_ptr + w_off
+    w3_ptrs = w3_ptr + w_off
+    s1_row = s1_ptr + e64 * stride_se + nb * stride_sn
+    s3_row = s3_ptr + e64 * stride_se + nb * stride_sn
+    x_ptrs = x_ptr + m[:, None] * stride_xm + offs_k[None, :]
+    s1n = tl.load(s1_row + g0, mask=g0 < g1, other=0.0)
+    s3n = tl.load(s3_row + g0, mask=g0 < g1, other=0.0)
+    acc1 = tl.zeros((128, BM), dtype=tl.float32)
+    acc3 = tl.zeros((128, BM), dtype=tl.float32)
+    for g in range(g0, g1):
+        s1 = s1n
+        s3 = s3n
+        s1n = tl.load(s1_row + g + 1, mask=g + 1 < g1, other=0.0)
+        s3n = tl.load(s3_row + g + 1, mask=g + 1 < g1, other=0.0)
+        w1 = tl.load(w1_ptrs + g * 128)
+        w3 = tl.load(w3_ptrs + g * 128)
+        xf = tl.load(x_ptrs + g * 128, mask=active[:, None], other=0.0).to(tl.float32)
+        sx, inv = ue8m0_scale(tl.max(tl.abs(xf), axis=1))
+        xt = tl.trans(quant_e4m3(xf, inv[:, None]))
+        acc1 += tl.dot(w1, xt) * (sx * s1)[None, :]
+        acc3 += tl.dot(w3, xt) * (sx * s3)[None, :]
+    return acc1, acc3
+
+
+@triton.jit
+def _down_tile_ahead(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I, stride_we, stride_se,
+                     stride_sn, BM: tl.constexpr):
+    """`moe._down_tile` (the same tiles and sums) with h's and the weight's scales of group g + 1 loaded in
+    iteration g, the first group's before the loop."""
+    GI = I // 128
+    offs_n = nb * 128 + tl.arange(0, 128)
+    offs_k = tl.arange(0, 128)
+    nmask = offs_n < D
+    e64 = e.to(tl.int64)
+    w_ptrs = w2_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * I + offs_k[None, :]
+    s_row = s2_ptr + e64 * stride_se + nb * stride_sn
+    h_ptrs = h8_ptr + slot.to(tl.int64)[:, None] * I + offs_k[None, :]
+    hs_row = hs_ptr + slot * GI
+    hsn = tl.load(hs_row + g0, mask=active & (g0 < g1), other=0.0)
+    sn = tl.load(s_row + g0, mask=g0 < g1, other=0.0)
+    acc = tl.zeros((128, BM), dtype=tl.float32)
+    for g in range(g0, g1):
+        hs = hsn
+        s = sn
+        hsn = tl.load(hs_row + g + 1, mask=active & (g + 1 < g1), other=0.0)
+        sn = tl.load(s_row + g + 1, mask=g + 1 < g1, other=0.0)
+        w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
+        h = tl.load(h_ptrs + g * 128, mask=active[:, None], other=0.0)
+        acc += tl.dot(w, tl.trans(h)) * (hs * s)[None, :]
+    return acc
+
+
+@triton.jit
+def _fixup_sums(base, T, KS, KSU: tl.constexpr, TP: tl.constexpr):
+    """The KS slices' fp32 partials of one (expert, N-block), [128, TP] each of gate and up, summed in slice order
+    from +0 as `moe._moe_gate_up_persistent`'s fix-up loop sums them; unrolled over KSU (= KS) slices so that every
+    load is issued before the first add. A slice s >= KS (none where KSU = KS) would add +0: the same bits (a sum
+    that starts at +0 is never -0)."""
+    m = tl.arange(0, TP)
+    tile = tl.arange(0, 128)[:, None] * T + m[None, :]
+    tmask = (m < T)[None, :]
+    acc1 = tl.zeros((128, TP), dtype=tl.float32)
+    acc3 = tl.zeros((128, TP), dtype=tl.float32)
+    for s in tl.static_range(KSU):
+        ok = tmask & (s < KS)
+        acc1 += tl.load(base + s * (2 * 128 * T) + tile, mask=ok, other=0.0, cache_modifier=".cg")
+        acc3 += tl.load(base + s * (2 * 128 * T) + 128 * T + tile, mask=ok, other=0.0, cache_modifier=".cg")
+    return acc1, acc3
