@@ -17,6 +17,9 @@ Timing as in `mtp.bench.kernels`: CUDA-graph replays timed with CUDA events, med
 reads were just written by the scores kernel, so they sit in L2 here as in the decode step.
 moe: `moe_experts` layout 'pairs' (old) vs 'persistent' (new) at one rank of TP=8 and at TP=1, T = 1..4, with
 % of the HBM floor (see `moe_section`).
+moe_split (not in the default --only): one TP=8 'split' rank's experts with the shared slot at T = 1..4, pairs vs
+persistent (default / 'waves' slices, switch moe_item_regs on and off) and a sweep of the K slices
+(`moe_split_section`).
 moe_batch (not in the default --only): every `moe_experts` layout that takes T tokens (pairs, persistent,
 grouped at each M-block, the reference static loop where it is not too slow) at T = 1 .. 4096, one rank of TP=8
 and TP=1, with GB/s of expert weights touched, TFLOP/s and the HBM floor: what `moe.GROUPED_ABOVE` and
@@ -380,10 +383,11 @@ def moe_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, ranks=(
 def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, world: int = 8):
     """moe_experts on one 'split' rank of TP=`world` (every expert at 1/world of its width, the shared expert
     stacked last and run as every token's implicit slot: `shared=True`), T = 1..4 tokens of 8 routed experts each:
-    the pair grid, the persistent layout with `default_splits` and with `wave_splits` ('waves'), and a sweep of the
-    persistent K slices, so that each width's choice is a measurement (the step's gate/up + down + combine
-    launches, one `moe_experts` call). Bytes: the distinct experts' slices (routed + shared) over the measured
-    copy bandwidth. Routings rotate over 8 sets per graph (other experts' weights each call, from HBM)."""
+    the pair grid, the persistent layout with `default_splits` and with `wave_splits` ('waves'), each with switch
+    `moe_item_regs` (`moe_experts(item_regs=True)`, also without its next-item L2 prefetch; checked bit-equal to the
+    switch off on every routing), and a sweep of the persistent K slices with and without it, so that each width's
+    choice is a measurement (the step's gate/up + down + combine launches, one `moe_experts` call). Bytes: the
+    distinct experts' slices (routed + shared) over the measured copy bandwidth. Routings rotate over 8 sets per graph (other experts' weights each call, from HBM)."""
     from mtp.kernels.moe import default_splits, moe_experts, moe_experts_ref, waves_for
 
     bw = copy_bandwidth()
@@ -403,16 +407,28 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
         ref = moe_experts_ref(x, torch.cat([sets[0], shared], 1), torch.cat([rw, torch.ones(T, 1, device=DEV)], 1),
                               *ws, out_dtype=torch.float32)
         waves = waves_for(T * 9, E + 1, D, Is, (sm, 2 * sm))  # what splits='waves' runs
+        dflt = default_splits(T, D // 128, Is // 128)
         variants = [("pairs", dict(layout="pairs")),
-                    (f"persistent default {default_splits(T, D // 128, Is // 128)}", dict(layout="persistent")),
-                    (f"persistent waves {waves}", dict(layout="persistent", splits="waves"))]
+                    (f"persistent default {dflt}", dict(layout="persistent")),
+                    (f"persistent waves {waves}", dict(layout="persistent", splits="waves")),
+                    # switch moe_item_regs (`moe_items`: no dependent load before an item's tiles), and without its
+                    # next-item L2 prefetch: the same bits (checked below)
+                    (f"item_regs waves {waves}", dict(layout="persistent", splits="waves", item_regs=True)),
+                    (f"item_regs waves {waves} no next-pf", dict(layout="persistent", splits="waves", item_regs=True,
+                                                                 item_prefetch=False)),
+                    (f"item_regs default {dflt}", dict(layout="persistent", item_regs=True))]
         if not quick:
             for sg in (2, 4, 7, 14, 28):
                 for sd in (1, 2):
                     if (sg, sd) != waves:
                         variants.append((f"persistent splits=({sg},{sd})", dict(layout="persistent", splits=(sg, sd))))
-        _time_moe_variants("moe_s", shape, variants, lambda s, **kw: moe_experts(
-            x, s, rw, *ws, out_dtype=torch.float32, shared=True, **kw), sets, ref, floor_us)
+                    variants.append((f"item_regs splits=({sg},{sd})", dict(layout="persistent", splits=(sg, sd),
+                                                                          item_regs=True)))
+        call = lambda s, **kw: moe_experts(x, s, rw, *ws, out_dtype=torch.float32, shared=True, **kw)  # noqa: E731
+        _time_moe_variants("moe_s", shape, variants, call, sets, ref, floor_us)
+        same = all(torch.equal(call(s, layout="persistent", splits="waves", item_regs=True),
+                               call(s, layout="persistent", splits="waves")) for s in sets)
+        check(f"moe_experts {shape} item_regs bit-equal to off (waves, {len(sets)} routings)", same)
     del ws
     torch.cuda.empty_cache()
 
