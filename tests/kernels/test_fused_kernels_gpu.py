@@ -233,6 +233,10 @@ def test_moe_experts_add(T):
 
 @pytest.fixture(scope="module")
 def split_rank_stack():
+    return split_rank_weights()
+
+
+def split_rank_weights() -> list[torch.Tensor]:
     """The TP=8 'split' rank's stack of one MoE layer: 256 routed experts + the shared one (last), each 256 wide
     (2 blocks of DeepSeek-V3.2's 2048), D = 7168: 1.4 GB of FP8."""
     E, D, I = 257, 7168, 256
