@@ -68,7 +68,7 @@ from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
 from mtp.kernels.moe_items import (_down_tile_ahead, _fixup_sums, _gate_up_tile_ahead, _item_regs, _item_rows,
-                                   _prefetch_item)
+                                   _partial_tile, _prefetch_item)
 
 __all__ = ["wave_splits", "waves_for", "moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts",
            "moe_experts_ref", "gate_logits", "default_layout", "MAX_TOKENS", "PAIRS_MAX_TOKENS", "GROUPED_ABOVE"]
@@ -446,17 +446,22 @@ def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_p
                                                             TOPK, J, BM, PPAD, KPAD)
             acc1, acc3 = _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
                                        D, stride_xm, stride_we, stride_se, stride_sn, BM)
-        # fp32 partials [2, 128, T] per (a, nb, ks): the T token columns only
-        m = tl.arange(0, BM)
-        tile = tl.arange(0, 128)[:, None] * T + m[None, :]
-        tmask = (m < T)[None, :]
-        base = part_ptr + ((a * NB + nb) * KS).to(tl.int64) * (2 * 128 * T)
-        tl.store(base + ks * (2 * 128 * T) + tile, acc1, mask=tmask)
-        tl.store(base + ks * (2 * 128 * T) + 128 * T + tile, acc3, mask=tmask)
+        # fp32 partials [2, 128, T] per (a, nb, ks): the T token columns only (ITEM_REGS: TP columns, `_partial_tile`)
+        if ITEM_REGS:
+            C = TP
+            tile, tmask = _partial_tile(TP, BM)
+        else:
+            C = T
+            m = tl.arange(0, BM)
+            tile = tl.arange(0, 128)[:, None] * T + m[None, :]
+            tmask = (m < T)[None, :]
+        base = part_ptr + ((a * NB + nb) * KS).to(tl.int64) * (2 * 128 * C)
+        tl.store(base + ks * (2 * 128 * C) + tile, acc1, mask=tmask)
+        tl.store(base + ks * (2 * 128 * C) + 128 * C + tile, acc3, mask=tmask)
         tl.debug_barrier()
         if tl.atomic_add(cnt_ptr + a * NB + nb, 1, sem="acq_rel", scope="gpu") == KS - 1:
-            if ITEM_REGS:  # [128, TP] tiles: T columns, not the dot's BM
-                sum1, sum3 = _fixup_sums(base, T, KS, KSU, TP)
+            if ITEM_REGS:  # [128, TP] tiles: T columns (+ zero ones), not the dot's BM
+                sum1, sum3 = _fixup_sums(base, KS, KSU, TP)
                 rows, slots = _item_rows(e, q, iq, TOPK, TP)
                 _gate_up_store(sum1, sum3, nb, slots, rows, h8_ptr, hs_ptr, I)
             else:
@@ -716,12 +721,13 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         ks_gu, ks_down = splits or default_splits(T, D // BLOCK, I // BLOCK)
         n_act = min(P, E)  # distinct experts, at most
         nb = I // BLOCK
-        gu_part = torch.empty(n_act * nb * ks_gu * 2 * BLOCK * T, dtype=torch.float32, device=dev)
+        cols = triton.next_power_of_2(T) if item_regs else T  # a partial's token columns (`moe_items._partial_tile`)
+        gu_part = torch.empty(n_act * nb * ks_gu * 2 * BLOCK * cols, dtype=torch.float32, device=dev)
         cnt = _counters(dev, n_act * nb)
         # item_regs: the fix-up unrolled over the ks_gu slices (a compile per slice count, as per BM) on
         # next_pow2(T) columns; off: 1s, one compile
         items = dict(ITEM_REGS=item_regs, NEXT_PF=item_regs and item_prefetch and asm_ok(x))
-        fix = dict(KSU=ks_gu, TP=triton.next_power_of_2(T)) if item_regs else dict(KSU=1, TP=1)
+        fix = dict(KSU=ks_gu, TP=cols) if item_regs else dict(KSU=1, TP=1)
         _moe_gate_up_persistent[(min(g_gu, n_act * nb * ks_gu),)](
             x, idx, *wargs, h8, hs, gu_part, cnt, T, D, I, x.stride(0), w_gate.stride(0), s_gate.stride(0),
             s_gate.stride(1), ks_gu, S, num_stages=gate_up_stages or 4, **kw, **items, **fix)

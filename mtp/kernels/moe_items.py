@@ -24,10 +24,13 @@ Here, each work item's tiles and sums are the same, in the same order (bit-ident
    each has a whole iteration to arrive; not further ahead: triton 3.6's pipeliner drops a loop (no cp.async at all)
    whose loads feed values carried over 2 or more iterations (seen on helper branch `downflat`, session 14). Down's
    route weights are loaded before its loop;
-3. the fix-up's KS slices unrolled (KSU = KS, a constexpr), so that their loads can all be in flight at once (one L2
-   round trip), on [128, TP] tiles (TP = next_pow2(T)): at one token 7 slices x 2 tiles are 14 registers a thread,
-   not 224. Its quantization (`moe._gate_up_store`) is per token column: max over the 128 rows, elementwise
-   otherwise, the same bits at any column count;
+3. the fix-up's KS slices unrolled (KSU = KS, a constexpr) on [128, TP] tiles (TP = next_pow2(T)) stored with a
+   constexpr row stride TP (`_partial_tile`), so that every load is issued before the first add (one L2 round trip;
+   in the SASS at one token 14 loads, at four tokens 4 16-byte vectors; unrolled over T-wide rows of a runtime
+   stride, ptxas still interleaved 16 scalar loads with the epilogue in ~5 waits at four tokens). At one token 7
+   slices x 2 tiles are 14 registers a thread, not the dot's [128, BM = 16] 224. Its quantization
+   (`moe._gate_up_store`) is per token column: max over the 128 rows, elementwise otherwise, the same bits at any
+   column count;
 4. the program's next item's weight lines asked of L2 (`prefetch_l2`, 128 rows x its groups, one 128-byte line per
    row and group; gate/up: 16 instructions a thread, down: 2) before this item's loop, so that its tiles come from
    L2 (NEXT_PF: `moe_experts(item_prefetch=)`, on where inline PTX runs, `_triton.asm_ok`).
@@ -149,18 +152,25 @@ def _down_tile_ahead(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1
 
 
 @triton.jit
-def _fixup_sums(base, T, KS, KSU: tl.constexpr, TP: tl.constexpr):
-    """The KS slices' fp32 partials of one (expert, N-block), [128, TP] each of gate and up, summed in slice order
-    from +0 as `moe._moe_gate_up_persistent`'s fix-up loop sums them; unrolled over KSU (= KS) slices so that every
-    load is issued before the first add. A slice s >= KS (none where KSU = KS) would add +0: the same bits (a sum
-    that starts at +0 is never -0)."""
-    m = tl.arange(0, TP)
-    tile = tl.arange(0, 128)[:, None] * T + m[None, :]
-    tmask = (m < T)[None, :]
+def _fixup_sums(base, KS, KSU: tl.constexpr, TP: tl.constexpr):
+    """The KS slices' fp32 partials of one (expert, N-block), gate and up [128, TP] each (`_partial_tile`'s layout),
+    summed in slice order from +0 as `moe._moe_gate_up_persistent`'s fix-up loop sums them; unrolled over KSU (= KS)
+    slices so that every load is issued before the first add. A slice s >= KS (none where KSU = KS) would add +0:
+    the same bits (a sum that starts at +0 is never -0)."""
+    tile, _ = _partial_tile(TP, TP)
     acc1 = tl.zeros((128, TP), dtype=tl.float32)
     acc3 = tl.zeros((128, TP), dtype=tl.float32)
     for s in tl.static_range(KSU):
-        ok = tmask & (s < KS)
-        acc1 += tl.load(base + s * (2 * 128 * T) + tile, mask=ok, other=0.0, cache_modifier=".cg")
-        acc3 += tl.load(base + s * (2 * 128 * T) + 128 * T + tile, mask=ok, other=0.0, cache_modifier=".cg")
+        acc1 += tl.load(base + s * (2 * 128 * TP) + tile, mask=s < KS, other=0.0, cache_modifier=".cg")
+        acc3 += tl.load(base + s * (2 * 128 * TP) + 128 * TP + tile, mask=s < KS, other=0.0, cache_modifier=".cg")
     return acc1, acc3
+
+
+@triton.jit
+def _partial_tile(TP: tl.constexpr, BM: tl.constexpr):
+    """Offsets and mask of a slice's [128, BM] gate (or up) partial in its [128, TP] block (TP = next_pow2(T), a
+    constexpr row stride: the fix-up's loads are vectors, 16 bytes a row at TP = 4, where `moe`'s T-wide rows of a
+    runtime stride are single floats). Columns T..TP-1 hold the dot's zero columns (token rows not routed), never
+    stored as h."""
+    m = tl.arange(0, BM)
+    return tl.arange(0, 128)[:, None] * TP + m[None, :], (m < TP)[None, :]

@@ -59,24 +59,56 @@ def _k_loops(ptx: str) -> list[str]:
     return loops
 
 
+def _sass(k) -> tuple[str, dict]:
+    """A compiled kernel's SASS and its resource use (REG, STACK, LOCAL) from triton's own cuobjdump."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists() and not shutil.which("cuobjdump"):
+        pytest.skip("no cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        run = [str(tool) if tool.exists() else "cuobjdump", f.name]
+        res = subprocess.run(run[:1] + ["-res-usage"] + run[1:], capture_output=True, text=True).stdout
+        sass = subprocess.run(run[:1] + ["-sass"] + run[1:], capture_output=True, text=True).stdout
+    return sass, dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", res))
+
+
 def test_item_regs_compile_for_hopper():
-    """The structure the switch is for, on the sm_90 code (module docstring), against the switch off."""
+    """The structure the switch is for, on the sm_90 code (module docstring), against the switch off; no spills; and
+    in the SASS, gate/up's fix-up issues all its KS slices' loads before its first add (at one token: 14 loads, where
+    the loop of the switch off waits 7 times; at four tokens with TP = 4 columns a row: 4 vector loads)."""
     pytest.importorskip("triton")
     import mtp.kernels.moe as moe
     from tests.kernels.test_fused_kernels import _compile_for_hopper
     from tests.kernels.test_pdl import _order
 
     bf, f8, i32 = "*bf16", "*fp8e4nv", "*i32"
-    # one token of a split rank: 8 routed + the shared slot (PPAD 16), 7 gate/up K slices (`wave_splits`)
+    # one token of a split rank: 8 routed + the shared slot (PPAD 16), 7 gate/up K slices (`wave_splits`); four
+    # tokens: PPAD 64, 2 slices
     base = dict(TOPK=9, J=8, BM=16, KPAD=16, PPAD=16, PREFETCH=True, PDL=1)
     aligned = ("D", "I", "stride_xm", "stride_we", "stride_se")
-    kernels = {"gate_up": (moe._moe_gate_up_persistent, dict(x_ptr=bf, idx_ptr=i32, w1_ptr=f8, w3_ptr=f8, h8_ptr=f8,
-                                                            cnt_ptr=i32), dict(KSU=7, TP=1), 4),
+    gu_ptrs = dict(x_ptr=bf, idx_ptr=i32, w1_ptr=f8, w3_ptr=f8, h8_ptr=f8, cnt_ptr=i32)
+    kernels = {"gate_up": (moe._moe_gate_up_persistent, gu_ptrs, dict(KSU=7, TP=1), 4),
+               "gate_up T=4": (moe._moe_gate_up_persistent, gu_ptrs, dict(PPAD=64, KSU=2, TP=4), 4),
                "down": (moe._moe_down_persistent, dict(h8_ptr=f8, idx_ptr=i32, w2_ptr=f8), {}, 5)}
     for name, (kernel, ptrs, extra, stages) in kernels.items():
         k = _compile_for_hopper(kernel, ptrs, dict(base, ITEM_REGS=True, NEXT_PF=True, **extra), num_warps=4,
                                 num_stages=stages, aligned=aligned)
         ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+        sass, use = _sass(k)
+        assert use.get("STACK") == "0" and use.get("LOCAL") == "0", (name, use)
+        if name.startswith("gate_up"):  # the fix-up: from the counter's atomic add to its re-arming exchange
+            fix = sass[sass.index("ATOMG.E.ADD"):sass.index("ATOMG.E.EXCH")]
+            loads = [m.start() for m in re.finditer(r"LDG\.E", fix)]
+            # one load a thread per slice and tile: a float at TP = 1, a 16-byte vector at TP = 4
+            assert len(loads) == 2 * extra["KSU"], (name, len(loads))
+            assert max(loads) < fix.index("FADD"), f"{name}: a fix-up load after its first add"
         loop = _item_loop(ttgir)
         assert not re.search(r"tt\.load [^\n]*!tt\.ptr<i32>", loop), f"{name}: an id load in the item loop"
         assert "ttg.async_copy_global_to_local" in loop, f"{name}: the K loop is no longer pipelined"
@@ -90,8 +122,9 @@ def test_item_regs_compile_for_hopper():
         assert seq[0] == "griddepcontrol.launch_dependents", f"{name}: {seq[:3]}"
         assert set(seq[1:wait]) == {"prefetch.global.L2"}, f"{name}: before the wait: {set(seq[1:wait])}"
         assert "prefetch.global.L2" in seq[wait:], f"{name}: no next-item prefetch after the wait"
-        if name == "gate_up":  # the fix-up: 7 slices x (gate, up) loads from L2, unrolled
-            assert ttgir.count("cacheModifier = cg") == 14 and not re.search(r"scf\.for %s\w* = ", ttgir), name
+        if name.startswith("gate_up"):  # the fix-up: KS slices x (gate, up) loads from L2, unrolled
+            assert ttgir.count("cacheModifier = cg") == 2 * extra["KSU"], name
+            assert not re.search(r"scf\.for %s\w* = ", ttgir), name
     # the switch off, for contrast: the ids loaded in the item loop, a load after the tiles' wait, the fix-up's loop
     k = _compile_for_hopper(moe._moe_down_persistent, kernels["down"][1], dict(base, ITEM_REGS=False, NEXT_PF=False),
                             num_warps=4, num_stages=5, aligned=aligned)
