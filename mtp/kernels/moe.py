@@ -437,7 +437,7 @@ def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_p
         if ITEM_REGS:
             a, nb, ks, e, active, slot, g0, g1 = _item_regs(w, q, iq, lead, rank, NB, KS, G, TOPK, BM)
             if NEXT_PF:
-                _prefetch_item(w + tl.num_programs(0), n_items, q, iq, lead, rank, NB, KS, G, w1_ptr, w3_ptr,
+                _prefetch_item(w + tl.num_programs(0), n_items, iq, lead, rank, NB, KS, G, w1_ptr, w3_ptr,
                                stride_we, D, True)
             acc1, acc3 = _gate_up_tile_ahead(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
                                              D, stride_xm, stride_we, stride_se, stride_sn, BM)
@@ -497,7 +497,7 @@ def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_pt
             a, nb, ks, e, active, slot, g0, g1 = _item_regs(w, q, iq, lead, rank, NB, KS, GI, TOPK, BM)
             rw = _slot_weights(rw_ptr, slot, active, TOPK, J)
             if NEXT_PF:
-                _prefetch_item(w + tl.num_programs(0), n_items, q, iq, lead, rank, NB, KS, GI, w2_ptr, w2_ptr,
+                _prefetch_item(w + tl.num_programs(0), n_items, iq, lead, rank, NB, KS, GI, w2_ptr, w2_ptr,
                                stride_we, I, False)
             acc = _down_tile_ahead(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I,
                                    stride_we, stride_se, stride_sn, BM)

@@ -21,7 +21,8 @@ Here, each work item's tiles and sums are the same, in the same order (bit-ident
 1. `_item_regs`: the expert from `_leader_pairs`' registers, its rows and slots from [BM, PPAD] compares with the
    pairs' ids (ids are distinct within a token: at most one of a row's pairs names the expert), no load;
 2. the scales loaded one group ahead, the first group's before the loop (issued with the pipeline's first tiles), so
-   each has a whole iteration to arrive; not further ahead: triton 3.6's pipeliner drops a loop (no cp.async at all)
+   each has a whole iteration to arrive (in the SASS ptxas issues the next group's right after the tiles' wait,
+   before the wgmma); not further ahead: triton 3.6's pipeliner drops a loop (no cp.async at all)
    whose loads feed values carried over 2 or more iterations (seen on helper branch `downflat`, session 14). Down's
    route weights are loaded before its loop;
 3. the fix-up's KS slices unrolled (KSU = KS, a constexpr) on [128, TP] tiles (TP = next_pow2(T)) stored with a
@@ -32,7 +33,8 @@ Here, each work item's tiles and sums are the same, in the same order (bit-ident
    (`moe._gate_up_store`) is per token column: max over the 128 rows, elementwise otherwise, the same bits at any
    column count;
 4. the program's next item's weight lines asked of L2 (`prefetch_l2`, 128 rows x its groups, one 128-byte line per
-   row and group; gate/up: 16 instructions a thread, down: 2) before this item's loop, so that its tiles come from
+   row and group; 2 instructions a thread per group in gate/up, 16 at one token's 8 groups; 2 in down) before this
+   item's loop, so that its tiles come from
    L2 (NEXT_PF: `moe_experts(item_prefetch=)`, on where inline PTX runs, `_triton.asm_ok`).
 """
 
@@ -57,7 +59,7 @@ def _item_rows(e, q, iq, TOPK: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _item_expert(w, q, iq, lead, rank, NB, KS, G):
+def _item_expert(w, iq, lead, rank, NB, KS, G):
     """Work item w = (a, nb, ks) as `moe._work_item` numbers them: the a-th distinct expert e (the id of the pair
     leading it, from registers), N-block nb, K slice ks and its groups [g0, g1) of G."""
     a = w // (NB * KS)
@@ -72,17 +74,17 @@ def _item_expert(w, q, iq, lead, rank, NB, KS, G):
 @triton.jit
 def _item_regs(w, q, iq, lead, rank, NB, KS, G, TOPK: tl.constexpr, BM: tl.constexpr):
     """`moe._work_item`'s (a, nb, ks, e, active, slot, g0, g1) from registers only."""
-    a, nb, ks, e, g0, g1 = _item_expert(w, q, iq, lead, rank, NB, KS, G)
+    a, nb, ks, e, g0, g1 = _item_expert(w, iq, lead, rank, NB, KS, G)
     active, slot = _item_rows(e, q, iq, TOPK, BM)
     return a, nb, ks, e, active, slot, g0, g1
 
 
 @triton.jit
-def _prefetch_item(w, n_items, q, iq, lead, rank, NB, KS, G, wa_ptr, wb_ptr, stride_we, K, TWO: tl.constexpr):
+def _prefetch_item(w, n_items, iq, lead, rank, NB, KS, G, wa_ptr, wb_ptr, stride_we, K, TWO: tl.constexpr):
     """Ask L2 for work item w's weight rows (if w < n_items): 128 rows of K fp8 from N-block nb of expert e, its K
     groups [g0, g1), one line (128 elements) per row and group; wb_ptr too where TWO (gate/up: gate and up)."""
     if w < n_items:
-        a, nb, ks, e, g0, g1 = _item_expert(w, q, iq, lead, rank, NB, KS, G)
+        a, nb, ks, e, g0, g1 = _item_expert(w, iq, lead, rank, NB, KS, G)
         rows = e.to(tl.int64) * stride_we + (nb * 128 + tl.arange(0, 128)).to(tl.int64) * K + g0 * 128
         prefetch_rows_l2(wa_ptr + rows, (g1 - g0) * 128, 128)
         if TWO:
