@@ -746,7 +746,9 @@ def _combine(part: torch.Tensor, idx: torch.Tensor, add: torch.Tensor | None, T:
     bd = 1024
     topk = J + shared
     launch = pdl_kwargs(pdl, part)
+    # 8 warps: 2.38 / 2.23 us at T = 1 / 4 on a TP=8 split rank's shape against 2.88 / 2.77 at 4 (H200, graph
+    # replays, `mtp.bench.small_kernels` combine, BENCHMARKS.md session 17); each channel's sum in the same order
     _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, idx, y if add is None else add, y, D, T * topk, TOPK=topk,
                                                  J=J, KS=ks, BLOCK_D=bd, ADD=add is not None, PDL=pdl_mode(pdl, launch),
-                                                 num_warps=4, **launch)
+                                                 num_warps=8, **launch)
     return y
