@@ -414,8 +414,8 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
                     # switch moe_item_regs (`moe_items`: no dependent load before an item's tiles), and without its
                     # next-item L2 prefetch: the same bits (checked below)
                     (f"item_regs waves {waves}", dict(layout="persistent", splits="waves", item_regs=True)),
-                    (f"item_regs waves {waves} no next-pf", dict(layout="persistent", splits="waves", item_regs=True,
-                                                                 item_prefetch=False)),
+                    (f"item_regs waves {waves} + next-pf", dict(layout="persistent", splits="waves", item_regs=True,
+                                                                item_prefetch=True)),
                     (f"item_regs default {dflt}", dict(layout="persistent", item_regs=True))]
         if not quick:
             for sg in (2, 4, 7, 14, 28):

@@ -607,7 +607,7 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                 layout: str | None = None, splits: tuple[int, int] | str | None = None,
                 programs: tuple[int, int] | None = None, add: torch.Tensor | None = None,
                 block_m: int | None = None, shared: bool = False, pdl: bool = False,
-                prefetch: bool = True, item_regs: bool = False, item_prefetch: bool = True) -> torch.Tensor:
+                prefetch: bool = True, item_regs: bool = False, item_prefetch: bool = False) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
@@ -640,7 +640,9 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     item_regs: the persistent layout's work items without a dependent load before their weight tiles
     (`mtp.kernels.moe_items`: ids from registers, the scales one K group ahead, the fix-up's slices in flight at
     once, with item_prefetch the program's next item's weights asked of L2 on a CUDA device): the same tiles, the
-    same sums in the same order, the same bits (switch `FastPathOptions.moe_item_regs`).
+    same sums in the same order, the same bits (switch `FastPathOptions.moe_item_regs`). item_prefetch off by
+    default: on a TP=8 split rank's stack (H200, `mtp.bench.topk_moe --only moe_split`, BENCHMARKS.md session 17)
+    item_regs took 25.96 / 48.61 / 54.84 / 72.93 us at T = 1..4 without it, 27.36 / 53.34 / 58.86 / 75.16 with it.
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape

@@ -192,7 +192,8 @@ def _kernel_checks() -> None:
         rw = torch.rand(T, J, generator=g)
         off = moe_experts(x, idx, rw, *ws, splits=splits, programs=programs, pdl=pdl, **kw)
         PREFETCHED.clear()
-        on = moe_experts(x, idx, rw, *ws, splits=splits, programs=programs, pdl=pdl, item_regs=True, **kw)
+        on = moe_experts(x, idx, rw, *ws, splits=splits, programs=programs, pdl=pdl, item_regs=True,
+                         item_prefetch=True, **kw)
         assert torch.equal(on, off), (T, kind, splits, programs, pdl, (on - off).abs().max().item())
         if programs and not pdl:  # the next items' prefetches (no PDL: no shared-expert prefetch): exactly their lines
             got = {int(a) for arr in PREFETCHED for a in arr}

@@ -65,7 +65,7 @@ def test_item_regs_split_rank(split_stack, T, pdl):
         for splits in ("waves", None):
             poison()
             off = moe_experts(x, ids, w, *st, splits=splits, **kw)
-            on = moe_experts(x, ids, w, *st, splits=splits, item_regs=True, **kw)
+            on = moe_experts(x, ids, w, *st, splits=splits, item_regs=True, item_prefetch=True, **kw)
             assert torch.equal(on, off), (name, splits, (on - off).abs().max().item())
             if name == "random":
                 assert torch.equal(moe_experts(x, ids, w, *st, splits=splits, item_regs=True, item_prefetch=False,
