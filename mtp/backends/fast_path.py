@@ -34,9 +34,7 @@
 - every decoder `Block` (`FastBlock`): residual add + RMSNorm + FP8 quant in one kernel (`kernels.norm_quant`)
   whose quantized output feeds the next GEMV directly (q_a | wk | kv_a; gate | up); tensor parallel under
   allreduce='oneshot', o_proj's all-reduce joins the post-attention one, and the FFN's the next block's input one
-  (the trunk loop, `FastTrunk`, hands the un-reduced FFN output on as a `backends.pending.Pending`); with switch
-  `route_norm` a MoE block's post-attention add + norm + quant runs in its router's launch (`FastMoE.add_norm_route`,
-  `kernels.router.moe_route_norm`) where that is the fast path's own kernel (not the one-shot all-reduce's).
+  (the trunk loop, `FastTrunk`, hands the un-reduced FFN output on as a `backends.pending.Pending`).
 The new fused kernels have run-time switches per model (`kernels.dispatch.FastPathOptions`, carried as
 `model.fast_options` and shared by the model's fast modules; `set_kernels(model, ...)` flips them and bumps the
 model's version), so old and new kernels can be timed side by side in one process (`mtp.bench.fused`), and two
@@ -76,14 +74,13 @@ from ..kernels.moe import GROUPED_ABOVE, MAX_TOKENS as MOE_KERNEL_MAX_TOKENS
 from ..kernels.moe import default_layout, moe_experts
 from ..kernels.moe_grouped import default_block_m
 from ..kernels.router import MAX_TOKENS as ROUTER_MAX_TOKENS
-from ..kernels.router import moe_route_norm, norm_route_fits
 from ..kernels.norm_quant import add_rms_norm_quant, add_rounded
 from ..model.attention import MLA
 from ..model.deepseek import Block, DeepseekV32, Trunk
 from ..model.fp8 import BLOCK, acc_dtype
-from ..model.layers import MLP, REFERENCE_OPS, ElementwiseOps, Linear, RMSNorm, compiled_ops, use_elementwise
+from ..model.layers import MLP, REFERENCE_OPS, ElementwiseOps, Linear, compiled_ops, use_elementwise
 from ..model.moe import Gate, MoE
-from ..parallel.comm import AddNorm, Comm
+from ..parallel.comm import Comm
 from ..parallel.modules import ExpertParallelMoE, ParallelMLP, RowParallelLinear
 from .pending import Pending, resolved
 
@@ -208,22 +205,20 @@ class FastMoE(MoE):
     # batch); above, the reference router's ~15 launches and fp32 GEMM cost less than a launch (~10 us) per 64.
     kernel_route_tokens = 4 * ROUTER_MAX_TOKENS
 
-    def forward(self, x: torch.Tensor, xq=None, rounded: bool = True, reduce: bool = True,
-                routes=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, xq=None, rounded: bool = True, reduce: bool = True) -> torch.Tensor:
         """rounded=False: the reduced routed + shared sum in fp32, before `MoE.forward`'s final rounding to x's
         dtype (`FastBlock` rounds it inside the residual add; called through the module, so hooks still see
         the call). reduce=False (with xq): this rank's fp32 sum before the all-reduce, which `FastBlock` hands
         to the next block's norm (`Pending`). The shared expert runs in the experts' kernels as their last slot
-        (`shared_in_stack`), or its output is added in their combine launch. routes (with xq): x's (weights,
-        local ids) from `add_norm_route`, not routed again."""
+        (`shared_in_stack`), or its output is added in their combine launch."""
         if xq is None:
-            if not reduce or routes is not None:
-                raise ValueError("FastMoE: reduce=False and routes need xq, the block's quantized input")
+            if not reduce:
+                raise ValueError("FastMoE: reduce=False needs xq, the block's quantized input")
             return super().forward(x)
-        y = self.forward_acc(x, xq, reduce, routes)
+        y = self.forward_acc(x, xq, reduce)
         return y.to(x.dtype) if rounded and reduce else y
 
-    def forward_acc(self, x: torch.Tensor, xq, reduce: bool = True, routes=None) -> torch.Tensor:
+    def forward_acc(self, x: torch.Tensor, xq, reduce: bool = True) -> torch.Tensor:
         """The routed + shared sum [.., D] fp32 (all-reduced when `reduce`). The shared expert runs inside the
         experts' kernels where `shared_in_stack(N)` says so (no launch of its own), else as its own 3 launches
         (gate | up GEMV on xq, silu * up, down) whose output the experts' combine adds."""
@@ -231,36 +226,13 @@ class FastMoE(MoE):
         D = shape[-1]
         x_ND = x.reshape(-1, D)
         if self.shared_in_stack(x_ND.shape[0]):
-            out = self.routed(x_ND, shared=True, routes=routes)
+            out = self.routed(x_ND, shared=True)
         else:
             shared = None
             if self.shared_experts is not None:
                 shared = self._shared_q(x_ND, (xq[0].reshape(-1, D), xq[1].reshape(-1, D // 128)))
-            out = self.routed(x_ND, add=shared, routes=routes)
+            out = self.routed(x_ND, add=shared)
         return (self.reduce(out) if reduce else out).view(shape)
-
-    def norm_routes(self, N: int) -> bool:
-        """Whether a call of N tokens may take `add_norm_route`: switch route_norm up to route_norm_tokens
-        (`FastPathOptions.route_norm_at`), where `routed` would route them with one launch of the router kernel
-        (switch router, N <= ROUTER_MAX_TOKENS and kernel_route_tokens, the gate's own forward, a block of the
-        experts' width on this rank) and that launch runs the grouped tail (`router.norm_route_fits`)."""
-        fo, g = self.fast_options, self.gate
-        return (fo.route_norm_at(N) and fo.router and N <= min(ROUTER_MAX_TOKENS, self.kernel_route_tokens)
-                and type(g).forward is Gate.forward and self.stacked["gate_proj.weight"].shape[1] > 0
-                and norm_route_fits(N, g.n_groups, g.topk_groups, g.topk, g.weight.shape[0]))
-
-    def add_norm_route(self, h_BTD: torch.Tensor, delta_BTD: torch.Tensor, norm: RMSNorm, out_dtype: torch.dtype,
-                       round_dtype: torch.dtype | None, pdl: int) -> tuple[AddNorm, tuple[torch.Tensor, torch.Tensor]]:
-        """The block's post-attention `add_rms_norm_quant(h_BTD, delta_BTD, norm, ..)` (as its AddNorm: x, the new
-        residual, x8, sx) and x's routes as `routed` takes them (weights [N, K] fp32, local ids [N, K] int32), in one
-        launch (`router.moe_route_norm`; where `norm_routes`): the same bits as those two launches."""
-        B, T, D = h_BTD.shape
-        N, g = B * T, self.gate
-        h, x, x8, sx, w, ids = moe_route_norm(
-            h_BTD.reshape(N, D), delta_BTD.reshape(N, D), norm.weight, norm.eps, g.weight, g.e_score_correction_bias,
-            out_dtype, round_dtype, n_group=g.n_groups, topk_group=g.topk_groups, topk=g.topk,
-            route_scale=g.route_scale, local=self.id_map.router, pdl=pdl, prefetch=self.fast_options.prefetch_at(N))
-        return AddNorm(x.view(B, T, D), h.view(B, T, D), x8.view(B, T, D), sx.view(B, T, D // BLOCK)), (w, ids)
 
     def kernel_layout(self, N: int) -> str | None:
         """`moe_experts`' layout for N <= grouped_above tokens: the persistent one up to `persistent_tokens`, else
@@ -286,11 +258,9 @@ class FastMoE(MoE):
             return se(x_ND, xq_ND).to(acc_dtype(x_ND.dtype))  # as MoE.shared
         return self.shared(x_ND)
 
-    def routed(self, x_ND: torch.Tensor, add: torch.Tensor | None = None, shared: bool = False,
-               routes=None) -> torch.Tensor:
+    def routed(self, x_ND: torch.Tensor, add: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:
         """The routed sum [N, D] fp32, plus `add` (fp32 [N, D], the shared expert's output) when given; shared:
-        plus the stacked shared expert, run by the expert kernels as every token's last slot (`shared_in_stack`);
-        routes: x_ND's (weights, local ids), routed already (`add_norm_route`).
+        plus the stacked shared expert, run by the expert kernels as every token's last slot (`shared_in_stack`).
         Up to `grouped_above` tokens the `expert_layout` kernels, above it the grouped GEMM, in chunks of
         `max_tokens` (one M-block size for all chunks, so a token's result does not depend on its chunk)."""
         N = x_ND.shape[0]
@@ -304,9 +274,7 @@ class FastMoE(MoE):
             return out if add is None else out + add
         # the router kernels compute `Gate.forward` from the gate's weights; a gate whose class replaces forward
         # (the bench's forced routes, `mtp.bench.forced_route`) is called as a module, as for a prefill
-        if routes is not None:  # routed in the post-attention norm's launch (`add_norm_route`)
-            w_NK, ids_NK = routes
-        elif N <= self.kernel_route_tokens and type(self.gate).forward is Gate.forward:  # local ids, or -1
+        if N <= self.kernel_route_tokens and type(self.gate).forward is Gate.forward:  # local ids, or -1
             routes = [route(x_ND[a:a + ROUTER_MAX_TOKENS], self.gate, self.fast_options, local=self.id_map.router)
                       for a in range(0, N, ROUTER_MAX_TOKENS)]
             w_NK, ids_NK = routes[0] if len(routes) == 1 else (torch.cat([r[0] for r in routes]),
@@ -370,9 +338,6 @@ class FastBlock(Block):
     Launches: o_proj's site 1 (NCCL: 2, the all-reduce, then add + norm + quant); from the FFN to the next
     block's quantized input 1 (unfused: all-reduce, residual add, next input norm + quant: 3; 4 for a bf16 dense
     MLP, whose cast is a launch).
-    Switch `route_norm` (where `FastMoE.norm_routes`): a MoE block's post-attention add + norm + quant, the fast
-    path's own kernel (NCCL after its all-reduce, one process, not the one-shot kernel), runs in the router's launch
-    (`FastMoE.add_norm_route`), whose routes the MoE then takes: one launch fewer, the same bits.
     Tensor parallel under allreduce='nccl' (switch `fuse_out_cast`): o_proj's partial goes to a `Pending` too, whose
     fallback all-reduces it and rounds the fp32 sum inside the add + norm + quant kernel (no `.to(x.dtype)`
     launch); so does the FFN's, handed to the next block (switch `mlp_reduce_norm` too: NCCL, then that block's
@@ -421,26 +386,19 @@ class FastBlock(Block):
         finally:
             if o_proj is not None:
                 o_proj.defer_reduce = False
-        # the partial's sum rounded to the model dtype first, as o_proj's `.to(x.dtype)`
-        pending = Pending(h_BTD, a, dtype, o_proj.comm, fo.fuse_out_cast) if o_proj is not None else None
-        mlp = self.mlp
-        routes = None
-        if (quant and isinstance(mlp, FastMoE) and h_BTD.is_contiguous() and mlp.norm_routes(B * T)
-                and not (pending is not None and pending.fuses())):  # switch route_norm: in the router's launch
-            delta, round_dtype = pending.addend() if pending is not None else (a, None)
-            (x, h_BTD, x8, sx), routes = mlp.add_norm_route(h_BTD, delta, n2, dtype, round_dtype, pdl)
-        elif pending is not None:
-            x, h_BTD, x8, sx = pending.add_norm(n2, dtype, quant, pdl)
+        if o_proj is not None:  # the partial's sum rounded to the model dtype first, as o_proj's `.to(x.dtype)`
+            x, h_BTD, x8, sx = Pending(h_BTD, a, dtype, o_proj.comm, fo.fuse_out_cast).add_norm(n2, dtype, quant, pdl)
         else:
             h_BTD, x, x8, sx = add_rms_norm_quant(h_BTD, a, n2.weight, n2.eps, dtype, quant=quant, pdl=pdl)
         xq = (x8, sx) if quant else None
+        mlp = self.mlp
         comm = self._hand_off_comm(mlp) if hand_off and xq is not None else None
         if xq is not None and isinstance(mlp, FastMoE) and h_BTD.is_contiguous():
             if comm is not None:  # the fp32 sum, rounded to the model dtype in the next block's add (its `.to`)
-                return Pending(h_BTD, mlp(x, xq, rounded=False, reduce=False, routes=routes).contiguous(), x.dtype,
-                               comm, fo.fuse_out_cast, pdl)
+                return Pending(h_BTD, mlp(x, xq, rounded=False, reduce=False).contiguous(), x.dtype, comm,
+                               fo.fuse_out_cast, pdl)
             # one kernel: the MoE's fp32 sum rounded to the model dtype (its `.to(x.dtype)`) and added
-            return add_rounded(h_BTD, mlp(x, xq, rounded=False, routes=routes).contiguous(), x.dtype, pdl)
+            return add_rounded(h_BTD, mlp(x, xq, rounded=False).contiguous(), x.dtype, pdl)
         if comm is not None and isinstance(mlp, FastParallelMLP):  # every rank, also one without a block
             return Pending(h_BTD, mlp(x, xq, reduce=False), x.dtype, comm, fo.fuse_out_cast, pdl)  # as its `.to`
         if isinstance(mlp, FastParallelMLP) and fo.fuse_out_cast and h_BTD.is_contiguous():

@@ -14,8 +14,7 @@ dtype), so the residual stream gets the same bits as the unfused path.
 Where the one-shot kernel does not take the call (`Comm.fuses`: a message over its slots, NCCL, gloo) the
 all-reduce runs alone and the add + norm + quant is the fast path's own kernel (`kernels.norm_quant`), the one
 the unfused path runs, which also rounds the fp32 sum (switch `fuse_out_cast`; off: a cast launch before it): the
-same bits as the unfused fast path. Under NCCL `FastBlock` hands o_proj's partial to a `Pending` for this alone;
-with switch `route_norm` a MoE block takes its `addend` to the router's launch instead (`FastMoE.add_norm_route`).
+same bits as the unfused fast path. Under NCCL `FastBlock` hands o_proj's partial to a `Pending` for this alone.
 """
 
 from __future__ import annotations
@@ -51,32 +50,23 @@ class Pending:
             raise ValueError(f"Pending: partial {list(self.partial.shape)} must match the residual "
                              f"{list(self.h_BTD.shape)}")
 
-    def fuses(self) -> bool:
-        """Whether the group's one-shot kernel does the all-reduce with the add (+ norm) (`Comm.fuses`)."""
-        return self.comm.fuses(self.partial, self.h_BTD)
-
     def add_norm(self, norm: RMSNorm, out_dtype: torch.dtype, quant: bool, pdl: bool = False) -> AddNorm:
         """The new residual, its RMSNorm in out_dtype and (quant) that norm's FP8 quant per 128 channels."""
-        if self.fuses():
+        if self.comm.fuses(self.partial, self.h_BTD):
             return self.comm.all_reduce_add_norm(self.partial, self.h_BTD, norm.weight, norm.eps, out_dtype,
                                                  round_dtype=self.round_dtype, quant=quant)
-        delta, round_dtype = self.addend()
-        h, y, x8, sx = add_rms_norm_quant(self.h_BTD, delta, norm.weight, norm.eps, out_dtype, quant=quant, pdl=pdl,
-                                          round_dtype=round_dtype)
+        if self.fold:  # the reduced fp32 sum, rounded inside the add + norm + quant kernel
+            h, y, x8, sx = add_rms_norm_quant(self.h_BTD, self._summed(), norm.weight, norm.eps, out_dtype,
+                                              quant=quant, pdl=pdl, round_dtype=self.round_dtype)
+        else:
+            h, y, x8, sx = add_rms_norm_quant(self.h_BTD, self._reduced(), norm.weight, norm.eps, out_dtype,
+                                              quant=quant, pdl=pdl)
         return AddNorm(y, h, x8, sx)
-
-    def addend(self) -> tuple[torch.Tensor, torch.dtype | None]:
-        """Where the one-shot kernel does not take it: (delta, round_dtype) for a kernel that adds it to h_BTD
-        (`add_rms_norm_quant`, or the router's launch with it: `FastMoE.add_norm_route`): with fold the reduced fp32
-        sum and the dtype that kernel rounds it to, else the sum already rounded (a cast launch) and None."""
-        if self.fold:
-            return self._summed(), self.round_dtype
-        return self._reduced(), None
 
     def resolve(self) -> torch.Tensor:
         """The new residual alone (where no norm follows: the trunk's last block, whose residual the final norm
         and the MTP modules read)."""
-        if self.fuses():
+        if self.comm.fuses(self.partial, self.h_BTD):
             return self.comm.all_reduce_add_norm(self.partial, self.h_BTD, None, 0.0,
                                                  round_dtype=self.round_dtype).residual
         if self.fold and self.h_BTD.dtype == self.partial.dtype == torch.float32:  # one kernel, rounding inside

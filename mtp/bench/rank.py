@@ -43,7 +43,6 @@ from .timing import copy_bandwidth, timer
 from ..parallel.layout import ParallelPlan
 from ..placement import choose_layout
 from ..kernels.dispatch import FastPathOptions
-from ..kernels.router import GROUPED_MAX_TOKENS
 from ..parallel.memory import GIB
 from .rank_model import extrapolate, memory_need, project, step_key
 from .rank_report import log, print_table, save
@@ -262,11 +261,6 @@ KERNEL_VARIANTS = {
     # the split-K GEMV's plan before session 17: o_proj's K = 2048 in 2 slices + the fix-up, 8 warps (the default
     # since: one slice, 4 warps; `gemv_splitk.gemv_plan`)
     "gemv_split": (dict(gemv_one_slice=0), dict()),
-    # a MoE layer's post-attention add + norm + quant in its router's launch (`router.moe_route_norm`, the same bits; one
-    # launch fewer per MoE layer where the router runs its grouped tail: 1 and 3..16 tokens, not 2): at every width it
-    # takes, and at one token only (the switch's default limit, predicted the only width that gains)
-    "route_norm": (dict(route_norm=True, route_norm_tokens=GROUPED_MAX_TOKENS), dict()),
-    "route_norm_w1": (dict(route_norm=True, route_norm_tokens=1), dict()),
 }
 
 

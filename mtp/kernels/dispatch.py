@@ -118,16 +118,6 @@ version, so the engine captures its kept graphs again).
   rows, or 0, the histogram launch. Measured on one TP=8 split rank at 32k (H200, session 14, busy kernel time per
   step): -0.34 ms at one row, +0.17 / +0.48 / +0.75 ms at 2 / 3 / 4 rows (not profiled why; each scores program
   loops over the rows, and its histogram epilogue with them). `topk_impl_at`.
-- route_norm (off: not yet timed on a GPU; with route_norm_tokens, 1): on a MoE layer, the post-attention residual add +
-  RMSNorm + FP8 quant and the router in one launch (`router.moe_route_norm`, `fast_path.FastMoE.add_norm_route`),
-  where that add + norm is the fast path's own kernel (NCCL or the simulated group with fuse_out_cast, or one process
-  without an all-reduce; not the one-shot all-reduce kernel, which keeps it) and the router kernel routes the call's
-  tokens with its grouped tail (`router.norm_route_fits`: 1 and 3..16 tokens at DeepSeek's 8 groups), for calls of at
-  most route_norm_tokens tokens: one launch fewer per MoE layer (58 a step at 61 layers). Every router program
-  computes the whole rows' norm for the rms (their h and delta read from L2 by each of ~112 programs: 70 KB per token
-  at D = 7168), so the win shrinks with the tokens; predicted -2 to -3 us per layer at one token, about even or a loss
-  at 3..4 (BENCHMARKS_kernels.md). The same bits: h_new, x, x8, sx, the weights and ids (tests/kernels/
-  test_route_norm.py). Variants route_norm (every width it takes) and route_norm_w1 (`mtp.bench.rank.KERNEL_VARIANTS`).
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -148,7 +138,7 @@ ELEMENTWISE_IMPLS = ("triton", "compile", "eager")
 
 # the options that are integers; every other field is an on / off switch
 INT_FIELDS = ("gemv_rows", "pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows",
-              "gemv_one_slice", "route_norm_tokens")
+              "gemv_one_slice")
 
 
 @dataclass
@@ -171,7 +161,6 @@ class FastPathOptions:
     indexer_one_launch: bool = False
     topk_split_v2: bool = True
     moe_item_regs: bool = False
-    route_norm: bool = False
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)
@@ -196,9 +185,6 @@ class FastPathOptions:
     # (`gemv_splitk.gemv_plan`); 0: the split plan. 16: the TP=8 rank's o_proj (K = 2048), 7.41 vs 10.20 us alone
     # on an H200 (`mtp.bench.small_kernels`, BENCHMARKS.md session 17)
     gemv_one_slice: int = 16
-    # with switch route_norm: its one launch for calls of at most this many tokens. 1: predicted (every router program
-    # reads the rows of h and delta, ~1 us per token each; variant route_norm times every width it takes)
-    route_norm_tokens: int = 1
 
     def __post_init__(self) -> None:
         from mtp.kernels.gemv_splitk import MAX_M
@@ -206,8 +192,7 @@ class FastPathOptions:
         rows = self.gemv_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_M:
             raise ValueError(f"FastPathOptions: gemv_rows must be an integer in 0..{MAX_M}, got {rows!r}")
-        for name in ("pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows", "gemv_one_slice",
-                     "route_norm_tokens"):
+        for name in ("pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows", "gemv_one_slice"):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"FastPathOptions: {name} must be an integer >= 0, got {n!r}")
@@ -239,11 +224,6 @@ class FastPathOptions:
         """Whether a PDL launch for `tokens` rows asks L2 for its constant weights before the wait: tokens <=
         pdl_prefetch_tokens (without PDL no kernel prefetches, whatever this says)."""
         return tokens <= self.pdl_prefetch_tokens
-
-    def route_norm_at(self, tokens: int) -> bool:
-        """Whether a MoE layer's call of `tokens` rows may take the post-attention add + norm + quant and its router in
-        one launch (switch route_norm, tokens <= route_norm_tokens; `fast_path.FastMoE.norm_routes` says where)."""
-        return self.route_norm and tokens <= self.route_norm_tokens
 
     def topk_impl_at(self, impl: str, rows: int) -> str:
         """The indexer top-k for a call of `rows` score rows when `impl` is set: 'radix_fused' for 'radix' at rows <=

@@ -62,85 +62,38 @@ def _add_norm_quant_kernel(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, x8_ptr, sx_ptr,
 
 
 @triton.jit
-def _rounded(d, ROUND: tl.constexpr):
-    """A sublayer's fp32 sum rounded to the model dtype, its `.to(x.dtype)` (`_ROUND`; 2: as it is)."""
-    if ROUND == 0:
-        d = d.to(tl.bfloat16)
-    elif ROUND == 1:
-        d = d.to(tl.float16)
-    return d
-
-
-@triton.jit
 def _add_norm_quant_row(row, h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, x8_ptr, sx_ptr, D, eps,
                         stride_h, stride_d, stride_ho, stride_y, stride_x8, stride_sx,
                         ADD: tl.constexpr, STORE_H: tl.constexpr, STORE_Y: tl.constexpr,
-                        QUANT: tl.constexpr, BG: tl.constexpr, ROUND: tl.constexpr, keep=None):
+                        QUANT: tl.constexpr, BG: tl.constexpr, ROUND: tl.constexpr):
     """One row (int64 index) of `_add_norm_quant_kernel`; also the q_a norm's programs of
-    `mla_prologue_fused`'s kv launch and every program of `router.moe_route_norm` (the same code, so the same bits).
-    keep [BG] (None: all): the 128-groups whose h_new, y, x8 and sx this call stores. Returns 1 / rms of the row."""
+    `mla_prologue_fused`'s kv launch (the same code, so the same bits)."""
     g = tl.arange(0, BG)
     k = tl.arange(0, 128)
     offs = g[:, None] * 128 + k[None, :]  # [BG, 128]: the row viewed as its 128-groups
     mask = offs < D
-    smask = mask if keep is None else mask & keep[:, None]
     h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0)
     if ADD:
-        d = _rounded(tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0), ROUND)
+        d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+        if ROUND == 0:  # the sublayer's `.to(x.dtype)` of its fp32 sum (`_ROUND`)
+            d = d.to(tl.bfloat16)
+        elif ROUND == 1:
+            d = d.to(tl.float16)
         h = h + d.to(h.dtype)
         if STORE_H:
-            tl.store(hout_ptr + row * stride_ho + offs, h, mask=smask)
+            tl.store(hout_ptr + row * stride_ho + offs, h, mask=mask)
     xf = h.to(tl.float32)
     ms = tl.sum(tl.sum(xf * xf, axis=1), axis=0) / D
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    r = tl.math.rsqrt(ms + eps)
-    y = (xf * r * w).to(y_ptr.dtype.element_ty)
+    y = (xf * tl.math.rsqrt(ms + eps) * w).to(y_ptr.dtype.element_ty)
     if STORE_Y:
-        tl.store(y_ptr + row * stride_y + offs, y, mask=smask)
+        tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
     if QUANT:
         yf = y.to(tl.float32)
         s, inv = ue8m0_scale(tl.max(tl.abs(yf), axis=1))
-        gmask = g * 128 < D if keep is None else (g * 128 < D) & keep
-        tl.store(x8_ptr + row * stride_x8 + offs, quant_e4m3(yf, inv[:, None]), mask=smask)
+        gmask = g * 128 < D
+        tl.store(x8_ptr + row * stride_x8 + offs, quant_e4m3(yf, inv[:, None]), mask=mask)
         tl.store(sx_ptr + row * stride_sx + g, s, mask=gmask)
-    return r
-
-
-@triton.jit
-def _norm_rows(h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, x8_ptr, sx_ptr, T, D, eps,
-               stride_h, stride_d, stride_ho, stride_y, stride_x8, stride_sx, g0, n_g, store,
-               BT: tl.constexpr, BTR: tl.constexpr, BG: tl.constexpr, ROUND: tl.constexpr):
-    """For a launch whose programs each need RMSNorm(h + delta) of all T <= BTR rows on some of their 128-groups
-    (`router.moe_route_norm`): 1 / rms of each row [BT] (0 past T) from `_add_norm_quant_row` itself, whose code and
-    tile (BG) under the launch's warps (`row_tiles`) give its sums' order, so the bits of the add + norm + quant
-    kernel's; where `store`, it stores groups [g0, g0 + n_g) of each row's h_new, y, x8 and sx. Rows one after
-    another (unrolled): a row at 7168 wide is 64 fp32 registers of h and delta per thread at 8 warps."""
-    g = tl.arange(0, BG)
-    keep = (g >= g0) & (g < g0 + n_g) & store
-    tt = tl.arange(0, BT)
-    r = tl.zeros((BT,), dtype=tl.float32)
-    for t in tl.static_range(BTR):
-        if t < T:
-            rt = _add_norm_quant_row(t, h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, x8_ptr, sx_ptr, D, eps, stride_h,
-                                     stride_d, stride_ho, stride_y, stride_x8, stride_sx, True, True, True, True, BG,
-                                     ROUND, keep)
-            r = tl.where(tt == t, rt, r)
-    return r
-
-
-@triton.jit
-def _norm_group(h_ptr, d_ptr, w_ptr, y_ptr, r, c0, T, D, stride_h, stride_d, BT: tl.constexpr,
-                ROUND: tl.constexpr):
-    """Channels c0..c0+127 of RMSNorm(h + delta) of the T rows [BT, 128] in y's dtype (0 past T and past D), given
-    each row's 1 / rms r [BT] (`_norm_rows`): `_add_norm_quant_row`'s formulas elementwise, so its bits."""
-    t = tl.arange(0, BT)
-    k = c0 + tl.arange(0, 128)
-    m = (t < T)[:, None] & (k < D)[None, :]
-    h = tl.load(h_ptr + t[:, None] * stride_h + k[None, :], mask=m, other=0.0)
-    d = _rounded(tl.load(d_ptr + t[:, None] * stride_d + k[None, :], mask=m, other=0.0), ROUND)
-    h = h + d.to(h.dtype)
-    w = tl.load(w_ptr + k, mask=k < D, other=0.0).to(tl.float32)
-    return (h.to(tl.float32) * r[:, None] * w[None, :]).to(y_ptr.dtype.element_ty)
 
 
 def row_tiles(D: int) -> tuple[int, int]:

@@ -28,11 +28,6 @@ final phase 334 + 288 / 789 + 918 / 725 + 1736 instructions, 26 / 54 / 69 BAR (1
 trips, the rest), to be measured by `mtp.bench.fused`'s router section (4, 8 and 16 warps). Same logits, ids and
 weights as the serial tail, bit for bit.
 
-`moe_route_norm` (switch `FastPathOptions.route_norm`) is the grouped kernel with the decoder block's post-attention
-residual add + RMSNorm + FP8 quant in it (`_route_norm_kernel`): each program makes its K-slice of x itself, from
-every row's rms that it computes with the add + norm + quant kernel's own row code, and E-block 0's programs store
-the slices of h_new, x, x8 and sx; one launch instead of two, the same bits (its docstring).
-
 Ties (equal biased scores, equal group scores): the lower index wins, at every step, as the stable
 descending sort of `mtp.model.moe.route` gives. Group score = the two largest biased scores of the group (a
 repeated maximum counts twice, as topk(2) of the values does).
@@ -42,16 +37,14 @@ from __future__ import annotations
 
 import torch
 
-from mtp.model.fp8 import BLOCK, FP8_DTYPE
+from mtp.model.fp8 import BLOCK
 from mtp.kernels._triton import (
     line_elems, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, prefetch_rows_l2, require, tl, triton,
 )
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe import moe_route_ref, route_from_logits_ref
-from mtp.kernels.norm_quant import _ROUND, _norm_group, _norm_rows, row_tiles
 
-__all__ = ["moe_route_fused", "moe_route_norm", "norm_route_fits", "moe_route_ref", "route_from_logits_ref",
-           "MAX_TOKENS", "GROUPED_MAX_TOKENS", "IMPLS"]
+__all__ = ["moe_route_fused", "moe_route_ref", "route_from_logits_ref", "MAX_TOKENS", "GROUPED_MAX_TOKENS", "IMPLS"]
 
 MAX_TOKENS = 64
 GROUPED_MAX_TOKENS = 16  # the last program compares [T, NG x CPAD, NG x CPAD] candidates: 64 K at T = 16
@@ -61,16 +54,10 @@ IMPLS = ("serial", "grouped")
 @triton.jit
 def _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
                 GPS: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr,
-                PREFETCH: tl.constexpr, NORM: tl.constexpr = False, BTR: tl.constexpr = 1, h_ptr=None, d_ptr=None,
-                nw_ptr=None, hout_ptr=None, x8_ptr=None, sx_ptr=None, eps=0.0, stride_h=0, stride_d=0, stride_ho=0,
-                stride_x8=0, stride_sx=0, BG: tl.constexpr = 1, ROUND: tl.constexpr = 2):
+                PREFETCH: tl.constexpr):
     """This program's share of the gate GEMV: its [BE, K-slice] of Wg against all T tokens, stored as fp32
     partial logits part[slice, t, e]. With PDL (and PREFETCH) its slice of Wg (constant) is asked of L2 before the
-    wait, one request per LINE elements (128 bytes), so that the loads after it find it there (the same bits).
-    NORM (`moe_route_norm`): x is not read but made here, x = RMSNorm(h + delta) with the norm's weight nw:
-    every program takes each row's 1 / rms from the add + norm + quant kernel's own row code (`_norm_rows`), the
-    slice's x from its formulas elementwise (`_norm_group`), and the programs of E-block 0 store their slice's
-    groups of h_new, x (at x_ptr), x8 and sx: together every group once."""
+    wait, one request per LINE elements (128 bytes), so that the loads after it find it there (the same bits)."""
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_e = pid_e * BE + tl.arange(0, BE)
@@ -86,17 +73,11 @@ def _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E: tl.constexpr, BE: tl
             k0 = pid_s * GPS * 128
             prefetch_rows_l2(w_ptr + offs_e.to(tl.int64) * D + k0, tl.minimum(GPS * 128, D - k0), LINE)
     pdl_wait(PDL)
-    if NORM:  # h and delta come from the previous kernels
-        r = _norm_rows(h_ptr, d_ptr, nw_ptr, hout_ptr, x_ptr, x8_ptr, sx_ptr, T, D, eps, stride_h, stride_d,
-                       stride_ho, stride_xm, stride_x8, stride_sx, pid_s * GPS, GPS, pid_e == 0, BT, BTR, BG, ROUND)
     for i in tl.static_range(GPS):  # unrolled: every tile of the slice requested at once
         g = pid_s * GPS + i
         gok = g < G
         w = tl.load(w_ptrs + g * 128, mask=gok, other=0.0)
-        if NORM:
-            x = _norm_group(h_ptr, d_ptr, nw_ptr, x_ptr, r, g * 128, T, D, stride_h, stride_d, BT, ROUND)
-        else:
-            x = tl.load(x_ptrs + g * 128, mask=tmask[:, None] & gok, other=0.0)
+        x = tl.load(x_ptrs + g * 128, mask=tmask[:, None] & gok, other=0.0)
         if BF16:  # bf16 x bf16 products are exact in fp32: tensor cores give the fp32 result
             acc += tl.dot(w, tl.trans(x))
         else:
@@ -196,39 +177,6 @@ def _route_grouped_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_p
     pdl_launch(PDL)
     _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL, LINE, PREFETCH)
     tl.debug_barrier()
-    _grouped_tail(bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_ptr, ci_ptr, cnt_ptr, w_out_ptr, idx_out_ptr, logits_ptr,
-                  table_ptr, T, route_scale, e0, e1, E, NG, TOPK_GROUP, TOPK, KPAD, CPAD, BE, BT, BTR, SPLITS,
-                  STORE_LOGITS, TABLE)
-
-
-@triton.jit
-def _route_norm_kernel(h_ptr, d_ptr, nw_ptr, hout_ptr, x_ptr, x8_ptr, sx_ptr, w_ptr, bias_ptr, part_ptr, gs_ptr,
-                       cv_ptr, cs_ptr, ci_ptr, cnt_ptr, w_out_ptr, idx_out_ptr, logits_ptr, table_ptr, T, D, eps,
-                       stride_h, stride_d, stride_ho, stride_xm, stride_x8, stride_sx, route_scale, e0, e1,
-                       E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
-                       KPAD: tl.constexpr, CPAD: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
-                       BTR: tl.constexpr, GPS: tl.constexpr, SPLITS: tl.constexpr,
-                       BF16: tl.constexpr, STORE_LOGITS: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr,
-                       LINE: tl.constexpr, PREFETCH: tl.constexpr, BG: tl.constexpr, ROUND: tl.constexpr):
-    """`_route_grouped_kernel` on x = RMSNorm(h + delta), which it makes and stores (`moe_route_norm`)."""
-    pdl_launch(PDL)
-    _gate_slice(x_ptr, w_ptr, part_ptr, T, D, stride_xm, E, BE, BT, GPS, BF16, PDL, LINE, PREFETCH, NORM=True,
-                BTR=BTR, h_ptr=h_ptr, d_ptr=d_ptr, nw_ptr=nw_ptr, hout_ptr=hout_ptr, x8_ptr=x8_ptr, sx_ptr=sx_ptr,
-                eps=eps, stride_h=stride_h, stride_d=stride_d, stride_ho=stride_ho, stride_x8=stride_x8,
-                stride_sx=stride_sx, BG=BG, ROUND=ROUND)
-    tl.debug_barrier()
-    _grouped_tail(bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_ptr, ci_ptr, cnt_ptr, w_out_ptr, idx_out_ptr, logits_ptr,
-                  table_ptr, T, route_scale, e0, e1, E, NG, TOPK_GROUP, TOPK, KPAD, CPAD, BE, BT, BTR, SPLITS,
-                  STORE_LOGITS, TABLE)
-
-
-@triton.jit
-def _grouped_tail(bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_ptr, ci_ptr, cnt_ptr, w_out_ptr, idx_out_ptr, logits_ptr,
-                  table_ptr, T, route_scale, e0, e1, E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                  TOPK: tl.constexpr, KPAD: tl.constexpr, CPAD: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
-                  BTR: tl.constexpr, SPLITS: tl.constexpr, STORE_LOGITS: tl.constexpr, TABLE: tl.constexpr):
-    """The grouped kernels' routing after the gate partials are stored: each E-block's last slice ranks its
-    groups, the last E-block merges them (module docstring)."""
     pid_e = tl.program_id(0)
     nbe = tl.num_programs(0)
     arrived = tl.atomic_add(cnt_ptr + pid_e, 1, sem="acq_rel", scope="gpu")
@@ -291,114 +239,6 @@ def _grouped_tail(bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_ptr, ci_ptr, cnt_ptr, w
                           BTR, TABLE)
 
 
-def _grouped_auto(T: int, topk: int, topk_group: int, eg: int) -> bool:
-    """Whether impl 'auto' takes the grouped tail at T tokens. H200, E = 256, D = 7168, graph replays (BENCHMARKS.md,
-    session 4): grouped with 4 warps 8.5 / 9.6 / 9.3 / 12.4 / 12.2 us at T = 1 / 3 / 4 / 5 / 8 vs serial 9.7 / 11.0 /
-    10.9 / 12.9 / 13.0; at T = 2 serial (9.7 vs 11.1)."""
-    return T <= GROUPED_MAX_TOKENS and T != 2 and topk <= topk_group * eg
-
-
-def norm_route_fits(T: int, n_group: int, topk_group: int, topk: int, n_experts: int) -> bool:
-    """Whether `moe_route_norm` (impl 'auto') takes T tokens of this router: where `moe_route_fused`'s 'auto' runs
-    the grouped tail, the one tail it has (elsewhere the add + norm + quant and the router run as two launches)."""
-    return n_experts % n_group == 0 and _grouped_auto(T, topk, topk_group, n_experts // n_group)
-
-
-def _plan(name: str, T: int, D: int, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_group: int, topk_group: int,
-          topk: int, block_e: int, splits: int | None, impl: str, num_warps: int | None) -> dict:
-    """The checked launch settings of a router call of T tokens x D: impl (resolved), block_e, splits, the grid's
-    E-blocks, gps (128-groups per slice), bt / btr (token tiles), warps."""
-    if impl not in IMPLS + ("auto",):
-        raise ValueError(f"{name}: impl must be 'auto' or one of {IMPLS}, got {impl!r}")
-    E = wg_ED.shape[0]
-    block_e = min(block_e, E)
-    if wg_ED.shape[1] != D or bias_E.shape != (E,):
-        raise ValueError(f"{name}: gate weight must be [E, {D}] and bias [E], got {list(wg_ED.shape)}, "
-                         f"{list(bias_E.shape)}")
-    if E & (E - 1) or E % n_group or E // n_group < 2 or topk > E or topk_group > n_group or E % block_e:
-        raise ValueError(f"{name}: E = {E} must be a power of two divisible by n_group = {n_group} "
-                         f"(>= 2 per group) and by block_e = {block_e}; topk {topk} <= E, topk_group {topk_group} "
-                         f"<= n_group")
-    if not 1 <= T <= MAX_TOKENS:
-        raise ValueError(f"{name}: 1..{MAX_TOKENS} tokens, got {T}")
-    if D % BLOCK:
-        raise ValueError(f"{name}: D = {D} must be a multiple of {BLOCK}")
-    EG = E // n_group
-    if impl == "auto":
-        impl = "grouped" if _grouped_auto(T, topk, topk_group, EG) else "serial"
-        num_warps = num_warps or 4
-    grouped = impl == "grouped"
-    if grouped:
-        if T > GROUPED_MAX_TOKENS:
-            raise ValueError(f"{name}: impl='grouped' takes 1..{GROUPED_MAX_TOKENS} tokens, got {T} "
-                             f"(use impl='serial')")
-        if topk > topk_group * EG:
-            raise ValueError(f"{name}: impl='grouped' needs topk {topk} <= topk_group {topk_group} x "
-                             f"{EG} experts per group")
-        block_e = max(block_e, EG)  # an E-block holds whole groups
-    G = D // BLOCK
-    nbe = E // block_e
-    # ~112 programs (<= 1 per SM), each >= 2 groups; fewer slices = a shorter fix-up
-    splits = splits or max(1, min(G // 2, triton.cdiv(112, nbe)))
-    gps = triton.cdiv(G, splits)
-    return dict(impl=impl, block_e=block_e, nbe=nbe, splits=triton.cdiv(G, gps), gps=gps,
-                bt=max(16, triton.next_power_of_2(T)), btr=triton.next_power_of_2(T),
-                num_warps=num_warps or (8 if grouped else 4))
-
-
-def _local_args(name: str, local, E: int, dev: torch.device) -> tuple[bool, int, int]:
-    """(table, e0, e1) of `local` (a range, a table or None), checked."""
-    if isinstance(local, torch.Tensor):
-        if local.shape != (E,) or local.dtype != torch.int32 or local.device != dev or not local.is_contiguous():
-            raise ValueError(f"{name}: a local expert table must be a contiguous int32 [{E}] on {dev}, got "
-                             f"{local.dtype} {list(local.shape)} on {local.device}")
-        return True, 0, E
-    e0, e1 = local if local is not None else (0, E)
-    if not 0 <= e0 <= e1 <= E:
-        raise ValueError(f"{name}: local expert range must lie in [0, {E}], got {local}")
-    return False, e0, e1
-
-
-def _route_launch(x: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, T: int, D: int, plan: dict,
-                  n_group: int, topk_group: int, topk: int, route_scale: float, return_logits: bool, local,
-                  pdl: bool, prefetch: bool, norm: tuple | None = None):
-    """Launch the router kernel of `plan` (`_plan`) on x [T, D]; norm = (tensors, scalars, constexprs) of
-    `moe_route_norm`, whose kernel makes x. Returns (weights, ids[, logits])."""
-    E = wg_ED.shape[0]
-    dev = x.device
-    table, e0, e1 = _local_args("moe_route_norm" if norm else "moe_route_fused", local, E, dev)
-    bt, btr, nbe, splits = plan["bt"], plan["btr"], plan["nbe"], plan["splits"]
-    part = torch.empty(splits, bt, E, dtype=torch.float32, device=dev)
-    w = torch.empty(T, topk, dtype=torch.float32, device=dev)
-    idx = torch.empty(T, topk, dtype=torch.int32, device=dev)
-    logits = torch.empty(T, E, dtype=torch.float32, device=dev) if return_logits else w
-    bf16 = x.dtype == torch.bfloat16 and wg_ED.dtype == torch.bfloat16
-    launch = pdl_kwargs(pdl, x)
-    common = dict(E=E, NG=n_group, TOPK_GROUP=topk_group, TOPK=topk, KPAD=triton.next_power_of_2(topk),
-                  BE=plan["block_e"], BT=bt, BTR=btr, GPS=plan["gps"], SPLITS=splits, BF16=bf16,
-                  STORE_LOGITS=return_logits, PDL=pdl_mode(pdl, launch), PREFETCH=bool(launch) and prefetch,
-                  TABLE=table, LINE=line_elems(wg_ED), num_warps=plan["num_warps"], **launch)
-    tab = local if table else idx  # the table, or any pointer the range's code never reads
-    wg, bias = wg_ED.contiguous(), bias_E.float().contiguous()
-    if plan["impl"] == "grouped":
-        cpad = min(triton.next_power_of_2(topk), E // n_group)  # candidates kept per group
-        gs = torch.empty(btr, n_group, dtype=torch.float32, device=dev)
-        cand = torch.empty(2, btr, n_group, cpad, dtype=torch.float32, device=dev)
-        cand_id = torch.empty(btr, n_group, cpad, dtype=torch.int32, device=dev)
-        routing = (wg, bias, part, gs, cand[0], cand[1], cand_id, _counters(dev, nbe + 1), w, idx, logits, tab)
-        if norm is None:
-            _route_grouped_kernel[(nbe, splits)](x, *routing, T, D, x.stride(0), float(route_scale), e0, e1,
-                                                 CPAD=cpad, **common)
-        else:
-            tensors, scalars, consts = norm
-            _route_norm_kernel[(nbe, splits)](*tensors, *routing, T, D, *scalars, float(route_scale), e0, e1,
-                                              CPAD=cpad, **consts, **common)
-    else:
-        _route_fused_kernel[(nbe, splits)](x, wg, bias, part, _counters(dev, 1), w, idx, logits, tab, T, D,
-                                           x.stride(0), float(route_scale), e0, e1, **common)
-    return (w, idx, logits) if return_logits else (w, idx)
-
-
 def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_group: int = 8,
                     topk_group: int = 4, topk: int = 8, route_scale: float = 2.5, return_logits: bool = False,
                     block_e: int = 32, splits: int | None = None, local: tuple[int, int] | torch.Tensor | None = None,
@@ -417,62 +257,78 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
     num_warps: default 4 (serial, and grouped chosen by "auto") / 8 (grouped: its rank comparisons spread over
     more threads). impl "auto" (default): the faster of the two at T tokens as measured on an H200."""
     require(x_TD, "moe_route_fused")
+    if impl not in IMPLS + ("auto",):
+        raise ValueError(f"moe_route_fused: impl must be 'auto' or one of {IMPLS}, got {impl!r}")
     T, D = x_TD.shape
-    plan = _plan("moe_route_fused", T, D, wg_ED, bias_E, n_group, topk_group, topk, block_e, splits, impl, num_warps)
+    E = wg_ED.shape[0]
+    block_e = min(block_e, E)
+    if wg_ED.shape[1] != D or bias_E.shape != (E,):
+        raise ValueError(f"moe_route_fused: gate weight must be [E, {D}] and bias [E], got {list(wg_ED.shape)}, "
+                         f"{list(bias_E.shape)}")
+    if E & (E - 1) or E % n_group or E // n_group < 2 or topk > E or topk_group > n_group or E % block_e:
+        raise ValueError(f"moe_route_fused: E = {E} must be a power of two divisible by n_group = {n_group} "
+                         f"(>= 2 per group) and by block_e = {block_e}; topk {topk} <= E, topk_group {topk_group} "
+                         f"<= n_group")
+    if not 1 <= T <= MAX_TOKENS:
+        raise ValueError(f"moe_route_fused: 1..{MAX_TOKENS} tokens, got {T}")
+    if D % BLOCK:
+        raise ValueError(f"moe_route_fused: D = {D} must be a multiple of {BLOCK}")
+    EG = E // n_group
+    if impl == "auto":
+        # H200, E = 256, D = 7168, graph replays (BENCHMARKS.md, session 4): grouped with 4 warps 8.5 / 9.6 / 9.3 /
+        # 12.4 / 12.2 us at T = 1 / 3 / 4 / 5 / 8 vs serial 9.7 / 11.0 / 10.9 / 12.9 / 13.0; at T = 2 serial
+        # (9.7 vs 11.1)
+        impl = "grouped" if T <= GROUPED_MAX_TOKENS and T != 2 and topk <= topk_group * EG else "serial"
+        num_warps = num_warps or 4
+    grouped = impl == "grouped"
+    if grouped:
+        if T > GROUPED_MAX_TOKENS:
+            raise ValueError(f"moe_route_fused: impl='grouped' takes 1..{GROUPED_MAX_TOKENS} tokens, got {T} "
+                             f"(use impl='serial')")
+        if topk > topk_group * EG:
+            raise ValueError(f"moe_route_fused: impl='grouped' needs topk {topk} <= topk_group {topk_group} x "
+                             f"{EG} experts per group")
+        block_e = max(block_e, EG)  # an E-block holds whole groups
+    G = D // BLOCK
+    nbe = E // block_e
+    # ~112 programs (<= 1 per SM), each >= 2 groups; fewer slices = a shorter fix-up
+    splits = splits or max(1, min(G // 2, triton.cdiv(112, nbe)))
+    gps = triton.cdiv(G, splits)
+    splits = triton.cdiv(G, gps)
+    bt = max(16, triton.next_power_of_2(T))
+    btr = triton.next_power_of_2(T)
+    dev = x_TD.device
+    part = torch.empty(splits, bt, E, dtype=torch.float32, device=dev)
+    w = torch.empty(T, topk, dtype=torch.float32, device=dev)
+    idx = torch.empty(T, topk, dtype=torch.int32, device=dev)
+    logits = torch.empty(T, E, dtype=torch.float32, device=dev) if return_logits else w
     x = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
-    return _route_launch(x, wg_ED, bias_E, T, D, plan, n_group, topk_group, topk, route_scale, return_logits, local,
-                         pdl, prefetch)
-
-
-def moe_route_norm(h_TD: torch.Tensor, delta_TD: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                   wg_ED: torch.Tensor, bias_E: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
-                   round_dtype: torch.dtype | None = None, n_group: int = 8, topk_group: int = 4, topk: int = 8,
-                   route_scale: float = 2.5, return_logits: bool = False, block_e: int = 32,
-                   splits: int | None = None, local: tuple[int, int] | torch.Tensor | None = None, pdl: bool = False,
-                   impl: str = "auto", prefetch: bool = True):
-    """The decoder block's post-attention add + norm + quant and the MoE router in one launch: returns (h_new, x, x8,
-    sx) = `norm_quant.add_rms_norm_quant(h_TD, delta_TD, norm_weight, eps, out_dtype, round_dtype=round_dtype)` and
-    (weights, ids[, logits]) = `moe_route_fused(x, ...)`, the same bits as those two launches (torch.equal).
-
-    Every program of the grouped router (E-blocks x K-slices) runs the add + norm + quant kernel's row code on all
-    T rows (`norm_quant._norm_rows`: its tile, and its warps, `norm_quant.row_tiles`, which set its sums' order), for
-    each row's rms, makes its K-slice of x from the same formulas elementwise and takes its share of the gate GEMV on
-    it; the programs of E-block 0 store their slices' h_new, x, x8 and sx. Then the grouped tail as in
-    `moe_route_fused`. Costs every program a read of the T rows of h and delta (and the norm's weight) from L2:
-    T x (2 x 4 + 2) x D bytes, 70 KB per token at D = 7168.
-
-    h_TD fp32 [T, D] (the residual stream), delta_TD [T, D] (any float dtype; rounded to round_dtype first:
-    bf16 / fp16 / fp32 / None), T tokens where `norm_route_fits` (impl 'auto' or 'grouped'; 'serial' raises).
-    The launch runs the norm's warps (8 at D = 7168 where 'auto' runs the router on 4): the router's bits do not
-    change with them (its one order-dependent sum, the weights' normalization over the top-k, runs within a warp
-    in both: compiled for sm_90, tests/kernels/test_route_norm.py). pdl, prefetch, local, return_logits: as
-    `moe_route_fused`."""
-    require(h_TD, "moe_route_norm")
-    name = "moe_route_norm"
-    if h_TD.dim() != 2 or h_TD.dtype != torch.float32 or delta_TD.shape != h_TD.shape:
-        raise ValueError(f"{name}: h must be an fp32 [T, D] residual and delta of its shape, got {h_TD.dtype} "
-                         f"{list(h_TD.shape)}, {list(delta_TD.shape)}")
-    T, D = h_TD.shape
-    if norm_weight.shape != (D,):
-        raise ValueError(f"{name}: norm weight must be [{D}], got {list(norm_weight.shape)}")
-    if round_dtype is not None and round_dtype not in _ROUND:
-        raise ValueError(f"{name}: round_dtype must be one of {list(_ROUND)} or None, got {round_dtype}")
-    if impl == "serial" or (impl == "auto" and not norm_route_fits(T, n_group, topk_group, topk, wg_ED.shape[0])):
-        raise ValueError(f"{name}: only the grouped tail takes the norm, and impl={impl!r} at T = {T} runs the serial "
-                         f"one: launch add_rms_norm_quant and moe_route_fused instead (`norm_route_fits`)")
-    bg, warps = row_tiles(D)
-    # the norm's warps, not the router's: they set the order of the row sums, which the bits of x depend on
-    plan = _plan(name, T, D, wg_ED, bias_E, n_group, topk_group, topk, block_e, splits, "grouped", warps)
-    h = h_TD if h_TD.stride(-1) == 1 else h_TD.contiguous()
-    d = delta_TD if delta_TD.stride(-1) == 1 else delta_TD.contiguous()
-    dev = h.device
-    hout = torch.empty_like(h)
-    x = torch.empty(T, D, dtype=out_dtype, device=dev)
-    x8 = torch.empty(T, D, dtype=FP8_DTYPE, device=dev)
-    sx = torch.empty(T, D // BLOCK, dtype=torch.float32, device=dev)
-    norm = ((h, d, norm_weight, hout, x, x8, sx),
-            (eps, h.stride(0), d.stride(0), hout.stride(0), x.stride(0), x8.stride(0), sx.stride(0)),
-            dict(BG=bg, ROUND=_ROUND.get(round_dtype, 2)))
-    routes = _route_launch(x, wg_ED, bias_E, T, D, plan, n_group, topk_group, topk, route_scale, return_logits,
-                           local, pdl, prefetch, norm)
-    return (hout, x, x8, sx, *routes)
+    bf16 = x.dtype == torch.bfloat16 and wg_ED.dtype == torch.bfloat16
+    launch = pdl_kwargs(pdl, x)
+    table = isinstance(local, torch.Tensor)
+    if table:
+        if local.shape != (E,) or local.dtype != torch.int32 or local.device != dev or not local.is_contiguous():
+            raise ValueError(f"moe_route_fused: a local expert table must be a contiguous int32 [{E}] on {dev}, got "
+                             f"{local.dtype} {list(local.shape)} on {local.device}")
+        e0, e1 = 0, E
+    else:
+        e0, e1 = local if local is not None else (0, E)
+        if not 0 <= e0 <= e1 <= E:
+            raise ValueError(f"moe_route_fused: local expert range must lie in [0, {E}], got {local}")
+    common = dict(E=E, NG=n_group, TOPK_GROUP=topk_group, TOPK=topk, KPAD=triton.next_power_of_2(topk),
+                  BE=block_e, BT=bt, BTR=btr, GPS=gps, SPLITS=splits, BF16=bf16, STORE_LOGITS=return_logits,
+                  PDL=pdl_mode(pdl, launch), PREFETCH=bool(launch) and prefetch, TABLE=table, LINE=line_elems(wg_ED),
+                  num_warps=num_warps or (8 if grouped else 4), **launch)
+    args = (T, D, x.stride(0), float(route_scale), e0, e1)
+    tab = local if table else idx  # the table, or any pointer the range's code never reads
+    wg, bias = wg_ED.contiguous(), bias_E.float().contiguous()
+    if grouped:
+        cpad = min(triton.next_power_of_2(topk), EG)  # candidates kept per group
+        gs = torch.empty(btr, n_group, dtype=torch.float32, device=dev)
+        cand = torch.empty(2, btr, n_group, cpad, dtype=torch.float32, device=dev)
+        cand_id = torch.empty(btr, n_group, cpad, dtype=torch.int32, device=dev)
+        _route_grouped_kernel[(nbe, splits)](x, wg, bias, part, gs, cand[0], cand[1], cand_id,
+                                             _counters(dev, nbe + 1), w, idx, logits, tab, *args, CPAD=cpad, **common)
+    else:
+        _route_fused_kernel[(nbe, splits)](x, wg, bias, part, _counters(dev, 1), w, idx, logits, tab, *args, **common)
+    return (w, idx, logits) if return_logits else (w, idx)

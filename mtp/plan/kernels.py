@@ -64,8 +64,6 @@ class Limits:
     indexer_one_launch: bool = False  # dispatch.FastPathOptions.indexer_one_launch: scores and top-k in one launch
     fused_hist_rows: int = 1  # dispatch.FastPathOptions.fused_hist_rows: the histogram in the scores kernel up to these rows
     mlp_reduce_norm: bool = True  # dispatch.FastPathOptions.mlp_reduce_norm: the FFN's sum added by the next block's norm
-    route_norm: bool = False  # dispatch.FastPathOptions.route_norm: a MoE block's post-attention norm in the router
-    route_norm_tokens: int = 1  # dispatch.FastPathOptions.route_norm_tokens: ... up to this many tokens
 
     @classmethod
     def current(cls) -> Limits:
@@ -81,7 +79,7 @@ class Limits:
                    fuse_absorb_out=o.fuse_absorb_out, fuse_out_cast=o.fuse_out_cast, topk_rearm=o.topk_rearm,
                    shared_in_experts=o.shared_in_experts, topk_one_launch=o.topk_one_launch,
                    indexer_one_launch=o.indexer_one_launch, fused_hist_rows=o.fused_hist_rows,
-                   mlp_reduce_norm=o.mlp_reduce_norm, route_norm=o.route_norm, route_norm_tokens=o.route_norm_tokens)
+                   mlp_reduce_norm=o.mlp_reduce_norm)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -191,20 +189,6 @@ def dense_mlp(cfg: ModelConfig, sh: StepShape, lim: Limits) -> int:
     return n + (1 if sh.tp > 1 and not lim.fuse_out_cast else 0) + 1
 
 
-def norm_routes(cfg: ModelConfig, sh: StepShape, lim: Limits) -> bool:
-    """Whether a MoE block's post-attention add + norm + quant runs in its router's launch (`FastMoE.norm_routes`,
-    `router.moe_route_norm`): switch route_norm up to route_norm_tokens, on the quantized path (<= SMALL_M tokens),
-    where one router kernel launch routes the tokens (<= router_max and kernel_route) with its grouped tail
-    (`router.norm_route_fits`); under NCCL or the simulated group (the one-shot all-reduce keeps its own kernel, not
-    counted here)."""
-    from ..kernels.router import norm_route_fits
-
-    N = sh.tokens
-    return (lim.route_norm and N <= lim.route_norm_tokens and N <= lim.small_m and N <= lim.router_max
-            and N <= lim.kernel_route and norm_route_fits(N, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
-                                                          cfg.n_routed_experts))
-
-
 def router(N: int, lim: Limits) -> int:
     """`FastMoE.routed`: one router launch per ROUTER_MAX_TOKENS tokens (+ a cat of weights and of ids when several),
     or the reference router above kernel_route_tokens (with the id mapping on an expert-parallel rank)."""
@@ -240,8 +224,7 @@ def moe_ffn(cfg: ModelConfig, sh: StepShape, lim: Limits) -> dict[str, int]:
     the experts' kernels: `shared_in_experts`); router; experts (the shared output added in their combine, or the
     shared expert their last slot); `add_rounded` into the residual. Above: `MoE.forward` (its routed part still
     `FastMoE.routed`): the shared expert on x, routed + shared, `.to(x.dtype)`, and the block's `h + y`. The
-    residual's add is booked to the routed experts. Where the router's launch also does the post-attention add +
-    norm + quant (`norm_routes`), which `attention` counts, the router adds no launch of its own."""
+    residual's add is booked to the routed experts."""
     N, D = sh.tokens, cfg.hidden_size
     inter = cfg.moe_intermediate_size * cfg.n_shared_experts // sh.tp
     quant = N <= lim.small_m
@@ -254,8 +237,7 @@ def moe_ffn(cfg: ModelConfig, sh: StepShape, lim: Limits) -> dict[str, int]:
         shared += 1  # `MoE.forward`: routed + shared
     # add_rounded (none where the next block adds it: `ffn_hand_off`); or `.to(x.dtype)` and the block's `h + y`
     routed = experts(N, lim) + (0 if ffn_hand_off(sh, lim) else 1 if quant else 2)
-    n_router = router(N, lim) - int(norm_routes(cfg, sh, lim))
-    return {"shared_expert": shared, "router": n_router, "routed_experts": routed}
+    return {"shared_expert": shared, "router": router(N, lim), "routed_experts": routed}
 
 
 def head(cfg: ModelConfig, sh: StepShape) -> int:

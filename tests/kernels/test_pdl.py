@@ -78,13 +78,6 @@ def _kernels() -> dict:
                                                   table_ptr=i32),
                    dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, CPAD=8, BE=32, BT=16, BTR=1, GPS=4, SPLITS=14,
                         BF16=True, STORE_LOGITS=False, TABLE=False, LINE=64, PREFETCH=True), 4, False),
-        # with the post-attention add + norm + quant (switch route_norm): h and delta read after the wait too
-        "route_norm": (rt._route_norm_kernel, dict(h_ptr="*fp32", d_ptr="*fp32", nw_ptr=bf, x_ptr=bf, x8_ptr=f8,
-                                                   w_ptr=bf, ci_ptr=i32, cnt_ptr=i32, idx_out_ptr=i32,
-                                                   table_ptr=i32, eps="fp32"),
-                       dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, CPAD=8, BE=32, BT=16, BTR=1, GPS=4, SPLITS=14,
-                            BF16=True, STORE_LOGITS=False, TABLE=False, LINE=64, PREFETCH=True, BG=64, ROUND=0), 8,
-                       False),
         "q_absorb": (mpf._q_absorb_kernel, dict(qq_ptr=bf, qpe_ptr=bf, iq8_ptr=f8, w_ptr=bf, ql_ptr=bf),
                      dict(H=16, P=128, R=64, HI=64, DK=128, HSCALE=hs, INDEX=True, HQ=64, C=512, BO=64, BK=128,
                           BT=16, IEEE=False, PF=1, LINE=64), 4, False),

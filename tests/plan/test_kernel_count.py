@@ -1,8 +1,7 @@
 """The speed model's kernel count (`mtp.plan.kernels`) against the code: a hand derivation per layer kind at a few
 (tokens, context) points of the real TP=8 rank, and the launches `mtp.plan.launches` counts when the fast path
 runs a tiny simulated rank under the Triton interpreter (a subprocess: the interpreter is chosen when the kernels
-are decorated), with the fast path's token thresholds shrunk so that every branch is taken at 1..14 tokens; at two
-points also with switch route_norm on (a MoE block's post-attention norm in its router's launch), logits unchanged.
+are decorated), with the fast path's token thresholds shrunk so that every branch is taken at 1..14 tokens.
 """
 
 from __future__ import annotations
@@ -39,10 +38,6 @@ LAYOUT_POINTS = [(1, 1, 8), (2, 3, 8), (2, 7, 2)]
 # (all eight took ~220 s of the CI's 20 minutes under the interpreter)
 WORLD1_POINTS = [(1, 1, 8), (2, 3, 8), (2, 7, 2), (1, 1, 40)]
 CACHE_EXTRA = 4  # the cache holds context + max(4, width) keys (as mtp-bench's k = 3 verify)
-# switch route_norm (the post-attention norm in the router's launch), counted again with it on at two points of a
-# rank of 2 (the trunk only: the MTP module's block is the same code), whose logits must equal the switch off's
-ROUTE_NORM_POINTS = [(1, 1, 8), (1, 3, 8)]
-ROUTE_NORM = dict(route_norm=True, route_norm_tokens=3)
 
 
 def _real_limits() -> Limits:
@@ -136,24 +131,6 @@ def test_hand_derivation_real_rank_few_tokens_and_grouped():
     assert [default[N]["glue"] for N in Ns] == [19, 19, 19, 19, 18, 18]
 
 
-def test_hand_derivation_route_norm():
-    """Switch route_norm: a MoE block's post-attention add + norm + quant runs in its router's launch (one launch
-    fewer: 58 a step at 61 layers, and one in an MTP module) where the router kernel runs its grouped tail (1 and
-    3..16 tokens at DeepSeek's 8 groups; 2 tokens: the serial tail, two launches) up to route_norm_tokens; dense
-    blocks keep theirs."""
-    cfg = real_config(layers=61, dense_layers=3)
-    lim = _real_limits()
-    assert not lim.route_norm  # off by default
-    on = dataclasses.replace(lim, route_norm=True, route_norm_tokens=16)
-    for N, fewer in ((1, 1), (2, 0), (3, 1), (4, 1), (16, 1), (17, 0), (64, 0)):
-        sh = StepShape(1, N, 1024 + N, tp=8)
-        off_, on_ = per_layer(cfg, sh, lim), per_layer(cfg, sh, on)
-        assert (off_["moe"] - on_["moe"], off_["mtp"] - on_["mtp"], off_["dense"] - on_["dense"]) == (fewer, fewer, 0)
-        assert sum(step_launches(cfg, sh, lim).values()) - sum(step_launches(cfg, sh, on).values()) == 58 * fewer
-    one = dataclasses.replace(on, route_norm_tokens=1)
-    assert per_layer(cfg, StepShape(1, 3, 1027, tp=8), one) == per_layer(cfg, StepShape(1, 3, 1027, tp=8), lim)
-
-
 def test_hand_derivation_indexer():
     """S = 8193 > top-k 2048, 1 row: the indexer adds the head weights 1 (`kernels.index_weights`), scores 1, radix
     histogram + split + write 3 = 5 per layer, on a GPU as on the CPU counter; the top-k's workspace is the kept one,
@@ -229,20 +206,14 @@ def _check_counts(world: int, layout: str) -> None:
                        text=True, timeout=600)
     assert r.returncode == 0, f"counting failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     counted = json.loads(r.stdout.strip().splitlines()[-1])
-    route_norm = _route_norm_points(world, layout)
-    assert len(counted) == len(_points(world, layout)) + len(route_norm)
+    assert len(counted) == len(_points(world, layout))
     cfg = _tiny(world)
     lim = dataclasses.replace(_real_limits(), **SHRUNK)
     bad = []
     for key, got in counted.items():
-        B, w, L = (int(v) for v in key.split(",")[:3])
-        switched = key.endswith(",route_norm")
-        if switched:
-            assert got.pop("logits_equal"), f"{key}: switch route_norm changed the logits"
+        B, w, L = (int(v) for v in key.split(","))
         sh = StepShape(B, w, L + w, tp=world, cache_len=L + max(w, CACHE_EXTRA), expert_layout=layout)
-        want = per_layer(cfg, sh, dataclasses.replace(lim, **ROUTE_NORM) if switched else lim)
-        if switched:
-            assert want["moe"] == per_layer(cfg, sh, lim)["moe"] - 1  # the point is one where it fuses
+        want = per_layer(cfg, sh, lim)
         for kind, n in got.items():
             if want[kind] != n:
                 bad.append(f"{layout}: rows {B} width {w} context {L} {kind}: model {want[kind]}, counted {n}")
@@ -255,11 +226,6 @@ def _points(world: int, layout: str) -> list[tuple[int, int, int]]:
     if layout != "contiguous":
         return LAYOUT_POINTS
     return POINTS if world > 1 else WORLD1_POINTS
-
-
-def _route_norm_points(world: int, layout: str) -> list[tuple[int, int, int]]:
-    """The points counted again with switch route_norm on: ROUTE_NORM_POINTS on a 'contiguous' rank of 2."""
-    return ROUTE_NORM_POINTS if world > 1 and layout == "contiguous" else []
 
 
 def _tiny(world: int):
@@ -325,14 +291,6 @@ def _count(world: int, layout: str = "contiguous") -> dict:
             kinds = c.per_kind()
             out[f"{B},{w},{L}"] = {"dense": kinds["dense"], "moe": kinds["moe"], "head": kinds["head"],
                                    "glue": kinds["glue"], "mtp": m.total()}
-            if (B, w, L) in _route_norm_points(world, layout):
-                old = fp.set_kernels(model, **ROUTE_NORM)
-                with torch.no_grad(), counting(model) as c:
-                    on = fwd()
-                fp.set_kernels(model, **vars(old))
-                kinds = c.per_kind()
-                out[f"{B},{w},{L},route_norm"] = {k: kinds[k] for k in ("dense", "moe", "head", "glue")}
-                out[f"{B},{w},{L},route_norm"]["logits_equal"] = torch.equal(on.logits, res.logits)
     return out
 
 
