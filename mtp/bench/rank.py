@@ -190,9 +190,10 @@ KERNEL_VARIANTS = {
     "moe_waves_by_size": (dict(moe_wave_splits=True), dict(moe_layout=None)),
     "moe_no_waves": (dict(moe_wave_splits=False), dict()),
     # the persistent experts' work items with no dependent load before their weight tiles (ids from registers, the
-    # scales one K group ahead, gate/up's fix-up loads in flight at once, the next item's weights asked of L2;
-    # `mtp.kernels.moe_items`): the same bits
+    # scales one K group ahead, gate/up's fix-up loads in flight at once; `mtp.kernels.moe_items`): the same bits.
+    # The default since session 17; moe_item_regs_off: the item loop before
     "moe_item_regs": (dict(moe_item_regs=True), dict()),
+    "moe_item_regs_off": (dict(moe_item_regs=False), dict()),
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
     "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),  # = defaults since fa04e59 (kept: its name is in
     # session 11's BENCHMARKS commands)

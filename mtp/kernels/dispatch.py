@@ -54,7 +54,10 @@ version, so the engine captures its kept graphs again).
   default: measured on one TP=8 split rank (H200, 61 layers, BENCHMARKS.md session 12) -1.1 ms a step at w = 1
   (6.43 vs 7.54 ms at 1k, 9.15-9.19 vs 10.35-10.46 at 32k), -0.25 to -0.57 at w = 2, wider steps unchanged (they
   run the pair grid).
-- moe_item_regs (off until timed on a GPU): the persistent experts' kernels with no dependent load before a work
+- moe_item_regs (on: one TP=8 split rank, H200, 61 layers, BENCHMARKS.md session 17, b2b, two alternations against
+  off: -0.23 / -0.39 / -0.42 / -0.20 ms a step at 1k w = 1..4 (5.13-5.18 vs 5.36-5.41 at w = 1), -0.27 / -0.41 /
+  -0.42 / -0.22 at 32k; alone 26.0 / 48.6 / 54.8 / 72.9 us at T = 1..4 vs 29.8 / 55.5 / 61.4 / 75.1): the
+  persistent experts' kernels with no dependent load before a work
   item's weight tiles (`moe.moe_experts(item_regs=True)`, `mtp.kernels.moe_items`): the item's expert, rows and
   slots from the ids the program loaded once (registers) instead of a reload per item; the per-group weight (and h)
   scales loaded one K group ahead instead of after each wgmma's wait; the down route weights before its loop;
@@ -160,7 +163,7 @@ class FastPathOptions:
     topk_one_launch: bool = False
     indexer_one_launch: bool = False
     topk_split_v2: bool = True
-    moe_item_regs: bool = False
+    moe_item_regs: bool = True
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)

@@ -31,13 +31,16 @@ from tests.interp import run_interpreted  # noqa: E402
 
 
 def test_moe_item_regs_switch_and_variant():
-    """Off by default until timed; `mtp-bench --kernel-variants moe_item_regs` turns it on (and names a real
-    switch)."""
+    """On by default (timed on an H200, session 17); `mtp-bench --kernel-variants moe_item_regs_off` turns it off
+    and moe_item_regs on (real switches)."""
     from mtp.bench.rank import KERNEL_VARIANTS
     from mtp.kernels.dispatch import FastPathOptions
 
     o = FastPathOptions()
-    assert not o.moe_item_regs
+    assert o.moe_item_regs
+    flags, options = KERNEL_VARIANTS["moe_item_regs_off"]
+    o.set(**flags)
+    assert not o.moe_item_regs and options == {}
     flags, options = KERNEL_VARIANTS["moe_item_regs"]
     o.set(**flags)
     assert o.moe_item_regs and options == {}
@@ -211,6 +214,7 @@ def _module_checks() -> None:
     the pair grid past persistent_tokens (the kernels' bits: `_kernel_checks`; here a recorder stands in)."""
     import mtp.backends.fast_path as fp
     from mtp.backends.fast_path import fast_module
+    from mtp.kernels.dispatch import FastPathOptions
     from mtp.model.fp8 import act_quant
     from mtp.parallel import ParallelPlan
     from tests.parallel.test_moe_ep import layout_config, random_moe, rank_moes
@@ -239,7 +243,7 @@ def _module_checks() -> None:
                 assert seen == [("persistent" if persistent else ep.expert_layout, on and persistent)], (T, on, seen)
     finally:
         fp.moe_experts = kernel
-        ep.fast_options.moe_item_regs = False
+        ep.fast_options.moe_item_regs = FastPathOptions().moe_item_regs
 
 
 if __name__ == "__main__":
