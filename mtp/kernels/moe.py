@@ -67,8 +67,8 @@ from mtp.kernels._triton import (asm_ok, pdl_kwargs, pdl_launch, pdl_mode, pdl_w
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
-from mtp.kernels.moe_items import (_down_tile_ahead, _fixup_sums, _gate_up_tile_ahead, _item_regs, _item_rows,
-                                   _partial_tile, _prefetch_item)
+from mtp.kernels.moe_items import (_down_ptrs, _down_tile_ahead, _fixup_sums, _gate_up_ptrs, _gate_up_tile_ahead,
+                                   _item_regs, _item_rows, _partial_tile, _prefetch_item)
 
 __all__ = ["wave_splits", "waves_for", "moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts",
            "moe_experts_ref", "gate_logits", "default_layout", "MAX_TOKENS", "PAIRS_MAX_TOKENS", "GROUPED_ABOVE"]
@@ -289,16 +289,8 @@ def _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1, 
                   stride_sn, BM: tl.constexpr):
     """gate and up of expert e, N-block nb, over K groups [g0, g1): fp32 accumulators [128, BM] (x quantized
     per 128 in registers; rows of tokens not routed to e read as 0)."""
-    offs_n = nb * 128 + tl.arange(0, 128)
-    offs_k = tl.arange(0, 128)
-    m = tl.arange(0, BM)
-    e64 = e.to(tl.int64)
-    w_off = e64 * stride_we + offs_n.to(tl.int64)[:, None] * D + offs_k[None, :]
-    w1_ptrs = w1_ptr + w_off
-    w3_ptrs = w3_ptr + w_off
-    s1_row = s1_ptr + e64 * stride_se + nb * stride_sn
-    s3_row = s3_ptr + e64 * stride_se + nb * stride_sn
-    x_ptrs = x_ptr + m[:, None] * stride_xm + offs_k[None, :]
+    w1_ptrs, w3_ptrs, s1_row, s3_row, x_ptrs = _gate_up_ptrs(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, D,
+                                                             stride_xm, stride_we, stride_se, stride_sn, BM)
     acc1 = tl.zeros((128, BM), dtype=tl.float32)
     acc3 = tl.zeros((128, BM), dtype=tl.float32)
     for g in range(g0, g1):
@@ -329,13 +321,8 @@ def _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I
                BM: tl.constexpr):
     """Down projection of expert e, output block nb, over K groups [g0, g1): fp32 [128, BM]."""
     GI = I // 128
-    offs_n = nb * 128 + tl.arange(0, 128)
-    offs_k = tl.arange(0, 128)
-    nmask = offs_n < D
-    e64 = e.to(tl.int64)
-    w_ptrs = w2_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * I + offs_k[None, :]
-    s_row = s2_ptr + e64 * stride_se + nb * stride_sn
-    h_ptrs = h8_ptr + slot.to(tl.int64)[:, None] * I + offs_k[None, :]
+    w_ptrs, s_row, h_ptrs, nmask = _down_ptrs(h8_ptr, w2_ptr, s2_ptr, e, nb, slot, D, I, stride_we, stride_se,
+                                              stride_sn)
     acc = tl.zeros((128, BM), dtype=tl.float32)
     for g in range(g0, g1):
         w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)

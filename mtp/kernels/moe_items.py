@@ -92,20 +92,38 @@ def _prefetch_item(w, n_items, iq, lead, rank, NB, KS, G, wa_ptr, wb_ptr, stride
 
 
 @triton.jit
-def _gate_up_tile_ahead(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1, D, stride_xm, stride_we,
-                        stride_se, stride_sn, BM: tl.constexpr):
-    """`moe._gate_up_tile` (the same tiles, the same fp32 sums in the same order) with the weight scales of group
-    g + 1 loaded in iteration g, the first group's before the loop."""
+def _gate_up_ptrs(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, D, stride_xm, stride_we, stride_se, stride_sn,
+                  BM: tl.constexpr):
+    """Expert e's gate and up tiles of N-block nb at K group 0 ([128, 128] pointers), their scale rows, and x's
+    [BM, 128] tile: `moe._gate_up_tile`'s and `_gate_up_tile_ahead`'s."""
     offs_n = nb * 128 + tl.arange(0, 128)
     offs_k = tl.arange(0, 128)
     m = tl.arange(0, BM)
     e64 = e.to(tl.int64)
     w_off = e64 * stride_we + offs_n.to(tl.int64)[:, None] * D + offs_k[None, :]
-    w1_ptrs = w1_ptr + w_off
-    w3_ptrs = w3_ptr + w_off
-    s1_row = s1_ptr + e64 * stride_se + nb * stride_sn
-    s3_row = s3_ptr + e64 * stride_se + nb * stride_sn
-    x_ptrs = x_ptr + m[:, None] * stride_xm + offs_k[None, :]
+    return (w1_ptr + w_off, w3_ptr + w_off, s1_ptr + e64 * stride_se + nb * stride_sn,
+            s3_ptr + e64 * stride_se + nb * stride_sn, x_ptr + m[:, None] * stride_xm + offs_k[None, :])
+
+
+@triton.jit
+def _down_ptrs(h8_ptr, w2_ptr, s2_ptr, e, nb, slot, D, I, stride_we, stride_se, stride_sn):
+    """Expert e's down tile of output block nb at K group 0 ([128, 128] pointers, rows past D masked by nmask), its
+    scale row, and the routed rows' h tile: `moe._down_tile`'s and `_down_tile_ahead`'s."""
+    offs_n = nb * 128 + tl.arange(0, 128)
+    offs_k = tl.arange(0, 128)
+    e64 = e.to(tl.int64)
+    w_ptrs = w2_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * I + offs_k[None, :]
+    h_ptrs = h8_ptr + slot.to(tl.int64)[:, None] * I + offs_k[None, :]
+    return w_ptrs, s2_ptr + e64 * stride_se + nb * stride_sn, h_ptrs, offs_n < D
+
+
+@triton.jit
+def _gate_up_tile_ahead(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1, D, stride_xm, stride_we,
+                        stride_se, stride_sn, BM: tl.constexpr):
+    """`moe._gate_up_tile` (the same tiles, the same fp32 sums in the same order) with the weight scales of group
+    g + 1 loaded in iteration g, the first group's before the loop."""
+    w1_ptrs, w3_ptrs, s1_row, s3_row, x_ptrs = _gate_up_ptrs(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, D,
+                                                             stride_xm, stride_we, stride_se, stride_sn, BM)
     s1n = tl.load(s1_row + g0, mask=g0 < g1, other=0.0)
     s3n = tl.load(s3_row + g0, mask=g0 < g1, other=0.0)
     acc1 = tl.zeros((128, BM), dtype=tl.float32)
@@ -131,13 +149,8 @@ def _down_tile_ahead(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1
     """`moe._down_tile` (the same tiles and sums) with h's and the weight's scales of group g + 1 loaded in
     iteration g, the first group's before the loop."""
     GI = I // 128
-    offs_n = nb * 128 + tl.arange(0, 128)
-    offs_k = tl.arange(0, 128)
-    nmask = offs_n < D
-    e64 = e.to(tl.int64)
-    w_ptrs = w2_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * I + offs_k[None, :]
-    s_row = s2_ptr + e64 * stride_se + nb * stride_sn
-    h_ptrs = h8_ptr + slot.to(tl.int64)[:, None] * I + offs_k[None, :]
+    w_ptrs, s_row, h_ptrs, nmask = _down_ptrs(h8_ptr, w2_ptr, s2_ptr, e, nb, slot, D, I, stride_we, stride_se,
+                                              stride_sn)
     hs_row = hs_ptr + slot * GI
     hsn = tl.load(hs_row + g0, mask=active & (g0 < g1), other=0.0)
     sn = tl.load(s_row + g0, mask=g0 < g1, other=0.0)
