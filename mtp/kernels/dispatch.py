@@ -54,19 +54,17 @@ version, so the engine captures its kept graphs again).
   default: measured on one TP=8 split rank (H200, 61 layers, BENCHMARKS.md session 12) -1.1 ms a step at w = 1
   (6.43 vs 7.54 ms at 1k, 9.15-9.19 vs 10.35-10.46 at 32k), -0.25 to -0.57 at w = 2, wider steps unchanged (they
   run the pair grid).
-- moe_item_regs (on: one TP=8 split rank, H200, 61 layers, BENCHMARKS.md session 17, b2b, two alternations against
-  off: -0.23 / -0.39 / -0.42 / -0.20 ms a step at 1k w = 1..4 (5.13-5.18 vs 5.36-5.41 at w = 1), -0.27 / -0.41 /
-  -0.42 / -0.22 at 32k; alone 26.0 / 48.6 / 54.8 / 72.9 us at T = 1..4 vs 29.8 / 55.5 / 61.4 / 75.1): the
-  persistent experts' kernels with no dependent load before a work
-  item's weight tiles (`moe.moe_experts(item_regs=True)`, `mtp.kernels.moe_items`): the item's expert, rows and
-  slots from the ids the program loaded once (registers) instead of a reload per item; the per-group weight (and h)
-  scales loaded one K group ahead instead of after each wgmma's wait; the down route weights before its loop;
-  gate/up's last-arriving slice with its KS partial loads in flight at once instead of one round trip per slice;
-  (`moe_experts(item_prefetch=True)`, off: slower alone, 27.4 vs 26.0 us at one token) the program's next item's
-  weight lines asked of L2 before this item's loop. The same tiles, the same sums in
-  the same order: bit-identical. Off: `moe._work_item` and the item loop as measured in sessions 12-16 (a TP=8
-  split rank's gate/up + down + combine 30.8 us at one token for 11.7 us of HBM bytes; variants moe_item_regs /
-  defaults in `mtp.bench.rank.KERNEL_VARIANTS`, `python -m mtp.bench.topk_moe --only moe_split` alone).
+- moe_item_regs (on): the persistent experts' kernels with no dependent load before a work item's weight tiles
+  (`moe.moe_experts(item_regs=True)`, `mtp.kernels.moe_items`): the item's expert, rows and slots from the ids the
+  program loaded once (registers) instead of a reload per item; the per-group weight (and h) scales loaded one K
+  group ahead instead of after each wgmma's wait; the down route weights before its loop; gate/up's last-arriving
+  slice with its KS partial loads in flight at once instead of one round trip per slice. The same tiles, the same
+  sums in the same order: bit-identical. Measured on one TP=8 split rank (H200, 61 layers, BENCHMARKS.md session 17,
+  b2b, two alternations against off): -0.23 / -0.39 / -0.42 / -0.20 ms a step at 1k w = 1..4 (5.13-5.18 vs 5.36-5.41
+  at w = 1), -0.27 / -0.41 / -0.42 / -0.22 at 32k; alone (`python -m mtp.bench.topk_moe --only moe_split`) 26.0 /
+  48.6 / 54.8 / 72.9 us at T = 1..4 against 29.8 / 55.5 / 61.4 / 75.1. The program's next item's weight lines asked
+  of L2 before this item's loop (`moe_experts(item_prefetch=True)`) measured slower alone (27.4 us at one token):
+  off. Off: `moe._work_item` and the item loop of sessions 12-16 (variant moe_item_regs_off).
 - pdl (on, for calls of up to `pdl_tokens` tokens: 64 by default on a tensor-parallel rank, with the trigger after
   the wait past one token, pdl_early_tokens 1: measured on one TP=8 split rank, H200, BENCHMARKS.md session 15,
   back-to-back replays: -0.36 to -0.51 ms a step at w = 2..4 at 1k, -0.14 to -0.43 at 32k, against PDL at w = 1
