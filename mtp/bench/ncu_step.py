@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kernels", nargs="*", default=[], metavar="NAME=VALUE",
                     help="FastPathOptions switches on top of the rank's defaults (as mtp-bench --kernels)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--summarize", nargs="+", metavar="CSV",
+                    help="instead of profiling: one line per kernel of these `ncu --csv --page details` files")
     return ap.parse_args(argv)
 
 
@@ -76,14 +78,11 @@ def summarize(path: str) -> str:
 
 
 def main(argv=None) -> None:
-    import sys
-
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--summarize"]:
-        for path in argv[1:]:
+    args = parse_args(argv)
+    if args.summarize:
+        for path in args.summarize:
             print(f"== {path}\n{summarize(path)}")
         return
-    args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("mtp.bench.ncu_step: needs a CUDA device")
     cfg = real_config(layers=args.layers, dense_layers=args.dense_layers, mtp_modules=1)

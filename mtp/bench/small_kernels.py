@@ -7,7 +7,7 @@ layer alone at one token: the row norm (`norm_quant`, one program of 8 warps per
 that does nothing takes ~2 us. Each section here times the default against other settings of the same kernel, in
 graph replays (`kernels.graph_us`), and checks every setting's output against the default's (a reduction in another
 order changes the last bits, so the check is a tolerance, printed):
-- norm: `_add_norm_quant_kernel` at 4 / 8 / 16 / 32 warps (the row's 7168 channels over more threads: a shorter
+- norm: `add_rms_norm_quant` at 4 / 8 / 16 / 32 warps (the row's 7168 channels over more threads: a shorter
   chain per thread);
 - stage1: `mla_decode` (stage 1 + stage 2) at 16 heads with 16 / 32 / 64 keys per tile and 1 / 2 / 4 x the default
   KV slices, dense 1k and the top-2048 of 32k, T = 1 and 4;
@@ -15,7 +15,7 @@ order changes the last bits, so the check is a tolerance, printed):
 - gemv: `fp8_gemv` on o_proj (7168 x 2048, x quantized in the kernel) and q_a | wk | kv_a (2240 x 7168, x
   pre-quantized) at one row, over BN, groups per slice and warps.
 
-    python -m mtp.bench.small_kernels --out DIR [--only norm,stage1,gemv]
+    python -m mtp.bench.small_kernels --out DIR [--only norm,stage1,combine,gemv]
 """
 
 from __future__ import annotations
@@ -34,28 +34,20 @@ DEV = "cuda"
 
 
 def norm_section() -> dict:
-    from mtp.kernels.norm_quant import _ROUND, _add_norm_quant_kernel, add_rms_norm_quant, row_tiles
-    from mtp.model.fp8 import FP8_DTYPE
+    from mtp.kernels.norm_quant import add_rms_norm_quant, row_tiles
 
     D = 7168
     out = {}
     w = (torch.rand(D, device=DEV) + 0.5).bfloat16()
-    bg, default_warps = row_tiles(D)
+    default_warps = row_tiles(D)[1]
     for M in (1, 4):
         h = torch.randn(M, D, device=DEV)
         d = torch.randn(M, D, device=DEV)  # the o_proj's fp32 sum, rounded to bf16 in the kernel
-        want = add_rms_norm_quant(h, d, w, 1e-6, round_dtype=torch.bfloat16)
 
-        def call(nw, h=h, d=d, M=M):
-            hout, y = torch.empty_like(h), torch.empty(M, D, dtype=torch.bfloat16, device=DEV)
-            x8 = torch.empty(M, D, dtype=FP8_DTYPE, device=DEV)
-            sx = torch.empty(M, D // 128, dtype=torch.float32, device=DEV)
-            _add_norm_quant_kernel[(M,)](h, d, w, hout, y, x8, sx, D, 1e-6, h.stride(0), d.stride(0),
-                                         hout.stride(0), y.stride(0), x8.stride(0), sx.stride(0), ADD=True,
-                                         STORE_H=True, STORE_Y=True, QUANT=True, BG=bg, PDL=0,
-                                         ROUND=_ROUND[torch.bfloat16], num_warps=nw)
-            return hout, y, x8, sx
+        def call(nw, h=h, d=d):
+            return add_rms_norm_quant(h, d, w, 1e-6, round_dtype=torch.bfloat16, num_warps=nw)
 
+        want = call(None)
         res = {}
         for nw in (4, 8, 16, 32):
             got = call(nw)
@@ -104,25 +96,21 @@ def stage1_section() -> dict:
 
 
 def combine_section() -> dict:
-    """The experts' combine (`moe._moe_combine_kernel`: y[t] = the sum over 8 routed slots and the shared one of
-    the down kernel's per-slot rows) at a 'split' rank's shape, over its channel block and warps (each channel's
-    sum in the same order: the same bits)."""
-    from mtp.kernels._triton import triton
-    from mtp.kernels.moe import _moe_combine_kernel
+    """The experts' combine (`moe._combine`: y[t] = the sum over 8 routed slots and the shared one of the down
+    kernel's per-slot rows) at a 'split' rank's shape, over its channel block and warps (each channel's sum in the
+    same order: the same bits)."""
+    from mtp.kernels.moe import COMBINE_BLOCK_D, COMBINE_WARPS, _combine
 
-    D, J, topk = 7168, 8, 9
+    D, J = 7168, 8
     out = {}
     for T in (1, 4):
-        part = torch.randn(1, T * topk, D, device=DEV)
+        part = torch.randn(1, T * (J + 1), D, device=DEV)
         idx = torch.randint(0, 256, (T, J), device=DEV, dtype=torch.int32)
 
         def call(bd, nw, T=T, part=part, idx=idx):
-            y = torch.empty(T, D, device=DEV)
-            _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, idx, y, y, D, T * topk, TOPK=topk, J=J, KS=1,
-                                                         BLOCK_D=bd, ADD=False, PDL=0, num_warps=nw)
-            return y
+            return _combine(part, idx, None, T, D, J, 1, torch.float32, True, False, block_d=bd, num_warps=nw)
 
-        want = call(1024, 4)
+        want = call(COMBINE_BLOCK_D, COMBINE_WARPS)
         res = {}
         for bd in (256, 512, 1024, 2048):
             for nw in (1, 2, 4, 8):
@@ -131,8 +119,9 @@ def combine_section() -> dict:
                 key = f"block_d={bd} warps={nw}"
                 gk.check(f"combine T={T} {key}", torch.equal(call(bd, nw), want), "bit-equal to the default")
                 res[key] = gk.graph_us([lambda bd=bd, nw=nw: call(bd, nw)])
-                gk.row(f"combine {key}" + (" (default)" if (bd, nw) == (1024, 4) else ""), f"T={T} D={D}",
-                       res[key], T * topk * D * 4 + T * D * 4)
+                default = (bd, nw) == (COMBINE_BLOCK_D, COMBINE_WARPS)
+                gk.row(f"combine {key}" + (" (default)" if default else ""), f"T={T} D={D}", res[key],
+                       T * (J + 1) * D * 4 + T * D * 4)
         out[f"T={T}"] = dict(sorted(res.items(), key=lambda kv: kv[1]))
     return out
 

@@ -384,10 +384,11 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
     """moe_experts on one 'split' rank of TP=`world` (every expert at 1/world of its width, the shared expert
     stacked last and run as every token's implicit slot: `shared=True`), T = 1..4 tokens of 8 routed experts each:
     the pair grid, the persistent layout with `default_splits` and with `wave_splits` ('waves'), each with switch
-    `moe_item_regs` (`moe_experts(item_regs=True)`, also without its next-item L2 prefetch; checked bit-equal to the
+    `moe_item_regs` (`moe_experts(item_regs=True)`, also with its next-item L2 prefetch; checked bit-equal to the
     switch off on every routing), and a sweep of the persistent K slices with and without it, so that each width's
     choice is a measurement (the step's gate/up + down + combine launches, one `moe_experts` call). Bytes: the
-    distinct experts' slices (routed + shared) over the measured copy bandwidth. Routings rotate over 8 sets per graph (other experts' weights each call, from HBM)."""
+    distinct experts' slices (routed + shared) over the measured copy bandwidth. Routings rotate over 8 sets per
+    graph (other experts' weights each call, from HBM)."""
     from mtp.kernels.moe import default_splits, moe_experts, moe_experts_ref, waves_for
 
     bw = copy_bandwidth()

@@ -727,17 +727,22 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     return _combine(part, idx, add, T, D, J, ks_down, out_dtype or x_TD.dtype, shared, pdl)
 
 
+# the combine's channels per program and warps. 8 warps: 2.38 / 2.23 us at T = 1 / 4 on a TP=8 split rank's shape
+# against 2.88 / 2.77 at 4 (H200, graph replays, `mtp.bench.small_kernels` combine, BENCHMARKS.md session 17)
+COMBINE_BLOCK_D = 1024
+COMBINE_WARPS = 8
+
+
 def _combine(part: torch.Tensor, idx: torch.Tensor, add: torch.Tensor | None, T: int, D: int, J: int, ks: int,
-             out_dtype: torch.dtype, shared: bool, pdl: bool) -> torch.Tensor:
+             out_dtype: torch.dtype, shared: bool, pdl: bool, block_d: int = COMBINE_BLOCK_D,
+             num_warps: int = COMBINE_WARPS) -> torch.Tensor:
     """y [T, D] = sum over slots (in order; the implicit shared slot J last when `shared`) and K slices of the
-    per-pair partials part [ks, T * slots, D], + add."""
+    per-pair partials part [ks, T * slots, D], + add. block_d / num_warps: a program's channels and warps (each
+    channel's sum in the same order at any; for benchmarks, `mtp.bench.small_kernels`)."""
     y = torch.empty(T, D, dtype=out_dtype, device=part.device)
-    bd = 1024
     topk = J + shared
     launch = pdl_kwargs(pdl, part)
-    # 8 warps: 2.38 / 2.23 us at T = 1 / 4 on a TP=8 split rank's shape against 2.88 / 2.77 at 4 (H200, graph
-    # replays, `mtp.bench.small_kernels` combine, BENCHMARKS.md session 17); each channel's sum in the same order
-    _moe_combine_kernel[(T, triton.cdiv(D, bd))](part, idx, y if add is None else add, y, D, T * topk, TOPK=topk,
-                                                 J=J, KS=ks, BLOCK_D=bd, ADD=add is not None, PDL=pdl_mode(pdl, launch),
-                                                 num_warps=8, **launch)
+    _moe_combine_kernel[(T, triton.cdiv(D, block_d))](part, idx, y if add is None else add, y, D, T * topk,
+                                                      TOPK=topk, J=J, KS=ks, BLOCK_D=block_d, ADD=add is not None,
+                                                      PDL=pdl_mode(pdl, launch), num_warps=num_warps, **launch)
     return y

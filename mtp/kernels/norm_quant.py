@@ -110,12 +110,15 @@ def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
 
 def add_rms_norm_quant(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                        out_dtype: torch.dtype = torch.bfloat16, quant: bool = True, store_y: bool = True,
-                       store_h: bool = True, pdl: bool = False, round_dtype: torch.dtype | None = None):
+                       store_h: bool = True, pdl: bool = False, round_dtype: torch.dtype | None = None,
+                       num_warps: int | None = None):
     """Kernel twin of `add_rms_norm_quant_ref`: returns (h_new, y, x8, sx) with None for what is not asked
     (h_new is h when delta is None; y when store_y is False; x8, sx when quant is False). pdl: programmatic
     dependent launch (`_triton.pdl_kwargs`). round_dtype (bf16 / fp16 / fp32 / None): delta, a row-parallel
     sublayer's fp32 sum, rounded to it before the add, in this kernel instead of a cast launch before it (the
-    same bits: round to nearest even, then an exact widening)."""
+    same bits: round to nearest even, then an exact widening). num_warps: default `row_tiles`' (the warps set the
+    row sum's order, so every path that must give the same bits keeps the default; another count is for
+    benchmarks, `mtp.bench.small_kernels`)."""
     require(h, "add_rms_norm_quant")
     D = h.shape[-1]
     lead = h.shape[:-1]
@@ -141,6 +144,7 @@ def add_rms_norm_quant(h: torch.Tensor, delta: torch.Tensor | None, weight: torc
     sx = torch.empty(M, D // BLOCK, dtype=torch.float32, device=dev) if quant else None
     if M:
         bg, warps = row_tiles(D)
+        warps = num_warps or warps
         # a y buffer is needed for its dtype even when it is not stored: point at a 1-element stand-in
         y_arg = y if y is not None else torch.empty(1, 1, dtype=out_dtype, device=dev)
         launch = pdl_kwargs(pdl, h2)
