@@ -237,3 +237,31 @@ def test_fused_histogram_rows():
             FastPathOptions(fused_hist_rows=bad)
     old = o.set(fused_hist_rows=3)
     assert o.fused_hist_rows == 3 and old.fused_hist_rows == 1
+
+
+def test_gemv_one_slice(monkeypatch):
+    """Option gemv_one_slice (16 by default since session 17): `dispatch.linear` hands it to the split-K GEMV, whose
+    plan takes K in one slice where K / 128 is a power of two in (8, gemv_one_slice]; 0 keeps the split plan; the
+    field is an integer >= 0, refused otherwise by name (constructor and `set`)."""
+    import mtp.kernels.gemv_splitk as gemv
+    from mtp.kernels.dispatch import linear
+    from mtp.kernels.gemv_splitk import gemv_plan
+
+    assert FastPathOptions().gemv_one_slice == 16
+    seen = []
+    monkeypatch.setattr(gemv, "fp8_gemv", lambda x, w8, sw, **kw: seen.append(kw["one_slice"]))
+    for n in (16, 0):
+        linear(torch.zeros(1, 2048), torch.zeros(128, 2048), torch.ones(1, 16), FastPathOptions(gemv_one_slice=n))
+    assert seen == [16, 0]
+    cpu = torch.device("cpu")
+    assert gemv_plan(7168, 16, cpu, one_slice=16) == dict(bn=8, gps=16, num_warps=4)
+    assert gemv_plan(7168, 16, cpu, one_slice=8)["gps"] == 8  # above the limit: split
+    assert gemv_plan(7168, 16, cpu, mma=True, one_slice=16)["gps"] == 8  # the mma kernel keeps its plan
+    for bad in (-1, True, 1.5, "16"):
+        with pytest.raises(ValueError, match="gemv_one_slice"):
+            FastPathOptions(gemv_one_slice=bad)
+        with pytest.raises(ValueError, match="gemv_one_slice"):
+            FastPathOptions().set(gemv_one_slice=bad)
+    o = FastPathOptions()
+    old = o.set(gemv_one_slice=0)
+    assert o.gemv_one_slice == 0 and old.gemv_one_slice == 16
