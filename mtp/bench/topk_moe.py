@@ -434,6 +434,66 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
     torch.cuda.empty_cache()
 
 
+def knob_variants(sm: int, quick: bool) -> list[tuple[str, dict]]:
+    """`moe_experts`' launch knobs for `moe_knobs_section`: the persistent kernels' warps (gate/up runs one program
+    of 4 warps per SM, one warp per scheduler: Nsight Compute, session 17), pipeline stages, the down kernel's grid
+    and its work items' output rows (down_block_n: 128 rows x K = 256 is a 32 KB item, two K groups)."""
+    v = [("gu warps 8", dict(warps=(8, 4))), ("gu stages 5", dict(gate_up_stages=5)),
+         ("gu stages 6", dict(gate_up_stages=6)), ("gu warps 8 stages 5", dict(warps=(8, 4), gate_up_stages=5)),
+         ("down warps 8", dict(warps=(4, 8))), ("down bn 256", dict(down_block_n=256)),
+         ("down bn 256 1/SM", dict(down_block_n=256, programs=(sm, sm))),
+         ("down 3/SM 3 stages", dict(programs=(sm, 3 * sm), down_stages=3)),
+         ("down 4/SM 2 stages", dict(programs=(sm, 4 * sm), down_stages=2))]
+    if not quick:
+        v += [("gu stages 3", dict(gate_up_stages=3)), ("gu warps 8 stages 6", dict(warps=(8, 4), gate_up_stages=6)),
+              ("down 1/SM", dict(programs=(sm, sm))), ("down 2 stages", dict(down_stages=2)),
+              ("down bn 512 1/SM", dict(down_block_n=512, programs=(sm, sm))),
+              ("down bn 256 warps 8", dict(down_block_n=256, warps=(4, 8))),
+              ("down bn 256 3/SM 2 stages", dict(down_block_n=256, programs=(sm, 3 * sm), down_stages=2)),
+              ("down warps 8 3/SM 3 stages", dict(warps=(4, 8), programs=(sm, 3 * sm), down_stages=3))]
+    return v
+
+
+def moe_knobs_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, world: int = 8):
+    """The split rank's experts as the step runs them (`moe_split_section`'s stack: item_regs, 'waves' slices, the
+    shared slot, PDL off) at T = 1..4, the default launch against each of `knob_variants`, every variant checked
+    bit-equal (torch.equal) to the default on each of the 8 routings, then timed in one graph over them."""
+    from mtp.kernels.moe import moe_experts, moe_experts_ref
+
+    bw = copy_bandwidth()
+    Is = I // world
+    g = torch.Generator().manual_seed(0)
+    ws = _expert_stack(E + 1, Is, D)
+    slice_bytes = _expert_bytes(Is, D)
+    sm = _sms()
+    for T in (1, 2, 3, 4):
+        x = torch.randn(T, D, device=DEV).bfloat16()
+        rw = torch.rand(T, 8, device=DEV)
+        sets = [torch.stack([torch.randperm(E, generator=g)[:8] for _ in range(T)]).int().to(DEV) for _ in range(8)]
+        active = sum(len(set(s.flatten().tolist())) + 1 for s in sets) / len(sets)
+        floor_us = active * slice_bytes / bw * 1e6
+        shape = f"split TP={world} T={T} ({active:.1f} slices)"
+        shared = torch.full((T, 1), E, dtype=torch.int32, device=DEV)
+        ref = moe_experts_ref(x, torch.cat([sets[0], shared], 1), torch.cat([rw, torch.ones(T, 1, device=DEV)], 1),
+                              *ws, out_dtype=torch.float32)
+        call = lambda s, **kw: moe_experts(x, s, rw, *ws, out_dtype=torch.float32, shared=True,  # noqa: E731
+                                           layout="persistent", splits="waves", item_regs=True, **kw)
+        base = [call(s) for s in sets]
+        variants = [("default", {})]
+        for name, kw in knob_variants(sm, quick):
+            try:
+                same = all(torch.equal(call(s, **kw), b) for s, b in zip(sets, base))
+            except Exception as e:  # e.g. shared memory past the SM's for a stage count: said, not timed
+                log(f"[moe_knobs] {shape} {name} failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            check(f"moe_experts {shape} {name} bit-equal to the default ({len(sets)} routings)", same)
+            if same:
+                variants.append((name, kw))
+        _time_moe_variants("moe_knobs", shape, variants, call, sets, ref, floor_us)
+    del ws
+    torch.cuda.empty_cache()
+
+
 BATCH_T = (1, 4, 8, 16, 32, 64, 96, 128, 256, 512, 1024, 4096)
 
 
@@ -562,7 +622,8 @@ def main():
 
     out["triton"] = triton.__version__
     sections = [("topk", topk_section), ("topk1", one_launch_section), ("moe", moe_section),
-                ("moe_batch", moe_batch_section), ("moe_split", moe_split_section)]
+                ("moe_batch", moe_batch_section), ("moe_split", moe_split_section),
+                ("moe_knobs", moe_knobs_section)]
     for name, fn in sections:
         if name not in args.only.split(","):
             continue
