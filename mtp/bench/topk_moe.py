@@ -436,20 +436,16 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
 
 def knob_variants(sm: int, quick: bool) -> list[tuple[str, dict]]:
     """`moe_experts`' launch knobs for `moe_knobs_section`: the persistent kernels' warps (gate/up runs one program
-    of 4 warps per SM, one warp per scheduler: Nsight Compute, session 17), pipeline stages, the down kernel's grid
-    and its work items' output rows (down_block_n: 128 rows x K = 256 is a 32 KB item, two K groups)."""
+    of 4 warps per SM, one warp per scheduler: Nsight Compute, session 17), pipeline stages, and the down kernel's
+    grid. Session 18 (H200, BENCHMARKS.md) also timed down work items of 256 rows (two 128-row N-blocks an item, code
+    not kept): none beat the default by more than the run-to-run spread at every width."""
     v = [("gu warps 8", dict(warps=(8, 4))), ("gu stages 5", dict(gate_up_stages=5)),
          ("gu stages 6", dict(gate_up_stages=6)), ("gu warps 8 stages 5", dict(warps=(8, 4), gate_up_stages=5)),
-         ("down warps 8", dict(warps=(4, 8))), ("down bn 256", dict(down_block_n=256)),
-         ("down bn 256 1/SM", dict(down_block_n=256, programs=(sm, sm))),
-         ("down 3/SM 3 stages", dict(programs=(sm, 3 * sm), down_stages=3)),
+         ("down warps 8", dict(warps=(4, 8))), ("down 3/SM 3 stages", dict(programs=(sm, 3 * sm), down_stages=3)),
          ("down 4/SM 2 stages", dict(programs=(sm, 4 * sm), down_stages=2))]
     if not quick:
         v += [("gu stages 3", dict(gate_up_stages=3)), ("gu warps 8 stages 6", dict(warps=(8, 4), gate_up_stages=6)),
               ("down 1/SM", dict(programs=(sm, sm))), ("down 2 stages", dict(down_stages=2)),
-              ("down bn 512 1/SM", dict(down_block_n=512, programs=(sm, sm))),
-              ("down bn 256 warps 8", dict(down_block_n=256, warps=(4, 8))),
-              ("down bn 256 3/SM 2 stages", dict(down_block_n=256, programs=(sm, 3 * sm), down_stages=2)),
               ("down warps 8 3/SM 3 stages", dict(warps=(4, 8), programs=(sm, 3 * sm), down_stages=3))]
     return v
 

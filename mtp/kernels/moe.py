@@ -322,7 +322,7 @@ def _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I
     """Down projection of expert e, output block nb, over K groups [g0, g1): fp32 [128, BM]."""
     GI = I // 128
     w_ptrs, s_row, h_ptrs, nmask = _down_ptrs(h8_ptr, w2_ptr, s2_ptr, e, nb, slot, D, I, stride_we, stride_se,
-                                              stride_sn, 128)
+                                              stride_sn)
     acc = tl.zeros((128, BM), dtype=tl.float32)
     for g in range(g0, g1):
         w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
@@ -425,7 +425,7 @@ def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_p
             a, nb, ks, e, active, slot, g0, g1 = _item_regs(w, q, iq, lead, rank, NB, KS, G, TOPK, BM)
             if NEXT_PF:
                 _prefetch_item(w + tl.num_programs(0), n_items, iq, lead, rank, NB, KS, G, w1_ptr, w3_ptr,
-                               stride_we, D, True, 128)
+                               stride_we, D, True)
             acc1, acc3 = _gate_up_tile_ahead(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
                                              D, stride_xm, stride_we, stride_se, stride_sn, BM)
         else:
@@ -467,16 +467,15 @@ def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_pt
                          T, D, I, stride_we, stride_se, stride_sn, KS, S,
                          TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
                          KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, ITEM_REGS: tl.constexpr,
-                         NEXT_PF: tl.constexpr, BN: tl.constexpr):
+                         NEXT_PF: tl.constexpr):
     """Work item (a, nb, ks) as in `_moe_gate_up_persistent`; slice ks writes its weighted partial to
     out[ks, slot], which the combine kernel sums in a fixed order. ITEM_REGS: without dependent loads (`moe_items`;
-    the route weights loaded before the loop; NEXT_PF: the next item's weights asked of L2). BN: output rows per work
-    item (ITEM_REGS only; 128 otherwise)."""
+    the route weights loaded before the loop; NEXT_PF: the next item's weights asked of L2)."""
     pdl_launch(PDL)
     _shared_prefetch(w2_ptr, S, stride_we, D * I, TOPK, J, PDL, PREFETCH)
     pdl_wait(PDL)  # the router's ids and weights, gate / up's h
     q, iq, lead, rank, n_act = _leader_pairs(idx_ptr, T * TOPK, S, TOPK, J, PPAD)
-    NB = tl.cdiv(D, BN)
+    NB = tl.cdiv(D, 128)
     GI = I // 128
     P = T * TOPK
     n_items = n_act * NB * KS
@@ -486,9 +485,9 @@ def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_pt
             rw = _slot_weights(rw_ptr, slot, active, TOPK, J)
             if NEXT_PF:
                 _prefetch_item(w + tl.num_programs(0), n_items, iq, lead, rank, NB, KS, GI, w2_ptr, w2_ptr,
-                               stride_we, I, False, BN)
+                               stride_we, I, False)
             acc = _down_tile_ahead(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I,
-                                   stride_we, stride_se, stride_sn, BM, BN)
+                                   stride_we, stride_se, stride_sn, BM)
         else:
             a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, GI, S,
                                                             TOPK, J, BM, PPAD, KPAD)
@@ -496,7 +495,7 @@ def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_pt
                              stride_we, stride_se, stride_sn, BM)
             rw = _slot_weights(rw_ptr, slot, active, TOPK, J)
         acc = acc * rw[None, :]
-        offs_n = nb * BN + tl.arange(0, BN)
+        offs_n = nb * 128 + tl.arange(0, 128)
         dst = out_ptr + (ks * P + slot).to(tl.int64)[None, :] * D + offs_n[:, None]
         tl.store(dst, acc, mask=active[None, :] & (offs_n < D)[:, None])
 
@@ -596,7 +595,7 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                 programs: tuple[int, int] | None = None, add: torch.Tensor | None = None,
                 block_m: int | None = None, shared: bool = False, pdl: bool = False,
                 prefetch: bool = True, item_regs: bool = False, item_prefetch: bool = False,
-                warps: tuple[int, int] | None = None, down_block_n: int = BLOCK) -> torch.Tensor:
+                warps: tuple[int, int] | None = None) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
@@ -632,9 +631,8 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     same sums in the same order, the same bits (switch `FastPathOptions.moe_item_regs`). item_prefetch off by
     default: on a TP=8 split rank's stack (H200, `mtp.bench.topk_moe --only moe_split`, BENCHMARKS.md session 17)
     item_regs took 25.96 / 48.61 / 54.84 / 72.93 us at T = 1..4 without it, 27.36 / 53.34 / 58.86 / 75.16 with it.
-    warps: the persistent (gate/up, down) kernels' num_warps (default 4 and 4); down_block_n: the persistent down
-    kernel's output rows per work item with item_regs (128, 256 or 512; D a multiple of it). Both for benchmarks
-    (`mtp.bench.topk_moe --only moe_knobs`): the same tiles' sums in the same order, the same bits (checked there).
+    warps: the persistent (gate/up, down) kernels' num_warps (default 4 and 4), for benchmarks (`mtp.bench.topk_moe
+    --only moe_knobs`, with the stages and grids: the same bits, checked there; none paid on an H200, session 18).
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
@@ -676,10 +674,6 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         raise ValueError(f"moe_experts: splits must be 'waves' or (gate/up, down) K slices >= 1, got {splits!r}")
     if warps is not None and not (isinstance(warps, tuple) and len(warps) == 2 and all(w in (4, 8) for w in warps)):
         raise ValueError(f"moe_experts: warps must be (gate/up, down) num_warps, each 4 or 8, got {warps!r}")
-    if down_block_n != BLOCK and (down_block_n not in (256, 512) or D % down_block_n or not item_regs
-                                  or layout != "persistent"):
-        raise ValueError(f"moe_experts: down_block_n must be {BLOCK}, or 256 / 512 dividing D = {D} with the "
-                         f"persistent layout and item_regs; got {down_block_n} ({layout!r}, item_regs={item_regs})")
     if add is not None and (add.dtype != torch.float32 or tuple(add.shape) != (T, D) or not add.is_contiguous()):
         raise ValueError(f"moe_experts: add must be contiguous fp32 [{T}, {D}], got {add.dtype} {list(add.shape)}")
     idx = idx_TJ.to(torch.int32).contiguous()
@@ -733,9 +727,9 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
             x, idx, *wargs, h8, hs, gu_part, cnt, T, D, I, x.stride(0), w_gate.stride(0), s_gate.stride(0),
             s_gate.stride(1), ks_gu, S, num_stages=gate_up_stages or 4, **dict(kw, num_warps=wu), **items, **fix)
         part = torch.empty(ks_down, P, D, dtype=torch.float32, device=dev)
-        _moe_down_persistent[(min(g_down, n_act * triton.cdiv(D, down_block_n) * ks_down),)](
+        _moe_down_persistent[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
             h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0), s_down.stride(0), s_down.stride(1),
-            ks_down, S, num_stages=down_stages or 5, **dict(kw, num_warps=wd), **items, BN=down_block_n)
+            ks_down, S, num_stages=down_stages or 5, **dict(kw, num_warps=wd), **items)
     return _combine(part, idx, add, T, D, J, ks_down, out_dtype or x_TD.dtype, shared, pdl)
 
 

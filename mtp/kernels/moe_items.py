@@ -82,13 +82,12 @@ def _item_regs(w, q, iq, lead, rank, NB, KS, G, TOPK: tl.constexpr, BM: tl.const
 
 
 @triton.jit
-def _prefetch_item(w, n_items, iq, lead, rank, NB, KS, G, wa_ptr, wb_ptr, stride_we, K, TWO: tl.constexpr,
-                   BN: tl.constexpr):
-    """Ask L2 for work item w's weight rows (if w < n_items): BN rows of K fp8 from N-block nb of expert e, its K
+def _prefetch_item(w, n_items, iq, lead, rank, NB, KS, G, wa_ptr, wb_ptr, stride_we, K, TWO: tl.constexpr):
+    """Ask L2 for work item w's weight rows (if w < n_items): 128 rows of K fp8 from N-block nb of expert e, its K
     groups [g0, g1), one line (128 elements) per row and group; wb_ptr too where TWO (gate/up: gate and up)."""
     if w < n_items:
         a, nb, ks, e, g0, g1 = _item_expert(w, iq, lead, rank, NB, KS, G)
-        rows = e.to(tl.int64) * stride_we + (nb * BN + tl.arange(0, BN)).to(tl.int64) * K + g0 * 128
+        rows = e.to(tl.int64) * stride_we + (nb * 128 + tl.arange(0, 128)).to(tl.int64) * K + g0 * 128
         prefetch_rows_l2(wa_ptr + rows, (g1 - g0) * 128, 128)
         if TWO:
             prefetch_rows_l2(wb_ptr + rows, (g1 - g0) * 128, 128)
@@ -109,20 +108,15 @@ def _gate_up_ptrs(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, D, stride_xm, st
 
 
 @triton.jit
-def _down_ptrs(h8_ptr, w2_ptr, s2_ptr, e, nb, slot, D, I, stride_we, stride_se, stride_sn, BN: tl.constexpr):
-    """Expert e's down tile of output block nb at K group 0 ([BN, 128] pointers, rows past D masked by nmask), its
-    scale row (BN = 128: one pointer; wider: a pointer per output row, to the scale of the row's 128-row block),
-    and the routed rows' h tile: `moe._down_tile`'s and `_down_tile_ahead`'s."""
-    offs_n = nb * BN + tl.arange(0, BN)
+def _down_ptrs(h8_ptr, w2_ptr, s2_ptr, e, nb, slot, D, I, stride_we, stride_se, stride_sn):
+    """Expert e's down tile of output block nb at K group 0 ([128, 128] pointers, rows past D masked by nmask), its
+    scale row, and the routed rows' h tile: `moe._down_tile`'s and `_down_tile_ahead`'s."""
+    offs_n = nb * 128 + tl.arange(0, 128)
     offs_k = tl.arange(0, 128)
     e64 = e.to(tl.int64)
     w_ptrs = w2_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None] * I + offs_k[None, :]
     h_ptrs = h8_ptr + slot.to(tl.int64)[:, None] * I + offs_k[None, :]
-    if BN == 128:
-        s_row = s2_ptr + e64 * stride_se + nb * stride_sn
-    else:
-        s_row = s2_ptr + e64 * stride_se + (offs_n // 128) * stride_sn
-    return w_ptrs, s_row, h_ptrs, offs_n < D
+    return w_ptrs, s2_ptr + e64 * stride_se + nb * stride_sn, h_ptrs, offs_n < D
 
 
 @triton.jit
@@ -153,29 +147,24 @@ def _gate_up_tile_ahead(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0
 
 @triton.jit
 def _down_tile_ahead(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I, stride_we, stride_se,
-                     stride_sn, BM: tl.constexpr, BN: tl.constexpr):
+                     stride_sn, BM: tl.constexpr):
     """`moe._down_tile` (the same tiles and sums) with h's and the weight's scales of group g + 1 loaded in
-    iteration g, the first group's before the loop. BN output rows (`moe_experts(down_block_n=)`): past 128 the
-    weight scales are a [BN] vector (one per row, its block's), each product hs * s the same fp32 as at 128."""
+    iteration g, the first group's before the loop."""
     GI = I // 128
     w_ptrs, s_row, h_ptrs, nmask = _down_ptrs(h8_ptr, w2_ptr, s2_ptr, e, nb, slot, D, I, stride_we, stride_se,
-                                              stride_sn, BN)
-    smask = nmask if BN > 128 else True  # a wide tile's scale rows past D are not read
+                                              stride_sn)
     hs_row = hs_ptr + slot * GI
     hsn = tl.load(hs_row + g0, mask=active & (g0 < g1), other=0.0)
-    sn = tl.load(s_row + g0, mask=smask & (g0 < g1), other=0.0)
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    sn = tl.load(s_row + g0, mask=g0 < g1, other=0.0)
+    acc = tl.zeros((128, BM), dtype=tl.float32)
     for g in range(g0, g1):
         hs = hsn
         s = sn
         hsn = tl.load(hs_row + g + 1, mask=active & (g + 1 < g1), other=0.0)
-        sn = tl.load(s_row + g + 1, mask=smask & (g + 1 < g1), other=0.0)
+        sn = tl.load(s_row + g + 1, mask=g + 1 < g1, other=0.0)
         w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
         h = tl.load(h_ptrs + g * 128, mask=active[:, None], other=0.0)
-        if BN == 128:
-            acc += tl.dot(w, tl.trans(h)) * (hs * s)[None, :]
-        else:
-            acc += tl.dot(w, tl.trans(h)) * (hs[None, :] * s[:, None])
+        acc += tl.dot(w, tl.trans(h)) * (hs * s)[None, :]
     return acc
 
 

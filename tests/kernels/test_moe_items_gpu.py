@@ -74,16 +74,16 @@ def test_item_regs_split_rank(split_stack, T, pdl):
 
 @pytest.mark.parametrize("T", [1, 2, 3, 4])
 def test_moe_knobs_split_rank(split_stack, T):
-    """The benchmark knobs of `moe_experts` (`mtp.bench.topk_moe --only moe_knobs`) keep the bits: the down kernel's
-    work items over 256 / 512 output rows, 8 warps in either kernel, other stages and grids (item_regs, PDL)."""
+    """The benchmark knobs of `moe_experts` (`mtp.bench.topk_moe --only moe_knobs`) keep the bits: 8 warps in either
+    kernel, other stages and grids (item_regs, PDL)."""
     st = split_stack
     S = st[0].shape[0] - 1
     g = torch.Generator(device=DEV).manual_seed(40 + T)
     x = torch.randn(T, st[0].shape[2], device=DEV, generator=g).bfloat16()
     w = torch.rand(T, 8, device=DEV, generator=g)
     kw = dict(out_dtype=torch.float32, layout="persistent", shared=True, pdl=2, item_regs=True, splits="waves")
-    knobs = [dict(down_block_n=256), dict(down_block_n=512), dict(warps=(8, 4)), dict(warps=(4, 8)),
-             dict(warps=(8, 8), down_block_n=256), dict(gate_up_stages=6, down_stages=2), dict(programs=(132, 396))]
+    knobs = [dict(warps=(8, 4)), dict(warps=(4, 8)), dict(warps=(8, 8)), dict(gate_up_stages=6, down_stages=2),
+             dict(programs=(132, 396), down_stages=3)]
     for name, ids in _routings(T, S, 8, g).items():
         poison()
         base = moe_experts(x, ids, w, *st, **kw)

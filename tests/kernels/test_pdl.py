@@ -100,7 +100,7 @@ def _kernels() -> dict:
                                                           cnt_ptr=i32),
                         dict(PPAD=16, PREFETCH=True, KSU=1, TP=1, **mo_), 4, False),
         "moe_down": (moe._moe_down_persistent, dict(h8_ptr=f8, idx_ptr=i32, w2_ptr=f8),
-                     dict(PPAD=16, PREFETCH=True, BN=128, **mo_), 4, False),
+                     dict(PPAD=16, PREFETCH=True, **mo_), 4, False),
         "moe_combine": (moe._moe_combine_kernel, dict(idx_ptr=i32), dict(TOPK=9, J=8, KS=2, BLOCK_D=1024, ADD=False),
                         4, False),
         "fp8_gemm": (fg._gemv_kernel, dict(x_ptr=f8, w_ptr=f8, y_ptr=bf, cnt_ptr=i32),
