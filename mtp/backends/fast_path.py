@@ -772,7 +772,7 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
     fuse_q = prologue and fo.fuse_prologue and fo.absorb and B * T <= ABSORB_MAX_TOKENS
     q8 = None
     if fuse_kv:  # the kv prologue below and the q_a norm + quant (y not stored)
-        q8, qs = mla_kv_prologue_norm(mla, cache, pos_BT, a, cos, sin, dt, pdl=fo.pdl_at(B * T))
+        q8, qs = mla_kv_prologue_norm(mla, cache, pos_BT, a, cos, sin, dt, pdl=fo.pdl_at(B * T), kv_split=fo.kv_split)
     elif prologue:  # kv_a norm, rotary, indexer key and the cache write in one launch
         mla_kv_prologue(mla, cache, pos_BT, a, cos, sin, pdl=fo.pdl_at(B * T))
     else:

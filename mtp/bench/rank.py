@@ -194,6 +194,8 @@ KERNEL_VARIANTS = {
     # The default since session 17; moe_item_regs_off: the item loop before
     "moe_item_regs": (dict(moe_item_regs=True), dict()),
     "moe_item_regs_off": (dict(moe_item_regs=False), dict()),
+    # the kv prologue's latent and indexer key of a token in two programs (`mla_prologue_fused`): the same bits
+    "kv_split": (dict(kv_split=True), dict()),
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
     "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),  # = defaults since fa04e59 (kept: its name is in
     # session 11's BENCHMARKS commands)

@@ -65,6 +65,11 @@ version, so the engine captures its kept graphs again).
   48.6 / 54.8 / 72.9 us at T = 1..4 against 29.8 / 55.5 / 61.4 / 75.1. The program's next item's weight lines asked
   of L2 before this item's loop (`moe_experts(item_prefetch=True)`) measured slower alone (27.4 us at one token):
   off. Off: `moe._work_item` and the item loop of sessions 12-16 (variant moe_item_regs_off).
+- kv_split (off until measured; variant kv_split): with fuse_prologue, each token's latent + rotary key and its
+  indexer key in two programs of the kv prologue + q_a norm launch instead of one
+  (`mla_prologue_fused.mla_kv_prologue_norm(kv_split=True)`): the same code, the same bits; the token's two
+  independent dependent chains side by side instead of one after the other (that launch: 6.4 us alone at one token
+  on an H200, session 17).
 - pdl (on, for calls of up to `pdl_tokens` tokens: 64 by default on a tensor-parallel rank, with the trigger after
   the wait past one token, pdl_early_tokens 1: measured on one TP=8 split rank, H200, BENCHMARKS.md session 15,
   back-to-back replays: -0.36 to -0.51 ms a step at w = 2..4 at 1k, -0.14 to -0.43 at 32k, against PDL at w = 1
@@ -162,6 +167,7 @@ class FastPathOptions:
     indexer_one_launch: bool = False
     topk_split_v2: bool = True
     moe_item_regs: bool = True
+    kv_split: bool = False
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)

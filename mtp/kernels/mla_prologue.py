@@ -99,15 +99,53 @@ def _kv_prologue_token(n, a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_
                        T, stride_a, stride_pos_b, stride_pos_t, stride_cs, eps_kv, eps_k,
                        sb_kv, ss_kv, sb_kvs, ss_kvs, sb_pe, ss_pe, sb_ik, ss_ik, sb_iks, ss_iks,
                        Q: tl.constexpr, DK: tl.constexpr, C: tl.constexpr, R: tl.constexpr, HSCALE: tl.constexpr):
-    """Token n (of B*T) of `_kv_prologue_kernel`; also `mla_prologue_fused`'s kv programs (the same code)."""
+    """Token n (of B*T) of `_kv_prologue_kernel`; also `mla_prologue_fused`'s kv programs (the same code): its
+    latent + rotary key, then its indexer key, in one program."""
+    b64, pos, row, cos_row, sin_row = _kv_token(n, a_ptr, pos_ptr, cos_ptr, sin_ptr, T, stride_a, stride_pos_b,
+                                                stride_pos_t, stride_cs)
+    dt = a_ptr.dtype.element_ty
+    _kv_latent(row, cos_row, sin_row, b64, pos, dt, wkv_ptr, kv_ptr, kvs_ptr, pec_ptr, eps_kv, sb_kv, ss_kv,
+               sb_kvs, ss_kvs, sb_pe, ss_pe, Q, DK, C, R)
+    _kv_index_key(row, cos_row, sin_row, b64, pos, dt, kw_ptr, kb_ptr, ik_ptr, iks_ptr, eps_k, sb_ik, ss_ik,
+                  sb_iks, ss_iks, Q, DK, R, HSCALE)
+
+
+@triton.jit
+def _kv_token_part(n, PART: tl.constexpr, a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_ptr,
+                   kv_ptr, kvs_ptr, pec_ptr, ik_ptr, iks_ptr,
+                   T, stride_a, stride_pos_b, stride_pos_t, stride_cs, eps_kv, eps_k,
+                   sb_kv, ss_kv, sb_kvs, ss_kvs, sb_pe, ss_pe, sb_ik, ss_ik, sb_iks, ss_iks,
+                   Q: tl.constexpr, DK: tl.constexpr, C: tl.constexpr, R: tl.constexpr, HSCALE: tl.constexpr):
+    """One of token n's two independent jobs of `_kv_prologue_token`: PART 0 its latent (RMSNorm, FP8 into the
+    cache) and rotary key, PART 1 its indexer key (LayerNorm, half rotary, Hadamard, FP8). They read only the
+    token's kv_a row and write apart, so `mla_prologue_fused`'s kv_split runs them as two programs (their dependent
+    chains side by side; the same code, the same bits)."""
+    b64, pos, row, cos_row, sin_row = _kv_token(n, a_ptr, pos_ptr, cos_ptr, sin_ptr, T, stride_a, stride_pos_b,
+                                                stride_pos_t, stride_cs)
+    dt = a_ptr.dtype.element_ty
+    if PART == 0:
+        _kv_latent(row, cos_row, sin_row, b64, pos, dt, wkv_ptr, kv_ptr, kvs_ptr, pec_ptr, eps_kv, sb_kv, ss_kv,
+                   sb_kvs, ss_kvs, sb_pe, ss_pe, Q, DK, C, R)
+    else:
+        _kv_index_key(row, cos_row, sin_row, b64, pos, dt, kw_ptr, kb_ptr, ik_ptr, iks_ptr, eps_k, sb_ik, ss_ik,
+                      sb_iks, ss_iks, Q, DK, R, HSCALE)
+
+
+@triton.jit
+def _kv_token(n, a_ptr, pos_ptr, cos_ptr, sin_ptr, T, stride_a, stride_pos_b, stride_pos_t, stride_cs):
+    """Token n's batch row (int64), cache position, kv_a row and rotary rows."""
     b = n // T
     t = n - b * T
     pos = tl.load(pos_ptr + b * stride_pos_b + t * stride_pos_t).to(tl.int64)
     b64 = b.to(tl.int64)
     row = a_ptr + n.to(tl.int64) * stride_a
-    dt = a_ptr.dtype.element_ty
-    cos_row = cos_ptr + n * stride_cs
-    sin_row = sin_ptr + n * stride_cs
+    return b64, pos, row, cos_ptr + n * stride_cs, sin_ptr + n * stride_cs
+
+
+@triton.jit
+def _kv_latent(row, cos_row, sin_row, b64, pos, dt, wkv_ptr, kv_ptr, kvs_ptr, pec_ptr, eps_kv, sb_kv, ss_kv,
+               sb_kvs, ss_kvs, sb_pe, ss_pe, Q: tl.constexpr, DK: tl.constexpr, C: tl.constexpr, R: tl.constexpr):
+    """`_kv_token_part` 0: the latent and the rotary key of one token into the cache."""
     # latent: RMSNorm (fp32, rounded to the model dtype), then FP8 per 128 into the cache
     g = tl.arange(0, C // 128)
     j = tl.arange(0, 128)
@@ -128,6 +166,12 @@ def _kv_prologue_token(n, a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_
     pe_base = pec_ptr + b64 * sb_pe + pos * ss_pe
     tl.store(pe_base + 2 * i, (x0 * cs - x1 * sn).to(dt).to(pe_dt))
     tl.store(pe_base + 2 * i + 1, (x0 * sn + x1 * cs).to(dt).to(pe_dt))
+
+
+@triton.jit
+def _kv_index_key(row, cos_row, sin_row, b64, pos, dt, kw_ptr, kb_ptr, ik_ptr, iks_ptr, eps_k, sb_ik, ss_ik, sb_iks,
+                  ss_iks, Q: tl.constexpr, DK: tl.constexpr, R: tl.constexpr, HSCALE: tl.constexpr):
+    """`_kv_token_part` 1: the indexer key of one token into its cache."""
     # indexer key: LayerNorm (fp32 -> model dtype), half rotary on the first R channels, Hadamard, FP8
     d = tl.arange(0, DK)
     RH: tl.constexpr = R // 2

@@ -27,7 +27,8 @@ from mtp.model.fp8 import BLOCK, FP8_DTYPE
 from mtp.kernels._triton import line_elems, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, tl, triton
 from mtp.kernels.absorb import MAX_TOKENS as ABSORB_MAX_TOKENS
 from mtp.kernels.absorb import _absorb_block, absorb_tiles, weight_prefetch
-from mtp.kernels.mla_prologue import _kv_prologue_token, _q_prologue_head, kv_prologue_args, q_prologue_args
+from mtp.kernels.mla_prologue import (_kv_prologue_token, _kv_token_part, _q_prologue_head, kv_prologue_args,
+                                      q_prologue_args)
 from mtp.kernels.norm_quant import _add_norm_quant_row, row_tiles
 
 __all__ = ["NORM_MAX_Q", "kv_norm_fits", "mla_kv_prologue_norm", "mla_q_prologue_absorb"]
@@ -48,27 +49,47 @@ def _kv_norm_kernel(a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_ptr,
                     sb_kv, ss_kv, sb_kvs, ss_kvs, sb_pe, ss_pe, sb_ik, ss_ik, sb_iks, ss_iks,
                     n_tok, wq_ptr, y_ptr, x8_ptr, sx_ptr, eps_q, stride_x8, stride_sx,
                     Q: tl.constexpr, DK: tl.constexpr, C: tl.constexpr, R: tl.constexpr, HSCALE: tl.constexpr,
-                    BG: tl.constexpr, PDL: tl.constexpr):
+                    BG: tl.constexpr, PDL: tl.constexpr, KV_SPLIT: tl.constexpr):
     pdl_launch(PDL)
     pdl_wait(PDL)  # as the norm's launch: every input may come from the GEMV before; only the launch overlaps it
     pid = tl.program_id(0)
-    if pid < n_tok:
-        _kv_prologue_token(pid, a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_ptr,
-                           kv_ptr, kvs_ptr, pec_ptr, ik_ptr, iks_ptr,
-                           T, stride_a, stride_pos_b, stride_pos_t, stride_cs, eps_kv, eps_k,
-                           sb_kv, ss_kv, sb_kvs, ss_kvs, sb_pe, ss_pe, sb_ik, ss_ik, sb_iks, ss_iks, Q, DK, C, R, HSCALE)
+    kv_progs = 2 * n_tok if KV_SPLIT else n_tok
+    if pid < kv_progs:
+        if KV_SPLIT:  # a token's latent + rotary key, or its indexer key: two programs, the chains side by side
+            if pid < n_tok:
+                _kv_token_part(pid, 0, a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_ptr,
+                               kv_ptr, kvs_ptr, pec_ptr, ik_ptr, iks_ptr,
+                               T, stride_a, stride_pos_b, stride_pos_t, stride_cs, eps_kv, eps_k,
+                               sb_kv, ss_kv, sb_kvs, ss_kvs, sb_pe, ss_pe, sb_ik, ss_ik, sb_iks, ss_iks,
+                               Q, DK, C, R, HSCALE)
+            else:
+                _kv_token_part(pid - n_tok, 1, a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_ptr,
+                               kv_ptr, kvs_ptr, pec_ptr, ik_ptr, iks_ptr,
+                               T, stride_a, stride_pos_b, stride_pos_t, stride_cs, eps_kv, eps_k,
+                               sb_kv, ss_kv, sb_kvs, ss_kvs, sb_pe, ss_pe, sb_ik, ss_ik, sb_iks, ss_iks,
+                               Q, DK, C, R, HSCALE)
+        else:
+            _kv_prologue_token(pid, a_ptr, pos_ptr, cos_ptr, sin_ptr, wkv_ptr, kw_ptr, kb_ptr,
+                               kv_ptr, kvs_ptr, pec_ptr, ik_ptr, iks_ptr,
+                               T, stride_a, stride_pos_b, stride_pos_t, stride_cs, eps_kv, eps_k,
+                               sb_kv, ss_kv, sb_kvs, ss_kvs, sb_pe, ss_pe, sb_ik, ss_ik, sb_iks, ss_iks,
+                               Q, DK, C, R, HSCALE)
     else:  # the q_a slice (the row's first Q channels): RMSNorm, rounded to y's dtype, FP8 per 128; y not stored
-        _add_norm_quant_row((pid - n_tok).to(tl.int64), a_ptr, a_ptr, wq_ptr, a_ptr, y_ptr, x8_ptr, sx_ptr, Q,
+        _add_norm_quant_row((pid - kv_progs).to(tl.int64), a_ptr, a_ptr, wq_ptr, a_ptr, y_ptr, x8_ptr, sx_ptr, Q,
                             eps_q, stride_a, stride_a, stride_a, 0, stride_x8, stride_sx,
                             False, False, False, True, BG, 2)
 
 
 def mla_kv_prologue_norm(mla, cache, pos_BT: torch.Tensor, a_BTX: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, out_dtype: torch.dtype, pdl: bool = False):
+                         sin: torch.Tensor, out_dtype: torch.dtype, pdl: bool = False, kv_split: bool = False):
     """`mla_prologue.mla_kv_prologue(mla, cache, pos_BT, a_BTX, cos, sin)` and
     `add_rms_norm_quant(a_BTX[..., :Q], None, q_a_layernorm.weight, eps, out_dtype, store_y=False, pdl=pdl)` in
     one launch: writes the cache slots and returns the quantized q_a norm (q8 [B, T, Q] fp8, qs [B, T, Q/128]
-    fp32), the same bits as the two launches."""
+    fp32), the same bits as the two launches. kv_split (switch `FastPathOptions.kv_split`): each token's latent +
+    rotary key and its indexer key in two programs instead of one (`mla_prologue._kv_token_part`: three
+    independent dependent chains per token side by side with the q_a norm's, instead of two after one another in
+    one program; the same code, the same bits). Alone on an H200 the launch took 6.4 us at one token (session 17,
+    Nsight Compute; 2 programs), about 2 us of it any launch's."""
     name = "mla_kv_prologue_norm"
     a, args, consts = kv_prologue_args(mla, cache, pos_BT, a_BTX, cos, sin, name)
     norm = mla.q_a_layernorm
@@ -83,8 +104,10 @@ def mla_kv_prologue_norm(mla, cache, pos_BT: torch.Tensor, a_BTX: torch.Tensor, 
     sx = torch.empty(n, Q // BLOCK, dtype=torch.float32, device=dev)
     y = torch.empty(1, 1, dtype=out_dtype, device=dev)  # not stored: its dtype is where y is rounded
     launch = pdl_kwargs(pdl, a)
-    _kv_norm_kernel[(2 * n,)](*args, n, norm.weight, y, x8, sx, norm.eps, x8.stride(0), sx.stride(0), **consts,
-                              BG=row_tiles(Q)[0], PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
+    _kv_norm_kernel[((3 if kv_split else 2) * n,)](*args, n, norm.weight, y, x8, sx, norm.eps, x8.stride(0),
+                                                   sx.stride(0), **consts, BG=row_tiles(Q)[0],
+                                                   PDL=pdl_mode(pdl, launch), KV_SPLIT=bool(kv_split), num_warps=4,
+                                                   **launch)
     return x8.view(B, T, Q), sx.view(B, T, Q // BLOCK)
 
 

@@ -424,10 +424,12 @@ def _prologue_fused_checks() -> None:
         mla_kv_prologue(mla, caches[0], pos, a, cos, sin)
         n = mla.q_a_layernorm
         _, _, r8, rs = add_rms_norm_quant(a[..., :Q], None, n.weight, n.eps, dt, store_y=False)
-        q8, qs = mla_kv_prologue_norm(mla, caches[1], pos, a, cos, sin, dt)
-        for name in ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale"):
-            assert same(getattr(caches[0], name), getattr(caches[1], name)), (name, dt, B, T)
-        assert same(q8, r8) and same(qs, rs), (dt, B, T)
+        for kv_split in (False, True):  # a token's latent and indexer key in one program, or in two
+            caches[1] = KVCache(cfg, 1, B, 16, device="cpu", dtype=dt, quantized=True).layer(0)
+            q8, qs = mla_kv_prologue_norm(mla, caches[1], pos, a, cos, sin, dt, kv_split=kv_split)
+            for name in ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale"):
+                assert same(getattr(caches[0], name), getattr(caches[1], name)), (name, dt, B, T, kv_split)
+            assert same(q8, r8) and same(qs, rs), (dt, B, T, kv_split)
         qq = torch.randn(B, T, H * (P + R) + ix.n_heads * 128, generator=g).to(dt)
         q_lat = absorb_q(qq[..., :H * (P + R)].view(B, T, H, P + R)[..., :P], mla.w_kb)
         for index in (True, False) if unindexed else (True,):  # S > top-k; S <= top-k (the q_b output alone)
@@ -611,9 +613,13 @@ def _fused_prologue_wiring() -> None:
     assert all(isinstance(layer.self_attn, FastMLA) for layer in model.model.layers)
     calls = {"kv": 0, "q": 0}
 
+    seen_split = set()
+
     def counted(key, fn):
         def run(*args, **kw):
             calls[key] += 1
+            if key == "kv":
+                seen_split.add(kw.get("kv_split"))
             return fn(*args, **kw)
         return run
 
@@ -628,17 +634,20 @@ def _fused_prologue_wiring() -> None:
                 model(prompt[:, :P], cache)
                 base = cache.seq_lens.clone()
                 out = {}
-                for flags in (dict(fuse_prologue=True), dict(fuse_prologue=False), dict(absorb=False)):
-                    set_kernels(model, **{"fuse_prologue": True, "absorb": True, **flags})
+                for flags in (dict(fuse_prologue=True), dict(fuse_prologue=False), dict(absorb=False),
+                              dict(kv_split=True)):
+                    set_kernels(model, **{"fuse_prologue": True, "absorb": True, "kv_split": False, **flags})
                     cache.truncate(base)  # each block writes past the prompt only
                     before = dict(calls)
                     out[tuple(flags.items())] = model(prompt[:, P:], cache, kv_len=P + w).logits
                     fused_kv = 2 if "fuse_prologue" not in flags or flags["fuse_prologue"] else 0  # per layer
-                    fused_q = 2 if flags == dict(fuse_prologue=True) else 0
+                    fused_q = 2 if flags in (dict(fuse_prologue=True), dict(kv_split=True)) else 0
                     assert (calls["kv"] - before["kv"], calls["q"] - before["q"]) == (fused_kv, fused_q), \
                         (P, w, flags, calls, before)
-                fused, unfused, no_absorb = out.values()
+                fused, unfused, no_absorb, kv_split = out.values()
                 assert torch.equal(fused, unfused), (P, w, _rel(fused, unfused))
+                assert torch.equal(kv_split, fused), (P, w, _rel(kv_split, fused))  # the fast path hands it over
+                assert seen_split == {False, True}, seen_split
                 # absorb off: the einsum (not comparable here: the interpreter's bf16 tl.dot is wrong)
                 assert torch.isfinite(no_absorb).all()
             fp_max = fp.ABSORB_MAX_TOKENS

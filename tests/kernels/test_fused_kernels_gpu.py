@@ -500,9 +500,10 @@ def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if x.element_size() == 1 else torch.equal(x, y)
 
 
-def _fused_vs_unfused(mla, cfg, g, B: int, T: int):
+def _fused_vs_unfused(mla, cfg, g, B: int, T: int, kv_split: bool = False):
     """Both fused launches (`mla_prologue_fused`) and the two launches each replaces on the same random inputs at
-    one rank's shapes: [(name, fused output, unfused output)], the cache buffers included."""
+    one rank's shapes: [(name, fused output, unfused output)], the cache buffers included; kv_split: the kv launch
+    with a token's latent and indexer key in two programs."""
     from mtp.kernels.absorb import absorb_q
     from mtp.kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
     from mtp.kernels.mla_prologue_fused import mla_kv_prologue_norm, mla_q_prologue_absorb
@@ -519,7 +520,7 @@ def _fused_vs_unfused(mla, cfg, g, B: int, T: int):
     poison()
     mla_kv_prologue(mla, caches[0], pos, a, cos, sin)
     _, _, r8, rs = add_rms_norm_quant(a[..., :Q], None, n.weight, n.eps, torch.bfloat16, store_y=False)
-    q8, qs = mla_kv_prologue_norm(mla, caches[1], pos, a, cos, sin, torch.bfloat16)
+    q8, qs = mla_kv_prologue_norm(mla, caches[1], pos, a, cos, sin, torch.bfloat16, kv_split=kv_split)
     out = [(name, getattr(caches[1], name), getattr(caches[0], name))
            for name in ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale")]
     out += [("q8", q8, r8), ("qs", qs, rs)]
@@ -540,14 +541,16 @@ def _rank_mla_absorbed(seed: int):
     return cfg, mla, g
 
 
+@pytest.mark.parametrize("kv_split", [False, True])
 @pytest.mark.parametrize("B,T", [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (3, 2), (2, 5)])
-def test_mla_prologue_fused(B, T):
+def test_mla_prologue_fused(B, T, kv_split):
     """One TP=8 rank (16 heads, latent 512, rope 64, q_lora 1536, indexer 64 heads x 128): the kv prologue +
-    q_a norm-quant launch and the q prologue + absorb q launch write the two launches' bits (torch.equal)."""
+    q_a norm-quant launch (a token's latent and indexer key in one program, or in two: switch kv_split) and the q
+    prologue + absorb q launch write the two launches' bits (torch.equal)."""
     cfg, mla, g = _rank_mla_absorbed(B * 10 + T)
     assert (mla.H, mla.C, mla.R, cfg.q_lora_rank, mla.indexer.n_heads) == (16, 512, 64, 1536, 64)
-    for name, got, want in _fused_vs_unfused(mla, cfg, g, B, T):
-        assert _same(got, want), f"{name} B={B} T={T}: fused differs from the two launches"
+    for name, got, want in _fused_vs_unfused(mla, cfg, g, B, T, kv_split):
+        assert _same(got, want), f"{name} B={B} T={T} kv_split={kv_split}: fused differs from the two launches"
 
 
 def test_mla_prologue_fused_graph_and_pdl():
