@@ -13,9 +13,12 @@ order changes the last bits, so the check is a tolerance, printed):
   KV slices, dense 1k and the top-2048 of 32k, T = 1 and 4;
 - combine: the experts' combine over its channel block and warps (the same bits);
 - gemv: `fp8_gemv` on o_proj (7168 x 2048, x quantized in the kernel) and q_a | wk | kv_a (2240 x 7168, x
-  pre-quantized) at one row, over BN, groups per slice and warps.
+  pre-quantized) at one row, over BN, groups per slice and warps;
+- kvnorm: the kv prologue + q_a norm launch (`mla_prologue_fused.mla_kv_prologue_norm`, 6.4 us alone at one token)
+  with a token's latent and indexer key in one program or in two (switch kv_split: the same bits, checked), T = 1
+  and 4.
 
-    python -m mtp.bench.small_kernels --out DIR [--only norm,stage1,combine,gemv]
+    python -m mtp.bench.small_kernels --out DIR [--only norm,stage1,combine,gemv,kvnorm]
 """
 
 from __future__ import annotations
@@ -164,11 +167,53 @@ def gemv_section() -> dict:
     return out
 
 
+def kvnorm_section() -> dict:
+    import dataclasses
+
+    from mtp.kernels.mla_prologue_fused import mla_kv_prologue_norm
+    from mtp.model.attention import MLA
+    from mtp.model.cache import KVCache
+    from mtp.model.layers import Rotary
+    from mtp.model.presets import real_config
+
+    # one TP=8 rank's MLA (16 heads; q_lora 1536, latent 512 + rope 64, indexer key 128), random norm parameters
+    cfg = dataclasses.replace(real_config(layers=1, dense_layers=1, mtp_modules=0), num_attention_heads=16)
+    with torch.device(DEV):
+        mla = MLA(cfg, torch.bfloat16)
+    mla.kv_a_layernorm.weight.data = (torch.rand(cfg.kv_lora_rank, device=DEV) + 0.5).bfloat16()
+    mla.q_a_layernorm.weight.data = (torch.rand(cfg.q_lora_rank, device=DEV) + 0.5).bfloat16()
+    mla.indexer.k_norm.weight.data = torch.rand(128, device=DEV) + 0.5
+    mla.indexer.k_norm.bias.data = torch.randn(128, device=DEV) * 0.1
+    Q, C, R = cfg.q_lora_rank, mla.C, mla.R
+    out = {}
+    for T in (1, 4):
+        a = (torch.randn(1, T, Q + 128 + C + R, device=DEV) * 2).bfloat16()
+        pos = torch.arange(1000, 1000 + T, device=DEV)[None]
+        cos, sin = Rotary(cfg).to(DEV).angles(pos)
+        caches = [KVCache(cfg, 1, 1, 1024 + T, device=DEV, dtype=torch.bfloat16, quantized=True).layer(0)
+                  for _ in range(2)]
+        res = {}
+        outs = {}
+        for split, cache in ((False, caches[0]), (True, caches[1])):
+            outs[split] = mla_kv_prologue_norm(mla, cache, pos, a, cos, sin, torch.bfloat16, kv_split=split)
+            res[split] = gk.graph_us([lambda c=cache, s=split: mla_kv_prologue_norm(mla, c, pos, a, cos, sin,
+                                                                                     torch.bfloat16, kv_split=s)])
+            gk.row("kv prologue + q_a norm" + (" kv_split" if split else " (default)"), f"T={T}", res[split],
+                   T * 2 * (Q + 128 + C + R))
+        same = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if x.element_size() == 1 else
+                   torch.equal(x, y) for x, y in zip(outs[False], outs[True]))
+        same = same and all(torch.equal(getattr(caches[0], n).view(torch.uint8), getattr(caches[1], n).view(torch.uint8))
+                            for n in ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale"))
+        gk.check(f"kvnorm T={T} kv_split bit-equal", same)
+        out[f"T={T}"] = res
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "eval/results")
-    ap.add_argument("--only", default="norm,stage1,combine,gemv",
-                    help="comma list of sections: norm,stage1,combine,gemv")
+    ap.add_argument("--only", default="norm,stage1,combine,gemv,kvnorm",
+                    help="comma list of sections: norm,stage1,combine,gemv,kvnorm")
     args = ap.parse_args()
     if not available():
         sys.exit("mtp.bench.small_kernels: needs triton and a CUDA device")
@@ -180,7 +225,7 @@ def main():
     t0 = time.time()
     out["bandwidth"] = gk.copy_bandwidth()
     gk.run_sections([("norm", norm_section), ("stage1", stage1_section), ("combine", combine_section),
-                     ("gemv", gemv_section)],
+                     ("gemv", gemv_section), ("kvnorm", kvnorm_section)],
                     set(args.only.split(",")), out)
     gk.finish(out, t0, os.path.join(args.out, "small_kernels.json"))
 
