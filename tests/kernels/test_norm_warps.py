@@ -1,8 +1,7 @@
 """The add + RMSNorm + quant kernel's warps (`norm_quant.row_tiles`, option `FastPathOptions.norm_warps`), on the CPU.
 
 The warps set the order of a row's sum of squares, so every launch whose bits must equal another's takes the same
-count. Here, with the kernels' launches replaced by recorders (TRITON_INTERPRET=1 in the environment lets the wrappers
-take CPU tensors; nothing is computed):
+count. Here, with the kernels' launches replaced by recorders (the wrappers take CPU tensors; nothing is computed):
 - `add_rms_norm_quant` launches 32 warps by default from 32 groups of 128 (its tile's groups, a power of two: D >
   2048, so every D >= 4096; the TP=8 rank's 7168), 4 below, the count it is given otherwise, and refuses a count
   outside `ROW_WARPS`;
@@ -29,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import mtp.kernels.mla_prologue as mla_prologue
 import mtp.kernels.norm_quant as nq
 from mtp.kernels.dispatch import FastPathOptions
 from mtp.kernels.norm_quant import ROW_WARPS, add_rms_norm_quant, row_tiles
@@ -46,9 +46,12 @@ class Launches:
 
 @pytest.fixture
 def launches(monkeypatch) -> Launches:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # `require` takes CPU tensors; the recorder runs nothing
+    """The norm kernel's launches recorded; the wrappers take CPU tensors (their `require` a no-op: TRITON_INTERPRET
+    set here would make every kernel module imported from now on an interpreted one, for later tests too)."""
     rec = Launches()
     monkeypatch.setattr(nq, "_add_norm_quant_kernel", rec)
+    for module in (nq, mla_prologue):
+        monkeypatch.setattr(module, "require", lambda t, name: None)
     return rec
 
 
