@@ -364,10 +364,12 @@ class FastBlock(Block):
         quant = B * T <= SMALL_M and D % 128 == 0
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         pdl = self.fast_options.pdl_at(B * T)
+        nw = self.fast_options.norm_warps or None  # the model-width rows' warps (0: row_tiles'), on every norm here
         if isinstance(h_BTD, Pending):  # the previous block's FFN all-reduce, with this add + norm + quant
-            x, h_BTD, x8, sx = h_BTD.add_norm(n1, dtype, quant, pdl)
+            x, h_BTD, x8, sx = h_BTD.add_norm(n1, dtype, quant, pdl, nw)
         else:
-            _, x, x8, sx = add_rms_norm_quant(h_BTD, None, n1.weight, n1.eps, dtype, quant=quant, pdl=pdl)
+            _, x, x8, sx = add_rms_norm_quant(h_BTD, None, n1.weight, n1.eps, dtype, quant=quant, pdl=pdl,
+                                              num_warps=nw)
         xq = (x8, sx) if quant else None
         attn = self.self_attn
         o_proj = getattr(attn, "o_proj", None)
@@ -387,9 +389,11 @@ class FastBlock(Block):
             if o_proj is not None:
                 o_proj.defer_reduce = False
         if o_proj is not None:  # the partial's sum rounded to the model dtype first, as o_proj's `.to(x.dtype)`
-            x, h_BTD, x8, sx = Pending(h_BTD, a, dtype, o_proj.comm, fo.fuse_out_cast).add_norm(n2, dtype, quant, pdl)
+            pending = Pending(h_BTD, a, dtype, o_proj.comm, fo.fuse_out_cast)
+            x, h_BTD, x8, sx = pending.add_norm(n2, dtype, quant, pdl, nw)
         else:
-            h_BTD, x, x8, sx = add_rms_norm_quant(h_BTD, a, n2.weight, n2.eps, dtype, quant=quant, pdl=pdl)
+            h_BTD, x, x8, sx = add_rms_norm_quant(h_BTD, a, n2.weight, n2.eps, dtype, quant=quant, pdl=pdl,
+                                                  num_warps=nw)
         xq = (x8, sx) if quant else None
         mlp = self.mlp
         comm = self._hand_off_comm(mlp) if hand_off and xq is not None else None
@@ -785,7 +789,7 @@ def mla_forward_fast(mla: MLA, x_BTD, pos_BT, cos, sin, cache, S: int, xq=None, 
     score = ix.topk < S
     if mla.fused_qb is not None and fo.norm_quant:  # the q_a norm + quant in one launch, y not stored
         n = mla.q_a_layernorm
-        if q8 is None:
+        if q8 is None:  # row_tiles' warps, not norm_warps: the bits of the fused kv launch's q_a norm
             _, _, q8, qs = add_rms_norm_quant(qa, None, n.weight, n.eps, dt, store_y=False, pdl=fo.pdl_at(B * T))
         wq = mla.fused_qb if score else (mla.q_b_proj.weight, mla.q_b_proj.weight_scale_inv)  # rows of fused_qb
         qq = linear(None, *wq, fo, out_dtype=dt, xq=(q8, qs))

@@ -50,17 +50,21 @@ class Pending:
             raise ValueError(f"Pending: partial {list(self.partial.shape)} must match the residual "
                              f"{list(self.h_BTD.shape)}")
 
-    def add_norm(self, norm: RMSNorm, out_dtype: torch.dtype, quant: bool, pdl: bool = False) -> AddNorm:
-        """The new residual, its RMSNorm in out_dtype and (quant) that norm's FP8 quant per 128 channels."""
+    def add_norm(self, norm: RMSNorm, out_dtype: torch.dtype, quant: bool, pdl: bool = False,
+                 num_warps: int | None = None) -> AddNorm:
+        """The new residual, its RMSNorm in out_dtype and (quant) that norm's FP8 quant per 128 channels. num_warps:
+        the add + norm + quant kernel's where the one-shot kernel does not take the call (`add_rms_norm_quant`: the
+        fast path's `FastPathOptions.norm_warps`, as its unfused norms take, so both give the same bits); the
+        one-shot kernel's fused norm runs its own programs."""
         if self.comm.fuses(self.partial, self.h_BTD):
             return self.comm.all_reduce_add_norm(self.partial, self.h_BTD, norm.weight, norm.eps, out_dtype,
                                                  round_dtype=self.round_dtype, quant=quant)
         if self.fold:  # the reduced fp32 sum, rounded inside the add + norm + quant kernel
             h, y, x8, sx = add_rms_norm_quant(self.h_BTD, self._summed(), norm.weight, norm.eps, out_dtype,
-                                              quant=quant, pdl=pdl, round_dtype=self.round_dtype)
+                                              quant=quant, pdl=pdl, round_dtype=self.round_dtype, num_warps=num_warps)
         else:
             h, y, x8, sx = add_rms_norm_quant(self.h_BTD, self._reduced(), norm.weight, norm.eps, out_dtype,
-                                              quant=quant, pdl=pdl)
+                                              quant=quant, pdl=pdl, num_warps=num_warps)
         return AddNorm(y, h, x8, sx)
 
     def resolve(self) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Launch settings of the TP=8 rank's latency-bound kernels, swept at the rank's decode shapes (H200).
 
 Nsight Compute on one TP=8 split rank (`mtp.bench.ncu_step`, BENCHMARKS.md session 17) times each kernel of a MoE
-layer alone at one token: the row norm (`norm_quant`, one program of 8 warps per row) 6.2 us, MLA stage 1
+layer alone at one token: the row norm (`norm_quant`, then one program of 8 warps per row) 6.2 us, MLA stage 1
 (`mla_decode`, 17 programs of one 64-key tile each at 1k) 11.1 us at 1.4% of DRAM bandwidth, the o_proj split-K GEMV
 (x quantized in the kernel, 78 registers: 3 programs per SM, its 896 programs in 2.3 waves) 11.2 us, where a kernel
 that does nothing takes ~2 us. Each section here times the default against other settings of the same kernel, in

@@ -14,6 +14,14 @@ version, so the engine captures its kept graphs again).
   order of the groups, the same formula.
 - norm_quant: the decoder block's residual add + RMSNorm + FP8 quant in one kernel (`norm_quant`), its
   quantized output fed to the next GEMV (`fast_path.FastBlock`); also the q_a norm + quant.
+- norm_warps (0; an integer: 0, 4, 8, 16 or 32): the warps of the add + RMSNorm + quant kernel on every row of the
+  model's width (`FastBlock`'s input and post-attention norms, a `backends.pending.Pending`'s fallback), handed to
+  `norm_quant.add_rms_norm_quant(num_warps=)`; 0: `norm_quant.row_tiles`' choice, 32 warps from 32 groups of 128 (the
+  TP=8 rank's 7168 channels: 3.84-3.86 us alone on an H200 against 4.58-4.60 at 8, BENCHMARKS.md session 17; 8 before
+  session 18: variant norm_8_warps). The warps set the order of the row's sum of squares, so y can differ from
+  another count's in its last bit; every launch of a model reads the one option (batch widths, graph and eager,
+  draft, verify and MTP blocks alike), so its paths still agree bit for bit. Not the q_a norm (q_lora wide, 4 warps
+  as `mla_prologue_fused`'s kv launch runs it) nor the one-shot all-reduce's fused norm (its own programs).
 - router: the MoE router in one kernel (`router.moe_route_fused`); off: `moe.moe_route` (2 launches).
 - prologue: the MLA prologue in two kernels (`mla_prologue`: kv_a norm, rotary, indexer key + cache write;
   q_pe rotary, indexer queries' rotary + Hadamard + quant); off: ~12 torch / compiled elementwise launches.
@@ -144,7 +152,7 @@ ELEMENTWISE_IMPLS = ("triton", "compile", "eager")
 
 # the options that are integers; every other field is an on / off switch
 INT_FIELDS = ("gemv_rows", "pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows",
-              "gemv_one_slice")
+              "gemv_one_slice", "norm_warps")
 
 
 @dataclass
@@ -192,9 +200,13 @@ class FastPathOptions:
     # (`gemv_splitk.gemv_plan`); 0: the split plan. 16: the TP=8 rank's o_proj (K = 2048), 7.41 vs 10.20 us alone
     # on an H200 (`mtp.bench.small_kernels`, BENCHMARKS.md session 17)
     gemv_one_slice: int = 16
+    # the warps of the add + norm + quant kernel on the model-width rows (`norm_quant.ROW_WARPS`); 0: `row_tiles`'
+    # (32 at >= 32 groups of 128 since session 18: 3.84-3.86 vs 4.58-4.60 us at 8 on the TP=8 rank's 7168, H200)
+    norm_warps: int = 0
 
     def __post_init__(self) -> None:
         from mtp.kernels.gemv_splitk import MAX_M
+        from mtp.kernels.norm_quant import ROW_WARPS
 
         rows = self.gemv_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_M:
@@ -203,6 +215,10 @@ class FastPathOptions:
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"FastPathOptions: {name} must be an integer >= 0, got {n!r}")
+        nw = self.norm_warps
+        if isinstance(nw, bool) or not isinstance(nw, int) or nw not in (0, *ROW_WARPS):
+            raise ValueError(f"FastPathOptions: norm_warps must be 0 (row_tiles' choice) or one of {ROW_WARPS}, "
+                             f"got {nw!r}")
 
     @classmethod
     def for_world(cls, world: int, **flags) -> FastPathOptions:

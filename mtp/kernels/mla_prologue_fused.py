@@ -12,9 +12,11 @@ absorb programs first, the longer ones, then B*T x heads q programs). Each progr
 body (`_kv_prologue_token`, `_add_norm_quant_row`, `_absorb_block`, `_q_prologue_head`: @triton.jit functions the
 unfused kernels call too) with the same arguments, tiles and warps (4), so every output is bit-identical to the
 two launches': same formulas, same rounding points, same sum order (tests/kernels/test_fused_kernels.py under the
-interpreter, tests/kernels/test_fused_kernels_gpu.py on the GPU, both with torch.equal). The norm's warps grow to 8
+interpreter, tests/kernels/test_fused_kernels_gpu.py on the GPU, both with torch.equal). The norm's warps grow to 32
 past 16 groups of 128 (`norm_quant.row_tiles`), which would change its sums' order: the kv launch takes
-q_lora <= NORM_MAX_Q (DeepSeek's 1536).
+q_lora <= NORM_MAX_Q (DeepSeek's 1536), and the fast path's unfused q_a norm keeps row_tiles' warps (not
+`FastPathOptions.norm_warps`, the model-width rows'); tests/kernels/test_norm_warps.py checks that both launches
+get the same tile and warps.
 Saves 2 launches per layer (2-6 us each on a CUDA-graph step; the programs were already concurrent-sized).
 Shape legend as `mla_prologue`: n = B*T tokens, Q q_lora, H heads, P nope dims, C latent, Hi indexer heads.
 """

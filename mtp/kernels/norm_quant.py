@@ -27,7 +27,8 @@ from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.kernels._triton import pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, require, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 
-__all__ = ["add_rms_norm_quant", "add_rms_norm_quant_ref", "add_rounded", "add_rounded_ref"]
+__all__ = ["ROW_WARPS", "WIDE_ROW_WARPS", "add_rms_norm_quant", "add_rms_norm_quant_ref", "add_rounded",
+           "add_rounded_ref", "row_tiles"]
 
 # the dtype a sublayer's fp32 output is rounded to before its residual add, as the kernels' ROUND constexpr
 _ROUND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -96,11 +97,23 @@ def _add_norm_quant_row(row, h_ptr, d_ptr, w_ptr, hout_ptr, y_ptr, x8_ptr, sx_pt
         tl.store(sx_ptr + row * stride_sx + g, s, mask=gmask)
 
 
+# The warps of a row of 32 or more groups of 128 (the model width: D = 7168 on DeepSeek-V3.2, 64 groups). Alone on an
+# H200 (`python -m mtp.bench.small_kernels --only norm`, BENCHMARKS.md session 17, h200b / h200h) the row of 7168
+# took 4.58-4.60 us at one row with 8 warps (the default before), 4.32-4.35 at 16, 3.84-3.86 at 32 (3.94-3.98 at four
+# rows): each thread's chain of loads, squares and adds is shorter. Compiled for sm_90 at 32 warps it holds 46-62
+# registers a thread (the 64 that 1024 threads may have), no spill (tests/kernels/test_norm_warps.py).
+WIDE_ROW_WARPS = 32
+# the warp counts a caller may ask of a row (`add_rms_norm_quant(num_warps=)`, `FastPathOptions.norm_warps`); 4 on a
+# row of 7168 with a delta spills (64 bytes of stack at 255 registers, sm_90), 5.71 / 4.94 us alone (session 17)
+ROW_WARPS = (4, 8, 16, 32)
+
+
 def row_tiles(D: int) -> tuple[int, int]:
-    """(BG, num_warps) of a row of D channels: its 128-groups rounded up to a power of two, and 8 warps from 32
-    groups (a launch that runs `_add_norm_quant_row` must use these to keep its bits: the warps set the sums' order)."""
+    """(BG, num_warps) of a row of D channels: its 128-groups rounded up to a power of two, and WIDE_ROW_WARPS (32)
+    from 32 groups, 4 below (a launch that runs `_add_norm_quant_row` must use these to keep its bits: the warps set
+    the sums' order; the q_a norm of `mla_prologue_fused`'s kv launch runs on 4 warps up to 16 groups)."""
     bg = triton.next_power_of_2(triton.cdiv(D, BLOCK))
-    return bg, 8 if bg >= 32 else 4
+    return bg, WIDE_ROW_WARPS if bg >= 32 else 4
 
 
 def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
@@ -116,8 +129,10 @@ def add_rms_norm_quant(h: torch.Tensor, delta: torch.Tensor | None, weight: torc
     (h_new is h when delta is None; y when store_y is False; x8, sx when quant is False). pdl: programmatic
     dependent launch (`_triton.pdl_kwargs`). round_dtype (bf16 / fp16 / fp32 / None): delta, a row-parallel
     sublayer's fp32 sum, rounded to it before the add, in this kernel instead of a cast launch before it (the
-    same bits: round to nearest even, then an exact widening). num_warps: default `row_tiles`' (the warps set the
-    row sum's order, so every path that must give the same bits keeps the default; another count is for
+    same bits: round to nearest even, then an exact widening). num_warps: one of ROW_WARPS, or None for `row_tiles`'
+    (the warps set the row sum's order, so every path that must give the same bits as another passes the same
+    count: the fast path passes `FastPathOptions.norm_warps` for every row of the model's width, and keeps the
+    default for the q_a norm, whose fused launch in `mla_prologue_fused` runs row_tiles' 4 warps; other counts for
     benchmarks, `mtp.bench.small_kernels`)."""
     require(h, "add_rms_norm_quant")
     D = h.shape[-1]
@@ -131,6 +146,8 @@ def add_rms_norm_quant(h: torch.Tensor, delta: torch.Tensor | None, weight: torc
     if h.dtype != torch.float32 and (delta is not None or h.dtype not in (torch.bfloat16, torch.float16)):
         raise TypeError(f"add_rms_norm_quant: h must be fp32 (the residual stream), or bf16 / fp16 without a "
                         f"delta; got {h.dtype}" + (" with a delta" if delta is not None else ""))
+    if num_warps is not None and (not isinstance(num_warps, int) or num_warps not in ROW_WARPS):
+        raise ValueError(f"add_rms_norm_quant: num_warps must be one of {ROW_WARPS} or None, got {num_warps!r}")
     if round_dtype is not None and round_dtype not in _ROUND:
         raise ValueError(f"add_rms_norm_quant: round_dtype must be one of {list(_ROUND)} or None, got {round_dtype}")
     h2 = _rows(h, D)

@@ -265,3 +265,28 @@ def test_gemv_one_slice(monkeypatch):
     o = FastPathOptions()
     old = o.set(gemv_one_slice=0)
     assert o.gemv_one_slice == 0 and old.gemv_one_slice == 16
+
+
+def test_norm_warps():
+    """Option norm_warps (0 by default: `norm_quant.row_tiles`' choice, 32 warps on a row of 7168 since session 18):
+    0 or one of `norm_quant.ROW_WARPS`, refused otherwise by name (constructor, `set`, the bench's `--kernels`);
+    variant norm_8_warps is the default before (that `FastBlock` hands it to the kernel: tests/kernels/
+    test_norm_warps.py)."""
+    from mtp.bench.cli import parse_switches
+    from mtp.bench.rank import KERNEL_VARIANTS
+
+    assert FastPathOptions().norm_warps == 0
+    for n in (0, 4, 8, 16, 32):
+        assert FastPathOptions(norm_warps=n).norm_warps == n
+    for bad in (-1, 1, 2, 3, 12, 64, True, 8.0, "8", None):
+        with pytest.raises(ValueError, match="norm_warps must be 0"):
+            FastPathOptions(norm_warps=bad)
+        with pytest.raises(ValueError, match="norm_warps must be 0"):
+            FastPathOptions().set(norm_warps=bad)
+    o = FastPathOptions()
+    old = o.set(norm_warps=16)
+    assert o.norm_warps == 16 and old.norm_warps == 0
+    assert parse_switches(["norm_warps=8"]) == {"norm_warps": 8}
+    with pytest.raises(ValueError, match="norm_warps must be 0"):
+        parse_switches(["norm_warps=3"])
+    assert KERNEL_VARIANTS["norm_8_warps"] == (dict(norm_warps=8), dict())

@@ -263,8 +263,20 @@ def _norm_checks() -> None:
         assert bool(((yb.float() - ryb.float()).abs() <= ryb.float().abs() * 2 ** -7 + 1e-30).all())
         k8, ks = act_quant(yb)
         assert torch.equal(bs, ks) and torch.equal(b8.view(torch.uint8), k8.view(torch.uint8))
+    # each warp count the fast path may give a row (`FastPathOptions.norm_warps`; None: row_tiles', 32 here) launches
+    # and gives the default's outputs (the interpreter's sums do not follow the warps: the GPU test holds each count
+    # to the reference and to itself, tests/kernels/test_fused_kernels_gpu.py)
+    from mtp.kernels.norm_quant import ROW_WARPS
+
+    h, d, w = torch.randn(2, 4096) * 3, torch.randn(2, 4096), torch.rand(4096).bfloat16() + 0.5
+    want = add_rms_norm_quant(h, d, w, 1e-6, round_dtype=torch.bfloat16)
+    for nw in ROW_WARPS:
+        got = add_rms_norm_quant(h, d, w, 1e-6, round_dtype=torch.bfloat16, num_warps=nw)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else torch.equal(a, b)
+                   for a, b in zip(got, want)), nw
     _expect_errors("add_rms_norm_quant", [(lambda: add_rms_norm_quant(torch.randn(2, 200), None, torch.ones(200), 1e-6),
-                                           "multiple of 128")])
+                                           "multiple of 128"),
+                                          (lambda: add_rms_norm_quant(h, d, w, 1e-6, num_warps=6), "num_warps must")])
     _expect_errors("add_rms_norm_quant", [(lambda: add_rms_norm_quant(torch.randn(2, 256).bfloat16(),
                                                                       torch.randn(2, 256), torch.ones(256), 1e-6),
                                            "with a delta")], err=TypeError)

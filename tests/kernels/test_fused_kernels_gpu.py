@@ -184,6 +184,48 @@ def test_add_rms_norm_quant(M, D):
     assert (q8.view(torch.uint8) != r8.view(torch.uint8)).float().mean() < 0.01 and (qs == rs).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("warps", [None, 4, 8, 16, 32])
+@pytest.mark.parametrize("D", [7168, 4096, 1536])
+def test_add_rms_norm_quant_warps(D, warps):
+    """The norm at each warp count `FastPathOptions.norm_warps` may give a model-width row (None: `row_tiles`', 32
+    warps from 32 groups of 128, 4 below), on the launches of a decode step (a bf16 delta; an fp32 sum rounded to bf16
+    in the kernel; no delta): the residual add bit-equal to the reference's, y within a bf16 ulp of it (the warps set
+    the sum of squares' order), the quant bit-exact on what it stored; bit-equal to itself across calls, and row by row
+    across widths 1 / 4 / 5 (one program a row: a verify's rows get a decode step's bits, as strict spec-vs-greedy
+    decoding needs). None equals row_tiles' count given explicitly."""
+    from mtp.kernels.norm_quant import row_tiles
+
+    g = torch.Generator(device=DEV).manual_seed(D + (warps or 0))
+    M = 5
+    h = torch.randn(M, D, device=DEV, generator=g) * torch.logspace(-2, 2, D, device=DEV)
+    w = (torch.rand(D, device=DEV, generator=g) + 0.5).bfloat16()
+    d32 = torch.randn(M, D, device=DEV, generator=g) * 4
+    for d, rnd in ((d32.bfloat16(), None), (d32, torch.bfloat16), (None, None)):
+        poison()
+        out = add_rms_norm_quant(h, d, w, 1e-6, round_dtype=rnd, num_warps=warps)
+        rh, ry, _, _ = add_rms_norm_quant_ref(h, d, w, 1e-6, round_dtype=rnd)
+        name = f"D={D} warps={warps} delta={None if d is None else d.dtype} round={rnd}"
+        assert torch.equal(out[0], rh), f"{name}: the residual add must be the reference's"
+        diff = (out[1].float() - ry.float()).abs()
+        assert bool((diff <= ry.float().abs() * 2 ** -7).all()), f"{name}: y off by {diff.max().item():.3e}"
+        k8, ks = act_quant_ref(out[1])
+        assert torch.equal(out[3], ks) and torch.equal(out[2].view(torch.uint8), k8.view(torch.uint8)), name
+
+        def call(rows=slice(None), nw=warps, d=d, rnd=rnd):
+            return add_rms_norm_quant(h[rows], None if d is None else d[rows], w, 1e-6, round_dtype=rnd, num_warps=nw)
+
+        calls = [(slice(None), call())] + [(slice(i, i + 1), call(slice(i, i + 1))) for i in range(M)]
+        calls.append((slice(1, 5), call(slice(1, 5))))
+        if warps is None:
+            calls.append((slice(None), call(nw=row_tiles(D)[1])))
+        for k, (rows, again) in enumerate(calls):
+            for a, b, what in zip(out, again, ("h", "y", "x8", "sx")):
+                a = a[rows]
+                same = (torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1
+                        else torch.equal(a, b))
+                assert same, f"{name}: {what} of call {k} (rows {rows}) differs from the first call's"
+
+
 def test_add_rms_norm_quant_graph_safe():
     _needs_cuda()
     h = torch.randn(3, 7168, device=DEV)
