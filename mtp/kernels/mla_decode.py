@@ -14,12 +14,13 @@ Kernel: stage 1 gives each program BH heads of one (b, t) and one of NS slices o
 causal range; sparse: the top-k list, keys gathered by index) and runs an online softmax over BN-key
 tiles; K and V are the same fp8 latent tile, loaded once, scaled exactly into bf16 and used for both
 dots (bf16 tensor cores, fp32 accumulate; q_lat and p are rounded to bf16: ~2e-3 relative error vs the
-fp32 reference). Stage 2
-merges the NS partial results by their log-sum-exp (`mla_out.merge_splits`); given W_vb it also applies the absorbed
-output projection in the same launch (`mla_out.stage2_absorb`: o [B, T, H, V], bit-identical to stage 2 +
-`absorb.absorb_out`). The number of slices comes from the static capacity
-(S or J) so the launch is the same on every step (CUDA-graph friendly). Under the Triton interpreter (CPU
-tests) the dots take fp32 operands: its bf16 tl.dot is wrong.
+fp32 reference). With channel splits CS > 1 (`mla_decode(channel_splits=)`), CS programs share each (b, t, heads,
+key slice): each computes the same scores and softmax, and the output on 512 / CS channels only, from its own load of
+those channels (V); the same bits. Stage 2 merges the NS partial results by their log-sum-exp
+(`mla_out.merge_splits`); given W_vb it also applies the absorbed output projection in the same launch
+(`mla_out.stage2_absorb`: o [B, T, H, V], bit-identical to stage 2 + `absorb.absorb_out`). The number of slices
+comes from the static capacity (S or J) so the launch is the same on every step (CUDA-graph friendly). Under the
+Triton interpreter (CPU tests) the dots take fp32 operands: its bf16 tl.dot is wrong.
 """
 
 from __future__ import annotations
@@ -166,13 +167,19 @@ def _mla_stage1_fused(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr
                       T, H, S, J, qk_scale, NS,
                       s_qb, s_qt, s_qh, s_pb, s_pt, s_ph, s_kvb, s_kvs, s_scb, s_scs, s_peb, s_pes,
                       SPARSE: tl.constexpr, VIS: tl.constexpr, DOT: tl.constexpr, BH: tl.constexpr,
-                      BN: tl.constexpr, PDL: tl.constexpr):
+                      BN: tl.constexpr, PDL: tl.constexpr, CS: tl.constexpr):
     # Same math as _mla_stage1, one 512-wide dot per side: the fp8 tile is loaded as [BN, 4, 128], scaled by
     # its 4 group scales (exact: powers of two) and flattened to a bf16 [BN, 512] K = V tile.
+    # CS > 1 (channel splits): CS programs share a (row, head block, key split), each computes the same scores
+    # and softmax over all 576 channels and the output on its W = 512 / CS of them only, from its own fp8 load of
+    # those channels of the tile (V). The compiler converts the K tile once per dot operand layout (2 x 128
+    # elements a thread at BH = 16, 8 warps); the V side shrinks to 128 / CS, the P.V MMAs and the epilogue
+    # to 1 / CS. Each output element sees the same p, keys and MMA chain: the same bits as CS = 1.
     pdl_launch(PDL)
     pdl_wait(PDL)  # as _mla_stage1
     pid_bt = tl.program_id(0)
-    hb = tl.program_id(1)
+    hb = tl.program_id(1) // CS
+    cs = tl.program_id(1) % CS  # this program's slice of the output channels
     sp = tl.program_id(2)
     b = pid_bt // T
     t = pid_bt % T
@@ -181,6 +188,12 @@ def _mla_stage1_fused(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr
     c = tl.arange(0, 512)
     g4 = tl.arange(0, 4)
     c3 = g4[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]
+    W: tl.constexpr = 512 // CS
+    VG: tl.constexpr = (W + 127) // 128  # scale groups of 128 the slice spans (CS = 8: half of one)
+    cv = cs * W + tl.arange(0, W)  # the output channels
+    vg = tl.arange(0, VG)
+    cv3 = cs * W + vg[None, :, None] * (W // VG) + tl.arange(0, W // VG)[None, None, :]  # as c3: [1, VG, W / VG]
+    gv = (cs * W + vg * (W // VG)) // 128  # each piece's scale
     r = tl.arange(0, 64)
     q = tl.load(q_ptr + b.to(tl.int64) * s_qb + t * s_qt + heads[:, None] * s_qh + c[None, :],
                 mask=hmask[:, None], other=0.0).to(DOT)
@@ -200,7 +213,7 @@ def _mla_stage1_fused(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr
     idx_base = idx_ptr + pid_bt.to(tl.int64) * J
     m_i = tl.full((BH,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BH,), dtype=tl.float32)
-    acc = tl.zeros((BH, 512), dtype=tl.float32)
+    acc = tl.zeros((BH, W), dtype=tl.float32)
     for j0 in range(start, end, BN):
         offs = j0 + tl.arange(0, BN)
         valid = offs < end
@@ -215,6 +228,12 @@ def _mla_stage1_fused(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr
         k8 = tl.load(kv_base + pos[:, None, None] * s_kvs + c3, mask=valid[:, None, None], other=0.0)
         ksc = tl.load(sc_base + pos[:, None] * s_scs + g4[None, :], mask=valid[:, None], other=0.0)
         k = tl.reshape((k8.to(tl.float32) * ksc[:, :, None]).to(DOT), (BN, 512))
+        if CS == 1:
+            v = k
+        else:  # the same lines (in flight or in L2), the same exact conversion, W channels
+            v8 = tl.load(kv_base + pos[:, None, None] * s_kvs + cv3, mask=valid[:, None, None], other=0.0)
+            vsc = tl.load(sc_base + pos[:, None] * s_scs + gv[None, :], mask=valid[:, None], other=0.0)
+            v = tl.reshape((v8.to(tl.float32) * vsc[:, :, None]).to(DOT), (BN, W))
         kpe = tl.load(pe_base + pos[:, None] * s_pes + r[None, :], mask=valid[:, None], other=0.0).to(DOT)
         s = tl.dot(q, tl.trans(k)) + tl.dot(qpe, tl.trans(kpe))
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 domain
@@ -223,13 +242,13 @@ def _mla_stage1_fused(q_ptr, qpe_ptr, kv_ptr, kvs_ptr, pe_ptr, lens_ptr, idx_ptr
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), k)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v)
         m_i = m_new
     has = l_i > 0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     row = (pid_bt.to(tl.int64) * H + heads) * NS + sp
-    tl.store(o_ptr + row[:, None] * 512 + c[None, :], acc / tl.where(has, l_i, 1.0)[:, None], mask=hmask[:, None])
-    tl.store(lse_ptr + row, lse, mask=hmask)
+    tl.store(o_ptr + row[:, None] * 512 + cv[None, :], acc / tl.where(has, l_i, 1.0)[:, None], mask=hmask[:, None])
+    tl.store(lse_ptr + row, lse, mask=hmask & (cs == 0))  # every slice has it: one store
 
 
 @triton.jit
@@ -243,6 +262,7 @@ def _mla_stage2(o_ptr, lse_ptr, out_ptr, NS, NSP: tl.constexpr, PDL: tl.constexp
 
 
 MIN_BLOCK_H = 16  # fewest heads per program (TP=8 rank: 16 heads)
+CHANNEL_SPLITS = (1, 2, 4, 8)  # stage 1's programs per (row, head block, key split): 512 / CS output channels each
 
 
 def default_splits(n_rows: int, capacity: int, n_sms: int = 132, min_keys: int = 64) -> int:
@@ -259,7 +279,8 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
                splits: int | None = None, variant: str = "fused",
                block_h: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int | None = None,
                min_block_h: int | None = None, w_vb: torch.Tensor | None = None,
-               block_v: int | None = None, pdl: bool = False, prefetch: bool = True) -> torch.Tensor:
+               block_v: int | None = None, pdl: bool = False, prefetch: bool = True,
+               channel_splits: int = 1) -> torch.Tensor:
     """Kernel twin of `mla_decode_ref`: o_lat [B, T, H, 512] in out_dtype. w_vb [H, V, 512] (in out_dtype, at most
     absorb.MAX_TOKENS tokens): o = absorb_out(o_lat, w_vb) [B, T, H, V] instead, stage 2 and the projection in one
     launch (`mla_out.stage2_absorb`, the same bits; block_v: its output channels per program). The keyword knobs
@@ -270,7 +291,13 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
     (S = 32768, T = 1: 54 vs 60 us; top-k: 20.7 vs 21.8 us). min_block_h: fewest heads per program (default
     MIN_BLOCK_H); a rank's 16 heads may run in a 64-head tile (masked) to take the wgmma tile. pdl: both launches
     with programmatic dependent launch (`_triton.pdl_kwargs`); prefetch: with w_vb, `stage2_absorb`'s (its W_vb tile
-    asked of L2 before the wait; False: compiled out, `FastPathOptions.prefetch_at`)."""
+    asked of L2 before the wait; False: compiled out, `FastPathOptions.prefetch_at`).
+    channel_splits (CS, one of CHANNEL_SPLITS; variant "fused"): stage 1 runs CS programs per (row, head block, key
+    split), each the whole softmax and 512 / CS of the output channels (`FastPathOptions.mla_channel_splits`): the
+    same bits, CS x the programs, each converting 128 + 128 / CS instead of 2 x 128 tile elements a thread (sm_90,
+    16 heads, 8 warps: the compiler converts the K tile once per dot operand layout). The key splits do not
+    change with it. With the 64-head tile (min_block_h 64) the value slice's own pipelined buffers take dense
+    calls past an SM's shared memory (sm_90 compile: 291 / 259 KB at CS = 2 / 4; top-k 210 KB at CS = 4)."""
     require(q_lat, "mla_decode")
     B, T, H, C = q_lat.shape
     S = kv8.shape[1]
@@ -307,14 +334,18 @@ def mla_decode(q_lat, q_pe, kv8, kv_scale, pe, seq_lens, sm_scale: float, topk_i
     lens = device_lens(seq_lens, dev)
     if variant not in ("split4", "fused"):
         raise ValueError(f"mla_decode: variant must be 'split4' or 'fused', got {variant!r}")
-    stage1 = _mla_stage1 if variant == "split4" else _mla_stage1_fused
+    if type(channel_splits) is not int or channel_splits not in CHANNEL_SPLITS:
+        raise ValueError(f"mla_decode: channel_splits must be one of {CHANNEL_SPLITS}, got {channel_splits!r}")
+    if channel_splits != 1 and variant != "fused":
+        raise ValueError(f"mla_decode: channel_splits {channel_splits} needs variant 'fused', got {variant!r}")
+    stage1, cs = (_mla_stage1, {}) if variant == "split4" else (_mla_stage1_fused, dict(CS=channel_splits))
     launch = pdl_kwargs(pdl, q_lat)
-    stage1[(B * T, nhb, splits)](
+    stage1[(B * T, nhb * channel_splits, splits)](
         q_lat, q_pe, kv8, kv_scale, pe, lens, idx, vis, o_part, lse, T, H, S, J, float(sm_scale) * LOG2E, splits,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
         kv8.stride(0), kv8.stride(1), kv_scale.stride(0), kv_scale.stride(1), pe.stride(0), pe.stride(1),
         SPARSE=sparse, VIS=visible is not None, DOT=tl.float32 if interpreting() else tl.bfloat16, BH=bh,
-        BN=block_n, PDL=pdl_mode(pdl, launch), num_warps=num_warps, num_stages=num_stages, **launch)
+        BN=block_n, PDL=pdl_mode(pdl, launch), num_warps=num_warps, num_stages=num_stages, **cs, **launch)
     if w_vb is not None:
         return stage2_absorb(o_part, lse, splits, w_vb, B, T, block_v, pdl=pdl, prefetch=prefetch)
     out = torch.empty(B, T, H, 512, dtype=out_dtype, device=dev)
