@@ -877,7 +877,8 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
     o_lat = mla_decode(q_lat, q_pe.to(torch.bfloat16).contiguous(), cache.kv[:, :S], cache.kv_scale[:, :S],
                        cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.bfloat16,
                        visible=visible_BTS if topk_idx is None else None,  # a top-k holds seen keys only
-                       w_vb=mla.w_vb if fuse_out else None, pdl=pdl, prefetch=pf)
+                       w_vb=mla.w_vb if fuse_out else None, pdl=pdl, prefetch=pf,
+                       channel_splits=mla.fast_options.mla_channel_splits)
     if fuse_out:  # o_lat is o [B, T, H, V] here, in W_vb's dtype as absorb_out's
         return o_lat.to(out_dtype)
     if absorb:

@@ -268,6 +268,10 @@ KERNEL_VARIANTS = {
     # `norm_quant.row_tiles`; alone on an H200 3.84-3.86 vs 4.58-4.60 us a row of 7168, 122 launches a step of one
     # TP=8 rank): predicted -0.05 to -0.1 ms a step for the default against this
     "norm_8_warps": (dict(norm_warps=8), dict()),
+    # MLA stage 1 with 2 / 4 programs per (row, head block, key split), each the softmax and 256 / 128 of the 512
+    # output channels (`mla_decode(channel_splits=)`, the same bits; at every width: four tokens' grids overflow)
+    "mla_cs2": (dict(mla_channel_splits=2), dict()),
+    "mla_cs4": (dict(mla_channel_splits=4), dict()),
 }
 
 

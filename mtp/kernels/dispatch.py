@@ -35,6 +35,15 @@ version, so the engine captures its kept graphs again).
   then `absorb_out`. Off because it measured slower: one TP=8 rank on an H200, 61 layers, the fused launch cost
   0.3-0.6 ms a step at 1k and 0.9-1.6 ms at 32k more than the two launches (BENCHMARKS.md, session 11): each of its
   programs redoes its head's merge of the key splits, and the split count grows with the context.
+- mla_channel_splits (1; an integer in `mla_decode.CHANNEL_SPLITS`: 1, 2, 4, 8): `mla_decode`'s stage 1 runs CS
+  programs per (row, head block, key split), each the whole softmax and the output on 512 / CS channels
+  (`mla_decode(channel_splits=)`): the same bits, CS x the programs, the key splits unchanged. Compiled for sm_90 at a
+  TP=8 rank's 16 heads (8 warps, one 64-key tile at 1k or a top-2048 slice; the compiler converts the fp8 tile once
+  per dot operand layout, and only the value side shrinks): 2336 / 2008 / 1704 SASS instructions a warp, 180 / 151 /
+  80 registers, 102 / 135 / 119 KB of shared memory dense, and 2464 / 2096 / 1808, 192 / 151 / 142, 61 / 78 / 70 KB
+  top-k, at CS = 1 / 2 / 4; no spills. Not timed (session 18): 1 until measured (variants mla_cs2 / mla_cs4). A
+  proposal to measure: the largest CS in 4, 2, 1 whose grid still fits the SMs (one token: 4 at 1k and at the
+  top-2048, 17 and 32 programs; four tokens: 1, their 68 / 128 programs already fill the 132 SMs).
 - fuse_out_cast: tensor parallel under allreduce='nccl' (or where the one-shot kernel does not take the message),
   a row-parallel sublayer's all-reduced fp32 sum is rounded to the model dtype inside the kernel that adds it to the
   residual (o_proj: the post-attention add + norm + quant; the dense MLP: `norm_quant.add_rounded`), bit-identical;
@@ -152,7 +161,7 @@ ELEMENTWISE_IMPLS = ("triton", "compile", "eager")
 
 # the options that are integers; every other field is an on / off switch
 INT_FIELDS = ("gemv_rows", "pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows",
-              "gemv_one_slice", "norm_warps")
+              "gemv_one_slice", "norm_warps", "mla_channel_splits")
 
 
 @dataclass
@@ -203,9 +212,14 @@ class FastPathOptions:
     # the warps of the add + norm + quant kernel on the model-width rows (`norm_quant.ROW_WARPS`); 0: `row_tiles`'
     # (32 at >= 32 groups of 128 since session 18: 3.84-3.86 vs 4.58-4.60 us at 8 on the TP=8 rank's 7168, H200)
     norm_warps: int = 0
+    # mla_decode's stage 1 with this many programs per (row, head block, key split), each 512 / CS output channels
+    # (one of mla_decode.CHANNEL_SPLITS; the same bits). 1: the kernel as measured until session 17; the others
+    # compiled (fewer instructions a program) but not yet timed
+    mla_channel_splits: int = 1
 
     def __post_init__(self) -> None:
         from mtp.kernels.gemv_splitk import MAX_M
+        from mtp.kernels.mla_decode import CHANNEL_SPLITS
         from mtp.kernels.norm_quant import ROW_WARPS
 
         rows = self.gemv_rows
@@ -219,6 +233,9 @@ class FastPathOptions:
         if isinstance(nw, bool) or not isinstance(nw, int) or nw not in (0, *ROW_WARPS):
             raise ValueError(f"FastPathOptions: norm_warps must be 0 (row_tiles' choice) or one of {ROW_WARPS}, "
                              f"got {nw!r}")
+        cs = self.mla_channel_splits
+        if type(cs) is not int or cs not in CHANNEL_SPLITS:
+            raise ValueError(f"FastPathOptions: mla_channel_splits must be one of {CHANNEL_SPLITS}, got {cs!r}")
 
     @classmethod
     def for_world(cls, world: int, **flags) -> FastPathOptions:
