@@ -11,6 +11,8 @@ order changes the last bits, so the check is a tolerance, printed):
   chain per thread);
 - stage1: `mla_decode` (stage 1 + stage 2) at 16 heads with 16 / 32 / 64 keys per tile and 1 / 2 / 4 x the default
   KV slices, dense 1k and the top-2048 of 32k, T = 1 and 4;
+- mla_cs: `mla_decode` at 16 heads with stage 1's output channels split over 1 / 2 / 4 / 8 programs (the same
+  bits, checked), dense 1k and the top-2048 of 32k, T = 1, 2, 4;
 - combine: the experts' combine over its channel block and warps (the same bits);
 - gemv: `fp8_gemv` on o_proj (7168 x 2048, x quantized in the kernel) and q_a | wk | kv_a (2240 x 7168, x
   pre-quantized) at one row, over BN, groups per slice and warps;
@@ -18,7 +20,7 @@ order changes the last bits, so the check is a tolerance, printed):
   with a token's latent and indexer key in one program or in two (switch kv_split: the same bits, checked), T = 1
   and 4.
 
-    python -m mtp.bench.small_kernels --out DIR [--only norm,stage1,combine,gemv,kvnorm]
+    python -m mtp.bench.small_kernels --out DIR [--only norm,stage1,mla_cs,combine,gemv,kvnorm]
 """
 
 from __future__ import annotations
@@ -95,6 +97,33 @@ def stage1_section() -> dict:
                     gk.row(f"mla {name}" + (" (default)" if (bn, mult) == (64, 1) else ""), f"T={T} {tag}",
                            res[name], nbytes)
             out[f"T={T} {tag}"] = res
+    return out
+
+
+def mla_cs_section() -> dict:
+    """MLA stage 1's channel splits (`mla_decode(channel_splits=)`, `FastPathOptions.mla_channel_splits`: CS programs
+    per (row, head block, key split), each the softmax and 512 / CS output channels) at the rank's 16 heads, dense 1k
+    and the top-2048 of 32k, T = 1 / 2 / 4, CS = 1 / 2 / 4 / 8, each checked bit-equal to CS = 1; mla_decode (stage 1
+    + stage 2) per call over rotating caches (at 1k one cache stays in L2; the step reads 61 layers' caches)."""
+    from mtp.kernels.mla_decode import CHANNEL_SPLITS, mla_decode
+
+    out = {}
+    H = 16
+    for T in (1, 2, 4):
+        for S, J, tag in ((1024 + T, None, "dense 1k"), (32768 + T, 2048, "top-2048 of 32k")):
+            q, qpe, kv8, kvs, pe, lens, idx, keys, nbytes = gk.mla_case(1, T, H, S, J)
+            sets = [(kv8, kvs, pe)] + [gk.mla_inputs(1, T, H, S)[2:] for _ in range(min(31, gk.n_sets(keys * 656) - 1))]
+            want = mla_decode(q, qpe, kv8, kvs, pe, lens, 0.1, topk_idx=idx)
+            res = {}
+            for cs in CHANNEL_SPLITS:
+                got = mla_decode(q, qpe, kv8, kvs, pe, lens, 0.1, topk_idx=idx, channel_splits=cs)
+                gk.check(f"mla_cs T={T} {tag} CS={cs}", torch.equal(got, want),
+                         f"bit-equal to CS = 1 ({int((got != want).sum())} of {got.numel()} differ)")
+                res[cs] = gk.graph_us([lambda s=s, cs=cs: mla_decode(q, qpe, *s, lens, 0.1, topk_idx=idx,
+                                                                     channel_splits=cs) for s in sets])
+                gk.row(f"mla CS={cs}" + (" (default)" if cs == 1 else ""), f"T={T} {tag}", res[cs], nbytes)
+            out[f"T={T} {tag}"] = res
+            del sets
     return out
 
 
@@ -212,8 +241,8 @@ def kvnorm_section() -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "eval/results")
-    ap.add_argument("--only", default="norm,stage1,combine,gemv,kvnorm",
-                    help="comma list of sections: norm,stage1,combine,gemv,kvnorm")
+    ap.add_argument("--only", default="norm,stage1,mla_cs,combine,gemv,kvnorm",
+                    help="comma list of sections: norm,stage1,mla_cs,combine,gemv,kvnorm")
     args = ap.parse_args()
     if not available():
         sys.exit("mtp.bench.small_kernels: needs triton and a CUDA device")
@@ -224,8 +253,8 @@ def main():
                          date=time.strftime("%Y-%m-%d %H:%M")))
     t0 = time.time()
     out["bandwidth"] = gk.copy_bandwidth()
-    gk.run_sections([("norm", norm_section), ("stage1", stage1_section), ("combine", combine_section),
-                     ("gemv", gemv_section), ("kvnorm", kvnorm_section)],
+    gk.run_sections([("norm", norm_section), ("stage1", stage1_section), ("mla_cs", mla_cs_section),
+                     ("combine", combine_section), ("gemv", gemv_section), ("kvnorm", kvnorm_section)],
                     set(args.only.split(",")), out)
     gk.finish(out, t0, os.path.join(args.out, "small_kernels.json"))
 
