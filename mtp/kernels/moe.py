@@ -43,7 +43,9 @@ a [P, P] compare) so the grid stays static; gate/up slices meet in an fp32 works
 an (expert, N-block) to arrive (atomic counter, re-armed) sums them in slice order and writes h; down slices
 write separate partials that the combine kernel sums slot by slot, slice by slice. Deterministic; the slice
 counts depend on the shapes only (`default_splits`). `moe_experts(item_regs=True)`: the same work items with no
-dependent load before their weight tiles (`mtp.kernels.moe_items`), the same bits.
+dependent load before their weight tiles (`mtp.kernels.moe_items`), the same bits. `moe_experts(xq=(x8, sx))` (pair
+and persistent layouts): gate/up reads x already quantized (the block's norm's output) instead of quantizing x in
+every K group of every item, the same bits where (x8, sx) is x's quantization.
 
 Grouped layout (default above GROUPED_ABOVE tokens, up to MAX_TOKENS; `mtp.kernels.moe_grouped`): the pairs sorted
 by expert on the device and padded to M-blocks of one expert each, then a grouped FP8 GEMM for gate|up and one for
@@ -68,7 +70,7 @@ from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
 from mtp.kernels.moe_items import (_down_ptrs, _down_tile_ahead, _fixup_sums, _gate_up_ptrs, _gate_up_tile_ahead,
-                                   _item_regs, _item_rows, _partial_tile, _prefetch_item)
+                                   _item_regs, _item_rows, _partial_tile, _prefetch_item, _x_quant)
 
 __all__ = ["wave_splits", "waves_for", "moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts",
            "moe_experts_ref", "gate_logits", "default_layout", "MAX_TOKENS", "PAIRS_MAX_TOKENS", "GROUPED_ABOVE"]
@@ -285,20 +287,24 @@ def _slot_info(idx_ptr, p, T, S, TOPK: tl.constexpr, J: tl.constexpr, BM: tl.con
 
 
 @triton.jit
-def _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1, D, stride_xm, stride_we, stride_se,
-                  stride_sn, BM: tl.constexpr):
+def _gate_up_tile(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1, D, stride_xm, stride_sxm,
+                  stride_we, stride_se, stride_sn, BM: tl.constexpr, X8: tl.constexpr):
     """gate and up of expert e, N-block nb, over K groups [g0, g1): fp32 accumulators [128, BM] (x quantized
-    per 128 in registers; rows of tokens not routed to e read as 0)."""
-    w1_ptrs, w3_ptrs, s1_row, s3_row, x_ptrs = _gate_up_ptrs(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, D,
-                                                             stride_xm, stride_we, stride_se, stride_sn, BM)
+    per 128 in registers, or with X8 its fp8 tile and row scales loaded (`moe_experts(xq=)`); rows of tokens not
+    routed to e read as 0)."""
+    w1_ptrs, w3_ptrs, s1_row, s3_row, x_ptrs, sx_rows = _gate_up_ptrs(
+        x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, D, stride_xm, stride_sxm, stride_we, stride_se,
+        stride_sn, BM)
     acc1 = tl.zeros((128, BM), dtype=tl.float32)
     acc3 = tl.zeros((128, BM), dtype=tl.float32)
     for g in range(g0, g1):
         w1 = tl.load(w1_ptrs + g * 128)
         w3 = tl.load(w3_ptrs + g * 128)
-        xf = tl.load(x_ptrs + g * 128, mask=active[:, None], other=0.0).to(tl.float32)
-        sx, inv = ue8m0_scale(tl.max(tl.abs(xf), axis=1))
-        xt = tl.trans(quant_e4m3(xf, inv[:, None]))
+        if X8:
+            xt = tl.trans(tl.load(x_ptrs + g * 128, mask=active[:, None], other=0.0))
+            sx = tl.load(sx_rows + g, mask=active, other=0.0)
+        else:
+            xt, sx = _x_quant(x_ptrs, g, active)
         acc1 += tl.dot(w1, xt) * (sx * tl.load(s1_row + g))[None, :]
         acc3 += tl.dot(w3, xt) * (sx * tl.load(s3_row + g))[None, :]
     return acc1, acc3
@@ -333,10 +339,10 @@ def _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr,
-                        T, D, I, stride_xm, stride_we, stride_se, stride_sn, S,
+def _moe_gate_up_kernel(x_ptr, sx_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr,
+                        T, D, I, stride_xm, stride_sxm, stride_we, stride_se, stride_sn, S,
                         TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
-                        KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                        KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, X8: tl.constexpr):
     pdl_launch(PDL)
     _shared_prefetch(w1_ptr, S, stride_we, I * D, TOPK, J, PDL, PREFETCH)
     _shared_prefetch(w3_ptr, S, stride_we, I * D, TOPK, J, PDL, PREFETCH)
@@ -345,8 +351,8 @@ def _moe_gate_up_kernel(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, 
     nb = tl.program_id(1)
     e, is_leader, active, slot = _slot_info(idx_ptr, p, T, S, TOPK, J, BM, PPAD, KPAD)
     n_iter = tl.where(is_leader, D // 128, 0)
-    acc1, acc3 = _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, 0, n_iter, D, stride_xm,
-                               stride_we, stride_se, stride_sn, BM)
+    acc1, acc3 = _gate_up_tile(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, 0, n_iter, D, stride_xm,
+                               stride_sxm, stride_we, stride_se, stride_sn, BM, X8)
     _gate_up_store(acc1, acc3, nb, slot, active & is_leader, h8_ptr, hs_ptr, I)
 
 
@@ -402,16 +408,17 @@ def _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, G, S, TOPK: tl.constexpr, J
 
 
 @triton.jit
-def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr, part_ptr, cnt_ptr,
-                            T, D, I, stride_xm, stride_we, stride_se, stride_sn, KS, S,
+def _moe_gate_up_persistent(x_ptr, sx_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr, part_ptr, cnt_ptr,
+                            T, D, I, stride_xm, stride_sxm, stride_we, stride_se, stride_sn, KS, S,
                             TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
                             KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, ITEM_REGS: tl.constexpr,
-                            NEXT_PF: tl.constexpr, KSU: tl.constexpr, TP: tl.constexpr):
+                            NEXT_PF: tl.constexpr, KSU: tl.constexpr, TP: tl.constexpr, X8: tl.constexpr):
     """Work item (a, nb, ks): the a-th distinct expert, N-block nb, K slice ks, handed out round-robin over a
     grid of ~one program per SM, so the few experts a rank computes at decode still fill every SM. The last
     slice of (a, nb) to finish (atomic counter) sums the fp32 partials in slice order (deterministic) and
     writes h; it re-arms the counter. ITEM_REGS: the items without dependent loads (`moe_items`: KSU = KS slices
-    unrolled in the fix-up, on TP = next_pow2(T) columns; NEXT_PF: the next item's weights asked of L2)."""
+    unrolled in the fix-up, on TP = next_pow2(T) columns; NEXT_PF: the next item's weights asked of L2). X8: x_ptr
+    is the pre-quantized x8 (e4m3) with its row scales at sx_ptr, loaded per K group instead of quantizing x."""
     pdl_launch(PDL)
     _shared_prefetch(w1_ptr, S, stride_we, I * D, TOPK, J, PDL, PREFETCH)
     _shared_prefetch(w3_ptr, S, stride_we, I * D, TOPK, J, PDL, PREFETCH)
@@ -426,13 +433,13 @@ def _moe_gate_up_persistent(x_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_p
             if NEXT_PF:
                 _prefetch_item(w + tl.num_programs(0), n_items, iq, lead, rank, NB, KS, G, w1_ptr, w3_ptr,
                                stride_we, D, True)
-            acc1, acc3 = _gate_up_tile_ahead(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
-                                             D, stride_xm, stride_we, stride_se, stride_sn, BM)
+            acc1, acc3 = _gate_up_tile_ahead(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
+                                             D, stride_xm, stride_sxm, stride_we, stride_se, stride_sn, BM, X8)
         else:
             a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, G, S,
                                                             TOPK, J, BM, PPAD, KPAD)
-            acc1, acc3 = _gate_up_tile(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
-                                       D, stride_xm, stride_we, stride_se, stride_sn, BM)
+            acc1, acc3 = _gate_up_tile(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
+                                       D, stride_xm, stride_sxm, stride_we, stride_se, stride_sn, BM, X8)
         # fp32 partials [2, 128, T] per (a, nb, ks): the T token columns only (ITEM_REGS: TP columns, `_partial_tile`)
         if ITEM_REGS:
             C = TP
@@ -537,6 +544,25 @@ def _check_experts(name, w, s, E, N, K):
         raise ValueError(f"moe_experts: {name} weight and scales must be contiguous")
 
 
+def _check_xq(xq, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_experts`' xq = (x8, sx) for x [T, D]: float8 [T, D] and fp32 [T, D / 128] on x's device, returned with a
+    unit stride along their last dim (a copy where not)."""
+    T, D = x_TD.shape
+    if not (isinstance(xq, (tuple, list)) and len(xq) == 2 and all(isinstance(t, torch.Tensor) for t in xq)):
+        raise ValueError(f"moe_experts: xq must be a pair (x8, sx) of tensors, got {type(xq).__name__}")
+    x8, sx = xq
+    if x8.dtype != FP8_DTYPE or tuple(x8.shape) != (T, D):
+        raise ValueError(f"moe_experts: xq's x8 must be {FP8_DTYPE} [{T}, {D}] (x quantized), got {x8.dtype} "
+                         f"{list(x8.shape)}")
+    if sx.dtype != torch.float32 or tuple(sx.shape) != (T, D // BLOCK):
+        raise ValueError(f"moe_experts: xq's sx must be float32 [{T}, {D // BLOCK}] (x8's scale per {BLOCK}), got "
+                         f"{sx.dtype} {list(sx.shape)}")
+    for name, t in (("x8", x8), ("sx", sx)):
+        if t.device != x_TD.device:
+            raise ValueError(f"moe_experts: xq's {name} must be on x's device {x_TD.device}, got {t.device}")
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (x8, sx))
+
+
 PERSISTENT_MAX_PAIRS = 64  # the persistent kernels compare all (token, slot) pairs pairwise: small P only
 LAYOUTS = ("pairs", "persistent", "grouped")
 
@@ -595,7 +621,8 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                 programs: tuple[int, int] | None = None, add: torch.Tensor | None = None,
                 block_m: int | None = None, shared: bool = False, pdl: bool = False,
                 prefetch: bool = True, item_regs: bool = False, item_prefetch: bool = False,
-                warps: tuple[int, int] | None = None) -> torch.Tensor:
+                warps: tuple[int, int] | None = None,
+                xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
@@ -633,6 +660,12 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     item_regs took 25.96 / 48.61 / 54.84 / 72.93 us at T = 1..4 without it, 27.36 / 53.34 / 58.86 / 75.16 with it.
     warps: the persistent (gate/up, down) kernels' num_warps (default 4 and 4), for benchmarks (`mtp.bench.topk_moe
     --only moe_knobs`, with the stages and grids: the same bits, checked there; none paid on an H200, session 18).
+    xq = (x8, sx): x already quantized per 128 (float8 [T, D], fp32 [T, D / 128] on x's device: the block's
+    post-attention norm's output, `norm_quant.add_rms_norm_quant`), which the pair / persistent layouts' gate/up
+    kernel loads per K group instead of quantizing x in its loop (switch `FastPathOptions.moe_x8`); the grouped
+    layout refuses it. The same bits as without it where (x8, sx) is x's quantization (`act_quant`'s: the ue8m0 scale
+    and e4m3 rounding of x's values, which the norm kernels store for the y they return); x itself then only gives
+    T, D, the device and the default out_dtype.
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
@@ -676,6 +709,11 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         raise ValueError(f"moe_experts: warps must be (gate/up, down) num_warps, each 4 or 8, got {warps!r}")
     if add is not None and (add.dtype != torch.float32 or tuple(add.shape) != (T, D) or not add.is_contiguous()):
         raise ValueError(f"moe_experts: add must be contiguous fp32 [{T}, {D}], got {add.dtype} {list(add.shape)}")
+    if xq is not None:
+        if layout == "grouped":
+            raise ValueError("moe_experts: xq (x pre-quantized) is for the 'pairs' and 'persistent' layouts; the "
+                             "grouped one quantizes x in its own launch (`moe_grouped.grouped_partials`)")
+        x8, sx = _check_xq(xq, x_TD)
     idx = idx_TJ.to(torch.int32).contiguous()
     rw = w_TJ.float().contiguous()
     x = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
@@ -693,6 +731,8 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     launch = pdl_kwargs(pdl, x)
     kw = dict(TOPK=TOPK, J=J, BM=bm, PPAD=ppad, KPAD=kpad, PDL=pdl_mode(pdl, launch), PREFETCH=bool(launch) and prefetch,
               num_warps=4, **launch)
+    # gate/up's x operand: x8 and its row scales (X8), or x, quantized in the K loop (sx_ptr a stand-in, never read)
+    xa, sxa, stride_sxm = (x8, sx, sx.stride(0)) if xq is not None else (x, x, 0)
     if layout == "pairs":
         if gate_up_stages is None:
             # H200 sweep (T=1 / T=4): 4 stages (145 KB smem, 1 program per SM) won when the leaders' programs
@@ -700,8 +740,9 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
             # The sweep's shapes had BM = 16; the x tile grows with BM, and 4 stages at BM = 64 need 238 KB of
             # the 227 KB a block may hold (seen: OutOfResources on the bundled model at 64 tokens, 2 x H200).
             gate_up_stages = 4 if bm <= 16 and P * (I // BLOCK) <= _sm_count(dev) else 3
-        _moe_gate_up_kernel[(P, I // BLOCK)](x, idx, *wargs, h8, hs, T, D, I, x.stride(0), w_gate.stride(0),
-                                             s_gate.stride(0), s_gate.stride(1), S, num_stages=gate_up_stages, **kw)
+        _moe_gate_up_kernel[(P, I // BLOCK)](xa, sxa, idx, *wargs, h8, hs, T, D, I, xa.stride(0), stride_sxm,
+                                             w_gate.stride(0), s_gate.stride(0), s_gate.stride(1), S,
+                                             num_stages=gate_up_stages, X8=xq is not None, **kw)
         ks_down = 1
         part = torch.empty(P, D, dtype=torch.float32, device=dev)
         _moe_down_kernel[(P, triton.cdiv(D, BLOCK))](h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0),
@@ -724,8 +765,9 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         fix = dict(KSU=ks_gu, TP=cols) if item_regs else dict(KSU=1, TP=1)
         wu, wd = warps or (4, 4)
         _moe_gate_up_persistent[(min(g_gu, n_act * nb * ks_gu),)](
-            x, idx, *wargs, h8, hs, gu_part, cnt, T, D, I, x.stride(0), w_gate.stride(0), s_gate.stride(0),
-            s_gate.stride(1), ks_gu, S, num_stages=gate_up_stages or 4, **dict(kw, num_warps=wu), **items, **fix)
+            xa, sxa, idx, *wargs, h8, hs, gu_part, cnt, T, D, I, xa.stride(0), stride_sxm, w_gate.stride(0),
+            s_gate.stride(0), s_gate.stride(1), ks_gu, S, num_stages=gate_up_stages or 4, X8=xq is not None,
+            **dict(kw, num_warps=wu), **items, **fix)
         part = torch.empty(ks_down, P, D, dtype=torch.float32, device=dev)
         _moe_down_persistent[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
             h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0), s_down.stride(0), s_down.stride(1),

@@ -38,6 +38,9 @@ Here, each work item's tiles and sums are the same, in the same order (bit-ident
    `_triton.asm_ok`). Off by default: measured slower alone on a TP=8 split rank (H200, session 17: 27.4 / 53.3 /
    58.9 / 75.2 us at T = 1..4 with it, 26.0 / 48.6 / 54.8 / 72.9 without; the default item loop 29.8 / 55.5 / 61.4 /
    75.1).
+Both item loops' gate/up take x either as bf16, quantized per K group in the loop (`_x_quant`), or pre-quantized (X8,
+`moe.moe_experts(xq=)`: x8's tile a dot operand straight from its cp.async buffer, its row scales loaded as the
+weights' are): the K loop's SASS at a split rank's shapes (triton 3.6) 360 instructions per K group against 230.
 """
 
 from __future__ import annotations
@@ -94,17 +97,29 @@ def _prefetch_item(w, n_items, iq, lead, rank, NB, KS, G, wa_ptr, wb_ptr, stride
 
 
 @triton.jit
-def _gate_up_ptrs(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, D, stride_xm, stride_we, stride_se, stride_sn,
-                  BM: tl.constexpr):
-    """Expert e's gate and up tiles of N-block nb at K group 0 ([128, 128] pointers), their scale rows, and x's
-    [BM, 128] tile: `moe._gate_up_tile`'s and `_gate_up_tile_ahead`'s."""
+def _gate_up_ptrs(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, D, stride_xm, stride_sxm, stride_we,
+                  stride_se, stride_sn, BM: tl.constexpr):
+    """Expert e's gate and up tiles of N-block nb at K group 0 ([128, 128] pointers), their scale rows, x's [BM, 128]
+    tile and its [BM] row scales at group 0 (the pre-quantized x's, `moe.moe_experts(xq=)`; unused for a bf16 x):
+    `moe._gate_up_tile`'s and `_gate_up_tile_ahead`'s."""
     offs_n = nb * 128 + tl.arange(0, 128)
     offs_k = tl.arange(0, 128)
     m = tl.arange(0, BM)
     e64 = e.to(tl.int64)
     w_off = e64 * stride_we + offs_n.to(tl.int64)[:, None] * D + offs_k[None, :]
     return (w1_ptr + w_off, w3_ptr + w_off, s1_ptr + e64 * stride_se + nb * stride_sn,
-            s3_ptr + e64 * stride_se + nb * stride_sn, x_ptr + m[:, None] * stride_xm + offs_k[None, :])
+            s3_ptr + e64 * stride_se + nb * stride_sn, x_ptr + m[:, None] * stride_xm + offs_k[None, :],
+            sx_ptr + m * stride_sxm)
+
+
+@triton.jit
+def _x_quant(x_ptrs, g, active):
+    """x's K group g quantized here, per token row: its [BM, 128] tile (bf16) loaded, the row absmax (a reduction
+    across the threads that hold a row), the ue8m0 scale, the e4m3 convert; returned transposed for the dots
+    ([128, BM] e4m3) with the [BM] scales. Rows not active read as 0."""
+    xf = tl.load(x_ptrs + g * 128, mask=active[:, None], other=0.0).to(tl.float32)
+    sx, inv = ue8m0_scale(tl.max(tl.abs(xf), axis=1))
+    return tl.trans(quant_e4m3(xf, inv[:, None])), sx
 
 
 @triton.jit
@@ -120,14 +135,18 @@ def _down_ptrs(h8_ptr, w2_ptr, s2_ptr, e, nb, slot, D, I, stride_we, stride_se, 
 
 
 @triton.jit
-def _gate_up_tile_ahead(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1, D, stride_xm, stride_we,
-                        stride_se, stride_sn, BM: tl.constexpr):
+def _gate_up_tile_ahead(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1, D, stride_xm,
+                        stride_sxm, stride_we, stride_se, stride_sn, BM: tl.constexpr, X8: tl.constexpr):
     """`moe._gate_up_tile` (the same tiles, the same fp32 sums in the same order) with the weight scales of group
-    g + 1 loaded in iteration g, the first group's before the loop."""
-    w1_ptrs, w3_ptrs, s1_row, s3_row, x_ptrs = _gate_up_ptrs(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, D,
-                                                             stride_xm, stride_we, stride_se, stride_sn, BM)
+    g + 1 loaded in iteration g, the first group's before the loop; with X8 x's row scales too (x8's tile is a dot
+    operand, so the pipeliner issues it ahead with the weights' by itself)."""
+    w1_ptrs, w3_ptrs, s1_row, s3_row, x_ptrs, sx_rows = _gate_up_ptrs(
+        x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, D, stride_xm, stride_sxm, stride_we, stride_se,
+        stride_sn, BM)
     s1n = tl.load(s1_row + g0, mask=g0 < g1, other=0.0)
     s3n = tl.load(s3_row + g0, mask=g0 < g1, other=0.0)
+    if X8:
+        sxn = tl.load(sx_rows + g0, mask=active & (g0 < g1), other=0.0)
     acc1 = tl.zeros((128, BM), dtype=tl.float32)
     acc3 = tl.zeros((128, BM), dtype=tl.float32)
     for g in range(g0, g1):
@@ -137,9 +156,12 @@ def _gate_up_tile_ahead(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0
         s3n = tl.load(s3_row + g + 1, mask=g + 1 < g1, other=0.0)
         w1 = tl.load(w1_ptrs + g * 128)
         w3 = tl.load(w3_ptrs + g * 128)
-        xf = tl.load(x_ptrs + g * 128, mask=active[:, None], other=0.0).to(tl.float32)
-        sx, inv = ue8m0_scale(tl.max(tl.abs(xf), axis=1))
-        xt = tl.trans(quant_e4m3(xf, inv[:, None]))
+        if X8:
+            sx = sxn
+            sxn = tl.load(sx_rows + g + 1, mask=active & (g + 1 < g1), other=0.0)
+            xt = tl.trans(tl.load(x_ptrs + g * 128, mask=active[:, None], other=0.0))
+        else:
+            xt, sx = _x_quant(x_ptrs, g, active)
         acc1 += tl.dot(w1, xt) * (sx * s1)[None, :]
         acc3 += tl.dot(w3, xt) * (sx * s3)[None, :]
     return acc1, acc3

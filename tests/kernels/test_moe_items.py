@@ -97,8 +97,8 @@ def test_item_regs_compile_for_hopper():
     base = dict(TOPK=9, J=8, BM=16, KPAD=16, PPAD=16, PREFETCH=True, PDL=1)
     aligned = ("D", "I", "stride_xm", "stride_we", "stride_se")
     gu_ptrs = dict(x_ptr=bf, idx_ptr=i32, w1_ptr=f8, w3_ptr=f8, h8_ptr=f8, cnt_ptr=i32)
-    kernels = {"gate_up": (moe._moe_gate_up_persistent, gu_ptrs, dict(KSU=7, TP=1), 4),
-               "gate_up T=4": (moe._moe_gate_up_persistent, gu_ptrs, dict(PPAD=64, KSU=2, TP=4), 4),
+    kernels = {"gate_up": (moe._moe_gate_up_persistent, gu_ptrs, dict(KSU=7, TP=1, X8=False), 4),
+               "gate_up T=4": (moe._moe_gate_up_persistent, gu_ptrs, dict(PPAD=64, KSU=2, TP=4, X8=False), 4),
                "down": (moe._moe_down_persistent, dict(h8_ptr=f8, idx_ptr=i32, w2_ptr=f8), {}, 5)}
     for name, (kernel, ptrs, extra, stages) in kernels.items():
         k = _compile_for_hopper(kernel, ptrs, dict(base, ITEM_REGS=True, NEXT_PF=True, **extra), num_warps=4,

@@ -98,7 +98,7 @@ def _kernels() -> dict:
             "off", "thr", "out", "h16", "h8", "ncand", "arrive")}), dict(BLK=1024, REARM=True, V2=True), 4, False),
         "moe_gate_up": (moe._moe_gate_up_persistent, dict(x_ptr=bf, idx_ptr=i32, w1_ptr=f8, w3_ptr=f8, h8_ptr=f8,
                                                           cnt_ptr=i32),
-                        dict(PPAD=16, PREFETCH=True, KSU=1, TP=1, **mo_), 4, False),
+                        dict(PPAD=16, PREFETCH=True, KSU=1, TP=1, X8=False, **mo_), 4, False),
         "moe_down": (moe._moe_down_persistent, dict(h8_ptr=f8, idx_ptr=i32, w2_ptr=f8),
                      dict(PPAD=16, PREFETCH=True, **mo_), 4, False),
         "moe_combine": (moe._moe_combine_kernel, dict(idx_ptr=i32), dict(TOPK=9, J=8, KS=2, BLOCK_D=1024, ADD=False),
