@@ -184,7 +184,8 @@ class FastMoE(MoE):
     for); a 'split' rank keeps 'pairs' but runs the persistent layout up to `persistent_tokens`
     (SPLIT_PERSISTENT_TOKENS: its pair grid has 2 N-blocks per pair at TP=8), its K slices sized for every pair a
     distinct local expert (`all_local`, switch `moe_wave_splits`), its work items without dependent loads with
-    switch `moe_item_regs` (any persistent call; the same bits). `set_kernel_options` switches. Above
+    switch `moe_item_regs` (any persistent call; the same bits), its gate/up on the block's quantized x (`forward`'s
+    xq) with switch `moe_x8` (any persistent call; the same bits). `set_kernel_options` switches. Above
     `grouped_above` tokens (verify batches, prefill) every MoE runs the grouped GEMM (`kernels.moe_grouped`),
     `max_tokens` per call."""
 
@@ -225,13 +226,14 @@ class FastMoE(MoE):
         shape = x.shape
         D = shape[-1]
         x_ND = x.reshape(-1, D)
+        xq_ND = (xq[0].reshape(-1, D), xq[1].reshape(-1, D // 128))
         if self.shared_in_stack(x_ND.shape[0]):
-            out = self.routed(x_ND, shared=True)
+            out = self.routed(x_ND, shared=True, xq=xq_ND)
         else:
             shared = None
             if self.shared_experts is not None:
-                shared = self._shared_q(x_ND, (xq[0].reshape(-1, D), xq[1].reshape(-1, D // 128)))
-            out = self.routed(x_ND, add=shared)
+                shared = self._shared_q(x_ND, xq_ND)
+            out = self.routed(x_ND, add=shared, xq=xq_ND)
         return (self.reduce(out) if reduce else out).view(shape)
 
     def kernel_layout(self, N: int) -> str | None:
@@ -258,11 +260,14 @@ class FastMoE(MoE):
             return se(x_ND, xq_ND).to(acc_dtype(x_ND.dtype))  # as MoE.shared
         return self.shared(x_ND)
 
-    def routed(self, x_ND: torch.Tensor, add: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:
+    def routed(self, x_ND: torch.Tensor, add: torch.Tensor | None = None, shared: bool = False,
+               xq=None) -> torch.Tensor:
         """The routed sum [N, D] fp32, plus `add` (fp32 [N, D], the shared expert's output) when given; shared:
         plus the stacked shared expert, run by the expert kernels as every token's last slot (`shared_in_stack`).
         Up to `grouped_above` tokens the `expert_layout` kernels, above it the grouped GEMM, in chunks of
-        `max_tokens` (one M-block size for all chunks, so a token's result does not depend on its chunk)."""
+        `max_tokens` (one M-block size for all chunks, so a token's result does not depend on its chunk).
+        xq = (x8 [N, D], sx [N, D / 128]): x_ND quantized per 128 (the block's norm's), which the persistent layout's
+        gate/up reads instead of quantizing x_ND with switch `moe_x8` (the same bits); ignored elsewhere."""
         N = x_ND.shape[0]
         s = self.stacked
         if shared and not self.shared_in_stack(N):
@@ -292,7 +297,8 @@ class FastMoE(MoE):
             return moe_experts(x_ND, ids_NK, w_NK, *ws, out_dtype=torch.float32, layout=layout, add=add,
                                shared=shared, splits="waves" if waves else None, pdl=self.fast_options.pdl_at(N),
                                prefetch=self.fast_options.prefetch_at(N),
-                               item_regs=persistent and self.fast_options.moe_item_regs)
+                               item_regs=persistent and self.fast_options.moe_item_regs,
+                               xq=xq if persistent and self.fast_options.moe_x8 else None)
         C = self.max_tokens
         bm = default_block_m(min(N, C))
         outs = [moe_experts(x_ND[a:a + C], ids_NK[a:a + C], w_NK[a:a + C], *ws, out_dtype=torch.float32,

@@ -196,6 +196,9 @@ KERNEL_VARIANTS = {
     "moe_item_regs_off": (dict(moe_item_regs=False), dict()),
     # the kv prologue's latent and indexer key of a token in two programs (`mla_prologue_fused`): the same bits
     "kv_split": (dict(kv_split=True), dict()),
+    # the persistent experts' gate/up on the block's quantized input (x8, sx) instead of x quantized again in each K
+    # group (`moe.moe_experts(xq=)`): the same bits. Off by default until timed (session 18)
+    "moe_x8": (dict(moe_x8=True), dict()),
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
     "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),  # = defaults since fa04e59 (kept: its name is in
     # session 11's BENCHMARKS commands)

@@ -87,6 +87,15 @@ version, so the engine captures its kept graphs again).
   (`mla_prologue_fused.mla_kv_prologue_norm(kv_split=True)`): the same code, the same bits; the token's two
   independent dependent chains side by side instead of one after the other (that launch: 6.4 us alone at one token
   on an H200, session 17).
+- moe_x8 (off until measured on a GPU; variant moe_x8): the persistent experts' gate/up kernel reads the block's
+  quantized input (`FastBlock`'s post-attention add + norm + quant hands (x8, sx) to `FastMoE`, which used it for
+  the separate shared expert only) instead of quantizing x again in every K group of every work item
+  (`moe.moe_experts(xq=)`: x8's [BM, 128] tile goes to shared memory by cp.async with the weights' and straight
+  into the wgmma, its [BM] scales one K group ahead with the weights'). Those are the same bits: the norm kernels
+  quantize the y they store (rounded to the model dtype) with the loop's own ue8m0 / e4m3 helpers. sm_90 code at a
+  TP=8 split rank's shapes (triton 3.6, compiled on the CPU): the K loop's SASS 360 -> 230 instructions per K group
+  (a 2 x 16 KB weight step) with moe_item_regs, no spills. Persistent layout only (`FastMoE.routed`); off: x
+  quantized in the loop.
 - pdl (on, for calls of up to `pdl_tokens` tokens: 64 by default on a tensor-parallel rank, with the trigger after
   the wait past one token, pdl_early_tokens 1: measured on one TP=8 split rank, H200, BENCHMARKS.md session 15,
   back-to-back replays: -0.36 to -0.51 ms a step at w = 2..4 at 1k, -0.14 to -0.43 at 32k, against PDL at w = 1
@@ -185,6 +194,7 @@ class FastPathOptions:
     topk_split_v2: bool = True
     moe_item_regs: bool = True
     kv_split: bool = False
+    moe_x8: bool = False
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)
