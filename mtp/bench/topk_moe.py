@@ -18,8 +18,8 @@ reads were just written by the scores kernel, so they sit in L2 here as in the d
 moe: `moe_experts` layout 'pairs' (old) vs 'persistent' (new) at one rank of TP=8 and at TP=1, T = 1..4, with
 % of the HBM floor (see `moe_section`).
 moe_split (not in the default --only): one TP=8 'split' rank's experts with the shared slot at T = 1..4, pairs vs
-persistent (default / 'waves' slices, switch moe_item_regs on and off) and a sweep of the K slices
-(`moe_split_section`).
+persistent (default / 'waves' slices, switch moe_item_regs on and off, switch moe_x8: gate/up on x pre-quantized)
+and a sweep of the K slices (`moe_split_section`).
 moe_batch (not in the default --only): every `moe_experts` layout that takes T tokens (pairs, persistent,
 grouped at each M-block, the reference static loop where it is not too slow) at T = 1 .. 4096, one rank of TP=8
 and TP=1, with GB/s of expert weights touched, TFLOP/s and the HBM floor: what `moe.GROUPED_ABOVE` and
@@ -385,10 +385,13 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
     stacked last and run as every token's implicit slot: `shared=True`), T = 1..4 tokens of 8 routed experts each:
     the pair grid, the persistent layout with `default_splits` and with `wave_splits` ('waves'), each with switch
     `moe_item_regs` (`moe_experts(item_regs=True)`, also with its next-item L2 prefetch; checked bit-equal to the
-    switch off on every routing), and a sweep of the persistent K slices with and without it, so that each width's
-    choice is a measurement (the step's gate/up + down + combine launches, one `moe_experts` call). Bytes: the
-    distinct experts' slices (routed + shared) over the measured copy bandwidth. Routings rotate over 8 sets per
-    graph (other experts' weights each call, from HBM)."""
+    switch off on every routing), with switch `moe_x8` ('x8': gate/up reads x quantized beforehand, `moe_experts(xq=)`,
+    as the block's norm hands it; its quantization is not timed, the norm does it anyway; checked bit-equal to x
+    quantized in the loop on every routing), and a sweep of the persistent K slices with and without them, so that
+    each width's choice is a measurement (the step's gate/up + down + combine launches, one `moe_experts` call).
+    Bytes: the distinct experts' slices (routed + shared) over the measured copy bandwidth. Routings rotate over 8
+    sets per graph (other experts' weights each call, from HBM)."""
+    from mtp.kernels.act_quant import act_quant
     from mtp.kernels.moe import default_splits, moe_experts, moe_experts_ref, waves_for
 
     bw = copy_bandwidth()
@@ -399,6 +402,7 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
     sm = _sms()
     for T in (1, 2, 3, 4):
         x = torch.randn(T, D, device=DEV).bfloat16()
+        xq = act_quant(x)  # the bits of the norm kernel's x8 / sx for the bf16 y it stores (`norm_quant`)
         rw = torch.rand(T, 8, device=DEV)
         sets = [torch.stack([torch.randperm(E, generator=g)[:8] for _ in range(T)]).int().to(DEV) for _ in range(8)]
         active = sum(len(set(s.flatten().tolist())) + 1 for s in sets) / len(sets)
@@ -417,7 +421,10 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
                     (f"item_regs waves {waves}", dict(layout="persistent", splits="waves", item_regs=True)),
                     (f"item_regs waves {waves} + next-pf", dict(layout="persistent", splits="waves", item_regs=True,
                                                                 item_prefetch=True)),
-                    (f"item_regs default {dflt}", dict(layout="persistent", item_regs=True))]
+                    (f"item_regs default {dflt}", dict(layout="persistent", item_regs=True)),
+                    # switch moe_x8: gate/up on x8 / sx, no quantization in its K loop (the same bits, checked below)
+                    (f"item_regs waves {waves} x8", dict(layout="persistent", splits="waves", item_regs=True, xq=xq)),
+                    (f"persistent waves {waves} x8", dict(layout="persistent", splits="waves", xq=xq))]
         if not quick:
             for sg in (2, 4, 7, 14, 28):
                 for sd in (1, 2):
@@ -425,11 +432,19 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
                         variants.append((f"persistent splits=({sg},{sd})", dict(layout="persistent", splits=(sg, sd))))
                     variants.append((f"item_regs splits=({sg},{sd})", dict(layout="persistent", splits=(sg, sd),
                                                                           item_regs=True)))
+                    # a K group costs fewer instructions with x8: the fastest slice count may move
+                    variants.append((f"item_regs x8 splits=({sg},{sd})", dict(layout="persistent", splits=(sg, sd),
+                                                                             item_regs=True, xq=xq)))
         call = lambda s, **kw: moe_experts(x, s, rw, *ws, out_dtype=torch.float32, shared=True, **kw)  # noqa: E731
         _time_moe_variants("moe_s", shape, variants, call, sets, ref, floor_us)
         same = all(torch.equal(call(s, layout="persistent", splits="waves", item_regs=True),
                                call(s, layout="persistent", splits="waves")) for s in sets)
         check(f"moe_experts {shape} item_regs bit-equal to off (waves, {len(sets)} routings)", same)
+        for regs in (True, False):
+            same = all(torch.equal(call(s, layout="persistent", splits="waves", item_regs=regs, xq=xq),
+                                   call(s, layout="persistent", splits="waves", item_regs=regs)) for s in sets)
+            check(f"moe_experts {shape} x8 bit-equal to x quantized in the loop (item_regs {'on' if regs else 'off'}, "
+                  f"waves, {len(sets)} routings)", same)
     del ws
     torch.cuda.empty_cache()
 
