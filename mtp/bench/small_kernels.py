@@ -233,7 +233,7 @@ def kvnorm_section() -> dict:
                    torch.equal(x, y) for x, y in zip(outs[False], outs[True]))
         same = same and all(torch.equal(getattr(caches[0], n).view(torch.uint8), getattr(caches[1], n).view(torch.uint8))
                             for n in ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale"))
-        gk.check(f"kvnorm T={T} kv_split bit-equal", same)
+        gk.check(f"kvnorm T={T} kv_split bit-equal", same, "outputs and cache buffers, torch.equal")
         out[f"T={T}"] = res
     return out
 
