@@ -67,7 +67,7 @@ from ..kernels.fp8_gemm import SMALL_M
 from ..kernels.index_weights import index_weights, index_weights_ref
 from ..kernels.indexer import SCORES_DEFAULT, TOPK_IMPLS, indexer_topk
 from ..kernels.indexer_one_launch import indexer_topk_one_launch
-from ..kernels.mla_decode import mla_decode
+from ..kernels.mla_decode import channel_splits_for, mla_decode
 from ..kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
 from ..kernels.mla_prologue_fused import kv_norm_fits, mla_kv_prologue_norm, mla_q_prologue_absorb
 from ..kernels.moe import GROUPED_ABOVE, MAX_TOKENS as MOE_KERNEL_MAX_TOKENS
@@ -884,7 +884,7 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
                        cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.bfloat16,
                        visible=visible_BTS if topk_idx is None else None,  # a top-k holds seen keys only
                        w_vb=mla.w_vb if fuse_out else None, pdl=pdl, prefetch=pf,
-                       channel_splits=mla.fast_options.mla_channel_splits)
+                       channel_splits=mla.fast_options.mla_channel_splits or channel_splits_for(n_tok))
     if fuse_out:  # o_lat is o [B, T, H, V] here, in W_vb's dtype as absorb_out's
         return o_lat.to(out_dtype)
     if absorb:

@@ -195,10 +195,12 @@ KERNEL_VARIANTS = {
     "moe_item_regs": (dict(moe_item_regs=True), dict()),
     "moe_item_regs_off": (dict(moe_item_regs=False), dict()),
     # the kv prologue's latent and indexer key of a token in two programs (`mla_prologue_fused`): the same bits
-    "kv_split": (dict(kv_split=True), dict()),
+    "kv_split": (dict(kv_split=True), dict()),  # the default since session 18
+    "kv_split_off": (dict(kv_split=False), dict()),
     # the persistent experts' gate/up on the block's quantized input (x8, sx) instead of x quantized again in each K
     # group (`moe.moe_experts(xq=)`): the same bits. Off by default until timed (session 18)
-    "moe_x8": (dict(moe_x8=True), dict()),
+    "moe_x8": (dict(moe_x8=True), dict()),  # the default since session 18
+    "moe_x8_off": (dict(moe_x8=False), dict()),
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
     "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),  # = defaults since fa04e59 (kept: its name is in
     # session 11's BENCHMARKS commands)
@@ -273,6 +275,7 @@ KERNEL_VARIANTS = {
     "norm_8_warps": (dict(norm_warps=8), dict()),
     # MLA stage 1 with 2 / 4 programs per (row, head block, key split), each the softmax and 256 / 128 of the 512
     # output channels (`mla_decode(channel_splits=)`, the same bits; at every width: four tokens' grids overflow)
+    "mla_cs1": (dict(mla_channel_splits=1), dict()),  # the kernel before session 18 (default: by rows)
     "mla_cs2": (dict(mla_channel_splits=2), dict()),
     "mla_cs4": (dict(mla_channel_splits=4), dict()),
 }

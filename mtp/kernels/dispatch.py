@@ -35,15 +35,15 @@ version, so the engine captures its kept graphs again).
   then `absorb_out`. Off because it measured slower: one TP=8 rank on an H200, 61 layers, the fused launch cost
   0.3-0.6 ms a step at 1k and 0.9-1.6 ms at 32k more than the two launches (BENCHMARKS.md, session 11): each of its
   programs redoes its head's merge of the key splits, and the split count grows with the context.
-- mla_channel_splits (1; an integer in `mla_decode.CHANNEL_SPLITS`: 1, 2, 4, 8): `mla_decode`'s stage 1 runs CS
-  programs per (row, head block, key split), each the whole softmax and the output on 512 / CS channels
-  (`mla_decode(channel_splits=)`): the same bits, CS x the programs, the key splits unchanged. Compiled for sm_90 at a
-  TP=8 rank's 16 heads (8 warps, one 64-key tile at 1k or a top-2048 slice; the compiler converts the fp8 tile once
-  per dot operand layout, and only the value side shrinks): 2336 / 2008 / 1704 SASS instructions a warp, 180 / 151 /
-  80 registers, 102 / 135 / 119 KB of shared memory dense, and 2464 / 2096 / 1808, 192 / 151 / 142, 61 / 78 / 70 KB
-  top-k, at CS = 1 / 2 / 4; no spills. Not timed (session 18): 1 until measured (variants mla_cs2 / mla_cs4). A
-  proposal to measure: the largest CS in 4, 2, 1 whose grid still fits the SMs (one token: 4 at 1k and at the
-  top-2048, 17 and 32 programs; four tokens: 1, their 68 / 128 programs already fill the 132 SMs).
+- mla_channel_splits (0 = by score rows, `mla_decode.channel_splits_for`: 4 at one row, 2 at two, else 1; or a fixed
+  integer in `mla_decode.CHANNEL_SPLITS`: 1, 2, 4, 8): `mla_decode`'s stage 1 runs CS programs per (row, head block,
+  key split), each the whole softmax and the output on 512 / CS channels (`mla_decode(channel_splits=)`): the same
+  bits (GPU tests), CS x the programs, the key splits unchanged. Compiled for sm_90 at a TP=8 rank's 16 heads (8
+  warps; the compiler converts the fp8 tile once per dot operand layout, and only the value side shrinks): 2336 /
+  2008 / 1704 SASS instructions a warp, 180 / 151 / 80 registers dense at CS = 1 / 2 / 4. Measured on one TP=8 rank
+  (H200, BENCHMARKS.md session 18, b2b, two alternations): CS = 4 -0.12 / -0.22 ms a step at w = 1 (1k / 32k) and
+  +0.2 to +0.8 from w = 2 on; CS = 2 -0.11 / -0.05 at w = 2, slower at w = 4; hence the rule by rows (variants
+  mla_cs1 = the old kernel, mla_cs2, mla_cs4).
 - fuse_out_cast: tensor parallel under allreduce='nccl' (or where the one-shot kernel does not take the message),
   a row-parallel sublayer's all-reduced fp32 sum is rounded to the model dtype inside the kernel that adds it to the
   residual (o_proj: the post-attention add + norm + quant; the dense MLP: `norm_quant.add_rounded`), bit-identical;
@@ -82,12 +82,13 @@ version, so the engine captures its kept graphs again).
   48.6 / 54.8 / 72.9 us at T = 1..4 against 29.8 / 55.5 / 61.4 / 75.1. The program's next item's weight lines asked
   of L2 before this item's loop (`moe_experts(item_prefetch=True)`) measured slower alone (27.4 us at one token):
   off. Off: `moe._work_item` and the item loop of sessions 12-16 (variant moe_item_regs_off).
-- kv_split (off until measured; variant kv_split): with fuse_prologue, each token's latent + rotary key and its
-  indexer key in two programs of the kv prologue + q_a norm launch instead of one
-  (`mla_prologue_fused.mla_kv_prologue_norm(kv_split=True)`): the same code, the same bits; the token's two
-  independent dependent chains side by side instead of one after the other (that launch: 6.4 us alone at one token
-  on an H200, session 17).
-- moe_x8 (off until measured on a GPU; variant moe_x8): the persistent experts' gate/up kernel reads the block's
+- kv_split (on; variant kv_split_off): with fuse_prologue, each token's latent + rotary key and its indexer key in
+  two programs of the kv prologue + q_a norm launch instead of one (`mla_prologue_fused.mla_kv_prologue_norm(
+  kv_split=True)`): the same code, the same bits; the token's two independent dependent chains side by side instead
+  of one after the other. Measured on an H200 (BENCHMARKS.md session 18): alone 4.27 -> 3.68 us at one token, 4.05
+  -> 3.25 at four; one TP=8 rank's step (b2b, two alternations) -0.00 / -0.08 / -0.10 / -0.06 ms at 1k w = 1..4,
+  -0.03 / -0.14 / -0.10 / -0.14 at 32k.
+- moe_x8 (on; variant moe_x8_off): the persistent experts' gate/up kernel reads the block's
   quantized input (`FastBlock`'s post-attention add + norm + quant hands (x8, sx) to `FastMoE`, which used it for
   the separate shared expert only) instead of quantizing x again in every K group of every work item
   (`moe.moe_experts(xq=)`: x8's [BM, 128] tile goes to shared memory by cp.async with the weights' and straight
@@ -95,7 +96,9 @@ version, so the engine captures its kept graphs again).
   quantize the y they store (rounded to the model dtype) with the loop's own ue8m0 / e4m3 helpers. sm_90 code at a
   TP=8 split rank's shapes (triton 3.6, compiled on the CPU): the K loop's SASS 360 -> 230 instructions per K group
   (a 2 x 16 KB weight step) with moe_item_regs, no spills. Persistent layout only (`FastMoE.routed`); off: x
-  quantized in the loop.
+  quantized in the loop. Measured on an H200 (BENCHMARKS.md session 18): the split rank's experts alone 26.33 /
+  48.70 / 55.00 / 73.52 -> 25.45 / 45.94 / 52.69 / 71.75 us at T = 1..4; the step (b2b, two alternations) -0.03 /
+  -0.14 / -0.12 / -0.14 ms at 1k w = 1..4, -0.05 / -0.17 / -0.10 / -0.15 at 32k.
 - pdl (on, for calls of up to `pdl_tokens` tokens: 64 by default on a tensor-parallel rank, with the trigger after
   the wait past one token, pdl_early_tokens 1: measured on one TP=8 split rank, H200, BENCHMARKS.md session 15,
   back-to-back replays: -0.36 to -0.51 ms a step at w = 2..4 at 1k, -0.14 to -0.43 at 32k, against PDL at w = 1
@@ -193,8 +196,8 @@ class FastPathOptions:
     indexer_one_launch: bool = False
     topk_split_v2: bool = True
     moe_item_regs: bool = True
-    kv_split: bool = False
-    moe_x8: bool = False
+    kv_split: bool = True
+    moe_x8: bool = True
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)
@@ -225,7 +228,7 @@ class FastPathOptions:
     # mla_decode's stage 1 with this many programs per (row, head block, key split), each 512 / CS output channels
     # (one of mla_decode.CHANNEL_SPLITS; the same bits). 1: the kernel as measured until session 17; the others
     # compiled (fewer instructions a program) but not yet timed
-    mla_channel_splits: int = 1
+    mla_channel_splits: int = 0
 
     def __post_init__(self) -> None:
         from mtp.kernels.gemv_splitk import MAX_M
@@ -244,8 +247,9 @@ class FastPathOptions:
             raise ValueError(f"FastPathOptions: norm_warps must be 0 (row_tiles' choice) or one of {ROW_WARPS}, "
                              f"got {nw!r}")
         cs = self.mla_channel_splits
-        if type(cs) is not int or cs not in CHANNEL_SPLITS:
-            raise ValueError(f"FastPathOptions: mla_channel_splits must be one of {CHANNEL_SPLITS}, got {cs!r}")
+        if type(cs) is not int or cs not in (0, *CHANNEL_SPLITS):
+            raise ValueError(f"FastPathOptions: mla_channel_splits must be 0 (by rows) or one of {CHANNEL_SPLITS}, "
+                             f"got {cs!r}")
 
     @classmethod
     def for_world(cls, world: int, **flags) -> FastPathOptions:

@@ -263,6 +263,21 @@ def _mla_stage2(o_ptr, lse_ptr, out_ptr, NS, NSP: tl.constexpr, PDL: tl.constexp
 
 MIN_BLOCK_H = 16  # fewest heads per program (TP=8 rank: 16 heads)
 CHANNEL_SPLITS = (1, 2, 4, 8)  # stage 1's programs per (row, head block, key split): 512 / CS output channels each
+# channel splits by score rows (B * T), the rest 1: one TP=8 rank on an H200 (BENCHMARKS.md session 18), alone
+# (stage 1 + 2, 16 heads, us at CS = 1 / 2 / 4): one row 12.25 / 10.64 / 9.73 dense 1k, 14.18 / 12.53 / 11.26 top-2048;
+# two rows 12.39 / 10.96 / 15.16 and 14.72 / 13.02 / 17.36; four rows 12.52 / 17.74 / 20.95 and 15.66 / 20.65 / 29.16;
+# in the 61-layer step (b2b) CS = 4 -0.12 / -0.22 ms at w = 1 (1k / 32k), CS = 2 -0.11 / -0.05 at w = 2 and slower
+# at w = 4 (both), +0.33 at 32k w = 3
+CHANNEL_SPLITS_BY_ROWS = {1: 4, 2: 2}
+
+
+def channel_splits_for(rows: int) -> int:
+    """Stage 1's channel splits for `rows` score rows (B * T) where the option says 0 (by rows, the default):
+    `CHANNEL_SPLITS_BY_ROWS`, else 1. Under the Triton interpreter 1 at every width: its dots are numpy matmuls whose
+    rounding follows the tile's shape (~1e-7 apart across CS), so one row's result would depend on how many rows
+    share the call, where a strict decode needs a row's bits whatever the width (greedy at w = 1 against a verify at
+    w = k + 1); on a GPU they are the same bits at every CS (tests/kernels/test_mla_channel_splits_gpu.py)."""
+    return 1 if interpreting() else CHANNEL_SPLITS_BY_ROWS.get(rows, 1)
 
 
 def default_splits(n_rows: int, capacity: int, n_sms: int = 132, min_keys: int = 64) -> int:

@@ -36,25 +36,26 @@ def test_option_and_variants():
     from mtp.bench.rank import KERNEL_VARIANTS
     from mtp.kernels.mla_decode import CHANNEL_SPLITS
 
-    assert FastPathOptions().mla_channel_splits == 1 and CHANNEL_SPLITS == (1, 2, 4, 8)
-    for bad in (0, 3, 16, -4, True, 2.0, "4"):
-        with pytest.raises(ValueError, match="mla_channel_splits must be one of"):
+    assert FastPathOptions().mla_channel_splits == 0 and CHANNEL_SPLITS == (1, 2, 4, 8)  # 0: by rows
+    for bad in (3, 16, -4, True, 2.0, "4"):
+        with pytest.raises(ValueError, match="mla_channel_splits must be 0 \(by rows\) or one of"):
             FastPathOptions(mla_channel_splits=bad)
-        with pytest.raises(ValueError, match="mla_channel_splits must be one of"):
+        with pytest.raises(ValueError, match="mla_channel_splits must be 0 \(by rows\) or one of"):
             FastPathOptions().set(mla_channel_splits=bad)
     assert parse_switches(["mla_channel_splits=4"]) == {"mla_channel_splits": 4}  # mtp-bench --kernels
-    with pytest.raises(ValueError, match="mla_channel_splits must be one of"):
+    with pytest.raises(ValueError, match="mla_channel_splits must be 0 \(by rows\) or one of"):
         parse_switches(["mla_channel_splits=3"])
     o = FastPathOptions()
-    for name, cs in (("mla_cs2", 2), ("mla_cs4", 4)):
+    for name, cs in (("mla_cs1", 1), ("mla_cs2", 2), ("mla_cs4", 4)):
         flags, options = KERNEL_VARIANTS[name]
         old = o.set(**flags)
-        assert o.mla_channel_splits == cs and old.mla_channel_splits == 1 and options == {}, name
+        assert o.mla_channel_splits == cs and old.mla_channel_splits == 0 and options == {}, name
         o.set(**vars(old))
 
 
 def test_fast_path_hands_channel_splits(monkeypatch):
-    """`mla_attend_fast` passes the model's option to `mla_decode` (a recorder here; no indexer: S <= top-k)."""
+    """`mla_attend_fast` passes the model's option to `mla_decode`, and for 0 the rule by score rows
+    (`mla_decode.channel_splits_for`: 4 at one row, 2 at two, 1 past) (a recorder here; no indexer: S <= top-k)."""
     from types import SimpleNamespace
 
     import mtp.backends.fast_path as fp
@@ -66,10 +67,10 @@ def test_fast_path_hands_channel_splits(monkeypatch):
         return torch.zeros(*q_lat.shape, dtype=torch.bfloat16)
 
     monkeypatch.setattr(fp, "mla_decode", recorder)
-    B, T, H, P, S = 1, 2, 3, 8, 16
-    cache = SimpleNamespace(seq_lens=torch.tensor([S - T]), kv=torch.zeros(B, 32, 512), kv_scale=torch.ones(B, 32, 4),
-                            pe=torch.zeros(B, 32, 64))
-    for cs in (1, 4):
+    H, P, S = 3, 8, 16
+    for B, T, cs in ((1, 2, 1), (1, 2, 4), (1, 1, 0), (1, 2, 0), (2, 1, 0), (1, 3, 0), (2, 2, 0)):
+        cache = SimpleNamespace(seq_lens=torch.full((B,), S - T), kv=torch.zeros(B, 32, 512),
+                                kv_scale=torch.ones(B, 32, 4), pe=torch.zeros(B, 32, 64))
         mla = SimpleNamespace(indexer=SimpleNamespace(topk=64), fast_options=FastPathOptions(absorb=False,
                                                                                              mla_channel_splits=cs),
                               w_kb=torch.zeros(H, P, 512, dtype=torch.bfloat16),
@@ -77,7 +78,7 @@ def test_fast_path_hands_channel_splits(monkeypatch):
         o = fp.mla_attend_fast(mla, torch.zeros(B, T, 32), None, torch.zeros(B, T, H, P), torch.zeros(B, T, H, 64),
                                cache, S)
         assert o.shape == (B, T, H, 4)
-    assert seen == [1, 4]
+    assert seen == [1, 4, 4, 2, 2, 1, 1]
 
 
 def test_channel_splits_compile_for_hopper():

@@ -36,12 +36,16 @@ from tests.interp import run_interpreted  # noqa: E402
 
 
 def test_moe_x8_switch_and_variant():
-    """Off by default (not yet timed); `mtp-bench --kernel-variants moe_x8` turns it on (a real switch)."""
+    """On by default (timed on an H200, session 18); `mtp-bench --kernel-variants moe_x8_off` turns it off and moe_x8
+    on (real switches)."""
     from mtp.bench.rank import KERNEL_VARIANTS
     from mtp.kernels.dispatch import FastPathOptions
 
     o = FastPathOptions()
-    assert not o.moe_x8
+    assert o.moe_x8
+    flags, options = KERNEL_VARIANTS["moe_x8_off"]
+    o.set(**flags)
+    assert not o.moe_x8 and options == {}
     flags, options = KERNEL_VARIANTS["moe_x8"]
     o.set(**flags)
     assert o.moe_x8 and options == {}
@@ -194,7 +198,7 @@ def _module_checks() -> None:
     g = torch.Generator().manual_seed(6)
     try:
         for name, moe, tokens in (("split", split, (1, 4, 5)), ("tp1", tp1, (2,))):
-            assert moe.fast_options.moe_item_regs and not moe.fast_options.moe_x8, name
+            assert moe.fast_options.moe_item_regs and moe.fast_options.moe_x8, name
             for T in tokens:
                 x, xq = _norm_x(T, moe.gate.weight.shape[1], g)
                 out = {}
@@ -209,7 +213,7 @@ def _module_checks() -> None:
     finally:
         fp.moe_experts = kernel
         for moe in (split, tp1):
-            moe.fast_options.moe_x8 = False
+            moe.fast_options.moe_x8 = True
 
 
 if __name__ == "__main__":
