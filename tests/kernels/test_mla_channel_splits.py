@@ -38,12 +38,12 @@ def test_option_and_variants():
 
     assert FastPathOptions().mla_channel_splits == 0 and CHANNEL_SPLITS == (1, 2, 4, 8)  # 0: by rows
     for bad in (3, 16, -4, True, 2.0, "4"):
-        with pytest.raises(ValueError, match="mla_channel_splits must be 0 \(by rows\) or one of"):
+        with pytest.raises(ValueError, match=r"mla_channel_splits must be 0 \(by rows\) or one of"):
             FastPathOptions(mla_channel_splits=bad)
-        with pytest.raises(ValueError, match="mla_channel_splits must be 0 \(by rows\) or one of"):
+        with pytest.raises(ValueError, match=r"mla_channel_splits must be 0 \(by rows\) or one of"):
             FastPathOptions().set(mla_channel_splits=bad)
     assert parse_switches(["mla_channel_splits=4"]) == {"mla_channel_splits": 4}  # mtp-bench --kernels
-    with pytest.raises(ValueError, match="mla_channel_splits must be 0 \(by rows\) or one of"):
+    with pytest.raises(ValueError, match=r"mla_channel_splits must be 0 \(by rows\) or one of"):
         parse_switches(["mla_channel_splits=3"])
     o = FastPathOptions()
     for name, cs in (("mla_cs1", 1), ("mla_cs2", 2), ("mla_cs4", 4)):
