@@ -380,6 +380,28 @@ def moe_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, ranks=(
         torch.cuda.empty_cache()
 
 
+def split_rank_cases(D: int, Is: int, E: int, world: int, slice_bytes: int, bw: float, ws):
+    """One 'split' rank's experts call at T = 1..4 tokens (8 routed of E + the shared slice E per token): yields (T,
+    x, xq, rw, sets, floor_us, shape, ref): x bf16 and xq = its (x8, sx) (the bits of the norm kernel's for the bf16
+    y it stores, `norm_quant`), 8 routings `sets`, the floor of their distinct slices' bytes at the copy bandwidth
+    bw, and the reference output on sets[0]."""
+    from mtp.kernels.act_quant import act_quant
+    from mtp.kernels.moe import moe_experts_ref
+
+    g = torch.Generator().manual_seed(0)
+    for T in (1, 2, 3, 4):
+        x = torch.randn(T, D, device=DEV).bfloat16()
+        xq = act_quant(x)
+        rw = torch.rand(T, 8, device=DEV)
+        sets = [torch.stack([torch.randperm(E, generator=g)[:8] for _ in range(T)]).int().to(DEV) for _ in range(8)]
+        active = sum(len(set(s.flatten().tolist())) + 1 for s in sets) / len(sets)
+        shared = torch.full((T, 1), E, dtype=torch.int32, device=DEV)
+        ref = moe_experts_ref(x, torch.cat([sets[0], shared], 1), torch.cat([rw, torch.ones(T, 1, device=DEV)], 1),
+                              *ws, out_dtype=torch.float32)
+        yield (T, x, xq, rw, sets, active * slice_bytes / bw * 1e6, f"split TP={world} T={T} ({active:.1f} slices)",
+               ref)
+
+
 def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, world: int = 8):
     """moe_experts on one 'split' rank of TP=`world` (every expert at 1/world of its width, the shared expert
     stacked last and run as every token's implicit slot: `shared=True`), T = 1..4 tokens of 8 routed experts each:
@@ -391,26 +413,13 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
     each width's choice is a measurement (the step's gate/up + down + combine launches, one `moe_experts` call).
     Bytes: the distinct experts' slices (routed + shared) over the measured copy bandwidth. Routings rotate over 8
     sets per graph (other experts' weights each call, from HBM)."""
-    from mtp.kernels.act_quant import act_quant
-    from mtp.kernels.moe import default_splits, moe_experts, moe_experts_ref, waves_for
+    from mtp.kernels.moe import default_splits, moe_experts, waves_for
 
     bw = copy_bandwidth()
     Is = I // world
-    g = torch.Generator().manual_seed(0)
     ws = _expert_stack(E + 1, Is, D)  # E routed + 1 shared slice, one stack
-    slice_bytes = _expert_bytes(Is, D)
     sm = _sms()
-    for T in (1, 2, 3, 4):
-        x = torch.randn(T, D, device=DEV).bfloat16()
-        xq = act_quant(x)  # the bits of the norm kernel's x8 / sx for the bf16 y it stores (`norm_quant`)
-        rw = torch.rand(T, 8, device=DEV)
-        sets = [torch.stack([torch.randperm(E, generator=g)[:8] for _ in range(T)]).int().to(DEV) for _ in range(8)]
-        active = sum(len(set(s.flatten().tolist())) + 1 for s in sets) / len(sets)
-        floor_us = active * slice_bytes / bw * 1e6
-        shape = f"split TP={world} T={T} ({active:.1f} slices)"
-        shared = torch.full((T, 1), E, dtype=torch.int32, device=DEV)
-        ref = moe_experts_ref(x, torch.cat([sets[0], shared], 1), torch.cat([rw, torch.ones(T, 1, device=DEV)], 1),
-                              *ws, out_dtype=torch.float32)
+    for T, x, xq, rw, sets, floor_us, shape, ref in split_rank_cases(D, Is, E, world, _expert_bytes(Is, D), bw, ws):
         waves = waves_for(T * 9, E + 1, D, Is, (sm, 2 * sm))  # what splits='waves' runs
         dflt = default_splits(T, D // 128, Is // 128)
         variants = [("pairs", dict(layout="pairs")),
@@ -466,29 +475,19 @@ def knob_variants(sm: int, quick: bool) -> list[tuple[str, dict]]:
 
 
 def moe_knobs_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, world: int = 8):
-    """The split rank's experts as the step runs them (`moe_split_section`'s stack: item_regs, 'waves' slices, the
-    shared slot, PDL off) at T = 1..4, the default launch against each of `knob_variants`, every variant checked
-    bit-equal (torch.equal) to the default on each of the 8 routings, then timed in one graph over them."""
-    from mtp.kernels.moe import moe_experts, moe_experts_ref
+    """The split rank's experts as the step runs them (`moe_split_section`'s stack and routings: item_regs, 'waves'
+    slices, the shared slot, x8 (switch moe_x8, since session 18's end; session 18's h200a timed x quantized in the
+    loop), PDL off) at T = 1..4, the default launch against each of `knob_variants`, every variant checked bit-equal
+    (torch.equal) to the default on each of the 8 routings, then timed in one graph over them."""
+    from mtp.kernels.moe import moe_experts
 
-    bw = copy_bandwidth()
     Is = I // world
-    g = torch.Generator().manual_seed(0)
     ws = _expert_stack(E + 1, Is, D)
-    slice_bytes = _expert_bytes(Is, D)
     sm = _sms()
-    for T in (1, 2, 3, 4):
-        x = torch.randn(T, D, device=DEV).bfloat16()
-        rw = torch.rand(T, 8, device=DEV)
-        sets = [torch.stack([torch.randperm(E, generator=g)[:8] for _ in range(T)]).int().to(DEV) for _ in range(8)]
-        active = sum(len(set(s.flatten().tolist())) + 1 for s in sets) / len(sets)
-        floor_us = active * slice_bytes / bw * 1e6
-        shape = f"split TP={world} T={T} ({active:.1f} slices)"
-        shared = torch.full((T, 1), E, dtype=torch.int32, device=DEV)
-        ref = moe_experts_ref(x, torch.cat([sets[0], shared], 1), torch.cat([rw, torch.ones(T, 1, device=DEV)], 1),
-                              *ws, out_dtype=torch.float32)
+    for T, x, xq, rw, sets, floor_us, shape, ref in split_rank_cases(D, Is, E, world, _expert_bytes(Is, D),
+                                                                     copy_bandwidth(), ws):
         call = lambda s, **kw: moe_experts(x, s, rw, *ws, out_dtype=torch.float32, shared=True,  # noqa: E731
-                                           layout="persistent", splits="waves", item_regs=True, **kw)
+                                           layout="persistent", splits="waves", item_regs=True, xq=xq, **kw)
         base = [call(s) for s in sets]
         variants = [("default", {})]
         for name, kw in knob_variants(sm, quick):
