@@ -18,7 +18,7 @@ version, so the engine captures its kept graphs again).
   model's width (`FastBlock`'s input and post-attention norms, a `backends.pending.Pending`'s fallback), handed to
   `norm_quant.add_rms_norm_quant(num_warps=)`; 0: `norm_quant.row_tiles`' choice, 32 warps from 32 groups of 128 (the
   TP=8 rank's 7168 channels: 3.84-3.86 us alone on an H200 against 4.58-4.60 at 8, BENCHMARKS.md session 17; 8 before
-  session 18: variant norm_8_warps). The warps set the order of the row's sum of squares, so y can differ from
+  session 18: variant norm_8_warps; in the step -0.14 to -0.17 ms at 1k, session 18). The warps set the order of the row's sum of squares, so y can differ from
   another count's in its last bit; every launch of a model reads the one option (batch widths, graph and eager,
   draft, verify and MTP blocks alike), so its paths still agree bit for bit. Not the q_a norm (q_lora wide, 4 warps
   as `mla_prologue_fused`'s kv launch runs it) nor the one-shot all-reduce's fused norm (its own programs).
@@ -43,7 +43,8 @@ version, so the engine captures its kept graphs again).
   2008 / 1704 SASS instructions a warp, 180 / 151 / 80 registers dense at CS = 1 / 2 / 4. Measured on one TP=8 rank
   (H200, BENCHMARKS.md session 18, b2b, two alternations): CS = 4 -0.12 / -0.22 ms a step at w = 1 (1k / 32k) and
   +0.2 to +0.8 from w = 2 on; CS = 2 -0.11 / -0.05 at w = 2, slower at w = 4; hence the rule by rows (variants
-  mla_cs1 = the old kernel, mla_cs2, mla_cs4).
+  mla_cs1 = the old kernel, mla_cs2, mla_cs4). The rule gives 1 under the Triton interpreter, whose numpy dots round
+  by the tile's shape (a row's bits must not depend on the call's width there either).
 - fuse_out_cast: tensor parallel under allreduce='nccl' (or where the one-shot kernel does not take the message),
   a row-parallel sublayer's all-reduced fp32 sum is rounded to the model dtype inside the kernel that adds it to the
   residual (o_proj: the post-attention add + norm + quant; the dense MLP: `norm_quant.add_rounded`), bit-identical;
@@ -226,8 +227,8 @@ class FastPathOptions:
     # (32 at >= 32 groups of 128 since session 18: 3.84-3.86 vs 4.58-4.60 us at 8 on the TP=8 rank's 7168, H200)
     norm_warps: int = 0
     # mla_decode's stage 1 with this many programs per (row, head block, key split), each 512 / CS output channels
-    # (one of mla_decode.CHANNEL_SPLITS; the same bits). 1: the kernel as measured until session 17; the others
-    # compiled (fewer instructions a program) but not yet timed
+    # (one of mla_decode.CHANNEL_SPLITS; the same bits); 0: by score rows (`mla_decode.channel_splits_for`, timed on
+    # an H200 in session 18); 1: the kernel until session 17
     mla_channel_splits: int = 0
 
     def __post_init__(self) -> None:
