@@ -239,18 +239,16 @@ class FastPathOptions:
         rows = self.gemv_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_M:
             raise ValueError(f"FastPathOptions: gemv_rows must be an integer in 0..{MAX_M}, got {rows!r}")
-        for name in ("pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows", "gemv_one_slice"):
+        # the integer options that take a set of values: 0 (its meaning) or one of them
+        choices = {"norm_warps": ("row_tiles' choice", ROW_WARPS), "mla_channel_splits": ("by rows", CHANNEL_SPLITS)}
+        for name in INT_FIELDS:
             n = getattr(self, name)
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            if name in choices:
+                zero, allowed = choices[name]
+                if isinstance(n, bool) or not isinstance(n, int) or n not in (0, *allowed):
+                    raise ValueError(f"FastPathOptions: {name} must be 0 ({zero}) or one of {allowed}, got {n!r}")
+            elif name != "gemv_rows" and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
                 raise ValueError(f"FastPathOptions: {name} must be an integer >= 0, got {n!r}")
-        nw = self.norm_warps
-        if isinstance(nw, bool) or not isinstance(nw, int) or nw not in (0, *ROW_WARPS):
-            raise ValueError(f"FastPathOptions: norm_warps must be 0 (row_tiles' choice) or one of {ROW_WARPS}, "
-                             f"got {nw!r}")
-        cs = self.mla_channel_splits
-        if type(cs) is not int or cs not in (0, *CHANNEL_SPLITS):
-            raise ValueError(f"FastPathOptions: mla_channel_splits must be 0 (by rows) or one of {CHANNEL_SPLITS}, "
-                             f"got {cs!r}")
 
     @classmethod
     def for_world(cls, world: int, **flags) -> FastPathOptions:
