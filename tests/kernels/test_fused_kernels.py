@@ -470,6 +470,29 @@ def _absorb_checks() -> None:
         assert _rel(absorb_out(o_lat, wvb), absorb_out_ref(o_lat, wvb)) < 1e-6
 
 
+def mla_decode_inputs(B: int, T: int, H: int, S: int, kind: str, picks: int, g: torch.Generator):
+    """A small `mla_decode` case on the CPU: (q_lat, q_pe, kv8, kv_scale, pe, seq_lens, kwargs) with a cache of S keys,
+    random committed lengths (token 0 of row 0 sees one key, so some key splits see none), and per `kind` the
+    kwargs: "dense" none, "topk" `picks` top-k positions among the keys each token sees (~20% -1, padding), "vis" a
+    random tree visibility mask."""
+    from mtp.model.fp8 import act_quant
+
+    q = torch.randn(B, T, H, 512, generator=g)
+    qpe = torch.randn(B, T, H, 64, generator=g)
+    kv8, kvs = act_quant(torch.randn(B, S, 512, generator=g))
+    pe = torch.randn(B, S, 64, generator=g)
+    L = torch.randint(0, S - T, (B,), generator=g, dtype=torch.int32)
+    L[0] = 0
+    kw = {}
+    if kind == "topk":
+        seen = L.view(B, 1, 1) + torch.arange(T).view(1, T, 1) + 1
+        idx = (torch.randint(0, 1 << 20, (B, T, picks), generator=g) % seen).int()
+        kw["topk_idx"] = torch.where(torch.rand(B, T, picks, generator=g) < 0.2, -1, idx)
+    elif kind == "vis":
+        kw["visible"] = torch.rand(B, T, S, generator=g) < 0.6
+    return q, qpe, kv8, kvs, pe, L, kw
+
+
 def _stage2_absorb_checks() -> None:
     """mla_decode's stage 2 with the absorbed output projection (`mla_out.stage2_absorb`) equals stage 2 +
     absorb_out bit for bit (the same wrong bf16 tl.dot of the interpreter on both sides, the same merge): 1..5
@@ -489,19 +512,7 @@ def _stage2_absorb_checks() -> None:
              (2, 2, 3, 2, "vis", torch.bfloat16, None), (1, 5, 1, 4, "topk", torch.float32, None),
              (1, 3, 2, 1, "dense", torch.bfloat16, 64), (2, 5, 3, 5, "topk", torch.bfloat16, None)]
     for B, T, H, splits, kind, dt, block_v in cases:
-        q = torch.randn(B, T, H, 512, generator=g)
-        qpe = torch.randn(B, T, H, 64, generator=g)
-        kv8, kvs = act_quant(torch.randn(B, S, 512, generator=g))
-        pe = torch.randn(B, S, 64, generator=g)
-        L = torch.randint(0, S - T, (B,), generator=g, dtype=torch.int32)
-        L[0] = 0  # token 0 of row 0 sees one key; some splits see none
-        kw = {}
-        if kind == "topk":  # 7 picks among the keys each token sees, some -1 (padding)
-            seen = L.view(B, 1, 1) + torch.arange(T).view(1, T, 1) + 1
-            idx = (torch.randint(0, 1 << 20, (B, T, 7), generator=g) % seen).int()
-            kw["topk_idx"] = torch.where(torch.rand(B, T, 7, generator=g) < 0.2, -1, idx)
-        elif kind == "vis":
-            kw["visible"] = torch.rand(B, T, S, generator=g) < 0.6
+        q, qpe, kv8, kvs, pe, L, kw = mla_decode_inputs(B, T, H, S, kind, 7, g)
         w_vb = (torch.randn(H, 128, 512, generator=g) * 0.05).to(dt)
         lat = mla_decode(q, qpe, kv8, kvs, pe, L, 0.07, out_dtype=dt, splits=splits, **kw)
         want = absorb_out(lat, w_vb)

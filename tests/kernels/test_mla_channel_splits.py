@@ -132,7 +132,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, what) -> None:
 
 def _kernel_checks() -> None:
     from mtp.kernels.mla_decode import mla_decode
-    from mtp.model.fp8 import act_quant
+    from tests.kernels.test_fused_kernels import mla_decode_inputs
 
     g = torch.Generator().manual_seed(3)
     S = 40
@@ -143,19 +143,8 @@ def _kernel_checks() -> None:
              (1, 3, 2, "vis", 2, 16, False, (4,)), (1, 2, 3, "dense", 1, 16, True, (4,)),
              (2, 1, 3, "topk", None, 64, True, (8,))]
     for B, T, H, kind, splits, bn, absorb, try_cs in cases:
-        q = torch.randn(B, T, H, 512, generator=g)
-        qpe = torch.randn(B, T, H, 64, generator=g)
-        kv8, kvs = act_quant(torch.randn(B, S, 512, generator=g))
-        pe = torch.randn(B, S, 64, generator=g)
-        L = torch.randint(0, S - T, (B,), generator=g, dtype=torch.int32)
-        L[0] = 0  # token 0 of row 0 sees one key: the other splits see none
-        kw = dict(splits=splits, block_n=bn)
-        if kind == "topk":  # 9 picks among the keys each token sees, some -1 (padding)
-            seen = L.view(B, 1, 1) + torch.arange(T).view(1, T, 1) + 1
-            idx = (torch.randint(0, 1 << 20, (B, T, 9), generator=g) % seen).int()
-            kw["topk_idx"] = torch.where(torch.rand(B, T, 9, generator=g) < 0.2, -1, idx)
-        elif kind == "vis":
-            kw["visible"] = torch.rand(B, T, S, generator=g) < 0.6
+        q, qpe, kv8, kvs, pe, L, kw = mla_decode_inputs(B, T, H, S, kind, 9, g)  # top-k: 9 picks
+        kw.update(splits=splits, block_n=bn)
         if absorb:  # fp32 W_vb: the interpreter's IEEE dot (its bf16 one is wrong)
             kw["w_vb"] = torch.randn(H, 128, 512, generator=g) * 0.05
         want = mla_decode(q, qpe, kv8, kvs, pe, L, 0.07, **kw)

@@ -229,18 +229,13 @@ def _module_checks() -> None:
     """`FastMoE` on a 'split' rank hands item_regs=True to its persistent calls (one token) with the switch, never to
     the pair grid past persistent_tokens (the kernels' bits: `_kernel_checks`; here a recorder stands in)."""
     import mtp.backends.fast_path as fp
-    from mtp.backends.fast_path import fast_module
     from mtp.kernels.dispatch import FastPathOptions
     from mtp.model.fp8 import act_quant
     from mtp.parallel import ParallelPlan
-    from tests.parallel.test_moe_ep import layout_config, random_moe, rank_moes
+    from tests.parallel.test_moe_ep import fast_moe, layout_config, random_moe, rank_moes
 
     cfg = layout_config()
-    ep = rank_moes(random_moe(cfg, seed=4), cfg, ParallelPlan(2, expert_layout="split"))[0]
-    fast_module(ep)
-    for mod in ep.modules():
-        if mod is not ep:
-            fast_module(mod, ep.fast_options)
+    ep = fast_moe(rank_moes(random_moe(cfg, seed=4), cfg, ParallelPlan(2, expert_layout="split"))[0])
     seen, kernel = [], fp.moe_experts
 
     def recorder(x, *a, **k):

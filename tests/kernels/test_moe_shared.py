@@ -197,14 +197,7 @@ def _module_checks() -> None:
     from mtp.kernels.moe import moe_experts_ref
     from mtp.model.fp8 import act_quant
     from tests.kernels.test_moe_grouped import TOL
-    from tests.parallel.test_moe_ep import layout_config, random_moe, rank_moes
-
-    def swap(moe):
-        fast_module(moe)
-        for mod in moe.modules():
-            if mod is not moe:
-                fast_module(mod, moe.fast_options)
-        return moe
+    from tests.parallel.test_moe_ep import fast_moe, layout_config, random_moe, rank_moes
 
     def on_off(moe, name: str, tokens=(1, 2, 3, 4, 5), dtype=torch.float32) -> None:
         g = torch.Generator().manual_seed(2)
@@ -275,7 +268,7 @@ def _module_checks() -> None:
             fp.moe_experts = kernel
             moe.fast_options.moe_wave_splits = before
 
-    moe = swap(random_moe(tiny_config()))
+    moe = fast_moe(random_moe(tiny_config()))
     assert moe.shared_index is not None and moe.all_local
     on_off(moe, "tp1", (1, 2, 4))
     on_off(moe, "tp1 bf16", (1,), torch.bfloat16)
@@ -283,7 +276,7 @@ def _module_checks() -> None:
     full = random_moe(cfg, seed=4)
     for world in (2, 4):
         for ep in rank_moes(full, cfg, ParallelPlan(world, expert_layout="split")):
-            swap(ep)
+            fast_moe(ep)
             assert ep.shared_index is not None
             if world == 2:  # 1..5 tokens over the two ranks
                 on_off(ep, f"split r{ep.comm.rank}", ((1, 3), (2, 5))[ep.comm.rank])

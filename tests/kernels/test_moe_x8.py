@@ -172,21 +172,14 @@ def _module_checks() -> None:
     the layout by size: x and xq from the norm kernel, as `FastBlock` calls it; the switch on gives the switch off's
     bits, and hands xq to persistent calls only."""
     import mtp.backends.fast_path as fp
-    from mtp.backends.fast_path import fast_module, set_kernel_options
+    from mtp.backends.fast_path import set_kernel_options
     from mtp.model.presets import tiny_config
     from mtp.parallel import ParallelPlan
-    from tests.parallel.test_moe_ep import layout_config, random_moe, rank_moes
-
-    def swap(moe):
-        fast_module(moe)
-        for mod in moe.modules():
-            if mod is not moe:
-                fast_module(mod, moe.fast_options)
-        return moe
+    from tests.parallel.test_moe_ep import fast_moe, layout_config, random_moe, rank_moes
 
     cfg = layout_config()
-    split = swap(rank_moes(random_moe(cfg, seed=4), cfg, ParallelPlan(2, expert_layout="split"))[0])
-    tp1 = swap(random_moe(tiny_config(), seed=1))
+    split = fast_moe(rank_moes(random_moe(cfg, seed=4), cfg, ParallelPlan(2, expert_layout="split"))[0])
+    tp1 = fast_moe(random_moe(tiny_config(), seed=1))
     set_kernel_options(tp1, moe_layout=None)  # by size: persistent while T * (J + 1) <= 64
     seen, kernel = [], fp.moe_experts
 

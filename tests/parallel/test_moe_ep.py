@@ -158,6 +158,16 @@ def rank_moes(moe: MoE, cfg, plan: ParallelPlan, layer: int = 1) -> list[ExpertP
     return out
 
 
+def fast_moe(moe: MoE) -> MoE:
+    """`moe` and its submodules swapped to their fast classes (`fast_module`), all on the MoE's kernel switches, as
+    `install_fast_modules` does for a model; returns it."""
+    fast_module(moe)
+    for mod in moe.modules():
+        if mod is not moe:
+            fast_module(mod, moe.fast_options)
+    return moe
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("static", [False, True])
