@@ -198,7 +198,7 @@ KERNEL_VARIANTS = {
     "kv_split": (dict(kv_split=True), dict()),  # the default since session 18
     "kv_split_off": (dict(kv_split=False), dict()),
     # the persistent experts' gate/up on the block's quantized input (x8, sx) instead of x quantized again in each K
-    # group (`moe.moe_experts(xq=)`): the same bits. Off by default until timed (session 18)
+    # group (`moe.moe_experts(xq=)`): the same bits
     "moe_x8": (dict(moe_x8=True), dict()),  # the default since session 18
     "moe_x8_off": (dict(moe_x8=False), dict()),
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
@@ -271,10 +271,11 @@ KERNEL_VARIANTS = {
     "gemv_split": (dict(gemv_one_slice=0), dict()),
     # the add + norm + quant kernel on the model-width rows at 8 warps, the default before session 18 (since: 32,
     # `norm_quant.row_tiles`; alone on an H200 3.84-3.86 vs 4.58-4.60 us a row of 7168, 122 launches a step of one
-    # TP=8 rank): predicted -0.05 to -0.1 ms a step for the default against this
+    # TP=8 rank): the default -0.14 to -0.17 ms a step against this at 1k (H200, BENCHMARKS.md session 18)
     "norm_8_warps": (dict(norm_warps=8), dict()),
     # MLA stage 1 with 2 / 4 programs per (row, head block, key split), each the softmax and 256 / 128 of the 512
-    # output channels (`mla_decode(channel_splits=)`, the same bits; at every width: four tokens' grids overflow)
+    # output channels (`mla_decode(channel_splits=)`, the same bits) at every width, where the default takes them by
+    # score rows (`mla_decode.channel_splits_for`: four tokens' grids overflow the SMs)
     "mla_cs1": (dict(mla_channel_splits=1), dict()),  # the kernel before session 18 (default: by rows)
     "mla_cs2": (dict(mla_channel_splits=2), dict()),
     "mla_cs4": (dict(mla_channel_splits=4), dict()),

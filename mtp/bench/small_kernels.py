@@ -105,7 +105,7 @@ def mla_cs_section() -> dict:
     per (row, head block, key split), each the softmax and 512 / CS output channels) at the rank's 16 heads, dense 1k
     and the top-2048 of 32k, T = 1 / 2 / 4, CS = 1 / 2 / 4 / 8, each checked bit-equal to CS = 1; mla_decode (stage 1
     + stage 2) per call over rotating caches (at 1k one cache stays in L2; the step reads 61 layers' caches)."""
-    from mtp.kernels.mla_decode import CHANNEL_SPLITS, mla_decode
+    from mtp.kernels.mla_decode import CHANNEL_SPLITS, channel_splits_for, mla_decode
 
     out = {}
     H = 16
@@ -121,7 +121,8 @@ def mla_cs_section() -> dict:
                          f"bit-equal to CS = 1 ({int((got != want).sum())} of {got.numel()} differ)")
                 res[cs] = gk.graph_us([lambda s=s, cs=cs: mla_decode(q, qpe, *s, lens, 0.1, topk_idx=idx,
                                                                      channel_splits=cs) for s in sets])
-                gk.row(f"mla CS={cs}" + (" (default)" if cs == 1 else ""), f"T={T} {tag}", res[cs], nbytes)
+                gk.row(f"mla CS={cs}" + (" (default)" if cs == channel_splits_for(T) else ""), f"T={T} {tag}",
+                       res[cs], nbytes)
             out[f"T={T} {tag}"] = res
             del sets
     return out
