@@ -14,7 +14,7 @@ from ..decode.graphs import capture_graph
 from ..draft.modes import drafter
 from .rank_model import expected_local_experts, rank_floor
 from .rank_report import log
-from .timing import gpu_state, kernel_profile, spec_step_times, timer
+from .timing import difference_profile, gpu_state, kernel_profile, profile_call, spec_step_times, timer
 
 
 def count_local_experts(model) -> tuple[dict[int, set], list]:
@@ -267,6 +267,25 @@ def tree_verify(model, comm, cache, shape, L: int, cuda: bool, bw: float | None,
     return row
 
 
+SPEC_PROFILE_SHORT = 8  # new tokens of the short profiled run (`spec_profile`)
+
+
+def spec_profile(run, new_tokens: int, top: int = 40) -> dict:
+    """Per-step kernel profile of a whole speculative step (draft + verify + accept + commit, as `generate` replays
+    it): run(n) generates n new tokens and returns its metrics; two profiled runs, SPEC_PROFILE_SHORT and new_tokens
+    tokens, differ only in their steps, so the prefill and the rest of the setup cancel
+    (`timing.difference_profile`)."""
+    if new_tokens <= SPEC_PROFILE_SHORT:
+        raise ValueError(f"spec_profile: --new-tokens must exceed {SPEC_PROFILE_SHORT} to profile a step, "
+                         f"got {new_tokens}")
+    a, b = profile_call(lambda: run(SPEC_PROFILE_SHORT)), profile_call(lambda: run(new_tokens))
+    prof = difference_profile(a, b, b["result"].target_forwards - a["result"].target_forwards, top)
+    log(f"    per-step profile ({prof['steps']} steps): {prof['kernels_per_step']:.0f} kernels, busy "
+        f"{prof['busy_us_per_step'] / 1e3:.3f} ms; top exposed: " + ", ".join(
+            f"{r['name'][:28]} {r['exposed_us_per_step']:.0f}" for r in prof["top"][:8]))
+    return prof
+
+
 @torch.no_grad()
 def spec_steps(model, args, L: int, cuda: bool) -> dict:
     """Whole speculative steps (draft K + verify K+1 + accept + commit) through `mtp.generate` at context L:
@@ -294,6 +313,10 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
                 "AL_random_weights": m.mean_accepted_len}
             log(f"  spec {draft} k={k} {mode}: {out[f'{draft}_k{k}_{mode}']['step_ms_wall']:.3f} ms/step wall "
                 f"({time.perf_counter() - t0:.1f} s)")
+            if cuda and args.profile and k == args.k and mode == modes[-1]:
+                out[f"{draft}_k{k}_{mode}"]["profile"] = spec_profile(
+                    lambda n: generate(model, prompts, n, draft=draft, k=k or None, mode=mode, **opts).metrics,
+                    args.new_tokens)
         release(model)
     for name in args.trees:  # whole eagle tree steps (graph / overlap: the step captured per shape)
         shape = TreeShape.parse(name)

@@ -205,6 +205,54 @@ def kernel_profile(replay, steps: int = 10, top: int = 30) -> dict:
             "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:top]}
 
 
+def span_totals(spans) -> dict:
+    """Per kernel name over spans (name, start, end) in us: device time, calls and exposed time (`exposed_us`), and
+    the spans' busy time (their union)."""
+    exposed = exposed_us(spans)
+    out = {name: {"us": 0.0, "calls": 0, "exposed_us": exposed[name]} for name in exposed}
+    for name, start, end in spans:
+        out[name]["us"] += end - start
+        out[name]["calls"] += 1
+    return {"kernels": out, "busy_us": sum(exposed.values())}
+
+
+def difference_profile(short: dict, long: dict, steps: int, top: int = 40) -> dict:
+    """Per-step kernel profile of a loop from two profiled runs of it that differ only in their number of steps
+    (`span_totals` of each; `steps` = the long run's steps less the short one's): what the same setup (a prefill,
+    graph captures) costs in both cancels, each name's totals are the long run's less the short run's, per step.
+    Rows sorted by exposed us per step; a name the short run has and the long one lacks is dropped (it cannot
+    belong to the steps). Raises on steps < 1: no step to divide by."""
+    if steps < 1:
+        raise ValueError(f"difference_profile: the long run must have more steps than the short one, got {steps}")
+    rows = []
+    for name, b in long["kernels"].items():
+        a = short["kernels"].get(name, {"us": 0.0, "calls": 0, "exposed_us": 0.0})
+        rows.append({"name": name[:120], "us_per_step": (b["us"] - a["us"]) / steps,
+                     "calls_per_step": (b["calls"] - a["calls"]) / steps,
+                     "exposed_us_per_step": (b["exposed_us"] - a["exposed_us"]) / steps})
+    rows.sort(key=lambda r: -r["exposed_us_per_step"])
+    return {"steps": steps, "busy_us_per_step": (long["busy_us"] - short["busy_us"]) / steps,
+            "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:top]}
+
+
+def profile_call(fn) -> dict:
+    """`span_totals` of the CUDA work of one call of fn (torch.profiler / CUPTI: the kernels of replayed graphs
+    too), with fn's return value under "result"."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        if cuda:
+            torch.cuda.synchronize()
+    spans = [(e.key, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA
+             and not e.key.startswith("cuda")]
+    return {**span_totals(spans), "result": result}
+
+
 def timer(cuda: bool, iters: int = 20, warmup: int = 3):
     """fn -> median ms: CUDA events on a GPU, the host clock on CPU (eager work, synchronous there)."""
     if cuda:

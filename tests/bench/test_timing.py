@@ -1,11 +1,14 @@
 """`mtp.bench.timing.exposed_us`: the profile's attribution of a step's busy time to kernel names when kernels
-overlap (programmatic dependent launch starts a kernel while its predecessor runs)."""
+overlap (programmatic dependent launch starts a kernel while its predecessor runs); `difference_profile`: a loop's
+per-step profile from two runs that differ in their steps."""
 
 from __future__ import annotations
 
 import random
 
-from mtp.bench.timing import exposed_us
+import pytest
+
+from mtp.bench.timing import difference_profile, exposed_us, span_totals
 
 
 def _union(spans) -> float:
@@ -113,3 +116,52 @@ def test_kernel_profile_busy_and_idle_from_spans(monkeypatch):
     assert out["busy_us_per_step"] == (12 + 5 + 12 + 5) / 2
     assert out["idle_us_per_step"] == (45 - 34) / 2  # span 45 over 2 steps, less the busy time
     assert out["kernel_us_per_step"] == (10 + 7 + 5 + 10 + 7 + 5) / 2
+
+
+def _run(steps: int) -> list:
+    """Spans of a loop run: a setup (prefill 'p' 0-50 then 'cap'), then `steps` steps of draft 'd' (4 us) and verify
+    'v' (10 us, launched 1 us before d ends: PDL), 1 us apart."""
+    spans, t = [("p", 0.0, 50.0), ("cap", 50.0, 53.0)], 60.0
+    for _ in range(steps):
+        spans += [("d", t, t + 4), ("v", t + 3, t + 13)]
+        t += 14
+    return spans
+
+
+def test_difference_profile_cancels_the_setup_and_divides_by_the_steps():
+    prof = difference_profile(span_totals(_run(3)), span_totals(_run(10)), 7)
+    rows = {r["name"]: r for r in prof["top"]}
+    assert set(rows) == {"d", "v", "p", "cap"}
+    assert rows["d"]["calls_per_step"] == 1 and rows["v"]["calls_per_step"] == 1
+    assert rows["d"]["us_per_step"] == pytest.approx(4) and rows["v"]["us_per_step"] == pytest.approx(10)
+    assert rows["d"]["exposed_us_per_step"] == pytest.approx(4) and rows["v"]["exposed_us_per_step"] == pytest.approx(9)
+    assert rows["p"]["us_per_step"] == 0 and rows["p"]["exposed_us_per_step"] == 0
+    assert prof["busy_us_per_step"] == pytest.approx(13) and prof["kernels_per_step"] == pytest.approx(2)
+    assert [r["name"] for r in prof["top"][:2]] == ["v", "d"]
+
+
+def test_difference_profile_refuses_runs_without_more_steps():
+    with pytest.raises(ValueError, match="more steps"):
+        difference_profile(span_totals(_run(3)), span_totals(_run(3)), 0)
+
+
+def test_spec_profile_profiles_a_short_and_a_long_run(monkeypatch):
+    """`rank_steps.spec_profile` (CUPTI on a GPU only): the runs it profiles and the steps it divides by, with
+    the profiler replaced by the loop's spans."""
+    from types import SimpleNamespace
+
+    from mtp.bench import rank_steps
+
+    asked = []
+
+    def run(n):
+        asked.append(n)
+        return SimpleNamespace(target_forwards=n - 1)
+
+    monkeypatch.setattr(rank_steps, "profile_call", lambda fn: {**span_totals(_run(fn().target_forwards)),
+                                                                "result": SimpleNamespace(target_forwards=asked[-1] - 1)})
+    prof = rank_steps.spec_profile(run, 20)
+    assert asked == [rank_steps.SPEC_PROFILE_SHORT, 20] and prof["steps"] == 20 - rank_steps.SPEC_PROFILE_SHORT
+    assert {r["name"]: r["us_per_step"] for r in prof["top"]}["v"] == pytest.approx(10)
+    with pytest.raises(ValueError, match="--new-tokens"):
+        rank_steps.spec_profile(run, rank_steps.SPEC_PROFILE_SHORT)
