@@ -175,12 +175,14 @@ def _experts_checks() -> None:
     g = torch.Generator().manual_seed(2)
     moe_mod.act_quant_ref = interp_act_quant  # the reference with the interpreter's fp8 cast (module docstring)
     kw = dict(out_dtype=torch.float32, layout="grouped")
-    for T in (1, 5, 17, 40, 100):
+    # T = 70: past 64 tokens (the pair layout's limit) and more than one M-block at every block_m; the
+    # interpreter is slow (this check is the CPU suite's longest): the routing cases at the small T only
+    for T in (1, 5, 17, 70):
         x = torch.randn(T, D, generator=g).bfloat16()
         rw = torch.rand(T, J, generator=g)
         cases = routings(T, E, J, g)
         for name, idx in cases.items():
-            if T >= 40 and name in ("one", "dup"):  # the interpreter is slow: the large T on the other cases
+            if T >= 40 and name in ("one", "dup"):
                 continue
             y = moe_experts(x, idx, rw, *ws, **kw)
             if name == "none":
@@ -192,7 +194,7 @@ def _experts_checks() -> None:
         idx = cases["random"]
         y = moe_experts(x, idx, rw, *ws, **kw)
         assert torch.equal(moe_experts(x, idx, rw, *ws, **kw), y), f"T={T}: not the same bits twice"
-        if T in (17, 100):  # the persistent grids change which program computes what, not the sums: the same bits;
+        if T in (17, 70):  # the persistent grids change which program computes what, not the sums: the same bits;
             # the M-block changes the interpreter's matmul shapes, whose BLAS (numpy's, by CPU) may sum a row in
             # another order (an AMD EPYC runner: 1e-8, session 15; on the GPU the bits: test_moe_grouped_gpu.py)
             for bm, programs in ((16, (1, 1)), (16, (3, 5)), (64, None)):
@@ -203,10 +205,10 @@ def _experts_checks() -> None:
                     assert _rel(got, y) < 1e-6, (T, bm, programs, _rel(got, y))
             add = torch.randn(T, D, generator=g)
             assert torch.equal(moe_experts(x, idx, rw, *ws, add=add, **kw), y + add), f"T={T}: add is summed last"
-        if T in (17, 40):  # the pair layout: the same formulas (and the interpreter's same cast)
+        if T == 17:  # the pair layout: the same formulas (and the interpreter's same cast)
             y_pairs = moe_experts(x, idx, rw, *ws, out_dtype=torch.float32, layout="pairs")
             assert _rel(y, y_pairs) < TOL, (T, _rel(y, y_pairs))
-        if T in (5, 100):  # one rank's experts [e0, e1), the others' slots -1: the full stack with those zeroed
+        if T in (5, 70):  # one rank's experts [e0, e1), the others' slots -1: the full stack with those zeroed
             for e0, e1 in ((0, 6), (6, 16)):
                 loc = torch.where((idx >= e0) & (idx < e1), idx - e0, -1).int()
                 mine = moe_experts(x, loc, rw, *[w[e0:e1].contiguous() for w in ws], **kw)

@@ -354,7 +354,8 @@ def _layout_checks() -> None:
     at 5 tokens (its grouped tail) on the rank's default expert grid, then on the pair grid (~4x cheaper under the
     interpreter; the grids read the same local ids) the router kernel at 2 tokens (its serial tail), switch
     `router` off (the unfused router, the torch mapping) and the reference router above `kernel_route_tokens` (the
-    table's gather). Both tails' mapping bit for bit: tests/kernels/test_fused_kernels.py. A 'split' rank may hold
+    table's gather), those three on each layout's rank 0 (the interpreter is slow). Both tails' mapping bit for bit:
+    tests/kernels/test_fused_kernels.py. A 'split' rank may hold
     no 128-block of the experts' width (4 ranks of 2 blocks): it adds its shared-expert share alone, 0 where it holds
     no block of that either."""
     from tests.interp import patch_interpreter_fp8_rounding
@@ -382,7 +383,7 @@ def _layout_checks() -> None:
             assert ep.kernel_layout(1) == ("persistent" if split else grid)
             assert ep.kernel_layout(SPLIT_PERSISTENT_TOKENS + 1) == grid
             for what, (T, kernels, router, route_tokens) in variants.items():
-                if world == 4 and what != "router kernel":
+                if (world == 4 or r > 0) and what != "router kernel":  # the interpreter is slow: rank 0's view
                     continue
                 ep.expert_layout, ep.fast_options.router, ep.kernel_route_tokens = kernels or grid, router, route_tokens
                 got = ep(xs[T])
