@@ -7,7 +7,8 @@ issued through `Comm` (the calls the model makes) and CUDA-graph captured, as in
 
 Sizes (batch 1, verify width w = 1..8, the real config): the fp32 partial sums [1, w, 7168] all-reduced after
 o_proj and after the FFN, the bf16 embedding [1, w, 7168], the fp32 local logits [1, w, V/N] all-gathered
-at the head, and an MTP module's bf16 eh_proj slice [1, w, 7168/N] all-gathered before its block (a draft forward). Each measurement is one graph of `--inner` back-to-back collectives, replayed (CUDA events, median
+at the head, and an MTP module's bf16 eh_proj slice [1, w, 7168/N] all-gathered before its block (a draft
+forward). Each measurement is one graph of `--inner` back-to-back collectives, replayed (CUDA events, median
 of `--iters`), divided by `--inner`; the slowest rank's value. Bytes are the input bytes per rank, as
 `CountingComm` counts them. With fewer than 2 GPUs it prints why and exits 0 (nothing to measure).
 """

@@ -8,9 +8,9 @@ classes with per-rank dims, plus the reduction where the math needs it. Paramete
 names (local experts keep their global index), so loading, `state_dict` and `named_parameters` line up.
 Collectives per decoder block: one all-reduce after o_proj, one after the FFN (MoE: routed + shared partials
 summed into one fp32 buffer first); the fast path under allreduce='oneshot' issues each of them fused with the
-residual add + norm that follows it (mtp/parallel/DESIGN.md). Per forward: one all-reduce at the embedding, one all-gather at lm_head;
-an MTP module's forward (a draft forward) also one all-gather of its eh_proj output ([.., D] in the model dtype)
-before its decoder block.
+residual add + norm that follows it (mtp/parallel/DESIGN.md). Per forward: one all-reduce at the embedding, one
+all-gather at lm_head; an MTP module's forward (a draft forward) also one all-gather of its eh_proj output ([.., D]
+in the model dtype) before its decoder block.
 Partial sums are reduced in the accumulation dtype (fp8.acc_dtype: fp32, or fp64 for a float64 model) and cast
 to the model dtype once, as the single-rank path casts once. These classes only build on the reference
 modules' hooks (`Linear.matmul` / `matmul_acc`, `MoE.routed` / `shared` / `reduce`), so the fast path's swap
