@@ -6,8 +6,9 @@ issued through `Comm` (the calls the model makes) and CUDA-graph captured, as in
     mtp-bench --tp 8 --collective-json $OUT/coll.json ...      # the projection then uses these latencies
 
 Sizes (batch 1, verify width w = 1..8, the real config): the fp32 partial sums [1, w, 7168] all-reduced after
-o_proj and after the FFN, the bf16 embedding [1, w, 7168], and the fp32 local logits [1, w, V/N] all-gathered
-at the head. Each measurement is one graph of `--inner` back-to-back collectives, replayed (CUDA events, median
+o_proj and after the FFN, the bf16 embedding [1, w, 7168], the fp32 local logits [1, w, V/N] all-gathered
+at the head, and an MTP module's bf16 eh_proj slice [1, w, 7168/N] all-gathered before its block (a draft
+forward). Each measurement is one graph of `--inner` back-to-back collectives, replayed (CUDA events, median
 of `--iters`), divided by `--inner`; the slowest rank's value. Bytes are the input bytes per rank, as
 `CountingComm` counts them. With fewer than 2 GPUs it prints why and exits 0 (nothing to measure).
 """
@@ -36,6 +37,7 @@ def message_shapes(cfg: ModelConfig, world: int, widths=range(1, 9)) -> list[tup
         out.append(("all_reduce", (1, w, cfg.hidden_size), torch.float32))
         out.append(("all_reduce", (1, w, cfg.hidden_size), torch.bfloat16))
         out.append(("all_gather", (1, w, cfg.vocab_size // world), torch.float32))
+        out.append(("all_gather", (1, w, cfg.hidden_size // world), torch.bfloat16))
     return out
 
 

@@ -4,10 +4,11 @@
     python -m mtp.bench --tp 2 --layers 2 --prompt-len 24 40 --k 1                                  # CPU, tiny
 
 Rank r (default: the rank holding the most weight bytes) is built at its real shapes (H/N heads, E/N experts,
-V/N vocabulary rows; random FP8 weights drawn on the device, only this rank's slices: `random_parallel_model`)
-inside `simulate.simulated_rank`, so every collective is a no-op; they are counted per step, not timed. For
-each context length the target cache is filled with random valid FP8 entries (`fill_cache_random`: no prefill
-is run) and one target forward per verify width 1..K+1 is CUDA-graph captured and timed, with
+V/N vocabulary rows, D/N eh_proj rows; random FP8 weights drawn on the device, only this rank's slices:
+`random_parallel_model`) inside `simulate.simulated_rank`, so every collective is a no-op; they are counted per
+step, not timed. For each context length the target cache is filled with random valid FP8 entries
+(`fill_cache_random`: no prefill is run) and one target forward per verify width 1..K+1 is CUDA-graph captured
+and timed, with
 - the rank's byte floor: its non-expert trunk weights, the routed experts its slice was sent (distinct local
   experts the step's tokens chose, measured with the reference router; random weights route arbitrarily),
   its lm_head rows, and the cache it must read (the indexer keys of every position once the indexer runs,

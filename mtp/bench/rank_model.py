@@ -134,12 +134,17 @@ def boundary_all_reduces(counts: dict, draft: bool = False) -> int:
 
 
 def comm_ms(lat: dict, counts: dict, times: int = 1, draft: bool = False) -> float:
-    """Latency of the collectives in `counts` (per-call sizes: total bytes / number), `times` over; the block
-    boundaries' all-reduces at their fused price (`boundary_all_reduces`)."""
+    """Latency of the collectives in `counts`, `times` over; the block boundaries' all-reduces at their fused price
+    (`boundary_all_reduces`). Each call at its own size where `counts` lists them (`{op}_call_bytes`: a draft
+    forward's all-gathers, `rank_steps.draft_collectives`), else at the mean size (total bytes / number)."""
     ms = 0.0
     for op in ("all_reduce", "all_gather"):
         n = counts[op]
         if not n:
+            continue
+        sizes = counts.get(f"{op}_call_bytes")
+        if op == "all_gather" and sizes is not None and len(sizes) == n:
+            ms += sum(latency_us(lat, op, b) for b in sizes) * 1e-3
             continue
         per = counts[f"{op}_bytes"] // n
         fused = boundary_all_reduces(counts, draft) if op == "all_reduce" else 0

@@ -4,6 +4,7 @@ experts, byte floor), the indexer alone, tree verifies, whole speculative steps,
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import traceback
@@ -343,10 +344,16 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
 
 @torch.no_grad()
 def draft_collectives(model, comm) -> dict:
-    """Collectives of one MTP-module forward (one draft forward), counted on an eager call."""
+    """Collectives of one MTP-module forward (one draft forward), counted on an eager call: the embedding's,
+    attention's and FFN's all-reduces, the eh_proj output's and the logits' all-gathers. `all_gather_call_bytes`
+    lists each all-gather's bytes in issue order, so the projection prices each at its own size
+    (`rank_model.comm_ms`): eh_proj's [1, D / W] is 1/18 of the logits' [1, V / W] at the real widths."""
     cache = model.new_cache(1, 8, n_layers=1)
     ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     h = torch.zeros(1, 1, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
     comm.reset()
     model.mtp_forward(0, ids, h, cache, kv_len=1)
-    return dict(comm.counts)
+    out = dict(comm.counts)
+    out["all_gather_call_bytes"] = [math.prod(shape) * getattr(torch, dtype).itemsize
+                                    for kind, shape, dtype in comm.calls if kind == "all_gather"]
+    return out

@@ -11,7 +11,13 @@ One group of W ranks runs everything (as DeepSeek's reference inference does wit
   expert cut along its I like the shared expert); the router is replicated, so every rank routes identically.
   The shared expert and the dense MLPs are split along I (gate/up by rows, down by columns).
 - embedding and lm_head (and the MTP copies): vocabulary parallel, V / W rows per rank.
-- everything else (norms, eh_proj, router bias) is replicated.
+- the MTP module's eh_proj [D, 2D] (bf16, no scale): column parallel, D / W output rows per rank; each rank computes
+  its D / W channels of u over all 2D inputs and one all-gather along the last dim gives every rank the whole u
+  the module's decoder block reads (`modules.ColumnParallelLinear`). Each channel is still one whole dot product
+  on one rank (fp32 on the CPU: u equals the single-rank u bit for bit). Replicated, it cost every rank all 205 MB
+  per draft forward (54 us measured at TP = 8 on an H200, issue 25); split, 25.6 MB plus one all-gather of [T, D]
+  bf16 (mtp/parallel/DESIGN.md).
+- everything else (norms, router bias) is replicated.
 
 MLP split ('mlp_split'):
 - 'blocks' (default): I is cut only at 128-channel boundaries, ranks get floor/ceil(ceil(I/128) / W) blocks.
@@ -116,6 +122,9 @@ class RankLayout:
         self.expert_inter = (split_range(cfg.moe_intermediate_size, W, rank, plan.mlp_split, "moe_intermediate_size")
                              if layout == "split" else (0, cfg.moe_intermediate_size))
         self.vocab = _even(cfg.vocab_size, W, rank, "vocab_size")
+        # eh_proj's output rows; a config without MTP modules has no eh_proj, so no reason to refuse its width
+        self.eh_rows = (_even(cfg.hidden_size, W, rank, "hidden_size (the MTP eh_proj's output rows)")
+                        if cfg.num_nextn_predict_layers else (0, cfg.hidden_size))
         self.dense = split_range(cfg.intermediate_size, W, rank, plan.mlp_split, "intermediate_size")
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared = split_range(shared, W, rank, plan.mlp_split, "moe_intermediate_size * n_shared_experts")
@@ -141,6 +150,8 @@ class RankLayout:
         rest = m.group(2)
         if rest in ("embed_tokens.weight", "shared_head.head.weight"):
             return Shard(0, *self.vocab)
+        if rest == "eh_proj.weight":
+            return Shard(0, *self.eh_rows)
         h0, h1 = self.heads
         if rest == "self_attn.q_b_proj.weight":
             return Shard(0, h0 * cfg.qk_head_dim, h1 * cfg.qk_head_dim)

@@ -115,15 +115,24 @@ def kv_bytes_per_token_layer(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat
     return KVCache.bytes_per_position(cfg, dtype, quantized)
 
 
-def comm_bytes_per_forward(cfg: ModelConfig, tokens: int, blocks: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+def comm_bytes_per_forward(cfg: ModelConfig, tokens: int, blocks: int, dtype: torch.dtype = torch.bfloat16,
+                           mtp: bool = False) -> dict:
     """Collective payloads of one tensor-parallel forward over `tokens` tokens and `blocks` blocks: one embedding
     all-reduce [N, D] in the model dtype, two fp32 all-reduces [N, D] per block (attention out, MLP / MoE out),
-    one all-gather of the logits [N, V] (bytes: the gathered tensor)."""
+    one all-gather of the logits [N, V] (bytes: the gathered tensor). mtp: an MTP module's forward (a draft
+    forward), which also all-gathers its column-parallel eh_proj output [N, D] in the model dtype."""
     D, dt = cfg.hidden_size, dtype.itemsize
     out = {"embedding_all_reduce": tokens * D * dt, "per_block_all_reduce": tokens * D * 4,
-           "logits_all_gather": tokens * cfg.vocab_size * dt}
-    out["total"] = out["embedding_all_reduce"] + 2 * blocks * out["per_block_all_reduce"] + out["logits_all_gather"]
+           "logits_all_gather": tokens * cfg.vocab_size * dt, "eh_proj_all_gather": tokens * D * dt if mtp else 0}
+    out["total"] = (out["embedding_all_reduce"] + 2 * blocks * out["per_block_all_reduce"] + out["logits_all_gather"]
+                    + out["eh_proj_all_gather"])
     return out
+
+
+def collectives_per_forward(cfg: ModelConfig, blocks: int, mtp: bool = False) -> int:
+    """Collectives `comm_bytes_per_forward` counts: the embedding's all-reduce, two per block, the logits'
+    all-gather, and an MTP module's eh_proj all-gather."""
+    return 1 + 2 * blocks + 1 + int(mtp)
 
 
 def draft_cache_layers(draft: str, k: int) -> int:
@@ -238,12 +247,14 @@ def make_plan(cfg: ModelConfig, gpus_per_node: int, gpu_mem_gib: float, nodes: i
     per_token = kv_tl * layers + cfg.hidden_size * dtype.itemsize + 8
     free = mem - (resident - kv - engine) - pre
     max_tokens = max(0, free // per_token)
-    # collectives: each forward = 1 embedding all-reduce + 2 per block + 1 lm_head all-gather
+    # collectives: each forward = 1 embedding all-reduce + 2 per block + 1 lm_head all-gather; a draft forward
+    # (one MTP module) also its eh_proj all-gather
     n_fwd_draft = drafter(wl.draft).chain_forwards(wl.k)
-    coll = (2 * cfg.num_hidden_layers + 2) + n_fwd_draft * 4
+    coll = (collectives_per_forward(cfg, cfg.num_hidden_layers)
+            + n_fwd_draft * collectives_per_forward(cfg, 1, mtp=True))
     N = wl.batch * (wl.k + 1)
     comm = (comm_bytes_per_forward(cfg, N, cfg.num_hidden_layers, dtype)["total"]
-            + n_fwd_draft * comm_bytes_per_forward(cfg, N, 1, dtype)["total"])
+            + n_fwd_draft * comm_bytes_per_forward(cfg, N, 1, dtype, mtp=True)["total"])
     notes = []
     lay = RankLayout(cfg, plan, 0)
     if any(w != weights[0] for w in weights):
@@ -299,7 +310,8 @@ def format_plan(cfg: ModelConfig, p: MemoryPlan, wl: Workload, source: str = "co
               f"  longest one-shot prefill that fits: {p.max_prefill_tokens} tokens (longer: chunk the prefill)",
               f"  KV positions that fit (batch x length, all layers): {p.max_kv_tokens}",
               f"  collectives per speculative step: {p.collectives_per_step} "
-              f"({p.comm_bytes_per_step / 2**20:.2f} MiB of payload: fp32 all-reduces of [tokens, D], logits gather)"]
+              f"({p.comm_bytes_per_step / 2**20:.2f} MiB of payload: fp32 all-reduces of [tokens, D], logits gather, "
+              f"draft eh_proj gather)"]
     lines += [f"  note: {n}" for n in p.notes]
     return "\n".join(lines)
 

@@ -8,7 +8,9 @@ classes with per-rank dims, plus the reduction where the math needs it. Paramete
 names (local experts keep their global index), so loading, `state_dict` and `named_parameters` line up.
 Collectives per decoder block: one all-reduce after o_proj, one after the FFN (MoE: routed + shared partials
 summed into one fp32 buffer first); the fast path under allreduce='oneshot' issues each of them fused with the
-residual add + norm that follows it (mtp/parallel/DESIGN.md). Per forward: one all-reduce at the embedding, one all-gather at lm_head.
+residual add + norm that follows it (mtp/parallel/DESIGN.md). Per forward: one all-reduce at the embedding, one
+all-gather at lm_head; an MTP module's forward (a draft forward) also one all-gather of its eh_proj output ([.., D]
+in the model dtype) before its decoder block.
 Partial sums are reduced in the accumulation dtype (fp8.acc_dtype: fp32, or fp64 for a float64 model) and cast
 to the model dtype once, as the single-rank path casts once. These classes only build on the reference
 modules' hooks (`Linear.matmul` / `matmul_acc`, `MoE.routed` / `shared` / `reduce`), so the fast path's swap
@@ -171,15 +173,26 @@ class VocabParallelEmbedding(Embedding):
         return self.comm.all_reduce(out.masked_fill(~inside.unsqueeze(-1), 0))
 
 
-class VocabParallelHead(Linear):
-    """lm_head rows [start, start + Vl): local logits, all-gathered in rank order into the full vocabulary."""
+class ColumnParallelLinear(Linear):
+    """Output rows split across ranks, a float (bf16) weight: this rank's rows [start, start + out_local) give its
+    slice of y, all-gathered in rank order into the whole y = x W^T. Every output channel is one rank's whole dot
+    product over all in_features, so y equals the single-rank product bit for bit wherever the GEMM of a row slice
+    sums each channel as the whole product does: fp32 on the CPU at the same thread count (tests/parallel/
+    test_parallel.py); cuBLAS may pick another kernel (split-K) for fewer rows, so bf16 on a GPU is close, not
+    bitwise. The MTP module's eh_proj is one; the vocabulary-parallel heads are the other (`VocabParallelHead`)."""
 
-    def __init__(self, dim: int, vocab_local: int, dtype: torch.dtype, comm: Comm):
-        super().__init__(dim, vocab_local, False, dtype)
+    def __init__(self, in_features: int, out_local: int, dtype: torch.dtype, comm: Comm):
+        super().__init__(in_features, out_local, False, dtype)
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_gather_last(self.matmul(x))
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """lm_head rows [start, start + Vl): local logits, all-gathered in rank order into the full vocabulary
+    (`mtp.draft.vocab.SubHead` reads its rows and `comm` for a draft vocabulary). Built as
+    VocabParallelHead(dim, vocab_local, dtype, comm)."""
 
 
 def shard_model(model: DeepseekV32, layout: RankLayout, comm: Comm, static_moe: bool = False) -> DeepseekV32:
@@ -213,8 +226,10 @@ def shard_model(model: DeepseekV32, layout: RankLayout, comm: Comm, static_moe: 
                 block.mlp = ParallelMLP(D, hi - lo, q8, dt, comm)
         model.model.embed_tokens = VocabParallelEmbedding(v1 - v0, D, v0, dt, comm)
         model.lm_head = VocabParallelHead(D, v1 - v0, dt, comm)
+        e0, e1 = layout.eh_rows
         for layer in model.mtp:
             layer.embed_tokens = VocabParallelEmbedding(v1 - v0, D, v0, dt, comm)
+            layer.eh_proj = ColumnParallelLinear(2 * D, e1 - e0, dt, comm)
             layer.shared_head.head = VocabParallelHead(D, v1 - v0, dt, comm)
     model.set_runtime(model.runtime)  # also bumps model.version: graphs of the unsharded model are stale
     return model

@@ -128,7 +128,8 @@ def _ops_rows(d: dict, path: str, dtype: str) -> dict:
             raise ValueError(f"{path}: field 'ops.{op}' must be a list, got {type(rows).__name__}")
         for j, r in enumerate(rows):
             where = f"ops.{op}[{j}]."
-            # the all-gather's rows are the fp32 logits: only the all-reduce's carry the dtype choice
+            # the all-gather's rows (fp32 logits, bf16 eh_proj slices) go by bytes: only the all-reduce's carry the
+            # dtype choice
             if op == "all_reduce" and isinstance(r, dict) and r.get("dtype", dtype) != dtype:
                 continue
             out.setdefault(op, {}).setdefault("nccl", []).append((int(_number(r, "bytes", path, where)),

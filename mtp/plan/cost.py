@@ -297,8 +297,11 @@ def draft_terms(cfg: ModelConfig, lay: Layout, sh: Shape) -> list[Term]:
     extras = with_mtp.get("MTP extras", 0) - trunk.get("MTP extras", 0)
     embed_copy = trunk.get("embedding + lm_head", 0) / 2
     N = sh.rows * sh.width
-    one.append(_term("mtp_eh_proj", "weights", 1, {"eh_proj": (N * 2 * cfg.hidden_size ** 2, "fp8")},
-                     max(extras - 2 * embed_copy, 0), launches=launches_of(cfg, lay, sh)["mtp_extra"]))
+    # eh_proj is column parallel (mtp.parallel.layout): a rank's D / tp output rows, then their all-gather
+    eh_comm = (Comm("all_gather", comm_bytes_per_forward(cfg, N, 0, torch.bfloat16, mtp=True)["eh_proj_all_gather"]),) \
+        if lay.tp > 1 else ()
+    one.append(_term("mtp_eh_proj", "weights", 1, {"eh_proj": (N * 2 * cfg.hidden_size ** 2 / lay.tp, "fp8")},
+                     max(extras - 2 * embed_copy, 0), launches=launches_of(cfg, lay, sh)["mtp_extra"], comm=eh_comm))
     return one
 
 

@@ -240,17 +240,23 @@ def moe_ffn(cfg: ModelConfig, sh: StepShape, lim: Limits) -> dict[str, int]:
     return {"shared_expert": shared, "router": router(N, lim), "routed_experts": routed}
 
 
+def gather_copy(sh: StepShape) -> int:
+    """Past one token on tp > 1, the copy that lays all-gathered column slices side by side (`Comm.all_gather_last`:
+    the gather stacks the ranks' [tokens, n] blocks along dim 0)."""
+    return 1 if sh.tp > 1 and sh.tokens > 1 else 0
+
+
 def head(cfg: ModelConfig, sh: StepShape) -> int:
-    """Final norm, lm_head (one cuBLAS GEMM), and past one token on tp > 1 the copy that lays the all-gathered
-    vocabulary slices side by side (`Comm.all_gather_last`)."""
-    return 2 + (1 if sh.tp > 1 and sh.tokens > 1 else 0)
+    """Final norm, lm_head (one cuBLAS GEMM), and the gathered vocabulary slices' copy (`gather_copy`)."""
+    return 2 + gather_copy(sh)
 
 
 def mtp_extra(cfg: ModelConfig, sh: StepShape) -> int:
     """An MTP module's launches besides its block (`DeepseekV32.mtp_forward`): the glue's positions, embedding and
     seq_lens update (without the bench's cache truncate and the embedding's fp32 cast), enorm, hnorm, the concat,
-    eh_proj (a bf16 cuBLAS GEMM), its cast to fp32, and the module's head (norm, GEMM, gathered-logits copy)."""
-    return glue(sh) - 2 + 5 + head(cfg, sh)  # the glue holds the logits' cast
+    eh_proj (a bf16 cuBLAS GEMM over the rank's rows, column parallel on tp > 1: its gathered slices' copy), its
+    cast to fp32, and the module's head (norm, GEMM, gathered-logits copy)."""
+    return glue(sh) - 2 + 5 + gather_copy(sh) + head(cfg, sh)  # the glue holds the logits' cast
 
 
 def glue(sh: StepShape) -> int:

@@ -102,6 +102,20 @@ def test_collective_latency_assumed_and_measured(tmp_path):
     assert rm.comm_ms(lat, counts, times=2) == pytest.approx(2 * (123 * 11.0 + 9.0) * 1e-3)
 
 
+def test_draft_all_gathers_priced_at_their_own_sizes(tmp_path):
+    """A draft forward all-gathers eh_proj's slice [1, D / 8] bf16 (1792 B) and the logits [1, V / 8] (32320 B):
+    with `all_gather_call_bytes` (`rank_steps.draft_collectives`) each is priced at its size, without it (files
+    from before) both at the mean size."""
+    f = tmp_path / "coll.json"
+    f.write_text('{"device": "H200", "world": 8, "ops": {"all_reduce": [{"bytes": 16384, "us": 8.0}], '
+                 '"all_gather": [{"bytes": 1792, "us": 6.0}, {"bytes": 32320, "us": 9.0}]}}')
+    lat = rm.collective_latency(argparse.Namespace(collective_json=str(f), allreduce_us=10.0, tp=8))
+    dc = {"all_reduce": 0, "all_reduce_bytes": 0, "all_gather": 2, "all_gather_bytes": 1792 + 32320}
+    assert rm.comm_ms(lat, dc, draft=True) == pytest.approx(2 * 9.0e-3)  # both at the mean, 17056 B
+    dc["all_gather_call_bytes"] = [1792, 32320]
+    assert rm.comm_ms(lat, dc, times=3, draft=True) == pytest.approx(3 * (6.0 + 9.0) * 1e-3)
+
+
 def test_default_rank_and_expected_experts():
     assert rb.default_rank(tiny_parallel_config(2), 2, torch.float32) == 1  # the shared expert's one block
     assert rb.default_rank(real_config(layers=4, dense_layers=3), 8, torch.bfloat16) == 0  # all ranks equal
@@ -229,6 +243,7 @@ def test_collbench_sizes_and_skip_on_one_gpu(monkeypatch, capsys):
 
     shapes = collbench.message_shapes(real_config(layers=4, dense_layers=3), 8, widths=(1, 4))
     assert ("all_reduce", (1, 4, 7168), torch.float32) in shapes and ("all_gather", (1, 1, 16160), torch.float32) in shapes
+    assert ("all_gather", (1, 4, 896), torch.bfloat16) in shapes  # an MTP module's eh_proj slices
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert collbench.main(["--json", "unused.json"]) == 0
     assert "skipped, needs 2+ GPUs" in capsys.readouterr().out

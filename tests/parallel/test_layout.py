@@ -152,7 +152,8 @@ def test_real_config_ranges():
     assert lay.shard("model.layers.5.mlp.experts.95.up_proj.weight") is None
     assert lay.shard("model.layers.61.mlp.experts.100.down_proj.weight") == Shard()
     assert lay.shard("model.layers.61.shared_head.head.weight") == Shard(0, 48480, 64640)
-    assert lay.shard("model.layers.61.eh_proj.weight") == Shard()
+    assert lay.shard("model.layers.61.eh_proj.weight") == Shard(0, 3 * 896, 4 * 896)  # column parallel: D / 8 rows
+    assert lay.eh_rows == (3 * 896, 4 * 896)
     assert lay.shard("model.layers.0.self_attn.indexer.wq_b.weight") == Shard()
 
 
@@ -173,6 +174,48 @@ def test_indivisible_counts_name_the_field():
         split_range(384, 5, 0, "even", "intermediate_size")
     with pytest.raises(ConfigError, match="mlp_split"):
         ParallelPlan(2, "rows")
+
+
+def test_eh_proj_rows_need_a_hidden_size_the_world_divides():
+    """eh_proj is split by output rows, D / W each: a D the world does not divide is refused, naming the field; a
+    config without MTP modules has no eh_proj and is not refused for it."""
+    cfg = dataclasses.replace(tiny_parallel_config(16), hidden_size=264)  # heads, experts, vocab divide by 16
+    with pytest.raises(ConfigError, match=r"hidden_size \(the MTP eh_proj's output rows\) = 264 is not divisible "
+                                          r"by the parallel world size 16"):
+        RankLayout(cfg, ParallelPlan(16), 3)
+    assert RankLayout(dataclasses.replace(cfg, num_nextn_predict_layers=0), ParallelPlan(16), 3).eh_rows == (0, 264)
+
+
+def test_eh_proj_slices_give_the_whole_product_bit_for_bit():
+    """Every rank's eh_proj (W = 2, 4, 8; built as `random_parallel_model` cuts it, through the loader's
+    `rank_part`) holds its rows of the single-rank weight, and the ranks' outputs laid side by side in rank
+    order (what `Comm.all_gather_last` returns) equal the single-rank product bit for bit: each output channel
+    is still one whole dot over the 2D inputs, on one rank. fp32, one thread on both sides."""
+    from mtp.checkpoint.synthetic import random_model
+    from mtp.parallel.modules import ColumnParallelLinear
+    from mtp.parallel.synthetic import random_parallel_model
+    from tests.parallel.test_moe_ep import SumLaterComm
+
+    cfg = tiny_parallel_config(8, layers=2)
+    full = random_model(cfg, device="cpu", dtype=torch.float32, seed=3).mtp[0].eh_proj
+    D = cfg.hidden_size
+    x = torch.randn(2, 5, 2 * D, generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CPU GEMM blocks its sums by the thread count: the same count on both sides
+    try:
+        want = full(x)
+        for world in (2, 4, 8):
+            parts = []
+            for rank in range(world):
+                m = random_parallel_model(cfg, SumLaterComm(rank, world), ParallelPlan(world), device="cpu",
+                                          dtype=torch.float32, seed=3)
+                eh = m.mtp[0].eh_proj
+                assert isinstance(eh, ColumnParallelLinear) and eh.out_features == D // world
+                assert torch.equal(eh.weight, full.weight[rank * D // world:(rank + 1) * D // world])
+                parts.append(eh.matmul(x))
+            assert torch.equal(torch.cat(parts, -1), want), world
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_fp8_numerics_refuse_cut_activation_groups():

@@ -47,6 +47,16 @@ def test_split_parts_sum_to_the_whole_and_replicated_parts_repeat(world):
         assert all(r[c] == one[c] for r in ranks), c
 
 
+@pytest.mark.parametrize("world", [1, 8, 16])
+def test_mtp_extras_split_eh_proj_and_the_vocabulary_copies(world):
+    """An MTP module's own tensors per rank: enorm, hnorm and the head's norm whole (bf16 [D] each); eh_proj
+    [D, 2D] by output rows and the embedding / head copies [V, D] by vocabulary rows, 1 / world each."""
+    cfg = real_config(layers=4, dense_layers=3)
+    D, V = cfg.hidden_size, cfg.vocab_size
+    want = 3 * D * 2 + (2 * D * D + 2 * V * D) * 2 // world
+    assert all(r["MTP extras"] == want for r in weight_bytes_by_rank(cfg, ParallelPlan(world)))
+
+
 @pytest.mark.parametrize("numerics,dtype", [("fp8", torch.bfloat16), ("fp8", torch.float32), ("dequant", torch.float32)])
 def test_kv_bytes_equal_the_cache(numerics, dtype):
     cfg = tiny_config()
@@ -81,7 +91,7 @@ def test_plan_numbers_for_8xh200():
     assert p.world == 8 and p.kv_layers == 62
     assert p.kv_bytes == 788 * 62 * 32768
     assert 80 * 2**30 < p.weights_max < 90 * 2**30  # ~690 GB / 8 plus replicated attention, indexer, router
-    assert p.collectives_per_step == 2 * 61 + 2 + 2 * 4  # target forward + 2 eagle draft forwards
+    assert p.collectives_per_step == 2 * 61 + 2 + 2 * 5  # target forward + 2 eagle draft forwards (eh_proj gather)
 
 
 def test_cli_on_a_missing_path_is_one_line(tmp_path, capsys):

@@ -45,8 +45,27 @@ def speculation_friendly(cfg, tensors, scale: float = 10.0):
     return out
 
 
+def eh_proj_output(model, ids) -> torch.Tensor:
+    """The MTP module's u = eh_proj([enorm(embed(t)); hnorm(h)]) for a fixed h (the trunk's hidden states differ in
+    their last bits at TP = N): its input is then the same on every rank as on one (the embedding's all-reduce
+    adds zeros), so u must be too, bit for bit. One thread: the CPU GEMM blocks its sums by the thread count."""
+    h = torch.randn(*ids[:, 1:].shape, model.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    got = []
+    hook = model.mtp[0].eh_proj.register_forward_hook(lambda mod, args, out: got.append(out))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            model.mtp_forward(0, ids[:, 1:], h.to(model.device, model.dtype), model.new_cache(2, 40, n_layers=1))
+    finally:
+        torch.set_num_threads(threads)
+        hook.remove()
+    return got[0]
+
+
 def checks(model, generate: bool = True) -> dict:
-    """Logits of a prefill, a 3-token cached step and the MTP module; an eagle k=2 strict generation."""
+    """Logits of a prefill, a 3-token cached step and the MTP module, the MTP module's eh_proj output; eagle k=2
+    and vanilla k=2 strict generations."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.cfg.vocab_size, (2, 20), generator=g).to(model.device)
     out = {}
@@ -57,10 +76,14 @@ def checks(model, generate: bool = True) -> dict:
         out["decode"] = model(ids[:, :3], cache).logits
         mc = model.new_cache(2, 40, n_layers=1)
         out["mtp"] = model.mtp_forward(0, ids[:, 1:], o.hidden[:, :-1], mc).logits
+    out["eh_proj"] = eh_proj_output(model, ids)
     if generate:
         prompts = [ids[0, :18].tolist(), ids[1, :7].tolist()]
         r = mtp.generate(model, prompts, max_new_tokens=12, draft="eagle", k=2)
         out["tokens"], out["accepted_hist"] = r.tokens, r.metrics.accepted_hist
+        # vanilla: depth j's draft from the one module applied again (reuse_modules), each with its own cache
+        r = mtp.generate(model, prompts, max_new_tokens=12, draft="vanilla", k=2, reuse_modules=True)
+        out["vanilla_tokens"], out["vanilla_hist"] = r.tokens, r.metrics.accepted_hist
         V = model.cfg.vocab_size  # a draft vocabulary split unevenly over the two vocabulary halves
         vocab = list(range(0, V // 2, 2)) + list(range(V // 2, V, 5))
         r = mtp.generate(model, prompts, max_new_tokens=12, draft="eagle", k=2, draft_vocab=vocab)
@@ -142,6 +165,18 @@ def test_tp2_logits_equal_tp1(ranks, reference, job, ref):
         assert torch.equal(ranks[0][job][key], ranks[1][job][key]), f"{job}/{key}: ranks disagree"
 
 
+@pytest.mark.parametrize("job,ref", [("fp8", "fp8"), ("fp8_static", "fp8"), ("dequant", "dequant"),
+                                     ("even", "dequant")])
+def test_tp2_eh_proj_equals_tp1_bit_for_bit(ranks, reference, job, ref):
+    """eh_proj is column parallel (each rank D / 2 output rows, then an all-gather): every channel of u is still
+    one rank's whole dot over the 2D inputs, so u equals the single-rank u exactly (fp32, the same input)."""
+    want = reference[ref]["eh_proj"]
+    for r in range(WORLD):
+        got = ranks[r][job]["eh_proj"]
+        assert got.shape == want.shape and torch.equal(got, want), \
+            f"{job} rank {r}: max |diff| {(got - want).abs().max():.3g}"
+
+
 @pytest.mark.parametrize("numerics", ["fp8", "dequant"])
 def test_tp2_speculative_tokens_equal_tp1(ranks, reference, numerics):
     ref = reference[numerics]
@@ -150,6 +185,9 @@ def test_tp2_speculative_tokens_equal_tp1(ranks, reference, numerics):
     for r in range(WORLD):
         assert ranks[r][numerics]["tokens"] == ref["tokens"], f"rank {r} generated other tokens"
         assert ranks[r][numerics]["accepted_hist"] == acc
+        # vanilla drafts (the module again at depth 2): strict, so the greedy tokens, and the same drafts accepted
+        assert ranks[r][numerics]["vanilla_tokens"] == ref["tokens"]
+        assert ranks[r][numerics]["vanilla_hist"] == ref["vanilla_hist"]
         # draft vocabulary over a vocabulary-parallel head: per-rank rows, padded, all-gathered
         assert ranks[r][numerics]["vocab_tokens"] == ref["tokens"]  # strict: still the greedy tokens
         assert ranks[r][numerics]["vocab_hist"] == ref["vocab_hist"]  # the same drafts as one process makes
@@ -168,7 +206,7 @@ def test_param_bytes_equal_planner(ranks, par_ckpt):
 def test_world1_parallel_model_is_the_reference(par_ckpt, reference):
     """With one rank the parallel modules reduce to the plain ones: bit-identical logits, no process group."""
     got = checks(load_parallel(par_ckpt, Comm(), numerics="fp8"), generate=False)
-    for key in ("prefill", "decode", "mtp"):
+    for key in ("prefill", "decode", "mtp", "eh_proj"):
         assert torch.equal(got[key], reference["fp8"][key]), key
 
 
@@ -185,6 +223,23 @@ def test_parallel_load_refuses_a_scale_no_real_checkpoint_holds(tmp_path):
     ckpt = save_checkpoint(tensors, cfg, tmp_path / "bad")
     with pytest.raises(CheckpointError, match=rf"{name}' holds 1 block scales outside .*: 1\.15292e\+18 \(= 2\^60\)"):
         load_parallel(ckpt, Comm(), numerics="fp8")
+
+
+def test_parallel_load_refuses_an_eh_proj_of_the_wrong_shape(tmp_path):
+    """eh_proj is cut by output rows per rank: a checkpoint whose eh_proj is not [D, 2D] is refused from its header
+    before any rank reads a slice, naming the file, the tensor and both shapes (rank 0 of 2, no group needed)."""
+    from mtp.checkpoint.files import CheckpointError
+    from tests.parallel.test_moe_ep import SumLaterComm
+
+    cfg = tiny_parallel_config(WORLD)
+    L, D = cfg.num_hidden_layers, cfg.hidden_size
+    tensors = random_tensors(cfg, seed=0)
+    name = f"model.layers.{L}.eh_proj.weight"
+    tensors[name] = torch.zeros(D, 2 * D + 128, dtype=torch.bfloat16)
+    ckpt = save_checkpoint(tensors, cfg, tmp_path / "bad")
+    with pytest.raises(CheckpointError, match=rf"safetensors: tensor '{name}' has shape \[{D}, {2 * D + 128}\], "
+                                              rf"the config implies \[{D}, {2 * D}\]"):
+        load_parallel(ckpt, SumLaterComm(0, WORLD), plan=ParallelPlan(WORLD), numerics="fp8")
 
 
 # ----------------------------------------------------------------------------------------- NCCL (GPU)
@@ -232,7 +287,7 @@ def test_nccl_tp2_eager_graph_overlap(par_ckpt, tmp_path):
     for r in range(WORLD):
         for kind in ("ep_fast", "row_fast"):  # the swap reached the tensor-parallel modules
             assert got[r][kind] and all(got[r][kind]), f"rank {r}: {kind} {got[r][kind]}"
-        for key in ("prefill", "decode", "mtp"):
+        for key in ("prefill", "decode", "mtp", "eh_proj"):  # eh_proj: bf16 cuBLAS on D / 2 rows, not bitwise
             for path, bound in (("ref", 2e-2), ("fast", 5e-2)):
                 a, b = got[r][path][key].float(), ref[key].float()
                 rel = ((a - b).norm() / b.norm()).item()

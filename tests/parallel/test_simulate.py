@@ -193,7 +193,12 @@ def test_bench_tp_on_cpu(tmp_path):
             assert t["nodes"] == N and t["tree"]["ms"] > 0 and t["chain"]["ms"] > 0
             assert t["tree"]["bytes_per_node"] == pytest.approx(t["tree"]["bytes"] / N) and t["tree"]["bytes"] > 0
     assert "tree/chain" in p.stdout and "     2x1   5" in p.stdout
-    assert res["draft_collectives_per_forward"]["all_reduce"] == 3  # embedding, attention, MoE
+    dc = res["draft_collectives_per_forward"]
+    assert dc["all_reduce"] == 3  # embedding, attention, MoE
+    # eh_proj's slice [1, 1, D / 2] (column parallel), then the logits [1, 1, V / 2]; fp32 on the CPU
+    cfg = tiny_parallel_config(2, 2)
+    assert dc["all_gather"] == 2 and dc["all_gather_call_bytes"] == [cfg.hidden_size // 2 * 4, cfg.vocab_size // 2 * 4]
+    assert dc["all_gather_bytes"] == sum(dc["all_gather_call_bytes"])
     runs = res["spec_step"]["runs"]
     assert set(runs) == {"none_k0_eager", "eagle_k1_eager", "vanilla_k1_eager", "tree_chain2_eager", "tree_2x1_eager"}
     assert runs["tree_2x1_eager"]["steps"] > 0 and runs["tree_2x1_eager"]["verify_ms"] > 0

@@ -117,6 +117,18 @@ def test_draft_is_one_moe_block_and_its_extras():
     assert layer == pytest.approx(with_mtp - trunk - 2 * embed, rel=1e-4)
 
 
+def test_draft_eh_proj_is_column_parallel():
+    """At tp = 2 a rank computes D / 2 of eh_proj's output channels over all 2D inputs, reads its rows, and
+    all-gathers the [N, D] bf16 output (none at tp = 1)."""
+    cfg = tiny_parallel_config(2)
+    one = by_name(draft_terms(cfg, Layout(), Shape(1, 3, 8)))["mtp_eh_proj"]
+    two = by_name(draft_terms(cfg, Layout(2, 2), Shape(1, 3, 8)))["mtp_eh_proj"]
+    D = cfg.hidden_size
+    assert one.flops_fp8 == 2 * 3 * 2 * D * D and two.flops_fp8 == one.flops_fp8 / 2
+    assert one.comm == () and [(c.op, c.nbytes) for c in two.comm] == [("all_gather", 3 * D * 2)]
+    assert one.weight_bytes - two.weight_bytes == 2 * D * D * 2 / 2  # half of eh_proj's bf16 rows
+
+
 @pytest.mark.parametrize("kw, bad", [(dict(tp=0), "--tp"), (dict(tp=2, ep=4), "--ep"),
                                      (dict(tp=4, ep=6, dp_attention=True), "--ep"), (dict(nodes=0), "--nodes")])
 def test_layout_errors_name_the_option(kw, bad):
