@@ -154,6 +154,13 @@ version, so the engine captures its kept graphs again).
   rows, or 0, the histogram launch. Measured on one TP=8 split rank at 32k (H200, session 14, busy kernel time per
   step): -0.34 ms at one row, +0.17 / +0.48 / +0.75 ms at 2 / 3 / 4 rows (not profiled why; each scores program
   loops over the rows, and its histogram epilogue with them). `topk_impl_at`.
+- logits_scan (on; variant logits_scan_off): the decode step's argmaxes over the vocabulary (the strict verifier's,
+  chain and tree; the greedy drafts') and the health flag of the target's logits (`mtp.decode.health`) by one launch of
+  `logits_scan.logits_scan` each, the verify's argmax and flag in the same launch (`scan_logits`); off: torch.argmax,
+  and isfinite / amax / amin (5-6 launches). Exact: the same indices (torch's rule: the first maximum, a NaN the
+  largest) and the same flag in every case. CUDA logits in fp32 / bf16 / fp16 (and under the Triton interpreter);
+  elsewhere torch's ops. Measured before (one H200, a TP=8 rank's eagle k = 3 step, session 19): torch.argmax 27.8 us
+  a call (4 a step), the flag ~35 us; predicted ~4-6 us a launch, ~130 us a step saved (not yet timed).
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -165,7 +172,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-__all__ = ["ELEMENTWISE_IMPLS", "ExpertMap", "FastPathOptions", "expert_map", "linear", "local_ids", "route"]
+__all__ = ["ELEMENTWISE_IMPLS", "ExpertMap", "FastPathOptions", "expert_map", "linear", "local_ids", "route",
+           "scan_logits"]
 
 # the fast path's elementwise ops: 'triton' (one Triton kernel each, `kernels.elementwise`; the default), 'compile'
 # (torch.compile of the reference functions: ~33 s of start-up on a cold cache), 'eager' (the reference functions)
@@ -199,6 +207,7 @@ class FastPathOptions:
     moe_item_regs: bool = True
     kv_split: bool = True
     moe_x8: bool = True
+    logits_scan: bool = True
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)
@@ -283,6 +292,14 @@ class FastPathOptions:
         fused_hist_rows (the same index sets, one launch fewer), else impl."""
         return "radix_fused" if impl == "radix" and rows <= self.fused_hist_rows else impl
 
+    def scan_at(self, logits: torch.Tensor) -> bool:
+        """Whether `scan_logits` runs the logits scan kernel on `logits`: switch logits_scan, logits on a CUDA device
+        (or under the Triton interpreter) that the kernel takes (`logits_scan.scan_takes`: fp32 / bf16 / fp16)."""
+        from mtp.kernels._triton import HAS_TRITON, interpreting
+        from mtp.kernels.logits_scan import scan_takes
+
+        return self.logits_scan and HAS_TRITON and (logits.is_cuda or interpreting()) and scan_takes(logits)
+
     def set(self, **flags) -> FastPathOptions:
         """Set some switches in place (names of the fields, all checked before any is set); returns a copy of the
         previous values, to restore with `set(**vars(old))`."""
@@ -316,6 +333,19 @@ def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, opts: Fas
                      prefetch=opts.prefetch_at(M))
         return y.reshape(*src.shape[:-1], w8.shape[0])
     return fp8_linear(x, w8, sw, out_dtype=out_dtype, pdl=opts.pdl_at(M), prefetch=opts.prefetch_at(M))
+
+
+def scan_logits(logits: torch.Tensor, opts: FastPathOptions | None, flag: torch.Tensor | None = None,
+                argmax: bool = True) -> torch.Tensor | None:
+    """torch.argmax(logits, -1) when `argmax` (else None) and, with `flag`, flag |= the health check of the logits
+    (`logits_scan.unhealthy_ref`: a non-finite logit, or a row of equal values), on the kernels `opts` picks (None: the
+    reference path's): one launch of `logits_scan.logits_scan` where `opts.scan_at(logits)`, else torch's ops
+    (`logits_scan_ref`, the old path). The same indices and flag either way."""
+    from mtp.kernels.logits_scan import logits_scan, logits_scan_ref
+
+    if opts is not None and opts.scan_at(logits):
+        return logits_scan(logits, flag, argmax)
+    return logits_scan_ref(logits, flag, argmax)
 
 
 @dataclass(frozen=True, eq=False)
