@@ -13,6 +13,13 @@ A rule adapts one verifier to the engine's call, reading its options from the `G
 `q_BKV` / `draft.q_BNV`: the draft distributions (None for greedy drafts); `rng`: the step's `RowDraws` (chains) or
 the tree engine's torch.Generator; `tt`: the tree's `TreeTensors`; `draft`: the `TreeDraft` (tokens_BN, q_BNV);
 `live_BN`: nodes the adaptive length kept (None: all). The prefill's first token is the chain rule over no drafts.
+A verifier whose verdict reads the logits only through their argmax (strict) also names its rules of the argmax:
+
+    chain_argmax(g, drafts_BK, target_BK1) -> Verdict                     (target_BK1 = logits_BKV.argmax(-1))
+    tree_argmax(g, tt, draft, target_BN, live_BN) -> TreeVerdict
+
+and the engine then takes that argmax with the health check of the logits in one scan (`mtp.decode.health.scan`:
+one launch on the fast path, switch `FastPathOptions.logits_scan`), where another verifier's rule gets the logits.
 Adding one: a file with the two functions, `register_verifier(Verifier(...))` here, and its test (mtp/DESIGN.md).
 """
 
@@ -37,6 +44,9 @@ class Verifier:
     tree_graphs: bool = True  # its tree rule can run inside a captured graph (False: it draws from a Generator)
     greedy_output: bool = False  # its output is plain greedy decoding's, token for token (strict): the applications
     # compare a verifier's outputs with strict greedy ones and flag rows at the acceptance ceiling only without it
+    chain_argmax: str | None = None  # "module:function" of its chain rule of the target's argmax (None: it needs the
+    # logits); the same verdict as `chain` on the logits' argmax
+    tree_argmax: str | None = None  # likewise of its tree rule
 
     def chain_rule(self) -> Callable:
         return _resolve(self.name, "chain", self.chain)
@@ -46,6 +56,14 @@ class Verifier:
             raise ValueError(f"verify={self.name!r} has no tree rule; tree decoding takes "
                              f"{', '.join(n for n, v in VERIFIER_REGISTRY.items() if v.tree)}")
         return _resolve(self.name, "tree", self.tree)
+
+    def chain_argmax_rule(self) -> Callable | None:
+        """Its chain rule of the target's argmax, None when it reads more of the logits."""
+        return None if self.chain_argmax is None else _resolve(self.name, "chain argmax", self.chain_argmax)
+
+    def tree_argmax_rule(self) -> Callable | None:
+        """Its tree rule of the target's argmax at every node, None when it reads more of the logits."""
+        return None if self.tree_argmax is None else _resolve(self.name, "tree argmax", self.tree_argmax)
 
 
 def _resolve(name: str, kind: str, where: str) -> Callable:
@@ -68,8 +86,11 @@ def register_verifier(v: Verifier) -> Verifier:
         raise TypeError(f"register_verifier takes a Verifier, got {v!r}")
     if v.name in VERIFIER_REGISTRY and VERIFIER_REGISTRY[v.name] != v:
         raise ValueError(f"a verifier named {v.name!r} is already registered")
-    if ":" not in v.chain or (v.tree is not None and ":" not in v.tree):
-        raise ValueError(f"verifier {v.name!r}: rules are named 'module:function', got {v.chain!r}, {v.tree!r}")
+    named = (v.chain, v.tree, v.chain_argmax, v.tree_argmax)
+    if any(r is not None and ":" not in r for r in named) or v.chain is None:
+        raise ValueError(f"verifier {v.name!r}: rules are named 'module:function', got {', '.join(map(repr, named))}")
+    if v.tree_argmax is not None and v.tree is None:
+        raise ValueError(f"verifier {v.name!r}: a tree rule of the argmax ({v.tree_argmax!r}) needs its tree rule")
     VERIFIER_REGISTRY[v.name] = v
     return v
 
@@ -86,7 +107,8 @@ def verifier(name) -> Verifier:
     raise OptionError("verify", name, f"one of {', '.join(VERIFIER_REGISTRY)}")
 
 
-register_verifier(Verifier("strict", "mtp.verify.strict:chain", "mtp.verify.tree:strict", greedy_output=True))
+register_verifier(Verifier("strict", "mtp.verify.strict:chain", "mtp.verify.tree:strict", greedy_output=True,
+                           chain_argmax="mtp.verify.strict:chain_argmax", tree_argmax="mtp.verify.tree:strict_argmax"))
 register_verifier(Verifier("relaxed", "mtp.verify.relaxed:chain", "mtp.verify.tree:relaxed",
                            options=("top_n", "delta", "think_ids", "span_rule"), needs_think_ids=True))
 register_verifier(Verifier("sample", "mtp.verify.sampling:chain", "mtp.verify.tree:sampling", options=("sampling",),

@@ -83,7 +83,13 @@ def _live(ok_BN: torch.Tensor, live_BN: torch.Tensor | None) -> torch.Tensor:
 def tree_strict_verify(tt: TreeTensors, tokens_BN: torch.Tensor, logits_BNV: torch.Tensor,
                        live_BN: torch.Tensor | None = None) -> TreeVerdict:
     _check(tt, tokens_BN, logits_BNV)
-    target_BN = logits_BNV.argmax(dim=-1)
+    return tree_strict_verdict(tt, tokens_BN, logits_BNV.argmax(dim=-1), live_BN)
+
+
+def tree_strict_verdict(tt: TreeTensors, tokens_BN: torch.Tensor, target_BN: torch.Tensor,
+                        live_BN: torch.Tensor | None = None) -> TreeVerdict:
+    """`tree_strict_verify` given the target's argmax at every node."""
+    _check(tt, tokens_BN, target_BN.unsqueeze(-1))
     exact_BN = _exact(tt, tokens_BN, target_BN)
     return _verdict(_deepest(_live(exact_BN, live_BN), tt), target_BN, exact_BN, tt)
 
@@ -173,6 +179,11 @@ def tree_sampling_verify(tt: TreeTensors, tokens_BN: torch.Tensor, q_BNV: torch.
 # The engine's calls (mtp.verify.registry): rule(g, tt, draft, logits_BNV, think_B, rng, live_BN), options from `g`.
 def strict(g, tt, draft, logits_BNV, think_B, rng, live_BN) -> TreeVerdict:
     return tree_strict_verify(tt, draft.tokens_BN, logits_BNV, live_BN)
+
+
+def strict_argmax(g, tt, draft, target_BN, live_BN) -> TreeVerdict:
+    """`strict` with the argmax at every node taken (mtp.verify.registry: the same verdict)."""
+    return tree_strict_verdict(tt, draft.tokens_BN, target_BN, live_BN)
 
 
 def relaxed(g, tt, draft, logits_BNV, think_B, rng, live_BN) -> TreeVerdict:
