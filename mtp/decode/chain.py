@@ -21,8 +21,25 @@ from ..model.deepseek import DeepseekV32
 from ..spec.draws import RowDraws
 from .accept import accept, commit, count
 from .config import GenerationConfig
-from .health import logits_nonfinite
+from .health import logits_nonfinite, scan
 from .state import DecodeState, StatePool
+
+
+class ChainRule:
+    """A verifier's chain rule with the health check of the target's logits (`mtp.decode.health`), as the step and the
+    prefill's first token call it: a greedy verifier's rule of the argmax (`Verifier.chain_argmax`) gets the argmax
+    taken in the check's scan (one launch on the fast path, switch `logits_scan`); another rule gets the logits after
+    the check. A registered name whose rule does not load fails here, at construction."""
+
+    def __init__(self, g: GenerationConfig):
+        self.rule, self.of_argmax = g.verifier.chain_rule(), g.verifier.chain_argmax_rule()
+
+    def __call__(self, model, g, drafts_BK, q_BKV, logits_BKV, think_B, rng, flag: torch.Tensor):
+        opts = getattr(model, "fast_options", None)  # read at call time: the switches may change between calls
+        if self.of_argmax is not None:
+            return self.of_argmax(g, drafts_BK, scan(logits_BKV, opts, flag))
+        logits_nonfinite(flag, logits_BKV, opts)
+        return self.rule(g, drafts_BK, q_BKV, logits_BKV, think_B, rng)
 
 
 class ChainStep:
@@ -35,7 +52,7 @@ class ChainStep:
                  proposer_factory: Callable | None = None):
         self.model, self.g, self.stops, self.clock = model, g, stops, clock
         self.factory = proposer_factory or Proposer
-        self.rule = g.verifier.chain_rule()  # a registered name whose rule does not load fails here
+        self.rule = ChainRule(g)
         self.draw = DraftSampler(g.draft.sampling, g.sampling)
         self.reach = g.draft.k  # a step writes K positions past the bound it is given
         self.W = g.draft.window()
@@ -86,9 +103,10 @@ class ChainStep:
         n_B = st.n_B
         active_B = ~st.finished_B
         draws = RowDraws(st.seed_B, n_B)  # read before the commit below moves n_B: this step's position
+        opts = getattr(m, "fast_options", None)
         if K:  # propose: the proposer writes the drafts at n.. of `tokens` (where verify reads them)
-            drafts, q = st.proposer.propose(st.tokens, st.hidden, n_B, st.p0_B, W, self.draw.bind(draws),
-                                            max_n=max_n)
+            drafts, q = st.proposer.propose(st.tokens, st.hidden, n_B, st.p0_B, W,
+                                            self.draw.bind(draws, lambda lg: scan(lg, opts)), max_n=max_n)
         else:
             drafts, q = st.tokens[:, :0], None
         if marks is not None:
@@ -98,8 +116,7 @@ class ChainStep:
         out = m(vin, st.cache, kv_len=min(max_n + K, st.max_len))
         st.hidden.scatter_(1, ((n_B - 1).unsqueeze(1) + ar).unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]),
                            pick_hidden(out, g.draft.target_hidden))
-        logits_nonfinite(st.nonfinite, out.logits)
-        v = self.rule(g, drafts, q, out.logits, st.think_B, draws)
+        v = self.rule(m, g, drafts, q, out.logits, st.think_B, draws, st.nonfinite)
         # accept + commit (rolling back is lowering lengths: no copy), then the device counters (no sync)
         acc = accept(drafts, v, active_B, self.stops, st.max_new_B - st.gen_B)
         commit(st, acc, g.think_ids, window=self.W)

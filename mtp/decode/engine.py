@@ -32,9 +32,9 @@ import torch
 from ..draft.proposer import pick_hidden
 from ..model.deepseek import DeepseekV32
 from ..verify.relaxed import prompt_think_state, update_think_state
-from .chain import ChainStep
+from .chain import ChainRule, ChainStep
 from .config import GenerationConfig, check_max_new_tokens, row_seeds
-from .health import NonFiniteError, logits_nonfinite, raise_nonfinite
+from .health import NonFiniteError, raise_nonfinite
 from .keep import _ENGINES, kept, release  # noqa: F401  (callers know them as mtp.decode.engine.*)
 from .metrics import RowClock, SpecMetrics
 from .state import DecodeState, check_prompts
@@ -126,7 +126,7 @@ class Engine:
         self.static_bound = self.dev.type == "cuda" if static_bound is None else static_bound
         eos = model.cfg.eos_token_id if gcfg.eos_id is None else gcfg.eos_id
         self.stop_ids = torch.tensor(sorted({eos, *gcfg.stop_ids}), device=self.dev)
-        self.first_rule = gcfg.verifier.chain_rule()  # the prefill's token: the chain rule over no drafts
+        self.first_rule = ChainRule(gcfg)  # the prefill's token: the chain rule over no drafts
         if gcfg.draft.tree is None:
             self.step = ChainStep(model, gcfg, self.stop_ids, self._clock, proposer_factory)
         elif proposer_factory is not None:
@@ -176,11 +176,11 @@ class Engine:
             here = ((P_B - 1 >= s) & (P_B - 1 < e)).view(B, 1, 1)
             last = out.logits if last is None else torch.where(here, out.logits, last)
         st.cache.truncate(P_B)
-        logits_nonfinite(st.nonfinite, last)
         if g.think_ids is not None:
             st.think_B.copy_(prompt_think_state(st.tokens[:, :Tp], torch.arange(Tp, device=dev) < P_B.unsqueeze(1),
                                                 *g.think_ids, g.span_rule))
-        first = self.first_rule(g, st.tokens[:, :0], None, last, st.think_B, self.step.first_rng(st)).next_token_B
+        first = self.first_rule(m, g, st.tokens[:, :0], None, last, st.think_B, self.step.first_rng(st),
+                                st.nonfinite).next_token_B
         st.tokens[torch.arange(B, device=dev), P_B] = first
         st.n_B.copy_(P_B + 1)
         st.finished_B.copy_(torch.isin(first, self.stop_ids) | (st.gen_B >= st.max_new_B))

@@ -22,7 +22,7 @@ from ..model.deepseek import DeepseekV32
 from ..spec.draws import filter_probs
 from .accept import accept, commit, count
 from .config import GenerationConfig
-from .health import logits_nonfinite
+from .health import logits_nonfinite, scan
 from .state import StatePool, TreeState
 from .tree_metrics import TreeMetrics
 
@@ -32,7 +32,9 @@ class TreeStep:
 
     def __init__(self, model: DeepseekV32, g: GenerationConfig, stops: torch.Tensor, clock):
         self.model, self.g, self.tree, self.stops, self.clock = model, g, g.draft.tree, stops, clock
-        self.rule = g.verifier.tree_rule()  # a registered name whose rule does not load fails here
+        # a registered name whose rule does not load fails here; a greedy verifier's rule of the argmax gets it from
+        # the health check's scan (one launch on the fast path: `ChainRule`)
+        self.rule, self.of_argmax = g.verifier.tree_rule(), g.verifier.tree_argmax_rule()
         self.gen = torch.Generator(device=model.device)  # seeded per call (tree sampling; eager only)
         self.draw = (topk_children if g.draft.sampling == "greedy"
                      else sampled_children(lambda lg: filter_probs(lg, g.sampling), self.gen))
@@ -92,8 +94,12 @@ class TreeStep:
             marks.append(self.clock())
         live = dr.live_BN if g.draft.min_draft_prob > 0 else None
         out = m(dr.tokens_BN, st.cache, kv_len=max_n - 1 + N, tree_depth=tt.depth_N, tree_mask=tt.ancestor_NN)
-        logits_nonfinite(st.nonfinite, out.logits)
-        v = self.rule(g, tt, dr, out.logits, st.think_B, self.gen, live)
+        opts = getattr(m, "fast_options", None)
+        if self.of_argmax is not None:
+            v = self.of_argmax(g, tt, dr, scan(out.logits, opts, st.nonfinite), live)
+        else:
+            logits_nonfinite(st.nonfinite, out.logits, opts)
+            v = self.rule(g, tt, dr, out.logits, st.think_B, self.gen, live)
         acc = accept(dr.tokens_BN.gather(1, v.path_BA[:, 1:]), v, active_B, self.stops, st.max_new_B - st.gen_B)
         # the target hidden of the kept path, at positions n-1.. (before commit moves n)
         A = v.path_BA.shape[1]

@@ -20,13 +20,16 @@ class DraftSampler:
     def __init__(self, sampling: str, params: SamplingParams):
         self.sampling, self.params = sampling, params
 
-    def bind(self, draws: RowDraws) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]:
+    def bind(self, draws: RowDraws, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+             ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]:
+        """argmax: what takes a greedy draft's argmax over the last dim (torch.argmax(dim=-1) by default; the engine
+        passes the model's, `mtp.decode.health.scan`: the logits scan kernel on the fast path)."""
         streams = iter(range(DRAFT, ACCEPT))
 
         def draw(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             if self.sampling == "sample":
                 q = filter_probs(logits_BV, self.params)
                 return sample(q, draws, next(streams)), q
-            return logits_BV.argmax(dim=-1), None
+            return (logits_BV.argmax(dim=-1) if argmax is None else argmax(logits_BV)), None
 
         return draw
