@@ -280,6 +280,13 @@ KERNEL_VARIANTS = {
     "mla_cs1": (dict(mla_channel_splits=1), dict()),  # the kernel before session 18 (default: by rows)
     "mla_cs2": (dict(mla_channel_splits=2), dict()),
     "mla_cs4": (dict(mla_channel_splits=4), dict()),
+    # the decode step's argmaxes over the vocabulary and the health check of its logits by torch (torch.argmax 27.8 us
+    # a call, the check ~35 us: H200, session 19's eagle k = 3 profile) instead of one launch of
+    # `kernels.logits_scan` each (the default; the same indices and flag). Both sit in the engine's step, past the
+    # forward: the target steps timed here do not run them; the speculative steps (--profile, spec_step) do, so time
+    # the switch there with `--kernels logits_scan=0` against the defaults
+    "logits_scan": (dict(logits_scan=True), dict()),
+    "logits_scan_off": (dict(logits_scan=False), dict()),
 }
 
 

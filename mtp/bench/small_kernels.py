@@ -18,9 +18,12 @@ order changes the last bits, so the check is a tolerance, printed):
   pre-quantized) at one row, over BN, groups per slice and warps;
 - kvnorm: the kv prologue + q_a norm launch (`mla_prologue_fused.mla_kv_prologue_norm`, 6.4 us alone at one token)
   with a token's latent and indexer key in one program or in two (switch kv_split: the same bits, checked), T = 1
-  and 4.
+  and 4;
+- logits: the argmax over the vocabulary (129280) and the logits' health flag, torch's ops (torch.argmax; isfinite,
+  amax, amin) against the logits scan kernel (`logits_scan`, switch logits_scan: the same indices and flag, checked),
+  R = 1 (a draft), 4 (an eagle k = 3 verify), 8 and 64 rows (a tree's nodes), fp32 and bf16.
 
-    python -m mtp.bench.small_kernels --out DIR [--only norm,stage1,mla_cs,combine,gemv,kvnorm]
+    python -m mtp.bench.small_kernels --out DIR [--only norm,stage1,mla_cs,combine,gemv,kvnorm,logits]
 """
 
 from __future__ import annotations
@@ -239,11 +242,47 @@ def kvnorm_section() -> dict:
     return out
 
 
+def logits_section() -> dict:
+    """torch vs `logits_scan` side by side per (rows, dtype): 'torch argmax', 'torch flag' (the health check alone),
+    'torch both' (the old verify: check, then argmax), 'scan argmax', 'scan both' (one launch). Four input sets
+    rotate (a few MB: L2-resident, as the logits the lm_head has just written are in the step)."""
+    from mtp.kernels.logits_scan import logits_scan, logits_scan_ref
+
+    V = 129280
+    out = {}
+    flag_t = torch.zeros((), dtype=torch.bool, device=DEV)
+    flag_k = torch.zeros((), dtype=torch.bool, device=DEV)
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        for R in (1, 4, 8, 64):
+            xs = [torch.randn(R, V, device=DEV).to(dtype) for _ in range(4)]
+            xs[1][0, -1] = float("nan")  # a flagged set too: both paths store the flag
+            for x in xs:
+                want = logits_scan_ref(x, flag_t)
+                got = logits_scan(x, flag_k)
+                gk.check(f"logits R={R} {name}", torch.equal(got, want) and bool(flag_t) == bool(flag_k),
+                         f"indices equal {torch.equal(got, want)}, flag {bool(flag_k)} vs torch {bool(flag_t)}")
+                flag_t.zero_()
+                flag_k.zero_()
+            cases = {"torch argmax": lambda x: x.argmax(-1),
+                     "torch flag": lambda x: logits_scan_ref(x, flag_t, argmax=False),
+                     "torch both": lambda x: logits_scan_ref(x, flag_t),
+                     "scan argmax": lambda x: logits_scan(x),
+                     "scan both": lambda x: logits_scan(x, flag_k)}
+            res = {}
+            for case, fn in cases.items():
+                res[case] = gk.graph_us([lambda x=x, fn=fn: fn(x) for x in xs])
+                gk.row(f"logits {case}", f"R={R} V={V} {name}", res[case], R * V * xs[0].element_size())
+            out[f"R={R} {name}"] = res
+            del xs
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "eval/results")
-    ap.add_argument("--only", default="norm,stage1,mla_cs,combine,gemv,kvnorm",
-                    help="comma list of sections: norm,stage1,mla_cs,combine,gemv,kvnorm")
+    ap.add_argument("--only", default="norm,stage1,mla_cs,combine,gemv,kvnorm,logits",
+                    help="comma list of sections: norm,stage1,mla_cs,combine,gemv,kvnorm,logits")
     args = ap.parse_args()
     if not available():
         sys.exit("mtp.bench.small_kernels: needs triton and a CUDA device")
@@ -255,7 +294,8 @@ def main():
     t0 = time.time()
     out["bandwidth"] = gk.copy_bandwidth()
     gk.run_sections([("norm", norm_section), ("stage1", stage1_section), ("mla_cs", mla_cs_section),
-                     ("combine", combine_section), ("gemv", gemv_section), ("kvnorm", kvnorm_section)],
+                     ("combine", combine_section), ("gemv", gemv_section), ("kvnorm", kvnorm_section),
+                     ("logits", logits_section)],
                     set(args.only.split(",")), out)
     gk.finish(out, t0, os.path.join(args.out, "small_kernels.json"))
 
