@@ -140,7 +140,7 @@ def _tile_both_ways(w_ptr, w_desc, out_ptr, e, nb, N, K):
     into out[0] and through the [E * N, K] descriptor (`moe_items._w_tma`) into out[1]."""
     r = tl.arange(0, 128)
     rows = nb * 128 + r
-    w_ptrs = w_ptr + e.to(tl.int64) * N * K + rows.to(tl.int64)[:, None] * K + r[None, :]
+    w_ptrs = w_ptr + tl.full([], e, tl.int64) * N * K + rows.to(tl.int64)[:, None] * K + r[None, :]  # e may be a constexpr 1
     tl.store(out_ptr + r[:, None] * 128 + r[None, :], tl.load(w_ptrs, mask=(rows < N)[:, None], other=0.0))
     tl.store(out_ptr + 128 * 128 + r[:, None] * 128 + r[None, :], w_desc.load([e * N + nb * 128, 0]))
 
