@@ -71,7 +71,7 @@ from ..kernels.mla_decode import channel_splits_for, mla_decode
 from ..kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
 from ..kernels.mla_prologue_fused import kv_norm_fits, mla_kv_prologue_norm, mla_q_prologue_absorb
 from ..kernels.moe import GROUPED_ABOVE, MAX_TOKENS as MOE_KERNEL_MAX_TOKENS
-from ..kernels.moe import default_layout, moe_experts
+from ..kernels.moe import default_layout, has_tma, moe_experts
 from ..kernels.moe_grouped import default_block_m
 from ..kernels.router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from ..kernels.norm_quant import add_rms_norm_quant, add_rounded
@@ -185,7 +185,8 @@ class FastMoE(MoE):
     (SPLIT_PERSISTENT_TOKENS: its pair grid has 2 N-blocks per pair at TP=8), its K slices sized for every pair a
     distinct local expert (`all_local`, switch `moe_wave_splits`), its work items without dependent loads with
     switch `moe_item_regs` (any persistent call; the same bits), its gate/up on the block's quantized x (`forward`'s
-    xq) with switch `moe_x8` (any persistent call; the same bits). `set_kernel_options` switches. Above
+    xq) with switch `moe_x8` (any persistent call; the same bits), its weight tiles by TMA with switch `moe_tma` (any
+    persistent call on a GPU with TMA, `moe.has_tma`; the same bits). `set_kernel_options` switches. Above
     `grouped_above` tokens (verify batches, prefill) every MoE runs the grouped GEMM (`kernels.moe_grouped`),
     `max_tokens` per call."""
 
@@ -298,7 +299,8 @@ class FastMoE(MoE):
                                shared=shared, splits="waves" if waves else None, pdl=self.fast_options.pdl_at(N),
                                prefetch=self.fast_options.prefetch_at(N),
                                item_regs=persistent and self.fast_options.moe_item_regs,
-                               xq=xq if persistent and self.fast_options.moe_x8 else None)
+                               xq=xq if persistent and self.fast_options.moe_x8 else None,
+                               tma=persistent and self.fast_options.moe_tma and has_tma(x_ND.device))
         C = self.max_tokens
         bm = default_block_m(min(N, C))
         outs = [moe_experts(x_ND[a:a + C], ids_NK[a:a + C], w_NK[a:a + C], *ws, out_dtype=torch.float32,

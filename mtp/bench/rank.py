@@ -202,6 +202,10 @@ KERNEL_VARIANTS = {
     # group (`moe.moe_experts(xq=)`): the same bits
     "moe_x8": (dict(moe_x8=True), dict()),  # the default since session 18
     "moe_x8_off": (dict(moe_x8=False), dict()),
+    # the persistent experts' weight tiles by TMA (host tensor descriptors, `moe.moe_experts(tma=True)`) instead of
+    # cp.async: the same bits. Off by default until timed
+    "moe_tma": (dict(moe_tma=True), dict()),
+    "moe_tma_off": (dict(moe_tma=False), dict()),
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
     "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),  # = defaults since fa04e59 (kept: its name is in
     # session 11's BENCHMARKS commands)

@@ -18,8 +18,10 @@ reads were just written by the scores kernel, so they sit in L2 here as in the d
 moe: `moe_experts` layout 'pairs' (old) vs 'persistent' (new) at one rank of TP=8 and at TP=1, T = 1..4, with
 % of the HBM floor (see `moe_section`).
 moe_split (not in the default --only): one TP=8 'split' rank's experts with the shared slot at T = 1..4, pairs vs
-persistent (default / 'waves' slices, switch moe_item_regs on and off, switch moe_x8: gate/up on x pre-quantized)
-and a sweep of the K slices (`moe_split_section`).
+persistent (default / 'waves' slices, switch moe_item_regs on and off, switch moe_x8: gate/up on x pre-quantized,
+switch moe_tma: the weight tiles by TMA) and a sweep of the K slices (`moe_split_section`).
+moe_knobs (not in the default --only): the split rank's default call against its launch knobs and tma on / off
+(`moe_knobs_section`, every variant checked bit-equal first).
 moe_batch (not in the default --only): every `moe_experts` layout that takes T tokens (pairs, persistent,
 grouped at each M-block, the reference static loop where it is not too slow) at T = 1 .. 4096, one rank of TP=8
 and TP=1, with GB/s of expert weights touched, TFLOP/s and the HBM floor: what `moe.GROUPED_ABOVE` and
@@ -409,8 +411,9 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
     `moe_item_regs` (`moe_experts(item_regs=True)`, also with its next-item L2 prefetch; checked bit-equal to the
     switch off on every routing), with switch `moe_x8` ('x8': gate/up reads x quantized beforehand, `moe_experts(xq=)`,
     as the block's norm hands it; its quantization is not timed, the norm does it anyway; checked bit-equal to x
-    quantized in the loop on every routing), and a sweep of the persistent K slices with and without them, so that
-    each width's choice is a measurement (the step's gate/up + down + combine launches, one `moe_experts` call).
+    quantized in the loop on every routing), with switch `moe_tma` ('tma': the weight tiles by TMA, on item_regs + x8;
+    checked bit-equal to cp.async on every routing), and a sweep of the persistent K slices with and without them, so
+    that each width's choice is a measurement (the step's gate/up + down + combine launches, one `moe_experts` call).
     Bytes: the distinct experts' slices (routed + shared) over the measured copy bandwidth. Routings rotate over 8
     sets per graph (other experts' weights each call, from HBM)."""
     from mtp.kernels.moe import default_splits, moe_experts, waves_for
@@ -433,7 +436,11 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
                     (f"item_regs default {dflt}", dict(layout="persistent", item_regs=True)),
                     # switch moe_x8: gate/up on x8 / sx, no quantization in its K loop (the same bits, checked below)
                     (f"item_regs waves {waves} x8", dict(layout="persistent", splits="waves", item_regs=True, xq=xq)),
-                    (f"persistent waves {waves} x8", dict(layout="persistent", splits="waves", xq=xq))]
+                    (f"persistent waves {waves} x8", dict(layout="persistent", splits="waves", xq=xq)),
+                    # switch moe_tma: the weight tiles by TMA, beside the default it would replace (item_regs, x8;
+                    # the same bits, checked below)
+                    (f"item_regs waves {waves} x8 tma", dict(layout="persistent", splits="waves", item_regs=True,
+                                                             xq=xq, tma=True))]
         if not quick:
             for sg in (2, 4, 7, 14, 28):
                 for sd in (1, 2):
@@ -454,6 +461,9 @@ def moe_split_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
                                    call(s, layout="persistent", splits="waves", item_regs=regs)) for s in sets)
             check(f"moe_experts {shape} x8 bit-equal to x quantized in the loop (item_regs {'on' if regs else 'off'}, "
                   f"waves, {len(sets)} routings)", same)
+        same = all(torch.equal(call(s, layout="persistent", splits="waves", item_regs=True, xq=xq, tma=True),
+                               call(s, layout="persistent", splits="waves", item_regs=True, xq=xq)) for s in sets)
+        check(f"moe_experts {shape} tma bit-equal to cp.async (item_regs, x8, waves, {len(sets)} routings)", same)
     del ws
     torch.cuda.empty_cache()
 
@@ -462,13 +472,19 @@ def knob_variants(sm: int, quick: bool) -> list[tuple[str, dict]]:
     """`moe_experts`' launch knobs for `moe_knobs_section`: the persistent kernels' warps (gate/up runs one program
     of 4 warps per SM, one warp per scheduler: Nsight Compute, session 17), pipeline stages, and the down kernel's
     grid. Session 18 (H200, BENCHMARKS.md) also timed down work items of 256 rows (two 128-row N-blocks an item, code
-    not kept): none beat the default by more than the run-to-run spread at every width."""
-    v = [("gu warps 8", dict(warps=(8, 4))), ("gu stages 5", dict(gate_up_stages=5)),
+    not kept): none beat the default by more than the run-to-run spread at every width. 'tma': the weight tiles by
+    TMA (`moe_experts(tma=True)`, switch moe_tma), alone and with other knobs."""
+    # tma (switch moe_tma): the weight tiles by TMA; with 8 warps too (its K loops hold 90 / 46 fewer registers a
+    # thread at one token, sm_90 code: gate/up 158, down 122)
+    v = [("tma", dict(tma=True)), ("tma gu warps 8", dict(tma=True, warps=(8, 4))),
+         ("gu warps 8", dict(warps=(8, 4))), ("gu stages 5", dict(gate_up_stages=5)),
          ("gu stages 6", dict(gate_up_stages=6)), ("gu warps 8 stages 5", dict(warps=(8, 4), gate_up_stages=5)),
          ("down warps 8", dict(warps=(4, 8))), ("down 3/SM 3 stages", dict(programs=(sm, 3 * sm), down_stages=3)),
          ("down 4/SM 2 stages", dict(programs=(sm, 4 * sm), down_stages=2))]
     if not quick:
-        v += [("gu stages 3", dict(gate_up_stages=3)), ("gu warps 8 stages 6", dict(warps=(8, 4), gate_up_stages=6)),
+        v += [("tma gu stages 5", dict(tma=True, gate_up_stages=5)),
+          ("tma down 3/SM 3 stages", dict(tma=True, programs=(sm, 3 * sm), down_stages=3)),
+          ("gu stages 3", dict(gate_up_stages=3)), ("gu warps 8 stages 6", dict(warps=(8, 4), gate_up_stages=6)),
               ("down 1/SM", dict(programs=(sm, sm))), ("down 2 stages", dict(down_stages=2)),
               ("down warps 8 3/SM 3 stages", dict(warps=(4, 8), programs=(sm, 3 * sm), down_stages=3))]
     return v

@@ -100,6 +100,19 @@ version, so the engine captures its kept graphs again).
   quantized in the loop. Measured on an H200 (BENCHMARKS.md session 18): the split rank's experts alone 26.33 /
   48.70 / 55.00 / 73.52 -> 25.45 / 45.94 / 52.69 / 71.75 us at T = 1..4; the step (b2b, two alternations) -0.03 /
   -0.14 / -0.12 / -0.14 ms at 1k w = 1..4, -0.05 / -0.17 / -0.10 / -0.15 at 32k.
+- moe_tma (on where the GPU has TMA, `moe.has_tma`: compute capability >= 9.0; pointer loads elsewhere and under the
+  CPU's interpreter; variant moe_tma_off): the persistent experts' weight tiles (gate, up, down) loaded by
+  Hopper's tensor memory accelerator: one thread issues a bulk copy of each [128, 128] fp8 tile into shared memory
+  (completion on an mbarrier) through a host tensor descriptor of the stack seen as [E * N, K] (`moe.weight_desc`,
+  cached per stack, a by-value kernel parameter that a CUDA graph captures), instead of pointer tensors compiled to
+  cp.async (`moe.moe_experts(tma=True)`). The same tiles, scales, dots and sums in the same order: bit-identical.
+  sm_90 code at a TP=8 split rank's shapes (triton 3.6, compiled on the CPU, x8 and item_regs on): the pipeliner
+  still multi-buffers the copies (4 gate/up, 5 down stages, the same shared memory + 32 / 40 bytes of barriers); the
+  K loop's SASS 230 -> 223 instructions per K group in gate/up, 176 -> 157 in down; registers 250 -> 158 (gate/up,
+  one token), 168 -> 122 (down). Persistent layout only, sm_90+ (an older GPU is refused by name); off: cp.async.
+  Measured (H200, session 19, BENCHMARKS.md; predicted within +-1 us a call): the experts alone -0.8 / -0.5 / -1.2 /
+  -1.0 us at T = 1..4 (`topk_moe --only moe_knobs`); the TP=8 split rank's step (busy, two alternations) -0.00 /
+  -0.03 / -0.00 / -0.08 ms at 1k w = 1..4, -0.03 / -0.05 / -0.00 / -0.07 at 32k.
 - pdl (on, for calls of up to `pdl_tokens` tokens: 64 by default on a tensor-parallel rank, with the trigger after
   the wait past one token, pdl_early_tokens 1: measured on one TP=8 split rank, H200, BENCHMARKS.md session 15,
   back-to-back replays: -0.36 to -0.51 ms a step at w = 2..4 at 1k, -0.14 to -0.43 at 32k, against PDL at w = 1
@@ -208,6 +221,7 @@ class FastPathOptions:
     kv_split: bool = True
     moe_x8: bool = True
     logits_scan: bool = True
+    moe_tma: bool = True
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)

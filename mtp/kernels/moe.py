@@ -45,7 +45,8 @@ write separate partials that the combine kernel sums slot by slot, slice by slic
 counts depend on the shapes only (`default_splits`). `moe_experts(item_regs=True)`: the same work items with no
 dependent load before their weight tiles (`mtp.kernels.moe_items`), the same bits. `moe_experts(xq=(x8, sx))` (pair
 and persistent layouts): gate/up reads x already quantized (the block's norm's output) instead of quantizing x in
-every K group of every item, the same bits where (x8, sx) is x's quantization.
+every K group of every item, the same bits where (x8, sx) is x's quantization. `moe_experts(tma=True)`: the weight
+tiles copied by TMA through host tensor descriptors (`weight_desc`) instead of cp.async, the same bits.
 
 Grouped layout (default above GROUPED_ABOVE tokens, up to MAX_TOKENS; `mtp.kernels.moe_grouped`): the pairs sorted
 by expert on the device and padded to M-blocks of one expert each, then a grouped FP8 GEMM for gate|up and one for
@@ -70,10 +71,11 @@ from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
 from mtp.kernels.moe_items import (_down_ptrs, _down_tile_ahead, _fixup_sums, _gate_up_ptrs, _gate_up_tile_ahead,
-                                   _item_regs, _item_rows, _partial_tile, _prefetch_item, _x_quant)
+                                   _item_regs, _item_rows, _partial_tile, _prefetch_item, _w_tma, _x_quant)
 
 __all__ = ["wave_splits", "waves_for", "moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts",
-           "moe_experts_ref", "gate_logits", "default_layout", "MAX_TOKENS", "PAIRS_MAX_TOKENS", "GROUPED_ABOVE"]
+           "moe_experts_ref", "gate_logits", "default_layout", "weight_desc", "has_tma", "MAX_TOKENS", "PAIRS_MAX_TOKENS",
+           "GROUPED_ABOVE"]
 
 # Tokens per `moe_experts` call. The grouped layout keeps a [T * J, D] fp32 buffer of per-pair outputs (0.94 GB at
 # 4096 tokens, J = 8, D = 7168), and 4096 tokens are already compute-bound at TP=8 (~128 local pairs per expert),
@@ -288,18 +290,23 @@ def _slot_info(idx_ptr, p, T, S, TOPK: tl.constexpr, J: tl.constexpr, BM: tl.con
 
 @triton.jit
 def _gate_up_tile(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1, D, stride_xm, stride_sxm,
-                  stride_we, stride_se, stride_sn, BM: tl.constexpr, X8: tl.constexpr):
+                  stride_we, stride_se, stride_sn, w1_desc, w3_desc, I, BM: tl.constexpr, X8: tl.constexpr,
+                  TMA: tl.constexpr):
     """gate and up of expert e, N-block nb, over K groups [g0, g1): fp32 accumulators [128, BM] (x quantized
     per 128 in registers, or with X8 its fp8 tile and row scales loaded (`moe_experts(xq=)`); rows of tokens not
-    routed to e read as 0)."""
+    routed to e read as 0). TMA: the weight tiles through the descriptors (`moe_items._w_tma`)."""
     w1_ptrs, w3_ptrs, s1_row, s3_row, x_ptrs, sx_rows = _gate_up_ptrs(
         x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, D, stride_xm, stride_sxm, stride_we, stride_se,
         stride_sn, BM)
     acc1 = tl.zeros((128, BM), dtype=tl.float32)
     acc3 = tl.zeros((128, BM), dtype=tl.float32)
     for g in range(g0, g1):
-        w1 = tl.load(w1_ptrs + g * 128)
-        w3 = tl.load(w3_ptrs + g * 128)
+        if TMA:
+            w1 = _w_tma(w1_desc, e, nb, g, I)
+            w3 = _w_tma(w3_desc, e, nb, g, I)
+        else:
+            w1 = tl.load(w1_ptrs + g * 128)
+            w3 = tl.load(w3_ptrs + g * 128)
         if X8:
             xt = tl.trans(tl.load(x_ptrs + g * 128, mask=active[:, None], other=0.0))
             sx = tl.load(sx_rows + g, mask=active, other=0.0)
@@ -324,14 +331,18 @@ def _gate_up_store(acc1, acc3, nb, slot, smask, h8_ptr, hs_ptr, I):
 
 @triton.jit
 def _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I, stride_we, stride_se, stride_sn,
-               BM: tl.constexpr):
-    """Down projection of expert e, output block nb, over K groups [g0, g1): fp32 [128, BM]."""
+               w2_desc, BM: tl.constexpr, TMA: tl.constexpr):
+    """Down projection of expert e, output block nb, over K groups [g0, g1): fp32 [128, BM]. TMA: the weight tiles
+    through the descriptor (`moe_items._w_tma`)."""
     GI = I // 128
     w_ptrs, s_row, h_ptrs, nmask = _down_ptrs(h8_ptr, w2_ptr, s2_ptr, e, nb, slot, D, I, stride_we, stride_se,
                                               stride_sn)
     acc = tl.zeros((128, BM), dtype=tl.float32)
     for g in range(g0, g1):
-        w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
+        if TMA:
+            w = _w_tma(w2_desc, e, nb, g, D)
+        else:
+            w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
         h = tl.load(h_ptrs + g * 128, mask=active[:, None], other=0.0)
         hs = tl.load(hs_ptr + slot * GI + g, mask=active, other=0.0)
         acc += tl.dot(w, tl.trans(h)) * (hs * tl.load(s_row + g))[None, :]
@@ -352,7 +363,7 @@ def _moe_gate_up_kernel(x_ptr, sx_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, 
     e, is_leader, active, slot = _slot_info(idx_ptr, p, T, S, TOPK, J, BM, PPAD, KPAD)
     n_iter = tl.where(is_leader, D // 128, 0)
     acc1, acc3 = _gate_up_tile(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, 0, n_iter, D, stride_xm,
-                               stride_sxm, stride_we, stride_se, stride_sn, BM, X8)
+                               stride_sxm, stride_we, stride_se, stride_sn, None, None, I, BM, X8, False)
     _gate_up_store(acc1, acc3, nb, slot, active & is_leader, h8_ptr, hs_ptr, I)
 
 
@@ -369,7 +380,7 @@ def _moe_down_kernel(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
     e, is_leader, active, slot = _slot_info(idx_ptr, p, T, S, TOPK, J, BM, PPAD, KPAD)
     n_iter = tl.where(is_leader, I // 128, 0)
     acc = _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, 0, n_iter, D, I, stride_we, stride_se,
-                     stride_sn, BM)
+                     stride_sn, None, BM, False)
     rw = _slot_weights(rw_ptr, slot, active, TOPK, J)
     acc = acc * rw[None, :]
     offs_n = nb * 128 + tl.arange(0, 128)
@@ -409,16 +420,18 @@ def _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, G, S, TOPK: tl.constexpr, J
 
 @triton.jit
 def _moe_gate_up_persistent(x_ptr, sx_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h8_ptr, hs_ptr, part_ptr, cnt_ptr,
-                            T, D, I, stride_xm, stride_sxm, stride_we, stride_se, stride_sn, KS, S,
+                            w1_desc, w3_desc, T, D, I, stride_xm, stride_sxm, stride_we, stride_se, stride_sn, KS, S,
                             TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
                             KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, ITEM_REGS: tl.constexpr,
-                            NEXT_PF: tl.constexpr, KSU: tl.constexpr, TP: tl.constexpr, X8: tl.constexpr):
+                            NEXT_PF: tl.constexpr, KSU: tl.constexpr, TP: tl.constexpr, X8: tl.constexpr,
+                            TMA: tl.constexpr):
     """Work item (a, nb, ks): the a-th distinct expert, N-block nb, K slice ks, handed out round-robin over a
     grid of ~one program per SM, so the few experts a rank computes at decode still fill every SM. The last
     slice of (a, nb) to finish (atomic counter) sums the fp32 partials in slice order (deterministic) and
     writes h; it re-arms the counter. ITEM_REGS: the items without dependent loads (`moe_items`: KSU = KS slices
     unrolled in the fix-up, on TP = next_pow2(T) columns; NEXT_PF: the next item's weights asked of L2). X8: x_ptr
-    is the pre-quantized x8 (e4m3) with its row scales at sx_ptr, loaded per K group instead of quantizing x."""
+    is the pre-quantized x8 (e4m3) with its row scales at sx_ptr, loaded per K group instead of quantizing x. TMA:
+    the gate and up tiles through the host descriptors w1_desc / w3_desc (`weight_desc`; None without it)."""
     pdl_launch(PDL)
     _shared_prefetch(w1_ptr, S, stride_we, I * D, TOPK, J, PDL, PREFETCH)
     _shared_prefetch(w3_ptr, S, stride_we, I * D, TOPK, J, PDL, PREFETCH)
@@ -434,12 +447,14 @@ def _moe_gate_up_persistent(x_ptr, sx_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_p
                 _prefetch_item(w + tl.num_programs(0), n_items, iq, lead, rank, NB, KS, G, w1_ptr, w3_ptr,
                                stride_we, D, True)
             acc1, acc3 = _gate_up_tile_ahead(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
-                                             D, stride_xm, stride_sxm, stride_we, stride_se, stride_sn, BM, X8)
+                                             D, stride_xm, stride_sxm, stride_we, stride_se, stride_sn, w1_desc,
+                                             w3_desc, I, BM, X8, TMA)
         else:
             a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, G, S,
                                                             TOPK, J, BM, PPAD, KPAD)
             acc1, acc3 = _gate_up_tile(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1,
-                                       D, stride_xm, stride_sxm, stride_we, stride_se, stride_sn, BM, X8)
+                                       D, stride_xm, stride_sxm, stride_we, stride_se, stride_sn, w1_desc, w3_desc,
+                                       I, BM, X8, TMA)
         # fp32 partials [2, 128, T] per (a, nb, ks): the T token columns only (ITEM_REGS: TP columns, `_partial_tile`)
         if ITEM_REGS:
             C = TP
@@ -470,14 +485,15 @@ def _moe_gate_up_persistent(x_ptr, sx_ptr, idx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_p
 
 
 @triton.jit
-def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr,
+def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_ptr, w2_desc,
                          T, D, I, stride_we, stride_se, stride_sn, KS, S,
                          TOPK: tl.constexpr, J: tl.constexpr, BM: tl.constexpr, PPAD: tl.constexpr,
                          KPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, ITEM_REGS: tl.constexpr,
-                         NEXT_PF: tl.constexpr):
+                         NEXT_PF: tl.constexpr, TMA: tl.constexpr):
     """Work item (a, nb, ks) as in `_moe_gate_up_persistent`; slice ks writes its weighted partial to
     out[ks, slot], which the combine kernel sums in a fixed order. ITEM_REGS: without dependent loads (`moe_items`;
-    the route weights loaded before the loop; NEXT_PF: the next item's weights asked of L2)."""
+    the route weights loaded before the loop; NEXT_PF: the next item's weights asked of L2). TMA: the down tiles
+    through the host descriptor w2_desc (`weight_desc`; None without it)."""
     pdl_launch(PDL)
     _shared_prefetch(w2_ptr, S, stride_we, D * I, TOPK, J, PDL, PREFETCH)
     pdl_wait(PDL)  # the router's ids and weights, gate / up's h
@@ -494,12 +510,12 @@ def _moe_down_persistent(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, out_pt
                 _prefetch_item(w + tl.num_programs(0), n_items, iq, lead, rank, NB, KS, GI, w2_ptr, w2_ptr,
                                stride_we, I, False)
             acc = _down_tile_ahead(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I,
-                                   stride_we, stride_se, stride_sn, BM)
+                                   stride_we, stride_se, stride_sn, w2_desc, BM, TMA)
         else:
             a, nb, ks, e, active, slot, g0, g1 = _work_item(w, q, lead, rank, idx_ptr, T, NB, KS, GI, S,
                                                             TOPK, J, BM, PPAD, KPAD)
             acc = _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I,
-                             stride_we, stride_se, stride_sn, BM)
+                             stride_we, stride_se, stride_sn, w2_desc, BM, TMA)
             rw = _slot_weights(rw_ptr, slot, active, TOPK, J)
         acc = acc * rw[None, :]
         offs_n = nb * 128 + tl.arange(0, 128)
@@ -563,6 +579,61 @@ def _check_xq(xq, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (x8, sx))
 
 
+class _DescBase:
+    """What a host tensor descriptor reads of its base (the CUDA launcher: data_ptr() for the tensor map it encodes at
+    each launch; the JIT: dtype for the signature), without holding the tensor, so that the cache of `weight_desc`
+    keeps no freed stack alive. A descriptor is a function of (address, shape, strides, dtype) alone: an entry whose
+    tensor was freed describes exactly the memory of any later tensor with its key."""
+
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+@functools.lru_cache(maxsize=1024)  # ~3 stacks per MoE layer: 174 entries for 58 layers
+def _stack_desc(ptr: int, rows: int, K: int, dtype: torch.dtype, device: torch.device):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(_DescBase(ptr, dtype), [rows, K], [K, 1], [BLOCK, BLOCK])
+
+
+def has_tma(device: torch.device) -> bool:
+    """Whether `moe_experts(tma=True)` runs on `device` by default (`FastMoE` with switch `moe_tma`): a CUDA GPU of
+    compute capability >= 9.0 (Hopper's tensor memory accelerator). Elsewhere the pointer loads: an older GPU
+    (moe_experts refuses tma there) and the CPU's Triton interpreter, where the descriptors would be rebuilt at
+    every call for the same bits."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def weight_desc(name: str, w: torch.Tensor):
+    """Host tensor descriptor (triton's TensorDescriptor) of expert stack `name` w [E, N, K] (fp8) seen as [E * N,
+    K] with [128, 128] blocks, for `moe_experts(tma=True)`: cached per (address, shape, strides, dtype, device) on a
+    CUDA device, so a decode step builds none (the launcher still encodes its 128-byte tensor map per launch, on the
+    host; a CUDA graph holds the encoded one); built each call for the interpreter, which reads the tensor itself.
+    TMA's terms, each refused by name: a 16-byte aligned base, 16-byte aligned row stride (K bytes), a unit stride
+    along K, and N a multiple of 128: with N-blocks that overhang, the 2-D view would copy the next expert's first
+    rows where the pointer load's row mask gives 0 (TMA fills with 0 only past the whole [E * N, K] view)."""
+    E, N, K = w.shape
+    ok = {"a unit stride along K and rows of K elements (contiguous)": w.stride(-1) == 1 and w.stride(-2) == K
+          and w.stride(0) == N * K,
+          "a 16-byte aligned base address": w.data_ptr() % 16 == 0,
+          "16-byte aligned rows (K bytes a multiple of 16)": K * w.element_size() % 16 == 0,
+          f"N = {N} a multiple of {BLOCK} (no N-block reaching the next expert's rows)": N % BLOCK == 0}
+    bad = [what for what, good in ok.items() if not good]
+    if bad:
+        raise ValueError(f"moe_experts: tma needs {name} [{E}, {N}, {K}] (strides {list(w.stride())}, address "
+                         f"{w.data_ptr():#x}) with " + "; ".join(bad))
+    if not w.is_cuda:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return TensorDescriptor.from_tensor(w.view(E * N, K), [BLOCK, BLOCK])
+    return _stack_desc(w.data_ptr(), E * N, K, w.dtype, w.device)
+
+
 PERSISTENT_MAX_PAIRS = 64  # the persistent kernels compare all (token, slot) pairs pairwise: small P only
 LAYOUTS = ("pairs", "persistent", "grouped")
 
@@ -622,7 +693,7 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                 block_m: int | None = None, shared: bool = False, pdl: bool = False,
                 prefetch: bool = True, item_regs: bool = False, item_prefetch: bool = False,
                 warps: tuple[int, int] | None = None,
-                xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                xq: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool = False) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
@@ -666,6 +737,12 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     layout refuses it. The same bits as without it where (x8, sx) is x's quantization (`act_quant`'s: the ue8m0 scale
     and e4m3 rounding of x's values, which the norm kernels store for the y they return); x itself then only gives
     T, D, the device and the default out_dtype.
+    tma: the persistent layout's weight tiles (gate, up, down; either item loop) loaded by Hopper's tensor memory
+    accelerator, one bulk copy of a [128, 128] tile into shared memory per K group and weight, through host tensor
+    descriptors of the stacks seen as [E * N, K] (`weight_desc`: cached per stack, passed by value, so a CUDA graph
+    captures them), instead of pointer tensors compiled to cp.async (switch `FastPathOptions.moe_tma`). The same
+    tiles, scales, dots and sums in the same order: the same bits. Persistent layout only, on sm_90+ (or the
+    interpreter); a stack a descriptor cannot describe is refused by name (`weight_desc`).
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
@@ -709,6 +786,12 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         raise ValueError(f"moe_experts: warps must be (gate/up, down) num_warps, each 4 or 8, got {warps!r}")
     if add is not None and (add.dtype != torch.float32 or tuple(add.shape) != (T, D) or not add.is_contiguous()):
         raise ValueError(f"moe_experts: add must be contiguous fp32 [{T}, {D}], got {add.dtype} {list(add.shape)}")
+    if not isinstance(tma, bool) or (tma and layout != "persistent"):
+        raise ValueError(f"moe_experts: tma must be a bool, and True only with the 'persistent' layout; got {tma!r} "
+                         f"with layout {layout!r}")
+    if tma and x_TD.is_cuda and torch.cuda.get_device_capability(x_TD.device)[0] < 9:
+        raise ValueError(f"moe_experts: tma needs a GPU with TMA (compute capability >= 9.0), got "
+                         f"{torch.cuda.get_device_name(x_TD.device)}")
     if xq is not None:
         if layout == "grouped":
             raise ValueError("moe_experts: xq (x pre-quantized) is for the 'pairs' and 'persistent' layouts; the "
@@ -764,14 +847,17 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         items = dict(ITEM_REGS=item_regs, NEXT_PF=item_regs and item_prefetch and asm_ok(x))
         fix = dict(KSU=ks_gu, TP=cols) if item_regs else dict(KSU=1, TP=1)
         wu, wd = warps or (4, 4)
+        # tma: the weight tiles through host tensor descriptors (cached per stack); else None (constexpr, unused)
+        d_gate, d_up, d_down = (weight_desc(n, w) for n, w in (("w_gate", w_gate), ("w_up", w_up),
+                                                               ("w_down", w_down))) if tma else (None,) * 3
         _moe_gate_up_persistent[(min(g_gu, n_act * nb * ks_gu),)](
-            xa, sxa, idx, *wargs, h8, hs, gu_part, cnt, T, D, I, xa.stride(0), stride_sxm, w_gate.stride(0),
-            s_gate.stride(0), s_gate.stride(1), ks_gu, S, num_stages=gate_up_stages or 4, X8=xq is not None,
-            **dict(kw, num_warps=wu), **items, **fix)
+            xa, sxa, idx, *wargs, h8, hs, gu_part, cnt, d_gate, d_up, T, D, I, xa.stride(0), stride_sxm,
+            w_gate.stride(0), s_gate.stride(0), s_gate.stride(1), ks_gu, S, num_stages=gate_up_stages or 4,
+            X8=xq is not None, TMA=tma, **dict(kw, num_warps=wu), **items, **fix)
         part = torch.empty(ks_down, P, D, dtype=torch.float32, device=dev)
         _moe_down_persistent[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
-            h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0), s_down.stride(0), s_down.stride(1),
-            ks_down, S, num_stages=down_stages or 5, **dict(kw, num_warps=wd), **items)
+            h8, hs, idx, rw, w_down, s_down, part, d_down, T, D, I, w_down.stride(0), s_down.stride(0),
+            s_down.stride(1), ks_down, S, num_stages=down_stages or 5, TMA=tma, **dict(kw, num_warps=wd), **items)
     return _combine(part, idx, add, T, D, J, ks_down, out_dtype or x_TD.dtype, shared, pdl)
 
 

@@ -41,6 +41,9 @@ Here, each work item's tiles and sums are the same, in the same order (bit-ident
 Both item loops' gate/up take x either as bf16, quantized per K group in the loop (`_x_quant`), or pre-quantized (X8,
 `moe.moe_experts(xq=)`: x8's tile a dot operand straight from its cp.async buffer, its row scales loaded as the
 weights' are): the K loop's SASS at a split rank's shapes (triton 3.6) 360 instructions per K group against 230.
+Both item loops take their weight tiles either as pointer tensors (cp.async) or, with TMA (`moe.moe_experts(tma=True)`),
+through host tensor descriptors (`_w_tma`: one bulk tensor copy per tile, issued by one thread, done on an mbarrier),
+the same tiles in the same buffers: the pipeliner multi-buffers both alike.
 """
 
 from __future__ import annotations
@@ -97,6 +100,15 @@ def _prefetch_item(w, n_items, iq, lead, rank, NB, KS, G, wa_ptr, wb_ptr, stride
 
 
 @triton.jit
+def _w_tma(w_desc, e, nb, g, N):
+    """Weight tile [128, 128] (fp8) of expert e, N-block nb, K group g as one bulk tensor copy (TMA) through the
+    descriptor of the [E, N, K] stack seen as [E * N, K] (`moe.weight_desc`). N is a multiple of 128
+    (`moe_experts` checks D and I), so an N-block never reaches the next expert's rows: the same tile as the
+    pointer load of `_gate_up_ptrs` / `_down_ptrs`, whose row mask is then all true."""
+    return w_desc.load([e * N + nb * 128, g * 128])
+
+
+@triton.jit
 def _gate_up_ptrs(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, D, stride_xm, stride_sxm, stride_we,
                   stride_se, stride_sn, BM: tl.constexpr):
     """Expert e's gate and up tiles of N-block nb at K group 0 ([128, 128] pointers), their scale rows, x's [BM, 128]
@@ -136,10 +148,11 @@ def _down_ptrs(h8_ptr, w2_ptr, s2_ptr, e, nb, slot, D, I, stride_we, stride_se, 
 
 @triton.jit
 def _gate_up_tile_ahead(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, g0, g1, D, stride_xm,
-                        stride_sxm, stride_we, stride_se, stride_sn, BM: tl.constexpr, X8: tl.constexpr):
+                        stride_sxm, stride_we, stride_se, stride_sn, w1_desc, w3_desc, I, BM: tl.constexpr,
+                        X8: tl.constexpr, TMA: tl.constexpr):
     """`moe._gate_up_tile` (the same tiles, the same fp32 sums in the same order) with the weight scales of group
     g + 1 loaded in iteration g, the first group's before the loop; with X8 x's row scales too (x8's tile is a dot
-    operand, so the pipeliner issues it ahead with the weights' by itself)."""
+    operand, so the pipeliner issues it ahead with the weights' by itself). TMA: the weight tiles by `_w_tma`."""
     w1_ptrs, w3_ptrs, s1_row, s3_row, x_ptrs, sx_rows = _gate_up_ptrs(
         x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, D, stride_xm, stride_sxm, stride_we, stride_se,
         stride_sn, BM)
@@ -154,8 +167,12 @@ def _gate_up_tile_ahead(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, ac
         s3 = s3n
         s1n = tl.load(s1_row + g + 1, mask=g + 1 < g1, other=0.0)
         s3n = tl.load(s3_row + g + 1, mask=g + 1 < g1, other=0.0)
-        w1 = tl.load(w1_ptrs + g * 128)
-        w3 = tl.load(w3_ptrs + g * 128)
+        if TMA:
+            w1 = _w_tma(w1_desc, e, nb, g, I)
+            w3 = _w_tma(w3_desc, e, nb, g, I)
+        else:
+            w1 = tl.load(w1_ptrs + g * 128)
+            w3 = tl.load(w3_ptrs + g * 128)
         if X8:
             sx = sxn
             sxn = tl.load(sx_rows + g + 1, mask=active & (g + 1 < g1), other=0.0)
@@ -169,9 +186,9 @@ def _gate_up_tile_ahead(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, ac
 
 @triton.jit
 def _down_tile_ahead(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I, stride_we, stride_se,
-                     stride_sn, BM: tl.constexpr):
+                     stride_sn, w2_desc, BM: tl.constexpr, TMA: tl.constexpr):
     """`moe._down_tile` (the same tiles and sums) with h's and the weight's scales of group g + 1 loaded in
-    iteration g, the first group's before the loop."""
+    iteration g, the first group's before the loop. TMA: the weight tiles by `_w_tma`."""
     GI = I // 128
     w_ptrs, s_row, h_ptrs, nmask = _down_ptrs(h8_ptr, w2_ptr, s2_ptr, e, nb, slot, D, I, stride_we, stride_se,
                                               stride_sn)
@@ -184,7 +201,10 @@ def _down_tile_ahead(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1
         s = sn
         hsn = tl.load(hs_row + g + 1, mask=active & (g + 1 < g1), other=0.0)
         sn = tl.load(s_row + g + 1, mask=g + 1 < g1, other=0.0)
-        w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
+        if TMA:
+            w = _w_tma(w2_desc, e, nb, g, D)
+        else:
+            w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
         h = tl.load(h_ptrs + g * 128, mask=active[:, None], other=0.0)
         acc += tl.dot(w, tl.trans(h)) * (hs * s)[None, :]
     return acc

@@ -97,9 +97,12 @@ def test_item_regs_compile_for_hopper():
     base = dict(TOPK=9, J=8, BM=16, KPAD=16, PPAD=16, PREFETCH=True, PDL=1)
     aligned = ("D", "I", "stride_xm", "stride_we", "stride_se")
     gu_ptrs = dict(x_ptr=bf, idx_ptr=i32, w1_ptr=f8, w3_ptr=f8, h8_ptr=f8, cnt_ptr=i32)
-    kernels = {"gate_up": (moe._moe_gate_up_persistent, gu_ptrs, dict(KSU=7, TP=1, X8=False), 4),
-               "gate_up T=4": (moe._moe_gate_up_persistent, gu_ptrs, dict(PPAD=64, KSU=2, TP=4, X8=False), 4),
-               "down": (moe._moe_down_persistent, dict(h8_ptr=f8, idx_ptr=i32, w2_ptr=f8), {}, 5)}
+    gu_off = dict(TMA=False, w1_desc=None, w3_desc=None)  # the weight tiles by cp.async (test_moe_tma.py: by TMA)
+    down_off = dict(TMA=False, w2_desc=None)
+    kernels = {"gate_up": (moe._moe_gate_up_persistent, gu_ptrs, dict(KSU=7, TP=1, X8=False, **gu_off), 4),
+               "gate_up T=4": (moe._moe_gate_up_persistent, gu_ptrs, dict(PPAD=64, KSU=2, TP=4, X8=False, **gu_off),
+                               4),
+               "down": (moe._moe_down_persistent, dict(h8_ptr=f8, idx_ptr=i32, w2_ptr=f8), down_off, 5)}
     for name, (kernel, ptrs, extra, stages) in kernels.items():
         k = _compile_for_hopper(kernel, ptrs, dict(base, ITEM_REGS=True, NEXT_PF=True, **extra), num_warps=4,
                                 num_stages=stages, aligned=aligned)
@@ -129,7 +132,8 @@ def test_item_regs_compile_for_hopper():
             assert ttgir.count("cacheModifier = cg") == 2 * extra["KSU"], name
             assert not re.search(r"scf\.for %s\w* = ", ttgir), name
     # the switch off, for contrast: the ids loaded in the item loop, a load after the tiles' wait, the fix-up's loop
-    k = _compile_for_hopper(moe._moe_down_persistent, kernels["down"][1], dict(base, ITEM_REGS=False, NEXT_PF=False),
+    k = _compile_for_hopper(moe._moe_down_persistent, kernels["down"][1], dict(base, ITEM_REGS=False, NEXT_PF=False,
+                                                                                **down_off),
                             num_warps=4, num_stages=5, aligned=aligned)
     assert re.search(r"tt\.load [^\n]*!tt\.ptr<i32>", _item_loop(k.asm["ttgir"]))
     assert any("ld.global" in b[b.index("cp.async.wait_group"):] for b in _k_loops(k.asm["ptx"]))

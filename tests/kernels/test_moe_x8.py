@@ -76,7 +76,7 @@ def test_x8_compile_for_hopper():
     f8 = "*fp8e4nv"
     # the default item loop (item_regs; the other one's x8 path is held to its bits by the interpreter checks)
     consts = dict(TOPK=9, J=8, BM=16, KPAD=16, PPAD=16, PREFETCH=True, PDL=1, ITEM_REGS=True, NEXT_PF=False, KSU=7,
-                  TP=1)
+                  TP=1, TMA=False, w1_desc=None, w3_desc=None)
     aligned = ("D", "I", "stride_xm", "stride_sxm", "stride_we", "stride_se")
     ptrs = dict(idx_ptr="*i32", w1_ptr=f8, w3_ptr=f8, h8_ptr=f8, cnt_ptr="*i32")
     loops = {}
