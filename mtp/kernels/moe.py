@@ -70,8 +70,9 @@ from mtp.kernels._triton import (asm_ok, pdl_kwargs, pdl_launch, pdl_mode, pdl_w
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
-from mtp.kernels.moe_items import (_down_ptrs, _down_tile_ahead, _fixup_sums, _gate_up_ptrs, _gate_up_tile_ahead,
-                                   _item_regs, _item_rows, _partial_tile, _prefetch_item, _w_tma, _x_quant)
+from mtp.kernels.moe_items import (_down_ptrs, _down_tile_ahead, _down_weights, _fixup_sums, _gate_up_ptrs,
+                                   _gate_up_tile_ahead, _gate_up_weights, _item_regs, _item_rows, _partial_tile,
+                                   _prefetch_item, _x_quant)
 
 __all__ = ["wave_splits", "waves_for", "moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts",
            "moe_experts_ref", "gate_logits", "default_layout", "weight_desc", "has_tma", "MAX_TOKENS", "PAIRS_MAX_TOKENS",
@@ -294,19 +295,14 @@ def _gate_up_tile(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, active, 
                   TMA: tl.constexpr):
     """gate and up of expert e, N-block nb, over K groups [g0, g1): fp32 accumulators [128, BM] (x quantized
     per 128 in registers, or with X8 its fp8 tile and row scales loaded (`moe_experts(xq=)`); rows of tokens not
-    routed to e read as 0). TMA: the weight tiles through the descriptors (`moe_items._w_tma`)."""
+    routed to e read as 0). TMA: the weight tiles through the descriptors (`moe_items._gate_up_weights`)."""
     w1_ptrs, w3_ptrs, s1_row, s3_row, x_ptrs, sx_rows = _gate_up_ptrs(
         x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, D, stride_xm, stride_sxm, stride_we, stride_se,
         stride_sn, BM)
     acc1 = tl.zeros((128, BM), dtype=tl.float32)
     acc3 = tl.zeros((128, BM), dtype=tl.float32)
     for g in range(g0, g1):
-        if TMA:
-            w1 = _w_tma(w1_desc, e, nb, g, I)
-            w3 = _w_tma(w3_desc, e, nb, g, I)
-        else:
-            w1 = tl.load(w1_ptrs + g * 128)
-            w3 = tl.load(w3_ptrs + g * 128)
+        w1, w3 = _gate_up_weights(w1_desc, w3_desc, w1_ptrs, w3_ptrs, e, nb, g, I, TMA)
         if X8:
             xt = tl.trans(tl.load(x_ptrs + g * 128, mask=active[:, None], other=0.0))
             sx = tl.load(sx_rows + g, mask=active, other=0.0)
@@ -333,16 +329,13 @@ def _gate_up_store(acc1, acc3, nb, slot, smask, h8_ptr, hs_ptr, I):
 def _down_tile(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1, D, I, stride_we, stride_se, stride_sn,
                w2_desc, BM: tl.constexpr, TMA: tl.constexpr):
     """Down projection of expert e, output block nb, over K groups [g0, g1): fp32 [128, BM]. TMA: the weight tiles
-    through the descriptor (`moe_items._w_tma`)."""
+    through the descriptor (`moe_items._down_weights`)."""
     GI = I // 128
     w_ptrs, s_row, h_ptrs, nmask = _down_ptrs(h8_ptr, w2_ptr, s2_ptr, e, nb, slot, D, I, stride_we, stride_se,
                                               stride_sn)
     acc = tl.zeros((128, BM), dtype=tl.float32)
     for g in range(g0, g1):
-        if TMA:
-            w = _w_tma(w2_desc, e, nb, g, D)
-        else:
-            w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
+        w = _down_weights(w2_desc, w_ptrs, nmask, e, nb, g, D, TMA)
         h = tl.load(h_ptrs + g * 128, mask=active[:, None], other=0.0)
         hs = tl.load(hs_ptr + slot * GI + g, mask=active, other=0.0)
         acc += tl.dot(w, tl.trans(h)) * (hs * tl.load(s_row + g))[None, :]

@@ -109,6 +109,30 @@ def _w_tma(w_desc, e, nb, g, N):
 
 
 @triton.jit
+def _gate_up_weights(w1_desc, w3_desc, w1_ptrs, w3_ptrs, e, nb, g, I, TMA: tl.constexpr):
+    """Expert e's gate and up tiles of N-block nb at K group g: by TMA (`_w_tma`) or from the pointers of
+    `_gate_up_ptrs` (both item loops' K loop)."""
+    if TMA:
+        w1 = _w_tma(w1_desc, e, nb, g, I)
+        w3 = _w_tma(w3_desc, e, nb, g, I)
+    else:
+        w1 = tl.load(w1_ptrs + g * 128)
+        w3 = tl.load(w3_ptrs + g * 128)
+    return w1, w3
+
+
+@triton.jit
+def _down_weights(w2_desc, w_ptrs, nmask, e, nb, g, D, TMA: tl.constexpr):
+    """Expert e's down tile of output block nb at K group g: by TMA (`_w_tma`) or from `_down_ptrs`' pointers, rows
+    past D masked (both item loops' K loop)."""
+    if TMA:
+        w = _w_tma(w2_desc, e, nb, g, D)
+    else:
+        w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
+    return w
+
+
+@triton.jit
 def _gate_up_ptrs(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, D, stride_xm, stride_sxm, stride_we,
                   stride_se, stride_sn, BM: tl.constexpr):
     """Expert e's gate and up tiles of N-block nb at K group 0 ([128, 128] pointers), their scale rows, x's [BM, 128]
@@ -167,12 +191,7 @@ def _gate_up_tile_ahead(x_ptr, sx_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, e, nb, ac
         s3 = s3n
         s1n = tl.load(s1_row + g + 1, mask=g + 1 < g1, other=0.0)
         s3n = tl.load(s3_row + g + 1, mask=g + 1 < g1, other=0.0)
-        if TMA:
-            w1 = _w_tma(w1_desc, e, nb, g, I)
-            w3 = _w_tma(w3_desc, e, nb, g, I)
-        else:
-            w1 = tl.load(w1_ptrs + g * 128)
-            w3 = tl.load(w3_ptrs + g * 128)
+        w1, w3 = _gate_up_weights(w1_desc, w3_desc, w1_ptrs, w3_ptrs, e, nb, g, I, TMA)
         if X8:
             sx = sxn
             sxn = tl.load(sx_rows + g + 1, mask=active & (g + 1 < g1), other=0.0)
@@ -201,10 +220,7 @@ def _down_tile_ahead(h8_ptr, hs_ptr, w2_ptr, s2_ptr, e, nb, active, slot, g0, g1
         s = sn
         hsn = tl.load(hs_row + g + 1, mask=active & (g + 1 < g1), other=0.0)
         sn = tl.load(s_row + g + 1, mask=g + 1 < g1, other=0.0)
-        if TMA:
-            w = _w_tma(w2_desc, e, nb, g, D)
-        else:
-            w = tl.load(w_ptrs + g * 128, mask=nmask[:, None], other=0.0)
+        w = _down_weights(w2_desc, w_ptrs, nmask, e, nb, g, D, TMA)
         h = tl.load(h_ptrs + g * 128, mask=active[:, None], other=0.0)
         acc += tl.dot(w, tl.trans(h)) * (hs * s)[None, :]
     return acc
