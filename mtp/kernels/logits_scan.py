@@ -17,7 +17,9 @@ are the same in any order), so deterministic.
 Predicted (H200; to be measured by `python -m mtp.bench.small_kernels --only logits`): ~4-6 us per call at R = 1..4
 (a DRAM round trip for the chunk, one for the counter, one for the partials, and the launch), against torch's
 27.8 us argmax and ~35 us flag; an eagle k = 3 step ~150 -> ~20 us (the verify's argmax and flag in one launch, 3
-draft argmaxes), a plain step ~60 -> ~5 us.
+draft argmaxes), a plain step ~60 -> ~5 us. Measured (H200, session 19, BENCHMARKS.md): argmax + flag 80.3 -> 4.6 us
+at one row, 75.7 -> 5.4 at four, 142.8 -> 21.3 at 64; the eagle k = 3 step 8.821 -> 8.694 ms GPU, the plain step
+4.973 -> 4.886.
 
 The rules, those of torch:
 - argmax: the first index of the row's maximum; a NaN counts as larger than everything (torch.argmax returns the first
