@@ -245,7 +245,7 @@ def _kernel_checks() -> None:
     g = torch.Generator().manual_seed(0)
     n = 0
     for V in (1, 2, 7, 37, 101):
-        for R in range(1, 6):
+        for R in (1, 2, 5):  # the interpreter is slow: one, two and an odd row count
             x = torch.randn(R, V, generator=g)
             for chunk in (1, 4, 16, None):
                 _check(x, chunk, "random", full=chunk == 4)
@@ -255,9 +255,11 @@ def _kernel_checks() -> None:
             for rows in (x, x[1:2], x[2:]):  # each row's own flag, and all of them together
                 _check(rows, chunk, name, full=rows is x)
                 n += 1
-            for dtype in (torch.bfloat16, torch.float16):  # they round the values (1e30 and the extremes go to inf
-                _check(x.to(dtype), chunk, name, full=False)  # in fp16): against torch on what they became
-                n += 1
+            # they round the values (1e30 and the extremes go to inf in fp16): against torch on what they became;
+            # one of the two per chunking (the interpreter is slow), both over the whole set
+            dtype = (torch.bfloat16, torch.float16)[(V + chunk) % 2]
+            _check(x.to(dtype), chunk, name, full=False)
+            n += 1
     # ties in bf16 made by rounding: many equal maxima spread over chunks
     x = (torch.randn(4, 300, generator=g) * 0.01).round(decimals=1).bfloat16()
     _check(x, 16, "bf16 rounding ties")
