@@ -177,16 +177,8 @@ def kernel_profile(replay, steps: int = 10, top: int = 30) -> dict:
     counts the wait for its predecessor) and the rows are sorted by it; `busy_us_per_step` is the union of every
     device span (what the rows' exposed times sum to, unless the filter below drops a row); `idle_us_per_step` is the rest of the replays' span (first kernel's start to last kernel's
     end, per step): the device running no kernel between launches (graph launch gaps, PDL waits not overlapped)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            replay()
-        torch.cuda.synchronize()
-    spans = [(e.key, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    prof, spans, _ = _profiled(lambda: [replay() for _ in range(steps)])
     exposed = exposed_us(spans)
     rows = []
     for e in prof.key_averages():
@@ -235,9 +227,9 @@ def difference_profile(short: dict, long: dict, steps: int, top: int = 40) -> di
             "kernels_per_step": sum(r["calls_per_step"] for r in rows), "top": rows[:top]}
 
 
-def profile_call(fn) -> dict:
-    """`span_totals` of the CUDA work of one call of fn (torch.profiler / CUPTI: the kernels of replayed graphs
-    too), with fn's return value under "result"."""
+def _profiled(fn):
+    """One call of fn under torch.profiler's CUDA activity (CUPTI: the kernels of replayed graphs too), the device
+    synchronized before and after: (the profile, its device spans (name, start, end) in us, fn's return value)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -248,9 +240,15 @@ def profile_call(fn) -> dict:
         result = fn()
         if cuda:
             torch.cuda.synchronize()
-    spans = [(e.key, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA
-             and not e.key.startswith("cuda")]
-    return {**span_totals(spans), "result": result}
+    spans = [(e.key, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return prof, spans, result
+
+
+def profile_call(fn) -> dict:
+    """`span_totals` of the CUDA work of one call of fn (`_profiled`; runtime API rows, named cuda*, left out), with
+    fn's return value under "result"."""
+    _, spans, result = _profiled(fn)
+    return {**span_totals([t for t in spans if not t[0].startswith("cuda")]), "result": result}
 
 
 def timer(cuda: bool, iters: int = 20, warmup: int = 3):
