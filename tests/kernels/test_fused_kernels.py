@@ -503,7 +503,6 @@ def _stage2_absorb_checks() -> None:
 
     from mtp.kernels.absorb import absorb_out, absorb_out_ref
     from mtp.kernels.mla_decode import mla_decode
-    from mtp.model.fp8 import act_quant
 
     patch_interpreter_loop_bounds()  # the merge loops over a runtime split count
     patch_interpreter_bf16_dot()  # else the bf16 products are garbage, on both sides alike
