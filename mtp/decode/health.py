@@ -30,12 +30,6 @@ def collapsed(x: torch.Tensor) -> torch.Tensor:
     return x.amax(-1) == x.amin(-1)
 
 
-def unhealthy(logits: torch.Tensor) -> torch.Tensor:
-    """0-d bool: some logit is non-finite, or some row's logits are all equal: the check's rule, in plain torch (the
-    reference of `mtp.kernels.logits_scan`, which imports it from here)."""
-    return ~torch.isfinite(logits).all() | collapsed(logits).any()
-
-
 def logits_nonfinite(flag: torch.Tensor, logits: torch.Tensor, opts=None) -> None:
     """flag |= any logit is non-finite or some position's logits are all equal; device ops only (safe inside a
     captured step). opts: as `scan`'s."""
@@ -52,7 +46,7 @@ def scan(logits: torch.Tensor, opts=None, flag: torch.Tensor | None = None, argm
 
         return scan_logits(logits, opts, flag, argmax)
     if flag is not None:
-        flag.logical_or_(unhealthy(logits))
+        flag.logical_or_(~torch.isfinite(logits).all() | collapsed(logits).any())
     return logits.argmax(dim=-1) if argmax else None
 
 

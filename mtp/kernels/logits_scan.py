@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import torch
 
-from mtp.decode.health import collapsed, unhealthy
 from mtp.kernels._triton import require, tl, triton
 from mtp.kernels.fp8_gemm import _COUNTER_SLOTS, _counters
 
@@ -47,8 +46,14 @@ MAX_CHUNKS = 1024  # the last program's combine loads at most this many partials
 MAX_ROWS = min(_COUNTER_SLOTS // 4, 65535)  # one counter per row; the grid's second dimension
 
 
-# the check's rule, defined once in plain torch beside the engine's flag (that module imports no kernel at load)
-unhealthy_ref = unhealthy
+def collapsed(x: torch.Tensor) -> torch.Tensor:
+    """Per vector (last dim): every value equal (a state collapsed to zero, logits that rank nothing)."""
+    return x.amax(-1) == x.amin(-1)
+
+
+def unhealthy_ref(logits: torch.Tensor) -> torch.Tensor:
+    """0-d bool: some logit is non-finite, or some row's logits are all equal (`mtp.decode.health`'s check)."""
+    return ~torch.isfinite(logits).all() | collapsed(logits).any()
 
 
 def logits_scan_ref(logits: torch.Tensor, flag: torch.Tensor | None = None, argmax: bool = True) -> torch.Tensor | None:
