@@ -12,14 +12,14 @@ epilogue (scales, route weight, a masked [128, T] fp32 store of a partial), and 
 more, ~2 us a layer) sums the partials. Session 14's flattened (item, group) loop (branch `downflat`) kept the
 per-item values in registers and paid ~18 barriers an iteration extracting them (tl.sum(tl.where(...))).
 
-Here a program owns BN rows of y for every token and loops over i = a * GI + g for all A experts and their GI groups
-in one `for` loop that Triton's pipeliner multi-buffers across expert boundaries: acc [BN, TP] += dot(W_e[rows, group
-g], h^T) * cs[None, :], with h's row t the h8 row of the pair that routed token t to e (zeros where none) and cs[t] =
-h's scale x the weight's block scale x the route weight (0 where none, so that column adds an exact 0). Then y[t,
-rows] = acc (+ add) is stored: no partial buffer, no combine launch. Everything an iteration needs is a load whose
-address is affine in i (the expert id, the token slots, the column scales) or depends on one such load (the weight
-tile on the id, the h tile on the slots): a plan in global memory, which each program builds before its loop
-(`_plan`):
+Here a program owns BN rows of y for every token and loops over the A experts' GI groups, GU (1 or 2) groups an
+iteration, in one `for` loop that Triton's pipeliner multi-buffers across expert boundaries: acc [BN, TP] += dot(W_e[
+rows, group g], h^T) * cs[None, :], with h's row t the h8 row of the pair that routed token t to e (zeros where none)
+and cs[t] = h's scale x the weight's block scale x the route weight (0 where none, so that column adds an exact 0).
+Then y[t, rows] = acc (+ add) is stored: no partial buffer, no combine launch. Everything an iteration needs is a
+load whose address is affine in i (the expert id, the token slots, the column scales) or depends on one such load
+(the weight tile on the id, the h tile on the slots): a plan in global memory, which each program builds before its
+loop (`_plan`):
 - elist [A]: the distinct experts by ascending id (the shared expert S = E - 1 then last: y = routed + shared, as the
   reference orders it);
 - slots [A, TP]: per (expert, token) the flat pair (its h8 row), or -1;
@@ -34,12 +34,30 @@ per-iteration loads, and would tie the two kernels to one buffer format. The pri
 critical path after the wait: the ids' load, the down scales' load that depends on them, stores and two barriers
 (predicted ~1 us a call more than a plan read from L2).
 
+Session 15 measured a kernel of this grid slower (`moe_down_fused`, branch `moedown2`: a program per 64 rows, one
+loop over the call's (pair, K group) iterations, 4 x 8 KB tiles ahead, the combine's sum order; the experts 86.5 vs
+76.6 us at T = 4). Here: one iteration per distinct expert at I = 256 (GU = 2: half the trips, each with the loop's
+fixed cost), the column scales precomputed (no scale load after a wgmma's wait), and 5 x 16 KB of weight ahead per
+program (`DEFAULT_STAGES`): session 19's probe streamed the down tiles in 18.6 us with 64 KB ahead per SM, 25.7 with 48.
+
 Pipelining (sm_90, triton 3.6): the expert id and the token slots are indirection loads (they feed the weight's and
-h's addresses), which the pipeliner issues as cp.async stages ahead of the tiles that depend on them; the column
+h's addresses), which the pipeliner issues as cp.async a stage ahead of the tiles that depend on them; the column
 scales feed no dot and no address, so a load of them in their iteration would be left there, after the previous
 wgmma's wait (a round trip per iteration, as `moe_items` found of the item loop's scales): they are loaded one
 iteration ahead instead (not further: a value carried over two iterations makes triton 3.6's pipeliner drop the
-loop, `moe_items`). The indirection costs half the stages: num_stages S gives (S + 1) // 2 tile buffers.
+loop, `moe_items`). The indirection costs half the stages: num_stages S gives (S + 1) // 2 buffers. Compiled at a
+TP=8 split rank's shapes (tests/kernels/test_moe_down_nb.py): one loop, no nested one; per iteration 2 bar.sync with
+cp.async tiles (3 with TMA at one group, 4 at two), 264 SASS instructions at BN = 64 and two groups (cp.async; 212-253
+by TMA), 168 at one group; no spills; 123 KB of shared memory at the default 11 stages.
+
+Predicted (to be measured: `python -m mtp.bench.topk_moe --only moe_down_nb`; before: BENCHMARKS.md sessions 12-19,
+H200, exposed per MoE layer): at T = 4, down 29.4 + combine ~2.2 = ~31.6 us before; after, 33 experts x 7168 x 256
+bytes = 60.5 MB at the probe's 3.25 TB/s = 18.6 us of streaming, + ~3 us from the wait to the first tile (the ids
+0.5, the down scales 1, stores and barriers, the plan read back 0.5, a tile 1) + ~0.5 us of store: ~22 us if 112
+programs of 80 KB ahead stream at the probe's best rate, ~29 at its one-program-per-SM rate (25.7): -3 to -10 us a
+layer, -0.15 to -0.55 ms a step at w = 4 (58 MoE layers). At T = 1, down ~9.7 + combine ~2.4 = ~12 us before; after,
+16.5 MB (5.1 us at 3.25 TB/s) in 9 iterations a program, mostly the pipeline's ramp (the probe's best 7.6 us), + ~3
+us to the first tile: ~8-9 us, -3 to -4 us a layer, -0.17 to -0.23 ms a step at w = 1.
 
 Numerics: the same FP8 products as `moe._down_tile` (the same [128-K] dot per group, fp32 accumulate), summed in
 another order (expert by expert ascending, each group's product times hs x s x w, where the item kernel sums an
@@ -64,10 +82,12 @@ DOWN_NB_ROWS = (32, 64, 128)  # rows of D per program: a divisor of a weight-sca
 # sweep (`python -m mtp.bench.topk_moe --only moe_down_nb`)
 DEFAULT_ROWS = 64
 # num_stages by K groups an iteration: the indirection halves the depth ((S + 1) // 2 buffers of GU weight + h tiles),
-# so 9 at one group (5 x (8 + 2) KB at BN = 64, T <= 16) and 7 at two (4 x 2 x (8 + 2) KB): 3.6 / 5.4 MB ahead over
-# 112 programs, 1.1 / 1.6 us of HBM at 3.3 TB/s (Little's law: the latency under load ~1-1.5 us). A guess before the
-# sweep; session 15's moe_down_fused (pairs, one group an iteration) measured 5 to 13 stages within 3 us of each other
-DEFAULT_STAGES = {1: 9, 2: 7}
+# so 11 at two groups: 6 x 2 x (8 + 2) KB of shared memory at BN = 64, T <= 16, 5 x 16 KB = 80 KB of weight in flight
+# per program; 13 at one group: 7 x (8 + 2) KB, 48 KB in flight. Why that much: the down items streamed alone
+# (`mtp.bench.weight_reads`, H200, session 19, T = 4) took 18.6 us with 2 programs of 2 x 16 KB ahead per SM (64 KB)
+# and 25.7 with one program of 3 x 16 KB (48 KB): HBM at ~25 GB/s per SM wants ~64 KB ahead per SM on 132 SMs, ~75
+# on this grid's 112. A guess before the GPU sweep
+DEFAULT_STAGES = {1: 13, 2: 11}
 
 
 def default_tile(I: int) -> tuple[int, int]:
@@ -186,8 +206,8 @@ def resolve_tile(tile: tuple[int, int] | None, I: int) -> tuple[int, int]:
         return default_tile(I)
     if not (isinstance(tile, tuple) and len(tile) == 2 and tile[0] in DOWN_NB_ROWS and tile[1] in (1, 2)
             and (I // 128) % tile[1] == 0):
-        raise ValueError(f"moe_experts: down_tile must be (rows, K groups an iteration) with rows one of {DOWN_NB_ROWS} "
-                         f"and 1 or 2 groups dividing I / 128 = {I // 128}, got {tile!r}")
+        raise ValueError(f"moe_experts: down_tile must be (rows, K groups an iteration) with rows one of "
+                         f"{DOWN_NB_ROWS} and 1 or 2 groups dividing I / 128 = {I // 128}, got {tile!r}")
     return tile
 
 
