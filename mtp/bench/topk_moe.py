@@ -570,8 +570,8 @@ def moe_down_nb_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256,
     for T, x, xq, rw, sets, floor_us, shape, ref in split_rank_cases(D, Is, E, world, _expert_bytes(Is, D),
                                                                      copy_bandwidth(), ws):
         call = lambda s, **kw: moe_experts(x, s, rw, *ws, out_dtype=torch.float32, shared=True,  # noqa: E731
-                                           layout="persistent", splits="waves", item_regs=True, xq=xq,
-                                           **dict(dict(tma=tma), **kw))
+                                           layout="persistent", item_regs=True, xq=xq,
+                                           **dict(dict(splits="waves", tma=tma), **kw))
         base = [call(s) for s in sets]
         variants = [("default (down + combine)", {})]
         for name, kw in down_nb_variants(quick, tma):
