@@ -186,7 +186,8 @@ class FastMoE(MoE):
     distinct local expert (`all_local`, switch `moe_wave_splits`), its work items without dependent loads with
     switch `moe_item_regs` (any persistent call; the same bits), its gate/up on the block's quantized x (`forward`'s
     xq) with switch `moe_x8` (any persistent call; the same bits), its weight tiles by TMA with switch `moe_tma` (any
-    persistent call on a GPU with TMA, `moe.has_tma`; the same bits). `set_kernel_options` switches. Above
+    persistent call on a GPU with TMA, `moe.has_tma`; the same bits), its down projection by output block with switch
+    `moe_down_nb` (any persistent call; no combine launch, another fp32 sum order). `set_kernel_options` switches. Above
     `grouped_above` tokens (verify batches, prefill) every MoE runs the grouped GEMM (`kernels.moe_grouped`),
     `max_tokens` per call."""
 
@@ -300,7 +301,8 @@ class FastMoE(MoE):
                                prefetch=self.fast_options.prefetch_at(N),
                                item_regs=persistent and self.fast_options.moe_item_regs,
                                xq=xq if persistent and self.fast_options.moe_x8 else None,
-                               tma=persistent and self.fast_options.moe_tma and has_tma(x_ND.device))
+                               tma=persistent and self.fast_options.moe_tma and has_tma(x_ND.device),
+                               down_nb=persistent and self.fast_options.moe_down_nb)
         C = self.max_tokens
         bm = default_block_m(min(N, C))
         outs = [moe_experts(x_ND[a:a + C], ids_NK[a:a + C], w_NK[a:a + C], *ws, out_dtype=torch.float32,

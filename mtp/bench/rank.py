@@ -206,6 +206,10 @@ KERNEL_VARIANTS = {
     # cp.async: the same bits. Off by default until timed
     "moe_tma": (dict(moe_tma=True), dict()),
     "moe_tma_off": (dict(moe_tma=False), dict()),
+    # the persistent experts' down projection by output block, every expert in one pipelined loop, no combine launch
+    # (`moe.moe_experts(down_nb=True)`, `mtp.kernels.moe_down_nb`): another fp32 sum order. Off by default until timed
+    "moe_down_nb": (dict(moe_down_nb=True), dict()),
+    "moe_down_nb_off": (dict(moe_down_nb=False), dict()),
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
     "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),  # = defaults since fa04e59 (kept: its name is in
     # session 11's BENCHMARKS commands)

@@ -1,6 +1,6 @@
 """Time the indexer top-k and the routed-expert kernels, old vs new, side by side in one run on one GPU.
 
-    python -m mtp.bench.topk_moe [--out DIR] [--only topk,topk1,moe,moe_batch] [--quick]
+    python -m mtp.bench.topk_moe [--out DIR] [--only topk,topk1,moe,moe_batch,moe_down_nb] [--quick]
 
 topk: torch.topk (`topk_from_scores`, sorted=False: the old fast path) vs `radix_topk`, the indexer scores
 kernel alone, the whole `indexer_topk` per impl (torch / radix / radix_fused: histograms in the scores
@@ -22,6 +22,10 @@ persistent (default / 'waves' slices, switch moe_item_regs on and off, switch mo
 switch moe_tma: the weight tiles by TMA) and a sweep of the K slices (`moe_split_section`).
 moe_knobs (not in the default --only): the split rank's default call against its launch knobs and tma on / off
 (`moe_knobs_section`, every variant checked bit-equal first).
+moe_down_nb (not in the default --only): the split rank's default call (gate/up + down + combine) against the down
+projection by output block (`moe_experts(down_nb=True)`, no combine) at its tiles and stage counts, each checked within
+1e-5 of the default; each kernel's exposed us per call for both (the old down + combine vs the new down), and a token's
+bits alone vs among four (`moe_down_nb_section`).
 moe_batch (not in the default --only): every `moe_experts` layout that takes T tokens (pairs, persistent,
 grouped at each M-block, the reference static loop where it is not too slow) at T = 1 .. 4096, one rank of TP=8
 and TP=1, with GB/s of expert weights touched, TFLOP/s and the HBM floor: what `moe.GROUPED_ABOVE` and
@@ -520,6 +524,83 @@ def moe_knobs_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, w
     torch.cuda.empty_cache()
 
 
+def down_nb_variants(quick: bool, tma: bool) -> list[tuple[str, dict]]:
+    """`moe_experts(down_nb=True)`'s knobs for `moe_down_nb_section`: its tile (BN rows, K groups an iteration), its
+    num_stages (the indirection halves the depth: (S + 1) // 2 buffers), TMA on / off."""
+    from mtp.kernels.moe_down_nb import DEFAULT_STAGES, DOWN_NB_ROWS
+
+    tiles = [(64, 2), (128, 2), (32, 2), (64, 1)] if quick else [(r, gu) for r in DOWN_NB_ROWS for gu in (2, 1)]
+    v = [(f"down_nb {r}x{gu}", dict(down_nb=True, down_tile=(r, gu))) for r, gu in tiles]
+    v += [(f"down_nb 64x2 stages {st}", dict(down_nb=True, down_tile=(64, 2), down_stages=st))
+          for st in ((7, 9, 13) if quick else (5, 7, 9, 13, 15)) if st != DEFAULT_STAGES[2]]
+    if tma:  # the default's tiles by TMA, so the other side: cp.async
+        v += [(f"down_nb {r}x2 cp.async", dict(down_nb=True, down_tile=(r, 2), tma=False)) for r in (64, 128)]
+    if not quick:
+        v += [(f"down_nb {r}x2 stages {st}", dict(down_nb=True, down_tile=(r, 2), down_stages=st))
+              for r in (32, 128) for st in (7, 9, 13)]  # 128 rows at 13: past the shared memory, said and skipped
+    return v
+
+
+def _kernel_us(call, sets) -> dict[str, float]:
+    """Exposed us per call of each kernel of `call` over the routings `sets` (one graph of every call, profiled over 5
+    replays: `mtp.bench.timing.kernel_profile`), by kernel name."""
+    from mtp.bench.timing import kernel_profile
+    from mtp.decode.graphs import capture_graph
+
+    g = capture_graph(lambda: [call(s) for s in sets], warmup=1)
+    prof = kernel_profile(g.replay, steps=5, top=20)
+    del g
+    return {r["name"]: r["exposed_us_per_step"] / len(sets) for r in prof["top"]}
+
+
+def moe_down_nb_section(quick: bool, D: int = 7168, I: int = 2048, E: int = 256, world: int = 8):
+    """The split rank's experts as the step runs them (`moe_split_section`'s stack and routings: item_regs, 'waves'
+    slices, the shared slot, x8, TMA where the GPU has it; PDL off) at T = 1..4: gate/up + down + combine (the default)
+    against gate/up + the down projection by output block (`moe_experts(down_nb=True)`, switch moe_down_nb:
+    no combine) at each of `down_nb_variants`, every variant checked within fp32 reordering (1e-5 relative) of the
+    default on each of the 8 routings, then timed in one graph over them; then each kernel's exposed us per call
+    (`_kernel_us`: the old down + combine against the new down) for the default and down_nb at its default tile, and
+    a token's row at T = 1 checked bit-equal to the same token's row at T = 4 (batch invariance) on the real shapes."""
+    from mtp.kernels.moe import has_tma, moe_experts
+
+    Is = I // world
+    ws = _expert_stack(E + 1, Is, D)
+    tma = has_tma(torch.device(DEV))
+    rows = {}
+    for T, x, xq, rw, sets, floor_us, shape, ref in split_rank_cases(D, Is, E, world, _expert_bytes(Is, D),
+                                                                     copy_bandwidth(), ws):
+        call = lambda s, **kw: moe_experts(x, s, rw, *ws, out_dtype=torch.float32, shared=True,  # noqa: E731
+                                           layout="persistent", item_regs=True, xq=xq,
+                                           **dict(dict(splits="waves", tma=tma), **kw))
+        base = [call(s) for s in sets]
+        variants = [("default (down + combine)", {})]
+        for name, kw in down_nb_variants(quick, tma):
+            try:
+                err = max(((call(s, **kw) - b).norm() / b.norm()).item() for s, b in zip(sets, base))
+            except Exception as e:  # e.g. shared memory past the SM's for a stage count: said, not timed
+                log(f"[moe_down_nb] {shape} {name} failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            check(f"moe_experts {shape} {name} within 1e-5 of the default ({len(sets)} routings)", err < 1e-5,
+                  f"rel err {err:.2e}")
+            variants.append((name, kw))
+        _time_moe_variants("moe_down_nb", shape, variants, call, sets, ref, floor_us)
+        for name, kw in (("default", {}), ("down_nb", dict(down_nb=True))):
+            per = _kernel_us(lambda s, kw=kw: call(s, **kw), sets)
+            rows[(T, name)] = per
+            log(f"[moe_down_nb] {shape} {name} exposed us per call: " +
+                ", ".join(f"{k[:40]} {v:.2f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])))
+            row("moe_dnb", shape, f"kernels {name}", sum(per.values()), kernels={k[:60]: round(v, 2)
+                                                                                  for k, v in per.items()})
+        if T == 4:  # batch invariance on the real shapes: each token alone = its row among the four
+            s = sets[0]
+            four = call(s, down_nb=True, splits=(2, 1))
+            same = all(torch.equal(moe_experts(x[p:p + 1], s[p:p + 1], rw[p:p + 1], *ws, out_dtype=torch.float32,
+                                               shared=True, layout="persistent", splits=(2, 1), item_regs=True,
+                                               xq=tuple(t[p:p + 1] for t in xq), tma=tma, down_nb=True)[0], four[p])
+                       for p in range(4))
+            check(f"moe_experts {shape} down_nb: each token alone bit-equal to its row among 4", same)
+
+
 BATCH_T = (1, 4, 8, 16, 32, 64, 96, 128, 256, 512, 1024, 4096)
 
 
@@ -649,7 +730,7 @@ def main():
     out["triton"] = triton.__version__
     sections = [("topk", topk_section), ("topk1", one_launch_section), ("moe", moe_section),
                 ("moe_batch", moe_batch_section), ("moe_split", moe_split_section),
-                ("moe_knobs", moe_knobs_section)]
+                ("moe_knobs", moe_knobs_section), ("moe_down_nb", moe_down_nb_section)]
     for name, fn in sections:
         if name not in args.only.split(","):
             continue

@@ -113,6 +113,16 @@ version, so the engine captures its kept graphs again).
   Measured (H200, session 19, BENCHMARKS.md; predicted within +-1 us a call): the experts alone -0.8 / -0.5 / -1.2 /
   -1.0 us at T = 1..4 (`topk_moe --only moe_knobs`); the TP=8 split rank's step (busy, two alternations) -0.00 /
   -0.03 / -0.00 / -0.08 ms at 1k w = 1..4, -0.03 / -0.05 / -0.00 / -0.07 at 32k.
+- moe_down_nb (off until timed on a GPU; variant moe_down_nb): the persistent experts' down projection by output
+  block (`moe.moe_experts(down_nb=True)`, `mtp.kernels.moe_down_nb`): one program per 64 rows of D (112 at D = 7168)
+  loops over every expert of the call and its K groups in one pipelined loop, each program building the loop's plan
+  (experts by id, token slots, column scales) in a scratch of its own, and stores y itself: no per-slot partials, no
+  combine launch. Against the work items (expert, 128-row block, K slice) of `moe._moe_down_persistent`, whose
+  2-group loops cannot be pipelined across items and whose per-item epilogue stores [128, T] partials, at T = 4 on a
+  TP=8 split rank 29.4 us a layer where the tiles stream in 18.7 (H200, BENCHMARKS.md session 19), + ~2 us of
+  combine. Another fp32 sum order (each token's experts by ascending id, the shared slot's last), within fp32
+  reordering of the switch off; a token's bits do not depend on the call's other tokens. Persistent layout only
+  (`FastMoE.routed`); off: the work items + `moe._moe_combine_kernel`.
 - pdl (on, for calls of up to `pdl_tokens` tokens: 64 by default on a tensor-parallel rank, with the trigger after
   the wait past one token, pdl_early_tokens 1: measured on one TP=8 split rank, H200, BENCHMARKS.md session 15,
   back-to-back replays: -0.36 to -0.51 ms a step at w = 2..4 at 1k, -0.14 to -0.43 at 32k, against PDL at w = 1
@@ -223,6 +233,7 @@ class FastPathOptions:
     moe_x8: bool = True
     logits_scan: bool = True
     moe_tma: bool = True
+    moe_down_nb: bool = False
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)

@@ -47,6 +47,9 @@ dependent load before their weight tiles (`mtp.kernels.moe_items`), the same bit
 and persistent layouts): gate/up reads x already quantized (the block's norm's output) instead of quantizing x in
 every K group of every item, the same bits where (x8, sx) is x's quantization. `moe_experts(tma=True)`: the weight
 tiles copied by TMA through host tensor descriptors (`weight_desc`) instead of cp.async, the same bits.
+`moe_experts(down_nb=True)`: the down projection by output block instead of work items, one program per 64 rows of D
+looping over every expert of the call in one pipelined loop and storing y itself (`mtp.kernels.moe_down_nb`): no
+partials, no combine launch; another fp32 sum order (each token's experts by ascending id), batch invariant.
 
 Grouped layout (default above GROUPED_ABOVE tokens, up to MAX_TOKENS; `mtp.kernels.moe_grouped`): the pairs sorted
 by expert on the device and padded to M-blocks of one expert each, then a grouped FP8 GEMM for gate|up and one for
@@ -69,10 +72,12 @@ from mtp.kernels._triton import (asm_ok, pdl_kwargs, pdl_launch, pdl_mode, pdl_w
                                  triton)
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
+from mtp.kernels.moe_down_nb import resolve_tile
+from mtp.kernels.moe_down_nb import down_nb as down_nb_kernel
 from mtp.kernels.moe_grouped import BLOCK_MS, grouped_partials
 from mtp.kernels.moe_items import (_down_ptrs, _down_tile_ahead, _down_weights, _fixup_sums, _gate_up_ptrs,
-                                   _gate_up_tile_ahead, _gate_up_weights, _item_regs, _item_rows, _partial_tile,
-                                   _prefetch_item, _x_quant)
+                                   _gate_up_tile_ahead, _gate_up_weights, _ids, _item_regs, _item_rows, _partial_tile,
+                                   _prefetch_item, _slot_weights, _x_quant)
 
 __all__ = ["wave_splits", "waves_for", "moe_route", "moe_route_ref", "route_from_logits_ref", "moe_experts",
            "moe_experts_ref", "gate_logits", "default_layout", "weight_desc", "has_tma", "MAX_TOKENS", "PAIRS_MAX_TOKENS",
@@ -233,29 +238,6 @@ def moe_route(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_g
 
 
 # ----------------------------------------------------------------------------- expert kernels
-@triton.jit
-def _ids(idx_ptr, q, mask, S, TOPK: tl.constexpr, J: tl.constexpr):
-    """Expert ids of flat pairs q (token q // TOPK, slot q % TOPK), -2 where not mask. TOPK == J: idx_TJ's own.
-    TOPK == J + 1: slot J is the implicit shared slot, stack entry S for every token (`moe_experts(shared=)`),
-    read from no tensor: the ids stay the router's [T, J], so no launch builds a [T, J + 1] copy."""
-    if TOPK == J:
-        return tl.load(idx_ptr + q, mask=mask, other=-2)
-    j = q % TOPK
-    e = tl.load(idx_ptr + (q // TOPK) * J + j, mask=mask & (j < J), other=-2)
-    return tl.where(mask & (j == J), S, e)
-
-
-@triton.jit
-def _slot_weights(rw_ptr, slot, active, TOPK: tl.constexpr, J: tl.constexpr):
-    """Routing weights of flat slots (0 where not active); the implicit shared slot (TOPK == J + 1) weighs 1.0,
-    so its product is the expert's output exactly."""
-    if TOPK == J:
-        return tl.load(rw_ptr + slot, mask=active, other=0.0)
-    j = slot % TOPK
-    w = tl.load(rw_ptr + (slot // TOPK) * J + j, mask=active & (j < J), other=0.0)
-    return tl.where(active & (j == J), 1.0, w)
-
-
 @triton.jit
 def _shared_prefetch(w_ptr, S, stride_we, n, TOPK: tl.constexpr, J: tl.constexpr, PDL: tl.constexpr,
                      PREFETCH: tl.constexpr):
@@ -588,10 +570,10 @@ class _DescBase:
 
 
 @functools.lru_cache(maxsize=1024)  # ~3 stacks per MoE layer: 174 entries for 58 layers
-def _stack_desc(ptr: int, rows: int, K: int, dtype: torch.dtype, device: torch.device):
+def _stack_desc(ptr: int, rows: int, K: int, dtype: torch.dtype, device: torch.device, block_rows: int = BLOCK):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(_DescBase(ptr, dtype), [rows, K], [K, 1], [BLOCK, BLOCK])
+    return TensorDescriptor(_DescBase(ptr, dtype), [rows, K], [K, 1], [block_rows, BLOCK])
 
 
 def has_tma(device: torch.device) -> bool:
@@ -602,15 +584,20 @@ def has_tma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def weight_desc(name: str, w: torch.Tensor):
+def weight_desc(name: str, w: torch.Tensor, block_rows: int = BLOCK):
     """Host tensor descriptor (triton's TensorDescriptor) of expert stack `name` w [E, N, K] (fp8) seen as [E * N,
-    K] with [128, 128] blocks, for `moe_experts(tma=True)`: cached per (address, shape, strides, dtype, device) on a
-    CUDA device, so a decode step builds none (the launcher still encodes its 128-byte tensor map per launch, on the
-    host; a CUDA graph holds the encoded one); built each call for the interpreter, which reads the tensor itself.
+    K] with [block_rows, 128] blocks (128 rows, or the BN rows of `moe_down_nb`'s programs), for `moe_experts(tma=
+    True)`: cached per (address, shape, strides, dtype, device, block rows) on a CUDA device, so a decode step builds
+    none (the launcher still encodes its 128-byte tensor map per launch, on the host; a CUDA graph holds the encoded
+    one); built each call for the interpreter, which reads the tensor itself.
     TMA's terms, each refused by name: a 16-byte aligned base, 16-byte aligned row stride (K bytes), a unit stride
-    along K, and N a multiple of 128: with N-blocks that overhang, the 2-D view would copy the next expert's first
-    rows where the pointer load's row mask gives 0 (TMA fills with 0 only past the whole [E * N, K] view)."""
+    along K, and N a multiple of 128 (and so of block_rows, a divisor of 128): with N-blocks that overhang, the 2-D
+    view would copy the next expert's first rows where the pointer load's row mask gives 0 (TMA fills with 0 only past
+    the whole [E * N, K] view)."""
     E, N, K = w.shape
+    if block_rows not in (16, 32, 64, BLOCK):
+        raise ValueError(f"moe_experts: a weight descriptor's block rows must divide {BLOCK} (16..{BLOCK}), got "
+                         f"{block_rows!r}")
     ok = {"a unit stride along K and rows of K elements (contiguous)": w.stride(-1) == 1 and w.stride(-2) == K
           and w.stride(0) == N * K,
           "a 16-byte aligned base address": w.data_ptr() % 16 == 0,
@@ -623,8 +610,8 @@ def weight_desc(name: str, w: torch.Tensor):
     if not w.is_cuda:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        return TensorDescriptor.from_tensor(w.view(E * N, K), [BLOCK, BLOCK])
-    return _stack_desc(w.data_ptr(), E * N, K, w.dtype, w.device)
+        return TensorDescriptor.from_tensor(w.view(E * N, K), [block_rows, BLOCK])
+    return _stack_desc(w.data_ptr(), E * N, K, w.dtype, w.device, block_rows)
 
 
 PERSISTENT_MAX_PAIRS = 64  # the persistent kernels compare all (token, slot) pairs pairwise: small P only
@@ -686,7 +673,8 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                 block_m: int | None = None, shared: bool = False, pdl: bool = False,
                 prefetch: bool = True, item_regs: bool = False, item_prefetch: bool = False,
                 warps: tuple[int, int] | None = None,
-                xq: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool = False) -> torch.Tensor:
+                xq: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool = False, down_nb: bool = False,
+                down_tile: tuple[int, int] | None = None) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
@@ -736,6 +724,15 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     captures them), instead of pointer tensors compiled to cp.async (switch `FastPathOptions.moe_tma`). The same
     tiles, scales, dots and sums in the same order: the same bits. Persistent layout only, on sm_90+ (or the
     interpreter); a stack a descriptor cannot describe is refused by name (`weight_desc`).
+    down_nb: the persistent layout's down projection by output block (`mtp.kernels.moe_down_nb`, switch
+    `FastPathOptions.moe_down_nb`): one program per BN rows of D loops over every expert of the call and its K groups
+    in one pipelined loop and stores y (+ add) itself: no per-slot partials, no combine launch (two launches instead
+    of three). The same FP8 products summed in another order (each token's experts by ascending id, the shared slot's
+    last): within fp32 reordering of this call without it, and a token's bits do not depend on the call's other
+    tokens (T <= 16). down_tile: its (BN, K groups an iteration), BN of `moe_down_nb.DOWN_NB_ROWS`, 1 or 2 groups
+    (the same bits; default `moe_down_nb.default_tile`); down_stages / warps[1] are its num_stages / num_warps
+    (default `moe_down_nb.DEFAULT_STAGES`, 4); with tma its weight tiles by TMA ([BN, 128] blocks); splits' down
+    slices do not apply.
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
@@ -782,6 +779,12 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     if not isinstance(tma, bool) or (tma and layout != "persistent"):
         raise ValueError(f"moe_experts: tma must be a bool, and True only with the 'persistent' layout; got {tma!r} "
                          f"with layout {layout!r}")
+    if not isinstance(down_nb, bool) or (down_nb and layout != "persistent"):
+        raise ValueError(f"moe_experts: down_nb must be a bool, and True only with the 'persistent' layout; got "
+                         f"{down_nb!r} with layout {layout!r}")
+    if down_tile is not None and not down_nb:
+        raise ValueError(f"moe_experts: down_tile is down_nb's, got {down_tile!r} with down_nb {down_nb!r}")
+    down_tile = resolve_tile(down_tile, I) if down_nb else None
     if tma and x_TD.is_cuda and torch.cuda.get_device_capability(x_TD.device)[0] < 9:
         raise ValueError(f"moe_experts: tma needs a GPU with TMA (compute capability >= 9.0), got "
                          f"{torch.cuda.get_device_name(x_TD.device)}")
@@ -847,6 +850,10 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
             xa, sxa, idx, *wargs, h8, hs, gu_part, cnt, d_gate, d_up, T, D, I, xa.stride(0), stride_sxm,
             w_gate.stride(0), s_gate.stride(0), s_gate.stride(1), ks_gu, S, num_stages=gate_up_stages or 4,
             X8=xq is not None, TMA=tma, **dict(kw, num_warps=wu), **items, **fix)
+        if down_nb:  # y itself, the shared slot and add included: no partials, no combine
+            return down_nb_kernel(h8, hs, idx, rw, w_down, s_down, T, shared, out_dtype or x_TD.dtype, add=add,
+                                  pdl=pdl, prefetch=prefetch, tile=down_tile, stages=down_stages, warps=wd,
+                                  desc=weight_desc("w_down", w_down, down_tile[0]) if tma else None)
         part = torch.empty(ks_down, P, D, dtype=torch.float32, device=dev)
         _moe_down_persistent[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
             h8, hs, idx, rw, w_down, s_down, part, d_down, T, D, I, w_down.stride(0), s_down.stride(0),

@@ -44,6 +44,8 @@ weights' are): the K loop's SASS at a split rank's shapes (triton 3.6) 360 instr
 Both item loops take their weight tiles either as pointer tensors (cp.async) or, with TMA (`moe.moe_experts(tma=True)`),
 through host tensor descriptors (`_w_tma`: one bulk tensor copy per tile, issued by one thread, done on an mbarrier),
 the same tiles in the same buffers: the pipeliner multi-buffers both alike.
+The flat pairs' ids and route weights, with the implicit shared slot (`_ids`, `_slot_weights`), are read by every
+experts' kernel: `moe`'s and `moe_down_nb`'s (which `moe` imports, so they live here).
 """
 
 from __future__ import annotations
@@ -51,7 +53,30 @@ from __future__ import annotations
 from mtp.kernels._triton import prefetch_rows_l2, tl, triton
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 
-__all__: list[str] = []  # device functions only: called by `moe`'s persistent kernels
+__all__: list[str] = []  # device functions only: called by `moe`'s and `moe_down_nb`'s kernels
+
+
+@triton.jit
+def _ids(idx_ptr, q, mask, S, TOPK: tl.constexpr, J: tl.constexpr):
+    """Expert ids of flat pairs q (token q // TOPK, slot q % TOPK), -2 where not mask. TOPK == J: idx_TJ's own.
+    TOPK == J + 1: slot J is the implicit shared slot, stack entry S for every token (`moe_experts(shared=)`),
+    read from no tensor: the ids stay the router's [T, J], so no launch builds a [T, J + 1] copy."""
+    if TOPK == J:
+        return tl.load(idx_ptr + q, mask=mask, other=-2)
+    j = q % TOPK
+    e = tl.load(idx_ptr + (q // TOPK) * J + j, mask=mask & (j < J), other=-2)
+    return tl.where(mask & (j == J), S, e)
+
+
+@triton.jit
+def _slot_weights(rw_ptr, slot, active, TOPK: tl.constexpr, J: tl.constexpr):
+    """Routing weights of flat slots (0 where not active); the implicit shared slot (TOPK == J + 1) weighs 1.0,
+    so its product is the expert's output exactly."""
+    if TOPK == J:
+        return tl.load(rw_ptr + slot, mask=active, other=0.0)
+    j = slot % TOPK
+    w = tl.load(rw_ptr + (slot // TOPK) * J + j, mask=active & (j < J), other=0.0)
+    return tl.where(active & (j == J), 1.0, w)
 
 
 @triton.jit

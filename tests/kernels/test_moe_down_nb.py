@@ -1,0 +1,371 @@
+"""Switch `FastPathOptions.moe_down_nb`: the experts' down projection by output block, every expert of the call in one
+pipelined loop, y stored directly (`moe.moe_experts(down_nb=True)`, `mtp.kernels.moe_down_nb`), on the CPU.
+
+- Compiled for sm_90 (triton's own ptxas, no GPU) at a TP=8 split rank's shapes (8 routed + the shared slot, I = 256:
+  2 K groups an expert, D = 7168): one loop (no nested one) holds the dot, pipelined across expert boundaries: the
+  weight tile (cp.async, or a TMA copy) and h's tile issued (stages + 1) // 2 - 1 iterations ahead of their dot
+  (the prologue's copies, the buffers (stages + 1) // 2 deep), the expert id and the token slots they depend on
+  issued as cp.async a stage before them, the only synchronous load in the loop the next iteration's column scales
+  (carried to it); at most 4 barriers an iteration with cp.async tiles, 3 with TMA; no spills; PDL's order (launch
+  first, before the wait only the shared expert's L2 prefetch).
+- Under the Triton interpreter (a subprocess per group of checks, each a few seconds; the e4m3 cast made CUDA's, PDL
+  branches and prefetches as no-ops): the kernel alone (`moe_down_nb.down_nb` on h8 / hs made here) against a float64
+  reference of its sum at T = 1..4, with and without the shared slot, -1 slots, a token with no expert, experts
+  repeated across tokens, add, every BN and D not a multiple of it; a token's row bit-identical alone and among
+  others (T = 1 vs T = 4, at two positions); TMA and PDL the same bits; the shared expert's prefetched lines exactly
+  its rows of each program's block. Then `moe_experts` end to end against `moe_experts_ref` (the tolerance of fp32
+  reordering in `test_moe_grouped`: 1e-5 relative) and the switch off, its down slices not applying, a token's row
+  the same alone and among others with the K slices fixed, bad arguments refused by name, and `FastMoE` handing
+  down_nb to persistent calls only, with the switch.
+GPU twin at the real shapes (CUDA graphs, PDL): tests/kernels/test_moe_down_nb_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
+from tests.interp import run_interpreted  # noqa: E402
+
+
+def test_moe_down_nb_switch_and_variant():
+    """Off by default until timed on a GPU; `mtp-bench --kernel-variants moe_down_nb` turns it on, moe_down_nb_off
+    off (real switches)."""
+    from mtp.bench.rank import KERNEL_VARIANTS
+    from mtp.kernels.dispatch import FastPathOptions
+
+    o = FastPathOptions()
+    assert not o.moe_down_nb
+    flags, options = KERNEL_VARIANTS["moe_down_nb"]
+    o.set(**flags)
+    assert o.moe_down_nb and options == {}
+    flags, options = KERNEL_VARIANTS["moe_down_nb_off"]
+    o.set(**flags)
+    assert not o.moe_down_nb and options == {}
+
+
+def compile_down_nb(T: int = 1, rows: int = 64, groups: int = 2, tma: bool = False, stages: int | None = None,
+                    pdl: int = 1):
+    """`moe_down_nb._moe_down_nb_kernel` compiled for sm_90 as `moe_experts(down_nb=True)` launches it on a TP=8 split
+    rank at T tokens (8 routed + the shared slot, I = 256: GI = 2), BN = rows, `groups` K groups an iteration."""
+    import mtp.kernels.moe_down_nb as nbm
+    from tests.kernels.test_fused_kernels import _compile_for_hopper
+
+    f8 = "*fp8e4nv"
+    ptrs = dict(h8_ptr=f8, idx_ptr="*i32", w2_ptr=f8, plan_ptr="*i32")
+    consts = dict(TOPK=9, J=8, GI=2, GPAD=2, BN=rows, GU=groups, TP=16, PPAD=triton_next_pow2(9 * T), PDL=pdl,
+                  PREFETCH=True, ADD=False, TMA=tma)
+    if tma:
+        ptrs["w2_desc"] = f"tensordesc<fp8e4nv[{rows}, 128]>"
+    else:
+        consts["w2_desc"] = None
+    return _compile_for_hopper(nbm._moe_down_nb_kernel, ptrs, consts, num_warps=4,
+                               num_stages=stages or nbm.DEFAULT_STAGES[groups], aligned=("D", "stride_we", "stride_se"))
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _flat_loop(ttgir: str) -> tuple[str, str]:
+    """(the TTGIR before the loop that holds the dot, that loop's body to its yield, the yield included)."""
+    for m in re.finditer(r"scf\.for [^\n]*iter_args[^\n]*\{\n", ttgir):
+        end = ttgir.index("scf.yield", m.end())
+        body = ttgir[m.end():ttgir.index("\n", end)]
+        if "ttng.warp_group_dot" in body or "tt.dot" in body:
+            return ttgir[:m.start()], body
+    raise AssertionError("no loop with a dot in the TTGIR")
+
+
+def loop_barriers(ptx: str) -> list[int]:
+    """bar.sync instructions in each PTX loop that holds an MMA, and whether it is nested (Depth > 1)."""
+    out = []
+    for m in re.finditer(r"^(\$L__BB\d+_\d+):[^\n]*Loop Header: Depth=(\d+)[^\n]*\n(.*?)^\s*@%p\d+ bra\s+\1;", ptx,
+                         re.M | re.S):
+        if "wgmma.mma_async" in m.group(3) or "mma.sync" in m.group(3):
+            out.append((int(m.group(2)), m.group(3).count("bar.sync")))
+    return out
+
+
+def test_down_nb_compile_for_hopper():
+    """The loop structure of the module docstring, at one and four tokens, BN = 64 and 128, one and two K groups an
+    iteration, cp.async and TMA tiles."""
+    pytest.importorskip("triton")
+    from mtp.kernels.moe_down_nb import DEFAULT_STAGES
+    from tests.kernels.test_moe_items import _sass
+    from tests.kernels.test_moe_x8 import _sass_k_loop
+    from tests.kernels.test_pdl import _order
+
+    for T, rows, groups, tma in ((1, 64, 2, False), (4, 64, 2, True), (1, 64, 1, False), (4, 128, 2, False),
+                                 (1, 128, 1, True)):
+        k = compile_down_nb(T, rows, groups, tma)
+        name = f"T={T} BN={rows} groups={groups} tma={tma}"
+        bufs = (DEFAULT_STAGES[groups] + 1) // 2  # the indirection (id -> tile) takes half the stages
+        pre, loop = _flat_loop(k.asm["ttgir"])
+        # per K group of an iteration a weight tile and an h tile, each in a buffer `bufs` deep
+        for tile in (rf"{rows}x128xf8E4M3FN", r"16x128xf8E4M3FN"):
+            found = re.findall(rf"ttg\.local_alloc : \(\) -> !ttg\.memdesc<{bufs}x{tile}", pre)
+            assert len(found) == groups, (name, tile, found)
+        w_copy = ("ttng.async_tma_copy_global_to_local" if tma else
+                  rf"ttg\.async_copy_global_to_local [^\n]*tensor<{rows}x128x!tt\.ptr")
+        # in the loop: this iteration's copies of a later iteration's tiles; before it, the first bufs - 1 iterations'
+        assert len(re.findall(w_copy, loop)) == groups and len(re.findall(w_copy, pre)) == groups * (bufs - 1), name
+        assert len(re.findall(r"async_copy_global_to_local [^\n]*tensor<16x128x!tt\.ptr", loop)) == groups, name
+        # the expert id and the token slots: cp.async too, a stage before the tiles whose addresses they form
+        assert len(re.findall(r"async_copy_global_to_local [^\n]*tensor<1x!tt\.ptr<i32>", loop)) == 1, name
+        assert len(re.findall(r"async_copy_global_to_local [^\n]*tensor<16x!tt\.ptr<i32>", loop)) == 1, name
+        # the only synchronous loads: the next iteration's column scales, carried to it by the yield
+        loads = re.findall(r"(%\w+) = tt\.load [^\n]*tensor<16x!tt\.ptr<f32>", loop)
+        assert len(loads) == groups and len(re.findall(r"= tt\.load ", loop)) == groups, (name, loads)
+        yielded = loop[loop.index("scf.yield"):]
+        assert all(v in yielded for v in loads), f"{name}: a column scale not carried to the next iteration"
+        ptx = k.asm["ptx"]
+        nest = loop_barriers(ptx)
+        assert len(nest) == 1 and nest[0][0] == 1, (name, nest)  # one loop, not nested in another
+        assert nest[0][1] <= 4, (name, nest)  # bar.sync an iteration (triton 3.6: 2 with cp.async tiles, 3-4 TMA)
+        sass, use = _sass(k)
+        assert use.get("STACK") == "0" and use.get("LOCAL") == "0", (name, use)
+        # SASS instructions of the loop per 8 KB of weight (triton 3.6: 168 at BN = 64 and one group, 132 at two, 101
+        # at BN = 128 and two; the item kernel's K loop 88 per 8 KB, 176 a [128, 128] group)
+        assert _sass_k_loop(sass) / (groups * rows / 64) <= 180, (name, _sass_k_loop(sass))
+        seq = _order(ptx)
+        wait = seq.index("griddepcontrol.wait")
+        assert seq[0] == "griddepcontrol.launch_dependents" and set(seq[1:wait]) == {"prefetch.global.L2"}, seq[:6]
+        assert "prefetch.global.L2" not in seq[wait:], name
+
+
+def test_down_nb_kernel_interpreted():
+    run_interpreted(__file__, 120, "kernel")
+
+
+def test_down_nb_experts_interpreted():
+    run_interpreted(__file__, 120, "experts")
+
+
+def test_down_nb_module_interpreted():
+    run_interpreted(__file__, 120, "module")
+
+
+# ----------------------------------------------------------------------------- run under TRITON_INTERPRET=1
+TOL = 1e-5  # fp32 summation order against a float64 sum / the reference (`test_moe_grouped.TOL`)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def down_ref(h8, hs, idx, rw, w_down, s_down, shared: bool, add=None) -> torch.Tensor:
+    """float64 [T, D]: per token, its pairs' route weight x `fp8_gemm_ref` of the pair's h row (the shared slot J
+    weighing 1.0 on stack entry E - 1), + add."""
+    from mtp.model.fp8 import fp8_gemm_ref
+
+    T, J = idx.shape
+    E, D, _ = w_down.shape
+    topk = J + shared
+    y = torch.zeros(T, D, dtype=torch.float64, device=h8.device)
+    for t in range(T):
+        for j in range(topk):
+            e, w = (E - 1, 1.0) if j == J else (int(idx[t, j]), float(rw[t, j]))
+            if e < 0:
+                continue
+            q = t * topk + j
+            y[t] += w * fp8_gemm_ref(h8[q:q + 1], hs[q:q + 1], w_down[e], s_down[e], acc=torch.float64)[0]
+    return y if add is None else y + add.double()
+
+
+def down_inputs(T: int, J: int, E: int, I: int, shared: bool, g: torch.Generator, device="cpu"):
+    """h8 [P, I] / hs [P, I / 128] of random h for the P = T * slots pairs, with NaN where a pair is no expert's (a
+    -1 slot's row, never written by gate/up: must never be read); ids [T, J] of distinct experts of the E - shared
+    routed ones."""
+    from mtp.model.fp8 import act_quant
+
+    idx = torch.stack([torch.randperm(E - shared, generator=g)[:J] for _ in range(T)]).int()
+    h8, hs = act_quant(torch.randn(T * (J + shared), I, generator=g))
+    return idx.to(device), h8.to(device), hs.to(device)
+
+
+def down_stack(E: int, D: int, I: int, seed: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """E random experts' FP8 down weights [E, D, I] and block scales [E, ceil(D / 128), I / 128] (any D)."""
+    from mtp.model.fp8 import weight_quant
+
+    g = torch.Generator().manual_seed(seed)
+    w8, s = zip(*[weight_quant(torch.randn(D, I, generator=g) * I ** -0.5) for _ in range(E)])
+    return torch.stack(w8).to(device), torch.stack(s).to(device)
+
+
+def poison_pairs(h8, hs, idx, shared: bool):
+    """NaN (0x7f in e4m3, NaN in fp32) in the rows of the pairs of -1 slots."""
+    T, J = idx.shape
+    topk = J + shared
+    for t, j in (idx < 0).nonzero().tolist():
+        q = t * topk + j
+        h8[q] = torch.full_like(h8[q].view(torch.uint8), 0x7F).view(h8.dtype)
+        hs[q] = float("nan")
+
+
+def _kernel_checks(device: str = "cpu") -> None:
+    """`down_nb` alone (module docstring)."""
+    from mtp.kernels.moe import weight_desc
+    from mtp.kernels.moe_down_nb import DOWN_NB_ROWS, down_nb
+    from tests.interp import PREFETCHED
+
+    E, J, I = 6, 3, 256  # 5 routed + the shared one (or 6 routed); GI = 2
+    D = 208  # a multiple of no BN but 16: the last block's rows masked
+    wd, sd = down_stack(E, D, I, seed=1, device=device)
+    g = torch.Generator().manual_seed(11)
+    # (tokens, shared slot, (BN, K groups an iteration), PDL (its branches no-ops here, the shared expert's prefetch
+    # recorded))
+    for T, shared, tile, pdl in ((1, True, (64, 2), 1), (2, False, (128, 1), 0), (3, True, (32, 2), 0),
+                                 (4, True, (64, 1), 2), (4, False, (32, 2), 0)):
+        idx, h8, hs = down_inputs(T, J, E, I, shared, g, device)
+        idx[0, 1] = -1  # a slot on another rank
+        if T > 2:
+            idx[2] = -1  # a token with no routed expert here (the shared one still, where shared)
+        if T > 3:
+            idx[3] = idx[1]  # token 3 routed as token 1: those experts serve two rows
+        poison_pairs(h8, hs, idx, shared)
+        rw = torch.rand(T, J, generator=g).to(device)
+        add = torch.randn(T, D, generator=g).to(device) if T == 2 else None
+        PREFETCHED.clear()
+        y = down_nb(h8, hs, idx, rw, wd, sd, T, shared, torch.float32, add=add, tile=tile, pdl=pdl)
+        ref = down_ref(h8, hs, idx, rw, wd, sd, shared, add)
+        assert _rel(y, ref) < TOL, (T, shared, tile, _rel(y, ref))
+        if T > 2 and not shared:
+            assert not y[2].any(), "a token with no expert: exactly 0"
+        if add is not None:  # added after the experts' sum
+            assert torch.equal(y, down_nb(h8, hs, idx, rw, wd, sd, T, shared, torch.float32, tile=tile) + add)
+        if pdl:  # the same bits without PDL; the shared expert's lines asked of L2: each row of it, once a line
+            lines = {int(a) for arr in PREFETCHED for a in arr}
+            want = {wd[E - 1].data_ptr() + r * I + c for r in range(D) for c in range(0, I, 128)}
+            assert lines == want, (T, tile, len(lines), len(want))
+            assert torch.equal(y, down_nb(h8, hs, idx, rw, wd, sd, T, shared, torch.float32, add=add, tile=tile))
+        if T == 3:  # one K group an iteration or two: the same sums in the same order
+            assert torch.equal(y, down_nb(h8, hs, idx, rw, wd, sd, T, shared, torch.float32, tile=(32, 1)))
+    # batch invariance: a token's row alone = among others (at positions 0 and 2), at every BN
+    idx, h8, hs = down_inputs(4, J, E, I, True, g, device)
+    idx[1, 0] = -1
+    rw = torch.rand(4, J, generator=g).to(device)
+    topk = J + 1
+    for rows, groups, p in zip(DOWN_NB_ROWS, (2, 1, 2), (0, 2, 2)):
+        tile = (rows, groups)
+        one = down_nb(h8[p * topk:(p + 1) * topk], hs[p * topk:(p + 1) * topk], idx[p:p + 1], rw[p:p + 1], wd, sd,
+                      1, True, torch.float32, tile=tile)
+        four = down_nb(h8, hs, idx, rw, wd, sd, 4, True, torch.float32, tile=tile)
+        assert torch.equal(one[0], four[p]), (tile, p, (one[0] - four[p]).abs().max().item())
+    # TMA ([BN, 128] blocks of the [E * D, I] view; D a multiple of 128): the same tiles, the same bits
+    wd, sd = down_stack(E, 256, I, seed=2, device=device)
+    for T, tile in ((1, (64, 2)), (4, (128, 1))):
+        idx, h8, hs = down_inputs(T, J, E, I, True, g, device)
+        rw = torch.rand(T, J, generator=g).to(device)
+        ptr = down_nb(h8, hs, idx, rw, wd, sd, T, True, torch.float32, tile=tile)
+        tma = down_nb(h8, hs, idx, rw, wd, sd, T, True, torch.float32, tile=tile,
+                      desc=weight_desc("w_down", wd, tile[0]))
+        assert torch.equal(tma, ptr), (T, tile)
+
+
+def _experts_checks() -> None:
+    """`moe_experts(down_nb=True)` end to end (module docstring), as the step calls it (x8, item_regs), with one gate/up
+    K slice (the interpreter's time is gate/up's programs)."""
+    from mtp.kernels.moe import moe_experts, moe_experts_ref
+    from mtp.model.fp8 import act_quant
+    from tests.kernels.test_moe_grouped import _experts
+
+    E, D, I, J = 5, 256, 256, 2  # 5 routed + the shared S = 5: gate/up 2 K groups, down 2; 2 N-blocks a side
+    S = E
+    ws = _experts(E + 1, D, I, seed=0)
+    g = torch.Generator().manual_seed(2)
+    kw = dict(out_dtype=torch.float32, layout="persistent", item_regs=True, splits=(1, 1))
+
+    def call(x, idx, rw, **k):
+        return moe_experts(x, idx, rw, *ws, xq=act_quant(x), **dict(kw, **k))
+
+    def ref(x, idx, rw, shared: bool) -> torch.Tensor:
+        T = x.shape[0]
+        ids = torch.cat([idx, torch.full((T, 1), S, dtype=torch.int32)], 1) if shared else idx
+        w = torch.cat([rw, torch.ones(T, 1)], 1) if shared else rw
+        return moe_experts_ref(x, ids, w, *ws, out_dtype=torch.float32)
+
+    # one token with the shared slot and a -1 slot; add, summed after the experts
+    x, idx, rw = torch.randn(1, D, generator=g).bfloat16(), torch.tensor([[3, -1]]).int(), torch.rand(1, J, generator=g)
+    on = call(x, idx, rw, shared=True, down_nb=True)
+    assert _rel(on, ref(x, idx, rw, True)) < TOL, _rel(on, ref(x, idx, rw, True))
+    add = torch.randn(1, D, generator=g)
+    assert torch.equal(call(x, idx, rw, shared=True, down_nb=True, add=add), on + add)
+    # three tokens without it, one with no expert here: exactly 0
+    x, idx, rw = torch.randn(3, D, generator=g).bfloat16(), torch.tensor([[0, 4], [4, 1], [-1, -1]]).int(), \
+        torch.rand(3, J, generator=g)
+    on = call(x, idx, rw, down_nb=True)
+    assert _rel(on, ref(x, idx, rw, False)) < TOL, _rel(on, ref(x, idx, rw, False))
+    assert not on[2].any()
+    # four tokens, the shared slot, experts repeated across tokens, a -1 slot: the reference and the switch off; the
+    # down slices do not apply ((1, 1) and (1, 2) the same bits); token 2 alone has the bits of its row among the four
+    # (batch invariance end to end, the gate/up slices fixed: `default_splits` depends on T)
+    x, idx, rw = torch.randn(4, D, generator=g).bfloat16(), torch.tensor([[1, 2], [2, 4], [1, -1], [0, 3]]).int(), \
+        torch.rand(4, J, generator=g)
+    on = call(x, idx, rw, shared=True, down_nb=True, down_tile=(128, 2))
+    off = call(x, idx, rw, shared=True)
+    assert _rel(on, ref(x, idx, rw, True)) < TOL and _rel(on, off) < TOL, (_rel(on, ref(x, idx, rw, True)),
+                                                                           _rel(on, off))
+    assert torch.equal(call(x, idx, rw, shared=True, down_nb=True, down_tile=(128, 2), splits=(1, 2)), on)
+    one = call(x[2:3], idx[2:3], rw[2:3], shared=True, down_nb=True, down_tile=(128, 2))
+    assert torch.equal(one[0], on[2]), (one[0] - on[2]).abs().max().item()
+    for bad, match in ((dict(down_nb=True, layout="pairs"), "down_nb must be a bool, and True only with the "
+                                                            "'persistent' layout"),
+                       (dict(down_nb=1, layout="persistent"), "down_nb must be a bool"),
+                       (dict(down_tile=(64, 2), layout="persistent"), "down_tile is down_nb's"),
+                       (dict(down_nb=True, down_tile=(48, 2), layout="persistent"), "rows one of (32, 64, 128)"),
+                       (dict(down_nb=True, down_tile=(64, 4), layout="persistent"), "1 or 2 groups dividing")):
+        with pytest.raises(ValueError, match=re.escape(match)):
+            moe_experts(x, idx, rw, *ws, **bad)
+
+
+def _module_checks() -> None:
+    """`FastMoE` on a 'split' rank hands down_nb=True to its persistent calls (one token) with the switch, never to the
+    pair grid past persistent_tokens (a recorder stands in for the kernels)."""
+    import mtp.backends.fast_path as fp
+    from mtp.model.fp8 import act_quant
+    from mtp.parallel import ParallelPlan
+    from tests.parallel.test_moe_ep import fast_moe, layout_config, random_moe, rank_moes
+
+    cfg = layout_config()
+    ep = fast_moe(rank_moes(random_moe(cfg, seed=4), cfg, ParallelPlan(2, expert_layout="split"))[0])
+    seen, kernel = [], fp.moe_experts
+
+    def recorder(x, *a, **k):
+        seen.append((k.get("layout"), k.get("down_nb")))
+        return torch.zeros(x.shape, dtype=torch.float32)
+
+    fp.moe_experts = recorder
+    try:
+        for T in (1, ep.persistent_tokens + 1):
+            x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T))
+            for on in (True, False):
+                ep.fast_options.moe_down_nb = on
+                seen.clear()
+                ep(x, act_quant(x), rounded=False, reduce=False)
+                persistent = T <= ep.persistent_tokens
+                assert seen == [("persistent" if persistent else ep.expert_layout, on and persistent)], (T, on, seen)
+    finally:
+        fp.moe_experts = kernel
+        ep.fast_options.moe_down_nb = False
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from tests.interp import patch_interpreter_fp8_rounding, patch_interpreter_loop_bounds, patch_interpreter_pdl
+
+    patch_interpreter_loop_bounds()
+    patch_interpreter_fp8_rounding()
+    import importlib
+
+    importlib.import_module("mtp.backends.fast_path")  # the kernel modules it loads before the patch
+    patch_interpreter_pdl()
+    torch.manual_seed(0)
+    {"kernel": _kernel_checks, "experts": _experts_checks, "module": _module_checks}[sys.argv[1]]()
+    print("interpreted checks ok")
