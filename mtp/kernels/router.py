@@ -441,9 +441,10 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
     cpad = min(triton.next_power_of_2(topk), EG)  # candidates kept per group (grouped, one)
     if one:
         num_warps = num_warps or ONE_WARPS
-        tb = min(btr, tokens_per_pass or one_tokens_per_pass(num_warps))
-        if tb & (tb - 1):
+        tb = tokens_per_pass or one_tokens_per_pass(num_warps)
+        if tb < 1 or tb & (tb - 1):
             raise ValueError(f"moe_route_fused: tokens_per_pass must be a power of two, got {tb}")
+        tb = min(btr, tb)
         kp = triton.next_power_of_2(D)
         ch = min(kp, ONE_CHUNK)
         logits = torch.empty(T, E, dtype=torch.float32, device=dev)  # the programs' results, returned as they are
