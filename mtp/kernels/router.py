@@ -3,7 +3,7 @@
 
 Reference: `mtp.kernels.moe.route_from_logits_ref` on the gate logits x_f32 . Wg^T (`moe_route_ref`), that is
 the model's router `mtp.model.moe.route` (facts section 3). Shape legend: T tokens (<= 64), D hidden, E experts
-(a power of two), NG groups, EG = E // NG, J = topk, S split-K slices.
+(a power of two), NG groups, EG = E // NG, J = topk, S split-K slices, K = D padded to a power of two.
 
 `moe.moe_route` takes two launches (the split gate GEMV, then a one-warp routing kernel per token; 7.9 us at
 T = 1 on an H200, of which the GEMV alone is 3.0 us). Here the GEMV programs (E-blocks x K-slices, ~112, each
@@ -27,6 +27,29 @@ final phase 334 + 288 / 789 + 918 / 725 + 1736 instructions, 26 / 54 / 69 BAR (1
 26 / 40 / 53 BAR). Predicted: ~5-6 us per call at T = 1, ~6-7 us at T = 8 (the GEMV's ~3 us, two L2 round
 trips, the rest), to be measured by `mtp.bench.fused`'s router section (4, 8 and 16 warps). Same logits, ids and
 weights as the serial tail, bit for bit.
+
+impl="one" (switch `FastPathOptions.router_one`; <= ONE_MAX_TOKENS tokens) drops split-K and the second arrival:
+each of E / 2 programs (128) computes its 2 experts' whole dot over K (28 KB of the gate, loaded into registers
+before the PDL wait: the step exposes none of it) for T tokens, and stores its logits [T, 2] to the [T, E] buffer it
+returns (return_logits); one counter (re-armed by the last program), and the last program routes every token on the
+[T, E] logits at once: in-group ranks from [T, EG, NG, EG] compares (the other expert first, so that it lies in
+registers: the counts are sums in each thread), the group scores from ranks 0 and 1, the group ranks from [T, NG, NG]
+compares, each group's CPAD best in order as [T, CPAD, NG, EG] selects (one expert per place: an integer sum of its
+bits, a warp's REDUX), their ranks from [T, 64, 64] compares: a few independent reductions. Its logits are summed in
+another fixed order (`_pair_tree` over k = i * CH + c at m = c * NCH + i, `one_logits_ref`): the same bits at any
+warps, experts per program or tokens a pass, within fp32 rounding of the split-K sums; on equal logits the same ids.
+Compiled for sm_90 at DeepSeek's shapes (PTX instructions per thread to the arrival + after it, and bar.sync in
+each): 8 warps (ONE_WARPS), T = 1 / 2 / 4 / 8: 451 + 709 / 667 + 1336 / 1103 + 2526 / 1984 + 4503 instructions,
+9 + 28 / 11 + 36 / 22 + 66 / 44 + 121 bar.sync (SASS 1048 / 1800 / 3200 / 6072, no spill; the GEMV's barriers are
+its pair tree's 3 warp levels per pass of 2 tokens, the tail's mostly the layout changes around the [T, 64, 64]
+compares); 4 warps: 781 + 1238 / 1189 + 2281 / 2016 + 4322 instructions, 6 + 39 / 12 + 57 / 24 + 78 bar.sync, and
+spills at T = 8 (so does 8 warps at T = 16). Predicted (H200): alone at T = 1 ~5-7 us (launch ~1, the gate from
+HBM ~1.6, the dots and tree ~0.6, one arrival ~0.7, the .cg reload ~0.5, the tail ~1.3, stores ~0.3) against
+grouped's 8.5; at T = 4 ~8-9 us (the tail ~3.5 us: 2.5 K instructions and 66 barriers in one program) against
+9.3. In the step (PDL: the gate already in registers) ~4 us exposed at T = 1 and ~6-7 us at T = 4, against
+9.2 / 9.0 us measured for grouped (BENCHMARKS.md session 19): -0.25 to -0.3 ms a step at w = 1 over 58 MoE layers
+(+ the MTP layers'), -0.1 to -0.15 ms at w = 4. To be measured (`mtp.bench.fused --only router`; `mtp-bench --tp 8
+--kernel-variants defaults,router_one`).
 
 Ties (equal biased scores, equal group scores): the lower index wins, at every step, as the stable
 descending sort of `mtp.model.moe.route` gives. Group score = the two largest biased scores of the group (a
@@ -53,7 +76,7 @@ IMPLS = ("serial", "grouped", "one")
 SPLITK_IMPLS = ("serial", "grouped")  # the same split-K logits, ids and weights bit for bit
 # impl "one" (`_route_one_kernel`): tokens (its last program compares [T, EG, NG, EG] in-group pairs: 128 K at T = 16,
 # where it spills on sm_90); experts per program (128 programs at E = 256, 28 KB of the gate each at D = 7168);
-# warps (sm_90 SASS at T = 1, 8 vs 4 warps: 425 vs 731 instructions to the arrival, 623 vs 1093 after it); the
+# warps (sm_90 PTX at T = 1, 8 vs 4 warps: 451 vs 781 instructions to the arrival, 709 vs 1238 after it); the
 # chunk of K (k = i * CH + c, CH = min(this, K padded to a power of two): it sets the logits' order, so it is fixed)
 ONE_MAX_TOKENS = 16
 ONE_BLOCK_E = 2
