@@ -10,8 +10,8 @@ Sections (each new kernel next to what the fast path ran before it, same process
   copy bandwidth per shape x M x kernel) and the winner per M and weight size (the rule for a per-M choice);
   `--sweep`: at M = 1 and 4 on the rank also x quantized in the kernel, a PDL chain, and a tile sweep;
 - norm: residual add + RMSNorm + quant in one kernel vs the old step (cast + add, compiled RMSNorm, act_quant);
-- router: `router.moe_route_fused` (impl "serial"; "grouped" at 4, 8, 16 warps) vs `moe.moe_route`, E = 256,
-  D = 7168, T = 1..5, 8, 64;
+- router: `router.moe_route_fused` (impl "serial"; "grouped" at 4, 8, 16 warps; "one" at 4, 8) vs `moe.moe_route`,
+  E = 256, D = 7168, T = 1..5, 8, 64 (`--only router`);
 - prologue: `mla_prologue` (2 kernels) vs the unfused MLA prologue steps, and `absorb` vs the two einsums, one
   rank's 16 heads;
 - index_weights: the indexer's head weights in one launch (`index_weights`) vs the cuBLAS GEMM + scale it replaced,
@@ -47,7 +47,7 @@ from mtp.kernels.fp8_gemm import fp8_gemm
 from mtp.kernels.gemv_splitk import fp8_gemv, gemv_plan
 from mtp.kernels.moe import moe_route, moe_route_ref
 from mtp.kernels.norm_quant import add_rms_norm_quant, add_rms_norm_quant_ref
-from mtp.kernels.router import GROUPED_MAX_TOKENS, moe_route_fused
+from mtp.kernels.router import GROUPED_MAX_TOKENS, ONE_MAX_TOKENS, moe_route_fused
 from mtp.parallel.comm import Comm
 
 DEV = "cuda"
@@ -213,7 +213,8 @@ def router_section() -> dict:
         x = torch.randn(T, D, device=DEV).bfloat16()
         wr, ir = moe_route_ref(x, wg, bias)
         t = {"old (2 launches)": gk.graph_us([lambda: moe_route(x, wg, bias)])}
-        variants = [("serial", 4)] + ([("grouped", nw) for nw in (4, 8, 16)] if T <= GROUPED_MAX_TOKENS else [])
+        variants = [("serial", 4)] + ([("grouped", nw) for nw in (4, 8, 16)] if T <= GROUPED_MAX_TOKENS else []) + (
+            [("one", nw) for nw in (4, 8)] if T <= ONE_MAX_TOKENS else [])
         for impl, nw in variants:
             w, idx = moe_route_fused(x, wg, bias, impl=impl, num_warps=nw)
             agree = (idx == ir).float().mean().item()

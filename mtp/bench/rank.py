@@ -295,6 +295,10 @@ KERNEL_VARIANTS = {
     # the switch there with `--kernels logits_scan=0` against the defaults
     "logits_scan": (dict(logits_scan=True), dict()),
     "logits_scan_off": (dict(logits_scan=False), dict()),
+    # the router with no split-K and one arrival (`router.moe_route_fused(impl="one")`: each program 2 experts'
+    # whole dot, the last one routes every token by ranks) up to 16 tokens, against the default's 'auto' (grouped:
+    # two arrivals in a chain; 9.2 us exposed per MoE layer at every width, H200, session 19). Off until timed
+    "router_one": (dict(router_one=True), dict()),
 }
 
 

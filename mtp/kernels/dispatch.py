@@ -23,6 +23,13 @@ version, so the engine captures its kept graphs again).
   draft, verify and MTP blocks alike), so its paths still agree bit for bit. Not the q_a norm (q_lora wide, 4 warps
   as `mla_prologue_fused`'s kv launch runs it) nor the one-shot all-reduce's fused norm (its own programs).
 - router: the MoE router in one kernel (`router.moe_route_fused`); off: `moe.moe_route` (2 launches).
+- router_one (off until timed; variant router_one): with router, calls of at most `router.ONE_MAX_TOKENS` (16) tokens
+  take `moe_route_fused(impl="one")`: no split-K (each program the whole 7168-long dot of 2 experts, its gate rows
+  loaded before the PDL wait), one arrival (the grouped impl's 'auto' choice has two in a chain: each E-block's last
+  K slice, then the last E-block) and the whole routing in the last program by rank comparisons. The same choice on
+  its logits as the others' on theirs; the logits themselves in another fixed fp32 order (`router._pair_tree`: the
+  same bits at any warps, tile or width), so they can differ from the split-K sums in the last bits. Measured before
+  (H200, one TP=8 rank, BENCHMARKS.md session 19): the grouped router 9.2 us exposed per MoE layer in the step.
 - prologue: the MLA prologue in two kernels (`mla_prologue`: kv_a norm, rotary, indexer key + cache write;
   q_pe rotary, indexer queries' rotary + Hadamard + quant); off: ~12 torch / compiled elementwise launches.
 - fuse_prologue: with prologue, the kv prologue and the q_a norm + quant in one launch, and with absorb, the q
@@ -234,6 +241,7 @@ class FastPathOptions:
     logits_scan: bool = True
     moe_tma: bool = True
     moe_down_nb: bool = False
+    router_one: bool = False
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)
@@ -412,14 +420,16 @@ def route(x_ND: torch.Tensor, gate, opts: FastPathOptions,
     """The MoE router on the kernels for `gate` (an `mtp.model.moe.Gate`): (weights [N, K] fp32, ids [N, K] int32).
     local (`ExpertMap.router`: a range (e0, e1), a table, or None for all): ids as this rank sees them, the index
     of an expert in its stack and -1 for one on another rank (what `moe_experts` takes). Switch `router`: one
-    launch (`router.moe_route_fused`, the mapping inside); off: `moe.moe_route` (gate GEMV + top-k) and the
-    mapping in torch."""
+    launch (`router.moe_route_fused`, the mapping inside; impl "one" up to its token limit with switch router_one,
+    else "auto"); off: `moe.moe_route` (gate GEMV + top-k) and the mapping in torch."""
     kw = dict(n_group=gate.n_groups, topk_group=gate.topk_groups, topk=gate.topk, route_scale=gate.route_scale)
     if opts.router:
-        from mtp.kernels.router import moe_route_fused
+        from mtp.kernels.router import moe_route_fused, one_takes
 
-        return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, local=local,
-                               pdl=opts.pdl_at(x_ND.shape[0]), prefetch=opts.prefetch_at(x_ND.shape[0]), **kw)
+        N = x_ND.shape[0]
+        one = opts.router_one and one_takes(N, gate.n_experts, gate.n_groups, gate.topk_groups, gate.topk)
+        return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, local=local, pdl=opts.pdl_at(N),
+                               prefetch=opts.prefetch_at(N), impl="one" if one else "auto", **kw)
     from mtp.kernels.moe import moe_route
 
     w, ids = moe_route(x_ND, gate.weight, gate.e_score_correction_bias, **kw)

@@ -3,7 +3,7 @@
 
 Reference: `mtp.kernels.moe.route_from_logits_ref` on the gate logits x_f32 . Wg^T (`moe_route_ref`), that is
 the model's router `mtp.model.moe.route` (facts section 3). Shape legend: T tokens (<= 64), D hidden, E experts
-(a power of two), NG groups, EG = E // NG, J = topk, S split-K slices.
+(a power of two), NG groups, EG = E // NG, J = topk, S split-K slices, K = D padded to a power of two.
 
 `moe.moe_route` takes two launches (the split gate GEMV, then a one-warp routing kernel per token; 7.9 us at
 T = 1 on an H200, of which the GEMV alone is 3.0 us). Here the GEMV programs (E-blocks x K-slices, ~112, each
@@ -28,6 +28,29 @@ final phase 334 + 288 / 789 + 918 / 725 + 1736 instructions, 26 / 54 / 69 BAR (1
 trips, the rest), to be measured by `mtp.bench.fused`'s router section (4, 8 and 16 warps). Same logits, ids and
 weights as the serial tail, bit for bit.
 
+impl="one" (switch `FastPathOptions.router_one`; <= ONE_MAX_TOKENS tokens) drops split-K and the second arrival:
+each of E / 2 programs (128) computes its 2 experts' whole dot over K (28 KB of the gate, loaded into registers
+before the PDL wait: the step exposes none of it) for T tokens, and stores its logits [T, 2] to the [T, E] buffer it
+returns (return_logits); one counter (re-armed by the last program), and the last program routes every token on the
+[T, E] logits at once: in-group ranks from [T, EG, NG, EG] compares (the other expert first, so that it lies in
+registers: the counts are sums in each thread), the group scores from ranks 0 and 1, the group ranks from [T, NG, NG]
+compares, each group's CPAD best in order as [T, CPAD, NG, EG] selects (one expert per place: an integer sum of its
+bits, a warp's REDUX), their ranks from [T, 64, 64] compares: a few independent reductions. Its logits are summed in
+another fixed order (`_pair_tree` over k = i * CH + c at m = c * NCH + i, `one_logits_ref`): the same bits at any
+warps, experts per program or tokens a pass, within fp32 rounding of the split-K sums; on equal logits the same ids.
+Compiled for sm_90 at DeepSeek's shapes (PTX instructions per thread to the arrival + after it, and bar.sync in
+each): 8 warps (ONE_WARPS), T = 1 / 2 / 4 / 8: 451 + 709 / 667 + 1336 / 1103 + 2526 / 1984 + 4503 instructions,
+9 + 28 / 11 + 36 / 22 + 66 / 44 + 121 bar.sync (SASS 1048 / 1800 / 3200 / 6072, no spill; the GEMV's barriers are
+its pair tree's 3 warp levels per pass of 2 tokens, the tail's mostly the layout changes around the [T, 64, 64]
+compares); 4 warps: 781 + 1238 / 1189 + 2281 / 2016 + 4322 instructions, 6 + 39 / 12 + 57 / 24 + 78 bar.sync, and
+spills at T = 8 (so does 8 warps at T = 16). Predicted (H200): alone at T = 1 ~5-7 us (launch ~1, the gate from
+HBM ~1.6, the dots and tree ~0.6, one arrival ~0.7, the .cg reload ~0.5, the tail ~1.3, stores ~0.3) against
+grouped's 8.5; at T = 4 ~8-9 us (the tail ~3.5 us: 2.5 K instructions and 66 barriers in one program) against
+9.3. In the step (PDL: the gate already in registers) ~4 us exposed at T = 1 and ~6-7 us at T = 4, against
+9.2 / 9.0 us measured for grouped (BENCHMARKS.md session 19): -0.25 to -0.3 ms a step at w = 1 over 58 MoE layers
+(+ the MTP layers'), -0.1 to -0.15 ms at w = 4. To be measured (`mtp.bench.fused --only router`; `mtp-bench --tp 8
+--kernel-variants defaults,router_one`).
+
 Ties (equal biased scores, equal group scores): the lower index wins, at every step, as the stable
 descending sort of `mtp.model.moe.route` gives. Group score = the two largest biased scores of the group (a
 repeated maximum counts twice, as topk(2) of the values does).
@@ -44,11 +67,47 @@ from mtp.kernels._triton import (
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe import moe_route_ref, route_from_logits_ref
 
-__all__ = ["moe_route_fused", "moe_route_ref", "route_from_logits_ref", "MAX_TOKENS", "GROUPED_MAX_TOKENS", "IMPLS"]
+__all__ = ["moe_route_fused", "moe_route_ref", "route_from_logits_ref", "MAX_TOKENS", "GROUPED_MAX_TOKENS",
+           "ONE_MAX_TOKENS", "IMPLS", "SPLITK_IMPLS", "one_logits_ref", "one_takes"]
 
 MAX_TOKENS = 64
 GROUPED_MAX_TOKENS = 16  # the last program compares [T, NG x CPAD, NG x CPAD] candidates: 64 K at T = 16
-IMPLS = ("serial", "grouped")
+IMPLS = ("serial", "grouped", "one")
+SPLITK_IMPLS = ("serial", "grouped")  # the same split-K logits, ids and weights bit for bit
+# impl "one" (`_route_one_kernel`): tokens (its last program compares [T, EG, NG, EG] in-group pairs: 128 K at T = 16,
+# where it spills on sm_90); experts per program (128 programs at E = 256, 28 KB of the gate each at D = 7168);
+# warps (sm_90 PTX at T = 1, 8 vs 4 warps: 451 vs 781 instructions to the arrival, 709 vs 1238 after it); the
+# chunk of K (k = i * CH + c, CH = min(this, K padded to a power of two): it sets the logits' order, so it is fixed)
+ONE_MAX_TOKENS = 16
+ONE_BLOCK_E = 2
+ONE_WARPS = 8
+ONE_CHUNK = 2048
+
+
+def one_logits_ref(x_TD: torch.Tensor, wg_ED: torch.Tensor, chunk: int = ONE_CHUNK) -> torch.Tensor:
+    """impl "one"'s gate logits [T, E] fp32 in its order, plain PyTorch: the products x[t, k] * w[e, k] (fp32; exact
+    for bf16 inputs, so FMAs change nothing) at m = c * NCH + i for k = i * CH + c, zeros past D up to K, a power
+    of two; then adjacent pairs summed, level by level (`_pair_tree`). Bit for bit what the kernel returns."""
+    T, D = x_TD.shape
+    E = wg_ED.shape[0]
+    K = 1 << (D - 1).bit_length()
+    CH = min(K, chunk)
+    p = torch.nn.functional.pad(x_TD.float()[:, None, :] * wg_ED.float()[None, :, :], (0, K - D))  # [T, E, K]
+    p = p.view(T, E, K // CH, CH).transpose(2, 3).reshape(T, E, K)
+    while p.shape[-1] > 1:
+        p = p[..., 0::2] + p[..., 1::2]
+    return p[..., 0]
+
+
+def one_takes(tokens: int, n_experts: int, n_group: int, topk_group: int, topk: int) -> bool:
+    """Whether impl "one" takes a call (as impl "grouped": each kept group gives at most topk candidates)."""
+    return 1 <= tokens <= ONE_MAX_TOKENS and topk <= topk_group * (n_experts // n_group)
+
+
+def one_tokens_per_pass(num_warps: int) -> int:
+    """impl "one": the tokens of a pass over the gate rows (the same bits at any): the products [block_e, tokens, K]
+    spread over the threads, ~64 fp32 registers each at K = 7168 (sm_90: no spill at T <= 8 with 8 warps and 2)."""
+    return max(1, num_warps // 4)
 
 
 @triton.jit
@@ -239,10 +298,95 @@ def _route_grouped_kernel(x_ptr, w_ptr, bias_ptr, part_ptr, gs_ptr, cv_ptr, cs_p
                           BTR, TABLE)
 
 
+@triton.jit
+def _pair_tree(v, R: tl.constexpr, LOG2N: tl.constexpr):
+    """[R, 2 ** LOG2N] -> [R]: adjacent pairs summed, level by level ((v0 + v1) + (v2 + v3)) + ...: a fixed order
+    whatever the layout (a sum of two terms is the same either way round), so the result depends on the values
+    only, never on the warps, the tile or the grid."""
+    for _ in tl.static_range(LOG2N):
+        v = tl.sum(tl.reshape(v, (R, v.shape[1] // 2, 2)), 2)
+    return tl.reshape(v, (R,))
+
+
+@triton.jit
+def _route_one_kernel(x_ptr, w_ptr, bias_ptr, lg_ptr, cnt_ptr, w_out_ptr, idx_out_ptr, table_ptr,
+                      T, D, stride_xm, route_scale, e0, e1,
+                      E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
+                      KPAD: tl.constexpr, CPAD: tl.constexpr, EPB: tl.constexpr, BTR: tl.constexpr,
+                      TB: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr, LOG2K: tl.constexpr,
+                      PDL: tl.constexpr, TABLE: tl.constexpr):
+    pdl_launch(PDL)
+    # ---- this program's EPB experts, the whole K: logit[e, t] = the pair tree over m = c * NCH + i of
+    # w[e, k] * x[t, k], k = i * CH + c (0 past D); the tile is loaded before the wait (a constant: PDL's contract)
+    pid = tl.program_id(0)
+    offs_e = pid * EPB + tl.arange(0, EPB)
+    c = tl.arange(0, CH)
+    i = tl.arange(0, NCH)
+    k = i[None, :] * CH + c[:, None]  # [CH, NCH]
+    kmask = k < D
+    w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None, None] * D + k[None, :, :], mask=kmask[None, :, :], other=0.0)
+    wf = tl.reshape(w.to(tl.float32), (EPB, 1, CH * NCH))
+    pdl_wait(PDL)
+    for t0 in tl.static_range(0, BTR, TB):  # TB tokens a pass: the products' registers bounded, the same bits
+        if t0 < T:  # at any TB; no pass for padding
+            tt = t0 + tl.arange(0, TB)
+            tmask = tt < T
+            x = tl.load(x_ptr + tt[:, None, None] * stride_xm + k[None, :, :],
+                        mask=tmask[:, None, None] & kmask[None], other=0.0)
+            p = wf * tl.reshape(x.to(tl.float32), (1, TB, CH * NCH))  # bf16 x bf16: exact in fp32 (an FMA or not)
+            dots = tl.reshape(_pair_tree(tl.reshape(p, (EPB * TB, CH * NCH)), EPB * TB, LOG2K), (EPB, TB))
+            tl.store(lg_ptr + tt[None, :] * E + offs_e[:, None], dots, mask=tmask[None, :])
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        # ---- the last program: every token's whole routing on its [T, E] logits, by ranks (all pairs compared at
+        # once: a few independent reductions, not a chain of argmaxes)
+        EG: tl.constexpr = E // NG
+        t = tl.arange(0, BTR)[:, None, None]
+        j = tl.arange(0, EG)
+        h = tl.arange(0, NG)
+        offs = t * E + (h[:, None] * EG + j[None, :])[None, :, :]  # [T, NG, EG]
+        logit = tl.load(lg_ptr + offs, mask=t < T, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+        score = tl.sigmoid(logit)
+        b = score + tl.load(bias_ptr + offs - t * E)  # the bias in the logits' layout: no shuffle
+        # each expert's place in its group (biased score descending, lower index first): [T, EG, NG, EG] compares,
+        # the other expert k ahead of the group, so that k falls to registers (the last dim to lanes, the group to
+        # warps) and the count is a sum in each thread
+        bk = tl.permute(b, (0, 2, 1))  # [T, EG, NG]
+        rank = tl.sum(_ahead(b[:, None, :, :], j[None, None, None, :], bk[:, :, :, None],
+                             j[None, :, None, None]).to(tl.int32), 1)
+        gs = tl.max(tl.where(rank == 0, b, float("-inf")), 2) + tl.max(tl.where(rank == 1, b, float("-inf")), 2)
+        # each group's place among the groups: [T, NG, NG] compares; the TOPK_GROUP first are kept
+        grank = tl.sum(_ahead(gs[:, :, None], h[None, :, None], gs[:, None, :], h[None, None, :]).to(tl.int32), 2)
+        # each group's CPAD best in order (no group gives more than TOPK to the choice): [T, CPAD, NG, EG] selects in
+        # the compares' layout; one expert holds each place, so an integer sum of its bits (a warp's REDUX) is it
+        cp = tl.arange(0, CPAD)
+        hit = rank[:, None, :, :] == cp[None, :, None, None]
+        cv = tl.sum(tl.where(hit, b.to(tl.int32, bitcast=True)[:, None, :, :], 0), 3).to(tl.float32, bitcast=True)
+        sc = tl.sum(tl.where(hit, score.to(tl.int32, bitcast=True)[:, None, :, :], 0), 3).to(tl.float32, bitcast=True)
+        ci = tl.sum(tl.where(hit, (h[:, None] * EG + j[None, :])[None, None, :, :], 0), 3)  # [T, CPAD, NG]
+        # a kept group's as they are, another's at -inf
+        cv = tl.where((grank < TOPK_GROUP)[:, None, :], cv, float("-inf"))
+        NC: tl.constexpr = NG * CPAD
+        v = tl.reshape(cv, (BTR, NC))
+        sc = tl.reshape(sc, (BTR, NC))
+        ci = tl.reshape(ci, (BTR, NC))
+        # each candidate's place among all NG x CPAD (ids are unique): [T, NC, NC] compares; the TOPK first chosen
+        crank = tl.sum(_ahead(v[:, :, None], ci[:, :, None], v[:, None, :], ci[:, None, :]).to(tl.int32), 2)
+        ki = tl.arange(0, KPAD)
+        pick = (crank[:, :, None] == ki[None, None, :]) & (ki < TOPK)[None, None, :]  # [T, NC, KPAD]
+        out_idx = tl.max(tl.where(pick, ci[:, :, None], -1), 1)
+        out_w = tl.sum(tl.where(pick, sc[:, :, None], 0.0), 1)  # one term per slot: exact
+        _store_routes(out_w, out_idx, w_out_ptr, idx_out_ptr, table_ptr, T, route_scale, e0, e1, E, TOPK, KPAD, BTR,
+                      TABLE)
+
+
 def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_group: int = 8,
                     topk_group: int = 4, topk: int = 8, route_scale: float = 2.5, return_logits: bool = False,
-                    block_e: int = 32, splits: int | None = None, local: tuple[int, int] | torch.Tensor | None = None,
-                    pdl: bool = False, impl: str = "auto", num_warps: int | None = None, prefetch: bool = True):
+                    block_e: int | None = None, splits: int | None = None,
+                    local: tuple[int, int] | torch.Tensor | None = None, pdl: bool = False, impl: str = "auto",
+                    num_warps: int | None = None, prefetch: bool = True, tokens_per_pass: int | None = None):
     """Kernel twin of `moe_route_ref` in one launch: (weights [T, J] fp32, idx [T, J] int32), plus the fp32
     gate logits [T, E] the choice was made on when return_logits (for tests: `route_from_logits_ref` on them
     must choose the same experts exactly). local = (e0, e1): return ids as an expert-parallel rank holding
@@ -253,15 +397,21 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
     before the wait; prefetch False (`FastPathOptions.prefetch_at`) compiles that prefetch out (the same
     bits). impl: "serial" (the last program routes on [T, E]) or "grouped" (each E-block's last slice ranks its
     groups, the last block merges; <= GROUPED_MAX_TOKENS tokens, topk <= topk_group x E / n_group); both give the
-    same logits, ids and weights bit for bit.
-    num_warps: default 4 (serial, and grouped chosen by "auto") / 8 (grouped: its rank comparisons spread over
-    more threads). impl "auto" (default): the faster of the two at T tokens as measured on an H200."""
+    same logits, ids and weights bit for bit. "one" (<= ONE_MAX_TOKENS tokens, the same topk limit): no split-K,
+    block_e experts' whole dot per program (2 by default: 128 programs at E = 256), its gate rows loaded before
+    the PDL wait (not a prefetch: `prefetch` does not apply), tokens_per_pass tokens a pass (`one_tokens_per_pass`
+    by warps by default; the same bits at any); logits in another fixed order (`_pair_tree`), the same choice
+    on them as the others' on theirs.
+    block_e: experts per program (split-K impls: 32, "grouped" at least a group). num_warps: default 4 (serial,
+    and grouped chosen by "auto") / 8 (grouped: its rank comparisons spread over more threads) / ONE_WARPS (one).
+    impl "auto" (default): the faster of serial and grouped at T tokens as measured on an H200."""
     require(x_TD, "moe_route_fused")
     if impl not in IMPLS + ("auto",):
         raise ValueError(f"moe_route_fused: impl must be 'auto' or one of {IMPLS}, got {impl!r}")
     T, D = x_TD.shape
     E = wg_ED.shape[0]
-    block_e = min(block_e, E)
+    one = impl == "one"
+    block_e = min(block_e or (ONE_BLOCK_E if one else 32), E)
     if wg_ED.shape[1] != D or bias_E.shape != (E,):
         raise ValueError(f"moe_route_fused: gate weight must be [E, {D}] and bias [E], got {list(wg_ED.shape)}, "
                          f"{list(bias_E.shape)}")
@@ -281,29 +431,20 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
         impl = "grouped" if T <= GROUPED_MAX_TOKENS and T != 2 and topk <= topk_group * EG else "serial"
         num_warps = num_warps or 4
     grouped = impl == "grouped"
-    if grouped:
-        if T > GROUPED_MAX_TOKENS:
-            raise ValueError(f"moe_route_fused: impl='grouped' takes 1..{GROUPED_MAX_TOKENS} tokens, got {T} "
-                             f"(use impl='serial')")
+    if grouped or one:
+        limit = GROUPED_MAX_TOKENS if grouped else ONE_MAX_TOKENS
+        if T > limit:
+            raise ValueError(f"moe_route_fused: impl={impl!r} takes 1..{limit} tokens, got {T} (use impl='serial')")
         if topk > topk_group * EG:
-            raise ValueError(f"moe_route_fused: impl='grouped' needs topk {topk} <= topk_group {topk_group} x "
+            raise ValueError(f"moe_route_fused: impl={impl!r} needs topk {topk} <= topk_group {topk_group} x "
                              f"{EG} experts per group")
+    if grouped:
         block_e = max(block_e, EG)  # an E-block holds whole groups
-    G = D // BLOCK
-    nbe = E // block_e
-    # ~112 programs (<= 1 per SM), each >= 2 groups; fewer slices = a shorter fix-up
-    splits = splits or max(1, min(G // 2, triton.cdiv(112, nbe)))
-    gps = triton.cdiv(G, splits)
-    splits = triton.cdiv(G, gps)
-    bt = max(16, triton.next_power_of_2(T))
     btr = triton.next_power_of_2(T)
     dev = x_TD.device
-    part = torch.empty(splits, bt, E, dtype=torch.float32, device=dev)
     w = torch.empty(T, topk, dtype=torch.float32, device=dev)
     idx = torch.empty(T, topk, dtype=torch.int32, device=dev)
-    logits = torch.empty(T, E, dtype=torch.float32, device=dev) if return_logits else w
     x = x_TD if x_TD.stride(-1) == 1 else x_TD.contiguous()
-    bf16 = x.dtype == torch.bfloat16 and wg_ED.dtype == torch.bfloat16
     launch = pdl_kwargs(pdl, x)
     table = isinstance(local, torch.Tensor)
     if table:
@@ -315,15 +456,39 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
         e0, e1 = local if local is not None else (0, E)
         if not 0 <= e0 <= e1 <= E:
             raise ValueError(f"moe_route_fused: local expert range must lie in [0, {E}], got {local}")
-    common = dict(E=E, NG=n_group, TOPK_GROUP=topk_group, TOPK=topk, KPAD=triton.next_power_of_2(topk),
-                  BE=block_e, BT=bt, BTR=btr, GPS=gps, SPLITS=splits, BF16=bf16, STORE_LOGITS=return_logits,
-                  PDL=pdl_mode(pdl, launch), PREFETCH=bool(launch) and prefetch, TABLE=table, LINE=line_elems(wg_ED),
-                  num_warps=num_warps or (8 if grouped else 4), **launch)
+    routing = dict(E=E, NG=n_group, TOPK_GROUP=topk_group, TOPK=topk, KPAD=triton.next_power_of_2(topk), BTR=btr,
+                   PDL=pdl_mode(pdl, launch), TABLE=table, **launch)
     args = (T, D, x.stride(0), float(route_scale), e0, e1)
     tab = local if table else idx  # the table, or any pointer the range's code never reads
     wg, bias = wg_ED.contiguous(), bias_E.float().contiguous()
+    cpad = min(triton.next_power_of_2(topk), EG)  # candidates kept per group (grouped, one)
+    if one:
+        num_warps = num_warps or ONE_WARPS
+        tb = tokens_per_pass or one_tokens_per_pass(num_warps)
+        if tb < 1 or tb & (tb - 1):
+            raise ValueError(f"moe_route_fused: tokens_per_pass must be a power of two, got {tb}")
+        tb = min(btr, tb)
+        kp = triton.next_power_of_2(D)
+        ch = min(kp, ONE_CHUNK)
+        logits = torch.empty(T, E, dtype=torch.float32, device=dev)  # the programs' results, returned as they are
+        _route_one_kernel[(E // block_e,)](x, wg, bias, logits, _counters(dev, 1), w, idx, tab, *args, CPAD=cpad,
+                                           EPB=block_e, TB=tb, CH=ch, NCH=kp // ch, LOG2K=kp.bit_length() - 1,
+                                           num_warps=num_warps, **routing)
+        return (w, idx, logits) if return_logits else (w, idx)
+    G = D // BLOCK
+    nbe = E // block_e
+    # ~112 programs (<= 1 per SM), each >= 2 groups; fewer slices = a shorter fix-up
+    splits = splits or max(1, min(G // 2, triton.cdiv(112, nbe)))
+    gps = triton.cdiv(G, splits)
+    splits = triton.cdiv(G, gps)
+    bt = max(16, btr)
+    part = torch.empty(splits, bt, E, dtype=torch.float32, device=dev)
+    logits = torch.empty(T, E, dtype=torch.float32, device=dev) if return_logits else w
+    bf16 = x.dtype == torch.bfloat16 and wg_ED.dtype == torch.bfloat16
+    common = dict(BE=block_e, BT=bt, GPS=gps, SPLITS=splits, BF16=bf16, STORE_LOGITS=return_logits,
+                  PREFETCH=bool(launch) and prefetch, LINE=line_elems(wg_ED), num_warps=num_warps or (8 if grouped else 4),
+                  **routing)
     if grouped:
-        cpad = min(triton.next_power_of_2(topk), EG)  # candidates kept per group
         gs = torch.empty(btr, n_group, dtype=torch.float32, device=dev)
         cand = torch.empty(2, btr, n_group, cpad, dtype=torch.float32, device=dev)
         cand_id = torch.empty(btr, n_group, cpad, dtype=torch.int32, device=dev)

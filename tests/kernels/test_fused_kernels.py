@@ -292,7 +292,8 @@ def _norm_checks() -> None:
 
 def _router_checks() -> None:
     from mtp.kernels.dispatch import expert_map, local_ids
-    from mtp.kernels.router import IMPLS, moe_route_fused, moe_route_ref, route_from_logits_ref
+    from mtp.kernels.router import SPLITK_IMPLS as IMPLS  # impl 'one': tests/kernels/test_router_one.py
+    from mtp.kernels.router import moe_route_fused, moe_route_ref, route_from_logits_ref
 
     torch.manual_seed(1)
     # DeepSeek's E = 256 / 8 groups at one token, two ('auto' picks the serial tail there) and 8 (padded rows

@@ -78,6 +78,9 @@ def _kernels() -> dict:
                                                   table_ptr=i32),
                    dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, CPAD=8, BE=32, BT=16, BTR=1, GPS=4, SPLITS=14,
                         BF16=True, STORE_LOGITS=False, TABLE=False, LINE=64, PREFETCH=True), 4, False),
+        "router_one": (rt._route_one_kernel, dict(x_ptr=bf, w_ptr=bf, cnt_ptr=i32, idx_out_ptr=i32, table_ptr=i32),
+                       dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, CPAD=8, EPB=2, BTR=1, TB=1, CH=2048, NCH=4,
+                            LOG2K=13, TABLE=False), 8, True),
         "q_absorb": (mpf._q_absorb_kernel, dict(qq_ptr=bf, qpe_ptr=bf, iq8_ptr=f8, w_ptr=bf, ql_ptr=bf),
                      dict(H=16, P=128, R=64, HI=64, DK=128, HSCALE=hs, INDEX=True, HQ=64, C=512, BO=64, BK=128,
                           BT=16, IEEE=False, PF=1, LINE=64), 4, False),
@@ -151,7 +154,7 @@ def test_pdl_kernels_compile_for_hopper_in_order():
 
 # the kernels compiled with PDL_AFTER_WAIT: the two that call griddepcontrol themselves through `pdl_launch` /
 # `pdl_wait` since it came (the GEMV, the router), kernels with loads or prefetches before the wait, and plain ones
-AFTER_WAIT = ("gemv", "router", "index_weights", "topk_split", "moe_down", "add_rounded")
+AFTER_WAIT = ("gemv", "router", "router_one", "index_weights", "topk_split", "moe_down", "add_rounded")
 
 
 def test_pdl_after_wait_compiles_the_trigger_after_the_wait():
@@ -353,11 +356,14 @@ def _kernel_checks() -> None:
     gu = rn(2, 2, 300)
     _pdl_equal("silu_mul", lambda p: silu_mul(gu[..., :150], gu[..., 150:], torch.float32, pdl=p))
     _pdl_equal("rms_norm", lambda p: rms_norm(h, wn, 1e-6, torch.bfloat16, pdl=p))
-    # the router (its gate slice prefetched): both implementations
+    # the router (its gate slice prefetched): the split-K implementations; impl one (its gate rows loaded before the
+    # wait: nothing prefetched)
     xr, wg, bias = rn(2, 384), rn(64, 384, s=0.05), rn(64, s=0.05)
     for impl in ("serial", "grouped"):
         _pdl_equal(f"router {impl}", lambda p: moe_route_fused(xr, wg, bias, n_group=4, topk_group=2, topk=6,
                                                                impl=impl, pdl=p), wg, launches=1)
+    _pdl_equal("router one", lambda p: moe_route_fused(xr, wg, bias, n_group=4, topk_group=2, topk=6, impl="one",
+                                                       pdl=p), launches=1)
     # the experts: pair grid, persistent, with the shared expert as the last slot, with `add`
     E, D, inner, T = 5, 256, 256, 2
     ws = [weight_quant(rn(inner, D, s=0.05)) for _ in range(2 * E)] + [weight_quant(rn(D, inner, s=0.05))
