@@ -299,6 +299,7 @@ KERNEL_VARIANTS = {
     # whole dot, the last one routes every token by ranks) up to 16 tokens, against the default's 'auto' (grouped:
     # two arrivals in a chain; 9.2 us exposed per MoE layer at every width, H200, session 19). Off until timed
     "router_one": (dict(router_one=True), dict()),
+    "nb_one": (dict(moe_down_nb=True, router_one=True), dict()),  # moe_down_nb and router_one together
 }
 
 
