@@ -45,6 +45,12 @@ from .test_moe_down_nb import TOL, _rel, down_ref, down_stack  # noqa: E402
 from .test_moe_items_gpu import _routings  # noqa: E402
 
 TILES = [(rows, groups) for rows in DOWN_NB_ROWS for groups in (1, 2)]
+# A 32-row tile is below wgmma's 64-row M: its FP8 dot compiles to mma.sync, which accumulates in full fp32 where
+# wgmma's FP8 accumulation keeps fewer mantissa bits (DeepSeek-V3's report: ~14): on an H200 (session 20) the 32-row
+# tiles differ from the 64 / 128-row ones by 2.0-2.2e-4 relative, and a 64-row tile from the float64 sum by 1.3e-4.
+# Tiles of different instructions, and a kernel against the float64 sum, are held to this; the same instruction in
+# another fp32 order to TOL.
+ACC_TOL = 1e-3
 TMA = DEV == "cuda" and has_tma(torch.device(DEV))
 
 
@@ -85,7 +91,8 @@ def test_down_nb_split_rank(split_stack, T, pdl):
             for tile in TILES:
                 poison()
                 by_tile[tile] = moe_experts(x, ids, w, *st, down_nb=True, down_tile=tile, **kw)
-                assert _rel(by_tile[tile], on) < TOL, (name, tile, _rel(by_tile[tile], on))
+                tol = TOL if tile[0] >= 64 else ACC_TOL
+                assert _rel(by_tile[tile], on) < tol, (name, tile, _rel(by_tile[tile], on))
             for rows in DOWN_NB_ROWS:
                 assert torch.equal(by_tile[(rows, 1)], by_tile[(rows, 2)]), (name, rows)
             if TMA:
@@ -142,7 +149,11 @@ def test_down_nb_batch_invariant(split_stack):
     x = torch.randn(4, st[0].shape[2], device=DEV, generator=g).bfloat16()
     w = torch.rand(4, 8, device=DEV, generator=g)
     ids = _routings(4, S, 8, g)["skip"]
-    ids[3, :4] = ids[1, :4]  # experts repeated across tokens
+    # experts repeated across tokens: token 3's first four are token 1's, its other four none of them (a token's
+    # experts are distinct: `moe_experts` requires it)
+    others = [e for e in torch.randperm(S, device=DEV, generator=g).tolist() if e not in ids[1, :4].tolist()]
+    ids[3, :4] = ids[1, :4]
+    ids[3, 4:] = torch.tensor(others[:4], dtype=ids.dtype, device=DEV)
     h8, hs = _gate_up_h(st, x, ids, w)
     topk = 9
     for tile in TILES:
@@ -213,7 +224,7 @@ def test_down_nb_odd_width():
         for tile in ((32, 2), (64, 2), (128, 1)):
             poison()
             y = down_nb(h8, hs, idx, rw, wd, sd, T, True, torch.float32, tile=tile)
-            assert _rel(y, ref) < TOL, (T, tile, _rel(y, ref))
+            assert _rel(y, ref) < ACC_TOL, (T, tile, _rel(y, ref))
 
 
 @pytest.mark.parametrize("T", [1, 4])
