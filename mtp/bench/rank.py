@@ -207,7 +207,7 @@ KERNEL_VARIANTS = {
     "moe_tma": (dict(moe_tma=True), dict()),
     "moe_tma_off": (dict(moe_tma=False), dict()),
     # the persistent experts' down projection by output block, every expert in one pipelined loop, no combine launch
-    # (`moe.moe_experts(down_nb=True)`, `mtp.kernels.moe_down_nb`): another fp32 sum order. Off by default until timed
+    # (`moe.moe_experts(down_nb=True)`, `mtp.kernels.moe_down_nb`): another fp32 sum order. On by default since session 20
     "moe_down_nb": (dict(moe_down_nb=True), dict()),
     "moe_down_nb_off": (dict(moe_down_nb=False), dict()),
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
@@ -297,9 +297,9 @@ KERNEL_VARIANTS = {
     "logits_scan_off": (dict(logits_scan=False), dict()),
     # the router with no split-K and one arrival (`router.moe_route_fused(impl="one")`: each program 2 experts'
     # whole dot, the last one routes every token by ranks) up to 16 tokens, against the default's 'auto' (grouped:
-    # two arrivals in a chain; 9.2 us exposed per MoE layer at every width, H200, session 19). Off until timed
-    "router_one": (dict(router_one=True), dict()),
-    "nb_one": (dict(moe_down_nb=True, router_one=True), dict()),  # moe_down_nb and router_one together
+    # two arrivals in a chain; 9.2 us exposed per MoE layer at every width, H200, session 19). Default: up to 2 tokens
+    "router_one": (dict(router_one_tokens=16), dict()),  # every call of <= 16 tokens
+    "router_one_off": (dict(router_one_tokens=0), dict()),  # the grouped impl ('auto') at every width
 }
 
 

@@ -23,13 +23,16 @@ version, so the engine captures its kept graphs again).
   draft, verify and MTP blocks alike), so its paths still agree bit for bit. Not the q_a norm (q_lora wide, 4 warps
   as `mla_prologue_fused`'s kv launch runs it) nor the one-shot all-reduce's fused norm (its own programs).
 - router: the MoE router in one kernel (`router.moe_route_fused`); off: `moe.moe_route` (2 launches).
-- router_one (off until timed; variant router_one): with router, calls of at most `router.ONE_MAX_TOKENS` (16) tokens
-  take `moe_route_fused(impl="one")`: no split-K (each program the whole 7168-long dot of 2 experts, its gate rows
-  loaded before the PDL wait), one arrival (the grouped impl's 'auto' choice has two in a chain: each E-block's last
-  K slice, then the last E-block) and the whole routing in the last program by rank comparisons. The same choice on
-  its logits as the others' on theirs; the logits themselves in another fixed fp32 order (`router._pair_tree`: the
-  same bits at any warps, tile or width), so they can differ from the split-K sums in the last bits. Measured before
-  (H200, one TP=8 rank, BENCHMARKS.md session 19): the grouped router 9.2 us exposed per MoE layer in the step.
+- router_one_tokens (2; variants router_one = 16, router_one_off = 0): with router, calls of at most this many tokens
+  (and at most `router.ONE_MAX_TOKENS`, 16) take `moe_route_fused(impl="one")`: no split-K (each program the whole
+  7168-long dot of 2 experts, its gate rows loaded before the PDL wait), one arrival (the grouped impl's 'auto' choice
+  has two in a chain: each E-block's last K slice, then the last E-block) and the whole routing in the last program
+  by rank comparisons. The same choice on its logits as the others' on theirs; the logits themselves in another fixed
+  fp32 order (`router._pair_tree`: the same bits at any warps, tile or width), so they can differ from the split-K
+  sums in the last bits. Measured (H200, one TP=8 split rank, 61 layers, 1k, busy ms, BENCHMARKS.md session 20): at
+  w = 1 / 2 / 3 / 4 -0.27 / -0.22 / +0.05 / -0.00 a step with impl one up to 16 tokens (its last program's routing
+  grows with the tokens: 709 PTX instructions and 28 barriers after the arrival at one, 2526 and 66 at four), and
+  beside moe_down_nb -0.25 / -0.21 / +0.08 / +0.01: so up to 2 tokens.
 - prologue: the MLA prologue in two kernels (`mla_prologue`: kv_a norm, rotary, indexer key + cache write;
   q_pe rotary, indexer queries' rotary + Hadamard + quant); off: ~12 torch / compiled elementwise launches.
 - fuse_prologue: with prologue, the kv prologue and the q_a norm + quant in one launch, and with absorb, the q
@@ -120,7 +123,7 @@ version, so the engine captures its kept graphs again).
   Measured (H200, session 19, BENCHMARKS.md; predicted within +-1 us a call): the experts alone -0.8 / -0.5 / -1.2 /
   -1.0 us at T = 1..4 (`topk_moe --only moe_knobs`); the TP=8 split rank's step (busy, two alternations) -0.00 /
   -0.03 / -0.00 / -0.08 ms at 1k w = 1..4, -0.03 / -0.05 / -0.00 / -0.07 at 32k.
-- moe_down_nb (off until timed on a GPU; variant moe_down_nb): the persistent experts' down projection by output
+- moe_down_nb (on; variant moe_down_nb_off): the persistent experts' down projection by output
   block (`moe.moe_experts(down_nb=True)`, `mtp.kernels.moe_down_nb`): one program per 64 rows of D (112 at D = 7168)
   loops over every expert of the call and its K groups in one pipelined loop, each program building the loop's plan
   (experts by id, token slots, column scales) in a scratch of its own, and stores y itself: no per-slot partials, no
@@ -129,7 +132,10 @@ version, so the engine captures its kept graphs again).
   TP=8 split rank 29.4 us a layer where the tiles stream in 18.7 (H200, BENCHMARKS.md session 19), + ~2 us of
   combine. Another fp32 sum order (each token's experts by ascending id, the shared slot's last), within fp32
   reordering of the switch off; a token's bits do not depend on the call's other tokens. Persistent layout only
-  (`FastMoE.routed`); off: the work items + `moe._moe_combine_kernel`.
+  (`FastMoE.routed`); off: the work items + `moe._moe_combine_kernel`. Measured (H200, one TP=8 split rank, 61
+  layers, 1k, busy ms, BENCHMARKS.md session 20): +0.02 / -0.34 / -0.36 / -0.57 a step at w = 1 / 2 / 3 / 4; alone
+  (`mtp.bench.topk_moe --only moe_down_nb`, gate/up + down (+ combine)) 43.5 -> 38.3 / 50.4 -> 43.6 / 69.1 -> 58.5 us
+  at T = 2 / 3 / 4.
 - pdl (on, for calls of up to `pdl_tokens` tokens: 64 by default on a tensor-parallel rank, with the trigger after
   the wait past one token, pdl_early_tokens 1: measured on one TP=8 split rank, H200, BENCHMARKS.md session 15,
   back-to-back replays: -0.36 to -0.51 ms a step at w = 2..4 at 1k, -0.14 to -0.43 at 32k, against PDL at w = 1
@@ -213,7 +219,7 @@ ELEMENTWISE_IMPLS = ("triton", "compile", "eager")
 
 # the options that are integers; every other field is an on / off switch
 INT_FIELDS = ("gemv_rows", "pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows",
-              "gemv_one_slice", "norm_warps", "mla_channel_splits")
+              "gemv_one_slice", "norm_warps", "mla_channel_splits", "router_one_tokens")
 
 
 @dataclass
@@ -240,8 +246,8 @@ class FastPathOptions:
     moe_x8: bool = True
     logits_scan: bool = True
     moe_tma: bool = True
-    moe_down_nb: bool = False
-    router_one: bool = False
+    moe_down_nb: bool = True
+    router_one_tokens: int = 2
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)
@@ -420,14 +426,14 @@ def route(x_ND: torch.Tensor, gate, opts: FastPathOptions,
     """The MoE router on the kernels for `gate` (an `mtp.model.moe.Gate`): (weights [N, K] fp32, ids [N, K] int32).
     local (`ExpertMap.router`: a range (e0, e1), a table, or None for all): ids as this rank sees them, the index
     of an expert in its stack and -1 for one on another rank (what `moe_experts` takes). Switch `router`: one
-    launch (`router.moe_route_fused`, the mapping inside; impl "one" up to its token limit with switch router_one,
+    launch (`router.moe_route_fused`, the mapping inside; impl "one" up to router_one_tokens (and its limit),
     else "auto"); off: `moe.moe_route` (gate GEMV + top-k) and the mapping in torch."""
     kw = dict(n_group=gate.n_groups, topk_group=gate.topk_groups, topk=gate.topk, route_scale=gate.route_scale)
     if opts.router:
         from mtp.kernels.router import moe_route_fused, one_takes
 
         N = x_ND.shape[0]
-        one = opts.router_one and one_takes(N, gate.n_experts, gate.n_groups, gate.topk_groups, gate.topk)
+        one = N <= opts.router_one_tokens and one_takes(N, gate.n_experts, gate.n_groups, gate.topk_groups, gate.topk)
         return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, local=local, pdl=opts.pdl_at(N),
                                prefetch=opts.prefetch_at(N), impl="one" if one else "auto", **kw)
     from mtp.kernels.moe import moe_route

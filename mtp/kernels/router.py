@@ -28,7 +28,7 @@ final phase 334 + 288 / 789 + 918 / 725 + 1736 instructions, 26 / 54 / 69 BAR (1
 trips, the rest), to be measured by `mtp.bench.fused`'s router section (4, 8 and 16 warps). Same logits, ids and
 weights as the serial tail, bit for bit.
 
-impl="one" (switch `FastPathOptions.router_one`; <= ONE_MAX_TOKENS tokens) drops split-K and the second arrival:
+impl="one" (`FastPathOptions.router_one_tokens`, 2 by default; <= ONE_MAX_TOKENS tokens) drops split-K and the second arrival:
 each of E / 2 programs (128) computes its 2 experts' whole dot over K (28 KB of the gate, loaded into registers
 before the PDL wait: the step exposes none of it) for T tokens, and stores its logits [T, 2] to the [T, E] buffer it
 returns (return_logits); one counter (re-armed by the last program), and the last program routes every token on the
@@ -48,8 +48,10 @@ HBM ~1.6, the dots and tree ~0.6, one arrival ~0.7, the .cg reload ~0.5, the tai
 grouped's 8.5; at T = 4 ~8-9 us (the tail ~3.5 us: 2.5 K instructions and 66 barriers in one program) against
 9.3. In the step (PDL: the gate already in registers) ~4 us exposed at T = 1 and ~6-7 us at T = 4, against
 9.2 / 9.0 us measured for grouped (BENCHMARKS.md session 19): -0.25 to -0.3 ms a step at w = 1 over 58 MoE layers
-(+ the MTP layers'), -0.1 to -0.15 ms at w = 4. To be measured (`mtp.bench.fused --only router`; `mtp-bench --tp 8
---kernel-variants defaults,router_one`).
+(+ the MTP layers'), -0.1 to -0.15 ms at w = 4. Measured (H200, session 20, BENCHMARKS.md; `mtp-bench --tp 8
+--kernel-variants router_one`, impl one up to 16 tokens, busy ms a step at 1k): -0.27 / -0.22 / +0.05 / -0.00 at
+w = 1 / 2 / 3 / 4 (the tail's growth with T as predicted, the T = 1 gain as predicted); alone at T = 3 / 4 (8 warps,
+`mtp.bench.fused --only router`) 10.9 / 11.0 us against grouped's 9.6 / 9.8. Hence the default: up to 2 tokens.
 
 Ties (equal biased scores, equal group scores): the lower index wins, at every step, as the stable
 descending sort of `mtp.model.moe.route` gives. Group score = the two largest biased scores of the group (a

@@ -143,19 +143,22 @@ def _field(d: dict, key: str, path: str, where: str):
 # 'fast_path_options' was written by that code)
 BEFORE_SESSION_11 = dict(fuse_prologue=False, fuse_absorb_out=False, fuse_out_cast=False, topk_rearm=False,
                          shared_in_experts=False)
+# switches a file may not record because the code that wrote it had none: what that code did (a switch added on by
+# default changes the launches of the files written before it)
+UNRECORDED = dict(moe_down_nb=False)  # session 20: before it, every persistent call had its combine launch
 
 
 def measured_code(d: dict) -> tuple[object, str]:
     """(launch limits, expert layout) of the code that wrote the mtp-bench JSON `d` (or its 'ours' part): its
     recorded `fast_path_options` over this code's thresholds, else the switches before session 11 (which recorded
-    neither); the layout it recorded ('expert_layout'), else 'contiguous' (mtp-bench --tp N before 'auto')."""
+    neither); a switch it did not record as `UNRECORDED` gives it; the layout it recorded ('expert_layout'), else 'contiguous' (mtp-bench --tp N before 'auto')."""
     from .kernels import Limits
 
     lim = Limits.current()
     known = {f.name for f in dataclasses.fields(lim)}
     opts = d.get("fast_path_options")
     flags = BEFORE_SESSION_11 if opts is None else {k: v for k, v in opts.items() if k in known}
-    return dataclasses.replace(lim, **flags), d.get("expert_layout", "contiguous")
+    return dataclasses.replace(lim, **dict(UNRECORDED, **flags)), d.get("expert_layout", "contiguous")
 
 
 def rows_from(spec: str, base: ModelConfig) -> tuple[str, list[Row], dict | None]:

@@ -64,6 +64,9 @@ class Limits:
     indexer_one_launch: bool = False  # dispatch.FastPathOptions.indexer_one_launch: scores and top-k in one launch
     fused_hist_rows: int = 1  # dispatch.FastPathOptions.fused_hist_rows: the histogram in the scores kernel up to these rows
     mlp_reduce_norm: bool = True  # dispatch.FastPathOptions.mlp_reduce_norm: the FFN's sum added by the next block's norm
+    moe_down_nb: bool = True  # dispatch.FastPathOptions.moe_down_nb: a persistent call's down stores y (no combine)
+    split_persistent: int = 4  # fast_path.SPLIT_PERSISTENT_TOKENS: a 'split' rank's persistent layout up to these tokens
+    persistent_pairs: int = 64  # moe.PERSISTENT_MAX_PAIRS: a rank of scattered experts' persistent layout (T x J)
 
     @classmethod
     def current(cls) -> Limits:
@@ -71,6 +74,7 @@ class Limits:
         from ..kernels import fp8_gemm
         from ..kernels.dispatch import FastPathOptions
         from ..kernels.mla_prologue_fused import NORM_MAX_Q
+        from ..kernels.moe import PERSISTENT_MAX_PAIRS
 
         o = FastPathOptions()
         return cls(o.gemv_rows, fp8_gemm.FUSE_M, fp8_gemm.SMALL_N, fp.SMALL_M, fp.ABSORB_MAX_TOKENS,
@@ -79,7 +83,8 @@ class Limits:
                    fuse_absorb_out=o.fuse_absorb_out, fuse_out_cast=o.fuse_out_cast, topk_rearm=o.topk_rearm,
                    shared_in_experts=o.shared_in_experts, topk_one_launch=o.topk_one_launch,
                    indexer_one_launch=o.indexer_one_launch, fused_hist_rows=o.fused_hist_rows,
-                   mlp_reduce_norm=o.mlp_reduce_norm)
+                   mlp_reduce_norm=o.mlp_reduce_norm, moe_down_nb=o.moe_down_nb,
+                   split_persistent=fp.SPLIT_PERSISTENT_TOKENS, persistent_pairs=PERSISTENT_MAX_PAIRS)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -198,11 +203,24 @@ def router(N: int, lim: Limits) -> int:
     return r + (2 if r > 1 else 0)
 
 
-def experts(N: int, lim: Limits) -> int:
-    """`moe_experts`: gate-up, down, combine (pairs / persistent layouts); above grouped_above tokens, per chunk of
-    max_tokens, the grouped GEMM's count + align, act_quant, gate-up, down, combine (+ a cat of the chunks)."""
+def persistent(cfg: ModelConfig, sh: StepShape, lim: Limits) -> bool:
+    """Whether `FastMoE.kernel_layout` gives the persistent layout: a 'split' rank up to split_persistent tokens; a
+    rank of scattered experts (a table: 'contiguous' and the others at tp > 1) by size, T x J <= persistent_pairs
+    (`moe.default_layout`); one process (every expert local) never (the pair grid)."""
+    N = sh.tokens
+    if sh.tp == 1 or N > lim.grouped_above:
+        return False
+    if choose_layout(sh.expert_layout, cfg.moe_intermediate_size, sh.tp) == "split":
+        return N <= lim.split_persistent
+    return N * cfg.num_experts_per_tok <= lim.persistent_pairs
+
+
+def experts(N: int, lim: Limits, persistent: bool = False) -> int:
+    """`moe_experts`: gate-up, down, combine (pairs / persistent layouts; a persistent call with moe_down_nb: its down
+    stores y, no combine); above grouped_above tokens, per chunk of max_tokens, the grouped GEMM's count + align,
+    act_quant, gate-up, down, combine (+ a cat of the chunks)."""
     if N <= lim.grouped_above:
-        return 3
+        return 2 if persistent and lim.moe_down_nb else 3
     c = _cdiv(N, lim.moe_chunk)
     return 6 * c + (1 if c > 1 else 0)
 
@@ -236,7 +254,7 @@ def moe_ffn(cfg: ModelConfig, sh: StepShape, lim: Limits) -> dict[str, int]:
     if inter and not quant:
         shared += 1  # `MoE.forward`: routed + shared
     # add_rounded (none where the next block adds it: `ffn_hand_off`); or `.to(x.dtype)` and the block's `h + y`
-    routed = experts(N, lim) + (0 if ffn_hand_off(sh, lim) else 1 if quant else 2)
+    routed = experts(N, lim, persistent(cfg, sh, lim)) + (0 if ffn_hand_off(sh, lim) else 1 if quant else 2)
     return {"shared_expert": shared, "router": router(N, lim), "routed_experts": routed}
 
 

@@ -35,13 +35,14 @@ from tests.interp import run_interpreted  # noqa: E402
 
 
 def test_moe_down_nb_switch_and_variant():
-    """Off by default until timed on a GPU; `mtp-bench --kernel-variants moe_down_nb` turns it on, moe_down_nb_off
-    off (real switches)."""
+    """On by default (measured in the step, session 20); `mtp-bench --kernel-variants moe_down_nb_off` turns it off,
+    moe_down_nb on (real switches)."""
     from mtp.bench.rank import KERNEL_VARIANTS
     from mtp.kernels.dispatch import FastPathOptions
 
     o = FastPathOptions()
-    assert not o.moe_down_nb
+    assert o.moe_down_nb
+    o.set(moe_down_nb=False)
     flags, options = KERNEL_VARIANTS["moe_down_nb"]
     o.set(**flags)
     assert o.moe_down_nb and options == {}

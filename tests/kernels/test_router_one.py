@@ -38,20 +38,24 @@ CASES = [(T, 256, 256, 8, 4, 8) for T in (1, 2, 3, 4, 8, 16)] + [
 BE = 16  # experts per program in most interpreted calls: the interpreter's time goes by programs (0.3 vs 0.6-2 s)
 
 
-def test_switch_is_off_and_the_variant_turns_it_on():
+def test_option_and_variants():
+    """Impl one up to 2 tokens by default (measured in the step, session 20); the variants widen it to 16 / turn it off."""
     from mtp.bench.rank import KERNEL_VARIANTS
     from mtp.kernels.dispatch import FastPathOptions
 
     o = FastPathOptions()
-    assert o.router_one is False
-    flags, options = KERNEL_VARIANTS["router_one"]
-    o.set(**flags)
-    assert o.router_one is True and options == {}
+    assert o.router_one_tokens == 2
+    for name, want in (("router_one", 16), ("router_one_off", 0)):
+        flags, options = KERNEL_VARIANTS[name]
+        o.set(**flags)
+        assert o.router_one_tokens == want and options == {}
+    with pytest.raises(ValueError, match="router_one_tokens"):
+        FastPathOptions(router_one_tokens=-1)
 
 
 def test_route_takes_one_up_to_its_limit(monkeypatch):
-    """`dispatch.route` with switch router_one: impl "one" for 1..ONE_MAX_TOKENS tokens of a gate it takes, 'auto'
-    above, and 'auto' with the switch off; the rest of the call as before."""
+    """`dispatch.route`: impl "one" for 1..router_one_tokens tokens (at most ONE_MAX_TOKENS) of a gate it takes,
+    'auto' above, and 'auto' at router_one_tokens 0; the rest of the call as before."""
     import mtp.kernels.router as rt
     from mtp.kernels.dispatch import FastPathOptions, route
 
@@ -62,12 +66,14 @@ def test_route_takes_one_up_to_its_limit(monkeypatch):
         n_experts, n_groups, topk_groups, topk, route_scale = 256, 8, 4, 8, 2.5
         weight, e_score_correction_bias = torch.zeros(256, 64), torch.zeros(256)
 
-    on, off = FastPathOptions(router_one=True), FastPathOptions()
-    for n in (1, 4, rt.ONE_MAX_TOKENS, rt.ONE_MAX_TOKENS + 1):
+    on, off, dflt = FastPathOptions(router_one_tokens=64), FastPathOptions(router_one_tokens=0), FastPathOptions()
+    for n in (1, 2, 4, rt.ONE_MAX_TOKENS, rt.ONE_MAX_TOKENS + 1):
         route(torch.zeros(n, 64), Gate(), on, local=(32, 64))
         route(torch.zeros(n, 64), Gate(), off)
+        route(torch.zeros(n, 64), Gate(), dflt)
     impls = [(n, kw["impl"]) for n, kw in seen]
-    assert impls == [(1, "one"), (1, "auto"), (4, "one"), (4, "auto"), (16, "one"), (16, "auto"), (17, "auto"),
+    assert impls == [(1, "one"), (1, "auto"), (1, "one"), (2, "one"), (2, "auto"), (2, "one"), (4, "one"),
+                     (4, "auto"), (4, "auto"), (16, "one"), (16, "auto"), (16, "auto"), (17, "auto"), (17, "auto"),
                      (17, "auto")], impls
     assert seen[0][1]["local"] == (32, 64) and seen[0][1]["topk"] == 8 and seen[0][1]["pdl"] == on.pdl_at(1)
     # as impl grouped: topk <= topk_group x the experts of a group

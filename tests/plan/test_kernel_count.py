@@ -73,7 +73,11 @@ def test_hand_derivation_real_rank_one_token_1k():
 
     # the default keeps absorb out as its own launch (fuse_absorb_out off: measured slower fused, session 11): + 1
     # per layer against the derivation below, which has every fusion on; and hands the FFN's sum on: - 1
-    assert not lim.fuse_absorb_out and lim.mlp_reduce_norm and count(lim) == (13, 14, 851)
+    # and moe_down_nb (the default since session 20): the 'split' rank's one-token call is persistent, whose down
+    # kernel stores y: no combine, MoE 1 fewer (the bench's 881 -> 823 kernels a step, H200); the rest below without it
+    assert not lim.fuse_absorb_out and lim.mlp_reduce_norm and lim.moe_down_nb and count(lim) == (13, 13, 851 - 58)
+    lim = dataclasses.replace(lim, moe_down_nb=False)
+    assert count(lim) == (13, 14, 851)
     assert per_layer(cfg, sh, lim)["glue"] == 18 + 1
     assert count(dataclasses.replace(lim, mlp_reduce_norm=False)) == (14, 15, 851 + 61)
     assert count(dataclasses.replace(lim, fuse_absorb_out=True)) == (12, 13, 851 - 61)
@@ -113,7 +117,7 @@ def test_hand_derivation_real_rank_few_tokens_and_grouped():
     default) the add moves to the next block's norm up to SMALL_M tokens: dense and MoE 1 fewer."""
     cfg = real_config(layers=61, dense_layers=3)
     # every fusion on (the default keeps absorb out apart up to 64 tokens: + 1, checked at the end)
-    lim = dataclasses.replace(_real_limits(), fuse_absorb_out=True, mlp_reduce_norm=False)
+    lim = dataclasses.replace(_real_limits(), fuse_absorb_out=True, mlp_reduce_norm=False, moe_down_nb=False)
     Ns = (2, 16, 17, 64, 96, 192)
     got = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), lim) for N in Ns}
     assert [(got[N]["dense"], got[N]["moe"]) for N in Ns] == \
@@ -126,9 +130,13 @@ def test_hand_derivation_real_rank_few_tokens_and_grouped():
     assert [(old[N]["dense"], old[N]["moe"]) for N in Ns] == \
         [(17, 21), (17, 21), (17, 24), (17, 24), (22, 34), (22, 35)]
     default = {N: per_layer(cfg, StepShape(1, N, 1024 + N, tp=8), _real_limits()) for N in Ns}
+    # moe_down_nb (default): persistent calls have no combine: the 'split' rank up to 4 tokens
+    # (SPLIT_PERSISTENT_TOKENS), a 'contiguous' rank (scattered experts, by size) up to 64 / 8 = 8
     assert [(default[N]["dense"], default[N]["moe"]) for N in Ns] == \
-        [(15, 15), (15, 15), (15, 22), (15, 22), (21, 33), (21, 34)]
+        [(15, 14), (15, 15), (15, 22), (15, 22), (21, 33), (21, 34)]
     assert [default[N]["glue"] for N in Ns] == [19, 19, 19, 19, 18, 18]
+    assert [per_layer(cfg, StepShape(1, N, 1024 + N, tp=8, expert_layout="contiguous"), _real_limits())["moe"]
+            for N in (2, 8, 9, 16)] == [18, 18, 19, 19]
 
 
 def test_hand_derivation_indexer():
