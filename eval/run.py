@@ -266,8 +266,8 @@ def strict_source(typed: EvalConfig) -> str | None:
 def _baseline_kwargs(kw: dict) -> dict:
     """draft=none with the run's verifier when it samples (plain sampling), else plain greedy decoding (strict:
     without drafts a verifier that does not sample has nothing to decide)."""
-    drop = ("target_hidden", "chain_hidden", "reuse_modules", "draft_vocab", "top_n", "delta", "think_ids",
-            *trees.TREE_KWARGS)
+    drop = ("target_hidden", "chain_hidden", "reuse_modules", "draft_vocab", "draft_head_fp8", "top_n", "delta",
+            "think_ids", *trees.TREE_KWARGS)
     base = {key: v for key, v in kw.items() if key not in drop}
     base.update(draft=NoDraft.name, k=0)
     if not verifier(base["verify"]).samples:

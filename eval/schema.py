@@ -97,6 +97,8 @@ class DraftSchema:
     vocab_file: Optional[str] = None  # draft vocabulary (python -m mtp.draft.vocab): the head scores only its
     # ids (ignored with draft=none)
     vocab_size: Optional[int] = None  # ... only its first vocab_size ids (null: all of them)
+    head_fp8: bool = False  # the drafts' logits from an FP8 copy of the head (mtp.draft.head_fp8; ignored with
+    # draft=none); the verify keeps the model's head
     tree: Optional[str] = None  # draft tree (mtp.spec.tree_shape.TreeShape.parse: '2x1x1', '0/1/0.0'): the run decodes
     # with mtp.decode.tree (any runtime.mode), and the tree's depth replaces k
     min_draft_prob: float = 0.0  # adaptive draft length (with a tree): nodes drafted below this probability die
@@ -400,7 +402,7 @@ CONFIG_KEYS = {"max_new_tokens": "max_new_tokens", "draft": "draft.name", "k": "
                "delta": "verify.delta", "span_rule": "verify.span_rule", "temperature": "verify.temperature",
                "top_p": "verify.top_p", "top_k": "verify.top_k", "draft_sampling": "verify.draft_sampling",
                "seed": "verify.seed", "mode": "runtime.mode", "prefill_chunk": "runtime.prefill_chunk",
-               "tree": "draft.tree", "min_draft_prob": "draft.min_draft_prob",
+               "tree": "draft.tree", "min_draft_prob": "draft.min_draft_prob", "draft_head_fp8": "draft.head_fp8",
                "posterior_threshold": "verify.posterior_threshold", "posterior_alpha": "verify.posterior_alpha"}
 
 
@@ -413,6 +415,8 @@ def generation_options(cfg: EvalConfig | ChatConfig | ServeConfig) -> dict:
     if drafts(d.name):
         kw.update(target_hidden=value(d.target_hidden), chain_hidden=value(d.chain_hidden),
                   reuse_modules=d.reuse_modules)
+        if d.head_fp8:
+            kw["draft_head_fp8"] = True
         if d.tree is not None:
             kw.update(tree=d.tree, min_draft_prob=d.min_draft_prob)
     kw.update({f.name: value(getattr(v, f.name)) for f in fields(v) if f.name != "name"})  # the verifier's options

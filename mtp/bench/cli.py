@@ -105,18 +105,20 @@ def bench_ours(args, bw: float) -> dict:
     # whole speculative steps (draft K + verify K+1 + accept + commit) in each mode
     spec = {}
     prompts = ids[:, :L].tolist()
-    runs = [("none", 0, None), ("eagle", args.k, None)]
+    runs = [("none", 0, None, False), ("eagle", args.k, None, False)]
     if args.draft_vocab:  # the draft head over the first N ids only (cost; random weights accept nothing)
-        runs.append(("eagle", args.k, args.draft_vocab))
-    for draft, k, nv in runs:
-        for mode in ("eager", "graph", "overlap") if nv is None else ("graph", "overlap"):
-            opts = {"draft_vocab": range(nv)} if nv else {}
+        runs.append(("eagle", args.k, args.draft_vocab, False))
+    if args.draft_head_fp8:  # the drafts' logits from an FP8 copy of the head (mtp.draft.head_fp8)
+        runs.append(("eagle", args.k, None, True))
+    for draft, k, nv, fp8_head in runs:
+        for mode in ("eager", "graph", "overlap") if nv is None and not fp8_head else ("graph", "overlap"):
+            opts = ({"draft_vocab": range(nv)} if nv else {}) | ({"draft_head_fp8": True} if fp8_head else {})
             # the first call captures (kept by generate for the next call); the second is the one timed
             generate(model, prompts, 8, draft=draft, k=k, mode=mode, **opts)
             out = generate(model, prompts, args.new_tokens, draft=draft, k=k, mode=mode, **opts)
             m = out.metrics
             d = m.to_dict()
-            spec[f"{draft}_k{k}{f'_vocab{nv}' if nv else ''}_{mode}"] = {
+            spec[f"{draft}_k{k}{f'_vocab{nv}' if nv else ''}{'_head_fp8' if fp8_head else ''}_{mode}"] = {
                 **spec_step_times(m), "decode_tok_s": m.decode_tok_s, "AL": m.mean_accepted_len,
                 "gpu_idle_frac": d.get("graph/gpu_idle_frac"), "capture_s": d.get("graph/capture_s"),
                 "graph_pool_bytes": d.get("graph/pool_bytes")}
@@ -236,6 +238,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hf-layers", type=int, default=3)
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="also time the eagle step with a draft vocabulary of N ids (mtp.draft.vocab)")
+    ap.add_argument("--draft-head-fp8", action="store_true",
+                    help="also time the eagle k = --k step with the drafts' logits from an FP8 copy of the head "
+                         "(draft_head_fp8, mtp.draft.head_fp8; --tp N: profiled with --profile, the copy's bytes in "
+                         "the JSON)")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel time of the graph step (torch.profiler), in the JSON and table")
     ap.add_argument("--iters", type=int, default=20, help="--tp N: timed replays per measurement")

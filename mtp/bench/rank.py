@@ -24,8 +24,10 @@ and timed, with
   nodes with the tree mask, beside the causal verify of a chain of the same N tokens (graph ms, ms per node,
   bytes per node from the rank's byte floor; a few replays each on the same built rank); with `--tree-al
   2x2=2.9 ...` (acceptance lengths measured elsewhere, e.g. mtp-eval) the projection adds their tok/s per user.
-Then whole speculative steps (`mtp.generate`, graph/overlap mode: plain, eagle and vanilla k = 1..K) at the
-shortest context, which measures the draft cost at these shapes. `projection` adds the collectives back:
+Then whole speculative steps (`mtp.generate`, graph/overlap mode: plain, eagle and vanilla k = 1..K; with
+`--draft-head-fp8` also eagle k = K with the drafts' logits from an FP8 copy of the head, `mtp.draft.head_fp8`, whose
+bytes on the rank and the planner's count go in the JSON) at the shortest context, which measures the draft cost at
+these shapes. `projection` adds the collectives back:
 n x a latency that is measured (`--collective-json`, from `python -m mtp.bench.collectives` on N GPUs) or
 assumed (`--allreduce-us`, printed as assumed), and divides by the acceptance length of `--accept`.
 The JSON is rewritten (atomically) after every part, so a run cut short keeps what it measured.
@@ -72,7 +74,8 @@ def rank_config(args, world: int, cuda: bool, layers: int) -> ModelConfig:
 def check_memory(cfg: ModelConfig, args, world: int, rank: int, dtype: torch.dtype) -> dict:
     """Say up front whether the rank fits this GPU at cfg's depth; if not, exit naming the depths that fit."""
     need = memory_need(cfg, world, rank, dtype, max(args.prompt_len) + args.k + 1,
-                       max(getattr(args, "batches", [args.batch])))
+                       max(getattr(args, "batches", [args.batch])),
+                       head_fp8=getattr(args, "draft_head_fp8", False) and not args.no_spec)
     free, total = torch.cuda.mem_get_info()
     need.update(free_gib=free / GIB, total_gib=total / GIB)
     log(f"rank {rank} of TP={world}, {cfg.num_hidden_layers} layers: needs ~{need['need_gib']:.1f} GiB "

@@ -101,6 +101,10 @@ def print_table(res: dict) -> None:
                 continue
             gpu = f", GPU {r['gpu_step_ms']:.3f} ms" if r["gpu_step_ms"] else ""
             print(f"  {name:24s} {r['step_ms_wall']:8.3f} ms/step wall{gpu}")
+            h = r.get("draft_head_fp8")
+            if h:
+                print(f"  {'':24s} its FP8 head copy: {h['bytes'] / 1e6:.1f} MB on this rank (planner: "
+                      f"{h['planned_bytes'] / 1e6:.1f} MB), beside the bf16 head's {h['bf16_head_bytes'] / 1e6:.1f} MB")
     if "spec_step_error" in res:
         print(f"speculative steps failed: {res['spec_step_error']}")
     pj = res.get("projection")

@@ -300,22 +300,29 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
     g = torch.Generator().manual_seed(args.seed + 2)
     prompts = rank_token_ids(model, (args.batch, L), g).tolist()
     modes = args.spec_modes if cuda else ("eager",)
-    runs = [("none", 0)] + [(d, k) for d in ("eagle", "vanilla") for k in range(1, args.k + 1)]
+    runs = [("none", 0, False)] + [(d, k, False) for d in ("eagle", "vanilla") for k in range(1, args.k + 1)]
+    if getattr(args, "draft_head_fp8", False):  # --draft-head-fp8: eagle k = K with the FP8 copy of the head
+        runs.append(("eagle", args.k, True))
     out = {}
-    for draft, k in runs:
+    for draft, k, fp8_head in runs:
         opts = {"reuse_modules": True} if drafter(draft).modules_needed(k) > model.n_mtp else {}
+        if fp8_head:
+            opts["draft_head_fp8"] = True
+        name = f"{draft}_k{k}{'_head_fp8' if fp8_head else ''}"
         for mode in modes:
             t0 = time.perf_counter()
             if mode != "eager":  # the first call captures the step (kept by generate); the second is timed
                 generate(model, prompts, 4, draft=draft, k=k or None, mode=mode, **opts)
             m = generate(model, prompts, args.new_tokens, draft=draft, k=k or None, mode=mode, **opts).metrics
-            out[f"{draft}_k{k}_{mode}"] = {
+            out[f"{name}_{mode}"] = {
                 "draft": draft, "k": k, "mode": mode, "steps": m.target_forwards, **spec_step_times(m),
                 "AL_random_weights": m.mean_accepted_len}
-            log(f"  spec {draft} k={k} {mode}: {out[f'{draft}_k{k}_{mode}']['step_ms_wall']:.3f} ms/step wall "
+            if fp8_head:
+                out[f"{name}_{mode}"]["draft_head_fp8"] = draft_head_memory(model, k)
+            log(f"  spec {name} {mode}: {out[f'{name}_{mode}']['step_ms_wall']:.3f} ms/step wall "
                 f"({time.perf_counter() - t0:.1f} s)")
             if cuda and args.profile and k == args.k and mode == modes[-1]:
-                out[f"{draft}_k{k}_{mode}"]["profile"] = spec_profile(
+                out[f"{name}_{mode}"]["profile"] = spec_profile(
                     lambda n: generate(model, prompts, n, draft=draft, k=k or None, mode=mode, **opts).metrics,
                     args.new_tokens)
         release(model)
@@ -340,6 +347,23 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
         release(model)  # a kept tree engine holds its buffers and graphs
     return {"prompt_len": L, "modes": tuple(modes), "runs": out,
             "note": "generate() / generate_tree() with a real prefill of a random prompt of this length"}
+
+
+def draft_head_memory(model, k: int) -> dict:
+    """The FP8 copy of the eagle drafts' head (module 0's, made by the speculative steps before: `shared_fp8_head`
+    returns the kept one): its bytes on this rank, and what the memory planner counts for it
+    (`parallel.memory.draft_head_fp8_bytes`)."""
+    from ..draft.head_fp8 import shared_fp8_head
+    from ..parallel.layout import ParallelPlan
+    from ..parallel.memory import draft_head_fp8_bytes
+    from ..parallel.modules import VocabParallelHead
+
+    head = model.mtp[0].shared_head.head
+    comm = head.comm if isinstance(head, VocabParallelHead) else None
+    world, rank = (comm.world, comm.rank) if comm is not None else (1, 0)
+    return {"bytes": shared_fp8_head(model, 0).nbytes,
+            "planned_bytes": draft_head_fp8_bytes(model.cfg, ParallelPlan(world), "eagle", k, rank),
+            "bf16_head_bytes": head.weight.numel() * head.weight.element_size()}
 
 
 @torch.no_grad()

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
 OPTIONS = frozenset({"top_n", "delta", "think_ids", "span_rule", "temperature", "top_p", "top_k", "draft_sampling", "seed",
                      "reuse_modules", "target_hidden", "chain_hidden", "eos_id", "stop_ids", "mode",
-                     "prefill_chunk", "draft_vocab", "tree", "min_draft_prob", "posterior_threshold",
-                     "posterior_alpha"})  # generate()'s keyword options
+                     "prefill_chunk", "draft_vocab", "draft_head_fp8", "tree", "min_draft_prob",
+                     "posterior_threshold", "posterior_alpha"})  # generate()'s keyword options
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,12 @@ class GenerationConfig:
 
     def validate(self, model: DeepseekV32) -> None:
         """The rules that need the loaded model. Graph modes need CUDA, for chains and trees alike (one policy:
-        refused, never silently run eagerly)."""
+        refused, never silently run eagerly). An FP8 draft head needs a head to copy (`draft.head_fp8.check_model`)."""
         self.draft.validate(model.n_mtp)
+        if self.draft.head_fp8:
+            from ..draft.head_fp8 import check_model
+
+            check_model(model, self.draft.modules(model.n_mtp))
         if self.mode != "eager" and model.device.type != "cuda":
             raise ValueError(f"mode={self.mode!r} captures CUDA graphs and needs the model on a CUDA device "
                              f"(it is on {model.device}); use mode='eager'")
@@ -120,7 +124,8 @@ class GenerationConfig:
         (mtp.draft.modes, mtp.verify.registry). Options: top_n, delta, think_ids, span_rule (relaxed); temperature,
         top_p, top_k, draft_sampling, seed (sampling: an int; a list of per-prompt seeds is taken by `generate`,
         which passes it to the call); reuse_modules, target_hidden, chain_hidden, draft_vocab (drafts:
-        token ids or a vocabulary file, `mtp.draft.vocab`; ignored when nothing is drafted); eos_id, stop_ids;
+        token ids or a vocabulary file, `mtp.draft.vocab`), draft_head_fp8 (the drafts' logits from an FP8 copy of the
+        head, `mtp.draft.head_fp8`), both ignored when nothing is drafted; eos_id, stop_ids;
         mode, prefill_chunk; tree (a `TreeShape` or its text form: k defaults to its depth) and min_draft_prob
         (adaptive length) for tree decoding."""
         unknown = set(options) - OPTIONS
@@ -135,6 +140,7 @@ class GenerationConfig:
                            chain_hidden=options.get("chain_hidden", "normed"),
                            sampling=options.get("draft_sampling", "greedy"),
                            vocab=_draft_vocab(options.get("draft_vocab")) if drafts else None,
+                           head_fp8=options.get("draft_head_fp8", False) if drafts else False,
                            tree=tree, min_draft_prob=options.get("min_draft_prob", 0.0))
         # checked whichever the verifier (a bad value is refused even where unused), kept only for 'sample'
         sp = SamplingParams(options.get("temperature", 1.0), options.get("top_k", 0), options.get("top_p", 1.0))

@@ -1,6 +1,7 @@
-"""`DraftConfig`: how drafts are made (mode, k, which hiddens feed the MTP modules, greedy or sampled drafts, a
-chain or a static tree with its adaptive length). Torch-free: its rules are checked on construction, without a
-model; `validate(n_mtp)` adds the one check that needs the loaded model (enough MTP modules)."""
+"""`DraftConfig`: how drafts are made (mode, k, which hiddens feed the MTP modules, greedy or sampled drafts, the
+head's rows and format, a chain or a static tree with its adaptive length). Torch-free: its rules are checked on
+construction, without a model; `validate(n_mtp)` adds the one check that needs the loaded model (enough MTP modules;
+`GenerationConfig.validate` adds the FP8 head's, `head_fp8.check_model`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ class DraftConfig:
     chain_hidden: str = "normed"  # which module output is chained (one of HIDDEN: shared_head.norm or before it)
     sampling: str = "greedy"  # one of DRAFT_SAMPLING
     vocab: tuple[int, ...] | None = None  # draft vocabulary (mtp.draft.vocab): the head scores only these ids
+    # the drafts' logits from an FP8 copy of the module's head (mtp.draft.head_fp8; of the vocabulary's rows with one);
+    # the verify keeps the model's head
+    head_fp8: bool = False
     # a static draft tree (mtp/draft/TREES.md; its text form `TreeShape.parse` is taken too): k is its depth
     tree: TreeShape | None = None
     min_draft_prob: float = 0.0  # adaptive length (trees): nodes drafted below this probability die
@@ -49,6 +53,11 @@ class DraftConfig:
                 raise OptionError(name, getattr(self, name), f"one of {', '.join(HIDDEN)}")
         if self.sampling not in DRAFT_SAMPLING:
             raise OptionError("draft_sampling", self.sampling, f"one of {', '.join(DRAFT_SAMPLING)}")
+        if not isinstance(self.head_fp8, bool):
+            raise OptionError("draft_head_fp8", self.head_fp8, "True or False")
+        if self.head_fp8 and not self.drafter.drafts:
+            raise OptionError("draft_head_fp8", True, f"False with draft={self.mode!r}",
+                              "the FP8 head is the drafts' and nothing is drafted")
         self._check_tree()
 
     def _check_tree(self) -> None:
@@ -83,6 +92,10 @@ class DraftConfig:
     def validate(self, n_mtp: int) -> None:
         """The rules that need the loaded model: `n_mtp` MTP modules (the drafter says what it needs)."""
         self.drafter.check_model(self.k, n_mtp, self.reuse_modules)
+
+    def modules(self, n_mtp: int) -> list[int]:
+        """The MTP modules (0-based, ascending) that draft some depth on a model with `n_mtp` modules."""
+        return sorted({self.module_for(j, n_mtp) for j in range(self.k)})
 
     @property
     def drafter(self) -> Drafter:

@@ -23,11 +23,28 @@ import torch
 from ..model.cache import KVCache
 from ..model.deepseek import DeepseekV32
 from .config import DraftConfig  # also importable from here, its old home
+from .head_fp8 import check_model, shared_fp8_head
 from .vocab import check_ids, shared_sub_head
 
 
 def pick_hidden(out, which: str) -> torch.Tensor:
     return out.hidden if which == "normed" else out.hidden_prenorm.to(out.hidden.dtype)
+
+
+def draft_heads(model: DeepseekV32, dcfg: DraftConfig) -> dict:
+    """The head each MTP module used drafts with, where it is not the module's own (`mtp_forward(head=)`): the rows of
+    a draft vocabulary (`vocab.SubHead`), an FP8 copy of the head (`head_fp8.Fp8Head`), or an FP8 copy of the
+    vocabulary's rows; {} for the modules' own heads. Shared by every proposer that asks (`shared_sub_head`,
+    `shared_fp8_head`)."""
+    if dcfg.vocab is not None:
+        check_ids(dcfg.vocab, model.cfg.vocab_size)
+    if dcfg.head_fp8:
+        check_model(model, dcfg.modules(model.n_mtp))
+        return {j: shared_fp8_head(model, j, dcfg.vocab) for j in dcfg.modules(model.n_mtp)}
+    if dcfg.vocab is not None:
+        return {j: shared_sub_head(model.mtp[j].shared_head.head, dcfg.vocab, model.cfg.vocab_size, model.device)
+                for j in dcfg.modules(model.n_mtp)}
+    return {}
 
 
 class Proposer:
@@ -38,13 +55,10 @@ class Proposer:
         self.model, self.cfg = model, dcfg
         self.caches: list[KVCache] = [model.new_cache(batch, max_len, n_layers=1) for _ in range(dcfg.n_caches)]
         self.draft_forwards = 0
-        self.vocab_ids, self.heads = None, {}
         self.V = model.cfg.vocab_size
-        if dcfg.vocab is not None:  # the head rows of the draft vocabulary, per module used
-            check_ids(dcfg.vocab, self.V)
-            for j in sorted({dcfg.module_for(i, model.n_mtp) for i in range(dcfg.k)}):
-                self.heads[j] = shared_sub_head(model.mtp[j].shared_head.head, dcfg.vocab, self.V, model.device)
-            self.vocab_ids = self.heads[min(self.heads)].ids_M  # entry -> model id (-1: padding, never drawn)
+        self.heads = draft_heads(model, dcfg)
+        # a draft vocabulary's entry -> model id (-1: padding, never drawn)
+        self.vocab_ids = self.heads[min(self.heads)].ids_M if dcfg.vocab is not None else None
 
     def _draw(self, draw, logits_BN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`draw` over the module's logits; with a draft vocabulary, back to model ids and a full-vocabulary

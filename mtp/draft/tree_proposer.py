@@ -30,7 +30,7 @@ import torch
 
 from ..model.deepseek import DeepseekV32
 from ..spec.draws import sample
-from .proposer import DraftConfig, pick_hidden
+from .proposer import DraftConfig, draft_heads, pick_hidden
 from ..spec.tree_shape import TreeShape
 
 
@@ -56,6 +56,7 @@ class TreeProposer:
         if dcfg.vocab is not None:
             raise ValueError("draft trees do not take a draft vocabulary yet")
         self.model, self.cfg, self.tree = model, dcfg, tree
+        self.heads = draft_heads(model, dcfg)  # FP8 copies of the heads (`head_fp8`), else {}: the modules' own
         self.tt = tree.tensors(model.device)
         n_mod = dcfg.n_caches  # the drafter's: one module per depth (vanilla) or one chained (eagle)
         self.caches = [model.new_cache(batch, max_len, n_layers=1) for _ in range(n_mod)]
@@ -80,7 +81,8 @@ class TreeProposer:
         src = hidden_BSD if j == 0 else self.g[j - 1]
         hid = src.gather(1, pos_BW.unsqueeze(-1).expand(-1, -1, src.shape[-1]))
         cache.truncate(p0_B)
-        out = m.mtp_forward(self.cfg.module_for(j, m.n_mtp), tok, hid, cache, kv_len=max(max_n - 1 - j, W),
+        mod = self.cfg.module_for(j, m.n_mtp)
+        out = m.mtp_forward(mod, tok, hid, cache, kv_len=max(max_n - 1 - j, W), head=self.heads.get(mod),
                             logits_at=(e_B - p0_B).clamp(0, W - 1).unsqueeze(1))
         self.draft_forwards += 1
         g = pick_hidden(out, self.cfg.chain_hidden)
@@ -128,7 +130,7 @@ class TreeProposer:
                 logits_at = torch.arange(lv[t] - s, e - s, device=n_B.device).expand(B, -1)
                 out_BND[:, 0] = root_h  # after `hid` was read: module t's own entry for the root
             out = m.mtp_forward(mod, nodes_BN[:, s:e], hid, cache, kv_len=max_n - 1 + e, tree_depth=depth,
-                                tree_mask=mask, logits_at=logits_at)
+                                tree_mask=mask, logits_at=logits_at, head=self.heads.get(mod))
             self.draft_forwards += 1
             out_BND[:, s:e] = pick_hidden(out, self.cfg.chain_hidden)
             logits_BNV[:, lv[t]:e] = out.logits[:, -(e - lv[t]):]

@@ -191,8 +191,8 @@ class DeepseekV32(nn.Module):
                     tree_depth: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> ModelOutput:
         """MTP module j at the positions of `cache` (its own one-layer cache): token t_{i+1} and hidden h_i
         in, logits for t_{i+2} out. Returns the module's normed and pre-norm output hidden states.
-        `head`: a callable that replaces the shared head (a draft vocabulary's `mtp.draft.vocab.SubHead`); the
-        logits are then over its entries. `logits_at` [B, n]: positions within the T tokens whose logits to
+        `head`: a callable that replaces the shared head (a draft vocabulary's `mtp.draft.vocab.SubHead`, the FP8
+        copy `mtp.draft.head_fp8.Fp8Head`); the logits are then over its entries. `logits_at` [B, n]: positions within the T tokens whose logits to
         compute (default: all; a draft needs one per row, and a window over a long prompt would otherwise make
         [B, T, V] fp32 logits). `tree_depth` / `tree_mask`: the T tokens are tree nodes, as in `forward`."""
         layer = self.mtp[j]

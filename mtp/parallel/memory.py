@@ -13,6 +13,9 @@ Per rank it prints:
   (788 B in bf16). MLA's latent is shared by all heads, so with head-split attention every rank holds the
   whole cache (as DeepSeek's reference does).
 - engine buffers: the engine's token and hidden-state buffers [B, max_len] and [B, max_len, D].
+- draft head FP8 copy (`--draft-head-fp8`, `mtp.draft.head_fp8`): per MTP module the drafts read, the rank's
+  vocabulary rows of its head in e4m3 + fp32 scales per 128 x 128 block (116 MB at TP=8, the bf16 shard's half),
+  beside the bf16 head the verify keeps.
 - workspace: an ESTIMATE. Decode/verify step (B * (k+1) tokens), all counted as live at once: on the
   reference attention path the model runs today (each layer dequantizes the cache to fp32 and scores every
   key with every indexer head), and, for comparison, on the kernel path (indexer scores [B, T, S] fp32 +
@@ -139,6 +142,20 @@ def draft_cache_layers(draft: str, k: int) -> int:
     return drafter(draft).n_caches(k)
 
 
+def draft_head_fp8_bytes(cfg: ModelConfig, plan: ParallelPlan, draft: str, k: int, rank: int = 0) -> int:
+    """Bytes of the FP8 copies of the MTP heads that `draft` with k drafts reads under draft_head_fp8
+    (`mtp.draft.head_fp8.Fp8Head.nbytes`): one per module used, each the rank's vocabulary rows [Vl, D] in e4m3 plus
+    fp32 scales [ceil(Vl / 128), ceil(D / 128)]."""
+    d = drafter(draft)
+    if not d.drafts or not k:
+        return 0
+    n_mtp = cfg.num_nextn_predict_layers
+    modules = len({d.module_for(j, n_mtp) for j in range(k)})
+    v0, v1 = RankLayout(cfg, plan, rank).vocab
+    rows, D = v1 - v0, cfg.hidden_size
+    return modules * (rows * D + math.ceil(rows / BLOCK) * math.ceil(D / BLOCK) * 4)
+
+
 @dataclass(frozen=True)
 class Workload:
     batch: int = 1
@@ -148,6 +165,7 @@ class Workload:
     k: int = 2
     numerics: str = "fp8"
     dtype: str = "bf16"
+    head_fp8: bool = False  # the drafts read an FP8 copy of the head (draft_head_fp8)
 
 
 @dataclass
@@ -170,6 +188,7 @@ class MemoryPlan:
     collectives_per_step: int
     comm_bytes_per_step: int
     notes: list[str] = field(default_factory=list)
+    draft_head_bytes: int = 0  # the FP8 copies of the drafts' heads (`draft_head_fp8_bytes`), 0 without them
 
     @property
     def weights_max(self) -> int:
@@ -177,7 +196,8 @@ class MemoryPlan:
 
     @property
     def resident(self) -> int:
-        return self.weights_max + self.kv_bytes + self.engine_bytes + self.step_workspace + self.reserve_bytes
+        return (self.weights_max + self.draft_head_bytes + self.kv_bytes + self.engine_bytes + self.step_workspace
+                + self.reserve_bytes)
 
     @property
     def peak(self) -> int:
@@ -238,7 +258,8 @@ def make_plan(cfg: ModelConfig, gpus_per_node: int, gpu_mem_gib: float, nodes: i
     step = step_workspace_reference(cfg, world, wl)
     reserve = int(reserve_gib * GIB)
     mem = int(gpu_mem_gib * GIB)
-    resident = max(sum(w.values()) for w in weights) + kv + engine + step + reserve
+    head = draft_head_fp8_bytes(cfg, plan, wl.draft, wl.k) if wl.head_fp8 else 0
+    resident = max(sum(w.values()) for w in weights) + head + kv + engine + step + reserve
     pre = prefill_workspace(cfg, world, wl, wl.prompt_len)
     lo, hi = 0, wl.max_len  # longest one-shot prefill that fits next to everything resident
     while lo < hi:
@@ -266,7 +287,7 @@ def make_plan(cfg: ModelConfig, gpus_per_node: int, gpu_mem_gib: float, nodes: i
                  f"{lay.vocab[1] - lay.vocab[0]} vocabulary rows, dense MLP {lay.dense[1] - lay.dense[0]} "
                  f"+ shared expert {lay.shared[1] - lay.shared[0]} channels (rank 0)")
     return MemoryPlan(world, gpus_per_node, nodes, mem, weights, kv_tl, layers, kv, engine, step,
-                      step_workspace(cfg, world, wl), pre, reserve, lo, int(max_tokens), coll, comm, notes)
+                      step_workspace(cfg, world, wl), pre, reserve, lo, int(max_tokens), coll, comm, notes, head)
 
 
 def _g(n: float) -> str:
@@ -283,7 +304,7 @@ def format_plan(cfg: ModelConfig, p: MemoryPlan, wl: Workload, source: str = "co
              f"  parallel: attention TP{p.world} (heads split), MoE EP{p.world}, vocab-parallel embedding/head, "
              f"indexer replicated",
              f"  workload: batch {wl.batch}, max_len {wl.max_len}, prompt {wl.prompt_len}, draft {wl.draft} "
-             f"k={wl.k}, {wl.numerics} numerics", "", "weights per rank:"]
+             f"k={wl.k}{' (FP8 draft head)' if wl.head_fp8 else ''}, {wl.numerics} numerics", "", "weights per rank:"]
     w0 = p.weights_by_rank[0]
     worst = max(p.weights_by_rank, key=lambda w: sum(w.values()))
     for c in CATEGORIES:
@@ -294,8 +315,11 @@ def format_plan(cfg: ModelConfig, p: MemoryPlan, wl: Workload, source: str = "co
     lines.append(f"  {'total (largest rank)':26s} {_g(max(totals))}{spread}")
     lines.append(f"  {'all ranks together':26s} {_g(sum(totals))}")
     lines += ["", "per rank, resident:",
-              f"  {'weights':26s} {_g(p.weights_max)}",
-              f"  {'KV cache':26s} {_g(p.kv_bytes)}   ({p.kv_per_token_layer} B/token/layer x {p.kv_layers} layers "
+              f"  {'weights':26s} {_g(p.weights_max)}"]
+    if p.draft_head_bytes:
+        lines.append(f"  {'draft head FP8 copy':26s} {_g(p.draft_head_bytes)}   (--draft-head-fp8: the rank's head "
+                     f"rows in e4m3 + block scales, per MTP module drafting)")
+    lines += [f"  {'KV cache':26s} {_g(p.kv_bytes)}   ({p.kv_per_token_layer} B/token/layer x {p.kv_layers} layers "
               f"x {wl.batch} x {wl.max_len}, replicated on every rank)",
               f"  {'engine buffers':26s} {_g(p.engine_bytes)}   (tokens + hidden states [B, max_len, D])",
               f"  {'decode-step workspace':26s} {_g(p.step_workspace)}   (estimate, reference attention path; "
@@ -371,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=Workload.prompt_len, help="tokens of a one-shot prefill")
     ap.add_argument("--draft", choices=DRAFTERS.keys(), default=Workload.draft)  # live registry view
     ap.add_argument("--k", type=int, default=Workload.k, help="drafts per step")
+    ap.add_argument("--draft-head-fp8", action="store_true",
+                    help="the drafts read an FP8 copy of the head (draft_head_fp8): count the copy per rank")
     ap.add_argument("--numerics", choices=NUMERICS, default=Workload.numerics)
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=Workload.dtype)
     ap.add_argument("--mlp-split", choices=MLP_SPLITS, default="blocks")
@@ -399,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         ap.exit(2, f"mtp-plan: error: --gpus {a.gpus} x --nodes {a.nodes} = {world} ranks: {e}; this config splits over "
                    f"{split_degrees(cfg, a.mlp_split, a.numerics)} ranks\n")
-    wl = Workload(a.batch, a.max_len, a.prompt_len, a.draft, a.k if a.draft != "none" else 0, a.numerics, a.dtype)
+    wl = Workload(a.batch, a.max_len, a.prompt_len, a.draft, a.k if a.draft != "none" else 0, a.numerics, a.dtype,
+                  a.draft_head_fp8 and a.draft != "none")
     p = make_plan(cfg, a.gpus, a.gpu_mem_gib, a.nodes, wl, a.mlp_split, a.reserve_gib)
     if a.json:
         d = asdict(p)

@@ -16,8 +16,8 @@ Field mapping (OpenAI -> generate option):
                  options of the registered verifiers (`Verifier.options`: relaxed's top_n, delta, span_rule;
                  typical's posterior_threshold, posterior_alpha), read from the registry per request, so a verifier
                  registered later brings its own; one the request's verifier does not read is refused. Settings
-                 that read server files or change the compiled step (draft_vocab, tree, mode, prefill_chunk) and
-                 think_ids (the tokenizer's) stay the server's.
+                 that read server files or change the compiled step (draft_vocab, draft_head_fp8, tree, mode,
+                 prefill_chunk) and think_ids (the tokenizer's) stay the server's.
     thinking     DeepSeek's `thinking: {"type": "enabled" | "disabled"}`, or vLLM's
                  `chat_template_kwargs: {"thinking": bool}`; absent: the server's default
 Unsupported fields that would change the output (n > 1, logprobs, penalties, tool_choice 'required' or a named

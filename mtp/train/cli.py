@@ -139,7 +139,8 @@ def cmd_eval(a) -> None:
     res["prompts"] = len(prompts)
     res["max_new_tokens"] = a.max_new_tokens
     for verify in a.verify:
-        res.update(acceptance(model, prompts, data.tokenizer, a.max_new_tokens, a.ks, a.modes, verify, a.batch_size))
+        res.update(acceptance(model, prompts, data.tokenizer, a.max_new_tokens, a.ks, a.modes, verify, a.batch_size,
+                              a.draft_head_fp8))
     _result("eval", res, a.log_dir)
 
 
@@ -190,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--modes", nargs="+", default=["eagle", "vanilla"])
     p.add_argument("--verify", nargs="+", default=["strict"], choices=("strict", "relaxed"))
+    p.add_argument("--draft-head-fp8", action="store_true",
+                   help="the drafts' logits from an FP8 copy of the heads (draft_head_fp8); keys end in _head_fp8")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--eval-batches", type=int, default=32, help="held-out windows / 16 (0: skip the loss)")
     p.set_defaults(fn=cmd_eval)

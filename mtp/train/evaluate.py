@@ -61,10 +61,12 @@ def eval_prompts(tok: Tokenizer, examples: Sequence[dict], n: int, max_prompt_to
 @torch.no_grad()
 def acceptance(model: DeepseekV32, prompts: list[list[int]], tok: Tokenizer, max_new_tokens: int = 64,
                ks: Sequence[int] = (1, 2, 3), modes: Sequence[str] = ("eagle", "vanilla"), verify: str = "strict",
-               batch_size: int = 16) -> dict:
+               batch_size: int = 16, head_fp8: bool = False) -> dict:
     """Greedy speculative generation over the prompts for each (mode, k); namespaced metrics per setting:
     `{mode}_k{k}/accept_len` (AL), `{mode}_k{k}/pos_1` (first-draft acceptance), ... A (mode, k) is skipped
-    when the model has fewer modules than its drafts read (`Drafter.modules_needed`: vanilla k > modules)."""
+    when the model has fewer modules than its drafts read (`Drafter.modules_needed`: vanilla k > modules).
+    head_fp8: the drafts' logits from an FP8 copy of the heads (`draft_head_fp8`, `mtp.draft.head_fp8`); the keys
+    then end in `_head_fp8`."""
     out: dict[str, float] = {}
     think = (tok.think_id, tok.end_think_id)
     for mode in modes:
@@ -74,9 +76,9 @@ def acceptance(model: DeepseekV32, prompts: list[list[int]], tok: Tokenizer, max
             met = None
             for i in range(0, len(prompts), batch_size):
                 r = generate(model, prompts[i: i + batch_size], max_new_tokens=max_new_tokens, draft=mode, k=k,
-                             verify=verify, think_ids=think, eos_id=tok.eos_id)
+                             verify=verify, think_ids=think, eos_id=tok.eos_id, draft_head_fp8=head_fp8)
                 met = r.metrics if met is None else met.merge(r.metrics)
-            key = f"{mode}_k{k}" + ("" if verify == "strict" else f"_{verify}")
+            key = f"{mode}_k{k}" + ("" if verify == "strict" else f"_{verify}") + ("_head_fp8" if head_fp8 else "")
             out[f"{key}/accept_len"] = met.mean_accepted_len
             for j, (cum, cond) in enumerate(zip(met.accept_cum, met.accept_cond), start=1):
                 out[f"{key}/pos_{j}"] = cum

@@ -335,6 +335,34 @@ def test_batch_axis_times_each_batch_on_a_tiny_rank():
     assert one["eager_ms"] > 0 and two["eager_ms"] > 0
 
 
+def test_draft_head_fp8_adds_the_eagle_step_with_the_copy_on_a_tiny_rank(capsys):
+    """--tp 2 --draft-head-fp8 on CPU: the eagle k = K step again with the FP8 head, the copy's bytes on the rank
+    (its vocabulary shard) equal to the planner's, in the table too; the memory need counts it."""
+    from mtp.parallel.simulate import simulated_rank
+
+    args = bench.parse_args(["--tp", "2", "--layers", "2", "--prompt-len", "20", "--k", "1", "--new-tokens", "6",
+                             "--draft-head-fp8"])
+    assert bench.parse_args(["--tp", "2"]).draft_head_fp8 is False
+    cfg = tiny_parallel_config(2, layers=2, dense_layers=1)
+    with simulated_rank(2, 1) as comm:
+        model = random_parallel_model(cfg, comm, device="cpu", dtype=torch.float32, seed=0)
+        sp = rs.spec_steps(model, args, 20, False)
+    run = sp["runs"]["eagle_k1_head_fp8_eager"]
+    rows, D = cfg.vocab_size // 2, cfg.hidden_size
+    assert run["draft"] == "eagle" and run["k"] == 1 and run["steps"] > 0
+    assert run["draft_head_fp8"] == {"bytes": rows * D + rows // 128 * D // 128 * 4,
+                                     "planned_bytes": rows * D + rows // 128 * D // 128 * 4,
+                                     "bf16_head_bytes": rows * D * 4}  # the float32 model's head
+    rr.print_table({"mode": "m", "device": "cpu", "torch": "x", "param_gib": 0.1, "build_s": 1.0, "contexts": {},
+                    "config": {"num_hidden_layers": 2, "first_k_dense_replace": 1}, "spec_step": sp})
+    assert "its FP8 head copy: 0.1 MB on this rank (planner: 0.1 MB)" in capsys.readouterr().out
+    real = real_config(layers=61, dense_layers=3)
+    with_head = rm.memory_need(real, 8, 0, torch.bfloat16, 1024, 1, head_fp8=True)
+    assert with_head["draft_head_fp8_gib"] * 2**30 == 115_863_328
+    assert with_head["need_gib"] - rm.memory_need(real, 8, 0, torch.bfloat16, 1024, 1)["need_gib"] == \
+        pytest.approx(115_863_328 / 2**30)
+
+
 def test_results_are_written_only_where_asked_and_a_cpu_run_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert bench.parse_args(["--tp", "8"]).out is None

@@ -94,6 +94,23 @@ def test_plan_numbers_for_8xh200():
     assert p.collectives_per_step == 2 * 61 + 2 + 2 * 5  # target forward + 2 eagle draft forwards (eh_proj gather)
 
 
+def test_fp8_draft_head_copy_at_tp8(real_config_file, capsys):
+    """--draft-head-fp8: a rank's [16160, 7168] head rows in e4m3 + fp32 block scales, ~116 MB, per MTP module the
+    drafts read (one for eagle, and for vanilla past the checkpoint's one module), resident beside the weights."""
+    from mtp.parallel.memory import draft_head_fp8_bytes
+
+    cfg = ModelConfig()
+    one = 16160 * 7168 + math.ceil(16160 / 128) * 56 * 4
+    assert one == 115_863_328
+    assert draft_head_fp8_bytes(cfg, ParallelPlan(8), "eagle", 3) == one
+    assert draft_head_fp8_bytes(cfg, ParallelPlan(8), "vanilla", 3) == one  # the one module, repeated
+    assert draft_head_fp8_bytes(cfg, ParallelPlan(8), "none", 0) == 0
+    base, fp8_head = (make_plan(cfg, 8, 141, wl=Workload(k=3, head_fp8=h)) for h in (False, True))
+    assert fp8_head.draft_head_bytes == one and fp8_head.resident - base.resident == one
+    assert main([str(real_config_file), "--gpus", "8", "--gpu-mem-gib", "141", "--k", "3", "--draft-head-fp8"]) == 0
+    assert re.search(r"draft head FP8 copy +110\.50 MiB", capsys.readouterr().out)
+
+
 def test_cli_on_a_missing_path_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as ei:
         main([str(tmp_path / "nowhere"), "--gpus", "8", "--gpu-mem-gib", "80"])

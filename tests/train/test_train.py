@@ -251,3 +251,19 @@ def test_cli_train_heads_eval(data, tmp_path, capsys):
     assert abs(out["train"]["heldout_fp8_loaded"]["heldout/main"] - out["train"]["heldout_float"]["heldout/main"]) < 0.1
     assert {"eagle_k2/accept_len", "vanilla_k2/accept_len", "heldout/mtp_2"} <= set(out["eval"])
     assert json.loads((tmp_path / "logs" / "train.json").read_text())["history"]
+
+
+def test_acceptance_with_the_fp8_draft_head_has_its_own_keys():
+    """`mtp-train eval --draft-head-fp8`: the same generations with the drafts' FP8 head (draft_head_fp8), its metrics
+    named apart (the tool that measured the shipped model's acceptance, BENCHMARKS.md)."""
+    from mtp.checkpoint.tiny import default_checkpoint
+    from mtp.text.tokenizer import Tokenizer
+    from mtp.train.evaluate import acceptance
+
+    model = load_model(default_checkpoint(), numerics="fp8")
+    tok = Tokenizer.from_dir(default_checkpoint())
+    prompts = [[tok.bos_id] + tok.encode("import os\n"), [tok.bos_id] + tok.encode("def main():\n")]
+    got = acceptance(model, prompts, tok, 8, ks=(2,), modes=("eagle",), head_fp8=True)
+    assert set(got) == {"eagle_k2_head_fp8/" + k for k in ("accept_len", "pos_1", "cond_pos_1", "pos_2", "cond_pos_2",
+                                                             "row_steps")}
+    assert got["eagle_k2_head_fp8/accept_len"] > 1
