@@ -40,9 +40,10 @@ NOT_CHAINED = {"_rms_norm_kernel"}
 CACHE = ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale")
 # the Triton kernels of that decode forward (`_step_checks`: one token, default switches) that ask L2 for their
 # constant weights before the wait (`prefetch_at`): the router's gate slice, W_kb in the fused q prologue, W_vb
-# in absorb_out, the shared expert's span in the persistent experts' kernels
-STEP_PREFETCHING = {"_route_grouped_kernel", "_q_absorb_kernel", "_absorb_kernel", "_moe_gate_up_persistent",
-                    "_moe_down_persistent"}
+# in absorb_out, the shared expert's span in the persistent experts' kernels (down by output block: moe_down_nb, on
+# since session 20). The one-token router (impl one, router_one_tokens) loads its gate rows before the wait: a load,
+# not a prefetch the option compiles out
+STEP_PREFETCHING = {"_q_absorb_kernel", "_absorb_kernel", "_moe_gate_up_persistent", "_moe_down_nb_kernel"}
 
 
 # ----------------------------------------------------------------------------- compiled for sm_90
