@@ -7,8 +7,9 @@ Why: each draft forward reads its module's bf16 head in full to pick one token. 
 bf16, 232 MB: cuBLAS's bf16 GEMM took ~59 us a call on an H200 (at its byte floor, 48 us at 4.8 TB/s), 4 calls in an
 eagle k = 3 step (the verify's and the 3 drafts'; eval/results/s20/h200a/base.json, the step's profile). The copy here
 holds the same rows in DeepSeek's weight format, e4m3 with one fp32 scale per 128 x 128 block (`fp8.weight_quant`, the
-quantizer the checkpoint writers use): 116 MB a rank at TP=8, read by the drafts' calls instead. Predicted (not yet
-measured): ~30 us a draft call, ~-0.09 ms an eagle k = 3 step. The verify keeps the model's bf16 head, so strict
+quantizer the checkpoint writers use): 116 MB a rank at TP=8, read by the drafts' calls instead. Predicted: ~30 us a
+draft call, ~-0.09 ms an eagle k = 3 step. Measured (H200, session 20, BENCHMARKS.md): ~54 us a draft call through the
+split-K FP8 GEMV (`_gemv_fma_kernel`, not tuned for 16160 rows), the step's GPU time 8.025 -> 7.979 ms: so an option. The verify keeps the model's bf16 head, so strict
 decoding stays lossless and the sampling verifier exact (rejection sampling corrects any draft distribution); only
 acceptance can change, by the drafts the FP8 rounding flips.
 

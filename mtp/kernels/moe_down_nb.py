@@ -58,6 +58,11 @@ programs of 80 KB ahead stream at the probe's best rate, ~29 at its one-program-
 layer, -0.15 to -0.55 ms a step at w = 4 (58 MoE layers). At T = 1, down ~9.7 + combine ~2.4 = ~12 us before; after,
 16.5 MB (5.1 us at 3.25 TB/s) in 9 iterations a program, mostly the pipeline's ramp (the probe's best 7.6 us), + ~3
 us to the first tile: ~8-9 us, -3 to -4 us a layer, -0.17 to -0.23 ms a step at w = 1.
+Measured (H200, session 20, BENCHMARKS.md): alone (`topk_moe --only moe_down_nb`, each kernel's time in the experts
+call) down + combine 30.59 + 2.38 -> 22.76 us at T = 4, 9.40 + 1.64 -> 8.53 at T = 1; in the TP=8 rank's step (61
+layers, 1k, busy) +0.02 / -0.34 / -0.36 / -0.57 ms at w = 1 / 2 / 3 / 4: the T = 4 gain as predicted, none at T = 1.
+On by default since. 32-row tiles compile the dot to mma.sync (below wgmma's 64 rows): full fp32 accumulation where
+wgmma's FP8 accumulation keeps fewer bits, 2e-4 relative apart, and slower (71.7 vs 60.1 us at T = 4).
 
 Numerics: the same FP8 products as `moe._down_tile` (the same [128-K] dot per group, fp32 accumulate), summed in
 another order (expert by expert ascending, each group's product times hs x s x w, where the item kernel sums an

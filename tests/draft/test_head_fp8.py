@@ -72,6 +72,19 @@ def prompts(trained):
     return [[tok.bos_id] + tok.encode(t) for t in texts]
 
 
+@pytest.fixture(scope="module")
+def greedy(trained, prompts):
+    """Plain greedy decoding's outputs, per number of leading prompts (decoded once for the module)."""
+    done = {}
+
+    def of(n: int):
+        if n not in done:
+            done[n] = mtp.generate(trained, prompts[:n], N_NEW)
+        return done[n]
+
+    return of
+
+
 # ---------------------------------------------------------------------------------------------- the copy
 def test_quantize_rows_in_chunks_is_one_call(monkeypatch):
     w = torch.randn(300, 256) * torch.logspace(-3, 1, 256)
@@ -139,14 +152,14 @@ def test_proposers_share_one_copy_of_the_planned_size(trained):
 
 
 # ---------------------------------------------------------------------------------------------- decoding
-@pytest.mark.parametrize("kw", [dict(draft="eagle", k=3), dict(draft="vanilla", k=3), dict(draft="eagle", k=1),
-                                dict(draft="eagle", tree="2x1x1"), dict(draft="vanilla", tree="2x1")],
-                         ids=["eagle3", "vanilla3", "eagle1", "eagle-tree", "vanilla-tree"])
-def test_strict_with_the_fp8_head_is_greedy_decoding(trained, prompts, kw):
+# eagle and vanilla chains and an eagle tree (a vanilla tree and eagle k = 1 add no path of the head's: CI time)
+@pytest.mark.parametrize("kw", [dict(draft="eagle", k=3), dict(draft="vanilla", k=3),
+                                dict(draft="eagle", tree="2x1x1")], ids=["eagle3", "vanilla3", "eagle-tree"])
+def test_strict_with_the_fp8_head_is_greedy_decoding(trained, prompts, greedy, kw):
     """The verify keeps the bf16 head: strict outputs are plain greedy decoding's, whatever the drafts; the drafts
     from the FP8 copy are accepted as often as the bf16 head's, give or take the drafts its rounding flips."""
     rows = prompts[:1] if "tree" in kw else prompts  # a tree decodes one row at a time here (one seed)
-    base = mtp.generate(trained, rows, N_NEW)
+    base = greedy(len(rows))
     plain = mtp.generate(trained, rows, N_NEW, **kw)
     got = mtp.generate(trained, rows, N_NEW, draft_head_fp8=True, **kw)
     assert got.tokens == base.tokens == plain.tokens
@@ -155,10 +168,10 @@ def test_strict_with_the_fp8_head_is_greedy_decoding(trained, prompts, kw):
     assert sum(got.metrics.accepted_hist[1:]) > 0 and acc > 0.8 * plain.metrics.mean_accepted_len
 
 
-def test_a_zeroed_copy_is_never_accepted_and_changes_no_token(trained, prompts):
+def test_a_zeroed_copy_is_never_accepted_and_changes_no_token(trained, prompts, greedy):
     """The drafts come from the copy and the verify never does: all-zero FP8 rows make every draft logit 0 (draft
     id 0, never the greedy token here) and the outputs stay greedy."""
-    base = mtp.generate(trained, prompts, N_NEW)
+    base = greedy(len(prompts))
     assert all(0 not in row for row in base.tokens)
     head = hf.shared_fp8_head(trained, 0)
     kept = head.linear.weight.data.clone()
@@ -170,11 +183,11 @@ def test_a_zeroed_copy_is_never_accepted_and_changes_no_token(trained, prompts):
     assert got.tokens == base.tokens and sum(got.metrics.accepted_hist[1:]) == 0
 
 
-def test_composes_with_a_draft_vocabulary(trained, prompts):
+def test_composes_with_a_draft_vocabulary(trained, prompts, greedy):
     """The FP8 copy of a draft vocabulary's rows: strict outputs stay greedy; the whole vocabulary in id order is
     the FP8 head itself (the same rows, the same blocks: the same drafts)."""
     V = trained.cfg.vocab_size
-    base = mtp.generate(trained, prompts, N_NEW)
+    base = greedy(len(prompts))
     whole = mtp.generate(trained, prompts, N_NEW, draft="eagle", k=3, draft_head_fp8=True, draft_vocab=range(V))
     alone = mtp.generate(trained, prompts, N_NEW, draft="eagle", k=3, draft_head_fp8=True)
     assert whole.tokens == alone.tokens == base.tokens
@@ -253,17 +266,17 @@ def exact_fp8_input(M: int, D: int, g: torch.Generator) -> torch.Tensor:
 
 def _interpreted_checks() -> None:
     """The kernels the fast path gives the head (dispatch.linear: the split-K GEMV at 1..gemv_rows rows, the
-    weight-streaming GEMV above) against the reference formula at odd shapes (a ragged last scale block; 2 and 3
-    groups) and 1..4 rows, in fp32 and bf16, then strict decoding with them."""
+    weight-streaming GEMV above) against the reference formula at an odd shape (a ragged last scale block, 3 groups)
+    and 1, 2 and 4 rows, in fp32 and bf16, then strict decoding with them."""
     from mtp.kernels.dispatch import FastPathOptions
 
     g = torch.Generator().manual_seed(0)
-    for N, D in ((300, 256), (200, 384)):
+    for N, D in ((300, 384),):  # a ragged last scale block, 3 groups
         w = torch.randn(N, D, generator=g) * 0.05
         for opts in (FastPathOptions(), FastPathOptions(gemv_rows=4)):
             holders = Holder(opts), Holder(None)  # kept: the heads hold them weakly
             fast, ref = (hf.Fp8Head(h, w) for h in holders)
-            for M in (1, 2, 3, 4):
+            for M in (1, 2, 4):
                 for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
                     x = exact_fp8_input(M, D, g).to(dtype)
                     y, want = fast(x), ref(x)

@@ -329,32 +329,9 @@ def _experts_checks() -> None:
 def _module_checks() -> None:
     """`FastMoE` on a 'split' rank hands down_nb=True to its persistent calls (one token) with the switch, never to the
     pair grid past persistent_tokens (a recorder stands in for the kernels)."""
-    import mtp.backends.fast_path as fp
-    from mtp.model.fp8 import act_quant
-    from mtp.parallel import ParallelPlan
-    from tests.parallel.test_moe_ep import fast_moe, layout_config, random_moe, rank_moes
+    from tests.kernels.test_moe_items import persistent_switch_checks
 
-    cfg = layout_config()
-    ep = fast_moe(rank_moes(random_moe(cfg, seed=4), cfg, ParallelPlan(2, expert_layout="split"))[0])
-    seen, kernel = [], fp.moe_experts
-
-    def recorder(x, *a, **k):
-        seen.append((k.get("layout"), k.get("down_nb")))
-        return torch.zeros(x.shape, dtype=torch.float32)
-
-    fp.moe_experts = recorder
-    try:
-        for T in (1, ep.persistent_tokens + 1):
-            x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T))
-            for on in (True, False):
-                ep.fast_options.moe_down_nb = on
-                seen.clear()
-                ep(x, act_quant(x), rounded=False, reduce=False)
-                persistent = T <= ep.persistent_tokens
-                assert seen == [("persistent" if persistent else ep.expert_layout, on and persistent)], (T, on, seen)
-    finally:
-        fp.moe_experts = kernel
-        ep.fast_options.moe_down_nb = False
+    persistent_switch_checks("moe_down_nb", "down_nb")
 
 
 if __name__ == "__main__":

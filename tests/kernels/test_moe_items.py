@@ -229,9 +229,10 @@ def _knob_checks() -> None:
             raise AssertionError(f"accepted warps={bad!r}")
 
 
-def _module_checks() -> None:
-    """`FastMoE` on a 'split' rank hands item_regs=True to its persistent calls (one token) with the switch, never to
-    the pair grid past persistent_tokens (the kernels' bits: `_kernel_checks`; here a recorder stands in)."""
+def persistent_switch_checks(option: str, kwarg: str) -> None:
+    """`FastMoE` on a 'split' rank hands `kwarg`=True to its persistent calls (one token) with switch `option` on,
+    False with it off, and never True to the pair grid past persistent_tokens (a recorder stands in for the kernels);
+    the switch is left at its default."""
     import mtp.backends.fast_path as fp
     from mtp.kernels.dispatch import FastPathOptions
     from mtp.model.fp8 import act_quant
@@ -243,7 +244,7 @@ def _module_checks() -> None:
     seen, kernel = [], fp.moe_experts
 
     def recorder(x, *a, **k):
-        seen.append((k.get("layout"), k.get("item_regs")))
+        seen.append((k.get("layout"), k.get(kwarg)))
         return torch.zeros(x.shape, dtype=torch.float32)
 
     fp.moe_experts = recorder
@@ -251,15 +252,19 @@ def _module_checks() -> None:
         for T in (1, ep.persistent_tokens + 1):
             x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T))
             for on in (True, False):
-                ep.fast_options.moe_item_regs = on
+                setattr(ep.fast_options, option, on)
                 seen.clear()
                 ep(x, act_quant(x), rounded=False, reduce=False)
                 persistent = T <= ep.persistent_tokens
                 assert seen == [("persistent" if persistent else ep.expert_layout, on and persistent)], (T, on, seen)
     finally:
         fp.moe_experts = kernel
-        ep.fast_options.moe_item_regs = FastPathOptions().moe_item_regs
+        setattr(ep.fast_options, option, getattr(FastPathOptions(), option))
 
+
+def _module_checks() -> None:
+    """The switch moe_item_regs reaches the persistent calls only (the kernels' bits: `_kernel_checks`)."""
+    persistent_switch_checks("moe_item_regs", "item_regs")
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"

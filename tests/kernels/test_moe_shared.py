@@ -131,7 +131,7 @@ def _kernel_checks() -> None:
     ws = _experts(E + 1, D, I, seed=0)
     g = torch.Generator().manual_seed(1)
     kw = dict(out_dtype=torch.float32)
-    for layout, tokens in (("pairs", (1, 2, 5)), ("persistent", (1, 3, 4))):
+    for layout, tokens in (("pairs", (1, 5)), ("persistent", (1, 4))):  # one token and several (CI time)
         for T in tokens:
             x = torch.randn(T, D, generator=g).bfloat16()
             idx = torch.stack([torch.randperm(E, generator=g)[:J] for _ in range(T)]).int()
@@ -143,7 +143,7 @@ def _kernel_checks() -> None:
             want = moe_experts(x, idx, rw, *ws, layout=layout, add=alone, **kw)
             got = moe_experts(x, idx, rw, *ws, layout=layout, shared=True, **kw)
             assert torch.equal(got, want), (layout, T, (got - want).abs().max().item())
-            if T == 2:
+            if T > 1:
                 add = torch.randn(T, D, generator=g)
                 both = moe_experts(x, idx, rw, *ws, layout=layout, shared=True, add=add, **kw)
                 assert torch.equal(both, got + add), (layout, T, "add is summed after the shared slot")

@@ -65,7 +65,7 @@ def eh_proj_output(model, ids) -> torch.Tensor:
 
 def checks(model, generate: bool = True) -> dict:
     """Logits of a prefill, a 3-token cached step and the MTP module, the MTP module's eh_proj output; eagle k=2
-    and vanilla k=2 strict generations, eagle k=2 with a draft vocabulary, an FP8 draft head, and both."""
+    and vanilla k=2 strict generations, eagle k=2 with a draft vocabulary and with an FP8 draft head."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.cfg.vocab_size, (2, 20), generator=g).to(model.device)
     out = {}
@@ -90,9 +90,6 @@ def checks(model, generate: bool = True) -> dict:
         out["vocab_tokens"], out["vocab_hist"] = r.tokens, r.metrics.accepted_hist
         r = mtp.generate(model, prompts, max_new_tokens=12, draft="eagle", k=2, draft_head_fp8=True)
         out["fp8_head_tokens"], out["fp8_head_hist"] = r.tokens, r.metrics.accepted_hist
-        r = mtp.generate(model, prompts, max_new_tokens=12, draft="eagle", k=2, draft_head_fp8=True,
-                         draft_vocab=vocab)
-        out["fp8_vocab_tokens"] = r.tokens
     return out
 
 
@@ -197,10 +194,10 @@ def test_tp2_speculative_tokens_equal_tp1(ranks, reference, numerics):
         assert ranks[r][numerics]["vocab_tokens"] == ref["tokens"]  # strict: still the greedy tokens
         assert ranks[r][numerics]["vocab_hist"] == ref["vocab_hist"]  # the same drafts as one process makes
         # drafts from an FP8 copy of the head: each rank quantizes its shard, V / 2 = 256 rows in whole 128-row
-        # blocks, so the blocks, scales and drafts of one process; with the vocabulary the copy of its rows per rank
+        # blocks, so the blocks, scales and drafts of one process (with a draft vocabulary as well: one process,
+        # tests/draft/test_head_fp8.py; its per-rank rows as the vocabulary's own check above)
         assert ranks[r][numerics]["fp8_head_tokens"] == ref["tokens"]
         assert ranks[r][numerics]["fp8_head_hist"] == ref["fp8_head_hist"]
-        assert ranks[r][numerics]["fp8_vocab_tokens"] == ref["tokens"]
     assert ref["vocab_hist"] != acc  # the vocabulary changed which drafts were made
 
 
