@@ -83,15 +83,16 @@ from mtp.kernels.moe_items import _ids, _slot_weights
 __all__ = ["DOWN_NB_ROWS", "DEFAULT_ROWS", "DEFAULT_STAGES", "default_tile", "resolve_tile", "down_nb"]
 
 DOWN_NB_ROWS = (32, 64, 128)  # rows of D per program: a divisor of a weight-scale block (128 rows)
-# 64: 112 programs at D = 7168 on 132 SMs (128: 56 programs, 76 SMs idle; 32: 224, some SMs two). A guess before a GPU
-# sweep (`python -m mtp.bench.topk_moe --only moe_down_nb`)
+# 64: 112 programs at D = 7168 on 132 SMs (128: 56 programs, 76 SMs idle; 32: 224, some SMs two). Swept (H200, session
+# 20, `python -m mtp.bench.topk_moe --only moe_down_nb`, the experts call at T = 4): 64 rows 60.95 us, 128 64.01, 32 71.68
 DEFAULT_ROWS = 64
 # num_stages by K groups an iteration: the indirection halves the depth ((S + 1) // 2 buffers of GU weight + h tiles),
 # so 11 at two groups: 6 x 2 x (8 + 2) KB of shared memory at BN = 64, T <= 16, 5 x 16 KB = 80 KB of weight in flight
 # per program; 13 at one group: 7 x (8 + 2) KB, 48 KB in flight. Why that much: the down items streamed alone
 # (`mtp.bench.weight_reads`, H200, session 19, T = 4) took 18.6 us with 2 programs of 2 x 16 KB ahead per SM (64 KB)
 # and 25.7 with one program of 3 x 16 KB (48 KB): HBM at ~25 GB/s per SM wants ~64 KB ahead per SM on 132 SMs, ~75
-# on this grid's 112. A guess before the GPU sweep
+# on this grid's 112. Swept (H200, session 20, T = 4, two groups): 7 / 9 / 11 / 13 stages 60.09 / 60.35 / 60.95 /
+# 61.67 us (T = 3: 46.50 / 46.65 / 45.68 / 47.80): within the spread, 11 kept
 DEFAULT_STAGES = {1: 13, 2: 11}
 
 
