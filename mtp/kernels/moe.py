@@ -844,8 +844,10 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         fix = dict(KSU=ks_gu, TP=cols) if item_regs else dict(KSU=1, TP=1)
         wu, wd = warps or (4, 4)
         # tma: the weight tiles through host tensor descriptors (cached per stack); else None (constexpr, unused)
-        d_gate, d_up, d_down = (weight_desc(n, w) for n, w in (("w_gate", w_gate), ("w_up", w_up),
-                                                               ("w_down", w_down))) if tma else (None,) * 3
+        # (down_nb: the down stack's descriptor with its programs' [BN, 128] blocks, for that kernel alone)
+        down_rows = down_tile[0] if down_nb else BLOCK
+        stacks = (("w_gate", w_gate, BLOCK), ("w_up", w_up, BLOCK), ("w_down", w_down, down_rows))
+        d_gate, d_up, d_down = (weight_desc(n, w, r) for n, w, r in stacks) if tma else (None,) * 3
         _moe_gate_up_persistent[(min(g_gu, n_act * nb * ks_gu),)](
             xa, sxa, idx, *wargs, h8, hs, gu_part, cnt, d_gate, d_up, T, D, I, xa.stride(0), stride_sxm,
             w_gate.stride(0), s_gate.stride(0), s_gate.stride(1), ks_gu, S, num_stages=gate_up_stages or 4,
@@ -853,7 +855,7 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         if down_nb:  # y itself, the shared slot and add included: no partials, no combine
             return down_nb_kernel(h8, hs, idx, rw, w_down, s_down, T, shared, out_dtype or x_TD.dtype, add=add,
                                   pdl=pdl, prefetch=prefetch, tile=down_tile, stages=down_stages, warps=wd,
-                                  desc=weight_desc("w_down", w_down, down_tile[0]) if tma else None)
+                                  desc=d_down)
         part = torch.empty(ks_down, P, D, dtype=torch.float32, device=dev)
         _moe_down_persistent[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
             h8, hs, idx, rw, w_down, s_down, part, d_down, T, D, I, w_down.stride(0), s_down.stride(0),
