@@ -38,7 +38,7 @@ from torch import nn
 
 from ..model import fp8
 from ..model.layers import Linear
-from .vocab import SubHead
+from .vocab import SubHead, kept_per_head, parallel_world
 
 # rows quantized per call of `fp8.weight_quant` (a multiple of its 128-row blocks, so the blocks are those of one call):
 # its fp32 copy of the rows and their quotient stay ~2 x 235 MB at D = 7168, where the whole TP=1 head at once
@@ -119,12 +119,7 @@ def shared_fp8_head(model, j: int, ids: tuple[int, ...] | None = None) -> Fp8Hea
     """The FP8 copy of MTP module j's head (of the rows of `ids`, a draft vocabulary, when given), one per (head, ids)
     shared by every proposer that asks; the last two per head are kept, for as long as the head lives."""
     head = model.mtp[j].shared_head.head
-    per_head = _FP8_HEADS.setdefault(head, {})
-    made = per_head.pop(ids, None) or _build(model, head, ids)
-    per_head[ids] = made
-    while len(per_head) > 2:
-        del per_head[next(iter(per_head))]
-    return made
+    return kept_per_head(_FP8_HEADS, head, ids, lambda: _build(model, head, ids))
 
 
 def _build(model, head, ids: tuple[int, ...] | None) -> Fp8Head:
@@ -135,11 +130,7 @@ def _build(model, head, ids: tuple[int, ...] | None) -> Fp8Head:
         sub = SubHead(head, ids, V, model.device)
         return Fp8Head(model, sub.weight, sub.comm, sub.ids_M)
     w = head.weight
-    comm = getattr(head, "comm", None)
     if w.shape[0] == V:
         return Fp8Head(model, w)
-    world = comm.world if comm is not None else 0
-    if world < 2 or V % world or w.shape[0] != V // world:
-        raise ValueError(f"draft_head_fp8: the head holds {w.shape[0]} of {V} rows and is not a vocabulary-parallel "
-                         "head")
-    return Fp8Head(model, w, comm)
+    parallel_world(head, V, "draft_head_fp8")
+    return Fp8Head(model, w, head.comm)

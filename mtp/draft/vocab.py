@@ -58,6 +58,27 @@ def check_ids(ids: Sequence[int], vocab_size: int) -> None:
         raise ValueError("draft vocabulary: ids must be distinct")
 
 
+def parallel_world(head, vocab_size: int, what: str) -> int:
+    """The world of a vocabulary-parallel head (rank r holds rows [r V/W, (r+1) V/W) and gathers by `head.comm`), or
+    a ValueError naming `what` for a head holding neither every row nor such a shard."""
+    rows, comm = head.weight.shape[0], getattr(head, "comm", None)
+    world = comm.world if comm is not None else 0
+    if world < 2 or vocab_size % world or rows != vocab_size // world:
+        raise ValueError(f"{what}: the head holds {rows} of {vocab_size} rows and is not a vocabulary-parallel head")
+    return world
+
+
+def kept_per_head(cache: weakref.WeakKeyDictionary, head, key, make):
+    """cache[head][key], made by `make()` the first time: one per (head, key), shared by every proposer that asks;
+    the last two keys per head are kept, for as long as the head lives."""
+    per_head = cache.setdefault(head, {})
+    made = per_head.pop(key, None) or make()
+    per_head[key] = made
+    while len(per_head) > 2:
+        del per_head[next(iter(per_head))]
+    return made
+
+
 class SubHead:
     """Logits over a draft vocabulary from an MTP module's head: `self(x [..., D]) -> [..., M]`, where entry m
     stands for model id `ids_M[m]`, or for nothing when `ids_M[m]` is -1 (padding, logit -inf).
@@ -74,10 +95,7 @@ class SubHead:
         if w.shape[0] == vocab_size:
             self.weight, self.comm, self.ids_M = w.index_select(0, ids_t).contiguous(), None, ids_t
             return
-        world = comm.world if comm is not None else 0
-        if world < 2 or vocab_size % world or w.shape[0] != vocab_size // world:
-            raise ValueError(f"draft vocabulary: the head holds {w.shape[0]} of {vocab_size} rows and is not a "
-                             "vocabulary-parallel head")
+        world = parallel_world(head, vocab_size, "draft vocabulary")
         Vl = vocab_size // world
         per_rank = [ids_t[(ids_t >= r * Vl) & (ids_t < (r + 1) * Vl)] for r in range(world)]
         n = max(1, max(len(p) for p in per_rank))
@@ -104,12 +122,7 @@ def shared_sub_head(head, ids: tuple[int, ...], vocab_size: int, device) -> SubH
     buffer bucket; the real model's rows for 32k ids are 470 MB per copy). The last two vocabularies per head
     are kept, for as long as the head lives; they are copies, so weights changed in place afterwards (training)
     are not seen: `_SUBHEADS.clear()` drops them."""
-    per_head = _SUBHEADS.setdefault(head, {})
-    sub = per_head.pop(ids, None) or SubHead(head, ids, vocab_size, device)
-    per_head[ids] = sub
-    while len(per_head) > 2:
-        del per_head[next(iter(per_head))]
-    return sub
+    return kept_per_head(_SUBHEADS, head, ids, lambda: SubHead(head, ids, vocab_size, device))
 
 
 def count_tokens(encode, texts: Iterable[str]) -> Counter:
