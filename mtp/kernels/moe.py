@@ -677,10 +677,12 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                 down_tile: tuple[int, int] | None = None) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
-    idx_TJ int32 expert ids in [0, E), distinct within a token, or -1 for a slot to skip (its expert is on
-    another rank: reads nothing, adds 0; any number per token). w_TJ fp32. Three launches (grouped: six); reads each
-    selected expert's weights once. Ids are range-checked only when they live on the CPU (interpreter):
-    on CUDA a check would be a host sync, and the call must stay CUDA-graph capturable.
+    idx_TJ int32 expert ids in [0, E), distinct within a token (the grouped layout takes repeats), or -1 for a slot
+    to skip (its expert is on another rank: reads nothing, adds 0; any number per token). w_TJ fp32. Three launches
+    (grouped: six); reads each selected expert's weights once. Ids are checked (in range; distinct within a token
+    on the pairs / persistent layouts, whose work items assume it: a repeat gave garbage on the CPU, NaN on a GPU,
+    session 20) only when they live on the CPU (interpreter): on CUDA a check would be a host sync, and the call
+    must stay CUDA-graph capturable.
     layout: 'pairs' (a program per (token, slot) pair and N-block; the leader pair computes the expert) or
     'persistent' (~one program per SM looping over (distinct expert, N-block, K-slice) work items, so that a
     few experts still fill the GPU; T * J <= 64), both for T <= PAIRS_MAX_TOKENS; or 'grouped' (pairs sorted by
@@ -763,6 +765,14 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         raise ValueError(f"moe_experts: layout must be one of {LAYOUTS} ('persistent' for T * slots <= "
                          f"{PERSISTENT_MAX_PAIRS}, 'pairs' for T <= {PAIRS_MAX_TOKENS}), got {layout!r} with T = {T}, "
                          f"slots = {TOPK} (J = {J}{' + the shared one' if shared else ''})")
+    if not idx_TJ.is_cuda and J > 1 and layout != "grouped":  # their per-expert work items assume distinct ids
+        ids = idx_TJ.sort(dim=1).values
+        repeat = ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any(1)
+        if bool(repeat.any()):
+            t = int(repeat.nonzero()[0])
+            raise ValueError(f"moe_experts: token {t}'s expert ids repeat ({idx_TJ[t].tolist()}): the '{layout}' "
+                             f"layout needs a token's experts distinct (-1, a slot to skip, may repeat; 'grouped' "
+                             f"sums a repeat as the reference does)")
     if shared and layout == "grouped":
         raise ValueError("moe_experts: shared (the implicit shared slot) is for the 'pairs' and 'persistent' "
                          "layouts; the grouped one takes the shared expert's output as add")

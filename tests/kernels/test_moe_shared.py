@@ -155,7 +155,9 @@ def _kernel_checks() -> None:
                                    moe_experts(x, idx, rw, *ws, shared=True, layout="persistent", **kw))
     x, idx, rw = torch.randn(2, D), torch.tensor([[0, 1, -1], [2, 3, 4]], dtype=torch.int32), torch.rand(2, J)
     for bad, match in ((dict(shared=True, layout="grouped"), "grouped"), (dict(shared=1), "must be a bool"),
-                       (dict(shared=True, idx=idx.clamp(max=S) + 2), "ids must be in [0, 6)")):
+                       (dict(shared=True, idx=idx.clamp(max=S) + 2), "ids must be in [0, 6)"),
+                       (dict(idx=torch.tensor([[0, -1, -1], [2, 4, 2]], dtype=torch.int32)),
+                        "token 1's expert ids repeat ([2, 4, 2])")):
         try:
             moe_experts(x, bad.pop("idx", idx), rw, *ws, **bad)
         except ValueError as e:
