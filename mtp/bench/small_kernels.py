@@ -16,6 +16,9 @@ order changes the last bits, so the check is a tolerance, printed):
 - combine: the experts' combine over its channel block and warps (the same bits);
 - gemv: `fp8_gemv` on o_proj (7168 x 2048, x quantized in the kernel) and q_a | wk | kv_a (2240 x 7168, x
   pre-quantized) at one row, over BN, groups per slice and warps;
+- head: `fp8_gemv` on the FP8 copy of the drafts' head (`draft.head_fp8`: the TP=8 shard, 16160 x 7168, x quantized
+  in the kernel) at 1 and 4 rows, over BN, groups per slice, warps and CUDA cores / tensor cores (mma), beside the
+  bf16 head's GEMM (torch) and the weight's byte time at the copy bandwidth;
 - kvnorm: the kv prologue + q_a norm launch (`mla_prologue_fused.mla_kv_prologue_norm`, 6.4 us alone at one token)
   with a token's latent and indexer key in one program or in two (switch kv_split: the same bits, checked), T = 1
   and 4;
@@ -23,7 +26,7 @@ order changes the last bits, so the check is a tolerance, printed):
   amax, amin) against the logits scan kernel (`logits_scan`, switch logits_scan: the same indices and flag, checked),
   R = 1 (a draft), 4 (an eagle k = 3 verify), 8 and 64 rows (a tree's nodes), fp32 and bf16.
 
-    python -m mtp.bench.small_kernels --out DIR [--only norm,stage1,mla_cs,combine,gemv,kvnorm,logits]
+    python -m mtp.bench.small_kernels --out DIR [--only norm,stage1,mla_cs,combine,gemv,head,kvnorm,logits]
 """
 
 from __future__ import annotations
@@ -200,6 +203,44 @@ def gemv_section() -> dict:
     return out
 
 
+def head_section() -> dict:
+    from mtp.kernels.gemv_splitk import fp8_gemv, gemv_plan
+    from mtp.model.fp8 import weight_quant
+
+    N, K = 16160, 7168  # the TP=8 shard of the 129280-row head
+    w8, sw = weight_quant(torch.randn(N, K, device=DEV) * 0.02)  # 116 MB: larger than L2, one set suffices
+    wb = torch.randn(N, K, device=DEV).bfloat16() * 0.02
+    nbytes = N * K + sw.numel() * 4
+    out = {}
+    for M in (1, 4):
+        x = torch.randn(M, K, device=DEV).bfloat16()
+        plan = gemv_plan(N, K // 128, x.device)
+        want = fp8_gemv(x, w8, sw)
+        res = {"bf16 torch (bf16 weight)": gk.graph_us([lambda: x @ wb.t()])}
+        gk.row("head bf16 torch", f"M={M} {N}x{K} (2 B/weight)", res["bf16 torch (bf16 weight)"], 2 * N * K)
+        for mma in (False, True):
+            for bn in (8, 16, 32, 64, 128):
+                for gps in (4, 8):
+                    if bn * gps * 128 > 65536 or (mma and bn < 16):
+                        continue
+                    for nw in (4, 8):
+                        key = f"{'mma' if mma else 'fma'} bn={bn} gps={gps} warps={nw}"
+                        try:
+                            got = fp8_gemv(x, w8, sw, bn=bn, gps=gps, num_warps=nw, mma=mma)
+                            err = gk.rel_err(got, want)
+                            gk.check(f"head M={M} {key}", err < 1e-3, f"rel err vs default {err:.2e}")
+                            res[key] = gk.graph_us([lambda bn=bn, gps=gps, nw=nw, mma=mma: fp8_gemv(
+                                x, w8, sw, bn=bn, gps=gps, num_warps=nw, mma=mma)])
+                        except Exception as e:
+                            gk.check(f"head M={M} {key}", False, f"{type(e).__name__}: {str(e)[:200]}")
+                            continue
+                        default = not mma and (bn, gps, nw) == (plan["bn"], plan["gps"], plan["num_warps"])
+                        gk.row(f"head {key}" + (" (default)" if default else ""), f"M={M} {N}x{K}", res[key], nbytes)
+        out[f"M={M}"] = dict(sorted(res.items(), key=lambda kv: kv[1]), plan=plan)
+    out["floor_us"] = nbytes / gk.COPY_BW / 1e3
+    return out
+
+
 def kvnorm_section() -> dict:
     import dataclasses
 
@@ -281,8 +322,8 @@ def logits_section() -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "eval/results")
-    ap.add_argument("--only", default="norm,stage1,mla_cs,combine,gemv,kvnorm,logits",
-                    help="comma list of sections: norm,stage1,mla_cs,combine,gemv,kvnorm,logits")
+    ap.add_argument("--only", default="norm,stage1,mla_cs,combine,gemv,head,kvnorm,logits",
+                    help="comma list of sections: norm,stage1,mla_cs,combine,gemv,head,kvnorm,logits")
     args = ap.parse_args()
     if not available():
         sys.exit("mtp.bench.small_kernels: needs triton and a CUDA device")
@@ -294,7 +335,8 @@ def main():
     t0 = time.time()
     out["bandwidth"] = gk.copy_bandwidth()
     gk.run_sections([("norm", norm_section), ("stage1", stage1_section), ("mla_cs", mla_cs_section),
-                     ("combine", combine_section), ("gemv", gemv_section), ("kvnorm", kvnorm_section),
+                     ("combine", combine_section), ("gemv", gemv_section), ("head", head_section),
+                     ("kvnorm", kvnorm_section),
                      ("logits", logits_section)],
                     set(args.only.split(",")), out)
     gk.finish(out, t0, os.path.join(args.out, "small_kernels.json"))

@@ -60,6 +60,7 @@ __all__ = ["fp8_gemv", "fp8_gemv_ref", "gemv_plan", "MAX_M"]
 MAX_M = 8  # rows this kernel takes (CUDA-core FMAs: at M = 8 the math is ~the HBM time of a 16 KB tile)
 TILE_BYTES = 16384  # weight bytes per program by default
 MMA_MIN_BN = 16  # the weight rows are the MMA's M: mma.sync's m16
+WAVES_4_WARPS = 32  # programs per SM above which the CUDA-core tile takes 4 warps (gemv_plan says why)
 MMA_TILE_BYTES = 32768  # weight bytes per program of the mma variant by default (gemv_plan says why)
 MMA_ROWS = 8  # x's rows padded to mma.sync's n8 (= MAX_M)
 
@@ -189,7 +190,11 @@ def gemv_plan(N: int, G: int, device: torch.device, mma: bool = False, one_slice
     Measured on an H200 (`mtp.bench.small_kernels`, BENCHMARKS.md session 17), the TP=8 rank's o_proj (7168 x 2048,
     G = 16, one row, x quantized in the kernel) in graph replays: 7.41 us (BN 8, GPS 16, 4 warps) against 10.20
     (BN 16, GPS 8, 8 warps: 78 registers, 3 programs per SM, its 896 programs in 2.3 waves, then the fix-up);
-    8 warps 7.85, 2 warps 8.24; BN 16 x GPS 16 (32 KB) 8.41 at 8 warps, 140 at 2 (spills)."""
+    8 warps 7.85, 2 warps 8.24; BN 16 x GPS 16 (32 KB) 8.41 at 8 warps, 140 at 2 (spills).
+    A grid of more than WAVES_4_WARPS programs per SM (a large weight: the drafts' FP8 head shard, 16160 x 7168, is
+    1010 x 7 programs) takes 4 warps: more programs resident per SM keep more tiles in flight. Measured there (H200,
+    `mtp.bench.small_kernels --only head`, BENCHMARKS.md session 21, one row): 42.2 us at 4 warps against 52.1 at 8
+    (byte floor 27.3, the bf16 head's cuBLAS GEMM 59.9)."""
     if not mma and 8 < G <= one_slice and G & (G - 1) == 0:
         return dict(bn=max(8, TILE_BYTES // (G * BLOCK)), gps=G, num_warps=4)
     gps = 1
@@ -201,7 +206,8 @@ def gemv_plan(N: int, G: int, device: torch.device, mma: bool = False, one_slice
     sms = _num_sms(device) if device.type == "cuda" else 1  # the interpreter: fewest programs (speed)
     while bn > min_bn and triton.cdiv(N, bn) * splits < sms:
         bn //= 2
-    num_warps = 4 if mma or bn * gps * BLOCK < 8192 else 8
+    many_waves = triton.cdiv(N, bn) * splits > WAVES_4_WARPS * sms
+    num_warps = 4 if mma or bn * gps * BLOCK < 8192 or many_waves else 8
     return dict(bn=bn, gps=gps, num_warps=num_warps)
 
 

@@ -216,6 +216,9 @@ def _gemv_checks() -> None:
     assert gemv_plan(24, 16, torch.device("cpu"), one_slice=16) == dict(bn=8, gps=16, num_warps=4)
     assert gemv_plan(24, 16, torch.device("cpu"))["gps"] == 8  # 0: the split plan
     assert gemv_plan(24, 12, torch.device("cpu"), one_slice=16)["gps"] == 4  # not a power of two: split
+    # 8 warps on a 16 KB tile, 4 where the grid holds more than WAVES_4_WARPS programs per SM (the CPU counts one SM)
+    assert gemv_plan(16, 56, torch.device("cpu")) == dict(bn=16, gps=8, num_warps=8)
+    assert gemv_plan(16160, 56, torch.device("cpu")) == dict(bn=16, gps=8, num_warps=4)
     w8, sw = weight_quant(torch.randn(24, 2048) * 0.05)
     for M in (1, 3):
         x = torch.randn(M, 2048) * torch.logspace(-2, 1, 2048)
