@@ -10,8 +10,9 @@ Sections (each new kernel next to what the fast path ran before it, same process
   copy bandwidth per shape x M x kernel) and the winner per M and weight size (the rule for a per-M choice);
   `--sweep`: at M = 1 and 4 on the rank also x quantized in the kernel, a PDL chain, and a tile sweep;
 - norm: residual add + RMSNorm + quant in one kernel vs the old step (cast + add, compiled RMSNorm, act_quant);
-- router: `router.moe_route_fused` (impl "serial"; "grouped" at 4, 8, 16 warps; "one" at 4, 8) vs `moe.moe_route`,
-  E = 256, D = 7168, T = 1..5, 8, 64 (`--only router`);
+- router: `router.moe_route_fused` (impl "serial"; "grouped" at 4, 8, 16 warps; "one" at 4, 8, and at 8 with its
+  routing split over its last programs, `split_tail`) vs `moe.moe_route`, E = 256, D = 7168, T = 1..5, 8, 64
+  (`--only router`);
 - prologue: `mla_prologue` (2 kernels) vs the unfused MLA prologue steps, and `absorb` vs the two einsums, one
   rank's 16 heads;
 - index_weights: the indexer's head weights in one launch (`index_weights`) vs the cuBLAS GEMM + scale it replaced,
@@ -213,15 +214,22 @@ def router_section() -> dict:
         x = torch.randn(T, D, device=DEV).bfloat16()
         wr, ir = moe_route_ref(x, wg, bias)
         t = {"old (2 launches)": gk.graph_us([lambda: moe_route(x, wg, bias)])}
-        variants = [("serial", 4)] + ([("grouped", nw) for nw in (4, 8, 16)] if T <= GROUPED_MAX_TOKENS else []) + (
-            [("one", nw) for nw in (4, 8)] if T <= ONE_MAX_TOKENS else [])
-        for impl, nw in variants:
-            w, idx = moe_route_fused(x, wg, bias, impl=impl, num_warps=nw)
+        # (impl, warps, split_tail): impl one's routing in its last program, or split over its last T to arrive
+        variants = [("serial", 4, False)] + (
+            [("grouped", nw, False) for nw in (4, 8, 16)] if T <= GROUPED_MAX_TOKENS else []) + (
+            [("one", 4, False), ("one", 8, False), ("one", 8, True)] if T <= ONE_MAX_TOKENS else [])
+        for impl, nw, split in variants:
+            name = f"{impl} split" if split else impl
+            w, idx = moe_route_fused(x, wg, bias, impl=impl, num_warps=nw, split_tail=split)
             agree = (idx == ir).float().mean().item()
             ok = agree > 0.99 and gk.rel_err(w, wr) < 1e-3
-            gk.check(f"moe_route_fused {impl} {nw} warps T={T}", ok, f"idx agree {agree:.4f}")
-            t[f"1 launch, {impl}, {nw} warps"] = gk.graph_us(
-                [lambda impl=impl, nw=nw: moe_route_fused(x, wg, bias, impl=impl, num_warps=nw)])
+            if split:  # the unsplit tail's bits
+                ok = ok and all(torch.equal(a, b) for a, b in zip(
+                    (w, idx), moe_route_fused(x, wg, bias, impl=impl, num_warps=nw)))
+            gk.check(f"moe_route_fused {name} {nw} warps T={T}", ok, f"idx agree {agree:.4f}")
+            t[f"1 launch, {name}, {nw} warps"] = gk.graph_us(
+                [lambda impl=impl, nw=nw, split=split: moe_route_fused(x, wg, bias, impl=impl, num_warps=nw,
+                                                                       split_tail=split)])
         for k_, us in t.items():
             gk.row(f"router {k_}", f"T={T} E={E} D={D}", us, E * D * 2)
         out[f"T={T}"] = t

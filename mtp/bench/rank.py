@@ -303,6 +303,10 @@ KERNEL_VARIANTS = {
     # two arrivals in a chain; 9.2 us exposed per MoE layer at every width, H200, session 19). Default: up to 2 tokens
     "router_one": (dict(router_one_tokens=16), dict()),  # every call of <= 16 tokens
     "router_one_off": (dict(router_one_tokens=0), dict()),  # the grouped impl ('auto') at every width
+    # impl one up to 8 tokens, its routing split over its last programs to arrive, one token each
+    # (`moe_route_fused(split_tail=True)`: the same bits), from 2 tokens / from 3 (2 tokens unsplit, as by default)
+    "router_split": (dict(router_one_tokens=8, router_one_split=2), dict()),
+    "router_split3": (dict(router_one_tokens=8, router_one_split=3), dict()),
 }
 
 

@@ -33,6 +33,11 @@ version, so the engine captures its kept graphs again).
   w = 1 / 2 / 3 / 4 -0.27 / -0.22 / +0.05 / -0.00 a step with impl one up to 16 tokens (its last program's routing
   grows with the tokens: 709 PTX instructions and 28 barriers after the arrival at one, 2526 and 66 at four), and
   beside moe_down_nb -0.25 / -0.21 / +0.08 / +0.01: so up to 2 tokens.
+- router_one_split (0: never, the default until timed on a GPU; variants router_split = from 2 tokens, router_split3 =
+  from 3, both with impl one up to 8 tokens): impl one's calls of at least this many tokens are routed by its last
+  min(T, programs) programs to arrive, one token each (`moe_route_fused(split_tail=True)`), instead of all by the last
+  one: the work after the arrival stays one token's (sm_90 PTX: 761 instructions and 32 barriers at any T, against 2526
+  and 66 unsplit at four tokens). The same logits, ids and weights bit for bit.
 - prologue: the MLA prologue in two kernels (`mla_prologue`: kv_a norm, rotary, indexer key + cache write;
   q_pe rotary, indexer queries' rotary + Hadamard + quant); off: ~12 torch / compiled elementwise launches.
 - fuse_prologue: with prologue, the kv prologue and the q_a norm + quant in one launch, and with absorb, the q
@@ -219,7 +224,8 @@ ELEMENTWISE_IMPLS = ("triton", "compile", "eager")
 
 # the options that are integers; every other field is an on / off switch
 INT_FIELDS = ("gemv_rows", "pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows",
-              "gemv_one_slice", "norm_warps", "mla_channel_splits", "router_one_tokens")
+              "gemv_one_slice", "norm_warps", "mla_channel_splits", "router_one_tokens",
+              "router_one_split")
 
 
 @dataclass
@@ -248,6 +254,9 @@ class FastPathOptions:
     moe_tma: bool = True
     moe_down_nb: bool = True
     router_one_tokens: int = 2
+    # impl one's calls of at least this many tokens route one token in each of its last programs to arrive
+    # (`moe_route_fused(split_tail=True)`: the same bits); 0: never (the default until timed on a GPU)
+    router_one_split: int = 0
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)
@@ -427,15 +436,16 @@ def route(x_ND: torch.Tensor, gate, opts: FastPathOptions,
     local (`ExpertMap.router`: a range (e0, e1), a table, or None for all): ids as this rank sees them, the index
     of an expert in its stack and -1 for one on another rank (what `moe_experts` takes). Switch `router`: one
     launch (`router.moe_route_fused`, the mapping inside; impl "one" up to router_one_tokens (and its limit),
-    else "auto"); off: `moe.moe_route` (gate GEMV + top-k) and the mapping in torch."""
+    its tail split from router_one_split tokens, else "auto"); off: `moe.moe_route` (gate GEMV + top-k) and the mapping in torch."""
     kw = dict(n_group=gate.n_groups, topk_group=gate.topk_groups, topk=gate.topk, route_scale=gate.route_scale)
     if opts.router:
         from mtp.kernels.router import moe_route_fused, one_takes
 
         N = x_ND.shape[0]
         one = N <= opts.router_one_tokens and one_takes(N, gate.n_experts, gate.n_groups, gate.topk_groups, gate.topk)
+        split = one and 0 < opts.router_one_split <= N
         return moe_route_fused(x_ND, gate.weight, gate.e_score_correction_bias, local=local, pdl=opts.pdl_at(N),
-                               prefetch=opts.prefetch_at(N), impl="one" if one else "auto", **kw)
+                               prefetch=opts.prefetch_at(N), impl="one" if one else "auto", split_tail=split, **kw)
     from mtp.kernels.moe import moe_route
 
     w, ids = moe_route(x_ND, gate.weight, gate.e_score_correction_bias, **kw)

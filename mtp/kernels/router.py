@@ -53,6 +53,46 @@ grouped's 8.5; at T = 4 ~8-9 us (the tail ~3.5 us: 2.5 K instructions and 66 bar
 w = 1 / 2 / 3 / 4 (the tail's growth with T as predicted, the T = 1 gain as predicted); alone at T = 3 / 4 (8 warps,
 `mtp.bench.fused --only router`) 10.9 / 11.0 us against grouped's 9.6 / 9.8. Hence the default: up to 2 tokens.
 
+impl "one" with split_tail (`FastPathOptions.router_one_split`, off by default until timed) splits that routing over
+tokens. The dots, the stores and the one arrival counter are as before; then the last P = min(T, programs) programs to
+arrive route a token each (tokens slot, slot + P, ... where the grid has fewer programs than tokens), their slot the
+count of arrivals after theirs (programs - 1 - ticket, the ticket being the add's old value): slot 0, whose arrival
+completed the count, at once; every other once the counter shows every arrival (a spin on acquire loads of it, which
+read from the chain of read-modify-writes holding every program's acq_rel arrival: each program's logits are visible
+after it). Each routes its token's row of the [T, E] logits (.cg) with the one-token routing (`_one_tail` at one row):
+the same dots, so the same logits, and per token the same arithmetic (compares, integer sums, sigmoid and bias
+elementwise; the chosen weights' normalizing sum in the unsplit tail's layout, lanes then registers, checked on the
+sm_90 build), so the same ids and weights bit for bit.
+
+Re-arming (CUDA graphs replay with no memset): the counter reaches `programs` with the arrivals; each tail program but
+slot 0 adds one as it leaves its spin (an atomic whose result nothing waits for); slot 0, done routing, waits for
+those P - 1 and zeroes it. So it is zeroed only when no program of the call will read it again, it stays the one word
+`_counters` hands out (a generation word, never zeroed, would need a buffer of its own), and slot 0, which starts
+routing a poll ahead of the others, rarely waits at the end. Why the spin cannot hang without a cooperative launch:
+the spinners are at most P <= ONE_MAX_TOKENS (16) programs, each past its dots and arrival; an SM is otherwise held by
+programs still computing (they reach their arrival) or by other grids: the previous kernel's, which finish without
+waiting on this one, and with PDL the next kernel's, which launch only once every program of this grid has run its
+launch_dependents (`pdl_launch` / `pdl_wait`, before the arrival), that is once every program is resident. On an H100
+or H200 the 128 programs (E = 256, 2 experts each) fit the 132 SMs at once; on any GPU of more than 16 SMs the
+spinners alone cannot fill it. The Triton interpreter runs programs one after another, where a tail program would spin
+for ever on programs after it: there (where P > 1) the kernel runs as two launches, PHASE 1 the dots and arrivals,
+PHASE 2 the P tail programs (slot 0 last), the same code, whose spins find the counter complete; at P = 1 as the one
+launch.
+
+Compiled for sm_90 (8 warps, DeepSeek's shapes), PTX after the arrival: 761 instructions and 32 bar.sync at every T
+(the one-token routing's 709 and 28, the two spins, the leaving add and the re-arm), against 709 + 28 / 2526 + 66 /
+4503 + 121 unsplit at T = 1 / 4 / 8; SASS 1112 / 1768 / 2664 (unsplit 1048 / 3200 / 6072), registers 73 / 128 / 128
+(71 / 128 / 248); no spill at T = 16 (the unsplit tail spills there); the dots the same PTX (7 address instructions
+more at T >= 4). Predicted (H200): a fit of session 20's unsplit times (5.84 / 7.24 / 11.03 / 18.8 us at T = 1, 2, 4,
+8) to their PTX counts, ~2.35 us + 0.56 ns an instruction + 77 ns a bar.sync (residuals <= 0.16 us), puts the unsplit
+routing after the arrival at ~2.6 / 3.5 / 6.5 / 11.9 us (a fit without the barriers, 2.47 ns an instruction: ~1.8 /
+3.3 / 6.2 / 11.1). Split, alone: at T = 3 and 4 ~7-8 us (the dots to the arrival ~4.5-4.8, one token's routing
+~1.8-2.6, the spinners' extra poll ~0.5-1) against 10.9 / 11.0 unsplit and grouped's 9.6 / 9.8; at T = 8 ~10-10.5
+(18.8; grouped 12.05); at T = 2 ~6.5-7.3 (7.24: little or no gain); at T = 1 the unsplit time (no spin at P = 1).
+Nothing after the arrival is hidden by PDL, so the step gains what the call does: ~3-3.9 us per MoE layer at w = 3 and
+4, ~5-6 us exposed against grouped's ~9 (impl one unsplit was measured level with grouped there), -0.17 to -0.23 ms a
+step over 58 MoE layers (2.4-3.2% of the 7.07 ms w = 4 step), the same at the eagle k = 3 step's w = 4 verify.
+
 Ties (equal biased scores, equal group scores): the lower index wins, at every step, as the stable
 descending sort of `mtp.model.moe.route` gives. Group score = the two largest biased scores of the group (a
 repeated maximum counts twice, as topk(2) of the values does).
@@ -64,10 +104,11 @@ import torch
 
 from mtp.model.fp8 import BLOCK
 from mtp.kernels._triton import (
-    line_elems, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, prefetch_rows_l2, require, tl, triton,
+    interpreting, line_elems, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, prefetch_rows_l2, require, tl, triton,
 )
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe import moe_route_ref, route_from_logits_ref
+from mtp.kernels.topk_one_launch import _wait
 
 __all__ = ["moe_route_fused", "moe_route_ref", "route_from_logits_ref", "MAX_TOKENS", "GROUPED_MAX_TOKENS",
            "ONE_MAX_TOKENS", "IMPLS", "SPLITK_IMPLS", "one_logits_ref", "one_takes"]
@@ -311,84 +352,126 @@ def _pair_tree(v, R: tl.constexpr, LOG2N: tl.constexpr):
 
 
 @triton.jit
+def _one_tail(lg_ptr, cnt_ptr, bias_ptr, w_out_ptr, idx_out_ptr, table_ptr, T, route_scale, e0, e1,
+              E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, KPAD: tl.constexpr,
+              CPAD: tl.constexpr, BTR: tl.constexpr, TABLE: tl.constexpr, REARM: tl.constexpr):
+    """impl "one"'s routing of the rows 0..BTR-1 (the real ones: < T) of the [., E] logits at lg_ptr, by ranks (all
+    pairs compared at once: a few independent reductions, not a chain of argmaxes), stored at w_out_ptr / idx_out_ptr;
+    REARM: the arrival counter zeroed once the logits are loaded. Every row's arithmetic is its own: one row (the split
+    tail's program) or BTR at once give it the same bits."""
+    EG: tl.constexpr = E // NG
+    t = tl.arange(0, BTR)[:, None, None]
+    j = tl.arange(0, EG)
+    h = tl.arange(0, NG)
+    offs = t * E + (h[:, None] * EG + j[None, :])[None, :, :]  # [T, NG, EG]
+    logit = tl.load(lg_ptr + offs, mask=t < T, other=0.0, cache_modifier=".cg")
+    if REARM:
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+    score = tl.sigmoid(logit)
+    b = score + tl.load(bias_ptr + offs - t * E)  # the bias in the logits' layout: no shuffle
+    # each expert's place in its group (biased score descending, lower index first): [T, EG, NG, EG] compares,
+    # the other expert k ahead of the group, so that k falls to registers (the last dim to lanes, the group to
+    # warps) and the count is a sum in each thread
+    bk = tl.permute(b, (0, 2, 1))  # [T, EG, NG]
+    rank = tl.sum(_ahead(b[:, None, :, :], j[None, None, None, :], bk[:, :, :, None],
+                         j[None, :, None, None]).to(tl.int32), 1)
+    gs = tl.max(tl.where(rank == 0, b, float("-inf")), 2) + tl.max(tl.where(rank == 1, b, float("-inf")), 2)
+    # each group's place among the groups: [T, NG, NG] compares; the TOPK_GROUP first are kept
+    grank = tl.sum(_ahead(gs[:, :, None], h[None, :, None], gs[:, None, :], h[None, None, :]).to(tl.int32), 2)
+    # each group's CPAD best in order (no group gives more than TOPK to the choice): [T, CPAD, NG, EG] selects in
+    # the compares' layout; one expert holds each place, so an integer sum of its bits (a warp's REDUX) is it
+    cp = tl.arange(0, CPAD)
+    hit = rank[:, None, :, :] == cp[None, :, None, None]
+    cv = tl.sum(tl.where(hit, b.to(tl.int32, bitcast=True)[:, None, :, :], 0), 3).to(tl.float32, bitcast=True)
+    sc = tl.sum(tl.where(hit, score.to(tl.int32, bitcast=True)[:, None, :, :], 0), 3).to(tl.float32, bitcast=True)
+    ci = tl.sum(tl.where(hit, (h[:, None] * EG + j[None, :])[None, None, :, :], 0), 3)  # [T, CPAD, NG]
+    # a kept group's as they are, another's at -inf
+    cv = tl.where((grank < TOPK_GROUP)[:, None, :], cv, float("-inf"))
+    NC: tl.constexpr = NG * CPAD
+    v = tl.reshape(cv, (BTR, NC))
+    sc = tl.reshape(sc, (BTR, NC))
+    ci = tl.reshape(ci, (BTR, NC))
+    # each candidate's place among all NG x CPAD (ids are unique): [T, NC, NC] compares; the TOPK first chosen
+    crank = tl.sum(_ahead(v[:, :, None], ci[:, :, None], v[:, None, :], ci[:, None, :]).to(tl.int32), 2)
+    ki = tl.arange(0, KPAD)
+    pick = (crank[:, :, None] == ki[None, None, :]) & (ki < TOPK)[None, None, :]  # [T, NC, KPAD]
+    out_idx = tl.max(tl.where(pick, ci[:, :, None], -1), 1)
+    out_w = tl.sum(tl.where(pick, sc[:, :, None], 0.0), 1)  # one term per slot: exact
+    _store_routes(out_w, out_idx, w_out_ptr, idx_out_ptr, table_ptr, T, route_scale, e0, e1, E, TOPK, KPAD, BTR,
+                  TABLE)
+
+
+@triton.jit
 def _route_one_kernel(x_ptr, w_ptr, bias_ptr, lg_ptr, cnt_ptr, w_out_ptr, idx_out_ptr, table_ptr,
                       T, D, stride_xm, route_scale, e0, e1,
                       E: tl.constexpr, NG: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
                       KPAD: tl.constexpr, CPAD: tl.constexpr, EPB: tl.constexpr, BTR: tl.constexpr,
                       TB: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr, LOG2K: tl.constexpr,
-                      PDL: tl.constexpr, TABLE: tl.constexpr):
-    pdl_launch(PDL)
-    # ---- this program's EPB experts, the whole K: logit[e, t] = the pair tree over m = c * NCH + i of
-    # w[e, k] * x[t, k], k = i * CH + c (0 past D); the tile is loaded before the wait (a constant: PDL's contract)
-    pid = tl.program_id(0)
-    offs_e = pid * EPB + tl.arange(0, EPB)
-    c = tl.arange(0, CH)
-    i = tl.arange(0, NCH)
-    k = i[None, :] * CH + c[:, None]  # [CH, NCH]
-    kmask = k < D
-    w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None, None] * D + k[None, :, :], mask=kmask[None, :, :], other=0.0)
-    wf = tl.reshape(w.to(tl.float32), (EPB, 1, CH * NCH))
-    pdl_wait(PDL)
-    for t0 in tl.static_range(0, BTR, TB):  # TB tokens a pass: the products' registers bounded, the same bits
-        if t0 < T:  # at any TB; no pass for padding
-            tt = t0 + tl.arange(0, TB)
-            tmask = tt < T
-            x = tl.load(x_ptr + tt[:, None, None] * stride_xm + k[None, :, :],
-                        mask=tmask[:, None, None] & kmask[None], other=0.0)
-            p = wf * tl.reshape(x.to(tl.float32), (1, TB, CH * NCH))  # bf16 x bf16: exact in fp32 (an FMA or not)
-            dots = tl.reshape(_pair_tree(tl.reshape(p, (EPB * TB, CH * NCH)), EPB * TB, LOG2K), (EPB, TB))
-            tl.store(lg_ptr + tt[None, :] * E + offs_e[:, None], dots, mask=tmask[None, :])
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        # ---- the last program: every token's whole routing on its [T, E] logits, by ranks (all pairs compared at
-        # once: a few independent reductions, not a chain of argmaxes)
-        EG: tl.constexpr = E // NG
-        t = tl.arange(0, BTR)[:, None, None]
-        j = tl.arange(0, EG)
-        h = tl.arange(0, NG)
-        offs = t * E + (h[:, None] * EG + j[None, :])[None, :, :]  # [T, NG, EG]
-        logit = tl.load(lg_ptr + offs, mask=t < T, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-        score = tl.sigmoid(logit)
-        b = score + tl.load(bias_ptr + offs - t * E)  # the bias in the logits' layout: no shuffle
-        # each expert's place in its group (biased score descending, lower index first): [T, EG, NG, EG] compares,
-        # the other expert k ahead of the group, so that k falls to registers (the last dim to lanes, the group to
-        # warps) and the count is a sum in each thread
-        bk = tl.permute(b, (0, 2, 1))  # [T, EG, NG]
-        rank = tl.sum(_ahead(b[:, None, :, :], j[None, None, None, :], bk[:, :, :, None],
-                             j[None, :, None, None]).to(tl.int32), 1)
-        gs = tl.max(tl.where(rank == 0, b, float("-inf")), 2) + tl.max(tl.where(rank == 1, b, float("-inf")), 2)
-        # each group's place among the groups: [T, NG, NG] compares; the TOPK_GROUP first are kept
-        grank = tl.sum(_ahead(gs[:, :, None], h[None, :, None], gs[:, None, :], h[None, None, :]).to(tl.int32), 2)
-        # each group's CPAD best in order (no group gives more than TOPK to the choice): [T, CPAD, NG, EG] selects in
-        # the compares' layout; one expert holds each place, so an integer sum of its bits (a warp's REDUX) is it
-        cp = tl.arange(0, CPAD)
-        hit = rank[:, None, :, :] == cp[None, :, None, None]
-        cv = tl.sum(tl.where(hit, b.to(tl.int32, bitcast=True)[:, None, :, :], 0), 3).to(tl.float32, bitcast=True)
-        sc = tl.sum(tl.where(hit, score.to(tl.int32, bitcast=True)[:, None, :, :], 0), 3).to(tl.float32, bitcast=True)
-        ci = tl.sum(tl.where(hit, (h[:, None] * EG + j[None, :])[None, None, :, :], 0), 3)  # [T, CPAD, NG]
-        # a kept group's as they are, another's at -inf
-        cv = tl.where((grank < TOPK_GROUP)[:, None, :], cv, float("-inf"))
-        NC: tl.constexpr = NG * CPAD
-        v = tl.reshape(cv, (BTR, NC))
-        sc = tl.reshape(sc, (BTR, NC))
-        ci = tl.reshape(ci, (BTR, NC))
-        # each candidate's place among all NG x CPAD (ids are unique): [T, NC, NC] compares; the TOPK first chosen
-        crank = tl.sum(_ahead(v[:, :, None], ci[:, :, None], v[:, None, :], ci[:, None, :]).to(tl.int32), 2)
-        ki = tl.arange(0, KPAD)
-        pick = (crank[:, :, None] == ki[None, None, :]) & (ki < TOPK)[None, None, :]  # [T, NC, KPAD]
-        out_idx = tl.max(tl.where(pick, ci[:, :, None], -1), 1)
-        out_w = tl.sum(tl.where(pick, sc[:, :, None], 0.0), 1)  # one term per slot: exact
-        _store_routes(out_w, out_idx, w_out_ptr, idx_out_ptr, table_ptr, T, route_scale, e0, e1, E, TOPK, KPAD, BTR,
-                      TABLE)
+                      PDL: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, PHASE: tl.constexpr):
+    """SPLIT off: the last program to arrive routes every token. SPLIT: the last P = min(T, programs) to arrive route
+    the tokens, one each (tokens slot, slot + P, ... where fewer programs than tokens), the program whose arrival was
+    the last (slot 0) at once, each other one (slot = its place from the end) once the counter shows every arrival.
+    PHASE 0: one launch; the interpreter's two launches (it runs programs one after another: a tail program would
+    wait for ever on those after it): 1, the dots and the arrivals only; 2, the P tail programs only (slot 0 last)."""
+    if PHASE < 2:
+        pdl_launch(PDL)
+        # ---- this program's EPB experts, the whole K: logit[e, t] = the pair tree over m = c * NCH + i of
+        # w[e, k] * x[t, k], k = i * CH + c (0 past D); the tile is loaded before the wait (a constant: PDL's contract)
+        pid = tl.program_id(0)
+        offs_e = pid * EPB + tl.arange(0, EPB)
+        c = tl.arange(0, CH)
+        i = tl.arange(0, NCH)
+        k = i[None, :] * CH + c[:, None]  # [CH, NCH]
+        kmask = k < D
+        w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None, None] * D + k[None, :, :], mask=kmask[None, :, :], other=0.0)
+        wf = tl.reshape(w.to(tl.float32), (EPB, 1, CH * NCH))
+        pdl_wait(PDL)
+        for t0 in tl.static_range(0, BTR, TB):  # TB tokens a pass: the products' registers bounded, the same bits
+            if t0 < T:  # at any TB; no pass for padding
+                tt = t0 + tl.arange(0, TB)
+                tmask = tt < T
+                x = tl.load(x_ptr + tt[:, None, None] * stride_xm + k[None, :, :],
+                            mask=tmask[:, None, None] & kmask[None], other=0.0)
+                p = wf * tl.reshape(x.to(tl.float32), (1, TB, CH * NCH))  # bf16 x bf16: exact in fp32 (an FMA or not)
+                dots = tl.reshape(_pair_tree(tl.reshape(p, (EPB * TB, CH * NCH)), EPB * TB, LOG2K), (EPB, TB))
+                tl.store(lg_ptr + tt[None, :] * E + offs_e[:, None], dots, mask=tmask[None, :])
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if not SPLIT:
+        if arrived == tl.num_programs(0) - 1:  # ---- the last program: every token's routing on the [T, E] logits
+            _one_tail(lg_ptr, cnt_ptr, bias_ptr, w_out_ptr, idx_out_ptr, table_ptr, T, route_scale, e0, e1, E, NG,
+                      TOPK_GROUP, TOPK, KPAD, CPAD, BTR, TABLE, True)
+    elif PHASE != 1:
+        # ---- the split tail. The counter goes to NPROG (every arrival), then each tail program but slot 0 adds one
+        # as it leaves its wait, and slot 0, done routing, waits for those P - 1 and zeroes it: it is zeroed only when
+        # no program will read it again this call (CUDA-graph safe), and slot 0, ahead of the others by their wait,
+        # rarely waits itself; none of the others waits for an atomic's result after its routing
+        NPROG: tl.constexpr = E // EPB
+        P = tl.minimum(T, NPROG)
+        if PHASE == 2:
+            slot = P - 1 - tl.program_id(0)
+        else:
+            slot = NPROG - 1 - arrived
+        if (slot >= 0) & (slot < P):  # >= 0: a counter left armed by a failed launch routes nothing out of bounds
+            if slot > 0:
+                _wait(cnt_ptr, NPROG)  # acquire: every program's logits are visible after it
+                tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")  # left the wait (no result: nothing waits on it)
+            for tok in range(slot, T, P):
+                _one_tail(lg_ptr + tok * E, cnt_ptr, bias_ptr, w_out_ptr + tok * TOPK, idx_out_ptr + tok * TOPK,
+                          table_ptr, T - tok, route_scale, e0, e1, E, NG, TOPK_GROUP, TOPK, KPAD, CPAD, 1, TABLE,
+                          False)
+            if slot == 0:
+                if P > 1:
+                    _wait(cnt_ptr, NPROG + P - 1)
+                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
 
 def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tensor, n_group: int = 8,
                     topk_group: int = 4, topk: int = 8, route_scale: float = 2.5, return_logits: bool = False,
                     block_e: int | None = None, splits: int | None = None,
                     local: tuple[int, int] | torch.Tensor | None = None, pdl: bool = False, impl: str = "auto",
-                    num_warps: int | None = None, prefetch: bool = True, tokens_per_pass: int | None = None):
+                    num_warps: int | None = None, prefetch: bool = True, tokens_per_pass: int | None = None,
+                    split_tail: bool = False):
     """Kernel twin of `moe_route_ref` in one launch: (weights [T, J] fp32, idx [T, J] int32), plus the fp32
     gate logits [T, E] the choice was made on when return_logits (for tests: `route_from_logits_ref` on them
     must choose the same experts exactly). local = (e0, e1): return ids as an expert-parallel rank holding
@@ -404,6 +487,8 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
     the PDL wait (not a prefetch: `prefetch` does not apply), tokens_per_pass tokens a pass (`one_tokens_per_pass`
     by warps by default; the same bits at any); logits in another fixed order (`_pair_tree`), the same choice
     on them as the others' on theirs.
+    split_tail (impl "one" only): its routing split over its last min(T, E / block_e) programs to arrive, one token
+    each, instead of every token in the last one (the module docstring); the same logits, ids and weights bit for bit.
     block_e: experts per program (split-K impls: 32, "grouped" at least a group). num_warps: default 4 (serial,
     and grouped chosen by "auto") / 8 (grouped: its rank comparisons spread over more threads) / ONE_WARPS (one).
     impl "auto" (default): the faster of serial and grouped at T tokens as measured on an H200."""
@@ -413,6 +498,8 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
     T, D = x_TD.shape
     E = wg_ED.shape[0]
     one = impl == "one"
+    if split_tail and not one:
+        raise ValueError(f"moe_route_fused: split_tail is impl 'one''s, got impl={impl!r}")
     block_e = min(block_e or (ONE_BLOCK_E if one else 32), E)
     if wg_ED.shape[1] != D or bias_E.shape != (E,):
         raise ValueError(f"moe_route_fused: gate weight must be [E, {D}] and bias [E], got {list(wg_ED.shape)}, "
@@ -473,9 +560,15 @@ def moe_route_fused(x_TD: torch.Tensor, wg_ED: torch.Tensor, bias_E: torch.Tenso
         kp = triton.next_power_of_2(D)
         ch = min(kp, ONE_CHUNK)
         logits = torch.empty(T, E, dtype=torch.float32, device=dev)  # the programs' results, returned as they are
-        _route_one_kernel[(E // block_e,)](x, wg, bias, logits, _counters(dev, 1), w, idx, tab, *args, CPAD=cpad,
-                                           EPB=block_e, TB=tb, CH=ch, NCH=kp // ch, LOG2K=kp.bit_length() - 1,
-                                           num_warps=num_warps, **routing)
+        n_prog = E // block_e
+        one_args = (x, wg, bias, logits, _counters(dev, 1), w, idx, tab, *args)
+        meta = dict(CPAD=cpad, EPB=block_e, TB=tb, CH=ch, NCH=kp // ch, LOG2K=kp.bit_length() - 1, SPLIT=split_tail,
+                    num_warps=num_warps, **routing)
+        if split_tail and interpreting() and min(T, n_prog) > 1:  # a tail program would wait on later ones for ever
+            _route_one_kernel[(n_prog,)](*one_args, PHASE=1, **meta)
+            _route_one_kernel[(min(T, n_prog),)](*one_args, PHASE=2, **meta)
+        else:
+            _route_one_kernel[(n_prog,)](*one_args, PHASE=0, **meta)
         return (w, idx, logits) if return_logits else (w, idx)
     G = D // BLOCK
     nbe = E // block_e

@@ -81,7 +81,12 @@ def _kernels() -> dict:
                         BF16=True, STORE_LOGITS=False, TABLE=False, LINE=64, PREFETCH=True), 4, False),
         "router_one": (rt._route_one_kernel, dict(x_ptr=bf, w_ptr=bf, cnt_ptr=i32, idx_out_ptr=i32, table_ptr=i32),
                        dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, CPAD=8, EPB=2, BTR=1, TB=1, CH=2048, NCH=4,
-                            LOG2K=13, TABLE=False), 8, True),
+                            LOG2K=13, TABLE=False, SPLIT=False, PHASE=0), 8, True),
+        # its routing split over its last programs to arrive (`moe_route_fused(split_tail=True)`), four tokens
+        "router_one_split": (rt._route_one_kernel, dict(x_ptr=bf, w_ptr=bf, cnt_ptr=i32, idx_out_ptr=i32,
+                                                        table_ptr=i32),
+                             dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, CPAD=8, EPB=2, BTR=4, TB=2, CH=2048,
+                                  NCH=4, LOG2K=13, TABLE=False, SPLIT=True, PHASE=0), 8, True),
         "q_absorb": (mpf._q_absorb_kernel, dict(qq_ptr=bf, qpe_ptr=bf, iq8_ptr=f8, w_ptr=bf, ql_ptr=bf),
                      dict(H=16, P=128, R=64, HI=64, DK=128, HSCALE=hs, INDEX=True, HQ=64, C=512, BO=64, BK=128,
                           BT=16, IEEE=False, PF=1, LINE=64), 4, False),
@@ -155,7 +160,8 @@ def test_pdl_kernels_compile_for_hopper_in_order():
 
 # the kernels compiled with PDL_AFTER_WAIT: the two that call griddepcontrol themselves through `pdl_launch` /
 # `pdl_wait` since it came (the GEMV, the router), kernels with loads or prefetches before the wait, and plain ones
-AFTER_WAIT = ("gemv", "router", "router_one", "index_weights", "topk_split", "moe_down", "add_rounded")
+AFTER_WAIT = ("gemv", "router", "router_one", "router_one_split", "index_weights", "topk_split", "moe_down",
+              "add_rounded")
 
 
 def test_pdl_after_wait_compiles_the_trigger_after_the_wait():

@@ -15,9 +15,16 @@ Shape legend: T tokens, E experts, D hidden, NG groups.
     configs; where the logits are equal (integer-valued inputs: every order sums them exactly) the split-K impls'
     logits, ids and weights bit for bit; ties (x = 0, the bias in steps of 0.25: equal experts, equal groups); an
     expert-parallel rank's range and table; the counter re-armed after each call; bad input refused by name;
-  - PDL (`tests.interp.patch_interpreter_pdl`): the same bits with it, nothing prefetched.
-GPU twin (bf16 at DeepSeek's shapes, warps 4 / 8, PDL, CUDA graphs): tests/kernels/test_router_one_gpu.py. Timing (not
-a test): `python -m mtp.bench.fused --only router`; in the step: `mtp-bench --tp 8 --kernel-variants router_one`.
+  - PDL (`tests.interp.patch_interpreter_pdl`): the same bits with it, nothing prefetched;
+  - the split tail (`split_tail=True`, switch `FastPathOptions.router_one_split`): logits, ids and weights torch.equal
+    to the unsplit tail's, ids to `route_from_logits_ref` on its logits, T = 1..16 and the tiny models' configs, fewer
+    programs than tokens (tail programs routing several), ties, a rank's range and table, the counter re-armed. The
+    interpreter runs programs one after another, so where more than one program routes, the kernel runs as two
+    launches (the dots and arrivals; then the tail programs, slot 0 last): the same tail code, whose waits find the
+    counter complete; where one does (T = 1, or one program), the one launch of the GPU, its slot from its arrival.
+GPU twin (bf16 at DeepSeek's shapes, warps 4 / 8, PDL, CUDA graphs): tests/kernels/test_router_one_gpu.py; the split
+tail's: tests/kernels/test_router_split_gpu.py. Timing (not a test): `python -m mtp.bench.fused --only router`; in the
+step: `mtp-bench --tp 8 --kernel-variants router_one` (router_split, router_split3).
 """
 
 from __future__ import annotations
@@ -44,13 +51,16 @@ def test_option_and_variants():
     from mtp.kernels.dispatch import FastPathOptions
 
     o = FastPathOptions()
-    assert o.router_one_tokens == 2
-    for name, want in (("router_one", 16), ("router_one_off", 0)):
+    assert o.router_one_tokens == 2 and o.router_one_split == 0
+    for name, want, split in (("router_one", 16, 0), ("router_one_off", 0, 0), ("router_split", 8, 2),
+                              ("router_split3", 8, 3)):
         flags, options = KERNEL_VARIANTS[name]
+        o = FastPathOptions()
         o.set(**flags)
-        assert o.router_one_tokens == want and options == {}
-    with pytest.raises(ValueError, match="router_one_tokens"):
-        FastPathOptions(router_one_tokens=-1)
+        assert (o.router_one_tokens, o.router_one_split) == (want, split) and options == {}, name
+    for name in ("router_one_tokens", "router_one_split"):
+        with pytest.raises(ValueError, match=name):
+            FastPathOptions(**{name: -1})
 
 
 def test_route_takes_one_up_to_its_limit(monkeypatch):
@@ -76,6 +86,13 @@ def test_route_takes_one_up_to_its_limit(monkeypatch):
                      (4, "auto"), (4, "auto"), (16, "one"), (16, "auto"), (16, "auto"), (17, "auto"), (17, "auto"),
                      (17, "auto")], impls
     assert seen[0][1]["local"] == (32, 64) and seen[0][1]["topk"] == 8 and seen[0][1]["pdl"] == on.pdl_at(1)
+    assert not any(kw["split_tail"] for _, kw in seen)  # router_one_split 0: never
+    seen.clear()
+    split = FastPathOptions(router_one_tokens=8, router_one_split=3)
+    for n in (1, 2, 3, 8, 9):
+        route(torch.zeros(n, 64), Gate(), split)
+    assert [(n, kw["impl"], kw["split_tail"]) for n, kw in seen] == [
+        (1, "one", False), (2, "one", False), (3, "one", True), (8, "one", True), (9, "auto", False)], seen
     # as impl grouped: topk <= topk_group x the experts of a group
     assert rt.one_takes(1, 256, 8, 4, 9) and not rt.one_takes(1, 16, 8, 1, 3) and not rt.one_takes(0, 256, 8, 4, 8)
 
@@ -99,13 +116,33 @@ def test_one_logits_ref_sums_in_its_order():
     assert ((one_logits_ref(x, w).double() - ref).norm() / ref.norm()).item() < 1e-6
 
 
-def _one_kernel_consts(T: int, warps: int, table: bool = False, pdl: int = 1) -> dict:
+def _one_kernel_consts(T: int, warps: int, table: bool = False, pdl: int = 1, split: bool = False) -> dict:
     from mtp.kernels.router import ONE_CHUNK, one_tokens_per_pass
 
     btr = 1 << (T - 1).bit_length()
     return dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, CPAD=8, EPB=2, BTR=btr,
                 TB=min(btr, one_tokens_per_pass(warps)), CH=ONE_CHUNK, NCH=8192 // ONE_CHUNK, LOG2K=13, PDL=pdl,
-                TABLE=table)
+                TABLE=table, SPLIT=split, PHASE=0)
+
+
+def _after_arrival(ptx: str) -> list[str]:
+    """The kernel's PTX instructions from its arrival (the acq_rel add on the counter) to its end."""
+    import re
+
+    body = ptx[ptx.index(".entry"):]
+    lines = [ln.split("//")[0].strip() for ln in body.splitlines()]
+    instr = [ln for ln in lines if ln and not ln.startswith((".", "$", "{", "}", ")", "("))]
+    return instr[next(i for i, ln in enumerate(instr) if re.search(r"atom\.global\.gpu\.acq_rel\.add", ln)):]
+
+
+def _normalizing_layout(ttgir: str) -> set[str]:
+    """The layouts of the 2-D [rows, 8] fp32 sums over axis 1 in a TTGIR (the routing's one: the chosen weights'
+    normalizing sum, whose fp32 order the layout sets: lanes, then registers)."""
+    import re
+
+    defs = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+    return {defs[m] for m in re.findall(r'"tt\.reduce"\(%\w+\) <\{axis = 1 : i32\}>.*?\}\) : '
+                                        r'\(tensor<\d+x8xf32, (#\w+)>\)', ttgir, re.S)}
 
 
 def test_kernel_compiles_for_hopper():
@@ -148,6 +185,57 @@ def test_kernel_compiles_for_hopper():
     assert not bad, "\n".join(bad)
 
 
+def test_split_tail_compiles_for_hopper():
+    """The split tail at DeepSeek's shapes, 8 warps: the PDL order as the unsplit kernel's, a table read only with
+    TABLE, no spill; after the arrival the same PTX at T = 1, 4 and 8 (one token's routing whatever the tokens:
+    instructions and barriers), waits as acquire loads of the counter; and its weights' normalizing sum in the unsplit
+    kernel's layout at the same T (every other step of the routing is exact or elementwise: the same bits follow)."""
+    pytest.importorskip("triton")
+    import re
+    import shutil
+
+    import triton
+
+    from mtp.kernels.router import ONE_WARPS, _route_one_kernel
+
+    from .test_fused_kernels import _compile_for_hopper, _params_read
+    from .test_moe_items import _sass
+    from .test_pdl import _order
+
+    ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", cnt_ptr="*i32", idx_out_ptr="*i32", table_ptr="*i32")
+    cuobjdump = (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists() or \
+        shutil.which("cuobjdump")
+    bad, tails = [], {}
+    for T, table in ((1, False), (4, True), (8, False)):
+        consts = _one_kernel_consts(T, ONE_WARPS, table, split=True)
+        k = _compile_for_hopper(_route_one_kernel, ptrs, consts, num_warps=ONE_WARPS, aligned=("D", "stride_xm"))
+        ptx, what = k.asm["ptx"], f"T={T} table={table}"
+        seq = _order(ptx)
+        wait = seq.index("griddepcontrol.wait")
+        if seq[0] != "griddepcontrol.launch_dependents" or set(seq[1:wait]) != {"ld.global"}:
+            bad.append(f"{what}: before the wait {seq[:wait]}")
+        read = _params_read(_route_one_kernel, ptx, consts)
+        if ("table_ptr" in read) != table or ({"e0", "e1"} <= read) == table:
+            bad.append(f"{what}: reads {sorted(read)}")
+        tail = _after_arrival(ptx)
+        if not table:
+            tails[T] = [re.sub(r"^@!?%\w+\s+", "", ln).split()[0] for ln in tail]  # opcodes (not the guards)
+        if not any("ld.global.gpu.acquire" in ln for ln in tail) or not any(".relaxed.exch" in ln for ln in tail):
+            bad.append(f"{what}: no acquire wait or no re-arm after the arrival")
+        plain = _compile_for_hopper(_route_one_kernel, ptrs, _one_kernel_consts(T, ONE_WARPS, table),
+                                    num_warps=ONE_WARPS, aligned=("D", "stride_xm"))
+        layouts = _normalizing_layout(k.asm["ttgir"]), _normalizing_layout(plain.asm["ttgir"])
+        if len(layouts[0]) != 1 or layouts[0] != layouts[1]:
+            bad.append(f"{what}: the normalizing sum's layout {layouts[0]} vs the unsplit tail's {layouts[1]}")
+        if cuobjdump:
+            use = _sass(k)[1]
+            if int(use.get("STACK", 0)) or int(use.get("LOCAL", 0)):
+                bad.append(f"{what}: spills {use}")
+    if not tails[1] == tails[8]:
+        bad.append(f"the tail grows with T: {len(tails[1])} vs {len(tails[8])} instructions after the arrival")
+    assert not bad, "\n".join(bad)
+
+
 def test_logits_interpreted():
     run_interpreted(__file__, 300, "logits")
 
@@ -158,6 +246,10 @@ def test_routing_interpreted():
 
 def test_pdl_interpreted():
     run_interpreted(__file__, 300, "pdl")
+
+
+def test_split_tail_interpreted():
+    run_interpreted(__file__, 300, "split")
 
 
 # ----------------------------------------------------------------------------- run under TRITON_INTERPRET=1
@@ -248,6 +340,54 @@ def _routing_checks() -> None:
     print(f"{len(CASES)} routing cases")
 
 
+def _split_checks() -> None:
+    """The split tail against the unsplit one (torch.equal: logits, ids, weights) and the reference's choice on its
+    logits, at every case with BE experts a program (one program at E <= 16: it routes every token, in one launch; two
+    for three tokens at E = 32: slot 0 routes tokens 0 and 2) and at 2 (E = 8: 4 programs for 4 and 7 tokens; 128 at
+    E = 256 for T = 1, the one launch with its slot from its arrival, and for T = 16); ties; a rank's range and table; the counter re-armed; impl one only."""
+    from mtp.kernels.dispatch import expert_map, local_ids
+    from mtp.kernels.fp8_gemm import _COUNTERS
+    from mtp.kernels.router import moe_route_fused, route_from_logits_ref
+
+    g = torch.Generator().manual_seed(4)
+    plans = [(case, min(BE, case[1])) for case in CASES] + [(CASES[0], 2), (CASES[-1], 2), (CASES[5], 2),
+                                                           (CASES[-2], 2)]
+    for n, (case, block_e) in enumerate(plans):
+        T, E, D = case[:3]
+        kw = dict(_kw(case), block_e=block_e, impl="one")
+        x, wg, bias = torch.randn(T, D, generator=g), torch.randn(E, D, generator=g) * 0.05, torch.randn(E) * 0.05
+        one = moe_route_fused(x, wg, bias, return_logits=True, **kw)
+        split = moe_route_fused(x, wg, bias, return_logits=True, split_tail=True, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(split, one)), (case, block_e)
+        wr, ir = route_from_logits_ref(split[2], bias, **_kw(case))
+        assert torch.equal(split[1], ir) and _rel(split[0], wr) < 1e-6, (case, block_e)
+        if n % 3 == 1:  # an expert-parallel rank's range, and a rank of scattered experts' table
+            e0, e1 = E // 4, E // 2
+            table = expert_map(sorted(set(range(1, E, 3)) | {0, E - 1}), E, "cpu").router
+            w, idx = split[:2]
+            wl, il = moe_route_fused(x, wg, bias, local=(e0, e1), split_tail=True, **kw)
+            assert torch.equal(wl, w) and torch.equal(il, torch.where((idx >= e0) & (idx < e1), idx - e0, -1)), case
+            wt, it = moe_route_fused(x, wg, bias, local=table, split_tail=True, **kw)
+            assert torch.equal(wt, w) and torch.equal(it, local_ids(idx, table)), case
+    for T, E, ng, tg, k, block_e in ((4, 64, 4, 2, 6, 16), (16, 256, 8, 4, 8, 16), (3, 16, 4, 2, 4, 2)):  # ties
+        x, wg = torch.zeros(T, 256), torch.randn(E, 256, generator=g)
+        bias = torch.randint(0, 3, (E,), generator=g).float() * 0.25
+        kw = dict(n_group=ng, topk_group=tg, topk=k, impl="one", block_e=block_e)
+        wr, ir = route_from_logits_ref(torch.zeros(T, E), bias, n_group=ng, topk_group=tg, topk=k)
+        w, idx = moe_route_fused(x, wg, bias, split_tail=True, **kw)
+        assert torch.equal(idx, ir) and _rel(w, wr) < 1e-6, (E, idx.tolist(), ir.tolist())
+        assert all(torch.equal(a, b) for a, b in zip((w, idx), moe_route_fused(x, wg, bias, **kw))), E
+    assert not _COUNTERS[torch.device("cpu")][0].any(), "a counter was left armed"
+    try:
+        moe_route_fused(torch.randn(2, 256), torch.randn(16, 256), torch.zeros(16), n_group=4, topk_group=2, topk=4,
+                        impl="grouped", split_tail=True)
+    except ValueError as e:
+        assert "split_tail is impl 'one'" in str(e), str(e)
+    else:
+        raise AssertionError("moe_route_fused split a grouped tail")
+    print(f"{len(plans)} split cases")
+
+
 def _pdl_checks() -> None:
     from tests.interp import patch_interpreter_pdl
 
@@ -260,9 +400,11 @@ def _pdl_checks() -> None:
     for T in (1, 3):
         x, wg, bias = torch.randn(T, 384, generator=g), torch.randn(64, 384, generator=g) * 0.05, torch.randn(64) * 0.05
         for mode in (1, 2):  # the trigger at the start, after the wait
-            _pdl_equal(f"router one T={T} pdl={mode}",
-                       lambda p: moe_route_fused(x, wg, bias, n_group=4, topk_group=2, topk=6, impl="one",
-                                                 return_logits=True, pdl=p and mode), launches=1)
+            for split in (False, True):  # the split tail: the interpreter's two launches where it waits (T > 1)
+                _pdl_equal(f"router one T={T} pdl={mode} split={split}",
+                           lambda p: moe_route_fused(x, wg, bias, n_group=4, topk_group=2, topk=6, impl="one",
+                                                     return_logits=True, pdl=p and mode, split_tail=split),
+                           launches=2 if split and T > 1 else 1)
 
 
 if __name__ == "__main__":
@@ -271,5 +413,5 @@ if __name__ == "__main__":
 
     patch_interpreter_loop_bounds()
     torch.manual_seed(0)
-    {"logits": _logits_checks, "routing": _routing_checks, "pdl": _pdl_checks}[sys.argv[1]]()
+    {"logits": _logits_checks, "routing": _routing_checks, "pdl": _pdl_checks, "split": _split_checks}[sys.argv[1]]()
     print("interpreted checks ok")
