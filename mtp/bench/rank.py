@@ -300,13 +300,14 @@ KERNEL_VARIANTS = {
     "logits_scan_off": (dict(logits_scan=False), dict()),
     # the router with no split-K and one arrival (`router.moe_route_fused(impl="one")`: each program 2 experts'
     # whole dot, the last one routes every token by ranks) up to 16 tokens, against the default's 'auto' (grouped:
-    # two arrivals in a chain; 9.2 us exposed per MoE layer at every width, H200, session 19). Default: up to 2 tokens
+    # two arrivals in a chain; 9.2 us exposed per MoE layer at every width, H200, session 19). Default: up to 8 tokens
     "router_one": (dict(router_one_tokens=16), dict()),  # every call of <= 16 tokens
     "router_one_off": (dict(router_one_tokens=0), dict()),  # the grouped impl ('auto') at every width
-    # impl one up to 8 tokens, its routing split over its last programs to arrive, one token each
-    # (`moe_route_fused(split_tail=True)`: the same bits), from 2 tokens / from 3 (2 tokens unsplit, as by default)
-    "router_split": (dict(router_one_tokens=8, router_one_split=2), dict()),
+    # the default (session 21): impl one up to 8 tokens, its routing split over its last programs to arrive, one
+    # token each from 2 tokens (`moe_route_fused(split_tail=True)`: the same bits); against: split from 3 tokens, and
+    # session 20's default (impl one unsplit up to 2 tokens, grouped above)
     "router_split3": (dict(router_one_tokens=8, router_one_split=3), dict()),
+    "router_split_off": (dict(router_one_tokens=2, router_one_split=0), dict()),
 }
 
 

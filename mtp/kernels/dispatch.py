@@ -23,21 +23,25 @@ version, so the engine captures its kept graphs again).
   draft, verify and MTP blocks alike), so its paths still agree bit for bit. Not the q_a norm (q_lora wide, 4 warps
   as `mla_prologue_fused`'s kv launch runs it) nor the one-shot all-reduce's fused norm (its own programs).
 - router: the MoE router in one kernel (`router.moe_route_fused`); off: `moe.moe_route` (2 launches).
-- router_one_tokens (2; variants router_one = 16, router_one_off = 0): with router, calls of at most this many tokens
-  (and at most `router.ONE_MAX_TOKENS`, 16) take `moe_route_fused(impl="one")`: no split-K (each program the whole
+- router_one_tokens (8; variants router_one = 16, router_one_off = 0, router_split_off = 2 unsplit, session 20's
+  default): with router, calls of at most this many tokens (and at most `router.ONE_MAX_TOKENS`, 16) take `moe_route_fused(impl="one")`: no split-K (each program the whole
   7168-long dot of 2 experts, its gate rows loaded before the PDL wait), one arrival (the grouped impl's 'auto' choice
-  has two in a chain: each E-block's last K slice, then the last E-block) and the whole routing in the last program
-  by rank comparisons. The same choice on its logits as the others' on theirs; the logits themselves in another fixed
+  has two in a chain: each E-block's last K slice, then the last E-block) and the routing after it by rank
+  comparisons. The same choice on its logits as the others' on theirs; the logits themselves in another fixed
   fp32 order (`router._pair_tree`: the same bits at any warps, tile or width), so they can differ from the split-K
   sums in the last bits. Measured (H200, one TP=8 split rank, 61 layers, 1k, busy ms, BENCHMARKS.md session 20): at
-  w = 1 / 2 / 3 / 4 -0.27 / -0.22 / +0.05 / -0.00 a step with impl one up to 16 tokens (its last program's routing
-  grows with the tokens: 709 PTX instructions and 28 barriers after the arrival at one, 2526 and 66 at four), and
-  beside moe_down_nb -0.25 / -0.21 / +0.08 / +0.01: so up to 2 tokens.
-- router_one_split (0: never, the default until timed on a GPU; variants router_split = from 2 tokens, router_split3 =
-  from 3, both with impl one up to 8 tokens): impl one's calls of at least this many tokens are routed by its last
-  min(T, programs) programs to arrive, one token each (`moe_route_fused(split_tail=True)`), instead of all by the last
-  one: the work after the arrival stays one token's (sm_90 PTX: 761 instructions and 32 barriers at any T, against 2526
-  and 66 unsplit at four tokens). The same logits, ids and weights bit for bit.
+  w = 1 / 2 / 3 / 4 -0.27 / -0.22 / +0.05 / -0.00 a step with impl one up to 16 tokens and its whole routing in the
+  last program (which grows with the tokens: 709 PTX instructions and 28 barriers after the arrival at one, 2526 and
+  66 at four); hence 2 tokens in session 20, 8 with router_one_split since session 21.
+- router_one_split (2; variant router_split3 = from 3, router_split_off = never): impl one's calls of at least this
+  many tokens are routed by its last min(T, programs) programs to arrive, one token each
+  (`moe_route_fused(split_tail=True)`), instead of all by the last one: the work after the arrival stays one
+  token's (sm_90 PTX: 761 instructions and 32 barriers at any T, against 2526 and 66 unsplit at four tokens). The
+  same logits, ids and weights bit for bit. Measured (H200, session 21, BENCHMARKS.md): alone (`mtp.bench.fused
+  --only router`, 8 warps) 6.50 / 7.80 / 7.86 / 10.09 us at T = 2 / 3 / 4 / 8 against unsplit 6.94 / 10.60 / 10.72 /
+  19.32 and grouped's (4 warps) 10.99 / 9.26 / 9.51 / 12.22; in the step (one TP=8 split rank, 61 layers, 1k, busy
+  ms, impl one up to 8 tokens split from 2, against session 20's defaults run first and last) -0.03 / -0.08 / -0.16
+  at w = 2 / 3 / 4, the same at w = 1 (one token: the unsplit kernel).
 - prologue: the MLA prologue in two kernels (`mla_prologue`: kv_a norm, rotary, indexer key + cache write;
   q_pe rotary, indexer queries' rotary + Hadamard + quant); off: ~12 torch / compiled elementwise launches.
 - fuse_prologue: with prologue, the kv prologue and the q_a norm + quant in one launch, and with absorb, the q
@@ -253,10 +257,10 @@ class FastPathOptions:
     logits_scan: bool = True
     moe_tma: bool = True
     moe_down_nb: bool = True
-    router_one_tokens: int = 2
+    router_one_tokens: int = 8
     # impl one's calls of at least this many tokens route one token in each of its last programs to arrive
     # (`moe_route_fused(split_tail=True)`: the same bits); 0: never (the default until timed on a GPU)
-    router_one_split: int = 0
+    router_one_split: int = 2
     # the split-K GEMV for 1..gemv_rows rows (<= gemv_splitk.MAX_M), the tensor-core GEMM above. 1: measured on an
     # H200 (BENCHMARKS.md, 2026-11-23): at 2..4 rows the CUDA-core GEMV is 1.3-3x slower than the GEMM on the
     # TP=1 and TP=8 rank weights (TP=8 rank step at w = 4: 14.51 ms with 8, 11.24 ms with 1)

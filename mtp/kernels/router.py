@@ -28,7 +28,7 @@ final phase 334 + 288 / 789 + 918 / 725 + 1736 instructions, 26 / 54 / 69 BAR (1
 trips, the rest), to be measured by `mtp.bench.fused`'s router section (4, 8 and 16 warps). Same logits, ids and
 weights as the serial tail, bit for bit.
 
-impl="one" (`FastPathOptions.router_one_tokens`, 2 by default; <= ONE_MAX_TOKENS tokens) drops split-K and the second arrival:
+impl="one" (`FastPathOptions.router_one_tokens`, 8 by default; <= ONE_MAX_TOKENS tokens) drops split-K and the second arrival:
 each of E / 2 programs (128) computes its 2 experts' whole dot over K (28 KB of the gate, loaded into registers
 before the PDL wait: the step exposes none of it) for T tokens, and stores its logits [T, 2] to the [T, E] buffer it
 returns (return_logits); one counter (re-armed by the last program), and the last program routes every token on the
@@ -51,9 +51,10 @@ grouped's 8.5; at T = 4 ~8-9 us (the tail ~3.5 us: 2.5 K instructions and 66 bar
 (+ the MTP layers'), -0.1 to -0.15 ms at w = 4. Measured (H200, session 20, BENCHMARKS.md; `mtp-bench --tp 8
 --kernel-variants router_one`, impl one up to 16 tokens, busy ms a step at 1k): -0.27 / -0.22 / +0.05 / -0.00 at
 w = 1 / 2 / 3 / 4 (the tail's growth with T as predicted, the T = 1 gain as predicted); alone at T = 3 / 4 (8 warps,
-`mtp.bench.fused --only router`) 10.9 / 11.0 us against grouped's 9.6 / 9.8. Hence the default: up to 2 tokens.
+`mtp.bench.fused --only router`) 10.9 / 11.0 us against grouped's 9.6 / 9.8. Hence session 20's default: up to 2
+tokens (up to 8 since the split tail below).
 
-impl "one" with split_tail (`FastPathOptions.router_one_split`, off by default until timed) splits that routing over
+impl "one" with split_tail (`FastPathOptions.router_one_split`, from 2 tokens by default since session 21) splits that routing over
 tokens. The dots, the stores and the one arrival counter are as before; then the last P = min(T, programs) programs to
 arrive route a token each (tokens slot, slot + P, ... where the grid has fewer programs than tokens), their slot the
 count of arrivals after theirs (programs - 1 - ticket, the ticket being the add's old value): slot 0, whose arrival
@@ -92,6 +93,9 @@ routing after the arrival at ~2.6 / 3.5 / 6.5 / 11.9 us (a fit without the barri
 Nothing after the arrival is hidden by PDL, so the step gains what the call does: ~3-3.9 us per MoE layer at w = 3 and
 4, ~5-6 us exposed against grouped's ~9 (impl one unsplit was measured level with grouped there), -0.17 to -0.23 ms a
 step over 58 MoE layers (2.4-3.2% of the 7.07 ms w = 4 step), the same at the eagle k = 3 step's w = 4 verify.
+Measured (H200, session 21, BENCHMARKS.md): alone 7.80 / 7.86 us at T = 3 / 4 (in the range), 10.09 at T = 8, 6.50 at
+T = 2, 5.99 at T = 1 (unsplit 5.80); in the step (busy ms, 1k, against session 20's defaults) -0.03 / -0.08 / -0.16 at
+w = 2 / 3 / 4: at w = 4 near the prediction, at w = 3 half of it.
 
 Ties (equal biased scores, equal group scores): the lower index wins, at every step, as the stable
 descending sort of `mtp.model.moe.route` gives. Group score = the two largest biased scores of the group (a

@@ -24,7 +24,7 @@ Shape legend: T tokens, E experts, D hidden, NG groups.
     counter complete; where one does (T = 1, or one program), the one launch of the GPU, its slot from its arrival.
 GPU twin (bf16 at DeepSeek's shapes, warps 4 / 8, PDL, CUDA graphs): tests/kernels/test_router_one_gpu.py; the split
 tail's: tests/kernels/test_router_split_gpu.py. Timing (not a test): `python -m mtp.bench.fused --only router`; in the
-step: `mtp-bench --tp 8 --kernel-variants router_one` (router_split, router_split3).
+step: `mtp-bench --tp 8 --kernel-variants router_one` (router_split3, router_split_off).
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def test_option_and_variants():
     from mtp.kernels.dispatch import FastPathOptions
 
     o = FastPathOptions()
-    assert o.router_one_tokens == 2 and o.router_one_split == 0
-    for name, want, split in (("router_one", 16, 0), ("router_one_off", 0, 0), ("router_split", 8, 2),
-                              ("router_split3", 8, 3)):
+    assert o.router_one_tokens == 8 and o.router_one_split == 2
+    for name, want, split in (("router_one", 16, 2), ("router_one_off", 0, 2), ("router_split3", 8, 3),
+                              ("router_split_off", 2, 0)):
         flags, options = KERNEL_VARIANTS[name]
         o = FastPathOptions()
         o.set(**flags)
@@ -76,7 +76,8 @@ def test_route_takes_one_up_to_its_limit(monkeypatch):
         n_experts, n_groups, topk_groups, topk, route_scale = 256, 8, 4, 8, 2.5
         weight, e_score_correction_bias = torch.zeros(256, 64), torch.zeros(256)
 
-    on, off, dflt = FastPathOptions(router_one_tokens=64), FastPathOptions(router_one_tokens=0), FastPathOptions()
+    on, off = FastPathOptions(router_one_tokens=64, router_one_split=0), FastPathOptions(router_one_tokens=0)
+    dflt = FastPathOptions(router_one_tokens=2, router_one_split=0)  # session 20's default
     for n in (1, 2, 4, rt.ONE_MAX_TOKENS, rt.ONE_MAX_TOKENS + 1):
         route(torch.zeros(n, 64), Gate(), on, local=(32, 64))
         route(torch.zeros(n, 64), Gate(), off)
@@ -93,6 +94,11 @@ def test_route_takes_one_up_to_its_limit(monkeypatch):
         route(torch.zeros(n, 64), Gate(), split)
     assert [(n, kw["impl"], kw["split_tail"]) for n, kw in seen] == [
         (1, "one", False), (2, "one", False), (3, "one", True), (8, "one", True), (9, "auto", False)], seen
+    seen.clear()
+    for n in (1, 2, 8, 9):  # the default: impl one up to 8 tokens, split from 2
+        route(torch.zeros(n, 64), Gate(), FastPathOptions())
+    assert [(n, kw["impl"], kw["split_tail"]) for n, kw in seen] == [
+        (1, "one", False), (2, "one", True), (8, "one", True), (9, "auto", False)], seen
     # as impl grouped: topk <= topk_group x the experts of a group
     assert rt.one_takes(1, 256, 8, 4, 9) and not rt.one_takes(1, 16, 8, 1, 3) and not rt.one_takes(0, 256, 8, 4, 8)
 
