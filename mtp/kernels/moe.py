@@ -766,11 +766,10 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                          f"{PERSISTENT_MAX_PAIRS}, 'pairs' for T <= {PAIRS_MAX_TOKENS}), got {layout!r} with T = {T}, "
                          f"slots = {TOPK} (J = {J}{' + the shared one' if shared else ''})")
     if not idx_TJ.is_cuda and J > 1 and layout != "grouped":  # their per-expert work items assume distinct ids
-        ids = idx_TJ.sort(dim=1).values
-        repeat = ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any(1)
-        if bool(repeat.any()):
-            t = int(repeat.nonzero()[0])
-            raise ValueError(f"moe_experts: token {t}'s expert ids repeat ({idx_TJ[t].tolist()}): the '{layout}' "
+        rows = idx_TJ.tolist()  # host lists, not aten ops (`plan.launches` counts those as the GPU's launches)
+        t = next((t for t, r in enumerate(rows) if len({e for e in r if e >= 0}) < sum(e >= 0 for e in r)), None)
+        if t is not None:
+            raise ValueError(f"moe_experts: token {t}'s expert ids repeat ({rows[t]}): the '{layout}' "
                              f"layout needs a token's experts distinct (-1, a slot to skip, may repeat; 'grouped' "
                              f"sums a repeat as the reference does)")
     if shared and layout == "grouped":

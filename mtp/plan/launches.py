@@ -40,13 +40,14 @@ NO_KERNEL = frozenset({
 COLLECTIVES = frozenset({"allreduce_", "_allgather_base_", "allgather_", "_reduce_scatter_base_", "broadcast_",
                          "allgather_into_tensor_coalesced_", "allreduce_coalesced_"})
 # kernels whose phases the interpreter runs as launches of their own (a constexpr PHASE; on a GPU one launch, PHASE 0,
-# its programs meeting at barriers the interpreter's one-after-another programs would never pass): the launch of
-# the phase named here stands for the GPU's one launch, the others are not counted (`kernels.topk_one_launch`,
-# `kernels.indexer_one_launch`)
-SPLIT_PHASES = {"_topk_one_launch_kernel": 3, "_indexer_topk_kernel": 3}
+# its programs meeting at barriers the interpreter's one-after-another programs would never pass): a launch of a
+# phase named here stands for the GPU's one launch, the others are not counted (`kernels.topk_one_launch`,
+# `kernels.indexer_one_launch`; the router's split tail, `kernels.router`: phases 1 and 2 where several programs
+# route, the one launch, phase 0, where one does)
+SPLIT_PHASES = {"_topk_one_launch_kernel": {3}, "_indexer_topk_kernel": {3}, "_route_one_kernel": {0, 2}}
 # host reads only the interpreter's CPU tensors make (`moe.moe_experts` checks expert ids when they live on the
 # CPU, `if not idx.is_cuda`): ops of that check are not launches on the GPU
-CPU_ONLY = frozenset({"min", "max", "aminmax"})
+CPU_ONLY = frozenset({"min", "max", "aminmax"})  # (its distinct-ids check reads host lists: no aten op)
 
 
 @dataclass
@@ -103,7 +104,7 @@ def counting(model):
 
     def counted_run(self, *args, **kwargs):
         name, phase = self.fn.__name__, SPLIT_PHASES.get(self.fn.__name__)
-        if not mode.inside and (phase is None or kwargs.get("PHASE") == phase):
+        if not mode.inside and (phase is None or kwargs.get("PHASE") in phase):
             count.by_name[(mode.kind[-1], name)] += 1
         mode.inside += 1
         try:
