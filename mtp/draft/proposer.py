@@ -22,6 +22,7 @@ import torch
 
 from ..model.cache import KVCache
 from ..model.deepseek import DeepseekV32
+from ..model.static import arange
 from .config import DraftConfig  # also importable from here, its old home
 from .head_fp8 import check_model, shared_fp8_head
 from .vocab import check_ids, shared_sub_head
@@ -86,46 +87,52 @@ class Proposer:
 
     def propose(self, tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor,
                 W: int, draw, max_n: int, chain: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens_BS holds committed tokens (drafts are written at n.. as they are made); hidden_BSD the
+        """tokens_BS holds committed tokens (drafts are written at n.. by the end of the call); hidden_BSD the
         target hidden per position. `draw(logits_BV) -> (token_B, probs_BV | None)` picks each draft.
         `max_n`: host-known max of n_B, bounding the cache positions touched (no sync inside).
-        `chain=False` (eagle) stops after the window: the engine's draft prefill only fills the cache."""
+        `chain=False` (eagle) stops after the window: the engine's draft prefill only fills the cache.
+        A draft is written into tokens_BS as it is made only where a later window module reads it (vanilla); the
+        others in one scatter at the end (the chained ones read the drafts themselves): one launch for all, where
+        a write each was two (an add and an index_put)."""
         K, m = self.cfg.k, self.model
-        B = n_B.shape[0]
         dev = tokens_BS.device
-        pos_BW = p0_B.unsqueeze(1) + torch.arange(W, device=dev)
+        pos_BW = p0_B.unsqueeze(1) + arange(W, dev)
         out_idx_B = (n_B - 2 - p0_B).clamp(0, W - 1)  # in range for the prefill's chunks too
-        rows = torch.arange(B, device=dev)
+        rows = arange(n_B.shape[0], dev)
+        at_BK = n_B.unsqueeze(1) + arange(K, dev)  # where the drafts go
         hid = hidden_BSD.gather(1, pos_BW.unsqueeze(-1).expand(-1, -1, hidden_BSD.shape[-1]))
         drafts, probs = [], []
         kv_len = max(max_n - 1, W)  # max over rows of p0 + W
         drafter = self.cfg.drafter
-        for j in range(drafter.window_modules(K)):
+        J = drafter.window_modules(K)
+        for j in range(J):
             cache = self.caches[j]
             cache.truncate(p0_B)
-            tok = tokens_BS.gather(1, (pos_BW + j + 1).clamp_max(tokens_BS.shape[1] - 1))
+            tok = tokens_BS.gather(1, (pos_BW + (j + 1)).clamp_max(tokens_BS.shape[1] - 1))
             mod = self.cfg.module_for(j, m.n_mtp)
             out = m.mtp_forward(mod, tok, hid, cache, kv_len=kv_len, head=self.heads.get(mod),
                                 logits_at=out_idx_B.unsqueeze(1))
             self.draft_forwards += 1
             d, q = self._draw(draw, out.logits[:, 0])
-            tokens_BS[rows, n_B + j] = d
+            if j + 1 < J:  # module j + 1's window reads it
+                tokens_BS.scatter_(1, at_BK[:, j:j + 1], d.unsqueeze(1))
             drafts.append(d)
             probs.append(q)
             hid = pick_hidden(out, self.cfg.chain_hidden)
         if drafter.chained and chain:
             cache = self.caches[0]
             g = pick_hidden(out, self.cfg.chain_hidden)[rows, out_idx_B].unsqueeze(1)
-            cache.truncate(n_B - 1)  # drop the window's padding past n-2; the chain appends from n-1
+            cache.truncate(n_B, 1)  # drop the window's padding past n-2; the chain appends from n-1
             for j in range(1, K):
                 mod = self.cfg.module_for(j, m.n_mtp)  # the drafter's chained module (eagle: the first)
                 out = m.mtp_forward(mod, drafts[-1].unsqueeze(1), g, cache, kv_len=max_n - 1 + j,
                                     head=self.heads.get(mod))
                 self.draft_forwards += 1
                 d, q = self._draw(draw, out.logits[:, 0])
-                tokens_BS[rows, n_B + j] = d
                 drafts.append(d)
                 probs.append(q)
                 g = pick_hidden(out, self.cfg.chain_hidden)
+        drafts_BK = torch.stack(drafts, 1)
+        tokens_BS.scatter_(1, at_BK[:, J - 1:len(drafts)], drafts_BK[:, J - 1:])
         q_BKV = torch.stack(probs, 1) if probs and probs[0] is not None else None
-        return torch.stack(drafts, 1), q_BKV
+        return drafts_BK, q_BKV

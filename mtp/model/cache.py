@@ -89,9 +89,14 @@ class KVCache:
         return LayerCache(self.kv[i], self.kv_scale[i], self.pe[i], self.idx_k[i], self.idx_k_scale[i],
                           self.seq_lens, self.quantized)
 
-    def truncate(self, new_lens_B: torch.Tensor) -> None:
-        """Roll every row back to `new_lens_B` (device or host ints); entries past it become invisible."""
-        self.seq_lens.copy_(torch.as_tensor(new_lens_B, dtype=torch.long).to(self.seq_lens.device))
+    def truncate(self, new_lens_B: torch.Tensor, less: int = 0) -> None:
+        """Roll every row back to `new_lens_B` - `less` (device or host ints); entries past it become invisible.
+        `less`: a decode step's `truncate(n_B, 1)` is one launch where `truncate(n_B - 1)` is two."""
+        lens = torch.as_tensor(new_lens_B, dtype=torch.long).to(self.seq_lens.device)
+        if less:
+            torch.sub(lens, less, out=self.seq_lens)
+        else:
+            self.seq_lens.copy_(lens)
 
     def reset(self) -> None:
         self.seq_lens.zero_()

@@ -16,4 +16,4 @@ def prefix_len(match_BK: torch.Tensor) -> torch.Tensor:
     """Length of the leading run of True per row (0 if the first is False)."""
     if match_BK.shape[1] == 0:
         return torch.zeros(match_BK.shape[0], dtype=torch.long, device=match_BK.device)
-    return match_BK.long().cumprod(dim=1).sum(dim=1)
+    return match_BK.cumprod(dim=1).sum(dim=1)  # a bool cumprod is int64 (no cast launch)
