@@ -35,6 +35,12 @@
   whose quantized output feeds the next GEMV directly (q_a | wk | kv_a; gate | up); tensor parallel under
   allreduce='oneshot', o_proj's all-reduce joins the post-attention one, and the FFN's the next block's input one
   (the trunk loop, `FastTrunk`, hands the un-reduced FFN output on as a `backends.pending.Pending`).
+- the decode forward's glue (switches rope_table, vocab_embed, mtp_norms): a forward's cache slots and rotary angles
+  gathered from a table in one launch (`FastRotary`, `kernels.lookup.rope_slots`), a vocabulary-parallel rank's
+  embedding lookup in one (`FastVocabParallelEmbedding`, `kernels.lookup.embed_rows`), an MTP module's enorm, hnorm
+  and their cat in one (`FastMTPLayer`, `elementwise.rms_norm_pair`); the same bits as the torch ops (the engine's
+  accept / commit / count in one launch is the decode step's own: `mtp.decode.accept.fused_commit`, switch
+  step_commit).
 The new fused kernels have run-time switches per model (`kernels.dispatch.FastPathOptions`, carried as
 `model.fast_options` and shared by the model's fast modules; `set_kernels(model, ...)` flips them and bumps the
 model's version), so old and new kernels can be timed side by side in one process (`mtp.bench.fused`), and two
@@ -42,8 +48,9 @@ models in one process each run their own. The elementwise ops between the GEMMs 
 (`set_elementwise`: one Triton kernel each by default, `kernels.elementwise`; or torch.compile'd, or eager).
 A module swap, as `mtp.parallel.modules.shard_model` swaps in the per-rank modules: each module's class becomes
 a fast subclass of its own class (`FastLinear`, `FastMLP`, `FastParallelMLP`, `FastMoE`, `FastMLA`, `FastBlock`,
-`FastTrunk` over `Linear`, `MLP`, `ParallelMLP`, `MoE`, `MLA`, `Block`, `Trunk`, and over their tensor-parallel /
-MTP subclasses, so a sharded model and the MTP modules get the kernels too), holding the same parameters; the
+`FastTrunk`, `FastMTPLayer`, `FastVocabParallelEmbedding`, `FastRotary` over `Linear`, `MLP`, `ParallelMLP`, `MoE`,
+`MLA`, `Block`, `Trunk`, `MTPLayer`, `VocabParallelEmbedding`, `Rotary`, and over their tensor-parallel subclasses, so
+a sharded model and the MTP modules get the kernels too), holding the same parameters; the
 reference modules know nothing of it. `disable_fast_path(model)` swaps the reference classes
 back; the stacked expert tensors stay (they are the same weights). Both call `model.bump_version()`, so CUDA graphs
 captured on the other path are never replayed.
@@ -62,11 +69,12 @@ from ..kernels.absorb import MAX_TOKENS as ABSORB_MAX_TOKENS
 from ..kernels.absorb import absorb_out, absorb_q
 from ..kernels.cache_write import cache_write
 from ..kernels.dispatch import ELEMENTWISE_IMPLS, ExpertMap, FastPathOptions, expert_map, linear, local_ids, route
-from ..kernels.elementwise import silu_mul, triton_ops
+from ..kernels.elementwise import rms_norm_pair, rms_norm_pair_takes, silu_mul, triton_ops
 from ..kernels.fp8_gemm import SMALL_M
 from ..kernels.index_weights import index_weights, index_weights_ref
 from ..kernels.indexer import SCORES_DEFAULT, TOPK_IMPLS, indexer_topk
 from ..kernels.indexer_one_launch import indexer_topk_one_launch
+from ..kernels.lookup import embed_rows, embed_takes, rope_slots, rope_takes
 from ..kernels.mla_decode import channel_splits_for, mla_decode
 from ..kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
 from ..kernels.mla_prologue_fused import kv_norm_fits, mla_kv_prologue_norm, mla_q_prologue_absorb
@@ -76,12 +84,12 @@ from ..kernels.moe_grouped import default_block_m
 from ..kernels.router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from ..kernels.norm_quant import add_rms_norm_quant, add_rounded
 from ..model.attention import MLA
-from ..model.deepseek import Block, DeepseekV32, Trunk
+from ..model.deepseek import Block, DeepseekV32, MTPLayer, Trunk
 from ..model.fp8 import BLOCK, acc_dtype
-from ..model.layers import MLP, REFERENCE_OPS, ElementwiseOps, Linear, compiled_ops, use_elementwise
+from ..model.layers import MLP, REFERENCE_OPS, ElementwiseOps, Linear, Rotary, compiled_ops, use_elementwise
 from ..model.moe import Gate, MoE
 from ..parallel.comm import Comm
-from ..parallel.modules import ExpertParallelMoE, ParallelMLP, RowParallelLinear
+from ..parallel.modules import ExpertParallelMoE, ParallelMLP, RowParallelLinear, VocabParallelEmbedding
 from .pending import Pending, resolved
 
 
@@ -457,7 +465,68 @@ class FastTrunk(Trunk):
         return self.norm(h, dtype), h
 
 
-FAST_CLASSES = (FastLinear, FastMLP, FastParallelMLP, FastMoE, FastMLA, FastBlock, FastTrunk)
+class FastMTPLayer(MTPLayer, FastBlock):
+    """An MTP module on the fast path: its block is `FastBlock`'s; with switch `mtp_norms` its enorm and hnorm and
+    their cat (eh_proj's input, `MTPLayer.eh_input`) are one launch (`elementwise.rms_norm_pair`: each half as the
+    Triton `rms_norm` kernel computes it, the same bits) where the module's elementwise ops are the Triton ones and
+    their kernel takes both inputs; else the two norms and the cat (3 launches)."""
+
+    def eh_input(self, e_BTD: torch.Tensor, h_BTD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        en, hn = self.enorm, self.hnorm
+        if (self.fast_options.mtp_norms and en.ops.kind == "triton" and hn.ops is en.ops
+                and rms_norm_pair_takes(e_BTD, en.weight, h_BTD, hn.weight, dtype)):
+            return rms_norm_pair(e_BTD, en.weight, en.eps, h_BTD, hn.weight, hn.eps, dtype)
+        return super().eh_input(e_BTD, h_BTD, dtype)
+
+
+class FastVocabParallelEmbedding(VocabParallelEmbedding):
+    """A vocabulary-parallel rank's lookup in one launch (switch `vocab_embed`, `kernels.lookup.embed_rows`: its rows,
+    zeros for ids it does not hold, the same bits), then the all-reduce; off, or ids the kernel does not take: the
+    reference's 8 launches (offset, range compares, clamp, lookup, mask)."""
+
+    fast_options: FastPathOptions
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not (self.fast_options.vocab_embed and embed_takes(ids, self.weight)):
+            return super().forward(ids)
+        return self.comm.all_reduce(embed_rows(ids, self.weight, self.vocab_start))
+
+
+class FastRotary(Rotary):
+    """`Rotary.slots` in one launch (switch `rope_table`, `kernels.lookup.rope_slots`): the slots and their angles read
+    from tables of `Rotary.angles` over positions 0..P-1, made by the reference's own ops (the same bits as per step).
+    P doubles from ROPE_TABLE_MIN up to `max_positions` as forwards with a larger bound (kv_len) come; outgrown
+    tables are kept, since a captured graph reads the one it was captured with (at most twice the memory of the
+    largest: 2 x 256 B a position, 42 MB at DeepSeek-V3.2's 163840). A forward with no bound, past max_positions, or
+    that would grow the table during a graph capture (the engine's warm-up grows it first) takes the reference's
+    launches."""
+
+    fast_options: FastPathOptions
+    ROPE_TABLE_MIN = 4096
+
+    def slots(self, seq_lens_B: torch.Tensor, T: int, bound: int | None = None):
+        if bound is not None and self.fast_options.rope_table and bound <= self.max_positions:
+            table = self.table(bound, seq_lens_B.device)
+            if table is not None and rope_takes(seq_lens_B, table[0]):
+                return rope_slots(seq_lens_B, T, *table)
+        return super().slots(seq_lens_B, T, bound)
+
+    def table(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The (cos, sin) tables [P, R/2] on `device` with P >= n, made or grown here; None where growing would
+        happen inside a graph capture."""
+        tables = self.__dict__.setdefault("rope_tables", [])  # plain attribute: no buffer, no state_dict entry
+        if tables and tables[-1][0].shape[0] >= n and tables[-1][0].device == device:
+            return tables[-1]
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        P = min(max(self.ROPE_TABLE_MIN, 1 << (n - 1).bit_length()), self.max_positions)  # n rounded up to 2^i
+        cos, sin = self.angles(torch.arange(P, device=device).unsqueeze(0))
+        tables.append((cos[0], sin[0]))
+        return tables[-1]
+
+
+FAST_CLASSES = (FastLinear, FastMLP, FastParallelMLP, FastMoE, FastMLA, FastMTPLayer, FastBlock, FastTrunk,
+                FastVocabParallelEmbedding, FastRotary)
 _combined: dict[tuple[type, type], type] = {}
 
 
@@ -490,7 +559,7 @@ def fast_module(mod: torch.nn.Module, options: FastPathOptions | None = None, mm
     dequantized attention weights); it reads its kernel switches from `options` (its model's, which
     `install_fast_modules` passes; default: the ones it has, else new defaults). Modules without a fast version
     are left alone."""
-    if isinstance(mod, (Linear, MoE, MLA, MLP, Block)):  # every class a fast one is made over
+    if isinstance(mod, (Linear, MoE, MLA, MLP, Block, VocabParallelEmbedding, Rotary)):  # every class a fast one is made over
         mod.fast_options = options or getattr(mod, "fast_options", None) or FastPathOptions()
     if isinstance(mod, Linear) and mod.is_fp8:
         if mod.scale_rows == BLOCK and not mod.in_features % BLOCK:  # the kernels' blocking; small models' odd
@@ -524,8 +593,14 @@ def fast_module(mod: torch.nn.Module, options: FastPathOptions | None = None, mm
     elif type(mod) is MLP:  # dense MLPs and shared experts (callers skip routed experts): gate and up as one
         _swap(mod, FastMLP)
         mod.fused_gate_up = fuse_rows([mod.gate_proj, mod.up_proj], repoint=not _in_expert_stack(mod))
+    elif isinstance(mod, MTPLayer):
+        _swap(mod, FastMTPLayer)
     elif isinstance(mod, Block):
         _swap(mod, FastBlock)
+    elif isinstance(mod, VocabParallelEmbedding):
+        _swap(mod, FastVocabParallelEmbedding)
+    elif isinstance(mod, Rotary):
+        _swap(mod, FastRotary)
     elif isinstance(mod, Trunk):
         _swap(mod, FastTrunk)
 

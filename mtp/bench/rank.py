@@ -308,6 +308,17 @@ KERNEL_VARIANTS = {
     # session 20's default (impl one unsplit up to 2 tokens, grouped above)
     "router_split3": (dict(router_one_tokens=8, router_one_split=3), dict()),
     "router_split_off": (dict(router_one_tokens=2, router_one_split=0), dict()),
+    # the decode step's glue by torch ops (session 21, issue 25; the defaults launch one kernel each, the same bits):
+    # the chain step's accept + commit + count (47 launches; in the engine's step, past the forward: time it in the
+    # speculative steps, `--profile --kernels step_commit=0` against the defaults, as logits_scan)
+    "step_commit_off": (dict(step_commit=False), dict()),
+    # a forward's slots and rotary angles computed (5 launches) instead of one gather from the angle table; the
+    # vocabulary-parallel embedding's mask and lookup by torch (8 launches) instead of one kernel; an MTP module's
+    # enorm, hnorm and cat as 3 launches instead of one (spec steps only, as step_commit); all four together
+    "rope_table_off": (dict(rope_table=False), dict()),
+    "vocab_embed_off": (dict(vocab_embed=False), dict()),
+    "mtp_norms_off": (dict(mtp_norms=False), dict()),
+    "glue_off": (dict(step_commit=False, rope_table=False, vocab_embed=False, mtp_norms=False), dict()),
 }
 
 

@@ -9,6 +9,9 @@ its verdict's path: the path gather is the caller's). `commit` writes that into 
 lengths, finished flags, thinking state) and rolls the target cache back to n - 1 positions: a chain by lowering
 its lengths (no copy; then the draft window start moves), a tree by moving its kept path's slots into place
 (`KVCache.compact`, given the path). `count` adds the step to the device counters both keep.
+`fused_commit`: the three for a chain step without a thinking state in one launch on the fast path
+(`mtp.kernels.step_commit`, switch `step_commit`): 47 launches fewer a step (counted by `mtp.bench.step_launches`),
+the same integers.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.static import arange
 from ..verify.common import Verdict
 from ..verify.relaxed import update_think_state
 from .state import DecodeState
@@ -36,8 +40,8 @@ def accept(drafts_BK: torch.Tensor, verdict: Verdict, active_B: torch.Tensor, st
     """room_B: tokens a row may still generate (max_new_tokens - generated). `verdict`: a chain's `Verdict` or a
     tree's `TreeVerdict` (whose `drafts_BK` are the tokens along its path past the root)."""
     K = drafts_BK.shape[1]
-    ar = torch.arange(K + 1, device=drafts_BK.device)
-    rows = torch.arange(drafts_BK.shape[0], device=drafts_BK.device)
+    ar = arange(K + 1, drafts_BK.device)
+    rows = arange(drafts_BK.shape[0], drafts_BK.device)
     a_B = torch.where(active_B, verdict.accept_len_B, torch.zeros_like(verdict.accept_len_B))
     new_BK1 = torch.cat((drafts_BK, torch.zeros_like(a_B).unsqueeze(1)), 1)
     new_BK1[rows, a_B] = verdict.next_token_B
@@ -55,7 +59,7 @@ def commit(st: DecodeState, acc: Accepted, think_ids: tuple[int, int] | None, wi
     """Write the kept tokens after each row's n, advance n, update finished / thinking, roll the cache back.
     Chains: `window` (the draft window, whose start follows n). Trees: `path_BA`, the verdict's path (root first),
     whose cache slots are compacted to n-1.."""
-    ar = torch.arange(acc.new_BK1.shape[1], device=st.n_B.device)
+    ar = arange(acc.new_BK1.shape[1], st.n_B.device)
     pos = (st.n_B.unsqueeze(1) + ar).clamp_max(st.max_len - 1)
     st.tokens.scatter_(1, pos, torch.where(acc.kept_BK1, acc.new_BK1, st.tokens.gather(1, pos)))
     if think_ids is not None:
@@ -64,11 +68,11 @@ def commit(st: DecodeState, acc: Accepted, think_ids: tuple[int, int] | None, wi
         st.cache.compact(st.n_B - 1, path_BA, acc.keep_B)
     st.n_B.add_(acc.keep_B)
     st.gen_B.add_(acc.keep_B)
-    st.finished_B.copy_(st.finished_B | acc.stopped_B | (st.gen_B >= st.max_new_B))
+    st.finished_B.logical_or_(acc.stopped_B).logical_or_(st.gen_B >= st.max_new_B)
     if path_BA is None:
-        st.cache.truncate(st.n_B - 1)
+        st.cache.truncate(st.n_B, 1)
     if window is not None:
-        st.p0_B.copy_((st.n_B - 1 - window).clamp_min(0))
+        torch.clamp_min(st.n_B - (1 + window), 0, out=st.p0_B)
 
 
 def count(st: DecodeState, acc: Accepted, relaxed_only_B: torch.Tensor, active_B: torch.Tensor) -> None:
@@ -80,3 +84,27 @@ def count(st: DecodeState, acc: Accepted, relaxed_only_B: torch.Tensor, active_B
     st.new_BK1.copy_(acc.new_BK1)
     st.keep_B.copy_(acc.keep_B)
     st.acc_B.copy_(torch.minimum(acc.accepted_B, acc.keep_B))
+
+
+def fused_commit_takes(opts, think_ids: tuple[int, int] | None, st: DecodeState, drafts_BK: torch.Tensor,
+                       verdict: Verdict, stop_ids: torch.Tensor) -> bool:
+    """Whether a chain step's accept + commit + count run as `fused_commit`: the fast path's switch step_commit
+    (`opts`, the model's `FastPathOptions`; None on the reference path), no thinking state to update (`think_ids`,
+    the relaxed verifiers'), and a step the kernel takes (`step_commit.chain_commit_takes`)."""
+    if opts is None or not opts.step_commit or think_ids is not None:
+        return False
+    from ..kernels.step_commit import chain_commit_takes
+
+    return chain_commit_takes(st.tokens, drafts_BK, stop_ids, verdict.accept_len_B, verdict.next_token_B,
+                              verdict.relaxed_only_B)
+
+
+def fused_commit(st: DecodeState, drafts_BK: torch.Tensor, verdict: Verdict, stop_ids: torch.Tensor,
+                 window: int) -> None:
+    """`accept`, `commit(window=window)` and `count` of a chain step in one launch (`step_commit.chain_commit`): the
+    same state, counters and outputs, integer for integer (tests/kernels/test_step_commit.py)."""
+    from ..kernels.step_commit import chain_commit
+
+    chain_commit(st.tokens, st.n_B, st.gen_B, st.max_new_B, st.finished_B, st.cache.seq_lens, st.p0_B, st.hist_BK1,
+                 st.relaxed_only, st.row_steps, st.new_BK1, st.keep_B, st.acc_B, drafts_BK, verdict.accept_len_B,
+                 verdict.next_token_B, verdict.relaxed_only_B, stop_ids, window)

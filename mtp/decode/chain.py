@@ -18,8 +18,9 @@ import torch
 from ..draft.policy import DraftSampler
 from ..draft.proposer import Proposer, pick_hidden
 from ..model.deepseek import DeepseekV32
+from ..model.static import arange
 from ..spec.draws import RowDraws
-from .accept import accept, commit, count
+from .accept import accept, commit, count, fused_commit, fused_commit_takes
 from .config import GenerationConfig
 from .health import logits_nonfinite, scan
 from .state import DecodeState, StatePool
@@ -99,9 +100,7 @@ class ChainStep:
         `max_n` bounds the positions touched (host-known max of n, or the buffer length for graphs).
         `marks`: eager timing only; gets a clock reading between drafting and verification."""
         m, g, K = self.model, self.g, self.g.draft.k
-        ar = torch.arange(K + 1, device=st.n_B.device)
         n_B = st.n_B
-        active_B = ~st.finished_B
         draws = RowDraws(st.seed_B, n_B)  # read before the commit below moves n_B: this step's position
         opts = getattr(m, "fast_options", None)
         if K:  # propose: the proposer writes the drafts at n.. of `tokens` (where verify reads them)
@@ -111,13 +110,18 @@ class ChainStep:
             drafts, q = st.tokens[:, :0], None
         if marks is not None:
             marks.append(self.clock())
-        # verify: one target forward over [x_{n-1}, d_1..d_K]
-        vin = st.tokens.gather(1, (n_B - 1).unsqueeze(1) + ar)
-        out = m(vin, st.cache, kv_len=min(max_n + K, st.max_len))
-        st.hidden.scatter_(1, ((n_B - 1).unsqueeze(1) + ar).unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]),
+        # verify: one target forward over [x_{n-1}, d_1..d_K] at positions n-1.. (read, then written with the hidden)
+        at_BK1 = n_B.unsqueeze(1) + arange(K + 1, n_B.device, start=-1)
+        out = m(st.tokens.gather(1, at_BK1), st.cache, kv_len=min(max_n + K, st.max_len))
+        st.hidden.scatter_(1, at_BK1.unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]),
                            pick_hidden(out, g.draft.target_hidden))
         v = self.rule(m, g, drafts, q, out.logits, st.think_B, draws, st.nonfinite)
-        # accept + commit (rolling back is lowering lengths: no copy), then the device counters (no sync)
+        # accept + commit (rolling back is lowering lengths: no copy), then the device counters (no sync): one
+        # launch on the fast path (switch step_commit), else the torch ops of accept.py
+        if fused_commit_takes(opts, g.think_ids, st, drafts, v, self.stops):
+            fused_commit(st, drafts, v, self.stops, self.W)
+            return
+        active_B = ~st.finished_B
         acc = accept(drafts, v, active_B, self.stops, st.max_new_B - st.gen_B)
         commit(st, acc, g.think_ids, window=self.W)
         count(st, acc, v.relaxed_only_B, active_B)

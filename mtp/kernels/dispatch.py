@@ -207,6 +207,29 @@ version, so the engine captures its kept graphs again).
   elsewhere torch's ops. Measured before (one H200, a TP=8 rank's eagle k = 3 step, session 19): torch.argmax 27.8 us
   a call (4 a step), the flag ~35 us; predicted ~4-6 us a launch, ~130 us a step saved. Measured after (same
   session, BENCHMARKS.md): argmax + flag 80.3 -> 4.6 us at one row; the eagle k = 3 step 8.821 -> 8.694 ms GPU.
+- step_commit (on; variant step_commit_off): a chain decode step's accept + commit + count (`mtp.decode.accept`) in one
+  launch of `kernels.step_commit.chain_commit` (one program holds every row's integers), where the step has no thinking
+  state to update (relaxed verifiers with think ids keep the torch ops) and the kernel runs (CUDA, or the Triton
+  interpreter); off: ~55 torch launches (cat, index_put, isin, argmax, minimum, where, scatter, the counters' adds and
+  copies). The same tokens, lengths, flags, cache lengths, counters and outputs, integer for integer. Counted on the
+  CPU (`mtp.bench.step_launches`): 47 launches fewer a step (48 torch ops: a GPU runs isin as several kernels);
+  predicted (H200, a TP=8 rank's eagle k = 3 step) ~50 us fewer (~1.1 us of exposed time a launch in session 20's
+  profile, less the kernel's own ~3 us); to be measured (`--kernels step_commit=0`).
+- rope_table (on; variant rope_table_off): a forward's cache slots (seq_lens + t) and their rotary angles in one launch
+  of `kernels.lookup.rope_slots`, gathered from tables of `Rotary.angles` over positions 0..P-1 that the reference's
+  own ops made (`fast_path.FastRotary`: the same bits); off: the slots' add and the angles' cast, product, cos and sin
+  (5 launches a forward). Every forward: the target's and each MTP module's.
+- vocab_embed (on; variant vocab_embed_off): a vocabulary-parallel rank's embedding lookup (its rows, zeros for the
+  ids it does not hold) in one launch of `kernels.lookup.embed_rows` (`fast_path.FastVocabParallelEmbedding`, the
+  same bits), before its all-reduce; off: the reference's 8 launches (offset, 2 range compares, and, clamp, lookup,
+  not, mask). Tensor-parallel models (one process looks up with one launch already).
+- mtp_norms (on; variant mtp_norms_off): an MTP module's enorm and hnorm with their cat (eh_proj's input) in one
+  launch of `elementwise.rms_norm_pair` (`fast_path.FastMTPLayer`: each half the Triton rms_norm kernel's code at its
+  warps, the same bits) where the elementwise ops are the Triton ones; off: two norm launches and the cat.
+  These three, counted for an eagle k = 3 step (4 forwards, 3 of them MTP modules; `mtp.bench.step_launches` on a
+  tiny simulated rank under the Triton interpreter, held by tests/bench/test_step_launches.py): 4 x 4 + 4 x 7 + 3 x 2
+  = 50 launches fewer, with step_commit 97; a target step (one forward) 11 fewer. Predicted on a TP=8 rank (H200):
+  ~55 us an eagle step for the three (~1.1 us exposed a launch, session 20, less the new kernels' own time).
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -257,6 +280,10 @@ class FastPathOptions:
     logits_scan: bool = True
     moe_tma: bool = True
     moe_down_nb: bool = True
+    step_commit: bool = True
+    rope_table: bool = True
+    vocab_embed: bool = True
+    mtp_norms: bool = True
     router_one_tokens: int = 8
     # impl one's calls of at least this many tokens route one token in each of its last programs to arrive
     # (`moe_route_fused(split_tail=True)`: the same bits); 0: never (the default until timed on a GPU)

@@ -202,6 +202,56 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
 
 
 @triton.jit
+def _rms_norm_row(x_ptr, w_ptr, y_ptr, row, D, stride_x, stride_y, inv_d, eps, BLOCK_D: tl.constexpr):
+    """`_rms_norm_kernel`'s row, its statements one for one (the same sum, so the same bits at the same warps)."""
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    x = tl.load(x_ptr + row * stride_x + d, mask=m, other=0.0).to(tl.float32)
+    ms = tl.sum(x * x, axis=0) * inv_d  # torch's mean: the sum times 1/D
+    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    y = x * tl.math.rsqrt(ms + eps) * w
+    tl.store(y_ptr + row * stride_y + d, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rms_norm_pair_kernel(a_ptr, wa_ptr, b_ptr, wb_ptr, y_ptr, D, stride_a, stride_b, inv_d, eps_a, eps_b,
+                          BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _rms_norm_row(a_ptr, wa_ptr, y_ptr, row, D, stride_a, 2 * D, inv_d, eps_a, BLOCK_D)
+    else:
+        _rms_norm_row(b_ptr, wb_ptr, y_ptr + D, row, D, stride_b, 2 * D, inv_d, eps_b, BLOCK_D)
+
+
+def rms_norm_pair_takes(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor,
+                        out_dtype: torch.dtype) -> bool:
+    """Whether `rms_norm_pair` takes these: `rms_norm`'s kernel takes each half (`reference_reason`), and a, b have
+    one shape and dtype."""
+    return (a.shape == b.shape and a.dtype == b.dtype and reference_reason("rms_norm", a, wa, 0.0, out_dtype) is None
+            and reference_reason("rms_norm", b, wb, 0.0, out_dtype) is None)
+
+
+def rms_norm_pair(a: torch.Tensor, wa: torch.Tensor, eps_a: float, b: torch.Tensor, wb: torch.Tensor, eps_b: float,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """torch.cat((rms_norm(a, wa, eps_a, out_dtype), rms_norm(b, wb, eps_b, out_dtype)), -1) in one launch (a, b
+    [..., D] of one shape and dtype; `rms_norm_pair_takes`): program (row, 0) norms a's row into the first D channels,
+    (row, 1) b's into the last D, each as `rms_norm`'s kernel does (the same code, the same warps: the same bits). An
+    MTP module's enorm and hnorm with the cat before eh_proj (`fast_path.FastMTPLayer`): 1 launch where they are 3."""
+    if not rms_norm_pair_takes(a, wa, b, wb, out_dtype):
+        raise ValueError(f"rms_norm_pair: takes two inputs of one shape and dtype that rms_norm's kernel takes; got "
+                         f"{a.dtype} {list(a.shape)} and {b.dtype} {list(b.shape)}, out {out_dtype}")
+    D = a.shape[-1]
+    a2, b2 = _rows(a), _rows(b)
+    y = torch.empty((*a.shape[:-1], 2 * D), dtype=out_dtype, device=a.device)
+    if a2.shape[0]:
+        bd = triton.next_power_of_2(D)
+        _rms_norm_pair_kernel[(a2.shape[0], 2)](a2, wa.contiguous(), b2, wb.contiguous(), y, D, a2.stride(0),
+                                                b2.stride(0), 1.0 / D, eps_a, eps_b, BLOCK_D=bd,
+                                                num_warps=_row_warps(bd), **_LAUNCH)
+    return y
+
+
+@triton.jit
 def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, D, stride_x, inv_d, eps, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)

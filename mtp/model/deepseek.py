@@ -31,6 +31,7 @@ from .cache import KVCache, LayerCache
 from .config import ModelConfig, RuntimeOptions
 from .layers import MLP, Embedding, Linear, RMSNorm, Rotary
 from .moe import MoE
+from .static import arange
 
 
 @dataclass
@@ -94,6 +95,11 @@ class MTPLayer(Block):
         self.shared_head = SharedHead(cfg, dtype)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
 
+    def eh_input(self, e_BTD: torch.Tensor, h_BTD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """eh_proj's input [B, T, 2D]: [enorm(e); hnorm(h)] in `dtype` (e: the token embeddings, h: the hidden states
+        the module reads). A method of its own so that a backend can fuse it (`fast_path.FastMTPLayer`)."""
+        return torch.cat((self.enorm(e_BTD, dtype), self.hnorm(h_BTD, dtype)), dim=-1)
+
 
 class DeepseekV32(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, n_mtp: int | None = None,
@@ -149,7 +155,10 @@ class DeepseekV32(nn.Module):
     # ------------------------------------------------------------------ forward
     def positions(self, cache: KVCache, T: int, kv_len: int | None, tree_depth=None, tree_mask=None):
         """Cache slots [B, T], rotary angles, the key bound S and the tree's visibility [B, T, S] (None: causal)."""
-        pos_BT = cache.seq_lens.unsqueeze(1) + torch.arange(T, device=cache.seq_lens.device)
+        if tree_depth is None:
+            pos_BT, cos, sin = self.rotary.slots(cache.seq_lens, T, kv_len)
+        else:
+            pos_BT = cache.seq_lens.unsqueeze(1) + arange(T, cache.seq_lens.device)
         if kv_len is None:
             kv_len = int(pos_BT.max()) + 1  # host sync: only when the caller gives no bound
         if kv_len > cache.max_len:
@@ -157,7 +166,6 @@ class DeepseekV32(nn.Module):
         if (tree_depth is None) != (tree_mask is None):
             raise ValueError("a tree forward needs both tree_depth [T] and tree_mask [T, U] (or neither)")
         if tree_depth is None:
-            cos, sin = self.rotary.angles(pos_BT)
             return pos_BT, cos, sin, kv_len, None
         if tree_depth.shape[-1:] != (T,) or tree_mask.shape[-2] != T or tree_mask.shape[-1] < T:
             raise ValueError(f"tree_depth must be [T] or [B, T] and tree_mask [T, U] or [B, T, U] with T = {T} <= U, "
@@ -198,8 +206,7 @@ class DeepseekV32(nn.Module):
         layer = self.mtp[j]
         T = tokens_BT.shape[1]
         pos_BT, cos, sin, S, vis = self.positions(cache, T, kv_len, tree_depth, tree_mask)
-        e = layer.enorm(layer.embed_tokens(tokens_BT), self.dtype)
-        u = layer.eh_proj(torch.cat((e, layer.hnorm(h_BTD, self.dtype)), dim=-1))
+        u = layer.eh_proj(layer.eh_input(layer.embed_tokens(tokens_BT), h_BTD, self.dtype))
         h = layer(u.to(self.acc), pos_BT, cos, sin, cache.layer(0), S, self.runtime, self.dtype, vis)
         cache.seq_lens += T
         normed = layer.shared_head.norm(h, self.dtype)

@@ -16,6 +16,7 @@ from torch import nn
 
 from . import fp8
 from .config import ModelConfig
+from .static import arange
 
 
 class RMSNorm(nn.Module):
@@ -147,7 +148,8 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, out_dtype: torch.dtype) -> torch.
 class Rotary(nn.Module):
     """YaRN-scaled rotary frequencies (DeepSeek's precompute_freqs_cis), applied on the fly from positions.
 
-    No table indexed by position: cos/sin come from `pos * inv_freq`, so one compiled step serves any position.
+    No table indexed by position: cos/sin come from `pos * inv_freq`, so one compiled step serves any position (the
+    fast path's `FastRotary` reads a table of these same values instead, one launch for a forward's slots and angles).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -155,11 +157,18 @@ class Rotary(nn.Module):
         # computed on the CPU, then moved to the default device: on the meta device (every loader builds there,
         # and sets the real table after) arange would run through torch._refs, which imports torch._dynamo
         self.register_buffer("inv_freq", yarn_inv_freq(cfg).to(torch.get_default_device()), persistent=False)
+        self.max_positions = cfg.max_position_embeddings
 
     def angles(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [B, T] int -> (cos, sin) [B, T, R/2] fp32."""
         ang = pos.float().unsqueeze(-1) * self.inv_freq
         return ang.cos(), ang.sin()
+
+    def slots(self, seq_lens_B: torch.Tensor, T: int, bound: int | None = None):
+        """The cache slots of T new tokens after each row's seq_lens, pos [B, T] = seq_lens[b] + t, and their angles
+        (cos, sin) [B, T, R/2]. `bound`: a host-known bound on every slot + 1 (a forward's kv_len), or None."""
+        pos_BT = seq_lens_B.unsqueeze(1) + arange(T, seq_lens_B.device)
+        return (pos_BT, *self.angles(pos_BT))
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:

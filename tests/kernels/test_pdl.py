@@ -11,7 +11,7 @@ constants (or ask L2 for them) before the wait, and wait before reading an earli
   took PDL, and its L2 prefetches lie inside the weight they are for and cover all of it.
 - A tiny simulated TP=2 'split' rank's decode forward with the indexer and its top-k (every kernel a dense step
   runs, and more): with the switch on every Triton kernel launched took PDL but the final and the MTP module's
-  norms (`NOT_CHAINED`), and logits, hidden and the cache's bytes equal the switch off's.
+  norms and the forward's glue lookups (`NOT_CHAINED`), and logits, hidden and the cache's bytes equal the switch off's.
 - pdl_prefetch_tokens 0: the prefetching kernels compiled for sm_90 hold no prefetch and otherwise the same
   griddepcontrol / memory instruction order; under the interpreter each such entry point gives the same bits at 1..4
   rows with no prefetch launched or run, and the decode forward above neither launches nor runs one, same bits.
@@ -35,8 +35,10 @@ from tests.interp import run_interpreted  # noqa: E402
 
 # Triton kernels a decode forward of the fast path launches without PDL, with the switch on (the chain restarts
 # after each): the final norm and an MTP module's norms (elementwise ops called through the model's ops object,
-# which knows no switch; once per step, next to cuBLAS / torch launches that break the chain anyway)
-NOT_CHAINED = {"_rms_norm_kernel"}
+# which knows no switch; once per step, next to cuBLAS / torch launches that break the chain anyway), and the
+# forward's glue (session 21: the slots and angles, the vocabulary-parallel lookup, an MTP module's enorm + hnorm
+# pair), once per forward between torch / NCCL / cuBLAS launches, as the torch ops they replace were
+NOT_CHAINED = {"_rms_norm_kernel", "_rope_slots_kernel", "_embed_kernel", "_rms_norm_pair_kernel"}
 CACHE = ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale")
 # the Triton kernels of that decode forward (`_step_checks`: one token, default switches) that ask L2 for their
 # constant weights before the wait (`prefetch_at`): the router's gate slice, W_kb in the fused q prologue, W_vb

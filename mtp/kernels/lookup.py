@@ -1,0 +1,124 @@
+"""Two table lookups of every decode forward in one launch each (Triton): a vocabulary-parallel rank's embedding rows,
+and the new tokens' cache slots with their rotary angles.
+
+References (plain PyTorch, the ops they replace): `embed_rows_ref` (`mtp.parallel.modules.VocabParallelEmbedding`'s
+lookup: 8 launches) and `rope_slots_ref` (`mtp.model.layers.Rotary.slots`: the slots' add, then the angles' cast,
+product, cos and sin, 5 launches). Shape legend: N tokens (B rows x T), D width, Vl the rank's vocabulary rows,
+P positions of the angle table, R/2 rotary pairs.
+
+Why: a CUDA-graph decode step pays per launch (~1 us of GPU plus its gap each). An eagle k = 3 step of a TP=8 rank
+runs 4 forwards (the verify and 3 MTP module drafts), each with both: ~52 launches a step (session 20's profile:
+the compare / and / not / where / clamp / indexSelect / cos / sin rows, ~1.2-3 us each).
+Exact: an embedding row is copied (or zeros outside the rank's rows: +0.0, as masked_fill's 0); an angle is read
+from a table the reference's own ops computed (`Rotary.angles` over 0..P-1: the same cast, product, cos and sin of
+the same position, elementwise), so the same bits as computing it per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp.kernels._triton import HAS_TRITON, interpreting, require, tl, triton
+
+__all__ = ["embed_rows", "embed_rows_ref", "embed_takes", "rope_slots", "rope_slots_ref", "rope_takes"]
+
+EMBED_BLOCK = 1024  # channels per program: 7 programs per token at D = 7168, 8 bf16 a thread at 4 warps
+
+
+def _runs_on(t: torch.Tensor) -> bool:
+    return HAS_TRITON and (t.is_cuda or (interpreting() and t.device.type == "cpu"))
+
+
+# ----------------------------------------------------------------------------- vocabulary-parallel embedding
+def embed_rows_ref(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """Rows ids - start of weight [Vl, D] for the ids this rank holds (start <= id < start + Vl), zeros for the
+    others: `VocabParallelEmbedding`'s lookup before its all-reduce."""
+    local = ids - start
+    inside = (local >= 0) & (local < weight.shape[0])
+    out = torch.nn.functional.embedding(local.clamp(0, weight.shape[0] - 1), weight)
+    return out.masked_fill(~inside.unsqueeze(-1), 0)
+
+
+@triton.jit
+def _embed_kernel(ids_ptr, w_ptr, out_ptr, start, V, D, T, stride_ib, stride_it, stride_w,
+                  BLOCK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    tok = tl.load(ids_ptr + (n // T) * stride_ib + (n % T) * stride_it)
+    local = tok - start
+    inside = (local >= 0) & (local < V)
+    d = c * BLOCK + tl.arange(0, BLOCK)
+    m = d < D
+    row = tl.load(w_ptr + tl.where(inside, local, 0) * stride_w + d, mask=m & inside, other=0.0)
+    tl.store(out_ptr + n * D + d, row, mask=m)
+
+
+def embed_takes(ids: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `embed_rows` takes these: int64 ids [B, T] or [N], a weight [Vl, D] with a unit last stride, on a CUDA
+    device (or the interpreter's CPU), without autograd."""
+    return (_runs_on(ids) and ids.device == weight.device and ids.dtype == torch.long and ids.dim() in (1, 2)
+            and weight.dim() == 2 and weight.stride(1) == 1 and weight.shape[0] > 0
+            and not (weight.requires_grad and torch.is_grad_enabled()))
+
+
+def embed_rows(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """`embed_rows_ref` in one launch: [*ids.shape, D] in weight's dtype (ids read through their strides)."""
+    require(ids, "embed_rows")
+    if not embed_takes(ids, weight):
+        raise ValueError(f"embed_rows: takes int64 ids [B, T] or [N] and a weight [Vl, D] (unit last stride) on one "
+                         f"device, no autograd; got ids {ids.dtype} {list(ids.shape)} on {ids.device}, weight "
+                         f"{list(weight.shape)} {weight.stride()} on {weight.device}")
+    D = weight.shape[1]
+    out = torch.empty((*ids.shape, D), dtype=weight.dtype, device=weight.device)
+    ids2 = ids.unsqueeze(0) if ids.dim() == 1 else ids
+    N, T = ids2.numel(), ids2.shape[1]
+    if N:
+        _embed_kernel[(N, triton.cdiv(D, EMBED_BLOCK))](ids2, weight, out, start, weight.shape[0], D, T,
+                                                        ids2.stride(0), ids2.stride(1), weight.stride(0),
+                                                        BLOCK=EMBED_BLOCK, num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------- slots and rotary angles
+def rope_slots_ref(seq_lens_B: torch.Tensor, T: int, inv_freq: torch.Tensor):
+    """(pos [B, T] = seq_lens[b] + t, cos, sin [B, T, R/2] fp32): `Rotary.slots`."""
+    pos_BT = seq_lens_B.unsqueeze(1) + torch.arange(T, device=seq_lens_B.device)
+    ang = pos_BT.float().unsqueeze(-1) * inv_freq
+    return pos_BT, ang.cos(), ang.sin()
+
+
+@triton.jit
+def _rope_slots_kernel(lens_ptr, cos_tab_ptr, sin_tab_ptr, pos_ptr, cos_ptr, sin_ptr, T, R2,
+                       BLOCK_R: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    pos = tl.load(lens_ptr + n // T) + n % T
+    tl.store(pos_ptr + n, pos)
+    r = tl.arange(0, BLOCK_R)
+    m = r < R2
+    tl.store(cos_ptr + n * R2 + r, tl.load(cos_tab_ptr + pos * R2 + r, mask=m), mask=m)
+    tl.store(sin_ptr + n * R2 + r, tl.load(sin_tab_ptr + pos * R2 + r, mask=m), mask=m)
+
+
+def rope_takes(seq_lens_B: torch.Tensor, cos_PR: torch.Tensor) -> bool:
+    """Whether `rope_slots` takes these: int64 lengths [B] (unit stride) on the table's device, which runs kernels."""
+    return (_runs_on(seq_lens_B) and seq_lens_B.device == cos_PR.device and seq_lens_B.dtype == torch.long
+            and seq_lens_B.dim() == 1 and seq_lens_B.stride(0) == 1)
+
+
+def rope_slots(seq_lens_B: torch.Tensor, T: int, cos_PR: torch.Tensor, sin_PR: torch.Tensor):
+    """`rope_slots_ref` in one launch, the angles read from tables cos_PR / sin_PR [P, R/2] fp32 (contiguous) that
+    hold `Rotary.angles` of positions 0..P-1: the caller bounds every slot below P (no check on the device)."""
+    require(seq_lens_B, "rope_slots")
+    if not rope_takes(seq_lens_B, cos_PR):
+        raise ValueError(f"rope_slots: takes int64 lengths [B] (unit stride) on the table's device; got "
+                         f"{seq_lens_B.dtype} {list(seq_lens_B.shape)} on {seq_lens_B.device}, table on "
+                         f"{cos_PR.device}")
+    B, R2 = seq_lens_B.shape[0], cos_PR.shape[1]
+    dev = seq_lens_B.device
+    pos = torch.empty(B, T, dtype=torch.long, device=dev)
+    cos = torch.empty(B, T, R2, dtype=cos_PR.dtype, device=dev)
+    sin = torch.empty(B, T, R2, dtype=sin_PR.dtype, device=dev)
+    if B * T:
+        _rope_slots_kernel[(B * T,)](seq_lens_B, cos_PR, sin_PR, pos, cos, sin, T, R2,
+                                     BLOCK_R=triton.next_power_of_2(R2), num_warps=1)
+    return pos, cos, sin

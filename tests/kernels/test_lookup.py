@@ -1,0 +1,180 @@
+"""The decode forward's glue in one launch each (`mtp.kernels.lookup`, `elementwise.rms_norm_pair`) and the fast
+modules that run them (`fast_path.FastRotary`, `FastVocabParallelEmbedding`, `FastMTPLayer`; switches rope_table,
+vocab_embed, mtp_norms): the same bits as the torch ops they replace, on the CPU.
+
+Shape legend: B rows, T tokens, D width, Vl a rank's vocabulary rows, P table positions, R/2 rotary pairs.
+
+- In-process: the switches (on by default) and their bench variants; a CPU without the interpreter keeps the torch ops.
+- Under the Triton interpreter (a subprocess, this file as a script):
+  - embed_rows torch.equal to the vocabulary-parallel lookup (ids inside, below and past the rank's rows, [B, T]
+    strided ids and [N] ids, bf16 and fp32 rows); rope_slots to `Rotary.slots` (the table made by `Rotary.angles`);
+    rms_norm_pair to the cat of two Triton rms_norm calls (odd widths, strided rows, bf16 / fp32 in and out);
+  - the fast modules on a tiny model: `FastRotary.slots` equal to the reference's with its table grown by doubling
+    (older tables kept), the reference's launches without a bound or past max_positions; `FastMTPLayer.eh_input`
+    equal to the reference's; a simulated rank's `FastVocabParallelEmbedding` equal to the reference's; each switch
+    off taking the torch ops.
+Whole steps with every switch on and off (the same decode buffers and caches): tests/bench/test_step_launches.py; GPU
+twin: tests/backends/test_glue_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
+from tests.interp import run_interpreted  # noqa: E402
+
+
+def test_switches_are_on_by_default_with_bench_variants():
+    from mtp.bench.rank import KERNEL_VARIANTS
+    from mtp.kernels.dispatch import FastPathOptions
+
+    o = FastPathOptions()
+    names = ("step_commit", "rope_table", "vocab_embed", "mtp_norms")
+    assert all(getattr(o, n) for n in names)
+    for n in names:
+        assert KERNEL_VARIANTS[f"{n}_off"][0] == {n: False}
+    assert KERNEL_VARIANTS["glue_off"][0] == {n: False for n in names}
+
+
+def test_cpu_tensors_keep_the_torch_ops():
+    from mtp.kernels.lookup import embed_takes, rope_takes
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        assert not embed_takes(torch.zeros(2, 3, dtype=torch.long), torch.zeros(8, 4))
+        assert not rope_takes(torch.zeros(2, dtype=torch.long), torch.zeros(8, 4))
+
+
+def test_lookup_kernels_interpreted():
+    run_interpreted(__file__, 300, "kernels")
+
+
+def test_fast_modules_interpreted():
+    run_interpreted(__file__, 300, "modules")
+
+
+# ----------------------------------------------------------------------------- run under TRITON_INTERPRET=1
+def _kernel_checks() -> None:
+    from mtp.kernels import elementwise as E
+    from mtp.kernels.lookup import embed_rows, embed_rows_ref, rope_slots, rope_slots_ref
+    from mtp.model.layers import Rotary
+    from mtp.model.presets import tiny_config
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        w = torch.randn(37, 1100, generator=g).to(dtype)  # two column blocks, the second partial
+        start = 40
+        ids = torch.randint(0, 120, (3, 9), generator=g)  # below, inside and past [40, 77)
+        ids[0, :3] = torch.tensor([start - 1, start, start + 36])
+        for x in (ids, ids[:, ::2], ids.t(), ids[1]):
+            got = embed_rows(x, w, start)
+            want = embed_rows_ref(x, w, start)
+            assert got.dtype == want.dtype and torch.equal(got, want), (dtype, x.shape)
+            assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))  # +0.0 zeros
+    rot = Rotary(tiny_config())
+    cos_t, sin_t = rot.angles(torch.arange(300).unsqueeze(0))
+    for lens, T in (([0, 5, 250], 4), ([17], 1), ([3, 290], 9)):
+        sl = torch.tensor(lens)
+        got, want = rope_slots(sl, T, cos_t[0], sin_t[0]), rope_slots_ref(sl, T, rot.inv_freq)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (lens, T)
+        assert all(torch.equal(a, b) for a, b in zip(got, rot.slots(sl, T)))
+    for D, lead, dt, out in ((64, (2, 3), torch.float32, torch.float32), (200, (5,), torch.bfloat16, torch.bfloat16),
+                             (256, (1, 4), torch.bfloat16, torch.float32)):
+        a = torch.randn(*lead, D, generator=g).to(dt)
+        b = torch.randn(*lead, 2 * D, generator=g).to(dt)[..., ::2]  # strided rows: read in place (or copied) alike
+        wa, wb = torch.rand(D, generator=g).to(dt) + 0.5, torch.rand(D, generator=g).to(dt) + 0.5
+        got = E.rms_norm_pair(a, wa, 1e-6, b, wb, 2e-6, out)
+        want = torch.cat((E.rms_norm(a, wa, 1e-6, out), E.rms_norm(b, wb, 2e-6, out)), -1)
+        assert got.shape == want.shape and torch.equal(got, want), (D, lead, dt, out)
+    assert not E.rms_norm_pair_takes(torch.zeros(2, 8), torch.ones(8), torch.zeros(3, 8), torch.ones(8), torch.float32)
+    print("kernel checks ok")
+
+
+def _module_checks() -> None:
+    import dataclasses
+
+    from mtp.backends import fast_path as fp
+    from mtp.checkpoint.synthetic import random_model
+    from mtp.kernels import lookup
+    from mtp.kernels.dispatch import FastPathOptions
+    from mtp.model.layers import Rotary
+    from mtp.model.presets import tiny_config
+    from mtp.parallel.layout import ParallelPlan
+    from mtp.parallel.modules import VocabParallelEmbedding
+    from mtp.parallel.simulate import simulated_rank
+    from mtp.parallel.synthetic import random_parallel_model
+
+    launches = []
+    for name in ("_rope_slots_kernel", "_embed_kernel"):
+        kernel = getattr(lookup, name)
+
+        class Counted:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                launches.append(name)
+                return kernel[grid]
+
+        setattr(lookup, name, Counted())
+    cfg = dataclasses.replace(tiny_config(), max_position_embeddings=9000)
+    model = random_model(cfg, "cpu", torch.bfloat16, seed=0)
+    ref = Rotary(cfg)
+    fp.install_fast_modules(model, options=FastPathOptions())
+    fp.set_elementwise(model, "triton")
+    rot = model.rotary
+    assert isinstance(rot, fp.FastRotary)
+    lens = torch.tensor([3, 4000, 4090])
+    for bound, T, size in ((4094, 4, 4096), (8000, 2, 8192), (4094, 4, 8192), (9000, 1, 9000)):
+        launches.clear()
+        got, want = rot.slots(lens, T, bound), ref.slots(lens, T)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and launches == ["_rope_slots_kernel"], bound
+        assert rot.rope_tables[-1][0].shape[0] == size, (bound, [t[0].shape for t in rot.rope_tables])
+    assert [t[0].shape[0] for t in rot.rope_tables] == [4096, 8192, 9000]  # outgrown tables kept (captured graphs)
+    for bound, opts in ((None, FastPathOptions()), (9001, FastPathOptions()), (10, FastPathOptions(rope_table=False))):
+        rot.fast_options = opts
+        launches.clear()
+        got = rot.slots(lens, 2, bound)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref.slots(lens, 2))) and not launches, bound
+    rot.fast_options = model.fast_options
+    # an MTP module's norms: one launch with the switch, the reference's three without
+    layer = model.mtp[0]
+    assert isinstance(layer, fp.FastMTPLayer) and fp.reference_class(type(layer)).__name__ == "MTPLayer"
+    g = torch.Generator().manual_seed(1)
+    e = torch.randn(2, 3, cfg.hidden_size, generator=g).bfloat16()
+    h = torch.randn(2, 3, cfg.hidden_size, generator=g).bfloat16()
+    want = torch.cat((layer.enorm(e, torch.bfloat16), layer.hnorm(h, torch.bfloat16)), -1)
+    for opts in (FastPathOptions(), FastPathOptions(mtp_norms=False)):
+        layer.fast_options = opts
+        assert torch.equal(layer.eh_input(e, h, torch.bfloat16), want)
+    # a vocabulary-parallel rank's embedding
+    tcfg = dataclasses.replace(tiny_config(), num_attention_heads=8, intermediate_size=512)
+    with simulated_rank(2, 1) as comm:
+        rank = random_parallel_model(tcfg, comm, ParallelPlan(2), device="cpu", dtype=torch.bfloat16)
+        fp.install_fast_modules(rank)
+        emb = rank.model.embed_tokens
+        assert isinstance(emb, fp.FastVocabParallelEmbedding) and emb.vocab_start > 0
+        ids = torch.randint(0, tcfg.vocab_size, (2, 7), generator=g)
+        want = VocabParallelEmbedding.forward(emb, ids)
+        for opts, n in ((FastPathOptions(), 1), (FastPathOptions(vocab_embed=False), 0)):
+            emb.fast_options = opts
+            launches.clear()
+            assert torch.equal(emb(ids), want) and launches.count("_embed_kernel") == n
+        fp.disable_fast_path(rank)
+        assert type(rank.model.embed_tokens) is VocabParallelEmbedding and type(rank.rotary) is Rotary
+    print("module checks ok")
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from tests.interp import patch_interpreter_loop_bounds
+
+    patch_interpreter_loop_bounds()
+    torch.manual_seed(0)
+    if sys.argv[1] == "kernels":
+        _kernel_checks()
+    else:
+        _module_checks()
+    print("interpreted checks ok")
