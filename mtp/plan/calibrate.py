@@ -145,7 +145,8 @@ BEFORE_SESSION_11 = dict(fuse_prologue=False, fuse_absorb_out=False, fuse_out_ca
                          shared_in_experts=False)
 # switches a file may not record because the code that wrote it had none: what that code did (a switch added on by
 # default changes the launches of the files written before it)
-UNRECORDED = dict(moe_down_nb=False)  # session 20: before it, every persistent call had its combine launch
+UNRECORDED = dict(moe_down_nb=False,  # session 20: before it, every persistent call had its combine launch
+                  rope_table=False, vocab_embed=False, mtp_norms=False)  # session 21: the glue's torch launches
 
 
 def measured_code(d: dict) -> tuple[object, str]:
@@ -158,7 +159,10 @@ def measured_code(d: dict) -> tuple[object, str]:
     known = {f.name for f in dataclasses.fields(lim)}
     opts = d.get("fast_path_options")
     flags = BEFORE_SESSION_11 if opts is None else {k: v for k, v in opts.items() if k in known}
-    return dataclasses.replace(lim, **dict(UNRECORDED, **flags)), d.get("expert_layout", "contiguous")
+    # the code before session 21 (no rope_table switch to record) launched an arange for every forward's slots
+    old_slots = opts is None or "rope_table" not in opts
+    return (dataclasses.replace(lim, **dict(UNRECORDED, **flags), slots_arange=old_slots),
+            d.get("expert_layout", "contiguous"))
 
 
 def rows_from(spec: str, base: ModelConfig) -> tuple[str, list[Row], dict | None]:

@@ -32,10 +32,16 @@ from ..placement import choose_layout
 # ids): aten ops as `mtp.plan.launches` counts them (on a GPU its sort and top-k run several kernels each). Up to
 # `kernel_route_tokens` the router kernel maps ids itself: the same launches in every expert layout.
 REFERENCE_ROUTER = 17
-# the decode step's glue outside the layers (`DeepseekV32.forward` / `positions`, the bench's `cache.truncate`):
-# the causal positions, cos / sin, the vocabulary-parallel embedding's mask and lookup, seq_lens += T
-GLUE_TP = 18  # counted (tests/plan/test_kernel_count.py); tp = 1 has no embedding mask: GLUE_TP1
-GLUE_TP1 = 11
+# the decode step's glue outside the layers (`DeepseekV32.forward` / `positions`, the bench's `cache.truncate`), per
+# target forward: the truncate, the embedding's fp32 cast, seq_lens += T and the logits' cast (GLUE_FIXED), the
+# slots with their rotary angles (`glue`: one launch with switch rope_table, else ROPE_OPS) and the embedding (one
+# launch with switch vocab_embed or in one process, else a vocabulary-parallel rank's VOCAB_EMBED_OPS); counted
+# (tests/plan/test_kernel_count.py). Before session 21: 18 on a rank, 11 in one process (the slots' arange too:
+# `Limits.slots_arange`)
+GLUE_FIXED = 4
+ROPE_OPS = 5  # `Rotary.slots`: the slots' add, then the angles' cast, product, cos and sin
+VOCAB_EMBED_OPS = 8  # `VocabParallelEmbedding.forward`: offset, 2 range compares, and, clamp, lookup, not, mask
+MTP_NORM_OPS = 3  # `MTPLayer.eh_input`: enorm, hnorm, their cat (one launch with switch mtp_norms)
 KINDS = ("dense", "moe", "mtp", "head", "glue")
 
 
@@ -67,6 +73,10 @@ class Limits:
     moe_down_nb: bool = True  # dispatch.FastPathOptions.moe_down_nb: a persistent call's down stores y (no combine)
     split_persistent: int = 4  # fast_path.SPLIT_PERSISTENT_TOKENS: a 'split' rank's persistent layout up to these tokens
     persistent_pairs: int = 64  # moe.PERSISTENT_MAX_PAIRS: a rank of scattered experts' persistent layout (T x J)
+    rope_table: bool = True  # dispatch.FastPathOptions.rope_table: a forward's slots and angles in one launch
+    vocab_embed: bool = True  # dispatch.FastPathOptions.vocab_embed: a rank's embedding lookup in one launch
+    mtp_norms: bool = True  # dispatch.FastPathOptions.mtp_norms: an MTP module's enorm, hnorm and cat in one launch
+    slots_arange: bool = False  # the code before session 21: an arange launch for the slots (kept since: model.static)
 
     @classmethod
     def current(cls) -> Limits:
@@ -84,7 +94,8 @@ class Limits:
                    shared_in_experts=o.shared_in_experts, topk_one_launch=o.topk_one_launch,
                    indexer_one_launch=o.indexer_one_launch, fused_hist_rows=o.fused_hist_rows,
                    mlp_reduce_norm=o.mlp_reduce_norm, moe_down_nb=o.moe_down_nb,
-                   split_persistent=fp.SPLIT_PERSISTENT_TOKENS, persistent_pairs=PERSISTENT_MAX_PAIRS)
+                   split_persistent=fp.SPLIT_PERSISTENT_TOKENS, persistent_pairs=PERSISTENT_MAX_PAIRS,
+                   rope_table=o.rope_table, vocab_embed=o.vocab_embed, mtp_norms=o.mtp_norms)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -269,17 +280,22 @@ def head(cfg: ModelConfig, sh: StepShape) -> int:
     return 2 + gather_copy(sh)
 
 
-def mtp_extra(cfg: ModelConfig, sh: StepShape) -> int:
-    """An MTP module's launches besides its block (`DeepseekV32.mtp_forward`): the glue's positions, embedding and
-    seq_lens update (without the bench's cache truncate and the embedding's fp32 cast), enorm, hnorm, the concat,
-    eh_proj (a bf16 cuBLAS GEMM over the rank's rows, column parallel on tp > 1: its gathered slices' copy), its
-    cast to fp32, and the module's head (norm, GEMM, gathered-logits copy)."""
-    return glue(sh) - 2 + 5 + gather_copy(sh) + head(cfg, sh)  # the glue holds the logits' cast
+def mtp_extra(cfg: ModelConfig, sh: StepShape, lim: Limits) -> int:
+    """An MTP module's launches besides its block (`DeepseekV32.mtp_forward`): the glue's slots and angles, embedding
+    and seq_lens update (without the bench's cache truncate and the embedding's fp32 cast), enorm, hnorm and their
+    concat (`MTPLayer.eh_input`: 1 with switch mtp_norms), eh_proj (a bf16 cuBLAS GEMM over the rank's rows, column
+    parallel on tp > 1: its gathered slices' copy), its cast to fp32, and the module's head (norm, GEMM,
+    gathered-logits copy)."""
+    norms = 1 if lim.mtp_norms else MTP_NORM_OPS
+    return glue(sh, lim) - 2 + norms + 2 + gather_copy(sh) + head(cfg, sh)  # the glue holds the logits' cast
 
 
-def glue(sh: StepShape) -> int:
-    """The target step's launches outside its layers, with the logits' cast to fp32 (`GLUE_TP`)."""
-    return GLUE_TP if sh.tp > 1 else GLUE_TP1
+def glue(sh: StepShape, lim: Limits) -> int:
+    """The target step's launches outside its layers, with the logits' cast to fp32 (`GLUE_FIXED` and the switches'
+    launches: `ROPE_OPS`, `VOCAB_EMBED_OPS`)."""
+    rope = 1 if lim.rope_table else ROPE_OPS + lim.slots_arange
+    embed = 1 if sh.tp == 1 or lim.vocab_embed else VOCAB_EMBED_OPS
+    return GLUE_FIXED + rope + embed
 
 
 def terms(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None) -> dict[str, int]:
@@ -289,7 +305,7 @@ def terms(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None) -> dict[st
     a, ix = attention(cfg, sh, lim)
     hand_off = int(ffn_hand_off(sh, lim))  # the trunk's last FFN resolved in the glue; an MTP block adds its own
     return {"mla": a, "indexer": ix, "dense_mlp": dense_mlp(cfg, sh, lim), **moe_ffn(cfg, sh, lim),
-            "head": head(cfg, sh) + glue(sh) + hand_off, "mtp_extra": mtp_extra(cfg, sh) + hand_off}
+            "head": head(cfg, sh) + glue(sh, lim) + hand_off, "mtp_extra": mtp_extra(cfg, sh, lim) + hand_off}
 
 
 def per_layer(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None) -> dict[str, int]:
@@ -299,7 +315,7 @@ def per_layer(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None) -> dic
     attn = t["mla"] + t["indexer"]
     moe = attn + t["shared_expert"] + t["router"] + t["routed_experts"]
     return {"dense": attn + t["dense_mlp"], "moe": moe, "mtp": moe + t["mtp_extra"], "head": head(cfg, sh),
-            "glue": glue(sh) + int(ffn_hand_off(sh, lim))}
+            "glue": glue(sh, lim) + int(ffn_hand_off(sh, lim))}
 
 
 def step_launches(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None) -> dict[str, int]:

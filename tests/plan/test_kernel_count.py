@@ -53,7 +53,9 @@ def test_hand_derivation_real_rank_one_token_1k():
     builds (the runtime's layout, 'auto') = router 1 + experts (gate-up, down, combine; the shared expert their last
     slot) 3 + add_rounded 1 = 5; with the shared expert's own launches (switch shared_in_experts off, or a
     'contiguous' rank, whose shared slice is narrower than its experts) + shared gate|up 1 + silu*up 1 + shared
-    down 1 = 8. So dense 13, MoE 14; 61 layers: 3 x 13 + 58 x 14 = 851, head 2, glue 18 (shared_in_experts off or
+    down 1 = 8. So dense 13, MoE 14; 61 layers: 3 x 13 + 58 x 14 = 851, head 2, glue 6 (the bench's truncate, the
+    slots and angles 1, the embedding 1, its cast, seq_lens += T, the logits' cast; switches rope_table and
+    vocab_embed off: the slots and angles 5, the vocabulary-parallel embedding 8, glue 17) (shared_in_experts off or
     'contiguous': MoE 17, 1025).
     Switch fuse_prologue off: attention + 2 (the kv prologue and q_a norm, q prologue and absorb q apart): dense 15,
     MoE 16, 973. fuse_absorb_out and fuse_out_cast off: attention + 2 (absorb out, o_proj's cast), dense MLP + 1
@@ -78,13 +80,23 @@ def test_hand_derivation_real_rank_one_token_1k():
     assert not lim.fuse_absorb_out and lim.mlp_reduce_norm and lim.moe_down_nb and count(lim) == (13, 13, 851 - 58)
     lim = dataclasses.replace(lim, moe_down_nb=False)
     assert count(lim) == (13, 14, 851)
-    assert per_layer(cfg, sh, lim)["glue"] == 18 + 1
+    assert per_layer(cfg, sh, lim)["glue"] == 6 + 1
+    assert per_layer(cfg, sh, dataclasses.replace(lim, rope_table=False, vocab_embed=False))["glue"] == 17 + 1
+    assert per_layer(cfg, StepShape(1, 1, 1025, tp=1), lim)["glue"] == 6  # one process: one lookup either way
+    assert per_layer(cfg, StepShape(1, 1, 1025, tp=1), dataclasses.replace(lim, rope_table=False))["glue"] == 10
+    # an MTP module's extras: its glue without the truncate and the embedding's cast, its norms 1 (3 with switch
+    # mtp_norms off), eh_proj and its cast, the head 2 (one token: no gathered copy), and its block's own FFN add (a
+    # trunk block hands its on)
+    mtp_extra = per_layer(cfg, sh, lim)["mtp"] - per_layer(cfg, sh, lim)["moe"]
+    assert mtp_extra == 4 + 1 + 2 + 2 + 1
+    off = dataclasses.replace(lim, rope_table=False, vocab_embed=False, mtp_norms=False)
+    assert per_layer(cfg, sh, off)["mtp"] - per_layer(cfg, sh, off)["moe"] == 15 + 3 + 2 + 2 + 1
     assert count(dataclasses.replace(lim, mlp_reduce_norm=False)) == (14, 15, 851 + 61)
     assert count(dataclasses.replace(lim, fuse_absorb_out=True)) == (12, 13, 851 - 61)
     lim = dataclasses.replace(lim, fuse_absorb_out=True, mlp_reduce_norm=False)
 
     p = per_layer(cfg, sh, lim)
-    assert (p["head"], p["glue"]) == (2, 18)
+    assert (p["head"], p["glue"]) == (2, 6)
     assert count(lim) == count(lim, StepShape(1, 1, 1025, tp=8, expert_layout="split")) == (13, 14, 851)
     assert count(dataclasses.replace(lim, shared_in_experts=False)) == (13, 17, 1025)
     assert count(lim, StepShape(1, 1, 1025, tp=8, expert_layout="contiguous")) == (13, 17, 1025)
@@ -134,7 +146,7 @@ def test_hand_derivation_real_rank_few_tokens_and_grouped():
     # (SPLIT_PERSISTENT_TOKENS), a 'contiguous' rank (scattered experts, by size) up to 64 / 8 = 8
     assert [(default[N]["dense"], default[N]["moe"]) for N in Ns] == \
         [(15, 14), (15, 15), (15, 22), (15, 22), (21, 33), (21, 34)]
-    assert [default[N]["glue"] for N in Ns] == [19, 19, 19, 19, 18, 18]
+    assert [default[N]["glue"] for N in Ns] == [7, 7, 7, 7, 6, 6]
     assert [per_layer(cfg, StepShape(1, N, 1024 + N, tp=8, expert_layout="contiguous"), _real_limits())["moe"]
             for N in (2, 8, 9, 16)] == [18, 18, 19, 19]
 
