@@ -12,11 +12,13 @@ when the kernels are decorated: run this in such a process):
 Each launch is booked to the layer kind running it (`LAYER_KINDS`): the trunk block it is in (dense or MoE by
 index), an MTP module, the head (final norm, lm_head, its gather), or glue (embedding, positions, cache
 bookkeeping), by forward pre- / post-hooks on those modules. CPU-only branches the GPU never takes (the expert
-ids' range check of `moe_experts`, a host read) are listed in `CPU_ONLY` and not counted.
+ids' range check of `moe_experts`, a host read) are listed in `CPU_ONLY` and not counted. With `sites`, each launch is
+also booked to the code that issued it (`mtp.bench.step_launches` lists a whole decode step's glue by site).
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,10 +54,13 @@ CPU_ONLY = frozenset({"min", "max", "aminmax"})  # (its distinct-ids check reads
 
 @dataclass
 class LaunchCount:
-    """Launches per (layer kind, name): Triton kernels by function name, torch ops as 'aten.<op>'."""
+    """Launches per (layer kind, name): Triton kernels by function name, torch ops as 'aten.<op>'; with `sites`
+    (`counting(model, sites=True)`) also per (layer kind, site): the innermost function of mtp outside the kernels'
+    wrappers that issued it, as 'folder/file.py:function'."""
 
     by_name: Counter = field(default_factory=Counter)
     collectives: Counter = field(default_factory=Counter)  # per layer kind
+    sites: Counter | None = None
 
     def total(self, kind: str | None = None) -> int:
         return sum(n for (k, _), n in self.by_name.items() if kind is None or k == kind)
@@ -65,6 +70,20 @@ class LaunchCount:
 
     def names(self, kind: str) -> dict[str, int]:
         return {name: n for (k, name), n in sorted(self.by_name.items()) if k == kind}
+
+    def at_sites(self, kind: str) -> dict[str, int]:
+        return {site: n for (k, site), n in sorted((self.sites or {}).items()) if k == kind}
+
+
+def _site() -> str:
+    """'folder/file.py:function' of the innermost frame of mtp's code outside the kernels' wrappers and this module."""
+    f = sys._getframe(2)
+    while f is not None:
+        path = f.f_code.co_filename.replace("\\", "/")
+        if "/mtp/" in path and "/mtp/kernels/" not in path and not path.endswith("plan/launches.py"):
+            return f"{path.rsplit('/mtp/', 1)[1]}:{f.f_code.co_name}"
+        f = f.f_back
+    return "?"
 
 
 class _Counter(TorchDispatchMode):
@@ -78,6 +97,8 @@ class _Counter(TorchDispatchMode):
             self.count.collectives[self.kind[-1]] += 1
         elif not self.inside and name not in NO_KERNEL and name not in CPU_ONLY:
             self.count.by_name[(self.kind[-1], f"aten.{name}")] += 1
+            if self.count.sites is not None:
+                self.count.sites[(self.kind[-1], _site())] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -94,11 +115,12 @@ def _kind_of(model, module) -> str | None:
 
 
 @contextmanager
-def counting(model):
-    """Inside the block, every launch of `model`'s forwards is counted into the yielded `LaunchCount`."""
+def counting(model, sites: bool = False):
+    """Inside the block, every launch of `model`'s forwards (and of whatever else runs: an engine's step) is counted
+    into the yielded `LaunchCount`; `sites`: by issuing site too (`LaunchCount.sites`)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    count = LaunchCount()
+    count = LaunchCount(sites=Counter() if sites else None)
     mode = _Counter(count)
     run = InterpretedFunction.run
 
@@ -106,6 +128,8 @@ def counting(model):
         name, phase = self.fn.__name__, SPLIT_PHASES.get(self.fn.__name__)
         if not mode.inside and (phase is None or kwargs.get("PHASE") in phase):
             count.by_name[(mode.kind[-1], name)] += 1
+            if count.sites is not None:
+                count.sites[(mode.kind[-1], _site())] += 1
         mode.inside += 1
         try:
             return run(self, *args, **kwargs)

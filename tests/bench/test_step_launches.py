@@ -1,0 +1,47 @@
+"""The launches of one eagle k = 3 chain step (`mtp.bench.step_launches`: a tiny simulated TP=2 rank's fast path under
+the Triton interpreter, 2 rows), held to bounds: the glue outside the blocks (positions, embeddings, the MTP modules'
+norms and heads, the drafts' argmaxes, verification, accept / commit / count) must not grow back, and the glue
+switches (step_commit, rope_table, vocab_embed, mtp_norms) change launches, never a bit of the decode state.
+
+Counted (session 21): glue 188 launches a step before the session's changes (commit cce8eca), 164 with the switches off
+(kept aranges, shared index tensors, the drafts written in one scatter, ...), 67 with them on; the blocks' launches
+(dense 18, moe 19, mtp 3 x 21 + 1) are not touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GLUE_BOUND = 67  # the eagle k = 3 step's glue with the default switches (counted; lower it when it drops)
+GLUE_OFF_BOUND = 164  # with the glue switches off
+SWITCHES_SAVE = 97  # at least this many launches fewer with them on
+
+
+@pytest.mark.slow
+def test_eagle_k3_step_launches_and_glue_switches_keep_every_bit():
+    pytest.importorskip("triton")
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    r = subprocess.run([sys.executable, "-m", "mtp.bench.step_launches", "--draft", "eagle", "--k", "3", "--compare"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"step_launches failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    res = json.loads(r.stdout)
+    on, off = res["step"], res["glue_off"]
+    assert res["all_equal"], [k for k, v in res["state_equal"].items() if not v]
+    assert on["per_kind"]["glue"] <= GLUE_BOUND, on["glue_by_site"]
+    assert off["per_kind"]["glue"] <= GLUE_OFF_BOUND, off["glue_by_site"]
+    assert off["per_kind"]["glue"] - on["per_kind"]["glue"] >= SWITCHES_SAVE
+    assert {k: v for k, v in on["per_kind"].items() if k != "glue"} == \
+        {k: v for k, v in off["per_kind"].items() if k != "glue"}, "the switches touch the glue only"
+    names = on["glue_by_name"]
+    # one launch each for: the bookkeeping, each forward's slots + angles and embedding, each MTP module's norms
+    assert names["_chain_commit_kernel"] == 1 and names["_rope_slots_kernel"] == 4
+    assert names["_embed_kernel"] == 4 and names["_rms_norm_pair_kernel"] == 3
+    assert not {"aten.arange", "aten.cos", "aten.sin", "aten.isin", "aten.masked_fill", "aten.index_put_"} & set(names)
