@@ -49,6 +49,55 @@ def test_cpu_tensors_keep_the_torch_ops():
         assert not rope_takes(torch.zeros(2, dtype=torch.long), torch.zeros(8, 4))
 
 
+def _hopper_ptx(kernel, types: dict, consts: dict, num_warps: int) -> str:
+    """PTX of `kernel` for sm_90 (triton's own compiler, no GPU) as the elementwise kernels launch (no FMA contraction);
+    arguments not in `types` are i32."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(kernel.fn).parameters)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, enable_fp_fusion=False)).asm["ptx"]
+
+
+def test_kernels_compile_for_hopper_and_the_norm_pair_is_rms_norms_code():
+    """The three kernels compile for sm_90 at the real widths, no local-memory spill: the embedding lookup on bf16 rows,
+    the slots + angles gather, the norm pair at D = 7168 (BLOCK_D 8192, 8 warps as `rms_norm`'s). The pair's float
+    instructions (products, sums, shuffles of the row's reduction, rsqrt) are, per half, `_rms_norm_kernel`'s in the
+    same order: the same sums, so the same bits (the GPU test compares them)."""
+    import re
+
+    import pytest
+
+    pytest.importorskip("triton")
+    from mtp.kernels.elementwise import _rms_norm_kernel, _rms_norm_pair_kernel
+    from mtp.kernels.lookup import EMBED_BLOCK, _embed_kernel, _rope_slots_kernel
+
+    f32 = dict(inv_d="fp32", eps="fp32", eps_a="fp32", eps_b="fp32")
+    ptx = {
+        "embed": _hopper_ptx(_embed_kernel, dict(ids_ptr="*i64", w_ptr="*bf16", out_ptr="*bf16"),
+                             dict(BLOCK=EMBED_BLOCK), 4),
+        "rope": _hopper_ptx(_rope_slots_kernel, dict(lens_ptr="*i64", pos_ptr="*i64", cos_tab_ptr="*fp32",
+                                                     sin_tab_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32"),
+                            dict(BLOCK_R=32), 1),
+        "pair": _hopper_ptx(_rms_norm_pair_kernel, dict(a_ptr="*bf16", wa_ptr="*bf16", b_ptr="*bf16", wb_ptr="*bf16",
+                                                        y_ptr="*bf16", **f32), dict(BLOCK_D=8192), 8),
+        "single": _hopper_ptx(_rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", **f32),
+                              dict(BLOCK_D=8192, PDL=0), 8)}
+    assert not [k for k, p in ptx.items() if ".local" in p]
+
+    def float_ops(p: str) -> list[str]:
+        return [ln.split()[0] for ln in p.splitlines() if re.match(r"\s+(add|mul|fma|sub)[\w.]*\.f32|\s+(rsqrt|shfl)", ln)]
+
+    single, pair = float_ops(ptx["single"]), float_ops(ptx["pair"])
+    assert len(single) > 100 and pair == single + single, (len(single), len(pair))
+
+
 def test_lookup_kernels_interpreted():
     run_interpreted(__file__, 300, "kernels")
 
