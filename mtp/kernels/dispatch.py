@@ -210,7 +210,7 @@ version, so the engine captures its kept graphs again).
 - step_commit (on; variant step_commit_off): a chain decode step's accept + commit + count (`mtp.decode.accept`) in one
   launch of `kernels.step_commit.chain_commit` (one program holds every row's integers), where the step has no thinking
   state to update (relaxed verifiers with think ids keep the torch ops) and the kernel runs (CUDA, or the Triton
-  interpreter); off: ~55 torch launches (cat, index_put, isin, argmax, minimum, where, scatter, the counters' adds and
+  interpreter); off: 48 torch launches (cat, index_put, isin, argmax, minimum, where, scatter, the counters' adds and
   copies). The same tokens, lengths, flags, cache lengths, counters and outputs, integer for integer. Counted on the
   CPU (`mtp.bench.step_launches`): 47 launches fewer a step (48 torch ops: a GPU runs isin as several kernels);
   predicted (H200, a TP=8 rank's eagle k = 3 step) ~50 us fewer (~1.1 us of exposed time a launch in session 20's
