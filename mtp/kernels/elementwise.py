@@ -174,14 +174,7 @@ def _row_warps(block: int) -> int:
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, inv_d, eps, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     pdl_launch(PDL)
     pdl_wait(PDL)  # x is an earlier kernel's
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    m = d < D
-    x = tl.load(x_ptr + row * stride_x + d, mask=m, other=0.0).to(tl.float32)
-    ms = tl.sum(x * x, axis=0) * inv_d  # torch's mean: the sum times 1/D
-    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
-    y = x * tl.math.rsqrt(ms + eps) * w
-    tl.store(y_ptr + row * D + d, y.to(y_ptr.dtype.element_ty), mask=m)
+    _rms_norm_row(x_ptr, w_ptr, y_ptr, tl.program_id(0).to(tl.int64), D, stride_x, D, inv_d, eps, BLOCK_D)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
@@ -203,7 +196,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch
 
 @triton.jit
 def _rms_norm_row(x_ptr, w_ptr, y_ptr, row, D, stride_x, stride_y, inv_d, eps, BLOCK_D: tl.constexpr):
-    """`_rms_norm_kernel`'s row, its statements one for one (the same sum, so the same bits at the same warps)."""
+    """One row of `_rms_norm_kernel` (and of the MTP norm pair's halves): the same sum, so the same bits at the same
+    warps."""
     d = tl.arange(0, BLOCK_D)
     m = d < D
     x = tl.load(x_ptr + row * stride_x + d, mask=m, other=0.0).to(tl.float32)

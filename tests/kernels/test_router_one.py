@@ -163,9 +163,7 @@ def test_kernel_compiles_for_hopper():
 
     from mtp.kernels.router import ONE_WARPS, _route_one_kernel
 
-    from .test_fused_kernels import _compile_for_hopper, _params_read
-    from .test_moe_items import _sass
-    from .test_pdl import _order
+    from .test_fused_kernels import _compile_for_hopper
 
     ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", cnt_ptr="*i32", idx_out_ptr="*i32", table_ptr="*i32")
     aligned = ("D", "stride_xm")
@@ -176,19 +174,32 @@ def test_kernel_compiles_for_hopper():
                             (8, ONE_WARPS, False)):
         consts = _one_kernel_consts(T, warps, table)
         k = _compile_for_hopper(_route_one_kernel, ptrs, consts, num_warps=warps, aligned=aligned)
-        ptx, what = k.asm["ptx"], f"T={T} warps={warps} table={table}"
-        seq = _order(ptx)
-        wait = seq.index("griddepcontrol.wait")
-        if seq[0] != "griddepcontrol.launch_dependents" or set(seq[1:wait]) != {"ld.global"}:
-            bad.append(f"{what}: before the wait {seq[:wait]}")
-        read = _params_read(_route_one_kernel, ptx, consts)
-        if ("table_ptr" in read) != table or ({"e0", "e1"} <= read) == table:
-            bad.append(f"{what}: reads {sorted(read)}")
-        if cuobjdump:
-            use = _sass(k)[1]
-            if int(use.get("STACK", 0)) or int(use.get("LOCAL", 0)):
-                bad.append(f"{what}: spills {use}")
+        bad += _compiled_checks(k, consts, table, f"T={T} warps={warps} table={table}", cuobjdump)
     assert not bad, "\n".join(bad)
+
+
+def _compiled_checks(k, consts, table: bool, what: str, cuobjdump) -> list[str]:
+    """A compiled impl one kernel's checks, split or not: only weight loads before the PDL wait (launch first), the
+    table read only with TABLE (the range e0 / e1 without), and no spill (where cuobjdump reads the SASS)."""
+    from mtp.kernels.router import _route_one_kernel
+
+    from .test_fused_kernels import _params_read
+    from .test_moe_items import _sass
+    from .test_pdl import _order
+
+    bad, ptx = [], k.asm["ptx"]
+    seq = _order(ptx)
+    wait = seq.index("griddepcontrol.wait")
+    if seq[0] != "griddepcontrol.launch_dependents" or set(seq[1:wait]) != {"ld.global"}:
+        bad.append(f"{what}: before the wait {seq[:wait]}")
+    read = _params_read(_route_one_kernel, ptx, consts)
+    if ("table_ptr" in read) != table or ({"e0", "e1"} <= read) == table:
+        bad.append(f"{what}: reads {sorted(read)}")
+    if cuobjdump:
+        use = _sass(k)[1]
+        if int(use.get("STACK", 0)) or int(use.get("LOCAL", 0)):
+            bad.append(f"{what}: spills {use}")
+    return bad
 
 
 def test_split_tail_compiles_for_hopper():
@@ -204,9 +215,7 @@ def test_split_tail_compiles_for_hopper():
 
     from mtp.kernels.router import ONE_WARPS, _route_one_kernel
 
-    from .test_fused_kernels import _compile_for_hopper, _params_read
-    from .test_moe_items import _sass
-    from .test_pdl import _order
+    from .test_fused_kernels import _compile_for_hopper
 
     ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", cnt_ptr="*i32", idx_out_ptr="*i32", table_ptr="*i32")
     cuobjdump = (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists() or \
@@ -216,13 +225,7 @@ def test_split_tail_compiles_for_hopper():
         consts = _one_kernel_consts(T, ONE_WARPS, table, split=True)
         k = _compile_for_hopper(_route_one_kernel, ptrs, consts, num_warps=ONE_WARPS, aligned=("D", "stride_xm"))
         ptx, what = k.asm["ptx"], f"T={T} table={table}"
-        seq = _order(ptx)
-        wait = seq.index("griddepcontrol.wait")
-        if seq[0] != "griddepcontrol.launch_dependents" or set(seq[1:wait]) != {"ld.global"}:
-            bad.append(f"{what}: before the wait {seq[:wait]}")
-        read = _params_read(_route_one_kernel, ptx, consts)
-        if ("table_ptr" in read) != table or ({"e0", "e1"} <= read) == table:
-            bad.append(f"{what}: reads {sorted(read)}")
+        bad += _compiled_checks(k, consts, table, what, cuobjdump)
         tail = _after_arrival(ptx)
         if not table:
             tails[T] = [re.sub(r"^@!?%\w+\s+", "", ln).split()[0] for ln in tail]  # opcodes (not the guards)
@@ -233,10 +236,6 @@ def test_split_tail_compiles_for_hopper():
         layouts = _normalizing_layout(k.asm["ttgir"]), _normalizing_layout(plain.asm["ttgir"])
         if len(layouts[0]) != 1 or layouts[0] != layouts[1]:
             bad.append(f"{what}: the normalizing sum's layout {layouts[0]} vs the unsplit tail's {layouts[1]}")
-        if cuobjdump:
-            use = _sass(k)[1]
-            if int(use.get("STACK", 0)) or int(use.get("LOCAL", 0)):
-                bad.append(f"{what}: spills {use}")
     if not tails[1] == tails[8]:
         bad.append(f"the tail grows with T: {len(tails[1])} vs {len(tails[8])} instructions after the arrival")
     assert not bad, "\n".join(bad)
