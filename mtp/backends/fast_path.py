@@ -559,7 +559,8 @@ def fast_module(mod: torch.nn.Module, options: FastPathOptions | None = None, mm
     dequantized attention weights); it reads its kernel switches from `options` (its model's, which
     `install_fast_modules` passes; default: the ones it has, else new defaults). Modules without a fast version
     are left alone."""
-    if isinstance(mod, (Linear, MoE, MLA, MLP, Block, VocabParallelEmbedding, Rotary)):  # every class a fast one is made over
+    # every class a fast one is made over
+    if isinstance(mod, (Linear, MoE, MLA, MLP, Block, VocabParallelEmbedding, Rotary)):
         mod.fast_options = options or getattr(mod, "fast_options", None) or FastPathOptions()
     if isinstance(mod, Linear) and mod.is_fp8:
         if mod.scale_rows == BLOCK and not mod.in_features % BLOCK:  # the kernels' blocking; small models' odd

@@ -24,8 +24,9 @@ version, so the engine captures its kept graphs again).
   as `mla_prologue_fused`'s kv launch runs it) nor the one-shot all-reduce's fused norm (its own programs).
 - router: the MoE router in one kernel (`router.moe_route_fused`); off: `moe.moe_route` (2 launches).
 - router_one_tokens (8; variants router_one = 16, router_one_off = 0, router_split_off = 2 unsplit, session 20's
-  default): with router, calls of at most this many tokens (and at most `router.ONE_MAX_TOKENS`, 16) take `moe_route_fused(impl="one")`: no split-K (each program the whole
-  7168-long dot of 2 experts, its gate rows loaded before the PDL wait), one arrival (the grouped impl's 'auto' choice
+  default): with router, calls of at most this many tokens (and at most `router.ONE_MAX_TOKENS`, 16) take
+  `moe_route_fused(impl="one")`: no split-K (each program the whole 7168-long dot of 2 experts, its gate rows loaded
+  before the PDL wait), one arrival (the grouped impl's 'auto' choice
   has two in a chain: each E-block's last K slice, then the last E-block) and the routing after it by rank
   comparisons. The same choice on its logits as the others' on theirs; the logits themselves in another fixed
   fp32 order (`router._pair_tree`: the same bits at any warps, tile or width), so they can differ from the split-K

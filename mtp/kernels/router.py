@@ -28,8 +28,8 @@ final phase 334 + 288 / 789 + 918 / 725 + 1736 instructions, 26 / 54 / 69 BAR (1
 trips, the rest), to be measured by `mtp.bench.fused`'s router section (4, 8 and 16 warps). Same logits, ids and
 weights as the serial tail, bit for bit.
 
-impl="one" (`FastPathOptions.router_one_tokens`, 8 by default; <= ONE_MAX_TOKENS tokens) drops split-K and the second arrival:
-each of E / 2 programs (128) computes its 2 experts' whole dot over K (28 KB of the gate, loaded into registers
+impl="one" (`FastPathOptions.router_one_tokens`, 8 by default; <= ONE_MAX_TOKENS tokens) drops split-K and the second
+arrival: each of E / 2 programs (128) computes its 2 experts' whole dot over K (28 KB of the gate, loaded into registers
 before the PDL wait: the step exposes none of it) for T tokens, and stores its logits [T, 2] to the [T, E] buffer it
 returns (return_logits); one counter (re-armed by the last program), and the last program routes every token on the
 [T, E] logits at once: in-group ranks from [T, EG, NG, EG] compares (the other expert first, so that it lies in
@@ -54,7 +54,8 @@ w = 1 / 2 / 3 / 4 (the tail's growth with T as predicted, the T = 1 gain as pred
 `mtp.bench.fused --only router`) 10.9 / 11.0 us against grouped's 9.6 / 9.8. Hence session 20's default: up to 2
 tokens (up to 8 since the split tail below).
 
-impl "one" with split_tail (`FastPathOptions.router_one_split`, from 2 tokens by default since session 21) splits that routing over
+impl "one" with split_tail (`FastPathOptions.router_one_split`, from 2 tokens by default since session 21) splits that
+routing over
 tokens. The dots, the stores and the one arrival counter are as before; then the last P = min(T, programs) programs to
 arrive route a token each (tokens slot, slot + P, ... where the grid has fewer programs than tokens), their slot the
 count of arrivals after theirs (programs - 1 - ticket, the ticket being the add's old value): slot 0, whose arrival
