@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# Every process the tests start (interpreted kernel scripts, torchrun ranks, CLI runs) inherits one OpenMP thread:
+# under `pytest -n 2` on a 2-core CI machine a child that spins 2 threads beside the other worker oversubscribes the
+# cores, and small ops then wait on OpenMP barriers (measured: test_step_commit's interpreted engine run 210 s with
+# the default threads, 28 s with one, the machine otherwise equally busy). Set before torch is imported here.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from mtp.checkpoint.files import load_model, save_checkpoint
 from mtp.checkpoint.random_weights import random_tensors
 from mtp.model.presets import tiny_config
 
-# One intra-op thread: the tiny models are far too small to gain from more, and on shared 2-core CI machines
-# OpenMP spinning across processes made torch set-up 10-50x slower.
+# One intra-op thread (also in this process, whatever imported torch first): the tiny models are far too small to gain
+# from more, and on shared 2-core CI machines OpenMP spinning across processes made torch set-up 10-50x slower.
 torch.set_num_threads(1)
 
 
