@@ -40,7 +40,7 @@
   embedding lookup in one (`FastVocabParallelEmbedding`, `kernels.lookup.embed_rows`), an MTP module's enorm, hnorm
   and their cat in one (`FastMTPLayer`, `elementwise.rms_norm_pair`); the same bits as the torch ops (the engine's
   accept / commit / count in one launch is the decode step's own: `mtp.decode.accept.fused_commit`, switch
-  step_commit).
+  step_commit); with switches pdl and glue_pdl, each launched with programmatic dependent launch as the kernels above.
 The new fused kernels have run-time switches per model (`kernels.dispatch.FastPathOptions`, carried as
 `model.fast_options` and shared by the model's fast modules; `set_kernels(model, ...)` flips them and bumps the
 model's version), so old and new kernels can be timed side by side in one process (`mtp.bench.fused`), and two
@@ -475,7 +475,9 @@ class FastMTPLayer(MTPLayer, FastBlock):
         en, hn = self.enorm, self.hnorm
         if (self.fast_options.mtp_norms and en.ops.kind == "triton" and hn.ops is en.ops
                 and rms_norm_pair_takes(e_BTD, en.weight, h_BTD, hn.weight, dtype)):
-            return rms_norm_pair(e_BTD, en.weight, en.eps, h_BTD, hn.weight, hn.eps, dtype)
+            rows = e_BTD.numel() // max(e_BTD.shape[-1], 1)
+            return rms_norm_pair(e_BTD, en.weight, en.eps, h_BTD, hn.weight, hn.eps, dtype,
+                                 pdl=self.fast_options.glue_pdl_at(rows))
         return super().eh_input(e_BTD, h_BTD, dtype)
 
 
@@ -489,7 +491,8 @@ class FastVocabParallelEmbedding(VocabParallelEmbedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not (self.fast_options.vocab_embed and embed_takes(ids, self.weight)):
             return super().forward(ids)
-        return self.comm.all_reduce(embed_rows(ids, self.weight, self.vocab_start))
+        pdl = self.fast_options.glue_pdl_at(ids.numel())
+        return self.comm.all_reduce(embed_rows(ids, self.weight, self.vocab_start, pdl=pdl))
 
 
 class FastRotary(Rotary):
@@ -508,7 +511,7 @@ class FastRotary(Rotary):
         if bound is not None and self.fast_options.rope_table and bound <= self.max_positions:
             table = self.table(bound, seq_lens_B.device)
             if table is not None and rope_takes(seq_lens_B, table[0]):
-                return rope_slots(seq_lens_B, T, *table)
+                return rope_slots(seq_lens_B, T, *table, pdl=self.fast_options.glue_pdl_at(seq_lens_B.shape[0] * T))
         return super().slots(seq_lens_B, T, bound)
 
     def table(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:

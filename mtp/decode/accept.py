@@ -100,11 +100,12 @@ def fused_commit_takes(opts, think_ids: tuple[int, int] | None, st: DecodeState,
 
 
 def fused_commit(st: DecodeState, drafts_BK: torch.Tensor, verdict: Verdict, stop_ids: torch.Tensor,
-                 window: int) -> None:
+                 window: int, pdl: int = 0) -> None:
     """`accept`, `commit(window=window)` and `count` of a chain step in one launch (`step_commit.chain_commit`): the
-    same state, counters and outputs, integer for integer (tests/kernels/test_step_commit.py)."""
+    same state, counters and outputs, integer for integer (tests/kernels/test_step_commit.py). pdl: the launch's
+    programmatic dependent launch (`FastPathOptions.glue_pdl_at` of the rows; the same bits)."""
     from ..kernels.step_commit import chain_commit
 
     chain_commit(st.tokens, st.n_B, st.gen_B, st.max_new_B, st.finished_B, st.cache.seq_lens, st.p0_B, st.hist_BK1,
                  st.relaxed_only, st.row_steps, st.new_BK1, st.keep_B, st.acc_B, drafts_BK, verdict.accept_len_B,
-                 verdict.next_token_B, verdict.relaxed_only_B, stop_ids, window)
+                 verdict.next_token_B, verdict.relaxed_only_B, stop_ids, window, pdl)

@@ -67,9 +67,11 @@ def _hopper_ptx(kernel, types: dict, consts: dict, num_warps: int) -> str:
 
 def test_kernels_compile_for_hopper_and_the_norm_pair_is_rms_norms_code():
     """The three kernels compile for sm_90 at the real widths, no local-memory spill: the embedding lookup on bf16 rows,
-    the slots + angles gather, the norm pair at D = 7168 (BLOCK_D 8192, 8 warps as `rms_norm`'s). The pair's float
-    instructions (products, sums, shuffles of the row's reduction, rsqrt) are, per half, `_rms_norm_kernel`'s in the
-    same order: the same sums, so the same bits (the GPU test compares them)."""
+    the slots + angles gather, the norm pair at D = 7168 (BLOCK_D 8192, 8 warps as `rms_norm`'s). With PDL (switch
+    glue_pdl; the gather and the embedding trigger at their start, PDL_EARLY, the pair after its wait, PDL_AFTER_WAIT)
+    each waits before its first global load or store (`test_pdl._order`: every row they read depends on an earlier
+    kernel's output). The pair's float instructions (products, sums, shuffles of the row's reduction, rsqrt) are, per
+    half, `_rms_norm_kernel`'s in the same order: the same sums, so the same bits (the GPU test compares them)."""
     import re
 
     import pytest
@@ -77,19 +79,25 @@ def test_kernels_compile_for_hopper_and_the_norm_pair_is_rms_norms_code():
     pytest.importorskip("triton")
     from mtp.kernels.elementwise import _rms_norm_kernel, _rms_norm_pair_kernel
     from mtp.kernels.lookup import EMBED_BLOCK, _embed_kernel, _rope_slots_kernel
+    from tests.kernels.test_pdl import _order
 
     f32 = dict(inv_d="fp32", eps="fp32", eps_a="fp32", eps_b="fp32")
     ptx = {
         "embed": _hopper_ptx(_embed_kernel, dict(ids_ptr="*i64", w_ptr="*bf16", out_ptr="*bf16"),
-                             dict(BLOCK=EMBED_BLOCK), 4),
+                             dict(BLOCK=EMBED_BLOCK, PDL=1), 4),
         "rope": _hopper_ptx(_rope_slots_kernel, dict(lens_ptr="*i64", pos_ptr="*i64", cos_tab_ptr="*fp32",
                                                      sin_tab_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32"),
-                            dict(BLOCK_R=32), 1),
+                            dict(BLOCK_R=32, PDL=1), 1),
         "pair": _hopper_ptx(_rms_norm_pair_kernel, dict(a_ptr="*bf16", wa_ptr="*bf16", b_ptr="*bf16", wb_ptr="*bf16",
-                                                        y_ptr="*bf16", **f32), dict(BLOCK_D=8192), 8),
+                                                        y_ptr="*bf16", **f32), dict(BLOCK_D=8192, PDL=2), 8),
         "single": _hopper_ptx(_rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", **f32),
-                              dict(BLOCK_D=8192, PDL=0), 8)}
+                              dict(BLOCK_D=8192, PDL=2), 8)}
     assert not [k for k, p in ptx.items() if ".local" in p]
+    gdc = ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
+    orders = {k: _order(ptx[k]) for k in ("embed", "rope", "pair")}
+    assert orders["embed"][:2] == orders["rope"][:2] == gdc and orders["pair"][:2] == gdc[::-1], \
+        {k: o[:4] for k, o in orders.items()}
+    assert all(o.count("griddepcontrol.wait") == 1 for o in orders.values()), orders
 
     def float_ops(p: str) -> list[str]:
         return [ln.split()[0] for ln in p.splitlines() if re.match(r"\s+(add|mul|fma|sub)[\w.]*\.f32|\s+(rsqrt|shfl)", ln)]

@@ -56,20 +56,25 @@ def test_what_the_kernel_does_not_take_keeps_the_torch_ops():
 
 def test_kernel_compiles_for_hopper():
     """The kernel compiles for sm_90 (triton's own ptxas, no GPU) at one row and at 64 (4 warps), with no local-memory
-    spill; it stores the bool flags as bytes."""
+    spill; it stores the bool flags as bytes. With PDL (switch glue_pdl), its trigger at the start (PDL_EARLY, one
+    row) or after its wait (PDL_AFTER_WAIT), it waits before its first global load or store (`test_pdl._order`)."""
     pytest.importorskip("triton")
     from tests.kernels.test_fused_kernels import _compile_for_hopper
+    from tests.kernels.test_pdl import _order
 
     from mtp.kernels.step_commit import _chain_commit_kernel
 
     ptrs = {name: "*i64" for name in ("tok_ptr", "n_ptr", "gen_ptr", "max_new_ptr", "lens_ptr", "p0_ptr", "hist_ptr",
                                       "relaxed_ptr", "steps_ptr", "new_ptr", "keep_ptr", "acc_ptr", "drafts_ptr",
                                       "a_ptr", "next_ptr", "ro_ptr", "stop_ptr")}
-    for rows, k1, warps in ((2, 4, 1), (64, 8, 4)):
+    gdc = ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
+    for rows, k1, warps, pdl in ((2, 4, 1, 1), (64, 8, 4, 2)):
         k = _compile_for_hopper(_chain_commit_kernel, {**ptrs, "fin_ptr": "*u8"},
-                                dict(NS=2, BLOCK_B=rows, BLOCK_K1=k1), num_warps=warps)
+                                dict(NS=2, BLOCK_B=rows, BLOCK_K1=k1, PDL=pdl), num_warps=warps)
         ptx = k.asm["ptx"]
         assert "st.global.b8" in ptx and ".local" not in ptx, (rows, k1)
+        order = _order(ptx)
+        assert order[:2] == (gdc if pdl == 1 else gdc[::-1]) and order.count("griddepcontrol.wait") == 1, order[:4]
 
 
 def test_step_commit_interpreted():
