@@ -39,6 +39,7 @@ def test_switches_are_on_by_default_with_bench_variants():
     for n in names:
         assert KERNEL_VARIANTS[f"{n}_off"][0] == {n: False}
     assert KERNEL_VARIANTS["glue_off"][0] == {n: False for n in names}
+    assert o.glue_pdl and KERNEL_VARIANTS["glue_pdl_off"][0] == {"glue_pdl": False}  # the glue's PDL (session 22)
 
 
 def test_cpu_tensors_keep_the_torch_ops():
