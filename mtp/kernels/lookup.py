@@ -110,10 +110,11 @@ def _rope_slots_kernel(lens_ptr, cos_tab_ptr, sin_tab_ptr, pos_ptr, cos_ptr, sin
     tl.store(sin_ptr + n * R2 + r, tl.load(sin_tab_ptr + pos * R2 + r, mask=m), mask=m)
 
 
-def rope_takes(seq_lens_B: torch.Tensor, cos_PR: torch.Tensor) -> bool:
-    """Whether `rope_slots` takes these: int64 lengths [B] (unit stride) on the table's device, which runs kernels."""
-    return (_runs_on(seq_lens_B) and seq_lens_B.device == cos_PR.device and seq_lens_B.dtype == torch.long
-            and seq_lens_B.dim() == 1 and seq_lens_B.stride(0) == 1)
+def rope_takes(seq_lens_B: torch.Tensor) -> bool:
+    """Whether `rope_slots` takes these lengths: int64 [B] (unit stride) on a device that runs kernels (the tables must
+    be there too)."""
+    return (_runs_on(seq_lens_B) and seq_lens_B.dtype == torch.long and seq_lens_B.dim() == 1
+            and seq_lens_B.stride(0) == 1)
 
 
 def rope_slots(seq_lens_B: torch.Tensor, T: int, cos_PR: torch.Tensor, sin_PR: torch.Tensor, pdl: int = 0):
@@ -121,7 +122,7 @@ def rope_slots(seq_lens_B: torch.Tensor, T: int, cos_PR: torch.Tensor, sin_PR: t
     hold `Rotary.angles` of positions 0..P-1: the caller bounds every slot below P (no check on the device). pdl:
     programmatic dependent launch (`_triton.pdl_kwargs`; `FastPathOptions.glue_pdl_at`'s value)."""
     require(seq_lens_B, "rope_slots")
-    if not rope_takes(seq_lens_B, cos_PR):
+    if not rope_takes(seq_lens_B) or cos_PR.device != seq_lens_B.device:
         raise ValueError(f"rope_slots: takes int64 lengths [B] (unit stride) on the table's device; got "
                          f"{seq_lens_B.dtype} {list(seq_lens_B.shape)} on {seq_lens_B.device}, table on "
                          f"{cos_PR.device}")

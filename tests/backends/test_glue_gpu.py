@@ -53,7 +53,8 @@ def test_angle_table_equals_the_per_step_angles_at_real_positions():
             got, want = fast.slots(lens, T, top), ref.slots(lens, T)
             assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want)), (B, T, top)
     # every position: the whole table against the angles computed in step-shaped pieces
-    cos, sin = fast.table(P, torch.device("cuda"))
+    cos, sin = fast.table(torch.device("cuda", torch.cuda.current_device()))
+    assert cos.nbytes + sin.nbytes == Rotary.angle_table_bytes(cfg) == 41_943_040  # the memory planner's count
     pos = torch.arange(P, device="cuda").view(-1, 4)
     c, s = ref.angles(pos)
     assert torch.equal(_bits(cos), _bits(c.reshape(P, -1))) and torch.equal(_bits(sin), _bits(s.reshape(P, -1)))

@@ -9,10 +9,10 @@ Shape legend: B rows, T tokens, D width, Vl a rank's vocabulary rows, P table po
   - embed_rows torch.equal to the vocabulary-parallel lookup (ids inside, below and past the rank's rows, [B, T]
     strided ids and [N] ids, bf16 and fp32 rows); rope_slots to `Rotary.slots` (the table made by `Rotary.angles`);
     rms_norm_pair to the cat of two Triton rms_norm calls (odd widths, strided rows, bf16 / fp32 in and out);
-  - the fast modules on a tiny model: `FastRotary.slots` equal to the reference's with its table grown by doubling
-    (older tables kept), the reference's launches without a bound or past max_positions; `FastMTPLayer.eh_input`
-    equal to the reference's; a simulated rank's `FastVocabParallelEmbedding` equal to the reference's; each switch
-    off taking the torch ops.
+  - the fast modules on a tiny model: `FastRotary.slots` equal to the reference's at any bound from one table of every
+    position (the memory planner's bytes), the reference's launches without a bound or past max_positions;
+    `FastMTPLayer.eh_input` equal to the reference's; a simulated rank's `FastVocabParallelEmbedding` equal to the
+    reference's; each switch off taking the torch ops.
 Whole steps with every switch on and off (the same decode buffers and caches): tests/bench/test_step_launches.py; GPU
 twin: tests/backends/test_glue_gpu.py.
 """
@@ -47,7 +47,7 @@ def test_cpu_tensors_keep_the_torch_ops():
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         assert not embed_takes(torch.zeros(2, 3, dtype=torch.long), torch.zeros(8, 4))
-        assert not rope_takes(torch.zeros(2, dtype=torch.long), torch.zeros(8, 4))
+        assert not rope_takes(torch.zeros(2, dtype=torch.long))
 
 
 def _hopper_ptx(kernel, types: dict, consts: dict, num_warps: int) -> str:
@@ -185,12 +185,14 @@ def _module_checks() -> None:
     rot = model.rotary
     assert isinstance(rot, fp.FastRotary)
     lens = torch.tensor([3, 4000, 4090])
-    for bound, T, size in ((4094, 4, 4096), (8000, 2, 8192), (4094, 4, 8192), (9000, 1, 9000)):
+    for bound, T in ((4094, 4), (8000, 2), (4094, 4), (9000, 1)):
         launches.clear()
         got, want = rot.slots(lens, T, bound), ref.slots(lens, T)
         assert all(torch.equal(a, b) for a, b in zip(got, want)) and launches == ["_rope_slots_kernel"], bound
-        assert rot.rope_tables[-1][0].shape[0] == size, (bound, [t[0].shape for t in rot.rope_tables])
-    assert [t[0].shape[0] for t in rot.rope_tables] == [4096, 8192, 9000]  # outgrown tables kept (captured graphs)
+    # one table, of every position, whatever the bounds: never outgrown, and what the memory planner counts
+    (cos, sin), = rot.rope_tables.values()
+    assert cos.shape == sin.shape == (9000, cfg.qk_rope_head_dim // 2)
+    assert cos.nbytes + sin.nbytes == Rotary.angle_table_bytes(cfg)
     for bound, opts in ((None, FastPathOptions()), (9001, FastPathOptions()), (10, FastPathOptions(rope_table=False))):
         rot.fast_options = opts
         launches.clear()
