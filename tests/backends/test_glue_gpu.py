@@ -10,7 +10,7 @@ eager and in CUDA graphs, and whole speculative steps keep every token, acceptan
   (the slots' gather, the embedding, the norm pair, the commit; each trigger at the start or after the wait) give the
   plain launches' bits eagerly and on 50 graph replays (a read or store before the wait shows up as a flaky
   difference); Hopper only;
-- engine: eagle k = 3 and vanilla k = 2 (and plain decoding) on the fast path of a small one-process model and of a
+- engine: eagle k = 3 and vanilla k = 2 (and plain decoding, and an eagle 2x1x1 tree) on the fast path of a small one-process model and of a
   simulated TP=8 rank at the real width (2 layers: the vocabulary-parallel embedding), graph and overlap modes, with
   every glue switch on and off: the same tokens, acceptance histograms, decode buffers and caches (torch.equal).
 """
@@ -202,7 +202,7 @@ def test_glue_kernels_chained_with_pdl_in_a_graph_equal_plain(mode):
     assert not bad, f"PDL glue replays differ (replay, output): {bad[:10]}"
 
 
-def _run(model, prompts, draft, k, mode, flags):
+def _run(model, prompts, draft, k, mode, flags, tree=None):
     from mtp.backends.fast_path import set_kernels
     from mtp.decode.config import GenerationConfig
     from mtp.decode.engine import Engine
@@ -210,7 +210,7 @@ def _run(model, prompts, draft, k, mode, flags):
     old = set_kernels(model, **flags)
     try:
         engine = Engine(model, GenerationConfig.from_options(24, draft, k or None, "strict", mode=mode,
-                                                             reuse_modules=True))
+                                                             reuse_modules=True, tree=tree))
         res = engine.run(prompts)
         st = next(iter(engine.pool.states.values()))
         caches = [st.cache, *getattr(st.proposer, "caches", ())]
@@ -224,14 +224,15 @@ def _run(model, prompts, draft, k, mode, flags):
 
 
 def _check_switches(model, prompts):
-    for draft, k in (("eagle", 3), ("vanilla", 2), ("none", 0)):
+    # chains, and an eagle tree (session 22: its accept + commit + count in the commit kernel, switch step_commit)
+    for draft, k, tree in (("eagle", 3, None), ("vanilla", 2, None), ("none", 0, None), ("eagle", 0, "2x1x1")):
         for mode in ("graph", "overlap"):
-            r0, b0 = _run(model, prompts, draft, k, mode, {})
-            r1, b1 = _run(model, prompts, draft, k, mode, GLUE_OFF)
+            r0, b0 = _run(model, prompts, draft, k, mode, {}, tree)
+            r1, b1 = _run(model, prompts, draft, k, mode, GLUE_OFF, tree)
             assert r0.tokens == r1.tokens and r0.metrics.accepted_hist == r1.metrics.accepted_hist, (draft, mode)
             assert r0.row_accepted_hist == r1.row_accepted_hist, (draft, mode)
             bad = [key for key in b0 if not torch.equal(_bits(b0[key]), _bits(b1[key]))]
-            assert not bad, (draft, k, mode, bad)
+            assert not bad, (draft, k, tree, mode, bad)
 
 
 def test_fast_path_steps_are_bitwise_with_the_glue_switches_off():
