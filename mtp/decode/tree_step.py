@@ -11,6 +11,17 @@ step_commit, as a chain's; the compaction after it). Each step the N nodes (node
 slots n-1..n-2+N; after verification the kept path's slots move to n-1.. and the cache ends at n_new - 1.
 Tree sampling draws from one torch.Generator per engine, seeded per call (hence eager only: a replayed graph
 would not advance it; `GenerationConfig` refuses the graph modes for it).
+
+Launches (`python -m mtp.bench.step_launches --tree 2x1x1`, session 22, a tiny TP=2 rank): after the verify, the commit
+kernel (2) and still torch ops: the compaction (`KVCache.compact`, 16: aranges, the slots' adds, an index and an
+index_put per cache buffer, the lengths' copy), the kept path's hidden states and the tree's counters (~21 here:
+pos_BA, the gathers, where / scatter; rank_DC's compare, and, index, scatter_add; live_nodes' and, sum, add). What one
+launch each would take: the compaction a kernel of its own (grid over layers x rows x channel blocks of the 5
+buffers, each program loading its A source slots before storing any: a later node's source may be an earlier node's
+destination; bytes, not launches, grow with the layers); the hidden states and the counters a tree mode of the commit
+kernel (rank_N and the live mask read, the path's hidden rows copied where i < keep): ~35 launches fewer a step.
+Before the verify the forwards' glue is torch too: each tree forward's angles (`Rotary.angles`, 4 launches; the
+table's gather would need the nodes' depths as row offsets) and visibility (`tree_visibility`, 10).
 """
 
 from __future__ import annotations
