@@ -11,7 +11,7 @@ its lengths (no copy; then the draft window start moves), a tree by moving its k
 (`KVCache.compact`, given the path). `count` adds the step to the device counters both keep.
 `fused_commit`: the three for a chain or tree step without a thinking state in one launch on the fast path
 (`mtp.kernels.step_commit`, switch `step_commit`; a tree's compaction stays its own launches): 47 launches fewer a
-chain step, 43 a tree step (counted by `mtp.bench.step_launches`), the same integers.
+chain step, 42 a tree step (counted by `mtp.bench.step_launches`), the same integers.
 """
 
 from __future__ import annotations

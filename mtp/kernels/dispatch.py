@@ -212,12 +212,13 @@ version, so the engine captures its kept graphs again).
   launch of `kernels.step_commit.chain_commit` (one program holds every row's integers), where the step has no thinking
   state to update (relaxed verifiers with think ids keep the torch ops) and the kernel runs (CUDA, or the Triton
   interpreter); off: 48 torch launches (cat, index_put, isin, argmax, minimum, where, scatter, the counters' adds and
-  copies). A tree step's too (session 22, `tree_step.TreeStep`: the drafts along its path, no draft window, its
-  cache compaction after the launch): 44 torch launches -> 2 (the kernel and the compaction's base), counted on an
-  eagle 2x1x1 tree step (`mtp.bench.step_launches --tree 2x1x1`: glue 252 -> 210). The same tokens, lengths, flags, cache lengths, counters and outputs, integer for integer. Counted on the
+  copies). The same tokens, lengths, flags, cache lengths, counters and outputs, integer for integer. Counted on the
   CPU (`mtp.bench.step_launches`): 47 launches fewer a step (48 torch ops: a GPU runs isin as several kernels);
   predicted (H200, a TP=8 rank's eagle k = 3 step) ~50 us fewer (~1.1 us of exposed time a launch in session 20's
-  profile, less the kernel's own ~3 us); to be measured (`--kernels step_commit=0`).
+  profile, less the kernel's own ~3 us); to be measured (`--kernels step_commit=0`). A tree step's too (session 22,
+  `tree_step.TreeStep`: the drafts along its path, no draft window, its cache compaction after the launch): 44 torch
+  launches -> 2 (the kernel and the compaction's base) on an eagle 2x1x1 tree step (`mtp.bench.step_launches --tree
+  2x1x1`: glue 252 -> 210).
 - rope_table (on; variant rope_table_off): a forward's cache slots (seq_lens + t) and their rotary angles in one launch
   of `kernels.lookup.rope_slots`, gathered from tables of `Rotary.angles` over positions 0..P-1 that the reference's
   own ops made (`fast_path.FastRotary`: the same bits); off: the slots' add and the angles' cast, product, cos and sin

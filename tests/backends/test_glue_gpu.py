@@ -10,9 +10,10 @@ eager and in CUDA graphs, and whole speculative steps keep every token, acceptan
   (the slots' gather, the embedding, the norm pair, the commit; each trigger at the start or after the wait) give the
   plain launches' bits eagerly and on 50 graph replays (a read or store before the wait shows up as a flaky
   difference); Hopper only;
-- engine: eagle k = 3 and vanilla k = 2 (and plain decoding, and an eagle 2x1x1 tree) on the fast path of a small one-process model and of a
-  simulated TP=8 rank at the real width (2 layers: the vocabulary-parallel embedding), graph and overlap modes, with
-  every glue switch on and off: the same tokens, acceptance histograms, decode buffers and caches (torch.equal).
+- engine: eagle k = 3 and vanilla k = 2 (and plain decoding, and an eagle 2x1x1 tree) on the fast path of a small
+  one-process model and of a simulated TP=8 rank at the real width (2 layers: the vocabulary-parallel embedding), graph
+  and overlap modes, with every glue switch on and off: the same tokens, acceptance histograms, decode buffers and
+  caches (torch.equal).
 """
 
 from __future__ import annotations
