@@ -40,7 +40,7 @@
   embedding lookup in one (`FastVocabParallelEmbedding`, `kernels.lookup.embed_rows`), an MTP module's enorm, hnorm
   and their cat in one (`FastMTPLayer`, `elementwise.rms_norm_pair`); the same bits as the torch ops (the engine's
   accept / commit / count in one launch is the decode step's own: `mtp.decode.accept.fused_commit`, switch
-  step_commit).
+  step_commit); with switches pdl and glue_pdl, each launched with programmatic dependent launch as the kernels above.
 The new fused kernels have run-time switches per model (`kernels.dispatch.FastPathOptions`, carried as
 `model.fast_options` and shared by the model's fast modules; `set_kernels(model, ...)` flips them and bumps the
 model's version), so old and new kernels can be timed side by side in one process (`mtp.bench.fused`), and two
@@ -475,7 +475,9 @@ class FastMTPLayer(MTPLayer, FastBlock):
         en, hn = self.enorm, self.hnorm
         if (self.fast_options.mtp_norms and en.ops.kind == "triton" and hn.ops is en.ops
                 and rms_norm_pair_takes(e_BTD, en.weight, h_BTD, hn.weight, dtype)):
-            return rms_norm_pair(e_BTD, en.weight, en.eps, h_BTD, hn.weight, hn.eps, dtype)
+            rows = e_BTD.numel() // max(e_BTD.shape[-1], 1)
+            return rms_norm_pair(e_BTD, en.weight, en.eps, h_BTD, hn.weight, hn.eps, dtype,
+                                 pdl=self.fast_options.glue_pdl_at(rows))
         return super().eh_input(e_BTD, h_BTD, dtype)
 
 
@@ -489,40 +491,43 @@ class FastVocabParallelEmbedding(VocabParallelEmbedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not (self.fast_options.vocab_embed and embed_takes(ids, self.weight)):
             return super().forward(ids)
-        return self.comm.all_reduce(embed_rows(ids, self.weight, self.vocab_start))
+        pdl = self.fast_options.glue_pdl_at(ids.numel())
+        return self.comm.all_reduce(embed_rows(ids, self.weight, self.vocab_start, pdl=pdl))
 
 
 class FastRotary(Rotary):
     """`Rotary.slots` in one launch (switch `rope_table`, `kernels.lookup.rope_slots`): the slots and their angles read
-    from tables of `Rotary.angles` over positions 0..P-1, made by the reference's own ops (the same bits as per step).
-    P doubles from ROPE_TABLE_MIN up to `max_positions` as forwards with a larger bound (kv_len) come; outgrown
-    tables are kept, since a captured graph reads the one it was captured with (at most twice the memory of the
-    largest: 2 x 256 B a position, 42 MB at DeepSeek-V3.2's 163840). A forward with no bound, past max_positions, or
-    that would grow the table during a graph capture (the engine's warm-up grows it first) takes the reference's
-    launches."""
+    from a table of every position's angles (`Rotary.angle_table`, made by the reference's own ops: the same bits as
+    per step), one per device, made by the first forward with a bound there and kept for the module's life: 2 x R/2
+    fp32 a position, 42 MB at DeepSeek-V3.2's 163840 (`Rotary.angle_table_bytes`, which the memory planner counts:
+    `parallel.memory.make_plan`). Never grown, so never outgrown: a captured graph reads the table's address, and a
+    table sized by the largest bound seen so far (session 21: doubled from 4096 positions) left each outgrown one in
+    use by the graphs captured with it, which nothing here sees die (graphs are captured by the engine, the benches,
+    tests); all of them were kept, up to 2.6x the largest (108 MB at 163840). The whole range once costs 42 MB
+    against 1 MB for a 4096-position table at short contexts, and 4 launches once. A forward with no bound, past
+    max_positions, on a device whose table would be made inside a graph capture (the engine's warm-up makes it
+    first), or one the kernel does not take, takes the reference's launches."""
 
     fast_options: FastPathOptions
-    ROPE_TABLE_MIN = 4096
 
     def slots(self, seq_lens_B: torch.Tensor, T: int, bound: int | None = None):
-        if bound is not None and self.fast_options.rope_table and bound <= self.max_positions:
-            table = self.table(bound, seq_lens_B.device)
-            if table is not None and rope_takes(seq_lens_B, table[0]):
-                return rope_slots(seq_lens_B, T, *table)
+        if (bound is not None and self.fast_options.rope_table and bound <= self.max_positions
+                and rope_takes(seq_lens_B)):
+            table = self.table(seq_lens_B.device)
+            if table is not None:
+                pdl = self.fast_options.glue_pdl_at(seq_lens_B.shape[0] * T)
+                return rope_slots(seq_lens_B, T, *table, pdl=pdl)
         return super().slots(seq_lens_B, T, bound)
 
-    def table(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The (cos, sin) tables [P, R/2] on `device` with P >= n, made or grown here; None where growing would
-        happen inside a graph capture."""
-        tables = self.__dict__.setdefault("rope_tables", [])  # plain attribute: no buffer, no state_dict entry
-        if tables and tables[-1][0].shape[0] >= n and tables[-1][0].device == device:
-            return tables[-1]
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        P = min(max(self.ROPE_TABLE_MIN, 1 << (n - 1).bit_length()), self.max_positions)  # n rounded up to 2^i
-        cos, sin = self.angles(torch.arange(P, device=device).unsqueeze(0))
-        tables.append((cos[0], sin[0]))
-        return tables[-1]
+    def table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The (cos, sin) table [max_positions, R/2] on `device`, made here the first time; None where it would be
+        made inside a graph capture."""
+        tables = self.__dict__.setdefault("rope_tables", {})  # plain attribute: no buffer, no state_dict entry
+        if device not in tables:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            tables[device] = self.angle_table(device)
+        return tables[device]
 
 
 FAST_CLASSES = (FastLinear, FastMLP, FastParallelMLP, FastMoE, FastMLA, FastMTPLayer, FastBlock, FastTrunk,

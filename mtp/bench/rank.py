@@ -319,6 +319,10 @@ KERNEL_VARIANTS = {
     "vocab_embed_off": (dict(vocab_embed=False), dict()),
     "mtp_norms_off": (dict(mtp_norms=False), dict()),
     "glue_off": (dict(step_commit=False, rope_table=False, vocab_embed=False, mtp_norms=False), dict()),
+    # the four glue kernels launched without programmatic dependent launch (session 21's launches; the default since
+    # session 22 gives them PDL as the step's other Triton kernels: predicted ~5-10 us an eagle k = 3 step, the same
+    # bits); spec steps mostly, as step_commit (a target step runs a gather and an embedding)
+    "glue_pdl_off": (dict(glue_pdl=False), dict()),
 }
 
 

@@ -52,17 +52,20 @@ def cache_bytes_per_position(cfg: ModelConfig, quantized: bool = True, dtype_byt
 def memory_need(cfg: ModelConfig, world: int, rank: int, dtype: torch.dtype, max_len: int, batch: int,
                 head_fp8: bool = False) -> dict:
     """What the rank needs on the device: its weights (the planner's count), ~4% for the fast path's fused
-    copies, one full tensor drawn in fp32 while building (+ its cast), its cache, and 4 GiB of workspace; with
-    `head_fp8` (--draft-head-fp8) the FP8 copy of the eagle drafts' head (the planner's count)."""
+    copies, one full tensor drawn in fp32 while building (+ its cast), its cache, the fast path's rotary angle table
+    (the planner's count), and 4 GiB of workspace; with `head_fp8` (--draft-head-fp8) the FP8 copy of the eagle
+    drafts' head (the planner's count)."""
+    from ..model.layers import Rotary
     from ..parallel.memory import draft_head_fp8_bytes, rank_weight_bytes
 
     weights = sum(rank_weight_bytes(cfg, ParallelPlan(world), rank, dtype).values())
     biggest = max(math.prod(ts.shape) for ts in checkpoint_spec(cfg).values()) * 6
     cache = KVCache.bytes_per_position(cfg, dtype, quantized=True) * max_len * batch * cfg.num_hidden_layers
     head = draft_head_fp8_bytes(cfg, ParallelPlan(world), "eagle", 1, rank) if head_fp8 else 0
-    need = weights * 1.04 + head + biggest + cache + 4 * GIB
+    rope = Rotary.angle_table_bytes(cfg)
+    need = weights * 1.04 + head + biggest + cache + rope + 4 * GIB
     return {"weights_gib": weights / GIB, "draft_head_fp8_gib": head / GIB, "cache_gib": cache / GIB,
-            "need_gib": need / GIB}
+            "rope_table_gib": rope / GIB, "need_gib": need / GIB}
 
 
 def rank_floor(model, touched: dict[int, int], S: int, B: int) -> dict:

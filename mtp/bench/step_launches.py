@@ -2,7 +2,8 @@
 tiny simulated tensor-parallel rank under the Triton interpreter, every Triton kernel and torch op of the engine's
 step booked to a layer kind and, for what runs outside the blocks (the glue), to the code that issued it.
 
-    python -m mtp.bench.step_launches [--draft eagle] [--k 3] [--world 2] [--kernels step_commit=0 ...] [--compare]
+    python -m mtp.bench.step_launches [--draft eagle] [--k 3] [--tree 2x1x1] [--world 2] [--kernels step_commit=0 ...]
+                                      [--compare]
 
 What it runs: `mtp.plan.launches.counting` (Triton launches by kernel, aten ops that launch on a GPU) over one
 `ChainStep` of an eager `Engine` with a static bound (the step a CUDA graph captures) after the prefill, the draft
@@ -16,6 +17,13 @@ batch of 2 rows here: the all-gathered logits of 2 rows need a reordering copy, 
 `--compare` also runs the step with the glue switches off (`GLUE_SWITCHES`) from the same state and reports whether
 every decode buffer and cache is torch.equal after it (the switches change launches, never bits). Prints JSON.
 tests/bench/test_step_launches.py holds the eagle k = 3 counts.
+`--tree SHAPE`: a tree step (`TreeStep`, greedy top-k children) of that shape instead (k its depth). Counted (session
+22, eagle 2x1x1, 7 nodes): 318 launches, glue 210 (blocks: dense 20, moe 21, mtp 64, head 3); the bookkeeping after
+the verify (the commit kernel + its base, switch step_commit: 2, where accept / commit / count were 44 torch ops), the
+compaction of the kept path's cache slots (16), the hidden states of the path and the tree's counters (23 in
+`TreeStep.__call__`); before the verify the proposer's windows, children and tree forwards' positions and
+visibility (`tree_visibility` 30, `Rotary.angles` 12: a tree forward's angles are not the table's gather) and the
+tree verdict (25). Not held by a test (~1 min of CPU a count).
 """
 
 from __future__ import annotations
@@ -51,8 +59,9 @@ def _snapshot(st) -> dict:
     return out
 
 
-def count_step(model, draft: str, k: int, flags: dict) -> tuple[dict, dict]:
-    """(counts, decode state after the counted step) of one chain step of `model` with the switches `flags` set."""
+def count_step(model, draft: str, k: int, flags: dict, tree: str | None = None) -> tuple[dict, dict]:
+    """(counts, decode state after the counted step) of one chain step of `model` with the switches `flags` set; a
+    tree step (`TreeStep`) of that shape (`TreeShape.parse`'s text) where `tree` is given."""
     from mtp.backends.fast_path import set_kernels
     from mtp.decode.config import GenerationConfig
     from mtp.decode.engine import Engine
@@ -62,7 +71,9 @@ def count_step(model, draft: str, k: int, flags: dict) -> tuple[dict, dict]:
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
-        engine = Engine(model, GenerationConfig.from_options(16, draft, k or None, "strict"), static_bound=True)
+        opts = {} if tree is None else {"tree": tree}
+        engine = Engine(model, GenerationConfig.from_options(16, draft, k or None, "strict", **opts),
+                        static_bound=True)
         st = engine.pool.get(prompts, 16, list(range(len(prompts))))
         engine.step.seed(list(range(len(prompts))))
         with torch.no_grad():
@@ -91,7 +102,7 @@ def run(args) -> dict:
 
     torch.set_num_threads(1)
     cfg = tiny_rank(args.world)
-    out = {"draft": args.draft, "k": args.k, "world": args.world, "rows": len(PROMPT_LENS),
+    out = {"draft": args.draft, "k": args.k, "tree": args.tree, "world": args.world, "rows": len(PROMPT_LENS),
            "note": "launches of one chain step on a tiny simulated rank, the fast path under the Triton interpreter"}
     with (simulated_rank(args.world, 0) if args.world > 1 else nullcontext()) as comm:
         if args.world > 1:
@@ -102,10 +113,11 @@ def run(args) -> dict:
         fp.install_fast_modules(model)
         fp.set_elementwise(model, "triton")
         out["switches"] = dict(args.kernels)
-        out["step"], state = count_step(model, args.draft, args.k, dict(args.kernels))
+        out["step"], state = count_step(model, args.draft, args.k, dict(args.kernels), args.tree)
         if args.compare:
             off = {name: False for name in GLUE_SWITCHES}
-            out["glue_off"], state_off = count_step(model, args.draft, args.k, {**dict(args.kernels), **off})
+            out["glue_off"], state_off = count_step(model, args.draft, args.k, {**dict(args.kernels), **off},
+                                                    args.tree)
             out["glue_off"]["switches"] = off
             out["state_equal"] = {k: torch.equal(v, state_off[k]) for k, v in state.items()}
             out["all_equal"] = all(out["state_equal"].values())
@@ -123,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m mtp.bench.step_launches", description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", default="eagle", choices=("none", "eagle", "vanilla"))
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--tree", help="count a tree step of this shape instead (`TreeShape.parse`: '2x1x1', 'chain3'; "
+                                   "k is its depth)")
     ap.add_argument("--world", type=int, default=2, help="tensor-parallel ranks simulated (1: one process)")
     ap.add_argument("--kernels", type=_switch, nargs="*", default=[], metavar="NAME=V",
                     help="fast-path switches (FastPathOptions) for the counted step")
@@ -135,6 +149,10 @@ def main(argv: list[str] | None = None) -> None:
                                 env=env).returncode)
     if args.draft == "none":
         args.k = 0
+    if args.tree is not None:
+        from mtp.spec.tree_shape import TreeShape
+
+        args.k = TreeShape.parse(args.tree).max_depth
     try:  # the checkout's fixes of triton 3.6's interpreter (numpy 2's int() of a loop bound; its re-patching cost)
         from tests.interp import patch_interpreter_loop_bounds
     except ImportError:  # an installed mtp without its tests: the interpreter as it is

@@ -9,9 +9,9 @@ its verdict's path: the path gather is the caller's). `commit` writes that into 
 lengths, finished flags, thinking state) and rolls the target cache back to n - 1 positions: a chain by lowering
 its lengths (no copy; then the draft window start moves), a tree by moving its kept path's slots into place
 (`KVCache.compact`, given the path). `count` adds the step to the device counters both keep.
-`fused_commit`: the three for a chain step without a thinking state in one launch on the fast path
-(`mtp.kernels.step_commit`, switch `step_commit`): 47 launches fewer a step (counted by `mtp.bench.step_launches`),
-the same integers.
+`fused_commit`: the three for a chain or tree step without a thinking state in one launch on the fast path
+(`mtp.kernels.step_commit`, switch `step_commit`; a tree's compaction stays its own launches): 47 launches fewer a
+chain step, 42 a tree step (counted by `mtp.bench.step_launches`), the same integers.
 """
 
 from __future__ import annotations
@@ -88,9 +88,9 @@ def count(st: DecodeState, acc: Accepted, relaxed_only_B: torch.Tensor, active_B
 
 def fused_commit_takes(opts, think_ids: tuple[int, int] | None, st: DecodeState, drafts_BK: torch.Tensor,
                        verdict: Verdict, stop_ids: torch.Tensor) -> bool:
-    """Whether a chain step's accept + commit + count run as `fused_commit`: the fast path's switch step_commit
-    (`opts`, the model's `FastPathOptions`; None on the reference path), no thinking state to update (`think_ids`,
-    the relaxed verifiers'), and a step the kernel takes (`step_commit.chain_commit_takes`)."""
+    """Whether a chain (or tree) step's accept + commit + count run as `fused_commit`: the fast path's switch
+    step_commit (`opts`, the model's `FastPathOptions`; None on the reference path), no thinking state to update
+    (`think_ids`, the relaxed verifiers'), and a step the kernel takes (`step_commit.chain_commit_takes`)."""
     if opts is None or not opts.step_commit or think_ids is not None:
         return False
     from ..kernels.step_commit import chain_commit_takes
@@ -100,11 +100,17 @@ def fused_commit_takes(opts, think_ids: tuple[int, int] | None, st: DecodeState,
 
 
 def fused_commit(st: DecodeState, drafts_BK: torch.Tensor, verdict: Verdict, stop_ids: torch.Tensor,
-                 window: int) -> None:
-    """`accept`, `commit(window=window)` and `count` of a chain step in one launch (`step_commit.chain_commit`): the
-    same state, counters and outputs, integer for integer (tests/kernels/test_step_commit.py)."""
+                 window: int | None, pdl: int = 0, path_BA: torch.Tensor | None = None) -> None:
+    """`accept`, `commit(window=window, path_BA=path_BA)` and `count` of a chain step, or of a tree step (`path_BA`,
+    the verdict's path; window None; drafts_BK the tokens along it), in one launch (`step_commit.chain_commit`), then
+    a tree's compaction of its kept path's cache slots: the same state, counters and outputs, integer for integer
+    (tests/kernels/test_step_commit.py). pdl: the launch's programmatic dependent launch (`FastPathOptions.glue_pdl_at`
+    of the rows; the same bits)."""
     from ..kernels.step_commit import chain_commit
 
+    base_B = None if path_BA is None else st.n_B - 1  # the slot of the path's root, before n moves
     chain_commit(st.tokens, st.n_B, st.gen_B, st.max_new_B, st.finished_B, st.cache.seq_lens, st.p0_B, st.hist_BK1,
                  st.relaxed_only, st.row_steps, st.new_BK1, st.keep_B, st.acc_B, drafts_BK, verdict.accept_len_B,
-                 verdict.next_token_B, verdict.relaxed_only_B, stop_ids, window)
+                 verdict.next_token_B, verdict.relaxed_only_B, stop_ids, window, pdl)
+    if path_BA is not None:  # the cache's lengths the kernel wrote (n - 1) are base + keep: what compact sets
+        st.cache.compact(base_B, path_BA, st.keep_B)

@@ -119,7 +119,7 @@ class ChainStep:
         # accept + commit (rolling back is lowering lengths: no copy), then the device counters (no sync): one
         # launch on the fast path (switch step_commit), else the torch ops of accept.py
         if fused_commit_takes(opts, g.think_ids, st, drafts, v, self.stops):
-            fused_commit(st, drafts, v, self.stops, self.W)
+            fused_commit(st, drafts, v, self.stops, self.W, opts.glue_pdl_at(st.B))
             return
         active_B = ~st.finished_B
         acc = accept(drafts, v, active_B, self.stops, st.max_new_B - st.gen_B)

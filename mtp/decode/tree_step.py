@@ -6,10 +6,22 @@ Shape legend: B batch, S buffer positions, N tree nodes, A = max depth + 1, D wi
 
 The engine (engine.py) runs this or the chain step (chain.py) through the same loop, with accept.py's accept /
 commit / count: the tree passes the drafts along its verdict's path to `accept` and the path to `commit`, which
-compacts the cache instead of lowering its lengths. Each step the N nodes (node 0 = x_{n-1}) are written at cache
+compacts the cache instead of lowering its lengths (on the fast path the three in one launch, `fused_commit`, switch
+step_commit, as a chain's; the compaction after it). Each step the N nodes (node 0 = x_{n-1}) are written at cache
 slots n-1..n-2+N; after verification the kept path's slots move to n-1.. and the cache ends at n_new - 1.
 Tree sampling draws from one torch.Generator per engine, seeded per call (hence eager only: a replayed graph
 would not advance it; `GenerationConfig` refuses the graph modes for it).
+
+Launches (`python -m mtp.bench.step_launches --tree 2x1x1`, session 22, a tiny TP=2 rank): after the verify, the commit
+kernel (2) and still torch ops: the compaction (`KVCache.compact`, 16: aranges, the slots' adds, an index and an
+index_put per cache buffer, the lengths' copy), the kept path's hidden states and the tree's counters (~21 here:
+pos_BA, the gathers, where / scatter; rank_DC's compare, and, index, scatter_add; live_nodes' and, sum, add). What one
+launch each would take: the compaction a kernel of its own (grid over layers x rows x channel blocks of the 5
+buffers, each program loading its A source slots before storing any: a later node's source may be an earlier node's
+destination; bytes, not launches, grow with the layers); the hidden states and the counters a tree mode of the commit
+kernel (rank_N and the live mask read, the path's hidden rows copied where i < keep): ~35 launches fewer a step.
+Before the verify the forwards' glue is torch too: each tree forward's angles (`Rotary.angles`, 4 launches; the
+table's gather would need the nodes' depths as row offsets) and visibility (`tree_visibility`, 10).
 """
 
 from __future__ import annotations
@@ -20,7 +32,8 @@ from ..draft.proposer import pick_hidden
 from ..draft.tree_proposer import TreeProposer, sampled_children, topk_children
 from ..model.deepseek import DeepseekV32
 from ..spec.draws import filter_probs
-from .accept import accept, commit, count
+from ..model.static import arange
+from .accept import accept, commit, count, fused_commit, fused_commit_takes
 from .config import GenerationConfig
 from .health import logits_nonfinite, scan
 from .state import StatePool, TreeState
@@ -100,20 +113,28 @@ class TreeStep:
         else:
             logits_nonfinite(st.nonfinite, out.logits, opts)
             v = self.rule(g, tt, dr, out.logits, st.think_B, self.gen, live)
-        acc = accept(dr.tokens_BN.gather(1, v.path_BA[:, 1:]), v, active_B, self.stops, st.max_new_B - st.gen_B)
-        # the target hidden of the kept path, at positions n-1.. (before commit moves n)
+        drafts_BK = dr.tokens_BN.gather(1, v.path_BA[:, 1:])
+        # the target hidden of the kept path, at positions n-1.. (read before commit moves n)
         A = v.path_BA.shape[1]
         pos_BA = (st.n_B.unsqueeze(1) + torch.arange(A, device=dev)).clamp_max(st.max_len - 1)
         h_out = pick_hidden(out, g.draft.target_hidden)
         h_BAD = h_out.gather(1, v.path_BA.unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]))
         hpos_BAD = (pos_BA - 1).unsqueeze(-1).expand_as(h_BAD)
-        st.hidden.scatter_(1, hpos_BAD, torch.where(acc.kept_BK1.unsqueeze(-1), h_BAD, st.hidden.gather(1, hpos_BAD)))
-        commit(st, acc, g.think_ids, path_BA=v.path_BA)
-        count(st, acc, v.relaxed_only_B, active_B)
+        if fused_commit_takes(opts, g.think_ids, st, drafts_BK, v, self.stops):
+            # accept + commit + count in one launch (switch step_commit), then the path's compaction
+            fused_commit(st, drafts_BK, v, self.stops, None, opts.glue_pdl_at(st.B), path_BA=v.path_BA)
+            kept_BA = arange(A, dev).unsqueeze(0) < st.keep_B.unsqueeze(1)
+            accepted_B = v.accept_len_B  # `accept`'s accepted_B wherever a row is active (the only rows counted)
+        else:
+            acc = accept(drafts_BK, v, active_B, self.stops, st.max_new_B - st.gen_B)
+            kept_BA, accepted_B = acc.kept_BK1, acc.accepted_B
+            commit(st, acc, g.think_ids, path_BA=v.path_BA)
+            count(st, acc, v.relaxed_only_B, active_B)
+        st.hidden.scatter_(1, hpos_BAD, torch.where(kept_BA.unsqueeze(-1), h_BAD, st.hidden.gather(1, hpos_BAD)))
         # the tree's own counters: accepted nodes per depth and sibling rank, live nodes
         D, C = st.rank_DC.shape
         depth_D = torch.arange(1, D + 1, device=dev)
-        hit_BD = ((depth_D <= acc.accepted_B.unsqueeze(1)) & active_B.unsqueeze(1)).long()
+        hit_BD = ((depth_D <= accepted_B.unsqueeze(1)) & active_B.unsqueeze(1)).long()
         st.rank_DC.view(-1).scatter_add_(0, ((depth_D - 1) * C + tt.rank_N[v.path_BA[:, 1:]]).flatten(),
                                          hit_BD.flatten())
         st.live_nodes.add_((dr.live_BN & active_B.unsqueeze(1)).sum())

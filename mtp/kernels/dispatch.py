@@ -156,9 +156,9 @@ version, so the engine captures its kept graphs again).
   L2 for its constant weights (the GEMV's tile, W_kb / W_vb, the gate, the indexer's weights_proj, the few-row
   GEMM's slab), then waits for the previous kernel (`pdl_wait`) before it reads an earlier kernel's output or
   stores anything: the same bits as without. Not in the chain: NCCL / one-shot all-reduces, cuBLAS (lm_head), torch
-  glue, the final norm, the grouped MoE layout (> 16 tokens), the prefill GEMM and the cooperative one-launch top-k /
-  indexer (switches topk_one_launch, indexer_one_launch). The torch.compile'd elementwise ops join in only when
-  TORCHINDUCTOR_ENABLE_PDL=1 is set before it compiles.
+  glue (the glue's four kernels are, switch glue_pdl), the final norm, the grouped MoE layout (> 16 tokens), the
+  prefill GEMM and the cooperative one-launch top-k / indexer (switches topk_one_launch, indexer_one_launch). The
+  torch.compile'd elementwise ops join in only when TORCHINDUCTOR_ENABLE_PDL=1 is set before it compiles.
 - topk_one_launch (off: measured no gain on the TP=8 rank at 32k, H200, session 12; alone 16.9 vs 17.3 us at 8k
   keys, 2 rows): the indexer top-k's three radix phases (histogram, split, write) in
   one cooperative launch whose programs meet at a barrier per row between them (`topk_one_launch`), where its grid
@@ -215,7 +215,10 @@ version, so the engine captures its kept graphs again).
   copies). The same tokens, lengths, flags, cache lengths, counters and outputs, integer for integer. Counted on the
   CPU (`mtp.bench.step_launches`): 47 launches fewer a step (48 torch ops: a GPU runs isin as several kernels);
   predicted (H200, a TP=8 rank's eagle k = 3 step) ~50 us fewer (~1.1 us of exposed time a launch in session 20's
-  profile, less the kernel's own ~3 us); to be measured (`--kernels step_commit=0`).
+  profile, less the kernel's own ~3 us); to be measured (`--kernels step_commit=0`). A tree step's too (session 22,
+  `tree_step.TreeStep`: the drafts along its path, no draft window, its cache compaction after the launch): 44 torch
+  launches -> 2 (the kernel and the compaction's base) on an eagle 2x1x1 tree step (`mtp.bench.step_launches --tree
+  2x1x1`: glue 252 -> 210).
 - rope_table (on; variant rope_table_off): a forward's cache slots (seq_lens + t) and their rotary angles in one launch
   of `kernels.lookup.rope_slots`, gathered from tables of `Rotary.angles` over positions 0..P-1 that the reference's
   own ops made (`fast_path.FastRotary`: the same bits); off: the slots' add and the angles' cast, product, cos and sin
@@ -231,6 +234,16 @@ version, so the engine captures its kept graphs again).
   tiny simulated rank under the Triton interpreter, held by tests/bench/test_step_launches.py): 4 x 4 + 4 x 7 + 3 x 2
   = 50 launches fewer, with step_commit 97; a target step (one forward) 11 fewer. Predicted on a TP=8 rank (H200):
   ~55 us an eagle step for the three (~1.1 us exposed a launch, session 20, less the new kernels' own time).
+- glue_pdl (on; variant glue_pdl_off): with pdl, the four glue kernels above (the commit, the slots' gather, the
+  embedding, the MTP norm pair) launch with programmatic dependent launch where a call of as many tokens / rows would
+  (`glue_pdl_at`: `pdl_at`, the same trigger placement), waiting first thing (each reads an earlier kernel's output
+  before anything else worth loading); the same bits. Off: launched plainly, as in session 21. Predicted (not
+  measured; H200, an eagle k = 3 step: 12 launches take it, 4 gathers, 4 embeddings, 3 norm pairs, 1 commit): a
+  kernel gains its launch gap (~1-1.5 us exposed) where the one before it triggers: the embedding after the gather
+  (4 a step), and on the simulated TP=8 rank `mtp-bench --tp 8` times, whose all-reduces launch nothing, the norm
+  pair after the embedding too (3; a real rank's NCCL all-reduce sits between them); the rest follow torch / NCCL /
+  cuBLAS kernels, which never trigger, so their launch moves up to the predecessor's last block exit at best (<= 0.5
+  us each). ~7 x 1-1.5 + 5 x <= 0.5 us: ~7-13 us a step on the simulated rank (of ~7.6 ms), ~5-9 us on a real one.
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -285,6 +298,7 @@ class FastPathOptions:
     rope_table: bool = True
     vocab_embed: bool = True
     mtp_norms: bool = True
+    glue_pdl: bool = True
     router_one_tokens: int = 8
     # impl one's calls of at least this many tokens route one token in each of its last programs to arrive
     # (`moe_route_fused(split_tail=True)`: the same bits); 0: never (the default until timed on a GPU)
@@ -362,6 +376,11 @@ class FastPathOptions:
         if not (self.pdl and tokens <= self.pdl_tokens):
             return 0
         return PDL_EARLY if tokens <= self.pdl_early_tokens else PDL_AFTER_WAIT
+
+    def glue_pdl_at(self, tokens: int) -> int:
+        """`pdl_at(tokens)` for a glue kernel's launch (the commit, the slots' gather, the embedding, the MTP norm
+        pair) with switch glue_pdl on, else 0 (no PDL)."""
+        return self.pdl_at(tokens) if self.glue_pdl else 0
 
     def prefetch_at(self, tokens: int) -> bool:
         """Whether a PDL launch for `tokens` rows asks L2 for its constant weights before the wait: tokens <=

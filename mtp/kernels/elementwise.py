@@ -209,7 +209,12 @@ def _rms_norm_row(x_ptr, w_ptr, y_ptr, row, D, stride_x, stride_y, inv_d, eps, B
 
 @triton.jit
 def _rms_norm_pair_kernel(a_ptr, wa_ptr, b_ptr, wb_ptr, y_ptr, D, stride_a, stride_b, inv_d, eps_a, eps_b,
-                          BLOCK_D: tl.constexpr):
+                          BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch(PDL)
+    # a and b are earlier kernels'; the weights are not, but `_rms_norm_row` issues their load right after x's (one
+    # row of 7168 bf16: 14 KB), so loading them before the wait would hide next to nothing, and the row's code is
+    # shared with `_rms_norm_kernel` (the same bits)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         _rms_norm_row(a_ptr, wa_ptr, y_ptr, row, D, stride_a, 2 * D, inv_d, eps_a, BLOCK_D)
@@ -226,11 +231,12 @@ def rms_norm_pair_takes(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: 
 
 
 def rms_norm_pair(a: torch.Tensor, wa: torch.Tensor, eps_a: float, b: torch.Tensor, wb: torch.Tensor, eps_b: float,
-                  out_dtype: torch.dtype) -> torch.Tensor:
+                  out_dtype: torch.dtype, pdl: int = 0) -> torch.Tensor:
     """torch.cat((rms_norm(a, wa, eps_a, out_dtype), rms_norm(b, wb, eps_b, out_dtype)), -1) in one launch (a, b
     [..., D] of one shape and dtype; `rms_norm_pair_takes`): program (row, 0) norms a's row into the first D channels,
     (row, 1) b's into the last D, each as `rms_norm`'s kernel does (the same code, the same warps: the same bits). An
-    MTP module's enorm and hnorm with the cat before eh_proj (`fast_path.FastMTPLayer`): 1 launch where they are 3."""
+    MTP module's enorm and hnorm with the cat before eh_proj (`fast_path.FastMTPLayer`): 1 launch where they are 3.
+    pdl: programmatic dependent launch (`_triton.pdl_kwargs`; `FastPathOptions.glue_pdl_at`'s value)."""
     if not rms_norm_pair_takes(a, wa, b, wb, out_dtype):
         raise ValueError(f"rms_norm_pair: takes two inputs of one shape and dtype that rms_norm's kernel takes; got "
                          f"{a.dtype} {list(a.shape)} and {b.dtype} {list(b.shape)}, out {out_dtype}")
@@ -239,9 +245,11 @@ def rms_norm_pair(a: torch.Tensor, wa: torch.Tensor, eps_a: float, b: torch.Tens
     y = torch.empty((*a.shape[:-1], 2 * D), dtype=out_dtype, device=a.device)
     if a2.shape[0]:
         bd = triton.next_power_of_2(D)
+        launch = pdl_kwargs(pdl, a2)
         _rms_norm_pair_kernel[(a2.shape[0], 2)](a2, wa.contiguous(), b2, wb.contiguous(), y, D, a2.stride(0),
                                                 b2.stride(0), 1.0 / D, eps_a, eps_b, BLOCK_D=bd,
-                                                num_warps=_row_warps(bd), **_LAUNCH)
+                                                PDL=pdl_mode(pdl, launch), num_warps=_row_warps(bd), **_LAUNCH,
+                                                **launch)
     return y
 
 

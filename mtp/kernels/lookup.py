@@ -12,13 +12,17 @@ the compare / and / not / where / clamp / indexSelect / cos / sin rows, ~1.2-3 u
 Exact: an embedding row is copied (or zeros outside the rank's rows: +0.0, as masked_fill's 0); an angle is read
 from a table the reference's own ops computed (`Rotary.angles` over 0..P-1: the same cast, product, cos and sin of
 the same position, elementwise), so the same bits as computing it per step.
+PDL (`_triton.pdl_launch` / `pdl_wait`, switches pdl and glue_pdl): both read rows at addresses an earlier kernel's
+output gives (the ids, the lengths), so each program waits first thing; only the launch overlaps the kernel before.
+In a forward the embedding follows the slots' gather, whose trigger lets it launch while that kernel runs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mtp.kernels._triton import HAS_TRITON, interpreting, require, tl, triton
+from mtp.kernels._triton import (HAS_TRITON, interpreting, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, require, tl,
+                                 triton)
 
 __all__ = ["embed_rows", "embed_rows_ref", "embed_takes", "rope_slots", "rope_slots_ref", "rope_takes"]
 
@@ -41,7 +45,9 @@ def embed_rows_ref(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch
 
 @triton.jit
 def _embed_kernel(ids_ptr, w_ptr, out_ptr, start, V, D, T, stride_ib, stride_it, stride_w,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # the ids are an earlier kernel's, and the rows read depend on them
     n = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     tok = tl.load(ids_ptr + (n // T) * stride_ib + (n % T) * stride_it)
@@ -61,8 +67,9 @@ def embed_takes(ids: torch.Tensor, weight: torch.Tensor) -> bool:
             and not (weight.requires_grad and torch.is_grad_enabled()))
 
 
-def embed_rows(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
-    """`embed_rows_ref` in one launch: [*ids.shape, D] in weight's dtype (ids read through their strides)."""
+def embed_rows(ids: torch.Tensor, weight: torch.Tensor, start: int, pdl: int = 0) -> torch.Tensor:
+    """`embed_rows_ref` in one launch: [*ids.shape, D] in weight's dtype (ids read through their strides). pdl:
+    programmatic dependent launch (`_triton.pdl_kwargs`; `FastPathOptions.glue_pdl_at`'s value)."""
     require(ids, "embed_rows")
     if not embed_takes(ids, weight):
         raise ValueError(f"embed_rows: takes int64 ids [B, T] or [N] and a weight [Vl, D] (unit last stride) on one "
@@ -73,9 +80,11 @@ def embed_rows(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Ten
     ids2 = ids.unsqueeze(0) if ids.dim() == 1 else ids
     N, T = ids2.numel(), ids2.shape[1]
     if N:
+        launch = pdl_kwargs(pdl, ids2)
         _embed_kernel[(N, triton.cdiv(D, EMBED_BLOCK))](ids2, weight, out, start, weight.shape[0], D, T,
                                                         ids2.stride(0), ids2.stride(1), weight.stride(0),
-                                                        BLOCK=EMBED_BLOCK, num_warps=4)
+                                                        BLOCK=EMBED_BLOCK, PDL=pdl_mode(pdl, launch), num_warps=4,
+                                                        **launch)
     return out
 
 
@@ -89,7 +98,9 @@ def rope_slots_ref(seq_lens_B: torch.Tensor, T: int, inv_freq: torch.Tensor):
 
 @triton.jit
 def _rope_slots_kernel(lens_ptr, cos_tab_ptr, sin_tab_ptr, pos_ptr, cos_ptr, sin_ptr, T, R2,
-                       BLOCK_R: tl.constexpr):
+                       BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # the lengths are an earlier kernel's (the last commit), and the table rows read depend on them
     n = tl.program_id(0).to(tl.int64)
     pos = tl.load(lens_ptr + n // T) + n % T
     tl.store(pos_ptr + n, pos)
@@ -99,17 +110,19 @@ def _rope_slots_kernel(lens_ptr, cos_tab_ptr, sin_tab_ptr, pos_ptr, cos_ptr, sin
     tl.store(sin_ptr + n * R2 + r, tl.load(sin_tab_ptr + pos * R2 + r, mask=m), mask=m)
 
 
-def rope_takes(seq_lens_B: torch.Tensor, cos_PR: torch.Tensor) -> bool:
-    """Whether `rope_slots` takes these: int64 lengths [B] (unit stride) on the table's device, which runs kernels."""
-    return (_runs_on(seq_lens_B) and seq_lens_B.device == cos_PR.device and seq_lens_B.dtype == torch.long
-            and seq_lens_B.dim() == 1 and seq_lens_B.stride(0) == 1)
+def rope_takes(seq_lens_B: torch.Tensor) -> bool:
+    """Whether `rope_slots` takes these lengths: int64 [B] (unit stride) on a device that runs kernels (the tables must
+    be there too)."""
+    return (_runs_on(seq_lens_B) and seq_lens_B.dtype == torch.long and seq_lens_B.dim() == 1
+            and seq_lens_B.stride(0) == 1)
 
 
-def rope_slots(seq_lens_B: torch.Tensor, T: int, cos_PR: torch.Tensor, sin_PR: torch.Tensor):
+def rope_slots(seq_lens_B: torch.Tensor, T: int, cos_PR: torch.Tensor, sin_PR: torch.Tensor, pdl: int = 0):
     """`rope_slots_ref` in one launch, the angles read from tables cos_PR / sin_PR [P, R/2] fp32 (contiguous) that
-    hold `Rotary.angles` of positions 0..P-1: the caller bounds every slot below P (no check on the device)."""
+    hold `Rotary.angles` of positions 0..P-1: the caller bounds every slot below P (no check on the device). pdl:
+    programmatic dependent launch (`_triton.pdl_kwargs`; `FastPathOptions.glue_pdl_at`'s value)."""
     require(seq_lens_B, "rope_slots")
-    if not rope_takes(seq_lens_B, cos_PR):
+    if not rope_takes(seq_lens_B) or cos_PR.device != seq_lens_B.device:
         raise ValueError(f"rope_slots: takes int64 lengths [B] (unit stride) on the table's device; got "
                          f"{seq_lens_B.dtype} {list(seq_lens_B.shape)} on {seq_lens_B.device}, table on "
                          f"{cos_PR.device}")
@@ -119,6 +132,8 @@ def rope_slots(seq_lens_B: torch.Tensor, T: int, cos_PR: torch.Tensor, sin_PR: t
     cos = torch.empty(B, T, R2, dtype=cos_PR.dtype, device=dev)
     sin = torch.empty(B, T, R2, dtype=sin_PR.dtype, device=dev)
     if B * T:
+        launch = pdl_kwargs(pdl, seq_lens_B)
         _rope_slots_kernel[(B * T,)](seq_lens_B, cos_PR, sin_PR, pos, cos, sin, T, R2,
-                                     BLOCK_R=triton.next_power_of_2(R2), num_warps=1)
+                                     BLOCK_R=triton.next_power_of_2(R2), PDL=pdl_mode(pdl, launch), num_warps=1,
+                                     **launch)
     return pos, cos, sin

@@ -18,13 +18,20 @@ Per row b (active: not finished when the step began; a finished row commits noth
   draft window's start = max(n - 1 - W, 0); hist[b, a] += active; relaxed_only += relaxed_only_B[b] * active;
   row_steps += active; new_BK1 = new; keep_B = keep; acc_B = min(a, keep).
 One program holds every row: the counters' sums need no atomics, and B x K1 is a few hundred integers at most.
+A tree step (`mtp.decode.tree_step`) runs the same kernel on the drafts along its verdict's path (K its depth), with no
+draft window (window None: p0 untouched); the cache's lengths it writes, n - 1, are what the tree's compaction of the
+kept path's slots (`KVCache.compact`, after this launch) sets them to.
+PDL (`_triton.pdl_launch` / `pdl_wait`, switches pdl and glue_pdl): every input but the stop ids is an earlier
+kernel's (the verdict, the drafts, the state the step's forwards and the previous commit wrote), so the program waits
+first thing; only its launch overlaps the kernel before it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mtp.kernels._triton import HAS_TRITON, interpreting, require, tl, triton
+from mtp.kernels._triton import (HAS_TRITON, interpreting, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, require, tl,
+                                 triton)
 
 __all__ = ["chain_commit", "chain_commit_takes", "MAX_ROWS", "MAX_K1", "MAX_STOPS"]
 
@@ -37,7 +44,10 @@ MAX_STOPS = 64  # compared one by one (an unrolled loop)
 def _chain_commit_kernel(tok_ptr, n_ptr, gen_ptr, max_new_ptr, fin_ptr, lens_ptr, p0_ptr, hist_ptr, relaxed_ptr,
                          steps_ptr, new_ptr, keep_ptr, acc_ptr, drafts_ptr, a_ptr, next_ptr, ro_ptr, stop_ptr,
                          B, K, W, S, stride_tok, stride_dr, stride_hist, stride_new,
-                         NS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K1: tl.constexpr):
+                         NS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K1: tl.constexpr, WINDOW: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_launch(PDL)
+    pdl_wait(PDL)  # the verdict, drafts and state are earlier kernels' (the stop ids alone are not: too few to matter)
     rb = tl.arange(0, BLOCK_B)
     mb = rb < B
     i = tl.arange(0, BLOCK_K1)[None, :].to(tl.int64)
@@ -72,7 +82,8 @@ def _chain_commit_kernel(tok_ptr, n_ptr, gen_ptr, max_new_ptr, fin_ptr, lens_ptr
     tl.store(gen_ptr + rb, gen, mask=mb)
     tl.store(fin_ptr + rb, (fin | stopped | (gen >= max_new)).to(tl.uint8), mask=mb)
     tl.store(lens_ptr + rb, n - 1, mask=mb)
-    tl.store(p0_ptr + rb, tl.maximum(n - 1 - W, 0), mask=mb)
+    if WINDOW:  # a chain's draft window follows n (a tree's proposer keeps its own)
+        tl.store(p0_ptr + rb, tl.maximum(n - 1 - W, 0), mask=mb)
     # count (`accept.count`)
     on = active.to(tl.int64)
     h_ptr = hist_ptr + rb.to(tl.int64) * stride_hist + a
@@ -100,12 +111,14 @@ def chain_commit(tokens_BS: torch.Tensor, n_B: torch.Tensor, gen_B: torch.Tensor
                  finished_B: torch.Tensor, seq_lens_B: torch.Tensor, p0_B: torch.Tensor, hist_BK1: torch.Tensor,
                  relaxed_only: torch.Tensor, row_steps: torch.Tensor, new_BK1: torch.Tensor, keep_B: torch.Tensor,
                  acc_B: torch.Tensor, drafts_BK: torch.Tensor, accept_len_B: torch.Tensor, next_token_B: torch.Tensor,
-                 relaxed_only_B: torch.Tensor, stop_ids: torch.Tensor, window: int) -> None:
+                 relaxed_only_B: torch.Tensor, stop_ids: torch.Tensor, window: int | None, pdl: int = 0) -> None:
     """`accept` + a chain's `commit` (draft window `window`) + `count` of `mtp.decode.accept` in one launch, every
     output in place: tokens_BS [B, S], the row state (n_B, gen_B, finished_B bool, the target cache's seq_lens_B,
-    the window start p0_B), the counters (hist_BK1 [B, K1], relaxed_only and row_steps 0-d) and the step's outputs
-    (new_BK1 [B, K1], keep_B, acc_B); read: max_new_B, drafts_BK [B, K] (any row stride), the verdict (accept_len_B,
-    next_token_B, relaxed_only_B) and stop_ids [NS]. int64 throughout but finished_B."""
+    the window start p0_B, untouched when window is None: a tree's step), the counters (hist_BK1 [B, K1],
+    relaxed_only and row_steps 0-d) and the step's outputs (new_BK1 [B, K1], keep_B, acc_B); read: max_new_B,
+    drafts_BK [B, K] (any row stride), the verdict (accept_len_B, next_token_B, relaxed_only_B) and stop_ids [NS].
+    int64 throughout but finished_B. pdl: programmatic dependent launch (`_triton.pdl_kwargs`;
+    `FastPathOptions.glue_pdl_at`'s value)."""
     require(tokens_BS, "chain_commit")
     B, K = drafts_BK.shape
     if not chain_commit_takes(tokens_BS, drafts_BK, stop_ids, accept_len_B, next_token_B, relaxed_only_B):
@@ -123,9 +136,12 @@ def chain_commit(tokens_BS: torch.Tensor, n_B: torch.Tensor, gen_B: torch.Tensor
                          f"tokens [{B}, S] with unit last strides, 0-d counters; got tokens {list(tokens_BS.shape)}, "
                          f"rows {[tuple(t.shape) for t in rows]}, hist {list(hist_BK1.shape)}, new "
                          f"{list(new_BK1.shape)}")
+    launch = pdl_kwargs(pdl, tokens_BS)
     _chain_commit_kernel[(1,)](
         tokens_BS, n_B, gen_B, max_new_B, finished_B.view(torch.uint8), seq_lens_B, p0_B, hist_BK1, relaxed_only,
         row_steps, new_BK1, keep_B, acc_B, drafts_BK, accept_len_B, next_token_B, relaxed_only_B, stop_ids,
-        B, K, window, tokens_BS.shape[1], tokens_BS.stride(0), drafts_BK.stride(0) if K else 0, hist_BK1.stride(0),
+        B, K, window or 0, tokens_BS.shape[1], tokens_BS.stride(0), drafts_BK.stride(0) if K else 0, hist_BK1.stride(0),
         new_BK1.stride(0), NS=stop_ids.numel(), BLOCK_B=max(2, triton.next_power_of_2(B)),
-        BLOCK_K1=max(2, triton.next_power_of_2(K + 1)), num_warps=1 if B * (K + 1) <= 512 else 4)
+        BLOCK_K1=max(2, triton.next_power_of_2(K + 1)), WINDOW=window is not None,
+        PDL=pdl_mode(pdl, launch),
+        num_warps=1 if B * (K + 1) <= 512 else 4, **launch)

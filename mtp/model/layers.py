@@ -164,6 +164,17 @@ class Rotary(nn.Module):
         ang = pos.float().unsqueeze(-1) * self.inv_freq
         return ang.cos(), ang.sin()
 
+    def angle_table(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [P, R/2] fp32 of every position 0..P-1, P = max_positions: `angles` of them, the same bits
+        elementwise (the reference never reads it; the fast path's `FastRotary` gathers a forward's angles from it)."""
+        cos, sin = self.angles(torch.arange(self.max_positions, device=device).unsqueeze(0))
+        return cos[0], sin[0]
+
+    @staticmethod
+    def angle_table_bytes(cfg: ModelConfig) -> int:
+        """Bytes of one `angle_table` (the memory planner counts the fast path's, one per device)."""
+        return cfg.max_position_embeddings * (cfg.qk_rope_head_dim // 2) * 2 * 4
+
     def slots(self, seq_lens_B: torch.Tensor, T: int, bound: int | None = None):
         """The cache slots of T new tokens after each row's seq_lens, pos [B, T] = seq_lens[b] + t, and their angles
         (cos, sin) [B, T, R/2]. `bound`: a host-known bound on every slot + 1 (a forward's kv_len), or None."""

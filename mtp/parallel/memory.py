@@ -16,6 +16,9 @@ Per rank it prints:
 - draft head FP8 copy (`--draft-head-fp8`, `mtp.draft.head_fp8`): per MTP module the drafts read, the rank's
   vocabulary rows of its head in e4m3 + fp32 scales per 128 x 128 block (116 MB at TP=8, the bf16 shard's half),
   beside the bf16 head the verify keeps.
+- rotary angle table: the fast path's (`mtp.backends.fast_path.FastRotary`, switch rope_table) cos and sin of every
+  position, fp32 [max_position_embeddings, R/2] each, one per rank (`Rotary.angle_table_bytes`: 42 MB at
+  DeepSeek-V3.2's 163840), counted whichever path runs.
 - workspace: an ESTIMATE. Decode/verify step (B * (k+1) tokens), all counted as live at once: on the
   reference attention path the model runs today (each layer dequantizes the cache to fp32 and scores every
   key with every indexer head), and, for comparison, on the kernel path (indexer scores [B, T, S] fp32 +
@@ -38,6 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from ..model.cache import KVCache
+from ..model.layers import Rotary
 from ..draft.modes import DRAFTERS, drafter
 from ..model.config import BLOCK, NUMERICS, ConfigError, ModelConfig
 from .layout import MLP_SPLITS, ParallelPlan, RankLayout
@@ -189,6 +193,7 @@ class MemoryPlan:
     comm_bytes_per_step: int
     notes: list[str] = field(default_factory=list)
     draft_head_bytes: int = 0  # the FP8 copies of the drafts' heads (`draft_head_fp8_bytes`), 0 without them
+    rope_table_bytes: int = 0  # the fast path's rotary angle table (`Rotary.angle_table_bytes`)
 
     @property
     def weights_max(self) -> int:
@@ -196,8 +201,8 @@ class MemoryPlan:
 
     @property
     def resident(self) -> int:
-        return (self.weights_max + self.draft_head_bytes + self.kv_bytes + self.engine_bytes + self.step_workspace
-                + self.reserve_bytes)
+        return (self.weights_max + self.draft_head_bytes + self.rope_table_bytes + self.kv_bytes + self.engine_bytes
+                + self.step_workspace + self.reserve_bytes)
 
     @property
     def peak(self) -> int:
@@ -259,7 +264,8 @@ def make_plan(cfg: ModelConfig, gpus_per_node: int, gpu_mem_gib: float, nodes: i
     reserve = int(reserve_gib * GIB)
     mem = int(gpu_mem_gib * GIB)
     head = draft_head_fp8_bytes(cfg, plan, wl.draft, wl.k) if wl.head_fp8 else 0
-    resident = max(sum(w.values()) for w in weights) + head + kv + engine + step + reserve
+    rope = Rotary.angle_table_bytes(cfg)
+    resident = max(sum(w.values()) for w in weights) + head + rope + kv + engine + step + reserve
     pre = prefill_workspace(cfg, world, wl, wl.prompt_len)
     lo, hi = 0, wl.max_len  # longest one-shot prefill that fits next to everything resident
     while lo < hi:
@@ -287,7 +293,7 @@ def make_plan(cfg: ModelConfig, gpus_per_node: int, gpu_mem_gib: float, nodes: i
                  f"{lay.vocab[1] - lay.vocab[0]} vocabulary rows, dense MLP {lay.dense[1] - lay.dense[0]} "
                  f"+ shared expert {lay.shared[1] - lay.shared[0]} channels (rank 0)")
     return MemoryPlan(world, gpus_per_node, nodes, mem, weights, kv_tl, layers, kv, engine, step,
-                      step_workspace(cfg, world, wl), pre, reserve, lo, int(max_tokens), coll, comm, notes, head)
+                      step_workspace(cfg, world, wl), pre, reserve, lo, int(max_tokens), coll, comm, notes, head, rope)
 
 
 def _g(n: float) -> str:
@@ -319,6 +325,8 @@ def format_plan(cfg: ModelConfig, p: MemoryPlan, wl: Workload, source: str = "co
     if p.draft_head_bytes:
         lines.append(f"  {'draft head FP8 copy':26s} {_g(p.draft_head_bytes)}   (--draft-head-fp8: the rank's head "
                      f"rows in e4m3 + block scales, per MTP module drafting)")
+    lines.append(f"  {'rotary angle table':26s} {_g(p.rope_table_bytes)}   (cos + sin of every position, fp32: the "
+                 f"fast path's, switch rope_table)")
     lines += [f"  {'KV cache':26s} {_g(p.kv_bytes)}   ({p.kv_per_token_layer} B/token/layer x {p.kv_layers} layers "
               f"x {wl.batch} x {wl.max_len}, replicated on every rank)",
               f"  {'engine buffers':26s} {_g(p.engine_bytes)}   (tokens + hidden states [B, max_len, D])",

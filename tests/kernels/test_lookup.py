@@ -9,10 +9,10 @@ Shape legend: B rows, T tokens, D width, Vl a rank's vocabulary rows, P table po
   - embed_rows torch.equal to the vocabulary-parallel lookup (ids inside, below and past the rank's rows, [B, T]
     strided ids and [N] ids, bf16 and fp32 rows); rope_slots to `Rotary.slots` (the table made by `Rotary.angles`);
     rms_norm_pair to the cat of two Triton rms_norm calls (odd widths, strided rows, bf16 / fp32 in and out);
-  - the fast modules on a tiny model: `FastRotary.slots` equal to the reference's with its table grown by doubling
-    (older tables kept), the reference's launches without a bound or past max_positions; `FastMTPLayer.eh_input`
-    equal to the reference's; a simulated rank's `FastVocabParallelEmbedding` equal to the reference's; each switch
-    off taking the torch ops.
+  - the fast modules on a tiny model: `FastRotary.slots` equal to the reference's at any bound from one table of every
+    position (the memory planner's bytes), the reference's launches without a bound or past max_positions;
+    `FastMTPLayer.eh_input` equal to the reference's; a simulated rank's `FastVocabParallelEmbedding` equal to the
+    reference's; each switch off taking the torch ops.
 Whole steps with every switch on and off (the same decode buffers and caches): tests/bench/test_step_launches.py; GPU
 twin: tests/backends/test_glue_gpu.py.
 """
@@ -39,6 +39,7 @@ def test_switches_are_on_by_default_with_bench_variants():
     for n in names:
         assert KERNEL_VARIANTS[f"{n}_off"][0] == {n: False}
     assert KERNEL_VARIANTS["glue_off"][0] == {n: False for n in names}
+    assert o.glue_pdl and KERNEL_VARIANTS["glue_pdl_off"][0] == {"glue_pdl": False}  # the glue's PDL (session 22)
 
 
 def test_cpu_tensors_keep_the_torch_ops():
@@ -46,7 +47,7 @@ def test_cpu_tensors_keep_the_torch_ops():
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         assert not embed_takes(torch.zeros(2, 3, dtype=torch.long), torch.zeros(8, 4))
-        assert not rope_takes(torch.zeros(2, dtype=torch.long), torch.zeros(8, 4))
+        assert not rope_takes(torch.zeros(2, dtype=torch.long))
 
 
 def _hopper_ptx(kernel, types: dict, consts: dict, num_warps: int) -> str:
@@ -67,9 +68,11 @@ def _hopper_ptx(kernel, types: dict, consts: dict, num_warps: int) -> str:
 
 def test_kernels_compile_for_hopper_and_the_norm_pair_is_rms_norms_code():
     """The three kernels compile for sm_90 at the real widths, no local-memory spill: the embedding lookup on bf16 rows,
-    the slots + angles gather, the norm pair at D = 7168 (BLOCK_D 8192, 8 warps as `rms_norm`'s). The pair's float
-    instructions (products, sums, shuffles of the row's reduction, rsqrt) are, per half, `_rms_norm_kernel`'s in the
-    same order: the same sums, so the same bits (the GPU test compares them)."""
+    the slots + angles gather, the norm pair at D = 7168 (BLOCK_D 8192, 8 warps as `rms_norm`'s). With PDL (switch
+    glue_pdl; the gather and the embedding trigger at their start, PDL_EARLY, the pair after its wait, PDL_AFTER_WAIT)
+    each waits before its first global load or store (`test_pdl._order`: every row they read depends on an earlier
+    kernel's output). The pair's float instructions (products, sums, shuffles of the row's reduction, rsqrt) are, per
+    half, `_rms_norm_kernel`'s in the same order: the same sums, so the same bits (the GPU test compares them)."""
     import re
 
     import pytest
@@ -77,19 +80,25 @@ def test_kernels_compile_for_hopper_and_the_norm_pair_is_rms_norms_code():
     pytest.importorskip("triton")
     from mtp.kernels.elementwise import _rms_norm_kernel, _rms_norm_pair_kernel
     from mtp.kernels.lookup import EMBED_BLOCK, _embed_kernel, _rope_slots_kernel
+    from tests.kernels.test_pdl import _order
 
     f32 = dict(inv_d="fp32", eps="fp32", eps_a="fp32", eps_b="fp32")
     ptx = {
         "embed": _hopper_ptx(_embed_kernel, dict(ids_ptr="*i64", w_ptr="*bf16", out_ptr="*bf16"),
-                             dict(BLOCK=EMBED_BLOCK), 4),
+                             dict(BLOCK=EMBED_BLOCK, PDL=1), 4),
         "rope": _hopper_ptx(_rope_slots_kernel, dict(lens_ptr="*i64", pos_ptr="*i64", cos_tab_ptr="*fp32",
                                                      sin_tab_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32"),
-                            dict(BLOCK_R=32), 1),
+                            dict(BLOCK_R=32, PDL=1), 1),
         "pair": _hopper_ptx(_rms_norm_pair_kernel, dict(a_ptr="*bf16", wa_ptr="*bf16", b_ptr="*bf16", wb_ptr="*bf16",
-                                                        y_ptr="*bf16", **f32), dict(BLOCK_D=8192), 8),
+                                                        y_ptr="*bf16", **f32), dict(BLOCK_D=8192, PDL=2), 8),
         "single": _hopper_ptx(_rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", **f32),
-                              dict(BLOCK_D=8192, PDL=0), 8)}
+                              dict(BLOCK_D=8192, PDL=2), 8)}
     assert not [k for k, p in ptx.items() if ".local" in p]
+    gdc = ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
+    orders = {k: _order(ptx[k]) for k in ("embed", "rope", "pair")}
+    assert orders["embed"][:2] == orders["rope"][:2] == gdc and orders["pair"][:2] == gdc[::-1], \
+        {k: o[:4] for k, o in orders.items()}
+    assert all(o.count("griddepcontrol.wait") == 1 for o in orders.values()), orders
 
     def float_ops(p: str) -> list[str]:
         return [ln.split()[0] for ln in p.splitlines() if re.match(r"\s+(add|mul|fma|sub)[\w.]*\.f32|\s+(rsqrt|shfl)", ln)]
@@ -176,12 +185,14 @@ def _module_checks() -> None:
     rot = model.rotary
     assert isinstance(rot, fp.FastRotary)
     lens = torch.tensor([3, 4000, 4090])
-    for bound, T, size in ((4094, 4, 4096), (8000, 2, 8192), (4094, 4, 8192), (9000, 1, 9000)):
+    for bound, T in ((4094, 4), (8000, 2), (4094, 4), (9000, 1)):
         launches.clear()
         got, want = rot.slots(lens, T, bound), ref.slots(lens, T)
         assert all(torch.equal(a, b) for a, b in zip(got, want)) and launches == ["_rope_slots_kernel"], bound
-        assert rot.rope_tables[-1][0].shape[0] == size, (bound, [t[0].shape for t in rot.rope_tables])
-    assert [t[0].shape[0] for t in rot.rope_tables] == [4096, 8192, 9000]  # outgrown tables kept (captured graphs)
+    # one table, of every position, whatever the bounds: never outgrown, and what the memory planner counts
+    (cos, sin), = rot.rope_tables.values()
+    assert cos.shape == sin.shape == (9000, cfg.qk_rope_head_dim // 2)
+    assert cos.nbytes + sin.nbytes == Rotary.angle_table_bytes(cfg)
     for bound, opts in ((None, FastPathOptions()), (9001, FastPathOptions()), (10, FastPathOptions(rope_table=False))):
         rot.fast_options = opts
         launches.clear()

@@ -10,8 +10,9 @@ constants (or ask L2 for them) before the wait, and wait before reading an earli
   prefetches no-ops, PDL granted on the CPU), each kernel gives the same bits as without, every launch of the call
   took PDL, and its L2 prefetches lie inside the weight they are for and cover all of it.
 - A tiny simulated TP=2 'split' rank's decode forward with the indexer and its top-k (every kernel a dense step
-  runs, and more): with the switch on every Triton kernel launched took PDL but the final and the MTP module's
-  norms and the forward's glue lookups (`NOT_CHAINED`), and logits, hidden and the cache's bytes equal the switch off's.
+  runs, and more): with the switch on every Triton kernel launched took PDL but the final and the MTP module's head
+  norms (`NOT_CHAINED`), the forward's glue kernels included (switch glue_pdl, on; with it off they alone launch
+  without), and logits, hidden and the cache's bytes equal the switch off's.
 - pdl_prefetch_tokens 0: the prefetching kernels compiled for sm_90 hold no prefetch and otherwise the same
   griddepcontrol / memory instruction order; under the interpreter each such entry point gives the same bits at 1..4
   rows with no prefetch launched or run, and the decode forward above neither launches nor runs one, same bits.
@@ -34,11 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 from tests.interp import run_interpreted  # noqa: E402
 
 # Triton kernels a decode forward of the fast path launches without PDL, with the switch on (the chain restarts
-# after each): the final norm and an MTP module's norms (elementwise ops called through the model's ops object,
-# which knows no switch; once per step, next to cuBLAS / torch launches that break the chain anyway), and the
-# forward's glue (session 21: the slots and angles, the vocabulary-parallel lookup, an MTP module's enorm + hnorm
-# pair), once per forward between torch / NCCL / cuBLAS launches, as the torch ops they replace were
-NOT_CHAINED = {"_rms_norm_kernel", "_rope_slots_kernel", "_embed_kernel", "_rms_norm_pair_kernel"}
+# after each): the final norm and an MTP module's head norm (elementwise ops called through the model's ops object,
+# which knows no switch; once per forward, next to cuBLAS / torch launches that break the chain anyway)
+NOT_CHAINED = {"_rms_norm_kernel"}
+# the forward's glue kernels (session 21: the slots and angles, the vocabulary-parallel lookup, an MTP module's
+# enorm + hnorm pair), chained since session 22 unless switch glue_pdl is off
+GLUE = {"_rope_slots_kernel", "_embed_kernel", "_rms_norm_pair_kernel"}
 CACHE = ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale")
 # the Triton kernels of that decode forward (`_step_checks`: one token, default switches) that ask L2 for their
 # constant weights before the wait (`prefetch_at`): the router's gate slice, W_kb in the fused q prologue, W_vb
@@ -365,6 +367,32 @@ def _kernel_checks() -> None:
     gu = rn(2, 2, 300)
     _pdl_equal("silu_mul", lambda p: silu_mul(gu[..., :150], gu[..., 150:], torch.float32, pdl=p))
     _pdl_equal("rms_norm", lambda p: rms_norm(h, wn, 1e-6, torch.bfloat16, pdl=p))
+    # the decode step's glue (switch glue_pdl): the slots' gather, the vocabulary-parallel lookup (ids inside and
+    # outside the rank's rows), the MTP norm pair, the chain step's commit
+    from mtp.kernels.elementwise import rms_norm_pair
+    from mtp.kernels.lookup import embed_rows, rope_slots
+    from tests.kernels.test_step_commit import _random_step
+
+    cos_t, sin_t = rn(50, 32), rn(50, 32)
+    lens = torch.tensor([3, 40])
+    _pdl_equal("rope_slots", lambda p: rope_slots(lens, 3, cos_t, sin_t, pdl=p), launches=1)
+    wv, ids = rn(7, 300).bfloat16(), torch.tensor([[2, 9, 12], [14, 5, 0]])
+    _pdl_equal("embed_rows", lambda p: embed_rows(ids, wv, 5, pdl=p), launches=1)
+    e, hh = rn(2, 1, 200).bfloat16(), rn(2, 1, 200).bfloat16()
+    _pdl_equal("rms_norm_pair", lambda p: rms_norm_pair(e, wn[:200], 1e-6, hh, wn[100:300], 2e-6, torch.bfloat16,
+                                                        pdl=p), launches=1)
+
+    def commit(p):
+        import copy
+
+        from mtp.decode.accept import fused_commit
+
+        st, drafts, verdict, stops = copy.deepcopy(step)
+        fused_commit(st, drafts, verdict, stops, 4, pdl=p)
+        return [t for t in vars(st).values() if isinstance(t, torch.Tensor)] + [st.cache.seq_lens]
+
+    step = _random_step(g, 3, 3)
+    _pdl_equal("chain_commit", commit, launches=1)
     # the router (its gate slice prefetched): the split-K implementations; impl one (its gate rows loaded before the
     # wait: nothing prefetched)
     xr, wg, bias = rn(2, 384), rn(64, 384, s=0.05), rn(64, s=0.05)
@@ -540,9 +568,10 @@ def _prefetch_checks() -> None:
 def _step_checks() -> None:
     """A tiny simulated TP=2 'split' rank (the smallest whose MLA takes the kernels), one decode forward of its
     trunk, head and MTP module at 1 token over 40 keys (the indexer and its top-k 16: every kernel of a dense step
-    and more), the switch off, then on, then on with no prefetch: the same logits, hidden and cache bytes, every
-    Triton launch with PDL but NOT_CHAINED's; STEP_PREFETCHING's kernels launched with their L2 prefetches compiled in
-    (and run) with prefetches on, none with them off (the option reaches every call site)."""
+    and more), the switch off, then on, then on with no prefetch and glue_pdl off: the same logits, hidden and cache
+    bytes, every Triton launch with PDL but NOT_CHAINED's (and GLUE's with glue_pdl off); STEP_PREFETCHING's kernels
+    launched with their L2 prefetches compiled in (and run) with prefetches on, none with them off (the option
+    reaches every call site)."""
     from mtp.backends import fast_path as fp
     from mtp.checkpoint.synthetic import fill_cache_random
     from mtp.parallel.layout import ParallelPlan
@@ -563,8 +592,8 @@ def _step_checks() -> None:
         for L in (40,):
             ids = torch.randint(0, cfg.vocab_size, (1, 1), generator=g)
             out, names, pf_names = {}, {}, {}
-            for pdl, pf in ((False, True), (True, True), (True, False)):
-                fp.set_kernels(model, pdl=pdl, pdl_prefetch_tokens=64 if pf else 0)
+            for pdl, pf, glue in ((False, True, True), (True, True, True), (True, False, False)):
+                fp.set_kernels(model, pdl=pdl, pdl_prefetch_tokens=64 if pf else 0, glue_pdl=glue)
                 cache = fill_cache_random(model.new_cache(1, L + 4), L)
                 mcache = fill_cache_random(model.new_cache(1, L + 4, n_layers=1), L)
                 PREFETCHED.clear()
@@ -573,15 +602,17 @@ def _step_checks() -> None:
                     res = model(ids, cache, kv_len=L + 1)
                     mres = model.mtp_forward(0, ids, res.hidden, mcache, kv_len=L + 1)
                 bufs = [getattr(c, n) for c in (cache, mcache) for n in CACHE]
-                out[pdl, pf] = [res.logits, res.hidden, mres.logits, *bufs]
-                names[pdl, pf] = {n for n, p in runs if p != pdl}  # kernels that did not follow the switch
-                pf_names[pdl, pf] = set(flagged)
+                out[pdl, pf, glue] = [res.logits, res.hidden, mres.logits, *bufs]
+                names[pdl, pf, glue] = {n for n, p in runs if p != pdl}  # kernels that did not follow the switch
+                pf_names[pdl, pf, glue] = set(flagged)
                 assert bool(PREFETCHED) == (pdl and pf), (L, pdl, pf, len(PREFETCHED))
-            assert _same(out[False, True], out[True, True]) and _same(out[False, True], out[True, False]), L
-            assert not names[False, True], (L, names[False, True])
-            assert names[True, True] == names[True, False] == NOT_CHAINED, (L, names)
-            assert pf_names[True, True] == STEP_PREFETCHING, (L, pf_names[True, True])
-            assert not pf_names[False, True] and not pf_names[True, False], (L, pf_names)
+            base = out[False, True, True]
+            assert all(_same(base, o) for o in out.values()), L
+            assert not names[False, True, True], (L, names[False, True, True])
+            assert names[True, True, True] == NOT_CHAINED, (L, names)
+            assert names[True, False, False] == NOT_CHAINED | GLUE, (L, names)
+            assert pf_names[True, True, True] == STEP_PREFETCHING, (L, pf_names[True, True, True])
+            assert not pf_names[False, True, True] and not pf_names[True, False, False], (L, pf_names)
 
 
 if __name__ == "__main__":

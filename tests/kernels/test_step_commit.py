@@ -1,4 +1,4 @@
-"""A chain step's accept + commit + count in one launch (`mtp.kernels.step_commit`, switch
+"""A chain (or tree) step's accept + commit + count in one launch (`mtp.kernels.step_commit`, switch
 `FastPathOptions.step_commit`), integer for integer against the torch ops of `mtp.decode.accept`, on the CPU.
 
 Shape legend: B rows, K drafts, K1 = K + 1, S buffer positions.
@@ -9,9 +9,13 @@ Shape legend: B rows, K drafts, K1 = K + 1, S buffer positions.
     at their last allowed tokens, windows of 1..2K) from random states: every tensor the torch ops write (tokens,
     n, generated, finished, the cache's lengths, the window start, the histogram, the two counters, the step's
     new / keep / acc outputs) torch.equal after the kernel;
+  - kernel, a tree's step: random paths through trees of 3..9 nodes, the path's cache slots compacted after the kernel
+    (`fused_commit(path_BA=)`), against accept / commit(path_BA) / count: every tensor above and the cache's entries
+    torch.equal, the draft window's start untouched;
   - engine: strict decoding on a tiny model whose MTP heads agree with the trunk (drafts accepted) with the switch on
     and off (nothing else of the fast path installed): the same tokens, acceptance, decode buffers and caches, for
-    plain, eagle and vanilla chains, with a stop id cutting rows; the kernel launched once a step.
+    plain, eagle and vanilla chains, with a stop id cutting rows, and an eagle 2x1 tree (one row, no stop round:
+    ~10 s); the kernel launched once a step.
 GPU twin (eager and CUDA graphs, the real TP=8 rank's eagle k = 3 step): tests/backends/test_glue_gpu.py.
 """
 
@@ -56,20 +60,25 @@ def test_what_the_kernel_does_not_take_keeps_the_torch_ops():
 
 def test_kernel_compiles_for_hopper():
     """The kernel compiles for sm_90 (triton's own ptxas, no GPU) at one row and at 64 (4 warps), with no local-memory
-    spill; it stores the bool flags as bytes."""
+    spill; it stores the bool flags as bytes. With PDL (switch glue_pdl), its trigger at the start (PDL_EARLY, one
+    row) or after its wait (PDL_AFTER_WAIT), it waits before its first global load or store (`test_pdl._order`)."""
     pytest.importorskip("triton")
     from tests.kernels.test_fused_kernels import _compile_for_hopper
+    from tests.kernels.test_pdl import _order
 
     from mtp.kernels.step_commit import _chain_commit_kernel
 
     ptrs = {name: "*i64" for name in ("tok_ptr", "n_ptr", "gen_ptr", "max_new_ptr", "lens_ptr", "p0_ptr", "hist_ptr",
                                       "relaxed_ptr", "steps_ptr", "new_ptr", "keep_ptr", "acc_ptr", "drafts_ptr",
                                       "a_ptr", "next_ptr", "ro_ptr", "stop_ptr")}
-    for rows, k1, warps in ((2, 4, 1), (64, 8, 4)):
+    gdc = ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
+    for rows, k1, warps, pdl in ((2, 4, 1, 1), (64, 8, 4, 2)):
         k = _compile_for_hopper(_chain_commit_kernel, {**ptrs, "fin_ptr": "*u8"},
-                                dict(NS=2, BLOCK_B=rows, BLOCK_K1=k1), num_warps=warps)
+                                dict(NS=2, BLOCK_B=rows, BLOCK_K1=k1, PDL=pdl), num_warps=warps)
         ptx = k.asm["ptx"]
         assert "st.global.b8" in ptx and ".local" not in ptx, (rows, k1)
+        order = _order(ptx)
+        assert order[:2] == (gdc if pdl == 1 else gdc[::-1]) and order.count("griddepcontrol.wait") == 1, order[:4]
 
 
 def test_step_commit_interpreted():
@@ -82,10 +91,10 @@ def test_engine_with_step_commit_interpreted():
 
 
 # ----------------------------------------------------------------------------- run under TRITON_INTERPRET=1
-def _random_step(g: torch.Generator, B: int, K: int, S: int = 40):
+def _random_step(g: torch.Generator, B: int, K: int, S: int = 40, layers: int = 0):
     """A decode state (the fields accept / commit / count touch) and a verdict, random but consistent: rows with n
     committed tokens and room for K + 1 more, some finished, generated counts near max_new, stop ids among the
-    candidates."""
+    candidates; a target cache of `layers` layers (random entries: a tree's compaction moves them)."""
     from mtp.model.cache import KVCache
     from mtp.model.presets import tiny_config
     from mtp.verify.common import Verdict
@@ -98,8 +107,10 @@ def _random_step(g: torch.Generator, B: int, K: int, S: int = 40):
     max_new = ints(1, 8, B)
     gen = torch.minimum(ints(0, 8, B), max_new)
     finished = (ints(0, 4, B) == 0) | (gen >= max_new)
-    cache = KVCache(tiny_config(), 0, B, S, device="cpu", dtype=torch.float32, quantized=False)
+    cache = KVCache(tiny_config(), layers, B, S, device="cpu", dtype=torch.float32, quantized=False)
     cache.seq_lens.copy_(ints(0, S, B))
+    for buf in (cache.kv, cache.kv_scale, cache.pe, cache.idx_k, cache.idx_k_scale):
+        buf.copy_(torch.randn(buf.shape, generator=g))
     st = SimpleNamespace(tokens=ints(0, vocab, B, S), n_B=n, gen_B=gen, max_new_B=max_new, finished_B=finished,
                          cache=cache, max_len=S, p0_B=ints(0, 5, B), think_B=torch.zeros(B, dtype=torch.bool),
                          hist_BK1=ints(0, 9, B, K + 1), relaxed_only=ints(0, 9), row_steps=ints(0, 9),
@@ -111,7 +122,10 @@ def _random_step(g: torch.Generator, B: int, K: int, S: int = 40):
 
 
 def _state(st) -> dict:
-    return {k: (v.seq_lens if k == "cache" else v).clone() for k, v in vars(st).items() if k not in ("max_len",)}
+    out = {k: (v.seq_lens if k == "cache" else v).clone() for k, v in vars(st).items() if k not in ("max_len",)}
+    if hasattr(st, "cache"):
+        out |= {f"cache.{n}": getattr(st.cache, n).clone() for n in ("kv", "kv_scale", "pe", "idx_k", "idx_k_scale")}
+    return out
 
 
 def _kernel_checks() -> None:
@@ -138,6 +152,23 @@ def _kernel_checks() -> None:
                 bad = [k for k in a if not torch.equal(a[k], b[k])]
                 assert not bad, (B, K, W, bad, {k: (a[k], b[k]) for k in bad})
                 cases += 1
+    # a tree's step: the drafts along a random path of a tree of N nodes, the path's cache slots compacted after the
+    # kernel, no draft window (p0 untouched)
+    for B, K, N in ((1, 1, 3), (3, 3, 9), (4, 2, 7)):
+        for _ in range(6):
+            st, drafts, verdict, stops = _random_step(g, B, K, layers=1)
+            path = torch.cat((torch.zeros(B, 1, dtype=torch.long), torch.randint(1, N, (B, K), generator=g)), 1)
+            want = copy.deepcopy(st)
+            active = ~want.finished_B
+            acc = accept(drafts, verdict, active, stops, want.max_new_B - want.gen_B)
+            commit(want, acc, None, path_BA=path)
+            count(want, acc, verdict.relaxed_only_B, active)
+            got = copy.deepcopy(st)
+            fused_commit(got, drafts, verdict, stops, None, path_BA=path)
+            a, b = _state(want), _state(got)
+            bad = [k for k in a if not torch.equal(a[k], b[k])]
+            assert not bad and torch.equal(b["p0_B"], st.p0_B), (B, K, N, bad)
+            cases += 1
     # a stop in the drafts of an active row cuts it and finishes it, in both
     st, drafts, verdict, stops = _random_step(torch.Generator().manual_seed(1), 1, 4)
     st.finished_B.zero_(), st.gen_B.zero_(), st.max_new_B.fill_(10)
@@ -182,17 +213,19 @@ def _engine_checks() -> None:
         model = load_model(path, dtype=torch.float32, numerics="fp8")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (5, 23, 9)]
-    for kw in (dict(draft="none"), dict(draft="eagle", k=3), dict(draft="vanilla", k=2)):
+    runs = (dict(draft="none"), dict(draft="eagle", k=3), dict(draft="vanilla", k=2), dict(draft="eagle", tree="2x1"))
+    for kw in runs:
         stop = None
-        for _ in range(2):  # the second round with a token the first made mid-row as a stop id
+        tree = "tree" in kw  # one row, one round: a tree's verify on the reference path is the run's slowest
+        for _ in range(1 if tree else 2):  # the second round with a token the first made mid-row as a stop id
             outs = {}
             for label, opts in (("off", FastPathOptions(step_commit=False)), ("on", FastPathOptions())):
                 model.fast_options = opts
                 calls.clear()
-                gcfg = GenerationConfig.from_options(8, kw["draft"], kw.get("k"), "strict",
+                gcfg = GenerationConfig.from_options(8, kw["draft"], kw.get("k"), "strict", tree=kw.get("tree"),
                                                      stop_ids=() if stop is None else (stop,))
                 engine = Engine(model, gcfg)
-                res = engine.run(prompts)
+                res = engine.run(prompts[:1] if tree else prompts)
                 st = next(iter(engine.pool.states.values()))
                 caches = [st.cache, *getattr(st.proposer, "caches", ())]
                 outs[label] = (res, {k: v.clone() for k, v in vars(st).items() if isinstance(v, torch.Tensor)},

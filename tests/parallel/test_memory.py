@@ -108,7 +108,29 @@ def test_fp8_draft_head_copy_at_tp8(real_config_file, capsys):
     base, fp8_head = (make_plan(cfg, 8, 141, wl=Workload(k=3, head_fp8=h)) for h in (False, True))
     assert fp8_head.draft_head_bytes == one and fp8_head.resident - base.resident == one
     assert main([str(real_config_file), "--gpus", "8", "--gpu-mem-gib", "141", "--k", "3", "--draft-head-fp8"]) == 0
-    assert re.search(r"draft head FP8 copy +110\.50 MiB", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert re.search(r"draft head FP8 copy +110\.50 MiB", out)
+    assert re.search(r"rotary angle table +40\.00 MiB", out)  # 163840 x 32 pairs x cos, sin fp32: every rank
+
+
+def test_rotary_angle_table_is_planned_as_the_fast_path_allocates_it():
+    """The fast path's rotary angle table (`FastRotary.table`: cos and sin of every position, one per device), made on
+    the CPU for a small config: its tensors' bytes are the planner's line, in the resident total (the CLI's line at
+    DeepSeek-V3.2's 163840 positions, 40 MiB: `test_fp8_draft_head_copy_at_tp8`)."""
+    from dataclasses import replace
+
+    from mtp.backends.fast_path import FastRotary
+    from mtp.kernels.dispatch import FastPathOptions
+    from mtp.model.layers import Rotary
+
+    cfg = tiny_config()
+    rot = Rotary(cfg)
+    rot.__class__, rot.fast_options = FastRotary, FastPathOptions()
+    cos, sin = rot.table(torch.device("cpu"))
+    assert rot.table(torch.device("cpu"))[0] is cos and len(rot.rope_tables) == 1  # made once, never grown
+    p = make_plan(cfg, 1, 80, wl=Workload(max_len=512, prompt_len=64))
+    assert p.rope_table_bytes == cos.nbytes + sin.nbytes == 4096 * cfg.qk_rope_head_dim * 4
+    assert p.resident - replace(p, rope_table_bytes=0).resident == p.rope_table_bytes
 
 
 def test_cli_on_a_missing_path_is_one_line(tmp_path, capsys):
