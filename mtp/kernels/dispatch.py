@@ -199,9 +199,9 @@ version, so the engine captures its kept graphs again).
   up to fused_hist_rows rows the scores kernel (the histogram in its epilogue) and this one launch, more rows the
   histogram launch and this one, where the split and write kernels ran: one launch fewer per layer, no arrival
   counter; the same index sets bit for bit. Prediction (sm_90 SASS counted on the CPU, `topk_row`'s docstring; H200,
-  S = 32768): 5-7 us for the row kernel against split 11.8 + write 2.9 at one row, split 10.2 + write ~3 at four
-  (session 21's profile): ~-7 / ~-6 us a layer, ~-0.4 ms a step at 32k (61 layers), 1k unchanged (no indexer). Not
-  with topk_one_launch or indexer_one_launch (refused: each runs the top-k's phases its own way).
+  S = 32768): 6-8 us for the row kernel against split 11.8 + write 2.9 at one row, split 10.2 + write ~3 at four
+  (session 21's profile): ~-7 / ~-5 us a layer, -0.3 to -0.4 ms a step at 32k (61 layers), 1k unchanged (no
+  indexer). Not with topk_one_launch or indexer_one_launch (refused: each runs the top-k's phases its own way).
 - fused_hist_rows (1; an integer): an indexer call of at most this many score rows (batch x queries) whose top-k is
   'radix' runs 'radix_fused' (`indexer.indexer_topk`: the radix select's histogram pass in the scores kernel's
   epilogue, one launch fewer per layer past the top-k's 2048 keys; the same scores and index sets bit for bit); more

@@ -25,25 +25,27 @@ cross-program counter and no second launch:
    E consecutive keys, E adds, then one scan over the threads' counts: `_append_kept`). Every key of the row
    kept (fewer valid than k): the same pass straight to the output;
 3. the list's candidates (scores below the next bin's flo) appended by an atomic each to their own list of (key,
-   position), the list staying in registers (one tile: every decode row); the k-th (key, position) among them as
-   the split kernel's last program finds it: one pairwise rank in a tile of 32 / 64 / SMALL, the smallest that
-   holds them (`topk._rank_select`), more by `topk._threshold_radix` (key bytes; boundary ties by its walk over the
-   row: exact, slow when thousands tie, as before);
+   position), the list staying in registers (one tile: every decode row); the k-th (key, position) among them in a
+   tile of 32 / 64 / 128 / 256, the smallest that holds them: a pairwise rank at 32 (`topk._rank_select`, as the
+   split kernel's last program), a sort of (key, position) pairs above (its cost grows as N log^2 N, the rank's as
+   N^2: 400 against 1700 instructions a warp at 128), more by `topk._threshold_radix` (key bytes; boundary ties by
+   its walk over the row: exact, slow when thousands tie, as before);
 4. the list's kept entries (key > Tk, or key == Tk and position <= Ts) to the output, in order, then -1 up to k.
 The old objection to one program per row (a single SM histograms ~32k keys in ~10 us) does not apply: the
 histogram comes from before; this program compares and compacts. The kept set and order are `topk_select_ref`'s
 (and `radix_topk`'s) bit for bit: the same keys, bin, candidates (in another order: the threshold does not depend
 on it) and threshold rule.
 
-Cost, counted in sm_90 SASS (triton 3.6, compiled on the CPU, the common path of each loop; 8 warps, TILE 8192):
-the pass 404 instructions a warp per tile (0.39 warp-instructions a key), the list's steps (candidates, threshold in
-the 64 tile, output) ~900, the prefix and zeroing ~370: ~3300 a warp, ~26k warp-instructions for a 32k row (16
-warps: ~36k). Prediction (to be timed: `python -m mtp.bench.topk_moe --only topk_row`), H200, S = 32768: at ~3
-instructions a cycle ~4.5 us of issue, plus ~1.5 us of dependent round trips (the prefix's two loads, the list's,
-the candidates' atomics and loads): **5-7 us at one row** for the row kernel against split 11.8 + write 2.9 today
-(radix_fused); **at four rows** the histogram launch (8.8, unchanged) + the row kernel's 5-7 on four SMs against
-split 10.2 + write ~3: ~-7 us a layer at one row, ~-6 at four (61 layers: ~-0.4 ms a step at 32k). The issue's
-target (scores + top-k <= 10 us a layer at 32k) would still be missed (5.0 + 5-7).
+Cost, counted in sm_90 SASS (triton 3.6, compiled on the CPU, the common path of each loop and between them; 8
+warps, TILE 8192, a 32k + 1 row): the pass 404 instructions a warp per whole tile (0.39 warp-instructions a key) and
+130 for the rest, the list's steps (candidates 356, threshold ~300 in the 64 / 128 tiles, output 311) ~1000, the
+prefix and zeroing ~370: ~3350 a warp, ~27k warp-instructions a row (16 warps: ~39k). Prediction (to be timed:
+`python -m mtp.bench.topk_moe --only topk_row`), H200, S = 32768: at 2-2.5 instructions a cycle (two warps a
+scheduler) ~5.5-6.5 us of issue, plus ~1.5 us of dependent round trips (the prefix's two loads, the list's, the
+candidates' atomics and loads): **6-8 us at one row** for the row kernel against split 11.8 + write 2.9 today
+(radix_fused); **at four rows** the histogram launch (8.8, unchanged) + the row kernel's 6-8 on four SMs against
+split 10.2 + write ~3: ~-7 us a layer at one row, ~-5 at four (61 layers: ~-0.3 to -0.4 ms a step at 32k). The
+issue's target (scores + top-k <= 10 us a layer at 32k) would still be missed (5.0 + 6-8).
 """
 
 from __future__ import annotations
@@ -51,15 +53,16 @@ from __future__ import annotations
 import torch
 
 from mtp.kernels._triton import device_lens, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, tl, triton
-from mtp.kernels.topk import (HIST, SMALL, _rank_select, _threshold_radix, _topk_hist_kernel, check_topk_args,
+from mtp.kernels.topk import (HIST, _rank_select, _threshold_radix, _topk_hist_kernel, check_topk_args,
                               chunk_plan, drop_kept_workspace, histograms, kept_workspace, prefix_from, score_keys,
                               sm_count, topk_workspace)
 
 __all__ = ["ROW_TILE", "ROW_WARPS", "key_float", "radix_topk_row", "row_tile"]
 
 # keys per tile of the pass: the next tile's load (an L2 round trip) is in flight while one is ranked; 8 warps: 32
-# keys a thread, the fewest instructions a key of the settings counted (16 warps 0.53, 8 warps 0.39 a key at 8192;
-# 16 warps hold 128 registers, 8 warps 254), to be swept on a GPU (`mtp.bench.topk_moe --only topk_row`)
+# keys a thread, the fewest instructions a key of the settings counted (sm_90 SASS, a whole tile: 8 warps 0.39, 16
+# warps 0.53 a key at 8192; 8 warps hold 255 registers, 16 warps 128), and the list of a decode row (~2100 entries)
+# in one tile of TILE / 2; to be swept on a GPU (`mtp.bench.topk_moe --only topk_row`)
 ROW_TILE = 8192
 ROW_WARPS = 8
 
@@ -177,8 +180,8 @@ def _select_pass(x, row, lim, fsel, dst, TILE: tl.constexpr, E: tl.constexpr, PA
 @triton.jit
 def _pairwise_threshold(ck, ci, n_c, need, N: tl.constexpr):
     """(Tk, Ts) of the need-th kept of n_c <= N candidates (keys ck, positions ci, any order) by one [N, N] rank
-    (`topk._rank_select`): its cost grows as N^2 (sm_90, 16 warps: ~300 instructions a warp at 64, ~1150 at 128),
-    hence the tiers of `_candidates_threshold`."""
+    (`topk._rank_select`): the cheapest at N = 32 (sm_90, 8 warps: ~150 instructions a warp), growing as N^2 (~540
+    at 64, ~1700 at 128), where `_sorted_threshold` grows as N log^2 N."""
     i = tl.arange(0, N)
     m = i < n_c
     return _rank_select(tl.load(ck + i, mask=m, other=0, cache_modifier=".cg"),
@@ -186,16 +189,32 @@ def _pairwise_threshold(ck, ci, n_c, need, N: tl.constexpr):
 
 
 @triton.jit
-def _candidates_threshold(ck, ci, n_c, P, need, sc_ptr, lens_ptr, r, S, T, NB: tl.constexpr, SMALL: tl.constexpr):
-    """(Tk, Ts) of the need-th kept of the n_c candidates (keys ck, positions ci, any order): pairwise up to SMALL (a
-    tile of 32, 64 or SMALL, the smallest that holds them: an indexer row at 32k has ~30-100, BENCHMARKS.md session
-    14), more by `topk._threshold_radix` (key bytes; ties at the boundary by the walk over the row)."""
+def _sorted_threshold(ck, ci, n_c, need, N: tl.constexpr):
+    """(Tk, Ts) of the need-th kept of n_c <= N candidates by a sort of their (key, 2^24 - 1 - position) pairs as one
+    int64, descending (the reference's order: higher key first, then lower position; positions < 2^24,
+    `topk.check_topk_args`): sm_90, 8 warps, ~300 / 400 / 520 instructions a warp at N = 64 / 128 / 256."""
+    i = tl.arange(0, N)
+    m = i < n_c
+    key = tl.load(ck + i, mask=m, other=0, cache_modifier=".cg")
+    pos = tl.load(ci + i, mask=m, other=0, cache_modifier=".cg")
+    v = tl.where(m, (key.to(tl.int64) << 32) | (0xFFFFFF - pos), -9223372036854775807 - 1)
+    v = tl.sum(tl.where(i == need - 1, tl.sort(v, descending=True), 0), 0)
+    return (v >> 32).to(tl.int32), (0xFFFFFF - (v & 0xFFFFFFFF)).to(tl.int32)
+
+
+@triton.jit
+def _candidates_threshold(ck, ci, n_c, P, need, sc_ptr, lens_ptr, r, S, T, NB: tl.constexpr):
+    """(Tk, Ts) of the need-th kept of the n_c candidates (keys ck, positions ci, any order), in a tile of 32 / 64 /
+    128 / 256, the smallest that holds them (an indexer row at 32k has ~30-100, BENCHMARKS.md session 14): pairwise at
+    32, sorted above; more by `topk._threshold_radix` (key bytes; ties at the boundary by the walk over the row)."""
     if n_c <= 32:
         tk, ts = _pairwise_threshold(ck, ci, n_c, need, 32)
     elif n_c <= 64:
-        tk, ts = _pairwise_threshold(ck, ci, n_c, need, 64)
-    elif n_c <= SMALL:
-        tk, ts = _pairwise_threshold(ck, ci, n_c, need, SMALL)
+        tk, ts = _sorted_threshold(ck, ci, n_c, need, 64)
+    elif n_c <= 128:
+        tk, ts = _sorted_threshold(ck, ci, n_c, need, 128)
+    elif n_c <= 256:
+        tk, ts = _sorted_threshold(ck, ci, n_c, need, 256)
     else:
         tk, ts = _threshold_radix(ck, ci, n_c, P - 32768, need, sc_ptr, lens_ptr, r, S, T, NB, True)
     return tk, ts
@@ -203,8 +222,7 @@ def _candidates_threshold(ck, ci, n_c, P, need, sc_ptr, lens_ptr, r, S, T, NB: t
 
 @triton.jit
 def _topk_row_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, ncand_ptr, lst_ptr, ck_ptr, ci_ptr, out_ptr, S, T, K,
-                     TILE: tl.constexpr, E: tl.constexpr, KB: tl.constexpr, SMALL: tl.constexpr,
-                     REARM: tl.constexpr, PDL: tl.constexpr):
+                     TILE: tl.constexpr, E: tl.constexpr, KB: tl.constexpr, REARM: tl.constexpr, PDL: tl.constexpr):
     """Program r: score row r, after its histograms (module docstring, steps 1-4). The row is read up to its length
     lim (-inf past it: never selected, never kept), a tile at a time with the next tile's load in flight."""
     pdl_launch(PDL)
@@ -252,7 +270,7 @@ def _topk_row_kernel(sc_ptr, lens_ptr, h16_ptr, h8_ptr, ncand_ptr, lst_ptr, ck_p
             tl.store(ci + slot, pos, mask=cand)
         tl.debug_barrier()  # every candidate's append returned and stored
         tl.store(ncand_ptr + r, 0)  # the counter zero for the next call (its count: the histogram's, hsub[P])
-        tk, ts = _candidates_threshold(ck, ci, n_c, P, K - above, sc_ptr, lens_ptr, r, S, T, CT, SMALL)
+        tk, ts = _candidates_threshold(ck, ci, n_c, P, K - above, sc_ptr, lens_ptr, r, S, T, CT)
         ftk = key_float(tk)
         n_list = n
         n = 0
@@ -312,7 +330,7 @@ def radix_topk_row(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, w
             _topk_hist_kernel[(R, C)](sc, lens, h16, h8, S, T, ch, BLK=blk, PDL=mode, V2=True, num_warps=4, **launch)
         TILE, E = row_tile(S, num_warps, tile)
         _topk_row_kernel[(R,)](sc, lens, h16, h8, ncand, lst, cand[0], cand[1], out, S, T, k, TILE=TILE, E=E,
-                               KB=1024, SMALL=SMALL, REARM=rearm, PDL=mode, num_warps=num_warps, **launch)
+                               KB=1024, REARM=rearm, PDL=mode, num_warps=num_warps, **launch)
     except BaseException:
         if rearm:  # stopped between launches: the histograms may hold counts
             drop_kept_workspace(workspace)

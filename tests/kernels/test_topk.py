@@ -90,8 +90,8 @@ def test_topk_row_compiles_for_hopper():
     ptrs["lst_ptr"] = "*i64"
     for tile, nw, rearm, pdl in ((ROW_TILE, ROW_WARPS, True, 1), (4096, 16, False, 0), (1024, 4, True, 2)):
         TILE, E = row_tile(1 << 20, nw, tile)
-        ptx = _compile_for_hopper(_topk_row_kernel, ptrs, dict(TILE=TILE, E=E, KB=1024, SMALL=128, REARM=rearm,
-                                                               PDL=pdl), num_warps=nw).asm["ptx"]
+        ptx = _compile_for_hopper(_topk_row_kernel, ptrs, dict(TILE=TILE, E=E, KB=1024, REARM=rearm, PDL=pdl),
+                                  num_warps=nw).asm["ptx"]
         setp = [ln for ln in ptx.splitlines() if "setp." in ln and ".f32" in ln]
         assert setp and not [ln for ln in setp if ".ftz" in ln], (tile, nw)
         atoms = {w for ln in ptx.splitlines() for w in ln.split() if w.startswith("atom.global")}
@@ -284,8 +284,8 @@ def _split_v2_checks(g: torch.Generator) -> None:
 def _row_checks(g: torch.Generator) -> None:
     """`topk_row.radix_topk_row` (one program per score row after the histogram) against the reference, with the
     histogram launch and with the scores kernel's (indexer_topk radix / radix_fused, row=True): odd S, 1..5 rows and
-    T > 1, row lengths (seq_lens) short of S and below k, ties (at the boundary: each pairwise tier, 32 / 64 / SMALL,
-    and the radix path with its walk over the row), -inf, NaN, -0.0 beside +0.0, +inf (the top bin: fhi NaN),
+    T > 1, row lengths (seq_lens) short of S and below k, ties (at the boundary: each tier of the candidates'
+    threshold, pairwise 32, sorted 64 / 128 / 256, and the radix path with its walk over the row), -inf, NaN, -0.0 beside +0.0, +inf (the top bin: fhi NaN),
     denormals, the most negative floats, every score equal, fewer candidates than k, k > S; tiles of one to many
     keys a thread (the pass's whole tiles and its rest); the kept workspace zero after every re-armed call; one
     decode row of 32768 + 1 keys, k = 2048; and the launches: two with the histogram launch, the scores kernel and
@@ -315,7 +315,8 @@ def _row_checks(g: torch.Generator) -> None:
     equal = torch.full((1, 3, 2001), 0.5)
     equal[..., 7] = float("-inf")
     cases = [  # (scores, lens, k, tile, warps)
-        (*tier(20), 1024, 4), (*tier(50), 1024, 4), (*tier(100), 512, 4), (*tier(400), 1024, 4),  # each tier
+        (*tier(20), 1024, 4), (*tier(50), 1024, 4), (*tier(100), 512, 4), (*tier(200), 1024, 4),  # each tier
+        (*tier(400), 1024, 4),
         (tie_scores(2, 2, 3000, g), [2999, 100], 256, 512, 4),  # hundreds tied at the boundary: radix, the walk
         (special, [2498], 700, 1024, 4), (special, [2498], 300, 256, 4),
         (torch.full((1, 1, 700), float("inf")), [699], 64, 256, 4),  # the +inf bin
