@@ -13,8 +13,7 @@
   of the stack, so memory is not doubled (peak: one projection of one layer);
 - `MLA` blocks of <= absorb_max_tokens new tokens through the indexer kernel + top-k (`kernels.topk` radix
   select, or torch.topk: `FastMLA.topk_impl`, `set_kernel_options`; the radix select's phases in one launch with
-  switch `topk_one_launch`, the scores with them with `indexer_one_launch`, its phases after the histogram in one
-  program per score row with `topk_row`) and `mla_decode` over the
+  switch `topk_one_launch`, the scores with them with `indexer_one_launch`) and `mla_decode` over the
   real-FP8 latent cache; kv_b_proj is dequantized once to bf16 for the absorbed q / output projections
   (DeepSeek's reference keeps the same dequantized copy). Longer blocks (prefill) stay on the reference path.
   A draft tree's verify passes the visibility [B, T, S] (the committed keys plus each node's ancestors): the
@@ -958,7 +957,7 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
                                        visible=visible_BTS,
                                        rearm=mla.fast_options.topk_rearm, scores=mla.scores_tune,
                                        one_launch=mla.fast_options.topk_one_launch, pdl=pdl,
-                                       split_v2=mla.fast_options.topk_split_v2, row=mla.fast_options.topk_row)
+                                       split_v2=mla.fast_options.topk_split_v2)
     absorb = mla.fast_options.absorb and q_nope.shape[0] * q_nope.shape[1] <= ABSORB_MAX_TOKENS
     if q_lat is None and absorb:  # one launch each instead of copy + batched GEMM + copy
         q_lat = absorb_q(q_nope, mla.w_kb, pdl=pdl, prefetch=pf)

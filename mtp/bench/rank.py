@@ -239,11 +239,6 @@ KERNEL_VARIANTS = {
     "topk_one_launch_fused": (dict(topk_one_launch=True), dict(indexer_topk="radix_fused")),
     # the indexer's scores and top-k in one cooperative launch (`indexer_one_launch`)
     "indexer_one_launch": (dict(indexer_one_launch=True), dict()),
-    # the indexer top-k's phases after its histogram in one program per score row (`topk_row`: the scores kernel and
-    # it at one row, the histogram launch and it from two; off by default until timed), and the same with the
-    # histogram in the scores kernel's epilogue at every width (radix_fused: scores + the row kernel per layer)
-    "topk_row": (dict(topk_row=True), dict()),
-    "topk_row_fused": (dict(topk_row=True), dict(indexer_topk="radix_fused")),
     # the indexer top-k's kernels before session 15 (V1) and with fewer dependent round trips on the split kernel's
     # path (V2, the default; `topk._topk_split_kernel`): the same index sets
     "topk_split_v1": (dict(topk_split_v2=False), dict()),

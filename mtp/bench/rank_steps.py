@@ -108,16 +108,13 @@ def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
 
     impl = getattr(next((m for m in model.modules() if hasattr(m, "topk_impl")), None), "topk_impl", "torch")
 
-    opts = getattr(model, "fast_options", None)
-    one = bool(getattr(opts, "topk_one_launch", False))
-    row = bool(getattr(opts, "topk_row", False))
+    one = bool(getattr(getattr(model, "fast_options", None), "topk_one_launch", False))
     from ..kernels.topk import radix_topk
     from ..kernels.topk_one_launch import radix_topk_one_launch
-    from ..kernels.topk_row import radix_topk_row
 
-    select = radix_topk_row if row else radix_topk_one_launch if one else radix_topk  # chosen once, not in the call
+    select = radix_topk_one_launch if one else radix_topk  # chosen once, not in the timed call
 
-    def topk():  # the fast path's top-k (`FastMLA.topk_impl`, switches topk_one_launch / topk_row); reference: torch
+    def topk():  # the top-k the fast path runs (`FastMLA.topk_impl`, switch topk_one_launch); torch.topk on reference
         if cuda and impl != "torch":
             out["i"] = select(out["s"], lens, cfg.index_topk)
         else:
@@ -134,7 +131,6 @@ def indexer_alone(model, cache, L: int, w: int, time_fn, cuda: bool) -> dict:
             res[f"{name}_us_per_layer"] = time_fn(fn) * 1e3
     res["topk_impl"] = impl if cuda else "torch"
     res["topk_one_launch"] = cuda and impl != "torch" and one
-    res["topk_row"] = cuda and impl != "torch" and row
     res["layers"] = cfg.num_hidden_layers
     res["ms_per_step"] = (res["scores_us_per_layer"] + res["topk_us_per_layer"]) * cfg.num_hidden_layers / 1e3
     return res

@@ -1,6 +1,6 @@
 """Time the indexer top-k and the routed-expert kernels, old vs new, side by side in one run on one GPU.
 
-    python -m mtp.bench.topk_moe [--out DIR] [--only topk,topk1,topk_row,moe,moe_batch,moe_down_nb] [--quick]
+    python -m mtp.bench.topk_moe [--out DIR] [--only topk,topk1,moe,moe_batch,moe_down_nb] [--quick]
 
 topk: torch.topk (`topk_from_scores`, sorted=False: the old fast path) vs `radix_topk`, the indexer scores
 kernel alone, the whole `indexer_topk` per impl (torch / radix / radix_fused: histograms in the scores
@@ -13,10 +13,6 @@ Then (rows 'topk1', `one_launch_section`; --only topk1 runs it alone, at S = 819
 top-k's phases in one cooperative launch beside its three launches at T = 1, 2, 4, 8: alone, inside `indexer_topk`
 (radix, radix_fused), the scores and the top-k in one launch (`indexer_one_launch`), and sweeps of their chunks (and
 warps).
-topk_row (not in the default --only): the top-k after its histogram in one program per score row (switch topk_row)
-against today's default on decode rows, S = 8192 / 32768 / 65536 + T keys, T = 1..4, the whole `indexer_topk` as
-the fast path runs it and each kernel's exposed us, the top-k alone, ties, and a sweep of the row kernel's tile and
-warps (`topk_row_section`).
 Timing as in `mtp.bench.kernels`: CUDA-graph replays timed with CUDA events, median of 15. The scores a top-k
 reads were just written by the scores kernel, so they sit in L2 here as in the decode step.
 moe: `moe_experts` layout 'pairs' (old) vs 'persistent' (new) at one rank of TP=8 and at TP=1, T = 1..4, with
@@ -128,99 +124,6 @@ def topk_section(quick: bool, sizes: tuple[int, ...] | None = None, H: int = 64,
         torch.cuda.empty_cache()
     log(best_settings())
     one_launch_section(quick, sizes, H, k)
-
-
-def _kernels_us(fn, calls: int = 20) -> dict:
-    """Per kernel: exposed us per call of `fn` (a graph of `calls` calls, profiled over replays; under PDL a kernel's
-    duration counts its wait, its exposed time does not)."""
-    from mtp.bench.timing import kernel_profile
-    from mtp.decode.graphs import capture_graph
-
-    g = capture_graph(lambda: [fn() for _ in range(calls)])
-    prof = kernel_profile(g.replay, steps=3)
-    del g
-    return {r["name"]: round(r["exposed_us_per_step"] / calls, 2) for r in prof["top"]
-            if r["calls_per_step"] >= calls}
-
-
-def topk_row_section(quick: bool, sizes: tuple[int, ...] | None = None, H: int = 64, k: int = 2048):
-    """The radix top-k after its histogram in one program per score row (`topk_row.radix_topk_row`, switch topk_row)
-    against today's default, on decode rows: S = S0 + T keys (S0 = 8192 / 32768 / 65536, the context; T = 1..4 score
-    rows, B = 1), the fast path's settings (kept workspace, PDL). Rows 'topk_row': the whole `indexer_topk` as the
-    fast path runs it (radix_fused at one row, radix from two: `FastPathOptions.topk_impl_at`) with row off (default)
-    and on, and radix_fused with row on at every width (variant topk_row_fused), each also per kernel (exposed us per
-    call, profiler); the top-k alone with its histogram launch (`radix_topk` vs `radix_topk_row`); the row kernel
-    alone on histograms filled once (no re-arm: the zeroing not counted); then (not --quick, T = 1 and 4) the row
-    kernel's tile and warps. Every result is checked with torch.equal against `topk_select_ref` first, on N(0, 1)
-    scores, rows with thousands of exact ties and all-equal rows (those timed too: the slow exact path)."""
-    from mtp.kernels.topk import topk_workspace
-    from mtp.kernels.topk_row import ROW_TILE, ROW_WARPS, radix_topk_row
-
-    D = 128
-    for S0 in sizes or ((8192, 32768) if quick else (8192, 32768, 65536)):
-        k8_all, ks_all = act_quant_ref(torch.randn(1, S0 + 4, D, device=DEV))
-        for T in (1, 2, 3, 4):
-            S = S0 + T
-            shape = f"S={S} T={T}"
-            k8, ks = k8_all[:, :S], ks_all[:, :S]
-            q8, qs, w, lens, sc, want = _indexer_case(k8, ks, S, T, H, D, k)
-            ties = sc.clone()
-            ties[..., : S // 2] = ties[..., S // 2: S // 2 * 2].round(decimals=1)  # many exact ties
-            equal = torch.zeros_like(sc)  # every key tied at the boundary
-            for name, x in (("randn", sc), ("ties", ties), ("equal", equal)):
-                ref = topk_select_ref(x, lens, k)
-                check(f"topk_row {name} {shape}", torch.equal(radix_topk_row(x, lens, k), ref))
-                check(f"topk_row {name} kept+pdl {shape}", torch.equal(radix_topk_row(x, lens, k, rearm=True, pdl=True),
-                                                                        ref))
-                if name != "randn":
-                    row("topk_row", shape, f"{name}: radix_topk (default)",
-                        graph_us([lambda: radix_topk(x, lens, k, rearm=True, pdl=True)]))
-                    row("topk_row", shape, f"{name}: radix_topk_row", graph_us([lambda: radix_topk_row(
-                        x, lens, k, rearm=True, pdl=True)]))
-            args = (q8, qs[..., 0], w, k8, ks[..., 0], lens, k)
-            impl = "radix_fused" if T == 1 else "radix"  # the fast path's (fused_hist_rows = 1)
-            variants = [("default", dict(impl=impl)), ("topk_row", dict(impl=impl, row=True))]
-            if T > 1:
-                variants.append(("topk_row_fused", dict(impl="radix_fused", row=True)))
-            base = None
-            for name, kw in variants:
-                try:
-                    idx, sc2 = indexer_topk(*args, rearm=True, pdl=True, **kw)
-                    check(f"indexer_topk {name} {shape}", torch.equal(idx, topk_select_ref(sc2, lens, k)))
-                    us = graph_us([lambda: indexer_topk(*args, rearm=True, pdl=True, **kw)])
-                    kernels = _kernels_us(lambda: indexer_topk(*args, rearm=True, pdl=True, **kw))
-                except Exception as e:  # keep the other numbers
-                    check(f"indexer_topk {name} {shape}", False, f"{type(e).__name__}: {str(e)[:300]}")
-                    continue
-                base = us if base is None else base
-                row("topk_row", shape, f"indexer_topk {name}", us, vs_default=round(us - base, 2), kernels=kernels)
-            t_old = graph_us([lambda: radix_topk(sc, lens, k, rearm=True, pdl=True)])
-            t_new = graph_us([lambda: radix_topk_row(sc, lens, k, rearm=True, pdl=True)])
-            row("topk_row", shape, "radix_topk (default)", t_old)
-            row("topk_row", shape, "radix_topk_row", t_new, speedup=round(t_old / t_new, 2))
-            filled = topk_workspace(T, DEV)  # its histograms from the scores kernel, kept (no re-arm) for every call
-            sc_f = indexer_scores(*args[:6], hist=filled)
-            check(f"topk_row filled {shape}", torch.equal(radix_topk_row(sc_f, lens, k, workspace=filled), want))
-            row("topk_row", shape, "row kernel alone (filled)", graph_us([lambda: radix_topk_row(
-                sc_f, lens, k, workspace=filled, pdl=True)]), kernels=_kernels_us(lambda: radix_topk_row(
-                    sc_f, lens, k, workspace=filled, pdl=True)))
-            if quick or T not in (1, 4):
-                continue
-            for tile in (4096, 8192, 16384):
-                for nw in (4, 8, 16, 32):
-                    if tile < 64 * nw or (tile, nw) == (ROW_TILE, ROW_WARPS):
-                        continue
-                    try:
-                        ok = torch.equal(radix_topk_row(sc_f, lens, k, workspace=filled, tile=tile, num_warps=nw), want)
-                        us = graph_us([lambda: radix_topk_row(sc_f, lens, k, workspace=filled, pdl=True, tile=tile,
-                                                              num_warps=nw)])
-                    except Exception as e:  # a setting that does not compile or fit is skipped
-                        log(f"[topk_row] tile={tile} nw={nw} failed: {type(e).__name__}: {str(e)[:200]}")
-                        continue
-                    check(f"topk_row {shape} tile={tile} nw={nw}", ok)
-                    row("topk_row", shape, f"row kernel alone sweep tile={tile} nw={nw}", us)
-        del k8_all, ks_all
-        torch.cuda.empty_cache()
 
 
 def one_launch_section(quick: bool, sizes: tuple[int, ...] | None = None, H: int = 64, k: int = 2048):
@@ -825,8 +728,7 @@ def main():
     import triton
 
     out["triton"] = triton.__version__
-    sections = [("topk", topk_section), ("topk1", one_launch_section), ("topk_row", topk_row_section),
-                ("moe", moe_section),
+    sections = [("topk", topk_section), ("topk1", one_launch_section), ("moe", moe_section),
                 ("moe_batch", moe_batch_section), ("moe_split", moe_split_section),
                 ("moe_knobs", moe_knobs_section), ("moe_down_nb", moe_down_nb_section)]
     for name, fn in sections:

@@ -194,14 +194,6 @@ version, so the engine captures its kept graphs again).
   and ties at the boundary over thousands of candidates resolved by a walk over the scores instead of three position
   passes (`topk._tied_position`); the same index sets bit for bit; in the one-launch top-k and indexer too. Off: V1,
   the kernels before (variants topk_split_v1 / topk_split_v2).
-- topk_row (off until timed on a GPU; variants topk_row, topk_row_fused): the indexer top-k's phases after its
-  histogram in one program per score row (`topk_row.radix_topk_row`, `indexer.indexer_topk(row=True)`, with PDL):
-  up to fused_hist_rows rows the scores kernel (the histogram in its epilogue) and this one launch, more rows the
-  histogram launch and this one, where the split and write kernels ran: one launch fewer per layer, no arrival
-  counter; the same index sets bit for bit. Prediction (sm_90 SASS counted on the CPU, `topk_row`'s docstring; H200,
-  S = 32768): 6-8 us for the row kernel against split 11.8 + write 2.9 at one row, split 10.2 + write ~3 at four
-  (session 21's profile): ~-7 / ~-5 us a layer, -0.3 to -0.4 ms a step at 32k (61 layers), 1k unchanged (no
-  indexer). Not with topk_one_launch or indexer_one_launch (refused: each runs the top-k's phases its own way).
 - fused_hist_rows (1; an integer): an indexer call of at most this many score rows (batch x queries) whose top-k is
   'radix' runs 'radix_fused' (`indexer.indexer_topk`: the radix select's histogram pass in the scores kernel's
   epilogue, one launch fewer per layer past the top-k's 2048 keys; the same scores and index sets bit for bit); more
@@ -296,7 +288,6 @@ class FastPathOptions:
     topk_one_launch: bool = False
     indexer_one_launch: bool = False
     topk_split_v2: bool = True
-    topk_row: bool = False
     moe_item_regs: bool = True
     kv_split: bool = True
     moe_x8: bool = True
@@ -362,10 +353,6 @@ class FastPathOptions:
                     raise ValueError(f"FastPathOptions: {name} must be 0 ({zero}) or one of {allowed}, got {n!r}")
             elif name != "gemv_rows" and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
                 raise ValueError(f"FastPathOptions: {name} must be an integer >= 0, got {n!r}")
-        if self.topk_row and (self.topk_one_launch or self.indexer_one_launch):
-            raise ValueError(f"FastPathOptions: topk_row runs the indexer top-k's phases its own way: not with "
-                             f"topk_one_launch ({self.topk_one_launch}) or indexer_one_launch "
-                             f"({self.indexer_one_launch})")
 
     @classmethod
     def for_world(cls, world: int, **flags) -> FastPathOptions:

@@ -15,8 +15,7 @@ each walking its key blocks with the next tiles' loads in flight, on the same pe
 of `mtp.kernels.topk` (the reference's rule: ties to the lower position; positions ascending), `"radix_fused"`
 the same with its histogram pass in the scores kernel's epilogue; `impl="torch"` is torch.topk on the scores
 (ties in torch's order, 48-65 us at S = 32768 on an H200). `one_launch`: the radix select's three phases in one
-launch (`topk_one_launch`); `row`: its phases after the histogram in one program per score row (`topk_row`); the
-scores with them in one launch: `indexer_one_launch` (which imports this module).
+launch (`topk_one_launch`); the scores with them in one launch: `indexer_one_launch` (which imports this module).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from mtp.kernels._triton import device_lens, pdl_kwargs, pdl_launch, pdl_mode, p
 from mtp.kernels.topk import (add_to_histograms, drop_kept_workspace, histograms, kept_workspace, radix_topk,
                               score_keys, topk_workspace)
 from mtp.kernels.topk_one_launch import radix_topk_one_launch
-from mtp.kernels.topk_row import radix_topk_row
 
 __all__ = ["SCORES_DEFAULT", "TOPK_IMPLS", "check_indexer_args", "indexer_scores", "indexer_scores_ref", "indexer_topk",
            "indexer_topk_ref", "topk_from_scores"]
@@ -204,7 +202,7 @@ TOPK_IMPLS = ("radix", "radix_fused", "torch")
 
 def indexer_topk(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2048, impl: str = "radix",
                  visible: torch.Tensor | None = None, rearm: bool = False, scores: dict | None = None,
-                 one_launch: bool = False, pdl: bool = False, split_v2: bool = True, row: bool = False):
+                 one_launch: bool = False, pdl: bool = False, split_v2: bool = True):
     """(idx [B, T, topk] int32 with -1 padding, scores [B, T, S]) from the kernel's scores.
     impl: 'radix' (`mtp.kernels.topk.radix_topk`), 'radix_fused' (the same with its histogram pass done by the
     scores kernel: one launch fewer) or 'torch' (`topk_from_scores`). visible: as `indexer_scores` (the
@@ -216,20 +214,12 @@ def indexer_topk(q8, q_scale, w, k8, k_scale, seq_lens, topk: int = 2048, impl: 
     SMs; the same index sets). pdl: the scores and the three-launch radix top-k with programmatic
     dependent launch (`_triton.pdl_kwargs`; torch.topk, the memset and the cooperative one-launch top-k stay plain).
     split_v2 (radix impls): the top-k kernels' V2 (`topk.radix_topk(split_v2=)`, switch topk_split_v2; the same index
-    sets). row (radix impls): the radix select after its histogram in one program per score row
-    (`topk_row.radix_topk_row`, switch topk_row: with PDL; the same index sets; split_v2 does not apply); not with
-    one_launch."""
+    sets)."""
     if impl not in TOPK_IMPLS:
         raise ValueError(f"indexer_topk: impl must be one of {TOPK_IMPLS}, got {impl!r}")
-    if row and one_launch:
-        raise ValueError("indexer_topk: row and one_launch are two ways to run the radix select's phases: pick one")
     tune = dict(SCORES_DEFAULT, **(scores or {}))
-    if row:
-        select, chain = radix_topk_row, dict(pdl=pdl)
-    elif one_launch:
-        select, chain = radix_topk_one_launch, dict(split_v2=split_v2)  # (one cooperative launch: no PDL)
-    else:
-        select, chain = radix_topk, dict(pdl=pdl, split_v2=split_v2)
+    select = radix_topk_one_launch if one_launch else radix_topk
+    chain = dict(split_v2=split_v2) if one_launch else dict(pdl=pdl, split_v2=split_v2)  # (one launch: no PDL)
     if impl == "radix_fused":
         R = q8.shape[0] * q8.shape[1]
         ws = kept_workspace(R, q8.device) if rearm else topk_workspace(R, q8.device)

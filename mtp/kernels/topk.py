@@ -43,8 +43,8 @@ import torch
 
 from mtp.kernels._triton import device_lens, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, require, tl, triton
 
-__all__ = ["add_to_histograms", "check_topk_args", "chunk_plan", "drop_kept_workspace", "histograms", "kept_workspace",
-           "prefix_from", "radix_topk", "score_keys", "sm_count", "topk_select_ref", "topk_workspace"]
+__all__ = ["add_to_histograms", "check_topk_args", "drop_kept_workspace", "histograms", "kept_workspace", "radix_topk",
+           "score_keys", "sm_count", "topk_select_ref", "topk_workspace"]
 
 HIST = 65536  # bins of the 16-bit key prefix
 SMALL = 128  # up to this many candidates, the last stage ranks them in one pairwise compare
@@ -225,26 +225,19 @@ def _row_prefix(h16_ptr, h8_ptr, r, K):
     """From the row's two histograms: (P, above, n_valid), the 16-bit prefix holding the k-th key (two 256-bin
     scans; -1 when every candidate is kept), the candidates with a higher prefix, and all of the row's candidates.
     Read past L1 (.cg): in the one-launch kernel (`topk_one_launch`) other programs have just counted into them."""
-    h8 = tl.load(h8_ptr + r * 256 + tl.arange(0, 256), cache_modifier=".cg")
-    P, above, n_valid, _ = prefix_from(h8, h16_ptr, r, K)
-    return P, above, n_valid
-
-
-@triton.jit
-def prefix_from(h8, h16_ptr, r, K):
-    """`_row_prefix` from the row's 8-bit histogram h8 already loaded (its 16-bit bins read here, past L1), and the
-    count of the candidates with prefix P (0 when P is -1)."""
+    r64 = r.to(tl.int64)
+    bins = tl.arange(0, 256)
+    h8 = tl.load(h8_ptr + r * 256 + bins, cache_modifier=".cg")
     n_valid = tl.sum(h8, 0)
     P = -1  # 16-bit prefix holding the k-th key; -1: every candidate is kept
     above = n_valid
-    at = 0
     if n_valid > K:
         d1, above1, _ = _pick(h8, K)
-        hsub = tl.load(h16_ptr + r.to(tl.int64) * 65536 + d1 * 256 + tl.arange(0, 256), cache_modifier=".cg")
-        d2, above2, at = _pick(hsub, K - above1)
+        hsub = tl.load(h16_ptr + r64 * 65536 + d1 * 256 + bins, cache_modifier=".cg")
+        d2, above2, _ = _pick(hsub, K - above1)
         P = d1 * 256 + d2
         above = above1 + above2
-    return P, above, n_valid, at
+    return P, above, n_valid
 
 
 @triton.jit
@@ -426,16 +419,6 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def chunk_plan(rows: int, S: int, sms: int, chunks: int | None = None, block: int = 1024) -> tuple[int, int, int]:
-    """(BLK, CH, C) of the kernels over R x C programs: positions per block, per program (whole blocks) and programs
-    per row; chunks None: about two programs per SM over all rows, at least one block each."""
-    blk = max(64, min(block, triton.next_power_of_2(S)))
-    if chunks is None:
-        chunks = max(1, min(triton.cdiv(S, blk), 2 * sms // max(1, rows)))
-    ch = triton.cdiv(triton.cdiv(S, chunks), blk) * blk
-    return blk, ch, triton.cdiv(S, ch)
-
-
 def topk_workspace(rows: int, device) -> torch.Tensor:
     """The zeroed workspace of `radix_topk` for `rows` score rows (one memset), cut flat: 16-bit and 8-bit
     histograms, candidate and arrival counters per row."""
@@ -512,7 +495,11 @@ def radix_topk(scores_BTS: torch.Tensor, seq_lens_B: torch.Tensor, k: int, chunk
     B, T, S = check_topk_args("radix_topk", scores_BTS, seq_lens_B, k, workspace)
     dev = scores_BTS.device
     R = B * T
-    blk, ch, C = chunk_plan(R, S, sm_count(dev), chunks, block)
+    blk = max(64, min(block, triton.next_power_of_2(S)))
+    if chunks is None:
+        chunks = max(1, min(triton.cdiv(S, blk), 2 * sm_count(dev) // max(1, R)))
+    ch = triton.cdiv(triton.cdiv(S, chunks), blk) * blk  # positions per program, whole blocks
+    C = triton.cdiv(S, ch)
     sc = scores_BTS.contiguous()
     lens = device_lens(seq_lens_B, dev)  # int32 or int64 (the cache's): read as is, no conversion launch
     filled = workspace is not None

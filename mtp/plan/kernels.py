@@ -68,7 +68,6 @@ class Limits:
     shared_in_experts: bool = True  # dispatch.FastPathOptions.shared_in_experts: the shared expert in the experts' kernels
     topk_one_launch: bool = False  # dispatch.FastPathOptions.topk_one_launch: the radix top-k's phases in one launch
     indexer_one_launch: bool = False  # dispatch.FastPathOptions.indexer_one_launch: scores and top-k in one launch
-    topk_row: bool = False  # dispatch.FastPathOptions.topk_row: the top-k after its histogram in one launch
     fused_hist_rows: int = 1  # dispatch.FastPathOptions.fused_hist_rows: the histogram in the scores kernel up to these rows
     mlp_reduce_norm: bool = True  # dispatch.FastPathOptions.mlp_reduce_norm: the FFN's sum added by the next block's norm
     moe_down_nb: bool = True  # dispatch.FastPathOptions.moe_down_nb: a persistent call's down stores y (no combine)
@@ -93,7 +92,7 @@ class Limits:
                    fp.FastMoE.max_tokens, fuse_prologue=o.fuse_prologue, norm_max_q=NORM_MAX_Q,
                    fuse_absorb_out=o.fuse_absorb_out, fuse_out_cast=o.fuse_out_cast, topk_rearm=o.topk_rearm,
                    shared_in_experts=o.shared_in_experts, topk_one_launch=o.topk_one_launch,
-                   indexer_one_launch=o.indexer_one_launch, topk_row=o.topk_row, fused_hist_rows=o.fused_hist_rows,
+                   indexer_one_launch=o.indexer_one_launch, fused_hist_rows=o.fused_hist_rows,
                    mlp_reduce_norm=o.mlp_reduce_norm, moe_down_nb=o.moe_down_nb,
                    split_persistent=fp.SPLIT_PERSISTENT_TOKENS, persistent_pairs=PERSISTENT_MAX_PAIRS,
                    rope_table=o.rope_table, vocab_embed=o.vocab_embed, mtp_norms=o.mtp_norms)
@@ -167,9 +166,8 @@ def indexer_select(sh: StepShape, lim: Limits | None = None) -> int:
     split + write (one launch with `topk_one_launch` where its grid fits an H100's / H200's 132 SMs:
     `topk_one_launch.one_launch_grid`, which the interpreter's count plans the same; with `indexer_one_launch` the
     scores and the top-k are one launch where `indexer_one_launch.indexer_grid` fits, else the scores kernel with the
-    histograms and the one-launch top-k; with `topk_row` split + write are one launch, `topk_row`), and the keys'
-    contiguous copies (rows > 1, cache longer than S); up to `fused_hist_rows` tokens the histogram pass runs in the
-    scores kernel (radix_fused: no histogram launch). What
+    histograms and the one-launch top-k), and the keys' contiguous copies (rows > 1, cache longer than S); up to
+    `fused_hist_rows` tokens the histogram pass runs in the scores kernel (radix_fused: no histogram launch). What
     `mtp-bench` times as 'the indexer alone' (`rank_steps.indexer_alone`, always the histogram launch)."""
     from ..kernels.indexer_one_launch import indexer_grid
     from ..kernels.topk_one_launch import one_launch_grid
@@ -183,8 +181,6 @@ def indexer_select(sh: StepShape, lim: Limits | None = None) -> int:
             copies
     one = lim.topk_one_launch and one_launch_grid(sh.tokens, sh.context, 132) is not None
     fused = sh.tokens <= lim.fused_hist_rows  # radix_fused (`FastPathOptions.topk_impl_at`)
-    if lim.topk_row:  # (the histogram launch unless fused) + the row kernel
-        return memset + 1 + (2 - fused) + copies
     return memset + 1 + (1 if one else 3 - fused) + copies
 
 

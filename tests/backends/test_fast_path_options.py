@@ -239,28 +239,6 @@ def test_fused_histogram_rows():
     assert o.fused_hist_rows == 3 and old.fused_hist_rows == 1
 
 
-def test_topk_row_switch():
-    """Switch topk_row (off by default until timed on a GPU): set like the others, refused beside topk_one_launch or
-    indexer_one_launch (each runs the top-k's phases its own way; constructor and `set`, naming both); the bench's
-    variants topk_row / topk_row_fused turn it on (the latter with radix_fused at every width)."""
-    from mtp.bench.rank import KERNEL_VARIANTS
-
-    o = FastPathOptions()
-    assert o.topk_row is False
-    old = o.set(topk_row=True)
-    assert o.topk_row is True and old.topk_row is False
-    for other in ("topk_one_launch", "indexer_one_launch"):
-        with pytest.raises(ValueError, match=f"topk_row .*{other}"):
-            FastPathOptions(topk_row=True, **{other: True})
-        with pytest.raises(ValueError, match="topk_row"):
-            o.set(**{other: True})
-        assert o.topk_row and not getattr(o, other)  # nothing set when refused
-    o.set(topk_row=False, topk_one_launch=True)
-    assert o.topk_one_launch and not o.topk_row
-    assert KERNEL_VARIANTS["topk_row"] == (dict(topk_row=True), dict())
-    assert KERNEL_VARIANTS["topk_row_fused"] == (dict(topk_row=True), dict(indexer_topk="radix_fused"))
-
-
 def test_gemv_one_slice(monkeypatch):
     """Option gemv_one_slice (16 by default since session 17): `dispatch.linear` hands it to the split-K GEMV, whose
     plan takes K in one slice where K / 128 is a power of two in (8, gemv_one_slice]; 0 keeps the split plan; the

@@ -1,10 +1,9 @@
-"""The indexer's radix top-k (`mtp.kernels.topk`, in one launch `mtp.kernels.topk_one_launch`, after its histogram
-in one program per row `mtp.kernels.topk_row`) on the CPU: its reference against the stable-sort rule of
-`Indexer.select`, the one-launch grid's host decision, the kernels compiled for sm_90, and the kernels under the
-Triton interpreter (a subprocess started with TRITON_INTERPRET=1, this file as a script: the interpreter is chosen
-when the kernels are decorated; there the one-launch kernel runs its phases as three launches).
-tests/kernels/test_kernels_gpu.py, test_topk_one_launch_gpu.py and test_topk_row_gpu.py hold the kernels to the
-reference on a GPU at full sizes."""
+"""The indexer's radix top-k (`mtp.kernels.topk`, and in one launch `mtp.kernels.topk_one_launch`) on the CPU: its
+reference against the stable-sort rule of `Indexer.select`, the one-launch grid's host decision, and the kernels
+under the Triton interpreter (a subprocess started with TRITON_INTERPRET=1, this file as a script: the interpreter
+is chosen when the kernels are decorated; there the one-launch kernel runs its phases as three launches).
+tests/kernels/test_kernels_gpu.py and test_topk_one_launch_gpu.py hold the kernels to the reference on a GPU at full
+sizes."""
 
 from __future__ import annotations
 
@@ -74,28 +73,6 @@ def test_split_v2_compiles_for_hopper():
         _compile_for_hopper(_topk_one_launch_kernel, i32, dict(TILE=1024, HIST=True, PHASE=0, REARM=True, NB=1024,
                                                                CPAD=64, KB=1024, SMALL=128, V2=v2), num_warps=4)
     assert atoms == {False: 2, True: 1}, atoms
-
-
-def test_topk_row_compiles_for_hopper():
-    """The row kernel compiles for sm_90 at its default tile and warps and at others (the interpreter runs none through
-    the compiler), PDL and re-arm on and off; its compares are exact on denormal scores (no flush-to-zero `.ftz`
-    setp: the pass and the list compare scores, not keys, and a flushed denormal would compare as 0); the candidates'
-    count comes from the histogram, so the kernel's only global atomic is the candidates' append (relaxed)."""
-    pytest.importorskip("triton")
-    from mtp.kernels.topk_row import ROW_TILE, ROW_WARPS, _topk_row_kernel, row_tile
-
-    from .test_fused_kernels import _compile_for_hopper
-
-    ptrs = {n: "*i32" for n in ("lens_ptr", "h16_ptr", "h8_ptr", "ncand_ptr", "ck_ptr", "ci_ptr", "out_ptr")}
-    ptrs["lst_ptr"] = "*i64"
-    for tile, nw, rearm, pdl in ((ROW_TILE, ROW_WARPS, True, 1), (4096, 16, False, 0), (1024, 4, True, 2)):
-        TILE, E = row_tile(1 << 20, nw, tile)
-        ptx = _compile_for_hopper(_topk_row_kernel, ptrs, dict(TILE=TILE, E=E, KB=1024, REARM=rearm, PDL=pdl),
-                                  num_warps=nw).asm["ptx"]
-        setp = [ln for ln in ptx.splitlines() if "setp." in ln and ".f32" in ln]
-        assert setp and not [ln for ln in setp if ".ftz" in ln], (tile, nw)
-        atoms = {w for ln in ptx.splitlines() for w in ln.split() if w.startswith("atom.global")}
-        assert atoms == {"atom.global.gpu.relaxed.add.u32"}, atoms  # (the radix path's histograms: atom.shared)
 
 
 def test_one_launch_grid_fits_the_sms_or_declines():
@@ -281,92 +258,6 @@ def _split_v2_checks(g: torch.Generator) -> None:
         assert torch.equal(idx, topk_select_ref(sc, L, 300)), f"indexer_topk radix_fused v2={v2}"
 
 
-def _row_checks(g: torch.Generator) -> None:
-    """`topk_row.radix_topk_row` (one program per score row after the histogram) against the reference, with the
-    histogram launch and with the scores kernel's (indexer_topk radix / radix_fused, row=True): odd S, 1..5 rows and
-    T > 1, row lengths (seq_lens) short of S and below k, ties (at the boundary: each tier of the candidates'
-    threshold, pairwise 32, sorted 64 / 128 / 256, and the radix path with its walk over the row), -inf, NaN, -0.0 beside +0.0, +inf (the top bin: fhi NaN),
-    denormals, the most negative floats, every score equal, fewer candidates than k, k > S; tiles of one to many
-    keys a thread (the pass's whole tiles and its rest); the kept workspace zero after every re-armed call; one
-    decode row of 32768 + 1 keys, k = 2048; and the launches: two with the histogram launch, the scores kernel and
-    one with radix_fused."""
-    from mtp.kernels.indexer import indexer_topk
-    from mtp.kernels.topk import kept_workspace
-    from mtp.kernels.topk_row import radix_topk_row
-    from mtp.model.fp8 import act_quant
-    from mtp.plan.launches import counting
-
-    def tier(n_cand: int, S: int = 3000, k: int = 200):
-        """A row whose k-th key's 16-bit bin holds n_cand candidates, ties among them at the boundary."""
-        sc = -torch.rand(1, 1, S, generator=g)  # below every candidate
-        sc[..., :k - 20] = 2.0 + torch.rand(1, 1, k - 20, generator=g)  # above the bin: kept
-        pos = torch.randperm(S - k, generator=g)[:n_cand] + k
-        sc[0, 0, pos] = 1.0 + torch.randint(0, 3, (n_cand,), generator=g).float() * 1e-7  # one bin, three values
-        return sc, [S - 1], k
-
-    special = torch.randn(1, 2, 2500, generator=g)
-    special[..., ::7] = -0.0
-    special[..., 3::11] = 0.0
-    special[..., 5::13] = float("nan")
-    special[..., 6::17] = float("inf")
-    special[..., 9::19] = float("-inf")
-    special[..., 100:110] = 1e-42  # denormals
-    special[..., 200:210] = -1e-42
-    equal = torch.full((1, 3, 2001), 0.5)
-    equal[..., 7] = float("-inf")
-    cases = [  # (scores, lens, k, tile, warps)
-        (*tier(20), 1024, 4), (*tier(50), 1024, 4), (*tier(100), 512, 4), (*tier(200), 1024, 4),  # each tier
-        (*tier(400), 1024, 4),
-        (tie_scores(2, 2, 3000, g), [2999, 100], 256, 512, 4),  # hundreds tied at the boundary: radix, the walk
-        (special, [2498], 700, 1024, 4), (special, [2498], 300, 256, 4),
-        (torch.full((1, 1, 700), float("inf")), [699], 64, 256, 4),  # the +inf bin
-        (-torch.rand(1, 1, 1000, generator=g) * 3e38, [999], 50, 512, 4),  # the lowest finite floats
-        (equal, [1999], 1500, 1024, 4), (torch.zeros(1, 1, 3001), [3000], 700, 2048, 8),  # every score tied
-        (torch.randn(1, 3, 2001, generator=g), [1500], 300, 4096, 8),
-        (torch.randn(2, 2, 1111, generator=g), [1109, 40], 64, 512, 4),  # a row shorter than k
-        (torch.randn(5, 1, 700, generator=g), [699, 0, 350, 698, 12], 48, 256, 4),
-        (torch.randn(1, 4, 300, generator=g), [0], 512, 256, 4),  # k > S
-        (torch.full((1, 1, 500), float("-inf")), [499], 64, 256, 4),  # no candidate
-    ]
-    for sc, lens, k, tile, nw in cases:
-        L = torch.tensor(lens)
-        R = sc.shape[0] * sc.shape[1]
-        where = f"S={sc.shape[-1]} rows={R} k={k} tile={tile} warps={nw}"
-        want = topk_select_ref(sc, L, k)
-        for rearm in (False, True):
-            got = radix_topk_row(sc, L, k, rearm=rearm, tile=tile, num_warps=nw)
-            assert torch.equal(got, want), f"{where} rearm={rearm}: {(got != want).sum()} entries differ"
-            assert not rearm or not kept_workspace(R, "cpu").any(), f"workspace not re-armed: {where}"
-    sc = torch.randn(1, 1, 32768 + 1, generator=g)  # a decode row at 32k: the defaults' tile and warps
-    L = torch.tensor([32768])
-    assert torch.equal(radix_topk_row(sc, L, 2048, rearm=True), topk_select_ref(sc, L, 2048)), "32k decode row"
-    q8, qs = act_quant(torch.randn(2, 3, 16, 128, generator=g))
-    k8, ks = act_quant(torch.randn(2, 1500, 128, generator=g))
-    L = torch.tensor([1000, 1497], dtype=torch.int32)
-    w = torch.randn(2, 3, 16, generator=g)
-    for impl in ("radix", "radix_fused"):
-        for rearm in (False, True):
-            idx, sc = indexer_topk(q8, qs[..., 0], w, k8, ks[..., 0], L, 200, impl=impl, rearm=rearm, row=True)
-            assert torch.equal(idx, topk_select_ref(sc, L, 200)), f"indexer_topk {impl} rearm={rearm} row"
-            assert not rearm or not kept_workspace(6, "cpu").any(), f"{impl}: workspace not re-armed"
-    try:
-        indexer_topk(q8, qs[..., 0], w, k8, ks[..., 0], L, 200, row=True, one_launch=True)
-        raise AssertionError("row=True with one_launch=True was not refused")
-    except ValueError as e:
-        assert "pick one" in str(e), e
-    holder = torch.nn.Module()  # what `counting` hooks: a model's layers, final norm and head (none here)
-    holder.model, holder.lm_head = torch.nn.Module(), torch.nn.Identity()
-    holder.model.layers, holder.model.norm = torch.nn.ModuleList(), torch.nn.Identity()
-    sc, L = tie_scores(1, 2, 1500, g), torch.tensor([1498])
-    with counting(holder) as n:
-        radix_topk_row(sc, L, 40, rearm=True)
-    assert n.names("glue") == {"_topk_hist_kernel": 1, "_topk_row_kernel": 1}, n.names("glue")
-    with counting(holder) as n:
-        indexer_topk(q8[:1, :1], qs[:1, :1, :, 0], w[:1, :1], k8[:1], ks[:1, :, 0], L, 200, impl="radix_fused",
-                     rearm=True, row=True)
-    assert n.names("glue") == {"_indexer_kernel": 1, "_topk_row_kernel": 1}, n.names("glue")
-
-
 def _interpreted_checks() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     patch_interpreter_loop_bounds()
@@ -400,7 +291,6 @@ def _interpreted_checks() -> None:
     assert torch.equal(idx, topk_select_ref(sc, L, 64)), "radix_fused"
     _one_launch_checks(g)
     _split_v2_checks(g)
-    _row_checks(g)
     print("interpreted checks ok")
 
 

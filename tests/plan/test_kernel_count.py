@@ -156,8 +156,7 @@ def test_hand_derivation_indexer():
     histogram + split + write 3 = 5 per layer, on a GPU as on the CPU counter; the top-k's workspace is the kept one,
     which its write kernel re-arms (`topk_rearm`; off: a zeroed workspace per call, + 1 memset = 6); with
     `topk_one_launch` the three top-k launches are one (2 fewer) where its grid fits the SMs, with
-    `indexer_one_launch` the scores and the top-k are one launch (3 fewer), with `topk_row` split + write are one (1
-    fewer). The session-4
+    `indexer_one_launch` the scores and the top-k are one launch (3 fewer). The session-4
     32k profile had 8: the head weights were cuBLAS's split-K GEMM, its reduce kernel and a float mul, with
     _indexer_kernel, the 3 top-k kernels and FillFunctor. Rows > 1 with the cache longer than S: + 2 contiguous
     copies of the keys and their scales. Up to `fused_hist_rows` tokens (default 1) the histogram runs in the scores
@@ -195,15 +194,6 @@ def test_hand_derivation_indexer():
     assert per_layer(cfg, past, both)["moe"] == per_layer(cfg, past, lim)["moe"] - 1
     mid = StepShape(8, 1, 65544, tp=8)  # 8 rows past 64k: 8192-key chunks, too long for the scores, not the top-k
     assert per_layer(cfg, mid, both)["moe"] == per_layer(cfg, mid, lim)["moe"] - 2
-    # topk_row: split + write in one launch (the row kernel), after the scores kernel's histogram at one token
-    # (fused: 1 + scores + row = 3 instead of 4) or the histogram launch from two (1 + scores + hist + row = 4)
-    row = dataclasses.replace(fused, topk_row=True)
-    for rows, width, S in ((1, 1, 8193), (1, 2, 8194), (1, 4, 32772), (2, 4, 65540)):
-        sh = StepShape(rows, width, S, tp=8)
-        assert per_layer(cfg, sh, row)["moe"] == per_layer(cfg, sh, fused)["moe"] - 1, (rows, width, S)
-    assert per_layer(cfg, StepShape(1, 1, 8193, tp=8), row)["moe"] - base["moe"] == 3
-    assert per_layer(cfg, StepShape(1, 2, 8194, tp=8), row)["moe"] - per_layer(cfg, StepShape(1, 2, 1026, tp=8),
-                                                                             row)["moe"] == 4
     two = per_layer(cfg, StepShape(2, 1, 8193, tp=8, cache_len=8196), lim)
     assert two["moe"] - per_layer(cfg, StepShape(2, 1, 8193, tp=8), lim)["moe"] == 2
 
