@@ -6,6 +6,13 @@ switches (step_commit, rope_table, vocab_embed, mtp_norms) change launches, neve
 Counted (session 21): glue 188 launches a step before the session's changes (commit cce8eca), 164 with the switches off
 (kept aranges, shared index tensors, the drafts written in one scatter, ...), 67 with them on; the blocks' launches
 (dense 18, moe 19, mtp 3 x 21 + 1) are not touched.
+
+Here (CI) the step with the default switches only: ~50 s of interpreted kernels on a 2-core CI machine, against ~100 s
+with `--compare` (a second prefill and two more steps), which session 22 took out to keep CI under its 20 minutes.
+That the switches keep every bit is held per switch on the CPU (test_step_commit's interpreted engine runs on / off;
+test_lookup: rope_table, vocab_embed, mtp_norms against the torch ops) and for the whole step on a GPU (tests/backends/test_glue_gpu.py: the TP=8 rank's eagle
+k = 3 step, switches off vs on, eager and graphs); `python -m mtp.bench.step_launches --compare` prints the off count
+(164) and the state comparison.
 """
 
 from __future__ import annotations
@@ -20,26 +27,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 GLUE_BOUND = 67  # the eagle k = 3 step's glue with the default switches (counted; lower it when it drops)
-GLUE_OFF_BOUND = 164  # with the glue switches off
-SWITCHES_SAVE = 97  # at least this many launches fewer with them on
+BLOCKS = {"dense": 18, "moe": 19, "mtp": 64, "head": 3}  # the blocks' launches of the same step (counted, session 21)
 
 
 @pytest.mark.slow
-def test_eagle_k3_step_launches_and_glue_switches_keep_every_bit():
+def test_eagle_k3_step_launches():
     pytest.importorskip("triton")
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    r = subprocess.run([sys.executable, "-m", "mtp.bench.step_launches", "--draft", "eagle", "--k", "3", "--compare"],
+    r = subprocess.run([sys.executable, "-m", "mtp.bench.step_launches", "--draft", "eagle", "--k", "3"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"step_launches failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    res = json.loads(r.stdout)
-    on, off = res["step"], res["glue_off"]
-    assert res["all_equal"], [k for k, v in res["state_equal"].items() if not v]
+    on = json.loads(r.stdout)["step"]
     assert on["per_kind"]["glue"] <= GLUE_BOUND, on["glue_by_site"]
-    assert off["per_kind"]["glue"] <= GLUE_OFF_BOUND, off["glue_by_site"]
-    assert off["per_kind"]["glue"] - on["per_kind"]["glue"] >= SWITCHES_SAVE
-    assert {k: v for k, v in on["per_kind"].items() if k != "glue"} == \
-        {k: v for k, v in off["per_kind"].items() if k != "glue"}, "the switches touch the glue only"
+    assert {k: v for k, v in on["per_kind"].items() if k != "glue"} == BLOCKS, "the blocks' launches changed"
     names = on["glue_by_name"]
     # one launch each for: the bookkeeping, each forward's slots + angles and embedding, each MTP module's norms
     assert names["_chain_commit_kernel"] == 1 and names["_rope_slots_kernel"] == 4
