@@ -237,13 +237,15 @@ version, so the engine captures its kept graphs again).
 - glue_pdl (on; variant glue_pdl_off): with pdl, the four glue kernels above (the commit, the slots' gather, the
   embedding, the MTP norm pair) launch with programmatic dependent launch where a call of as many tokens / rows would
   (`glue_pdl_at`: `pdl_at`, the same trigger placement), waiting first thing (each reads an earlier kernel's output
-  before anything else worth loading); the same bits. Off: launched plainly, as in session 21. Predicted (not
-  measured; H200, an eagle k = 3 step: 12 launches take it, 4 gathers, 4 embeddings, 3 norm pairs, 1 commit): a
-  kernel gains its launch gap (~1-1.5 us exposed) where the one before it triggers: the embedding after the gather
-  (4 a step), and on the simulated TP=8 rank `mtp-bench --tp 8` times, whose all-reduces launch nothing, the norm
-  pair after the embedding too (3; a real rank's NCCL all-reduce sits between them); the rest follow torch / NCCL /
-  cuBLAS kernels, which never trigger, so their launch moves up to the predecessor's last block exit at best (<= 0.5
-  us each). ~7 x 1-1.5 + 5 x <= 0.5 us: ~7-13 us a step on the simulated rank (of ~7.6 ms), ~5-9 us on a real one.
+  before anything else worth loading); the same bits. Off: launched plainly, as in session 21. Measured (H200,
+  session 22, `mtp-bench --tp 8 --k 3`, same machine): eagle k = 3 GPU 7.619 ms off, 7.613 on: within the noise,
+  the size predicted. Predicted (an eagle k = 3 step: 12 launches take it, 4 gathers, 4 embeddings, 3 norm pairs, 1
+  commit): a kernel gains its launch gap (~1-1.5 us exposed) where the one before it triggers: the embedding after
+  the gather (4 a step), and on the simulated TP=8 rank `mtp-bench --tp 8` times, whose all-reduces launch nothing,
+  the norm pair after the embedding too (3; a real rank's NCCL all-reduce sits between them); the rest follow torch /
+  NCCL / cuBLAS kernels, which never trigger, so their launch moves up to the predecessor's last block exit at best
+  (<= 0.5 us each). ~7 x 1-1.5 + 5 x <= 0.5 us: ~7-13 us a step on the simulated rank (of ~7.6 ms), ~5-9 us on a
+  real one.
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
