@@ -128,10 +128,24 @@ def _state(st) -> dict:
     return out
 
 
+def _torch_commit(st, drafts, verdict, stops, **commit_kw):
+    """A copy of `st` after the torch ops of a step's accept + commit + count (the kernel's reference)."""
+    import copy
+
+    from mtp.decode.accept import accept, commit, count
+
+    want = copy.deepcopy(st)
+    active = ~want.finished_B
+    acc = accept(drafts, verdict, active, stops, want.max_new_B - want.gen_B)
+    commit(want, acc, None, **commit_kw)
+    count(want, acc, verdict.relaxed_only_B, active)
+    return want
+
+
 def _kernel_checks() -> None:
     import copy
 
-    from mtp.decode.accept import accept, commit, count, fused_commit
+    from mtp.decode.accept import fused_commit
 
     g = torch.Generator().manual_seed(0)
     cases = 0
@@ -140,11 +154,7 @@ def _kernel_checks() -> None:
             for _ in range(12):
                 st, drafts, verdict, stops = _random_step(g, B, K)
                 W = int(torch.randint(1, 2 * K + 2, (), generator=g))
-                want = copy.deepcopy(st)
-                active = ~want.finished_B
-                acc = accept(drafts, verdict, active, stops, want.max_new_B - want.gen_B)
-                commit(want, acc, None, window=W)
-                count(want, acc, verdict.relaxed_only_B, active)
+                want = _torch_commit(st, drafts, verdict, stops, window=W)
                 got = copy.deepcopy(st)
                 drafts_strided = torch.cat((drafts, drafts), 1)[:, :K] if K else drafts  # a row stride of 2K
                 fused_commit(got, drafts_strided, verdict, stops, W)
@@ -158,11 +168,7 @@ def _kernel_checks() -> None:
         for _ in range(6):
             st, drafts, verdict, stops = _random_step(g, B, K, layers=1)
             path = torch.cat((torch.zeros(B, 1, dtype=torch.long), torch.randint(1, N, (B, K), generator=g)), 1)
-            want = copy.deepcopy(st)
-            active = ~want.finished_B
-            acc = accept(drafts, verdict, active, stops, want.max_new_B - want.gen_B)
-            commit(want, acc, None, path_BA=path)
-            count(want, acc, verdict.relaxed_only_B, active)
+            want = _torch_commit(st, drafts, verdict, stops, path_BA=path)
             got = copy.deepcopy(st)
             fused_commit(got, drafts, verdict, stops, None, path_BA=path)
             a, b = _state(want), _state(got)
