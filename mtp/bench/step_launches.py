@@ -18,9 +18,9 @@ batch of 2 rows here: the all-gathered logits of 2 rows need a reordering copy, 
 every decode buffer and cache is torch.equal after it (the switches change launches, never bits). Prints JSON.
 tests/bench/test_step_launches.py holds the eagle k = 3 counts.
 `--tree SHAPE`: a tree step (`TreeStep`, greedy top-k children) of that shape instead (k its depth). Counted (session
-22, eagle 2x1x1, 7 nodes): 318 launches, glue 210 (blocks: dense 20, moe 21, mtp 64, head 3); the bookkeeping after
+22, eagle 2x1x1, 7 nodes): 317 launches, glue 209 (blocks: dense 20, moe 21, mtp 64, head 3); the bookkeeping after
 the verify (the commit kernel + its base, switch step_commit: 2, where accept / commit / count were 44 torch ops), the
-compaction of the kept path's cache slots (16), the hidden states of the path and the tree's counters (23 in
+compaction of the kept path's cache slots (16), the hidden states of the path and the tree's counters (22 in
 `TreeStep.__call__`); before the verify the proposer's windows, children and tree forwards' positions and
 visibility (`tree_visibility` 30, `Rotary.angles` 12: a tree forward's angles are not the table's gather) and the
 tree verdict (25). Not held by a test (~1 min of CPU a count).

@@ -116,14 +116,15 @@ class TreeStep:
         drafts_BK = dr.tokens_BN.gather(1, v.path_BA[:, 1:])
         # the target hidden of the kept path, at positions n-1.. (read before commit moves n)
         A = v.path_BA.shape[1]
-        pos_BA = (st.n_B.unsqueeze(1) + torch.arange(A, device=dev)).clamp_max(st.max_len - 1)
+        ar_A = arange(A, dev)  # the kept 0..A-1: the path's positions here, its kept entries after the commit
+        pos_BA = (st.n_B.unsqueeze(1) + ar_A).clamp_max(st.max_len - 1)
         h_out = pick_hidden(out, g.draft.target_hidden)
         h_BAD = h_out.gather(1, v.path_BA.unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]))
         hpos_BAD = (pos_BA - 1).unsqueeze(-1).expand_as(h_BAD)
         if fused_commit_takes(opts, g.think_ids, st, drafts_BK, v, self.stops):
             # accept + commit + count in one launch (switch step_commit), then the path's compaction
             fused_commit(st, drafts_BK, v, self.stops, None, opts.glue_pdl_at(st.B), path_BA=v.path_BA)
-            kept_BA = arange(A, dev).unsqueeze(0) < st.keep_B.unsqueeze(1)
+            kept_BA = ar_A.unsqueeze(0) < st.keep_B.unsqueeze(1)
             accepted_B = v.accept_len_B  # `accept`'s accepted_B wherever a row is active (the only rows counted)
         else:
             acc = accept(drafts_BK, v, active_B, self.stops, st.max_new_B - st.gen_B)

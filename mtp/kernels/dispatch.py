@@ -218,7 +218,7 @@ version, so the engine captures its kept graphs again).
   profile, less the kernel's own ~3 us); to be measured (`--kernels step_commit=0`). A tree step's too (session 22,
   `tree_step.TreeStep`: the drafts along its path, no draft window, its cache compaction after the launch): 44 torch
   launches -> 2 (the kernel and the compaction's base) on an eagle 2x1x1 tree step (`mtp.bench.step_launches --tree
-  2x1x1`: glue 252 -> 210).
+  2x1x1`: glue 252 -> 209).
 - rope_table (on; variant rope_table_off): a forward's cache slots (seq_lens + t) and their rotary angles in one launch
   of `kernels.lookup.rope_slots`, gathered from tables of `Rotary.angles` over positions 0..P-1 that the reference's
   own ops made (`fast_path.FastRotary`: the same bits); off: the slots' add and the angles' cast, product, cos and sin
