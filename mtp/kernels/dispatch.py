@@ -26,14 +26,14 @@ version, so the engine captures its kept graphs again).
 - router_one_tokens (8; variants router_one = 16, router_one_off = 0, router_split_off = 2 unsplit, session 20's
   default): with router, calls of at most this many tokens (and at most `router.ONE_MAX_TOKENS`, 16) take
   `moe_route_fused(impl="one")`: no split-K (each program the whole 7168-long dot of 2 experts, its gate rows loaded
-  before the PDL wait), one arrival (the grouped impl's 'auto' choice
-  has two in a chain: each E-block's last K slice, then the last E-block) and the routing after it by rank
-  comparisons. The same choice on its logits as the others' on theirs; the logits themselves in another fixed
-  fp32 order (`router._pair_tree`: the same bits at any warps, tile or width), so they can differ from the split-K
-  sums in the last bits. Measured (H200, one TP=8 split rank, 61 layers, 1k, busy ms, BENCHMARKS.md session 20): at
-  w = 1 / 2 / 3 / 4 -0.27 / -0.22 / +0.05 / -0.00 a step with impl one up to 16 tokens and its whole routing in the
-  last program (which grows with the tokens: 709 PTX instructions and 28 barriers after the arrival at one, 2526 and
-  66 at four); hence 2 tokens in session 20, 8 with router_one_split since session 21.
+  before the PDL wait), one arrival (the grouped impl's 'auto' choice has two in a chain: each E-block's last K slice,
+  then the last E-block) and the routing after it by rank comparisons. The same choice on its logits as the others' on
+  theirs; the logits themselves in another fixed fp32 order (`router._pair_tree`: the same bits at any warps, tile or
+  width), so they can differ from the split-K sums in the last bits. Measured (H200, one TP=8 split rank, 61 layers, 1k,
+  busy ms, BENCHMARKS.md session 20): at w = 1 / 2 / 3 / 4 -0.27 / -0.22 / +0.05 / -0.00 a step with impl one up to 16
+  tokens and its whole routing in the last program (which grows with the tokens: 709 PTX instructions and 28 barriers
+  after the arrival at one, 2526 and 66 at four); hence 2 tokens in session 20, 8 with router_one_split since session
+  21.
 - router_one_split (2; variant router_split3 = from 3, router_split_off = never): impl one's calls of at least this
   many tokens are routed by its last min(T, programs) programs to arrive, one token each
   (`moe_route_fused(split_tail=True)`), instead of all by the last one: the work after the arrival stays one

@@ -55,14 +55,13 @@ w = 1 / 2 / 3 / 4 (the tail's growth with T as predicted, the T = 1 gain as pred
 tokens (up to 8 since the split tail below).
 
 impl "one" with split_tail (`FastPathOptions.router_one_split`, from 2 tokens by default since session 21) splits that
-routing over
-tokens. The dots, the stores and the one arrival counter are as before; then the last P = min(T, programs) programs to
-arrive route a token each (tokens slot, slot + P, ... where the grid has fewer programs than tokens), their slot the
-count of arrivals after theirs (programs - 1 - ticket, the ticket being the add's old value): slot 0, whose arrival
-completed the count, at once; every other once the counter shows every arrival (a spin on acquire loads of it, which
-read from the chain of read-modify-writes holding every program's acq_rel arrival: each program's logits are visible
-after it). Each routes its token's row of the [T, E] logits (.cg) with the one-token routing (`_one_tail` at one row):
-the same dots, so the same logits, and per token the same arithmetic (compares, integer sums, sigmoid and bias
+routing over tokens. The dots, the stores and the one arrival counter are as before; then the last P = min(T, programs)
+programs to arrive route a token each (tokens slot, slot + P, ... where the grid has fewer programs than tokens), their
+slot the count of arrivals after theirs (programs - 1 - ticket, the ticket being the add's old value): slot 0, whose
+arrival completed the count, at once; every other once the counter shows every arrival (a spin on acquire loads of it,
+which read from the chain of read-modify-writes holding every program's acq_rel arrival: each program's logits are
+visible after it). Each routes its token's row of the [T, E] logits (.cg) with the one-token routing (`_one_tail` at one
+row): the same dots, so the same logits, and per token the same arithmetic (compares, integer sums, sigmoid and bias
 elementwise; the chosen weights' normalizing sum in the unsplit tail's layout, lanes then registers, checked on the
 sm_90 build), so the same ids and weights bit for bit.
 
