@@ -219,6 +219,58 @@ def parse_switches(items: list[str]) -> dict:
     return out
 
 
+def add_projection_args(ap: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """The --tp N projection's flags (`rank_model.project`'s assumptions), shared with `mtp.bench.reproject`, which
+    prices a saved run again: there (defaults False) a flag not given is None and keeps the run's own value."""
+    def d(value):
+        return value if defaults else None
+
+    ap.add_argument("--accept", type=float, nargs="+", default=d([0.85]),
+                    help="--tp N projection: per-position draft acceptance p_1 [p_2 ...] (the last repeats); "
+                         "AL(k) = 1 + p_1 + p_1 p_2 + ...")
+    ap.add_argument("--al", type=float, default=None, help="--tp N projection: the acceptance length at k = --k")
+    ap.add_argument("--allreduce-us", type=float, default=d(10.0),
+                    help="--tp N projection: ASSUMED latency of one collective when no measurement is given")
+    ap.add_argument("--collective-json", default=None,
+                    help="--tp N projection: measured collective latencies (python -m mtp.bench.collectives, or "
+                         "python -m mtp.bench.allreduce for NCCL vs the one-shot all-reduce)")
+    ap.add_argument("--allreduce", choices=COLLECTIVE_IMPLS, default=d("nccl"),
+                    help="--tp N projection with --collective-json: which measured rows price the all-reduces "
+                         "(oneshot: the block boundaries at the fused one-shot + add + norm + quant, less the norm "
+                         "kernel the step holds, the rest plain one-shot; all-gathers stay NCCL)")
+    ap.add_argument("--tree-al", nargs="+", default=d([]), metavar="SHAPE=AL",
+                    help="--tp N projection: the acceptance length of --trees shapes (e.g. 2x2=2.9, measured with "
+                         "mtp-eval), for their projected tok/s per user")
+    ap.add_argument("--headline-al", type=float, nargs="+", default=d([2.8, 2.96]),
+                    help="--tp N projection: acceptance lengths at k = --k printed first (DeepSeek MTP on real "
+                         "prompts: 2.82 TensorRT-LLM R1 k=3 to 2.96 SGLang V3.2)")
+    ap.add_argument("--real-overhead", type=float, default=d(REAL_OVERHEAD),
+                    help="--tp N projection: real / simulated step ratio, measured at TP=4 and ASSUMED for N "
+                         "(rank_model.REAL_OVERHEAD_SOURCE; `python -m mtp.bench.overhead` measures it)")
+    ap.add_argument("--collective-growth", type=float, default=d(COLLECTIVE_GROWTH),
+                    help="--tp N projection: ASSUMED collective latency growth per doubling of GPUs past those "
+                         "measured (issue 25: 12-13 us on 2 x H200, 17-20 us on 4)")
+
+
+def check_projection_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`add_projection_args`' values checked (`ap.error` names the flag and the value); the collective file read now:
+    a bad file must not end a long GPU run at its projection."""
+    if min(args.headline_al) < 1 or args.real_overhead < 1 or args.collective_growth < 1:
+        ap.error(f"--headline-al, --real-overhead and --collective-growth must be >= 1, got {args.headline_al}, "
+                 f"{args.real_overhead}, {args.collective_growth}")
+    if args.al is not None and args.al < 1:
+        ap.error(f"--al must be >= 1, got {args.al}")
+    if args.collective_json:
+        try:
+            MeasuredComm(read_collectives(args.collective_json), args.tp, args.allreduce, args.collective_growth)
+        except ValueError as e:
+            ap.error(f"--collective-json: {e}")
+    elif args.allreduce != "nccl":
+        ap.error(f"--allreduce {args.allreduce} needs --collective-json (a measured mtp.bench.allreduce file)")
+    if any(not 0 <= p <= 1 for p in args.accept):
+        ap.error(f"--accept rates must be in [0, 1], got {args.accept}")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=1, metavar="N",
@@ -262,25 +314,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--spec-prompt-len", type=int, default=None,
                     help="--tp N: context of the speculative steps (a real prefill runs; default: the shortest)")
     ap.add_argument("--spec-modes", default="overlap", help="--tp N: comma list of graph, overlap (GPU)")
-    ap.add_argument("--accept", type=float, nargs="+", default=[0.85],
-                    help="--tp N projection: per-position draft acceptance p_1 [p_2 ...] (the last repeats); "
-                         "AL(k) = 1 + p_1 + p_1 p_2 + ...")
-    ap.add_argument("--al", type=float, default=None, help="--tp N projection: the acceptance length at k = --k")
-    ap.add_argument("--allreduce-us", type=float, default=10.0,
-                    help="--tp N projection: ASSUMED latency of one collective when no measurement is given")
-    ap.add_argument("--collective-json", default=None,
-                    help="--tp N projection: measured collective latencies (python -m mtp.bench.collectives, or "
-                         "python -m mtp.bench.allreduce for NCCL vs the one-shot all-reduce)")
-    ap.add_argument("--allreduce", choices=COLLECTIVE_IMPLS, default="nccl",
-                    help="--tp N projection with --collective-json: which measured rows price the all-reduces "
-                         "(oneshot: the block boundaries at the fused one-shot + add + norm + quant, less the norm "
-                         "kernel the step holds, the rest plain one-shot; all-gathers stay NCCL)")
     ap.add_argument("--trees", default=None, metavar="SHAPES",
                     help="comma list of draft-tree shapes ('chain3', '2x2', '4x1x1': mtp.spec.tree_shape.TreeShape.parse): "
                          "also time the target verify of each tree beside a chain of the same node count")
-    ap.add_argument("--tree-al", nargs="+", default=[], metavar="SHAPE=AL",
-                    help="--tp N projection: the acceptance length of --trees shapes (e.g. 2x2=2.9, measured with "
-                         "mtp-eval), for their projected tok/s per user")
     ap.add_argument("--route", choices=("measured", "busiest"), default="measured",
                     help="--tp N: 'busiest' replaces each MoE layer's router output with a seeded per-token draw "
                          "of the uniform group-limited router, renamed so this rank is the step's busiest under "
@@ -289,15 +325,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="--tp N: the rank's expert layout (mtp/placement.py; 'auto' as the runtime: split where each "
                          "rank gets whole 128-blocks of every expert, DeepSeek-V3.2 at TP=2..16); interleaved / "
                          "permuted need --route busiest (drawn for that layout)")
-    ap.add_argument("--headline-al", type=float, nargs="+", default=[2.8, 2.96],
-                    help="--tp N projection: acceptance lengths at k = --k printed first (DeepSeek MTP on real "
-                         "prompts: 2.82 TensorRT-LLM R1 k=3 to 2.96 SGLang V3.2)")
-    ap.add_argument("--real-overhead", type=float, default=REAL_OVERHEAD,
-                    help="--tp N projection: real / simulated step ratio, measured at TP=4 and ASSUMED for N "
-                         "(rank_model.REAL_OVERHEAD_SOURCE; `python -m mtp.bench.overhead` measures it)")
-    ap.add_argument("--collective-growth", type=float, default=COLLECTIVE_GROWTH,
-                    help="--tp N projection: ASSUMED collective latency growth per doubling of GPUs past those "
-                         "measured (issue 25: 12-13 us on 2 x H200, 17-20 us on 4)")
+    add_projection_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", "--json", dest="out", default=None,
                     help="JSON result file (none is written unless given)")
@@ -339,21 +367,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.spec_modes = tuple(m.strip() for m in args.spec_modes.split(",") if m.strip())
     if not args.spec_modes or not set(args.spec_modes) <= {"graph", "overlap"}:
         ap.error(f"--spec-modes: comma list of graph, overlap; got {args.spec_modes}")
-    if min(args.headline_al) < 1 or args.real_overhead < 1 or args.collective_growth < 1:
-        ap.error(f"--headline-al, --real-overhead and --collective-growth must be >= 1, got {args.headline_al}, "
-                 f"{args.real_overhead}, {args.collective_growth}")
-    if args.collective_json:  # read now: a bad file must not end a long GPU run at its projection
-        try:
-            MeasuredComm(read_collectives(args.collective_json), args.tp, args.allreduce, args.collective_growth)
-        except ValueError as e:
-            ap.error(f"--collective-json: {e}")
-    elif args.allreduce != "nccl":
-        ap.error(f"--allreduce {args.allreduce} needs --collective-json (a measured mtp.bench.allreduce file)")
+    check_projection_args(ap, args)
     if args.route == "measured" and args.layout not in ("auto", "contiguous", "split"):
         ap.error(f"--layout {args.layout} needs --route busiest (the measured route is the built rank's own, and "
                  f"the rank is built contiguous or split)")
-    if any(not 0 <= p <= 1 for p in args.accept):
-        ap.error(f"--accept rates must be in [0, 1], got {args.accept}")
     return args
 
 

@@ -107,43 +107,49 @@ def print_table(res: dict) -> None:
                       f"{h['planned_bytes'] / 1e6:.1f} MB), beside the bf16 head's {h['bf16_head_bytes'] / 1e6:.1f} MB")
     if "spec_step_error" in res:
         print(f"speculative steps failed: {res['spec_step_error']}")
-    pj = res.get("projection")
-    if pj:
-        print(f"projection ({pj['deployment']}); collectives: {pj['collective_latency']['source']}; "
-              f"acceptance per position {pj['accept_per_position']}")
-        if pj.get("target_step_timing"):
-            print(f"  target steps: {pj['target_step_timing']} ("
-                  + ("replays back to back: no host launch latency" if pj["target_step_timing"] == "graph_ms_b2b"
-                     else "one replay per event pair: host launch latency included") + ")")
-        if "real_overhead" in pj:
-            print(f"  x {pj['real_overhead']['factor']:.2f} real-vs-simulated overhead, {pj['real_overhead']['source']}")
-        for L, row in pj["contexts"].items():
-            for n, r in row.items():
-                if "at_AL" in r:
-                    print(f"  HEADLINE context {L}, eagle k={n[len('eagle_k'):]}: " + "; ".join(
-                        f"AL {a:.2f} -> {v['tok_s_per_user']:.0f} tok/s per user" for a, v in r["at_AL"].items())
-                          + f" (AL {r['AL']:.2f} from --accept: {r['tok_s_per_user']:.0f})")
-        for L, row in pj["contexts"].items():
-            parts = [f"plain {row['plain']['tpot_ms']:.2f} ms ({row['plain']['tok_s_per_user']:.0f} tok/s)"]
-            parts += [f"eagle k={n[len('eagle_k'):]} {r['tpot_ms']:.2f} ms ({r['tok_s_per_user']:.0f} tok/s, AL {r['AL']:.2f})"
-                      for n, r in row.items() if n.startswith("eagle_k")]
-            parts += [f"tree {n[len('tree_'):]} {r['tpot_ms']:.2f} ms ({r['tok_s_per_user']:.0f} tok/s, AL {r['AL']:.2f} "
-                      f"given)" for n, r in row.items() if n.startswith("tree_")]
-            print(f"  context {L}: " + "; ".join(parts))
-        first = next(iter(pj["contexts"].values()), None)
-        for name, v in pj["other_deployments"].items():
-            if v == "this run" and first:
-                best = max((r for n, r in first.items() if n.startswith("eagle_k")),
-                           key=lambda r: r["tok_s_per_user"], default=None)
-                v = (f"this run, context {next(iter(pj['contexts']))}: plain {first['plain']['tok_s_per_user']:.0f} "
-                     f"tok/s per user" + (f", with MTP {best['tok_s_per_user']:.0f} (AL {best['AL']:.2f})" if best else ""))
-            print(f"  {name}: {v}")
-        for name, v in pj["references_tok_s_per_user"].items():
-            if res["device"] != "cpu":  # published GPU numbers beside CPU times would read as a comparison
-                print(f"  reference: {name}: {v:.0f} tok/s per user")
+    print_projection(res)
     if res["device"] == "cpu":
         print(f"*** {CPU_NOTICE} ***")
     sys.stdout.flush()
+
+
+def print_projection(res: dict) -> None:
+    """The projection's lines (`rank_model.project`): also what `mtp.bench.reproject` prints."""
+    pj = res.get("projection")
+    if not pj:
+        return
+    print(f"projection ({pj['deployment']}); collectives: {pj['collective_latency']['source']}; "
+          f"acceptance per position {pj['accept_per_position']}")
+    if pj.get("target_step_timing"):
+        print(f"  target steps: {pj['target_step_timing']} ("
+              + ("replays back to back: no host launch latency" if pj["target_step_timing"] == "graph_ms_b2b"
+                 else "one replay per event pair: host launch latency included") + ")")
+    if "real_overhead" in pj:
+        print(f"  x {pj['real_overhead']['factor']:.2f} real-vs-simulated overhead, {pj['real_overhead']['source']}")
+    for L, row in pj["contexts"].items():
+        for n, r in row.items():
+            if "at_AL" in r:
+                print(f"  HEADLINE context {L}, eagle k={n[len('eagle_k'):]}: " + "; ".join(
+                    f"AL {a:.2f} -> {v['tok_s_per_user']:.0f} tok/s per user" for a, v in r["at_AL"].items())
+                      + f" (AL {r['AL']:.2f} from --accept: {r['tok_s_per_user']:.0f})")
+    for L, row in pj["contexts"].items():
+        parts = [f"plain {row['plain']['tpot_ms']:.2f} ms ({row['plain']['tok_s_per_user']:.0f} tok/s)"]
+        parts += [f"eagle k={n[len('eagle_k'):]} {r['tpot_ms']:.2f} ms ({r['tok_s_per_user']:.0f} tok/s, AL {r['AL']:.2f})"
+                  for n, r in row.items() if n.startswith("eagle_k")]
+        parts += [f"tree {n[len('tree_'):]} {r['tpot_ms']:.2f} ms ({r['tok_s_per_user']:.0f} tok/s, AL {r['AL']:.2f} "
+                  f"given)" for n, r in row.items() if n.startswith("tree_")]
+        print(f"  context {L}: " + "; ".join(parts))
+    first = next(iter(pj["contexts"].values()), None)
+    for name, v in pj["other_deployments"].items():
+        if v == "this run" and first:
+            best = max((r for n, r in first.items() if n.startswith("eagle_k")),
+                       key=lambda r: r["tok_s_per_user"], default=None)
+            v = (f"this run, context {next(iter(pj['contexts']))}: plain {first['plain']['tok_s_per_user']:.0f} "
+                 f"tok/s per user" + (f", with MTP {best['tok_s_per_user']:.0f} (AL {best['AL']:.2f})" if best else ""))
+        print(f"  {name}: {v}")
+    for name, v in pj["references_tok_s_per_user"].items():
+        if res["device"] != "cpu":  # published GPU numbers beside CPU times would read as a comparison
+            print(f"  reference: {name}: {v:.0f} tok/s per user")
 
 
 def print_trees(contexts: dict) -> None:
