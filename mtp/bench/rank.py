@@ -324,6 +324,10 @@ KERNEL_VARIANTS = {
     # k = 3 step, measured 7.619 -> 7.613 ms, within noise); spec steps mostly, as step_commit (a target step runs a
     # gather and an embedding)
     "glue_pdl_off": (dict(glue_pdl=False), dict()),
+    # a tree step's compaction, hidden rows and counters by torch ops (~36 launches) instead of one launch of
+    # `kernels.tree_commit` (the default since session 23, the same bits); tree spec steps only: time them with
+    # `--trees 2x1x1 --kernels tree_glue=0` against the defaults, as step_commit
+    "tree_glue_off": (dict(tree_glue=False), dict()),
 }
 
 

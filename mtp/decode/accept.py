@@ -10,7 +10,8 @@ lengths, finished flags, thinking state) and rolls the target cache back to n - 
 its lengths (no copy; then the draft window start moves), a tree by moving its kept path's slots into place
 (`KVCache.compact`, given the path). `count` adds the step to the device counters both keep.
 `fused_commit`: the three for a chain or tree step without a thinking state in one launch on the fast path
-(`mtp.kernels.step_commit`, switch `step_commit`; a tree's compaction stays its own launches): 47 launches fewer a
+(`mtp.kernels.step_commit`, switch `step_commit`; a tree's compaction after it: `KVCache.compact`, or with the tree's
+hidden rows and counters one launch of `mtp.kernels.tree_commit`, switch tree_glue, `tree_step`): 47 launches fewer a
 chain step, 42 a tree step (counted by `mtp.bench.step_launches`), the same integers.
 """
 
@@ -103,7 +104,8 @@ def fused_commit(st: DecodeState, drafts_BK: torch.Tensor, verdict: Verdict, sto
                  window: int | None, pdl: int = 0, path_BA: torch.Tensor | None = None) -> None:
     """`accept`, `commit(window=window, path_BA=path_BA)` and `count` of a chain step, or of a tree step (`path_BA`,
     the verdict's path; window None; drafts_BK the tokens along it), in one launch (`step_commit.chain_commit`), then
-    a tree's compaction of its kept path's cache slots: the same state, counters and outputs, integer for integer
+    a tree's compaction of its kept path's cache slots (by torch: `KVCache.compact`; a tree step whose compaction is
+    `kernels.tree_commit`'s passes no path): the same state, counters and outputs, integer for integer
     (tests/kernels/test_step_commit.py). pdl: the launch's programmatic dependent launch (`FastPathOptions.glue_pdl_at`
     of the rows; the same bits)."""
     from ..kernels.step_commit import chain_commit

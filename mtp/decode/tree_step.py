@@ -6,22 +6,20 @@ Shape legend: B batch, S buffer positions, N tree nodes, A = max depth + 1, D wi
 
 The engine (engine.py) runs this or the chain step (chain.py) through the same loop, with accept.py's accept /
 commit / count: the tree passes the drafts along its verdict's path to `accept` and the path to `commit`, which
-compacts the cache instead of lowering its lengths (on the fast path the three in one launch, `fused_commit`, switch
-step_commit, as a chain's; the compaction after it). Each step the N nodes (node 0 = x_{n-1}) are written at cache
-slots n-1..n-2+N; after verification the kept path's slots move to n-1.. and the cache ends at n_new - 1.
+compacts the cache instead of lowering its lengths. On the fast path the three run in one launch (`fused_commit`,
+switch step_commit, as a chain's), and the path's compaction, its target hidden rows and the tree's counters in one
+more (`kernels.tree_commit`, switch tree_glue; off: `KVCache.compact` and `keep_path`, the torch reference). Each
+step the N nodes (node 0 = x_{n-1}) are written at cache slots n-1..n-2+N; after verification the kept path's slots
+move to n-1.. and the cache ends at n_new - 1.
 Tree sampling draws from one torch.Generator per engine, seeded per call (hence eager only: a replayed graph
 would not advance it; `GenerationConfig` refuses the graph modes for it).
 
-Launches (`python -m mtp.bench.step_launches --tree 2x1x1`, session 22, a tiny TP=2 rank): after the verify, the commit
-kernel (2) and still torch ops: the compaction (`KVCache.compact`, 16: aranges, the slots' adds, an index and an
-index_put per cache buffer, the lengths' copy), the kept path's hidden states and the tree's counters (~21 here:
-pos_BA, the gathers, where / scatter; rank_DC's compare, and, index, scatter_add; live_nodes' and, sum, add). What one
-launch each would take: the compaction a kernel of its own (grid over layers x rows x channel blocks of the 5
-buffers, each program loading its A source slots before storing any: a later node's source may be an earlier node's
-destination; bytes, not launches, grow with the layers); the hidden states and the counters a tree mode of the commit
-kernel (rank_N and the live mask read, the path's hidden rows copied where i < keep): ~35 launches fewer a step.
-Before the verify the forwards' glue is torch too: each tree forward's angles (`Rotary.angles`, 4 launches; the
-table's gather would need the nodes' depths as row offsets) and visibility (`tree_visibility`, 10).
+Launches (`python -m mtp.bench.step_launches --tree 2x1x1`, a tiny TP=2 rank, 2 rows): glue 173 a step (session 23;
+209 with tree_glue off, 289 with every glue switch off). After the verify: the drafts' path gather, the commit kernel
+and the tree glue kernel (3; with tree_glue off 39: the commit's base, the compaction's 16 launches, the hidden rows'
+and counters' 20). What remains is before the verify: the proposer's windows and children, each tree forward's angles
+(`Rotary.angles`, 4 launches a forward, 12 a step; the table's gather would need the nodes' depths as row offsets)
+and visibility (`tree_visibility`, 10 a forward, 30 a step), and the tree verdict (25).
 """
 
 from __future__ import annotations
@@ -114,15 +112,23 @@ class TreeStep:
             logits_nonfinite(st.nonfinite, out.logits, opts)
             v = self.rule(g, tt, dr, out.logits, st.think_B, self.gen, live)
         drafts_BK = dr.tokens_BN.gather(1, v.path_BA[:, 1:])
-        # the target hidden of the kept path, at positions n-1.. (read before commit moves n)
+        h_out = pick_hidden(out, g.draft.target_hidden)
+        fused = fused_commit_takes(opts, g.think_ids, st, drafts_BK, v, self.stops)
+        if fused and opts.tree_glue and tree_glue_takes(st, h_out, v.path_BA, dr.live_BN):
+            from ..kernels.tree_commit import tree_commit
+
+            # accept + commit + count in one launch (switch step_commit), then the path's compaction, hidden rows and
+            # the tree's counters in one more (switch tree_glue; it reads n and keep as the commit left them)
+            fused_commit(st, drafts_BK, v, self.stops, None, opts.glue_pdl_at(st.B))
+            tree_commit(st.cache, st.n_B, st.keep_B, v.path_BA, st.hidden, h_out, active_B, v.accept_len_B, tt.rank_N,
+                        st.rank_DC, dr.live_BN, st.live_nodes, opts.glue_pdl_at(st.B))
+            return
+        # the kept path's positions n.. (read before commit moves n; its hidden rows go to n-1..)
         A = v.path_BA.shape[1]
         ar_A = arange(A, dev)  # the kept 0..A-1: the path's positions here, its kept entries after the commit
         pos_BA = (st.n_B.unsqueeze(1) + ar_A).clamp_max(st.max_len - 1)
-        h_out = pick_hidden(out, g.draft.target_hidden)
-        h_BAD = h_out.gather(1, v.path_BA.unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]))
-        hpos_BAD = (pos_BA - 1).unsqueeze(-1).expand_as(h_BAD)
-        if fused_commit_takes(opts, g.think_ids, st, drafts_BK, v, self.stops):
-            # accept + commit + count in one launch (switch step_commit), then the path's compaction
+        if fused:
+            # accept + commit + count in one launch (switch step_commit), then the path's compaction by torch
             fused_commit(st, drafts_BK, v, self.stops, None, opts.glue_pdl_at(st.B), path_BA=v.path_BA)
             kept_BA = ar_A.unsqueeze(0) < st.keep_B.unsqueeze(1)
             accepted_B = v.accept_len_B  # `accept`'s accepted_B wherever a row is active (the only rows counted)
@@ -131,11 +137,30 @@ class TreeStep:
             kept_BA, accepted_B = acc.kept_BK1, acc.accepted_B
             commit(st, acc, g.think_ids, path_BA=v.path_BA)
             count(st, acc, v.relaxed_only_B, active_B)
-        st.hidden.scatter_(1, hpos_BAD, torch.where(kept_BA.unsqueeze(-1), h_BAD, st.hidden.gather(1, hpos_BAD)))
-        # the tree's own counters: accepted nodes per depth and sibling rank, live nodes
-        D, C = st.rank_DC.shape
-        depth_D = torch.arange(1, D + 1, device=dev)
-        hit_BD = ((depth_D <= accepted_B.unsqueeze(1)) & active_B.unsqueeze(1)).long()
-        st.rank_DC.view(-1).scatter_add_(0, ((depth_D - 1) * C + tt.rank_N[v.path_BA[:, 1:]]).flatten(),
-                                         hit_BD.flatten())
-        st.live_nodes.add_((dr.live_BN & active_B.unsqueeze(1)).sum())
+        keep_path(st, h_out, v.path_BA, pos_BA, kept_BA, accepted_B, active_B, tt.rank_N, dr.live_BN)
+
+
+def tree_glue_takes(st: TreeState, h_BND: torch.Tensor, path_BA: torch.Tensor, live_BN: torch.Tensor) -> bool:
+    """Whether `kernels.tree_commit` takes this step's compaction, hidden rows and counters (its shapes' limits:
+    `tree_commit.tree_commit_takes`); the caller checks the switches (step_commit, tree_glue)."""
+    from ..kernels.tree_commit import tree_commit_takes
+
+    return tree_commit_takes(st.cache, st.hidden, h_BND, path_BA, st.rank_DC, live_BN)
+
+
+def keep_path(st: TreeState, h_BND: torch.Tensor, path_BA: torch.Tensor, pos_BA: torch.Tensor, kept_BA: torch.Tensor,
+              accepted_B: torch.Tensor, active_B: torch.Tensor, rank_N: torch.Tensor, live_BN: torch.Tensor) -> None:
+    """After the commit, by torch ops: the target hidden rows h_BND [B, N, H] of the kept path's nodes (path_BA [B,
+    A], root first) written at hidden positions pos_BA - 1 (pos_BA: n.., clamped to the buffer, from n before the
+    commit) where kept_BA; the tree's counters: rank_DC[d - 1, rank_N[path[b, d]]] += 1 for the depths d <=
+    accepted_B[b] of active rows (active_B: not finished when the step began), live_nodes += their live nodes
+    (live_BN). The reference of `kernels.tree_commit` (with `KVCache.compact`), switch tree_glue off."""
+    h_BAD = h_BND.gather(1, path_BA.unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]))
+    hpos_BAD = (pos_BA - 1).unsqueeze(-1).expand_as(h_BAD)
+    st.hidden.scatter_(1, hpos_BAD, torch.where(kept_BA.unsqueeze(-1), h_BAD, st.hidden.gather(1, hpos_BAD)))
+    # the tree's own counters: accepted nodes per depth and sibling rank, live nodes
+    D, C = st.rank_DC.shape
+    depth_D = torch.arange(1, D + 1, device=path_BA.device)
+    hit_BD = ((depth_D <= accepted_B.unsqueeze(1)) & active_B.unsqueeze(1)).long()
+    st.rank_DC.view(-1).scatter_add_(0, ((depth_D - 1) * C + rank_N[path_BA[:, 1:]]).flatten(), hit_BD.flatten())
+    st.live_nodes.add_((live_BN & active_B.unsqueeze(1)).sum())

@@ -246,6 +246,18 @@ version, so the engine captures its kept graphs again).
   NCCL / cuBLAS kernels, which never trigger, so their launch moves up to the predecessor's last block exit at best
   (<= 0.5 us each). ~7 x 1-1.5 + 5 x <= 0.5 us: ~7-13 us a step on the simulated rank (of ~7.6 ms), ~5-9 us on a
   real one.
+- tree_glue (on; variant tree_glue_off): with step_commit, a tree step's glue after the commit kernel in one launch
+  of `kernels.tree_commit.tree_commit` (session 23): the kept path's cache compaction (`KVCache.compact`: every
+  layer's five buffers moved as integers), its target hidden rows and the tree's counters (`tree_step.keep_path`),
+  where the kernel takes the shapes (`tree_commit_takes`); PDL as the other glue kernels (`glue_pdl_at`). The same
+  bits, integer for integer. Off: those torch ops (the compaction's aranges, adds, an index + index_put per buffer,
+  the lengths' copy; the positions, gathers, where / scatter of the hidden rows; the counters' compare, and, index,
+  scatter_add, sum, add). Counted (`mtp.bench.step_launches --tree 2x1x1`, the tiny TP=2 rank): glue 209 -> 173 a
+  step (the commit's base subtraction, 16 of the compaction and 20 of the step's ops -> the one kernel). Predicted on
+  a TP=8 rank (H200, one row, 2x1x1: A = 4), not yet measured: 36 launches x ~2 us (1-3) of GPU each in the step's
+  graph = ~72 us, less the kernel's own ~3-5 us (one wave of 61 + 7 + 1 programs, ~0.5 MB moved: 61 layers x 4
+  slots x 788 bytes each way, 4 hidden rows of 14 KB; a few dependent memory round trips a program): ~65-70 us a
+  tree step (~35-105 at 1-3 us a launch).
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -301,6 +313,7 @@ class FastPathOptions:
     vocab_embed: bool = True
     mtp_norms: bool = True
     glue_pdl: bool = True
+    tree_glue: bool = True
     router_one_tokens: int = 8
     # impl one's calls of at least this many tokens route one token in each of its last programs to arrive
     # (`moe_route_fused(split_tail=True)`: the same bits); 0: never (the default until timed on a GPU)

@@ -20,7 +20,7 @@ Per row b (active: not finished when the step began; a finished row commits noth
 One program holds every row: the counters' sums need no atomics, and B x K1 is a few hundred integers at most.
 A tree step (`mtp.decode.tree_step`) runs the same kernel on the drafts along its verdict's path (K its depth), with no
 draft window (window None: p0 untouched); the cache's lengths it writes, n - 1, are what the tree's compaction of the
-kept path's slots (`KVCache.compact`, after this launch) sets them to.
+kept path's slots (`KVCache.compact` or `kernels.tree_commit`, after this launch) sets them to.
 PDL (`_triton.pdl_launch` / `pdl_wait`, switches pdl and glue_pdl): every input but the stop ids is an earlier
 kernel's (the verdict, the drafts, the state the step's forwards and the previous commit wrote), so the program waits
 first thing; only its launch overlaps the kernel before it.
