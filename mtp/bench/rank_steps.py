@@ -300,15 +300,23 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
     g = torch.Generator().manual_seed(args.seed + 2)
     prompts = rank_token_ids(model, (args.batch, L), g).tolist()
     modes = args.spec_modes if cuda else ("eager",)
-    runs = [("none", 0, False)] + [(d, k, False) for d in ("eagle", "vanilla") for k in range(1, args.k + 1)]
+    # (draft, k, FP8 head copy, draft vocabulary size or 0)
+    runs = [("none", 0, False, 0)] + [(d, k, False, 0) for d in ("eagle", "vanilla") for k in range(1, args.k + 1)]
     if getattr(args, "draft_head_fp8", False):  # --draft-head-fp8: eagle k = K with the FP8 copy of the head
-        runs.append(("eagle", args.k, True))
+        runs.append(("eagle", args.k, True, 0))
+    nv = getattr(args, "draft_vocab", None)
+    if nv:  # --draft-vocab N: eagle k = K scoring the first N ids (random weights: the cost, not the acceptance)
+        runs.append(("eagle", args.k, False, nv))
+        if getattr(args, "draft_head_fp8", False):
+            runs.append(("eagle", args.k, True, nv))
     out = {}
-    for draft, k, fp8_head in runs:
+    for draft, k, fp8_head, vocab in runs:
         opts = {"reuse_modules": True} if drafter(draft).modules_needed(k) > model.n_mtp else {}
         if fp8_head:
             opts["draft_head_fp8"] = True
-        name = f"{draft}_k{k}{'_head_fp8' if fp8_head else ''}"
+        if vocab:
+            opts["draft_vocab"] = range(vocab)
+        name = f"{draft}_k{k}{'_head_fp8' if fp8_head else ''}{f'_vocab{vocab}' if vocab else ''}"
         for mode in modes:
             t0 = time.perf_counter()
             if mode != "eager":  # the first call captures the step (kept by generate); the second is timed
@@ -317,8 +325,10 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
             out[f"{name}_{mode}"] = {
                 "draft": draft, "k": k, "mode": mode, "steps": m.target_forwards, **spec_step_times(m),
                 "AL_random_weights": m.mean_accepted_len}
-            if fp8_head:
+            if fp8_head and not vocab:
                 out[f"{name}_{mode}"]["draft_head_fp8"] = draft_head_memory(model, k)
+            if vocab:
+                out[f"{name}_{mode}"]["draft_vocab"] = vocab
             log(f"  spec {name} {mode}: {out[f'{name}_{mode}']['step_ms_wall']:.3f} ms/step wall "
                 f"({time.perf_counter() - t0:.1f} s)")
             if cuda and args.profile and k == args.k and mode == modes[-1]:

@@ -172,7 +172,7 @@ def test_simulated_rank_rejects_bad_arguments():
 def test_bench_tp_on_cpu(tmp_path):
     out = tmp_path / "tp2.json"
     cmd = [sys.executable, "-m", "mtp.bench", "--tp", "2", "--layers", "2", "--prompt-len", "24", "40", "--k", "1",
-           "--new-tokens", "5", "--iters", "2", "--trees", "chain2,2x1", "--json", str(out)]
+           "--new-tokens", "5", "--iters", "2", "--trees", "chain2,2x1", "--draft-vocab", "100", "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "CUDA_VISIBLE_DEVICES": ""}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -200,7 +200,9 @@ def test_bench_tp_on_cpu(tmp_path):
     assert dc["all_gather"] == 2 and dc["all_gather_call_bytes"] == [cfg.hidden_size // 2 * 4, cfg.vocab_size // 2 * 4]
     assert dc["all_gather_bytes"] == sum(dc["all_gather_call_bytes"])
     runs = res["spec_step"]["runs"]
-    assert set(runs) == {"none_k0_eager", "eagle_k1_eager", "vanilla_k1_eager", "tree_chain2_eager", "tree_2x1_eager"}
+    assert set(runs) == {"none_k0_eager", "eagle_k1_eager", "vanilla_k1_eager", "eagle_k1_vocab100_eager",
+                         "tree_chain2_eager", "tree_2x1_eager"}
+    assert runs["eagle_k1_vocab100_eager"]["draft_vocab"] == 100 and runs["eagle_k1_vocab100_eager"]["steps"] > 0
     assert runs["tree_2x1_eager"]["steps"] > 0 and runs["tree_2x1_eager"]["verify_ms"] > 0
     pj = res["projection"]
     assert pj["collective_latency"]["assumed"] is True and "ASSUMED" in p.stdout
