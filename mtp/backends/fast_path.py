@@ -36,7 +36,8 @@
   allreduce='oneshot', o_proj's all-reduce joins the post-attention one, and the FFN's the next block's input one
   (the trunk loop, `FastTrunk`, hands the un-reduced FFN output on as a `backends.pending.Pending`).
 - the decode forward's glue (switches rope_table, vocab_embed, mtp_norms): a forward's cache slots and rotary angles
-  gathered from a table in one launch (`FastRotary`, `kernels.lookup.rope_slots`), a vocabulary-parallel rank's
+  gathered from a table in one launch (`FastRotary`, `kernels.lookup.rope_slots`; a tree forward's with its
+  visibility, `kernels.lookup.tree_slots`, switch tree_fwd_glue), a vocabulary-parallel rank's
   embedding lookup in one (`FastVocabParallelEmbedding`, `kernels.lookup.embed_rows`), an MTP module's enorm, hnorm
   and their cat in one (`FastMTPLayer`, `elementwise.rms_norm_pair`); the same bits as the torch ops (the engine's
   accept / commit / count in one launch is the decode step's own: `mtp.decode.accept.fused_commit`, switch
@@ -74,7 +75,7 @@ from ..kernels.fp8_gemm import SMALL_M
 from ..kernels.index_weights import index_weights, index_weights_ref
 from ..kernels.indexer import SCORES_DEFAULT, TOPK_IMPLS, indexer_topk
 from ..kernels.indexer_one_launch import indexer_topk_one_launch
-from ..kernels.lookup import embed_rows, embed_takes, rope_slots, rope_takes
+from ..kernels.lookup import embed_rows, embed_takes, rope_slots, rope_takes, tree_slots, tree_takes
 from ..kernels.mla_decode import channel_splits_for, mla_decode
 from ..kernels.mla_prologue import mla_kv_prologue, mla_q_prologue
 from ..kernels.mla_prologue_fused import kv_norm_fits, mla_kv_prologue_norm, mla_q_prologue_absorb
@@ -506,7 +507,10 @@ class FastRotary(Rotary):
     tests); all of them were kept, up to 2.6x the largest (108 MB at 163840). The whole range once costs 42 MB
     against 1 MB for a 4096-position table at short contexts, and 4 launches once. A forward with no bound, past
     max_positions, on a device whose table would be made inside a graph capture (the engine's warm-up makes it
-    first), or one the kernel does not take, takes the reference's launches."""
+    first), or one the kernel does not take, takes the reference's launches.
+    A tree forward's slots, angles (of the nodes' positions: the tree's first slot + depth) and visibility likewise in
+    one launch from the same table (`Rotary.tree_slots`, `kernels.lookup.tree_slots`: switches rope_table and
+    tree_fwd_glue, both on), where the reference takes 18."""
 
     fast_options: FastPathOptions
 
@@ -518,6 +522,15 @@ class FastRotary(Rotary):
                 pdl = self.fast_options.glue_pdl_at(seq_lens_B.shape[0] * T)
                 return rope_slots(seq_lens_B, T, *table, pdl=pdl)
         return super().slots(seq_lens_B, T, bound)
+
+    def tree_slots(self, seq_lens_B: torch.Tensor, T: int, depth: torch.Tensor, mask_TU: torch.Tensor, S: int):
+        o = self.fast_options
+        if (o.rope_table and o.tree_fwd_glue and S <= self.max_positions
+                and tree_takes(seq_lens_B, depth, mask_TU)):
+            table = self.table(seq_lens_B.device)
+            if table is not None:
+                return tree_slots(seq_lens_B, T, depth, mask_TU, S, *table, pdl=o.glue_pdl_at(seq_lens_B.shape[0] * T))
+        return super().tree_slots(seq_lens_B, T, depth, mask_TU, S)
 
     def table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The (cos, sin) table [max_positions, R/2] on `device`, made here the first time; None where it would be

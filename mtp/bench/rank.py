@@ -328,6 +328,10 @@ KERNEL_VARIANTS = {
     # `kernels.tree_commit` (the default since session 23, the same bits); tree spec steps only: time them with
     # `--trees 2x1x1 --kernels tree_glue=0` against the defaults, as step_commit
     "tree_glue_off": (dict(tree_glue=False), dict()),
+    # a tree forward's slots, angles and visibility by torch ops (18 launches a forward, 3 tree forwards an eagle 2x1x1
+    # step) instead of one launch of `kernels.lookup.tree_slots` (the default since session 23, the same bits); tree
+    # spec steps only: `--trees 2x1x1 --kernels tree_fwd_glue=0` against the defaults
+    "tree_fwd_glue_off": (dict(tree_fwd_glue=False), dict()),
 }
 
 

@@ -18,12 +18,13 @@ batch of 2 rows here: the all-gathered logits of 2 rows need a reordering copy, 
 every decode buffer and cache is torch.equal after it (the switches change launches, never bits). Prints JSON.
 tests/bench/test_step_launches.py holds the eagle k = 3 counts.
 `--tree SHAPE`: a tree step (`TreeStep`, greedy top-k children) of that shape instead (k its depth). Counted (session
-23, eagle 2x1x1, 7 nodes): 281 launches, glue 173 (blocks: dense 20, moe 21, mtp 64, head 3); after the verify the
+23, eagle 2x1x1, 7 nodes): 230 launches, glue 122 (blocks: dense 20, moe 21, mtp 64, head 3); after the verify the
 drafts' path gather, the commit kernel (switch step_commit; accept / commit / count were 44 torch ops) and the tree
 glue kernel (switch tree_glue: the path's cache compaction, its hidden rows and the tree's counters, 37 torch
-launches: glue 209 with `--kernels tree_glue=0`); before the verify the proposer's windows, children and tree
-forwards' positions and visibility (`tree_visibility` 30, `Rotary.angles` 12: a tree forward's angles are not the
-table's gather) and the tree verdict (25). Not held by a test (~30 s of CPU a count).
+launches: glue 173 with `--kernels tree_glue=0`); before the verify the proposer's windows, children, each tree
+forward's slots, angles and visibility in one launch (3 forwards: switch tree_fwd_glue, `kernels.lookup.tree_slots`;
+18 torch launches each: glue 173 with `--kernels tree_fwd_glue=0`, 289 with every glue switch off) and the tree
+verdict (25). Not held by a test (~30 s of CPU a count).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ import sys
 
 import torch
 
-# the switches of the decode step's glue (session 21; tree_glue: session 23): each one launch where the torch ops
-# were several
-GLUE_SWITCHES = ("step_commit", "rope_table", "vocab_embed", "mtp_norms", "tree_glue")
+# the switches of the decode step's glue (session 21; tree_glue, tree_fwd_glue: session 23): each one launch where the
+# torch ops were several
+GLUE_SWITCHES = ("step_commit", "rope_table", "vocab_embed", "mtp_norms", "tree_glue", "tree_fwd_glue")
 PROMPT_LENS = (5, 7)  # two rows of random tokens: the prefill and the steps stay below the indexer's top-k (16)
 
 

@@ -258,6 +258,19 @@ version, so the engine captures its kept graphs again).
   graph = ~72 us, less the kernel's own ~3-5 us (one wave of 61 + 7 + 1 programs, ~0.5 MB moved: 61 layers x 4
   slots x 788 bytes each way, 4 hidden rows of 14 KB; a few dependent memory round trips a program): ~65-70 us a
   tree step (~35-105 at 1-3 us a launch).
+- tree_fwd_glue (on; variant tree_fwd_glue_off): with rope_table, a tree forward's (the verify's and each draft tree
+  forward's: `Rotary.tree_slots`) cache slots, the angles of its nodes' positions (the tree's first slot + depth) and
+  its visibility [B, T, S] in one launch of `kernels.lookup.tree_slots` (`fast_path.FastRotary`), the angles gathered
+  from rope_table's table (the reference's own ops made it), the visibility from the lengths and the tree mask: the
+  same bits, bool for bool. Off: the reference's 18 launches a forward (the slots' add, the first slot's two, the
+  depths' add; the angles' cast, product, cos and sin; `tree_visibility`'s arange, sub, 2 compares, and, clamp,
+  gather, compare, and, or). Counted (`mtp.bench.step_launches --tree 2x1x1`, the tiny TP=2 rank, 3 tree forwards a
+  step: the verify and the eagle drafter's two): glue 173 -> 122 a step (54 -> 3). Predicted on a TP=8 rank (H200,
+  one row, 2x1x1), not yet measured: 51 launches x ~2 us (1-3) of GPU each in the step's graph = ~100 us, less the
+  kernel's own ~2-3 us x 3 (7 nodes x 2 blocks of 1024 slots at a 1k context, a few hundred bytes of angles and
+  ~7 KB of bools each): ~95 us a tree step (~40-145 at 1-3 us a launch). The attention kernels read the [B, T, S]
+  mask the launch writes (one a forward, shared by the 61 layers); taking the tree mask and the first slot instead
+  would save only that launch and ~7 KB of reads a layer.
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -314,6 +327,7 @@ class FastPathOptions:
     mtp_norms: bool = True
     glue_pdl: bool = True
     tree_glue: bool = True
+    tree_fwd_glue: bool = True
     router_one_tokens: int = 8
     # impl one's calls of at least this many tokens route one token in each of its last programs to arrive
     # (`moe_route_fused(split_tail=True)`: the same bits); 0: never (the default until timed on a GPU)

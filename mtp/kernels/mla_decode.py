@@ -7,7 +7,7 @@ Inputs: q_lat [B, T, H, C] (q_nope already multiplied by Wk_b), q_pe [B, T, H, R
 kv_scale [B, S, 4] fp32, pe [B, S, R] bf16, seq_lens [B] int (valid keys before this block: query t sees
 keys s < seq_lens[b] + t + 1), optional topk_idx [B, T, J] int32 (-1 = none; only those keys count),
 optional visible [B, T, S] bool (a draft tree's verify: only keys with visible[b, t, s] count, on top of the
-causal bound and the top-k; the committed keys plus the node's ancestors, `model.deepseek.tree_visibility`).
+causal bound and the top-k; the committed keys plus the node's ancestors, `model.layers.tree_visibility`).
 Output o_lat [B, T, H, C] = softmax((q_lat . kv + q_pe . pe) * sm_scale) . kv, with kv dequantized.
 
 Kernel: stage 1 gives each program BH heads of one (b, t) and one of NS slices of the keys (dense: the

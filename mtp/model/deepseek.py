@@ -31,7 +31,6 @@ from .cache import KVCache, LayerCache
 from .config import ModelConfig, RuntimeOptions
 from .layers import MLP, Embedding, Linear, RMSNorm, Rotary
 from .moe import MoE
-from .static import arange
 
 
 @dataclass
@@ -155,24 +154,27 @@ class DeepseekV32(nn.Module):
     # ------------------------------------------------------------------ forward
     def positions(self, cache: KVCache, T: int, kv_len: int | None, tree_depth=None, tree_mask=None):
         """Cache slots [B, T], rotary angles, the key bound S and the tree's visibility [B, T, S] (None: causal)."""
-        if tree_depth is None:
-            pos_BT, cos, sin = self.rotary.slots(cache.seq_lens, T, kv_len)
-        else:
-            pos_BT = cache.seq_lens.unsqueeze(1) + arange(T, cache.seq_lens.device)
-        if kv_len is None:
-            kv_len = int(pos_BT.max()) + 1  # host sync: only when the caller gives no bound
-        if kv_len > cache.max_len:
-            raise ValueError(f"cache overflow: need {kv_len} positions, cache holds {cache.max_len}")
         if (tree_depth is None) != (tree_mask is None):
             raise ValueError("a tree forward needs both tree_depth [T] and tree_mask [T, U] (or neither)")
         if tree_depth is None:
+            pos_BT, cos, sin = self.rotary.slots(cache.seq_lens, T, kv_len)
+            if kv_len is None:
+                kv_len = int(pos_BT.max()) + 1  # host sync: only when the caller gives no bound
+            self._check_room(cache, kv_len)
             return pos_BT, cos, sin, kv_len, None
         if tree_depth.shape[-1:] != (T,) or tree_mask.shape[-2] != T or tree_mask.shape[-1] < T:
             raise ValueError(f"tree_depth must be [T] or [B, T] and tree_mask [T, U] or [B, T, U] with T = {T} <= U, "
                              f"got {tuple(tree_depth.shape)} and {tuple(tree_mask.shape)}")
-        first_B = cache.seq_lens + T - tree_mask.shape[-1]
-        cos, sin = self.rotary.angles((first_B.unsqueeze(1) + tree_depth).expand_as(pos_BT))
-        return pos_BT, cos, sin, kv_len, tree_visibility(first_B, tree_mask, kv_len)
+        if kv_len is None:
+            kv_len = int(cache.seq_lens.max()) + T  # host sync: only when the caller gives no bound
+        self._check_room(cache, kv_len)
+        pos_BT, cos, sin, vis_BTS = self.rotary.tree_slots(cache.seq_lens, T, tree_depth, tree_mask, kv_len)
+        return pos_BT, cos, sin, kv_len, vis_BTS
+
+    @staticmethod
+    def _check_room(cache: KVCache, kv_len: int) -> None:
+        if kv_len > cache.max_len:
+            raise ValueError(f"cache overflow: need {kv_len} positions, cache holds {cache.max_len}")
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, *, kv_len: int | None = None,
                 logits_at: torch.Tensor | None = None, tree_depth: torch.Tensor | None = None,
@@ -216,13 +218,3 @@ class DeepseekV32(nn.Module):
         logits = (head or layer.shared_head.head)(sel)
         return ModelOutput(logits.to(self.acc), normed, h)
 
-
-def tree_visibility(first_B: torch.Tensor, mask_TU: torch.Tensor, S: int) -> torch.Tensor:
-    """Bool [B, T, S]: query t of row b sees every slot before the tree (s < first[b]) and the tree slot
-    first[b] + u iff mask[t, u] (mask [T, U] or [B, T, U]). Slots past the tree are never visible."""
-    T, U = mask_TU.shape[-2:]
-    u_BS = torch.arange(S, device=first_B.device).unsqueeze(0) - first_B.unsqueeze(1)
-    in_tree_BS = (u_BS >= 0) & (u_BS < U)
-    mask_BTU = mask_TU.to(torch.bool).expand(first_B.shape[0], T, U)
-    seen_BTS = mask_BTU.gather(2, u_BS.clamp(0, U - 1).unsqueeze(1).expand(-1, T, -1))
-    return (u_BS < 0).unsqueeze(1) | (in_tree_BS.unsqueeze(1) & seen_BTS)

@@ -181,6 +181,28 @@ class Rotary(nn.Module):
         pos_BT = seq_lens_B.unsqueeze(1) + arange(T, seq_lens_B.device)
         return (pos_BT, *self.angles(pos_BT))
 
+    def tree_slots(self, seq_lens_B: torch.Tensor, T: int, depth: torch.Tensor, mask_TU: torch.Tensor, S: int):
+        """A tree forward's (`mtp.model.deepseek`'s docstring) cache slots pos [B, T] = seq_lens[b] + t, the angles
+        (cos, sin) [B, T, R/2] of its nodes' rotary positions first[b] + depth[t] (first = seq_lens + T - U, the
+        tree's first slot; depth [T] or [B, T]) and its visibility [B, T, S] (`tree_visibility`; mask [T, U] or
+        [B, T, U]). S: the forward's key bound, above every slot. A method of its own so that a backend can do it in
+        one launch (the fast path's `FastRotary`, switch tree_fwd_glue)."""
+        pos_BT = seq_lens_B.unsqueeze(1) + arange(T, seq_lens_B.device)
+        first_B = seq_lens_B + T - mask_TU.shape[-1]
+        cos, sin = self.angles((first_B.unsqueeze(1) + depth).expand_as(pos_BT))
+        return pos_BT, cos, sin, tree_visibility(first_B, mask_TU, S)
+
+
+def tree_visibility(first_B: torch.Tensor, mask_TU: torch.Tensor, S: int) -> torch.Tensor:
+    """Bool [B, T, S]: query t of row b sees every slot before the tree (s < first[b]) and the tree slot
+    first[b] + u iff mask[t, u] (mask [T, U] or [B, T, U]). Slots past the tree are never visible."""
+    T, U = mask_TU.shape[-2:]
+    u_BS = torch.arange(S, device=first_B.device).unsqueeze(0) - first_B.unsqueeze(1)
+    in_tree_BS = (u_BS >= 0) & (u_BS < U)
+    mask_BTU = mask_TU.to(torch.bool).expand(first_B.shape[0], T, U)
+    seen_BTS = mask_BTU.gather(2, u_BS.clamp(0, U - 1).unsqueeze(1).expand(-1, T, -1))
+    return (u_BS < 0).unsqueeze(1) | (in_tree_BS.unsqueeze(1) & seen_BTS)
+
 
 def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """The [R/2] fp32 table, always computed on the CPU (in float64) whatever the default device."""

@@ -46,7 +46,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _tree_vis(lens: list[int], tree, S: int) -> torch.Tensor:
     """[B, N, S] visibility of a tree whose nodes sit at slots lens[b]..lens[b] + N - 1."""
-    from mtp.model.deepseek import tree_visibility
+    from mtp.model.layers import tree_visibility
 
     return tree_visibility(torch.tensor(lens), tree.ancestor_mask(), S)
 

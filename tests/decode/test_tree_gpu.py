@@ -16,7 +16,7 @@ from mtp.checkpoint.tiny import agreeing_mtp, random_tensors, tiny_config
 from mtp.decode.engine import generate
 from mtp.decode.tree import generate_tree
 from mtp.spec.tree_shape import TreeShape
-from mtp.model.deepseek import tree_visibility
+from mtp.model.layers import tree_visibility
 from mtp.model.presets import gpu_test_config
 
 pytestmark = [pytest.mark.gpu]

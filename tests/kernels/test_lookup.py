@@ -1,6 +1,6 @@
 """The decode forward's glue in one launch each (`mtp.kernels.lookup`, `elementwise.rms_norm_pair`) and the fast
 modules that run them (`fast_path.FastRotary`, `FastVocabParallelEmbedding`, `FastMTPLayer`; switches rope_table,
-vocab_embed, mtp_norms): the same bits as the torch ops they replace, on the CPU.
+tree_fwd_glue, vocab_embed, mtp_norms): the same bits as the torch ops they replace, on the CPU.
 
 Shape legend: B rows, T tokens, D width, Vl a rank's vocabulary rows, P table positions, R/2 rotary pairs.
 
@@ -8,9 +8,12 @@ Shape legend: B rows, T tokens, D width, Vl a rank's vocabulary rows, P table po
 - Under the Triton interpreter (a subprocess, this file as a script):
   - embed_rows torch.equal to the vocabulary-parallel lookup (ids inside, below and past the rank's rows, [B, T]
     strided ids and [N] ids, bf16 and fp32 rows); rope_slots to `Rotary.slots` (the table made by `Rotary.angles`);
+    tree_slots to `Rotary.tree_slots` (B 1 and 3, rows of different first slots, odd T / U / S, slots past the tree,
+    depths [T] and [B, T], masks [T, U], [B, T, U] and strided slices of a tree's ancestor mask);
     rms_norm_pair to the cat of two Triton rms_norm calls (odd widths, strided rows, bf16 / fp32 in and out);
   - the fast modules on a tiny model: `FastRotary.slots` equal to the reference's at any bound from one table of every
     position (the memory planner's bytes), the reference's launches without a bound or past max_positions;
+    `FastRotary.tree_slots` likewise (one launch; the torch ops with tree_fwd_glue or rope_table off);
     `FastMTPLayer.eh_input` equal to the reference's; a simulated rank's `FastVocabParallelEmbedding` equal to the
     reference's; each switch off taking the torch ops.
 Whole steps with every switch on and off (the same decode buffers and caches): tests/bench/test_step_launches.py; GPU
@@ -40,14 +43,17 @@ def test_switches_are_on_by_default_with_bench_variants():
         assert KERNEL_VARIANTS[f"{n}_off"][0] == {n: False}
     assert KERNEL_VARIANTS["glue_off"][0] == {n: False for n in names}
     assert o.glue_pdl and KERNEL_VARIANTS["glue_pdl_off"][0] == {"glue_pdl": False}  # the glue's PDL (session 22)
+    assert o.tree_fwd_glue and KERNEL_VARIANTS["tree_fwd_glue_off"][0] == {"tree_fwd_glue": False}  # session 23
 
 
 def test_cpu_tensors_keep_the_torch_ops():
-    from mtp.kernels.lookup import embed_takes, rope_takes
+    from mtp.kernels.lookup import embed_takes, rope_takes, tree_takes
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         assert not embed_takes(torch.zeros(2, 3, dtype=torch.long), torch.zeros(8, 4))
         assert not rope_takes(torch.zeros(2, dtype=torch.long))
+        assert not tree_takes(torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long),
+                              torch.ones(3, 3, dtype=torch.bool))
 
 
 def _hopper_ptx(kernel, types: dict, consts: dict, num_warps: int) -> str:
@@ -67,9 +73,10 @@ def _hopper_ptx(kernel, types: dict, consts: dict, num_warps: int) -> str:
 
 
 def test_kernels_compile_for_hopper_and_the_norm_pair_is_rms_norms_code():
-    """The three kernels compile for sm_90 at the real widths, no local-memory spill: the embedding lookup on bf16 rows,
-    the slots + angles gather, the norm pair at D = 7168 (BLOCK_D 8192, 8 warps as `rms_norm`'s). With PDL (switch
-    glue_pdl; the gather and the embedding trigger at their start, PDL_EARLY, the pair after its wait, PDL_AFTER_WAIT)
+    """The four kernels compile for sm_90 at the real widths, no local-memory spill: the embedding lookup on bf16 rows,
+    the slots + angles gather (a chain's and a tree's, with its visibility), the norm pair at D = 7168 (BLOCK_D 8192,
+    8 warps as `rms_norm`'s). With PDL (switch glue_pdl; the gathers and the embedding trigger at their start,
+    PDL_EARLY, the pair after its wait, PDL_AFTER_WAIT)
     each waits before its first global load or store (`test_pdl._order`: every row they read depends on an earlier
     kernel's output). The pair's float instructions (products, sums, shuffles of the row's reduction, rsqrt) are, per
     half, `_rms_norm_kernel`'s in the same order: the same sums, so the same bits (the GPU test compares them)."""
@@ -79,7 +86,7 @@ def test_kernels_compile_for_hopper_and_the_norm_pair_is_rms_norms_code():
 
     pytest.importorskip("triton")
     from mtp.kernels.elementwise import _rms_norm_kernel, _rms_norm_pair_kernel
-    from mtp.kernels.lookup import EMBED_BLOCK, _embed_kernel, _rope_slots_kernel
+    from mtp.kernels.lookup import EMBED_BLOCK, VIS_BLOCK, _embed_kernel, _rope_slots_kernel, _tree_slots_kernel
     from tests.kernels.test_pdl import _order
 
     f32 = dict(inv_d="fp32", eps="fp32", eps_a="fp32", eps_b="fp32")
@@ -89,14 +96,18 @@ def test_kernels_compile_for_hopper_and_the_norm_pair_is_rms_norms_code():
         "rope": _hopper_ptx(_rope_slots_kernel, dict(lens_ptr="*i64", pos_ptr="*i64", cos_tab_ptr="*fp32",
                                                      sin_tab_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32"),
                             dict(BLOCK_R=32, PDL=1), 1),
+        "tree": _hopper_ptx(_tree_slots_kernel, dict(lens_ptr="*i64", depth_ptr="*i64", mask_ptr="*u8", pos_ptr="*i64",
+                                                     cos_tab_ptr="*fp32", sin_tab_ptr="*fp32", cos_ptr="*fp32",
+                                                     sin_ptr="*fp32", vis_ptr="*u8"),
+                            dict(BLOCK_R=32, BLOCK_S=VIS_BLOCK, PDL=1), 4),
         "pair": _hopper_ptx(_rms_norm_pair_kernel, dict(a_ptr="*bf16", wa_ptr="*bf16", b_ptr="*bf16", wb_ptr="*bf16",
                                                         y_ptr="*bf16", **f32), dict(BLOCK_D=8192, PDL=2), 8),
         "single": _hopper_ptx(_rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", **f32),
                               dict(BLOCK_D=8192, PDL=2), 8)}
     assert not [k for k, p in ptx.items() if ".local" in p]
     gdc = ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
-    orders = {k: _order(ptx[k]) for k in ("embed", "rope", "pair")}
-    assert orders["embed"][:2] == orders["rope"][:2] == gdc and orders["pair"][:2] == gdc[::-1], \
+    orders = {k: _order(ptx[k]) for k in ("embed", "rope", "tree", "pair")}
+    assert orders["embed"][:2] == orders["rope"][:2] == orders["tree"][:2] == gdc and orders["pair"][:2] == gdc[::-1], \
         {k: o[:4] for k, o in orders.items()}
     assert all(o.count("griddepcontrol.wait") == 1 for o in orders.values()), orders
 
@@ -118,9 +129,10 @@ def test_fast_modules_interpreted():
 # ----------------------------------------------------------------------------- run under TRITON_INTERPRET=1
 def _kernel_checks() -> None:
     from mtp.kernels import elementwise as E
-    from mtp.kernels.lookup import embed_rows, embed_rows_ref, rope_slots, rope_slots_ref
+    from mtp.kernels.lookup import embed_rows, embed_rows_ref, rope_slots, rope_slots_ref, tree_slots, tree_slots_ref
     from mtp.model.layers import Rotary
     from mtp.model.presets import tiny_config
+    from mtp.spec.tree_shape import TreeShape
 
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
@@ -141,6 +153,18 @@ def _kernel_checks() -> None:
         got, want = rope_slots(sl, T, cos_t[0], sin_t[0]), rope_slots_ref(sl, T, rot.inv_freq)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), (lens, T)
         assert all(torch.equal(a, b) for a, b in zip(got, rot.slots(sl, T)))
+    # a tree forward's: U - T earlier tree slots (a drafter's later depth) or none (a verify); S past the last slot
+    anc = TreeShape.from_branching((2, 1, 1)).ancestor_mask()  # 7 nodes
+    depth_N = anc.sum(1) - 1
+    cases = ((anc, depth_N, [4], 12),  # B = 1, a verify (U = T = 7), 1 slot past the tree
+             (anc[3:5, 1:5], depth_N[3:5] - 1, [9, 30, 250], 263),  # strided slices of the mask, as the proposer's
+             (torch.rand(3, 3, 5, generator=g) < 0.5, torch.randint(0, 3, (3, 3), generator=g), [2, 120, 17], 299))
+    for mask, depth, lens, S in cases:
+        sl, T = torch.tensor(lens), mask.shape[-2]
+        got = tree_slots(sl, T, depth, mask, S, cos_t[0], sin_t[0])
+        want = tree_slots_ref(sl, T, depth, mask, S, rot.inv_freq)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (lens, T, S)
+        assert all(torch.equal(a, b) for a, b in zip(got, rot.tree_slots(sl, T, depth, mask, S)))
     for D, lead, dt, out in ((64, (2, 3), torch.float32, torch.float32), (200, (5,), torch.bfloat16, torch.bfloat16),
                              (256, (1, 4), torch.bfloat16, torch.float32)):
         a = torch.randn(*lead, D, generator=g).to(dt)
@@ -168,7 +192,7 @@ def _module_checks() -> None:
     from mtp.parallel.synthetic import random_parallel_model
 
     launches = []
-    for name in ("_rope_slots_kernel", "_embed_kernel"):
+    for name in ("_rope_slots_kernel", "_embed_kernel", "_tree_slots_kernel"):
         kernel = getattr(lookup, name)
 
         class Counted:
@@ -198,6 +222,16 @@ def _module_checks() -> None:
         launches.clear()
         got = rot.slots(lens, 2, bound)
         assert all(torch.equal(a, b) for a, b in zip(got, ref.slots(lens, 2))) and not launches, bound
+    # a tree forward's slots, angles and visibility: one launch, the torch ops with either switch off or past the table
+    anc = torch.ones(3, 5, dtype=torch.bool).tril(2)
+    depth = torch.tensor([1, 2, 2])
+    want = ref.tree_slots(lens, 3, depth, anc, 4100)
+    for bound, opts, n in ((4100, FastPathOptions(), 1), (4100, FastPathOptions(tree_fwd_glue=False), 0),
+                           (4100, FastPathOptions(rope_table=False), 0), (9001, FastPathOptions(), 0)):
+        rot.fast_options = opts
+        launches.clear()
+        got = rot.tree_slots(lens, 3, depth, anc, bound)
+        assert all(torch.equal(a[..., :4100], b) for a, b in zip(got, want)) and len(launches) == n, (bound, opts)
     rot.fast_options = model.fast_options
     # an MTP module's norms: one launch with the switch, the reference's three without
     layer = model.mtp[0]
