@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from mtp.kernels._triton import (
-    line_elems, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, prefetch_rows_l2, require, tl, triton,
+    interpreting, line_elems, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, prefetch_rows_l2, require, tl, triton,
 )
 
 __all__ = ["absorb_q", "absorb_q_ref", "absorb_out", "absorb_out_ref", "absorb_tiles", "MAX_TOKENS", "out_block",
@@ -104,8 +104,12 @@ def _absorb_block(h, ob, x_ptr, w_ptr, y_ptr, n_tok, stride_xn, stride_xh, strid
 def out_block(H: int, OD: int) -> int:
     """Output channels per program: 128, narrowed until there are >= 128 programs (H x OD / block) to stream the
     weight from many SMs. At one TP=8 rank (16 heads) latent -> v had 16 programs of 128 KB each (grid H x V / 128),
-    the slower of the two launches; the sum over k per output element is the same at every width."""
+    the slower of the two launches; the sum over k per output element is the same at every width. Under the Triton
+    interpreter the widest block (the fewest programs: each costs the interpreter its Python overhead, 8x the
+    programs at a tiny model's 4 heads); every launch of a process plans it alike, so its kernels still agree."""
     bo = min(128, OD)
+    if interpreting():
+        return bo
     while bo // 2 >= 16 and OD % (bo // 2) == 0 and H * (OD // bo) < 128:
         bo //= 2
     return bo
