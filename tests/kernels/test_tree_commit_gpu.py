@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from tests.kernels.test_tree_commit import kernel, random_step, reference, state  # noqa: E402
+from tests.decode.tree_runs import tree_run  # noqa: E402
 
 DEV = "cuda"
 
@@ -99,25 +100,6 @@ def test_tree_commit_in_a_cuda_graph_replays_new_steps():
         assert not bad, (i, bad)
 
 
-def _run(model, prompts, tree, mode, flags):
-    from mtp.backends.fast_path import set_kernels
-    from mtp.decode.config import GenerationConfig
-    from mtp.decode.engine import Engine
-
-    old = set_kernels(model, **flags)
-    try:
-        engine = Engine(model, GenerationConfig.from_options(24, "eagle", None, "strict", mode=mode, tree=tree,
-                                                             reuse_modules=True))
-        res = engine.run(prompts)
-        st = next(iter(engine.pool.states.values()))
-        bufs = {k: v.clone() for k, v in vars(st).items() if isinstance(v, torch.Tensor)}
-        for name in ("seq_lens", "kv", "kv_scale", "pe", "idx_k", "idx_k_scale"):
-            bufs[f"cache.{name}"] = getattr(st.cache, name).clone()
-        return res, bufs
-    finally:
-        set_kernels(model, **vars(old))
-
-
 def test_tree_steps_are_bitwise_with_the_switch_off():
     from mtp.backends.fast_path import enable_fast_path
     from mtp.checkpoint.synthetic import random_model
@@ -128,8 +110,8 @@ def test_tree_steps_are_bitwise_with_the_switch_off():
     prompts = [list(range(3, 40)), list(range(50, 61)), list(range(100, 190))]  # 90 > index_topk 64: sparse rows
     for tree in ("2x1x1", "2x2"):
         for mode in ("graph", "overlap"):
-            r0, b0 = _run(model, prompts, tree, mode, {})
-            r1, b1 = _run(model, prompts, tree, mode, dict(tree_glue=False))
+            r0, b0 = tree_run(model, prompts, "eagle", tree, mode, {})
+            r1, b1 = tree_run(model, prompts, "eagle", tree, mode, dict(tree_glue=False))
             assert r0.tokens == r1.tokens and r0.metrics.accepted_hist == r1.metrics.accepted_hist, (tree, mode)
             bad = _differs(b0, b1)
             assert not bad, (tree, mode, bad)

@@ -27,6 +27,8 @@ pytestmark = [pytest.mark.gpu]
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from tests.decode.tree_runs import tree_run  # noqa: E402
+
 DEV = "cuda"
 
 
@@ -109,27 +111,6 @@ def test_tree_slots_in_a_cuda_graph_replay_new_lengths():
         assert not bad, (i, bad)
 
 
-def _run(model, prompts, draft, tree, mode, flags):
-    from mtp.backends.fast_path import set_kernels
-    from mtp.decode.config import GenerationConfig
-    from mtp.decode.engine import Engine
-
-    old = set_kernels(model, **flags)
-    try:
-        engine = Engine(model, GenerationConfig.from_options(24, draft, None, "strict", mode=mode, tree=tree,
-                                                             reuse_modules=True))
-        res = engine.run(prompts)
-        st = next(iter(engine.pool.states.values()))
-        bufs = {k: v.clone() for k, v in vars(st).items() if isinstance(v, torch.Tensor)}
-        for i, c in enumerate([st.cache, *st.proposer.caches]):
-            for name in ("seq_lens", "kv", "kv_scale", "pe", "idx_k", "idx_k_scale"):
-                t = getattr(c, name)
-                bufs[f"cache{i}.{name}"] = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).clone()
-        return res, bufs
-    finally:
-        set_kernels(model, **vars(old))
-
-
 def test_tree_steps_are_bitwise_with_the_switch_off():
     from mtp.backends.fast_path import enable_fast_path
     from mtp.checkpoint.synthetic import random_model
@@ -140,8 +121,8 @@ def test_tree_steps_are_bitwise_with_the_switch_off():
     prompts = [list(range(3, 40)), list(range(50, 61)), list(range(100, 190))]  # 90 > index_topk 64: sparse rows
     for draft, tree in (("eagle", "2x1x1"), ("eagle", "2x2"), ("vanilla", "3x1")):
         for mode in ("graph", "overlap"):
-            r0, b0 = _run(model, prompts, draft, tree, mode, {})
-            r1, b1 = _run(model, prompts, draft, tree, mode, dict(tree_fwd_glue=False))
+            r0, b0 = tree_run(model, prompts, draft, tree, mode, {})
+            r1, b1 = tree_run(model, prompts, draft, tree, mode, dict(tree_fwd_glue=False))
             assert r0.tokens == r1.tokens and r0.metrics.accepted_hist == r1.metrics.accepted_hist, (tree, mode)
             bad = [k for k in b0 if not torch.equal(b0[k], b1[k])]
             assert not bad, (draft, tree, mode, bad)
