@@ -137,7 +137,10 @@ def _model_checks() -> None:
 
             got = verify(nodes, tree)
             causal = verify(nodes)  # every node sees the nodes before it: not the tree
-            for leaf in tree.leaves:
+            # the leaves whose paths skip an earlier sibling: [0, 2] (not node 1) and [0, 1, 4] (not nodes 2, 3);
+            # leaf 3's path [0, 1, 3] asks less of the mask than leaf 4's (not node 2 alone)
+            for leaf in (2, 4):
+                assert leaf in tree.leaves
                 p = list(tree.path(leaf))
                 want = verify(nodes[:, p])
                 err, off = _rel(got[:, p], want), _rel(causal[:, p], want)
