@@ -90,7 +90,7 @@ def test_new_kernels_compile_for_hopper():
     for M, prequant in ((1, True), (8, True), (3, False)):
         x = "*fp8e4nv" if prequant else "*bf16"
         k = _compile_for_hopper(_gemv_mma_kernel, dict(x_ptr=x, w_ptr="*fp8e4nv", y_ptr="*bf16", cnt_ptr="*i32"),
-                                dict(M=M, PREQUANT=prequant, SPLIT=True, BN=32, GPS=8, SPAD=8, PDL=False, MP=MMA_ROWS),
+                                dict(M=M, PREQUANT=prequant, SPLIT=True, BN=32, GPS=8, SPAD=8, PDL=0, MP=MMA_ROWS),
                                 num_warps=4)
         assert "mma.sync" in k.asm["ptx"] or "wgmma" in k.asm["ptx"], f"no MMA in the M={M} GEMV"
     ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", ci_ptr="*i32", cnt_ptr="*i32", idx_out_ptr="*i32", table_ptr="*i32")
@@ -99,7 +99,7 @@ def test_new_kernels_compile_for_hopper():
                                (_route_fused_kernel, 2, True)):
         grouped = {"CPAD": 8} if kernel is _route_grouped_kernel else {}
         consts = dict(E=256, NG=8, TOPK_GROUP=4, TOPK=8, KPAD=8, BE=32, BT=16, BTR=btr, GPS=4, SPLITS=14, BF16=True,
-                      STORE_LOGITS=False, PDL=True, TABLE=table, LINE=64, PREFETCH=True, **grouped)
+                      STORE_LOGITS=False, PDL=1, TABLE=table, LINE=64, PREFETCH=True, **grouped)
         names = set(inspect.signature(kernel.fn).parameters)
         k = _compile_for_hopper(kernel, {n: t for n, t in ptrs.items() if n in names}, consts, num_warps=8)
         read = _params_read(kernel, k.asm["ptx"], consts)

@@ -167,7 +167,7 @@ def test_norm_compiles_for_hopper_at_32_warps_without_spills():
     for D, delta, rnd in ((7168, None, 2), (7168, "*bf16", 2), (7168, "*fp32", 0), (4096, "*fp32", 0)):
         bg, warps = row_tiles(D)
         assert warps == 32
-        consts = dict(ADD=delta is not None, STORE_H=delta is not None, STORE_Y=True, QUANT=True, BG=bg, PDL=True,
+        consts = dict(ADD=delta is not None, STORE_H=delta is not None, STORE_Y=True, QUANT=True, BG=bg, PDL=1,
                       ROUND=rnd)
         k = _compile_for_hopper(nq._add_norm_quant_kernel, dict(ptrs, d_ptr=delta or "*fp32"), consts,
                                 num_warps=warps, aligned=("stride_h",))

@@ -143,7 +143,7 @@ def test_pdl_kernels_compile_for_hopper_in_order():
 
     bad = []
     for name, (kernel, ptrs, consts, warps, early_loads) in _kernels().items():
-        seq = _order(_compile_for_hopper(kernel, ptrs, dict(consts, PDL=True), num_warps=warps).asm["ptx"])
+        seq = _order(_compile_for_hopper(kernel, ptrs, dict(consts, PDL=1), num_warps=warps).asm["ptx"])
         wait = seq.index("griddepcontrol.wait") if "griddepcontrol.wait" in seq else len(seq)
         before = seq[:wait]
         if not seq or seq[0] != "griddepcontrol.launch_dependents":
@@ -156,7 +156,7 @@ def test_pdl_kernels_compile_for_hopper_in_order():
             bad.append(f"{name}: no L2 prefetch of its weight before the wait: {before}")
     for name in ("add_rounded", "absorb_out", "moe_combine"):  # without PDL: none of it
         kernel, ptrs, consts, warps, _ = _kernels()[name]
-        seq = _order(_compile_for_hopper(kernel, ptrs, dict(consts, PDL=False), num_warps=warps).asm["ptx"])
+        seq = _order(_compile_for_hopper(kernel, ptrs, dict(consts, PDL=0), num_warps=warps).asm["ptx"])
         if any(op.startswith(("griddepcontrol", "prefetch")) for op in seq):
             bad.append(f"{name} without PDL: {sorted(set(seq))}")
     assert not bad, "\n".join(bad)
@@ -210,7 +210,7 @@ def test_pdl_prefetch_off_compiles_the_prefetches_out():
     kernels = _kernels()
     for name in PREFETCHING:
         kernel, ptrs, consts, warps, _ = kernels[name]
-        on, off = (_order(_compile_for_hopper(kernel, ptrs, dict(consts, PDL=True, **extra), num_warps=warps)
+        on, off = (_order(_compile_for_hopper(kernel, ptrs, dict(consts, PDL=1, **extra), num_warps=warps)
                           .asm["ptx"]) for extra in ({}, PREFETCH_OFF[name]))
         if "prefetch.global.L2" not in on or "prefetch.global.L2" in off:
             bad.append(f"{name}: prefetches with the switch on / off: {on.count('prefetch.global.L2')} / "

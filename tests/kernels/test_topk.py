@@ -63,13 +63,13 @@ def test_split_v2_compiles_for_hopper():
 
     i32 = {n: "*i32" for n in ("lens_ptr", "h16_ptr", "h8_ptr", "ncand_ptr", "arrive_ptr", "ck_ptr", "ci_ptr",
                                "gt_ptr", "off_ptr", "thr_ptr", "out_ptr")}
-    split = dict(BLK=1024, NB=1024, CPAD=64, KB=1024, SMALL=128, PDL=True)
+    split = dict(BLK=1024, NB=1024, CPAD=64, KB=1024, SMALL=128, PDL=1)
     atoms = {}
     for v2 in (False, True):
         ptx = _compile_for_hopper(_topk_split_kernel, i32, dict(split, V2=v2), num_warps=4).asm["ptx"]
         atoms[v2] = len([ln for ln in ptx.splitlines() if "atom.global.gpu.acq_rel" in ln])
-        _compile_for_hopper(_topk_hist_kernel, i32, dict(BLK=1024, PDL=True, V2=v2), num_warps=4)
-        _compile_for_hopper(_topk_write_kernel, i32, dict(BLK=1024, REARM=True, PDL=True, V2=v2), num_warps=4)
+        _compile_for_hopper(_topk_hist_kernel, i32, dict(BLK=1024, PDL=1, V2=v2), num_warps=4)
+        _compile_for_hopper(_topk_write_kernel, i32, dict(BLK=1024, REARM=True, PDL=1, V2=v2), num_warps=4)
         _compile_for_hopper(_topk_one_launch_kernel, i32, dict(TILE=1024, HIST=True, PHASE=0, REARM=True, NB=1024,
                                                                CPAD=64, KB=1024, SMALL=128, V2=v2), num_warps=4)
     assert atoms == {False: 2, True: 1}, atoms
