@@ -254,10 +254,10 @@ version, so the engine captures its kept graphs again).
   the lengths' copy; the positions, gathers, where / scatter of the hidden rows; the counters' compare, and, index,
   scatter_add, sum, add). Counted (`mtp.bench.step_launches --tree 2x1x1`, the tiny TP=2 rank): glue 209 -> 173 a
   step (the commit's base subtraction, 16 of the compaction and 20 of the step's ops -> the one kernel). Predicted on
-  a TP=8 rank (H200, one row, 2x1x1: A = 4), not yet measured: 36 launches x ~2 us (1-3) of GPU each in the step's
+  a TP=8 rank (H200, one row, 2x1x1: A = 4): 36 launches x ~2 us (1-3) of GPU each in the step's
   graph = ~72 us, less the kernel's own ~3-5 us (one wave of 61 + 7 + 1 programs, ~0.5 MB moved: 61 layers x 4
   slots x 788 bytes each way, 4 hidden rows of 14 KB; a few dependent memory round trips a program): ~65-70 us a
-  tree step (~35-105 at 1-3 us a launch).
+  tree step (~35-105 at 1-3 us a launch). Measured with tree_fwd_glue (both switches flipped together, below).
 - tree_fwd_glue (on; variant tree_fwd_glue_off): with rope_table, a tree forward's (the verify's and each draft tree
   forward's: `Rotary.tree_slots`) cache slots, the angles of its nodes' positions (the tree's first slot + depth) and
   its visibility [B, T, S] in one launch of `kernels.lookup.tree_slots` (`fast_path.FastRotary`), the angles gathered
@@ -266,11 +266,14 @@ version, so the engine captures its kept graphs again).
   depths' add; the angles' cast, product, cos and sin; `tree_visibility`'s arange, sub, 2 compares, and, clamp,
   gather, compare, and, or). Counted (`mtp.bench.step_launches --tree 2x1x1`, the tiny TP=2 rank, 3 tree forwards a
   step: the verify and the eagle drafter's two): glue 173 -> 122 a step (54 -> 3). Predicted on a TP=8 rank (H200,
-  one row, 2x1x1), not yet measured: 51 launches x ~2 us (1-3) of GPU each in the step's graph = ~100 us, less the
+  one row, 2x1x1): 51 launches x ~2 us (1-3) of GPU each in the step's graph = ~100 us, less the
   kernel's own ~2-3 us x 3 (7 nodes x 2 blocks of 1024 slots at a 1k context, a few hundred bytes of angles and
   ~7 KB of bools each): ~95 us a tree step (~40-145 at 1-3 us a launch). The attention kernels read the [B, T, S]
   mask the launch writes (one a forward, shared by the 61 layers); taking the tree mask and the first slot instead
   would save only that launch and ~7 KB of reads a layer.
+  Measured, both tree switches together (H200, one TP=8 split rank, 61 layers, 1k, `python -m mtp.bench.spec_ab
+  --switches tree_glue,tree_fwd_glue --tree 2x1x1 --reps 3`, BENCHMARKS.md session 23): the 2x1x1 eagle tree step
+  10.898 ms on vs 11.090 off (-0.19 ms; predicted ~0.16), the eagle k = 3 chain beside it 7.621 / 7.622.
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
