@@ -52,12 +52,15 @@ def tiny_rank(world: int):
                                kv_lora_rank=512, index_n_heads=16, moe_intermediate_size=128 * max(world, 2))
 
 
-def _snapshot(st) -> dict:
+def state_snapshot(st) -> dict:
+    """Copies of a decode state's tensors and of every cache's buffers (the target's, then the proposer's), FP8 ones as
+    bytes: what torch.equal compares bit for bit between two runs (also the tree glue GPU tests', tests/decode)."""
     caches = [st.cache, *getattr(st.proposer, "caches", ())]
     out = {k: v.clone() for k, v in vars(st).items() if isinstance(v, torch.Tensor)}
     for i, c in enumerate(caches):
         for name in ("seq_lens", "kv", "kv_scale", "pe", "idx_k", "idx_k_scale"):
-            out[f"cache{i}.{name}"] = getattr(c, name).clone()
+            t = getattr(c, name)
+            out[f"cache{i}.{name}"] = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).clone()
     return out
 
 
@@ -90,7 +93,7 @@ def count_step(model, draft: str, k: int, flags: dict, tree: str | None = None) 
         set_kernels(model, **vars(old))
     counts = {"per_kind": {kind: c.total(kind) for kind in LAYER_KINDS}, "total": c.total(),
               "glue_by_site": c.at_sites("glue"), "glue_by_name": c.names("glue")}
-    return counts, _snapshot(st)
+    return counts, state_snapshot(st)
 
 
 def run(args) -> dict:

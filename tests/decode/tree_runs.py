@@ -4,14 +4,13 @@ tests/kernels/test_tree_slots_gpu.py)."""
 
 from __future__ import annotations
 
-import torch
-
 
 def tree_run(model, prompts: list[list[int]], draft: str, tree: str, mode: str, flags: dict, max_new: int = 24):
     """(the engine's result, its state's tensors after the run: every decode buffer and every cache's, the target's and
-    the proposer's, FP8 ones as bytes so that torch.equal compares bits) of a strict `tree` decode of `prompts` with the
-    switches `flags` (`set_kernels`; restored after)."""
+    the proposer's, FP8 ones as bytes so that torch.equal compares bits: `step_launches.state_snapshot`) of a strict
+    `tree` decode of `prompts` with the switches `flags` (`set_kernels`; restored after)."""
     from mtp.backends.fast_path import set_kernels
+    from mtp.bench.step_launches import state_snapshot
     from mtp.decode.config import GenerationConfig
     from mtp.decode.engine import Engine
 
@@ -20,12 +19,6 @@ def tree_run(model, prompts: list[list[int]], draft: str, tree: str, mode: str, 
         engine = Engine(model, GenerationConfig.from_options(max_new, draft, None, "strict", mode=mode, tree=tree,
                                                              reuse_modules=True))
         res = engine.run(prompts)
-        st = next(iter(engine.pool.states.values()))
-        bufs = {k: v.clone() for k, v in vars(st).items() if isinstance(v, torch.Tensor)}
-        for i, c in enumerate([st.cache, *getattr(st.proposer, "caches", ())]):
-            for name in ("seq_lens", "kv", "kv_scale", "pe", "idx_k", "idx_k_scale"):
-                t = getattr(c, name)
-                bufs[f"cache{i}.{name}"] = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).clone()
-        return res, bufs
+        return res, state_snapshot(next(iter(engine.pool.states.values())))
     finally:
         set_kernels(model, **vars(old))
