@@ -1,8 +1,9 @@
 """Running kernel checks under the Triton interpreter from CPU tests.
 
-The interpreter is chosen when a kernel is decorated (at import), so a test runs its checks in a subprocess
-started with TRITON_INTERPRET=1: `run_interpreted(__file__)` runs that test file as a script, whose
-`__main__` block calls `patch_interpreter_loop_bounds()` and then its checks, printing "interpreted checks ok".
+The interpreter is chosen when a kernel is decorated (at import), so a test runs its checks in a process of its
+own under TRITON_INTERPRET=1: `run_interpreted(__file__)` runs that test file as a script, whose `__main__` block
+calls `patch_interpreter_loop_bounds()` and then its checks, printing "interpreted checks ok". The process is
+forked from a server that imported the heavy modules once (`interpreted`, `tests.interp_server`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_interpreted(script: str, timeout: int = 300, *args: str) -> None:
     """Run `script` (with `args`) under TRITON_INTERPRET=1; it must print "interpreted checks ok"."""
+    r = interpreted([script, *args], timeout)
+    assert r.returncode == 0, f"interpreted checks failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    assert "interpreted checks ok" in r.stdout
+
+
+def interpreted(argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python *argv` ([script, *args] or ["-m", module, *args]) in its own process under TRITON_INTERPRET=1,
+    from the repository root, stdout and stderr captured: forked from a server that imported torch, triton and
+    the kernel modules once (`tests.interp_server`), or started afresh with MTP_TEST_NO_FORK=1."""
     pytest.importorskip("triton")
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    r = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"interpreted checks failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    assert "interpreted checks ok" in r.stdout
+    if os.environ.get("MTP_TEST_NO_FORK") == "1" or not hasattr(os, "fork"):
+        return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    from tests import interp_server
+
+    code, out, err = interp_server.run(argv, env, ROOT, timeout)
+    return subprocess.CompletedProcess([sys.executable, *argv], code, out, err)
 
 
 def patch_interpreter_loop_bounds() -> None:

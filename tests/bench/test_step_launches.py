@@ -18,12 +18,11 @@ k = 3 step, switches off vs on, eager and graphs); `python -m mtp.bench.step_lau
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.interp import interpreted
 
 ROOT = Path(__file__).resolve().parents[2]
 GLUE_BOUND = 67  # the eagle k = 3 step's glue with the default switches (counted; lower it when it drops)
@@ -32,11 +31,7 @@ BLOCKS = {"dense": 18, "moe": 19, "mtp": 64, "head": 3}  # the blocks' launches 
 
 @pytest.mark.slow
 def test_eagle_k3_step_launches():
-    pytest.importorskip("triton")
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    r = subprocess.run([sys.executable, "-m", "mtp.bench.step_launches", "--draft", "eagle", "--k", "3"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    r = interpreted(["-m", "mtp.bench.step_launches", "--draft", "eagle", "--k", "3"], 900)
     assert r.returncode == 0, f"step_launches failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     on = json.loads(r.stdout)["step"]
     assert on["per_kind"]["glue"] <= GLUE_BOUND, on["glue_by_site"]

@@ -11,7 +11,6 @@ holds every kernel to the plain-PyTorch references on a GPU (bit-exact quantizat
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,14 +20,12 @@ import torch
 from mtp.kernels.dispatch import FastPathOptions
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # run as a script: the repo root, for `tests`
+from tests.interp import interpreted  # noqa: E402
 
 
 def _run_interpreted(which: str) -> None:
-    pytest.importorskip("triton")
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    r = subprocess.run([sys.executable, __file__, which], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = interpreted([__file__, which], 600)
     assert r.returncode == 0, f"interpreted checks failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     assert f"{which} ok" in r.stdout
 

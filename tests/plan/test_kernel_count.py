@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script:
 
 from mtp.model.presets import real_config  # noqa: E402
 from mtp.plan.kernels import Limits, StepShape, per_layer, step_launches  # noqa: E402
+from tests.interp import interpreted  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # shrunk thresholds for the interpreted run, in the real ones' order (gemv 1 < FUSE_M = grouped 16 < SMALL_M =
@@ -220,11 +220,7 @@ def test_model_equals_counted_launches_every_expert_layout(layout):
 
 
 def _check_counts(world: int, layout: str) -> None:
-    pytest.importorskip("triton")
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    r = subprocess.run([sys.executable, __file__, str(world), layout], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = interpreted([__file__, str(world), layout], 600)
     assert r.returncode == 0, f"counting failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     counted = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(counted) == len(_points(world, layout))
