@@ -151,7 +151,9 @@ class SubHead:
 def check_same_ids(comm, ids: Sequence[int], device) -> None:
     """Raise on every rank alike when the ranks' id lists differ (their lengths or CRC-32s), before any collective
     whose count or shapes come from the ids: one all-gather of [1, 2] int64, the same call on every rank whatever the
-    ids, so ranks that disagree fail together here instead of issuing different collectives and waiting."""
+    ids, so ranks that disagree fail together here instead of issuing different collectives and waiting. A rank that
+    builds no SubHead while the others build one still leaves them waiting, as for any collective; every rank builds
+    the same ones (`generate` runs on every rank of a sharded model, `mtp.distributed.driver`)."""
     mine_12 = torch.tensor([[len(ids), zlib.crc32(array("q", ids).tobytes())]], dtype=torch.long, device=device)
     got_W2 = comm.all_gather_rows(mine_12)
     if not torch.equal(got_W2, mine_12.expand_as(got_W2)):
@@ -168,7 +170,9 @@ def balanced_rows(w_VlD: torch.Tensor, ids: Sequence[int], vocab_size: int, comm
     `c` rows a call (zero-padded), and each rank keeps the received rows whose p falls in its range. Every rank
     computes the positions of every rank from the ids, so all issue ceil(max_s count_s / c) calls of [c, D]
     (c = min(gather_rows, max_s count_s)), after `check_same_ids`. Transient: the call's W c received rows and the
-    c sent. Exact: rows are copied, never summed."""
+    c sent. Exact: rows are copied, never summed. On a simulated rank (torch's fake group, `parallel.simulate`) the
+    gather moves nothing and the rows from other ranks are this rank's own sent rows: random weights anyway, the
+    shapes and the bytes read per forward are the real rank's."""
     W, r = comm.world, comm.rank
     Vl, N, D = vocab_size // W, len(ids), w_VlD.shape[1]
     n = rows_per_rank(ids, vocab_size, W)
