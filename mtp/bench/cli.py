@@ -290,7 +290,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hf-layers", type=int, default=3)
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="also time the eagle step with a draft vocabulary of N ids (mtp.draft.vocab; --tp N: eagle "
-                         "k = --k, and with --draft-head-fp8 also that head's FP8 copy of the N rows)")
+                         "k = --k in both layouts, balanced and by shard, and with --draft-head-fp8 also that head's "
+                         "FP8 copy of the N rows in both)")
     ap.add_argument("--draft-head-fp8", action="store_true",
                     help="also time the eagle k = --k step with the drafts' logits from an FP8 copy of the head "
                          "(draft_head_fp8, mtp.draft.head_fp8; --tp N: profiled with --profile, the copy's bytes in "

@@ -101,6 +101,9 @@ def print_table(res: dict) -> None:
                 continue
             gpu = f", GPU {r['gpu_step_ms']:.3f} ms" if r["gpu_step_ms"] else ""
             print(f"  {name:24s} {r['step_ms_wall']:8.3f} ms/step wall{gpu}")
+            if r.get("draft_vocab"):
+                print(f"  {'':24s} its draft vocabulary: {r['draft_vocab']} ids, {r['draft_vocab_layout']}, "
+                      f"{r['draft_vocab_rows']} head rows on this rank")
             h = r.get("draft_head_fp8")
             if h:
                 print(f"  {'':24s} its FP8 head copy: {h['bytes'] / 1e6:.1f} MB on this rank (planner: "

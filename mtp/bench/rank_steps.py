@@ -290,33 +290,40 @@ def spec_profile(run, new_tokens: int, top: int = 40) -> dict:
 @torch.no_grad()
 def spec_steps(model, args, L: int, cuda: bool) -> dict:
     """Whole speculative steps (draft K + verify K+1 + accept + commit) through `mtp.generate` at context L:
-    plain, eagle and vanilla k = 1..K (vanilla past the checkpoint's MTP modules repeats the last one); and the
+    plain, eagle and vanilla k = 1..K (vanilla past the checkpoint's MTP modules repeats the last one); with
+    --draft-vocab N eagle k = K over ids 0..N-1, on a vocabulary-parallel head once per layout (`_balanced`,
+    `_by_shard`: `draft.vocab.SubHead`), and with --draft-head-fp8 the FP8 copies of those rows too; and the
     eagle tree step of every --trees shape (`generate_tree`). As for the chains, the first call captures the step
     (kept per model and settings) and the second, timed, replays it."""
     from ..decode.engine import generate, release
     from ..decode.tree import generate_tree
+    from ..parallel.modules import set_draft_vocab_by_shard
     from ..spec.tree_shape import TreeShape
 
     g = torch.Generator().manual_seed(args.seed + 2)
     prompts = rank_token_ids(model, (args.batch, L), g).tolist()
     modes = args.spec_modes if cuda else ("eager",)
-    # (draft, k, FP8 head copy, draft vocabulary size or 0)
-    runs = [("none", 0, False, 0)] + [(d, k, False, 0) for d in ("eagle", "vanilla") for k in range(1, args.k + 1)]
+    # (draft, k, FP8 head copy, draft vocabulary size or 0, its layout: None | 'balanced' | 'by_shard')
+    runs = [("none", 0, False, 0, None)] + [(d, k, False, 0, None) for d in ("eagle", "vanilla")
+                                            for k in range(1, args.k + 1)]
     if getattr(args, "draft_head_fp8", False):  # --draft-head-fp8: eagle k = K with the FP8 copy of the head
-        runs.append(("eagle", args.k, True, 0))
+        runs.append(("eagle", args.k, True, 0, None))
     nv = getattr(args, "draft_vocab", None)
     if nv:  # --draft-vocab N: eagle k = K scoring the first N ids (random weights: the cost, not the acceptance)
-        runs.append(("eagle", args.k, False, nv))
-        if getattr(args, "draft_head_fp8", False):
-            runs.append(("eagle", args.k, True, nv))
+        layouts = vocab_layouts(model)
+        for fp8_head in (False, True) if getattr(args, "draft_head_fp8", False) else (False,):
+            runs += [("eagle", args.k, fp8_head, nv, layout) for layout in layouts]
     out = {}
-    for draft, k, fp8_head, vocab in runs:
+    for draft, k, fp8_head, vocab, layout in runs:
         opts = {"reuse_modules": True} if drafter(draft).modules_needed(k) > model.n_mtp else {}
         if fp8_head:
             opts["draft_head_fp8"] = True
         if vocab:
             opts["draft_vocab"] = range(vocab)
-        name = f"{draft}_k{k}{'_head_fp8' if fp8_head else ''}{f'_vocab{vocab}' if vocab else ''}"
+        if layout is not None:
+            set_draft_vocab_by_shard(model, layout == "by_shard")
+        name = f"{draft}_k{k}{'_head_fp8' if fp8_head else ''}{f'_vocab{vocab}' if vocab else ''}" + (
+            f"_{layout}" if layout else "")
         for mode in modes:
             t0 = time.perf_counter()
             if mode != "eager":  # the first call captures the step (kept by generate); the second is timed
@@ -328,7 +335,8 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
             if fp8_head and not vocab:
                 out[f"{name}_{mode}"]["draft_head_fp8"] = draft_head_memory(model, k)
             if vocab:
-                out[f"{name}_{mode}"]["draft_vocab"] = vocab
+                out[f"{name}_{mode}"].update(draft_vocab=vocab, draft_vocab_layout=layout or "one process",
+                                             draft_vocab_rows=vocab_rows(model, vocab, layout))
             log(f"  spec {name} {mode}: {out[f'{name}_{mode}']['step_ms_wall']:.3f} ms/step wall "
                 f"({time.perf_counter() - t0:.1f} s)")
             if cuda and args.profile and k == args.k and mode == modes[-1]:
@@ -336,6 +344,8 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
                     lambda n: generate(model, prompts, n, draft=draft, k=k or None, mode=mode, **opts).metrics,
                     args.new_tokens)
         release(model)
+        if layout is not None:
+            set_draft_vocab_by_shard(model, False)
     for name in args.trees:  # whole eagle tree steps (graph / overlap: the step captured per shape)
         shape = TreeShape.parse(name)
         for mode in modes:
@@ -357,6 +367,24 @@ def spec_steps(model, args, L: int, cuda: bool) -> dict:
         release(model)  # a kept tree engine holds its buffers and graphs
     return {"prompt_len": L, "modes": tuple(modes), "runs": out,
             "note": "generate() / generate_tree() with a real prefill of a random prompt of this length"}
+
+
+def vocab_layouts(model) -> tuple[str | None, ...]:
+    """The draft vocabulary layouts to time on this model: on a vocabulary-parallel head both, balanced (the default)
+    and by shard (the layout before it, `parallel.modules.set_draft_vocab_by_shard`); on one process's head one."""
+    from ..parallel.modules import VocabParallelHead
+
+    return ("balanced", "by_shard") if isinstance(model.mtp[0].shared_head.head, VocabParallelHead) else (None,)
+
+
+def vocab_rows(model, vocab: int, layout: str | None) -> int:
+    """Rows of the draft head over ids 0..vocab-1 on this rank (`draft.vocab.rows_per_rank`)."""
+    from ..draft.vocab import rows_per_rank
+
+    if layout is None:
+        return vocab
+    world = model.mtp[0].shared_head.head.comm.world
+    return rows_per_rank(range(vocab), model.cfg.vocab_size, world, layout == "by_shard")
 
 
 def draft_head_memory(model, k: int) -> dict:

@@ -23,7 +23,9 @@ Vocabulary-parallel head (rank r of W holds rows [r V/W, (r+1) V/W)): each rank 
 its first row (the same blocks as one process's where V/W is a multiple of 128: the tiny TP tests; at V = 129280,
 W = 8 the shards start 32 rows into a block, so the grid differs from one process's, an FP8 copy as good), and the
 logits are all-gathered in rank order as the bf16 head's are. With a draft vocabulary (`vocab.SubHead`) the copy is of
-the kept rows, padded per rank as SubHead pads them, with the same gather and -inf padding.
+the rank's rows in SubHead's layout (balanced by default: ceil(N / W) rows a rank in list order, 4096 at N = 32768,
+W = 8, 29.4 MB of e4m3 where the by-shard layout kept 16160 rows on rank 0, 115.8 MB; and as n is a multiple of 128
+there, the blocks are those of one process's copy of the list), with the same gather and -inf padding.
 The copy is made once per (head, vocabulary), when the first proposer asks, and shared by every proposer after (an
 engine keeps one per batch bucket); `_FP8_HEADS.clear()` drops them (after weights changed in place).
 """
@@ -38,7 +40,7 @@ from torch import nn
 
 from ..model import fp8
 from ..model.layers import Linear
-from .vocab import SubHead, kept_per_head, parallel_world
+from .vocab import SubHead, by_shard, kept_per_head, parallel_world
 
 # rows quantized per call of `fp8.weight_quant` (a multiple of its 128-row blocks, so the blocks are those of one call):
 # its fp32 copy of the rows and their quotient stay ~2 x 235 MB at D = 7168, where the whole TP=1 head at once
@@ -119,7 +121,8 @@ def shared_fp8_head(model, j: int, ids: tuple[int, ...] | None = None) -> Fp8Hea
     """The FP8 copy of MTP module j's head (of the rows of `ids`, a draft vocabulary, when given), one per (head, ids)
     shared by every proposer that asks; the last two per head are kept, for as long as the head lives."""
     head = model.mtp[j].shared_head.head
-    return kept_per_head(_FP8_HEADS, head, ids, lambda: _build(model, head, ids))
+    key = None if ids is None else (ids, by_shard(head))
+    return kept_per_head(_FP8_HEADS, head, key, lambda: _build(model, head, ids))
 
 
 def _build(model, head, ids: tuple[int, ...] | None) -> Fp8Head:
@@ -127,7 +130,7 @@ def _build(model, head, ids: tuple[int, ...] | None) -> Fp8Head:
     vocabulary or a vocabulary-parallel shard, gathered by the head's comm)."""
     V = model.cfg.vocab_size
     if ids is not None:
-        sub = SubHead(head, ids, V, model.device)
+        sub = SubHead(head, ids, V, model.device, by_shard(head))
         return Fp8Head(model, sub.weight, sub.comm, sub.ids_M)
     w = head.weight
     if w.shape[0] == V:

@@ -19,6 +19,8 @@ import argparse
 import json
 import sys
 import weakref
+import zlib
+from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -79,33 +81,65 @@ def kept_per_head(cache: weakref.WeakKeyDictionary, head, key, make):
     return made
 
 
+# Head rows a rank sends per build-time all-gather of a balanced draft head (`balanced_rows`): each call receives
+# world x GATHER_ROWS rows, 117 MB at W = 8, D = 7168, bf16, where gathering the whole padded list at once would take
+# W x 16160 rows, 1.85 GB, for a 32k list that leans to the low ids (rank 0 holds 16160 of them)
+GATHER_ROWS = 1024
+
+
+def rows_per_rank(ids: Sequence[int], vocab_size: int, world: int, by_shard: bool = False) -> int:
+    """Rows of a draft vocabulary's head on each rank of a vocabulary-parallel head (`SubHead`): ceil(N / W) balanced,
+    the largest shard's count of ids by shard (at least 1)."""
+    if not by_shard:
+        return -(-len(ids) // world)
+    Vl = vocab_size // world
+    return max(1, max(Counter(i // Vl for i in ids).values()))
+
+
 class SubHead:
     """Logits over a draft vocabulary from an MTP module's head: `self(x [..., D]) -> [..., M]`, where entry m
     stands for model id `ids_M[m]`, or for nothing when `ids_M[m]` is -1 (padding, logit -inf).
 
     One rank: the head's rows of the N ids, copied once ([N, D]). Vocabulary-parallel head (rank r of W holds
-    rows [r V/W, (r+1) V/W)): each rank keeps the rows of the ids in its slice, zero-padded to the largest
-    slice's count n, and the ranks' [.., n] logits are all-gathered in rank order, the same layout the full
-    head uses; `ids_M` ([W * n]) is the same on every rank (computed from the ids, no communication)."""
+    rows [r V/W, (r+1) V/W)): each rank holds n rows, its [.., n] logits are all-gathered in rank order and masked
+    where `ids_M` ([W * n], the same on every rank, computed from the ids without communication) is -1.
+    - balanced (the default): n = ceil(N / W), rank r holds the rows of ids[r n : (r + 1) n] in list order, the
+      tail padded with zero rows (`balanced_rows`: rows held elsewhere come over `comm.all_gather_rows` once, here).
+      `ids_M` is the list, padded to W n: the entries of one process in its order, so argmax ties break alike.
+    - `by_shard`: rank r holds the ids of its own shard, zero-padded to the largest shard's count; no communication
+      at build time, but a list that leans to the low ids (a BPE frequency list) leaves rank 0 nearly its whole
+      shard, so the busiest rank reads about as many rows as the full head (BENCHMARKS.md session 23: no gain).
+    Bytes read per draft forward on the busiest rank at N = 32768 ids, W = 8, D = 7168 (`mtp-bench --draft-vocab`
+    scores ids 0..N-1, all in shards 0..2): by shard n = 16160 (the whole shard, as the full head), bf16 231.7 MB,
+    FP8 (`head_fp8`) 115.8 MB; balanced n = 4096, bf16 58.7 MB, FP8 29.4 MB. At ~3.5 TB/s: 66.2 -> 16.8 us (bf16),
+    33.1 -> 8.4 us (FP8) a draft forward; predicted -0.15 ms (bf16) / -0.07 ms (FP8) an eagle k = 3 step (3 draft
+    forwards), plus the logits all-gather of [.., 8 n]: 4x smaller. Not yet measured."""
 
-    def __init__(self, head, ids: Sequence[int], vocab_size: int, device):
+    def __init__(self, head, ids: Sequence[int], vocab_size: int, device, by_shard: bool = False,
+                 gather_rows: int = GATHER_ROWS):
         w = head.weight
         ids_t = torch.tensor(ids, dtype=torch.long, device=device)
         comm = getattr(head, "comm", None)
+        self.by_shard = by_shard
         if w.shape[0] == vocab_size:
             self.weight, self.comm, self.ids_M = w.index_select(0, ids_t).contiguous(), None, ids_t
             return
         world = parallel_world(head, vocab_size, "draft vocabulary")
+        self.comm = comm
+        if not by_shard:
+            self.weight, self.ids_M = balanced_rows(w, ids, vocab_size, comm, gather_rows)
+            self.ids_M = self.ids_M.to(device)
+            return
         Vl = vocab_size // world
         per_rank = [ids_t[(ids_t >= r * Vl) & (ids_t < (r + 1) * Vl)] for r in range(world)]
-        n = max(1, max(len(p) for p in per_rank))
+        n = rows_per_rank(ids, vocab_size, world, by_shard=True)
         ids_M = torch.full((world, n), -1, dtype=torch.long, device=device)
         for r, p in enumerate(per_rank):
             ids_M[r, : len(p)] = p
         mine = per_rank[comm.rank] - comm.rank * Vl
         self.weight = w.new_zeros(n, w.shape[1])
         self.weight[: len(mine)] = w.index_select(0, mine)
-        self.comm, self.ids_M = comm, ids_M.flatten()
+        self.ids_M = ids_M.flatten()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight.to(x.dtype))
@@ -114,15 +148,80 @@ class SubHead:
         return self.comm.all_gather_last(y).masked_fill(self.ids_M < 0, float("-inf"))
 
 
+def check_same_ids(comm, ids: Sequence[int], device) -> None:
+    """Raise on every rank alike when the ranks' id lists differ (their lengths or CRC-32s), before any collective
+    whose count or shapes come from the ids: one all-gather of [1, 2] int64, the same call on every rank whatever the
+    ids, so ranks that disagree fail together here instead of issuing different collectives and waiting. A rank that
+    builds no SubHead while the others build one still leaves them waiting, as for any collective; every rank builds
+    the same ones (`generate` runs on every rank of a sharded model, `mtp.distributed.driver`)."""
+    mine_12 = torch.tensor([[len(ids), zlib.crc32(array("q", ids).tobytes())]], dtype=torch.long, device=device)
+    got_W2 = comm.all_gather_rows(mine_12)
+    if not torch.equal(got_W2, mine_12.expand_as(got_W2)):
+        raise ValueError(f"draft vocabulary: the ranks hold different id lists ((length, CRC-32) by rank: "
+                         f"{got_W2.tolist()}); every rank must pass the same ids")
+
+
+def balanced_rows(w_VlD: torch.Tensor, ids: Sequence[int], vocab_size: int, comm,
+                  gather_rows: int = GATHER_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of a balanced draft head (`SubHead`): (weight [n, D], ids_M [W n]), n = ceil(N / W), row m
+    the head row of ids[rank n + m] (zeros past the list's end). w_VlD: this rank's shard of the head.
+
+    Rank s sends the rows it holds of every rank's ids (the list positions p with ids[p] // Vl == s, ascending),
+    `c` rows a call (zero-padded), and each rank keeps the received rows whose p falls in its range. Every rank
+    computes the positions of every rank from the ids, so all issue ceil(max_s count_s / c) calls of [c, D]
+    (c = min(gather_rows, max_s count_s)), after `check_same_ids`. Transient: the call's W c received rows and the
+    c sent. Exact: rows are copied, never summed. On a simulated rank (torch's fake group, `parallel.simulate`) the
+    gather moves nothing and the rows from other ranks are this rank's own sent rows: random weights anyway, the
+    shapes and the bytes read per forward are the real rank's."""
+    W, r = comm.world, comm.rank
+    Vl, N, D = vocab_size // W, len(ids), w_VlD.shape[1]
+    n = rows_per_rank(ids, vocab_size, W)
+    dev = w_VlD.device
+    check_same_ids(comm, ids, dev)
+    held: list[list[int]] = [[] for _ in range(W)]  # held[s]: the list positions whose rows rank s holds
+    for p, i in enumerate(ids):
+        held[i // Vl].append(p)
+    most = max(len(h) for h in held)
+    c = max(1, min(gather_rows, most))
+    lo = r * n
+    out_nD = w_VlD.new_zeros(n, D)
+    for start in range(0, most, c):
+        send = held[r][start:start + c]
+        send_cD = w_VlD.new_zeros(c, D)
+        if send:
+            rows = torch.tensor([ids[p] - r * Vl for p in send], dtype=torch.long, device=dev)
+            send_cD[: len(send)] = w_VlD.index_select(0, rows)
+        got_WcD = comm.all_gather_rows(send_cD)
+        src, dst = [], []
+        for s in range(W):
+            for q, p in enumerate(held[s][start:start + c]):
+                if lo <= p < lo + n:
+                    src.append(s * c + q)
+                    dst.append(p - lo)
+        if src:
+            out_nD[torch.tensor(dst, device=dev)] = got_WcD[torch.tensor(src, device=dev)]
+    ids_M = torch.full((W * n,), -1, dtype=torch.long)
+    ids_M[:N] = torch.tensor(ids, dtype=torch.long)
+    return out_nD, ids_M
+
+
 _SUBHEADS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, SubHead]]" = weakref.WeakKeyDictionary()
 
 
+def by_shard(head) -> bool:
+    """Whether draft vocabularies on `head` take the by-shard layout (`SubHead`): the head's `draft_vocab_by_shard`,
+    set by `parallel.modules.set_draft_vocab_by_shard` (a bench's side-by-side); balanced otherwise."""
+    return bool(getattr(head, "draft_vocab_by_shard", False))
+
+
 def shared_sub_head(head, ids: tuple[int, ...], vocab_size: int, device) -> SubHead:
-    """One `SubHead` per (head, ids), shared by every proposer that asks (an engine keeps one proposer per
-    buffer bucket; the real model's rows for 32k ids are 470 MB per copy). The last two vocabularies per head
-    are kept, for as long as the head lives; they are copies, so weights changed in place afterwards (training)
-    are not seen: `_SUBHEADS.clear()` drops them."""
-    return kept_per_head(_SUBHEADS, head, ids, lambda: SubHead(head, ids, vocab_size, device))
+    """One `SubHead` per (head, ids, layout: `by_shard(head)`), shared by every proposer that asks (an engine keeps
+    one proposer per buffer bucket; the real model's rows for 32k ids are 470 MB per copy, 59 MB a rank at TP=8).
+    The last two per head are kept, for as long as the head lives; they are copies, so weights changed in place
+    afterwards (training) are not seen: `_SUBHEADS.clear()` drops them. On a vocabulary-parallel head the first ask
+    is a collective (`balanced_rows`): every rank asks, as every rank builds the same proposers."""
+    layout = by_shard(head)
+    return kept_per_head(_SUBHEADS, head, (ids, layout), lambda: SubHead(head, ids, vocab_size, device, layout))
 
 
 def count_tokens(encode, texts: Iterable[str]) -> Counter:

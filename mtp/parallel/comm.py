@@ -7,6 +7,9 @@ same order because every rank runs the same Python path; nothing here depends on
 
 World size 1 needs no process group: every call is the identity, so the parallel modules also run in a
 plain single process (and equal the reference model there).
+
+A third, `all_gather_rows`, runs at build time only (a draft vocabulary's head rows gathered from the ranks that
+hold them); its shapes come from values every rank holds (the ids), so every rank still issues the same calls.
 """
 
 from __future__ import annotations
@@ -152,6 +155,18 @@ class Comm:
         _all_gather(out, t, group=self.group)  # concatenated along dim 0: the form gloo and NCCL both take
         return out.view(self.world, *t.shape).movedim(0, -2).flatten(-2)
 
+    def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's t [rows, ...] along dim 0, in rank order -> [world * rows, ...]. For copies made
+        once at build time (a draft vocabulary's head rows, `mtp.draft.vocab.SubHead`), not for a step: the output
+        starts as `world` copies of t, so a group that moves no data (torch's fake group, `parallel.simulate`) leaves
+        finite values, each rank's part equal to this rank's, where an empty buffer would hold whatever was there."""
+        if self.world == 1:
+            return t
+        t = t.contiguous()
+        out = t.repeat(self.world, *(1,) * (t.dim() - 1))
+        _all_gather(out, t, group=self.group)
+        return out
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world={self.world})"
 
@@ -160,7 +175,8 @@ class CountingComm(Comm):
     """`Comm` that counts the collectives it issues and their payload bytes (input bytes per rank), and logs
     each call's (kind, shape, dtype). Host-side: it sees eager calls only (a CUDA-graph replay runs no Python),
     so count one eager step, then capture. `reset()` before the step to count. An all-reduce fused with its add
-    + norm (the one-shot kernel of `all_reduce_add_norm`) counts as an all-reduce, and in `all_reduce_fused`."""
+    + norm (the one-shot kernel of `all_reduce_add_norm`) counts as an all-reduce, and in `all_reduce_fused`. The
+    build-time `all_gather_rows` counts apart (`all_gather_rows`), not as a step's all-gather."""
 
     def __init__(self, group=None):
         super().__init__(group)
@@ -168,7 +184,7 @@ class CountingComm(Comm):
 
     def reset(self) -> None:
         self.counts = {"all_reduce": 0, "all_gather": 0, "all_reduce_bytes": 0, "all_gather_bytes": 0,
-                       "all_reduce_fused": 0}
+                       "all_reduce_fused": 0, "all_gather_rows": 0, "all_gather_rows_bytes": 0}
         self.calls: list[tuple[str, tuple[int, ...], str]] = []
 
     def all_reduce_add_norm(self, x_partial: torch.Tensor, residual: torch.Tensor, *args, **kwargs) -> AddNorm:
@@ -189,3 +205,7 @@ class CountingComm(Comm):
     def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
         self._note("all_gather", t)
         return super().all_gather_last(t)
+
+    def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        self._note("all_gather_rows", t)
+        return super().all_gather_rows(t)

@@ -194,6 +194,9 @@ class VocabParallelHead(ColumnParallelLinear):
     (`mtp.draft.vocab.SubHead` reads its rows and `comm` for a draft vocabulary). Built as
     VocabParallelHead(dim, vocab_local, dtype, comm)."""
 
+    # a draft vocabulary's rows by shard instead of balanced (`SubHead`): `set_draft_vocab_by_shard`
+    draft_vocab_by_shard = False
+
 
 def shard_model(model: DeepseekV32, layout: RankLayout, comm: Comm, static_moe: bool = False) -> DeepseekV32:
     """Replace the split submodules of `model` (built for the full config, typically on the meta device)
@@ -240,6 +243,21 @@ def set_static_moe(model: DeepseekV32, static: bool) -> None:
     for m in model.modules():
         if isinstance(m, ExpertParallelMoE):
             m.static = static
+
+
+def set_draft_vocab_by_shard(model: DeepseekV32, on: bool) -> None:
+    """Switch the layout of draft vocabularies on the MTP modules' vocabulary-parallel heads (`mtp.draft.vocab.SubHead`)
+    between balanced (off, the default: ceil(N / W) rows a rank) and by shard (on: each rank the ids of its own shard,
+    the layout before balanced; rank 0 then keeps nearly its whole shard for a frequency list), so that one process
+    can time both (`mtp-bench --tp N --draft-vocab N`). The heads built with either are kept apart; bumps
+    `model.version`, so engines kept with the other layout's proposers are built again."""
+    heads = [layer.shared_head.head for layer in model.mtp if isinstance(layer.shared_head.head, VocabParallelHead)]
+    if not heads:
+        raise ValueError("set_draft_vocab_by_shard: the model's MTP heads are not vocabulary-parallel (not sharded), "
+                         "so a draft vocabulary has one layout")
+    for head in heads:
+        head.draft_vocab_by_shard = bool(on)
+    model.bump_version()
 
 
 def set_allreduce(model: DeepseekV32, impl: str) -> None:

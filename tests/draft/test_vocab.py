@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 import mtp
 from eval.common import generate_kwargs
 from eval.schema import SchemaError
-from mtp.draft.vocab import check_ids, count_tokens, load_ids, main, top_ids
+from mtp.draft.vocab import check_ids, count_tokens, load_ids, main, rows_per_rank, top_ids
 from mtp.checkpoint.tiny import default_checkpoint
 from mtp.text.tokenizer import Tokenizer
 from tests.eval.test_conf import CONF, FIXED
@@ -100,6 +100,30 @@ def test_proposers_share_one_sub_head(tiny_model):
     assert a.heads[0] is b.heads[0]
     other = Proposer(tiny_model, DraftConfig("eagle", 2, vocab=(1, 5)), 1, 64)
     assert other.heads[0] is not a.heads[0] and other.heads[0].weight.shape[0] == 2
+
+
+def test_rows_per_rank_at_the_real_shapes():
+    """The rows each TP=8 rank holds for ids 0..32767 of the 129280 (what `mtp-bench --draft-vocab 32768` scores):
+    balanced ceil(N / W); by shard the largest shard's count, rank 0's whole 16160-row shard (as the full head)."""
+    assert rows_per_rank(range(32768), 129280, 8) == 4096
+    assert rows_per_rank(range(32768), 129280, 8, by_shard=True) == 16160
+    assert rows_per_rank((7,), 24, 2) == 1 and rows_per_rank((5, 17, 2), 24, 2, by_shard=True) == 2
+
+
+def test_all_gather_rows_on_one_rank_and_counted_apart(tiny_model):
+    """World 1: the identity, no process group. CountingComm counts it apart from a step's all-gathers. A model whose
+    heads are not vocabulary-parallel has one layout: the by-shard switch is refused, naming why."""
+    from mtp.parallel.comm import Comm, CountingComm
+    from mtp.parallel.modules import set_draft_vocab_by_shard
+
+    t = torch.randn(3, 4)
+    assert Comm().all_gather_rows(t) is t
+    c = CountingComm()
+    assert c.all_gather_rows(t) is t
+    assert c.counts["all_gather_rows"] == 1 and c.counts["all_gather_rows_bytes"] == 48 and c.counts["all_gather"] == 0
+    assert c.calls == [("all_gather_rows", (3, 4), "float32")]
+    with pytest.raises(ValueError, match="not vocabulary-parallel"):
+        set_draft_vocab_by_shard(tiny_model, True)
 
 
 def _cli_case(tmp_path, name: str) -> tuple[list[str], str]:

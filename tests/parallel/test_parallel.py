@@ -63,9 +63,15 @@ def eh_proj_output(model, ids) -> torch.Tensor:
     return got[0]
 
 
+def uneven_vocab(V: int) -> list[int]:
+    """A draft vocabulary split unevenly over the two vocabulary halves (128 + 52 ids of 512): balanced, each rank
+    holds 90 rows, rank 1 some of rank 0's half."""
+    return list(range(0, V // 2, 2)) + list(range(V // 2, V, 5))
+
+
 def checks(model, generate: bool = True) -> dict:
     """Logits of a prefill, a 3-token cached step and the MTP module, the MTP module's eh_proj output; eagle k=2
-    and vanilla k=2 strict generations, eagle k=2 with a draft vocabulary and with an FP8 draft head."""
+    and vanilla k=2 strict generations, eagle k=2 with a draft vocabulary, with an FP8 draft head and with both."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.cfg.vocab_size, (2, 20), generator=g).to(model.device)
     out = {}
@@ -84,12 +90,54 @@ def checks(model, generate: bool = True) -> dict:
         # vanilla: depth j's draft from the one module applied again (reuse_modules), each with its own cache
         r = mtp.generate(model, prompts, max_new_tokens=12, draft="vanilla", k=2, reuse_modules=True)
         out["vanilla_tokens"], out["vanilla_hist"] = r.tokens, r.metrics.accepted_hist
-        V = model.cfg.vocab_size  # a draft vocabulary split unevenly over the two vocabulary halves
-        vocab = list(range(0, V // 2, 2)) + list(range(V // 2, V, 5))
+        vocab = uneven_vocab(model.cfg.vocab_size)
         r = mtp.generate(model, prompts, max_new_tokens=12, draft="eagle", k=2, draft_vocab=vocab)
         out["vocab_tokens"], out["vocab_hist"] = r.tokens, r.metrics.accepted_hist
         r = mtp.generate(model, prompts, max_new_tokens=12, draft="eagle", k=2, draft_head_fp8=True)
         out["fp8_head_tokens"], out["fp8_head_hist"] = r.tokens, r.metrics.accepted_hist
+    return out
+
+
+# A draft vocabulary's head (`SubHead`) on a synthetic vocabulary-parallel head [SUB_V, SUB_D]: each case's ids,
+# with SUB_GATHER rows a build-time all-gather so the balanced build takes several calls.
+SUB_V, SUB_D, SUB_GATHER = 24, 160, 2
+SUB_ATOL = 2e-5  # |logits| ~ 20 (x, w ~ N(0, 1), D = 160); observed <= 2.9e-6 (GEMM sum order, n rows vs N)
+SUB_CASES = {"uneven": (5, 17, 2, 23, 11, 0, 13),  # N % W = 1: rank 1 holds 3 ids and 1 padding row
+             "one shard": (20, 13, 12, 23, 15),  # every row on rank 1: rank 0's come over the gather
+             "one id": (7,),  # rank 1 holds only padding
+             "all, reversed": tuple(range(SUB_V - 1, -1, -1))}
+
+
+def sub_head_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(SUB_V, SUB_D, generator=g), torch.randn(3, SUB_D, generator=g)
+
+
+def sub_head_cases(rank: int) -> dict:
+    """Per case and layout: the gathered logits, ids_M, rows held and build-time all-gathers (a CountingComm on the
+    default group); and the error each rank raises when the ranks' lists differ (in content, then in length)."""
+    from types import SimpleNamespace
+
+    from mtp.draft.vocab import SubHead
+    from mtp.parallel.comm import CountingComm
+
+    w, x = sub_head_inputs()
+    Vl = SUB_V // WORLD
+    out = {}
+    for name, ids in SUB_CASES.items():
+        for by_shard in (False, True):
+            comm = CountingComm()
+            head = SimpleNamespace(weight=w[rank * Vl:(rank + 1) * Vl].clone(), comm=comm)
+            sub = SubHead(head, ids, SUB_V, "cpu", by_shard=by_shard, gather_rows=SUB_GATHER)
+            built = comm.counts["all_gather_rows"]
+            out[name, by_shard] = {"logits": sub(x), "ids_M": sub.ids_M, "weight": sub.weight, "calls": built}
+    for name, ids in (("differ", (1, 2, 3 + rank)), ("length", (1, 2, 3)[: 3 - rank])):
+        head = SimpleNamespace(weight=w[rank * Vl:(rank + 1) * Vl].clone(), comm=Comm())
+        try:
+            SubHead(head, ids, SUB_V, "cpu")
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
     return out
 
 
@@ -99,9 +147,10 @@ def _worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     try:
         comm = Comm()
-        res = {}
+        res = {"sub_head": sub_head_cases(rank)}
         m = load_parallel(ckpt, comm, plan=ParallelPlan(WORLD), numerics="fp8")
         res["bytes_blocks"] = param_bytes(m)
+        res["fp8_vocab"] = fp8_vocab_logits(m)
         res["fp8"] = checks(m)
         set_static_moe(m, True)
         res["fp8_static"] = checks(m, generate=False)
@@ -198,7 +247,74 @@ def test_tp2_speculative_tokens_equal_tp1(ranks, reference, numerics):
         # tests/draft/test_head_fp8.py; its per-rank rows as the vocabulary's own check above)
         assert ranks[r][numerics]["fp8_head_tokens"] == ref["tokens"]
         assert ranks[r][numerics]["fp8_head_hist"] == ref["fp8_head_hist"]
+        # both: the FP8 copy of each rank's balanced rows (90 of the 180 ids: FP8 blocks of 128 rows from each rank's
+        # first row, so not one process's blocks, and other drafts may be made); strict, so the greedy tokens
     assert ref["vocab_hist"] != acc  # the vocabulary changed which drafts were made
+
+
+def test_tp2_balanced_sub_head_equals_one_rank(ranks):
+    """A draft vocabulary's head on 2 ranks, balanced: rank r holds the rows of ids[r n : (r + 1) n], n = ceil(N / 2),
+    gathered from the rank holding them at build time: copied, so equal to the head's rows bit for bit, zero rows
+    past the list. Its logits equal one process's `SubHead` over the same ids within SUB_ATOL, not bit for bit: the
+    CPU GEMM sums a dot over D in another order for n rows than for N (seen: 2.9e-6 at |logit| ~ 20, one thread on
+    both sides). Padding entries (id -1) are -inf. By shard: the same logits, in the ids' shard order."""
+    from types import SimpleNamespace
+
+    from mtp.draft.vocab import SubHead
+
+    w, x = sub_head_inputs()
+    for name, ids in SUB_CASES.items():
+        N, n = len(ids), -(-len(ids) // WORLD)
+        want = SubHead(SimpleNamespace(weight=w), ids, SUB_V, "cpu")(x)
+        for r in range(WORLD):
+            got = ranks[r]["sub_head"][name, False]
+            mine = ids[r * n:(r + 1) * n]
+            rows = torch.cat([w[list(mine)], w.new_zeros(n - len(mine), SUB_D)])
+            assert torch.equal(got["weight"], rows), f"{name} rank {r}: rows differ from the head's"
+            assert got["ids_M"].tolist() == list(ids) + [-1] * (WORLD * n - N), name
+            _close(f"{name} rank {r}", got["logits"][:, :N], want, SUB_ATOL)
+            assert torch.isneginf(got["logits"][:, N:]).all(), f"{name} rank {r}: padding not -inf"
+            # 1 all-gather of the lists' (length, CRC-32), then the rows: ceil(most held by one rank / c) calls
+            most = max(sum(1 for i in ids if i // (SUB_V // WORLD) == s) for s in range(WORLD))
+            assert got["calls"] == 1 + -(-most // min(SUB_GATHER, most)), (name, got["calls"])
+            old = ranks[r]["sub_head"][name, True]
+            assert old["calls"] == 0
+            ids_M = old["ids_M"].tolist()
+            assert sorted(i for i in ids_M if i >= 0) == sorted(ids)
+            for m, i in enumerate(ids_M):
+                if i < 0:
+                    assert torch.isneginf(old["logits"][:, m]).all(), (name, m)
+                else:
+                    _close(f"{name} by shard rank {r} entry {m}", old["logits"][:, m], want[:, ids.index(i)], SUB_ATOL)
+
+
+FP8_IDS = tuple(range(255, -1, -1))  # every id in rank 0's half of the 512: rank 1's 128 rows all come over the gather
+
+
+def fp8_vocab_logits(model) -> torch.Tensor:
+    """Logits of the FP8 copy of module 0's head over FP8_IDS (`head_fp8.shared_fp8_head`), for a fixed input."""
+    from mtp.draft.head_fp8 import shared_fp8_head
+
+    x = torch.randn(2, model.cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        return shared_fp8_head(model, 0, FP8_IDS)(x.to(model.device, model.dtype))
+
+
+def test_tp2_balanced_fp8_draft_head_equals_one_process(ranks, par_ckpt):
+    """The FP8 copy of a draft vocabulary's rows takes the balanced layout: 128 rows a rank here, one whole 128-row
+    FP8 block each, so the blocks and scales of one process's copy of the list and logits within LOGIT_ATOL of
+    its (the block products summed over fewer rows)."""
+    want = fp8_vocab_logits(load_model(par_ckpt, numerics="fp8"))
+    for r in range(WORLD):
+        _close(f"fp8 draft head rank {r}", ranks[r]["fp8_vocab"], want)
+
+
+def test_tp2_ranks_with_different_draft_vocabularies_fail_together(ranks):
+    """Every rank raises the same error from the one fixed-shape check, before any collective shaped by the ids."""
+    for name in ("differ", "length"):
+        errs = [ranks[r]["sub_head"][name] for r in range(WORLD)]
+        assert errs[0] is not None and errs[0] == errs[1], errs
+        assert "the ranks hold different id lists" in errs[0], errs[0]
 
 
 def test_param_bytes_equal_planner(ranks, par_ckpt):
@@ -256,7 +372,8 @@ GPU_PROMPTS = [list(range(3, 40)), list(range(50, 61))]  # 37 > index_topk 16: s
 def _nccl_worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
     """bf16 on 2 GPUs over NCCL: logits, and eagle k=2 generations in the engine's eager, graph (whole step
     captured, NCCL collectives inside) and overlap modes, on the reference path and on the Triton fast path
-    (expert-parallel MoE included: `moe_experts` on the local experts, -1 slots for the other rank's)."""
+    (expert-parallel MoE included: `moe_experts` on the local experts, -1 slots for the other rank's); with a
+    balanced draft vocabulary in eager and graph mode (bf16 head rows, and their FP8 copy on the fast path)."""
     from mtp.backends.fast_path import FastLinear, FastMoE, enable_fast_path
     from mtp.parallel.modules import ExpertParallelMoE, RowParallelLinear
 
@@ -272,12 +389,18 @@ def _nccl_worker(rank: int, ckpt: str, init: str, out_dir: str) -> None:
         res = {"ref": {k: v.cpu() for k, v in checks(m, generate=False).items()}}
         for mode in ("eager", "graph", "overlap"):
             res[f"ref/{mode}"] = mtp.generate(m, GPU_PROMPTS, 16, draft="eagle", k=2, mode=mode).tokens
+        vocab = uneven_vocab(m.cfg.vocab_size)  # balanced draft head: its rows all-gathered over NCCL at build time
+        for mode in ("eager", "graph"):
+            res[f"vocab/{mode}"] = mtp.generate(m, GPU_PROMPTS, 16, draft="eagle", k=2, mode=mode,
+                                                draft_vocab=vocab).tokens
         enable_fast_path(m)
         res["ep_fast"] = [isinstance(mod, FastMoE) for mod in m.modules() if isinstance(mod, ExpertParallelMoE)]
         res["row_fast"] = [isinstance(mod, FastLinear) for mod in m.modules() if isinstance(mod, RowParallelLinear)]
         res["fast"] = {k: v.cpu() for k, v in checks(m, generate=False).items()}
         for mode in ("eager", "graph"):
             res[f"fast/{mode}"] = mtp.generate(m, GPU_PROMPTS, 16, draft="eagle", k=2, mode=mode).tokens
+            res[f"fast_vocab_fp8/{mode}"] = mtp.generate(m, GPU_PROMPTS, 16, draft="eagle", k=2, mode=mode,
+                                                         draft_vocab=vocab, draft_head_fp8=True).tokens
         torch.save(res, f"{out_dir}/rank{rank}.pt")
     finally:
         leave(dev)  # graphs holding NCCL collectives dropped, then abort: ncclCommDestroy hangs after a capture
@@ -304,5 +427,10 @@ def test_nccl_tp2_eager_graph_overlap(par_ckpt, tmp_path):
         for mode in ("graph", "overlap"):
             assert got[r][f"ref/{mode}"] == got[r]["ref/eager"], f"rank {r}: {mode} != eager (reference path)"
         assert got[r]["fast/graph"] == got[r]["fast/eager"], f"rank {r}: graph != eager (fast path)"
+        for what in ("vocab", "fast_vocab_fp8"):  # a balanced draft vocabulary (bf16; FP8 copy on the fast path)
+            assert got[r][f"{what}/graph"] == got[r][f"{what}/eager"], f"rank {r}: {what} graph != eager"
         assert all(got[r][k] == got[0][k] for k in got[0] if "/" in k), f"rank {r} generated other tokens"
     print(f"TP2 reference-path tokens equal TP1 (bf16): {got[0]['ref/eager'] == tp1_tokens}")
+    print(f"TP2 tokens with a draft vocabulary equal without (bf16, strict): "
+          f"{got[0]['vocab/eager'] == got[0]['ref/eager']}, FP8 copy on the fast path: "
+          f"{got[0]['fast_vocab_fp8/eager'] == got[0]['fast/eager']}")

@@ -200,9 +200,14 @@ def test_bench_tp_on_cpu(tmp_path):
     assert dc["all_gather"] == 2 and dc["all_gather_call_bytes"] == [cfg.hidden_size // 2 * 4, cfg.vocab_size // 2 * 4]
     assert dc["all_gather_bytes"] == sum(dc["all_gather_call_bytes"])
     runs = res["spec_step"]["runs"]
-    assert set(runs) == {"none_k0_eager", "eagle_k1_eager", "vanilla_k1_eager", "eagle_k1_vocab100_eager",
-                         "tree_chain2_eager", "tree_2x1_eager"}
-    assert runs["eagle_k1_vocab100_eager"]["draft_vocab"] == 100 and runs["eagle_k1_vocab100_eager"]["steps"] > 0
+    assert set(runs) == {"none_k0_eager", "eagle_k1_eager", "vanilla_k1_eager", "eagle_k1_vocab100_balanced_eager",
+                         "eagle_k1_vocab100_by_shard_eager", "tree_chain2_eager", "tree_2x1_eager"}
+    # ids 0..99 all in rank 0's half of the 512: balanced 50 rows a rank, by shard rank 0's 100 (padding on rank 1)
+    for layout, rows in (("balanced", 50), ("by_shard", 100)):
+        r = runs[f"eagle_k1_vocab100_{layout}_eager"]
+        assert r["draft_vocab"] == 100 and r["draft_vocab_layout"] == layout and r["draft_vocab_rows"] == rows
+        assert r["steps"] > 0
+    assert "100 ids, by_shard, 100 head rows on this rank" in p.stdout
     assert runs["tree_2x1_eager"]["steps"] > 0 and runs["tree_2x1_eager"]["verify_ms"] > 0
     pj = res["projection"]
     assert pj["collective_latency"]["assumed"] is True and "ASSUMED" in p.stdout
