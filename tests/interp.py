@@ -343,3 +343,30 @@ def patch_interpreter_pdl() -> None:
             mod.pdl_kwargs = granted
         if name.startswith("mtp.kernels") and hasattr(mod, "asm_ok"):  # the prefetches outside PDL too (no-ops)
             mod.asm_ok = lambda t: True
+
+
+def interpreted_main(checks, *, fp8_rounding: bool = False, pdl: bool = False, seed: int | None = 0,
+                     threads: int | None = None) -> None:
+    """The `__main__` block of an interpreted test script: the interpreter's patches, then `checks` (a list of
+    functions, run in order, or {name: function}, the one named by the script's first argument), then the line
+    `run_interpreted` looks for. fp8_rounding: CUDA's fp32 -> e4m3 rounding (`patch_interpreter_fp8_rounding`);
+    pdl: the PDL branches and L2 prefetches as no-ops (`patch_interpreter_pdl`, after the fast path's kernel modules
+    are imported); seed: torch.manual_seed first (None: not seeded); threads: torch.set_num_threads."""
+    import importlib
+
+    import torch
+
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests.interp.run_interpreted"
+    patch_interpreter_loop_bounds()
+    if fp8_rounding:
+        patch_interpreter_fp8_rounding()
+    if pdl:
+        importlib.import_module("mtp.backends.fast_path")  # the kernel modules it loads (`moe` too) before the patch
+        patch_interpreter_pdl()
+    if seed is not None:
+        torch.manual_seed(seed)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    for check in ([checks[sys.argv[1]]] if isinstance(checks, dict) else checks):
+        check()
+    print("interpreted checks ok")

@@ -18,7 +18,6 @@ tree decoding on the fast path to plain greedy.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +26,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
-from tests.interp import patch_interpreter_loop_bounds, run_interpreted  # noqa: E402
+from tests.interp import interpreted_main, run_interpreted  # noqa: E402
 
 
 def test_tree_kernels_interpreted():
@@ -156,8 +155,4 @@ def _model_checks() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    patch_interpreter_loop_bounds()
-    torch.manual_seed(0)
-    _kernel_checks() if sys.argv[1] == "kernels" else _model_checks()
-    print("interpreted checks ok")
+    interpreted_main({"kernels": _kernel_checks, "model": _model_checks})

@@ -8,7 +8,6 @@ The GPU checks (real widths, graphs, `mtp-bench --route busiest`): tests/bench/t
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from mtp.model.moe import Gate
 from mtp.model.presets import tiny_parallel_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
-from tests.interp import patch_interpreter_loop_bounds, run_interpreted  # noqa: E402
+from tests.interp import interpreted_main, run_interpreted  # noqa: E402
 from tests.parallel.test_moe_ep import ep_modules, random_moe  # noqa: E402
 
 CFG = tiny_parallel_config(2, layers=4, dense_layers=1)
@@ -187,7 +186,4 @@ def _fast_checks() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    patch_interpreter_loop_bounds()
-    {"fast": _fast_checks}[sys.argv[1]]()
-    print("interpreted checks ok")
+    interpreted_main({"fast": _fast_checks}, seed=None)

@@ -4,7 +4,6 @@ with x, whatever the slices and programs)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
-from tests.interp import patch_interpreter_loop_bounds, run_interpreted  # noqa: E402
+from tests.interp import interpreted_main, run_interpreted  # noqa: E402
 
 
 def test_tiled_layout_holds_each_tile_contiguously():
@@ -76,7 +75,4 @@ def _checks() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    patch_interpreter_loop_bounds()
-    _checks()
-    print("interpreted checks ok")
+    interpreted_main([_checks], seed=None)

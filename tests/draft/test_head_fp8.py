@@ -21,7 +21,6 @@ tests/parallel/test_parallel.py.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
-from tests.interp import run_interpreted  # noqa: E402
+from tests.interp import interpreted_main, run_interpreted  # noqa: E402
 
 import mtp  # noqa: E402
 from mtp.draft import DraftConfig  # noqa: E402
@@ -298,10 +297,4 @@ def _interpreted_checks() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from tests.interp import patch_interpreter_loop_bounds
-
-    patch_interpreter_loop_bounds()
-    torch.set_num_threads(1)
-    _interpreted_checks()
-    print("interpreted checks ok")
+    interpreted_main([_interpreted_checks], seed=None, threads=1)

@@ -13,7 +13,6 @@ tests/kernels/test_index_weights_gpu.py holds the kernel to the reference on a G
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
-from tests.interp import patch_interpreter_loop_bounds, run_interpreted  # noqa: E402
+from tests.interp import interpreted_main, run_interpreted  # noqa: E402
 
 H, DK, K = 64, 128, 7168  # DeepSeek-V3.2's indexer heads, head dim, hidden size
 SCALE = H ** -0.5 * DK ** -0.5
@@ -184,8 +183,4 @@ def _wiring_checks() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    patch_interpreter_loop_bounds()
-    _kernel_checks()
-    _wiring_checks()
-    print("interpreted checks ok")
+    interpreted_main([_kernel_checks, _wiring_checks], seed=None)

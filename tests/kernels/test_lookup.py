@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
-from tests.interp import run_interpreted  # noqa: E402
+from tests.interp import interpreted_main, run_interpreted  # noqa: E402
 
 
 def test_switches_are_on_by_default_with_bench_variants():
@@ -262,13 +262,4 @@ def _module_checks() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from tests.interp import patch_interpreter_loop_bounds
-
-    patch_interpreter_loop_bounds()
-    torch.manual_seed(0)
-    if sys.argv[1] == "kernels":
-        _kernel_checks()
-    else:
-        _module_checks()
-    print("interpreted checks ok")
+    interpreted_main({"kernels": _kernel_checks, "modules": _module_checks})

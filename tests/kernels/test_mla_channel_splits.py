@@ -18,7 +18,6 @@ split), each the whole softmax and the output on 512 / CS channels (`mla_decode(
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
-from tests.interp import run_interpreted  # noqa: E402
+from tests.interp import interpreted_main, run_interpreted  # noqa: E402
 
 from mtp.kernels.dispatch import FastPathOptions  # noqa: E402
 
@@ -160,9 +159,4 @@ def _kernel_checks() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from tests.interp import patch_interpreter_loop_bounds
-
-    patch_interpreter_loop_bounds()
-    _kernel_checks()
-    print("interpreted checks ok")
+    interpreted_main([_kernel_checks], seed=None)

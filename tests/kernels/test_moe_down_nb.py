@@ -22,7 +22,6 @@ GPU twin at the real shapes (CUDA graphs, PDL): tests/kernels/test_moe_down_nb_g
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
-from tests.interp import run_interpreted  # noqa: E402
+from tests.interp import interpreted_main, run_interpreted  # noqa: E402
 
 
 def test_moe_down_nb_switch_and_variant():
@@ -335,15 +334,5 @@ def _module_checks() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from tests.interp import patch_interpreter_fp8_rounding, patch_interpreter_loop_bounds, patch_interpreter_pdl
-
-    patch_interpreter_loop_bounds()
-    patch_interpreter_fp8_rounding()
-    import importlib
-
-    importlib.import_module("mtp.backends.fast_path")  # the kernel modules it loads before the patch
-    patch_interpreter_pdl()
-    torch.manual_seed(0)
-    {"kernel": _kernel_checks, "experts": _experts_checks, "module": _module_checks}[sys.argv[1]]()
-    print("interpreted checks ok")
+    interpreted_main(
+        {"kernel": _kernel_checks, "experts": _experts_checks, "module": _module_checks}, fp8_rounding=True, pdl=True)

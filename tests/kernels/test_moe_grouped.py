@@ -11,7 +11,6 @@ kernels to the true reference: tests/kernels/test_moe_grouped_gpu.py.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from mtp.kernels.moe import GROUPED_ABOVE, PERSISTENT_MAX_PAIRS, default_layout
 from mtp.kernels.moe_grouped import BLOCK_MS, max_blocks, moe_align_ref
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
-from tests.interp import patch_interpreter_loop_bounds, run_interpreted  # noqa: E402
+from tests.interp import interpreted_main, run_interpreted  # noqa: E402
 
 TOL = 1e-5
 
@@ -272,7 +271,4 @@ def _module_checks() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    patch_interpreter_loop_bounds()
-    {"align": _align_checks, "experts": _experts_checks, "module": _module_checks}[sys.argv[1]]()
-    print("interpreted checks ok")
+    interpreted_main({"align": _align_checks, "experts": _experts_checks, "module": _module_checks}, seed=None)

@@ -17,8 +17,6 @@ GPU twin at the real shapes (PDL, CUDA graphs): tests/kernels/test_moe_items_gpu
 
 from __future__ import annotations
 
-import importlib
-import os
 import re
 import sys
 from pathlib import Path
@@ -27,7 +25,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
-from tests.interp import run_interpreted  # noqa: E402
+from tests.interp import interpreted_main, run_interpreted  # noqa: E402
 
 
 def test_moe_item_regs_switch_and_variant():
@@ -267,16 +265,4 @@ def _module_checks() -> None:
     persistent_switch_checks("moe_item_regs", "item_regs")
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from tests.interp import patch_interpreter_fp8_rounding, patch_interpreter_loop_bounds, patch_interpreter_pdl
-
-    patch_interpreter_loop_bounds()
-    patch_interpreter_fp8_rounding()
-    importlib.import_module("mtp.backends.fast_path")  # the kernel modules it loads (`moe` too) before the patch
-
-    patch_interpreter_pdl()
-    torch.manual_seed(0)
-    _kernel_checks()
-    _knob_checks()
-    _module_checks()
-    print("interpreted checks ok")
+    interpreted_main([_kernel_checks, _knob_checks, _module_checks], fp8_rounding=True, pdl=True)

@@ -23,14 +23,13 @@ GPU twin at the real TP=8 split rank's shapes: tests/kernels/test_fused_kernels_
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
-from tests.interp import run_interpreted  # noqa: E402
+from tests.interp import interpreted_main, run_interpreted  # noqa: E402
 
 from mtp.backends.fast_path import FastMoE, disable_fast_path, fast_module, shared_fits_stack  # noqa: E402
 from mtp.model.presets import tiny_config  # noqa: E402
@@ -293,15 +292,7 @@ def _module_checks() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from tests.interp import patch_interpreter_fp8_rounding, patch_interpreter_loop_bounds
-
-    patch_interpreter_loop_bounds()
-    patch_interpreter_fp8_rounding()
-    torch.manual_seed(0)
-    _kernel_checks()
-    _module_checks()
-    print("interpreted checks ok")
+    interpreted_main([_kernel_checks, _module_checks], fp8_rounding=True)
 
 
 def test_wave_splits():

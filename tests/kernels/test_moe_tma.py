@@ -20,7 +20,6 @@ GPU twin at the real shapes (PDL, CUDA graphs): tests/kernels/test_moe_tma_gpu.p
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
 from mtp.kernels._triton import tl, triton  # noqa: E402
-from tests.interp import run_interpreted  # noqa: E402
+from tests.interp import interpreted_main, run_interpreted  # noqa: E402
 
 DESC = "tensordesc<fp8e4nv[128, 128]>"  # the JIT's signature of a `moe.weight_desc`
 
@@ -277,18 +276,4 @@ def _module_checks() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from tests.interp import patch_interpreter_fp8_rounding, patch_interpreter_loop_bounds, patch_interpreter_pdl
-
-    patch_interpreter_loop_bounds()
-    patch_interpreter_fp8_rounding()
-    import importlib
-
-    importlib.import_module("mtp.backends.fast_path")  # the kernel modules it loads (`moe` too) before the patch
-    patch_interpreter_pdl()
-    torch.manual_seed(0)
-    overhang_checks()
-    _kernel_checks()
-    _desc_checks()
-    _module_checks()
-    print("interpreted checks ok")
+    interpreted_main([overhang_checks, _kernel_checks, _desc_checks, _module_checks], fp8_rounding=True, pdl=True)

@@ -21,7 +21,6 @@ Real launches, CUDA-graph replays and races: tests/kernels/test_pdl_gpu.py.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
 
-from tests.interp import run_interpreted  # noqa: E402
+from tests.interp import interpreted_main, run_interpreted  # noqa: E402
 
 # Triton kernels a decode forward of the fast path launches without PDL, with the switch on (the chain restarts
 # after each): the final norm and an MTP module's head norm (elementwise ops called through the model's ops object,
@@ -616,9 +615,4 @@ def _step_checks() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    torch.manual_seed(0)
-    _kernel_checks()
-    _prefetch_checks()
-    _step_checks()
-    print("interpreted checks ok")
+    interpreted_main([_kernel_checks, _prefetch_checks, _step_checks])

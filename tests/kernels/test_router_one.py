@@ -29,7 +29,6 @@ step: `mtp-bench --tp 8 --kernel-variants router_one` (router_split3, router_spl
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
-from tests.interp import run_interpreted  # noqa: E402
+from tests.interp import interpreted_main, run_interpreted  # noqa: E402
 
 # (T, E, D, n_group, topk_group, topk): DeepSeek's routing on a short D, and the tiny models' configs
 CASES = [(T, 256, 256, 8, 4, 8) for T in (1, 2, 3, 4, 8, 16)] + [
@@ -413,10 +412,4 @@ def _pdl_checks() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from tests.interp import patch_interpreter_loop_bounds
-
-    patch_interpreter_loop_bounds()
-    torch.manual_seed(0)
-    {"logits": _logits_checks, "routing": _routing_checks, "pdl": _pdl_checks, "split": _split_checks}[sys.argv[1]]()
-    print("interpreted checks ok")
+    interpreted_main({"logits": _logits_checks, "routing": _routing_checks, "pdl": _pdl_checks, "split": _split_checks})

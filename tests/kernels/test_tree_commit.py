@@ -27,7 +27,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root, for `tests`
-from tests.interp import run_interpreted  # noqa: E402
+from tests.interp import interpreted_main, run_interpreted  # noqa: E402
 
 
 def test_switch_is_on_by_default_with_a_bench_variant():
@@ -176,10 +176,4 @@ def _kernel_checks() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from tests.interp import patch_interpreter_loop_bounds
-
-    patch_interpreter_loop_bounds()
-    torch.manual_seed(0)
-    _kernel_checks()
-    print("interpreted checks ok")
+    interpreted_main([_kernel_checks])
