@@ -153,7 +153,8 @@ def test_benchmarks_stay_outside_the_library_core():
 
 
 # top-level test files that test the project as a whole rather than one module
-WHOLE_PROJECT_TESTS = {"test_architecture.py", "test_packaging.py", "test_readme.py"}
+WHOLE_PROJECT_TESTS = {"test_architecture.py", "test_packaging.py", "test_readme.py",
+                       "test_interp_server.py"}  # the last: the test harness's own server (tests/interp_server.py)
 
 
 def test_tests_mirror_the_layout():
