@@ -296,7 +296,7 @@ ELEMENTWISE_IMPLS = ("triton", "compile", "eager")
 # the options that are integers; every other field is an on / off switch
 INT_FIELDS = ("gemv_rows", "pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows",
               "gemv_one_slice", "norm_warps", "mla_channel_splits", "router_one_tokens",
-              "router_one_split")
+              "router_one_split", "gemm_deep_rows")
 
 
 @dataclass
@@ -366,6 +366,20 @@ class FastPathOptions:
     # (one of mla_decode.CHANNEL_SPLITS; the same bits); 0: by score rows (`mla_decode.channel_splits_for`, timed on
     # an H200 in session 18); 1: the kernel until session 17
     mla_channel_splits: int = 0
+    # the tensor-core few-row GEMV (`fp8_gemm`'s weight-streaming path, what a layer's projections run past gemv_rows)
+    # for calls of 2..this many rows with K / 128 a multiple of 8: 8 K groups a slice (4 before) and 4 pipeline
+    # stages (3 before) (`deep_tune`); 0: `fp8_gemm.default_plan`'s. Swept alone on an H200 (session 24,
+    # eval/results/s24/h200a/gemv4_sweep.json, graph replays, M = 4): q_a | wk | kv_a (2240 x 7168) 9.38-9.69 ->
+    # 8.67 us, o_proj (7168 x 2048) 8.17-8.29 -> 7.86; predicted ~-1.2 us a layer, ~-0.07 ms a step at w = 2..4
+    gemm_deep_rows: int = 0
+
+    def deep_tune(self, rows: int, K: int) -> dict:
+        """The few-row GEMV's launch overrides for a call of `rows` rows over K input channels (see gemm_deep_rows):
+        {} where the default plan stands. Another split of K: another sum order of the same groups."""
+        G = K // 128
+        if 2 <= rows <= self.gemm_deep_rows and G >= 8 and G % 8 == 0:
+            return {"splits": G // 8, "num_stages": 4}
+        return {}
 
     def __post_init__(self) -> None:
         from mtp.kernels.gemv_splitk import MAX_M
@@ -462,9 +476,10 @@ def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, opts: Fas
         x8, sx = xq
         y = fp8_gemm(x8.reshape(-1, K), sx.reshape(-1, K // 128), w8, sw,
                      out_dtype=out_dtype or (x.dtype if x is not None else torch.float32), pdl=opts.pdl_at(M),
-                     prefetch=opts.prefetch_at(M))
+                     prefetch=opts.prefetch_at(M), **opts.deep_tune(M, K))
         return y.reshape(*src.shape[:-1], w8.shape[0])
-    return fp8_linear(x, w8, sw, out_dtype=out_dtype, pdl=opts.pdl_at(M), prefetch=opts.prefetch_at(M))
+    return fp8_linear(x, w8, sw, out_dtype=out_dtype, pdl=opts.pdl_at(M), prefetch=opts.prefetch_at(M),
+                      **opts.deep_tune(M, K))
 
 
 def scan_logits(logits: torch.Tensor, opts: FastPathOptions | None, flag: torch.Tensor | None = None,

@@ -267,6 +267,31 @@ def test_gemv_one_slice(monkeypatch):
     assert o.gemv_one_slice == 0 and old.gemv_one_slice == 16
 
 
+def test_gemm_deep_rows(monkeypatch):
+    """Option gemm_deep_rows (0, off, until timed in a step): `dispatch.linear` hands the few-row GEMV of 2..N rows
+    8 K groups a slice and 4 stages where K / 128 is a multiple of 8, nothing otherwise (`deep_tune`); an integer
+    >= 0, refused otherwise by name."""
+    import mtp.kernels.fp8_gemm as fg
+    import mtp.kernels.gemv_splitk as gemv
+    from mtp.kernels.dispatch import linear
+
+    assert FastPathOptions().gemm_deep_rows == 0
+    seen = []
+    monkeypatch.setattr(fg, "fp8_linear", lambda x, w8, sw, **kw: seen.append(
+        {k: v for k, v in kw.items() if k in ("splits", "num_stages")}))
+    monkeypatch.setattr(gemv, "fp8_gemv", lambda x, w8, sw, **kw: seen.append("split-K GEMV"))
+    o = FastPathOptions(gemm_deep_rows=4, gemv_rows=1)
+    for M, K in ((4, 7168), (2, 2048), (1, 7168), (5, 7168), (4, 1536), (4, 1024)):
+        linear(torch.zeros(M, K), torch.zeros(128, K), torch.ones(1, K // 128), o)
+    # 1 row: the split-K GEMV (gemv_rows); 5 rows: past the option; K = 1536: 12 groups; K = 1024: one slice of 8
+    assert seen == [dict(splits=7, num_stages=4), dict(splits=2, num_stages=4), "split-K GEMV", {}, {},
+                    dict(splits=1, num_stages=4)]
+    assert FastPathOptions().deep_tune(4, 7168) == {}
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="gemm_deep_rows"):
+            FastPathOptions(gemm_deep_rows=bad)
+
+
 def test_norm_warps():
     """Option norm_warps (0 by default: `norm_quant.row_tiles`' choice, 32 warps on a row of 7168 since session 18):
     0 or one of `norm_quant.ROW_WARPS`, refused otherwise by name (constructor, `set`, the bench's `--kernels`);
