@@ -181,8 +181,10 @@ KERNEL_VARIANTS = {
     "gemv1": (dict(gemv_rows=1), dict()),
     "gemv2": (dict(gemv_rows=2), dict()),
     "gemv1+pdl": (dict(gemv_rows=1, pdl=True), dict()),
-    # the few-row tensor-core GEMV at 2..4 rows with 8 K groups a slice and 4 stages (`FastPathOptions.deep_tune`)
+    # the few-row tensor-core GEMV at 2..4 rows with 8 K groups a slice and 4 stages (`FastPathOptions.deep_tune`;
+    # the default since session 24: -0.06 to -0.07 ms a step at w = 2..4), and the plan before
     "gemm_deep": (dict(gemm_deep_rows=4), dict()),
+    "gemm_deep_off": (dict(gemm_deep_rows=0), dict()),
     # the indexer's head weights as cuBLAS mm (+ its split-K reduce) + scale instead of `kernels.index_weights`
     "cublas_ixw": (dict(index_weights=False), dict()),
     # the experts' layout by size (persistent for T * J <= 64) on every MoE, also on a rank holding every expert's

@@ -158,7 +158,8 @@ def test_defaults_for_world():
     """`FastPathOptions.for_world`: a tensor-parallel rank takes the defaults (PDL at every decode width), one
     process PDL for one-token calls only (measured slower past one token at full width, session 15); flags on top;
     `fast_path.model_world` reads a model's group size (a simulated TP=4 rank: 4; a model of one process: 1), which
-    `install_fast_modules` picks the defaults by."""
+    `install_fast_modules` picks the defaults by. One process also keeps the few-row GEMV's default plan
+    (gemm_deep_rows 0: the deep plan was measured at a TP=8 rank's shapes, session 24)."""
     from mtp.backends.fast_path import model_world
     from mtp.checkpoint.synthetic import random_model
     from mtp.model.presets import tiny_parallel_config
@@ -168,7 +169,8 @@ def test_defaults_for_world():
 
     assert FastPathOptions.for_world(8) == FastPathOptions() and FastPathOptions().pdl_tokens == 64
     assert FastPathOptions.for_world(1).pdl_tokens == 1
-    assert FastPathOptions.for_world(1, pdl_tokens=4, gemv=False) == FastPathOptions(pdl_tokens=4, gemv=False)
+    assert FastPathOptions.for_world(1, pdl_tokens=4, gemv=False) == FastPathOptions(pdl_tokens=4, gemv=False,
+                                                                                     gemm_deep_rows=0)
     with pytest.raises(ValueError, match="world must be >= 1"):
         FastPathOptions.for_world(0)
     assert model_world(random_model(tiny_config(), "cpu", torch.float32, seed=0)) == 1
@@ -268,14 +270,14 @@ def test_gemv_one_slice(monkeypatch):
 
 
 def test_gemm_deep_rows(monkeypatch):
-    """Option gemm_deep_rows (0, off, until timed in a step): `dispatch.linear` hands the few-row GEMV of 2..N rows
-    8 K groups a slice and 4 stages where K / 128 is a multiple of 8, nothing otherwise (`deep_tune`); an integer
-    >= 0, refused otherwise by name."""
+    """Option gemm_deep_rows (4 since session 24, 0 in one process): `dispatch.linear` hands the few-row GEMV of
+    2..N rows 8 K groups a slice and 4 stages where K / 128 is a multiple of 8, nothing otherwise (`deep_tune`); an
+    integer >= 0, refused otherwise by name."""
     import mtp.kernels.fp8_gemm as fg
     import mtp.kernels.gemv_splitk as gemv
     from mtp.kernels.dispatch import linear
 
-    assert FastPathOptions().gemm_deep_rows == 0
+    assert FastPathOptions().gemm_deep_rows == 4 and FastPathOptions.for_world(1).gemm_deep_rows == 0
     seen = []
     monkeypatch.setattr(fg, "fp8_linear", lambda x, w8, sw, **kw: seen.append(
         {k: v for k, v in kw.items() if k in ("splits", "num_stages")}))
@@ -286,7 +288,7 @@ def test_gemm_deep_rows(monkeypatch):
     # 1 row: the split-K GEMV (gemv_rows); 5 rows: past the option; K = 1536: 12 groups; K = 1024: one slice of 8
     assert seen == [dict(splits=7, num_stages=4), dict(splits=2, num_stages=4), "split-K GEMV", {}, {},
                     dict(splits=1, num_stages=4)]
-    assert FastPathOptions().deep_tune(4, 7168) == {}
+    assert FastPathOptions.for_world(1).deep_tune(4, 7168) == {}
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="gemm_deep_rows"):
             FastPathOptions(gemm_deep_rows=bad)
