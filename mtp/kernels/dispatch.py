@@ -12,6 +12,10 @@ version, so the engine captures its kept graphs again).
   where K / 128 is a power of two above 8 and at most this (`gemv_splitk.gemv_plan`): the TP=8 rank's o_proj (K =
   2048) 7.41 vs 10.20 us alone (H200, BENCHMARKS.md session 17); 0: the split plan (variant gemv_split). Another sum
   order of the groups, the same formula.
+- gemm_deep_rows (4; an integer, 0 in one process: `for_world(1)`): calls of 2..this many rows past gemv_rows run
+  `fp8_gemm`'s few-row kernel with 8 K groups a slice and 4 pipeline stages where K / 128 is a multiple of 8
+  (`FastPathOptions.deep_tune`; 4 groups and 3 stages before, variant gemm_deep_off): one TP=8 split rank's step -0.06
+  to -0.07 ms at 1k w = 2..4 (H200, BENCHMARKS.md session 24). Another split of K: another sum order.
 - norm_quant: the decoder block's residual add + RMSNorm + FP8 quant in one kernel (`norm_quant`), its
   quantized output fed to the next GEMV (`fast_path.FastBlock`); also the q_a norm + quant.
 - norm_warps (0; an integer: 0, 4, 8, 16 or 32): the warps of the add + RMSNorm + quant kernel on every row of the
