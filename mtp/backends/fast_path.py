@@ -982,7 +982,8 @@ def mla_attend_fast(mla: MLA, x_BTD, iq_BTHD, q_nope, q_pe, cache, S: int,
                        cache.pe[:, :S], lens, mla.softmax_scale, topk_idx=topk_idx, out_dtype=torch.bfloat16,
                        visible=visible_BTS if topk_idx is None else None,  # a top-k holds seen keys only
                        w_vb=mla.w_vb if fuse_out else None, pdl=pdl, prefetch=pf,
-                       channel_splits=mla.fast_options.mla_channel_splits or channel_splits_for(n_tok))
+                       channel_splits=mla.fast_options.mla_channel_splits
+                       or channel_splits_for(n_tok, q_lat.shape[2]))
     if fuse_out:  # o_lat is o [B, T, H, V] here, in W_vb's dtype as absorb_out's
         return o_lat.to(out_dtype)
     if absorb:

@@ -59,7 +59,8 @@ version, so the engine captures its kept graphs again).
   then `absorb_out`. Off because it measured slower: one TP=8 rank on an H200, 61 layers, the fused launch cost
   0.3-0.6 ms a step at 1k and 0.9-1.6 ms at 32k more than the two launches (BENCHMARKS.md, session 11): each of its
   programs redoes its head's merge of the key splits, and the split count grows with the context.
-- mla_channel_splits (0 = by score rows, `mla_decode.channel_splits_for`: 4 at one row, 2 at two, else 1; or a fixed
+- mla_channel_splits (0 = by score rows, `mla_decode.channel_splits_for`: 4 at one row, 2 at two, else 1, and 1 past
+  16 heads a rank; or a fixed
   integer in `mla_decode.CHANNEL_SPLITS`: 1, 2, 4, 8): `mla_decode`'s stage 1 runs CS programs per (row, head block,
   key split), each the whole softmax and the output on 512 / CS channels (`mla_decode(channel_splits=)`): the same
   bits (GPU tests), CS x the programs, the key splits unchanged. Compiled for sm_90 at a TP=8 rank's 16 heads (8

@@ -271,13 +271,19 @@ CHANNEL_SPLITS = (1, 2, 4, 8)  # stage 1's programs per (row, head block, key sp
 CHANNEL_SPLITS_BY_ROWS = {1: 4, 2: 2}
 
 
-def channel_splits_for(rows: int) -> int:
-    """Stage 1's channel splits for `rows` score rows (B * T) where the option says 0 (by rows, the default):
-    `CHANNEL_SPLITS_BY_ROWS`, else 1. Under the Triton interpreter 1 at every width: its dots are numpy matmuls whose
-    rounding follows the tile's shape (~1e-7 apart across CS), so one row's result would depend on how many rows
-    share the call, where a strict decode needs a row's bits whatever the width (greedy at w = 1 against a verify at
-    w = k + 1); on a GPU they are the same bits at every CS (tests/kernels/test_mla_channel_splits_gpu.py)."""
-    return 1 if interpreting() else CHANNEL_SPLITS_BY_ROWS.get(rows, 1)
+def channel_splits_for(rows: int, heads: int = MIN_BLOCK_H) -> int:
+    """Stage 1's channel splits for `rows` score rows (B * T) of `heads` heads where the option says 0 (by rows, the
+    default): `CHANNEL_SPLITS_BY_ROWS`, else 1. 1 where the heads take a tile of more than MIN_BLOCK_H heads (a TP=1,
+    2 or 4 rank of the real model: 128 / 64 / 32 heads), which the rule was not measured on, and whose 64-head tile
+    does not fit an SM's shared memory at CS = 2 / 4 dense (sm_90: 291 / 259 KB against 227; `mtp-bench` at TP=1,
+    128 heads, failed with triton's OutOfResources at one row until session 24). Under the Triton interpreter 1 at
+    every width: its dots are numpy matmuls whose rounding follows the tile's shape (~1e-7 apart across CS), so one
+    row's result would depend on how many rows share the call, where a strict decode needs a row's bits whatever the
+    width (greedy at w = 1 against a verify at w = k + 1); on a GPU they are the same bits at every CS
+    (tests/kernels/test_mla_channel_splits_gpu.py)."""
+    if interpreting() or triton.next_power_of_2(heads) > MIN_BLOCK_H:
+        return 1
+    return CHANNEL_SPLITS_BY_ROWS.get(rows, 1)
 
 
 def default_splits(n_rows: int, capacity: int, n_sms: int = 132, min_keys: int = 64) -> int:

@@ -54,7 +54,8 @@ def test_option_and_variants():
 
 def test_fast_path_hands_channel_splits(monkeypatch):
     """`mla_attend_fast` passes the model's option to `mla_decode`, and for 0 the rule by score rows
-    (`mla_decode.channel_splits_for`: 4 at one row, 2 at two, 1 past) (a recorder here; no indexer: S <= top-k)."""
+    (`mla_decode.channel_splits_for`: 4 at one row, 2 at two, 1 past; 1 for more than 16 heads) (a recorder here; no
+    indexer: S <= top-k)."""
     from types import SimpleNamespace
 
     import mtp.backends.fast_path as fp
@@ -78,6 +79,12 @@ def test_fast_path_hands_channel_splits(monkeypatch):
                                cache, S)
         assert o.shape == (B, T, H, 4)
     assert seen == [1, 4, 4, 2, 2, 1, 1]
+    from mtp.kernels.mla_decode import channel_splits_for
+
+    # more heads than a TP=8 rank's 16 (a wider tile): 1 at every width (the 64-head tile's CS = 2 / 4 did not fit an
+    # SM's shared memory: TP=1's bench failed at one row until session 24)
+    assert [channel_splits_for(1, h) for h in (16, 17, 32, 64, 128)] == [4, 1, 1, 1, 1]
+    assert [channel_splits_for(2, h) for h in (3, 16, 64)] == [2, 2, 1]
 
 
 def test_channel_splits_compile_for_hopper():
