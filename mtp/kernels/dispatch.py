@@ -60,9 +60,9 @@ version, so the engine captures its kept graphs again).
   0.3-0.6 ms a step at 1k and 0.9-1.6 ms at 32k more than the two launches (BENCHMARKS.md, session 11): each of its
   programs redoes its head's merge of the key splits, and the split count grows with the context.
 - mla_channel_splits (0 = by score rows, `mla_decode.channel_splits_for`: 4 at one row, 2 at two, else 1, and 1 past
-  16 heads a rank; or a fixed
-  integer in `mla_decode.CHANNEL_SPLITS`: 1, 2, 4, 8): `mla_decode`'s stage 1 runs CS programs per (row, head block,
-  key split), each the whole softmax and the output on 512 / CS channels (`mla_decode(channel_splits=)`): the same
+  16 heads a rank; or a fixed integer in `mla_decode.CHANNEL_SPLITS`: 1, 2, 4, 8): `mla_decode`'s stage 1 runs CS
+  programs per (row, head block, key split), each the whole softmax and the output on 512 / CS channels
+  (`mla_decode(channel_splits=)`): the same
   bits (GPU tests), CS x the programs, the key splits unchanged. Compiled for sm_90 at a TP=8 rank's 16 heads (8
   warps; the compiler converts the fp8 tile once per dot operand layout, and only the value side shrinks): 2336 /
   2008 / 1704 SASS instructions a warp, 180 / 151 / 80 registers dense at CS = 1 / 2 / 4. Measured on one TP=8 rank
