@@ -4,6 +4,7 @@ the keys (an m16n8k16 per 16 keys, whatever the output's width), the lse the sam
 One TP=8 rank (16 heads, latent 512, V 128): dense and top-k (with -1 padding), 1..4 tokens, a tree's visibility,
 stage 2 and stage 2 + W_vb (`mla_out.stage2_absorb`), PDL as the fast path launches it; the 64-head tile (wgmma,
 min_block_h 64) where it fits (top-k); and the fast path with the option set, verify logits and greedy tokens.
+Past 16 heads (TP=4 / 2 / 1 ranks) the rule by rows gives CS = 1: it runs and matches the reference.
 CPU twin (interpreter, fp32 rounding; sm_90 compile): tests/kernels/test_mla_channel_splits.py.
 """
 
@@ -112,3 +113,19 @@ def test_fast_path_channel_splits_bit_identical():
             assert toks[key] == toks[base], key
     finally:
         disable_fast_path(model)
+
+
+@pytest.mark.parametrize("heads", [32, 64, 128])
+@pytest.mark.parametrize("T", [1, 2])
+def test_default_channel_splits_at_wider_ranks(heads, T):
+    """The rule by rows (`channel_splits_for`) at a TP=4 / 2 / 1 rank's heads, dense 1k, where the fast path asks it:
+    mla_decode compiles and runs (until session 24 the rule gave the 64-head tile CS = 4 at one row, 264 KB of
+    shared memory: triton's OutOfResources, `mtp-bench` at TP=1) and matches the reference."""
+    from mtp.kernels.mla_decode import channel_splits_for, mla_decode_ref
+
+    from .test_kernels_gpu import check_close
+
+    q, qpe, kv8, kvs, pe, L = mla_inputs(1, T, heads, 1024 + T, [1024])
+    poison()
+    o = mla_decode(q, qpe, kv8, kvs, pe, L, 0.0723, channel_splits=channel_splits_for(T, heads))
+    check_close(f"mla dense T={T} H={heads}", o, mla_decode_ref(q, qpe, kv8, kvs, pe, L, 0.0723), 1e-2)
