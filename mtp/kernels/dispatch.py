@@ -373,8 +373,8 @@ class FastPathOptions:
     mla_channel_splits: int = 0
     # the tensor-core few-row GEMV (`fp8_gemm`'s weight-streaming path, what a layer's projections run past gemv_rows)
     # for calls of 2..this many rows with K / 128 a multiple of 8: 8 K groups a slice (4 before) and 4 pipeline
-    # stages (3 before) (`deep_tune`); 0: `fp8_gemm.default_plan`'s (one process: `for_world(1)`, not measured at
-    # TP=1's shapes). Swept alone on an H200 (session 24, eval/results/s24/h200a/gemv4_sweep.json, graph replays,
+    # stages (3 before) (`deep_tune`); 0: `fp8_gemm.default_plan`'s (one process: `for_world(1)`; at TP=1's full
+    # width, 3 layers, it measured +0.01 to +0.02 ms a step at w = 2..4, session 24). Swept alone on an H200 (session 24, eval/results/s24/h200a/gemv4_sweep.json, graph replays,
     # M = 4): q_a | wk | kv_a (2240 x 7168) 9.38-9.69 -> 8.67 us, o_proj (7168 x 2048) 8.17-8.29 -> 7.86; predicted
     # ~-1.2 us a layer, ~-0.07 ms a step at w = 2..4. Measured on one TP=8 split rank (61 layers, 1k, b2b, two
     # alternations, variant gemm_deep against defaults, eval/results/s24/h200b/deep.json): -0.06 / -0.07 / -0.06 ms
@@ -415,8 +415,8 @@ class FastPathOptions:
         BENCHMARKS.md session 15) PDL past one token, even with the trigger after the wait, made the step 0.11 ms
         slower at w = 2..4 (graph 1.404 / 1.553 / 1.692 vs 1.298 / 1.440 / 1.580 ms; its kernels' grids run several
         waves, and an early resident successor holds slots a later wave needs), where a TP=8 rank's step is 0.36-0.49
-        ms faster at 1k. One process also keeps the few-row GEMV's default plan (gemm_deep_rows 0): the deep plan was
-        measured at a TP=8 rank's shapes only."""
+        ms faster at 1k. One process also keeps the few-row GEMV's default plan (gemm_deep_rows 0): the deep plan
+        measured -0.06 to -0.07 ms a step at a TP=8 rank's w = 2..4, +0.01 to +0.02 at TP=1's (3 layers, session 24)."""
         if world < 1:
             raise ValueError(f"FastPathOptions.for_world: world must be >= 1, got {world}")
         base = {"pdl_tokens": 1, "gemm_deep_rows": 0} if world == 1 else {}

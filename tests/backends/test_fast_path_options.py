@@ -159,7 +159,7 @@ def test_defaults_for_world():
     process PDL for one-token calls only (measured slower past one token at full width, session 15); flags on top;
     `fast_path.model_world` reads a model's group size (a simulated TP=4 rank: 4; a model of one process: 1), which
     `install_fast_modules` picks the defaults by. One process also keeps the few-row GEMV's default plan
-    (gemm_deep_rows 0: the deep plan was measured at a TP=8 rank's shapes, session 24)."""
+    (gemm_deep_rows 0: the deep plan measured faster at a TP=8 rank's shapes, slower at TP=1's, session 24)."""
     from mtp.backends.fast_path import model_world
     from mtp.checkpoint.synthetic import random_model
     from mtp.model.presets import tiny_parallel_config
