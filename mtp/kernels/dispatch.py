@@ -375,10 +375,11 @@ class FastPathOptions:
     # for calls of 2..this many rows with K / 128 a multiple of 8: 8 K groups a slice (4 before) and 4 pipeline
     # stages (3 before) (`deep_tune`); 0: `fp8_gemm.default_plan`'s (one process: `for_world(1)`; at TP=1's full
     # width, 3 layers, it measured +0.01 to +0.02 ms a step at w = 2..4, session 24). Swept alone on an H200
-    # (session 24, eval/results/s24/h200a/gemv4_sweep.json, graph replays, M = 4): q_a | wk | kv_a (2240 x 7168) 9.38-9.69 -> 8.67 us, o_proj (7168 x 2048) 8.17-8.29 -> 7.86; predicted
-    # ~-1.2 us a layer, ~-0.07 ms a step at w = 2..4. Measured on one TP=8 split rank (61 layers, 1k, b2b, two
-    # alternations, variant gemm_deep against defaults, eval/results/s24/h200b/deep.json): -0.06 / -0.07 / -0.06 ms
-    # at w = 2 / 3 / 4 (w = 4: 6.896 / 6.886 against 6.958 / 6.952), w = 1 unchanged (the split-K GEMV)
+    # (session 24, eval/results/s24/h200a/gemv4_sweep.json, graph replays, M = 4): q_a | wk | kv_a (2240 x 7168)
+    # 9.38-9.69 -> 8.67 us, o_proj (7168 x 2048) 8.17-8.29 -> 7.86; predicted ~-1.2 us a layer, ~-0.07 ms a step at
+    # w = 2..4. Measured on one TP=8 split rank (61 layers, 1k, b2b, two alternations, variant gemm_deep against
+    # defaults, eval/results/s24/h200b/deep.json): -0.06 / -0.07 / -0.06 ms at w = 2 / 3 / 4 (w = 4: 6.896 / 6.886
+    # against 6.958 / 6.952), w = 1 unchanged (the split-K GEMV)
     gemm_deep_rows: int = 4
 
     def deep_tune(self, rows: int, K: int) -> dict:
