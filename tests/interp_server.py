@@ -10,7 +10,8 @@ environment and working folder, its stdout and stderr to files. Nothing has run 
 (no torch op, so no OpenMP pool; numpy's BLAS thread is re-made by its fork handler).
 
 `run(argv, env, cwd, timeout)` -> (returncode, stdout, stderr), argv as after `python`: [script, *args] or
-["-m", module, *args]. A run past its timeout is killed with its process group and raised as
+["-m", module, *args] (`tests.interp.interpreted` passes the repository root and its
+PYTHONPATH). A run past its timeout is killed with its process group and raised as
 subprocess.TimeoutExpired, as subprocess.run would. A server that died is started again at the next run.
 """
 
@@ -25,8 +26,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 _SERVER = r"""
 import io, json, os, runpy, sys, traceback
@@ -85,14 +84,14 @@ _server: subprocess.Popen | None = None
 _server_log = None
 
 
-def _start() -> subprocess.Popen:
+def _start(env: dict[str, str], cwd: str | Path) -> subprocess.Popen:
+    """The live server, or a new one started with the first run's environment and folder (its imports need the
+    run's TRITON_INTERPRET=1 and PYTHONPATH)."""
     global _server, _server_log
     if _server is not None and _server.poll() is None:
         return _server
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     _server_log = tempfile.TemporaryFile()
-    _server = subprocess.Popen([sys.executable, "-c", _SERVER], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+    _server = subprocess.Popen([sys.executable, "-c", _SERVER], cwd=cwd, env=env, stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=_server_log, text=True, bufsize=1)
     return _server
 
@@ -123,14 +122,15 @@ def _reply(server: subprocess.Popen, timeout: float | None) -> dict | None:
     return json.loads(line)
 
 
-def run(argv: list[str], env: dict[str, str], cwd: str | Path = ROOT, timeout: float = 300) -> tuple[int, str, str]:
+def run(argv: list[str], env: dict[str, str], cwd: str | Path, timeout: float = 300) -> tuple[int, str, str]:
     """Run `python *argv` as a child of the server (see the module docstring) -> (returncode, stdout, stderr)."""
-    server = _start()
+    env = dict(env, TRITON_INTERPRET="1")
+    server = _start(env, cwd)
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         out.touch()
         err.touch()
-        req = {"argv": [str(a) for a in argv], "env": dict(env, TRITON_INTERPRET="1"), "cwd": str(cwd),
+        req = {"argv": [str(a) for a in argv], "env": env, "cwd": str(cwd),
                "stdout": str(out), "stderr": str(err)}
         server.stdin.write(json.dumps(req) + "\n")
         server.stdin.flush()
