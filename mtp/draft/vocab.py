@@ -113,14 +113,15 @@ class SubHead:
     scores ids 0..N-1, all in shards 0..2): by shard n = 16160 (the whole shard, as the full head), bf16 231.7 MB,
     FP8 (`head_fp8`) 115.8 MB; balanced n = 4096, bf16 58.7 MB, FP8 29.4 MB. At ~3.5 TB/s: 66.2 -> 16.8 us (bf16),
     33.1 -> 8.4 us (FP8) a draft forward; predicted -0.15 ms (bf16) / -0.07 ms (FP8) an eagle k = 3 step (3 draft
-    forwards), plus the logits all-gather of [.., 8 n]: 4x smaller. Not yet measured."""
+    forwards), plus the logits all-gather of [.., 8 n]: 4x smaller. Measured in one process on one TP=8 split rank
+    (H200, 61 layers, 1k, `mtp-bench --tp 8 --draft-vocab 32768`, BENCHMARKS.md session 24): balanced against by
+    shard -0.11 ms (bf16) / -0.08 to -0.09 ms (FP8) an eagle k = 3 step."""
 
     def __init__(self, head, ids: Sequence[int], vocab_size: int, device, by_shard: bool = False,
                  gather_rows: int = GATHER_ROWS):
         w = head.weight
         ids_t = torch.tensor(ids, dtype=torch.long, device=device)
         comm = getattr(head, "comm", None)
-        self.by_shard = by_shard
         if w.shape[0] == vocab_size:
             self.weight, self.comm, self.ids_M = w.index_select(0, ids_t).contiguous(), None, ids_t
             return

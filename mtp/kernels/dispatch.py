@@ -62,9 +62,9 @@ version, so the engine captures its kept graphs again).
 - mla_channel_splits (0 = by score rows, `mla_decode.channel_splits_for`: 4 at one row, 2 at two, else 1, and 1 past
   16 heads a rank; or a fixed integer in `mla_decode.CHANNEL_SPLITS`: 1, 2, 4, 8): `mla_decode`'s stage 1 runs CS
   programs per (row, head block, key split), each the whole softmax and the output on 512 / CS channels
-  (`mla_decode(channel_splits=)`): the same
-  bits (GPU tests), CS x the programs, the key splits unchanged. Compiled for sm_90 at a TP=8 rank's 16 heads (8
-  warps; the compiler converts the fp8 tile once per dot operand layout, and only the value side shrinks): 2336 /
+  (`mla_decode(channel_splits=)`): the same bits (GPU tests), CS x the programs, the key splits unchanged. Compiled
+  for sm_90 at a TP=8 rank's 16 heads (8 warps; the compiler converts the fp8 tile once per dot operand layout, and
+  only the value side shrinks): 2336 /
   2008 / 1704 SASS instructions a warp, 180 / 151 / 80 registers dense at CS = 1 / 2 / 4. Measured on one TP=8 rank
   (H200, BENCHMARKS.md session 18, b2b, two alternations): CS = 4 -0.12 / -0.22 ms a step at w = 1 (1k / 32k) and
   +0.2 to +0.8 from w = 2 on; CS = 2 -0.11 / -0.05 at w = 2, slower at w = 4; hence the rule by rows (variants
