@@ -109,7 +109,7 @@ class TreeStep:
         out = m(dr.tokens_BN, st.cache, kv_len=max_n - 1 + N, tree_depth=tt.depth_N, tree_mask=tt.ancestor_NN)
         opts = getattr(m, "fast_options", None)
         if self.of_argmax is not None:
-            v = self.of_argmax(g, tt, dr, scan(out.logits, opts, st.nonfinite), live)
+            v = self.of_argmax(g, tt, dr, scan(out.logits, opts, st.nonfinite), live, opts)
         else:
             logits_nonfinite(st.nonfinite, out.logits, opts)
             v = self.rule(g, tt, dr, out.logits, st.think_B, self.gen, live)
