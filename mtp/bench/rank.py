@@ -336,6 +336,10 @@ KERNEL_VARIANTS = {
     # step) instead of one launch of `kernels.lookup.tree_slots` (the default since session 23, the same bits); tree
     # spec steps only: `--trees 2x1x1 --kernels tree_fwd_glue=0` against the defaults
     "tree_fwd_glue_off": (dict(tree_fwd_glue=False), dict()),
+    # the strict tree verdict by torch ops (~25 launches a step) instead of one launch of `kernels.tree_verdict` (the
+    # default since session 25, the same integers); strict tree spec steps only: `--trees 2x1x1 --kernels
+    # tree_verdict=0` against the defaults
+    "tree_verdict_off": (dict(tree_verdict=False), dict()),
 }
 
 

@@ -24,7 +24,9 @@ glue kernel (switch tree_glue: the path's cache compaction, its hidden rows and 
 launches: glue 173 with `--kernels tree_glue=0`); before the verify the proposer's windows, children, each tree
 forward's slots, angles and visibility in one launch (3 forwards: switch tree_fwd_glue, `kernels.lookup.tree_slots`;
 18 torch launches each: glue 173 with `--kernels tree_fwd_glue=0`, 289 with every glue switch off) and the tree
-verdict (25). Not held by a test (~30 s of CPU a count).
+verdict (25). Session 25: the strict tree verdict in one launch (switch tree_verdict, `kernels.tree_verdict`): glue
+98 (122 with `--kernels tree_verdict=0`; 289 with every glue switch off, the same bits: `--compare`). Not held by a
+test (~30 s of CPU a count).
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ import sys
 
 import torch
 
-# the switches of the decode step's glue (session 21; tree_glue, tree_fwd_glue: session 23): each one launch where the
-# torch ops were several
-GLUE_SWITCHES = ("step_commit", "rope_table", "vocab_embed", "mtp_norms", "tree_glue", "tree_fwd_glue")
+# the switches of the decode step's glue (session 21; tree_glue, tree_fwd_glue: session 23; tree_verdict: session 25):
+# each one launch where the torch ops were several
+GLUE_SWITCHES = ("step_commit", "rope_table", "vocab_embed", "mtp_norms", "tree_glue", "tree_fwd_glue",
+                 "tree_verdict")
 PROMPT_LENS = (5, 7)  # two rows of random tokens: the prefill and the steps stay below the indexer's top-k (16)
 
 

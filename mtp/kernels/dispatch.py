@@ -279,6 +279,16 @@ version, so the engine captures its kept graphs again).
   Measured, both tree switches together (H200, one TP=8 split rank, 61 layers, 1k, `python -m mtp.bench.spec_ab
   --switches tree_glue,tree_fwd_glue --tree 2x1x1 --reps 3`, BENCHMARKS.md session 23): the 2x1x1 eagle tree step
   10.898 ms on vs 11.090 off (-0.19 ms; predicted ~0.16), the eagle k = 3 chain beside it 7.621 / 7.622.
+- tree_verdict (on; variant tree_verdict_off): the strict verifier's tree verdict from the target's argmax at every
+  node (`verify.tree.strict_argmax`: the deepest node whose whole path matches, ties to the lower index, dead nodes
+  never accepted; its accept length, next token, path and inexact count) in one launch of
+  `kernels.tree_verdict.tree_verdict` (one program a row), where the kernel takes the tensors; PDL as the other glue
+  kernels (`glue_pdl_at`). The same integers. Off: `verify.tree.tree_strict_verdict`'s torch ops (`_exact`'s index
+  and compares, `_live`'s and, `_deepest`'s ancestor reduction, score and argmax, `_verdict`'s gathers and inexact
+  count). The relaxed, typical and sampling tree verifiers keep their torch ops. Counted (`mtp.bench.step_launches
+  --tree 2x1x1`, the tiny TP=2 rank): glue 122 -> 98 a step (25 -> 1). Predicted on a TP=8 rank (H200, one row,
+  2x1x1): 24 launches x ~1-2 us of GPU each in the step's graph = ~24-48 us, less the kernel's own ~2-3 us (one
+  program a row, a [8, 4] tile, a few dependent loads): ~20-45 us a tree step; not yet measured.
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -336,6 +346,7 @@ class FastPathOptions:
     glue_pdl: bool = True
     tree_glue: bool = True
     tree_fwd_glue: bool = True
+    tree_verdict: bool = True
     router_one_tokens: int = 8
     # impl one's calls of at least this many tokens route one token in each of its last programs to arrive
     # (`moe_route_fused(split_tail=True)`: the same bits); 0: never (the default until timed on a GPU)

@@ -16,10 +16,12 @@ the tree engine's torch.Generator; `tt`: the tree's `TreeTensors`; `draft`: the 
 A verifier whose verdict reads the logits only through their argmax (strict) also names its rules of the argmax:
 
     chain_argmax(g, drafts_BK, target_BK1) -> Verdict                     (target_BK1 = logits_BKV.argmax(-1))
-    tree_argmax(g, tt, draft, target_BN, live_BN) -> TreeVerdict
+    tree_argmax(g, tt, draft, target_BN, live_BN, opts) -> TreeVerdict
 
 and the engine then takes that argmax with the health check of the logits in one scan (`mtp.decode.health.scan`:
 one launch on the fast path, switch `FastPathOptions.logits_scan`), where another verifier's rule gets the logits.
+`opts`: the model's `FastPathOptions` (None on the reference path), for a rule that has a kernel (strict's tree
+verdict: one launch, switch tree_verdict).
 Adding one: a file with the two functions, `register_verifier(Verifier(...))` here, and its test (mtp/DESIGN.md).
 """
 

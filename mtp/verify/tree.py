@@ -181,8 +181,17 @@ def strict(g, tt, draft, logits_BNV, think_B, rng, live_BN) -> TreeVerdict:
     return tree_strict_verify(tt, draft.tokens_BN, logits_BNV, live_BN)
 
 
-def strict_argmax(g, tt, draft, target_BN, live_BN) -> TreeVerdict:
-    """`strict` with the argmax at every node taken (mtp.verify.registry: the same verdict)."""
+def strict_argmax(g, tt, draft, target_BN, live_BN, opts=None) -> TreeVerdict:
+    """`strict` with the argmax at every node taken (mtp.verify.registry: the same verdict). opts: the model's
+    `FastPathOptions` (None: the reference path's): with switch tree_verdict, one launch of
+    `kernels.tree_verdict` where it takes the tensors, else `tree_strict_verdict`'s torch ops (the same integers)."""
+    if opts is not None and opts.tree_verdict:
+        from ..kernels.tree_verdict import tree_verdict, tree_verdict_takes
+
+        if tree_verdict_takes(draft.tokens_BN, target_BN, tt.path_NA, live_BN):
+            _check(tt, draft.tokens_BN, target_BN.unsqueeze(-1))
+            return TreeVerdict(*tree_verdict(draft.tokens_BN, target_BN, tt.parent_N, tt.depth_N, tt.path_NA,
+                                             live_BN, opts.glue_pdl_at(target_BN.shape[0])))
     return tree_strict_verdict(tt, draft.tokens_BN, target_BN, live_BN)
 
 

@@ -13,7 +13,8 @@ eager and in CUDA graphs, and whole speculative steps keep every token, acceptan
 - engine: eagle k = 3 and vanilla k = 2 (and plain decoding, and an eagle 2x1x1 tree) on the fast path of a small
   one-process model and of a simulated TP=8 rank at the real width (2 layers: the vocabulary-parallel embedding), graph
   and overlap modes, with every glue switch on and off (tree_glue too, session 23: the tree's compaction, hidden rows
-  and counters): the same tokens, acceptance histograms, decode buffers and caches (torch.equal).
+  and counters; tree_verdict, session 25: the strict tree verdict): the same tokens, acceptance histograms, decode
+  buffers and caches (torch.equal).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 GLUE_OFF = dict(step_commit=False, rope_table=False, vocab_embed=False, mtp_norms=False, tree_glue=False,
-                tree_fwd_glue=False)
+                tree_fwd_glue=False, tree_verdict=False)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
