@@ -185,6 +185,7 @@ KERNEL_VARIANTS = {
     # the default since session 24: -0.06 to -0.07 ms a step at w = 2..4), and the plan before
     "gemm_deep": (dict(gemm_deep_rows=4), dict()),
     "gemm_deep_off": (dict(gemm_deep_rows=0), dict()),
+    "gemm_deep_q_b_off": (dict(gemm_deep_q_b=False), dict()),
     # the indexer's head weights as cuBLAS mm (+ its split-K reduce) + scale instead of `kernels.index_weights`
     "cublas_ixw": (dict(index_weights=False), dict()),
     # the experts' layout by size (persistent for T * J <= 64) on every MoE, also on a rank holding every expert's

@@ -16,6 +16,9 @@ version, so the engine captures its kept graphs again).
   `fp8_gemm`'s few-row kernel with 8 K groups a slice and 4 pipeline stages where K / 128 is a multiple of 8
   (`FastPathOptions.deep_tune`; 4 groups and 3 stages before, variant gemm_deep_off): one TP=8 split rank's step -0.06
   to -0.07 ms at 1k w = 2..4 (H200, BENCHMARKS.md session 24). Another split of K: another sum order.
+- gemm_deep_q_b (on; variant gemm_deep_q_b_off): with gemm_deep_rows, q_b's few-row GEMV (12 K groups, <= 4096 rows)
+  with 3 K groups a slice and 4 stages: alone 5.80 -> 5.35-5.41 us at M = 2..4 (H200, session 25); in the step not
+  yet measured (predicted ~-0.025 ms at w = 2..4). Another split of K: another sum order.
 - norm_quant: the decoder block's residual add + RMSNorm + FP8 quant in one kernel (`norm_quant`), its
   quantized output fed to the next GEMV (`fast_path.FastBlock`); also the q_a norm + quant.
 - norm_warps (0; an integer: 0, 4, 8, 16 or 32): the warps of the add + RMSNorm + quant kernel on every row of the
@@ -392,13 +395,25 @@ class FastPathOptions:
     # defaults, eval/results/s24/h200b/deep.json): -0.06 / -0.07 / -0.06 ms at w = 2 / 3 / 4 (w = 4: 6.896 / 6.886
     # against 6.958 / 6.952), w = 1 unchanged (the split-K GEMV)
     gemm_deep_rows: int = 4
+    # with gemm_deep_rows, the few-row GEMV of q_b's shape (K / 128 = 12 groups, <= 4096 output rows: a TP=8 rank's
+    # 3072) with 3 K groups a slice and 4 stages (`deep_tune`; off: the default plan's 4 groups and 3 stages). Swept
+    # alone on an H200 (session 25, eval/results/s25/x2a/gemv_sweep2.json, graph replays, each setting held to the
+    # float64 GEMM): 5.80 -> 5.35 / 5.41 us at M = 4 / 2 (its neighbours at 3 and 5 stages 5.38-5.45); predicted
+    # -0.4 us a layer, ~-0.025 ms a step at w = 2..4. Not the 11264-row q_b | wq_b of a long context (session 24's
+    # sweep: the default plan was its best)
+    gemm_deep_q_b: bool = True
 
-    def deep_tune(self, rows: int, K: int) -> dict:
-        """The few-row GEMV's launch overrides for a call of `rows` rows over K input channels (see gemm_deep_rows):
-        {} where the default plan stands. Another split of K: another sum order of the same groups."""
+    def deep_tune(self, rows: int, K: int, N: int) -> dict:
+        """The few-row GEMV's launch overrides for a call of `rows` rows over K input channels into N outputs (see
+        gemm_deep_rows, gemm_deep_q_b): {} where the default plan stands. Another split of K: another sum order of
+        the same groups."""
         G = K // 128
-        if 2 <= rows <= self.gemm_deep_rows and G >= 8 and G % 8 == 0:
+        if not 2 <= rows <= self.gemm_deep_rows:
+            return {}
+        if G >= 8 and G % 8 == 0:
             return {"splits": G // 8, "num_stages": 4}
+        if self.gemm_deep_q_b and G == 12 and N <= 4096:
+            return {"splits": 4, "num_stages": 4}
         return {}
 
     def __post_init__(self) -> None:
@@ -497,10 +512,10 @@ def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, opts: Fas
         x8, sx = xq
         y = fp8_gemm(x8.reshape(-1, K), sx.reshape(-1, K // 128), w8, sw,
                      out_dtype=out_dtype or (x.dtype if x is not None else torch.float32), pdl=opts.pdl_at(M),
-                     prefetch=opts.prefetch_at(M), **opts.deep_tune(M, K))
+                     prefetch=opts.prefetch_at(M), **opts.deep_tune(M, K, w8.shape[0]))
         return y.reshape(*src.shape[:-1], w8.shape[0])
     return fp8_linear(x, w8, sw, out_dtype=out_dtype, pdl=opts.pdl_at(M), prefetch=opts.prefetch_at(M),
-                      **opts.deep_tune(M, K))
+                      **opts.deep_tune(M, K, w8.shape[0]))
 
 
 def scan_logits(logits: torch.Tensor, opts: FastPathOptions | None, flag: torch.Tensor | None = None,

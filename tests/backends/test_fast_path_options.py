@@ -5,6 +5,8 @@ tests/kernels/test_fused_kernels.py does), the elementwise ops through a countin
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -271,8 +273,8 @@ def test_gemv_one_slice(monkeypatch):
 
 def test_gemm_deep_rows(monkeypatch):
     """Option gemm_deep_rows (4 since session 24, 0 in one process): `dispatch.linear` hands the few-row GEMV of
-    2..N rows 8 K groups a slice and 4 stages where K / 128 is a multiple of 8, nothing otherwise (`deep_tune`); an
-    integer >= 0, refused otherwise by name."""
+    2..N rows 8 K groups a slice and 4 stages where K / 128 is a multiple of 8, q_b's shape its own plan (option
+    gemm_deep_q_b), nothing otherwise (`deep_tune`); an integer >= 0, refused otherwise by name."""
     import mtp.kernels.fp8_gemm as fg
     import mtp.kernels.gemv_splitk as gemv
     from mtp.kernels.dispatch import linear
@@ -285,10 +287,14 @@ def test_gemm_deep_rows(monkeypatch):
     o = FastPathOptions(gemm_deep_rows=4, gemv_rows=1)
     for M, K in ((4, 7168), (2, 2048), (1, 7168), (5, 7168), (4, 1536), (4, 1024)):
         linear(torch.zeros(M, K), torch.zeros(128, K), torch.ones(1, K // 128), o)
-    # 1 row: the split-K GEMV (gemv_rows); 5 rows: past the option; K = 1536: 12 groups; K = 1024: one slice of 8
-    assert seen == [dict(splits=7, num_stages=4), dict(splits=2, num_stages=4), "split-K GEMV", {}, {},
-                    dict(splits=1, num_stages=4)]
-    assert FastPathOptions.for_world(1).deep_tune(4, 7168) == {}
+    # 1 row: the split-K GEMV (gemv_rows); 5 rows: past the option; K = 1536: q_b's 12 groups (gemm_deep_q_b);
+    # K = 1024: one slice of 8
+    assert seen == [dict(splits=7, num_stages=4), dict(splits=2, num_stages=4), "split-K GEMV", {},
+                    dict(splits=4, num_stages=4), dict(splits=1, num_stages=4)]
+    assert FastPathOptions.for_world(1).deep_tune(4, 7168, 2240) == {}
+    # q_b's plan: 12 groups into at most 4096 rows (not a long context's q_b | wq_b), 2..gemm_deep_rows rows, switchable
+    assert o.deep_tune(3, 1536, 3072) == dict(splits=4, num_stages=4) and o.deep_tune(3, 1536, 11264) == {}
+    assert replace(o, gemm_deep_q_b=False).deep_tune(3, 1536, 3072) == {} and o.deep_tune(1, 1536, 3072) == {}
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="gemm_deep_rows"):
             FastPathOptions(gemm_deep_rows=bad)

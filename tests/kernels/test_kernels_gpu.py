@@ -102,7 +102,8 @@ def test_fp8_linear_bf16_batched(M):
 
 @pytest.mark.parametrize("M", [2, 24, 64])
 @pytest.mark.parametrize("tune", [dict(fuse_quant=False), dict(bn=256, num_stages=2), dict(bn=64, splits=3),
-                                  dict(splits=7, num_stages=4)])  # the last: FastPathOptions.deep_tune's
+                                  dict(splits=7, num_stages=4),  # FastPathOptions.deep_tune's plans
+                                  dict(splits=4, num_stages=4)])
 def test_fp8_linear_variants(M, tune):
     N, K = 2048 + 64, 7168
     w8, sw = rand_weight(N, K)
