@@ -286,6 +286,7 @@ KERNEL_VARIANTS = {
     # the split-K GEMV's plan before session 17: o_proj's K = 2048 in 2 slices + the fix-up, 8 warps (the default
     # since: one slice, 4 warps; `gemv_splitk.gemv_plan`)
     "gemv_split": (dict(gemv_one_slice=0), dict()),
+    "gemv_w4": (dict(gemv_warps=4), dict()),
     # the add + norm + quant kernel on the model-width rows at 8 warps, the default before session 18 (since: 32,
     # `norm_quant.row_tiles`; alone on an H200 3.84-3.86 vs 4.58-4.60 us a row of 7168, 122 launches a step of one
     # TP=8 rank): the default -0.14 to -0.17 ms a step against this at 1k (H200, BENCHMARKS.md session 18)

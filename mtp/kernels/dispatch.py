@@ -12,6 +12,8 @@ version, so the engine captures its kept graphs again).
   where K / 128 is a power of two above 8 and at most this (`gemv_splitk.gemv_plan`): the TP=8 rank's o_proj (K =
   2048) 7.41 vs 10.20 us alone (H200, BENCHMARKS.md session 17); 0: the split plan (variant gemv_split). Another sum
   order of the groups, the same formula.
+- gemv_warps (0 = `gemv_splitk.gemv_plan`'s; 4 or 8; variant gemv_w4): the split-K GEMV's warps. Not yet measured (the
+  field's comment has the prediction).
 - gemm_deep_rows (4; an integer, 0 in one process: `for_world(1)`): calls of 2..this many rows past gemv_rows run
   `fp8_gemm`'s few-row kernel with 8 K groups a slice and 4 pipeline stages where K / 128 is a multiple of 8
   (`FastPathOptions.deep_tune`; 4 groups and 3 stages before, variant gemm_deep_off): one TP=8 split rank's step -0.06
@@ -313,7 +315,7 @@ ELEMENTWISE_IMPLS = ("triton", "compile", "eager")
 
 # the options that are integers; every other field is an on / off switch
 INT_FIELDS = ("gemv_rows", "pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows",
-              "gemv_one_slice", "norm_warps", "mla_channel_splits", "router_one_tokens",
+              "gemv_one_slice", "gemv_warps", "norm_warps", "mla_channel_splits", "router_one_tokens",
               "router_one_split", "gemm_deep_rows")
 
 
@@ -378,6 +380,13 @@ class FastPathOptions:
     # (`gemv_splitk.gemv_plan`); 0: the split plan. 16: the TP=8 rank's o_proj (K = 2048), 7.41 vs 10.20 us alone
     # on an H200 (`mtp.bench.small_kernels`, BENCHMARKS.md session 17)
     gemv_one_slice: int = 16
+    # the split-K GEMV's warps (4 or 8); 0: `gemv_splitk.gemv_plan`'s (8 on a 16 KB tile of a grid under 32 programs
+    # an SM). Why 4 might pay on a TP=8 rank at one row (sm_90 code of the 16 KB tile, M = 1: 40 registers at 8 warps
+    # = 6 programs an SM, 56 at 4 warps = 9): q_a | wk | kv_a's 980 programs fit one wave at 4 warps (1188 resident)
+    # but not at 8 (792), so at 8 a fifth of its 16 MB is asked for only after the PDL wait, the rest before it.
+    # Predicted ~-1 us a layer (~3 MB at ~3 TB/s), ~-0.06 ms a step at w = 1; not yet measured (variant gemv_w4).
+    # Another layout of the tile over the threads: another order of each group's 128-term sum (within fp32 rounding)
+    gemv_warps: int = 0
     # the warps of the add + norm + quant kernel on the model-width rows (`norm_quant.ROW_WARPS`); 0: `row_tiles`'
     # (32 at >= 32 groups of 128 since session 18: 3.84-3.86 vs 4.58-4.60 us at 8 on the TP=8 rank's 7168, H200)
     norm_warps: int = 0
@@ -425,7 +434,8 @@ class FastPathOptions:
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= MAX_M:
             raise ValueError(f"FastPathOptions: gemv_rows must be an integer in 0..{MAX_M}, got {rows!r}")
         # the integer options that take a set of values: 0 (its meaning) or one of them
-        choices = {"norm_warps": ("row_tiles' choice", ROW_WARPS), "mla_channel_splits": ("by rows", CHANNEL_SPLITS)}
+        choices = {"norm_warps": ("row_tiles' choice", ROW_WARPS), "mla_channel_splits": ("by rows", CHANNEL_SPLITS),
+                   "gemv_warps": ("gemv_plan's choice", (4, 8))}
         for name in INT_FIELDS:
             n = getattr(self, name)
             if name in choices:
@@ -507,7 +517,8 @@ def linear(x: torch.Tensor | None, w8: torch.Tensor, sw: torch.Tensor, opts: Fas
     K = src.shape[-1]
     M = src.numel() // K if K else 0
     if opts.gemv and 1 <= M <= min(opts.gemv_rows, MAX_M) and w8.shape[0] > 0:
-        return fp8_gemv(x, w8, sw, xq=xq, out_dtype=out_dtype, pdl=opts.pdl_at(M), one_slice=opts.gemv_one_slice)
+        return fp8_gemv(x, w8, sw, xq=xq, out_dtype=out_dtype, pdl=opts.pdl_at(M), one_slice=opts.gemv_one_slice,
+                        num_warps=opts.gemv_warps or None)
     if xq is not None:
         x8, sx = xq
         y = fp8_gemm(x8.reshape(-1, K), sx.reshape(-1, K // 128), w8, sw,

@@ -253,10 +253,14 @@ def test_gemv_one_slice(monkeypatch):
 
     assert FastPathOptions().gemv_one_slice == 16
     seen = []
-    monkeypatch.setattr(gemv, "fp8_gemv", lambda x, w8, sw, **kw: seen.append(kw["one_slice"]))
-    for n in (16, 0):
-        linear(torch.zeros(1, 2048), torch.zeros(128, 2048), torch.ones(1, 16), FastPathOptions(gemv_one_slice=n))
-    assert seen == [16, 0]
+    monkeypatch.setattr(gemv, "fp8_gemv", lambda x, w8, sw, **kw: seen.append((kw["one_slice"], kw["num_warps"])))
+    for n, warps in ((16, 0), (0, 4)):
+        linear(torch.zeros(1, 2048), torch.zeros(128, 2048), torch.ones(1, 16),
+               FastPathOptions(gemv_one_slice=n, gemv_warps=warps))
+    assert seen == [(16, None), (0, 4)]  # gemv_warps 0: the plan's warps
+    for bad in (2, 16, True):
+        with pytest.raises(ValueError, match="gemv_warps"):
+            FastPathOptions(gemv_warps=bad)
     cpu = torch.device("cpu")
     assert gemv_plan(7168, 16, cpu, one_slice=16) == dict(bn=8, gps=16, num_warps=4)
     assert gemv_plan(7168, 16, cpu, one_slice=8)["gps"] == 8  # above the limit: split
