@@ -38,9 +38,10 @@ import sys
 
 import torch
 
-# the switches of the decode step's glue (session 21; tree_glue, tree_fwd_glue: session 23): each one launch where the
-# torch ops were several
-GLUE_SWITCHES = ("step_commit", "rope_table", "vocab_embed", "mtp_norms", "tree_glue", "tree_fwd_glue")
+# the switches of the decode step's glue (session 21; tree_glue, tree_fwd_glue: session 23; strict_commit,
+# draft_window: session 25): each one launch where the torch ops were several
+GLUE_SWITCHES = ("step_commit", "rope_table", "vocab_embed", "mtp_norms", "tree_glue", "tree_fwd_glue", "strict_commit",
+                 "draft_window")
 PROMPT_LENS = (5, 7)  # two rows of random tokens: the prefill and the steps stay below the indexer's top-k (16)
 
 
