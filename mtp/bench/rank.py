@@ -342,6 +342,12 @@ KERNEL_VARIANTS = {
     # default since session 25, the same integers); strict tree spec steps only: `--trees 2x1x1 --kernels
     # tree_verdict=0` against the defaults
     "tree_verdict_off": (dict(tree_verdict=False), dict()),
+    # a strict chain step's verdict by torch ops (5 launches) instead of inside the commit kernel (the default since
+    # session 25, the same bits); spec steps only, as step_commit
+    "strict_commit_off": (dict(strict_commit=False), dict()),
+    # a chain step's draft window by torch ops (9 launches) instead of one launch of `kernels.draft_window` (the
+    # default since session 25, the same bits); spec steps only, as step_commit
+    "draft_window_off": (dict(draft_window=False), dict()),
 }
 
 

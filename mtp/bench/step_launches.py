@@ -40,10 +40,10 @@ import sys
 
 import torch
 
-# the switches of the decode step's glue (session 21; tree_glue, tree_fwd_glue: session 23; tree_verdict: session 25):
-# each one launch where the torch ops were several
-GLUE_SWITCHES = ("step_commit", "rope_table", "vocab_embed", "mtp_norms", "tree_glue", "tree_fwd_glue",
-                 "tree_verdict")
+# the switches of the decode step's glue (session 21; tree_glue, tree_fwd_glue: session 23; tree_verdict, strict_commit,
+# draft_window: session 25): each one launch where the torch ops were several
+GLUE_SWITCHES = ("step_commit", "rope_table", "vocab_embed", "mtp_norms", "tree_glue", "tree_fwd_glue", "tree_verdict",
+                 "strict_commit", "draft_window")
 PROMPT_LENS = (5, 7)  # two rows of random tokens: the prefill and the steps stay below the indexer's top-k (16)
 
 

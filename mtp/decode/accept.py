@@ -88,31 +88,39 @@ def count(st: DecodeState, acc: Accepted, relaxed_only_B: torch.Tensor, active_B
 
 
 def fused_commit_takes(opts, think_ids: tuple[int, int] | None, st: DecodeState, drafts_BK: torch.Tensor,
-                       verdict: Verdict, stop_ids: torch.Tensor) -> bool:
+                       verdict: Verdict | torch.Tensor, stop_ids: torch.Tensor) -> bool:
     """Whether a chain (or tree) step's accept + commit + count run as `fused_commit`: the fast path's switch
     step_commit (`opts`, the model's `FastPathOptions`; None on the reference path), no thinking state to update
-    (`think_ids`, the relaxed verifiers'), and a step the kernel takes (`step_commit.chain_commit_takes`)."""
+    (`think_ids`, the relaxed verifiers'), and a step the kernel takes (`step_commit.chain_commit_takes`). `verdict`:
+    a `Verdict`, or the target's argmax [B, K1] whose strict verdict the kernel makes (`fused_commit`)."""
     if opts is None or not opts.step_commit or think_ids is not None:
         return False
     from ..kernels.step_commit import chain_commit_takes
 
+    if isinstance(verdict, torch.Tensor):
+        return chain_commit_takes(st.tokens, drafts_BK, stop_ids, verdict)
     return chain_commit_takes(st.tokens, drafts_BK, stop_ids, verdict.accept_len_B, verdict.next_token_B,
                               verdict.relaxed_only_B)
 
 
-def fused_commit(st: DecodeState, drafts_BK: torch.Tensor, verdict: Verdict, stop_ids: torch.Tensor,
+def fused_commit(st: DecodeState, drafts_BK: torch.Tensor, verdict: Verdict | torch.Tensor, stop_ids: torch.Tensor,
                  window: int | None, pdl: int = 0, path_BA: torch.Tensor | None = None) -> None:
     """`accept`, `commit(window=window, path_BA=path_BA)` and `count` of a chain step, or of a tree step (`path_BA`,
     the verdict's path; window None; drafts_BK the tokens along it), in one launch (`step_commit.chain_commit`), then
     a tree's compaction of its kept path's cache slots (by torch: `KVCache.compact`; a tree step whose compaction is
     `kernels.tree_commit`'s passes no path): the same state, counters and outputs, integer for integer
     (tests/kernels/test_step_commit.py). pdl: the launch's programmatic dependent launch (`FastPathOptions.glue_pdl_at`
-    of the rows; the same bits)."""
+    of the rows; the same bits). `verdict` the target's argmax [B, K1] instead: strict's verdict of it
+    (`verify.strict.strict_verdict`) made inside the launch (switch strict_commit; 5 torch launches fewer)."""
     from ..kernels.step_commit import chain_commit
 
     base_B = None if path_BA is None else st.n_B - 1  # the slot of the path's root, before n moves
+    if isinstance(verdict, torch.Tensor):
+        v, target = (None, None, None), verdict
+    else:
+        v, target = (verdict.accept_len_B, verdict.next_token_B, verdict.relaxed_only_B), None
     chain_commit(st.tokens, st.n_B, st.gen_B, st.max_new_B, st.finished_B, st.cache.seq_lens, st.p0_B, st.hist_BK1,
-                 st.relaxed_only, st.row_steps, st.new_BK1, st.keep_B, st.acc_B, drafts_BK, verdict.accept_len_B,
-                 verdict.next_token_B, verdict.relaxed_only_B, stop_ids, window, pdl)
+                 st.relaxed_only, st.row_steps, st.new_BK1, st.keep_B, st.acc_B, drafts_BK, *v, stop_ids, window, pdl,
+                 target_BK1=target)
     if path_BA is not None:  # the cache's lengths the kernel wrote (n - 1) are base + keep: what compact sets
         st.cache.compact(base_B, path_BA, st.keep_B)

@@ -34,11 +34,20 @@ class ChainRule:
 
     def __init__(self, g: GenerationConfig):
         self.rule, self.of_argmax = g.verifier.chain_rule(), g.verifier.chain_argmax_rule()
+        self.argmax_prefix = g.verifier.argmax_prefix
 
-    def __call__(self, model, g, drafts_BK, q_BKV, logits_BKV, think_B, rng, flag: torch.Tensor):
+    def argmax_only(self, opts) -> bool:
+        """Whether the call returns the target's argmax [B, K1] alone, for the commit kernel to make strict's verdict
+        of it (`Verifier.argmax_prefix`, switch strict_commit of the model's `opts`)."""
+        return self.argmax_prefix and opts is not None and opts.strict_commit
+
+    def __call__(self, model, g, drafts_BK, q_BKV, logits_BKV, think_B, rng, flag: torch.Tensor,
+                 argmax_only: bool = False):
+        """The verdict; with `argmax_only` (where `argmax_only(opts)` says so) the argmax it is made of."""
         opts = getattr(model, "fast_options", None)  # read at call time: the switches may change between calls
         if self.of_argmax is not None:
-            return self.of_argmax(g, drafts_BK, scan(logits_BKV, opts, flag))
+            target_BK1 = scan(logits_BKV, opts, flag)
+            return target_BK1 if argmax_only else self.of_argmax(g, drafts_BK, target_BK1)
         logits_nonfinite(flag, logits_BKV, opts)
         return self.rule(g, drafts_BK, q_BKV, logits_BKV, think_B, rng)
 
@@ -115,9 +124,17 @@ class ChainStep:
         out = m(st.tokens.gather(1, at_BK1), st.cache, kv_len=min(max_n + K, st.max_len))
         st.hidden.scatter_(1, at_BK1.unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]),
                            pick_hidden(out, g.draft.target_hidden))
-        v = self.rule(m, g, drafts, q, out.logits, st.think_B, draws, st.nonfinite)
         # accept + commit (rolling back is lowering lengths: no copy), then the device counters (no sync): one
-        # launch on the fast path (switch step_commit), else the torch ops of accept.py
+        # launch on the fast path (switch step_commit; strict's verdict inside it too, switch strict_commit), else
+        # the torch ops of accept.py
+        if self.rule.argmax_only(opts):
+            target_BK1 = self.rule(m, g, drafts, q, out.logits, st.think_B, draws, st.nonfinite, argmax_only=True)
+            if fused_commit_takes(opts, g.think_ids, st, drafts, target_BK1, self.stops):
+                fused_commit(st, drafts, target_BK1, self.stops, self.W, opts.glue_pdl_at(st.B))
+                return
+            v = self.rule.of_argmax(g, drafts, target_BK1)
+        else:
+            v = self.rule(m, g, drafts, q, out.logits, st.think_B, draws, st.nonfinite)
         if fused_commit_takes(opts, g.think_ids, st, drafts, v, self.stops):
             fused_commit(st, drafts, v, self.stops, self.W, opts.glue_pdl_at(st.B))
             return

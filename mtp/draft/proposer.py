@@ -85,6 +85,26 @@ class Proposer:
             self.propose(tokens_BS, hidden_BSD, n_B, p0, min(C, W - s), lambda lg: (lg.argmax(-1), None),
                          max(max_n, s + C + 1), chain=False)
 
+    def _window(self, tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor,
+                W: int):
+        """(tok_BW, hid_BWD, out_idx_B, at_BK): the first window module's tokens (positions p0 + 1.., clamped to the
+        buffer), the target's hidden rows over the window, the window's row whose logits draft (n - 2 - p0, in
+        range for the prefill's chunks too) and the drafts' slots n..n+K-1. One launch on the fast path (switch
+        draft_window, `mtp.kernels.draft_window`: the same integers and rows), else these torch ops (9 launches)."""
+        K, dev = self.cfg.k, tokens_BS.device
+        opts = getattr(self.model, "fast_options", None)  # read at call time: the switches may change between calls
+        if opts is not None and opts.draft_window:
+            from ..kernels.draft_window import draft_window, window_takes  # the fast path's: no Triton import here
+
+            if window_takes(tokens_BS, hidden_BSD, n_B, p0_B):
+                return draft_window(tokens_BS, hidden_BSD, n_B, p0_B, W, K, pdl=opts.glue_pdl_at(n_B.shape[0] * W))
+        pos_BW = p0_B.unsqueeze(1) + arange(W, dev)
+        out_idx_B = (n_B - 2 - p0_B).clamp(0, W - 1)
+        at_BK = n_B.unsqueeze(1) + arange(K, dev)
+        hid = hidden_BSD.gather(1, pos_BW.unsqueeze(-1).expand(-1, -1, hidden_BSD.shape[-1]))
+        tok = tokens_BS.gather(1, (pos_BW + 1).clamp_max(tokens_BS.shape[1] - 1))
+        return tok, hid, out_idx_B, at_BK
+
     def propose(self, tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor,
                 W: int, draw, max_n: int, chain: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens_BS holds committed tokens (drafts are written at n.. by the end of the call); hidden_BSD the
@@ -96,11 +116,8 @@ class Proposer:
         a write each was two (an add and an index_put)."""
         K, m = self.cfg.k, self.model
         dev = tokens_BS.device
-        pos_BW = p0_B.unsqueeze(1) + arange(W, dev)
-        out_idx_B = (n_B - 2 - p0_B).clamp(0, W - 1)  # in range for the prefill's chunks too
         rows = arange(n_B.shape[0], dev)
-        at_BK = n_B.unsqueeze(1) + arange(K, dev)  # where the drafts go
-        hid = hidden_BSD.gather(1, pos_BW.unsqueeze(-1).expand(-1, -1, hidden_BSD.shape[-1]))
+        tok0, hid, out_idx_B, at_BK = self._window(tokens_BS, hidden_BSD, n_B, p0_B, W)
         drafts, probs = [], []
         kv_len = max(max_n - 1, W)  # max over rows of p0 + W
         drafter = self.cfg.drafter
@@ -108,7 +125,11 @@ class Proposer:
         for j in range(J):
             cache = self.caches[j]
             cache.truncate(p0_B)
-            tok = tokens_BS.gather(1, (pos_BW + (j + 1)).clamp_max(tokens_BS.shape[1] - 1))
+            if j == 0:
+                tok = tok0
+            else:  # a vanilla drafter's later module: its window reads the drafts written above
+                pos_BW = p0_B.unsqueeze(1) + arange(W, dev)
+                tok = tokens_BS.gather(1, (pos_BW + (j + 1)).clamp_max(tokens_BS.shape[1] - 1))
             mod = self.cfg.module_for(j, m.n_mtp)
             out = m.mtp_forward(mod, tok, hid, cache, kv_len=kv_len, head=self.heads.get(mod),
                                 logits_at=out_idx_B.unsqueeze(1))

@@ -294,6 +294,24 @@ version, so the engine captures its kept graphs again).
   --tree 2x1x1`, the tiny TP=2 rank): glue 122 -> 98 a step (25 -> 1). Predicted on a TP=8 rank (H200, one row,
   2x1x1): 24 launches x ~1-2 us of GPU each in the step's graph = ~24-48 us, less the kernel's own ~2-3 us (one
   program a row, a [8, 4] tile, a few dependent loads): ~20-45 us a tree step; not yet measured.
+- strict_commit (on; variant strict_commit_off): with step_commit, a strict chain step's verdict made inside the commit
+  kernel's launch (`kernels.step_commit.chain_commit(target_BK1=)`, session 25): the kernel takes the target's argmax
+  [B, K1] (the logits scan's) and computes the drafts' leading run equal to it, the argmax after it and no relaxed
+  count, where `verify.strict.strict_verdict` ran compare, cumprod, sum, gather and zeros_like (5 torch launches) before
+  it; verifiers that declare this rule (`Verifier.argmax_prefix`: strict) only. The same integers (the verdict never
+  leaves the kernel; every state tensor it writes is torch.equal, tests/kernels/test_step_commit.py). Counted
+  (`mtp.bench.step_launches`, eagle k = 3, the tiny TP=2 rank): glue -5 a step. Predicted on a TP=8 rank (H200): 5
+  launches x ~1-2 us of GPU in the step graph's critical path (verify's argmax -> verdict -> commit is one chain of
+  dependencies), ~5-10 us an eagle step, less the kernel's few extra loads; not yet measured.
+- draft_window (on; variant draft_window_off): a chain step's draft window (`Proposer._window`: the first window
+  module's tokens, the target's hidden rows over the window, its logits row and the drafts' slots) in one launch of
+  `kernels.draft_window.draft_window` (session 25), where the torch ops were 9 (the positions' add, 2 subs and a clamp,
+  the slots' add, the hidden rows' gather, the tokens' add, clamp and gather); the same integers and rows. Counted
+  (`mtp.bench.step_launches`, eagle k = 3, the tiny TP=2 rank): glue -8 a step (once a step: the window; the draft
+  prefill's chunks take it too). Predicted on a TP=8 rank (H200): 8 launches x ~1-2 us of GPU, all in the step
+  graph's critical path (commit -> window -> the first draft forward's embedding), ~8-16 us an eagle step less the
+  kernel's own ~2 us (B x W x 7168 fp32 hidden rows copied: 115 KB at one row, W = 4, what the gather moved); not yet
+  measured.
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -352,6 +370,8 @@ class FastPathOptions:
     tree_glue: bool = True
     tree_fwd_glue: bool = True
     tree_verdict: bool = True
+    strict_commit: bool = True
+    draft_window: bool = True
     router_one_tokens: int = 8
     # impl one's calls of at least this many tokens route one token in each of its last programs to arrive
     # (`moe_route_fused(split_tail=True)`: the same bits); 0: never (the default until timed on a GPU)

@@ -17,6 +17,9 @@ Per row b (active: not finished when the step began; a finished row commits noth
   n += keep; generated += keep; finished |= a kept stop | generated >= max_new; the cache's lengths = n - 1; the
   draft window's start = max(n - 1 - W, 0); hist[b, a] += active; relaxed_only += relaxed_only_B[b] * active;
   row_steps += active; new_BK1 = new; keep_B = keep; acc_B = min(a, keep).
+Strict verification (switch strict_commit, `verify.strict.strict_verdict`): the kernel takes the target's argmax
+[B, K1] instead of a verdict and makes the verdict itself (a = the drafts' leading run equal to the argmax, the
+argmax at a, nothing relaxed): the torch ops' compare, cumprod, sum, gather and zeros_like (5 launches) fold in.
 One program holds every row: the counters' sums need no atomics, and B x K1 is a few hundred integers at most.
 A tree step (`mtp.decode.tree_step`) runs the same kernel on the drafts along its verdict's path (K its depth), with no
 draft window (window None: p0 untouched); the cache's lengths it writes, n - 1, are what the tree's compaction of the
@@ -43,9 +46,9 @@ MAX_STOPS = 64  # compared one by one (an unrolled loop)
 @triton.jit
 def _chain_commit_kernel(tok_ptr, n_ptr, gen_ptr, max_new_ptr, fin_ptr, lens_ptr, p0_ptr, hist_ptr, relaxed_ptr,
                          steps_ptr, new_ptr, keep_ptr, acc_ptr, drafts_ptr, a_ptr, next_ptr, ro_ptr, stop_ptr,
-                         B, K, W, S, stride_tok, stride_dr, stride_hist, stride_new,
+                         B, K, W, S, stride_tok, stride_dr, stride_hist, stride_new, stride_tgt,
                          NS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K1: tl.constexpr, WINDOW: tl.constexpr,
-                         PDL: tl.constexpr):
+                         STRICT: tl.constexpr, PDL: tl.constexpr):
     pdl_launch(PDL)
     pdl_wait(PDL)  # the verdict, drafts and state are earlier kernels' (the stop ids alone are not: too few to matter)
     rb = tl.arange(0, BLOCK_B)
@@ -57,9 +60,15 @@ def _chain_commit_kernel(tok_ptr, n_ptr, gen_ptr, max_new_ptr, fin_ptr, lens_ptr
     fin8 = tl.load(fin_ptr + rb, mask=mb, other=1)
     fin = fin8 != 0
     active = mb & (fin8 == 0)
-    a = tl.where(active, tl.load(a_ptr + rb, mask=mb, other=0), 0)
-    nxt = tl.load(next_ptr + rb, mask=mb, other=0)
     d = tl.load(drafts_ptr + b2 * stride_dr + i, mask=mb[:, None] & (i < K), other=0)
+    if STRICT:  # the verdict from the target's argmax (`verify.strict.strict_verdict`): a_ptr holds it, [B, K1]
+        tgt = tl.load(a_ptr + b2 * stride_tgt + i, mask=m2, other=0)
+        a_v = tl.min(tl.where((d != tgt) & (i < K), i, K), axis=1)  # the drafts' leading run equal to the argmax
+        nxt = tl.sum(tl.where(i == a_v[:, None], tgt, 0), axis=1)  # the argmax after it (of every row, as torch's)
+        a = tl.where(active, a_v, 0)
+    else:
+        a = tl.where(active, tl.load(a_ptr + rb, mask=mb, other=0), 0)
+        nxt = tl.load(next_ptr + rb, mask=mb, other=0)
     new = tl.where(i == a[:, None], nxt[:, None], d)
     is_stop = i < 0  # all False, [BLOCK_B, BLOCK_K1]
     for s in tl.static_range(NS):
@@ -88,8 +97,9 @@ def _chain_commit_kernel(tok_ptr, n_ptr, gen_ptr, max_new_ptr, fin_ptr, lens_ptr
     on = active.to(tl.int64)
     h_ptr = hist_ptr + rb.to(tl.int64) * stride_hist + a
     tl.store(h_ptr, tl.load(h_ptr, mask=mb, other=0) + on, mask=mb)
-    ro = tl.load(ro_ptr + rb, mask=mb, other=0)
-    tl.store(relaxed_ptr, tl.load(relaxed_ptr) + tl.sum(ro * on, axis=0))
+    if not STRICT:  # strict accepts argmaxes only: its relaxed count adds 0
+        ro = tl.load(ro_ptr + rb, mask=mb, other=0)
+        tl.store(relaxed_ptr, tl.load(relaxed_ptr) + tl.sum(ro * on, axis=0))
     tl.store(steps_ptr, tl.load(steps_ptr) + tl.sum(on, axis=0))
     tl.store(new_ptr + b2 * stride_new + i, new, mask=m2)
     tl.store(keep_ptr + rb, keep, mask=mb)
@@ -111,23 +121,33 @@ def chain_commit(tokens_BS: torch.Tensor, n_B: torch.Tensor, gen_B: torch.Tensor
                  finished_B: torch.Tensor, seq_lens_B: torch.Tensor, p0_B: torch.Tensor, hist_BK1: torch.Tensor,
                  relaxed_only: torch.Tensor, row_steps: torch.Tensor, new_BK1: torch.Tensor, keep_B: torch.Tensor,
                  acc_B: torch.Tensor, drafts_BK: torch.Tensor, accept_len_B: torch.Tensor, next_token_B: torch.Tensor,
-                 relaxed_only_B: torch.Tensor, stop_ids: torch.Tensor, window: int | None, pdl: int = 0) -> None:
+                 relaxed_only_B: torch.Tensor, stop_ids: torch.Tensor, window: int | None, pdl: int = 0,
+                 target_BK1: torch.Tensor | None = None) -> None:
     """`accept` + a chain's `commit` (draft window `window`) + `count` of `mtp.decode.accept` in one launch, every
     output in place: tokens_BS [B, S], the row state (n_B, gen_B, finished_B bool, the target cache's seq_lens_B,
     the window start p0_B, untouched when window is None: a tree's step), the counters (hist_BK1 [B, K1],
     relaxed_only and row_steps 0-d) and the step's outputs (new_BK1 [B, K1], keep_B, acc_B); read: max_new_B,
     drafts_BK [B, K] (any row stride), the verdict (accept_len_B, next_token_B, relaxed_only_B) and stop_ids [NS].
     int64 throughout but finished_B. pdl: programmatic dependent launch (`_triton.pdl_kwargs`;
-    `FastPathOptions.glue_pdl_at`'s value)."""
+    `FastPathOptions.glue_pdl_at`'s value). `target_BK1` [B, K1] (unit last stride): the target's argmax, the verdict
+    taken from it inside the launch as `verify.strict.strict_verdict` takes it (switch strict_commit), where the
+    verdict's three tensors are then None."""
     require(tokens_BS, "chain_commit")
     B, K = drafts_BK.shape
+    strict = target_BK1 is not None
+    if strict:
+        if target_BK1.shape != (B, K + 1) or target_BK1.stride(1) != 1:
+            raise ValueError(f"chain_commit: target_BK1 must be [{B}, {K + 1}] with a unit last stride, got "
+                             f"{list(target_BK1.shape)} strides {target_BK1.stride()}")
+        # the three verdict pointers become the argmax's start (the kernel reads its rows by stride_tgt)
+        accept_len_B = next_token_B = relaxed_only_B = target_BK1[:, 0]
     if not chain_commit_takes(tokens_BS, drafts_BK, stop_ids, accept_len_B, next_token_B, relaxed_only_B):
         raise ValueError(f"chain_commit: takes int64 tokens, drafts [B, K], stop ids and verdict with B <= {MAX_ROWS}, "
                          f"K + 1 <= {MAX_K1}, 1..{MAX_STOPS} stop ids; got tokens {tokens_BS.dtype}, drafts "
                          f"{drafts_BK.dtype} {list(drafts_BK.shape)}, {stop_ids.numel()} stop ids {stop_ids.dtype}, "
                          f"verdict {[t.dtype for t in (accept_len_B, next_token_B, relaxed_only_B)]}")
-    rows = (n_B, gen_B, max_new_B, finished_B, seq_lens_B, p0_B, keep_B, acc_B, accept_len_B, next_token_B,
-            relaxed_only_B)
+    rows = (n_B, gen_B, max_new_B, finished_B, seq_lens_B, p0_B, keep_B, acc_B,
+            *(() if strict else (accept_len_B, next_token_B, relaxed_only_B)))
     if (any(t.shape != (B,) or t.stride(0) != 1 for t in rows) or finished_B.dtype != torch.bool
             or hist_BK1.shape != (B, K + 1) or new_BK1.shape != (B, K + 1) or hist_BK1.stride(1) != 1
             or new_BK1.stride(1) != 1 or tokens_BS.shape[0] != B or tokens_BS.stride(1) != 1
@@ -141,7 +161,8 @@ def chain_commit(tokens_BS: torch.Tensor, n_B: torch.Tensor, gen_B: torch.Tensor
         tokens_BS, n_B, gen_B, max_new_B, finished_B.view(torch.uint8), seq_lens_B, p0_B, hist_BK1, relaxed_only,
         row_steps, new_BK1, keep_B, acc_B, drafts_BK, accept_len_B, next_token_B, relaxed_only_B, stop_ids,
         B, K, window or 0, tokens_BS.shape[1], tokens_BS.stride(0), drafts_BK.stride(0) if K else 0, hist_BK1.stride(0),
-        new_BK1.stride(0), NS=stop_ids.numel(), BLOCK_B=max(2, triton.next_power_of_2(B)),
-        BLOCK_K1=max(2, triton.next_power_of_2(K + 1)), WINDOW=window is not None,
+        new_BK1.stride(0), target_BK1.stride(0) if strict else 0, NS=stop_ids.numel(),
+        BLOCK_B=max(2, triton.next_power_of_2(B)), BLOCK_K1=max(2, triton.next_power_of_2(K + 1)),
+        WINDOW=window is not None, STRICT=strict,
         PDL=pdl_mode(pdl, launch),
         num_warps=1 if B * (K + 1) <= 512 else 4, **launch)

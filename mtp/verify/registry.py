@@ -49,6 +49,9 @@ class Verifier:
     chain_argmax: str | None = None  # "module:function" of its chain rule of the target's argmax (None: it needs the
     # logits); the same verdict as `chain` on the logits' argmax
     tree_argmax: str | None = None  # likewise of its tree rule
+    argmax_prefix: bool = False  # its chain verdict of the argmax is strict's (`strict.strict_verdict`: the drafts'
+    # leading run equal to the argmax, the argmax after it, none relaxed): the fast path's commit kernel takes the
+    # argmax and makes that verdict inside its launch (switch strict_commit, `mtp.kernels.step_commit`)
 
     def chain_rule(self) -> Callable:
         return _resolve(self.name, "chain", self.chain)
@@ -110,7 +113,8 @@ def verifier(name) -> Verifier:
 
 
 register_verifier(Verifier("strict", "mtp.verify.strict:chain", "mtp.verify.tree:strict", greedy_output=True,
-                           chain_argmax="mtp.verify.strict:chain_argmax", tree_argmax="mtp.verify.tree:strict_argmax"))
+                           chain_argmax="mtp.verify.strict:chain_argmax", tree_argmax="mtp.verify.tree:strict_argmax",
+                           argmax_prefix=True))
 register_verifier(Verifier("relaxed", "mtp.verify.relaxed:chain", "mtp.verify.tree:relaxed",
                            options=("top_n", "delta", "think_ids", "span_rule"), needs_think_ids=True))
 register_verifier(Verifier("sample", "mtp.verify.sampling:chain", "mtp.verify.tree:sampling", options=("sampling",),

@@ -8,12 +8,14 @@ Shape legend: B rows, K drafts, K1 = K + 1, S buffer positions.
   - kernel: random steps (B = 1..6, K = 0..5, finished rows, stop ids among the drafts and the target's token, rows
     at their last allowed tokens, windows of 1..2K) from random states: every tensor the torch ops write (tokens,
     n, generated, finished, the cache's lengths, the window start, the histogram, the two counters, the step's
-    new / keep / acc outputs) torch.equal after the kernel;
+    new / keep / acc outputs) torch.equal after the kernel; likewise with strict's verdict made in the launch from
+    the target's argmax (switch strict_commit, `fused_commit` given the argmax) against `strict_verdict`'s;
   - kernel, a tree's step: random paths through trees of 3..9 nodes, the path's cache slots compacted after the kernel
     (`fused_commit(path_BA=)`), against accept / commit(path_BA) / count: every tensor above and the cache's entries
     torch.equal, the draft window's start untouched;
   - engine: strict decoding on a tiny model whose MTP heads agree with the trunk (drafts accepted) with the switch on
-    and off (nothing else of the fast path installed): the same tokens, acceptance, decode buffers and caches, for
+    and off (with it strict_commit, the verdict inside the launch, and draft_window, the proposer's window in one
+    launch; nothing else of the fast path installed): the same tokens, acceptance, decode buffers and caches, for
     plain, eagle and vanilla chains, with a stop id cutting rows, and an eagle 2x1 tree (one row, no stop round:
     ~10 s); the kernel launched once a step.
 GPU twin (eager and CUDA graphs, the real TP=8 rank's eagle k = 3 step): tests/backends/test_glue_gpu.py.
@@ -72,9 +74,9 @@ def test_kernel_compiles_for_hopper():
                                       "relaxed_ptr", "steps_ptr", "new_ptr", "keep_ptr", "acc_ptr", "drafts_ptr",
                                       "a_ptr", "next_ptr", "ro_ptr", "stop_ptr")}
     gdc = ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
-    for rows, k1, warps, pdl in ((2, 4, 1, 1), (64, 8, 4, 2)):
+    for rows, k1, warps, pdl, strict in ((2, 4, 1, 1, False), (64, 8, 4, 2, True)):
         k = _compile_for_hopper(_chain_commit_kernel, {**ptrs, "fin_ptr": "*u8"},
-                                dict(NS=2, BLOCK_B=rows, BLOCK_K1=k1, PDL=pdl), num_warps=warps)
+                                dict(NS=2, BLOCK_B=rows, BLOCK_K1=k1, PDL=pdl, STRICT=strict), num_warps=warps)
         ptx = k.asm["ptx"]
         assert "st.global.b8" in ptx and ".local" not in ptx, (rows, k1)
         order = _order(ptx)
@@ -162,6 +164,25 @@ def _kernel_checks() -> None:
                 bad = [k for k in a if not torch.equal(a[k], b[k])]
                 assert not bad, (B, K, W, bad, {k: (a[k], b[k]) for k in bad})
                 cases += 1
+    # strict's verdict made inside the launch from the target's argmax (switch strict_commit): against
+    # `strict_verdict` then the torch ops; argmaxes that agree with the drafts up to a random row-wise point
+    from mtp.verify.strict import strict_verdict
+
+    for B in (1, 3, 6):
+        for K in (0, 1, 3, 5):
+            for _ in range(4):
+                st, drafts, _, stops = _random_step(g, B, K)
+                target = torch.randint(0, 12, (B, K + 1), generator=g)
+                agree = torch.arange(K + 1) < torch.randint(0, K + 2, (B, 1), generator=g)
+                target[:, :K] = torch.where(agree[:, :K], drafts, target[:, :K])
+                W = int(torch.randint(1, 2 * K + 2, (), generator=g))
+                want = _torch_commit(st, drafts, strict_verdict(drafts, target), stops, window=W)
+                got = copy.deepcopy(st)
+                fused_commit(got, drafts, torch.cat((target, target), 1)[:, :K + 1], stops, W)  # a row stride
+                a, b = _state(want), _state(got)
+                bad = [k for k in a if not torch.equal(a[k], b[k])]
+                assert not bad, ("strict", B, K, W, bad, {k: (a[k], b[k]) for k in bad})
+                cases += 1
     # a tree's step: the drafts along a random path of a tree of N nodes, the path's cache slots compacted after the
     # kernel, no draft window (p0 untouched)
     for B, K, N in ((1, 1, 3), (3, 3, 9), (4, 2, 7)):
@@ -225,7 +246,8 @@ def _engine_checks() -> None:
         tree = "tree" in kw  # one row, one round: a tree's verify on the reference path is the run's slowest
         for _ in range(1 if tree else 2):  # the second round with a token the first made mid-row as a stop id
             outs = {}
-            for label, opts in (("off", FastPathOptions(step_commit=False)), ("on", FastPathOptions())):
+            off = FastPathOptions(step_commit=False, strict_commit=False, draft_window=False)
+            for label, opts in (("off", off), ("on", FastPathOptions())):
                 model.fast_options = opts
                 calls.clear()
                 gcfg = GenerationConfig.from_options(8, kw["draft"], kw.get("k"), "strict", tree=kw.get("tree"),
