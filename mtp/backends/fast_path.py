@@ -196,8 +196,10 @@ class FastMoE(MoE):
     switch `moe_item_regs` (any persistent call; the same bits), its gate/up on the block's quantized x (`forward`'s
     xq) with switch `moe_x8` (any persistent call; the same bits), its weight tiles by TMA with switch `moe_tma` (any
     persistent call on a GPU with TMA, `moe.has_tma`; the same bits), its down projection by output block with switch
-    `moe_down_nb` (any persistent call; no combine launch, another fp32 sum order). `set_kernel_options` switches. Above
-    `grouped_above` tokens (verify batches, prefill) every MoE runs the grouped GEMM (`kernels.moe_grouped`),
+    `moe_down_nb` (any persistent call; no combine launch, another fp32 sum order), its plan read from the router's ids
+    and its first experts' rows asked of L2 before its PDL wait with option `moe_down_pf_experts`, gate/up's trigger
+    after its wait with switch `moe_gate_up_aw` (any persistent call; the same bits). `set_kernel_options` switches.
+    Above `grouped_above` tokens (verify batches, prefill) every MoE runs the grouped GEMM (`kernels.moe_grouped`),
     `max_tokens` per call."""
 
     stacked: dict[str, torch.Tensor] | None = None
@@ -305,13 +307,15 @@ class FastMoE(MoE):
             layout = self.kernel_layout(N)  # None: by size (`moe.default_layout`), resolved here for the splits
             persistent = (layout or default_layout(N, ids_NK.shape[1] + shared)) == "persistent"
             waves = persistent and self.all_local and self.fast_options.moe_wave_splits
+            down_nb = persistent and self.fast_options.moe_down_nb
             return moe_experts(x_ND, ids_NK, w_NK, *ws, out_dtype=torch.float32, layout=layout, add=add,
                                shared=shared, splits="waves" if waves else None, pdl=self.fast_options.pdl_at(N),
                                prefetch=self.fast_options.prefetch_at(N),
                                item_regs=persistent and self.fast_options.moe_item_regs,
                                xq=xq if persistent and self.fast_options.moe_x8 else None,
                                tma=persistent and self.fast_options.moe_tma and has_tma(x_ND.device),
-                               down_nb=persistent and self.fast_options.moe_down_nb)
+                               down_nb=down_nb, gate_up_after_wait=persistent and self.fast_options.moe_gate_up_aw,
+                               down_pf_experts=self.fast_options.moe_down_pf_experts if down_nb else 0)
         C = self.max_tokens
         bm = default_block_m(min(N, C))
         outs = [moe_experts(x_ND[a:a + C], ids_NK[a:a + C], w_NK[a:a + C], *ws, out_dtype=torch.float32,

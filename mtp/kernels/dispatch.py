@@ -156,6 +156,32 @@ version, so the engine captures its kept graphs again).
   layers, 1k, busy ms, BENCHMARKS.md session 20): +0.02 / -0.34 / -0.36 / -0.57 a step at w = 1 / 2 / 3 / 4; alone
   (`mtp.bench.topk_moe --only moe_down_nb`, gate/up + down (+ combine)) 43.5 -> 38.3 / 50.4 -> 43.6 / 69.1 -> 58.5 us
   at T = 2 / 3 / 4.
+- moe_down_pf_experts (0: off; an integer; variants moe_down_pf, moe_down_pf_noaw, moe_down_pf_all): with pdl,
+  prefetch (`prefetch_at`) and moe_down_nb, where the gate/up launch before it triggers it only after gate/up's own
+  wait (PDL_AFTER_WAIT: calls past pdl_early_tokens, or every call with moe_gate_up_aw), the down kernel by output
+  block reads the router's ids and route weights and the down scales before its PDL wait and builds the weight
+  side of its plan there (`moe_down_nb._plan_ids` / `_plan_ranks`: final by then, since gate/up could only trigger
+  once the router had completed), and each program asks L2 for its rows of its loop's first this many experts
+  (ascending id: the loop's order; `moe_down_nb._prefetch_routed`), as it did the shared expert's rows alone
+  (`moe.moe_experts(down_pf_experts=)`). Where gate/up triggers at its start (one token by default) the router may
+  still be running: compiled out there. The same plan, the same bits (a prefetch is a hint). Replaces: the whole
+  plan after the wait (the ids' load, the down scales' load that waits on it, the ranks' ~8 barriers; ~1.5 us of
+  round trips) and the first weight tiles from HBM. Why: profiled (H200, one TP=8 split rank, 61 layers, 1k) the
+  down kernel is exposed 11.2 us a MoE layer at one token against ~4 us of bytes (16.5 MB: 9 experts x 7168 x 256),
+  21 us at four against 13.4. Its programs (123 KB of shared memory) fit beside none of gate/up's (139 KB), so they
+  start as gate/up's programs exit: the window is gate/up's tail (its fix-ups, its completion), ~1.5-3 us. Predicted
+  (not yet measured): -1.5 to -3 us a MoE layer (the plan's ~1.5 us off the critical path, the first experts'
+  tiles from L2), -0.09 to -0.17 ms a step at w = 2..4 (58 MoE layers); at w = 1 only with moe_gate_up_aw: -2 to -4
+  us a layer, -0.12 to -0.23 ms. 8 covers a one-token call's routed experts (its shared one, the loop's last, is
+  asked for anyway) and 14.7 MB of a four-token call's 60.5 (33 experts: all of them would overflow the 50 MB L2
+  while gate/up's own weights stream through it); 64 (variant moe_down_pf_all): every expert of the call.
+- moe_gate_up_aw (off; variant moe_gate_up_aw, and with moe_down_pf_experts moe_down_pf): with pdl, the persistent
+  experts' gate/up launch triggers the down launch after its own wait (`_triton.PDL_AFTER_WAIT`) at every width,
+  one token included (pdl_early_tokens puts it at the start there), so that moe_down_pf_experts applies to one-token
+  calls too (`moe.moe_experts(gate_up_after_wait=)`); the same bits. Trade-off (predicted, not yet measured): the
+  down kernel launches only once the router has completed instead of when gate/up starts; its programs cannot sit
+  beside gate/up's anyway (shared memory), but its successors' chain of early launches (down triggers at its start
+  at one token) starts a few us later: ~0 (+0.3 us a layer at most) alone, -2 to -4 us a layer with the early plan.
 - pdl (on, for calls of up to `pdl_tokens` tokens: 64 by default on a tensor-parallel rank, with the trigger after
   the wait past one token, pdl_early_tokens 1: measured on one TP=8 split rank, H200, BENCHMARKS.md session 15,
   back-to-back replays: -0.36 to -0.51 ms a step at w = 2..4 at 1k, -0.14 to -0.43 at 32k, against PDL at w = 1
@@ -334,7 +360,7 @@ ELEMENTWISE_IMPLS = ("triton", "compile", "eager")
 # the options that are integers; every other field is an on / off switch
 INT_FIELDS = ("gemv_rows", "pdl_tokens", "pdl_prefetch_tokens", "pdl_early_tokens", "fused_hist_rows",
               "gemv_one_slice", "gemv_warps", "norm_warps", "mla_channel_splits", "router_one_tokens",
-              "router_one_split", "gemm_deep_rows")
+              "router_one_split", "gemm_deep_rows", "moe_down_pf_experts")
 
 
 @dataclass
@@ -372,6 +398,7 @@ class FastPathOptions:
     tree_verdict: bool = True
     strict_commit: bool = True
     draft_window: bool = True
+    moe_gate_up_aw: bool = False
     router_one_tokens: int = 8
     # impl one's calls of at least this many tokens route one token in each of its last programs to arrive
     # (`moe_route_fused(split_tail=True)`: the same bits); 0: never (the default until timed on a GPU)
@@ -431,6 +458,10 @@ class FastPathOptions:
     # -0.4 us a layer, ~-0.025 ms a step at w = 2..4. Not the 11264-row q_b | wq_b of a long context (session 24's
     # sweep: the default plan was its best)
     gemm_deep_q_b: bool = True
+    # with pdl, prefetch and moe_down_nb, where gate/up triggers the down launch after its wait: the down kernel's plan
+    # from the router's ids before its own wait, and its rows of its loop's first this many experts asked of L2 there
+    # (`moe.moe_experts(down_pf_experts=)`); 0: off (the default until timed on a GPU)
+    moe_down_pf_experts: int = 0
 
     def deep_tune(self, rows: int, K: int, N: int) -> dict:
         """The few-row GEMV's launch overrides for a call of `rows` rows over K input channels into N outputs (see

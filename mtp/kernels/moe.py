@@ -68,8 +68,8 @@ import torch.nn.functional as F
 from mtp.model.fp8 import BLOCK, FP8_DTYPE, fp8_gemm_ref
 from mtp.model.fp8 import act_quant as act_quant_ref
 from mtp.model.moe import route
-from mtp.kernels._triton import (asm_ok, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, prefetch_span_l2, require, tl,
-                                 triton)
+from mtp.kernels._triton import (PDL_AFTER_WAIT, asm_ok, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, prefetch_span_l2,
+                                 require, tl, triton)
 from mtp.kernels.act_quant import quant_e4m3, ue8m0_scale
 from mtp.kernels.fp8_gemm import _counters
 from mtp.kernels.moe_down_nb import resolve_tile
@@ -674,7 +674,8 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
                 prefetch: bool = True, item_regs: bool = False, item_prefetch: bool = False,
                 warps: tuple[int, int] | None = None,
                 xq: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool = False, down_nb: bool = False,
-                down_tile: tuple[int, int] | None = None) -> torch.Tensor:
+                down_tile: tuple[int, int] | None = None, gate_up_after_wait: bool = False,
+                down_pf_experts: int = 0) -> torch.Tensor:
     """Kernel twin of `moe_experts_ref` for T <= MAX_TOKENS: y [T, D] = sum_j w[t,j] * Expert_idx[t,j](x[t]).
 
     idx_TJ int32 expert ids in [0, E), distinct within a token (the grouped layout takes repeats), or -1 for a slot
@@ -735,6 +736,14 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     (the same bits; default `moe_down_nb.default_tile`); down_stages / warps[1] are its num_stages / num_warps
     (default `moe_down_nb.DEFAULT_STAGES`, 4); with tma its weight tiles by TMA ([BN, 128] blocks); splits' down
     slices do not apply.
+    gate_up_after_wait: with PDL, the gate/up launch lets the next one launch only after its own wait
+    (`_triton.PDL_AFTER_WAIT`) whatever pdl says (switch `FastPathOptions.moe_gate_up_aw`); the same bits.
+    down_pf_experts (>= 0; > 0 only with down_nb): where the gate/up launch triggers after its wait (pdl ==
+    PDL_AFTER_WAIT, or gate_up_after_wait) and prefetch, the down kernel reads the router's ids and route weights and
+    the down scales before its own wait (final by then: gate/up let it launch only after the router had completed)
+    and asks L2 for its rows of its loop's first down_pf_experts experts (`moe_down_nb.down_nb(pf_experts=)`, switch
+    `FastPathOptions.moe_down_pf_experts`); the same plan, the same bits. Elsewhere (gate/up's trigger at its start:
+    the router may still run) compiled out.
     """
     require(x_TD, "moe_experts")
     T, D = x_TD.shape
@@ -794,6 +803,12 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     if down_tile is not None and not down_nb:
         raise ValueError(f"moe_experts: down_tile is down_nb's, got {down_tile!r} with down_nb {down_nb!r}")
     down_tile = resolve_tile(down_tile, I) if down_nb else None
+    if not isinstance(gate_up_after_wait, bool):
+        raise ValueError(f"moe_experts: gate_up_after_wait must be a bool, got {gate_up_after_wait!r}")
+    if isinstance(down_pf_experts, bool) or not isinstance(down_pf_experts, int) or down_pf_experts < 0 or (
+            down_pf_experts and not down_nb):
+        raise ValueError(f"moe_experts: down_pf_experts must be an integer >= 0, and > 0 only with down_nb; got "
+                         f"{down_pf_experts!r} with down_nb {down_nb!r}")
     if tma and x_TD.is_cuda and torch.cuda.get_device_capability(x_TD.device)[0] < 9:
         raise ValueError(f"moe_experts: tma needs a GPU with TMA (compute capability >= 9.0), got "
                          f"{torch.cuda.get_device_name(x_TD.device)}")
@@ -819,6 +834,8 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
     launch = pdl_kwargs(pdl, x)
     kw = dict(TOPK=TOPK, J=J, BM=bm, PPAD=ppad, KPAD=kpad, PDL=pdl_mode(pdl, launch), PREFETCH=bool(launch) and prefetch,
               num_warps=4, **launch)
+    # gate/up's trigger: after its wait, the router (gate/up's predecessor) has completed when the down kernel starts
+    gu_pdl = pdl_mode(PDL_AFTER_WAIT if pdl and gate_up_after_wait else pdl, launch)
     # gate/up's x operand: x8 and its row scales (X8), or x, quantized in the K loop (sx_ptr a stand-in, never read)
     xa, sxa, stride_sxm = (x8, sx, sx.stride(0)) if xq is not None else (x, x, 0)
     if layout == "pairs":
@@ -830,7 +847,7 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
             gate_up_stages = 4 if bm <= 16 and P * (I // BLOCK) <= _sm_count(dev) else 3
         _moe_gate_up_kernel[(P, I // BLOCK)](xa, sxa, idx, *wargs, h8, hs, T, D, I, xa.stride(0), stride_sxm,
                                              w_gate.stride(0), s_gate.stride(0), s_gate.stride(1), S,
-                                             num_stages=gate_up_stages, X8=xq is not None, **kw)
+                                             num_stages=gate_up_stages, X8=xq is not None, **dict(kw, PDL=gu_pdl))
         ks_down = 1
         part = torch.empty(P, D, dtype=torch.float32, device=dev)
         _moe_down_kernel[(P, triton.cdiv(D, BLOCK))](h8, hs, idx, rw, w_down, s_down, part, T, D, I, w_down.stride(0),
@@ -860,11 +877,11 @@ def moe_experts(x_TD: torch.Tensor, idx_TJ: torch.Tensor, w_TJ: torch.Tensor, w_
         _moe_gate_up_persistent[(min(g_gu, n_act * nb * ks_gu),)](
             xa, sxa, idx, *wargs, h8, hs, gu_part, cnt, d_gate, d_up, T, D, I, xa.stride(0), stride_sxm,
             w_gate.stride(0), s_gate.stride(0), s_gate.stride(1), ks_gu, S, num_stages=gate_up_stages or 4,
-            X8=xq is not None, TMA=tma, **dict(kw, num_warps=wu), **items, **fix)
+            X8=xq is not None, TMA=tma, **dict(kw, num_warps=wu, PDL=gu_pdl), **items, **fix)
         if down_nb:  # y itself, the shared slot and add included: no partials, no combine
             return down_nb_kernel(h8, hs, idx, rw, w_down, s_down, T, shared, out_dtype or x_TD.dtype, add=add,
                                   pdl=pdl, prefetch=prefetch, tile=down_tile, stages=down_stages, warps=wd,
-                                  desc=d_down)
+                                  desc=d_down, pf_experts=down_pf_experts if gu_pdl == PDL_AFTER_WAIT else 0)
         part = torch.empty(ks_down, P, D, dtype=torch.float32, device=dev)
         _moe_down_persistent[(min(g_down, n_act * triton.cdiv(D, BLOCK) * ks_down),)](
             h8, hs, idx, rw, w_down, s_down, part, d_down, T, D, I, w_down.stride(0), s_down.stride(0),

@@ -32,7 +32,11 @@ scales, which gate/up's last-arriving K slices write in different programs with 
 them, and the weight's block scale, which differs per output block; a shared plan would leave both scales to
 per-iteration loads, and would tie the two kernels to one buffer format. The price is the plan on every program's
 critical path after the wait: the ids' load, the down scales' load that depends on them, stores and two barriers
-(predicted ~1 us a call more than a plan read from L2).
+(predicted ~1 us a call more than a plan read from L2). Where gate/up lets this kernel launch only after gate/up's own
+wait (the router has completed then), option `FastPathOptions.moe_down_pf_experts` (`down_nb(pf_experts=)`) reads the
+ids, route weights and down scales and ranks the experts before this kernel's wait (`_plan_ids`, `_plan_ranks`), and
+asks L2 for the program's rows of its loop's first experts there (`_prefetch_routed`): after the wait remain h's
+scales, the stores and the barriers. The same plan, the same bits.
 
 Session 15 measured a kernel of this grid slower (`moe_down_fused`, branch `moedown2`: a program per 64 rows, one
 loop over the call's (pair, K group) iterations, 4 x 8 KB tiles ahead, the combine's sum order; the experts 86.5 vs
@@ -105,26 +109,53 @@ def default_tile(I: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _plan(idx_ptr, rw_ptr, hs_ptr, s2_ptr, plan_ptr, cs_ptr, T, S, blk, stride_se, stride_sn, TOPK: tl.constexpr,
-          J: tl.constexpr, GI: tl.constexpr, GPAD: tl.constexpr, TP: tl.constexpr, PPAD: tl.constexpr):
-    """This program's plan (module docstring) at plan_ptr (elist [PPAD] int32, then slots [PPAD, TP] int32) and cs_ptr
-    ([PPAD * GI, TP] fp32), for output rows in weight-scale block blk; returns A. Pair q's expert is the a-th of the
-    call by id where a = the number of distinct experts (leading pairs) of smaller id. The cells no pair fills (-1 /
-    0) are written first, then, after a barrier, each pair's own cells (a token names an expert at most once), then
-    a barrier before the loop reads them."""
+def _plan_ids(idx_ptr, s2_ptr, T, S, blk, stride_se, stride_sn, TOPK: tl.constexpr, J: tl.constexpr,
+              GI: tl.constexpr, GPAD: tl.constexpr, PPAD: tl.constexpr):
+    """The plan's (module docstring) first loads: (iq [PPAD] the pairs' experts (< 0: none), s2 [PPAD, GPAD] the down
+    scales of each pair's expert in weight-scale block blk). The router's ids and a constant: read before the PDL
+    wait where the router's outputs are final then (`down_nb(pf_experts=)`), else after it."""
     q = tl.arange(0, PPAD)
     iq = _ids(idx_ptr, q, q < T * TOPK, S, TOPK, J)
-    valid = iq >= 0
     g = tl.arange(0, GPAD)
-    pg = valid[:, None] & (g < GI)[None, :]
-    # issued first: the down scales wait on the ids, the compares below do not wait on them
+    pg = (iq >= 0)[:, None] & (g < GI)[None, :]
+    # issued first: the down scales wait on the ids, the compares of `_plan_ranks` do not wait on them
     s2 = tl.load(s2_ptr + iq.to(tl.int64)[:, None] * stride_se + blk * stride_sn + g[None, :], mask=pg, other=0.0)
-    hs = tl.load(hs_ptr + q[:, None] * GI + g[None, :], mask=pg, other=0.0)
+    return iq, s2
+
+
+@triton.jit
+def _plan_ranks(rw_ptr, iq, TOPK: tl.constexpr, J: tl.constexpr, PPAD: tl.constexpr):
+    """(rw [PPAD] each pair's route weight, lead (the pair naming its expert first), place (its expert's in the loop:
+    the number of distinct experts of smaller id), A) from the pairs' experts iq (`_plan_ids`); before the wait or
+    after it as `_plan_ids`."""
+    q = tl.arange(0, PPAD)
+    valid = iq >= 0
     rw = _slot_weights(rw_ptr, q, valid, TOPK, J)
     earlier = (iq[:, None] == iq[None, :]) & (q[None, :] < q[:, None])
     lead = valid & (tl.sum(earlier.to(tl.int32), 1) == 0)
-    a = tl.sum((lead[None, :] & (iq[None, :] < iq[:, None])).to(tl.int32), 1)
-    n_act = tl.sum(lead.to(tl.int32), 0)
+    place = tl.sum((lead[None, :] & (iq[None, :] < iq[:, None])).to(tl.int32), 1)
+    return rw, lead, place, tl.sum(lead.to(tl.int32), 0)
+
+
+@triton.jit
+def _h_scales(hs_ptr, iq, GI: tl.constexpr, GPAD: tl.constexpr, PPAD: tl.constexpr):
+    """hs [PPAD, GPAD]: gate/up's h scales of the pairs with an expert (0 elsewhere); after the wait."""
+    q = tl.arange(0, PPAD)
+    g = tl.arange(0, GPAD)
+    return tl.load(hs_ptr + q[:, None] * GI + g[None, :], mask=(iq >= 0)[:, None] & (g < GI)[None, :], other=0.0)
+
+
+@triton.jit
+def _plan_store(plan_ptr, cs_ptr, iq, s2, hs, rw, lead, place, n_act, TOPK: tl.constexpr, GI: tl.constexpr,
+                GPAD: tl.constexpr, TP: tl.constexpr, PPAD: tl.constexpr):
+    """This program's plan (module docstring) at plan_ptr (elist [PPAD] int32, then slots [PPAD, TP] int32) and cs_ptr
+    ([PPAD * GI, TP] fp32) from `_plan_ids`', `_h_scales`' and `_plan_ranks`' values: pair q's expert is the
+    place-th of the call by id. The cells no pair fills (-1 / 0) are written first, then, after a barrier, each
+    pair's own cells (a token names an expert at most once), then a barrier before the loop reads them."""
+    q = tl.arange(0, PPAD)
+    valid = iq >= 0
+    g = tl.arange(0, GPAD)
+    pg = valid[:, None] & (g < GI)[None, :]
     c = tl.arange(0, TP)
     tl.store(plan_ptr + PPAD + q[:, None] * TP + c[None, :], tl.full((PPAD, TP), -1, tl.int32),
              mask=(q < n_act)[:, None])
@@ -133,11 +164,25 @@ def _plan(idx_ptr, rw_ptr, hs_ptr, s2_ptr, plan_ptr, cs_ptr, T, S, blk, stride_s
              mask=(r < n_act * GI)[:, None])
     tl.debug_barrier()
     t = q // TOPK
-    tl.store(plan_ptr + a, iq, mask=lead)
-    tl.store(plan_ptr + PPAD + a * TP + t, q, mask=valid)
-    tl.store(cs_ptr + (a[:, None] * GI + g[None, :]) * TP + t[:, None], hs * s2 * rw[:, None], mask=pg)
+    tl.store(plan_ptr + place, iq, mask=lead)
+    tl.store(plan_ptr + PPAD + place * TP + t, q, mask=valid)
+    tl.store(cs_ptr + (place[:, None] * GI + g[None, :]) * TP + t[:, None], hs * s2 * rw[:, None], mask=pg)
     tl.debug_barrier()
-    return n_act
+
+
+@triton.jit
+def _prefetch_routed(w2_ptr, iq, lead, place, n_act, rows, D, stride_we, I: tl.constexpr, PF: tl.constexpr,
+                     PFP: tl.constexpr):
+    """This program's rows of the loop's first min(PF, A) experts (the distinct experts by ascending id: the order the
+    loop reads them) asked of L2, their ids from `_plan_ids` / `_plan_ranks`' registers (PFP = next_pow2(PF)). The
+    prefetch has no predicate: the places past them ask for the first expert's lines again (a repeat only re-asks
+    L2); nothing without an expert."""
+    k = tl.arange(0, PFP)
+    e = tl.sum(tl.where(lead[None, :] & (place[None, :] == k[:, None]), iq[None, :], 0), 1)
+    e = tl.where(k < tl.minimum(n_act, PF), e, tl.sum(tl.where(lead & (place == 0), iq, 0), 0))
+    if n_act > 0:
+        prefetch_rows_l2(w2_ptr + e.to(tl.int64)[:, None] * stride_we + tl.minimum(rows, D - 1).to(tl.int64)[None, :]
+                         * I, I, 128)
 
 
 @triton.jit
@@ -153,8 +198,8 @@ def _w_tile(w2_desc, w_rows, rmask, e, nb, g, D, stride_we, BN: tl.constexpr, TM
 def _moe_down_nb_kernel(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, add_ptr, y_ptr, plan_ptr, cs_ptr, w2_desc,
                         T, D, stride_we, stride_se, stride_sn, S, TOPK: tl.constexpr, J: tl.constexpr,
                         GI: tl.constexpr, GPAD: tl.constexpr, BN: tl.constexpr, GU: tl.constexpr, TP: tl.constexpr,
-                        PPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, ADD: tl.constexpr,
-                        TMA: tl.constexpr):
+                        PPAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, PF: tl.constexpr,
+                        PFP: tl.constexpr, ADD: tl.constexpr, TMA: tl.constexpr):
     """y[t, rows] of output block nb (BN rows) for every token (module docstring), GU (1 or 2, dividing GI) K groups
     an iteration. TMA: the weight tiles through the host descriptor w2_desc of the stack seen as [E * D, I] with
     [BN, 128] blocks (`moe.weight_desc`; None without it). ADD: + add[t, rows] after the experts' sum."""
@@ -167,11 +212,21 @@ def _moe_down_nb_kernel(h8_ptr, hs_ptr, idx_ptr, rw_ptr, w2_ptr, s2_ptr, add_ptr
         if TOPK > J:  # the shared expert's rows of this block, known before the router's ids: asked of L2
             prefetch_rows_l2(w2_ptr + tl.cast(S, tl.int64) * stride_we + tl.minimum(rows, D - 1).to(tl.int64) * I,
                              I, 128)
-    pdl_wait(PDL)  # the router's ids and weights, gate / up's h and its scales
+    blk = (nb * BN) // 128
+    EARLY: tl.constexpr = PDL != 0 and PF > 0
+    if EARLY:  # the router's ids and weights final already (`down_nb(pf_experts=)`): the routed experts' rows asked
+        iq, s2 = _plan_ids(idx_ptr, s2_ptr, T, S, blk, stride_se, stride_sn, TOPK, J, GI, GPAD, PPAD)
+        rw, lead, place, n_act = _plan_ranks(rw_ptr, iq, TOPK, J, PPAD)
+        _prefetch_routed(w2_ptr, iq, lead, place, n_act, rows, D, stride_we, I, PF, PFP)
+    pdl_wait(PDL)  # the router's ids and weights (unless EARLY), gate / up's h and its scales
+    if not EARLY:  # the order before the option: h's scales issued before the ranks' reductions and their barriers
+        iq, s2 = _plan_ids(idx_ptr, s2_ptr, T, S, blk, stride_se, stride_sn, TOPK, J, GI, GPAD, PPAD)
+    hs = _h_scales(hs_ptr, iq, GI, GPAD, PPAD)
+    if not EARLY:
+        rw, lead, place, n_act = _plan_ranks(rw_ptr, iq, TOPK, J, PPAD)
     plan = plan_ptr + nb * (PPAD * (TP + 1))
     cs_plan = cs_ptr + nb * (PPAD * GI * TP)
-    n_act = _plan(idx_ptr, rw_ptr, hs_ptr, s2_ptr, plan, cs_plan, T, S, (nb * BN) // 128, stride_se, stride_sn,
-                  TOPK, J, GI, GPAD, TP, PPAD)
+    _plan_store(plan, cs_plan, iq, s2, hs, rw, lead, place, n_act, TOPK, GI, GPAD, TP, PPAD)
     k = tl.arange(0, 128)
     c = tl.arange(0, TP)
     w_rows = w2_ptr + rows.to(tl.int64)[:, None] * I + k[None, :]
@@ -220,7 +275,7 @@ def resolve_tile(tile: tuple[int, int] | None, I: int) -> tuple[int, int]:
 def down_nb(h8: torch.Tensor, hs: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, w_down: torch.Tensor,
             s_down: torch.Tensor, T: int, shared: bool, out_dtype: torch.dtype, add: torch.Tensor | None = None,
             pdl: int = 0, prefetch: bool = True, tile: tuple[int, int] | None = None, stages: int | None = None,
-            warps: int | None = None, desc=None) -> torch.Tensor:
+            warps: int | None = None, desc=None, pf_experts: int = 0) -> torch.Tensor:
     """y [T, D] (out_dtype) = sum over each token's pairs of route weight x down(h) (+ add) by `_moe_down_nb_kernel`:
     h8 [P, I] fp8 and hs [P, I / 128] fp32 per flat pair (gate/up's output; P = T * slots), idx [T, J] int32 (-1: a
     slot to skip), rw [T, J] fp32, the down stack w_down [E, D, I] fp8 with s_down [E, ceil(D / 128), I / 128]
@@ -229,7 +284,12 @@ def down_nb(h8: torch.Tensor, hs: torch.Tensor, idx: torch.Tensor, rw: torch.Ten
     iteration): BN of DOWN_NB_ROWS and 1 or 2 (dividing I / 128; the same bits either way), default `default_tile`;
     stages: num_stages (default DEFAULT_STAGES); warps: num_warps (default 4); desc: the stack's TMA descriptor with
     [rows, 128] blocks (`moe.weight_desc(block_rows=rows)`), or None for pointer loads. pdl / prefetch as
-    `moe.moe_experts`'. Called by `moe.moe_experts`, which checks the other inputs."""
+    `moe.moe_experts`'. pf_experts (> 0: the caller's word that the launch before this one, gate/up, lets it launch
+    only after its own wait, so that the router's ids and route weights are final when this kernel starts:
+    `moe_experts(down_pf_experts=)` passes it only then): with PDL and prefetch, the plan's part that reads only
+    them and the down scales (`_plan_routes`) runs before the wait, and each program asks L2 for its rows of the
+    loop's first pf_experts experts (`_prefetch_routed`); the same plan, the same bits. 0, or without PDL or
+    prefetch: compiled out. Called by `moe.moe_experts`, which checks the other inputs."""
     E, D, I = w_down.shape
     J = idx.shape[1]
     GI = I // 128
@@ -242,10 +302,12 @@ def down_nb(h8: torch.Tensor, hs: torch.Tensor, idx: torch.Tensor, rw: torch.Ten
     cs = torch.empty(grid * ppad * GI * tp, dtype=torch.float32, device=dev)
     y = torch.empty(T, D, dtype=out_dtype, device=dev)
     launch = pdl_kwargs(pdl, h8)
+    pf = min(pf_experts, ppad) if launch and prefetch else 0  # at most P distinct experts
     _moe_down_nb_kernel[(grid,)](h8, hs, idx, rw, w_down, s_down, y if add is None else add, y, plan, cs, desc, T, D,
                                  w_down.stride(0), s_down.stride(0), s_down.stride(1), E - 1 if shared else -3,
                                  TOPK=J + shared, J=J, GI=GI, GPAD=triton.next_power_of_2(GI), BN=rows, GU=groups,
                                  TP=tp, PPAD=ppad, PDL=pdl_mode(pdl, launch), PREFETCH=bool(launch) and prefetch,
-                                 ADD=add is not None, TMA=desc is not None, num_warps=warps or 4,
+                                 PF=pf, PFP=triton.next_power_of_2(max(pf, 1)), ADD=add is not None,
+                                 TMA=desc is not None, num_warps=warps or 4,
                                  num_stages=stages or DEFAULT_STAGES[groups], **launch)
     return y

@@ -7,7 +7,8 @@ pipelined loop, y stored directly (`moe.moe_experts(down_nb=True)`, `mtp.kernels
   (the prologue's copies, the buffers (stages + 1) // 2 deep), the expert id and the token slots they depend on
   issued as cp.async a stage before them, the only synchronous load in the loop the next iteration's column scales
   (carried to it); at most 4 barriers an iteration with cp.async tiles, 3 with TMA; no spills; PDL's order (launch
-  first, before the wait only the shared expert's L2 prefetch).
+  first, before the wait only the shared expert's L2 prefetch; with option moe_down_pf_experts, `down_nb(pf_experts=)`,
+  also the plan's loads of the ids, scales and route weights and the routed experts' prefetches, no store).
 - Under the Triton interpreter (a subprocess per group of checks, each a few seconds; the e4m3 cast made CUDA's, PDL
   branches and prefetches as no-ops): the kernel alone (`moe_down_nb.down_nb` on h8 / hs made here) against a float64
   reference of its sum at T = 1..4, with and without the shared slot, -1 slots, a token with no expert, experts
@@ -16,7 +17,10 @@ pipelined loop, y stored directly (`moe.moe_experts(down_nb=True)`, `mtp.kernels
   its rows of each program's block. Then `moe_experts` end to end against `moe_experts_ref` (the tolerance of fp32
   reordering in `test_moe_grouped`: 1e-5 relative) and the switch off, its down slices not applying, a token's row
   the same alone and among others with the K slices fixed, bad arguments refused by name, and `FastMoE` handing
-  down_nb to persistent calls only, with the switch.
+  down_nb to persistent calls only, with the switch (and gate_up_after_wait, down_pf_experts with theirs).
+- Option moe_down_pf_experts (`down_nb(pf_experts=)`, interpreted): the plan's ids / scales / ranks before the wait and
+  the loop's first experts' rows asked of L2 there: the same bits, exactly those lines asked, compiled out without
+  PDL or prefetch; `moe_experts` passes it only where gate/up triggers after its wait (`_early_checks`).
 GPU twin at the real shapes (CUDA graphs, PDL): tests/kernels/test_moe_down_nb_gpu.py.
 """
 
@@ -51,16 +55,17 @@ def test_moe_down_nb_switch_and_variant():
 
 
 def compile_down_nb(T: int = 1, rows: int = 64, groups: int = 2, tma: bool = False, stages: int | None = None,
-                    pdl: int = 1):
+                    pdl: int = 1, pf: int = 0):
     """`moe_down_nb._moe_down_nb_kernel` compiled for sm_90 as `moe_experts(down_nb=True)` launches it on a TP=8 split
-    rank at T tokens (8 routed + the shared slot, I = 256: GI = 2), BN = rows, `groups` K groups an iteration."""
+    rank at T tokens (8 routed + the shared slot, I = 256: GI = 2), BN = rows, `groups` K groups an iteration; pf:
+    its PF (`down_nb(pf_experts=)`: the routed experts' rows asked of L2 before the wait; 0: not)."""
     import mtp.kernels.moe_down_nb as nbm
     from tests.kernels.test_fused_kernels import _compile_for_hopper
 
     f8 = "*fp8e4nv"
     ptrs = dict(h8_ptr=f8, idx_ptr="*i32", w2_ptr=f8, plan_ptr="*i32")
     consts = dict(TOPK=9, J=8, GI=2, GPAD=2, BN=rows, GU=groups, TP=16, PPAD=triton_next_pow2(9 * T), PDL=pdl,
-                  PREFETCH=True, ADD=False, TMA=tma)
+                  PREFETCH=True, PF=pf, PFP=triton_next_pow2(max(pf, 1)), ADD=False, TMA=tma)
     if tma:
         ptrs["w2_desc"] = f"tensordesc<fp8e4nv[{rows}, 128]>"
     else:
@@ -102,10 +107,12 @@ def test_down_nb_compile_for_hopper():
     from tests.kernels.test_moe_x8 import _sass_k_loop
     from tests.kernels.test_pdl import _order
 
-    for T, rows, groups, tma in ((1, 64, 2, False), (4, 64, 2, True), (1, 64, 1, False), (4, 128, 2, False),
-                                 (1, 128, 1, True)):
-        k = compile_down_nb(T, rows, groups, tma)
-        name = f"T={T} BN={rows} groups={groups} tma={tma}"
+    # pf: the plan's ids, scales and ranks and the routed experts' prefetch before the wait (`down_nb(pf_experts=)`)
+    for T, rows, groups, tma, pf in ((1, 64, 2, False, 0), (4, 64, 2, True, 0), (1, 64, 1, False, 0),
+                                     (4, 128, 2, False, 0), (1, 128, 1, True, 0), (1, 64, 2, True, 8),
+                                     (4, 64, 2, False, 64)):
+        k = compile_down_nb(T, rows, groups, tma, pf=pf)
+        name = f"T={T} BN={rows} groups={groups} tma={tma} pf={pf}"
         bufs = (DEFAULT_STAGES[groups] + 1) // 2  # the indirection (id -> tile) takes half the stages
         pre, loop = _flat_loop(k.asm["ttgir"])
         # per K group of an iteration a weight tile and an h tile, each in a buffer `bufs` deep
@@ -136,8 +143,13 @@ def test_down_nb_compile_for_hopper():
         assert _sass_k_loop(sass) / (groups * rows / 64) <= 180, (name, _sass_k_loop(sass))
         seq = _order(ptx)
         wait = seq.index("griddepcontrol.wait")
-        assert seq[0] == "griddepcontrol.launch_dependents" and set(seq[1:wait]) == {"prefetch.global.L2"}, seq[:6]
-        assert "prefetch.global.L2" not in seq[wait:], name
+        assert seq[0] == "griddepcontrol.launch_dependents" and "prefetch.global.L2" not in seq[wait:], name
+        # before the wait: the shared expert's rows (2 lines a thread's row); with pf the ids, scales and route
+        # weights' loads too, and this thread's share of the pf experts' rows ([next_pow2(pf), BN] rows of 2 lines on
+        # 128 threads), never a store
+        n_pf = 2 + (triton_next_pow2(pf) * rows * 2 // 128 if pf else 0)
+        assert seq[1:wait].count("prefetch.global.L2") == n_pf, (name, seq[1:wait].count("prefetch.global.L2"))
+        assert set(seq[1:wait]) == ({"prefetch.global.L2", "ld.global"} if pf else {"prefetch.global.L2"}), name
 
 
 def test_down_nb_kernel_interpreted():
@@ -150,6 +162,31 @@ def test_down_nb_experts_interpreted():
 
 def test_down_nb_module_interpreted():
     run_interpreted(__file__, 120, "module")
+
+
+def test_down_nb_early_plan_interpreted():
+    run_interpreted(__file__, 120, "early")
+
+
+def test_down_pf_switches_and_variants():
+    """Option moe_down_pf_experts (0: off until timed) and switch moe_gate_up_aw (off): integers >= 0 / a bool, set by
+    the variants moe_down_pf (8 experts, gate/up's trigger after its wait at one token too), moe_down_pf_noaw,
+    moe_down_pf_all (64) and moe_gate_up_aw (the trigger alone)."""
+    from mtp.bench.rank import KERNEL_VARIANTS
+    from mtp.kernels.dispatch import FastPathOptions
+
+    o = FastPathOptions()
+    assert o.moe_down_pf_experts == 0 and not o.moe_gate_up_aw
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="moe_down_pf_experts must be an integer >= 0"):
+            FastPathOptions(moe_down_pf_experts=bad)
+    want = {"moe_down_pf": (8, True), "moe_down_pf_noaw": (8, False), "moe_down_pf_all": (64, True),
+            "moe_gate_up_aw": (0, True)}
+    for name, (pf, aw) in want.items():
+        flags, options = KERNEL_VARIANTS[name]
+        o = FastPathOptions()
+        o.set(**flags)
+        assert (o.moe_down_pf_experts, o.moe_gate_up_aw, options) == (pf, aw, {}), name
 
 
 # ----------------------------------------------------------------------------- run under TRITON_INTERPRET=1
@@ -327,12 +364,102 @@ def _experts_checks() -> None:
 
 def _module_checks() -> None:
     """`FastMoE` on a 'split' rank hands down_nb=True to its persistent calls (one token) with the switch, never to the
-    pair grid past persistent_tokens (a recorder stands in for the kernels)."""
+    pair grid past persistent_tokens (a recorder stands in for the kernels); so too gate_up_after_wait (switch
+    moe_gate_up_aw) and down_pf_experts (option moe_down_pf_experts, with moe_down_nb on)."""
     from tests.kernels.test_moe_items import persistent_switch_checks
 
     persistent_switch_checks("moe_down_nb", "down_nb")
+    persistent_switch_checks("moe_gate_up_aw", "gate_up_after_wait")
+    persistent_switch_checks("moe_down_pf_experts", "down_pf_experts", value=8)
+
+
+def _early_checks() -> None:
+    """Option moe_down_pf_experts (`down_nb(pf_experts=)`): the plan's ids, scales and ranks before the PDL wait and
+    each program's rows of its loop's first pf experts asked of L2 there. At a split rank's slots (8 routed + the
+    shared slot or not, I = 256) at T = 1..4 (-1 slots, a token with none, experts repeated across tokens, a call with
+    no expert at all): the same bits as pf 0, and the lines asked of L2 exactly the shared expert's rows and the loop's
+    first min(pf, A) experts' (ascending id), every row of each; none past them, none without PDL or prefetch. Then
+    which calls take it (`moe_experts`, recorders for the two kernels): gate/up's trigger after its wait (pdl 2, or
+    gate_up_after_wait) and prefetch, never gate/up's trigger at its start or no PDL."""
+    import mtp.kernels.moe as moe
+    import mtp.kernels.moe_down_nb as nbm
+    from mtp.kernels.moe_down_nb import down_nb
+    from tests.interp import PREFETCHED
+
+    E, J, I, D = 12, 8, 256, 160  # 11 routed + the shared one; D a multiple of no BN: the last block's rows clamped
+    wd, sd = down_stack(E, D, I, seed=3)
+    g = torch.Generator().manual_seed(13)
+
+    def lines(experts) -> set:
+        return {wd[e].data_ptr() + r * I + c for e in experts for r in range(D) for c in range(0, I, 128)}
+
+    # (tokens, shared slot, pf, tile, PDL mode)
+    for T, shared, pf, tile, pdl in ((1, True, 8, (64, 2), 1), (1, False, 3, (128, 1), 2), (2, False, 5, (128, 2), 2),
+                                     (3, True, 64, (64, 2), 2), (4, True, 6, (128, 2), 2), (1, False, 8, (128, 2), 2)):
+        idx, h8, hs = down_inputs(T, J, E, I, shared, g)
+        idx[0, 1] = -1
+        if T > 2:
+            idx[2] = -1
+        if T > 3:
+            idx[3, :4] = idx[1, :4]  # experts repeated across tokens
+        if T == 1 and pf == 8 and not shared:
+            idx[0] = -1  # no expert at all: nothing asked of L2, y exactly 0
+        poison_pairs(h8, hs, idx, shared)
+        rw = torch.rand(T, J, generator=g)
+        off = down_nb(h8, hs, idx, rw, wd, sd, T, shared, torch.float32, tile=tile, pdl=pdl)
+        PREFETCHED.clear()
+        on = down_nb(h8, hs, idx, rw, wd, sd, T, shared, torch.float32, tile=tile, pdl=pdl, pf_experts=pf)
+        assert torch.equal(on, off), (T, shared, pf, tile)
+        loop = sorted({int(e) for e in idx.flatten() if e >= 0} | ({E - 1} if shared else set()))
+        got = {int(a) for arr in PREFETCHED for a in arr}
+        want = lines(loop[:pf]) | lines([E - 1] if shared else [])
+        assert got == want, (T, shared, pf, len(got - want), len(want - got))
+        if not loop:
+            assert not on.any()
+        for kw in (dict(pdl=0), dict(pdl=pdl, prefetch=False)) if T == 3 else ():  # compiled out: nothing asked
+            PREFETCHED.clear()
+            assert torch.equal(down_nb(h8, hs, idx, rw, wd, sd, T, shared, torch.float32, tile=tile, pf_experts=pf,
+                                       **kw), off)
+            assert not PREFETCHED, kw
+    # which calls take it: recorders stand in for the kernels (their launch constexprs)
+    from mtp.model.fp8 import act_quant
+    from tests.kernels.test_moe_grouped import _experts
+
+    ws = _experts(E, 256, I, seed=1)
+    seen = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: seen.__setitem__(self.name, (k["PDL"], k.get("PF")))
+
+    kernels = (moe._moe_gate_up_persistent, nbm._moe_down_nb_kernel)
+    moe._moe_gate_up_persistent, nbm._moe_down_nb_kernel = Recorder("gate_up"), Recorder("down")
+    try:
+        x = torch.randn(1, 256, generator=g).bfloat16()
+        idx, rw = torch.tensor([[0, 2, 4, 6, 8, 1, 3, 5]]).int(), torch.rand(1, J, generator=g)
+        kw = dict(layout="persistent", shared=True, xq=act_quant(x), down_nb=True)
+        # (pdl, gate_up_after_wait, prefetch, down_pf_experts) -> (gate/up's PDL, the down kernel's PDL and PF)
+        for args, want in (((1, False, True, 8), (1, 1, 0)), ((1, True, True, 8), (2, 1, 8)),
+                           ((2, False, True, 8), (2, 2, 8)), ((2, False, False, 8), (2, 2, 0)),
+                           ((0, True, True, 8), (0, 0, 0)), ((2, True, True, 64), (2, 2, 16)),
+                           ((2, False, True, 0), (2, 2, 0))):
+            pdl, aw, pf_on, n = args
+            seen.clear()
+            moe.moe_experts(x, idx, rw, *ws, pdl=pdl, gate_up_after_wait=aw, prefetch=pf_on, down_pf_experts=n, **kw)
+            assert (seen["gate_up"][0], *seen["down"]) == want, (args, seen)
+        for bad in (dict(down_pf_experts=8, down_nb=False), dict(down_pf_experts=-1), dict(down_pf_experts=True)):
+            with pytest.raises(ValueError, match="down_pf_experts must be an integer >= 0, and > 0 only with down_nb"):
+                moe.moe_experts(x, idx, rw, *ws, **dict(kw, **bad))
+        with pytest.raises(ValueError, match="gate_up_after_wait must be a bool"):
+            moe.moe_experts(x, idx, rw, *ws, gate_up_after_wait=1, **kw)
+    finally:
+        moe._moe_gate_up_persistent, nbm._moe_down_nb_kernel = kernels
 
 
 if __name__ == "__main__":
     interpreted_main(
-        {"kernel": _kernel_checks, "experts": _experts_checks, "module": _module_checks}, fp8_rounding=True, pdl=True)
+        {"kernel": _kernel_checks, "experts": _experts_checks, "module": _module_checks, "early": _early_checks},
+        fp8_rounding=True, pdl=True)

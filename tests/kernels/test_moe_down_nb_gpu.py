@@ -16,7 +16,12 @@ torch.equal where the bits must not move:
 - in a CUDA graph of two chained calls (as two MoE layers), PDL on and off, replayed 8 times with new inputs and
   routings copied in, against eager calls;
 - D not a multiple of BN (the kernel alone, D = 7136), and a contiguous rank's full-width experts (32 of 256, I = 2048:
-  16 K groups an expert).
+  16 K groups an expert);
+- option moe_down_pf_experts (`moe_experts(down_pf_experts=)`: the plan from the router's ids and the first experts'
+  rows asked of L2 before the down kernel's PDL wait) with and without gate/up's trigger after its wait
+  (gate_up_after_wait): in a CUDA graph of two chained layers, each the router kernel then the experts, as the step
+  launches them with PDL (the trigger at the start and after the wait), replayed with new inputs: the same bits as
+  the option off, with and without the shared slot.
 CPU twin (the interpreter, the sm_90 code's structure): tests/kernels/test_moe_down_nb.py.
 MTP_TEST_DEVICE=cpu with TRITON_INTERPRET=1 dry-runs these on the CPU (slow).
 """
@@ -243,3 +248,56 @@ def test_down_nb_full_width_rank(T):
     for tile in ((64, 2), (128, 1)):
         on = moe_experts(x, ids, w, *ws, down_nb=True, down_tile=tile, **kw)
         assert _rel(on, off) < TOL, (tile, _rel(on, off))
+
+
+@pytest.mark.parametrize("pdl", [1, 2])
+@pytest.mark.parametrize("T", [1, 2, 3, 4])
+def test_down_pf_graph_same_bits(split_stack, T, pdl):
+    """Two layers, each `router.moe_route_fused` then `moe_experts` (the router's ids read by the down kernel before its
+    wait where gate/up triggers it after its own wait: this is the race the option must not lose), captured in one
+    CUDA graph per variant (off; pf 8 and 64 with gate/up's trigger after its wait; pf 8 without it, compiled out at
+    pdl 1), with and without the shared slot, replayed 4 times with new inputs: every variant's output has the bits of
+    the option off's, in the graph and eager."""
+    if DEV != "cuda":
+        pytest.skip("CUDA graphs")
+    from mtp.kernels.router import moe_route_fused
+
+    st = split_stack
+    S = st[0].shape[0] - 1
+    D = st[0].shape[2]
+    g = torch.Generator(device=DEV).manual_seed(300 + 10 * T + pdl)
+    x = torch.randn(T, D, device=DEV, generator=g).bfloat16()
+    wg = (torch.randn(S, D, device=DEV, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(S, device=DEV, generator=g) * 0.01
+    add = torch.randn(T, D, device=DEV, generator=g)
+    variants = {"off": {}, "pf8": dict(gate_up_after_wait=True, down_pf_experts=8),
+                "pf64": dict(gate_up_after_wait=True, down_pf_experts=64), "pf8_noaw": dict(down_pf_experts=8)}
+    for shared in (True, False):
+        kw = dict(out_dtype=torch.float32, layout="persistent", shared=shared, add=None if shared else add,
+                  splits="waves", item_regs=True, pdl=pdl, tma=TMA, down_nb=True)
+
+        def two(v: dict) -> torch.Tensor:
+            h = x
+            for _ in range(2):  # the second layer's routing depends on the first's output
+                w, ids = moe_route_fused(h, wg, bias, pdl=pdl, impl="one")
+                y = moe_experts(h, ids, w, *st, xq=act_quant(h), **kw, **v)
+                h = y.bfloat16()
+            return y
+
+        for v in variants.values():
+            two(v)  # compile outside the capture
+        torch.cuda.synchronize()
+        graphs, outs = {}, {}
+        for name, v in variants.items():
+            graphs[name] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[name]):
+                outs[name] = two(v)
+        for i in range(4):
+            x.copy_(torch.randn(x.shape, device=DEV, generator=g))
+            for graph in graphs.values():
+                graph.replay()
+            torch.cuda.synchronize()
+            eager = two({})
+            for name in variants:
+                assert torch.equal(outs[name], eager), (shared, i, name)
+                assert torch.equal(two(variants[name]), eager), (shared, i, name, "eager")

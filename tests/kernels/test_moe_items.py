@@ -227,10 +227,10 @@ def _knob_checks() -> None:
             raise AssertionError(f"accepted warps={bad!r}")
 
 
-def persistent_switch_checks(option: str, kwarg: str) -> None:
-    """`FastMoE` on a 'split' rank hands `kwarg`=True to its persistent calls (one token) with switch `option` on,
-    False with it off, and never True to the pair grid past persistent_tokens (a recorder stands in for the kernels);
-    the switch is left at its default."""
+def persistent_switch_checks(option: str, kwarg: str, value=True) -> None:
+    """`FastMoE` on a 'split' rank hands `kwarg`=value (True, or an integer option's) to its persistent calls (one
+    token) with `option` = value, False / 0 with it off, and never value to the pair grid past persistent_tokens (a
+    recorder stands in for the kernels); the option is left at its default."""
     import mtp.backends.fast_path as fp
     from mtp.kernels.dispatch import FastPathOptions
     from mtp.model.fp8 import act_quant
@@ -250,11 +250,12 @@ def persistent_switch_checks(option: str, kwarg: str) -> None:
         for T in (1, ep.persistent_tokens + 1):
             x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T))
             for on in (True, False):
-                setattr(ep.fast_options, option, on)
+                setattr(ep.fast_options, option, value if on else type(value)())
                 seen.clear()
                 ep(x, act_quant(x), rounded=False, reduce=False)
                 persistent = T <= ep.persistent_tokens
-                assert seen == [("persistent" if persistent else ep.expert_layout, on and persistent)], (T, on, seen)
+                want = value if on and persistent else type(value)()
+                assert seen == [("persistent" if persistent else ep.expert_layout, want)], (T, on, seen)
     finally:
         fp.moe_experts = kernel
         setattr(ep.fast_options, option, getattr(FastPathOptions(), option))
