@@ -221,11 +221,13 @@ KERNEL_VARIANTS = {
     # the down kernel's plan from the router's ids before its PDL wait and its rows of its loop's first 8 experts (or
     # of all of them) asked of L2 there (`moe.moe_experts(down_pf_experts=)`), where gate/up triggers it after its wait:
     # with gate/up's trigger after its wait at one token too (moe_gate_up_aw), without it (w >= 2 only), all experts;
-    # and gate/up's trigger moved alone. The same bits
+    # and gate/up's trigger moved alone. The same bits. On by default (8 experts, the trigger moved) on a
+    # tensor-parallel rank since session 25
+    "moe_down_pf_off": (dict(moe_down_pf_experts=0, moe_gate_up_aw=False), dict()),
     "moe_down_pf": (dict(moe_down_pf_experts=8, moe_gate_up_aw=True), dict()),
-    "moe_down_pf_noaw": (dict(moe_down_pf_experts=8), dict()),
+    "moe_down_pf_noaw": (dict(moe_down_pf_experts=8, moe_gate_up_aw=False), dict()),
     "moe_down_pf_all": (dict(moe_down_pf_experts=64, moe_gate_up_aw=True), dict()),
-    "moe_gate_up_aw": (dict(moe_gate_up_aw=True), dict()),
+    "moe_gate_up_aw": (dict(moe_down_pf_experts=0, moe_gate_up_aw=True), dict()),
     # mla_decode's stage 2 and absorb_out as two launches; the cast after a row-parallel all-reduce as a launch
     "unfused_absorb_out": (dict(fuse_absorb_out=False), dict()),  # = defaults since fa04e59 (kept: its name is in
     # session 11's BENCHMARKS commands)

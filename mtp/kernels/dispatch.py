@@ -12,15 +12,17 @@ version, so the engine captures its kept graphs again).
   where K / 128 is a power of two above 8 and at most this (`gemv_splitk.gemv_plan`): the TP=8 rank's o_proj (K =
   2048) 7.41 vs 10.20 us alone (H200, BENCHMARKS.md session 17); 0: the split plan (variant gemv_split). Another sum
   order of the groups, the same formula.
-- gemv_warps (0 = `gemv_splitk.gemv_plan`'s; 4 or 8; variant gemv_w4): the split-K GEMV's warps. Not yet measured (the
-  field's comment has the prediction).
+- gemv_warps (0 = `gemv_splitk.gemv_plan`'s; 4 or 8; variant gemv_w4): the split-K GEMV's warps. 4 at a TP=8 rank's
+  one-row calls (the field's comment says why it might pay) measured slower: +0.10 / +0.11 ms a step at w = 1 (busy,
+  two alternations, H200, session 25; predicted -0.06): kept as an option, 0 by default.
 - gemm_deep_rows (4; an integer, 0 in one process: `for_world(1)`): calls of 2..this many rows past gemv_rows run
   `fp8_gemm`'s few-row kernel with 8 K groups a slice and 4 pipeline stages where K / 128 is a multiple of 8
   (`FastPathOptions.deep_tune`; 4 groups and 3 stages before, variant gemm_deep_off): one TP=8 split rank's step -0.06
   to -0.07 ms at 1k w = 2..4 (H200, BENCHMARKS.md session 24). Another split of K: another sum order.
 - gemm_deep_q_b (on; variant gemm_deep_q_b_off): with gemm_deep_rows, q_b's few-row GEMV (12 K groups, <= 4096 rows)
-  with 3 K groups a slice and 4 stages: alone 5.80 -> 5.35-5.41 us at M = 2..4 (H200, session 25); in the step not
-  yet measured (predicted ~-0.025 ms at w = 2..4). Another split of K: another sum order.
+  with 3 K groups a slice and 4 stages: alone 5.80 -> 5.35-5.41 us at M = 2..4 (H200, session 25); in the step
+  (one TP=8 split rank, 61 layers, 1k, busy, two alternations, session 25) within the noise (predicted ~-0.025 ms
+  at w = 2..4; measured -0.01 to +0.01). Another split of K: another sum order.
 - norm_quant: the decoder block's residual add + RMSNorm + FP8 quant in one kernel (`norm_quant`), its
   quantized output fed to the next GEMV (`fast_path.FastBlock`); also the q_a norm + quant.
 - norm_warps (0; an integer: 0, 4, 8, 16 or 32): the warps of the add + RMSNorm + quant kernel on every row of the
@@ -156,7 +158,8 @@ version, so the engine captures its kept graphs again).
   layers, 1k, busy ms, BENCHMARKS.md session 20): +0.02 / -0.34 / -0.36 / -0.57 a step at w = 1 / 2 / 3 / 4; alone
   (`mtp.bench.topk_moe --only moe_down_nb`, gate/up + down (+ combine)) 43.5 -> 38.3 / 50.4 -> 43.6 / 69.1 -> 58.5 us
   at T = 2 / 3 / 4.
-- moe_down_pf_experts (0: off; an integer; variants moe_down_pf, moe_down_pf_noaw, moe_down_pf_all): with pdl,
+- moe_down_pf_experts (8 on a tensor-parallel rank, 0 in one process: `for_world(1)`; 0: off; an integer; variants
+  moe_down_pf_off (this and moe_gate_up_aw off), moe_down_pf, moe_down_pf_noaw, moe_down_pf_all): with pdl,
   prefetch (`prefetch_at`) and moe_down_nb, where the gate/up launch before it triggers it only after gate/up's own
   wait (PDL_AFTER_WAIT: calls past pdl_early_tokens, or every call with moe_gate_up_aw), the down kernel by output
   block reads the router's ids and route weights and the down scales before its PDL wait and builds the weight
@@ -169,19 +172,26 @@ version, so the engine captures its kept graphs again).
   round trips) and the first weight tiles from HBM. Why: profiled (H200, one TP=8 split rank, 61 layers, 1k) the
   down kernel is exposed 11.2 us a MoE layer at one token against ~4 us of bytes (16.5 MB: 9 experts x 7168 x 256),
   21 us at four against 13.4. Its programs (123 KB of shared memory) fit beside none of gate/up's (139 KB), so they
-  start as gate/up's programs exit: the window is gate/up's tail (its fix-ups, its completion), ~1.5-3 us. Predicted
-  (not yet measured): -1.5 to -3 us a MoE layer (the plan's ~1.5 us off the critical path, the first experts'
+  start as gate/up's programs exit: the window is gate/up's tail (its fix-ups, its completion), ~1.5-3 us. Predicted:
+  -1.5 to -3 us a MoE layer (the plan's ~1.5 us off the critical path, the first experts'
   tiles from L2), -0.09 to -0.17 ms a step at w = 2..4 (58 MoE layers); at w = 1 only with moe_gate_up_aw: -2 to -4
   us a layer, -0.12 to -0.23 ms. 8 covers a one-token call's routed experts (its shared one, the loop's last, is
   asked for anyway) and 14.7 MB of a four-token call's 60.5 (33 experts: all of them would overflow the 50 MB L2
   while gate/up's own weights stream through it); 64 (variant moe_down_pf_all): every expert of the call.
-- moe_gate_up_aw (off; variant moe_gate_up_aw, and with moe_down_pf_experts moe_down_pf): with pdl, the persistent
+  Measured (H200, one TP=8 split rank, 61 layers, 1k, busy ms, two alternations in one process against the defaults
+  of then, BENCHMARKS.md session 25, eval/results/s25/x2b): with moe_gate_up_aw -0.04 / -0.00 / -0.01 / -0.06 at
+  w = 1 / 2 / 3 / 4 (4.39 vs 4.43 at w = 1, 6.75-6.76 vs 6.82 at w = 4); without it (variant moe_down_pf_noaw)
+  w = 1 unchanged and w = 4 -0.06: below the prediction (the window is shorter than guessed, or L2 lines are lost),
+  both reps alike. Default on a tensor-parallel rank since; one process keeps it off (not measured there).
+- moe_gate_up_aw (on a tensor-parallel rank, off in one process: `for_world(1)`; variant moe_gate_up_aw, and with
+  moe_down_pf_experts moe_down_pf; moe_down_pf_off turns both off): with pdl, the persistent
   experts' gate/up launch triggers the down launch after its own wait (`_triton.PDL_AFTER_WAIT`) at every width,
   one token included (pdl_early_tokens puts it at the start there), so that moe_down_pf_experts applies to one-token
   calls too (`moe.moe_experts(gate_up_after_wait=)`); the same bits. Trade-off (predicted, not yet measured): the
   down kernel launches only once the router has completed instead of when gate/up starts; its programs cannot sit
   beside gate/up's anyway (shared memory), but its successors' chain of early launches (down triggers at its start
   at one token) starts a few us later: ~0 (+0.3 us a layer at most) alone, -2 to -4 us a layer with the early plan.
+  Measured with the early plan (above): -0.04 ms a step at w = 1 (not timed alone).
 - pdl (on, for calls of up to `pdl_tokens` tokens: 64 by default on a tensor-parallel rank, with the trigger after
   the wait past one token, pdl_early_tokens 1: measured on one TP=8 split rank, H200, BENCHMARKS.md session 15,
   back-to-back replays: -0.36 to -0.51 ms a step at w = 2..4 at 1k, -0.14 to -0.43 at 32k, against PDL at w = 1
@@ -398,7 +408,7 @@ class FastPathOptions:
     tree_verdict: bool = True
     strict_commit: bool = True
     draft_window: bool = True
-    moe_gate_up_aw: bool = False
+    moe_gate_up_aw: bool = True
     router_one_tokens: int = 8
     # impl one's calls of at least this many tokens route one token in each of its last programs to arrive
     # (`moe_route_fused(split_tail=True)`: the same bits); 0: never (the default until timed on a GPU)
@@ -431,7 +441,8 @@ class FastPathOptions:
     # an SM). Why 4 might pay on a TP=8 rank at one row (sm_90 code of the 16 KB tile, M = 1: 40 registers at 8 warps
     # = 6 programs an SM, 56 at 4 warps = 9): q_a | wk | kv_a's 980 programs fit one wave at 4 warps (1188 resident)
     # but not at 8 (792), so at 8 a fifth of its 16 MB is asked for only after the PDL wait, the rest before it.
-    # Predicted ~-1 us a layer (~3 MB at ~3 TB/s), ~-0.06 ms a step at w = 1; not yet measured (variant gemv_w4).
+    # Predicted ~-1 us a layer (~3 MB at ~3 TB/s), ~-0.06 ms a step at w = 1; measured +0.10 / +0.11 (variant
+    # gemv_w4, session 25: each program's FMAs and lane sums on twice the elements a thread cost more than it saved).
     # Another layout of the tile over the threads: another order of each group's 128-term sum (within fp32 rounding)
     gemv_warps: int = 0
     # the warps of the add + norm + quant kernel on the model-width rows (`norm_quant.ROW_WARPS`); 0: `row_tiles`'
@@ -460,8 +471,9 @@ class FastPathOptions:
     gemm_deep_q_b: bool = True
     # with pdl, prefetch and moe_down_nb, where gate/up triggers the down launch after its wait: the down kernel's plan
     # from the router's ids before its own wait, and its rows of its loop's first this many experts asked of L2 there
-    # (`moe.moe_experts(down_pf_experts=)`); 0: off (the default until timed on a GPU)
-    moe_down_pf_experts: int = 0
+    # (`moe.moe_experts(down_pf_experts=)`); 0: off (one process). Measured on a TP=8 rank (session 25): -0.04 / -0.06
+    # ms a step at w = 1 / 4 with moe_gate_up_aw
+    moe_down_pf_experts: int = 8
 
     def deep_tune(self, rows: int, K: int, N: int) -> dict:
         """The few-row GEMV's launch overrides for a call of `rows` rows over K input channels into N outputs (see
@@ -504,10 +516,13 @@ class FastPathOptions:
         slower at w = 2..4 (graph 1.404 / 1.553 / 1.692 vs 1.298 / 1.440 / 1.580 ms; its kernels' grids run several
         waves, and an early resident successor holds slots a later wave needs), where a TP=8 rank's step is 0.36-0.49
         ms faster at 1k. One process also keeps the few-row GEMV's default plan (gemm_deep_rows 0): the deep plan
-        measured -0.06 to -0.07 ms a step at a TP=8 rank's w = 2..4, +0.01 to +0.02 at TP=1's (3 layers, session 24)."""
+        measured -0.06 to -0.07 ms a step at a TP=8 rank's w = 2..4, +0.01 to +0.02 at TP=1's (3 layers, session 24),
+        and the down kernel's early plan off (moe_down_pf_experts 0, moe_gate_up_aw off: measured on a TP=8 rank only,
+        session 25)."""
         if world < 1:
             raise ValueError(f"FastPathOptions.for_world: world must be >= 1, got {world}")
-        base = {"pdl_tokens": 1, "gemm_deep_rows": 0} if world == 1 else {}
+        base = ({"pdl_tokens": 1, "gemm_deep_rows": 0, "moe_down_pf_experts": 0, "moe_gate_up_aw": False} if world == 1
+                else {})
         return cls(**{**base, **flags})
 
     def pdl_at(self, tokens: int) -> int:

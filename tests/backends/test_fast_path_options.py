@@ -171,8 +171,8 @@ def test_defaults_for_world():
 
     assert FastPathOptions.for_world(8) == FastPathOptions() and FastPathOptions().pdl_tokens == 64
     assert FastPathOptions.for_world(1).pdl_tokens == 1
-    assert FastPathOptions.for_world(1, pdl_tokens=4, gemv=False) == FastPathOptions(pdl_tokens=4, gemv=False,
-                                                                                     gemm_deep_rows=0)
+    assert FastPathOptions.for_world(1, pdl_tokens=4, gemv=False) == FastPathOptions(
+        pdl_tokens=4, gemv=False, gemm_deep_rows=0, moe_down_pf_experts=0, moe_gate_up_aw=False)
     with pytest.raises(ValueError, match="world must be >= 1"):
         FastPathOptions.for_world(0)
     assert model_world(random_model(tiny_config(), "cpu", torch.float32, seed=0)) == 1

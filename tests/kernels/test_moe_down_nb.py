@@ -169,18 +169,21 @@ def test_down_nb_early_plan_interpreted():
 
 
 def test_down_pf_switches_and_variants():
-    """Option moe_down_pf_experts (0: off until timed) and switch moe_gate_up_aw (off): integers >= 0 / a bool, set by
-    the variants moe_down_pf (8 experts, gate/up's trigger after its wait at one token too), moe_down_pf_noaw,
+    """Option moe_down_pf_experts (8 on a tensor-parallel rank since session 25, 0 in one process) and switch
+    moe_gate_up_aw (on there, off in one process): integers >= 0 / a bool, set by the variants moe_down_pf_off (both
+    off), moe_down_pf (8 experts, gate/up's trigger after its wait at one token too), moe_down_pf_noaw,
     moe_down_pf_all (64) and moe_gate_up_aw (the trigger alone)."""
     from mtp.bench.rank import KERNEL_VARIANTS
     from mtp.kernels.dispatch import FastPathOptions
 
     o = FastPathOptions()
-    assert o.moe_down_pf_experts == 0 and not o.moe_gate_up_aw
+    assert o.moe_down_pf_experts == 8 and o.moe_gate_up_aw
+    one = FastPathOptions.for_world(1)
+    assert one.moe_down_pf_experts == 0 and not one.moe_gate_up_aw
     for bad in (-1, True, 2.0):
         with pytest.raises(ValueError, match="moe_down_pf_experts must be an integer >= 0"):
             FastPathOptions(moe_down_pf_experts=bad)
-    want = {"moe_down_pf": (8, True), "moe_down_pf_noaw": (8, False), "moe_down_pf_all": (64, True),
+    want = {"moe_down_pf_off": (0, False), "moe_down_pf": (8, True), "moe_down_pf_noaw": (8, False), "moe_down_pf_all": (64, True),
             "moe_gate_up_aw": (0, True)}
     for name, (pf, aw) in want.items():
         flags, options = KERNEL_VARIANTS[name]
