@@ -106,42 +106,43 @@ class TreeProposer:
     def _window(self, j: int, tokens_BS, hidden_BSD, n_B, W: int, max_n: int):
         """Module j (0-based) over W positions ending at its last committed one, e = n-2-j (from 0 while
         e < W - 1; the entries past e are scratch and dropped). Returns its output hidden over the window [B, W, D],
-        the window's row at e (clamped to 0..W-1, as its start is) [B] and the logits there [B, 1, V]."""
+        the window's row at e (clamped to 0..W-1, as its start is) [B], the logits there [B, 1, V] and (module 0)
+        the root token x_{n-1} [B, 1] (else None)."""
         m, cache = self.model, self.caches[j]
-        p0_B = (n_B - (1 + j + W)).clamp_min(0)  # = max(e - W + 1, 0)
-        tok, hid, at_B, pos_BW = self._window_inputs(j, tokens_BS, hidden_BSD, n_B, p0_B, W)
-        cache.truncate(p0_B)
+        tok, hid, at_B, root_B1 = self._window_inputs(j, tokens_BS, hidden_BSD, n_B, W)
         mod = self.cfg.module_for(j, m.n_mtp)
         out = m.mtp_forward(mod, tok, hid, cache, kv_len=max(max_n - 1 - j, W), head=self.heads.get(mod),
                             logits_at=at_B.unsqueeze(1))
         self.draft_forwards += 1
         g = pick_hidden(out, self.cfg.chain_hidden)
-        if j < len(self.g):  # module j + 1's window input
-            if pos_BW is None:
-                pos_BW = p0_B.unsqueeze(1) + arange(W, n_B.device)
+        if j < len(self.g):  # module j + 1's window input (vanilla)
+            pos_BW = (n_B - (1 + j + W)).clamp_min(0).unsqueeze(1) + arange(W, n_B.device)
             self.g[j].scatter_(1, pos_BW.unsqueeze(-1).expand(-1, -1, g.shape[-1]), g)
         cache.truncate(n_B, 1 + j)  # e + 1
-        return g, at_B, out.logits
+        return g, at_B, out.logits, root_B1
 
-    def _window_inputs(self, j: int, tokens_BS, hidden_BSD, n_B, p0_B, W: int):
-        """(tok_BW, hid_BWD, at_B, pos_BW | None): module j's window tokens (positions p0 + j + 1.., clamped to the
-        buffer), its input hidden rows (the target's for module 0, else module j-1's) and the window's row at e, n-2-j
-        clamped to 0..W-1 (= e - p0 clamped, p0 = max(e - W + 1, 0)). Module 0's in one launch on the fast path
-        (switch draft_window, `kernels.draft_window`, the chain proposer's: the same integers and rows; pos_BW None
-        then), else by torch ops (6 launches)."""
+    def _window_inputs(self, j: int, tokens_BS, hidden_BSD, n_B, W: int):
+        """(tok_BW, hid_BWD, at_B, root_B1 | None): module j's window start p0 = max(e - W + 1, 0) (its cache rolled
+        back to it), its tokens (positions p0 + j + 1.., clamped to the buffer), its input hidden rows (the target's for
+        module 0, else module j-1's), the window's row at e, n-2-j clamped to 0..W-1 (= e - p0 clamped) and, module
+        0's, the root token. Module 0's in one launch on the fast path (switch tree_window, `kernels.draft_window.
+        tree_window`: the same integers and rows), else these torch ops (12 launches)."""
+        cache = self.caches[j]
         opts = getattr(self.model, "fast_options", None)  # read at call time: the switches may change between calls
-        if j == 0 and opts is not None and opts.draft_window:
-            from ..kernels.draft_window import draft_window, window_takes  # the fast path's: no Triton import here
+        if j == 0 and opts is not None and opts.tree_window:
+            from ..kernels.draft_window import tree_window, window_takes  # the fast path's: no Triton import here
 
-            if window_takes(tokens_BS, hidden_BSD, n_B, p0_B):
-                tok, hid, at_B, _ = draft_window(tokens_BS, hidden_BSD, n_B, p0_B, W, 0,
-                                                 pdl=opts.glue_pdl_at(n_B.shape[0] * W))
-                return tok, hid, at_B, None
+            if window_takes(tokens_BS, hidden_BSD, n_B, cache.seq_lens):
+                return tree_window(tokens_BS, hidden_BSD, n_B, cache.seq_lens, W,
+                                   pdl=opts.glue_pdl_at(n_B.shape[0] * W))
+        p0_B = (n_B - (1 + j + W)).clamp_min(0)
+        cache.truncate(p0_B)
         pos_BW = p0_B.unsqueeze(1) + arange(W, n_B.device)
         tok = tokens_BS.gather(1, (pos_BW + (j + 1)).clamp_max(tokens_BS.shape[1] - 1))
         src = hidden_BSD if j == 0 else self.g[j - 1]
         hid = src.gather(1, pos_BW.unsqueeze(-1).expand(-1, -1, src.shape[-1]))
-        return tok, hid, (n_B - (2 + j)).clamp(0, W - 1), pos_BW
+        root_B1 = tokens_BS.gather(1, (n_B - 1).unsqueeze(1)) if j == 0 else None
+        return tok, hid, (n_B - (2 + j)).clamp(0, W - 1), root_B1
 
     def prefill(self, tokens_BS, hidden_BSD, n_B, W: int, max_n: int) -> None:
         """Fill every module's cache and hidden buffer over the prompt (windows of W = the longest prompt)."""
@@ -157,8 +158,8 @@ class TreeProposer:
         writing every depth into [B, N] buffers was a zero fill and a copy a depth)."""
         tree, tt, lv, m = self.tree, self.tt, self.level, self.model
         B = n_B.shape[0]
-        toks = [tokens_BS.gather(1, (n_B - 1).unsqueeze(1))]  # per depth: the nodes' tokens [B, M_t] (root: x_{n-1})
-        g_BWD, at_B, logits = self._window(0, tokens_BS, hidden_BSD, n_B, self.W, max_n)
+        g_BWD, at_B, logits, root_B1 = self._window(0, tokens_BS, hidden_BSD, n_B, self.W, max_n)
+        toks = [root_B1]  # per depth: the nodes' tokens [B, M_t] (root: x_{n-1})
         logits = [logits]  # per depth < D: the draft logits at its nodes [B, M_t, V]
         qs = []  # per depth >= 1: the distributions its nodes were drawn from [B, M_t, V] (sampled children)
         # the hidden block the next forward's nodes take their parents' rows from: the root's window entry, once per
@@ -181,7 +182,7 @@ class TreeProposer:
                 mod = self.cfg.module_for(t, m.n_mtp)  # the drafter's chained module (eagle: the first)
                 mask = tt.ancestor_NN[s:e, 1:e]
             else:  # vanilla module t (0-based) over the nodes of depth 1..t, fed module t-1's outputs
-                root_g, root_at, _ = self._window(t, tokens_BS, hidden_BSD, n_B, self.W, max_n)
+                root_g, root_at, _, _ = self._window(t, tokens_BS, hidden_BSD, n_B, self.W, max_n)
                 s = 1
                 hid = out_BND[:, self.fwd_parents[t]]
                 nodes = torch.cat(toks[1:t + 1], 1) if t > 1 else toks[1]
