@@ -358,6 +358,8 @@ KERNEL_VARIANTS = {
     # a chain step's draft window by torch ops (9 launches) instead of one launch of `kernels.draft_window` (the
     # default since session 25, the same bits); spec steps only, as step_commit
     "draft_window_off": (dict(draft_window=False), dict()),
+    # a tree step's first window by torch ops (12 launches) instead of one launch of `kernels.draft_window.tree_window`
+    "tree_window_off": (dict(tree_window=False), dict()),
 }
 
 

@@ -25,8 +25,10 @@ launches: glue 173 with `--kernels tree_glue=0`); before the verify the proposer
 forward's slots, angles and visibility in one launch (3 forwards: switch tree_fwd_glue, `kernels.lookup.tree_slots`;
 18 torch launches each: glue 173 with `--kernels tree_fwd_glue=0`, 289 with every glue switch off) and the tree
 verdict (25). Session 25: the strict tree verdict in one launch (switch tree_verdict, `kernels.tree_verdict`): glue
-98 (122 with `--kernels tree_verdict=0`; 289 with every glue switch off, the same bits: `--compare`). Not held by a
-test (~30 s of CPU a count).
+98 (122 with `--kernels tree_verdict=0`; 289 with every glue switch off, the same bits: `--compare`). The tree
+proposer's per-shape constants and one cat per output (torch only): 59; its first window in one launch (switch
+tree_window, `kernels.draft_window.tree_window`): 54 (65 with `--kernels tree_window=0`; 256 with every glue switch
+off). Not held by a test (~30 s of CPU a count).
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ import sys
 import torch
 
 # the switches of the decode step's glue (session 21; tree_glue, tree_fwd_glue: session 23; tree_verdict, strict_commit,
-# draft_window: session 25): each one launch where the torch ops were several
+# draft_window, tree_window: session 25): each one launch where the torch ops were several
 GLUE_SWITCHES = ("step_commit", "rope_table", "vocab_embed", "mtp_norms", "tree_glue", "tree_fwd_glue", "tree_verdict",
-                 "strict_commit", "draft_window")
+                 "strict_commit", "draft_window", "tree_window")
 PROMPT_LENS = (5, 7)  # two rows of random tokens: the prefill and the steps stay below the indexer's top-k (16)
 
 

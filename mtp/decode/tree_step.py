@@ -14,16 +14,17 @@ move to n-1.. and the cache ends at n_new - 1.
 Tree sampling draws from one torch.Generator per engine, seeded per call (hence eager only: a replayed graph
 would not advance it; `GenerationConfig` refuses the graph modes for it).
 
-Launches (`python -m mtp.bench.step_launches --tree 2x1x1`, a tiny TP=2 rank, 2 rows): glue 98 a step (session 25;
-122 with tree_verdict off, session 23's count, against which that session counted 173 with tree_glue off, 173 with
+Launches (`python -m mtp.bench.step_launches --tree 2x1x1`, a tiny TP=2 rank, 2 rows): glue 54 a step (session 25;
+98 before the proposer's constants and its first window's kernel, switch tree_window; 122 with tree_verdict off, session 23's count, against which that session counted 173 with tree_glue off, 173 with
 tree_fwd_glue off and 289 with every glue switch off). After the verify: the drafts' path gather, the commit kernel
 and the tree glue kernel (3; with tree_glue off 39: the commit's base, the compaction's 16 launches, the hidden rows'
 and counters' 20). Each tree forward (the verify and the drafter's, 3 a step) takes its slots, the angles of its
 nodes' positions (from the table, at the tree's first slot + depth) and its visibility in one launch
 (`Rotary.tree_slots` on the fast path, switch tree_fwd_glue; off: the slots' 4 launches, the angles' 4 and
 `tree_visibility`'s 10, 54 a step). The strict verdict is one launch (`verify.tree.strict_argmax`: switch
-tree_verdict, `kernels.tree_verdict`; off: `tree_strict_verdict`'s 25 torch launches). What remains is before the
-verify: the proposer's windows and children.
+tree_verdict, `kernels.tree_verdict`; off: `tree_strict_verdict`'s 25 torch launches). The proposer (before the
+verify): its first window in one launch (switch tree_window; off: 12 torch launches), the root's hidden row, a top-k
+per depth and one cat each for the nodes' tokens and logits.
 """
 
 from __future__ import annotations

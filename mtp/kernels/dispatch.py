@@ -348,6 +348,16 @@ version, so the engine captures its kept graphs again).
   graph's critical path (commit -> window -> the first draft forward's embedding), ~8-16 us an eagle step less the
   kernel's own ~2 us (B x W x 7168 fp32 hidden rows copied: 115 KB at one row, W = 4, what the gather moved); not yet
   measured.
+- tree_window (on; variant tree_window_off): an eagle / vanilla tree step's first window (`TreeProposer._window_inputs`,
+  module 0: the window's start from the lengths, the module's cache rolled back to it, its tokens, the target's hidden
+  rows, its logits row and the root token x_{n-1}) in one launch of `kernels.draft_window.tree_window` (the chain's
+  `draft_window` kernel in its TREE mode, session 25), where the torch ops were 12 (the start's sub and clamp, the
+  lengths' copy, the positions' add, the tokens' add, clamp and gather, the hidden rows' gather, the logits row's sub
+  and clamp, the root's sub and gather); the same integers and rows. Counted (`mtp.bench.step_launches --tree 2x1x1`,
+  the tiny TP=2 rank): glue 65 -> 54 a step (-11: once a step; the draft prefill's windows take it too). Predicted on
+  a TP=8 rank (H200, 2x1x1): 11 launches x ~1-2 us of GPU, all on the step graph's critical path (commit -> window ->
+  the first draft forward's embedding), ~11-22 us a tree step less the kernel's own ~2 us (B x 4 x 7168 hidden rows
+  copied, what the gather moved); not yet measured.
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -408,6 +418,7 @@ class FastPathOptions:
     tree_verdict: bool = True
     strict_commit: bool = True
     draft_window: bool = True
+    tree_window: bool = True
     moe_gate_up_aw: bool = True
     router_one_tokens: int = 8
     # impl one's calls of at least this many tokens route one token in each of its last programs to arrive

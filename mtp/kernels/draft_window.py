@@ -10,6 +10,9 @@ Why: a CUDA-graph decode step pays per launch (~1-2 us of GPU plus its gap each;
 an eagle step (the window), on the path from the last commit to the first draft forward. Exact: integers and copied
 rows, the same bits. A vanilla drafter's later window modules read drafts written during the step: their token
 gathers stay the torch ops.
+A tree step's first window (`tree_window`, reference `tree_window_ref`: `TreeProposer._window_inputs`' torch ops for
+module 0, 12 launches) is the same kernel in its TREE mode: the start max(n - 1 - W, 0) from the lengths instead of
+read, written into the module's cache lengths (its roll-back), and the root token x_{n-1} beside the logits row.
 PDL (`_triton.pdl_launch` / `pdl_wait`, switches pdl and glue_pdl): every address depends on the window start and the
 lengths the last commit wrote, so each program waits first thing.
 """
@@ -21,7 +24,7 @@ import torch
 from mtp.kernels._triton import (HAS_TRITON, interpreting, pdl_kwargs, pdl_launch, pdl_mode, pdl_wait, require, tl,
                                  triton)
 
-__all__ = ["draft_window", "draft_window_ref", "window_takes"]
+__all__ = ["draft_window", "draft_window_ref", "tree_window", "tree_window_ref", "window_takes"]
 
 ROW_BLOCK = 1024  # hidden channels per program: 7 programs a position at D = 7168
 
@@ -41,15 +44,18 @@ def draft_window_ref(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: tor
 
 
 @triton.jit
-def _draft_window_kernel(tok_ptr, hid_ptr, n_ptr, p0_ptr, tok_out_ptr, hid_out_ptr, idx_out_ptr, at_out_ptr,
-                         W, K, S, D, stride_tb, stride_hb, stride_hs,
-                         BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _draft_window_kernel(tok_ptr, hid_ptr, n_ptr, p0_ptr, tok_out_ptr, hid_out_ptr, idx_out_ptr, at_out_ptr, root_ptr,
+                         W, K, S, D, P0_OFF, stride_tb, stride_hb, stride_hs,
+                         BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr):
     pdl_launch(PDL)
     pdl_wait(PDL)  # the window start and lengths are the last commit's
     m = tl.program_id(0).to(tl.int64)  # the window entry b * W + w
     c = tl.program_id(1)  # its block of hidden channels
     b, w = m // W, m % W
-    p0 = tl.load(p0_ptr + b)
+    if TREE:  # the start from the lengths; p0_ptr (the cache's lengths) only written
+        p0 = tl.maximum(tl.load(n_ptr + b) - P0_OFF, 0)
+    else:
+        p0 = tl.load(p0_ptr + b)
     pos = p0 + w
     d = c * BLOCK + tl.arange(0, BLOCK)
     md = d < D
@@ -60,8 +66,12 @@ def _draft_window_kernel(tok_ptr, hid_ptr, n_ptr, p0_ptr, tok_out_ptr, hid_out_p
         if w == 0:
             n = tl.load(n_ptr + b)
             tl.store(idx_out_ptr + b, tl.minimum(tl.maximum(n - 2 - p0, 0), W - 1))
-            k = tl.arange(0, BLOCK_K)
-            tl.store(at_out_ptr + b * K + k, n + k, mask=k < K)
+            if TREE:
+                tl.store(p0_ptr + b, p0)
+                tl.store(root_ptr + b, tl.load(tok_ptr + b * stride_tb + n - 1))
+            else:
+                k = tl.arange(0, BLOCK_K)
+                tl.store(at_out_ptr + b * K + k, n + k, mask=k < K)
 
 
 def window_takes(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor) -> bool:
@@ -98,7 +108,47 @@ def draft_window(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.T
     if B:
         launch = pdl_kwargs(pdl, tokens_BS)
         _draft_window_kernel[(B * W, max(triton.cdiv(D, ROW_BLOCK), 1))](
-            tokens_BS, hidden_BSD, n_B, p0_B, tok, hid, out_idx, at, W, K, S, D, tokens_BS.stride(0),
+            tokens_BS, hidden_BSD, n_B, p0_B, tok, hid, out_idx, at, out_idx, W, K, S, D, 0, tokens_BS.stride(0),
             hidden_BSD.stride(0), hidden_BSD.stride(1), BLOCK=ROW_BLOCK, BLOCK_K=max(2, triton.next_power_of_2(K)),
-            PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
+            TREE=False, PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
     return tok, hid, out_idx, at
+
+
+def tree_window_ref(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, seq_lens_B: torch.Tensor,
+                    W: int):
+    """(tok_BW, hid_BWD, out_idx_B, root_B1): an eagle tree's window (`TreeProposer._window_inputs`, module 0's torch
+    ops): its start p0 = max(n - 1 - W, 0) (the W positions ending at n - 2) written into seq_lens_B (the module's cache
+    rolled back to it), `draft_window_ref`'s tokens, hidden rows and logits row over it, and the root token x_{n-1}."""
+    p0_B = (n_B - (1 + W)).clamp_min(0)
+    seq_lens_B.copy_(p0_B)
+    tok, hid, out_idx_B, _ = draft_window_ref(tokens_BS, hidden_BSD, n_B, p0_B, W, 0)
+    return tok, hid, out_idx_B, tokens_BS.gather(1, (n_B - 1).unsqueeze(1))
+
+
+def tree_window(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, seq_lens_B: torch.Tensor, W: int,
+                pdl: int = 0):
+    """`tree_window_ref` in one launch of `draft_window`'s kernel (its TREE mode: the start from the lengths, the
+    cache's lengths and the root token written by each row's first program), where the torch ops were 12 (the start's
+    sub and clamp, the lengths' copy, the positions' add, the tokens' add, clamp and gather, the hidden rows' gather,
+    the logits row's sub and clamp, the root's sub and gather). seq_lens_B: int64 [B], unit stride; the caller keeps
+    the window inside the buffers, as `draft_window`'s."""
+    require(tokens_BS, "tree_window")
+    if not window_takes(tokens_BS, hidden_BSD, n_B, seq_lens_B) or W < 1:
+        raise ValueError(f"tree_window: takes int64 tokens [B, S], lengths and cache lengths [B] (unit strides), "
+                         f"hidden [B, S, D] (unit last stride) on one device, W >= 1; got tokens {tokens_BS.dtype} "
+                         f"{list(tokens_BS.shape)}, n {n_B.dtype} {list(n_B.shape)}, seq_lens {seq_lens_B.dtype} "
+                         f"{list(seq_lens_B.shape)}, hidden {list(hidden_BSD.shape)} {hidden_BSD.stride()}, W {W}")
+    B, S = tokens_BS.shape
+    D = hidden_BSD.shape[2]
+    dev = tokens_BS.device
+    tok = torch.empty(B, W, dtype=torch.long, device=dev)
+    hid = torch.empty(B, W, D, dtype=hidden_BSD.dtype, device=dev)
+    out_idx = torch.empty(B, dtype=torch.long, device=dev)
+    root = torch.empty(B, 1, dtype=torch.long, device=dev)
+    if B:
+        launch = pdl_kwargs(pdl, tokens_BS)
+        _draft_window_kernel[(B * W, max(triton.cdiv(D, ROW_BLOCK), 1))](
+            tokens_BS, hidden_BSD, n_B, seq_lens_B, tok, hid, out_idx, out_idx, root, W, 0, S, D, 1 + W,
+            tokens_BS.stride(0), hidden_BSD.stride(0), hidden_BSD.stride(1), BLOCK=ROW_BLOCK, BLOCK_K=2, TREE=True,
+            PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
+    return tok, hid, out_idx, root
