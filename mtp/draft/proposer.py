@@ -86,18 +86,22 @@ class Proposer:
                          max(max_n, s + C + 1), chain=False)
 
     def _window(self, tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor,
-                W: int):
+                W: int, cache: KVCache | None = None):
         """(tok_BW, hid_BWD, out_idx_B, at_BK): the first window module's tokens (positions p0 + 1.., clamped to the
         buffer), the target's hidden rows over the window, the window's row whose logits draft (n - 2 - p0, in
-        range for the prefill's chunks too) and the drafts' slots n..n+K-1. One launch on the fast path (switch
-        draft_window, `mtp.kernels.draft_window`: the same integers and rows), else these torch ops (9 launches)."""
+        range for the prefill's chunks too) and the drafts' slots n..n+K-1; and `cache` (the first window module's)
+        truncated to p0. One launch on the fast path (switch draft_window, `mtp.kernels.draft_window`: the same
+        integers and rows), else these torch ops (9 launches, and the truncate's copy)."""
         K, dev = self.cfg.k, tokens_BS.device
         opts = getattr(self.model, "fast_options", None)  # read at call time: the switches may change between calls
         if opts is not None and opts.draft_window:
             from ..kernels.draft_window import draft_window, window_takes  # the fast path's: no Triton import here
 
-            if window_takes(tokens_BS, hidden_BSD, n_B, p0_B):
-                return draft_window(tokens_BS, hidden_BSD, n_B, p0_B, W, K, pdl=opts.glue_pdl_at(n_B.shape[0] * W))
+            if window_takes(tokens_BS, hidden_BSD, n_B, p0_B) and (cache is None or cache.seq_lens.shape == n_B.shape):
+                return draft_window(tokens_BS, hidden_BSD, n_B, p0_B, W, K, pdl=opts.glue_pdl_at(n_B.shape[0] * W),
+                                    lens_B=None if cache is None else cache.seq_lens)
+        if cache is not None:
+            cache.truncate(p0_B)
         pos_BW = p0_B.unsqueeze(1) + arange(W, dev)
         out_idx_B = (n_B - 2 - p0_B).clamp(0, W - 1)
         at_BK = n_B.unsqueeze(1) + arange(K, dev)
@@ -117,17 +121,17 @@ class Proposer:
         K, m = self.cfg.k, self.model
         dev = tokens_BS.device
         rows = arange(n_B.shape[0], dev)
-        tok0, hid, out_idx_B, at_BK = self._window(tokens_BS, hidden_BSD, n_B, p0_B, W)
+        tok0, hid, out_idx_B, at_BK = self._window(tokens_BS, hidden_BSD, n_B, p0_B, W, self.caches[0])
         drafts, probs = [], []
         kv_len = max(max_n - 1, W)  # max over rows of p0 + W
         drafter = self.cfg.drafter
         J = drafter.window_modules(K)
         for j in range(J):
             cache = self.caches[j]
-            cache.truncate(p0_B)
-            if j == 0:
+            if j == 0:  # its cache truncated to p0 by `_window`
                 tok = tok0
             else:  # a vanilla drafter's later module: its window reads the drafts written above
+                cache.truncate(p0_B)
                 pos_BW = p0_B.unsqueeze(1) + arange(W, dev)
                 tok = tokens_BS.gather(1, (pos_BW + (j + 1)).clamp_max(tokens_BS.shape[1] - 1))
             mod = self.cfg.module_for(j, m.n_mtp)

@@ -347,6 +347,8 @@ version, so the engine captures its kept graphs again).
   prefill's chunks take it too). Predicted on a TP=8 rank (H200): 8 launches x ~1-2 us of GPU, all in the step
   graph's critical path (commit -> window -> the first draft forward's embedding), ~8-16 us an eagle step less the
   kernel's own ~2 us (B x W x 7168 fp32 hidden rows copied: 115 KB at one row, W = 4, what the gather moved); not yet
+  measured. Session 25b: the first window module's cache `truncate(p0)` (a copy) in the same launch (the kernel
+  stores p0 as the cache's lengths): glue -1 more a step, at one row as at two (counted); ~1-2 us predicted, not yet
   measured.
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,

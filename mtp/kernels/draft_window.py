@@ -1,9 +1,11 @@
 """A draft step's window in one launch (Triton): the first window module's tokens and the target's hidden rows over the
-window, with the window's logits row and the drafts' token slots.
+window, with the window's logits row and the drafts' token slots; and, given the window module's cache lengths, their
+rollback to the window's start (the cache's `truncate(p0)`).
 
 Reference: `draft_window_ref`, the torch ops `mtp.draft.proposer.Proposer.propose` runs before its first MTP forward:
 the window's positions (an add), its logits row (2 subs and a clamp), the drafts' slots (an add), the hidden rows'
-gather, the first module's token positions (an add and a clamp) and their gather: 9 launches. Shape legend: B rows,
+gather, the first module's token positions (an add and a clamp) and their gather: 9 launches; with the cache lengths
+(`lens_B`) also the first module's cache `truncate(p0)` (a copy): 10. Shape legend: B rows,
 S buffer positions, W window, K drafts, D width.
 
 Why: a CUDA-graph decode step pays per launch (~1-2 us of GPU plus its gap each; session 20's profile); this runs once
@@ -27,11 +29,13 @@ ROW_BLOCK = 1024  # hidden channels per program: 7 programs a position at D = 71
 
 
 def draft_window_ref(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor, W: int,
-                     K: int):
+                     K: int, lens_B: torch.Tensor | None = None):
     """(tok_BW, hid_BWD, out_idx_B, at_BK): the window p0..p0+W-1's next tokens (positions + 1, clamped to the buffer),
     its hidden rows, the row of the window whose logits draft (n - 2 - p0 clamped to 0..W-1) and the drafts' slots
-    n..n+K-1: `Proposer.propose`'s ops."""
+    n..n+K-1: `Proposer.propose`'s ops. `lens_B`: a cache's lengths, set to p0 (`KVCache.truncate(p0)`)."""
     dev = n_B.device
+    if lens_B is not None:
+        lens_B.copy_(p0_B)
     pos_BW = p0_B.unsqueeze(1) + torch.arange(W, device=dev)
     out_idx_B = (n_B - 2 - p0_B).clamp(0, W - 1)
     at_BK = n_B.unsqueeze(1) + torch.arange(K, device=dev)
@@ -41,9 +45,9 @@ def draft_window_ref(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: tor
 
 
 @triton.jit
-def _draft_window_kernel(tok_ptr, hid_ptr, n_ptr, p0_ptr, tok_out_ptr, hid_out_ptr, idx_out_ptr, at_out_ptr,
+def _draft_window_kernel(tok_ptr, hid_ptr, n_ptr, p0_ptr, tok_out_ptr, hid_out_ptr, idx_out_ptr, at_out_ptr, lens_ptr,
                          W, K, S, D, stride_tb, stride_hb, stride_hs,
-                         BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LENS: tl.constexpr, PDL: tl.constexpr):
     pdl_launch(PDL)
     pdl_wait(PDL)  # the window start and lengths are the last commit's
     m = tl.program_id(0).to(tl.int64)  # the window entry b * W + w
@@ -62,6 +66,8 @@ def _draft_window_kernel(tok_ptr, hid_ptr, n_ptr, p0_ptr, tok_out_ptr, hid_out_p
             tl.store(idx_out_ptr + b, tl.minimum(tl.maximum(n - 2 - p0, 0), W - 1))
             k = tl.arange(0, BLOCK_K)
             tl.store(at_out_ptr + b * K + k, n + k, mask=k < K)
+            if HAS_LENS:  # the cache's lengths: no program reads them (the window's start is p0_ptr's)
+                tl.store(lens_ptr + b, p0)
 
 
 def window_takes(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor) -> bool:
@@ -77,9 +83,10 @@ def window_takes(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.T
 
 
 def draft_window(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor, W: int,
-                 K: int, pdl: int = 0):
+                 K: int, pdl: int = 0, lens_B: torch.Tensor | None = None):
     """`draft_window_ref` in one launch over a (window entry, block of ROW_BLOCK channels) grid. The caller keeps the
     window inside the buffers (p0 + W <= the hidden's positions; no check on the device, as torch's gather on a GPU).
+    `lens_B`: int64 [B] (unit stride, not p0_B's memory) lengths set to p0 by the same launch.
     pdl: programmatic dependent launch (`_triton.pdl_kwargs`; `FastPathOptions.glue_pdl_at`'s value)."""
     require(tokens_BS, "draft_window")
     if not window_takes(tokens_BS, hidden_BSD, n_B, p0_B) or W < 1 or K < 0:
@@ -89,6 +96,10 @@ def draft_window(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.T
                          f"{p0_B.dtype} {list(p0_B.shape)}, hidden {list(hidden_BSD.shape)} {hidden_BSD.stride()}, "
                          f"W {W}, K {K}")
     B, S = tokens_BS.shape
+    if lens_B is not None and not (lens_B.shape == (B,) and lens_B.stride(0) == 1 and lens_B.dtype == torch.long
+                                   and lens_B.device == tokens_BS.device and lens_B.data_ptr() != p0_B.data_ptr()):
+        raise ValueError(f"draft_window: lens_B must be int64 [{B}] with a unit stride on {tokens_BS.device}, apart "
+                         f"from p0_B; got {lens_B.dtype} {list(lens_B.shape)} {lens_B.stride()} on {lens_B.device}")
     D = hidden_BSD.shape[2]
     dev = tokens_BS.device
     tok = torch.empty(B, W, dtype=torch.long, device=dev)
@@ -98,7 +109,8 @@ def draft_window(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.T
     if B:
         launch = pdl_kwargs(pdl, tokens_BS)
         _draft_window_kernel[(B * W, max(triton.cdiv(D, ROW_BLOCK), 1))](
-            tokens_BS, hidden_BSD, n_B, p0_B, tok, hid, out_idx, at, W, K, S, D, tokens_BS.stride(0),
-            hidden_BSD.stride(0), hidden_BSD.stride(1), BLOCK=ROW_BLOCK, BLOCK_K=max(2, triton.next_power_of_2(K)),
-            PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
+            tokens_BS, hidden_BSD, n_B, p0_B, tok, hid, out_idx, at, n_B if lens_B is None else lens_B, W, K, S, D,
+            tokens_BS.stride(0), hidden_BSD.stride(0), hidden_BSD.stride(1), BLOCK=ROW_BLOCK,
+            BLOCK_K=max(2, triton.next_power_of_2(K)), HAS_LENS=lens_B is not None, PDL=pdl_mode(pdl, launch),
+            num_warps=4, **launch)
     return tok, hid, out_idx, at
