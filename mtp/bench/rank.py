@@ -358,6 +358,9 @@ KERNEL_VARIANTS = {
     # a chain step's draft window by torch ops (10 launches, its cache's truncate too) instead of one launch of
     # `kernels.draft_window` (the default since session 25, the same bits); spec steps only, as step_commit
     "draft_window_off": (dict(draft_window=False), dict()),
+    # a column-parallel rank's fp32 casts of eh_proj and the heads' logits after their gathered copy (2 launches past
+    # one row) instead of by that copy (the default since session 25b, the same bits)
+    "gather_cast_off": (dict(gather_cast=False), dict()),
 }
 
 

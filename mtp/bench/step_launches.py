@@ -41,9 +41,9 @@ import sys
 import torch
 
 # the switches of the decode step's glue (session 21; tree_glue, tree_fwd_glue: session 23; tree_verdict, strict_commit,
-# draft_window: session 25): each one launch where the torch ops were several
+# draft_window: session 25; gather_cast: 25b): each one launch where the torch ops were several
 GLUE_SWITCHES = ("step_commit", "rope_table", "vocab_embed", "mtp_norms", "tree_glue", "tree_fwd_glue", "tree_verdict",
-                 "strict_commit", "draft_window")
+                 "strict_commit", "draft_window", "gather_cast")
 PROMPT_LENS = (5, 7)  # two rows of random tokens: the prefill and the steps stay below the indexer's top-k (16)
 
 

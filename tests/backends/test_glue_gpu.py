@@ -29,7 +29,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 GLUE_OFF = dict(step_commit=False, rope_table=False, vocab_embed=False, mtp_norms=False, tree_glue=False,
-                tree_fwd_glue=False, tree_verdict=False, strict_commit=False, draft_window=False)
+                tree_fwd_glue=False, tree_verdict=False, strict_commit=False, draft_window=False,
+                gather_cast=False)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
