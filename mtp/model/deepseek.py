@@ -208,7 +208,8 @@ class DeepseekV32(nn.Module):
         layer = self.mtp[j]
         T = tokens_BT.shape[1]
         pos_BT, cos, sin, S, vis = self.positions(cache, T, kv_len, tree_depth, tree_mask)
-        # the fp32 casts inside eh_proj's and the heads' forwards (a rank's fast path: one launch with the gathered copy)
+        # the fp32 casts inside eh_proj's and the heads' forwards (a rank's fast path: one launch with the gathered
+        # copy)
         u = layer.eh_proj(layer.eh_input(layer.embed_tokens(tokens_BT), h_BTD, self.dtype), out_dtype=self.acc)
         h = layer(u, pos_BT, cos, sin, cache.layer(0), S, self.runtime, self.dtype, vis)
         cache.seq_lens += T
