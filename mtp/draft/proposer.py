@@ -146,7 +146,10 @@ class Proposer:
             hid = pick_hidden(out, self.cfg.chain_hidden)
         if drafter.chained and chain:
             cache = self.caches[0]
-            g = pick_hidden(out, self.cfg.chain_hidden)[rows, out_idx_B].unsqueeze(1)
+            if self.cfg.chain_hidden == "normed":  # the window's drafting row, gathered for the head already
+                g = out.hidden_at
+            else:
+                g = pick_hidden(out, self.cfg.chain_hidden)[rows, out_idx_B].unsqueeze(1)
             cache.truncate(n_B, 1)  # drop the window's padding past n-2; the chain appends from n-1
             for j in range(1, K):
                 mod = self.cfg.module_for(j, m.n_mtp)  # the drafter's chained module (eagle: the first)
