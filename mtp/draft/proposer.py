@@ -50,7 +50,11 @@ def draft_heads(model: DeepseekV32, dcfg: DraftConfig) -> dict:
 
 class Proposer:
     """Owns the draft caches; `propose` writes drafts [B, K] into the token buffer at n.. (the only write of
-    them: the verify stage reads them there) and returns them (and their distributions when sampled)."""
+    them: the verify stage reads them there) and returns them (and their distributions when sampled). It also keeps
+    the last call's `verify_input`: (ids [B, K+1] = [x_{n-1}, the drafts], their slots n-1..n+K-1), which the chain
+    step feeds the target as they are (a gather and an add fewer; the drafts returned are a view of those ids)."""
+
+    verify_input: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, model: DeepseekV32, dcfg: DraftConfig, batch: int, max_len: int):
         self.model, self.cfg = model, dcfg
@@ -87,11 +91,12 @@ class Proposer:
 
     def _window(self, tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor,
                 W: int, cache: KVCache | None = None):
-        """(tok_BW, hid_BWD, out_idx_B, at_BK): the first window module's tokens (positions p0 + 1.., clamped to the
-        buffer), the target's hidden rows over the window, the window's row whose logits draft (n - 2 - p0, in
-        range for the prefill's chunks too) and the drafts' slots n..n+K-1; and `cache` (the first window module's)
-        truncated to p0. One launch on the fast path (switch draft_window, `mtp.kernels.draft_window`: the same
-        integers and rows), else these torch ops (9 launches, and the truncate's copy)."""
+        """(tok_BW, hid_BWD, out_idx_B, at_BK1, last_B): the first window module's tokens (positions p0 + 1.., clamped
+        to the buffer), the target's hidden rows over the window, the window's row whose logits draft (n - 2 - p0, in
+        range for the prefill's chunks too), the verify's slots n-1..n+K-1 (the drafts' from column 1) and the last
+        committed token x_{n-1}; and `cache` (the first window module's) truncated to p0. One launch on the fast path
+        (switch draft_window, `mtp.kernels.draft_window`: the same integers and rows), else these torch ops (10
+        launches, and the truncate's copy)."""
         K, dev = self.cfg.k, tokens_BS.device
         opts = getattr(self.model, "fast_options", None)  # read at call time: the switches may change between calls
         if opts is not None and opts.draft_window:
@@ -104,10 +109,10 @@ class Proposer:
             cache.truncate(p0_B)
         pos_BW = p0_B.unsqueeze(1) + arange(W, dev)
         out_idx_B = (n_B - 2 - p0_B).clamp(0, W - 1)
-        at_BK = n_B.unsqueeze(1) + arange(K, dev)
+        at_BK1 = n_B.unsqueeze(1) + arange(K + 1, dev, start=-1)
         hid = hidden_BSD.gather(1, pos_BW.unsqueeze(-1).expand(-1, -1, hidden_BSD.shape[-1]))
         tok = tokens_BS.gather(1, (pos_BW + 1).clamp_max(tokens_BS.shape[1] - 1))
-        return tok, hid, out_idx_B, at_BK
+        return tok, hid, out_idx_B, at_BK1, tokens_BS.gather(1, at_BK1[:, :1])[:, 0]
 
     def propose(self, tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor,
                 W: int, draw, max_n: int, chain: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -121,7 +126,8 @@ class Proposer:
         K, m = self.cfg.k, self.model
         dev = tokens_BS.device
         rows = arange(n_B.shape[0], dev)
-        tok0, hid, out_idx_B, at_BK = self._window(tokens_BS, hidden_BSD, n_B, p0_B, W, self.caches[0])
+        tok0, hid, out_idx_B, at_BK1, last_B = self._window(tokens_BS, hidden_BSD, n_B, p0_B, W, self.caches[0])
+        at_BK = at_BK1[:, 1:]
         drafts, probs = [], []
         kv_len = max(max_n - 1, W)  # max over rows of p0 + W
         drafter = self.cfg.drafter
@@ -160,7 +166,9 @@ class Proposer:
                 drafts.append(d)
                 probs.append(q)
                 g = pick_hidden(out, self.cfg.chain_hidden)
-        drafts_BK = torch.stack(drafts, 1)
+        ids_BK1 = torch.stack([last_B, *drafts], 1)  # the verify's input [x_{n-1}, d_1..d_K]: one launch for both
+        drafts_BK = ids_BK1[:, 1:]
         tokens_BS.scatter_(1, at_BK[:, J - 1:len(drafts)], drafts_BK[:, J - 1:])
+        self.verify_input = (ids_BK1, at_BK1) if len(drafts) == K else None  # (a draft prefill's: scratch)
         q_BKV = torch.stack(probs, 1) if probs and probs[0] is not None else None
         return drafts_BK, q_BKV

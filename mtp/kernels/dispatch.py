@@ -349,7 +349,9 @@ version, so the engine captures its kept graphs again).
   kernel's own ~2 us (B x W x 7168 fp32 hidden rows copied: 115 KB at one row, W = 4, what the gather moved); not yet
   measured. Session 25b: the first window module's cache `truncate(p0)` (a copy) in the same launch (the kernel
   stores p0 as the cache's lengths): glue -1 more a step, at one row as at two (counted); ~1-2 us predicted, not yet
-  measured.
+  measured. With it, the verify's slots n-1.. and x_{n-1}, from which the proposer stacks the verify's ids with its
+  drafts (`Proposer.verify_input`: the chain step's own add and gather gone, -2 on; off, the torch window's add serves
+  both and x_{n-1} is its own gather, -1): ~2-4 us predicted, not yet measured.
 - gather_cast (on; variant gather_cast_off): a column-parallel rank's bf16 projections cast to fp32 (an MTP module's
   eh_proj output, the logits of the target's and the MTP modules' heads) by the copy that lays the all-gathered slices
   side by side (`fast_path.FastColumnParallelLinear`, `Comm.all_gather_last`'s out_dtype; session 25b), where the

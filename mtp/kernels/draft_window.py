@@ -5,7 +5,9 @@ rollback to the window's start (the cache's `truncate(p0)`).
 Reference: `draft_window_ref`, the torch ops `mtp.draft.proposer.Proposer.propose` runs before its first MTP forward:
 the window's positions (an add), its logits row (2 subs and a clamp), the drafts' slots (an add), the hidden rows'
 gather, the first module's token positions (an add and a clamp) and their gather: 9 launches; with the cache lengths
-(`lens_B`) also the first module's cache `truncate(p0)` (a copy): 10. Shape legend: B rows,
+(`lens_B`) also the first module's cache `truncate(p0)` (a copy): 10. The verify's slots n-1.. (in place of the
+drafts' n..) and the last committed token (a gather) also make the chain step's verify input without its own add and
+gather (`decode.chain.ChainStep`, `Proposer.verify_input`). Shape legend: B rows,
 S buffer positions, W window, K drafts, D width.
 
 Why: a CUDA-graph decode step pays per launch (~1-2 us of GPU plus its gap each; session 20's profile); this runs once
@@ -30,22 +32,24 @@ ROW_BLOCK = 1024  # hidden channels per program: 7 programs a position at D = 71
 
 def draft_window_ref(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor, W: int,
                      K: int, lens_B: torch.Tensor | None = None):
-    """(tok_BW, hid_BWD, out_idx_B, at_BK): the window p0..p0+W-1's next tokens (positions + 1, clamped to the buffer),
-    its hidden rows, the row of the window whose logits draft (n - 2 - p0 clamped to 0..W-1) and the drafts' slots
-    n..n+K-1: `Proposer.propose`'s ops. `lens_B`: a cache's lengths, set to p0 (`KVCache.truncate(p0)`)."""
+    """(tok_BW, hid_BWD, out_idx_B, at_BK1, last_B): the window p0..p0+W-1's next tokens (positions + 1, clamped to the
+    buffer), its hidden rows, the row of the window whose logits draft (n - 2 - p0 clamped to 0..W-1), the verify's
+    slots n-1..n+K-1 (the drafts' are its columns 1..) and the last committed token x_{n-1} (n >= 1): `Proposer`'s
+    ops. `lens_B`: a cache's lengths, set to p0 (`KVCache.truncate(p0)`)."""
     dev = n_B.device
     if lens_B is not None:
         lens_B.copy_(p0_B)
     pos_BW = p0_B.unsqueeze(1) + torch.arange(W, device=dev)
     out_idx_B = (n_B - 2 - p0_B).clamp(0, W - 1)
-    at_BK = n_B.unsqueeze(1) + torch.arange(K, device=dev)
+    at_BK1 = n_B.unsqueeze(1) + torch.arange(-1, K, device=dev)
     hid = hidden_BSD.gather(1, pos_BW.unsqueeze(-1).expand(-1, -1, hidden_BSD.shape[-1]))
     tok = tokens_BS.gather(1, (pos_BW + 1).clamp_max(tokens_BS.shape[1] - 1))
-    return tok, hid, out_idx_B, at_BK
+    return tok, hid, out_idx_B, at_BK1, tokens_BS.gather(1, at_BK1[:, :1])[:, 0]
 
 
 @triton.jit
-def _draft_window_kernel(tok_ptr, hid_ptr, n_ptr, p0_ptr, tok_out_ptr, hid_out_ptr, idx_out_ptr, at_out_ptr, lens_ptr,
+def _draft_window_kernel(tok_ptr, hid_ptr, n_ptr, p0_ptr, tok_out_ptr, hid_out_ptr, idx_out_ptr, at_out_ptr,
+                         last_out_ptr, lens_ptr,
                          W, K, S, D, stride_tb, stride_hb, stride_hs,
                          BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LENS: tl.constexpr, PDL: tl.constexpr):
     pdl_launch(PDL)
@@ -65,7 +69,8 @@ def _draft_window_kernel(tok_ptr, hid_ptr, n_ptr, p0_ptr, tok_out_ptr, hid_out_p
             n = tl.load(n_ptr + b)
             tl.store(idx_out_ptr + b, tl.minimum(tl.maximum(n - 2 - p0, 0), W - 1))
             k = tl.arange(0, BLOCK_K)
-            tl.store(at_out_ptr + b * K + k, n + k, mask=k < K)
+            tl.store(at_out_ptr + b * (K + 1) + k, n - 1 + k, mask=k < K + 1)
+            tl.store(last_out_ptr + b, tl.load(tok_ptr + b * stride_tb + n - 1))
             if HAS_LENS:  # the cache's lengths: no program reads them (the window's start is p0_ptr's)
                 tl.store(lens_ptr + b, p0)
 
@@ -105,12 +110,13 @@ def draft_window(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.T
     tok = torch.empty(B, W, dtype=torch.long, device=dev)
     hid = torch.empty(B, W, D, dtype=hidden_BSD.dtype, device=dev)
     out_idx = torch.empty(B, dtype=torch.long, device=dev)
-    at = torch.empty(B, K, dtype=torch.long, device=dev)
+    at = torch.empty(B, K + 1, dtype=torch.long, device=dev)
+    last = torch.empty(B, dtype=torch.long, device=dev)
     if B:
         launch = pdl_kwargs(pdl, tokens_BS)
         _draft_window_kernel[(B * W, max(triton.cdiv(D, ROW_BLOCK), 1))](
-            tokens_BS, hidden_BSD, n_B, p0_B, tok, hid, out_idx, at, n_B if lens_B is None else lens_B, W, K, S, D,
-            tokens_BS.stride(0), hidden_BSD.stride(0), hidden_BSD.stride(1), BLOCK=ROW_BLOCK,
-            BLOCK_K=max(2, triton.next_power_of_2(K)), HAS_LENS=lens_B is not None, PDL=pdl_mode(pdl, launch),
+            tokens_BS, hidden_BSD, n_B, p0_B, tok, hid, out_idx, at, last, n_B if lens_B is None else lens_B, W, K, S,
+            D, tokens_BS.stride(0), hidden_BSD.stride(0), hidden_BSD.stride(1), BLOCK=ROW_BLOCK,
+            BLOCK_K=max(2, triton.next_power_of_2(K + 1)), HAS_LENS=lens_B is not None, PDL=pdl_mode(pdl, launch),
             num_warps=4, **launch)
-    return tok, hid, out_idx, at
+    return tok, hid, out_idx, at, last

@@ -56,7 +56,7 @@ def test_kernel_compiles_for_hopper():
     from mtp.kernels.draft_window import ROW_BLOCK, _draft_window_kernel
 
     ptrs = {"tok_ptr": "*i64", "n_ptr": "*i64", "p0_ptr": "*i64", "tok_out_ptr": "*i64", "idx_out_ptr": "*i64",
-            "at_out_ptr": "*i64", "lens_ptr": "*i64"}
+            "at_out_ptr": "*i64", "last_out_ptr": "*i64", "lens_ptr": "*i64"}
     for pdl in (0, 2):
         ptx = _compile_for_hopper(_draft_window_kernel, ptrs, dict(BLOCK=ROW_BLOCK, BLOCK_K=4, HAS_LENS=True, PDL=pdl),
                                   num_warps=4).asm["ptx"]
