@@ -90,7 +90,8 @@ from ..model.fp8 import BLOCK, acc_dtype
 from ..model.layers import MLP, REFERENCE_OPS, ElementwiseOps, Linear, Rotary, compiled_ops, use_elementwise
 from ..model.moe import Gate, MoE
 from ..parallel.comm import Comm
-from ..parallel.modules import ExpertParallelMoE, ParallelMLP, RowParallelLinear, VocabParallelEmbedding
+from ..parallel.modules import (ColumnParallelLinear, ExpertParallelMoE, ParallelMLP, RowParallelLinear,
+                                VocabParallelEmbedding)
 from .pending import Pending, resolved
 
 
@@ -486,6 +487,20 @@ class FastMTPLayer(MTPLayer, FastBlock):
         return super().eh_input(e_BTD, h_BTD, dtype)
 
 
+class FastColumnParallelLinear(ColumnParallelLinear):
+    """A column-parallel bf16 projection (an MTP module's eh_proj, the vocabulary-parallel heads) whose cast to
+    `out_dtype` (fp32: `DeepseekV32.forward` / `mtp_forward`) is made by the copy that lays the gathered slices side by
+    side (`Comm.all_gather_last`'s out_dtype: one launch past one row, where the copy and the cast were two; the same
+    values), with switch `gather_cast`; off, the reference's gather then cast."""
+
+    fast_options: FastPathOptions
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if not self.fast_options.gather_cast:
+            return super().forward(x, out_dtype)
+        return self.comm.all_gather_last(self.matmul(x), out_dtype)
+
+
 class FastVocabParallelEmbedding(VocabParallelEmbedding):
     """A vocabulary-parallel rank's lookup in one launch (switch `vocab_embed`, `kernels.lookup.embed_rows`: its rows,
     zeros for ids it does not hold, the same bits), then the all-reduce; off, or ids the kernel does not take: the
@@ -548,7 +563,7 @@ class FastRotary(Rotary):
 
 
 FAST_CLASSES = (FastLinear, FastMLP, FastParallelMLP, FastMoE, FastMLA, FastMTPLayer, FastBlock, FastTrunk,
-                FastVocabParallelEmbedding, FastRotary)
+                FastVocabParallelEmbedding, FastRotary, FastColumnParallelLinear)
 _combined: dict[tuple[type, type], type] = {}
 
 
@@ -588,6 +603,8 @@ def fast_module(mod: torch.nn.Module, options: FastPathOptions | None = None, mm
         if mod.scale_rows == BLOCK and not mod.in_features % BLOCK:  # the kernels' blocking; small models' odd
             # rank slices (finer scale rows, a shared activation group) keep the reference
             _swap(mod, FastLinear)
+    elif isinstance(mod, ColumnParallelLinear):  # bf16 (eh_proj, the heads): the cast in the gathered copy
+        _swap(mod, FastColumnParallelLinear)
     elif isinstance(mod, MoE):
         stack_experts(mod)
         _swap(mod, FastMoE)

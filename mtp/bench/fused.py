@@ -289,8 +289,8 @@ class _LocalComm(Comm):
     def all_reduce(self, t):
         return t
 
-    def all_gather_last(self, t):
-        return t
+    def all_gather_last(self, t, out_dtype=None):
+        return t.to(out_dtype or t.dtype)
 
 
 def step_section(quick: bool) -> dict:

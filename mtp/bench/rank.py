@@ -355,11 +355,14 @@ KERNEL_VARIANTS = {
     # a strict chain step's verdict by torch ops (5 launches) instead of inside the commit kernel (the default since
     # session 25, the same bits); spec steps only, as step_commit
     "strict_commit_off": (dict(strict_commit=False), dict()),
-    # a chain step's draft window by torch ops (9 launches) instead of one launch of `kernels.draft_window` (the
-    # default since session 25, the same bits); spec steps only, as step_commit
+    # a chain step's draft window by torch ops (11 launches, its cache's truncate and x_{n-1} too) instead of one of
+    # `kernels.draft_window` (the default since session 25, the same bits); spec steps only, as step_commit
     "draft_window_off": (dict(draft_window=False), dict()),
     # a tree step's first window by torch ops (12 launches) instead of one launch of `kernels.draft_window.tree_window`
     "tree_window_off": (dict(tree_window=False), dict()),
+    # a column-parallel rank's fp32 casts of eh_proj and the heads' logits after their gathered copy (2 launches past
+    # one row) instead of by that copy (the default since session 25, the same bits)
+    "gather_cast_off": (dict(gather_cast=False), dict()),
 }
 
 

@@ -43,9 +43,9 @@ import sys
 import torch
 
 # the switches of the decode step's glue (session 21; tree_glue, tree_fwd_glue: session 23; tree_verdict, strict_commit,
-# draft_window, tree_window: session 25): each one launch where the torch ops were several
+# draft_window, tree_window, gather_cast: session 25): each one launch where the torch ops were several
 GLUE_SWITCHES = ("step_commit", "rope_table", "vocab_embed", "mtp_norms", "tree_glue", "tree_fwd_glue", "tree_verdict",
-                 "strict_commit", "draft_window", "tree_window")
+                 "strict_commit", "draft_window", "tree_window", "gather_cast")
 PROMPT_LENS = (5, 7)  # two rows of random tokens: the prefill and the steps stay below the indexer's top-k (16)
 
 

@@ -112,16 +112,22 @@ class ChainStep:
         n_B = st.n_B
         draws = RowDraws(st.seed_B, n_B)  # read before the commit below moves n_B: this step's position
         opts = getattr(m, "fast_options", None)
+        verify = None
         if K:  # propose: the proposer writes the drafts at n.. of `tokens` (where verify reads them)
             drafts, q = st.proposer.propose(st.tokens, st.hidden, n_B, st.p0_B, W,
                                             self.draw.bind(draws, lambda lg: scan(lg, opts)), max_n=max_n)
+            verify = getattr(st.proposer, "verify_input", None)  # `Proposer`'s: the ids and slots below, made
         else:
             drafts, q = st.tokens[:, :0], None
         if marks is not None:
             marks.append(self.clock())
         # verify: one target forward over [x_{n-1}, d_1..d_K] at positions n-1.. (read, then written with the hidden)
-        at_BK1 = n_B.unsqueeze(1) + arange(K + 1, n_B.device, start=-1)
-        out = m(st.tokens.gather(1, at_BK1), st.cache, kv_len=min(max_n + K, st.max_len))
+        if verify is not None:
+            ids_BK1, at_BK1 = verify
+        else:
+            at_BK1 = n_B.unsqueeze(1) + arange(K + 1, n_B.device, start=-1)
+            ids_BK1 = st.tokens.gather(1, at_BK1)
+        out = m(ids_BK1, st.cache, kv_len=min(max_n + K, st.max_len))
         st.hidden.scatter_(1, at_BK1.unsqueeze(-1).expand(-1, -1, st.hidden.shape[-1]),
                            pick_hidden(out, g.draft.target_hidden))
         # accept + commit (rolling back is lowering lengths: no copy), then the device counters (no sync): one

@@ -50,7 +50,11 @@ def draft_heads(model: DeepseekV32, dcfg: DraftConfig) -> dict:
 
 class Proposer:
     """Owns the draft caches; `propose` writes drafts [B, K] into the token buffer at n.. (the only write of
-    them: the verify stage reads them there) and returns them (and their distributions when sampled)."""
+    them: the verify stage reads them there) and returns them (and their distributions when sampled). It also keeps
+    the last call's `verify_input`: (ids [B, K+1] = [x_{n-1}, the drafts], their slots n-1..n+K-1), which the chain
+    step feeds the target as they are (a gather and an add fewer; the drafts returned are a view of those ids)."""
+
+    verify_input: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, model: DeepseekV32, dcfg: DraftConfig, batch: int, max_len: int):
         self.model, self.cfg = model, dcfg
@@ -86,24 +90,29 @@ class Proposer:
                          max(max_n, s + C + 1), chain=False)
 
     def _window(self, tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor,
-                W: int):
-        """(tok_BW, hid_BWD, out_idx_B, at_BK): the first window module's tokens (positions p0 + 1.., clamped to the
-        buffer), the target's hidden rows over the window, the window's row whose logits draft (n - 2 - p0, in
-        range for the prefill's chunks too) and the drafts' slots n..n+K-1. One launch on the fast path (switch
-        draft_window, `mtp.kernels.draft_window`: the same integers and rows), else these torch ops (9 launches)."""
+                W: int, cache: KVCache | None = None):
+        """(tok_BW, hid_BWD, out_idx_B, at_BK1, last_B): the first window module's tokens (positions p0 + 1.., clamped
+        to the buffer), the target's hidden rows over the window, the window's row whose logits draft (n - 2 - p0, in
+        range for the prefill's chunks too), the verify's slots n-1..n+K-1 (the drafts' from column 1) and the last
+        committed token x_{n-1}; and `cache` (the first window module's) truncated to p0. One launch on the fast path
+        (switch draft_window, `mtp.kernels.draft_window`: the same integers and rows), else these torch ops (10
+        launches, and the truncate's copy)."""
         K, dev = self.cfg.k, tokens_BS.device
         opts = getattr(self.model, "fast_options", None)  # read at call time: the switches may change between calls
         if opts is not None and opts.draft_window:
             from ..kernels.draft_window import draft_window, window_takes  # the fast path's: no Triton import here
 
-            if window_takes(tokens_BS, hidden_BSD, n_B, p0_B):
-                return draft_window(tokens_BS, hidden_BSD, n_B, p0_B, W, K, pdl=opts.glue_pdl_at(n_B.shape[0] * W))
+            if window_takes(tokens_BS, hidden_BSD, n_B, p0_B) and (cache is None or cache.seq_lens.shape == n_B.shape):
+                return draft_window(tokens_BS, hidden_BSD, n_B, p0_B, W, K, pdl=opts.glue_pdl_at(n_B.shape[0] * W),
+                                    lens_B=None if cache is None else cache.seq_lens)
+        if cache is not None:
+            cache.truncate(p0_B)
         pos_BW = p0_B.unsqueeze(1) + arange(W, dev)
         out_idx_B = (n_B - 2 - p0_B).clamp(0, W - 1)
-        at_BK = n_B.unsqueeze(1) + arange(K, dev)
+        at_BK1 = n_B.unsqueeze(1) + arange(K + 1, dev, start=-1)
         hid = hidden_BSD.gather(1, pos_BW.unsqueeze(-1).expand(-1, -1, hidden_BSD.shape[-1]))
         tok = tokens_BS.gather(1, (pos_BW + 1).clamp_max(tokens_BS.shape[1] - 1))
-        return tok, hid, out_idx_B, at_BK
+        return tok, hid, out_idx_B, at_BK1, tokens_BS.gather(1, at_BK1[:, :1])[:, 0]
 
     def propose(self, tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor,
                 W: int, draw, max_n: int, chain: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -117,17 +126,18 @@ class Proposer:
         K, m = self.cfg.k, self.model
         dev = tokens_BS.device
         rows = arange(n_B.shape[0], dev)
-        tok0, hid, out_idx_B, at_BK = self._window(tokens_BS, hidden_BSD, n_B, p0_B, W)
+        tok0, hid, out_idx_B, at_BK1, last_B = self._window(tokens_BS, hidden_BSD, n_B, p0_B, W, self.caches[0])
+        at_BK = at_BK1[:, 1:]
         drafts, probs = [], []
         kv_len = max(max_n - 1, W)  # max over rows of p0 + W
         drafter = self.cfg.drafter
         J = drafter.window_modules(K)
         for j in range(J):
             cache = self.caches[j]
-            cache.truncate(p0_B)
-            if j == 0:
+            if j == 0:  # its cache truncated to p0 by `_window`
                 tok = tok0
             else:  # a vanilla drafter's later module: its window reads the drafts written above
+                cache.truncate(p0_B)
                 pos_BW = p0_B.unsqueeze(1) + arange(W, dev)
                 tok = tokens_BS.gather(1, (pos_BW + (j + 1)).clamp_max(tokens_BS.shape[1] - 1))
             mod = self.cfg.module_for(j, m.n_mtp)
@@ -142,7 +152,10 @@ class Proposer:
             hid = pick_hidden(out, self.cfg.chain_hidden)
         if drafter.chained and chain:
             cache = self.caches[0]
-            g = pick_hidden(out, self.cfg.chain_hidden)[rows, out_idx_B].unsqueeze(1)
+            if self.cfg.chain_hidden == "normed":  # the window's drafting row, gathered for the head already
+                g = out.hidden_at
+            else:
+                g = pick_hidden(out, self.cfg.chain_hidden)[rows, out_idx_B].unsqueeze(1)
             cache.truncate(n_B, 1)  # drop the window's padding past n-2; the chain appends from n-1
             for j in range(1, K):
                 mod = self.cfg.module_for(j, m.n_mtp)  # the drafter's chained module (eagle: the first)
@@ -153,7 +166,9 @@ class Proposer:
                 drafts.append(d)
                 probs.append(q)
                 g = pick_hidden(out, self.cfg.chain_hidden)
-        drafts_BK = torch.stack(drafts, 1)
+        ids_BK1 = torch.stack([last_B, *drafts], 1)  # the verify's input [x_{n-1}, d_1..d_K]: one launch for both
+        drafts_BK = ids_BK1[:, 1:]
         tokens_BS.scatter_(1, at_BK[:, J - 1:len(drafts)], drafts_BK[:, J - 1:])
+        self.verify_input = (ids_BK1, at_BK1) if len(drafts) == K else None  # (a draft prefill's: scratch)
         q_BKV = torch.stack(probs, 1) if probs and probs[0] is not None else None
         return drafts_BK, q_BKV

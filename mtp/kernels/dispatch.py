@@ -347,7 +347,11 @@ version, so the engine captures its kept graphs again).
   prefill's chunks take it too). Predicted on a TP=8 rank (H200): 8 launches x ~1-2 us of GPU, all in the step
   graph's critical path (commit -> window -> the first draft forward's embedding), ~8-16 us an eagle step less the
   kernel's own ~2 us (B x W x 7168 fp32 hidden rows copied: 115 KB at one row, W = 4, what the gather moved); not yet
-  measured.
+  measured. Also (session 25): the first window module's cache `truncate(p0)` (a copy) in the same launch (the kernel
+  stores p0 as the cache's lengths): glue -1 more a step, at one row as at two (counted); ~1-2 us predicted, not yet
+  measured. With it, the verify's slots n-1.. and x_{n-1}, from which the proposer stacks the verify's ids with its
+  drafts (`Proposer.verify_input`: the chain step's own add and gather gone, -2 on; off, the torch window's add serves
+  both and x_{n-1} is its own gather, -1): ~2-4 us predicted, not yet measured.
 - tree_window (on; variant tree_window_off): an eagle / vanilla tree step's first window (`TreeProposer._window_inputs`,
   module 0: the window's start from the lengths, the module's cache rolled back to it, its tokens, the target's hidden
   rows, its logits row and the root token x_{n-1}) in one launch of `kernels.draft_window.tree_window` (the chain's
@@ -358,6 +362,16 @@ version, so the engine captures its kept graphs again).
   a TP=8 rank (H200, 2x1x1): 11 launches x ~1-2 us of GPU, all on the step graph's critical path (commit -> window ->
   the first draft forward's embedding), ~11-22 us a tree step less the kernel's own ~2 us (B x 4 x 7168 hidden rows
   copied, what the gather moved); not yet measured.
+- gather_cast (on; variant gather_cast_off): a column-parallel rank's bf16 projections cast to fp32 (an MTP module's
+  eh_proj output, the logits of the target's and the MTP modules' heads) by the copy that lays the all-gathered slices
+  side by side (`fast_path.FastColumnParallelLinear`, `Comm.all_gather_last`'s out_dtype; session 25), where the
+  copy and a cast after it were two launches; the same values. Past one row of the gathered tensor only (one token's
+  slices already lie side by side: the cast is its one launch either way). Counted (`mtp.bench.step_launches`, eagle
+  k = 3, the tiny TP=2 rank): glue -7 a step at two rows (3 eh_proj, 3 draft heads, the verify's head), -2 at one row
+  (the window's eh_proj over W positions, the verify's head over K + 1 tokens). Predicted on a TP=8 rank (H200),
+  one row: 2 launches x ~1-2 us in the step graph's critical path, plus the verify logits' bf16 copy no longer
+  written and read again (K1 x 129280 x 2 B = 1 MB each way: ~0.4 us at 4.8 TB/s), ~2.5-4.5 us an eagle step; not
+  yet measured.
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
@@ -419,6 +433,7 @@ class FastPathOptions:
     strict_commit: bool = True
     draft_window: bool = True
     tree_window: bool = True
+    gather_cast: bool = True
     moe_gate_up_aw: bool = True
     router_one_tokens: int = 8
     # impl one's calls of at least this many tokens route one token in each of its last programs to arrive

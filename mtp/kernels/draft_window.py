@@ -1,9 +1,13 @@
 """A draft step's window in one launch (Triton): the first window module's tokens and the target's hidden rows over the
-window, with the window's logits row and the drafts' token slots.
+window, with the window's logits row and the drafts' token slots; and, given the window module's cache lengths, their
+rollback to the window's start (the cache's `truncate(p0)`).
 
 Reference: `draft_window_ref`, the torch ops `mtp.draft.proposer.Proposer.propose` runs before its first MTP forward:
 the window's positions (an add), its logits row (2 subs and a clamp), the drafts' slots (an add), the hidden rows'
-gather, the first module's token positions (an add and a clamp) and their gather: 9 launches. Shape legend: B rows,
+gather, the first module's token positions (an add and a clamp) and their gather: 9 launches; with the cache lengths
+(`lens_B`) also the first module's cache `truncate(p0)` (a copy): 10. The verify's slots n-1.. (in place of the
+drafts' n..) and the last committed token (a gather) also make the chain step's verify input without its own add and
+gather (`decode.chain.ChainStep`, `Proposer.verify_input`). Shape legend: B rows,
 S buffer positions, W window, K drafts, D width.
 
 Why: a CUDA-graph decode step pays per launch (~1-2 us of GPU plus its gap each; session 20's profile); this runs once
@@ -30,29 +34,33 @@ ROW_BLOCK = 1024  # hidden channels per program: 7 programs a position at D = 71
 
 
 def draft_window_ref(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor, W: int,
-                     K: int):
-    """(tok_BW, hid_BWD, out_idx_B, at_BK): the window p0..p0+W-1's next tokens (positions + 1, clamped to the buffer),
-    its hidden rows, the row of the window whose logits draft (n - 2 - p0 clamped to 0..W-1) and the drafts' slots
-    n..n+K-1: `Proposer.propose`'s ops."""
+                     K: int, lens_B: torch.Tensor | None = None):
+    """(tok_BW, hid_BWD, out_idx_B, at_BK1, last_B): the window p0..p0+W-1's next tokens (positions + 1, clamped to the
+    buffer), its hidden rows, the row of the window whose logits draft (n - 2 - p0 clamped to 0..W-1), the verify's
+    slots n-1..n+K-1 (the drafts' are its columns 1..) and the last committed token x_{n-1} (n >= 1): `Proposer`'s
+    ops. `lens_B`: a cache's lengths, set to p0 (`KVCache.truncate(p0)`)."""
     dev = n_B.device
+    if lens_B is not None:
+        lens_B.copy_(p0_B)
     pos_BW = p0_B.unsqueeze(1) + torch.arange(W, device=dev)
     out_idx_B = (n_B - 2 - p0_B).clamp(0, W - 1)
-    at_BK = n_B.unsqueeze(1) + torch.arange(K, device=dev)
+    at_BK1 = n_B.unsqueeze(1) + torch.arange(-1, K, device=dev)
     hid = hidden_BSD.gather(1, pos_BW.unsqueeze(-1).expand(-1, -1, hidden_BSD.shape[-1]))
     tok = tokens_BS.gather(1, (pos_BW + 1).clamp_max(tokens_BS.shape[1] - 1))
-    return tok, hid, out_idx_B, at_BK
+    return tok, hid, out_idx_B, at_BK1, tokens_BS.gather(1, at_BK1[:, :1])[:, 0]
 
 
 @triton.jit
-def _draft_window_kernel(tok_ptr, hid_ptr, n_ptr, p0_ptr, tok_out_ptr, hid_out_ptr, idx_out_ptr, at_out_ptr, root_ptr,
-                         W, K, S, D, P0_OFF, stride_tb, stride_hb, stride_hs,
-                         BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr):
+def _draft_window_kernel(tok_ptr, hid_ptr, n_ptr, p0_ptr, tok_out_ptr, hid_out_ptr, idx_out_ptr, at_out_ptr,
+                         last_out_ptr, lens_ptr, W, K, S, D, P0_OFF, stride_tb, stride_hb, stride_hs,
+                         BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, TREE: tl.constexpr, HAS_LENS: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl_launch(PDL)
     pdl_wait(PDL)  # the window start and lengths are the last commit's
     m = tl.program_id(0).to(tl.int64)  # the window entry b * W + w
     c = tl.program_id(1)  # its block of hidden channels
     b, w = m // W, m % W
-    if TREE:  # the start from the lengths; p0_ptr (the cache's lengths) only written
+    if TREE:  # the start from the lengths (p0_ptr not read; the cache's lengths, lens_ptr, written below)
         p0 = tl.maximum(tl.load(n_ptr + b) - P0_OFF, 0)
     else:
         p0 = tl.load(p0_ptr + b)
@@ -66,12 +74,12 @@ def _draft_window_kernel(tok_ptr, hid_ptr, n_ptr, p0_ptr, tok_out_ptr, hid_out_p
         if w == 0:
             n = tl.load(n_ptr + b)
             tl.store(idx_out_ptr + b, tl.minimum(tl.maximum(n - 2 - p0, 0), W - 1))
-            if TREE:
-                tl.store(p0_ptr + b, p0)
-                tl.store(root_ptr + b, tl.load(tok_ptr + b * stride_tb + n - 1))
-            else:
+            tl.store(last_out_ptr + b, tl.load(tok_ptr + b * stride_tb + n - 1))  # x_{n-1}: the tree's root
+            if not TREE:  # the verify's slots n-1..n+K-1 (the drafts' are columns 1..)
                 k = tl.arange(0, BLOCK_K)
-                tl.store(at_out_ptr + b * K + k, n + k, mask=k < K)
+                tl.store(at_out_ptr + b * (K + 1) + k, n - 1 + k, mask=k < K + 1)
+            if HAS_LENS:  # the cache's lengths: no program reads them (the window's start is p0's)
+                tl.store(lens_ptr + b, p0)
 
 
 def window_takes(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor) -> bool:
@@ -87,9 +95,10 @@ def window_takes(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.T
 
 
 def draft_window(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, p0_B: torch.Tensor, W: int,
-                 K: int, pdl: int = 0):
+                 K: int, pdl: int = 0, lens_B: torch.Tensor | None = None):
     """`draft_window_ref` in one launch over a (window entry, block of ROW_BLOCK channels) grid. The caller keeps the
     window inside the buffers (p0 + W <= the hidden's positions; no check on the device, as torch's gather on a GPU).
+    `lens_B`: int64 [B] (unit stride, not p0_B's memory) lengths set to p0 by the same launch.
     pdl: programmatic dependent launch (`_triton.pdl_kwargs`; `FastPathOptions.glue_pdl_at`'s value)."""
     require(tokens_BS, "draft_window")
     if not window_takes(tokens_BS, hidden_BSD, n_B, p0_B) or W < 1 or K < 0:
@@ -99,19 +108,25 @@ def draft_window(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.T
                          f"{p0_B.dtype} {list(p0_B.shape)}, hidden {list(hidden_BSD.shape)} {hidden_BSD.stride()}, "
                          f"W {W}, K {K}")
     B, S = tokens_BS.shape
+    if lens_B is not None and not (lens_B.shape == (B,) and lens_B.stride(0) == 1 and lens_B.dtype == torch.long
+                                   and lens_B.device == tokens_BS.device and lens_B.data_ptr() != p0_B.data_ptr()):
+        raise ValueError(f"draft_window: lens_B must be int64 [{B}] with a unit stride on {tokens_BS.device}, apart "
+                         f"from p0_B; got {lens_B.dtype} {list(lens_B.shape)} {lens_B.stride()} on {lens_B.device}")
     D = hidden_BSD.shape[2]
     dev = tokens_BS.device
     tok = torch.empty(B, W, dtype=torch.long, device=dev)
     hid = torch.empty(B, W, D, dtype=hidden_BSD.dtype, device=dev)
     out_idx = torch.empty(B, dtype=torch.long, device=dev)
-    at = torch.empty(B, K, dtype=torch.long, device=dev)
+    at = torch.empty(B, K + 1, dtype=torch.long, device=dev)
+    last = torch.empty(B, dtype=torch.long, device=dev)
     if B:
         launch = pdl_kwargs(pdl, tokens_BS)
         _draft_window_kernel[(B * W, max(triton.cdiv(D, ROW_BLOCK), 1))](
-            tokens_BS, hidden_BSD, n_B, p0_B, tok, hid, out_idx, at, out_idx, W, K, S, D, 0, tokens_BS.stride(0),
-            hidden_BSD.stride(0), hidden_BSD.stride(1), BLOCK=ROW_BLOCK, BLOCK_K=max(2, triton.next_power_of_2(K)),
-            TREE=False, PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
-    return tok, hid, out_idx, at
+            tokens_BS, hidden_BSD, n_B, p0_B, tok, hid, out_idx, at, last, n_B if lens_B is None else lens_B, W, K, S,
+            D, 0, tokens_BS.stride(0), hidden_BSD.stride(0), hidden_BSD.stride(1), BLOCK=ROW_BLOCK,
+            BLOCK_K=max(2, triton.next_power_of_2(K + 1)), TREE=False, HAS_LENS=lens_B is not None,
+            PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
+    return tok, hid, out_idx, at, last
 
 
 def tree_window_ref(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Tensor, seq_lens_B: torch.Tensor,
@@ -121,7 +136,7 @@ def tree_window_ref(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torc
     rolled back to it), `draft_window_ref`'s tokens, hidden rows and logits row over it, and the root token x_{n-1}."""
     p0_B = (n_B - (1 + W)).clamp_min(0)
     seq_lens_B.copy_(p0_B)
-    tok, hid, out_idx_B, _ = draft_window_ref(tokens_BS, hidden_BSD, n_B, p0_B, W, 0)
+    tok, hid, out_idx_B, _, _ = draft_window_ref(tokens_BS, hidden_BSD, n_B, p0_B, W, 0)
     return tok, hid, out_idx_B, tokens_BS.gather(1, (n_B - 1).unsqueeze(1))
 
 
@@ -148,7 +163,7 @@ def tree_window(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Te
     if B:
         launch = pdl_kwargs(pdl, tokens_BS)
         _draft_window_kernel[(B * W, max(triton.cdiv(D, ROW_BLOCK), 1))](
-            tokens_BS, hidden_BSD, n_B, seq_lens_B, tok, hid, out_idx, out_idx, root, W, 0, S, D, 1 + W,
+            tokens_BS, hidden_BSD, n_B, n_B, tok, hid, out_idx, out_idx, root, seq_lens_B, W, 0, S, D, 1 + W,
             tokens_BS.stride(0), hidden_BSD.stride(0), hidden_BSD.stride(1), BLOCK=ROW_BLOCK, BLOCK_K=2, TREE=True,
-            PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
+            HAS_LENS=True, PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
     return tok, hid, out_idx, root

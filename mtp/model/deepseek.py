@@ -38,6 +38,7 @@ class ModelOutput:
     logits: torch.Tensor  # [B, T, V] (or [B, n] rows picked by `logits_at`) fp32
     hidden: torch.Tensor  # [B, T, D] after the final norm (what feeds lm_head)
     hidden_prenorm: torch.Tensor  # [B, T, D] fp32 residual stream before the final norm
+    hidden_at: torch.Tensor | None = None  # [B, n, D] `hidden`'s rows at `logits_at` (what fed the head), if given
 
 
 class Block(nn.Module):
@@ -194,7 +195,7 @@ class DeepseekV32(nn.Module):
         hidden, h = self.model(h, pos_BT, cos, sin, cache, S, self.runtime, self.dtype, vis)
         cache.seq_lens += T
         sel = hidden if logits_at is None else hidden.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        return ModelOutput(self.lm_head(sel).to(self.acc), hidden, h)
+        return ModelOutput(self.lm_head(sel, out_dtype=self.acc), hidden, h, None if logits_at is None else sel)
 
     def mtp_forward(self, j: int, tokens_BT: torch.Tensor, h_BTD: torch.Tensor, cache: KVCache,
                     kv_len: int | None = None, head=None, logits_at: torch.Tensor | None = None,
@@ -208,13 +209,15 @@ class DeepseekV32(nn.Module):
         layer = self.mtp[j]
         T = tokens_BT.shape[1]
         pos_BT, cos, sin, S, vis = self.positions(cache, T, kv_len, tree_depth, tree_mask)
-        u = layer.eh_proj(layer.eh_input(layer.embed_tokens(tokens_BT), h_BTD, self.dtype))
-        h = layer(u.to(self.acc), pos_BT, cos, sin, cache.layer(0), S, self.runtime, self.dtype, vis)
+        # the fp32 casts inside eh_proj's and the heads' forwards (a rank's fast path: one launch with the gathered
+        # copy)
+        u = layer.eh_proj(layer.eh_input(layer.embed_tokens(tokens_BT), h_BTD, self.dtype), out_dtype=self.acc)
+        h = layer(u, pos_BT, cos, sin, cache.layer(0), S, self.runtime, self.dtype, vis)
         cache.seq_lens += T
         normed = layer.shared_head.norm(h, self.dtype)
         sel = normed
         if logits_at is not None:
             sel = normed.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, normed.shape[-1]))
-        logits = (head or layer.shared_head.head)(sel)
-        return ModelOutput(logits.to(self.acc), normed, h)
+        logits = head(sel).to(self.acc) if head is not None else layer.shared_head.head(sel, out_dtype=self.acc)
+        return ModelOutput(logits, normed, h, None if logits_at is None else sel)
 

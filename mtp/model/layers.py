@@ -98,8 +98,12 @@ class Linear(nn.Module):
             return fp8.weight_dequant(self.weight, self.weight_scale_inv, dtype, self.scale_rows)
         return self.weight.to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x W^T in x.dtype, then cast to `out_dtype` where given (the casts of the logits and of an MTP module's
+        eh_proj output to fp32: a column-parallel rank's fast path makes it with the gathered slices' copy,
+        `backends.fast_path.FastColumnParallelLinear`)."""
+        y = self.matmul(x)
+        return y if out_dtype is None else y.to(out_dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T in x.dtype, over this module's own rows and columns (subclasses that reduce across ranks build

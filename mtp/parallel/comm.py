@@ -146,14 +146,24 @@ class Comm:
         y = rms_norm(h, norm_weight, eps, out_dtype)
         return AddNorm(y, h, *(act_quant(y) if quant else (None, None)))
 
-    def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's t [..., n] along the last dim, in rank order -> [..., world * n]."""
+    def all_gather_last(self, t: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Concatenate every rank's t [..., n] along the last dim, in rank order -> [..., world * n], in `out_dtype`
+        (default t's). The ranks' blocks travel in t's dtype; laying them side by side (a copy past one row of
+        n) and the cast are then one launch, where the copy and a cast after it were two (the MTP module's eh_proj
+        and the heads' logits to fp32 on the fast path: `backends.fast_path.FastColumnParallelLinear`), the same
+        values."""
+        dtype = out_dtype or t.dtype
         if self.world == 1:
-            return t
+            return t.to(dtype)
         t = t.contiguous()
         out = torch.empty((self.world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
         _all_gather(out, t, group=self.group)  # concatenated along dim 0: the form gloo and NCCL both take
-        return out.view(self.world, *t.shape).movedim(0, -2).flatten(-2)
+        blocks = out.view(self.world, *t.shape).movedim(0, -2)
+        if dtype == t.dtype:
+            return blocks.flatten(-2)  # a view where the blocks already lie side by side (one row), else a copy
+        y = torch.empty((*t.shape[:-1], self.world * t.shape[-1]), dtype=dtype, device=t.device)
+        y.view(blocks.shape).copy_(blocks)
+        return y
 
     def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's t [rows, ...] along dim 0, in rank order -> [world * rows, ...]. For copies made
@@ -202,9 +212,9 @@ class CountingComm(Comm):
         self._note("all_reduce", t)
         return super().all_reduce(t)
 
-    def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
+    def all_gather_last(self, t: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         self._note("all_gather", t)
-        return super().all_gather_last(t)
+        return super().all_gather_last(t, out_dtype)
 
     def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
         self._note("all_gather_rows", t)

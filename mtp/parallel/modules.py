@@ -185,8 +185,11 @@ class ColumnParallelLinear(Linear):
         super().__init__(in_features, out_local, False, dtype)
         self.comm = comm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_gather_last(self.matmul(x))
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`Linear.forward`'s: y gathered, then cast to `out_dtype` (the fast path's `FastColumnParallelLinear` casts
+        in the gathered slices' copy)."""
+        y = self.comm.all_gather_last(self.matmul(x))
+        return y if out_dtype is None else y.to(out_dtype)
 
 
 class VocabParallelHead(ColumnParallelLinear):

@@ -146,7 +146,8 @@ BEFORE_SESSION_11 = dict(fuse_prologue=False, fuse_absorb_out=False, fuse_out_ca
 # switches a file may not record because the code that wrote it had none: what that code did (a switch added on by
 # default changes the launches of the files written before it)
 UNRECORDED = dict(moe_down_nb=False,  # session 20: before it, every persistent call had its combine launch
-                  rope_table=False, vocab_embed=False, mtp_norms=False)  # session 21: the glue's torch launches
+                  rope_table=False, vocab_embed=False, mtp_norms=False,  # session 21: the glue's torch launches
+                  gather_cast=False)  # session 25: the fp32 casts after the gathered copies
 
 
 def measured_code(d: dict) -> tuple[object, str]:

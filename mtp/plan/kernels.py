@@ -33,12 +33,12 @@ from ..placement import choose_layout
 # `kernel_route_tokens` the router kernel maps ids itself: the same launches in every expert layout.
 REFERENCE_ROUTER = 17
 # the decode step's glue outside the layers (`DeepseekV32.forward` / `positions`, the bench's `cache.truncate`), per
-# target forward: the truncate, the embedding's fp32 cast, seq_lens += T and the logits' cast (GLUE_FIXED), the
-# slots with their rotary angles (`glue`: one launch with switch rope_table, else ROPE_OPS) and the embedding (one
-# launch with switch vocab_embed or in one process, else a vocabulary-parallel rank's VOCAB_EMBED_OPS); counted
-# (tests/plan/test_kernel_count.py). Before session 21: 18 on a rank, 11 in one process (the slots' arange too:
-# `Limits.slots_arange`)
-GLUE_FIXED = 4
+# target forward: the truncate, the embedding's fp32 cast and seq_lens += T (GLUE_FIXED; the logits' cast is the
+# head's since session 25, `head`), the slots with their rotary angles (`glue`: one launch with switch rope_table,
+# else ROPE_OPS) and the embedding (one launch with switch vocab_embed or in one process, else a vocabulary-parallel
+# rank's VOCAB_EMBED_OPS); counted (tests/plan/test_kernel_count.py). Before session 21: 18 on a rank, 11 in one
+# process (the slots' arange too: `Limits.slots_arange`)
+GLUE_FIXED = 3
 ROPE_OPS = 5  # `Rotary.slots`: the slots' add, then the angles' cast, product, cos and sin
 VOCAB_EMBED_OPS = 8  # `VocabParallelEmbedding.forward`: offset, 2 range compares, and, clamp, lookup, not, mask
 MTP_NORM_OPS = 3  # `MTPLayer.eh_input`: enorm, hnorm, their cat (one launch with switch mtp_norms)
@@ -76,6 +76,7 @@ class Limits:
     rope_table: bool = True  # dispatch.FastPathOptions.rope_table: a forward's slots and angles in one launch
     vocab_embed: bool = True  # dispatch.FastPathOptions.vocab_embed: a rank's embedding lookup in one launch
     mtp_norms: bool = True  # dispatch.FastPathOptions.mtp_norms: an MTP module's enorm, hnorm and cat in one launch
+    gather_cast: bool = True  # dispatch.FastPathOptions.gather_cast: a rank's fp32 casts made by the gathered copy
     slots_arange: bool = False  # the code before session 21: an arange launch for the slots (kept since: model.static)
 
     @classmethod
@@ -95,7 +96,8 @@ class Limits:
                    indexer_one_launch=o.indexer_one_launch, fused_hist_rows=o.fused_hist_rows,
                    mlp_reduce_norm=o.mlp_reduce_norm, moe_down_nb=o.moe_down_nb,
                    split_persistent=fp.SPLIT_PERSISTENT_TOKENS, persistent_pairs=PERSISTENT_MAX_PAIRS,
-                   rope_table=o.rope_table, vocab_embed=o.vocab_embed, mtp_norms=o.mtp_norms)
+                   rope_table=o.rope_table, vocab_embed=o.vocab_embed, mtp_norms=o.mtp_norms,
+                   gather_cast=o.gather_cast)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -269,30 +271,32 @@ def moe_ffn(cfg: ModelConfig, sh: StepShape, lim: Limits) -> dict[str, int]:
     return {"shared_expert": shared, "router": router(N, lim), "routed_experts": routed}
 
 
-def gather_copy(sh: StepShape) -> int:
+def gather_copy(sh: StepShape, lim: Limits) -> int:
     """Past one token on tp > 1, the copy that lays all-gathered column slices side by side (`Comm.all_gather_last`:
-    the gather stacks the ranks' [tokens, n] blocks along dim 0)."""
-    return 1 if sh.tp > 1 and sh.tokens > 1 else 0
+    the gather stacks the ranks' [tokens, n] blocks along dim 0) where a cast after it is its own launch (switch
+    gather_cast off, the code before session 25); with the switch the cast to fp32 makes that copy."""
+    return 1 if sh.tp > 1 and sh.tokens > 1 and not lim.gather_cast else 0
 
 
-def head(cfg: ModelConfig, sh: StepShape) -> int:
-    """Final norm, lm_head (one cuBLAS GEMM), and the gathered vocabulary slices' copy (`gather_copy`)."""
-    return 2 + gather_copy(sh)
+def head(cfg: ModelConfig, sh: StepShape, lim: Limits) -> int:
+    """Final norm, lm_head (one cuBLAS GEMM) and the logits' fp32 cast (`Linear.forward`'s out_dtype; before session
+    25 in the glue, the same count), with the gathered vocabulary slices' copy (`gather_copy`)."""
+    return 3 + gather_copy(sh, lim)
 
 
 def mtp_extra(cfg: ModelConfig, sh: StepShape, lim: Limits) -> int:
     """An MTP module's launches besides its block (`DeepseekV32.mtp_forward`): the glue's slots and angles, embedding
     and seq_lens update (without the bench's cache truncate and the embedding's fp32 cast), enorm, hnorm and their
     concat (`MTPLayer.eh_input`: 1 with switch mtp_norms), eh_proj (a bf16 cuBLAS GEMM over the rank's rows, column
-    parallel on tp > 1: its gathered slices' copy), its cast to fp32, and the module's head (norm, GEMM,
-    gathered-logits copy)."""
+    parallel on tp > 1) and its cast to fp32 (its gathered slices' copy: `gather_copy`), and the module's head (norm,
+    GEMM, the logits' cast: `head`)."""
     norms = 1 if lim.mtp_norms else MTP_NORM_OPS
-    return glue(sh, lim) - 2 + norms + 2 + gather_copy(sh) + head(cfg, sh)  # the glue holds the logits' cast
+    return glue(sh, lim) - 2 + norms + 2 + gather_copy(sh, lim) + head(cfg, sh, lim)
 
 
 def glue(sh: StepShape, lim: Limits) -> int:
-    """The target step's launches outside its layers, with the logits' cast to fp32 (`GLUE_FIXED` and the switches'
-    launches: `ROPE_OPS`, `VOCAB_EMBED_OPS`)."""
+    """The target step's launches outside its layers (`GLUE_FIXED` and the switches' launches: `ROPE_OPS`,
+    `VOCAB_EMBED_OPS`)."""
     rope = 1 if lim.rope_table else ROPE_OPS + lim.slots_arange
     embed = 1 if sh.tp == 1 or lim.vocab_embed else VOCAB_EMBED_OPS
     return GLUE_FIXED + rope + embed
@@ -305,7 +309,7 @@ def terms(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None) -> dict[st
     a, ix = attention(cfg, sh, lim)
     hand_off = int(ffn_hand_off(sh, lim))  # the trunk's last FFN resolved in the glue; an MTP block adds its own
     return {"mla": a, "indexer": ix, "dense_mlp": dense_mlp(cfg, sh, lim), **moe_ffn(cfg, sh, lim),
-            "head": head(cfg, sh) + glue(sh, lim) + hand_off, "mtp_extra": mtp_extra(cfg, sh, lim) + hand_off}
+            "head": head(cfg, sh, lim) + glue(sh, lim) + hand_off, "mtp_extra": mtp_extra(cfg, sh, lim) + hand_off}
 
 
 def per_layer(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None) -> dict[str, int]:
@@ -314,7 +318,7 @@ def per_layer(cfg: ModelConfig, sh: StepShape, lim: Limits | None = None) -> dic
     t = terms(cfg, sh, lim)
     attn = t["mla"] + t["indexer"]
     moe = attn + t["shared_expert"] + t["router"] + t["routed_experts"]
-    return {"dense": attn + t["dense_mlp"], "moe": moe, "mtp": moe + t["mtp_extra"], "head": head(cfg, sh),
+    return {"dense": attn + t["dense_mlp"], "moe": moe, "mtp": moe + t["mtp_extra"], "head": head(cfg, sh, lim),
             "glue": glue(sh, lim) + int(ffn_hand_off(sh, lim))}
 
 

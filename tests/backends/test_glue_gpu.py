@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 
 GLUE_OFF = dict(step_commit=False, rope_table=False, vocab_embed=False, mtp_norms=False, tree_glue=False,
                 tree_fwd_glue=False, tree_verdict=False, strict_commit=False, draft_window=False,
-                tree_window=False)
+                tree_window=False, gather_cast=False)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,10 @@ Shape legend: B rows, S buffer positions, W window, K drafts, D width.
 - Under the Triton interpreter (a subprocess, this file as a script): random windows (B = 1..3, W = 1..5, K = 0..4,
   odd D past one block of channels, rows whose window starts at 0 with n < W + 1, tokens read past the buffer's end
   clamped, hidden rows of a buffer with a row stride past S x D, fp32 and bf16): every output torch.equal to
-  `draft_window_ref`, which is the proposer's own ops (`Proposer._window` with the switch off, held equal here too);
-  the tree mode (`tree_window`, switch tree_window): two windows (B = 2, 3; W = 2, 4; rows of n = 1 and n = S)
-  against `tree_window_ref` and `TreeProposer._window_inputs` with the switch on and off.
+  `draft_window_ref`, which is the proposer's own ops (`Proposer._window` with the switch off, held equal here too),
+  and the cache lengths it sets (the first window module's `truncate(p0)`) equal to p0; the tree mode (`tree_window`,
+  switch tree_window): two windows (B = 2, 3; W = 2, 4; rows of n = 1 and n = S) against `tree_window_ref` and
+  `TreeProposer._window_inputs` with the switch on and off.
 Whole steps with every glue switch on and off: tests/bench/test_step_launches.py (`--compare`), tests/kernels/
 test_step_commit.py's engine runs; GPU twin: tests/backends/test_glue_gpu.py.
 """
@@ -58,9 +59,10 @@ def test_kernel_compiles_for_hopper():
     from mtp.kernels.draft_window import ROW_BLOCK, _draft_window_kernel
 
     ptrs = {"tok_ptr": "*i64", "n_ptr": "*i64", "p0_ptr": "*i64", "tok_out_ptr": "*i64", "idx_out_ptr": "*i64",
-            "at_out_ptr": "*i64", "root_ptr": "*i64"}
+            "at_out_ptr": "*i64", "last_out_ptr": "*i64", "lens_ptr": "*i64"}
     for pdl, tree in ((0, False), (2, True)):
-        ptx = _compile_for_hopper(_draft_window_kernel, ptrs, dict(BLOCK=ROW_BLOCK, BLOCK_K=4, TREE=tree, PDL=pdl),
+        ptx = _compile_for_hopper(_draft_window_kernel, ptrs, dict(BLOCK=ROW_BLOCK, BLOCK_K=4, TREE=tree,
+                                                                   HAS_LENS=True, PDL=pdl),
                                   num_warps=4).asm["ptx"]
         assert ".local" not in ptx
         if pdl:
@@ -88,15 +90,19 @@ def _kernel_checks() -> None:
         n[0] = min(int(n[0]), W)  # a row whose window starts at 0 and whose logits row clamps
         p0 = (n - 1 - W).clamp_min(0)
         p0[-1] = S - W  # a window at the buffer's end: its last token position clamps
-        want = draft_window_ref(tokens, hidden, n, p0, W, K)
-        got = draft_window(tokens, hidden, n, p0, W, K)
+        lens_want, lens_got = torch.randint(0, S, (B,), generator=g), torch.full((B,), -1)
+        want = draft_window_ref(tokens, hidden, n, p0, W, K, lens_want)
+        got = draft_window(tokens, hidden, n, p0, W, K, lens_B=lens_got)
         bad = [i for i, (a, b) in enumerate(zip(want, got)) if a.dtype != b.dtype or not torch.equal(a, b)]
-        assert not bad, (B, W, K, D, dtype, bad)
+        assert not bad and torch.equal(lens_want, p0) and torch.equal(lens_got, p0), (B, W, K, D, dtype, bad)
         for flag in (False, True):  # the proposer's window: its torch ops (switch off) and the kernel (on)
             prop = SimpleNamespace(cfg=SimpleNamespace(k=K),
                                    model=SimpleNamespace(fast_options=FastPathOptions(draft_window=flag)))
-            out = Proposer._window(prop, tokens, hidden, n, p0, W)
+            cache = SimpleNamespace(seq_lens=torch.full((B,), -1))
+            cache.truncate = lambda lens, c=cache: c.seq_lens.copy_(lens)
+            out = Proposer._window(prop, tokens, hidden, n, p0, W, cache)
             assert all(torch.equal(a, b) for a, b in zip(want, out)), (B, W, K, D, flag)
+            assert torch.equal(cache.seq_lens, p0), (B, W, K, D, flag)
         cases += 1
     print(f"kernel checks ok ({cases} windows)")
 

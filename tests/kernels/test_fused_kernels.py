@@ -595,7 +595,7 @@ def _model_checks() -> None:
 
     cfg = tiny_parallel_config(world=2)
     comm = SumLaterComm(1, 2)
-    comm.all_gather_last = lambda t: t  # the local vocabulary's logits
+    comm.all_gather_last = lambda t, out_dtype=None: t.to(out_dtype or t.dtype)  # the local vocabulary's logits
     rank = random_parallel_model(cfg, comm, ParallelPlan(world=2), device="cpu", dtype=torch.float32)
     with torch.no_grad():
         install_fast_modules(rank)

@@ -56,3 +56,27 @@ def _live_gloo_threads(how: str, tmp_path) -> str:
 
 def test_gloo_threads_end_with_the_group(tmp_path):
     assert _live_gloo_threads("mtp", tmp_path) == ""
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 5), (1, 4, 5), (2, 1, 5), (2, 3, 7)])
+def test_all_gather_last_casts_in_its_copy(monkeypatch, shape):
+    """`Comm.all_gather_last(t, out_dtype)`: the same values as the gather then `.to(out_dtype)` (the reference's two
+    launches, `ColumnParallelLinear.forward`), contiguous, with each rank's block in rank order (3 ranks, each block
+    rank + t, filled by a stand-in for the collective); the default dtype's result unchanged."""
+    import torch
+
+    import mtp.parallel.comm as comm_mod
+
+    world = 3
+
+    def fake_gather(out, t, group=None):
+        out.copy_(torch.cat([t + r for r in range(world)]))
+
+    monkeypatch.setattr(comm_mod, "_all_gather", fake_gather)
+    c = comm_mod.Comm()
+    c.world = world
+    t = torch.randn(shape).to(torch.bfloat16)
+    want = torch.cat([t + r for r in range(world)], -1)
+    assert torch.equal(c.all_gather_last(t), want)
+    got = c.all_gather_last(t, torch.float32)
+    assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, want.float())

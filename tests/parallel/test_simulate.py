@@ -42,8 +42,8 @@ class RecordingComm(CountingComm):
         self.results.append(out.clone())
         return out
 
-    def all_gather_last(self, t):
-        out = super().all_gather_last(t)
+    def all_gather_last(self, t, out_dtype=None):
+        out = super().all_gather_last(t, out_dtype)
         self.results.append(out.clone())
         return out
 
@@ -67,8 +67,8 @@ class ReplayComm(CountingComm):
     def all_reduce(self, t):
         return super().all_reduce(t).copy_(self._next(t.shape))
 
-    def all_gather_last(self, t):
-        out = super().all_gather_last(t)
+    def all_gather_last(self, t, out_dtype=None):
+        out = super().all_gather_last(t, out_dtype)
         return self._next(out.shape).clone()
 
 

@@ -54,9 +54,9 @@ def test_hand_derivation_real_rank_one_token_1k():
     builds (the runtime's layout, 'auto') = router 1 + experts (gate-up, down, combine; the shared expert their last
     slot) 3 + add_rounded 1 = 5; with the shared expert's own launches (switch shared_in_experts off, or a
     'contiguous' rank, whose shared slice is narrower than its experts) + shared gate|up 1 + silu*up 1 + shared
-    down 1 = 8. So dense 13, MoE 14; 61 layers: 3 x 13 + 58 x 14 = 851, head 2, glue 6 (the bench's truncate, the
-    slots and angles 1, the embedding 1, its cast, seq_lens += T, the logits' cast; switches rope_table and
-    vocab_embed off: the slots and angles 5, the vocabulary-parallel embedding 8, glue 17) (shared_in_experts off or
+    down 1 = 8. So dense 13, MoE 14; 61 layers: 3 x 13 + 58 x 14 = 851, head 3 (its norm, GEMM, the logits' cast),
+    glue 5 (the bench's truncate, the slots and angles 1, the embedding 1, its cast, seq_lens += T; switches rope_table
+    and vocab_embed off: the slots and angles 5, the vocabulary-parallel embedding 8, glue 16) (shared_in_experts off or
     'contiguous': MoE 17, 1025).
     Switch fuse_prologue off: attention + 2 (the kv prologue and q_a norm, q prologue and absorb q apart): dense 15,
     MoE 16, 973. fuse_absorb_out and fuse_out_cast off: attention + 2 (absorb out, o_proj's cast), dense MLP + 1
@@ -81,23 +81,23 @@ def test_hand_derivation_real_rank_one_token_1k():
     assert not lim.fuse_absorb_out and lim.mlp_reduce_norm and lim.moe_down_nb and count(lim) == (13, 13, 851 - 58)
     lim = dataclasses.replace(lim, moe_down_nb=False)
     assert count(lim) == (13, 14, 851)
-    assert per_layer(cfg, sh, lim)["glue"] == 6 + 1
-    assert per_layer(cfg, sh, dataclasses.replace(lim, rope_table=False, vocab_embed=False))["glue"] == 17 + 1
-    assert per_layer(cfg, StepShape(1, 1, 1025, tp=1), lim)["glue"] == 6  # one process: one lookup either way
-    assert per_layer(cfg, StepShape(1, 1, 1025, tp=1), dataclasses.replace(lim, rope_table=False))["glue"] == 10
+    assert per_layer(cfg, sh, lim)["glue"] == 5 + 1
+    assert per_layer(cfg, sh, dataclasses.replace(lim, rope_table=False, vocab_embed=False))["glue"] == 16 + 1
+    assert per_layer(cfg, StepShape(1, 1, 1025, tp=1), lim)["glue"] == 5  # one process: one lookup either way
+    assert per_layer(cfg, StepShape(1, 1, 1025, tp=1), dataclasses.replace(lim, rope_table=False))["glue"] == 9
     # an MTP module's extras: its glue without the truncate and the embedding's cast, its norms 1 (3 with switch
-    # mtp_norms off), eh_proj and its cast, the head 2 (one token: no gathered copy), and its block's own FFN add (a
+    # mtp_norms off), eh_proj and its cast, the head 3 (norm, GEMM, the logits' cast), and its block's own FFN add (a
     # trunk block hands its on)
     mtp_extra = per_layer(cfg, sh, lim)["mtp"] - per_layer(cfg, sh, lim)["moe"]
-    assert mtp_extra == 4 + 1 + 2 + 2 + 1
+    assert mtp_extra == 3 + 1 + 2 + 3 + 1
     off = dataclasses.replace(lim, rope_table=False, vocab_embed=False, mtp_norms=False)
-    assert per_layer(cfg, sh, off)["mtp"] - per_layer(cfg, sh, off)["moe"] == 15 + 3 + 2 + 2 + 1
+    assert per_layer(cfg, sh, off)["mtp"] - per_layer(cfg, sh, off)["moe"] == 14 + 3 + 2 + 3 + 1
     assert count(dataclasses.replace(lim, mlp_reduce_norm=False)) == (14, 15, 851 + 61)
     assert count(dataclasses.replace(lim, fuse_absorb_out=True)) == (12, 13, 851 - 61)
     lim = dataclasses.replace(lim, fuse_absorb_out=True, mlp_reduce_norm=False)
 
     p = per_layer(cfg, sh, lim)
-    assert (p["head"], p["glue"]) == (2, 6)
+    assert (p["head"], p["glue"]) == (3, 5)
     assert count(lim) == count(lim, StepShape(1, 1, 1025, tp=8, expert_layout="split")) == (13, 14, 851)
     assert count(dataclasses.replace(lim, shared_in_experts=False)) == (13, 17, 1025)
     assert count(lim, StepShape(1, 1, 1025, tp=8, expert_layout="contiguous")) == (13, 17, 1025)
@@ -118,9 +118,9 @@ def test_hand_derivation_real_rank_few_tokens_and_grouped():
     """2..16 tokens: no split-K GEMV; the GEMVs fed a quantized x (q_a|wk|kv_a, q_b|wq_b, gate|up) stay one launch,
     o_proj and the down projections (7168 rows > SMALL_N 4096) get an act_quant each: dense 13 + 2 = 15, MoE
     14 + 1 = 15 on the 'split' rank (shared expert in the experts' kernels; 17 + 2 = 19 with its own launches, on a
-    'contiguous' rank), head + the gathered logits' copy = 3. 17..64 tokens: the grouped expert GEMM (count, align,
-    act_quant, gate-up, down, combine: 6 instead of 3), which keeps the shared expert's own launches on every rank:
-    MoE 22. 96 tokens (> SMALL_M = ABSORB_MAX_TOKENS 64): the
+    'contiguous' rank), head 3 (the logits' cast is the gathered slices' copy). 17..64 tokens: the grouped expert
+    GEMM (count, align, act_quant, gate-up, down, combine: 6 instead of 3), which keeps the shared expert's own
+    launches on every rank: MoE 22. 96 tokens (> SMALL_M = ABSORB_MAX_TOKENS 64): the
     block's norm does not quantize: q_a|wk|kv_a gets an act_quant (+1), the einsum absorb (q's bmm + copy, out's
     bmm + copy instead of absorb q inside the q prologue and absorb out inside stage 2: +4), the dense gate|up an
     act_quant (+1): dense 15 + 1 + 4 + 1 = 21; MoE: attention 10 + 1 + 4 = 15, shared gate|up 2 + silu 1 + down 2,
@@ -147,7 +147,7 @@ def test_hand_derivation_real_rank_few_tokens_and_grouped():
     # (SPLIT_PERSISTENT_TOKENS), a 'contiguous' rank (scattered experts, by size) up to 64 / 8 = 8
     assert [(default[N]["dense"], default[N]["moe"]) for N in Ns] == \
         [(15, 14), (15, 15), (15, 22), (15, 22), (21, 33), (21, 34)]
-    assert [default[N]["glue"] for N in Ns] == [7, 7, 7, 7, 6, 6]
+    assert [default[N]["glue"] for N in Ns] == [6, 6, 6, 6, 5, 5]
     assert [per_layer(cfg, StepShape(1, N, 1024 + N, tp=8, expert_layout="contiguous"), _real_limits())["moe"]
             for N in (2, 8, 9, 16)] == [18, 18, 19, 19]
 
