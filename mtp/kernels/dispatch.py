@@ -329,7 +329,7 @@ version, so the engine captures its kept graphs again).
   count). The relaxed, typical and sampling tree verifiers keep their torch ops. Counted (`mtp.bench.step_launches
   --tree 2x1x1`, the tiny TP=2 rank): glue 122 -> 98 a step (25 -> 1). Predicted on a TP=8 rank (H200, one row,
   2x1x1): 24 launches x ~1-2 us of GPU each in the step's graph = ~24-48 us, less the kernel's own ~2-3 us (one
-  program a row, a [8, 4] tile, a few dependent loads): ~20-45 us a tree step; not yet measured.
+  program a row, a [8, 4] tile, a few dependent loads): ~20-45 us a tree step; measured with the others (below).
 - strict_commit (on; variant strict_commit_off): with step_commit, a strict chain step's verdict made inside the commit
   kernel's launch (`kernels.step_commit.chain_commit(target_BK1=)`, session 25): the kernel takes the target's argmax
   [B, K1] (the logits scan's) and computes the drafts' leading run equal to it, the argmax after it and no relaxed
@@ -338,7 +338,7 @@ version, so the engine captures its kept graphs again).
   leaves the kernel; every state tensor it writes is torch.equal, tests/kernels/test_step_commit.py). Counted
   (`mtp.bench.step_launches`, eagle k = 3, the tiny TP=2 rank): glue -5 a step. Predicted on a TP=8 rank (H200): 5
   launches x ~1-2 us of GPU in the step graph's critical path (verify's argmax -> verdict -> commit is one chain of
-  dependencies), ~5-10 us an eagle step, less the kernel's few extra loads; not yet measured.
+  dependencies), ~5-10 us an eagle step, less the kernel's few extra loads; measured with the others (below).
 - draft_window (on; variant draft_window_off): a chain step's draft window (`Proposer._window`: the first window
   module's tokens, the target's hidden rows over the window, its logits row and the drafts' slots) in one launch of
   `kernels.draft_window.draft_window` (session 25), where the torch ops were 9 (the positions' add, 2 subs and a clamp,
@@ -346,12 +346,12 @@ version, so the engine captures its kept graphs again).
   (`mtp.bench.step_launches`, eagle k = 3, the tiny TP=2 rank): glue -8 a step (once a step: the window; the draft
   prefill's chunks take it too). Predicted on a TP=8 rank (H200): 8 launches x ~1-2 us of GPU, all in the step
   graph's critical path (commit -> window -> the first draft forward's embedding), ~8-16 us an eagle step less the
-  kernel's own ~2 us (B x W x 7168 fp32 hidden rows copied: 115 KB at one row, W = 4, what the gather moved); not yet
-  measured. Also (session 25): the first window module's cache `truncate(p0)` (a copy) in the same launch (the kernel
-  stores p0 as the cache's lengths): glue -1 more a step, at one row as at two (counted); ~1-2 us predicted, not yet
-  measured. With it, the verify's slots n-1.. and x_{n-1}, from which the proposer stacks the verify's ids with its
-  drafts (`Proposer.verify_input`: the chain step's own add and gather gone, -2 on; off, the torch window's add serves
-  both and x_{n-1} is its own gather, -1): ~2-4 us predicted, not yet measured.
+  kernel's own ~2 us (B x W x 7168 fp32 hidden rows copied: 115 KB at one row, W = 4, what the gather moved);
+  measured with the others (below). Also (session 25): the first window module's cache `truncate(p0)` (a copy) in
+  the same launch (the kernel stores p0 as the cache's lengths): glue -1 more a step, at one row as at two (counted);
+  ~1-2 us predicted. With it, the verify's slots n-1.. and x_{n-1}, from which the proposer stacks the verify's ids
+  with its drafts (`Proposer.verify_input`: the chain step's own add and gather gone, -2 on; off, the torch window's
+  add serves both and x_{n-1} is its own gather, -1): ~2-4 us predicted; both measured with the others (below).
 - tree_window (on; variant tree_window_off): an eagle / vanilla tree step's first window (`TreeProposer._window_inputs`,
   module 0: the window's start from the lengths, the module's cache rolled back to it, its tokens, the target's hidden
   rows, its logits row and the root token x_{n-1}) in one launch of `kernels.draft_window.tree_window` (the chain's
@@ -361,7 +361,7 @@ version, so the engine captures its kept graphs again).
   the tiny TP=2 rank): glue 65 -> 54 a step (-11: once a step; the draft prefill's windows take it too). Predicted on
   a TP=8 rank (H200, 2x1x1): 11 launches x ~1-2 us of GPU, all on the step graph's critical path (commit -> window ->
   the first draft forward's embedding), ~11-22 us a tree step less the kernel's own ~2 us (B x 4 x 7168 hidden rows
-  copied, what the gather moved); not yet measured.
+  copied, what the gather moved); measured with the others (below).
 - gather_cast (on; variant gather_cast_off): a column-parallel rank's bf16 projections cast to fp32 (an MTP module's
   eh_proj output, the logits of the target's and the MTP modules' heads) by the copy that lays the all-gathered slices
   side by side (`fast_path.FastColumnParallelLinear`, `Comm.all_gather_last`'s out_dtype; session 25), where the
@@ -370,8 +370,13 @@ version, so the engine captures its kept graphs again).
   k = 3, the tiny TP=2 rank): glue -7 a step at two rows (3 eh_proj, 3 draft heads, the verify's head), -2 at one row
   (the window's eh_proj over W positions, the verify's head over K + 1 tokens). Predicted on a TP=8 rank (H200),
   one row: 2 launches x ~1-2 us in the step graph's critical path, plus the verify logits' bf16 copy no longer
-  written and read again (K1 x 129280 x 2 B = 1 MB each way: ~0.4 us at 4.8 TB/s), ~2.5-4.5 us an eagle step; not
-  yet measured.
+  written and read again (K1 x 129280 x 2 B = 1 MB each way: ~0.4 us at 4.8 TB/s), ~2.5-4.5 us an eagle step;
+  measured with the others (below).
+  Measured, the session's glue switches together (H200, one TP=8 split rank, 61 layers, 1k, `python -m
+  mtp.bench.spec_ab --switches ... --tree 2x1x1 --reps 3`, BENCHMARKS.md session 25): strict_commit + draft_window
+  + tree_verdict: eagle k = 3 -0.017 ms a step, 2x1x1 tree -0.039; with tree_window and gather_cast too (and the
+  window's later additions): -0.030 / -0.077 (predicted ~19-38 us / ~60-130 us with the switchless cuts, which both
+  sides held).
 Not a switch here, because it is not read at call time: which elementwise ops (norms, rotary, SiLU-mul, FP8 quant,
 Hadamard) the fast path gives the model, `ELEMENTWISE_IMPLS` (`fast_path.enable_fast_path(elementwise=...)`,
 `fast_path.set_elementwise`).
