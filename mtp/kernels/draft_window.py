@@ -107,11 +107,19 @@ def draft_window(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.T
                          f"{tokens_BS.dtype} {list(tokens_BS.shape)}, n {n_B.dtype} {list(n_B.shape)}, p0 "
                          f"{p0_B.dtype} {list(p0_B.shape)}, hidden {list(hidden_BSD.shape)} {hidden_BSD.stride()}, "
                          f"W {W}, K {K}")
-    B, S = tokens_BS.shape
+    B = tokens_BS.shape[0]
     if lens_B is not None and not (lens_B.shape == (B,) and lens_B.stride(0) == 1 and lens_B.dtype == torch.long
                                    and lens_B.device == tokens_BS.device and lens_B.data_ptr() != p0_B.data_ptr()):
         raise ValueError(f"draft_window: lens_B must be int64 [{B}] with a unit stride on {tokens_BS.device}, apart "
                          f"from p0_B; got {lens_B.dtype} {list(lens_B.shape)} {lens_B.stride()} on {lens_B.device}")
+    return _launch(tokens_BS, hidden_BSD, n_B, p0_B, lens_B, W, K, False, pdl)
+
+
+def _launch(tokens_BS, hidden_BSD, n_B, p0_B, lens_B, W: int, K: int, tree: bool, pdl: int):
+    """`_draft_window_kernel` over a (window entry, block of ROW_BLOCK channels) grid, the wrappers' inputs checked:
+    (tok_BW, hid_BWD, out_idx_B, at_BK1, last_B); the tree's mode takes its start from n_B (P0_OFF = 1 + W, p0_B
+    not read), writes no slots (K = 0) and sets lens_B (the cache's lengths) to it."""
+    B, S = tokens_BS.shape
     D = hidden_BSD.shape[2]
     dev = tokens_BS.device
     tok = torch.empty(B, W, dtype=torch.long, device=dev)
@@ -123,8 +131,8 @@ def draft_window(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.T
         launch = pdl_kwargs(pdl, tokens_BS)
         _draft_window_kernel[(B * W, max(triton.cdiv(D, ROW_BLOCK), 1))](
             tokens_BS, hidden_BSD, n_B, p0_B, tok, hid, out_idx, at, last, n_B if lens_B is None else lens_B, W, K, S,
-            D, 0, tokens_BS.stride(0), hidden_BSD.stride(0), hidden_BSD.stride(1), BLOCK=ROW_BLOCK,
-            BLOCK_K=max(2, triton.next_power_of_2(K + 1)), TREE=False, HAS_LENS=lens_B is not None,
+            D, 1 + W if tree else 0, tokens_BS.stride(0), hidden_BSD.stride(0), hidden_BSD.stride(1), BLOCK=ROW_BLOCK,
+            BLOCK_K=max(2, triton.next_power_of_2(K + 1)), TREE=tree, HAS_LENS=lens_B is not None,
             PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
     return tok, hid, out_idx, at, last
 
@@ -153,17 +161,5 @@ def tree_window(tokens_BS: torch.Tensor, hidden_BSD: torch.Tensor, n_B: torch.Te
                          f"hidden [B, S, D] (unit last stride) on one device, W >= 1; got tokens {tokens_BS.dtype} "
                          f"{list(tokens_BS.shape)}, n {n_B.dtype} {list(n_B.shape)}, seq_lens {seq_lens_B.dtype} "
                          f"{list(seq_lens_B.shape)}, hidden {list(hidden_BSD.shape)} {hidden_BSD.stride()}, W {W}")
-    B, S = tokens_BS.shape
-    D = hidden_BSD.shape[2]
-    dev = tokens_BS.device
-    tok = torch.empty(B, W, dtype=torch.long, device=dev)
-    hid = torch.empty(B, W, D, dtype=hidden_BSD.dtype, device=dev)
-    out_idx = torch.empty(B, dtype=torch.long, device=dev)
-    root = torch.empty(B, 1, dtype=torch.long, device=dev)
-    if B:
-        launch = pdl_kwargs(pdl, tokens_BS)
-        _draft_window_kernel[(B * W, max(triton.cdiv(D, ROW_BLOCK), 1))](
-            tokens_BS, hidden_BSD, n_B, n_B, tok, hid, out_idx, out_idx, root, seq_lens_B, W, 0, S, D, 1 + W,
-            tokens_BS.stride(0), hidden_BSD.stride(0), hidden_BSD.stride(1), BLOCK=ROW_BLOCK, BLOCK_K=2, TREE=True,
-            HAS_LENS=True, PDL=pdl_mode(pdl, launch), num_warps=4, **launch)
-    return tok, hid, out_idx, root
+    tok, hid, out_idx, _, root = _launch(tokens_BS, hidden_BSD, n_B, n_B, seq_lens_B, W, 0, True, pdl)
+    return tok, hid, out_idx, root.unsqueeze(1)

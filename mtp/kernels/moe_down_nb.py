@@ -287,7 +287,7 @@ def down_nb(h8: torch.Tensor, hs: torch.Tensor, idx: torch.Tensor, rw: torch.Ten
     `moe.moe_experts`'. pf_experts (> 0: the caller's word that the launch before this one, gate/up, lets it launch
     only after its own wait, so that the router's ids and route weights are final when this kernel starts:
     `moe_experts(down_pf_experts=)` passes it only then): with PDL and prefetch, the plan's part that reads only
-    them and the down scales (`_plan_routes`) runs before the wait, and each program asks L2 for its rows of the
+    them and the down scales (`_plan_ids`, `_plan_ranks`) runs before the wait, and each program asks L2 for its rows of the
     loop's first pf_experts experts (`_prefetch_routed`); the same plan, the same bits. 0, or without PDL or
     prefetch: compiled out. Called by `moe.moe_experts`, which checks the other inputs."""
     E, D, I = w_down.shape
